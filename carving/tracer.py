@@ -1,0 +1,67 @@
+"""The carving tracer: runs an exported program on the reference and records every op call."""
+
+from __future__ import annotations
+
+import json
+import operator
+from typing import Callable
+
+import torch
+
+from tapml.graph import Graph, TensorMeta, graph_from_fx, map_refs
+from tapml.carving.store import CarveStoreWriter
+
+
+class CarvingInterpreter(torch.fx.Interpreter):
+    """An fx Interpreter that records each ``call_function`` node's real inputs and outputs.
+
+    Cases are deduplicated by (op, input shapes and dtypes, non-tensor arguments); the first
+    instance's tensors are written to the store, later ones only count.
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, graph: Graph, writer: CarveStoreWriter,
+                 on_node: Callable[[str], None] | None = None):
+        super().__init__(gm, garbage_collect_values=True)
+        self.ir = {n.name: n for n in graph.nodes}
+        self.writer = writer
+        self.on_node = on_node
+        self.cases: list[dict] = []
+        self._by_key: dict[str, dict] = {}
+
+    def run_node(self, n: torch.fx.Node):
+        result = super().run_node(n)
+        node = self.ir.get(n.name)
+        if n.op == "call_function" and n.target is not operator.getitem and node is not None:
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            tensors = [x for x in torch.utils._pytree.tree_leaves((list(args), list(kwargs.values())))
+                       if isinstance(x, torch.Tensor)]
+            outputs = list(result) if node.multi else [result]
+            self._record(node, tensors, outputs)
+            if self.on_node:
+                self.on_node(n.name)
+        return result
+
+    def _record(self, node, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+        refs = node.input_refs
+        unique = list(dict.fromkeys(refs))
+        inputs = [inputs[refs.index(r)] for r in unique]
+        position = {r: i for i, r in enumerate(unique)}
+        key = json.dumps([node.op, [TensorMeta.of(t).to_json() for t in inputs], map_refs(node.args, position.get),
+                          {k: map_refs(v, position.get) for k, v in node.kwargs.items()}], sort_keys=True)
+        case = self._by_key.get(key)
+        if case is None:
+            cid = f"c{len(self.cases)}"
+            names = [f"{cid}.i{i}" for i in range(len(inputs))]
+            rename = lambda r: names[position[r]]  # noqa: E731
+            case = {"id": cid, "op": node.op, "node": node.name, "nodes": [], "module": node.module,
+                    "args": map_refs(node.args, rename),
+                    "kwargs": {k: map_refs(v, rename) for k, v in node.kwargs.items()},
+                    "multi": node.multi, "output_meta": [m.to_json() for m in node.outputs],
+                    "inputs": [self.writer.put(name, t) for name, t in zip(names, inputs)],
+                    "outputs": [self.writer.put(f"{cid}.o{i}", t) for i, t in enumerate(outputs)],
+                    "instances": 0}
+            self._by_key[key] = case
+            self.cases.append(case)
+        case["instances"] += 1
+        case["nodes"].append(node.name)
+        node.case = case["id"]

@@ -1,0 +1,1 @@
+"""Platforms: where graphs run. See :mod:`tapml.platforms.base` for the interface."""

@@ -1,0 +1,198 @@
+"""The platform interface: what every target (reference, wgpu, browser, remote) implements.
+
+A :class:`Platform` turns a :class:`~tapml.graph.Graph` into a :class:`KernelProgram`
+(``compile``) and runs it on torch tensors (``run``). Subclasses implement the ``_caps``,
+``_supports``, ``_compile`` and ``_run`` hooks; the public methods validate and time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tapml.errors import PlatformError, Unsupported
+from tapml.graph import Graph, Node, TensorMeta
+
+
+@dataclass
+class BufferSpec:
+    """A device buffer of a KernelProgram.
+
+    ``role`` is ``input`` (filled from the i-th program input), ``output`` (read back as a
+    program output), ``temp`` (device-only intermediate) or ``const`` (filled from ``data``).
+    ``dtype`` is the WGSL element type (``f32``, ``f16``, ``i32``, ``u32``) and ``meta`` the
+    torch-side tensor (shape, torch dtype) the buffer holds.
+    """
+
+    name: str
+    dtype: str
+    size: int
+    role: str
+    meta: TensorMeta | None = None
+    data: bytes | None = None
+
+    def to_json(self) -> dict:
+        d = {"name": self.name, "dtype": self.dtype, "size": self.size, "role": self.role}
+        if self.meta is not None:
+            d["meta"] = self.meta.to_json()
+        if self.data is not None:
+            d["data"] = self.data.hex()
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "BufferSpec":
+        return cls(name=d["name"], dtype=d["dtype"], size=int(d["size"]), role=d["role"],
+                   meta=TensorMeta.from_json(d["meta"]) if "meta" in d else None,
+                   data=bytes.fromhex(d["data"]) if "data" in d else None)
+
+
+@dataclass
+class Kernel:
+    """One compute dispatch: WGSL source, entry point, the buffers bound at group 0 in binding
+    order (with ``read`` or ``read_write`` access), and the workgroup counts."""
+
+    name: str
+    wgsl: str
+    bindings: list[tuple[str, str]]
+    workgroups: tuple[int, int, int]
+    entry: str = "main"
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "wgsl": self.wgsl, "entry": self.entry,
+                "bindings": [list(b) for b in self.bindings], "workgroups": list(self.workgroups)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Kernel":
+        return cls(name=d["name"], wgsl=d["wgsl"], entry=d.get("entry", "main"),
+                   bindings=[(str(b[0]), str(b[1])) for b in d["bindings"]],
+                   workgroups=tuple(int(x) for x in d["workgroups"]))
+
+
+@dataclass
+class KernelProgram:
+    """Plain data that any runtime executes: buffers, kernels in dispatch order, and which
+    buffers are the program's inputs and outputs (in order).
+
+    ``kind`` is ``"wgsl"`` for compiled programs; ``"graph"`` programs carry the graph itself
+    (``graph`` field) for runtimes that execute ATen directly (the reference platform).
+    ``aliases`` maps an output position to an input position for outputs that are the input
+    itself (a view or copy that needs no kernel).
+    """
+
+    kind: str
+    inputs: list[str]
+    outputs: list[str]
+    buffers: list[BufferSpec] = field(default_factory=list)
+    kernels: list[Kernel] = field(default_factory=list)
+    graph: dict | None = None
+    input_meta: list[TensorMeta] = field(default_factory=list)
+    output_meta: list[TensorMeta] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "inputs": self.inputs, "outputs": self.outputs,
+                "buffers": [b.to_json() for b in self.buffers],
+                "kernels": [k.to_json() for k in self.kernels], "graph": self.graph,
+                "input_meta": [m.to_json() for m in self.input_meta],
+                "output_meta": [m.to_json() for m in self.output_meta]}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "KernelProgram":
+        return cls(kind=d["kind"], inputs=list(d["inputs"]), outputs=list(d["outputs"]),
+                   buffers=[BufferSpec.from_json(b) for b in d.get("buffers", [])],
+                   kernels=[Kernel.from_json(k) for k in d.get("kernels", [])], graph=d.get("graph"),
+                   input_meta=[TensorMeta.from_json(m) for m in d.get("input_meta", [])],
+                   output_meta=[TensorMeta.from_json(m) for m in d.get("output_meta", [])])
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+
+    @property
+    def key(self) -> str:
+        """Content hash: equal programs have equal keys (used for caching on any runtime)."""
+        if not hasattr(self, "_key"):
+            self._key = hashlib.sha256(self.dumps().encode()).hexdigest()[:32]
+        return self._key
+
+
+class Platform:
+    """Base class of targets. Subclasses set ``name`` and implement the ``_`` hooks."""
+
+    name = "platform"
+
+    def caps(self) -> dict:
+        """``{"adapter", "backend", "features", "limits", "dtypes"}`` of the device."""
+        return self._caps()
+
+    def supports(self, node: Node) -> str | None:
+        """None when the platform can run the node, else the reason it cannot."""
+        return self._supports(node)
+
+    def compile(self, graph: Graph) -> KernelProgram:
+        """Compile a graph. Raises :class:`Unsupported` with a reason, or
+        :class:`PlatformError` when compilation fails."""
+        if not isinstance(graph, Graph):
+            raise TypeError(f"compile() takes a Graph, not {type(graph).__name__}")
+        for node in graph.nodes:
+            reason = self.supports(node)
+            if reason:
+                raise Unsupported(f"{node.op}: {reason}")
+        return self._compile(graph)
+
+    def run(self, program: KernelProgram, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Run a compiled program on CPU tensors; returns CPU tensors (one per graph output)."""
+        if len(inputs) != len(program.inputs):
+            raise ValueError(f"program takes {len(program.inputs)} inputs, got {len(inputs)}")
+        for i, (t, m) in enumerate(zip(inputs, program.input_meta)):
+            if tuple(t.shape) != m.shape:
+                raise ValueError(f"input {i} has shape {tuple(t.shape)}, program expects {m.shape}")
+        start = time.perf_counter()
+        out = self._run(program, inputs)
+        self.last_run_ms = (time.perf_counter() - start) * 1e3
+        return out
+
+    def close(self) -> None:
+        """Release the device. Safe to call twice."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # hooks -------------------------------------------------------------------------------
+    def _caps(self) -> dict:
+        raise NotImplementedError
+
+    def _supports(self, node: Node) -> str | None:
+        return None
+
+    def _compile(self, graph: Graph) -> KernelProgram:
+        raise NotImplementedError
+
+    def _run(self, program: KernelProgram, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+
+def graph_program(graph: Graph) -> KernelProgram:
+    """A ``graph`` KernelProgram: the graph itself, for runtimes that execute ATen eagerly."""
+    return KernelProgram(kind="graph", inputs=[r for r, _ in graph.inputs], outputs=list(graph.outputs),
+                         graph=graph.to_json(), input_meta=[m for _, m in graph.inputs],
+                         output_meta=[graph.meta[r] for r in graph.outputs])
+
+
+def wrap_errors(fn, *args):
+    """Call fn, turning unexpected exceptions into PlatformError (keeping Unsupported)."""
+    try:
+        return fn(*args)
+    except (Unsupported, PlatformError):
+        raise
+    except Exception as e:  # noqa: BLE001 - a failing case is a verdict, not a crash
+        raise PlatformError(f"{type(e).__name__}: {e}") from e
+
+
+__all__ = ["BufferSpec", "Kernel", "KernelProgram", "Platform", "graph_program", "wrap_errors"]

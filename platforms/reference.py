@@ -1,0 +1,40 @@
+"""The reference platform: torch eager on CPU (or CUDA), the ground truth everything is checked against."""
+
+from __future__ import annotations
+
+import torch
+
+from tapml.graph import Graph, resolve_op, run_graph
+from tapml.platforms.base import KernelProgram, Platform, graph_program
+
+
+class ReferencePlatform(Platform):
+    """Runs graphs op by op with torch eager. ``device`` is ``cpu`` or ``cuda``."""
+
+    def __init__(self, device: str = "cpu"):
+        if device == "cuda" and not torch.cuda.is_available():
+            from tapml.errors import TapmlError
+            raise TapmlError("target reference:cuda needs a CUDA device; this machine has none (use `reference`)")
+        self.device = torch.device(device)
+        self.name = "reference" if device == "cpu" else f"reference:{device}"
+
+    def _caps(self) -> dict:
+        adapter = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
+        return {"adapter": adapter, "backend": f"torch-{torch.__version__}", "features": [],
+                "limits": {}, "dtypes": ["float16", "bfloat16", "float32", "float64", "int32", "int64", "bool"]}
+
+    def _supports(self, node) -> str | None:
+        try:
+            resolve_op(node.op)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def _compile(self, graph: Graph) -> KernelProgram:
+        return graph_program(graph)
+
+    def _run(self, program: KernelProgram, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        graph = Graph.from_json(program.graph)
+        env = {r: t.to(self.device) for r, t in zip(program.inputs, inputs)}
+        out = run_graph(graph, env)
+        return [out[r].cpu() for r in program.outputs]

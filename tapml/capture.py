@@ -1,0 +1,52 @@
+"""Capture: torch.export (non-strict), then ``run_decompositions()`` to core ATen."""
+
+from __future__ import annotations
+
+import torch
+
+from tapml.errors import TapmlError
+
+
+def export(model, example_inputs: tuple) -> "torch.export.ExportedProgram":
+    """Export ``model`` (or re-decompose an ExportedProgram) to core ATen.
+
+    Raises TapmlError naming the cause when the model does not export.
+    """
+    if isinstance(model, torch.export.ExportedProgram):
+        ep = model
+    else:
+        try:
+            with torch.no_grad():
+                ep = torch.export.export(model, tuple(example_inputs), strict=False)
+        except Exception as e:  # noqa: BLE001 - any export failure is the model's, reported plainly
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise TapmlError(f"the model does not export with torch.export: {type(e).__name__}: {first}") from None
+    try:
+        return ep.run_decompositions()
+    except Exception as e:  # noqa: BLE001
+        raise TapmlError(f"decomposing the exported program to core ATen failed: {type(e).__name__}: {e}") from None
+
+
+def program_inputs(ep, example_inputs: tuple) -> list[tuple[str, str, torch.Tensor]]:
+    """``(placeholder, kind, tensor)`` for every input of the exported graph, in order.
+
+    ``kind`` is ``param``, ``buffer``, ``constant`` or ``input``.
+    """
+    from torch.export.graph_signature import InputKind
+    user = [x for x in torch.utils._pytree.tree_leaves(tuple(example_inputs)) if isinstance(x, torch.Tensor)]
+    state = ep.state_dict
+    out = []
+    for spec in ep.graph_signature.input_specs:
+        name = spec.arg.name
+        if spec.kind == InputKind.USER_INPUT:
+            if not user:
+                raise TapmlError("the exported program takes more inputs than were given")
+            out.append((name, "input", user.pop(0)))
+        elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+            t = state[spec.target] if spec.target in state else ep.constants[spec.target]
+            out.append((name, "param" if spec.kind == InputKind.PARAMETER else "buffer", t))
+        elif spec.kind == InputKind.CONSTANT_TENSOR:
+            out.append((name, "constant", ep.constants[spec.target]))
+        else:
+            raise TapmlError(f"unsupported exported input kind {spec.kind} ({name})")
+    return out

@@ -1,0 +1,200 @@
+"""Comparison of target outputs with the reference: the one place tolerances live.
+
+Shapes and dtypes first, then values. Integers and bools must be equal. Floats pass when
+``|t - r| <= atol + rtol * |r|`` elementwise; NaN and ±Inf must match in position (and sign).
+Every result carries error statistics, whether it passed or not.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from tapml.errors import TapmlError
+
+#: dtype -> (rtol, atol)
+DEFAULT_TOLERANCES = {
+    "float32": (1e-3, 1e-4),
+    "float16": (1e-2, 1e-3),
+    "bfloat16": (2e-2, 1e-2),
+    "float64": (1e-7, 1e-10),
+}
+
+
+@dataclass
+class Tolerances:
+    """Default tolerances per dtype, overridable for all ops (key ``"*"``) or per op
+    (key = aten overload name, or a prefix such as ``aten.mm``)."""
+
+    overrides: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def get(self, op: str | None, dtype: str) -> tuple[float, float]:
+        if op is not None:
+            for key in (op, op.rsplit(".", 1)[0]):
+                if key in self.overrides:
+                    return self.overrides[key]
+        if "*" in self.overrides:
+            return self.overrides["*"]
+        return DEFAULT_TOLERANCES.get(dtype, DEFAULT_TOLERANCES["float32"])
+
+    @classmethod
+    def parse(cls, items: list[str] | None) -> "Tolerances":
+        """Parse ``--tol`` values: ``OP=RTOL,ATOL`` or ``RTOL,ATOL`` (every op)."""
+        overrides = {}
+        for item in items or []:
+            op, sep, values = item.rpartition("=")
+            op = op.strip() if sep else "*"
+            parts = values.split(",")
+            try:
+                if len(parts) != 2:
+                    raise ValueError
+                rtol, atol = float(parts[0]), float(parts[1])
+                if not (math.isfinite(rtol) and math.isfinite(atol)) or rtol < 0 or atol < 0:
+                    raise ValueError
+            except ValueError:
+                raise TapmlError(f"--tol {item!r}: expected OP=RTOL,ATOL or RTOL,ATOL with two "
+                                 "non-negative numbers, e.g. aten.mm.default=1e-3,1e-4") from None
+            if not op or op.count(".") > 2 or " " in op:
+                raise TapmlError(f"--tol {item!r}: {op!r} is not an op name such as aten.mm.default")
+            overrides[op] = (rtol, atol)
+        return cls(overrides)
+
+    def to_json(self) -> dict:
+        return {k: list(v) for k, v in self.overrides.items()}
+
+
+@dataclass
+class Comparison:
+    """Outcome of comparing target outputs with the reference."""
+
+    passed: bool
+    max_abs_err: float | None = None
+    max_rel_err: float | None = None
+    mismatch_fraction: float | None = None
+    message: str = ""
+    worst: list[dict] = field(default_factory=list)
+
+    def stats(self) -> dict:
+        return {"max_abs_err": self.max_abs_err, "max_rel_err": self.max_rel_err,
+                "mismatch_fraction": self.mismatch_fraction}
+
+
+def _finite_or_none(x: float) -> float | None:
+    return float(x) if math.isfinite(x) else None
+
+
+def compare_tensor(target: torch.Tensor, ref: torch.Tensor, rtol: float | None = None,
+                   atol: float | None = None, worst: int = 5) -> Comparison:
+    """Compare one tensor. ``rtol``/``atol`` None means the dtype's default."""
+    if tuple(target.shape) != tuple(ref.shape):
+        return Comparison(False, message=f"shape {tuple(target.shape)} != reference {tuple(ref.shape)}")
+    if target.dtype != ref.dtype:
+        return Comparison(False, message=f"dtype {str(target.dtype)[6:]} != reference {str(ref.dtype)[6:]}")
+    n = ref.numel()
+    if n == 0:
+        return Comparison(True, 0.0, 0.0, 0.0)
+    t, r = target.detach().cpu().reshape(-1), ref.detach().cpu().reshape(-1)
+    if not (ref.dtype.is_floating_point or ref.dtype.is_complex):
+        bad = t != r
+        diff = (t.double() - r.double()).abs()
+        rel = diff / r.double().abs().clamp_min(1e-300)
+        return _result(bad, diff, rel, t, r, ref.shape, worst, "values differ (exact match required)")
+
+    dflt_rtol, dflt_atol = DEFAULT_TOLERANCES.get(str(ref.dtype)[6:], DEFAULT_TOLERANCES["float32"])
+    rtol = dflt_rtol if rtol is None else rtol
+    atol = dflt_atol if atol is None else atol
+    t64, r64 = t.double(), r.double()
+    t_nan, r_nan = torch.isnan(t64), torch.isnan(r64)
+    t_inf, r_inf = torch.isinf(t64), torch.isinf(r64)
+    special_bad = (t_nan != r_nan) | (t_inf != r_inf) | (r_inf & (t64 != r64))
+    both_finite = torch.isfinite(t64) & torch.isfinite(r64)
+    diff = torch.where(both_finite, (t64 - r64).abs(), torch.zeros_like(t64))
+    rel = diff / r64.abs().clamp_min(1e-30)
+    bad = special_bad | (both_finite & (diff > atol + rtol * r64.abs()))
+    diff = torch.where(special_bad, torch.full_like(diff, math.inf), diff)
+    msg = f"values exceed rtol={rtol:g} atol={atol:g}"
+    if special_bad.any():
+        msg += f"; NaN/Inf differ at {int(special_bad.sum())} positions"
+    return _result(bad, diff, rel.where(~special_bad, torch.full_like(rel, math.inf)), t, r, ref.shape, worst, msg)
+
+
+def _result(bad, diff, rel, t, r, shape, worst: int, msg: str) -> Comparison:
+    n_bad = int(bad.sum())
+    fraction = n_bad / bad.numel()
+    worst_list = []
+    if n_bad and worst:
+        score = torch.where(bad, diff, torch.full_like(diff, -1.0))
+        idx = torch.topk(score, min(worst, n_bad)).indices
+        for i in idx.tolist():
+            worst_list.append({"index": list(torch.unravel_index(torch.tensor(i), tuple(shape))) if shape else [],
+                               "target": _py(t[i]), "reference": _py(r[i])})
+        for w in worst_list:
+            w["index"] = [int(x) for x in w["index"]]
+    return Comparison(passed=n_bad == 0, max_abs_err=_finite_or_none(float(diff.max())),
+                      max_rel_err=_finite_or_none(float(rel.max())), mismatch_fraction=fraction,
+                      message="" if n_bad == 0 else f"{n_bad}/{bad.numel()} elements mismatch: {msg}",
+                      worst=worst_list)
+
+
+def _py(x: torch.Tensor):
+    v = x.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+def compare_outputs(targets: list[torch.Tensor], refs: list[torch.Tensor], op: str | None = None,
+                    tolerances: Tolerances | None = None) -> Comparison:
+    """Compare every output of a case or region; stats are the worst over outputs."""
+    if len(targets) != len(refs):
+        return Comparison(False, message=f"{len(targets)} outputs != reference {len(refs)}")
+    tolerances = tolerances or Tolerances()
+    results = []
+    for t, r in zip(targets, refs):
+        rtol, atol = tolerances.get(op, str(r.dtype)[6:])
+        results.append(compare_tensor(t, r, rtol, atol))
+    return merge(results)
+
+
+def merge(results: list[Comparison]) -> Comparison:
+    """One Comparison for several outputs: fails if any fails; worst stats; messages name outputs."""
+    if not results:
+        return Comparison(True, 0.0, 0.0, 0.0)
+    if len(results) == 1:
+        return results[0]
+
+    def worst_of(key):
+        vals = [getattr(c, key) for c in results]
+        if any(v is None for v in vals):
+            return None
+        return max(vals)
+
+    failed = [(i, c) for i, c in enumerate(results) if not c.passed]
+    return Comparison(passed=not failed, max_abs_err=worst_of("max_abs_err"), max_rel_err=worst_of("max_rel_err"),
+                      mismatch_fraction=worst_of("mismatch_fraction"),
+                      message="; ".join(f"output {i}: {c.message}" for i, c in failed),
+                      worst=failed[0][1].worst if failed else [])
+
+
+def compare_anchored(targets: list[torch.Tensor], refs32: list[torch.Tensor], refs64: list[torch.Tensor],
+                     factor: float = 4.0, floor: float = 1e-6) -> Comparison:
+    """fp64-anchored check: the target passes when its error against the float64 result is
+    within ``factor`` times the float32 reference's own error (plus a small ``floor``)."""
+    results = []
+    for t, r32, r64 in zip(targets, refs32, refs64):
+        if not r32.dtype.is_floating_point:
+            results.append(compare_tensor(t, r32))
+            continue
+        if tuple(t.shape) != tuple(r32.shape) or t.dtype != r32.dtype:
+            results.append(compare_tensor(t, r32))
+            continue
+        ref_err = float((r32.double() - r64.double()).abs().nan_to_num(0.0).max()) if r32.numel() else 0.0
+        bound = factor * ref_err + floor
+        c = compare_tensor(t.double(), r64.double(), rtol=0.0, atol=bound)
+        c.message = c.message and f"{c.message} (fp64-anchored: reference float32 error {ref_err:.3g}, factor {factor:g})"
+        results.append(c)
+    if len(targets) != len(refs32):
+        return Comparison(False, message=f"{len(targets)} outputs != reference {len(refs32)}")
+    return merge(results)

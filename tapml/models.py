@@ -1,0 +1,223 @@
+"""MODEL specs: ``zoo:NAME``, ``hf:MODEL_TYPE``, ``path/file.py:factory``, ``file.pt2``.
+
+:func:`load_model` turns a spec into ``(model, example_inputs)``; :func:`tapml.capture.capture`
+turns that into an exported core-ATen program. Weights and inputs are random and
+deterministic: the same seed gives the same model and the same inputs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from tapml.errors import TapmlError
+
+SEQ_LEN = 16
+
+# Small sizes applied to every key a config has (ARCHITECTURE.md: hidden 64, 2 layers, 4 heads, vocab 256).
+_SMALL = {
+    ("hidden_size", "n_embd", "d_model", "dim", "embed_dim"): 64,
+    ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "encoder_layers", "decoder_layers"): 2,
+    ("num_attention_heads", "n_head", "n_heads", "encoder_attention_heads", "decoder_attention_heads"): 4,
+    ("num_key_value_heads", "multi_query_group_num"): 2,
+    ("vocab_size",): 256,
+    ("intermediate_size", "n_inner", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "hidden_dim"): 128,
+    ("head_dim",): 16,
+    ("max_position_embeddings", "n_positions", "n_ctx"): 128,
+    ("image_size",): 32,
+    ("patch_size",): 8,
+}
+
+
+def _zoo_mlp():
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.GELU(),
+        torch.nn.LayerNorm(64), torch.nn.Linear(64, 10), torch.nn.Softmax(dim=-1))
+    return model, (torch.randn(4, 32),)
+
+
+class _SmallCNN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
+                                        torch.nn.ReLU(), torch.nn.MaxPool2d(2))
+        self.block = torch.nn.Sequential(torch.nn.Conv2d(8, 16, 3, stride=2, padding=1, groups=2),
+                                         torch.nn.BatchNorm2d(16), torch.nn.SiLU(),
+                                         torch.nn.Conv2d(16, 16, 3, padding=2, dilation=2))
+        self.head = torch.nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = self.block(self.stem(x))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def _zoo_cnn():
+    model = _SmallCNN()
+    with torch.no_grad():  # non-trivial running statistics, so batch norm is really exercised
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 1.5)
+    return model, (torch.randn(2, 3, 16, 16),)
+
+
+def _hf_zoo(model_type: str, **overrides) -> Callable:
+    return lambda: build_hf(model_type, overrides)
+
+
+ZOO: dict[str, Callable[[], tuple]] = {
+    "mlp": _zoo_mlp,
+    "cnn": _zoo_cnn,
+    "tiny-llama": _hf_zoo("llama"),
+    "tiny-gpt2": _hf_zoo("gpt2"),
+    "tiny-bert": _hf_zoo("bert"),
+    "tiny-vit": _hf_zoo("vit"),
+    "tiny-resnet": _hf_zoo("resnet", embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic"),
+}
+
+
+def parse_hf_overrides(items: list[str] | None) -> dict:
+    """``["hidden_size=32", "hidden_act=gelu"]`` -> dict with JSON-ish values."""
+    import json
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise TapmlError(f"--hf-config takes KEY=VALUE, got {item!r}")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
+
+
+def build_hf(model_type: str, overrides: dict | None = None):
+    """A tiny random-init transformers model of ``model_type`` and an example input."""
+    try:
+        import transformers
+        from transformers import AutoConfig
+    except ImportError as e:
+        raise TapmlError(f"hf: models need transformers installed ({e})") from None
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    if model_type not in CONFIG_MAPPING_NAMES:
+        close = [k for k in CONFIG_MAPPING_NAMES if model_type.replace("-", "_") in k][:8]
+        hint = f"; similar: {', '.join(close)}" if close else ""
+        raise TapmlError(f"unknown transformers model type {model_type!r}{hint}")
+    config = AutoConfig.for_model(model_type)
+    _shrink(config)
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
+    config.use_cache = False
+    if hasattr(config, "_attn_implementation"):
+        try:
+            config._attn_implementation = "eager"
+        except Exception:  # noqa: BLE001 - read-only on some configs; sdpa is fine then
+            pass
+    model = None
+    # Decoders get their LM head; encoders (also listed as causal LMs, e.g. BERT) stay bare models.
+    encoder = type(config) in transformers.AutoModelForMaskedLM._model_mapping
+    for auto in ("AutoModel",) if encoder else ("AutoModelForCausalLM", "AutoModel"):
+        cls = getattr(transformers, auto)
+        if type(config) in cls._model_mapping:
+            try:
+                model = cls.from_config(config)
+                break
+            except Exception as e:  # noqa: BLE001
+                raise TapmlError(f"hf:{model_type}: cannot build the model from its config: {e}") from None
+    if model is None:
+        raise TapmlError(f"hf:{model_type}: transformers has no AutoModel for this config")
+    model.eval()
+    return model, (example_input(model, config),)
+
+
+def _shrink(config) -> None:
+    for keys, value in _SMALL.items():
+        for key in keys:
+            if key in config.to_dict() and not isinstance(getattr(config, key, None), (list, dict)):
+                setattr(config, key, value)
+    # Sub-configs (vision towers, text towers) get the same treatment.
+    for key, sub in list(vars(config).items()):
+        if hasattr(sub, "to_dict") and hasattr(sub, "model_type") and sub is not config:
+            _shrink(sub)
+
+
+def example_input(model, config) -> torch.Tensor:
+    """An input following the model's ``main_input_name``."""
+    name = getattr(model, "main_input_name", "input_ids")
+    if name == "input_ids":
+        vocab = int(getattr(config, "vocab_size", 256) or 256)
+        return torch.randint(0, vocab, (1, SEQ_LEN))
+    if name == "pixel_values":
+        channels = int(getattr(config, "num_channels", 3) or 3)
+        size = getattr(config, "image_size", 32) or 32
+        size = size if isinstance(size, int) else int(size[0])
+        return torch.randn(1, channels, size, size)
+    if name == "input_features":
+        bins = int(getattr(config, "num_mel_bins", getattr(config, "feature_size", 80)) or 80)
+        return torch.randn(1, bins, 2 * SEQ_LEN)
+    if name == "input_values":
+        return torch.randn(1, 16000 // 10)
+    raise TapmlError(f"cannot make an example input for main_input_name {name!r}; "
+                     "use a path/to/file.py:factory spec that returns (model, inputs)")
+
+
+def _load_factory(spec: str):
+    path, _, factory = spec.rpartition(":")
+    file = Path(path)
+    if not file.is_file():
+        raise TapmlError(f"model file {path!r} does not exist")
+    mod_name = f"tapml_user_model_{abs(hash(str(file.resolve())))}"
+    module_spec = importlib.util.spec_from_file_location(mod_name, file)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[mod_name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - a user's file failing to import is bad input
+        raise TapmlError(f"importing {path} failed: {type(e).__name__}: {e}") from None
+    fn = getattr(module, factory, None)
+    if not callable(fn):
+        raise TapmlError(f"{path} has no function {factory!r}")
+    result = fn()
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.nn.Module)):
+        raise TapmlError(f"{spec}: factory must return (model, example_inputs_tuple)")
+    model, inputs = result
+    return model.eval(), tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+
+
+def load_model(spec: str, seed: int = 0, hf_config: dict | None = None):
+    """Model and example inputs of a MODEL spec; a ``.pt2`` spec returns the ExportedProgram
+    itself in place of the model. Raises TapmlError for bad specs."""
+    if not isinstance(spec, str) or not spec:
+        raise TapmlError("empty model spec; use zoo:NAME, hf:MODEL_TYPE, file.py:factory or file.pt2")
+    torch.manual_seed(seed)
+    if hf_config and not spec.startswith("hf:"):
+        raise TapmlError("--hf-config only applies to hf:MODEL_TYPE specs")
+    if spec.startswith("zoo:"):
+        name = spec[4:]
+        if name not in ZOO:
+            raise TapmlError(f"unknown zoo model {name!r}; the zoo has: {', '.join(ZOO)}")
+        model, inputs = ZOO[name]()
+        return model.eval(), inputs
+    if spec.startswith("hf:"):
+        return build_hf(spec[3:], hf_config)
+    if spec.endswith(".pt2"):
+        if not Path(spec).is_file():
+            raise TapmlError(f"exported program {spec!r} does not exist")
+        try:
+            ep = torch.export.load(spec)
+        except Exception as e:  # noqa: BLE001
+            raise TapmlError(f"{spec} is not a readable torch.export program: {e}") from None
+        if ep.example_inputs is None:
+            raise TapmlError(f"{spec} holds no example inputs; save it from torch.export.export(model, args)")
+        args, kwargs = ep.example_inputs
+        if kwargs:
+            raise TapmlError(f"{spec}: keyword example inputs are not supported")
+        return ep, tuple(args)
+    if ".py:" in spec:
+        return _load_factory(spec)
+    raise TapmlError(f"unknown model spec {spec!r}; use zoo:NAME ({', '.join(ZOO)}), hf:MODEL_TYPE, "
+                     "path/to/file.py:factory or file.pt2")
