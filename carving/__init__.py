@@ -62,4 +62,5 @@ def carve(spec: str, out: str | Path, *, seed: int = 0, device: str = "cpu", hf_
     })
     t2 = time.perf_counter()
     return {"export_s": t1 - t0, "carve_s": t2 - t1, "bytes": writer.bytes_written, "cases": len(interp.cases),
-            "nodes": len(graph.nodes), "ops": len({c["op"] for c in interp.cases})}
+            "nodes": len(graph.nodes), "ops": len({c["op"] for c in interp.cases}),
+            "shards": writer._shard, "peak_pending_bytes": writer.peak_pending_bytes}

@@ -47,6 +47,7 @@ class CarveStoreWriter:
         self._pending_bytes = 0
         self._shard = 0
         self.bytes_written = 0
+        self.peak_pending_bytes = 0
 
     def put(self, name: str, tensor: torch.Tensor) -> str:
         """Queue a tensor under ``name`` (flushed to disk in shards); returns the name."""
@@ -55,6 +56,7 @@ class CarveStoreWriter:
         t = tensor.detach().to("cpu", copy=True).contiguous()
         self._pending[name] = t
         self._pending_bytes += t.nbytes
+        self.peak_pending_bytes = max(self.peak_pending_bytes, self._pending_bytes)
         if self._pending_bytes >= self.shard_bytes:
             self.flush()
         return name

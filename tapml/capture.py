@@ -16,8 +16,9 @@ def export(model, example_inputs: tuple) -> "torch.export.ExportedProgram":
         ep = model
     else:
         try:
+            args, kwargs = split_inputs(example_inputs)
             with torch.no_grad():
-                ep = torch.export.export(model, tuple(example_inputs), strict=False)
+                ep = torch.export.export(model, args, kwargs=kwargs, strict=False)
         except Exception as e:  # noqa: BLE001 - any export failure is the model's, reported plainly
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise TapmlError(f"the model does not export with torch.export: {type(e).__name__}: {first}") from None
@@ -27,13 +28,21 @@ def export(model, example_inputs: tuple) -> "torch.export.ExportedProgram":
         raise TapmlError(f"decomposing the exported program to core ATen failed: {type(e).__name__}: {e}") from None
 
 
+def split_inputs(example_inputs: tuple) -> tuple[tuple, dict]:
+    """Example inputs are positional; a trailing dict holds keyword inputs."""
+    example_inputs = tuple(example_inputs)
+    if example_inputs and isinstance(example_inputs[-1], dict):
+        return example_inputs[:-1], dict(example_inputs[-1])
+    return example_inputs, {}
+
+
 def program_inputs(ep, example_inputs: tuple) -> list[tuple[str, str, torch.Tensor]]:
     """``(placeholder, kind, tensor)`` for every input of the exported graph, in order.
 
     ``kind`` is ``param``, ``buffer``, ``constant`` or ``input``.
     """
     from torch.export.graph_signature import InputKind
-    user = [x for x in torch.utils._pytree.tree_leaves(tuple(example_inputs)) if isinstance(x, torch.Tensor)]
+    user = [x for x in torch.utils._pytree.tree_leaves(split_inputs(example_inputs)) if isinstance(x, torch.Tensor)]
     state = ep.state_dict
     out = []
     for spec in ep.graph_signature.input_specs:

@@ -33,7 +33,8 @@ QuietOpt = typer.Option(False, "--quiet", "-q", help="Print only errors and the 
 
 
 def fail(message: str, code: int = EXIT_USAGE):
-    console.print(f"[bold red]error:[/] {message}", highlight=False)
+    from rich.markup import escape
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 

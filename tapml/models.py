@@ -28,8 +28,6 @@ _SMALL = {
     ("intermediate_size", "n_inner", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "hidden_dim"): 128,
     ("head_dim",): 16,
     ("max_position_embeddings", "n_positions", "n_ctx"): 128,
-    ("image_size",): 32,
-    ("patch_size",): 8,
 }
 
 
@@ -75,7 +73,7 @@ ZOO: dict[str, Callable[[], tuple]] = {
     "tiny-llama": _hf_zoo("llama"),
     "tiny-gpt2": _hf_zoo("gpt2"),
     "tiny-bert": _hf_zoo("bert"),
-    "tiny-vit": _hf_zoo("vit"),
+    "tiny-vit": _hf_zoo("vit", image_size=32, patch_size=8),
     "tiny-resnet": _hf_zoo("resnet", embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic"),
 }
 
@@ -131,14 +129,27 @@ def build_hf(model_type: str, overrides: dict | None = None):
     if model is None:
         raise TapmlError(f"hf:{model_type}: transformers has no AutoModel for this config")
     model.eval()
-    return model, (example_input(model, config),)
+    example = example_input(model, config)
+    import inspect
+    if "decoder_input_ids" in inspect.signature(model.forward).parameters:
+        # Encoder-decoder models need a decoder prompt too; passed by keyword.
+        return model, (example, {"decoder_input_ids": torch.zeros(1, 4, dtype=torch.long)})
+    return model, (example,)
 
 
 def _shrink(config) -> None:
+    present = config.to_dict()
     for keys, value in _SMALL.items():
         for key in keys:
-            if key in config.to_dict() and not isinstance(getattr(config, key, None), (list, dict)):
+            if key in present and not isinstance(getattr(config, key, None), (list, dict)):
                 setattr(config, key, value)
+    # Special token ids of the full-size vocabulary must stay inside the small one.
+    vocab = getattr(config, "vocab_size", None)
+    if isinstance(vocab, int):
+        for key in present:
+            value = getattr(config, key, None)
+            if key.endswith("token_id") and isinstance(value, int) and value >= vocab:
+                setattr(config, key, vocab - 1)
     # Sub-configs (vision towers, text towers) get the same treatment.
     for key, sub in list(vars(config).items()):
         if hasattr(sub, "to_dict") and hasattr(sub, "model_type") and sub is not config:

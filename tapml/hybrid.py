@@ -1,0 +1,231 @@
+"""Hybrid execution: run a graph with each node placed on the reference or on the target.
+
+A *placement* maps node names to ``"target"`` or ``"reference"`` (nodes it does not name run
+on the reference). Consecutive target nodes in topological order form a *region*: the region
+is compiled into one :class:`~tapml.platforms.base.KernelProgram` with
+``platform.compile(graph.subgraph(names))``, its intermediates never leave the device, and
+tensors cross between host and device only at region boundaries. Reference nodes run eagerly
+with torch.
+
+Example::
+
+    store = CarveStore("stores/llama")
+    runner = HybridRunner(store.graph, platform)
+    placement = {n.name: "target" for n in store.graph.nodes}
+    outputs = runner.run(store.program_inputs(), placement)
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from tapml.graph import Graph, Node, run_node
+
+TARGET, REFERENCE = "target", "reference"
+
+#: Ops that only reinterpret their input (strides, not work): zero FLOPs.
+VIEW_OPS = frozenset({
+    "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.permute.default",
+    "aten.expand.default", "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.dims",
+    "aten.squeeze.default", "aten.slice.Tensor", "aten.select.int", "aten.alias.default", "aten.t.default",
+    "aten.transpose.int", "aten.detach.default", "aten.split_with_sizes.default", "aten.split.Tensor",
+    "aten.unbind.int", "aten.as_strided.default",
+})
+
+
+@dataclass
+class Segment:
+    """A maximal run of consecutive nodes with the same placement."""
+
+    where: str
+    nodes: list[Node]
+
+    @property
+    def names(self) -> list[str]:
+        return [n.name for n in self.nodes]
+
+
+@dataclass
+class RegionRun:
+    """What one target region did during a hybrid run."""
+
+    nodes: list[str]
+    inputs: list[str]
+    outputs: list[str]
+    bytes_in: int
+    bytes_out: int
+    compile_ms: float
+    run_ms: float
+    cached: bool
+
+    def to_json(self) -> dict:
+        return {"first": self.nodes[0], "last": self.nodes[-1], "nodes": len(self.nodes),
+                "inputs": len(self.inputs), "outputs": len(self.outputs), "bytes_in": self.bytes_in,
+                "bytes_out": self.bytes_out, "compile_ms": round(self.compile_ms, 3),
+                "run_ms": round(self.run_ms, 3), "cached": self.cached}
+
+
+@dataclass
+class HybridResult:
+    """Values asked for (graph outputs plus ``keep``) and a record of every target region run."""
+
+    values: dict
+    regions: list[RegionRun] = field(default_factory=list)
+    reference_ms: float = 0.0
+
+
+def segments(graph: Graph, placement: dict[str, str]) -> list[Segment]:
+    """Split the graph's nodes (in topological order) into runs of equal placement."""
+    out: list[Segment] = []
+    for node in graph.nodes:
+        where = TARGET if placement.get(node.name) == TARGET else REFERENCE
+        if out and out[-1].where == where:
+            out[-1].nodes.append(node)
+        else:
+            out.append(Segment(where, [node]))
+    return out
+
+
+class HybridRunner:
+    """Runs one graph under changing placements on one platform, caching compiled regions.
+
+    ``platform`` is any :class:`~tapml.platforms.base.Platform`. Compilation and run failures
+    propagate as the platform raised them (:class:`~tapml.errors.Unsupported`,
+    :class:`~tapml.errors.PlatformError`), with ``.region`` set to the region's node names.
+    """
+
+    def __init__(self, graph: Graph, platform):
+        self.graph = graph
+        self.platform = platform
+        self._programs: dict[tuple, object] = {}
+
+    def program(self, names: list[str], keep: Iterable[str] = ()) -> tuple[object, Graph, bool, float]:
+        """(program, subgraph, cached, compile_ms) of the region made of ``names``."""
+        keep = tuple(sorted(set(keep)))
+        key = (tuple(names), keep)
+        sub = self.graph.subgraph(names, keep_outputs=keep)
+        if key in self._programs:
+            return self._programs[key], sub, True, 0.0
+        start = time.perf_counter()
+        program = self.platform.compile(sub)
+        ms = (time.perf_counter() - start) * 1e3
+        self._programs[key] = program
+        return program, sub, False, ms
+
+    def run(self, inputs: dict, placement: dict[str, str], keep: Iterable[str] = ()) -> HybridResult:
+        """Run the graph; returns the graph outputs and the refs in ``keep`` by ref.
+
+        ``inputs`` holds a tensor for every graph input (parameters and user inputs).
+        """
+        missing = [r for r, _ in self.graph.inputs if r not in inputs]
+        if missing:
+            raise ValueError(f"hybrid run lacks graph inputs: {', '.join(missing[:5])}")
+        keep = set(keep)
+        wanted = set(self.graph.outputs) | keep
+        segs = segments(self.graph, placement)
+        last_use: dict[str, int] = {}
+        for i, seg in enumerate(segs):
+            for n in seg.nodes:
+                for r in n.input_refs:
+                    last_use[r] = i
+        free_after: dict[int, list[str]] = {}
+        for r, i in last_use.items():
+            if r not in wanted:
+                free_after.setdefault(i, []).append(r)
+        env = {r: inputs[r] for r, _ in self.graph.inputs}
+        result = HybridResult(values={})
+        for i, seg in enumerate(segs):
+            if seg.where == REFERENCE:
+                start = time.perf_counter()
+                for n in seg.nodes:
+                    env.update(zip(n.output_refs, run_node(n, env.__getitem__)))
+                result.reference_ms += (time.perf_counter() - start) * 1e3
+            else:
+                result.regions.append(self._run_region(seg, env, keep))
+            for r in free_after.get(i, ()):
+                env.pop(r, None)
+        result.values = {r: env[r] for r in self.graph.outputs}
+        result.values.update({r: env[r] for r in keep if r in env})
+        return result
+
+    def _run_region(self, seg: Segment, env: dict, keep: set[str]) -> RegionRun:
+        names = seg.names
+        produced = {r for n in seg.nodes for r in n.output_refs}
+        try:
+            program, sub, cached, compile_ms = self.program(names, keep & produced)
+            args = [env[r] for r, _ in sub.inputs]
+            start = time.perf_counter()
+            outs = self.platform.run(program, args)
+            run_ms = getattr(self.platform, "last_run_ms", None) or (time.perf_counter() - start) * 1e3
+        except Exception as e:  # noqa: BLE001 - tag with the region, re-raise the platform's own error
+            e.region = names
+            raise
+        if len(outs) != len(sub.outputs):
+            from tapml.errors import PlatformError
+            err = PlatformError(f"region {names[0]}..{names[-1]} returned {len(outs)} outputs, expected "
+                                f"{len(sub.outputs)}")
+            err.region = names
+            raise err
+        env.update(zip(sub.outputs, outs))
+        return RegionRun(nodes=names, inputs=[r for r, _ in sub.inputs], outputs=list(sub.outputs),
+                         bytes_in=sum(int(t.nbytes) for t in args), bytes_out=sum(int(t.nbytes) for t in outs),
+                         compile_ms=compile_ms, run_ms=float(run_ms), cached=cached)
+
+
+def reference_values(graph: Graph, inputs: dict) -> dict:
+    """Every value of the graph (inputs and every node output) computed on the reference."""
+    everything = Graph(inputs=graph.inputs, nodes=graph.nodes,
+                       outputs=[r for n in graph.nodes for r in n.output_refs], meta=graph.meta)
+    from tapml.graph import run_graph
+    values = run_graph(everything, dict(inputs))
+    values.update(inputs)
+    return values
+
+
+def node_flops(node: Node, meta: dict) -> int:
+    """A rough FLOP count of one node: 2·M·N·K for matrix products and convolutions, a few per
+    element for normalizations and softmax, one per output element for everything else, and
+    zero for views."""
+    if node.op in VIEW_OPS:
+        return 0
+    out = sum(m.numel for m in node.outputs)
+    ins = [meta[r] for r in node.input_refs if r in meta]
+    name = node.op.rsplit(".", 1)[0]
+    try:
+        if name in ("aten.mm", "aten.bmm") and len(ins) >= 2:
+            return 2 * out * ins[0].shape[-1]
+        if name == "aten.addmm" and len(ins) >= 3:
+            return 2 * out * ins[1].shape[-1] + out
+        if name == "aten.convolution" and len(ins) >= 2:
+            weight = ins[1].shape  # (Cout, Cin/groups, *kernel)
+            return 2 * node.outputs[0].numel * math.prod(weight[1:])
+        if name in ("aten._softmax", "aten._log_softmax"):
+            return 5 * out
+        if name in ("aten.native_layer_norm", "aten.native_group_norm", "aten._native_batch_norm_legit_no_training"):
+            return 8 * node.outputs[0].numel
+        if name in ("aten.mean", "aten.sum", "aten.amax", "aten.var", "aten.cumsum", "aten.any", "aten.max",
+                    "aten.min", "aten.prod", "aten.argmax", "aten.argmin") and ins:
+            return ins[0].numel
+    except (IndexError, TypeError):
+        pass
+    return out
+
+
+def placement_shares(graph: Graph, placement: dict[str, str]) -> dict:
+    """Share of nodes and of estimated FLOPs placed on the target."""
+    total_ops = len(graph.nodes)
+    on_target = [n for n in graph.nodes if placement.get(n.name) == TARGET]
+    flops = {n.name: node_flops(n, graph.meta) for n in graph.nodes}
+    total_flops = sum(flops.values())
+    target_flops = sum(flops[n.name] for n in on_target)
+    ops_share = len(on_target) / total_ops if total_ops else 1.0
+    return {"ops_total": total_ops, "ops_on_target": len(on_target), "ops_share": round(ops_share, 6),
+            "flops_total": total_flops, "flops_on_target": target_flops,
+            "flops_share": round(target_flops / total_flops, 6) if total_flops else round(ops_share, 6)}
+
+
+__all__ = ["HybridRunner", "HybridResult", "RegionRun", "Segment", "segments", "reference_values",
+           "node_flops", "placement_shares", "TARGET", "REFERENCE"]

@@ -1,0 +1,343 @@
+"""The tapml pytest plugin: run carved cases as pytest tests, in generated or hand-written suites.
+
+Loaded into every pytest run through the ``pytest11`` entry point, so it imports nothing heavy
+until a tapml test actually runs. It adds these options (and ini keys of the same name without
+the dashes, e.g. ``tapml_target = wgpu:vulkan``):
+
+``--tapml-target SPEC``      the target to check (any TARGET spec; default ``reference``)
+``--tapml-tol OP=RTOL,ATOL`` tolerance override, as ``tapml replay --tol`` (repeatable)
+``--tapml-inject OP=KIND``   fault injection, as ``tapml replay --inject`` (repeatable)
+``--tapml-token-file FILE``  device server token for ``remote://`` targets (else $TAPML_TOKEN)
+``--tapml-store DIR``        the carve store of hand-written suites
+
+and these fixtures:
+
+``tapml_target``  the opened target platform (session scope, closed at the end)
+``tapml_store``   the :class:`~tapml.carving.store.CarveStore` (a generated conftest overrides it)
+``tapml_case``    one carved case, ready to run: ``tapml_case.check()`` runs it on the target
+                  and fails with op, node, module and error statistics when it does not pass.
+
+A hand-written test that asks for ``tapml_case`` without parametrizing it runs once per case
+of the store; ``@pytest.mark.tapml(op="aten.mm.default")`` narrows it to one op::
+
+    @pytest.mark.tapml(op="aten.mm.default")
+    def test_matmuls(tapml_case):
+        tapml_case.check()
+
+Cases are judged by :func:`tapml.replay.run_case`, exactly like ``tapml replay``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+_OPTIONS = (
+    ("--tapml-target", "tapml_target", "store", "Target to check: reference, wgpu[:vulkan|gl|metal|dx12], "
+     "browser, remote://HOST:PORT (default: the suite's target, else reference)"),
+    ("--tapml-tol", "tapml_tol", "append", "Tolerance override OP=RTOL,ATOL or RTOL,ATOL (repeatable); "
+     "takes precedence over the tolerances a generated suite recorded"),
+    ("--tapml-inject", "tapml_inject", "append", "Fault OP[@NODE]=scale:F|offset:F|nan|compile-error "
+     "(repeatable): proves the suite catches a broken kernel"),
+    ("--tapml-token-file", "tapml_token_file", "store", "File holding the device server token "
+     "for remote:// targets (else $TAPML_TOKEN)"),
+    ("--tapml-store", "tapml_store", "store", "Carve store whose cases hand-written tests that use "
+     "the tapml_case fixture run"),
+)
+
+
+class CaseFailure(AssertionError):
+    """A carved case did not pass on the target (mismatch, unsupported or error)."""
+
+
+@dataclass(frozen=True)
+class CaseSpec:
+    """What a generated test records about its case: the case id in the store and the
+    tolerances it was generated with (None: the dtype's default)."""
+
+    case_id: str
+    rtol: float | None = None
+    atol: float | None = None
+
+
+def case(case_id: str, test_id: str, tol: tuple[float, float] | None = None, known=None):
+    """One parameter of a generated test: ``case("c12", "model.mlp::aten.mm.default[16x64-64x128]",
+    tol=(1e-3, 1e-4), known=xfail("mismatch: ..."))``."""
+    rtol, atol = tol if tol is not None else (None, None)
+    marks = [] if known is None else [known]
+    return pytest.param(CaseSpec(case_id, rtol, atol), id=test_id, marks=marks)
+
+
+def xfail(reason: str):
+    """A known failure that must keep failing: strict, so an unexpected pass fails the run."""
+    return pytest.mark.xfail(reason=reason, strict=True, raises=CaseFailure)
+
+
+def skip(reason: str):
+    """A known failure that is not run."""
+    return pytest.mark.skip(reason=reason)
+
+
+def failing(reason: str):
+    """A known failure that is run and fails; the recorded reason is added to its message."""
+    return pytest.mark.tapml_known_failure(reason=reason)
+
+
+def add_options(parser) -> None:
+    """Register the ``--tapml-*`` options (idempotent: skips options that already exist)."""
+    group = parser.getgroup("tapml", "tapml: check carved cases on a target")
+    for flag, dest, action, help_text in _OPTIONS:
+        try:
+            group.addoption(flag, dest=dest, action=action, default=None, help=help_text)
+        except ValueError:  # already registered by another copy of this plugin
+            continue
+        parser.addini(dest, help=help_text.split(" (")[0],
+                      type="linelist" if action == "append" else "string",
+                      default=[] if action == "append" else "")
+
+
+def pytest_addoption(parser):
+    add_options(parser)
+
+
+def _opt(config, dest: str):
+    value = config.getoption(dest, default=None)
+    if value:
+        return value
+    try:
+        return config.getini(dest) or None
+    except ValueError:
+        return None
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "tapml(op=None, store=None): select the carved cases a tapml_case "
+                            "test runs (by op; from another store)")
+    config.addinivalue_line("markers", "tapml_known_failure(reason): a case recorded as failing during "
+                            "migration; it is expected to fail and its message carries the reason")
+    from tapml.errors import TapmlError
+    try:
+        target = _opt(config, "tapml_target")
+        if target:
+            from tapml.targets import check_target
+            check_target(target)
+        inject = _opt(config, "tapml_inject")
+        if inject:
+            from tapml.inject import parse_faults
+            parse_faults(inject)
+        tol = _opt(config, "tapml_tol")
+        if tol:
+            _parse_tol(tol)
+    except TapmlError as e:
+        raise pytest.UsageError(f"tapml: {e}") from None
+
+
+def _parse_tol(items):
+    """Validate ``--tapml-tol`` without importing torch (tapml.compare needs it)."""
+    import math
+    from tapml.errors import TapmlError
+    overrides = {}
+    for item in items:
+        op, sep, values = item.rpartition("=")
+        op = op.strip() if sep else "*"
+        try:
+            rtol, atol = (float(x) for x in values.split(","))
+            if not (math.isfinite(rtol) and math.isfinite(atol)) or rtol < 0 or atol < 0:
+                raise ValueError
+        except ValueError:
+            raise TapmlError(f"--tapml-tol {item!r}: expected OP=RTOL,ATOL or RTOL,ATOL with two "
+                             "non-negative numbers, e.g. aten.mm.default=1e-3,1e-4") from None
+        if not op or op.count(".") > 2 or " " in op:
+            raise TapmlError(f"--tapml-tol {item!r}: {op!r} is not an op name such as aten.mm.default")
+        overrides[op] = (rtol, atol)
+    return overrides
+
+
+# --- fixtures --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def tapml_target_spec(pytestconfig) -> str:
+    """The TARGET spec the session checks: ``--tapml-target``, the ini key, else ``reference``.
+    A generated conftest overrides this to default to the target its known failures came from."""
+    return _opt(pytestconfig, "tapml_target") or "reference"
+
+
+@pytest.fixture(scope="session")
+def tapml_target(pytestconfig, tapml_target_spec):
+    """The opened target platform, shared by the session (one per xdist worker) and closed at
+    the end. ``--tapml-inject`` wraps it with fault injection."""
+    from tapml.errors import TapmlError
+    from tapml.targets import open_target, read_token
+    try:
+        platform = open_target(tapml_target_spec, token=read_token(_opt(pytestconfig, "tapml_token_file")),
+                               inject=_opt(pytestconfig, "tapml_inject"))
+    except TapmlError as e:
+        pytest.fail(f"cannot open target {tapml_target_spec}: {e}", pytrace=False)
+    platform.spec = tapml_target_spec
+    yield platform
+    platform.close()
+
+
+_STORES: dict[str, object] = {}
+
+
+def open_store(path: str | os.PathLike):
+    """A CarveStore, opened once per process and path (tensors stay on disk until read)."""
+    key = str(Path(path).resolve())
+    if key not in _STORES:
+        from tapml.carving.store import CarveStore
+        from tapml.errors import TapmlError
+        try:
+            _STORES[key] = CarveStore(key)
+        except TapmlError as e:
+            pytest.fail(str(e), pytrace=False)
+    return _STORES[key]
+
+
+@pytest.fixture(scope="session")
+def tapml_store(pytestconfig):
+    """The store of ``--tapml-store`` (or the ``tapml_store`` ini key)."""
+    path = _opt(pytestconfig, "tapml_store")
+    if not path:
+        pytest.fail("this test needs a carve store: pass --tapml-store DIR (make one with "
+                    "`tapml carve MODEL -o DIR`) or set tapml_store in the ini file", pytrace=False)
+    return open_store(path)
+
+
+class CarvedCase:
+    """One carved case bound to a target: :meth:`run` returns its verdict, :meth:`check`
+    asserts that it passes."""
+
+    def __init__(self, store, case: dict, platform, target: str, tolerances, known_failure: str | None,
+                 item=None):
+        self.store, self.case, self.platform, self.target = store, case, platform, target
+        self.tolerances = tolerances
+        self.known_failure = known_failure
+        self._item = item
+
+    def run(self) -> dict:
+        """Run the case on the target; returns the Verdict dict of :func:`tapml.replay.run_case`."""
+        from tapml.replay import run_case
+        verdict = run_case(self.platform, self.store, self.case, self.tolerances)
+        if self._item is not None:
+            for key in ("op", "node", "module", "status", "max_abs_err", "max_rel_err", "mismatch_fraction",
+                        "time_ms"):
+                self._item.user_properties.append((f"tapml_{key}", verdict.get(key)))
+        return verdict
+
+    def check(self) -> dict:
+        """Run the case and raise :class:`CaseFailure` unless it passes; returns the verdict."""
+        __tracebackhide__ = True
+        verdict = self.run()
+        if verdict["status"] != "pass":
+            raise CaseFailure(failure_message(verdict, self.target, self._tol_text()) +
+                              (f"\nknown failure recorded during migration: {self.known_failure}"
+                               if self.known_failure else ""))
+        return verdict
+
+    def _tol_text(self) -> str:
+        dtype = next((m["dtype"] for m in self.case["output_meta"] if m["dtype"].startswith(("float", "bfloat"))),
+                     None)
+        if dtype is None:
+            return "exact"
+        rtol, atol = self.tolerances.get(self.case["op"], dtype)
+        return f"rtol={rtol:g} atol={atol:g}"
+
+    def __repr__(self) -> str:
+        return f"<CarvedCase {self.case['id']} {self.case['op']} at {self.case['node']} on {self.target}>"
+
+
+def failure_message(verdict: dict, target: str, tol: str = "") -> str:
+    """The message of a failing case: op, node, module, status, error statistics, worst elements."""
+    where = f"{verdict['op']} at node {verdict['node']} in module {verdict['module'] or '(top level)'}"
+    lines = [f"{where} (case {verdict['id']}) on {target}: {verdict['status']}"]
+    if verdict["status"] == "mismatch":
+        stats = ", ".join(f"{k}={_fmt(verdict[k])}" for k in ("max_abs_err", "max_rel_err", "mismatch_fraction"))
+        lines.append(f"  {stats}" + (f" (tolerance {tol})" if tol else ""))
+    if verdict.get("message"):
+        lines.append(f"  {verdict['message']}")
+    for w in verdict.get("worst", [])[:3]:
+        lines.append(f"  at {w['index']}: target {w['target']!r}, reference {w['reference']!r}")
+    return "\n".join(lines)
+
+
+def _fmt(x) -> str:
+    return "inf" if x is None else f"{x:.4g}"
+
+
+def _case_tolerances(op: str, spec: CaseSpec | None, config):
+    """``--tapml-tol`` for this op if it names it (or all ops), else the recorded tolerances."""
+    from tapml.compare import Tolerances
+    cli = Tolerances(_parse_tol(_opt(config, "tapml_tol") or []))
+    if any(k in cli.overrides for k in (op, op.rsplit(".", 1)[0], "*")):
+        return cli
+    if spec is not None and spec.rtol is not None:
+        return Tolerances({op: (spec.rtol, spec.atol)})
+    return cli
+
+
+@pytest.fixture
+def tapml_case(request, tapml_target, tapml_target_spec) -> CarvedCase:
+    """The carved case of this test, bound to the session's target. Parametrize it (indirectly)
+    with case ids or :func:`case` params; unparametrized, it runs every case of ``tapml_store``."""
+    param = getattr(request, "param", None)
+    if param is None:
+        pytest.fail("tapml_case needs a case: parametrize it with indirect=True, or let the plugin do it "
+                    "by asking for tapml_case in a plain test function", pytrace=False)
+    spec = param if isinstance(param, CaseSpec) else CaseSpec(str(param))
+    marker = request.node.get_closest_marker("tapml")
+    store_path = marker.kwargs.get("store") if marker else None
+    store = open_store(store_path) if store_path else request.getfixturevalue("tapml_store")
+    try:
+        case_dict = store.case(spec.case_id)
+    except KeyError:
+        pytest.fail(f"case {spec.case_id} is not in store {store.path}; regenerate the suite with "
+                    "`tapml gen-tests`", pytrace=False)
+    known = request.node.get_closest_marker("tapml_known_failure")
+    return CarvedCase(store, case_dict, tapml_target, tapml_target_spec,
+                      _case_tolerances(case_dict["op"], spec, request.config),
+                      known.kwargs.get("reason") if known else None, request.node)
+
+
+def pytest_generate_tests(metafunc):
+    """Parametrize plain ``tapml_case`` tests over the cases of their store."""
+    if "tapml_case" not in metafunc.fixturenames:
+        return
+    for m in metafunc.definition.iter_markers("parametrize"):
+        names = m.args[0] if m.args else m.kwargs.get("argnames", "")
+        if "tapml_case" in (names.replace(" ", "").split(",") if isinstance(names, str) else names):
+            return
+    marker = metafunc.definition.get_closest_marker("tapml")
+    path = (marker.kwargs.get("store") if marker else None) or _opt(metafunc.config, "tapml_store")
+    if not path:
+        raise pytest.UsageError(f"{metafunc.definition.nodeid} asks for tapml_case: pass --tapml-store DIR "
+                                "(a carve store) or parametrize tapml_case yourself")
+    from tapml.carving.gentests import case_test_id
+    from tapml.errors import TapmlError
+    try:
+        store = open_store_for_collection(path)
+    except TapmlError as e:
+        raise pytest.UsageError(f"--tapml-store: {e}") from None
+    op = marker.kwargs.get("op") if marker else None
+    cases = [c for c in store.cases if op is None or c["op"] == op]
+    if not cases:
+        raise pytest.UsageError(f"{metafunc.definition.nodeid}: store {path} has no cases of {op}; "
+                                f"`tapml inspect {path}` lists its ops")
+    ids = case_test_id_list(store, cases, case_test_id)
+    metafunc.parametrize("tapml_case", [CaseSpec(c["id"]) for c in cases], ids=ids, indirect=True)
+
+
+def open_store_for_collection(path):
+    key = str(Path(path).resolve())
+    if key not in _STORES:
+        from tapml.carving.store import CarveStore
+        _STORES[key] = CarveStore(key)
+    return _STORES[key]
+
+
+def case_test_id_list(store, cases, case_test_id) -> list[str]:
+    from tapml.carving.gentests import unique_ids
+    return unique_ids([(c["id"], case_test_id(c, store.tensor_index)) for c in cases])

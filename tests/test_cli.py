@@ -1,0 +1,123 @@
+"""The CLI end to end: real commands on real tiny models, and bad input giving exit 2."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tapml.cli import app
+
+runner = CliRunner()
+TAPML = [sys.executable, "-m", "tapml.cli"]
+
+
+def tapml(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def test_help_is_fast_and_imports_nothing_heavy():
+    code = ("import sys, tapml.cli; heavy = [m for m in ('torch', 'wgpu', 'transformers') if m in sys.modules];"
+            "print(heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_carve_inspect_replay_tiny_llama(tmp_path):
+    store = tmp_path / "S"
+    r = subprocess.run(TAPML + ["carve", "zoo:tiny-llama", "-o", str(store)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "cases" in r.stderr
+    r = tapml("inspect", store, "--json", tmp_path / "ops.json")
+    assert r.exit_code == 0, r.output
+    ops = json.loads((tmp_path / "ops.json").read_text())
+    assert len(ops) >= 30 and {"op", "cases", "instances", "shapes", "dtypes"} <= set(ops[0])
+    r = subprocess.run(TAPML + ["replay", str(store), "--target", "reference", "--json", str(tmp_path / "v.json")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    verdicts = json.loads((tmp_path / "v.json").read_text())
+    assert verdicts["target"] == "reference"
+    assert set(verdicts["device"]) >= {"adapter", "backend", "features", "limits"}
+    assert verdicts["summary"]["pass"] == len(verdicts["cases"]) > 50
+    case = verdicts["cases"][0]
+    assert set(case) >= {"id", "op", "node", "module", "status", "max_abs_err", "max_rel_err",
+                         "mismatch_fraction", "message", "time_ms"}
+
+
+def test_replay_with_injected_fault_exits_1_and_names_the_op(carved, tmp_path):
+    store = carved("zoo:mlp")
+    r = tapml("replay", store, "--inject", "aten.addmm.default=scale:1.5", "--json", tmp_path / "v.json")
+    assert r.exit_code == 1, r.output
+    verdicts = json.loads((tmp_path / "v.json").read_text())
+    bad = {v["op"] for v in verdicts["cases"] if v["status"] != "pass"}
+    assert bad == {"aten.addmm.default"}
+    r = tapml("replay", store, "--inject", "aten.relu.default=compile-error")
+    assert r.exit_code == 1 and "error" in r.output
+
+
+def test_tolerance_override_turns_a_mismatch_into_a_pass(carved):
+    store = carved("zoo:mlp")
+    assert tapml("replay", store, "--inject", "aten.relu.default=offset:1e-3").exit_code == 1
+    assert tapml("replay", store, "--inject", "aten.relu.default=offset:1e-3",
+                 "--tol", "aten.relu.default=0,1e-2").exit_code == 0
+
+
+@pytest.mark.parametrize("args,message", [
+    (["carve", "zoo:nope", "-o", "{tmp}/x"], "unknown zoo model"),
+    (["carve", "hf:llama", "-o", "{tmp}/x", "--hf-config", "novalue"], "KEY=VALUE"),
+    (["replay", "{tmp}/missing"], "does not exist"),
+    (["replay", "{tmp}", "--target", "reference"], "not a carve store"),
+    (["replay", "{store}", "--target", "tpu"], "unknown target"),
+    (["replay", "{store}", "--target", "remote://nohostport"], "remote://HOST:PORT"),
+    (["replay", "{store}", "--tol", "abc"], "RTOL,ATOL"),
+    (["replay", "{store}", "--inject", "relu=scale:2"], "full aten"),
+    (["replay", "{store}", "--inject", "aten.relu.default=explode"], "unknown fault kind"),
+    (["replay", "{store}", "--op", "aten.nope.default"], "no cases of"),
+    (["inspect", "{tmp}/missing"], "does not exist"),
+])
+def test_bad_input_exits_2_with_one_clear_line(carved, tmp_path, args, message):
+    store = carved("zoo:mlp")
+    r = tapml(*[a.format(tmp=tmp_path, store=store) for a in args])
+    assert r.exit_code == 2, r.output
+    assert message in r.output
+    assert "Traceback" not in r.output
+
+
+def _copy(store, tmp_path) -> Path:
+    dst = tmp_path / "copy"
+    shutil.copytree(store, dst)
+    return dst
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda s: (s / "manifest.json").write_text("{not json"), "not valid JSON"),
+    (lambda s: (s / "manifest.json").write_text("[]"), "not a JSON object"),
+    (lambda s: (s / "manifest.json").write_text(json.dumps({"format_version": 1})), "lacks"),
+    (lambda s: (s / "manifest.json").write_text(json.dumps({**json.loads((s / "manifest.json").read_text()),
+                                                             "format_version": 99})), "store format"),
+    (lambda s: next((s / "shards").iterdir()).unlink(), "missing shard"),
+    (lambda s: _truncate(next((s / "shards").iterdir())), "truncated"),
+    (lambda s: next((s / "shards").iterdir()).write_bytes(b"\xff" * 16), "corrupt"),
+])
+def test_corrupt_store_exits_2(carved, tmp_path, damage, message):
+    store = _copy(carved("zoo:mlp"), tmp_path)
+    damage(store)
+    for cmd in ("replay", "inspect"):
+        r = tapml(cmd, store)
+        assert r.exit_code == 2, r.output
+        assert message in r.output
+
+
+def _truncate(path: Path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 100])
+
+
+def test_carve_refuses_to_overwrite_other_files(tmp_path):
+    (tmp_path / "keep.txt").write_text("precious")
+    r = tapml("carve", "zoo:mlp", "-o", tmp_path)
+    assert r.exit_code == 2 and "choose another" in r.output
+    assert (tmp_path / "keep.txt").read_text() == "precious"

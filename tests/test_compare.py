@@ -1,0 +1,85 @@
+import math
+
+import pytest
+import torch
+
+from tapml.compare import Tolerances, compare_anchored, compare_outputs, compare_tensor
+from tapml.errors import TapmlError
+
+
+def test_equal_floats_pass_with_zero_error():
+    t = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    c = compare_tensor(t.clone(), t)
+    assert c.passed and c.max_abs_err == 0.0 and c.mismatch_fraction == 0.0
+
+
+def test_float_tolerance_is_elementwise_atol_plus_rtol():
+    r = torch.tensor([1.0, 100.0])
+    assert compare_tensor(r + torch.tensor([1e-4 + 1e-3 * 1 - 1e-6, 0.0]), r).passed
+    c = compare_tensor(r + torch.tensor([0.0, 0.2]), r)
+    assert not c.passed
+    assert c.mismatch_fraction == 0.5
+    assert c.max_abs_err == pytest.approx(0.2, rel=1e-3)
+    assert c.worst[0]["index"] == [1]
+
+
+def test_shape_and_dtype_checked_before_values():
+    c = compare_tensor(torch.zeros(2, 3), torch.zeros(3, 2))
+    assert not c.passed and "shape" in c.message
+    c = compare_tensor(torch.zeros(3, dtype=torch.int32), torch.zeros(3, dtype=torch.int64))
+    assert not c.passed and "dtype" in c.message
+
+
+def test_integers_and_bools_are_exact():
+    r = torch.tensor([1, 2, 3])
+    assert compare_tensor(r.clone(), r).passed
+    c = compare_tensor(torch.tensor([1, 2, 4]), r)
+    assert not c.passed and c.max_abs_err == 1.0
+    assert not compare_tensor(torch.tensor([True, False]), torch.tensor([True, True])).passed
+
+
+def test_nan_and_inf_must_match_position_and_sign():
+    r = torch.tensor([1.0, math.nan, math.inf, -math.inf])
+    assert compare_tensor(r.clone(), r).passed
+    assert not compare_tensor(torch.tensor([1.0, 0.0, math.inf, -math.inf]), r).passed
+    assert not compare_tensor(torch.tensor([1.0, math.nan, -math.inf, -math.inf]), r).passed
+    c = compare_tensor(torch.tensor([math.nan, math.nan, math.inf, -math.inf]), r)
+    assert not c.passed and "NaN/Inf" in c.message and c.max_abs_err is None
+
+
+def test_float16_defaults_are_looser():
+    r = torch.tensor([1.0], dtype=torch.float16)
+    assert compare_tensor(r + 5e-3, r).passed
+    assert not compare_tensor(r.float() + 5e-3, r.float()).passed
+
+
+def test_tolerance_overrides_per_op_and_global():
+    tol = Tolerances.parse(["aten.mm.default=0.1,0.1", "1e-2,1e-3"])
+    assert tol.get("aten.mm.default", "float32") == (0.1, 0.1)
+    assert tol.get("aten.add.Tensor", "float32") == (1e-2, 1e-3)
+    assert Tolerances.parse(["aten.mm=0.5,0"]).get("aten.mm.default", "float32") == (0.5, 0.0)
+    r = torch.ones(4)
+    assert compare_outputs([r + 0.05], [r], op="aten.mm.default", tolerances=tol).passed
+    assert not compare_outputs([r + 0.05], [r], op="aten.add.Tensor", tolerances=tol).passed
+
+
+@pytest.mark.parametrize("bad", ["aten.mm.default=1e-3", "x=a,b", "=1,2,3", "aten.mm.default=-1,0", "1e-3,inf"])
+def test_bad_tolerance_syntax_says_what_to_fix(bad):
+    with pytest.raises(TapmlError, match="RTOL,ATOL"):
+        Tolerances.parse([bad])
+
+
+def test_multiple_outputs_report_the_failing_one():
+    a = torch.randn(3, generator=torch.Generator().manual_seed(1))
+    c = compare_outputs([a, a + 1], [a, a])
+    assert not c.passed and c.message.startswith("output 1")
+    assert not compare_outputs([a], [a, a]).passed
+
+
+def test_fp64_anchored_accepts_errors_like_the_references_own():
+    x = torch.randn(256, 256, generator=torch.Generator().manual_seed(2))
+    r64 = (x.double() @ x.double())
+    r32 = x @ x
+    # A target as exact as float32 can be passes; one far off fails.
+    assert compare_anchored([r32.clone()], [r32], [r64]).passed
+    assert not compare_anchored([r32 + 1e-2], [r32], [r64]).passed
