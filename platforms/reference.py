@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from tapml.graph import Graph, resolve_op, run_graph
+import dataclasses
+
+from tapml.graph import Graph, Node, resolve_op, run_graph, run_node
 from tapml.platforms.base import KernelProgram, Platform, graph_program
 
 
@@ -36,5 +38,11 @@ class ReferencePlatform(Platform):
     def _run(self, program: KernelProgram, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         graph = Graph.from_json(program.graph)
         env = {r: t.to(self.device) for r, t in zip(program.inputs, inputs)}
-        out = run_graph(graph, env)
+        out = run_graph(graph, env, run=run_node if self.device.type == "cpu" else self._run_node_on_device)
         return [out[r].cpu() for r in program.outputs]
+
+    def _run_node_on_device(self, node: Node, value_of):
+        # Factory ops (arange, full, ...) carry device="cpu" from capture; place them on ours.
+        kwargs = {k: ({"device": str(self.device)} if isinstance(v, dict) and "device" in v else v)
+                  for k, v in node.kwargs.items()}
+        return run_node(dataclasses.replace(node, kwargs=kwargs), value_of)

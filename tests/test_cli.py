@@ -77,6 +77,8 @@ def test_tolerance_override_turns_a_mismatch_into_a_pass(carved):
     (["replay", "{store}", "--inject", "aten.relu.default=explode"], "unknown fault kind"),
     (["replay", "{store}", "--op", "aten.nope.default"], "no cases of"),
     (["inspect", "{tmp}/missing"], "does not exist"),
+    (["carve", "zoo:mlp", "-o", "{tmp}/x", "--device", "tpu"], "cpu or cuda"),
+    (["replay", "{store}", "--target", "reference:cuda"], "CUDA"),
 ])
 def test_bad_input_exits_2_with_one_clear_line(carved, tmp_path, args, message):
     store = carved("zoo:mlp")
