@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from tapml.errors import TapmlError
-from tapml.graph import Graph, Node, TensorMeta
+from tapml.graph import Graph, Node, TensorMeta, torch_dtype
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -110,6 +110,20 @@ def _check_shard(path: Path) -> dict:
     return header
 
 
+_CASE_FIELDS = {"id": str, "op": str, "node": str, "module": str, "args": list, "kwargs": dict, "multi": bool,
+                "output_meta": list, "inputs": list, "outputs": list, "instances": int}
+
+
+def _check_case(case) -> None:
+    if not isinstance(case, dict):
+        raise TypeError("a case is not an object")
+    for key, kind in _CASE_FIELDS.items():
+        if not isinstance(case.get(key), kind):
+            raise TypeError(f"case {case.get('id', '?')!r}: field {key!r} is missing or not a {kind.__name__}")
+    for m in case["output_meta"]:
+        TensorMeta.from_json(m)
+
+
 class CarveStore:
     """A carved store opened for reading. Raises TapmlError when it is missing or corrupt."""
 
@@ -138,11 +152,17 @@ class CarveStore:
             self.cases: list[dict] = list(self.manifest["cases"])
             self._by_id = {c["id"]: c for c in self.cases}
             self.tensor_index: dict[str, dict] = dict(self.manifest["tensors"])
+            for name, info in self.tensor_index.items():
+                if not (isinstance(info, dict) and isinstance(info.get("shard"), str)):
+                    raise TypeError(f"tensor {name!r} has no shard")
+                meta = TensorMeta.from_json(info)
+                torch_dtype(meta.dtype)
             for c in self.cases:
+                _check_case(c)
                 for name in c["inputs"] + c["outputs"]:
                     if name not in self.tensor_index:
                         raise KeyError(f"case {c['id']} refers to tensor {name!r}, which is not in the index")
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise TapmlError(f"{manifest_path} is malformed ({type(e).__name__}: {e}); carve the model again") from None
         self._headers = {}
         for shard in sorted({info["shard"] for info in self.tensor_index.values()}):

@@ -141,7 +141,7 @@ class Platform:
             reason = self.supports(node)
             if reason:
                 raise Unsupported(f"{node.op}: {reason}")
-        return self._compile(graph)
+        return wrap_errors(self._compile, graph)
 
     def run(self, program: KernelProgram, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Run a compiled program on CPU tensors; returns CPU tensors (one per graph output)."""
@@ -151,7 +151,7 @@ class Platform:
             if tuple(t.shape) != m.shape:
                 raise ValueError(f"input {i} has shape {tuple(t.shape)}, program expects {m.shape}")
         start = time.perf_counter()
-        out = self._run(program, inputs)
+        out = wrap_errors(self._run, program, inputs)
         self.last_run_ms = (time.perf_counter() - start) * 1e3
         return out
 

@@ -25,3 +25,19 @@ def carved(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+@pytest.fixture
+def figure(record_property):
+    """``figure("fuzz inputs tried", 400)``: a number printed in the run's summary (works under xdist)."""
+    return lambda name, value: record_property(f"figure:{name}", value)
+
+
+def pytest_terminal_summary(terminalreporter):
+    figures = [(name[7:], value) for reports in terminalreporter.stats.values() for r in reports
+               if getattr(r, "when", None) == "call"
+               for name, value in getattr(r, "user_properties", []) if str(name).startswith("figure:")]
+    if figures:
+        terminalreporter.section("tapml figures")
+        for name, value in figures:
+            terminalreporter.line(f"{name}: {value}")
