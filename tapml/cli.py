@@ -184,7 +184,7 @@ def replay(store: str = typer.Argument(..., help="Carve store directory"),
 
 
 # Commands of other subsystems live in their own modules; each has ``register(app)``.
-COMMAND_MODULES: list[str] = []
+COMMAND_MODULES: list[str] = ["tapml.cli_gentests", "tapml.cli_migrate", "tapml.cli_remote", "tapml.cli_bench", "tapml.cli_report"]
 
 
 def main() -> None:

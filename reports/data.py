@@ -1,0 +1,366 @@
+"""Loading Verdict JSON and migration states into one model that every report format renders.
+
+Two inputs are accepted (ARCHITECTURE.md): a Verdict JSON from ``tapml replay --json`` and a
+migration state from ``tapml migrate --state``, which is a Verdict JSON plus ``units``,
+``placement``, ``culprits`` and ``end_to_end``. Optional keys may be missing; a file that is not
+such a document raises :class:`~tapml.errors.TapmlError` saying what is wrong.
+
+Example::
+
+    states = load_states(["gpt2-vulkan.json", "gpt2-gl.json"])
+    states[0].failures[0]["op"]      # the culprit the report puts at the top
+    coverage_matrix(states)          # op -> status on every target
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tapml.errors import TapmlError
+
+STATUSES = ("pass", "mismatch", "unsupported", "error")
+STAT_KEYS = ("max_abs_err", "max_rel_err", "mismatch_fraction")
+#: Order of culprit kinds at the top of a report: the most specific finding first.
+KIND_ORDER = {"op": 0, "node": 1, "error": 2, "accumulated": 3, "region": 4, "unsupported": 5}
+
+
+@dataclass
+class StateReport:
+    """One replay verdict or migration state, normalized: every case and unit has every key."""
+
+    path: str
+    kind: str  # "migration" or "replay"
+    target: str
+    model: str
+    device: dict
+    cases: list[dict]
+    units: list[dict] = field(default_factory=list)
+    culprits: list[dict] = field(default_factory=list)
+    placement: dict = field(default_factory=dict)
+    end_to_end: dict | None = None
+    tolerances: dict = field(default_factory=dict)
+    reference: dict = field(default_factory=dict)
+    stage: str | None = None
+    complete: bool = True
+    inject: list[str] = field(default_factory=list)
+    display: str = ""
+
+    @property
+    def label(self) -> str:
+        """A short name for columns and headings: the target, plus the file when targets repeat."""
+        return self.display or self.target
+
+    @property
+    def summary(self) -> dict:
+        counts = dict.fromkeys(STATUSES, 0)
+        for c in self.cases:
+            counts[c["status"]] += 1
+        return counts
+
+    @property
+    def passed(self) -> bool:
+        """Every case passed, nothing was blamed and the end-to-end check (if any) passed."""
+        return (all(c["status"] == "pass" for c in self.cases) and not self.culprits
+                and (self.end_to_end is None or self.end_to_end.get("status") == "pass"))
+
+    @property
+    def shares(self) -> dict:
+        """Share of ops and FLOPs on the target. A replay has no placement: its op share is the
+        share of op calls (instances) whose case passed, and its FLOP share is unknown."""
+        p = self.placement
+        if "ops_share" in p:
+            return {"ops_share": p.get("ops_share"), "flops_share": p.get("flops_share"),
+                    "ops_on_target": p.get("ops_on_target"), "ops_total": p.get("ops_total"),
+                    "flops_on_target": p.get("flops_on_target"), "flops_total": p.get("flops_total"),
+                    "basis": "placement"}
+        total = sum(c["instances"] for c in self.cases)
+        good = sum(c["instances"] for c in self.cases if c["status"] == "pass")
+        return {"ops_share": good / total if total else None, "flops_share": None,
+                "ops_on_target": good, "ops_total": total, "flops_on_target": None, "flops_total": None,
+                "basis": "passing cases"}
+
+    @property
+    def failures(self) -> list[dict]:
+        """What went wrong, culprits first (most specific kind, then largest error), each with
+        its evidence's worst elements. A replay verdict has no culprits: its failing cases are."""
+        by_case = {c["id"]: c for c in self.cases}
+        by_unit = {u["id"]: u for u in self.units}
+        out = []
+        for i, c in enumerate(self.culprits):
+            evidence = _evidence(c, by_case, by_unit)
+            out.append({"culprit": True, "rank": i, "kind": c.get("kind") or "op", "op": c.get("op") or "?",
+                        "ops": c.get("ops") or [c.get("op") or "?"], "node": c.get("node") or "",
+                        "nodes": c.get("nodes") or ([c["node"]] if c.get("node") else []),
+                        "module": c.get("module") or "", "status": c.get("status") or "mismatch",
+                        "message": c.get("message") or (evidence or {}).get("message", ""),
+                        "unit": c.get("unit") or "", "region": c.get("region"),
+                        **_stats({"status": c.get("status") or "mismatch",
+                                  **{k: c.get(k, (evidence or {}).get(k)) for k in STAT_KEYS}}),
+                        "worst": list((evidence or {}).get("worst") or c.get("worst") or [])})
+        out.sort(key=lambda f: (KIND_ORDER.get(f["kind"], 9), -_sortable(f["max_abs_err"]), f["rank"]))
+        blamed = {f["op"] for f in out} | {op for f in out for op in f["ops"]}
+        for c in self.cases:
+            if c["status"] == "pass" or (self.culprits and c["op"] in blamed):
+                continue
+            kind = "op" if c["status"] == "mismatch" else c["status"]
+            out.append({"culprit": not self.culprits, "rank": len(out), "kind": kind, "op": c["op"],
+                        "ops": [c["op"]], "node": c["node"], "nodes": [c["node"]], "module": c["module"],
+                        "status": c["status"], "message": c["message"], "unit": f"case:{c['id']}", "region": None,
+                        **{k: c[k] for k in STAT_KEYS}, "worst": c["worst"]})
+        if not self.culprits:
+            status_rank = {"error": 0, "mismatch": 1, "unsupported": 2}
+            out.sort(key=lambda f: (status_rank.get(f["status"], 3), -_sortable(f["max_abs_err"])))
+        return out
+
+    @property
+    def culprit_modules(self) -> set[str]:
+        """Module paths of the culprits, including those of the blamed op's other nodes."""
+        blamed = [f for f in self.failures if f["culprit"]]
+        modules = {f["module"] for f in blamed if f["module"]}
+        nodes = {n for f in blamed for n in f["nodes"]}
+        modules |= {u["module"] for u in self.units if u["kind"] == "op" and u["nodes"] and set(u["nodes"]) <= nodes}
+        return modules
+
+    def op_times(self) -> list[dict]:
+        """Per-op time on the target: cases, calls, mean ms per call and estimated ms per model
+        run (case time × instances), largest first."""
+        rows: dict[str, dict] = {}
+        for c in self.cases:
+            r = rows.setdefault(c["op"], {"op": c["op"], "cases": 0, "instances": 0, "timed": 0,
+                                          "ms_per_model": 0.0, "ms_sum": 0.0, "statuses": set()})
+            r["cases"] += 1
+            r["instances"] += c["instances"]
+            r["statuses"].add(c["status"])
+            if c["time_ms"] is not None:
+                r["timed"] += 1
+                r["ms_sum"] += c["time_ms"]
+                r["ms_per_model"] += c["time_ms"] * c["instances"]
+        total = sum(r["ms_per_model"] for r in rows.values()) or 1.0
+        out = []
+        for r in rows.values():
+            out.append({"op": r["op"], "cases": r["cases"], "instances": r["instances"],
+                        "mean_ms": r["ms_sum"] / r["timed"] if r["timed"] else None,
+                        "ms_per_model": r["ms_per_model"] if r["timed"] else None,
+                        "share": r["ms_per_model"] / total, "status": _worst_status(r["statuses"])})
+        out.sort(key=lambda r: (-(r["ms_per_model"] or 0.0), r["op"]))
+        return out
+
+    def module_errors(self) -> list[dict]:
+        """Error per module along the depth of the model: one point per module that runs ops of
+        its own (or has no sub-modules), in the order the model first runs it, with the
+        largest error of its cases and of its op and region checks."""
+        order = {n: i for i, n in enumerate(self.placement.get("nodes") or {})}
+        points: dict[str, dict] = {}
+
+        def point(module: str, first: float) -> dict:
+            p = points.setdefault(module, {"module": module, "max_abs_err": None, "status": "pass", "ops": set(),
+                                           "checks": 0, "first": first, "direct": False})
+            p["first"] = min(p["first"], first)
+            return p
+
+        for i, c in enumerate(self.cases):
+            p = point(c["module"], order.get(c["node"], i))
+            p["direct"] = True
+            p["ops"].add(c["op"])
+            _fold(p, c)
+        for u in self.units:
+            if u["kind"] == "model" or u["role"] == "bisect":
+                continue
+            first = min((order[n] for n in u["nodes"] if n in order), default=len(order) + len(points))
+            _fold(point(u["module"], first), u)
+        paths = set(points)
+        keep = [p for p in points.values()
+                if p["direct"] or not any(q.startswith(p["module"] + ".") or not p["module"] for q in paths - {p["module"]})]
+        keep.sort(key=lambda p: p["first"])
+        culprits = self.culprit_modules
+        return [{"module": p["module"], "max_abs_err": p["max_abs_err"], "status": p["status"], "ops": sorted(p["ops"]),
+                 "checks": p["checks"], "depth": depth, "culprit": p["module"] in culprits}
+                for depth, p in enumerate(keep)]
+
+    def to_json(self) -> dict:
+        """The normalized report data (what ``tapml report --json`` writes); non-finite numbers
+        become None so that the document is strict JSON."""
+        return _finite({"path": self.path, "kind": self.kind, "target": self.target, "model": self.model,
+                "device": self.device, "reference": self.reference, "summary": self.summary,
+                "passed": self.passed, "shares": self.shares, "end_to_end": self.end_to_end,
+                "failures": self.failures, "op_times": self.op_times(),
+                "module_errors": [{**m} for m in self.module_errors()],
+                "cases": self.cases, "units": self.units})
+
+
+def _finite(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def _fold(point: dict, check: dict) -> None:
+    point["checks"] += 1
+    err = check.get("max_abs_err")
+    if check["status"] != "pass" and err is None:
+        err = math.inf  # a NaN/Inf or shape mismatch has no finite error: show it as the worst
+    if err is not None and (point["max_abs_err"] is None or err > point["max_abs_err"]):
+        point["max_abs_err"] = err
+    point["status"] = _worst_status({point["status"], check["status"]})
+
+
+def _worst_status(statuses: set[str]) -> str:
+    for s in ("error", "mismatch", "unsupported", "pass"):
+        if s in statuses:
+            return s
+    return "pass"
+
+
+def _evidence(culprit: dict, by_case: dict, by_unit: dict) -> dict | None:
+    unit = culprit.get("unit") or ""
+    if unit.startswith("case:") and unit[5:] in by_case:
+        return by_case[unit[5:]]
+    if unit in by_unit:
+        return by_unit[unit]
+    if culprit.get("case") in by_case:
+        return by_case[culprit["case"]]
+    return None
+
+
+def _num(x):
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    return float(x)
+
+
+def _sortable(x) -> float:
+    return -1.0 if x is None else x
+
+
+def _stats(v: dict) -> dict:
+    stats = {k: _num(v.get(k)) for k in STAT_KEYS}
+    if v.get("status") == "mismatch" and stats["max_abs_err"] is None:
+        stats["max_abs_err"] = math.inf  # NaN/Inf where the reference is finite, or shapes differ
+    return stats
+
+
+def _case(c: dict, where: str) -> dict:
+    if not isinstance(c, dict) or not isinstance(c.get("op"), str) or c.get("status") not in STATUSES:
+        raise TapmlError(f"{where} is not a verdict (it needs at least \"op\" and a \"status\" of "
+                         f"{', '.join(STATUSES)})")
+    return {"id": str(c.get("id", "")), "op": c["op"], "node": str(c.get("node") or ""),
+            "module": str(c.get("module") or ""), "status": c["status"], "message": str(c.get("message") or ""),
+            "instances": int(c.get("instances") or 1), "time_ms": _num(c.get("time_ms")),
+            **_stats(c), "worst": [w for w in c.get("worst") or [] if isinstance(w, dict)]}
+
+
+def _unit(u: dict, where: str) -> dict:
+    if not isinstance(u, dict) or u.get("status") not in STATUSES:
+        raise TapmlError(f"{where} is not a unit verdict (it needs a \"status\" of {', '.join(STATUSES)})")
+    nodes = u.get("nodes") if isinstance(u.get("nodes"), list) else []
+    return {"id": str(u.get("id", "")), "kind": str(u.get("kind") or "region"), "role": str(u.get("role") or ""),
+            "module": str(u.get("module") or ""), "nodes": [str(n) for n in nodes],
+            "on_target": u.get("on_target") if isinstance(u.get("on_target"), int) else None,
+            "status": u["status"], "message": str(u.get("message") or ""), "time_ms": _num(u.get("time_ms")),
+            **_stats(u), "worst": [w for w in u.get("worst") or [] if isinstance(w, dict)]}
+
+
+def _reference_info(data: dict, path: Path) -> dict:
+    """The reference side, from the store a migration state names (when it is still there)."""
+    info = {"device": "cpu", "torch": None, "store": data.get("store")}
+    store = data.get("store")
+    if isinstance(store, str):
+        manifest = (path.parent / store if not Path(store).is_absolute() else Path(store)) / "manifest.json"
+        try:
+            m = json.loads(manifest.read_text())
+            info.update(device=m.get("reference_device") or "cpu", torch=m.get("torch_version"))
+        except (OSError, ValueError, AttributeError):
+            pass
+    return info
+
+
+def parse_state(data, path: str = "<state>") -> StateReport:
+    """Normalize an already-parsed Verdict JSON or migration state; TapmlError when it is neither."""
+    hint = "expected a Verdict JSON (`tapml replay --json`) or a migration state (`tapml migrate --state`)"
+    if not isinstance(data, dict):
+        raise TapmlError(f"{path} is not a verdict file: its JSON is a {type(data).__name__}, not an object; {hint}")
+    if not isinstance(data.get("cases"), list) or not isinstance(data.get("target"), str):
+        missing = [k for k in ("target", "cases") if k not in data]
+        what = f"lacks {' and '.join(missing)}" if missing else "has a malformed target or cases"
+        raise TapmlError(f"{path} {what}; {hint}")
+    cases = [_case(c, f"{path}: cases[{i}]") for i, c in enumerate(data["cases"])]
+    units = data.get("units") if isinstance(data.get("units"), list) else []
+    units = [_unit(u, f"{path}: units[{i}]") for i, u in enumerate(units)]
+    culprits = [c for c in data.get("culprits") or [] if isinstance(c, dict)]
+    placement = data.get("placement") if isinstance(data.get("placement"), dict) else {}
+    e2e = data.get("end_to_end") if isinstance(data.get("end_to_end"), dict) else None
+    if e2e is not None:
+        e2e = {"status": e2e.get("status") if e2e.get("status") in STATUSES else "error",
+               "message": str(e2e.get("message") or ""), "time_ms": _num(e2e.get("time_ms")),
+               **_stats(e2e), "worst": list(e2e.get("worst") or [])}
+    device = data.get("device") if isinstance(data.get("device"), dict) else {}
+    device = {"adapter": str(device.get("adapter") or ""), "backend": str(device.get("backend") or ""),
+              "features": [str(f) for f in device.get("features") or []],
+              "limits": device.get("limits") if isinstance(device.get("limits"), dict) else {},
+              "error": str(device.get("error") or "")}
+    migration = any(k in data for k in ("units", "culprits", "placement", "end_to_end"))
+    return StateReport(path=path, kind="migration" if migration else "replay", target=data["target"],
+                       model=str(data.get("model") or "?"), device=device, cases=cases, units=units,
+                       culprits=culprits, placement=placement, end_to_end=e2e,
+                       tolerances=data.get("tolerances") if isinstance(data.get("tolerances"), dict) else {},
+                       reference=_reference_info(data, Path(path)), stage=data.get("stage"),
+                       complete=bool(data.get("complete", True)),
+                       inject=[str(x) for x in data.get("inject") or []])
+
+
+def load_state(path: str | Path) -> StateReport:
+    """Read one Verdict JSON or migration state file."""
+    p = Path(path)
+    if not p.is_file():
+        raise TapmlError(f"{path} does not exist; pass a file written by `tapml replay --json` or "
+                         "`tapml migrate --state`")
+    try:
+        data = json.loads(p.read_text())
+    except UnicodeDecodeError:
+        raise TapmlError(f"{path} is not a text file; pass a verdict or state JSON file") from None
+    except json.JSONDecodeError as e:
+        raise TapmlError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); pass a verdict or state "
+                         "JSON file") from None
+    return parse_state(data, str(path))
+
+
+def load_states(paths) -> list[StateReport]:
+    """Read several state files; each keeps its order (it becomes a column of the coverage matrix)."""
+    if not paths:
+        raise TapmlError("no state files given; pass one or more STATE.json files")
+    states = [load_state(p) for p in paths]
+    targets = [s.target for s in states]
+    for s in states:
+        if targets.count(s.target) > 1:
+            s.display = f"{s.target} ({Path(s.path).stem})"
+    return states
+
+
+def coverage_matrix(states: list[StateReport]) -> dict:
+    """Op coverage over several states: ``{"labels", "rows": [{"op", "cells": [cell|None]}]}``
+    where a cell is ``{"status", "pass", "total"}`` (worst status of the op's cases there)."""
+    ops: dict[str, list] = {}
+    for i, s in enumerate(states):
+        for c in s.cases:
+            cells = ops.setdefault(c["op"], [None] * len(states))
+            cell = cells[i] or {"status": "pass", "pass": 0, "total": 0}
+            cell["total"] += 1
+            cell["pass"] += c["status"] == "pass"
+            cell["status"] = _worst_status({cell["status"], c["status"]})
+            cells[i] = cell
+    status_rank = {"error": 0, "mismatch": 1, "unsupported": 2, "pass": 3}
+    rows = [{"op": op, "cells": cells} for op, cells in ops.items()]
+    rows.sort(key=lambda r: (min(status_rank[c["status"]] if c else 3 for c in r["cells"]), r["op"]))
+    totals = [{"pass": sum(c["status"] == "pass" for c in s_cells if c), "total": sum(1 for c in s_cells if c)}
+              for s_cells in zip(*[r["cells"] for r in rows])] if rows else [{"pass": 0, "total": 0} for _ in states]
+    return {"labels": [s.label for s in states], "rows": rows, "totals": totals}
+
+
+__all__ = ["StateReport", "load_state", "load_states", "parse_state", "coverage_matrix", "STATUSES"]

@@ -1,0 +1,87 @@
+"""The report as JUnit XML for CI dashboards: one ``<testsuite>`` per state, one ``<testcase>``
+per carved case and per region/model unit. A mismatch is a ``<failure>``, an error an
+``<error>``, an unsupported op ``<skipped>``; culprits are named in the failure message."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+
+from tapml.reports.data import StateReport
+from tapml.reports.html import fmt_err, fmt_pct
+
+
+def _seconds(ms) -> str:
+    return f"{(ms or 0.0) / 1e3:.6f}"
+
+
+def _details(v: dict) -> str:
+    lines = [f"max_abs_err={fmt_err(v.get('max_abs_err'))} max_rel_err={fmt_err(v.get('max_rel_err'))} "
+             f"mismatch={fmt_pct(v.get('mismatch_fraction'))}"]
+    if v.get("message"):
+        lines.append(v["message"])
+    for w in v.get("worst") or []:
+        lines.append(f"  at {w.get('index')}: target {w.get('target')} reference {w.get('reference')}")
+    return "\n".join(lines)
+
+
+def _testcase(suite: ET.Element, classname: str, name: str, v: dict, culprit: dict | None) -> str:
+    tc = ET.SubElement(suite, "testcase", classname=classname, name=name, time=_seconds(v.get("time_ms")))
+    status = v["status"]
+    if status == "pass":
+        return status
+    message = v.get("message") or status
+    if culprit is not None:
+        message = f"culprit {culprit['op']} in {culprit['module'] or '<root>'} ({culprit['kind']}): {message}"
+    tag = {"mismatch": "failure", "error": "error", "unsupported": "skipped"}[status]
+    el = ET.SubElement(tc, tag, message=message[:500])
+    if tag != "skipped":
+        el.set("type", status)
+        el.text = _details(v)
+    return status
+
+
+def junit_tree(states: list[StateReport]) -> ET.ElementTree:
+    """The JUnit XML document (``<testsuites>``) for one or more states."""
+    root = ET.Element("testsuites", name="tapml")
+    totals = dict(tests=0, failures=0, errors=0, skipped=0, time=0.0)
+    for s in states:
+        suite = ET.SubElement(root, "testsuite", name=f"{s.model} on {s.label}")
+        props = ET.SubElement(suite, "properties")
+        for k, v in (("model", s.model), ("target", s.target), ("adapter", s.device["adapter"]),
+                     ("backend", s.device["backend"]), ("features", ",".join(s.device["features"])),
+                     ("kind", s.kind), ("source", s.path)):
+            ET.SubElement(props, "property", name=k, value=str(v))
+        culprit_of = {}
+        for f in s.failures:
+            if f["culprit"]:
+                culprit_of.setdefault(f["unit"], f)
+        counts = dict(tests=0, failures=0, errors=0, skipped=0)
+        time_ms = 0.0
+        checks = [(f"{s.model}.op.{c['op']}", f"{c['id']} {c['node']} [{c['module'] or '<root>'}]", c,
+                   culprit_of.get(f"case:{c['id']}")) for c in s.cases]
+        checks += [(f"{s.model}.{u['kind']}", f"{u['id']} [{u['module'] or '<root>'}]", u, culprit_of.get(u["id"]))
+                   for u in s.units]
+        for classname, name, v, culprit in checks:
+            status = _testcase(suite, classname, name, v, culprit)
+            counts["tests"] += 1
+            key = {"mismatch": "failures", "error": "errors", "unsupported": "skipped"}.get(status)
+            if key:
+                counts[key] += 1
+            time_ms += v.get("time_ms") or 0.0
+        for k, n in counts.items():
+            suite.set(k, str(n))
+            totals[k] += n
+        suite.set("time", _seconds(time_ms))
+        totals["time"] += time_ms
+    for k, n in totals.items():
+        root.set(k, _seconds(n) if k == "time" else str(n))
+    ET.indent(root)
+    return ET.ElementTree(root)
+
+
+def render_junit(states: list[StateReport]) -> str:
+    """JUnit XML text (with an XML declaration)."""
+    return ET.tostring(junit_tree(states).getroot(), encoding="unicode", xml_declaration=True) + "\n"
+
+
+__all__ = ["render_junit", "junit_tree"]

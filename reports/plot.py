@@ -1,0 +1,117 @@
+"""A small inline SVG plot of error per module along the depth of the model (no matplotlib).
+
+The x axis is the order in which the model first runs each module, the y axis the largest
+absolute error of that module's checks on a log scale. Culprit modules get a highlighted band
+so that the eye lands on them first; an error of exactly zero sits on the floor line.
+"""
+
+from __future__ import annotations
+
+import math
+from html import escape
+
+STATUS_COLORS = {"pass": "#2e9d5b", "mismatch": "#d2373c", "error": "#8e1116", "unsupported": "#d99a00"}
+FLOOR = 1e-9  # errors below this (including exact zeros) are drawn on the floor line
+
+
+def _short(module: str) -> str:
+    if not module:
+        return "<root>"
+    return ".".join(module.split(".")[-3:])
+
+
+def _fmt(x: float | None) -> str:
+    if x is None:
+        return "not compared"
+    if math.isinf(x):
+        return "inf (NaN/Inf or shape mismatch)"
+    return f"{x:.3g}"
+
+
+def module_error_svg(points: list[dict], end_to_end: dict | None = None, title: str = "") -> str:
+    """SVG markup for ``points`` (from :meth:`StateReport.module_errors`): ``module``,
+    ``max_abs_err`` (None, a float or inf), ``status``, ``culprit``, ``ops``. ``end_to_end``
+    adds a final diamond for the model output's error."""
+    items = [dict(p) for p in points]
+    if end_to_end is not None:
+        items.append({"module": "model output", "max_abs_err": end_to_end.get("max_abs_err"),
+                      "status": end_to_end.get("status") or "pass", "culprit": False, "ops": [], "e2e": True})
+    n = max(len(items), 1)
+    step = max(26, min(56, 1100 // n)) if n <= 60 else max(8, 1560 // n)
+    left, right, top, plot_h, label_h = 64, 24, 28, 220, 130
+    width = left + right + step * n
+    height = top + plot_h + label_h
+    finite = [p["max_abs_err"] for p in items if p["max_abs_err"] is not None and math.isfinite(p["max_abs_err"])
+              and p["max_abs_err"] > FLOOR]
+    lo = math.floor(math.log10(min(finite))) if finite else -6
+    hi = math.ceil(math.log10(max(finite))) if finite else 0
+    hi = max(hi, lo + 1)
+    floor_y = top + plot_h  # exact zeros (and errors below FLOOR) sit on this line, apart from the decades
+    low_y, high_y = floor_y - 26, top + 4
+
+    def decade_y(exponent: float) -> float:
+        frac = (exponent - lo) / (hi - lo)
+        return low_y - max(0.0, min(1.0, frac)) * (low_y - high_y)
+
+    def y_of(err: float | None) -> float:
+        if err is None or err <= FLOOR:
+            return floor_y
+        if math.isinf(err):
+            return top - 10
+        return decade_y(math.log10(err))
+
+    def x_of(i: int) -> float:
+        return left + step * i + step / 2
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="module-plot" width="{width}" height="{height}" '
+           f'viewBox="0 0 {width} {height}" role="img" aria-label="{escape(title or "error per module")}">']
+    out.append(f'<rect x="{left}" y="{top - 16}" width="{step * n}" height="{plot_h + 16}" class="plot-bg"/>')
+    for i, p in enumerate(items):
+        if p.get("culprit"):
+            out.append(f'<rect class="culprit-band" x="{x_of(i) - step / 2:.1f}" y="{top - 16}" width="{step}" '
+                       f'height="{plot_h + 16 + label_h - 10}"/>')
+    for d in range(lo, hi + 1):
+        y = decade_y(d)
+        out.append(f'<line class="grid" x1="{left}" x2="{left + step * n}" y1="{y:.1f}" y2="{y:.1f}"/>'
+                   f'<text class="tick" x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">1e{d}</text>')
+    out.append(f'<line class="grid floor" x1="{left}" x2="{left + step * n}" y1="{floor_y}" y2="{floor_y}"/>'
+               f'<text class="tick" x="{left - 6}" y="{floor_y + 4}" text-anchor="end">0</text>')
+    out.append(f'<text class="axis-title" x="14" y="{top + plot_h / 2:.0f}" '
+               f'transform="rotate(-90 14 {top + plot_h / 2:.0f})" text-anchor="middle">max abs error</text>')
+    path = " ".join(f"{x_of(i):.1f},{y_of(p['max_abs_err']):.1f}" for i, p in enumerate(items)
+                    if p["max_abs_err"] is not None and not p.get("e2e"))
+    if path:
+        out.append(f'<polyline class="trend" points="{path}"/>')
+    label_every = max(1, math.ceil(n / 60))
+    for i, p in enumerate(items):
+        x, y = x_of(i), y_of(p["max_abs_err"])
+        color = STATUS_COLORS.get(p["status"], "#666")
+        classes = "pt" + (" culprit" if p.get("culprit") else "") + (" e2e" if p.get("e2e") else "")
+        tip = f"{p['module'] or '<root>'}: max abs error {_fmt(p['max_abs_err'])}, {p['status']}"
+        if p.get("ops"):
+            tip += "\nops: " + ", ".join(p["ops"])
+        if p.get("culprit"):
+            tip += "\nCULPRIT"
+        out.append(f'<g class="{classes}" data-module="{escape(p["module"])}" data-status="{escape(p["status"])}">'
+                   f'<title>{escape(tip)}</title>')
+        if p.get("e2e"):
+            out.append(f'<path d="M{x:.1f} {y - 7:.1f} L{x + 7:.1f} {y:.1f} L{x:.1f} {y + 7:.1f} '
+                       f'L{x - 7:.1f} {y:.1f} Z" fill="{color}"/>')
+        elif p["max_abs_err"] is None:
+            out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="4" fill="none" stroke="{color}" stroke-width="1.5"/>')
+        else:
+            r = 7 if p.get("culprit") else 4.5
+            out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="{r}" fill="{color}"'
+                       + (' stroke="#111" stroke-width="2"' if p.get("culprit") else "") + "/>")
+        if p.get("culprit"):
+            out.append(f'<text class="culprit-label" x="{x:.1f}" y="{y - 12:.1f}" text-anchor="middle">culprit</text>')
+        if i % label_every == 0 or p.get("culprit") or p.get("e2e"):
+            ly = floor_y + 12
+            out.append(f'<text class="xlabel{" culprit-text" if p.get("culprit") else ""}" x="{x:.1f}" y="{ly}" '
+                       f'transform="rotate(55 {x:.1f} {ly})">{escape(_short(p["module"]))}</text>')
+        out.append("</g>")
+    out.append("</svg>")
+    return "".join(out)
+
+
+__all__ = ["module_error_svg", "STATUS_COLORS"]

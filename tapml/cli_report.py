@@ -1,0 +1,49 @@
+"""``tapml report``: HTML, Markdown or JUnit XML from replay verdicts and migration states."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+
+from tapml.cli import EXIT_FINDING, EXIT_OK, JsonOpt, QuietOpt, command, console, fail, out, write_json
+
+
+def report(states: List[str] = typer.Argument(..., help="Verdict JSON (`replay --json`) or migration state "
+                                                         "(`migrate --state`) files; several give an op-coverage matrix"),
+           output: Optional[str] = typer.Option(None, "-o", "--output",
+                                                help="Report file to write ('-' for stdout); without it the "
+                                                     "report is shown in the terminal"),
+           format: Optional[str] = typer.Option(None, "--format", "-f",
+                                                help="html, md or junit (default: from the -o suffix "
+                                                     ".html/.md/.xml, else html)"),
+           title: Optional[str] = typer.Option(None, "--title", help="Title of the HTML report"),
+           json_out: Optional[str] = JsonOpt, quiet: bool = QuietOpt):
+    """Render STATES as one self-contained report: culprits first, per-op table, error per module,
+    op coverage across targets, time per op. Exit 0 when every state passed, 1 when one has findings."""
+    from tapml.reports import guess_format, load_states, render, write_report
+    from tapml.render import render_states
+    if json_out == "-" and (output == "-" or (format and not output)):
+        fail("--json - and a report on stdout would mix on one stream; write one of them to a file")
+    loaded = load_states(states)
+    if json_out:
+        write_json([s.to_json() for s in loaded], json_out)
+    if output and output != "-":
+        fmt = guess_format(output, format)
+        path = write_report(loaded, output, format=fmt, title=title)
+        if not quiet:
+            culprits = sum(1 for s in loaded for f in s.failures if f["culprit"])
+            console.print(f"wrote {fmt} report of {len(loaded)} state(s), {culprits} culprit(s) -> {path}",
+                          highlight=False)
+        render_states(loaded, console, quiet=True)
+    elif output == "-" or format:
+        out.file.write(render(loaded, guess_format(output, format), title=title))
+        out.file.flush()
+    elif json_out != "-":
+        render_states(loaded, out, quiet=quiet)
+    raise typer.Exit(EXIT_OK if all(s.passed for s in loaded) else EXIT_FINDING)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``report`` to the tapml CLI."""
+    app.command(name="report")(command(report))
