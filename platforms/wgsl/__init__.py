@@ -1,0 +1,120 @@
+"""The WGSL compiler: a core-ATen :class:`~tapml.graph.Graph` -> a :class:`KernelProgram`.
+
+Compilation needs no device, only its caps (``{"adapter", "backend", "features", "limits",
+"dtypes"}``), so the host compiles for a browser page or a remote server as well as for
+wgpu-native in-process. Example::
+
+    from tapml.platforms.wgsl import compile_graph
+    program = compile_graph(graph, {"features": ["shader-f16"], "limits": {}})
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from tapml.errors import PlatformError, Unsupported
+from tapml.graph import Graph, Node, TensorMeta, decode_arg
+from tapml.platforms.base import KernelProgram
+from tapml.platforms.wgsl.codegen import BufferView, Compute, ProgramBuilder, Value, cast, ctype
+from tapml.platforms.wgsl.registry import REGISTRY, case_graph, dtype_reason, supports_node
+
+_LOADED = False
+# a fused expression larger than this is written to a buffer instead of growing further
+MAX_FUSED_COST = 160
+
+
+def load_lowerings() -> dict:
+    """Import every op-family module (they register themselves); returns the registry."""
+    global _LOADED
+    if not _LOADED:
+        from tapml.platforms.wgsl import elementwise, index, matmul, nn, reduce, shape  # noqa: F401
+        _LOADED = True
+    return REGISTRY
+
+
+def supports(node: Node, caps: dict, input_metas=()) -> str | None:
+    """None when ``node`` can be compiled for a device with ``caps``, else the reason."""
+    load_lowerings()
+    return supports_node(node, caps, input_metas)
+
+
+def _cast_value(v: Value, dtype: str) -> Value:
+    src, dst = v.ty, ctype(dtype)
+    return Compute(v.shape, dtype, [v], lambda k, e, idx: cast(e[0], src, dst))
+
+
+def compile_graph(graph: Graph, caps: dict) -> KernelProgram:
+    """Compile ``graph`` into one KernelProgram for a device with ``caps``.
+
+    Elementwise chains fuse into the kernel that reads them, views are strides, values used
+    more than once and graph outputs are written to buffers. Raises :class:`Unsupported`
+    (with the reason) for what the device or WGSL cannot do, :class:`PlatformError` when a
+    lowering fails.
+    """
+    load_lowerings()
+    caps = caps or {}
+    pb = ProgramBuilder(caps)
+    env: dict[str, Value] = {}
+    inputs = []
+    for ref, meta in graph.inputs:
+        reason = dtype_reason(meta.dtype, caps)
+        if reason:
+            raise Unsupported(f"input {ref}: {reason}")
+        buf = pb.buffer("input", meta, "in")
+        inputs.append(buf.name)
+        env[ref] = BufferView.whole(buf, meta)
+    uses = Counter(r for n in graph.nodes for r in set(n.input_refs))
+    wanted = set(graph.outputs)
+
+    for node in graph.nodes:
+        reason = supports_node(node, caps, [graph.meta[r] for r in node.input_refs])
+        if reason:
+            raise Unsupported(f"{node.op}: {reason}")
+        low = REGISTRY[node.op]
+        try:
+            args = decode_arg(node.args, env.__getitem__)
+            kwargs = {k: decode_arg(v, env.__getitem__) for k, v in node.kwargs.items()}
+            values = low.fn(pb, node, *args, **kwargs)
+        except (Unsupported, PlatformError):
+            raise
+        except Exception as e:  # a lowering bug is a verdict on this op, not a crash
+            raise PlatformError(f"lowering {node.op} ({node.name}) failed: {type(e).__name__}: {e}") from e
+        if len(values) != len(node.outputs):
+            raise PlatformError(f"lowering {node.op} returned {len(values)} values for {len(node.outputs)} outputs")
+        for ref, v, meta in zip(node.output_refs, values, node.outputs):
+            if tuple(v.shape) != tuple(meta.shape):
+                raise PlatformError(f"lowering {node.op} ({node.name}) produced shape {list(v.shape)}, "
+                                    f"torch says {list(meta.shape)}")
+            if v.dtype != meta.dtype:
+                v = _cast_value(v, meta.dtype)
+            if ref in wanted:
+                v = _output(pb, v, meta)
+            elif v.cost > 0 and (uses[ref] > 1 or v.cost > MAX_FUSED_COST):
+                v = pb.materialize(v)
+            env[ref] = v
+
+    outputs, claimed = [], set()
+    for ref in graph.outputs:
+        v, meta = env[ref], graph.meta[ref]
+        if not (isinstance(v, BufferView) and v.buf.role == "output" and v.buf.name not in claimed and v.is_whole):
+            v = _output(pb, v, meta, force=True)
+        claimed.add(v.buf.name)
+        outputs.append(v.buf.name)
+    used = {name for kern in pb.kernels for name, _ in kern.bindings}
+    # a temp no kernel touches (an unused multi-output element) needs no device memory
+    pb.buffers = [b for b in pb.buffers if b.role != "temp" or b.name in used]
+    return KernelProgram(kind="wgsl", inputs=inputs, outputs=outputs, buffers=pb.buffers, kernels=pb.kernels,
+                         input_meta=[m for _, m in graph.inputs], output_meta=[graph.meta[r] for r in graph.outputs])
+
+
+def _output(pb: ProgramBuilder, v: Value, meta: TensorMeta, force: bool = False) -> BufferView:
+    """``v`` in an output buffer: a temp buffer holding exactly ``v`` becomes the output."""
+    if isinstance(v, BufferView) and v.buf.role == "temp" and v.is_whole and not force:
+        v.buf.role = "output"
+        v.buf.meta = meta
+        return v
+    out = pb.buffer("output", meta, "out")
+    return pb.materialize(v, out)
+
+
+__all__ = ["compile_graph", "supports", "load_lowerings", "REGISTRY", "case_graph"]

@@ -1,0 +1,412 @@
+"""WGSL code generation core: lazy values, the kernel builder and the program builder.
+
+A tensor value inside a program being compiled is a :class:`Value`: something that can
+write the WGSL expression of its element at a multi-index. A :class:`BufferView` reads a
+device buffer through shape/strides/offset (so view, permute, expand, slice, select are
+free); a :class:`Remap` re-indexes another value (reshape of a computed value); a
+:class:`Compute` is an elementwise expression of other values (chains of those fuse into
+one kernel). Kernels (reductions, matmul, convolution, copies) *materialize* values into
+buffers; the :class:`ProgramBuilder` decides when (graph outputs, values used more than
+once, inputs of kernels that need plain strided buffers).
+
+Index arithmetic is i32 (buffers are at most 2**31 bytes); shapes are baked into the shader,
+so a shader is specialized to its shapes and cached by content hash.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import numpy as np
+
+from tapml.errors import Unsupported
+from tapml.graph import TensorMeta
+from tapml.platforms.base import BufferSpec, Kernel
+
+WORKGROUP = 64
+MAX_GROUPS = 65535
+
+FLOATS = ("float32", "float16")
+INTS = ("int64", "int32", "int16", "int8", "uint8")
+STORAGE = {"float32": "f32", "float16": "f16", "bool": "u32", **{d: "i32" for d in INTS}}
+ITEMSIZE = {"f32": 4, "f16": 2, "i32": 4, "u32": 4}
+
+
+def ctype(dtype: str) -> str:
+    """Type a value of torch dtype ``dtype`` has in expressions: f32 (also for float16,
+    which is computed in f32 and rounded at each op), i32 or bool."""
+    if dtype in FLOATS:
+        return "f32"
+    if dtype == "bool":
+        return "bool"
+    if dtype in INTS:
+        return "i32"
+    raise Unsupported(f"dtype {dtype} has no WGSL lowering")
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(int(s), 1)
+    return tuple(reversed(strides))
+
+
+_F32_SPECIAL = {math.inf: "0x7f800000u", -math.inf: "0xff800000u"}
+
+
+def lit(v, ty: str) -> str:
+    """A WGSL literal of value ``v`` in expression type ``ty``."""
+    if ty == "bool":
+        return "true" if v else "false"
+    if ty == "i32":
+        if isinstance(v, float) and not v.is_integer():
+            raise Unsupported(f"value {v} is not an integer")
+        v = int(v)
+        if not -2**31 <= v < 2**31:
+            raise Unsupported(f"int64 value {v} does not fit in i32 (WGSL has no 64-bit integers)")
+        return f"i32({v})" if v != -2**31 else "i32(-2147483647 - 1)"
+    if ty == "u32":
+        return f"{int(v)}u"
+    v = float(v)
+    if math.isnan(v):
+        return "bitcast<f32>(0x7fc00000u)"
+    f = float(np.float32(v)) if abs(v) <= 3.4028234663852886e38 else v
+    if math.isinf(f):
+        return f"bitcast<f32>({_F32_SPECIAL[f]})"
+    s = repr(f)
+    if "e" not in s and "." not in s:
+        s += ".0"
+    return f"f32({s})"
+
+
+def cast(expr: str, src: str, dst: str) -> str:
+    """Convert an expression between expression types (f32, i32, bool)."""
+    if src == dst:
+        return expr
+    if dst == "bool":
+        return f"({expr} != {lit(0, src)})"
+    return f"{dst}({expr})"
+
+
+def load(raw: str, storage: str, ty: str) -> str:
+    if storage == "u32":
+        return cast(f"({raw} != 0u)", "bool", ty)
+    if storage == "f16":
+        return cast(f"f32({raw})", "f32", ty)
+    return cast(raw, storage, ty)
+
+
+def store(expr: str, ty: str, storage: str) -> str:
+    if storage == "u32":
+        return f"select(0u, 1u, {cast(expr, ty, 'bool')})"
+    if storage == "f16":
+        return f"f16({cast(expr, ty, 'f32')})"
+    return cast(expr, ty, storage)
+
+
+def index_sum(idx: Sequence[str], strides: Sequence[int], offset: int = 0) -> str:
+    terms = [str(offset)] if offset else []
+    for i, s in zip(idx, strides):
+        if s == 0 or i == "0":
+            continue
+        terms.append(i if s == 1 else f"{i} * {s}")
+    return " + ".join(terms) if terms else "0"
+
+
+# --- values ------------------------------------------------------------------------------
+
+class Value:
+    """A lazily indexed tensor value: ``read(k, idx)`` is its element at ``idx`` as a WGSL
+    expression of type ``ctype(dtype)``; ``cost`` > 0 means reading it computes something."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    cost: int = 0
+
+    @property
+    def ty(self) -> str:
+        return ctype(self.dtype)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def read(self, k: "KernelBuilder", idx: list[str]) -> str:
+        raise NotImplementedError
+
+    def bufs(self) -> frozenset:
+        return frozenset()
+
+
+class BufferView(Value):
+    """A strided window on a device buffer."""
+
+    def __init__(self, buf: BufferSpec, shape, strides, offset: int, dtype: str):
+        self.buf, self.shape, self.strides = buf, tuple(shape), tuple(strides)
+        self.offset, self.dtype = int(offset), dtype
+
+    @classmethod
+    def whole(cls, buf: BufferSpec, meta: TensorMeta) -> "BufferView":
+        return cls(buf, meta.shape, contiguous_strides(meta.shape), 0, meta.dtype)
+
+    @property
+    def contiguous(self) -> bool:
+        live = [(st, sz) for st, sz in zip(self.strides, self.shape) if sz != 1]
+        return all(st == c for (st, sz), c in zip(live, contiguous_strides([sz for _, sz in live])))
+
+    @property
+    def is_whole(self) -> bool:
+        return self.contiguous and self.offset == 0 and self.buf.meta is not None and \
+            self.numel == self.buf.meta.numel
+
+    def read(self, k, idx):
+        name = k.bind(self.buf)
+        raw = f"{name}[{index_sum(idx, self.strides, self.offset)}]"
+        return k.let(load(raw, self.buf.dtype, self.ty), self.ty, key=raw)
+
+    def bufs(self):
+        return frozenset([self.buf.name])
+
+
+class Remap(Value):
+    """``src`` read at ``fn(k, idx)``: reshapes and views of computed values."""
+
+    def __init__(self, src: Value, shape, fn: Callable):
+        self.src, self.shape, self.fn, self.dtype = src, tuple(shape), fn, src.dtype
+        self.cost = src.cost
+
+    def read(self, k, idx):
+        return self.src.read(k, self.fn(k, idx))
+
+    def bufs(self):
+        return self.src.bufs()
+
+
+class Compute(Value):
+    """Elementwise: ``fn(k, exprs, idx)`` combines the inputs' elements (read at the same
+    index; inputs are already broadcast to ``shape``) into this value's element."""
+
+    def __init__(self, shape, dtype: str, inputs: Sequence[Value], fn: Callable, cost: int = 1):
+        self.shape, self.dtype, self.inputs, self.fn = tuple(shape), dtype, list(inputs), fn
+        self.cost = cost + sum(v.cost for v in self.inputs)
+        self._bufs = frozenset().union(*(v.bufs() for v in self.inputs))
+
+    def read(self, k, idx):
+        exprs = [v.read(k, idx) for v in self.inputs]
+        e = self.fn(k, exprs, idx)
+        if self.dtype == "float16":  # torch rounds every float16 op's result
+            e = f"f32(f16({e}))"
+        return k.let(e, self.ty)
+
+    def bufs(self):
+        return self._bufs
+
+
+# --- kernels -----------------------------------------------------------------------------
+
+class KernelBuilder:
+    """Collects bindings, helper functions and body lines of one compute shader."""
+
+    def __init__(self, program: "ProgramBuilder", name: str):
+        self.program, self.name = program, name
+        self.bindings: dict[tuple[str, str], tuple[str, BufferSpec, str]] = {}
+        self.helpers: dict[str, str] = {}
+        self.lines: list[str] = []
+        self.scopes: list[dict] = [{}]
+        self.counter = 0
+
+    def bind(self, buf: BufferSpec, access: str = "read", elem: str | None = None) -> str:
+        elem = elem or buf.dtype
+        key = (buf.name, elem)
+        if key not in self.bindings:
+            self.bindings[key] = (f"buf_{buf.name}{'' if elem == buf.dtype else '_v4'}", buf, access)
+        else:
+            name, b, acc = self.bindings[key]
+            if access == "read_write":
+                self.bindings[key] = (name, b, access)
+        return self.bindings[key][0]
+
+    def fresh(self, prefix: str = "t") -> str:
+        self.counter += 1
+        return f"{prefix}{self.counter}"
+
+    def emit(self, line: str) -> None:
+        self.lines.append("  " * len(self.scopes) + line)
+
+    def let(self, expr: str, ty: str, key: str | None = None) -> str:
+        """Bind ``expr`` to a new name (memoized per scope, so equal reads are shared)."""
+        key = key or expr
+        for scope in reversed(self.scopes):
+            if key in scope:
+                return scope[key]
+        if expr.isidentifier():
+            return expr
+        name = self.fresh()
+        self.emit(f"let {name}: {ty} = {expr};")
+        self.scopes[-1][key] = name
+        return name
+
+    def var(self, ty: str, init: str, prefix: str = "v") -> str:
+        name = self.fresh(prefix)
+        self.emit(f"var {name}: {ty} = {init};")
+        return name
+
+    def open(self, header: str) -> None:
+        self.emit(header + " {")
+        self.scopes.append({})
+
+    def close(self) -> None:
+        self.scopes.pop()
+        self.emit("}")
+
+    def loop(self, var: str, count: int | str) -> None:
+        self.open(f"for (var {var}: i32 = 0; {var} < {count}; {var} = {var} + 1)")
+
+    def need(self, helper: str) -> str:
+        from tapml.platforms.wgsl.helpers import HELPERS
+        for dep in HELPERS[helper][0]:
+            self.need(dep)
+        self.helpers.setdefault(helper, HELPERS[helper][1])
+        return helper
+
+    def unravel(self, linear: str, shape: Sequence[int]) -> list[str]:
+        """Per-dimension indices of a row-major linear index."""
+        idx = []
+        strides = contiguous_strides(shape)
+        for d, (size, st) in enumerate(zip(shape, strides)):
+            if size == 1:
+                idx.append("0")
+                continue
+            e = linear if st == 1 else f"({linear} / {st})"
+            if d > 0 and any(s != 1 for s in shape[:d]):
+                e = f"({e} % {size})"
+            idx.append(self.let(e, "i32"))
+        return idx
+
+    def finish(self, threads: int, workgroup: tuple[int, int, int] | None = None,
+               groups: tuple[int, int, int] | None = None) -> Kernel:
+        """Wrap the body: with ``threads`` (1-D kernels) the body sees ``n`` (the thread's
+        linear index, < threads) on a 2-D grid when one dimension is not enough."""
+        header = []
+        for i, (key, (name, buf, access)) in enumerate(self.bindings.items()):
+            elem = key[1]
+            header.append(f"@group(0) @binding({i}) var<storage, {access}> {name}: array<{elem}>;")
+        header.extend(self.helpers.values())
+        if groups is None:
+            wg = WORKGROUP
+            total = max(1, -(-threads // wg))
+            gx = min(total, MAX_GROUPS)
+            gy = -(-total // gx)
+            if gy > MAX_GROUPS:
+                raise Unsupported(f"{threads} threads need more than {MAX_GROUPS}x{MAX_GROUPS} workgroups")
+            groups = (gx, gy, 1)
+            workgroup = (wg, 1, 1)
+            pre = [f"  let n: i32 = i32(gid.y) * {gx * wg} + i32(gid.x);",
+                   f"  if (n >= {threads}) {{ return; }}"]
+        else:
+            pre = []
+        for g in groups:
+            if g > MAX_GROUPS:
+                raise Unsupported(f"dispatch of {groups} workgroups exceeds {MAX_GROUPS} per dimension")
+        body = "\n".join(pre + self.lines)
+        if "f16" in body or any("f16" in key[1] for key in self.bindings):
+            header.insert(0, "enable f16;")
+        src = "\n".join(header) + "\n\n" + \
+            f"@compute @workgroup_size({', '.join(map(str, workgroup))})\n" + \
+            "fn main(@builtin(global_invocation_id) gid: vec3<u32>) {\n" + \
+            body + "\n}\n"
+        limit = self.program.max_bindings
+        if len(self.bindings) > limit:
+            raise Unsupported(f"kernel {self.name} binds {len(self.bindings)} storage buffers; "
+                              f"the device allows {limit} (max-storage-buffers-per-shader-stage)")
+        return Kernel(name=self.name, wgsl=src, bindings=[(b.name, acc) for _, b, acc in self.bindings.values()],
+                      workgroups=tuple(int(g) for g in groups))
+
+
+# --- program -----------------------------------------------------------------------------
+
+class ProgramBuilder:
+    """Buffers and kernels of one KernelProgram, with the device's limits."""
+
+    def __init__(self, caps: dict):
+        self.caps = caps or {}
+        limits = self.caps.get("limits") or {}
+        self.features = set(self.caps.get("features") or [])
+        self.max_bindings = int(limits.get("max-storage-buffers-per-shader-stage", 8))
+        self.max_binding_size = int(limits.get("max-storage-buffer-binding-size", 128 << 20))
+        self.max_buffer_size = int(limits.get("max-buffer-size", 256 << 20))
+        self.buffers: list[BufferSpec] = []
+        self.kernels: list[Kernel] = []
+        self.names: dict[str, int] = {}
+
+    def buffer(self, role: str, meta: TensorMeta, hint: str = "t") -> BufferSpec:
+        storage = STORAGE.get(meta.dtype)
+        if storage is None:
+            raise Unsupported(f"dtype {meta.dtype} has no WGSL storage type")
+        nbytes = meta.numel * ITEMSIZE[storage]
+        size = -(-nbytes // 4) * 4  # WebGPU buffer sizes are multiples of 4
+        if size > self.max_binding_size:
+            raise Unsupported(f"a {meta.dtype} tensor of shape {list(meta.shape)} needs {size} bytes, over the "
+                              f"device's max-storage-buffer-binding-size of {self.max_binding_size}")
+        if size > self.max_buffer_size:
+            raise Unsupported(f"{size} bytes exceeds the device's max-buffer-size of {self.max_buffer_size}")
+        buf = BufferSpec(name=f"{hint[0]}{len(self.buffers)}", dtype=storage, size=size, role=role, meta=meta)
+        self.buffers.append(buf)
+        return buf
+
+    def kernel(self, name: str) -> KernelBuilder:
+        n = self.names[name] = self.names.get(name, -1) + 1
+        return KernelBuilder(self, f"{name}_{n}")
+
+    def add(self, kernel: Kernel) -> None:
+        self.kernels.append(kernel)
+
+    def materialize(self, value: Value, out: BufferSpec | None = None, name: str = "copy") -> BufferView:
+        """Write ``value`` contiguously into ``out`` (a new temp buffer by default)."""
+        meta = TensorMeta(tuple(value.shape), value.dtype)
+        if out is None:
+            out = self.buffer("temp", meta)
+        if value.numel == 0:
+            return BufferView.whole(out, meta)
+        k = self.kernel("fused" if value.cost > 0 else name)
+        o = k.bind(out, "read_write")
+        idx = k.unravel("n", value.shape)
+        e = value.read(k, idx)
+        k.emit(f"{o}[n] = {store(e, value.ty, out.dtype)};")
+        self.add(k.finish(value.numel))
+        return BufferView.whole(out, meta)
+
+    def plain(self, value: Value) -> BufferView:
+        """The value as a strided buffer (materializing computed values)."""
+        if isinstance(value, BufferView):
+            return value
+        return self.materialize(value)
+
+    def fit(self, values: list[Value], reserved: int) -> list[Value]:
+        """Materialize computed inputs until a kernel reading ``values`` and binding
+        ``reserved`` more buffers stays within the binding limit."""
+        values = list(values)
+        while len(frozenset().union(*(v.bufs() for v in values))) + reserved > self.max_bindings:
+            i = max(range(len(values)), key=lambda j: len(values[j].bufs()))
+            if isinstance(values[i], BufferView) or len(values[i].bufs()) < 2:
+                raise Unsupported(f"a kernel would bind more than {self.max_bindings} storage buffers")
+            values[i] = self.materialize(values[i])
+        return values
+
+
+class Custom(Value):
+    """A value whose element is computed by ``fn(k, idx)``, which reads ``inputs`` itself
+    (gathers, padding, pooling windows of computed values)."""
+
+    def __init__(self, shape, dtype: str, inputs: Sequence[Value], fn: Callable, cost: int = 1):
+        self.shape, self.dtype, self.inputs, self.fn = tuple(shape), dtype, list(inputs), fn
+        self.cost = cost + sum(v.cost for v in self.inputs)
+        self._bufs = frozenset().union(*(v.bufs() for v in self.inputs))
+
+    def read(self, k, idx):
+        return k.let(self.fn(k, idx), self.ty)
+
+    def bufs(self):
+        return self._bufs

@@ -1,0 +1,100 @@
+"""Indexing ops: embedding, gather, index_select, index.Tensor (advanced indexing).
+
+All are lazy gathers: the consumer kernel reads the index, then the source. Indices are
+clamped into range so a bad index can never read outside a buffer (torch would raise)."""
+
+from __future__ import annotations
+
+from tapml.platforms.wgsl import views
+from tapml.platforms.wgsl.codegen import Custom, cast
+from tapml.platforms.wgsl.registry import ALL, ALL_INT, rand, randint, register
+
+
+def _index(k, v, idx, size, wrap=True):
+    i = cast(v.read(k, idx), v.ty, "i32")
+    if wrap:
+        i = k.let(f"select({i}, {i} + {size}, {i} < 0)", "i32")
+    return k.let(f"clamp({i}, 0, {size - 1})", "i32")
+
+
+@register("aten.embedding.default", ALL,
+          samples=lambda: [((rand(10, 4), randint(3, 5, hi=10)), {}), ((rand(256, 16), randint(1, 16, hi=256), 1), {})])
+def embedding(pb, node, weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    meta = node.outputs[0]
+    V = weight.shape[0]
+
+    def fn(k, idx):
+        i = _index(k, indices, list(idx[:-1]), V, wrap=False)
+        return weight.read(k, [i, idx[-1]])
+    weight, indices = pb.fit([weight, indices], 1)
+    return [Custom(meta.shape, meta.dtype, [weight, indices], fn)]
+
+
+@register("aten.gather.default", ALL,
+          samples=lambda: [((rand(3, 5), 1, randint(3, 4, hi=5)), {}), ((rand(4, 3), 0, randint(2, 3, hi=4)), {}),
+                           ((randint(2, 6), 1, randint(2, 6, hi=6)), {})])
+def gather(pb, node, x, dim, index, sparse_grad=False):
+    meta = node.outputs[0]
+    dim = views.norm_dim(dim, len(x.shape))
+
+    def fn(k, idx):
+        i = _index(k, index, list(idx), x.shape[dim], wrap=False)
+        src = list(idx)
+        src[dim] = i
+        return x.read(k, src)
+    x, index = pb.fit([x, index], 1)
+    return [Custom(meta.shape, meta.dtype, [x, index], fn)]
+
+
+@register("aten.index_select.default", ALL,
+          samples=lambda: [((rand(5, 4), 0, randint(3, hi=5)), {}), ((rand(2, 6, 3), 1, randint(4, hi=6)), {})])
+def index_select(pb, node, x, dim, index):
+    meta = node.outputs[0]
+    dim = views.norm_dim(dim, len(x.shape))
+    index = views.reshape(index, [index.numel])
+
+    def fn(k, idx):
+        src = list(idx)
+        src[dim] = _index(k, index, [idx[dim]], x.shape[dim])
+        return x.read(k, src)
+    x, index = pb.fit([x, index], 1)
+    return [Custom(meta.shape, meta.dtype, [x, index], fn)]
+
+
+def _index_samples():
+    return [((rand(5, 4), [randint(3, hi=5)]), {}), ((rand(3, 5, 4), [None, randint(2, 2, hi=5)]), {}),
+            ((rand(4, 5, 6), [randint(3, hi=4), None, randint(3, lo=-6, hi=6)]), {}),
+            ((rand(4, 5, 6), [randint(2, 1, hi=4), randint(3, hi=5)]), {}),
+            ((randint(6, 2), [randint(4, hi=6)]), {})]
+
+
+@register("aten.index.Tensor", ALL, samples=_index_samples)
+def index_tensor(pb, node, x, indices):
+    meta = node.outputs[0]
+    nd = len(x.shape)
+    indices = list(indices) + [None] * (nd - len(indices))
+    pos = [d for d, i in enumerate(indices) if i is not None]
+    for d in pos:
+        if indices[d].dtype not in ALL_INT:
+            from tapml.errors import Unsupported
+            raise Unsupported("index.Tensor with boolean masks has a data-dependent shape")
+    import torch
+    bshape = tuple(torch.broadcast_shapes(*[tuple(indices[d].shape) for d in pos]))
+    adjacent = pos == list(range(pos[0], pos[-1] + 1))
+    start = pos[0] if adjacent else 0
+    rest = [d for d in range(nd) if d not in pos]
+    idx_vals = pb.fit([x] + [views.expand_to(indices[d], bshape) for d in pos], 1)
+    x, ivals = idx_vals[0], idx_vals[1:]
+    nb = len(bshape)
+
+    def fn(k, idx):
+        bidx = list(idx[start:start + nb])
+        other = list(idx[:start]) + list(idx[start + nb:])
+        src = [None] * nd
+        for d, v in zip(pos, ivals):
+            src[d] = _index(k, v, bidx, x.shape[d])
+        for d, i in zip(rest, other):
+            src[d] = i
+        return x.read(k, src)
+    return [Custom(meta.shape, meta.dtype, [x] + ivals, fn)]
+

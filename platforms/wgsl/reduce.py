@@ -1,0 +1,284 @@
+"""Reductions (sum, mean, prod, amax/amin, max/min with indices, argmax/argmin, any/all,
+var, vector norm) and scans (cumsum, cumprod).
+
+One thread per output element loops over the reduced elements: no workgroup barriers,
+which are expensive on CPU adapters (lavapipe); the input may be a fused expression.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+from tapml.graph import TensorMeta
+from tapml.platforms.wgsl.codegen import BufferView, Value, cast, ctype, lit, store
+from tapml.platforms.wgsl.registry import ALL, ALL_FLOAT, NUMERIC, rand, randbool, randint, register
+from tapml.platforms.wgsl.views import norm_dim
+
+
+def norm_dims(dims, nd: int) -> list[int]:
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        return list(range(nd))
+    if isinstance(dims, int):
+        dims = [dims]
+    return sorted({norm_dim(d, nd) for d in dims}) if nd else []
+
+
+def reduction(pb, name: str, x: Value, dims: Sequence[int], outs: Sequence[TensorMeta],
+              init: Callable, passes: Sequence[Callable], final: Callable) -> list[BufferView]:
+    """Emit a kernel with one thread per kept element. ``init(k)`` declares state and returns
+    it; each pass ``p(k, state, v, r)`` runs in its own loop over the reduced elements
+    (``v`` the element, ``r`` its index within the reduced dims); ``final(k, state)`` returns
+    one (expression, type) per output."""
+    nd = len(x.shape)
+    kept = [d for d in range(nd) if d not in dims]
+    kept_shape = [x.shape[d] for d in kept]
+    red_shape = [x.shape[d] for d in dims]
+    count = math.prod(red_shape)
+    bufs = [pb.buffer("temp", m) for m in outs]
+    views = [BufferView.whole(b, m) for b, m in zip(bufs, outs)]
+    if math.prod(kept_shape) == 0:
+        return views
+    (x,) = pb.fit([x], len(outs))
+    k = pb.kernel(name)
+    names = [k.bind(b, "read_write") for b in bufs]
+    kidx = k.unravel("n", kept_shape)
+    state = init(k)
+    for p in passes:
+        k.loop("r", count)
+        ridx = k.unravel("r", red_shape)
+        idx = [None] * nd
+        for d, i in zip(kept, kidx):
+            idx[d] = i
+        for d, i in zip(dims, ridx):
+            idx[d] = i
+        p(k, state, x.read(k, idx), "r")
+        k.close()
+    for nm, b, (e, ty) in zip(names, bufs, final(k, state)):
+        k.emit(f"{nm}[n] = {store(e, ty, b.dtype)};")
+    pb.add(k.finish(math.prod(kept_shape)))
+    return views
+
+
+def _acc_type(node, x):
+    return ctype(node.outputs[0].dtype)
+
+
+def _red_samples(ints=True, bools=False):
+    def samples():
+        out = [((rand(3, 5), [1]), {}), ((rand(2, 3, 4), [0, 2], True), {}), ((rand(4, 6), [-1], False), {}),
+               ((rand(5, 7), []), {})]
+        if ints:
+            out.append(((randint(3, 4, lo=-5, hi=5), [0]), {}))
+        if bools:
+            out.append(((randbool(3, 4), [1]), {}))
+        return out
+    return samples
+
+
+def _sum_like(kind):
+    def lower(pb, node, x, dim=None, keepdim=False, dtype=None):
+        dims = norm_dims(dim, len(x.shape))
+        t = ctype(node.outputs[0].dtype)
+        count = math.prod(x.shape[d] for d in dims)
+        ident = 1 if kind == "prod" else 0
+        op = "*" if kind == "prod" else "+"
+
+        def init(k):
+            return k.var(t, lit(ident, t), "acc")
+
+        def step(k, acc, v, r):
+            k.emit(f"{acc} = {acc} {op} {cast(v, x.ty, t)};")
+
+        def final(k, acc):
+            if kind == "mean":
+                return [(f"({acc} / {lit(count, 'f32')})", t)]
+            return [(acc, t)]
+        return reduction(pb, kind, x, dims, node.outputs, init, [step], final)
+    return lower
+
+
+register(["aten.sum.dim_IntList", "aten.sum.default"], ALL, samples=lambda: _red_samples(bools=True)() + [
+    ((rand(3, 4),), {})])(_sum_like("sum"))
+register(["aten.mean.dim", "aten.mean.default"], ALL_FLOAT,
+         samples=lambda: [((rand(3, 5), [1]), {}), ((rand(2, 3, 4, 4), [2, 3], True), {}), ((rand(4, 6),), {})])(
+    _sum_like("mean"))
+
+
+@register(["aten.prod.dim_int", "aten.prod.default"], NUMERIC,
+          samples=lambda: [((rand(3, 5, lo=0.5, hi=1.5), 1), {}), ((rand(2, 4, lo=0.5, hi=1.5),), {}),
+                           ((randint(3, 4, lo=-3, hi=3), 0, True), {})])
+def prod(pb, node, x, dim=None, keepdim=False, dtype=None):
+    return _sum_like("prod")(pb, node, x, dim, keepdim, dtype)
+
+
+def _extreme(t, is_max):
+    """(identity literal, better(v, best) predicate) for max/min over type t."""
+    if t == "f32":
+        ident = lit(-math.inf if is_max else math.inf, "f32")
+        cmp = ">" if is_max else "<"
+        # NaN wins (torch propagates it); first occurrence wins ties
+        return ident, lambda v, b: f"({v} {cmp} {b} || ({v} != {v} && {b} == {b}))"
+    if t == "bool":
+        return ("false" if is_max else "true"), lambda v, b: (f"({v} && !{b})" if is_max else f"(!{v} && {b})")
+    ident = "i32(-2147483647 - 1)" if is_max else "2147483647"
+    return ident, lambda v, b: f"({v} {'>' if is_max else '<'} {b})"
+
+
+def _amax_like(is_max):
+    def lower(pb, node, x, dim=None, keepdim=False):
+        dims = norm_dims(dim, len(x.shape))
+        t = x.ty
+        ident, better = _extreme(t, is_max)
+
+        def init(k):
+            return k.var(t, ident, "best")
+
+        def step(k, best, v, r):
+            k.emit(f"if {better(v, best)} {{ {best} = {v}; }}")
+        return reduction(pb, "amax" if is_max else "amin", x, dims, node.outputs, init, [step],
+                         lambda k, best: [(best, t)])
+    return lower
+
+
+register(["aten.amax.default", "aten.max.default"], ALL, samples=lambda: _red_samples(bools=True)()[:-2] + [
+    ((rand(3, 4),), {})])(_amax_like(True))
+register(["aten.amin.default", "aten.min.default"], ALL, samples=lambda: _red_samples()()[:-1] + [
+    ((rand(3, 4),), {})])(_amax_like(False))
+
+
+def _arg_like(is_max, values):
+    def lower(pb, node, x, dim=None, keepdim=False):
+        dims = norm_dims(dim, len(x.shape))
+        t = x.ty
+        ident, better = _extreme(t, is_max)
+
+        def init(k):
+            return k.var(t, ident, "best"), k.var("i32", "-1", "arg")
+
+        def step(k, st, v, r):
+            best, arg = st
+            k.emit(f"if ({arg} < 0 || {better(v, best)}) {{ {best} = {v}; {arg} = {r}; }}")
+
+        def final(k, st):
+            return ([(st[0], t)] if values else []) + [(st[1], "i32")]
+        return reduction(pb, "argmax" if is_max else "argmin", x, dims, node.outputs, init, [step], final)
+    return lower
+
+
+def _dim_samples():
+    return [((rand(3, 5), 1), {}), ((rand(2, 3, 4), 0, True), {}), ((randint(4, 6, lo=0, hi=4), -1), {})]
+
+
+register("aten.max.dim", NUMERIC, samples=_dim_samples)(_arg_like(True, True))
+register("aten.min.dim", NUMERIC, samples=_dim_samples)(_arg_like(False, True))
+register("aten.argmax.default", NUMERIC, samples=lambda: _dim_samples() + [((rand(3, 4),), {})])(_arg_like(True, False))
+register("aten.argmin.default", NUMERIC, samples=lambda: _dim_samples() + [((rand(3, 4),), {})])(_arg_like(False, False))
+
+
+def _any_like(is_any):
+    def lower(pb, node, x, dim=None, keepdim=False):
+        dims = norm_dims(dim, len(x.shape))
+
+        def init(k):
+            return k.var("bool", "false" if is_any else "true", "acc")
+
+        def step(k, acc, v, r):
+            b = cast(v, x.ty, "bool")
+            k.emit(f"{acc} = {acc} {'||' if is_any else '&&'} {b};")
+        return reduction(pb, "any" if is_any else "all", x, dims, node.outputs, init, [step], lambda k, a: [(a, "bool")])
+    return lower
+
+
+def _any_samples():
+    import torch
+    return [((torch.rand(3, 5) > 0.8, 1), {}), ((torch.rand(2, 3, 4) > 0.9,), {}), ((randint(3, 4, lo=0, hi=2), 0, True), {}),
+            ((rand(4, 3).round(), [0, 1]), {})]
+
+
+register(["aten.any.dim", "aten.any.dims", "aten.any.default"], ALL, samples=_any_samples)(_any_like(True))
+register(["aten.all.dim", "aten.all.dims", "aten.all.default"], ALL, samples=_any_samples)(_any_like(False))
+
+
+@register(["aten.var.correction", "aten.var_mean.correction"], ALL_FLOAT,
+          samples=lambda: [((rand(3, 5), [1]), {}), ((rand(2, 3, 4), [0, 2]), {"correction": 0, "keepdim": True}),
+                           ((rand(4, 6),), {})])
+def var(pb, node, x, dim=None, *, correction=None, keepdim=False):
+    dims = norm_dims(dim, len(x.shape))
+    count = math.prod(x.shape[d] for d in dims)
+    corr = 1 if correction is None else correction
+    with_mean = node.op == "aten.var_mean.correction"
+
+    def init(k):
+        return k.var("f32", "0.0", "s"), k.var("f32", "0.0", "q")
+
+    def p1(k, st, v, r):
+        k.emit(f"{st[0]} = {st[0]} + {v};")
+
+    def p2(k, st, v, r):
+        k.emit(f"let d{r} = {v} - {st[0]} / {lit(count, 'f32')};")
+        k.emit(f"{st[1]} = {st[1]} + d{r} * d{r};")
+
+    def final(k, st):
+        out = [(f"({st[1]} / {lit(max(count - corr, 0), 'f32')})", "f32")]
+        return out + ([(f"({st[0]} / {lit(count, 'f32')})", "f32")] if with_mean else [])
+    return reduction(pb, "var", x, dims, node.outputs, init, [p1, p2], final)
+
+
+@register("aten.linalg_vector_norm.default", ALL_FLOAT,
+          samples=lambda: [((rand(3, 5),), {}), ((rand(3, 5), 2, [1], True), {}), ((rand(4, 6), 1, [0]), {})])
+def vector_norm(pb, node, x, ord=2, dim=None, keepdim=False, dtype=None):
+    dims = norm_dims(dim, len(x.shape))
+    if ord not in (1, 2, math.inf):
+        from tapml.errors import Unsupported
+        raise Unsupported(f"linalg_vector_norm with ord={ord}")
+
+    def init(k):
+        return k.var("f32", "0.0", "acc")
+
+    def step(k, acc, v, r):
+        if ord == 2:
+            k.emit(f"{acc} = {acc} + {v} * {v};")
+        elif ord == 1:
+            k.emit(f"{acc} = {acc} + abs({v});")
+        else:
+            k.emit(f"{acc} = max({acc}, abs({v}));")
+    return reduction(pb, "norm", x, dims, node.outputs, init, [step],
+                     lambda k, a: [(f"sqrt({a})" if ord == 2 else a, "f32")])
+
+
+# --- scans -------------------------------------------------------------------------------
+
+def _scan(kind):
+    def lower(pb, node, x, dim, dtype=None):
+        meta = node.outputs[0]
+        nd = len(x.shape)
+        dim = norm_dim(dim, nd) if nd else 0
+        t = ctype(meta.dtype)
+        out = pb.buffer("temp", meta)
+        view = BufferView.whole(out, meta)
+        if meta.numel == 0:
+            return [view]
+        if nd == 0:
+            return [x]
+        lines = [x.shape[d] for d in range(nd) if d != dim]
+        (x,) = pb.fit([x], 1)
+        k = pb.kernel(kind)
+        o = k.bind(out, "read_write")
+        lidx = k.unravel("n", lines)
+        acc = k.var(t, lit(1 if kind == "cumprod" else 0, t), "acc")
+        k.loop("j", x.shape[dim])
+        idx = list(lidx[:dim]) + ["j"] + list(lidx[dim:])
+        v = cast(x.read(k, idx), x.ty, t)
+        k.emit(f"{acc} = {acc} {'*' if kind == 'cumprod' else '+'} {v};")
+        from tapml.platforms.wgsl.codegen import contiguous_strides, index_sum
+        k.emit(f"{o}[{index_sum(idx, contiguous_strides(meta.shape))}] = {store(acc, t, out.dtype)};")
+        k.close()
+        pb.add(k.finish(math.prod(lines)))
+        return [view]
+    return lower
+
+
+register("aten.cumsum.default", ALL, samples=lambda: [((rand(3, 5), 1), {}), ((randint(2, 6), -1), {}),
+                                                      ((randbool(4, 3), 0), {}), ((rand(2, 3, 4), 1), {})])(_scan("cumsum"))
+register("aten.cumprod.default", NUMERIC, samples=lambda: [((rand(3, 5, lo=0.5, hi=1.5), 1), {})])(_scan("cumprod"))

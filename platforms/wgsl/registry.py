@@ -1,0 +1,155 @@
+"""The lowering registry: one entry per full aten overload name.
+
+Each :class:`Lowering` says which tensor dtypes the op takes, how to emit it (``fn``), and
+how to make sample inputs for its test (``samples``), so that the device tests are generated
+from this table: adding an op touches one place.
+
+``fn(pb, node, *args, **kwargs)`` receives the node's decoded arguments with every tensor
+replaced by a :class:`~tapml.platforms.wgsl.codegen.Value` and returns one Value per output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from tapml.graph import Graph, Node, TensorMeta, encode_arg
+
+ALL_FLOAT = ("float32", "float16")
+ALL_INT = ("int64", "int32", "int16", "int8", "uint8")
+ALL = ALL_FLOAT + ALL_INT + ("bool",)
+NUMERIC = ALL_FLOAT + ALL_INT
+
+
+@dataclass
+class Lowering:
+    op: str
+    fn: Callable
+    dtypes: tuple[str, ...]
+    samples: Callable[[], list] | None = None
+    check: Callable[[Node], str | None] | None = None
+    family: str = ""
+    tol: dict = field(default_factory=dict)
+
+
+REGISTRY: dict[str, Lowering] = {}
+
+
+def register(ops: str | Sequence[str], dtypes: Sequence[str] = ALL, samples=None, check=None, tol=None):
+    """Decorator: register ``fn`` as the lowering of each op in ``ops``."""
+    names = [ops] if isinstance(ops, str) else list(ops)
+
+    def deco(fn):
+        family = fn.__module__.rsplit(".", 1)[-1]
+        for name in names:
+            if name in REGISTRY:
+                raise ValueError(f"{name} is registered twice")
+            REGISTRY[name] = Lowering(name, fn, tuple(dtypes), samples, check, family, dict(tol or {}))
+        return fn
+    return deco
+
+
+def dtype_reason(dtype: str, caps: dict) -> str | None:
+    """Why a tensor of ``dtype`` cannot live on a device with ``caps`` (None when it can)."""
+    if dtype == "float64":
+        return "float64: WGSL has no 64-bit floats"
+    if dtype == "bfloat16":
+        return "bfloat16: WGSL has no bfloat16 type"
+    if dtype.startswith("complex"):
+        return f"{dtype}: WGSL has no complex types"
+    if dtype == "float16" and "shader-f16" not in (caps.get("features") or []):
+        return f"float16 needs the shader-f16 feature, which adapter {caps.get('adapter', '?')!r} lacks"
+    if dtype not in ALL:
+        return f"dtype {dtype} has no WGSL lowering"
+    return None
+
+
+def supports_node(node: Node, caps: dict, input_metas: Sequence[TensorMeta] = ()) -> str | None:
+    """None when the registry can lower ``node`` for a device with ``caps``, else the reason."""
+    low = REGISTRY.get(node.op)
+    if low is None:
+        return f"no WGSL lowering for {node.op}"
+    for m in list(input_metas) + list(node.outputs):
+        reason = dtype_reason(m.dtype, caps)
+        if reason:
+            return reason
+    for m in input_metas:
+        if m.dtype not in low.dtypes:
+            return f"{node.op} takes {', '.join(low.dtypes)} tensors, not {m.dtype}"
+    if low.check is not None:
+        return low.check(node)
+    return None
+
+
+# --- samples for tests -------------------------------------------------------------------
+
+def rand(*shape, lo: float = -2.0, hi: float = 2.0, dtype=torch.float32) -> torch.Tensor:
+    """Uniform in [lo, hi), never exactly zero (so wrong zeros show)."""
+    t = torch.rand(*shape) * (hi - lo) + lo
+    t = torch.where(t == 0, torch.full_like(t, 0.125), t)
+    return t.to(dtype)
+
+
+def randint(*shape, lo: int = 0, hi: int = 10, dtype=torch.int64) -> torch.Tensor:
+    return torch.randint(lo, hi, shape, dtype=dtype)
+
+
+def randbool(*shape) -> torch.Tensor:
+    return torch.rand(*shape) > 0.5
+
+
+def case_graph(op: str, args: Sequence[Any], kwargs: dict | None = None) -> tuple[Graph, list[torch.Tensor]]:
+    """A one-node Graph calling ``op`` on sample arguments (tensors become graph inputs),
+    with output metadata taken from running it in torch; returns the graph and its inputs."""
+    from tapml.graph import resolve_op
+    kwargs = kwargs or {}
+    tensors: list[torch.Tensor] = []
+
+    def lift(a):
+        if isinstance(a, torch.Tensor):
+            tensors.append(a)
+            return _Ref(f"x{len(tensors) - 1}")
+        if isinstance(a, (list, tuple)):
+            return [lift(x) for x in a]
+        return a
+
+    largs, lkwargs = lift(list(args)), {k: lift(v) for k, v in kwargs.items()}
+    out = resolve_op(op)(*args, **kwargs)
+    multi = isinstance(out, (tuple, list))
+    outs = list(out) if multi else [out]
+    node = Node(name="n0", op=op, args=_enc(largs), kwargs={k: _enc(v) for k, v in lkwargs.items()},
+                outputs=[TensorMeta.of(o) for o in outs], multi=multi)
+    graph = Graph(inputs=[(f"x{i}", TensorMeta.of(t)) for i, t in enumerate(tensors)], nodes=[node],
+                  outputs=node.output_refs)
+    return graph, tensors
+
+
+class _Ref(str):
+    pass
+
+
+def _enc(a):
+    if isinstance(a, _Ref):
+        return {"ref": str(a)}
+    if isinstance(a, list):
+        return [_enc(x) for x in a]
+    return encode_arg(a, None)
+
+
+__all__ = ["Lowering", "REGISTRY", "register", "supports_node", "dtype_reason", "case_graph", "rand", "randint",
+           "randbool", "sample_cases", "ALL", "ALL_FLOAT", "ALL_INT", "NUMERIC"]
+
+
+def sample_cases(op: str) -> list[tuple[Graph, list[torch.Tensor]]]:
+    """The registry's samples that fit ``op``'s schema, as one-node graphs with inputs.
+    An entry's samples may be shared by several overloads; each keeps the ones it accepts."""
+    low = REGISTRY[op]
+    out = []
+    for args, kwargs in (low.samples() if low.samples else []):
+        try:
+            out.append(case_graph(op, args, kwargs))
+        except (RuntimeError, TypeError, IndexError, ValueError, NotImplementedError):
+            continue
+    return out

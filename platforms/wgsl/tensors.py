@@ -1,0 +1,64 @@
+"""Host <-> device tensor conversion for WGSL buffers.
+
+WGSL has no 64-bit integers, no bool storage and no f64: int64 travels as i32 (checked at
+upload: a value that does not fit raises, it is never wrapped silently), bool as one u32 per
+element, float16 as f16 (only with shader-f16).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tapml.errors import Unsupported
+from tapml.graph import TensorMeta, torch_dtype
+
+_I32 = (-2**31, 2**31 - 1)
+
+
+def to_device(t: torch.Tensor, storage: str, name: str = "tensor") -> bytes:
+    """Bytes of ``t`` in the WGSL storage type ``storage`` (f32, f16, i32, u32)."""
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.float64:
+        raise Unsupported(f"{name}: float64: WGSL has no 64-bit floats")
+    if storage == "f32":
+        arr = t.to(torch.float32).numpy()
+    elif storage == "f16":
+        arr = t.to(torch.float16).numpy()
+    elif storage == "u32":
+        arr = (t != 0).numpy().astype(np.uint32)
+    elif storage == "i32":
+        if t.dtype in (torch.int64,) and t.numel():
+            lo, hi = int(t.min()), int(t.max())
+            if lo < _I32[0] or hi > _I32[1]:
+                bad = lo if lo < _I32[0] else hi
+                raise Unsupported(f"{name}: int64 value {bad} does not fit in i32 (WGSL has no 64-bit integers; "
+                                  f"values must lie in [{_I32[0]}, {_I32[1]}])")
+        arr = t.to(torch.int32).numpy()
+    else:
+        raise ValueError(f"unknown storage type {storage!r}")
+    data = arr.tobytes()
+    if len(data) % 4:
+        data += b"\0" * (4 - len(data) % 4)
+    return data
+
+
+_NP = {"f32": np.float32, "f16": np.float16, "i32": np.int32, "u32": np.uint32}
+
+
+def from_device(data, storage: str, meta: TensorMeta) -> torch.Tensor:
+    """The tensor ``meta`` describes, from a buffer's bytes (int results back to int64)."""
+    n = meta.numel
+    arr = np.frombuffer(bytes(data), dtype=_NP[storage], count=n) if n else np.zeros(0, _NP[storage])
+    dtype = torch_dtype(meta.dtype)
+    if storage == "u32":
+        t = torch.from_numpy(arr.astype(np.bool_))
+    else:
+        t = torch.from_numpy(arr.copy()).to(dtype)
+    return t.reshape(meta.shape)
+
+
+def unwritten_bools(data, meta: TensorMeta) -> int:
+    """Elements of a u32 bool buffer that hold neither 0 nor 1 (left unwritten: poison)."""
+    arr = np.frombuffer(bytes(data), dtype=np.uint32, count=meta.numel)
+    return int(((arr != 0) & (arr != 1)).sum())

@@ -1,0 +1,158 @@
+"""View transforms on Values: on a BufferView they change strides/offset (no copy); on a
+computed value they re-index it lazily (:class:`Remap`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+from tapml.platforms.wgsl.codegen import BufferView, Remap, Value, contiguous_strides
+
+
+def norm_dim(d: int, ndim: int) -> int:
+    if not -max(ndim, 1) <= d < max(ndim, 1):
+        raise IndexError(f"dim {d} out of range for {ndim}-d tensor")
+    return d % max(ndim, 1)
+
+
+def expand_to(v: Value, shape: Sequence[int]) -> Value:
+    """Broadcast ``v`` to ``shape`` (numpy rules, aligned right)."""
+    shape = tuple(int(s) for s in shape)
+    if tuple(v.shape) == shape:
+        return v
+    lead = len(shape) - len(v.shape)
+    if lead < 0:
+        raise ValueError(f"cannot expand {v.shape} to {shape}")
+    bcast = [i < lead or v.shape[i - lead] == 1 and shape[i] != 1 for i in range(len(shape))]
+    if isinstance(v, BufferView):
+        strides = [0 if bcast[i] else v.strides[i - lead] for i in range(len(shape))]
+        return BufferView(v.buf, shape, strides, v.offset, v.dtype)
+
+    def fn(k, idx):
+        return ["0" if bcast[i] else idx[i] for i in range(lead, len(shape))]
+    return Remap(v, shape, fn)
+
+
+def permute(v: Value, dims: Sequence[int]) -> Value:
+    nd = len(v.shape)
+    dims = [norm_dim(d, nd) for d in dims]
+    shape = [v.shape[d] for d in dims]
+    if isinstance(v, BufferView):
+        return BufferView(v.buf, shape, [v.strides[d] for d in dims], v.offset, v.dtype)
+    inv = [dims.index(i) for i in range(nd)]
+    return Remap(v, shape, lambda k, idx: [idx[inv[i]] for i in range(nd)])
+
+
+def _view_strides(shape, strides, new_shape):
+    """Strides of ``new_shape`` viewing a tensor with ``shape``/``strides``, or None when no
+    such view exists (torch's computeStride)."""
+    if math.prod(shape) == 0:
+        return contiguous_strides(new_shape)
+    new_strides = [0] * len(new_shape)
+    view_d = len(new_shape) - 1
+    chunk_base = strides[-1] if strides else 1
+    tensor_numel, view_numel = 1, 1
+    for d in range(len(shape) - 1, -1, -1):
+        tensor_numel *= shape[d]
+        if d == 0 or (shape[d - 1] != 1 and strides[d - 1] != tensor_numel * chunk_base):
+            while view_d >= 0 and (view_numel < tensor_numel or new_shape[view_d] == 1):
+                new_strides[view_d] = view_numel * chunk_base
+                view_numel *= new_shape[view_d]
+                view_d -= 1
+            if view_numel != tensor_numel:
+                return None
+            if d > 0:
+                chunk_base = strides[d - 1]
+                tensor_numel, view_numel = 1, 1
+    if view_d != -1:
+        return None
+    return new_strides
+
+
+def reshape(v: Value, shape: Sequence[int]) -> Value:
+    shape = list(shape)
+    if -1 in shape:
+        known = math.prod(s for s in shape if s != -1)
+        shape[shape.index(-1)] = v.numel // known if known else 0
+    shape = tuple(int(s) for s in shape)
+    if tuple(v.shape) == shape:
+        return v
+    if math.prod(shape) != v.numel:
+        raise ValueError(f"cannot view {v.shape} as {shape}")
+    if isinstance(v, BufferView):
+        st = _view_strides(v.shape, v.strides, shape) if v.shape else contiguous_strides(shape)
+        if st is not None:
+            return BufferView(v.buf, shape, st, v.offset, v.dtype)
+    src_shape, new_strides = v.shape, contiguous_strides(shape)
+
+    def fn(k, idx):
+        linear = k.let(f"({' + '.join(f'{i} * {s}' for i, s in zip(idx, new_strides) if i != '0') or '0'})", "i32")
+        return k.unravel(linear, src_shape)
+    return Remap(v, shape, fn)
+
+
+def slice_(v: Value, dim: int, start, end, step: int = 1) -> Value:
+    nd = len(v.shape)
+    dim = norm_dim(dim, nd)
+    size = v.shape[dim]
+    start = 0 if start is None else start
+    end = size if end is None else end
+    start = start + size if start < 0 else start
+    end = end + size if end < 0 else end
+    start, end = min(max(start, 0), size), min(max(end, 0), size)
+    n = max(0, -(-(end - start) // step))
+    shape = list(v.shape)
+    shape[dim] = n
+    if isinstance(v, BufferView):
+        strides = list(v.strides)
+        strides[dim] *= step
+        return BufferView(v.buf, shape, strides, v.offset + start * v.strides[dim], v.dtype)
+
+    def fn(k, idx):
+        out = list(idx)
+        i = idx[dim]
+        e = i if step == 1 else f"{i} * {step}"
+        out[dim] = k.let(f"({e} + {start})", "i32") if start else (e if i != "0" else "0")
+        return out
+    return Remap(v, shape, fn)
+
+
+def select(v: Value, dim: int, index: int) -> Value:
+    nd = len(v.shape)
+    dim = norm_dim(dim, nd)
+    index = index + v.shape[dim] if index < 0 else index
+    shape = v.shape[:dim] + v.shape[dim + 1:]
+    if isinstance(v, BufferView):
+        return BufferView(v.buf, shape, v.strides[:dim] + v.strides[dim + 1:],
+                          v.offset + index * v.strides[dim], v.dtype)
+    return Remap(v, shape, lambda k, idx: list(idx[:dim]) + [str(index)] + list(idx[dim:]))
+
+
+def unsqueeze(v: Value, dim: int) -> Value:
+    dim = dim % (len(v.shape) + 1)
+    shape = v.shape[:dim] + (1,) + v.shape[dim:]
+    if isinstance(v, BufferView):
+        return BufferView(v.buf, shape, v.strides[:dim] + (0,) + v.strides[dim:], v.offset, v.dtype)
+    return Remap(v, shape, lambda k, idx: list(idx[:dim]) + list(idx[dim + 1:]))
+
+
+def squeeze(v: Value, dims: Sequence[int] | None = None) -> Value:
+    nd = len(v.shape)
+    if dims is None:
+        dims = [d for d in range(nd) if v.shape[d] == 1]
+    dims = {norm_dim(d, nd) for d in dims if v.shape[norm_dim(d, nd)] == 1} if nd else set()
+    keep = [d for d in range(nd) if d not in dims]
+    shape = tuple(v.shape[d] for d in keep)
+    if isinstance(v, BufferView):
+        return BufferView(v.buf, shape, [v.strides[d] for d in keep], v.offset, v.dtype)
+
+    def fn(k, idx):
+        out, j = [], 0
+        for d in range(nd):
+            if d in dims:
+                out.append("0")
+            else:
+                out.append(idx[j])
+                j += 1
+        return out
+    return Remap(v, shape, fn)

@@ -1,0 +1,236 @@
+"""Compile-only tier: WGSL codegen without any adapter (runs everywhere, fast).
+
+Golden shaders live in tests/golden/*.wgsl; regenerate them after an intended codegen change
+with ``TAPML_UPDATE_GOLDEN=1 pytest tests/test_wgsl_compile.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from tapml.errors import PlatformError, Unsupported
+from tapml.graph import Graph, Node, TensorMeta
+from tapml.platforms.base import KernelProgram
+from tapml.platforms.wgsl import compile_graph, load_lowerings, supports
+from tapml.platforms.wgsl.registry import case_graph, sample_cases
+from tapml.platforms.wgsl.tensors import from_device, to_device
+
+GOLDEN = Path(__file__).parent / "golden"
+LIMITS = {"max-storage-buffer-binding-size": 134217728, "max-storage-buffers-per-shader-stage": 8,
+          "max-compute-workgroups-per-dimension": 65535, "max-compute-invocations-per-workgroup": 256,
+          "max-buffer-size": 268435456}
+VULKAN = {"adapter": "test", "backend": "vulkan", "features": ["shader-f16"], "limits": LIMITS, "dtypes": []}
+GL = {"adapter": "test-gl", "backend": "gl", "features": [], "limits": LIMITS, "dtypes": []}
+REGISTRY = load_lowerings()
+M = TensorMeta
+
+
+def graph_of(inputs, nodes, outputs):
+    return Graph(inputs=[(n, M(tuple(s), d)) for n, s, d in inputs], nodes=nodes, outputs=outputs)
+
+
+def node(name, op, args, shape, dtype="float32", kwargs=None):
+    return Node(name, op, args, kwargs or {}, [M(tuple(shape), dtype)])
+
+
+def assert_well_formed(program: KernelProgram, caps: dict):
+    names = {b.name for b in program.buffers}
+    limit = caps["limits"]["max-storage-buffers-per-shader-stage"]
+    for k in program.kernels:
+        assert len(k.bindings) <= limit, f"{k.name} binds {len(k.bindings)} > {limit}"
+        assert all(n in names for n, _ in k.bindings)
+        assert all(1 <= g <= 65535 for g in k.workgroups)
+        assert "@compute" in k.wgsl and "fn main" in k.wgsl
+        decl = re.findall(r"@binding\((\d+)\)", k.wgsl)
+        assert decl == [str(i) for i in range(len(k.bindings))]
+    assert set(program.inputs) <= names and set(program.outputs) <= names
+
+
+# --- every lowering compiles without a device --------------------------------------------
+
+@pytest.mark.parametrize("op", sorted(REGISTRY))
+def test_every_lowering_compiles_for_vulkan_and_gl_caps(op):
+    torch.manual_seed(0)
+    cases = sample_cases(op)
+    assert cases, f"{op} has no sample that fits its schema"
+    for graph, _ in cases:
+        program = compile_graph(graph, VULKAN)
+        assert_well_formed(program, VULKAN)
+        f16 = any(m.dtype == "float16" for m in graph.meta.values())
+        if f16:
+            with pytest.raises(Unsupported, match="shader-f16"):
+                compile_graph(graph, GL)
+        else:
+            assert_well_formed(compile_graph(graph, GL), GL)
+
+
+def test_registry_covers_the_ops_transformer_and_cnn_models_use():
+    needed = """add.Tensor sub.Tensor mul.Tensor div.Tensor div.Tensor_mode remainder.Tensor floor_divide.default
+    pow.Tensor_Scalar pow.Tensor_Tensor pow.Scalar eq.Tensor ne.Scalar lt.Tensor le.Tensor gt.Tensor ge.Scalar
+    where.self sum.dim_IntList mean.dim amax.default any.dim cumsum.default prod.default max.dim argmax.default
+    mm.default bmm.default addmm.default _softmax.default _log_softmax.default native_layer_norm.default
+    embedding.default gather.default index.Tensor cat.default slice.Tensor select.int split.Tensor
+    split_with_sizes.default permute.default expand.default view.default _unsafe_view.default unsqueeze.default
+    squeeze.dim clone.default _to_copy.default alias.default t.default transpose.int arange.default arange.start
+    arange.start_step full.default full_like.default scalar_tensor.default zeros_like.default ones_like.default
+    empty_like.default convolution.default max_pool2d_with_indices.default avg_pool2d.default
+    _native_batch_norm_legit_no_training.default gelu.default silu.default tanh.default sigmoid.default
+    relu.default rsqrt.default sqrt.default sin.default cos.default exp.default log.default log1p.default
+    neg.default abs.default reciprocal.default erf.default bitwise_and.Tensor bitwise_or.Tensor
+    bitwise_not.default logical_not.default logical_and.default logical_or.default clamp.default
+    minimum.default maximum.default""".split()
+    missing = [op for op in needed if f"aten.{op}" not in REGISTRY]
+    assert not missing
+
+
+# --- golden WGSL -------------------------------------------------------------------------
+
+def _golden_graphs():
+    x, w, b = ("x", (4, 16), "float32"), ("w", (8, 16), "float32"), ("b", (8,), "float32")
+    return {
+        "fused_chain": graph_of([x, ("y", (16,), "float32")], [
+            node("m", "aten.mul.Tensor", [{"ref": "x"}, 0.5], (4, 16)),
+            node("a", "aten.add.Tensor", [{"ref": "m"}, {"ref": "y"}], (4, 16)),
+            node("g", "aten.gelu.default", [{"ref": "a"}], (4, 16))], ["g"]),
+        "linear": graph_of([x, w, b], [
+            node("wt", "aten.t.default", [{"ref": "w"}], (16, 8)),
+            node("mm", "aten.addmm.default", [{"ref": "b"}, {"ref": "x"}, {"ref": "wt"}], (4, 8))], ["mm"]),
+        "softmax": graph_of([x], [node("s", "aten._softmax.default", [{"ref": "x"}, -1, False], (4, 16))], ["s"]),
+        "embedding": graph_of([("ids", (2, 3), "int64"), ("table", (10, 16), "float32")], [
+            node("e", "aten.embedding.default", [{"ref": "table"}, {"ref": "ids"}], (2, 3, 16))], ["e"]),
+        "mean_keepdim": graph_of([x], [node("r", "aten.mean.dim", [{"ref": "x"}, [-1], True], (4, 1))], ["r"]),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_golden_graphs()))
+def test_golden_wgsl(name):
+    program = compile_graph(_golden_graphs()[name], VULKAN)
+    text = "\n".join(f"// kernel {k.name} workgroups={list(k.workgroups)} bindings={k.bindings}\n{k.wgsl}"
+                     for k in program.kernels)
+    path = GOLDEN / f"{name}.wgsl"
+    if os.environ.get("TAPML_UPDATE_GOLDEN") or not path.exists():
+        GOLDEN.mkdir(exist_ok=True)
+        path.write_text(text)
+    assert text == path.read_text(), f"WGSL for {name} changed; if intended, rerun with TAPML_UPDATE_GOLDEN=1"
+
+
+# --- fusion, views, intermediates --------------------------------------------------------
+
+def test_elementwise_chain_fuses_into_one_kernel():
+    program = compile_graph(_golden_graphs()["fused_chain"], VULKAN)
+    assert len(program.kernels) == 1
+    assert [b.role for b in program.buffers].count("temp") == 0
+
+
+def test_views_are_strides_not_copies():
+    g = graph_of([("x", (2, 3, 4), "float32")], [
+        node("p", "aten.permute.default", [{"ref": "x"}, [2, 0, 1]], (4, 2, 3)),
+        node("s", "aten.slice.Tensor", [{"ref": "p"}, 2, 1, 3], (4, 2, 2)),
+        node("u", "aten.unsqueeze.default", [{"ref": "s"}, 0], (1, 4, 2, 2)),
+        node("e", "aten.expand.default", [{"ref": "u"}, [3, 4, 2, 2]], (3, 4, 2, 2)),
+        node("n", "aten.neg.default", [{"ref": "e"}], (3, 4, 2, 2))], ["n"])
+    program = compile_graph(g, VULKAN)
+    assert len(program.kernels) == 1  # the neg kernel reads x through strides
+    assert [b.role for b in program.buffers] == ["input", "output"]
+
+
+def test_matmul_reads_transposed_weight_in_place():
+    program = compile_graph(_golden_graphs()["linear"], VULKAN)
+    assert len(program.kernels) == 1 and "vec4<f32>" in program.kernels[0].wgsl
+
+
+def test_value_used_twice_is_computed_once():
+    g = graph_of([("x", (8,), "float32")], [
+        node("e", "aten.exp.default", [{"ref": "x"}], (8,)),
+        node("a", "aten.add.Tensor", [{"ref": "e"}, 1.0], (8,)),
+        node("m", "aten.mul.Tensor", [{"ref": "e"}, 2.0], (8,))], ["a", "m"])
+    program = compile_graph(g, VULKAN)
+    assert sum("exp(" in k.wgsl for k in program.kernels) == 1
+    assert any(b.role == "temp" for b in program.buffers)
+
+
+def test_fusion_respects_binding_limit():
+    caps = {**VULKAN, "limits": {**LIMITS, "max-storage-buffers-per-shader-stage": 4}}
+    inputs = [(f"x{i}", (5,), "float32") for i in range(7)]
+    nodes, prev = [], "x0"
+    for i in range(1, 7):
+        nodes.append(node(f"a{i}", "aten.add.Tensor", [{"ref": prev}, {"ref": f"x{i}"}], (5,)))
+        prev = f"a{i}"
+    program = compile_graph(graph_of(inputs, nodes, [prev]), caps)
+    assert_well_formed(program, caps)
+    assert len(program.kernels) > 1
+
+
+def test_cat_of_many_inputs_stays_within_binding_limit():
+    torch.manual_seed(0)
+    graph, _ = case_graph("aten.cat.default", [[torch.randn(2, 3) for _ in range(12)], 0])
+    program = compile_graph(graph, VULKAN)
+    assert_well_formed(program, VULKAN)
+
+
+def test_large_tensor_uses_2d_dispatch():
+    n = 64 * 70000
+    g = graph_of([("x", (n,), "float32")], [node("n", "aten.neg.default", [{"ref": "x"}], (n,))], ["n"])
+    (k,) = compile_graph(g, VULKAN).kernels
+    assert k.workgroups[0] <= 65535 and k.workgroups[1] == 2
+
+
+def test_program_key_is_a_content_hash():
+    g = _golden_graphs()["linear"]
+    a, b = compile_graph(g, VULKAN), compile_graph(g, VULKAN)
+    assert a.key == b.key == KernelProgram.from_json(a.to_json()).key
+    assert a.key != compile_graph(_golden_graphs()["softmax"], VULKAN).key
+
+
+# --- honest types and limits -------------------------------------------------------------
+
+def test_float64_is_unsupported_with_reason():
+    graph, _ = case_graph("aten.add.Tensor", [torch.randn(3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)])
+    with pytest.raises(Unsupported, match="float64: WGSL has no 64-bit floats"):
+        compile_graph(graph, VULKAN)
+    assert "float64" in supports(graph.nodes[0], VULKAN)
+
+
+def test_float16_needs_shader_f16():
+    graph, _ = case_graph("aten.mul.Tensor", [torch.randn(3).half(), torch.randn(3).half()])
+    assert compile_graph(graph, VULKAN).buffers[0].dtype == "f16"
+    with pytest.raises(Unsupported, match="shader-f16"):
+        compile_graph(graph, GL)
+
+
+def test_buffer_over_binding_size_is_unsupported_naming_the_limit():
+    caps = {**VULKAN, "limits": {**LIMITS, "max-storage-buffer-binding-size": 1024}}
+    graph, _ = case_graph("aten.neg.default", [torch.randn(1000)])
+    with pytest.raises(Unsupported, match="max-storage-buffer-binding-size"):
+        compile_graph(graph, caps)
+
+
+def test_unknown_op_reason():
+    n = Node("n", "aten.fft_fft.default", [{"ref": "x"}], {}, [M((4,), "float32")])
+    assert "no WGSL lowering" in supports(n, VULKAN)
+    with pytest.raises(Unsupported, match="no WGSL lowering"):
+        compile_graph(graph_of([("x", (4,), "float32")], [n], ["n"]), VULKAN)
+
+
+def test_lowering_failure_is_a_platform_error():
+    n = Node("n", "aten.permute.default", [{"ref": "x"}, [0, 7]], {}, [M((4, 4), "float32")])
+    with pytest.raises(PlatformError, match="permute"):
+        compile_graph(graph_of([("x", (4, 4), "float32")], [n], ["n"]), VULKAN)
+
+
+def test_int64_upload_checks_range_and_round_trips():
+    t = torch.tensor([-5, 0, 2**31 - 1])
+    assert torch.equal(from_device(to_device(t, "i32"), "i32", M((3,), "int64")), t)
+    with pytest.raises(Unsupported, match="does not fit in i32"):
+        to_device(torch.tensor([2**31]), "i32", "ids")
+
+
+def test_bool_is_one_u32_per_element():
+    t = torch.tensor([True, False, True])
+    data = to_device(t, "u32")
+    assert len(data) == 12 and torch.equal(from_device(data, "u32", M((3,), "bool")), t)

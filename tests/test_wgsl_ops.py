@@ -1,0 +1,249 @@
+"""Device tier: every registered WGSL lowering against torch, on lavapipe Vulkan and llvmpipe GL.
+
+The cases come from the registry itself (each entry's seeded sample inputs), so a new
+lowering is tested the moment it is registered. Needs a wgpu adapter; skipped as a whole,
+with the reason, when there is none.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tapml.compare import compare_tensor
+from tapml.errors import PlatformError, Unsupported
+from tapml.graph import Graph, Node, TensorMeta, run_node
+from tapml.platforms.base import KernelProgram
+from tapml.platforms.wgpu_native import available_backends, shared_platform
+from tapml.platforms.wgsl import load_lowerings
+from tapml.platforms.wgsl.registry import case_graph, sample_cases
+
+BACKENDS = available_backends()
+pytestmark = [pytest.mark.device,
+              pytest.mark.skipif(not BACKENDS, reason="no wgpu adapter (install mesa-vulkan-drivers for lavapipe)")]
+REGISTRY = load_lowerings()
+OPS = sorted(REGISTRY)
+
+
+def _platform(backend):
+    if backend not in BACKENDS:
+        pytest.skip(f"no {backend} adapter here (have: {', '.join(BACKENDS) or 'none'})")
+    return shared_platform(backend)
+
+
+@pytest.fixture(scope="session")
+def vulkan():
+    return _platform("vulkan")
+
+
+@pytest.fixture(scope="session")
+def gl():
+    return _platform("gl")
+
+
+def reference(graph: Graph, inputs):
+    env = dict(zip([r for r, _ in graph.inputs], inputs))
+    return run_node(graph.nodes[0], env.__getitem__)
+
+
+def check_case(platform, graph, inputs, op, values=True):
+    program = platform.compile(graph)
+    out = platform.run(program, inputs)
+    ref = reference(graph, inputs)
+    assert len(out) == len(ref)
+    for i, (o, r) in enumerate(zip(out, ref)):
+        assert tuple(o.shape) == tuple(r.shape) and o.dtype == r.dtype, \
+            f"{op} output {i}: {o.dtype}{list(o.shape)} != reference {r.dtype}{list(r.shape)}"
+        if values:
+            res = compare_tensor(o, r)
+            assert res.passed, f"{op} output {i}: {res.message}; worst {res.worst}\ninputs: {[tuple(t.shape) for t in inputs]}"
+
+
+def _run_registry_entry(platform, op):
+    torch.manual_seed(0)
+    cases = sample_cases(op)
+    assert cases, f"{op}: no sample fits its schema; give the registry entry samples"
+    low = REGISTRY[op]
+    ran = 0
+    for graph, inputs in cases:
+        try:
+            check_case(platform, graph, inputs, op, values=low.tol.get("values", True))
+            ran += 1
+        except Unsupported as e:
+            if "float16" not in str(e):
+                raise
+    assert ran, f"{op}: every sample was unsupported on {platform.name}"
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_lowering_vulkan(vulkan, op):
+    _run_registry_entry(vulkan, op)
+
+
+# The same registry on GL: integer division, f16 and limits differ there (GLSL leaves / and %
+# undefined for negative operands; llvmpipe GL has no shader-f16).
+@pytest.mark.parametrize("op", OPS)
+def test_lowering_gl(gl, op):
+    _run_registry_entry(gl, op)
+
+
+# --- float16 -----------------------------------------------------------------------------
+
+F16_CASES = [("aten.add.Tensor", lambda: (torch.randn(3, 5), torch.randn(5))),
+             ("aten.gelu.default", lambda: (torch.randn(4, 8),)),
+             ("aten._softmax.default", lambda: (torch.randn(4, 8), -1, False)),
+             ("aten.mm.default", lambda: (torch.randn(8, 16), torch.randn(16, 12)))]
+
+
+@pytest.mark.parametrize("op,make", F16_CASES, ids=[c[0] for c in F16_CASES])
+def test_float16_with_shader_f16(vulkan, op, make):
+    if "shader-f16" not in vulkan.caps()["features"]:
+        pytest.skip("adapter lacks shader-f16")
+    torch.manual_seed(1)
+    args = [a.half() if isinstance(a, torch.Tensor) else a for a in make()]
+    graph, inputs = case_graph(op, args)
+    check_case(vulkan, graph, inputs, op)
+
+
+def test_float16_unsupported_without_shader_f16(gl):
+    assert "shader-f16" not in gl.caps()["features"]
+    graph, inputs = case_graph("aten.add.Tensor", [torch.randn(3).half(), torch.randn(3).half()])
+    with pytest.raises(Unsupported, match="shader-f16"):
+        gl.compile(graph)
+
+
+# --- runtime behaviour -------------------------------------------------------------------
+
+def test_caps_report_limits_and_features(vulkan):
+    caps = vulkan.caps()
+    for key in ("max-storage-buffer-binding-size", "max-storage-buffers-per-shader-stage",
+                "max-compute-workgroups-per-dimension", "max-compute-invocations-per-workgroup", "max-buffer-size"):
+        assert caps["limits"][key] > 0
+    assert caps["backend"] == "vulkan" and vulkan.name == "wgpu:vulkan"
+    assert isinstance(caps["features"], list) and "float32" in caps["dtypes"]
+
+
+def test_missing_backend_names_the_adapters():
+    from tapml.errors import TapmlError
+    from tapml.platforms.wgpu_native import WgpuPlatform
+    missing = next((b for b in ("dx12", "metal") if b not in BACKENDS), None)
+    if missing is None:
+        pytest.skip("every backend exists here")
+    with pytest.raises(TapmlError, match="adapters on this machine"):
+        WgpuPlatform(missing)
+
+
+def test_program_round_trips_through_json(vulkan):
+    torch.manual_seed(2)
+    graph, inputs = case_graph("aten.addmm.default", [torch.randn(8), torch.randn(5, 6), torch.randn(6, 8)])
+    program = KernelProgram.from_json(vulkan.compile(graph).to_json())
+    out = vulkan.run(program, inputs)
+    assert compare_tensor(out[0], reference(graph, inputs)[0]).passed
+
+
+def test_int64_that_does_not_fit_i32_is_reported(vulkan):
+    graph, inputs = case_graph("aten.add.Tensor", [torch.tensor([1, 2**40]), torch.tensor([1, 1])])
+    with pytest.raises(Unsupported, match="does not fit in i32"):
+        vulkan.run(vulkan.compile(graph), inputs)
+
+
+def test_int_results_come_back_as_int64(vulkan):
+    graph, inputs = case_graph("aten.cumsum.default", [torch.arange(10), 0])
+    out = vulkan.run(vulkan.compile(graph), inputs)
+    assert out[0].dtype == torch.int64 and torch.equal(out[0], torch.arange(10).cumsum(0))
+
+
+def test_shader_compile_error_is_a_platform_error(vulkan):
+    graph, inputs = case_graph("aten.neg.default", [torch.randn(4)])
+    program = vulkan.compile(graph)
+    program.kernels[0].wgsl = program.kernels[0].wgsl.replace("main", "main(", 1)
+    with pytest.raises(PlatformError, match="WGSL"):
+        vulkan.run(program, inputs)
+
+
+def test_unwritten_outputs_show_as_poison(vulkan):
+    graph, inputs = case_graph("aten.neg.default", [torch.randn(300)])
+    program = vulkan.compile(graph)
+    program.kernels[0].workgroups = (1, 1, 1)  # covers only the first 64 elements
+    out = vulkan.run(program, inputs)[0]
+    assert torch.isnan(out[64:]).all() and not torch.isnan(out[:64]).any()
+
+
+def test_large_dispatch_uses_2d_grid(vulkan):
+    n = 64 * 65535 + 1000
+    graph, inputs = case_graph("aten.neg.default", [torch.randn(n)])
+    program = vulkan.compile(graph)
+    assert program.kernels[0].workgroups[1] > 1
+    out = vulkan.run(program, inputs)[0]
+    assert torch.equal(out, -inputs[0])
+
+
+def test_fused_chain_runs_as_one_kernel(vulkan):
+    torch.manual_seed(3)
+    x = torch.randn(4, 16)
+    nodes = [Node("a", "aten.mul.Tensor", [{"ref": "x"}, 0.5], {}, [TensorMeta((4, 16), "float32")]),
+             Node("b", "aten.gelu.default", [{"ref": "a"}], {}, [TensorMeta((4, 16), "float32")]),
+             Node("c", "aten.permute.default", [{"ref": "b"}, [1, 0]], {}, [TensorMeta((16, 4), "float32")]),
+             Node("d", "aten.add.Tensor", [{"ref": "c"}, {"ref": "y"}], {}, [TensorMeta((16, 4), "float32")])]
+    graph = Graph(inputs=[("x", TensorMeta((4, 16), "float32")), ("y", TensorMeta((4,), "float32"))],
+                  nodes=nodes, outputs=["d"])
+    y = torch.randn(4)
+    program = vulkan.compile(graph)
+    assert len(program.kernels) == 1
+    out = vulkan.run(program, [x, y])[0]
+    assert compare_tensor(out, torch.nn.functional.gelu(x * 0.5).t() + y).passed
+
+
+# --- hypothesis: broadcasting and strided (view) inputs ----------------------------------
+
+dims = st.integers(min_value=1, max_value=6)
+shapes = st.lists(dims, min_size=1, max_size=4)
+
+
+@st.composite
+def broadcast_pair(draw):
+    a = draw(shapes)
+    b = [draw(st.sampled_from([1, s])) for s in a][draw(st.integers(0, len(a) - 1)):]
+    if draw(st.booleans()):
+        a, b = b, a
+    return a, b
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pair=broadcast_pair(), op=st.sampled_from(["aten.add.Tensor", "aten.mul.Tensor", "aten.sub.Tensor",
+                                                  "aten.maximum.default", "aten.lt.Tensor"]),
+       seed=st.integers(0, 2**16))
+def test_broadcasting(vulkan, pair, op, seed):
+    torch.manual_seed(seed)
+    a, b = (torch.rand(*s) * 4 - 2 for s in pair)
+    graph, inputs = case_graph(op, [a, b])
+    check_case(vulkan, graph, inputs, op)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(shape=st.lists(st.integers(2, 6), min_size=2, max_size=4), data=st.data(), seed=st.integers(0, 2**16))
+def test_strided_views_feed_elementwise(vulkan, shape, data, seed):
+    """permute + slice + expand of an input, then mul and a where: read through strides."""
+    torch.manual_seed(seed)
+    nd = len(shape)
+    perm = data.draw(st.permutations(range(nd)))
+    x = torch.rand(*shape) * 4 - 2
+    pshape = [shape[p] for p in perm]
+    start = data.draw(st.integers(0, pshape[-1] - 1))
+    sshape = pshape[:-1] + [pshape[-1] - start]
+    y = torch.rand(sshape[-1]) + 0.5
+    f = TensorMeta
+    nodes = [Node("p", "aten.permute.default", [{"ref": "x"}, list(perm)], {}, [f(tuple(pshape), "float32")]),
+             Node("s", "aten.slice.Tensor", [{"ref": "p"}, nd - 1, start, 2**62], {}, [f(tuple(sshape), "float32")]),
+             Node("m", "aten.mul.Tensor", [{"ref": "s"}, {"ref": "y"}], {}, [f(tuple(sshape), "float32")]),
+             Node("g", "aten.gt.Scalar", [{"ref": "m"}, 0.0], {}, [f(tuple(sshape), "bool")]),
+             Node("w", "aten.where.self", [{"ref": "g"}, {"ref": "m"}, {"ref": "s"}], {}, [f(tuple(sshape), "float32")])]
+    graph = Graph(inputs=[("x", f(tuple(shape), "float32")), ("y", f((sshape[-1],), "float32"))], nodes=nodes,
+                  outputs=["w", "g"])
+    out = vulkan.run(vulkan.compile(graph), [x, y])
+    s = x.permute(*perm)[..., start:]
+    m = s * y
+    assert compare_tensor(out[0], torch.where(m > 0, m, s)).passed
+    assert torch.equal(out[1], m > 0)
