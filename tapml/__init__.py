@@ -1,0 +1,12 @@
+"""tapml: port PyTorch models to WebGPU, Vulkan, Metal and OpenGL the top-down way.
+
+``tapml.Session`` (interactive offloading from Python) is imported on first use, so that
+``import tapml`` stays light.
+"""
+
+
+def __getattr__(name: str):
+    if name == "Session":
+        from tapml.session import Session
+        return Session
+    raise AttributeError(f"module 'tapml' has no attribute {name!r}")

@@ -101,18 +101,19 @@ class HybridRunner:
         self.graph = graph
         self.platform = platform
         self._programs: dict[tuple, object] = {}
+        self.compile_ms: dict[tuple[str, str], float] = {}
 
     def program(self, names: list[str], keep: Iterable[str] = ()) -> tuple[object, Graph, bool, float]:
         """(program, subgraph, cached, compile_ms) of the region made of ``names``."""
-        keep = tuple(sorted(set(keep)))
-        key = (tuple(names), keep)
         sub = self.graph.subgraph(names, keep_outputs=keep)
+        key = (tuple(names), tuple(sub.outputs))  # keeping what is already an output changes nothing
         if key in self._programs:
             return self._programs[key], sub, True, 0.0
         start = time.perf_counter()
         program = self.platform.compile(sub)
         ms = (time.perf_counter() - start) * 1e3
         self._programs[key] = program
+        self.compile_ms[(names[0], names[-1])] = ms
         return program, sub, False, ms
 
     def run(self, inputs: dict, placement: dict[str, str], keep: Iterable[str] = ()) -> HybridResult:

@@ -1,0 +1,172 @@
+"""``tapml migrate`` and ``tapml session``: offload a model to a target, checked step by step."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+
+from tapml.cli import InjectOpt, QuietOpt, TargetOpt, TokenFileOpt, TolOpt, command, console, fail, out
+
+ModelArg = typer.Argument(..., help="Carve store directory, or a MODEL spec (zoo:NAME, hf:TYPE, file.py:factory, "
+                                    "file.pt2) to carve first")
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+class MigrationDisplay:
+    """Live view on stderr: the stage, its progress and the findings so far. Falls back to
+    one line per stage and finding when stderr is not a terminal."""
+
+    def __init__(self, title: str, quiet: bool = False):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        self.title = title
+        self.quiet = quiet
+        self.live_mode = console.is_terminal and not quiet
+        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[label]}"), TimeElapsedColumn(), console=console)
+        self.task = None
+        self.findings: list[dict] = []
+        self.live = None
+
+    def __enter__(self):
+        if self.live_mode:
+            from rich.live import Live
+            self.live = Live(self._render(), console=console, refresh_per_second=8, transient=True)
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.live is not None:
+            self.live.__exit__(*exc)
+
+    def _render(self):
+        from rich.console import Group
+        from rich.table import Table
+        from rich.text import Text
+        parts = [Text(self.title, style="bold"), self.progress]
+        if self.findings:
+            table = Table(title="findings", title_justify="left", expand=False)
+            for col in ("kind", "op", "node", "module", "max_abs_err"):
+                table.add_column(col, overflow="fold")
+            for f in self.findings[-8:]:
+                table.add_row(f["kind"], f["op"], f["node"], f["module"], _fmt(f["max_abs_err"]))
+            parts.append(table)
+        return Group(*parts)
+
+    def event(self, kind: str, data: dict) -> None:
+        if kind == "stage":
+            if self.task is not None:
+                self.progress.update(self.task, visible=False)
+            self.task = self.progress.add_task(f"{data['stage']} stage", total=data["total"], label="")
+            if not self.live_mode and not self.quiet:
+                console.print(f"{data['stage']} stage: {data['total']} to check", highlight=False)
+        elif kind == "step":
+            if data["stage"] == "bisect":
+                self.progress.update(self.task, label=f"bisect {data['label']}")
+            else:
+                self.progress.update(self.task, advance=1, label=data["label"])
+        elif kind == "finding":
+            self.findings.append(data)
+            if not self.live_mode and not self.quiet:
+                console.print(f"  finding: {data['kind']} {data['op']} at {data['node']} ({data['module'] or '<root>'}) "
+                              f"max_abs_err {_fmt(data['max_abs_err'])}", highlight=False)
+        if self.live is not None:
+            self.live.update(self._render())
+
+
+def render_state(state: dict, quiet: bool = False) -> None:
+    """The end of a migration: placement share, each failure with its culprit, end-to-end error."""
+    from rich.table import Table
+    p = state["placement"]
+    culprits = state["culprits"]
+    if culprits and not quiet:
+        table = Table(title=f"failures on {state['target']} and their culprits")
+        wide = out.width >= 140  # messages stay in the state file on narrow terminals
+        for col in ("kind", "op", "node", "module", "max_abs_err", "max_rel_err", "mismatch") + (("message",) if wide else ()):
+            table.add_column(col, overflow="fold")
+        for c in culprits:
+            frac = "-" if c["mismatch_fraction"] is None else f"{c['mismatch_fraction']:.1%}"
+            if c["kind"] in ("accumulated", "fusion") or len(c["nodes"]) <= 1:
+                nodes = c["node"]
+            elif len(c["nodes"]) <= 3:
+                nodes = ", ".join(c["nodes"])
+            else:
+                nodes = f"{c['nodes'][0]} (+{len(c['nodes']) - 1})"
+            table.add_row(c["kind"], c["op"], nodes, c["module"] or "<root>", _fmt(c["max_abs_err"]),
+                          _fmt(c["max_rel_err"]), frac, *(((c["message"] or "")[:120],) if wide else ()))
+        out.print(table)
+    s = state["summary"]
+    total = sum(s.values())
+    out.print(f"op stage: {s['pass']}/{total} cases pass, {s['mismatch']} mismatch, {s['unsupported']} unsupported, "
+              f"{s['error']} error", highlight=False)
+    regions = [u for u in state["units"] if u["kind"] == "region"]
+    failed_regions = [u for u in regions if u["status"] != "pass" and u.get("role") == "module"]
+    out.print(f"region stage: {len([u for u in regions if u.get('role') == 'module'])} regions, "
+              f"{len(failed_regions)} failed, {len(regions) - len([u for u in regions if u.get('role') == 'module'])} "
+              "bisection runs", highlight=False)
+    out.print(f"placement: {p['ops_on_target']}/{p['ops_total']} ops ({p['ops_share']:.1%}) and "
+              f"{p['flops_share']:.1%} of FLOPs on {state['target']}", highlight=False)
+    e = state["end_to_end"] or {"status": "not run", "max_abs_err": None, "max_rel_err": None, "message": ""}
+    color = "green" if e["status"] == "pass" else "red"
+    out.print(f"end to end: [{color}]{e['status']}[/] max_abs_err {_fmt(e['max_abs_err'])} "
+              f"max_rel_err {_fmt(e['max_rel_err'])}" + (f" ({e['message']})" if e.get("message") else ""),
+              highlight=False)
+    verdict = "[green]migrated: everything passed[/]" if state["passed"] else \
+        f"[red]{len(culprits)} finding(s)[/]" + ("" if e["status"] == "pass" else "; the model does not match end to end")
+    out.print(verdict, highlight=False)
+
+
+def migrate(model: str = ModelArg, target: str = TargetOpt,
+            state: str = typer.Option(..., "--state", help="Migration state file (JSON) to write; its journal "
+                                                           "is kept beside it as STATE.journal"),
+            resume: bool = typer.Option(False, "--resume", help="Continue from the state's journal, skipping what is done"),
+            inject: Optional[List[str]] = InjectOpt, tol: Optional[List[str]] = TolOpt,
+            token_file: Optional[str] = TokenFileOpt, quiet: bool = QuietOpt):
+    """Offload MODEL to TARGET: each op, then growing regions, then the whole model, checking each step."""
+    from pathlib import Path
+
+    from tapml.compare import Tolerances
+    from tapml.inject import parse_faults
+    from tapml.migrate import Migration, check_faults, exit_code, open_or_carve
+    from tapml.targets import check_target, open_target, read_token
+    check_target(target)
+    tolerances = Tolerances.parse(tol)
+    parse_faults(inject or [])
+    if Path(state).is_dir():
+        fail(f"--state {state} is a directory; give a file name such as {Path(state) / 'state.json'}")
+    store, store_path = open_or_carve(model, state, on_carve=lambda spec, path: None if quiet else console.print(
+        f"carving {spec} into {path}", highlight=False))
+    check_faults(store.graph, inject)
+    with open_target(target, token=read_token(token_file), inject=inject) as platform, \
+            MigrationDisplay(f"migrating {store.model} to {target}", quiet) as display:
+        result = Migration(store, platform, target, state, tolerances=tolerances, inject=inject, resume=resume,
+                           on_event=display.event, store_path=str(store_path)).run()
+    render_state(result, quiet)
+    raise typer.Exit(exit_code(result))
+
+
+def session(model: str = ModelArg, target: str = TargetOpt,
+            state: Optional[str] = typer.Option(None, "--state", help="State file that `save` writes (and next to "
+                                                                      "which a MODEL spec is carved)"),
+            inject: Optional[List[str]] = InjectOpt, tol: Optional[List[str]] = TolOpt,
+            token_file: Optional[str] = TokenFileOpt):
+    """Interactive offloading: place nodes, modules or ops on TARGET and check them step by step."""
+    from tapml.session import Session, SessionShell
+    from tapml.targets import read_token
+    with Session(model, target=target, state=state, inject=inject, tol=tol, token=read_token(token_file)) as s:
+        shell = SessionShell(s)
+        shell.cmdloop()
+    if shell.errors and not shell.interactive:
+        fail(f"{shell.errors} scripted command(s) failed (see above)")
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``migrate`` and ``session`` to the tapml CLI."""
+    app.command(name="migrate")(command(migrate))
+    app.command(name="session")(command(session))
+
+
+__all__ = ["register", "render_state", "MigrationDisplay"]

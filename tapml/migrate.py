@@ -1,0 +1,603 @@
+"""Migration: offload a carved model to a target in three checked stages (ARCHITECTURE.md).
+
+1. **op** — every carved case alone on the target with the reference's real inputs. A case
+   that fails is re-checked node by node in the model's own context, so that a fault in one
+   instance (``--inject OP@NODE=...``) does not move the op's other instances off the target.
+2. **region** — regions grow along the module tree (children before their parent, up to the
+   root); each runs on a hybrid placement (what already failed stays on the reference) with
+   the reference's values at its inputs, and is compared with the reference at its outputs.
+   A region that fails while its ops pass is bisected — halving its target nodes in
+   topological order — to the smallest failing sub-region, which goes back to the reference.
+3. **model** — the whole model on the final placement, compared end to end.
+
+Every verdict is appended to a JSON-lines journal (``STATE.json.journal``, flushed and
+fsynced per line) the moment it is made, and the state file is rewritten atomically. The
+algorithm is deterministic given its verdicts, so ``resume=True`` replays it with the
+journaled verdicts in place of runs: a run killed at any instant resumes to the same state.
+
+Example::
+
+    store = CarveStore("stores/gpt2")
+    with open_target("wgpu:vulkan", inject=["aten.tanh.default=scale:1.01"]) as platform:
+        state = Migration(store, platform, "wgpu:vulkan", state_path="gpt2.json").run()
+    state["culprits"][0]["op"]  # 'aten.tanh.default'
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+from tapml.compare import Comparison, Tolerances, compare_tensor, merge
+from tapml.errors import PlatformError, TapmlError, Unsupported
+from tapml.graph import Graph
+from tapml.hybrid import REFERENCE, TARGET, HybridRunner, placement_shares, reference_values
+
+STATE_FORMAT = "tapml-migration/1"
+STAGES = ("op", "region", "model")
+#: Bisect-and-recheck rounds per region before giving up on it.
+MAX_ROUNDS = 8
+
+
+# --- journal -------------------------------------------------------------------------------
+
+def journal_path(state_path: str | Path) -> Path:
+    """The JSON-lines journal kept beside a state file."""
+    state_path = Path(state_path)
+    return state_path.with_name(state_path.name + ".journal")
+
+
+class Journal:
+    """An append-only JSON-lines file of ``{"key", "record"}`` lines, each flushed and fsynced.
+
+    The first line is a header (the options the migration was started with). Reading tolerates
+    a torn last line, which is what a kill in the middle of a write leaves behind.
+    """
+
+    def __init__(self, path: Path, header: dict, resume: bool):
+        self.path = Path(path)
+        self.records: dict[str, dict] = {}
+        if resume and self.path.exists():
+            old_header, self.records = self.read(self.path)
+            if old_header is not None and old_header != header:
+                raise TapmlError(_option_mismatch(old_header, header, self.path))
+            # Rewrite without a torn tail so that appends start on a fresh line.
+            self._rewrite(header)
+        else:
+            self._rewrite(header)
+        self._file = open(self.path, "a")
+
+    @staticmethod
+    def read(path: Path) -> tuple[dict | None, dict[str, dict]]:
+        header, records = None, {}
+        with open(path) as f:
+            lines = f.read().split("\n")
+        for i, line in enumerate(lines):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError:
+                if i >= len(lines) - 2:  # torn final line from a kill mid-write
+                    break
+                raise TapmlError(f"journal {path} is corrupt at line {i + 1}; remove it and its state file "
+                                 "to start over") from None
+            if "header" in item:
+                header = item["header"]
+            else:
+                records[item["key"]] = item["record"]
+        return header, records
+
+    def _rewrite(self, header: dict) -> None:
+        tmp = self.path.with_name(f".{self.path.name}.tmp{os.getpid()}")
+        with open(tmp, "w") as f:
+            f.write(json.dumps({"header": header}, allow_nan=False) + "\n")
+            for key, record in self.records.items():
+                f.write(json.dumps({"key": key, "record": record}, allow_nan=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+
+    def get(self, key: str) -> dict | None:
+        return self.records.get(key)
+
+    def put(self, key: str, record: dict) -> None:
+        self.records[key] = record
+        self._file.write(json.dumps({"key": key, "record": record}, allow_nan=False) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+
+def _option_mismatch(old: dict, new: dict, path: Path) -> str:
+    diffs = [f"{k}: journal has {old.get(k)!r}, now {new.get(k)!r}" for k in sorted(set(old) | set(new))
+             if old.get(k) != new.get(k)]
+    return (f"cannot resume from {path}: it was made with other options ({'; '.join(diffs)}); "
+            "rerun with the same options, or without --resume to start over")
+
+
+# --- region checks -------------------------------------------------------------------------
+
+class RegionChecker:
+    """Runs sub-regions of a store's model on a platform with reference values at their
+    inputs and compares their outputs with the reference. Shared by migrate and the session."""
+
+    def __init__(self, store, platform, tolerances: Tolerances | None = None):
+        self.store = store
+        self.graph: Graph = store.graph
+        self.platform = platform
+        self.tolerances = tolerances or Tolerances()
+        self.producer = self.graph.producer()
+        self.order = {n.name: i for i, n in enumerate(self.graph.nodes)}
+        self._ref: dict | None = None
+        self._runners: dict[tuple, HybridRunner] = {}
+
+    @property
+    def ref(self) -> dict:
+        """Every reference value of the model (computed once)."""
+        if self._ref is None:
+            self._ref = reference_values(self.graph, self.store.program_inputs())
+        return self._ref
+
+    def runner(self, names: list[str]) -> HybridRunner:
+        key = tuple(names)
+        if key not in self._runners:
+            self._runners[key] = HybridRunner(self.graph.subgraph(names), self.platform)
+        return self._runners[key]
+
+    def compare(self, values: dict, refs: list[str]) -> tuple[Comparison, str | None]:
+        """Compare values at ``refs`` with the reference, each with its producing op's
+        tolerance; returns the merged comparison and the ref of the worst failing output."""
+        results, worst_ref, worst_err = [], None, -1.0
+        for r in refs:
+            expected = self.ref[r]
+            op = self.producer[r].op if r in self.producer else None
+            rtol, atol = self.tolerances.get(op, str(expected.dtype).removeprefix("torch."))
+            c = compare_tensor(values[r], expected, rtol, atol)
+            results.append(c)
+            if not c.passed:
+                err = float("inf") if c.max_abs_err is None else c.max_abs_err
+                if err > worst_err:
+                    worst_ref, worst_err = r, err
+        return merge(results), worst_ref
+
+    def check(self, names: list[str], placement: dict[str, str], window: list[str] | None = None) -> dict:
+        """Run the region made of ``names`` (each placed as ``placement`` says) and return a
+        verdict: status, error stats, message, time_ms, worst elements, worst output.
+
+        The region's outputs are compared with the reference; with ``window`` (a subset of
+        ``names``), the values leaving the window are compared too, so an error is pinned
+        to the window even where later reference ops would hide it."""
+        names = sorted(names, key=self.order.__getitem__)
+        runner = self.runner(names)
+        sub = runner.graph
+        refs = list(sub.outputs)
+        if window:
+            refs += [r for r in sub.subgraph(window).outputs if r not in set(refs)]
+        inputs = {r: self.ref[r] for r, _ in sub.inputs}
+        verdict = {"status": "error", "max_abs_err": None, "max_rel_err": None, "mismatch_fraction": None,
+                   "message": "", "time_ms": None,
+                   "on_target": sum(placement.get(n) == TARGET for n in names)}
+        try:
+            result = runner.run(inputs, placement, keep=refs)
+        except Unsupported as e:
+            verdict.update(status="unsupported", message=_where(e) + str(e))
+            return verdict
+        except PlatformError as e:
+            verdict.update(status="error", message=_where(e) + str(e))
+            return verdict
+        except Exception as e:  # noqa: BLE001 - a failing region is a verdict, not a crash
+            verdict.update(status="error", message=f"{_where(e)}{type(e).__name__}: {e}")
+            return verdict
+        verdict["time_ms"] = round(sum(r.run_ms for r in result.regions), 4)
+        comparison, worst_ref = self.compare(result.values, refs)
+        verdict.update(status="pass" if comparison.passed else "mismatch", message=comparison.message,
+                       **comparison.stats())
+        if worst_ref is not None:
+            verdict["worst_output"] = worst_ref
+            verdict["worst"] = comparison.worst
+        return verdict
+
+
+def _where(e: Exception) -> str:
+    region = getattr(e, "region", None)
+    if not region:
+        return ""
+    return f"in region {region[0]}..{region[-1]} ({len(region)} nodes): " if len(region) > 1 else f"in {region[0]}: "
+
+
+def bisect(names: list[str], fails: Callable[[list[str]], bool]) -> list[str]:
+    """The smallest failing window of ``names`` (a failing sequence in topological order).
+
+    Halves while one half fails on its own; when neither half does (the failure needs both,
+    as accumulated error does), shrinks the window from each end by binary search. Each step
+    costs one ``fails`` call: O(log n) in all.
+    """
+    while len(names) > 1:
+        mid = len(names) // 2
+        left, right = names[:mid], names[mid:]
+        if fails(left):
+            names = left
+        elif fails(right):
+            names = right
+        else:
+            lo, hi = 0, mid  # names[lo:] fails, names[hi:] does not
+            while hi - lo > 1:
+                m = (lo + hi) // 2
+                lo, hi = (m, hi) if fails(names[m:]) else (lo, m)
+            names = names[lo:]
+            lo, hi = mid - lo, len(names)  # names[:lo] does not fail, names[:hi] does
+            while hi - lo > 1:
+                m = (lo + hi) // 2
+                lo, hi = (lo, m) if fails(names[:m]) else (m, hi)
+            return names[:hi]
+    return names
+
+
+def module_regions(graph: Graph) -> list[tuple[str, list[str]]]:
+    """(module path, node names) for every module of the model, children before their parent
+    (post-order, siblings in execution order); a module with the same nodes as one already
+    listed is left out. The root module (path ``""``) comes last: the whole model."""
+    members: dict[str, list[str]] = {}
+    first: dict[str, int] = {}
+    children: dict[str, set[str]] = {}
+    for i, n in enumerate(graph.nodes):
+        path = n.module
+        while True:
+            members.setdefault(path, []).append(n.name)
+            first.setdefault(path, i)
+            if not path:
+                break
+            parent = path.rpartition(".")[0]
+            children.setdefault(parent, set()).add(path)
+            path = parent
+    out, seen = [], set()
+
+    def visit(path: str) -> None:
+        for child in sorted(children.get(path, ()), key=first.__getitem__):
+            visit(child)
+        key = tuple(members[path])
+        if key not in seen:
+            seen.add(key)
+            out.append((path, members[path]))
+
+    visit("")
+    return out
+
+
+# --- the migration -------------------------------------------------------------------------
+
+class Migration:
+    """One migration of a store's model to a platform, journaled beside ``state_path``.
+
+    ``on_event(kind, data)`` is called with ``("stage", {"stage", "total"})``,
+    ``("step", {"stage", "label", "status"})`` and ``("finding", culprit)`` for live displays.
+    :meth:`run` returns the final state (the same document it writes to ``state_path``).
+    """
+
+    def __init__(self, store, platform, target: str, state_path: str | Path, *,
+                 tolerances: Tolerances | None = None, inject: list[str] | None = None, resume: bool = False,
+                 on_event: Callable[[str, dict], None] | None = None, store_path: str | None = None):
+        self.store = store
+        self.platform = platform
+        self.target = target
+        self.state_path = Path(state_path)
+        self.tolerances = tolerances or Tolerances()
+        self.inject = list(inject or [])
+        self.on_event = on_event or (lambda kind, data: None)
+        self.checker = RegionChecker(store, platform, self.tolerances)
+        self.graph = store.graph
+        self.header = {"format": STATE_FORMAT, "model": store.model, "target": target,
+                       "tolerances": self.tolerances.to_json(), "inject": self.inject,
+                       "nodes": len(self.graph.nodes), "cases": len(store.cases)}
+        self.store_path = str(store_path or store.path)
+        if not self.state_path.parent.is_dir():
+            raise TapmlError(f"cannot write --state {state_path}: directory {self.state_path.parent} does not exist")
+        self.resume = resume
+        self.journal: Journal | None = None
+        self._last_write = 0.0
+        self._reset()
+
+    def _reset(self) -> None:
+        self.stage = "op"
+        self.cases: list[dict] = []
+        self.units: list[dict] = []
+        self._unit_ids: set[str] = set()
+        self.culprits: list[dict] = []
+        self.end_to_end: dict | None = None
+        self.placement = {n.name: TARGET for n in self.graph.nodes}
+        self.device: dict | None = None
+
+    # records -------------------------------------------------------------------------------
+    def _memo(self, key: str, compute: Callable[[], dict]) -> dict:
+        record = self.journal.get(key)
+        if record is None:
+            record = compute()
+            self.journal.put(key, record)
+        return record
+
+    def _unit(self, uid: str, kind: str, role: str, module: str | None, names: list[str],
+              placement: dict[str, str], window: list[str] | None = None) -> dict:
+        def compute():
+            v = self.checker.check(names, placement, window)
+            return {"id": uid, "kind": kind, "role": role, "module": module, "nodes": list(window or names), **v}
+        unit = self._memo(f"unit:{uid}", compute)
+        if uid not in self._unit_ids:
+            self._unit_ids.add(uid)
+            self.units.append(unit)
+        self._save()
+        return unit
+
+    # stages --------------------------------------------------------------------------------
+    def run(self) -> dict:
+        """Run (or resume) every stage; returns the final state."""
+        from tapml.replay import device_info
+        if self.resume and not journal_path(self.state_path).exists() and self.state_path.exists():
+            self._journal_from_state()
+        self.journal = Journal(journal_path(self.state_path), self.header, self.resume)
+        try:
+            self.device = self._memo("device", lambda: device_info(self.platform))
+            self._save(force=True)
+            self._op_stage()
+            self._region_stage()
+            self._model_stage()
+            self.stage = "done"
+            self._save(force=True)
+        finally:
+            self.journal.close()
+        return self.state()
+
+    def _journal_from_state(self) -> None:
+        """Rebuild a journal from a state file alone (its journal was removed)."""
+        try:
+            state = json.loads(self.state_path.read_text())
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+            return
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            return
+        header = {k: state.get(k) for k in self.header}
+        lines = [{"header": header}]
+        if state.get("device") is not None:
+            lines.append({"key": "device", "record": state["device"]})
+        lines += [{"key": f"case:{c['id']}", "record": c} for c in state.get("cases", [])]
+        lines += [{"key": f"unit:{u['id']}", "record": u} for u in state.get("units", [])]
+        with open(journal_path(self.state_path), "w") as f:
+            f.write("\n".join(json.dumps(x) for x in lines) + "\n")
+
+    def _op_stage(self) -> None:
+        from tapml.replay import run_case
+        self.stage = "op"
+        self.on_event("stage", {"stage": "op", "total": len(self.store.cases)})
+        nodes_of: dict[str, list[str]] = {}
+        for n in self.graph.nodes:
+            if n.case is not None:
+                nodes_of.setdefault(n.case, []).append(n.name)
+        for case in self.store.cases:
+            verdict = self._memo(f"case:{case['id']}",
+                                 lambda: run_case(self.platform, self.store, case, self.tolerances))
+            self.cases.append(verdict)
+            self.on_event("step", {"stage": "op", "label": f"{case['id']} {case['op']}", "status": verdict["status"]})
+            if verdict["status"] != "pass":
+                self._localize_case(case, verdict, nodes_of.get(case["id"], []))
+            self._save()
+
+    def _localize_case(self, case: dict, verdict: dict, nodes: list[str]) -> None:
+        """Which of a failing case's nodes fail in the model's own context (all of them for
+        an unsupported op); those go back to the reference."""
+        if verdict["status"] == "unsupported" or len(nodes) <= 1:
+            failing = nodes
+        else:
+            failing = []
+            for name in nodes:
+                unit = self._unit(f"op:{name}", "op", "instance", self.graph.node(name).module, [name],
+                                  {name: TARGET})
+                if unit["status"] != "pass":
+                    failing.append(name)
+            if not failing:  # passes in every context but not alone: keep the case's verdict honest
+                failing = [case["node"]] if case["node"] in nodes else nodes[:1]
+        for name in failing:
+            self.placement[name] = REFERENCE
+        kind = {"unsupported": "unsupported", "error": "error"}.get(verdict["status"], "op")
+        self._finding({"kind": kind, "op": case["op"], "ops": [case["op"]], "node": case["node"],
+                       "nodes": failing, "module": case["module"], "case": case["id"], "unit": f"case:{case['id']}",
+                       "status": verdict["status"], "max_abs_err": verdict["max_abs_err"],
+                       "max_rel_err": verdict["max_rel_err"], "mismatch_fraction": verdict["mismatch_fraction"],
+                       "message": verdict["message"]})
+
+    def _region_stage(self) -> None:
+        self.stage = "region"
+        regions = module_regions(self.graph)
+        self.on_event("stage", {"stage": "region", "total": len(regions)})
+        for path, names in regions:
+            label = path or "<model>"
+            if not any(self.placement[n] == TARGET for n in names):
+                self.on_event("step", {"stage": "region", "label": label, "status": "skipped"})
+                continue
+            # A region can hold several independent failures: bisect, fall back, check again.
+            for attempt in range(1, MAX_ROUNDS + 1):
+                uid = f"region:{label}" + (f"#{attempt}" if attempt > 1 else "")
+                unit = self._unit(uid, "region", "module", path, names, dict(self.placement))
+                self.on_event("step", {"stage": "region", "label": label, "status": unit["status"]})
+                if unit["status"] == "pass":
+                    break
+                self._bisect_region(label, path, names, unit)
+                if not any(self.placement[n] == TARGET for n in names):
+                    break
+            self._save()
+
+    def _bisect_region(self, label: str, path: str, names: list[str], unit: dict) -> None:
+        target_nodes = [n for n in names if self.placement[n] == TARGET]
+        probes: list[dict] = []
+
+        def probe(window: list[str]) -> dict:
+            # The region as it will run, with only the window on the target.
+            digest = hashlib.sha1("\n".join(window).encode()).hexdigest()[:8]
+            uid = f"bisect:{label}:{window[0]}..{window[-1]}:{digest}"
+            v = self._unit(uid, "region", "bisect", path, names, {n: TARGET for n in window}, window)
+            probes.append(v)
+            self.on_event("step", {"stage": "bisect", "label": uid, "status": v["status"]})
+            return v
+
+        window = bisect(target_nodes, lambda w: probe(w)["status"] != "pass")
+        evidence = next((p for p in reversed(probes) if p["nodes"] == window), unit)
+        if len(window) == 1:
+            kind = "node"
+        else:  # every op passes alone: error that builds up along the chain, or a fusion that breaks
+            kind = "accumulated" if evidence["status"] == "mismatch" else "fusion"
+        for n in window:
+            self.placement[n] = REFERENCE
+        nodes = [self.graph.node(n) for n in window]
+        surface = self.checker.producer.get(evidence.get("worst_output") or "", nodes[-1])
+        ops = sorted({n.op for n in nodes})
+        self._finding({"kind": kind, "op": surface.op if len(window) > 1 else nodes[0].op, "ops": ops,
+                       "node": window[0] if len(window) == 1 else f"{window[0]}..{window[-1]}",
+                       "nodes": list(window), "module": _common_module([n.module for n in nodes]),
+                       "region": label, "unit": evidence["id"], "status": evidence["status"],
+                       "probes": len(probes), "max_abs_err": evidence["max_abs_err"],
+                       "max_rel_err": evidence["max_rel_err"], "mismatch_fraction": evidence["mismatch_fraction"],
+                       "message": evidence["message"]})
+
+    def _model_stage(self) -> None:
+        self.stage = "model"
+        self.on_event("stage", {"stage": "model", "total": 1})
+        names = [n.name for n in self.graph.nodes]
+        uid = "model"
+
+        def compute():
+            runner = HybridRunner(self.graph, self.platform)
+            expected = self.store.model_outputs()
+            v = {"id": uid, "kind": "model", "role": "end-to-end", "module": "", "nodes": names,
+                 "on_target": sum(self.placement[n] == TARGET for n in names), "status": "error",
+                 "max_abs_err": None, "max_rel_err": None, "mismatch_fraction": None, "message": "", "time_ms": None}
+            try:
+                result = runner.run(self.store.program_inputs(), self.placement)
+            except Unsupported as e:
+                v.update(status="unsupported", message=_where(e) + str(e))
+                return v
+            except Exception as e:  # noqa: BLE001 - a failing model is a verdict, not a crash
+                v.update(status="error", message=f"{_where(e)}{type(e).__name__}: {e}")
+                return v
+            from tapml.compare import compare_outputs
+            refs = list(expected)
+            c = compare_outputs([result.values[r] for r in refs], [expected[r] for r in refs],
+                                tolerances=self.tolerances)
+            v.update(status="pass" if c.passed else "mismatch", message=c.message, **c.stats(),
+                     time_ms=round(sum(r.run_ms for r in result.regions) + result.reference_ms, 4),
+                     regions=len(result.regions))
+            if c.worst:
+                v["worst"] = c.worst
+            return v
+
+        unit = self._memo(f"unit:{uid}", compute)
+        self.units.append(unit)
+        self.end_to_end = {k: unit.get(k) for k in ("status", "max_abs_err", "max_rel_err", "mismatch_fraction",
+                                                    "message", "time_ms", "regions")}
+        self.on_event("step", {"stage": "model", "label": "end to end", "status": unit["status"]})
+
+    def _finding(self, culprit: dict) -> None:
+        self.culprits.append(culprit)
+        self.on_event("finding", culprit)
+
+    # state ---------------------------------------------------------------------------------
+    def state(self) -> dict:
+        """The migration state: the Verdict JSON of ARCHITECTURE.md plus units, placement,
+        culprits and the end-to-end result."""
+        from tapml.replay import summarize
+        return {**self.header, "store": self.store_path, "device": self.device, "stage": self.stage,
+                "complete": self.stage == "done", "cases": self.cases, "summary": summarize(self.cases),
+                "units": self.units,
+                "placement": {"nodes": dict(self.placement), **placement_shares(self.graph, self.placement)},
+                "culprits": self.culprits, "end_to_end": self.end_to_end, "passed": self.passed()}
+
+    def passed(self) -> bool:
+        """Everything checked passed: every case, no culprit, and the end-to-end comparison."""
+        return (all(c["status"] == "pass" for c in self.cases) and not self.culprits
+                and self.end_to_end is not None and self.end_to_end["status"] == "pass")
+
+    def _save(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._last_write > 0.5:
+            from tapml.carving.store import write_json_atomic
+            write_json_atomic(self.state_path, self.state())
+            self._last_write = now
+
+
+def _common_module(paths: list[str]) -> str:
+    parts = [p.split(".") if p else [] for p in paths]
+    common = []
+    for items in zip(*parts):
+        if len(set(items)) != 1:
+            break
+        common.append(items[0])
+    return ".".join(common)
+
+
+def open_or_carve(model_or_store: str, state_path: str | Path | None = None,
+                  on_carve: Callable[[str, Path], None] | None = None):
+    """A CarveStore for MODEL|STORE: an existing store directory is opened as it is; a model
+    spec is carved into ``STATE.store/`` beside the state file (reused when it already holds
+    that model). Carving writes to a temporary directory renamed at the end, so a kill never
+    leaves a half store behind. Returns ``(store, path)``."""
+    from tapml.carving import CarveStore, carve
+    path = Path(model_or_store)
+    if path.is_dir():
+        return CarveStore(path), path
+    if path.exists():
+        raise TapmlError(f"{model_or_store} is a file, not a carve store or a model spec")
+    if state_path is None:
+        import tempfile
+        base = Path(tempfile.mkdtemp(prefix="tapml-session-"))
+        out = base / "store"
+    else:
+        state_path = Path(state_path)
+        if not state_path.parent.is_dir():
+            raise TapmlError(f"cannot write --state {state_path}: directory {state_path.parent} does not exist")
+        out = state_path.with_name(state_path.stem + ".store")
+    if out.is_dir():
+        store = CarveStore(out)
+        if store.model != model_or_store:
+            raise TapmlError(f"{out} holds a store of {store.model}, not {model_or_store}; remove it or "
+                             "use another --state")
+        return store, out
+    if on_carve:
+        on_carve(model_or_store, out)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    if tmp.exists():
+        import shutil
+        shutil.rmtree(tmp)
+    carve(model_or_store, tmp)
+    os.replace(tmp, out)
+    return CarveStore(out), out
+
+
+def check_faults(graph: Graph, inject: list[str] | None) -> None:
+    """Every ``--inject`` fault must name an op (and node) of this model, or it proves nothing."""
+    from tapml.inject import parse_faults
+    nodes = {n.name: n for n in graph.nodes}
+    ops = {n.op for n in graph.nodes}
+    for item, fault in zip(inject or [], parse_faults(inject or [])):
+        if fault.op not in ops:
+            close = sorted(o for o in ops if fault.op.split(".")[1] in o)[:5]
+            raise TapmlError(f"--inject {item!r}: the model has no {fault.op} node" +
+                             (f"; it has {', '.join(close)}" if close else "; `tapml inspect STORE` lists its ops"))
+        if fault.node is not None and (fault.node not in nodes or nodes[fault.node].op != fault.op):
+            same = [n.name for n in graph.nodes if n.op == fault.op][:6]
+            raise TapmlError(f"--inject {item!r}: no {fault.op} node named {fault.node!r}; "
+                             f"its nodes are {', '.join(same)}")
+
+
+def exit_code(state: dict) -> int:
+    """0 when everything checked passed, else 1 (a finding)."""
+    return 0 if state.get("passed") else 1
+
+
+__all__ = ["Migration", "open_or_carve", "check_faults", "RegionChecker", "Journal", "bisect", "module_regions",
+           "journal_path", "exit_code",
+           "STATE_FORMAT"]
