@@ -9,12 +9,20 @@ their WGSL, so programs compiled elsewhere (``KernelProgram.from_json``) run as 
 from __future__ import annotations
 
 import hashlib
+import os
+import tempfile
 
 import torch
 
 from tapml.errors import PlatformError, TapmlError, Unsupported
 from tapml.graph import Graph, Node
 from tapml.platforms.base import KernelProgram, Platform
+
+if not os.environ.get("XDG_RUNTIME_DIR"):
+    # Mesa's EGL prints "XDG_RUNTIME_DIR is invalid" lines on every adapter query without one.
+    _runtime_dir = os.path.join(tempfile.gettempdir(), f"tapml-xdg-{os.getuid()}")
+    os.makedirs(_runtime_dir, mode=0o700, exist_ok=True)
+    os.environ["XDG_RUNTIME_DIR"] = _runtime_dir
 
 BACKENDS = {"vulkan": "Vulkan", "gl": "OpenGL", "metal": "Metal", "dx12": "D3D12"}
 _LIMITS = ["max-storage-buffer-binding-size", "max-buffer-size", "max-storage-buffers-per-shader-stage",
