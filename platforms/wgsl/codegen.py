@@ -53,6 +53,8 @@ def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+# WGSL rejects constant expressions that evaluate to Inf or NaN (Chrome's compiler enforces it),
+# so special values go through a runtime function call: tap_bits_f32 in helpers.py.
 _F32_SPECIAL = {math.inf: "0x7f800000u", -math.inf: "0xff800000u"}
 
 
@@ -71,10 +73,10 @@ def lit(v, ty: str) -> str:
         return f"{int(v)}u"
     v = float(v)
     if math.isnan(v):
-        return "bitcast<f32>(0x7fc00000u)"
+        return "tap_bits_f32(0x7fc00000u)"
     f = float(np.float32(v)) if abs(v) <= 3.4028234663852886e38 else v
     if math.isinf(f):
-        return f"bitcast<f32>({_F32_SPECIAL[f]})"
+        return f"tap_bits_f32({_F32_SPECIAL[f]})"
     s = repr(f)
     if "e" not in s and "." not in s:
         s += ".0"
@@ -311,6 +313,9 @@ class KernelBuilder:
             if g > MAX_GROUPS:
                 raise Unsupported(f"dispatch of {groups} workgroups exceeds {MAX_GROUPS} per dimension")
         body = "\n".join(pre + self.lines)
+        if "tap_bits_f32(" in body:
+            self.need("tap_bits_f32")
+            header = [h for h in header if h not in self.helpers.values()] + list(self.helpers.values())
         if "f16" in body or any("f16" in key[1] for key in self.bindings):
             header.insert(0, "enable f16;")
         src = "\n".join(header) + "\n\n" + \

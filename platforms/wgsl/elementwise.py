@@ -179,7 +179,7 @@ def isnan(pb, node, x):
 
 @register("aten.isinf.default", ALL_FLOAT, samples=lambda: [((rand(3, 5) / rand(3, 5).round(),), {})])
 def isinf(pb, node, x):
-    return [elementwise(pb, node, [x], lambda k, a: f"(abs({a}) == bitcast<f32>(0x7f800000u))", compute="f32",
+    return [elementwise(pb, node, [x], lambda k, a: f"((bitcast<u32>({a}) & 0x7fffffffu) == 0x7f800000u)", compute="f32",
                         result="bool")]
 
 

@@ -5,6 +5,10 @@ division and modulo with Python's sign rules; these supply them with torch's sem
 """
 
 HELPERS: dict[str, tuple[tuple[str, ...], str]] = {
+    "tap_bits_f32": ((), """
+fn tap_bits_f32(u: u32) -> f32 {
+  return bitcast<f32>(u);
+}"""),
     # Abramowitz & Stegun 7.1.26 has 1.5e-7 absolute error; good enough next to f32's 6e-8
     # for |x| >= 0.5; below that the Taylor series is exact to f32 precision.
     "tap_erf": ((), """
@@ -35,9 +39,11 @@ fn tap_sigmoid(x: f32) -> f32 {
   let e = exp(x);
   return e / (1.0 + e);
 }"""),
-    "tap_log1p": ((), """
+    "tap_log1p": (("tap_bits_f32",), """
 fn tap_log1p(x: f32) -> f32 {
   let u = 1.0 + x;
+  if (u < 0.0) { return tap_bits_f32(0x7fc00000u); }
+  if (u == 0.0) { return tap_bits_f32(0xff800000u); }
   if (u == 1.0) { return x; }
   if (abs(x) > 0.5 || u == u + 1.0) { return log(u); }
   return log(u) * x / (u - 1.0);
@@ -61,13 +67,13 @@ fn tap_min(a: f32, b: f32) -> f32 {
   if (tap_isnan(a) || tap_isnan(b)) { return a + b; }
   return min(a, b);
 }"""),
-    "tap_pow": ((), """
+    "tap_pow": (("tap_bits_f32",), """
 fn tap_pow(x: f32, y: f32) -> f32 {
   if (y == 0.0) { return 1.0; }
-  if (x == 0.0) { return select(bitcast<f32>(0x7f800000u), 0.0, y > 0.0); }
+  if (x == 0.0) { return select(tap_bits_f32(0x7f800000u), 0.0, y > 0.0); }
   let p = exp2(y * log2(abs(x)));
   if (x > 0.0) { return p; }
-  if (y != floor(y)) { return bitcast<f32>(0x7fc00000u); }
+  if (y != floor(y)) { return tap_bits_f32(0x7fc00000u); }
   let odd = (y * 0.5) != floor(y * 0.5);
   return select(p, -p, odd);
 }"""),

@@ -1,0 +1,536 @@
+"""The ``browser`` target: WebGPU in a real browser page, driven over a WebSocket.
+
+tapml serves a page (``platforms/web/index.html`` + ``runtime.js``, plain ES modules) and a
+WebSocket endpoint from a background thread. The page opens the browser's WebGPU device,
+reports its adapter, features and limits, and then executes the KernelPrograms the host
+compiles (:func:`tapml.platforms.wgsl.compile_graph`). Tensors travel as binary frames with
+a 16-byte header (``TPT1``, run id, slot, kind) holding device bytes (int64 already lowered
+to i32, bool to u32 on the host), never as JSON arrays.
+
+``BrowserPlatform()`` starts the system Chromium headless with a fresh profile and closes it
+(process group and all) on :meth:`close`, at exit, or when tapml dies. ``BrowserPlatform(
+launch=False)`` starts no browser: whoever opens :attr:`BrowserPlatform.url` (a one-time
+token) in a WebGPU browser becomes the device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import hmac
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from tapml.errors import DeviceLost, PlatformError, TapmlError, Unsupported
+from tapml.graph import Graph, Node
+from tapml.platforms.base import KernelProgram, Platform, wrap_errors
+
+WEB_DIR = Path(__file__).with_name("web")
+FRAME = struct.Struct("<IIII")  # magic, run id, slot, kind
+FRAME_MAGIC = 0x31545054  # b"TPT1" as little-endian u32
+KIND_INPUT, KIND_CONST, KIND_OUTPUT = 0, 1, 2
+ITEMSIZE = {"f32": 4, "f16": 2, "i32": 4, "u32": 4}
+CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+CHROMIUM_FLAGS = (
+    "--headless=new", "--no-sandbox", "--enable-unsafe-webgpu", "--enable-features=Vulkan", "--disable-quic",
+    "--no-first-run", "--no-default-browser-check", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--disable-extensions", "--disable-dev-shm-usage",
+    "--mute-audio",
+)
+INSTALL_HINT = ("install Chromium (Debian/Ubuntu: `apt-get install chromium`; it brings SwiftShader Vulkan, "
+                "so WebGPU works without a GPU) or point $TAPML_CHROMIUM at a Chromium/Chrome binary")
+_STATIC = {"": ("index.html", "text/html; charset=utf-8"), "index.html": ("index.html", "text/html; charset=utf-8"),
+           "runtime.js": ("runtime.js", "text/javascript; charset=utf-8")}
+
+
+def find_chromium() -> str:
+    """Path of the Chromium to launch: ``$TAPML_CHROMIUM`` or the first of chromium, chromium-browser,
+    google-chrome on PATH. Raises TapmlError saying what to install when there is none."""
+    explicit = os.environ.get("TAPML_CHROMIUM")
+    if explicit:
+        path = shutil.which(explicit)
+        if not path:
+            raise TapmlError(f"$TAPML_CHROMIUM={explicit!r} is not an executable; {INSTALL_HINT}")
+        return path
+    for name in CHROMIUM_NAMES:
+        path = shutil.which(name)
+        if path:
+            return path
+    raise TapmlError(f"target browser needs Chromium, and none is installed (looked for {', '.join(CHROMIUM_NAMES)} "
+                     f"on PATH); {INSTALL_HINT}")
+
+
+def encode_frame(run_id: int, slot: int, kind: int, payload: bytes) -> bytes:
+    """A binary tensor frame: 16-byte header then the tensor's device bytes."""
+    return FRAME.pack(FRAME_MAGIC, run_id, slot, kind) + payload
+
+
+def decode_frame(data: bytes) -> tuple[int, int, int, bytes]:
+    """``(run_id, slot, kind, payload)`` of a binary frame; ValueError for a frame without the header."""
+    if len(data) < FRAME.size:
+        raise ValueError(f"binary frame of {len(data)} bytes is shorter than its {FRAME.size}-byte header")
+    magic, run_id, slot, kind = FRAME.unpack_from(data)
+    if magic != FRAME_MAGIC:
+        raise ValueError("binary frame without the TPT1 header")
+    return run_id, slot, kind, bytes(data[FRAME.size:])
+
+
+def _lan_address() -> str:
+    """This machine's address on its default route (what another device on the network can reach)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # TEST-NET address: nothing is sent, it only picks a route
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+class PageBridge:
+    """Serves the runtime page and one WebSocket connection to it, from a background thread
+    running its own asyncio loop. The calling thread talks to the page with :meth:`request`."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+        self.host = host
+        self.token = secrets.token_urlsafe(18)
+        self.hello: concurrent.futures.Future = concurrent.futures.Future()
+        self.lost: str | None = None
+        self._token_used = False
+        self._ws = None
+        self._run: tuple[int, concurrent.futures.Future, dict] | None = None
+        self._lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tapml-browser-bridge", daemon=True)
+        self._thread.start()
+        try:
+            self._server = self.call_soon(self._serve(host, port)).result(timeout=10)
+        except OSError as e:
+            self.close()
+            raise TapmlError(f"cannot serve the browser page on {host}:{port}: {e.strerror or e}; "
+                             f"choose another --port or host") from None
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        """Where the page lives; the path carries the one-time token."""
+        host = self.host
+        if host in ("0.0.0.0", "", "::"):
+            host = _lan_address()
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}/t/{self.token}/"
+
+    def call_soon(self, coro) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    async def _serve(self, host, port):
+        from websockets.asyncio.server import serve
+        return await serve(self._handler, host, port, process_request=self._process_request, compression=None,
+                           max_size=None, ping_interval=20, ping_timeout=60, open_timeout=20)
+
+    def _process_request(self, connection, request):
+        from websockets.datastructures import Headers
+        from websockets.http11 import Response
+
+        def respond(status: int, reason: str, body: bytes, ctype: str = "text/plain; charset=utf-8"):
+            headers = Headers([("Content-Type", ctype), ("Content-Length", str(len(body))),
+                               ("Cache-Control", "no-store"), ("Connection", "close")])
+            return Response(status, reason, headers, body)
+
+        path = request.path.split("?", 1)[0]
+        parts = path.strip("/").split("/")
+        if len(parts) < 2 or parts[0] != "t":
+            return respond(404, "Not Found", b"not a tapml page; open the exact URL tapml printed\n")
+        if not hmac.compare_digest(parts[1].encode(), self.token.encode()):
+            return respond(403, "Forbidden", b"wrong token; open the exact URL tapml printed\n")
+        rest = "/".join(parts[2:])
+        if not rest and not path.endswith("/"):  # the page loads runtime.js and ws relative to its own URL
+            location = f"/t/{self.token}/"
+            return Response(301, "Moved Permanently", Headers([("Location", location), ("Content-Length", "0"),
+                                                               ("Connection", "close")]), b"")
+        if rest == "ws":
+            if self._token_used:
+                return respond(403, "Forbidden", b"this URL was already used by another page; start tapml again "
+                                                 b"for a new one\n")
+            self._token_used = True
+            return None  # go on with the WebSocket handshake
+        if rest in _STATIC:
+            name, ctype = _STATIC[rest]
+            return respond(200, "OK", (WEB_DIR / name).read_bytes(), ctype)
+        return respond(404, "Not Found", b"no such file\n")
+
+    async def _handler(self, ws):
+        self._ws = ws
+        reason = "the page closed its connection"
+        try:
+            async for message in ws:
+                if isinstance(message, str):
+                    self._on_text(json.loads(message))
+                else:
+                    self._on_frame(message)
+        except Exception as e:  # noqa: BLE001 - any transport failure means the page is gone
+            reason = f"connection to the page failed: {type(e).__name__}: {e}"
+        finally:
+            self._ws = None
+            self.mark_lost(reason)
+
+    def _on_text(self, msg: dict) -> None:
+        kind = msg.get("type")
+        if kind == "hello":
+            if not self.hello.done():
+                self.hello.set_result(msg)
+        elif kind == "lost":
+            self.mark_lost(f"the browser lost its GPU device: {msg.get('message', '')}")
+        elif kind in ("done", "error") and self._run and self._run[0] == msg.get("id"):
+            _, fut, outputs = self._run
+            if not fut.done():
+                fut.set_result((msg, outputs))
+
+    def _on_frame(self, data: bytes) -> None:
+        run_id, slot, kind, payload = decode_frame(data)
+        if kind == KIND_OUTPUT and self._run and self._run[0] == run_id:
+            self._run[2][slot] = payload
+
+    def mark_lost(self, reason: str) -> None:
+        """The page is gone: every waiting and later call raises DeviceLost(reason)."""
+        if self.lost is None:
+            self.lost = reason
+        if not self.hello.done():
+            self.hello.set_exception(DeviceLost(reason))
+        if self._run and not self._run[1].done():
+            self._run[1].set_exception(DeviceLost(reason))
+
+    def wait(self, fut: concurrent.futures.Future, timeout: float, what: str, alive=None):
+        """Wait for ``fut`` in short slices (so Ctrl-C and a dead browser are noticed at once)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return fut.result(timeout=0.2)
+            except concurrent.futures.TimeoutError:
+                pass
+            if alive is not None:
+                dead = alive()
+                if dead:
+                    self.mark_lost(dead)
+            if time.monotonic() > deadline:
+                self.mark_lost(f"no answer from the browser within {timeout:g}s while {what}")
+
+    async def _send(self, messages: list) -> None:
+        ws = self._ws
+        if ws is None:
+            raise DeviceLost(self.lost or "the page is not connected")
+        for m in messages:
+            await ws.send(m)
+
+    def request(self, msg: dict, frames: list[bytes], timeout: float, alive=None) -> tuple[dict, dict[int, bytes]]:
+        """Send a run message and its binary frames; return the page's reply and output frames by slot."""
+        with self._lock:
+            dead = alive() if alive is not None else None
+            if dead:
+                self.mark_lost(dead)
+            if self.lost:
+                raise DeviceLost(self.lost)
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            self._run = (msg["id"], fut, {})
+            sent = self.call_soon(self._send([json.dumps(msg, separators=(",", ":"))] + frames))
+            sent.add_done_callback(lambda f: f.exception() and self.mark_lost(f"sending to the page failed: "
+                                                                              f"{f.exception()}"))
+            try:
+                return self.wait(fut, timeout, f"running {msg.get('key')}", alive)
+            finally:
+                self._run = None
+
+    def close(self) -> None:
+        if not self._loop.is_closed() and self._thread.is_alive():
+            async def shutdown():
+                server = getattr(self, "_server", None)
+                if server is not None:
+                    server.close()
+                    try:
+                        await asyncio.wait_for(server.wait_closed(), 3)
+                    except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - best effort on shutdown
+                        pass
+            try:
+                self.call_soon(shutdown()).result(timeout=5)
+            except Exception:  # noqa: BLE001
+                pass
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+        self.mark_lost("the browser platform was closed")
+
+
+PROFILE_PREFIX = "tapml-chromium-"
+
+
+def _remove_stale_profiles() -> None:
+    """Remove profiles left by tapml processes that were killed (SIGKILL skips cleanup)."""
+    for profile in Path(tempfile.gettempdir()).glob(PROFILE_PREFIX + "*"):
+        try:
+            owner = int((profile / "tapml.pid").read_text())
+            os.kill(owner, 0)
+        except ProcessLookupError:
+            shutil.rmtree(profile, ignore_errors=True)
+        except (OSError, ValueError):
+            pass  # not ours to judge (no pid file yet, or another user's)
+
+
+class ChromiumProcess:
+    """A headless Chromium on a fresh profile, in its own process group; :meth:`close` kills the
+    group and removes the profile. It also dies with tapml (``atexit`` and a parent-death signal)."""
+
+    def __init__(self, url: str, executable: str | None = None, extra_flags: tuple[str, ...] = ()):
+        self.executable = executable or find_chromium()
+        _remove_stale_profiles()
+        self.profile = tempfile.mkdtemp(prefix=PROFILE_PREFIX)
+        Path(self.profile, "tapml.pid").write_text(str(os.getpid()))
+        self.log_path = os.path.join(self.profile, "chromium.log")
+        cmd = [self.executable, *CHROMIUM_FLAGS, *extra_flags, f"--user-data-dir={self.profile}", url]
+        setpriv = shutil.which("setpriv")
+        if setpriv:  # SIGKILL chromium when the thread that started it (the bridge thread) dies
+            cmd = [setpriv, "--pdeathsig", "KILL", "--", *cmd]
+        env = {**os.environ, "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR") or self.profile}
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True, env=env)
+        self.pid = self.proc.pid
+        atexit.register(self.close)
+
+    def exited(self) -> str | None:
+        """None while Chromium runs, else a sentence saying how it ended."""
+        code = self.proc.poll()
+        if code is None:
+            return None
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        return f"the browser process {how}"
+
+    def log_tail(self, lines: int = 8) -> str:
+        try:
+            text = Path(self.log_path).read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return "\n".join(text[-lines:])
+
+    def session_pids(self) -> list[int]:
+        """Pids of every process still in Chromium's session (its helpers included)."""
+        pids = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rfind(")") + 2:].split()
+            if len(fields) > 3 and int(fields[3]) == self.pid and fields[0] != "Z":
+                pids.append(int(entry))
+        return pids
+
+    def close(self) -> None:
+        """Terminate Chromium and its helpers, wait for them, remove the profile. Safe to call twice."""
+        for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+            for pid in self.session_pids():  # helpers that left the process group but not the session
+                try:
+                    os.kill(pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None and not self.session_pids():
+                    break
+                time.sleep(0.05)
+            else:
+                continue
+            break
+        try:
+            self.proc.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            pass
+        shutil.rmtree(self.profile, ignore_errors=True)
+        atexit.unregister(self.close)
+
+
+class BrowserPlatform(Platform):
+    """WebGPU in a browser page. ``launch=True`` starts headless Chromium on :attr:`url` and waits
+    for its adapter; ``launch=False`` waits (on first use, or :meth:`wait_for_device`) for a person
+    to open :attr:`url` in any WebGPU browser.
+
+    Example::
+
+        with BrowserPlatform() as browser:
+            outputs = browser.run(browser.compile(graph), inputs)
+    """
+
+    name = "browser"
+
+    def __init__(self, launch: bool = True, host: str = "127.0.0.1", port: int = 0, *,
+                 connect_timeout: float | None = None, run_timeout: float = 300.0, chromium: str | None = None,
+                 chromium_flags: tuple[str, ...] = ()):
+        self.launch = launch
+        self.chromium_flags = tuple(chromium_flags)
+        self.run_timeout = run_timeout
+        self.connect_timeout = connect_timeout or (90.0 if launch else 600.0)
+        self.browser: ChromiumProcess | None = None
+        self._closed = False
+        self._run_id = 0
+        self._on_page: set[str] = set()
+        self._plans: dict[str, tuple[dict, list[bytes]]] = {}
+        executable = find_chromium() if launch and not chromium else chromium
+        self.bridge = PageBridge(host, port)
+        self.url = self.bridge.url
+        if launch:
+            try:
+                # started from the bridge thread so that the parent-death signal follows the platform's life
+                self.browser = self.bridge.call_soon(self._launch(executable)).result(timeout=30)
+                self.wait_for_device()
+            except BaseException:
+                self.close()
+                raise
+
+    async def _launch(self, executable):
+        return ChromiumProcess(self.url, executable, self.chromium_flags)
+
+    def _alive(self) -> str | None:
+        return self.browser.exited() if self.browser is not None else None
+
+    def _crash_reason(self) -> str | None:
+        """How the launched browser ended, when it did (it may exit just after its socket closes)."""
+        if self.browser is None:
+            return None
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            reason = self.browser.exited()
+            if reason:
+                return reason
+            time.sleep(0.05)
+        return None
+
+    def wait_for_device(self, timeout: float | None = None) -> dict:
+        """Block until the page has reported its adapter; returns its hello message.
+
+        Raises TapmlError when the browser has no WebGPU adapter or never connects."""
+        timeout = timeout or self.connect_timeout
+        try:
+            hello = self.bridge.wait(self.bridge.hello, timeout, "waiting for the page to open WebGPU", self._alive)
+        except DeviceLost as e:
+            tail = self.browser.log_tail() if self.browser else ""
+            raise TapmlError(f"the browser page never reported a WebGPU adapter ({e}); check that Chromium starts "
+                             f"headless here; {INSTALL_HINT}" + (f"\nchromium said:\n{tail}" if tail else "")) from None
+        if hello.get("error"):
+            self.close()
+            if "secure context" in hello["error"]:
+                hint = (f"or let the browser treat {self.url.split('/t/')[0]} as secure "
+                        f"(chrome://flags/#unsafely-treat-insecure-origin-as-secure)")
+            else:
+                hint = ("install Vulkan drivers (Debian: `apt-get install mesa-vulkan-drivers`) or use a browser "
+                        "with WebGPU (Chromium with --enable-unsafe-webgpu, recent Chrome, Edge, Safari)")
+            raise TapmlError(f"the browser has no WebGPU adapter: {hello['error']}; {hint}")
+        return hello
+
+    def _caps(self) -> dict:
+        hello = self.wait_for_device()
+        info = hello.get("adapter") or {}
+        adapter = " ".join(x for x in (info.get("vendor"), info.get("architecture")) if x) or "unknown"
+        if info.get("description"):
+            adapter += f" ({info['description']})"
+        features = list(hello.get("features") or [])
+        dtypes = ["float32", "int32", "int64", "int16", "int8", "uint8", "bool"]
+        if "shader-f16" in features:
+            dtypes.insert(1, "float16")
+        return {"adapter": adapter, "backend": "browser-webgpu", "browser": hello.get("userAgent", ""),
+                "adapter_info": info, "features": features, "limits": dict(hello.get("limits") or {}),
+                "dtypes": dtypes, "url": self.url}
+
+    def _supports(self, node: Node) -> str | None:
+        from tapml.platforms.wgsl import supports
+        return supports(node, self.caps())
+
+    def _compile(self, graph: Graph) -> KernelProgram:
+        from tapml.platforms.wgsl import compile_graph
+        return wrap_errors(compile_graph, graph, self.caps())
+
+    def _plan(self, program: KernelProgram) -> tuple[dict, list[bytes]]:
+        """The page's view of a program (buffer sizes, const names, kernels) and the const bytes."""
+        plan = self._plans.get(program.key)
+        if plan is None:
+            consts = [b for b in program.buffers if b.role == "const"]
+            plan = ({"buffers": [{"name": b.name, "size": b.size} for b in program.buffers],
+                     "consts": [b.name for b in consts],
+                     "poison": [b.name for b in program.buffers if b.role == "output" and b.size],
+                     "kernels": [k.to_json() for k in program.kernels]},
+                    [b.data or b"" for b in consts])
+            self._plans[program.key] = plan
+            if len(self._plans) > 256:  # dicts keep insertion order: drop the oldest plan
+                self._plans.pop(next(iter(self._plans)))
+        return plan
+
+    def _run(self, program: KernelProgram, inputs: list) -> list:
+        from tapml.platforms.wgsl.tensors import from_device, to_device, unwritten_bools
+        if program.kind != "wgsl":
+            raise PlatformError(f"the browser runs wgsl KernelPrograms, not {program.kind!r} ones")
+        if self._closed:
+            raise DeviceLost("the browser platform was closed")
+        max_groups = self.caps()["limits"].get("max-compute-workgroups-per-dimension", 65535)
+        for kern in program.kernels:
+            if any(g > max_groups for g in kern.workgroups):
+                raise Unsupported(f"kernel {kern.name} dispatches {kern.workgroups} workgroups; "
+                                  f"the device allows {max_groups} per dimension")
+        specs = {b.name: b for b in program.buffers}
+        payloads = [to_device(t, specs[name].dtype, f"input {name}") for name, t in zip(program.inputs, inputs)]
+        metas = program.output_meta or [specs[n].meta for n in program.outputs]
+        outputs = [[name, meta.numel * ITEMSIZE[specs[name].dtype]] for name, meta in zip(program.outputs, metas)]
+        plan, consts = self._plan(program)
+        for attempt in range(2):
+            self._run_id += 1
+            send_program = program.key not in self._on_page
+            msg = {"type": "run", "id": self._run_id, "key": program.key, "program": plan if send_program else None,
+                   "inputs": list(program.inputs), "outputs": outputs}
+            frames = ([encode_frame(self._run_id, i, KIND_CONST, c) for i, c in enumerate(consts)] if send_program
+                      else [])
+            frames += [encode_frame(self._run_id, i, KIND_INPUT, p) for i, p in enumerate(payloads)]
+            try:
+                reply, got = self.bridge.request(msg, frames, self.run_timeout, self._alive)
+            except DeviceLost as e:
+                raise DeviceLost(self._crash_reason() or str(e)) from None
+            if reply["type"] == "done":
+                self._on_page.add(program.key)
+                break
+            if reply.get("code") == "no-program" and attempt == 0:
+                self._on_page.discard(program.key)
+                continue
+            raise PlatformError(f"browser: {reply.get('message', 'run failed')}")
+        if len(got) != len(outputs):
+            raise PlatformError(f"the browser returned {len(got)} of {len(outputs)} outputs")
+        result = []
+        for i, (name, meta) in enumerate(zip(program.outputs, metas)):
+            if specs[name].dtype == "u32":
+                bad = unwritten_bools(got[i], meta)
+                if bad:
+                    raise PlatformError(f"{bad} elements of bool output {name} were never written")
+            result.append(from_device(got[i], specs[name].dtype, meta))
+        return result
+
+    def close(self) -> None:
+        """Close the browser (if tapml launched it) and the server. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.browser is not None:
+            self.browser.close()
+        self.bridge.close()
+
+
+__all__ = ["BrowserPlatform", "ChromiumProcess", "PageBridge", "find_chromium", "encode_frame", "decode_frame"]

@@ -1,0 +1,287 @@
+// tapml's WebGPU runtime: executes KernelPrograms sent by a tapml host over a WebSocket.
+//
+// Protocol (the host side is tapml/platforms/browser.py):
+//   page -> host  text   {"type": "hello", adapter, features, limits} or {"type": "hello", error}
+//   host -> page  text   {"type": "run", id, key, program | null, inputs: [name], outputs: [[name, nbytes]]}
+//   host -> page  binary one frame per const buffer (only when program is sent), then one per input
+//   page -> host  binary one frame per output, then text {"type": "done", id, gpu_ms}
+//                 or text {"type": "error", id, code, message}   (code: no-program | compile | run)
+//   page -> host  text   {"type": "lost", message} when the GPU device is lost
+// Binary frames start with a 16-byte header: "TPT1", u32 run id, u32 slot, u32 kind
+// (0 input, 1 const, 2 output), little-endian; the payload is the tensor's device bytes.
+
+export const FRAME_MAGIC = 0x31545054; // "TPT1" read as little-endian u32
+export const HEADER_BYTES = 16;
+export const KIND = { input: 0, const: 1, output: 2 };
+const PROGRAM_CACHE_SIZE = 64;
+
+export function frame(id, slot, kind, bytes) {
+  const out = new Uint8Array(HEADER_BYTES + bytes.byteLength);
+  const view = new DataView(out.buffer);
+  view.setUint32(0, FRAME_MAGIC, true);
+  view.setUint32(4, id, true);
+  view.setUint32(8, slot, true);
+  view.setUint32(12, kind, true);
+  out.set(new Uint8Array(bytes.buffer ?? bytes, bytes.byteOffset ?? 0, bytes.byteLength), HEADER_BYTES);
+  return out;
+}
+
+export function parseFrame(data) {
+  const view = new DataView(data);
+  if (data.byteLength < HEADER_BYTES || view.getUint32(0, true) !== FRAME_MAGIC) {
+    throw new Error("binary frame without a TPT1 header");
+  }
+  return { id: view.getUint32(4, true), slot: view.getUint32(8, true), kind: view.getUint32(12, true),
+           payload: new Uint8Array(data, HEADER_BYTES) };
+}
+
+const align4 = (n) => Math.max(4, Math.ceil(n / 4) * 4);
+const kebab = (name) => name.replace(/[A-Z]/g, (c) => "-" + c.toLowerCase());
+
+function gatherLimits(limits) {
+  const out = {};
+  for (const name in limits) {
+    if (typeof limits[name] === "number") out[kebab(name)] = limits[name];
+  }
+  return out;
+}
+
+// Limits worth raising to the adapter's maximum: kernels bind many buffers and big tensors.
+const WANTED_LIMITS = [
+  "maxStorageBuffersPerShaderStage", "maxStorageBufferBindingSize", "maxBufferSize",
+  "maxComputeWorkgroupsPerDimension", "maxComputeInvocationsPerWorkgroup", "maxComputeWorkgroupSizeX",
+  "maxComputeWorkgroupSizeY", "maxComputeWorkgroupSizeZ", "maxComputeWorkgroupStorageSize",
+  "maxBindingsPerBindGroup",
+];
+
+/** Opens the adapter and device; returns {device, hello} or throws with a reason for the host. */
+export async function openDevice() {
+  if (!globalThis.isSecureContext) {
+    throw new Error("this page is not a secure context, so the browser hides WebGPU; open it via " +
+                    "http://127.0.0.1 or http://localhost (e.g. through `ssh -L` or `adb reverse`), or over https");
+  }
+  if (!navigator.gpu) {
+    throw new Error("navigator.gpu is missing: this browser has no WebGPU (Chromium needs --enable-unsafe-webgpu " +
+                    "on Linux; use a recent Chrome, Edge, or Safari 26+)");
+  }
+  const adapter = await navigator.gpu.requestAdapter({ powerPreference: "high-performance" });
+  if (!adapter) {
+    throw new Error("navigator.gpu.requestAdapter() returned no adapter (no usable GPU or Vulkan driver)");
+  }
+  const requiredLimits = {};
+  for (const name of WANTED_LIMITS) {
+    if (name in adapter.limits) requiredLimits[name] = adapter.limits[name];
+  }
+  const requiredFeatures = ["shader-f16"].filter((f) => adapter.features.has(f));
+  const device = await adapter.requestDevice({ requiredLimits, requiredFeatures });
+  const info = adapter.info ?? {};
+  const hello = {
+    type: "hello",
+    adapter: { vendor: info.vendor ?? "", architecture: info.architecture ?? "", device: info.device ?? "",
+               description: info.description ?? "" },
+    features: [...device.features].sort(),
+    limits: gatherLimits(device.limits),
+    userAgent: navigator.userAgent,
+  };
+  return { device, hello };
+}
+
+/** Executes KernelPrograms on one GPUDevice; pipelines, bind groups and buffers are cached per program key. */
+export class KernelRuntime {
+  constructor(device) {
+    this.device = device;
+    this.programs = new Map(); // key -> prepared program, in least-recently-used order
+    this.modules = new Map();  // WGSL source -> GPUShaderModule, shared across programs
+  }
+
+  has(key) {
+    return this.programs.has(key);
+  }
+
+  async prepare(key, program, consts) {
+    const device = this.device;
+    const buffers = new Map();
+    const usage = GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC | GPUBufferUsage.COPY_DST;
+    program.buffers.forEach((spec) => {
+      buffers.set(spec.name, device.createBuffer({ label: spec.name, size: align4(spec.size), usage }));
+    });
+    program.consts.forEach((name, i) => device.queue.writeBuffer(buffers.get(name), 0, padded(consts[i])));
+    device.pushErrorScope("validation");
+    const kernels = [];
+    try {
+      for (const k of program.kernels) {
+        const module = await this.shaderModule(k.wgsl);
+        const layout = device.createBindGroupLayout({
+          entries: k.bindings.map(([, access], binding) => ({
+            binding, visibility: GPUShaderStage.COMPUTE,
+            buffer: { type: access === "read" ? "read-only-storage" : access === "uniform" ? "uniform" : "storage" },
+          })),
+        });
+        const pipeline = await device.createComputePipelineAsync({
+          label: k.name, layout: device.createPipelineLayout({ bindGroupLayouts: [layout] }),
+          compute: { module, entryPoint: k.entry ?? "main" },
+        });
+        const bindGroup = device.createBindGroup({
+          layout, entries: k.bindings.map(([name], binding) => ({ binding, resource: { buffer: buffers.get(name) } })),
+        });
+        kernels.push({ pipeline, bindGroup, workgroups: k.workgroups });
+      }
+    } catch (e) {
+      await device.popErrorScope();
+      buffers.forEach((b) => b.destroy());
+      throw Object.assign(new Error(`${e.message ?? e}`), { code: "compile" });
+    }
+    const error = await device.popErrorScope();
+    if (error) {
+      buffers.forEach((b) => b.destroy());
+      throw Object.assign(new Error(error.message), { code: "compile" });
+    }
+    // Outputs start as 0xFF bytes each run (NaN / -1 / an invalid bool), so elements no kernel wrote show up.
+    const poison = (program.poison ?? []).map((name) => {
+      const buffer = buffers.get(name);
+      return { buffer, bytes: new Uint8Array(buffer.size).fill(0xff) };
+    });
+    const prepared = { buffers, kernels, poison, staging: new Map() };
+    this.remember(key, prepared);
+    return prepared;
+  }
+
+  async shaderModule(wgsl) {
+    let module = this.modules.get(wgsl);
+    if (!module) {
+      module = this.device.createShaderModule({ code: wgsl });
+      const info = await module.getCompilationInfo();
+      const errors = info.messages.filter((m) => m.type === "error");
+      if (errors.length) {
+        throw new Error("WGSL compile error: " + errors.map((m) => `${m.lineNum}:${m.linePos} ${m.message}`).join("; "));
+      }
+      this.modules.set(wgsl, module);
+    }
+    return module;
+  }
+
+  remember(key, prepared) {
+    this.programs.set(key, prepared);
+    while (this.programs.size > PROGRAM_CACHE_SIZE) {
+      const [oldKey, old] = this.programs.entries().next().value;
+      this.programs.delete(oldKey);
+      old.buffers.forEach((b) => b.destroy());
+      old.staging.forEach((b) => b.destroy());
+    }
+    if (this.modules.size > 4 * PROGRAM_CACHE_SIZE) this.modules.clear();
+  }
+
+  /** Uploads inputs, dispatches every kernel in one submission, reads outputs back: [Uint8Array]. */
+  async run(key, inputs, inputData, outputs) {
+    const prepared = this.programs.get(key);
+    this.programs.delete(key);
+    this.programs.set(key, prepared);
+    const device = this.device;
+    prepared.poison.forEach((p) => device.queue.writeBuffer(p.buffer, 0, p.bytes));
+    inputs.forEach((name, i) => device.queue.writeBuffer(prepared.buffers.get(name), 0, padded(inputData[i])));
+    device.pushErrorScope("out-of-memory");
+    device.pushErrorScope("validation");
+    const encoder = device.createCommandEncoder();
+    const pass = encoder.beginComputePass();
+    for (const k of prepared.kernels) {
+      pass.setPipeline(k.pipeline);
+      pass.setBindGroup(0, k.bindGroup);
+      pass.dispatchWorkgroups(...k.workgroups);
+    }
+    pass.end();
+    const reads = outputs.map(([name, nbytes]) => {
+      const size = align4(nbytes);
+      const stagingKey = `${name}:${size}`;
+      let staging = prepared.staging.get(stagingKey);
+      if (!staging) {
+        staging = device.createBuffer({ size, usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST });
+        prepared.staging.set(stagingKey, staging);
+      }
+      encoder.copyBufferToBuffer(prepared.buffers.get(name), 0, staging, 0, size);
+      return { staging, nbytes };
+    });
+    device.queue.submit([encoder.finish()]);
+    const validation = await device.popErrorScope();
+    const oom = await device.popErrorScope();
+    if (validation || oom) throw Object.assign(new Error((validation ?? oom).message), { code: "run" });
+    await Promise.all(reads.map((r) => r.staging.mapAsync(GPUMapMode.READ)));
+    return reads.map((r) => {
+      const bytes = new Uint8Array(r.staging.getMappedRange(0, align4(r.nbytes)).slice(0, r.nbytes));
+      r.staging.unmap();
+      return bytes;
+    });
+  }
+}
+
+function padded(bytes) {
+  if (bytes.byteLength % 4 === 0) return bytes;
+  const out = new Uint8Array(align4(bytes.byteLength));
+  out.set(bytes);
+  return out;
+}
+
+/** Connects the page to the tapml host that served it and executes its runs until closed. */
+export async function start(statusElement) {
+  const status = (text) => { if (statusElement) statusElement.textContent = text; };
+  const url = new URL("ws", location.href);
+  url.protocol = location.protocol === "https:" ? "wss:" : "ws:";
+  const ws = new WebSocket(url);
+  ws.binaryType = "arraybuffer";
+  await new Promise((resolve, reject) => {
+    ws.onopen = resolve;
+    ws.onerror = () => reject(new Error("cannot connect to the tapml host (already used URL or host gone)"));
+  }).catch((e) => { status(e.message); throw e; });
+  let runtime;
+  try {
+    const { device, hello } = await openDevice();
+    runtime = new KernelRuntime(device);
+    device.lost.then((info) => {
+      status(`device lost: ${info.message}`);
+      if (ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify({ type: "lost", message: info.message || info.reason }));
+    });
+    ws.send(JSON.stringify(hello));
+    status(`tapml device: ${hello.adapter.vendor} ${hello.adapter.architecture} — waiting for work`);
+  } catch (e) {
+    ws.send(JSON.stringify({ type: "hello", error: `${e.message ?? e}` }));
+    status(`no WebGPU: ${e.message ?? e}`);
+    return;
+  }
+
+  let pending = null; // the run whose binary frames are arriving
+  let queue = Promise.resolve();
+  let done = 0;
+  const finish = (job) => {
+    queue = queue.then(() => execute(job)).catch((e) => console.error(e));
+  };
+  const execute = async (job) => {
+    const { msg, consts, inputs } = job;
+    try {
+      if (msg.program) await runtime.prepare(msg.key, msg.program, consts);
+      else if (!runtime.has(msg.key)) throw Object.assign(new Error("program not cached"), { code: "no-program" });
+      const t0 = performance.now();
+      const outputs = await runtime.run(msg.key, msg.inputs, inputs, msg.outputs);
+      const gpuMs = performance.now() - t0;
+      outputs.forEach((bytes, slot) => ws.send(frame(msg.id, slot, KIND.output, bytes)));
+      ws.send(JSON.stringify({ type: "done", id: msg.id, gpu_ms: gpuMs }));
+      status(`tapml device: ${++done} runs`);
+    } catch (e) {
+      ws.send(JSON.stringify({ type: "error", id: msg.id, code: e.code ?? "run", message: `${e.message ?? e}` }));
+    }
+  };
+  ws.onmessage = (event) => {
+    if (typeof event.data === "string") {
+      const msg = JSON.parse(event.data);
+      if (msg.type !== "run") return;
+      const nconsts = msg.program ? msg.program.consts.length : 0;
+      pending = { msg, consts: new Array(nconsts), inputs: new Array(msg.inputs.length),
+                  missing: nconsts + msg.inputs.length };
+      if (pending.missing === 0) { finish(pending); pending = null; }
+      return;
+    }
+    const f = parseFrame(event.data);
+    if (!pending || f.id !== pending.msg.id) return;
+    (f.kind === KIND.const ? pending.consts : pending.inputs)[f.slot] = f.payload;
+    if (--pending.missing === 0) { finish(pending); pending = null; }
+  };
+  ws.onclose = () => status("disconnected from the tapml host");
+}

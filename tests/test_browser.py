@@ -1,0 +1,421 @@
+"""The browser tier: KernelPrograms on WebGPU inside a real headless Chromium (SwiftShader Vulkan).
+
+Every test shares one module-scoped browser (one xdist group); tests that need a browser of
+their own (crash, no adapter, --no-launch) start and close it themselves. The last test checks
+that no Chromium started here is left running.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from tapml.errors import DeviceLost, PlatformError, TapmlError
+from tapml.graph import TensorMeta
+from tapml.platforms.base import BufferSpec, Kernel, KernelProgram
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.xdist_group("browser"),
+    pytest.mark.skipif(shutil.which("chromium") is None and not os.environ.get("TAPML_CHROMIUM"),
+                       reason="no chromium on PATH (apt-get install chromium)"),
+]
+
+LAUNCHED = []  # every ChromiumProcess this module started, for the leftover check
+
+
+def _has_compiler() -> bool:
+    try:
+        from tapml.platforms.wgsl import compile_graph  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_compiler = pytest.mark.skipif(not _has_compiler(), reason="tapml.platforms.wgsl.compile_graph is not written yet")
+
+
+def open_browser(**kwargs):
+    from tapml.platforms.browser import BrowserPlatform
+    platform = BrowserPlatform(**kwargs)
+    if platform.browser is not None:
+        LAUNCHED.append(platform.browser)
+    return platform
+
+
+@pytest.fixture(scope="module")
+def browser():
+    platform = open_browser()
+    yield platform
+    platform.close()
+
+
+ADD_WGSL = """
+@group(0) @binding(0) var<storage, read> a: array<f32>;
+@group(0) @binding(1) var<storage, read> b: array<i32>;
+@group(0) @binding(2) var<storage, read_write> c: array<f32>;
+@group(0) @binding(3) var<storage, read_write> m: array<u32>;
+@compute @workgroup_size(64) fn main(@builtin(global_invocation_id) g: vec3<u32>) {
+  let i = g.x;
+  if (i < arrayLength(&c)) { c[i] = a[i] + f32(b[i]); m[i] = select(0u, 1u, c[i] > 0.0); }
+}"""
+
+
+def add_program(n: int, wgsl: str = ADD_WGSL) -> KernelProgram:
+    """c = a + float(b); m = c > 0, written by hand: a f32, an int64 and a bool tensor."""
+    fa, ib, bm = TensorMeta((n,), "float32"), TensorMeta((n,), "int64"), TensorMeta((n,), "bool")
+    return KernelProgram(
+        kind="wgsl", inputs=["a", "b"], outputs=["c", "m"],
+        buffers=[BufferSpec("a", "f32", 4 * n, "input", fa), BufferSpec("b", "i32", 4 * n, "input", ib),
+                 BufferSpec("c", "f32", 4 * n, "output", fa), BufferSpec("m", "u32", 4 * n, "output", bm)],
+        kernels=[Kernel("add", wgsl, [("a", "read"), ("b", "read"), ("c", "read_write"), ("m", "read_write")],
+                        (-(-n // 64), 1, 1))],
+        input_meta=[fa, ib], output_meta=[fa, bm])
+
+
+def test_caps_report_the_adapter_as_the_page_sees_it(browser):
+    caps = browser.caps()
+    assert caps["adapter_info"]["vendor"] == "google" and caps["adapter_info"]["architecture"] == "swiftshader"
+    assert caps["adapter"].startswith("google swiftshader")
+    assert caps["backend"] == "browser-webgpu" and "HeadlessChrome" in caps["browser"]
+    assert caps["limits"]["max-storage-buffer-binding-size"] >= 128 << 20
+    assert caps["limits"]["max-storage-buffers-per-shader-stage"] >= 8
+    assert isinstance(caps["features"], list)
+    assert "float32" in caps["dtypes"] and "float64" not in caps["dtypes"]
+
+
+def test_hand_written_program_runs_with_int64_and_bool_conversion(browser):
+    program = add_program(1000)
+    a, b = torch.randn(1000), torch.randint(-5, 5, (1000,))
+    for _ in range(2):  # the second run reuses the page's cached pipeline
+        c, m = browser.run(program, [a, b])
+        assert c.dtype == torch.float32 and m.dtype == torch.bool
+        assert torch.equal(c, a + b.float()) and torch.equal(m, (a + b.float()) > 0)
+    assert program.key in browser._on_page
+
+
+def test_page_cache_eviction_is_recovered(browser):
+    program = add_program(10)
+    browser.run(program, [torch.ones(10), torch.ones(10, dtype=torch.int64)])
+    browser._on_page.clear()  # the page still has it; claim it does not, then the opposite
+    c, _ = browser.run(program, [torch.ones(10), torch.ones(10, dtype=torch.int64)])
+    assert torch.equal(c, torch.full((10,), 2.0))
+    other = add_program(12)
+    browser._on_page.add(other.key)  # the host believes the page has it; the page asks for it again
+    c, _ = browser.run(other, [torch.ones(12), torch.zeros(12, dtype=torch.int64)])
+    assert torch.equal(c, torch.ones(12))
+
+
+def test_shader_compile_error_is_a_platform_error_not_a_crash(browser):
+    program = add_program(8, ADD_WGSL.replace("f32(b[i])", "undefined_fn(b[i])"))
+    with pytest.raises(PlatformError, match="undefined_fn|unresolved"):
+        browser.run(program, [torch.ones(8), torch.ones(8, dtype=torch.int64)])
+    c, _ = browser.run(add_program(8), [torch.ones(8), torch.ones(8, dtype=torch.int64)])  # still usable
+    assert torch.equal(c, torch.full((8,), 2.0))
+
+
+def test_int64_values_outside_i32_are_unsupported(browser):
+    from tapml.errors import Unsupported
+    with pytest.raises(Unsupported, match="i32"):
+        browser.run(add_program(4), [torch.ones(4), torch.tensor([0, 1, 2, 2**40])])
+
+
+def test_page_and_websocket_need_the_one_time_token(browser):
+    base = browser.url.split("/t/")[0]
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(f"{base}/t/wrong-token/", timeout=5)
+    assert e.value.code == 403 and b"exact URL" in e.value.read()
+    page = urllib.request.urlopen(browser.url, timeout=5).read()
+    assert b"runtime.js" in page
+    js = urllib.request.urlopen(browser.url + "runtime.js", timeout=5)
+    assert js.headers["Content-Type"].startswith("text/javascript")
+    with pytest.raises(urllib.error.HTTPError) as e:  # the page already took the WebSocket
+        urllib.request.urlopen(urllib.request.Request(browser.url + "ws", headers={
+            "Upgrade": "websocket", "Connection": "Upgrade", "Sec-WebSocket-Version": "13",
+            "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="}), timeout=5)
+    assert e.value.code == 403 and b"already used" in e.value.read()
+
+
+def test_frames_have_a_small_binary_header():
+    from tapml.platforms.browser import KIND_OUTPUT, decode_frame, encode_frame
+    data = encode_frame(7, 2, KIND_OUTPUT, b"\x01\x02\x03\x04")
+    assert len(data) == 16 + 4 and data[:4] == b"TPT1"
+    assert decode_frame(data) == (7, 2, KIND_OUTPUT, b"\x01\x02\x03\x04")
+    with pytest.raises(ValueError, match="header"):
+        decode_frame(b"[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]")
+
+
+SLOW_WGSL = """
+@group(0) @binding(0) var<storage, read> a: array<f32>;
+@group(0) @binding(1) var<storage, read> b: array<i32>;
+@group(0) @binding(2) var<storage, read_write> c: array<f32>;
+@group(0) @binding(3) var<storage, read_write> m: array<u32>;
+@compute @workgroup_size(64) fn main(@builtin(global_invocation_id) g: vec3<u32>) {
+  var x = a[g.x];
+  for (var i = 0; i < b[g.x]; i++) { x = fma(x, 0.999999, 1e-7); }
+  c[g.x] = x;
+  m[g.x] = 1u;
+}"""
+
+
+def test_browser_crash_mid_run_is_device_lost_not_a_hang():
+    import threading
+    import time
+    platform = open_browser()
+    try:
+        program = add_program(4096, SLOW_WGSL)
+        quick = [torch.ones(4096), torch.ones(4096, dtype=torch.int64)]
+        platform.run(program, quick)
+        busy = [torch.ones(4096), torch.full((4096,), 2**30, dtype=torch.int64)]  # minutes on SwiftShader
+        threading.Timer(1.0, os.kill, (platform.browser.pid, signal.SIGKILL)).start()
+        start = time.monotonic()
+        with pytest.raises(DeviceLost, match="device lost: the browser process was killed by signal 9"):
+            platform.run(program, busy)
+        assert time.monotonic() - start < 10
+        with pytest.raises(DeviceLost, match="killed by signal 9"):  # and every later run, at once
+            platform.run(program, quick)
+    finally:
+        platform.close()
+
+
+@needs_compiler
+def test_crash_during_replay_gives_device_lost_verdicts(carved):
+    from tapml.carving import CarveStore
+    from tapml.replay import replay
+    store = CarveStore(carved("zoo:mlp"))
+    platform = open_browser()
+    seen = []
+
+    def on_case(verdict):
+        seen.append(verdict)
+        if len(seen) == 1:
+            os.kill(platform.browser.pid, signal.SIGKILL)
+            platform.browser.proc.wait(timeout=10)
+
+    try:
+        result = replay(store, platform, "browser", on_case=on_case)
+    finally:
+        platform.close()
+    assert result["cases"][0]["status"] == "pass"
+    later = result["cases"][1:]
+    assert later and all(v["status"] == "error" and v["message"].startswith("error: device lost") for v in later)
+
+
+def _registry_ops() -> list:
+    if not _has_compiler():
+        return []
+    from tapml.platforms.wgsl import load_lowerings
+    return sorted(load_lowerings())
+
+
+@needs_compiler
+@pytest.mark.parametrize("op", _registry_ops())
+def test_lowering_in_the_browser(browser, op):
+    """The registry's own samples (the same checks as the wgpu tier), on the browser's WebGPU."""
+    from tapml.compare import compare_tensor
+    from tapml.errors import Unsupported
+    from tapml.graph import run_node
+    from tapml.platforms.wgsl.registry import REGISTRY, sample_cases
+    torch.manual_seed(0)
+    cases = sample_cases(op)
+    assert cases, f"{op}: the registry has no samples for it"
+    ran = 0
+    for graph, inputs in cases:
+        try:
+            out = browser.run(browser.compile(graph), inputs)
+        except Unsupported as e:
+            assert "float16" in str(e), f"{op}: {e}"  # SwiftShader has no shader-f16; nothing else may be missing
+            continue
+        env = dict(zip([r for r, _ in graph.inputs], inputs))
+        ref = run_node(graph.nodes[0], env.__getitem__)
+        assert len(out) == len(ref)
+        for i, (o, r) in enumerate(zip(out, ref)):
+            assert tuple(o.shape) == tuple(r.shape) and o.dtype == r.dtype, \
+                f"{op} output {i}: {o.dtype}{list(o.shape)} != reference {r.dtype}{list(r.shape)}"
+            if REGISTRY[op].tol.get("values", True):
+                res = compare_tensor(o, r)
+                assert res.passed, f"{op} output {i}: {res.message}; worst {res.worst}"
+        ran += 1
+    assert ran, f"{op}: every sample was unsupported in the browser"
+
+
+def _f32_case(case) -> bool:
+    return all(m["dtype"] == "float32" for m in case["output_meta"])
+
+
+def _open_vulkan():
+    try:
+        from tapml.platforms.wgpu_native import WgpuPlatform
+    except ImportError as e:
+        pytest.skip(f"tapml.platforms.wgpu_native is not available: {e}")
+    return WgpuPlatform("vulkan")
+
+
+@needs_compiler
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["zoo:tiny-llama", "zoo:tiny-vit"])
+def test_zoo_replay_passes_every_f32_case_and_matches_wgpu_vulkan(browser, carved, spec):
+    from tapml.carving import CarveStore
+    from tapml.replay import replay
+    store = CarveStore(carved(spec))
+    on_browser = replay(store, browser, "browser")
+    assert on_browser["device"]["adapter"].startswith("google swiftshader")
+    f32 = [v for v, c in zip(on_browser["cases"], store.cases) if _f32_case(c)]
+    assert len(f32) > 20
+    failing = [(v["id"], v["op"], v["status"], v["message"][:200]) for v in f32 if v["status"] != "pass"]
+    assert not failing, failing
+    with _open_vulkan() as vulkan:
+        on_vulkan = replay(store, vulkan, "wgpu:vulkan")
+    assert ({v["id"]: v["status"] for v in on_browser["cases"]} == {v["id"]: v["status"] for v in on_vulkan["cases"]})
+
+
+@needs_compiler
+@pytest.mark.slow
+def test_cli_replay_on_browser(carved, tmp_path):
+    store = carved("zoo:tiny-llama")
+    r = subprocess.run([sys.executable, "-m", "tapml.cli", "replay", str(store), "--target", "browser", "--json",
+                        str(tmp_path / "v.json")], capture_output=True, text=True, timeout=300)
+    assert r.returncode in (0, 1), r.stdout + r.stderr
+    verdicts = json.loads((tmp_path / "v.json").read_text())
+    assert verdicts["target"] == "browser" and verdicts["device"]["adapter"].startswith("google swiftshader")
+    assert (r.returncode == 0) == (verdicts["summary"]["pass"] == len(verdicts["cases"]))
+    assert "pass" in r.stdout and "on browser (google swiftshader" in r.stdout
+
+
+def test_no_webgpu_adapter_is_a_clear_error():
+    with pytest.raises(TapmlError, match="no WebGPU adapter.*mesa-vulkan-drivers"):
+        # no Vulkan and no GL fallback: Dawn finds no adapter at all
+        open_browser(chromium_flags=("--use-vulkan=none", "--use-angle=none",
+                                     "--disable-vulkan-fallback-to-gl-for-dawn"), connect_timeout=60)
+
+
+def test_missing_chromium_is_exit_2_saying_what_to_install(tmp_path, carved):
+    env = {**os.environ, "PATH": str(tmp_path), "TAPML_CHROMIUM": ""}
+    store = carved("zoo:mlp")
+    r = subprocess.run([sys.executable, "-m", "tapml.cli", "replay", str(store), "--target", "browser"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "apt-get install chromium" in r.stderr
+
+
+def test_no_launch_mode_turns_a_separately_started_browser_into_the_device():
+    from tapml.platforms.browser import ChromiumProcess
+    platform = open_browser(launch=False, connect_timeout=60)
+    assert platform.browser is None and "/t/" in platform.url
+    other = ChromiumProcess(platform.url)  # stands in for a person opening the URL
+    LAUNCHED.append(other)
+    try:
+        assert platform.caps()["adapter_info"]["architecture"] == "swiftshader"
+        a, b = torch.randn(33), torch.randint(0, 3, (33,))
+        c, _ = platform.run(add_program(33), [a, b])
+        assert torch.equal(c, a + b.float())
+    finally:
+        platform.close()
+        other.close()
+
+
+@pytest.mark.slow
+def test_serve_no_launch_makes_a_browser_a_remote_device(browser, carved, tmp_path):
+    """`tapml serve --platform browser --no-launch` + a separately started Chromium on the printed URL
+    is a device that `remote://` replay uses."""
+    import re
+    try:
+        import tapml.remote.server  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"tapml.remote is not available: {e}")
+    from tapml.platforms.browser import ChromiumProcess
+    store = carved("zoo:mlp")
+    server = subprocess.Popen([sys.executable, "-m", "tapml.cli", "serve", "--platform", "browser", "--no-launch",
+                               "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    page = None
+    try:
+        url = port = None
+        while port is None:
+            line = server.stdout.readline()
+            assert line, f"serve exited: {server.stderr.read()}"
+            url = url or (re.search(r"open (http://\S+/t/\S+/) in a browser", line) or [None, None])[1]
+            port = (re.search(r"listening on \S+:(\d+)", line) or [None, None])[1]
+        assert url, "serve printed no page URL"
+        page = ChromiumProcess(url)  # a person opening the URL
+        LAUNCHED.append(page)
+        r = subprocess.run([sys.executable, "-m", "tapml.cli", "replay", str(store), "--target",
+                            f"remote://127.0.0.1:{port}", "--json", str(tmp_path / "v.json")],
+                           capture_output=True, text=True, timeout=180)
+        assert r.returncode in (0, 1), r.stdout + r.stderr
+        verdicts = json.loads((tmp_path / "v.json").read_text())
+        assert verdicts["device"]["adapter"].startswith("google swiftshader")
+        assert verdicts["summary"]["pass"] > 0
+        from tapml.carving import CarveStore
+        from tapml.replay import replay
+        direct = replay(CarveStore(store), browser, "browser")  # the same page, without the server in between
+        assert [(v["id"], v["status"]) for v in verdicts["cases"]] == [(v["id"], v["status"]) for v in direct["cases"]]
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        if page is not None:
+            page.close()
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            if text in Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace"):
+                pids.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+@pytest.mark.slow
+def test_interrupted_replay_leaves_no_chromium(carved):
+    import time
+    store = carved("zoo:tiny-llama")
+    tapml = subprocess.Popen([sys.executable, "-m", "tapml.cli", "replay", str(store), "--target", "browser"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    profile = None
+    deadline = time.monotonic() + 60
+    while profile is None and time.monotonic() < deadline and tapml.poll() is None:
+        for entry in os.listdir("/proc"):
+            try:
+                if Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1] != str(tapml.pid):
+                    continue
+                args = Path(f"/proc/{entry}/cmdline").read_bytes().decode().split("\0")
+            except (OSError, IndexError):
+                continue
+            profile = next((a.split("=", 1)[1] for a in args if a.startswith("--user-data-dir=")), profile)
+        time.sleep(0.1)
+    assert profile, "tapml never started chromium"
+    time.sleep(1.0)  # let the replay get going
+    tapml.send_signal(signal.SIGINT)
+    assert tapml.wait(timeout=30) == 130
+    time.sleep(0.5)
+    assert _processes_mentioning(profile) == []
+    assert not Path(profile).exists()
+
+
+def test_no_leftover_chromium_processes(browser):
+    browser.close()
+    assert LAUNCHED
+    for proc in LAUNCHED:
+        assert proc.proc.poll() is not None
+        assert proc.session_pids() == [], f"chromium helpers of {proc.pid} still run"
+        assert not Path(proc.profile).exists()
+    profiles = [p.profile for p in LAUNCHED]
+    for entry in os.listdir("/proc"):
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        assert not any(p in cmdline for p in profiles), f"process {entry} still runs: {cmdline[:200]}"
