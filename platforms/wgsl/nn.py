@@ -94,17 +94,7 @@ def native_layer_norm(pb, node, x, normalized_shape, weight, bias, eps):
     def read(k):
         jidx = k.unravel("j", norm_shape)
         return jidx, cast(x.read(k, list(ridx) + jidx), x.ty, "f32")
-    s = k.var("f32", "0.0", "s")
-    k.loop("j", L)
-    k.emit(f"{s} = {s} + {read(k)[1]};")
-    k.close()
-    mean = k.let(f"{s} / {lit(L, 'f32')}", "f32")
-    q = k.var("f32", "0.0", "q")
-    k.loop("j", L)
-    d = k.let(f"{read(k)[1]} - {mean}", "f32")
-    k.emit(f"{q} = {q} + {d} * {d};")
-    k.close()
-    rstd = k.let(f"inverseSqrt({q} / {lit(L, 'f32')} + {lit(eps, 'f32')})", "f32")
+    mean, rstd = _moments(k, L, eps, lambda k: read(k)[1])
     k.loop("j", L)
     jidx, v = read(k)
     e = f"({v} - {mean}) * {rstd}"
@@ -118,6 +108,22 @@ def native_layer_norm(pb, node, x, normalized_shape, weight, bias, eps):
     k.emit(f"{rstd_o}[n] = {store(rstd, 'f32', bufs[2].dtype)};")
     pb.add(k.finish(math.prod(rows_shape)))
     return result
+
+
+def _moments(k, L: int, eps: float, read) -> tuple[str, str]:
+    """Mean and 1/sqrt(biased variance + eps) over ``j`` in [0, L), two passes as torch does;
+    ``read(k)`` emits the f32 value at index ``j``."""
+    s = k.var("f32", "0.0", "s")
+    k.loop("j", L)
+    k.emit(f"{s} = {s} + {read(k)};")
+    k.close()
+    mean = k.let(f"{s} / {lit(L, 'f32')}", "f32")
+    q = k.var("f32", "0.0", "q")
+    k.loop("j", L)
+    d = k.let(f"{read(k)} - {mean}", "f32")
+    k.emit(f"{q} = {q} + {d} * {d};")
+    k.close()
+    return mean, k.let(f"inverseSqrt({q} / {lit(L, 'f32')} + {lit(eps, 'f32')})", "f32")
 
 
 @register("aten.native_group_norm.default", ALL_FLOAT,
@@ -146,17 +152,7 @@ def native_group_norm(pb, node, x, weight, bias, N, C, HxW, group, eps):
         k.emit(f"let c: i32 = g * {cg} + j / {HxW};")
         k.emit(f"let p: i32 = j % {HxW};")
         return cast(xf.read(k, ["bn", "c", "p"]), xf.ty, "f32")
-    s = k.var("f32", "0.0", "s")
-    k.loop("j", L)
-    k.emit(f"{s} = {s} + {read(k)};")
-    k.close()
-    mean = k.let(f"{s} / {lit(L, 'f32')}", "f32")
-    q = k.var("f32", "0.0", "q")
-    k.loop("j", L)
-    d = k.let(f"{read(k)} - {mean}", "f32")
-    k.emit(f"{q} = {q} + {d} * {d};")
-    k.close()
-    rstd = k.let(f"inverseSqrt({q} / {lit(L, 'f32')} + {lit(eps, 'f32')})", "f32")
+    mean, rstd = _moments(k, L, eps, read)
     k.loop("j", L)
     e = f"({read(k)} - {mean}) * {rstd}"
     if weight is not None:
