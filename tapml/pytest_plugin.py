@@ -86,21 +86,12 @@ def failing(reason: str):
     return pytest.mark.tapml_known_failure(reason=reason)
 
 
-def add_options(parser) -> None:
-    """Register the ``--tapml-*`` options (idempotent: skips options that already exist)."""
+def pytest_addoption(parser):
     group = parser.getgroup("tapml", "tapml: check carved cases on a target")
     for flag, dest, action, help_text in _OPTIONS:
-        try:
-            group.addoption(flag, dest=dest, action=action, default=None, help=help_text)
-        except ValueError:  # already registered by another copy of this plugin
-            continue
-        parser.addini(dest, help=help_text.split(" (")[0],
-                      type="linelist" if action == "append" else "string",
+        group.addoption(flag, dest=dest, action=action, default=None, help=help_text)
+        parser.addini(dest, help=help_text.split(" (")[0], type="linelist" if action == "append" else "string",
                       default=[] if action == "append" else "")
-
-
-def pytest_addoption(parser):
-    add_options(parser)
 
 
 def _opt(config, dest: str):
@@ -130,30 +121,18 @@ def pytest_configure(config):
             parse_faults(inject)
         tol = _opt(config, "tapml_tol")
         if tol:
-            _parse_tol(tol)
+            _cli_tolerances(tol)
     except TapmlError as e:
         raise pytest.UsageError(f"tapml: {e}") from None
 
 
-def _parse_tol(items):
-    """Validate ``--tapml-tol`` without importing torch (tapml.compare needs it)."""
-    import math
+def _cli_tolerances(items):
+    from tapml.compare import Tolerances
     from tapml.errors import TapmlError
-    overrides = {}
-    for item in items:
-        op, sep, values = item.rpartition("=")
-        op = op.strip() if sep else "*"
-        try:
-            rtol, atol = (float(x) for x in values.split(","))
-            if not (math.isfinite(rtol) and math.isfinite(atol)) or rtol < 0 or atol < 0:
-                raise ValueError
-        except ValueError:
-            raise TapmlError(f"--tapml-tol {item!r}: expected OP=RTOL,ATOL or RTOL,ATOL with two "
-                             "non-negative numbers, e.g. aten.mm.default=1e-3,1e-4") from None
-        if not op or op.count(".") > 2 or " " in op:
-            raise TapmlError(f"--tapml-tol {item!r}: {op!r} is not an op name such as aten.mm.default")
-        overrides[op] = (rtol, atol)
-    return overrides
+    try:
+        return Tolerances.parse(items)
+    except TapmlError as e:
+        raise TapmlError(str(e).replace("--tol ", "--tapml-tol ", 1)) from None
 
 
 # --- fixtures --------------------------------------------------------------------------------
@@ -162,7 +141,7 @@ def _parse_tol(items):
 def tapml_target_spec(pytestconfig) -> str:
     """The TARGET spec the session checks: ``--tapml-target``, the ini key, else ``reference``.
     A generated conftest overrides this to default to the target its known failures came from."""
-    return _opt(pytestconfig, "tapml_target") or "reference"
+    return target_option(pytestconfig) or "reference"
 
 
 @pytest.fixture(scope="session")
@@ -175,8 +154,8 @@ def tapml_target(pytestconfig, tapml_target_spec):
         platform = open_target(tapml_target_spec, token=read_token(_opt(pytestconfig, "tapml_token_file")),
                                inject=_opt(pytestconfig, "tapml_inject"))
     except TapmlError as e:
-        pytest.fail(f"cannot open target {tapml_target_spec}: {e}", pytrace=False)
-    platform.spec = tapml_target_spec
+        message = str(e).replace("--token-file", "--tapml-token-file")
+        pytest.fail(f"cannot open target {tapml_target_spec}: {message}", pytrace=False)
     yield platform
     platform.close()
 
@@ -184,17 +163,42 @@ def tapml_target(pytestconfig, tapml_target_spec):
 _STORES: dict[str, object] = {}
 
 
-def open_store(path: str | os.PathLike):
-    """A CarveStore, opened once per process and path (tensors stay on disk until read)."""
+def load_store(path: str | os.PathLike):
+    """The CarveStore at ``path``, opened once per process (tensors stay on disk until read).
+    Raises TapmlError when it is missing or corrupt."""
     key = str(Path(path).resolve())
     if key not in _STORES:
         from tapml.carving.store import CarveStore
-        from tapml.errors import TapmlError
-        try:
-            _STORES[key] = CarveStore(key)
-        except TapmlError as e:
-            pytest.fail(str(e), pytrace=False)
+        _STORES[key] = CarveStore(key)
     return _STORES[key]
+
+
+def open_store(path: str | os.PathLike):
+    """:func:`load_store` for fixtures: a missing or corrupt store fails the test with the reason."""
+    from tapml.errors import TapmlError
+    try:
+        return load_store(path)
+    except TapmlError as e:
+        pytest.fail(str(e), pytrace=False)
+
+
+def open_suite_store(path: str | os.PathLike, manifest_sha256: str):
+    """The store of a generated suite, checked to be the one the suite was generated from."""
+    import hashlib
+    manifest = Path(path) / "manifest.json"
+    if not manifest.is_file():
+        pytest.fail(f"this suite's carve store {path} is gone; restore it, or carve again and regenerate "
+                    "the suite with `tapml gen-tests STORE -o DIR` (--copy-data keeps a copy in the suite)",
+                    pytrace=False)
+    if hashlib.sha256(manifest.read_bytes()).hexdigest() != manifest_sha256:
+        pytest.fail(f"the carve store {path} changed since this suite was generated (its manifest differs); "
+                    "regenerate the suite with `tapml gen-tests`", pytrace=False)
+    return open_store(path)
+
+
+def target_option(config) -> str | None:
+    """The target the user asked for (``--tapml-target`` or the ini key), or None."""
+    return _opt(config, "tapml_target")
 
 
 @pytest.fixture(scope="session")
@@ -271,7 +275,7 @@ def _fmt(x) -> str:
 def _case_tolerances(op: str, spec: CaseSpec | None, config):
     """``--tapml-tol`` for this op if it names it (or all ops), else the recorded tolerances."""
     from tapml.compare import Tolerances
-    cli = Tolerances(_parse_tol(_opt(config, "tapml_tol") or []))
+    cli = _cli_tolerances(_opt(config, "tapml_tol") or [])
     if any(k in cli.overrides for k in (op, op.rsplit(".", 1)[0], "*")):
         return cli
     if spec is not None and spec.rtol is not None:
@@ -313,31 +317,18 @@ def pytest_generate_tests(metafunc):
     marker = metafunc.definition.get_closest_marker("tapml")
     path = (marker.kwargs.get("store") if marker else None) or _opt(metafunc.config, "tapml_store")
     if not path:
-        raise pytest.UsageError(f"{metafunc.definition.nodeid} asks for tapml_case: pass --tapml-store DIR "
-                                "(a carve store) or parametrize tapml_case yourself")
-    from tapml.carving.gentests import case_test_id
+        pytest.fail(f"{metafunc.definition.nodeid} asks for tapml_case: pass --tapml-store DIR "
+                    "(a carve store) or parametrize tapml_case yourself", pytrace=False)
+    from tapml.carving.gentests import case_test_id, unique_ids
     from tapml.errors import TapmlError
     try:
-        store = open_store_for_collection(path)
+        store = load_store(path)
     except TapmlError as e:
-        raise pytest.UsageError(f"--tapml-store: {e}") from None
+        pytest.fail(f"--tapml-store: {e}", pytrace=False)
     op = marker.kwargs.get("op") if marker else None
     cases = [c for c in store.cases if op is None or c["op"] == op]
     if not cases:
-        raise pytest.UsageError(f"{metafunc.definition.nodeid}: store {path} has no cases of {op}; "
-                                f"`tapml inspect {path}` lists its ops")
-    ids = case_test_id_list(store, cases, case_test_id)
+        pytest.fail(f"{metafunc.definition.nodeid}: store {path} has no cases of {op}; "
+                    f"`tapml inspect {path}` lists its ops", pytrace=False)
+    ids = unique_ids([(c["id"], case_test_id(c, store.tensor_index)) for c in cases])
     metafunc.parametrize("tapml_case", [CaseSpec(c["id"]) for c in cases], ids=ids, indirect=True)
-
-
-def open_store_for_collection(path):
-    key = str(Path(path).resolve())
-    if key not in _STORES:
-        from tapml.carving.store import CarveStore
-        _STORES[key] = CarveStore(key)
-    return _STORES[key]
-
-
-def case_test_id_list(store, cases, case_test_id) -> list[str]:
-    from tapml.carving.gentests import unique_ids
-    return unique_ids([(c["id"], case_test_id(c, store.tensor_index)) for c in cases])
