@@ -1,0 +1,88 @@
+"""Transport benchmark: tensor upload/download and empty-call latency of a device server,
+next to a plain socket to the same server measured in the same run.
+
+The baseline is the server's ``raw`` endpoint: after the handshake it is a bare TCP socket
+that receives n bytes into a fresh buffer (then answers one byte) or sends n bytes, with the
+same socket options as the tensor path. Both paths are measured alternately, best of
+``repeat``, so load from other processes hits them alike.
+"""
+
+from __future__ import annotations
+
+import time
+
+from tapml.remote import protocol as P
+
+GOALS = {"upload_vs_socket": 0.7, "download_vs_socket": 0.7, "empty_call_ms": 0.3}
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def measure_transport(platform, size_bytes: int = 64 << 20, repeat: int = 10, calls: int = 2000) -> dict:
+    """Measure ``platform`` (a :class:`~tapml.remote.client.RemotePlatform`); returns the report
+    dict with ``socket``, ``tensor``, ``empty_call_ms`` and ``ratios``
+    (``upload_vs_socket``, ``download_vs_socket``, ``empty_call_ms``)."""
+    import torch
+    if size_bytes <= 0 or size_bytes % 4:
+        raise ValueError("size_bytes must be a positive multiple of 4")
+    limit = platform.info.get("max_message", size_bytes)
+    if size_bytes > limit:
+        raise ValueError(f"{size_bytes} bytes exceed the server's message limit of {limit}; "
+                         "restart it with a larger --max-message-mib or bench a smaller --size-mib")
+    tensor = torch.rand(size_bytes // 4, dtype=torch.float32)
+    payload = P.tensor_bytes(tensor)[2]
+    raw = platform.raw_socket()
+    try:
+        def raw_up():
+            P.send_header(raw, P.SINK, size_bytes)
+            raw.sendall(payload)
+            P.recv_exact(raw, 1)
+
+        def raw_down():
+            P.send_header(raw, P.SOURCE, size_bytes)
+            P.recv_payload(raw, size_bytes)
+
+        def raw_ping():
+            P.send_header(raw, P.PING)
+            P.recv_exact(raw, 1)
+
+        down_slot = platform.bench_tensor(size_bytes)
+        times = {k: [] for k in ("socket_up", "socket_down", "tensor_up", "tensor_down", "socket_rtt", "call")}
+        for _ in range(repeat):
+            times["socket_up"].append(_timed(raw_up))
+            up = {}
+            times["tensor_up"].append(_timed(lambda: up.setdefault("slot", platform.upload(tensor))))
+            platform.free([up["slot"]])
+            times["socket_down"].append(_timed(raw_down))
+            got = {}
+            times["tensor_down"].append(_timed(lambda: got.setdefault("t", platform.download(down_slot, keep=True))))
+            if got["t"].nbytes != size_bytes:
+                raise RuntimeError(f"downloaded {got['t'].nbytes} bytes, expected {size_bytes}")
+            del got["t"]
+            n = max(1, calls // repeat)
+            times["socket_rtt"].append(_timed(lambda: [raw_ping() for _ in range(n)]) / n)
+            times["call"].append(_timed(lambda: [platform.ping() for _ in range(n)]) / n)
+        platform.free([down_slot])
+    finally:
+        raw.close()
+    mbps = {k: size_bytes / min(v) / 1e6 for k, v in times.items() if k in ("socket_up", "socket_down", "tensor_up", "tensor_down")}
+    report = {
+        "target": platform.name, "platform": platform.info.get("platform"), "size_bytes": size_bytes,
+        "repeat": repeat, "calls": max(1, calls // repeat) * repeat, "statistic": "best of repeat",
+        "socket": {"upload_MBps": round(mbps["socket_up"], 1), "download_MBps": round(mbps["socket_down"], 1),
+                   "round_trip_ms": round(min(times["socket_rtt"]) * 1e3, 4)},
+        "tensor": {"upload_MBps": round(mbps["tensor_up"], 1), "download_MBps": round(mbps["tensor_down"], 1)},
+        "empty_call_ms": round(min(times["call"]) * 1e3, 4),
+    }
+    report["ratios"] = {"upload_vs_socket": round(mbps["tensor_up"] / mbps["socket_up"], 3),
+                        "download_vs_socket": round(mbps["tensor_down"] / mbps["socket_down"], 3),
+                        "empty_call_ms": report["empty_call_ms"]}
+    report["goals"] = dict(GOALS)
+    report["passed"] = (report["ratios"]["upload_vs_socket"] >= GOALS["upload_vs_socket"]
+                        and report["ratios"]["download_vs_socket"] >= GOALS["download_vs_socket"]
+                        and report["empty_call_ms"] < GOALS["empty_call_ms"])
+    return report

@@ -1,0 +1,322 @@
+"""``remote://HOST:PORT`` targets: a :class:`Platform` that runs on a ``tapml serve`` device server.
+
+Structure travels as JSON over an authenticated rpyc connection; tensors travel over a second
+authenticated socket as raw bytes with a small header (see :mod:`tapml.remote.protocol`).
+The server compiles and caches programs by content hash; this client remembers what it
+compiled, so a repeated case sends only its tensors.
+
+When the server goes away, calls raise :class:`~tapml.errors.DeviceLost` (an ``error: device
+lost`` verdict, never a hang: every call has a timeout) and the next call reconnects.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import socket
+import threading
+
+from tapml.errors import DeviceLost, PlatformError, TapmlError, Unsupported
+from tapml.platforms.base import KernelProgram, Platform
+from tapml.remote import protocol as P
+
+CLIENT_MAX_MESSAGE = 4 << 30
+
+
+class _UnknownProgram(Exception):
+    pass
+
+
+class RemotePlatform(Platform):
+    """A platform served by ``tapml serve`` at ``host:port``.
+
+    ``token`` is the shared secret (None for a server started without one); ``timeout`` bounds
+    every call in seconds (compiling and running a large region on a slow device can take a
+    while), ``connect_timeout`` the connection and handshake.
+
+    Example::
+
+        with RemotePlatform("127.0.0.1", 18861, token=read_token()) as p:
+            outputs = p.run(p.compile(graph), inputs)
+
+    Raises :class:`~tapml.errors.TapmlError` when the server cannot be reached or refuses the
+    token at construction time.
+    """
+
+    def __init__(self, host: str, port: int, token: str | None = None, *, timeout: float = 300.0,
+                 connect_timeout: float = 10.0):
+        self.host, self.port, self.token = host, int(port), token
+        self.name = f"remote://{host}:{port}"
+        self.timeout, self.connect_timeout = float(timeout), float(connect_timeout)
+        self.info: dict = {}
+        self._conn = None
+        self._bulk: socket.socket | None = None
+        self._calls: dict = {}
+        self._programs: dict[str, KernelProgram] = {}
+        self._loaded: set[str] = set()
+        self._support_cache: dict[str, str | None] = {}
+        self._slots = itertools.count(1)
+        self._lock = threading.RLock()
+        #: what this client sent: control calls by name, tensor bytes each way
+        self.stats: dict = {"calls": {}, "bytes_up": 0, "bytes_down": 0}
+        try:
+            self._connect()
+        except (P.AuthError, OSError, EOFError, TimeoutError) as e:
+            raise TapmlError(self._connect_failure(e)) from None
+
+    # --- connection -----------------------------------------------------------------------
+    def _connect_failure(self, e: BaseException) -> str:
+        if isinstance(e, P.AuthError):
+            return f"{self.name}: {e}"
+        if isinstance(e, ConnectionRefusedError):
+            return (f"nothing listens at {self.host}:{self.port}; start a device server there with "
+                    f"`tapml serve --port {self.port}` or fix the address")
+        return f"cannot reach the device server at {self.host}:{self.port}: {e}"
+
+    def _socket(self, role: str) -> socket.socket:
+        sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout)
+        try:
+            P.tune(sock)
+            P.client_handshake(sock, self.token, role, timeout=self.connect_timeout)
+            sock.settimeout(self.timeout)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _connect(self) -> None:
+        import rpyc
+        from rpyc.core.stream import SocketStream
+        sock = self._socket("control")
+        config = {"allow_pickle": False, "allow_public_attrs": False, "allow_all_attrs": False,
+                  "include_local_traceback": False, "include_local_version": False,
+                  "sync_request_timeout": self.timeout}
+        conn = rpyc.connect_channel(P.limited_channel(SocketStream(sock), CLIENT_MAX_MESSAGE),
+                                    service=rpyc.VoidService, config=config)
+        try:
+            root = conn.root
+            calls = {name: getattr(root, name) for name in
+                     ("hello", "ping", "supports", "compile", "load", "run", "free", "bench_tensor", "stats")}
+            info = json.loads(calls["hello"]())
+            if "error" in info:
+                raise P.AuthError(f"the device server cannot open its device: {info['error']['message']}")
+            if info.get("protocol") != 1:
+                raise P.AuthError(f"the server speaks protocol {info.get('protocol')}, this tapml speaks 1; "
+                                  "use the same tapml version on both sides")
+            bulk = self._socket("bulk")
+            try:
+                P.send_message(bulk, P.SESS, 0, bytes.fromhex(info["session"]))
+                kind, _, _, _, n = P.recv_header(bulk, 4096)
+                if kind != P.ACK:
+                    raise P.AuthError(P.recv_payload(bulk, n).decode(errors="replace"))
+            except BaseException:
+                bulk.close()
+                raise
+        except BaseException:
+            conn.close()
+            raise
+        if info["server_id"] != self.info.get("server_id"):
+            self._loaded.clear()  # a new server process has an empty program cache
+        self._conn, self._bulk, self._calls, self.info = conn, bulk, calls, info
+
+    def _drop(self) -> None:
+        conn, bulk = self._conn, self._bulk
+        self._conn = self._bulk = None
+        self._calls = {}
+        for closer in (getattr(conn, "close", None), getattr(bulk, "close", None)):
+            try:
+                if closer:
+                    closer()
+            except Exception:  # noqa: BLE001 - already broken
+                pass
+
+    def reconnect(self) -> None:
+        """Drop the connection and open a new one; DeviceLost when the server is still away."""
+        with self._lock:
+            self._drop()
+            self._ensure()
+
+    def _ensure(self) -> None:
+        if self._conn is None:
+            try:
+                self._connect()
+            except (P.AuthError, OSError, EOFError, TimeoutError) as e:
+                self._drop()
+                raise DeviceLost(f"{self.name}: reconnect failed: {self._connect_failure(e)}") from None
+
+    def _lost(self, e: BaseException) -> DeviceLost:
+        self._drop()
+        what = "no reply within the timeout" if isinstance(e, TimeoutError) else (str(e) or type(e).__name__)
+        return DeviceLost(f"{self.name}: {what}")
+
+    def _call(self, name: str, *args):
+        """One control call; transport failures become DeviceLost."""
+        self._ensure()
+        self.stats["calls"][name] = self.stats["calls"].get(name, 0) + 1
+        try:
+            return self._calls[name](*args)
+        except (EOFError, OSError, TimeoutError, P.ProtocolError) as e:
+            raise self._lost(e) from None
+
+    @staticmethod
+    def _raise(error: dict):
+        kind, message = error.get("kind"), error.get("message", "")
+        if kind == "unsupported":
+            raise Unsupported(message)
+        if kind == "device-lost":
+            raise DeviceLost(message)
+        if kind == "unknown-program":
+            raise _UnknownProgram(message)
+        raise PlatformError(message)
+
+    # --- Platform hooks ---------------------------------------------------------------------
+    def _caps(self) -> dict:
+        with self._lock:
+            if not self.info:
+                self._ensure()
+            return dict(self.info["caps"])
+
+    def _supports(self, node) -> str | None:
+        key = json.dumps(node.to_json(), sort_keys=True)
+        if key not in self._support_cache:
+            with self._lock:
+                self._support_cache[key] = self._call("supports", key) or None
+        return self._support_cache[key]
+
+    def _compile(self, graph) -> KernelProgram:
+        text = json.dumps(graph.to_json(), sort_keys=True, separators=(",", ":"))
+        ghash = hashlib.sha256(text.encode()).hexdigest()
+        with self._lock:
+            program = self._programs.get(ghash)
+            if program is not None and program.key in self._loaded:
+                return program
+            if len(text) > self.info.get("max_message", CLIENT_MAX_MESSAGE):
+                raise PlatformError(f"graph JSON of {len(text)} bytes exceeds the server's message limit; "
+                                    "start it with a larger --max-message-mib")
+            reply = json.loads(self._call("compile", text))
+            if "error" in reply:
+                self._raise(reply["error"])
+            program = KernelProgram.from_json(reply["program"])
+            self._programs[ghash] = program
+            self._loaded.add(program.key)
+            return program
+
+    def _run(self, program: KernelProgram, inputs: list) -> list:
+        limit = self.info.get("max_message", CLIENT_MAX_MESSAGE)
+        for i, t in enumerate(inputs):
+            if t.numel() * t.element_size() > limit:
+                raise PlatformError(f"input {i} is {t.numel() * t.element_size()} bytes, over the device "
+                                    f"server's message limit of {limit}; restart it with a larger "
+                                    "--max-message-mib")
+        with self._lock:
+            self._ensure()
+            if program.key not in self._loaded:
+                self._load(program)
+            try:
+                return self._run_once(program, inputs)
+            except _UnknownProgram:  # the server restarted or evicted it
+                self._load(program)
+                return self._run_once(program, inputs)
+
+    def _load(self, program: KernelProgram) -> None:
+        reply = json.loads(self._call("load", program.dumps()))
+        if "error" in reply:
+            self._raise(reply["error"])
+        self._loaded.add(program.key)
+
+    def _run_once(self, program: KernelProgram, inputs: list) -> list:
+        slots = [next(self._slots) for _ in inputs]
+        try:
+            for slot, t in zip(slots, inputs):
+                P.send_tensor(self._bulk, P.PUT, slot, t)
+                self.stats["bytes_up"] += t.numel() * t.element_size()
+        except (OSError, EOFError) as e:
+            raise self._lost(e) from None
+        except ValueError as e:
+            self._call("free", json.dumps(slots))
+            raise Unsupported(str(e)) from None
+        reply = json.loads(self._call("run", program.key, json.dumps(slots)))
+        if "error" in reply:
+            self._raise(reply["error"])
+        outputs = reply["outputs"]
+        try:
+            for slot, _ in outputs:
+                P.send_message(self._bulk, P.GET, slot)
+            results, errors = [], []
+            for slot, meta in outputs:
+                kind, got, dtype, shape, nbytes = P.recv_header(self._bulk, CLIENT_MAX_MESSAGE)
+                payload = P.recv_payload(self._bulk, nbytes)
+                if kind == P.ERR:
+                    errors.append(payload.decode(errors="replace"))
+                    continue
+                if kind != P.TENSOR or got != slot:
+                    raise P.ProtocolError(f"expected tensor of slot {slot}, got {kind!r} for slot {got}")
+                t = P.tensor_from(dtype, shape, payload)
+                self.stats["bytes_down"] += nbytes
+                if list(t.shape) != meta["shape"]:
+                    raise P.ProtocolError(f"output slot {slot} has shape {list(t.shape)}, announced {meta['shape']}")
+                results.append(t)
+        except (OSError, EOFError, P.ProtocolError) as e:
+            raise self._lost(e) from None
+        if errors:
+            raise PlatformError(f"device server: {errors[0]}")
+        self.device_ms = reply.get("device_ms")
+        return results
+
+    # --- transport primitives (benchmarks) ------------------------------------------------------
+    def ping(self) -> None:
+        """One empty control call (a round trip)."""
+        self._call("ping")
+
+    def upload(self, tensor) -> int:
+        """Put ``tensor`` in a server slot and wait for the server to hold it; returns the slot."""
+        with self._lock:
+            self._ensure()
+            slot = next(self._slots)
+            try:
+                P.send_tensor(self._bulk, P.PUTA, slot, tensor)
+                kind, _, _, _, n = P.recv_header(self._bulk, 1 << 20)
+                payload = P.recv_payload(self._bulk, n)
+            except (OSError, EOFError, P.ProtocolError) as e:
+                raise self._lost(e) from None
+            if kind != P.ACK:
+                raise PlatformError(f"device server: {payload.decode(errors='replace')}")
+            return slot
+
+    def download(self, slot: int, keep: bool = False):
+        """Fetch the tensor in ``slot`` (freeing it unless ``keep``)."""
+        with self._lock:
+            self._ensure()
+            try:
+                P.send_message(self._bulk, P.GETK if keep else P.GET, slot)
+                kind, _, dtype, shape, nbytes = P.recv_header(self._bulk, CLIENT_MAX_MESSAGE)
+                payload = P.recv_payload(self._bulk, nbytes)
+            except (OSError, EOFError, P.ProtocolError) as e:
+                raise self._lost(e) from None
+            if kind != P.TENSOR:
+                raise PlatformError(f"device server: {payload.decode(errors='replace')}")
+            return P.tensor_from(dtype, shape, payload)
+
+    def server_stats(self) -> dict:
+        """The server's counters: ``compiled`` (programs it compiled), ``cached`` (programs in its
+        cache), ``runs``, ``sessions``."""
+        return json.loads(self._call("stats"))
+
+    def free(self, slots: list[int]) -> None:
+        self._call("free", json.dumps(list(slots)))
+
+    def bench_tensor(self, nbytes: int) -> int:
+        """A float32 tensor of ``nbytes`` made on the server; returns its slot."""
+        return self._call("bench_tensor", int(nbytes))
+
+    def raw_socket(self) -> socket.socket:
+        """An authenticated plain socket to the server's baseline endpoint (SINK/SOURCE/PING)."""
+        try:
+            return self._socket("raw")
+        except (P.AuthError, OSError, EOFError) as e:
+            raise DeviceLost(f"{self.name}: {e}") from None
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()

@@ -1,0 +1,658 @@
+"""The device server behind ``tapml serve``: one local platform, shared by authenticated clients.
+
+Design: the server compiles. A client sends a graph as JSON (``compile``), the server compiles
+it with its own platform for its own device's caps, caches the KernelProgram by content hash
+(``KernelProgram.key``) and answers with the program. ``run`` then names the program by key
+and its inputs by *slots* that the client filled over the bulk connection; outputs come back
+the same way. So one compiler runs per device, the client needs nothing of the server's
+platform, and a repeated case sends only its tensors.
+
+Every connection proves the shared token first (:mod:`tapml.remote.protocol`); the rpyc
+service exposes only ``exposed_*`` methods taking and returning str/bytes/int/None, with
+pickle off and no classic mode. Device calls are serialized by one lock; transfers are not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import OrderedDict
+
+from tapml.errors import DeviceLost, PlatformError, TapmlError, Unsupported
+from tapml.remote import protocol as P
+
+PROTOCOL_VERSION = 1
+DEFAULT_PORT = 18861
+DEFAULT_MAX_MESSAGE = 1 << 30
+PROGRAM_CACHE = 1024
+SERVICE_NAME = "TAPML"
+OUTPUT_SLOTS = 1 << 62  # server-assigned slot ids; clients use ids below this
+
+log = logging.getLogger("tapml.serve")
+
+
+def _hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _error(kind: str, message: str) -> str:
+    return json.dumps({"error": {"kind": kind, "message": message}})
+
+
+def _error_of(e: BaseException) -> str:
+    if isinstance(e, Unsupported):
+        return _error("unsupported", str(e))
+    if isinstance(e, DeviceLost):
+        return _error("device-lost", str(e))
+    if isinstance(e, PlatformError):
+        return _error("platform", str(e))
+    return _error("platform", f"{type(e).__name__}: {e}")
+
+
+def _check_ops(graph) -> None:
+    """Only core ATen runs here: a graph naming ops of other namespaces is refused, since the
+    reference platform resolves op names with ``torch.ops`` and would run anything found there."""
+    for node in graph.nodes:
+        if not node.op.startswith("aten."):
+            raise Unsupported(f"{node.op}: only aten ops run on a device server")
+
+
+class Session:
+    """State of one control connection: tensors waiting in slots, its bulk sockets."""
+
+    def __init__(self):
+        self.id = os.urandom(16)
+        self.slots: dict[int, object] = {}
+        self.cond = threading.Condition()
+        self.error: str | None = None
+        self.sockets: list[socket.socket] = []
+        self._out = itertools.count(OUTPUT_SLOTS)
+        self.closed = False
+
+    def put(self, slot: int, tensor) -> None:
+        with self.cond:
+            self.slots[slot] = tensor
+            self.cond.notify_all()
+
+    def take(self, slots: list[int], timeout: float) -> list:
+        """Remove and return the tensors of ``slots``, waiting for uploads still in flight."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while not all(s in self.slots for s in slots):
+                if self.error or self.closed:
+                    raise PlatformError(f"input upload failed: {self.error or 'session closed'}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = [s for s in slots if s not in self.slots]
+                    raise PlatformError(f"inputs {missing} did not arrive within {timeout:g}s")
+                self.cond.wait(left)
+            return [self.slots.pop(s) for s in slots]
+
+    def store(self, tensor) -> int:
+        slot = next(self._out)
+        with self.cond:
+            self.slots[slot] = tensor
+        return slot
+
+    def fail(self, message: str) -> None:
+        with self.cond:
+            self.error = message
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.slots.clear()
+            self.cond.notify_all()
+        for s in self.sockets:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+class Device:
+    """The platform a server exposes, its program cache and the open sessions."""
+
+    def __init__(self, platform, spec: str, max_message: int = DEFAULT_MAX_MESSAGE, timeout: float = 300.0):
+        self.platform = platform
+        self.spec = spec
+        self.max_message = max_message
+        self.timeout = timeout
+        self.lock = threading.Lock()
+        self.programs: OrderedDict[str, object] = OrderedDict()
+        self.graph_keys: dict[str, str] = {}
+        self.sessions: dict[bytes, Session] = {}
+        self.server_id = os.urandom(8).hex()
+        self._caps: dict | None = None
+        self.compiled = 0
+        self.runs = 0
+
+    @property
+    def caps(self) -> dict:
+        # Lazy: a browser served with --no-launch has no adapter until someone opens its page.
+        if self._caps is None:
+            with self.lock:
+                if self._caps is None:
+                    self._caps = self.platform.caps()
+        return self._caps
+
+    def info(self, session: Session) -> dict:
+        return {"protocol": PROTOCOL_VERSION, "platform": self.spec, "caps": self.caps,
+                "max_message": self.max_message, "session": session.id.hex(), "server_id": self.server_id}
+
+    def remember(self, program, graph_hash: str | None = None) -> None:
+        self.programs[program.key] = program
+        self.programs.move_to_end(program.key)
+        if graph_hash:
+            self.graph_keys[graph_hash] = program.key
+        while len(self.programs) > PROGRAM_CACHE:
+            old, _ = self.programs.popitem(last=False)
+            self.graph_keys = {g: k for g, k in self.graph_keys.items() if k != old}
+
+
+def _str(value, name: str) -> str:
+    # rpyc would hand us a netref for anything that is not a plain value; never touch those.
+    if type(value) is not str:
+        raise TypeError(f"{name} must be a str")
+    return value
+
+
+def announcement(device: Device) -> list[str]:
+    """Registry aliases of a device: ``TAPML`` and ``TAPML-<base32 JSON>`` carrying its platform,
+    adapter, backend and features (base32 because the registry upper-cases names; the full caps
+    come from the device itself, over an authenticated connection)."""
+    import base64
+    info = {"platform": device.spec}
+    if device._caps is not None:
+        info.update({k: device._caps.get(k) for k in ("adapter", "backend", "features")})
+    text = json.dumps(info, separators=(",", ":"))
+    if len(text) > 600:  # the registry takes one UDP datagram per registration
+        text = json.dumps({"platform": device.spec[:100], "adapter": str(info.get("adapter"))[:200]})
+    return [SERVICE_NAME, f"{SERVICE_NAME}-" + base64.b32encode(text.encode()).decode()]
+
+
+def parse_announcement(name: str) -> dict | None:
+    """Inverse of :func:`announcement` for one alias; None when it is not one."""
+    import base64
+    if not name.upper().startswith(f"{SERVICE_NAME}-"):
+        return None
+    try:
+        info = json.loads(base64.b32decode(name[len(SERVICE_NAME) + 1:].upper()).decode())
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
+def make_service(device: Device):
+    """The rpyc Service class for ``device``: one instance (and Session) per connection."""
+    import rpyc
+
+    from tapml.graph import Graph, Node
+    from tapml.platforms.base import KernelProgram
+
+    class DeviceService(rpyc.Service):
+        ALIASES = [SERVICE_NAME]  # serve() adds the announcement once the caps are known
+
+        def on_connect(self, conn):
+            self.session = Session()
+            device.sessions[self.session.id] = self.session
+
+        def on_disconnect(self, conn):
+            device.sessions.pop(self.session.id, None)
+            self.session.close()
+
+        def exposed_hello(self) -> str:
+            """Protocol version, platform spec, caps, size limit and the bulk session id (JSON)."""
+            try:
+                return json.dumps(device.info(self.session))
+            except Exception as e:  # noqa: BLE001 - the client reports it
+                return _error_of(e)
+
+        def exposed_stats(self) -> str:
+            """Counters (JSON): programs compiled, programs cached, runs, open sessions."""
+            return json.dumps({"compiled": device.compiled, "cached": len(device.programs), "runs": device.runs,
+                               "sessions": len(device.sessions)})
+
+        def exposed_ping(self) -> None:
+            """Nothing: measures the round trip."""
+
+        def exposed_supports(self, node_json) -> str:
+            """'' when the platform can run the node (JSON), else the reason it cannot."""
+            try:
+                node = Node.from_json(json.loads(_str(node_json, "node_json")))
+            except (TypeError, ValueError, KeyError) as e:
+                return f"malformed node: {e}"
+            if not node.op.startswith("aten."):
+                return "only aten ops run on a device server"
+            with device.lock:
+                try:
+                    return device.platform.supports(node) or ""
+                except Exception as e:  # noqa: BLE001 - a reason, not a crash
+                    return f"{type(e).__name__}: {e}"
+
+        def exposed_compile(self, graph_json) -> str:
+            """Compile a graph (JSON); returns ``{"key", "program"}`` or ``{"error": {kind, message}}``."""
+            try:
+                text = _str(graph_json, "graph_json")
+                ghash = _hash(text)
+                key = device.graph_keys.get(ghash)
+                if key in device.programs:
+                    return json.dumps({"key": key, "program": device.programs[key].to_json()})
+                graph = Graph.from_json(json.loads(text))
+                _check_ops(graph)
+                with device.lock:
+                    program = device.platform.compile(graph)
+                    device.compiled += 1
+                device.remember(program, ghash)
+                return json.dumps({"key": program.key, "program": program.to_json()})
+            except (TypeError, ValueError, KeyError) as e:
+                return _error("usage", f"malformed graph: {type(e).__name__}: {e}")
+            except Exception as e:  # noqa: BLE001 - becomes the case's verdict
+                return _error_of(e)
+
+        def exposed_load(self, program_json) -> str:
+            """Cache a program compiled elsewhere (JSON); returns ``{"key"}`` or an error."""
+            try:
+                program = KernelProgram.from_json(json.loads(_str(program_json, "program_json")))
+                if program.graph is not None:
+                    _check_ops(Graph.from_json(program.graph))
+            except (TypeError, ValueError, KeyError) as e:
+                return _error("usage", f"malformed program: {type(e).__name__}: {e}")
+            except Unsupported as e:
+                return _error_of(e)
+            device.remember(program)
+            return json.dumps({"key": program.key})
+
+        def exposed_run(self, key, slots_json) -> str:
+            """Run cached program ``key`` on the tensors in the input slots (JSON list); returns
+            ``{"outputs": [[slot, meta], ...], "device_ms"}`` or an error."""
+            from tapml.graph import TensorMeta
+            try:
+                key = _str(key, "key")
+                slots = json.loads(_str(slots_json, "slots_json"))
+                if not isinstance(slots, list) or not all(type(s) is int and 0 <= s < OUTPUT_SLOTS for s in slots):
+                    raise ValueError("slots must be a list of client slot ids")
+            except (TypeError, ValueError) as e:
+                return _error("usage", str(e))
+            try:
+                inputs = self.session.take(slots, device.timeout)
+            except PlatformError as e:
+                return _error_of(e)
+            program = device.programs.get(key)
+            if program is None:
+                return _error("unknown-program", f"program {key} is not cached on this server")
+            device.runs += 1
+            try:
+                with device.lock:
+                    outputs = device.platform.run(program, inputs)
+                    ms = getattr(device.platform, "last_run_ms", None)
+            except ValueError as e:
+                return _error("platform", str(e))
+            except Exception as e:  # noqa: BLE001 - becomes the case's verdict
+                return _error_of(e)
+            return json.dumps({"outputs": [[self.session.store(t), TensorMeta.of(t).to_json()] for t in outputs],
+                               "device_ms": ms})
+
+        def exposed_free(self, slots_json) -> None:
+            """Drop tensors the client will not download."""
+            slots = json.loads(_str(slots_json, "slots_json"))
+            with self.session.cond:
+                for s in slots if isinstance(slots, list) else []:
+                    if type(s) is int:
+                        self.session.slots.pop(s, None)
+
+        def exposed_bench_tensor(self, nbytes) -> int:
+            """Create a float32 tensor of ``nbytes`` in a slot, for download benchmarks."""
+            import torch
+            if type(nbytes) is not int or not 0 < nbytes <= device.max_message or nbytes % 4:
+                raise ValueError("nbytes must be a positive multiple of 4 within the message limit")
+            return self.session.store(torch.ones(nbytes // 4, dtype=torch.float32))
+
+    return DeviceService
+
+
+def serve_bulk(device: Device, sock: socket.socket, peer) -> None:
+    """Serve one authenticated bulk connection until it closes."""
+    first = P.recv_header(sock, 64)
+    kind, _, _, _, n = first
+    session = device.sessions.get(bytes(P.recv_payload(sock, n))) if kind == P.SESS else None
+    if session is None:
+        P.send_error(sock, "unknown session: open the control connection first")
+        return
+    session.sockets.append(sock)
+    P.send_message(sock, P.ACK)
+    try:
+        while True:
+            try:
+                kind, slot, dtype, shape, nbytes = P.recv_header(sock, device.max_message)
+            except P.ProtocolError as e:
+                log.warning("%s: %s", peer, e)
+                session.fail(str(e))
+                P.send_error(sock, str(e))
+                return
+            if kind in (P.PUT, P.PUTA):
+                payload = P.recv_payload(sock, nbytes)
+                try:
+                    tensor = P.tensor_from(dtype, shape, payload)
+                except P.ProtocolError as e:
+                    session.fail(str(e))
+                    P.send_error(sock, str(e), slot)
+                    return
+                if slot >= OUTPUT_SLOTS:
+                    P.send_error(sock, f"slot {slot} is reserved for outputs", slot)
+                    return
+                session.put(slot, tensor)
+                if kind == P.PUTA:
+                    P.send_message(sock, P.ACK, slot)
+            elif kind in (P.GET, P.GETK):
+                with session.cond:
+                    tensor = session.slots.get(slot) if kind == P.GETK else session.slots.pop(slot, None)
+                if tensor is None:
+                    P.send_error(sock, f"no tensor in slot {slot}", slot)
+                else:
+                    P.send_tensor(sock, P.TENSOR, slot, tensor)
+            else:
+                P.send_error(sock, f"unknown message kind {kind!r}")
+                return
+    finally:
+        if sock in session.sockets:
+            session.sockets.remove(sock)
+
+
+def serve_raw(device: Device, sock: socket.socket) -> None:
+    """The benchmark's baseline: a plain socket that sinks or sources bytes, nothing else."""
+    scratch = b""
+    while True:
+        kind, _, _, _, n = P.recv_header(sock, device.max_message)
+        if kind == P.SINK:
+            P.recv_payload(sock, n)
+            sock.sendall(b"k")
+        elif kind == P.SOURCE:
+            if len(scratch) != n:
+                scratch = bytes(n)
+            sock.sendall(scratch)
+        elif kind == P.PING:
+            sock.sendall(b"k")
+        else:
+            return
+
+
+class AuthGate:
+    """Bounds unauthenticated work and slows token guessing.
+
+    At most ``per_host`` handshakes from one address (``total`` from all) are in progress at
+    once; more are refused at once, before their answer is read. A handshake that fails holds
+    its place until the address's next free turn: turns are ``delay`` apart, doubling with each
+    recent failure up to ``max_delay``, so guesses from one address come at most
+    ``1/max_delay`` per second however many connections carry them. A correct answer is never
+    delayed. Failures are forgotten ``forget`` seconds after the last one.
+    """
+
+    def __init__(self, per_host: int = 32, total: int = 256, delay: float = 0.05, max_delay: float = 1.0,
+                 forget: float = 60.0):
+        self.per_host, self.total = per_host, total
+        self.delay, self.max_delay, self.forget = delay, max_delay, forget
+        self._lock = threading.Lock()
+        self._pending: dict[str, int] = {}
+        self._failures: dict[str, tuple[int, float, float]] = {}  # host -> (count, last failure, next turn)
+
+    def enter(self, host: str) -> str | None:
+        """Take a place for a handshake from ``host``; the refusal reason when there is none."""
+        with self._lock:
+            if sum(self._pending.values()) >= self.total:
+                return "too many connections are authenticating; retry in a moment"
+            if self._pending.get(host, 0) >= self.per_host:
+                return "too many connections from your address are authenticating; retry in a moment"
+            self._pending[host] = self._pending.get(host, 0) + 1
+            return None
+
+    def leave(self, host: str) -> None:
+        with self._lock:
+            left = self._pending.get(host, 1) - 1
+            if left > 0:
+                self._pending[host] = left
+            else:
+                self._pending.pop(host, None)
+
+    def pace(self, host: str, ok: bool) -> None:
+        """Called with the handshake's outcome before it is answered: a failure waits its turn."""
+        if ok:
+            return
+        with self._lock:
+            now = time.monotonic()
+            count, last, turn = self._failures.get(host, (0, now, now))
+            if now - last > self.forget:
+                count, turn = 0, now
+            count += 1
+            turn = max(turn, now) + min(self.delay * 2 ** (count - 1), self.max_delay)
+            self._failures[host] = (count, now, turn)
+            if len(self._failures) > 4096:  # forget the oldest addresses first
+                for old in sorted(self._failures, key=lambda h: self._failures[h][1])[:1024]:
+                    del self._failures[old]
+        time.sleep(max(0.0, turn - now))
+
+
+def make_server(device: Device, host: str, port: int, token: str | None, registrar=None,
+                auth_timeout: float = P.AUTH_TIMEOUT_S):
+    """A rpyc ThreadedServer for ``device`` whose connections must pass the handshake first."""
+    from rpyc.core.stream import SocketStream
+    from rpyc.utils.authenticators import AuthenticationError
+    from rpyc.utils.server import ThreadedServer
+
+    gate = AuthGate()
+
+    def authenticate(sock):
+        peer = _peer(sock)
+        host = peer.rpartition(":")[0]
+        P.tune(sock)
+        busy = gate.enter(host)
+        if busy:
+            log.warning("refused %s: %s", peer, busy)
+            P.refuse(sock, busy)
+            raise AuthenticationError(busy)
+        try:
+            role = P.server_handshake(sock, token, auth_timeout, pace=lambda ok: gate.pace(host, ok))
+        except P.AuthError as e:
+            log.warning("refused %s: %s", peer, e)
+            raise AuthenticationError(str(e)) from None
+        finally:
+            gate.leave(host)
+        return sock, role
+
+    class DeviceServer(ThreadedServer):
+        def accept(self):
+            # rpyc ends the server on any accept() error; running out of file descriptors or
+            # memory for a moment (a flood of connections) must not stop the device.
+            try:
+                return super().accept()
+            except EOFError:
+                if not self.active:
+                    raise
+                log.warning("accept failed (too many connections?); retrying")
+                time.sleep(0.1)
+
+        def _serve_client(self, sock, role):
+            peer = _peer(sock)
+            try:
+                if role == "bulk":
+                    serve_bulk(device, sock, peer)
+                elif role == "raw":
+                    serve_raw(device, sock)
+                else:
+                    config = dict(self.protocol_config, credentials=None, logger=self.logger,
+                                  endpoints=(sock.getsockname(), sock.getpeername()))
+                    channel = P.limited_channel(SocketStream(sock), device.max_message,
+                                                on_refuse=lambda reason: log.warning("%s: %s", peer, reason))
+                    self.service._connect(channel, config).serve_all()
+            except (EOFError, OSError, P.ProtocolError) as e:
+                log.info("%s disconnected: %s", peer, e)
+
+    quiet = logging.getLogger("tapml.serve.rpyc")
+    quiet.setLevel(logging.CRITICAL)
+    return DeviceServer(make_service(device), hostname=host, port=port, authenticator=authenticate,
+                        registrar=registrar, auto_register=registrar is not None, logger=quiet,
+                        protocol_config={"allow_pickle": False, "allow_public_attrs": False,
+                                         "allow_all_attrs": False, "allow_setattr": False,
+                                         "allow_delattr": False, "include_local_traceback": False,
+                                         "include_local_version": False, "import_custom_exceptions": False,
+                                         "instantiate_custom_exceptions": False,
+                                         "sync_request_timeout": device.timeout})
+
+
+def _peer(sock) -> str:
+    try:
+        host, port = sock.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
+        return "?"
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def parse_registry(spec: str) -> tuple[str, str, int]:
+    """``[udp://|tcp://]HOST[:PORT]`` -> (mode, host, port); TapmlError says what is wrong."""
+    from rpyc.utils.registry import REGISTRY_PORT
+    m = re.fullmatch(r"(?:(udp|tcp)://)?(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+)(?::(\d{1,5}))?", spec or "")
+    if not m or (m.group(3) and not 0 < int(m.group(3)) < 65536):
+        raise TapmlError(f"bad registry {spec!r}; expected [udp://|tcp://]HOST[:PORT], e.g. udp://127.0.0.1:{REGISTRY_PORT}")
+    return m.group(1) or "udp", m.group(2).strip("[]"), int(m.group(3) or REGISTRY_PORT)
+
+
+def registry_client(spec: str, timeout: float = 2.0):
+    """An rpyc registry client for a ``[udp://|tcp://]HOST[:PORT]`` spec."""
+    from rpyc.utils.registry import TCPRegistryClient, UDPRegistryClient
+    mode, host, port = parse_registry(spec)
+    quiet = logging.getLogger("tapml.registry")
+    quiet.setLevel(logging.CRITICAL)
+    if mode == "tcp":
+        return TCPRegistryClient(host, port=port, timeout=timeout, logger=quiet)
+    return UDPRegistryClient(ip=host, port=port, timeout=timeout, logger=quiet)
+
+
+def serve(platform, spec: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, token: str | None = None,
+          max_message: int = DEFAULT_MAX_MESSAGE, register: str | None = None, timeout: float = 300.0,
+          on_listen=None, lazy_caps: bool = False, auth_timeout: float = P.AUTH_TIMEOUT_S) -> None:
+    """Serve ``platform`` until SIGTERM/SIGINT. ``on_listen(host, port)`` runs once the port accepts.
+    ``lazy_caps``: ask the platform for its caps only when a client does (a browser page that
+    nobody has opened yet has none)."""
+    device = Device(platform, spec, max_message=max_message, timeout=timeout)
+    if not lazy_caps:
+        device.caps  # noqa: B018 - fail before listening when the device cannot say what it is
+    registrar = registry_client(register) if register else None
+    try:
+        server = make_server(device, host, port, token, registrar, auth_timeout)
+    except OSError as e:
+        raise TapmlError(f"cannot listen on {host}:{port}: {e.strerror or e}; choose another --port "
+                         "(0 picks a free one)") from None
+    server._listen()  # listen before announcing the port: clients may connect at once
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        stop.set()
+        server.close()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        if on_listen:
+            on_listen(server.host, server.port)
+        server.service.ALIASES = announcement(device)  # caps are known once announced
+        if not stop.is_set():
+            server.start()
+    except OSError:
+        if not stop.is_set():  # a signal between announcing and start() closes the listener early
+            raise
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        server.close()
+        for session in list(device.sessions.values()):
+            session.close()
+
+
+class ServerProcess:
+    """A ``tapml serve`` subprocess on loopback (tests and the benchmark use it).
+
+    Example::
+
+        with ServerProcess(platform="reference", token="s3cret") as srv:
+            RemotePlatform(srv.host, srv.port, token="s3cret")
+    """
+
+    def __init__(self, platform: str = "reference", token: str | None = None, port: int = 0,
+                 host: str = "127.0.0.1", args: tuple[str, ...] = (), startup_s: float = 60.0):
+        env = dict(os.environ)
+        env.pop("TAPML_TOKEN", None)
+        if token:
+            env["TAPML_TOKEN"] = token
+        cmd = [sys.executable, "-m", "tapml.cli", "serve", "--platform", platform, "--host", host,
+               "--port", str(port), *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        self.lines: list[str] = []
+        deadline = time.monotonic() + startup_s
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                err = self.proc.stderr.read()
+                raise RuntimeError(f"tapml serve exited ({self.proc.wait()}) before listening:\n{err}")
+            self.lines.append(line)
+            m = re.search(r"listening on (\S+):(\d+)", line)
+            if m:
+                self.host, self.port = m.group(1).strip("[]"), int(m.group(2))
+                break
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError("tapml serve did not start listening in time")
+        # Keep draining the pipes so a chatty server never blocks on a full pipe.
+        self.stderr_lines: list[str] = []
+        threading.Thread(target=self._drain, args=(self.proc.stdout, self.lines), daemon=True).start()
+        threading.Thread(target=self._drain, args=(self.proc.stderr, self.stderr_lines), daemon=True).start()
+
+    @staticmethod
+    def _drain(pipe, sink):
+        for line in pipe:
+            sink.append(line)
+
+    @property
+    def target(self) -> str:
+        return f"remote://{self.host}:{self.port}"
+
+    def kill(self) -> None:
+        """SIGKILL: the server dies without closing anything (a crashed device)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+    def stop(self, timeout: float = 10.0) -> int:
+        """SIGTERM and wait; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()

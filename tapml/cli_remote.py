@@ -1,0 +1,178 @@
+"""Remote-device commands: ``tapml serve``, ``tapml registry``, ``tapml devices``."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from typing import Optional
+
+import typer
+
+from tapml.cli import EXIT_OK, JsonOpt, TokenFileOpt, command, console, fail, out, write_json
+
+SERVE_PLATFORMS = "wgpu, wgpu:vulkan, wgpu:gl, wgpu:metal, wgpu:dx12, browser, reference"
+
+
+def _log_to_stderr(verbose: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("tapml serve: %(message)s"))
+    logger = logging.getLogger("tapml.serve")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO if verbose else logging.WARNING)
+    logger.propagate = False
+
+
+def serve(platform: str = typer.Option("wgpu", "--platform", "-p", help=SERVE_PLATFORMS),
+          host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; anything but loopback needs a token"),
+          port: int = typer.Option(18861, "--port", help="TCP port; 0 picks a free one (printed)"),
+          token_file: Optional[str] = TokenFileOpt,
+          register: Optional[str] = typer.Option(None, "--register", help="Announce to an rpyc registry: [udp://|tcp://]HOST[:PORT]"),
+          max_message_mib: int = typer.Option(1024, "--max-message-mib", help="Refuse messages (tensors, JSON) larger than this"),
+          timeout: float = typer.Option(300.0, "--timeout", help="Seconds a run may wait for its input tensors"),
+          auth_timeout: float = typer.Option(10.0, "--auth-timeout", help="Seconds a new connection has to authenticate"),
+          no_launch: bool = typer.Option(False, "--no-launch", help="browser: do not start Chromium; print the page URL to open"),
+          verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every connection")):
+    """Serve a local device to tapml clients (targets remote://HOST:PORT)."""
+    from tapml.errors import TapmlError
+    from tapml.remote.server import is_loopback, parse_registry
+    from tapml.remote.server import serve as run_server
+    from tapml.targets import check_target, open_target, read_token
+    if platform.startswith("remote://"):
+        fail("serve exposes a device of this machine; --platform cannot be remote://")
+    check_target(platform)
+    if no_launch and platform != "browser":
+        fail("--no-launch only applies to --platform browser")
+    if not 0 <= port < 65536:
+        fail(f"--port {port} is out of range (0-65535; 0 picks a free port)")
+    if max_message_mib < 1:
+        fail("--max-message-mib must be at least 1")
+    if timeout <= 0 or auth_timeout <= 0:
+        fail("--timeout and --auth-timeout must be positive")
+    if register:
+        parse_registry(register)
+    token = read_token(token_file)
+    if not is_loopback(host) and not token:
+        console.print(f"[bold yellow]warning:[/] serving on {host} without a token: anyone who can reach this "
+                      "port can run programs on this device; pass --token-file or set TAPML_TOKEN", highlight=False)
+    _log_to_stderr(verbose)
+    if platform == "browser" and no_launch:
+        try:
+            from tapml.platforms.browser import BrowserPlatform
+        except ImportError as e:
+            raise TapmlError(f"platform browser is not available: {e}") from None
+        device = BrowserPlatform(launch=False, host=host)  # the page is served where a person can reach it
+        print(f"open {device.url} in a browser with WebGPU to attach it", flush=True)
+    else:
+        device = open_target(platform)
+
+    def announce(bound_host: str, bound_port: int) -> None:
+        adapter = "adapter: the page that opens the URL" if no_launch else device.caps().get("adapter", "?")
+        shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+        print(f"tapml serve: {platform} ({adapter}) listening on {shown}:{bound_port}"
+              + (" (token required)" if token else " (no token)"), flush=True)
+
+    try:
+        run_server(device, platform, host=host, port=port, token=token, max_message=max_message_mib << 20,
+                   register=register, timeout=timeout, on_listen=announce,
+                   lazy_caps=no_launch, auth_timeout=auth_timeout)
+    finally:
+        device.close()
+    print("tapml serve: stopped", flush=True)
+
+
+def registry(host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (0.0.0.0 for a LAN)"),
+             port: int = typer.Option(18811, "--port", help="Port; 0 picks a free one (printed)"),
+             mode: str = typer.Option("udp", "--mode", help="udp or tcp"),
+             prune_s: int = typer.Option(240, "--prune-timeout", help="Forget devices silent for this many seconds")):
+    """Run an rpyc registry that `tapml serve --register` announces devices to."""
+    from rpyc.utils.registry import TCPRegistryServer, UDPRegistryServer
+    if mode not in ("udp", "tcp"):
+        fail(f"--mode {mode!r}: use udp or tcp")
+    if not 0 <= port < 65536:
+        fail(f"--port {port} is out of range (0-65535)")
+    quiet = logging.getLogger("tapml.registry.server")
+    quiet.setLevel(logging.CRITICAL)
+    cls = UDPRegistryServer if mode == "udp" else TCPRegistryServer
+    try:
+        server = cls(host=host, port=port, pruning_timeout=prune_s, logger=quiet, allow_listing=True)
+    except OSError as e:
+        fail(f"cannot listen on {host}:{port}: {e.strerror or e}; choose another --port")
+
+    def stop(signum, frame):
+        server.active = False
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    print(f"tapml registry listening on {mode}://{server.sock.getsockname()[0]}:{server.port}", flush=True)
+    server.start()
+    print("tapml registry: stopped", flush=True)
+
+
+def devices(registry_spec: str = typer.Option("udp://255.255.255.255:18811", "--registry",
+                                              help="[udp://|tcp://]HOST[:PORT] of the registry (default: UDP broadcast)"),
+            token_file: Optional[str] = TokenFileOpt, json_out: Optional[str] = JsonOpt,
+            timeout: float = typer.Option(2.0, "--timeout", help="Seconds to wait for the registry and each device")):
+    """List the devices announced to a registry, with their caps."""
+    from tapml.remote.server import SERVICE_NAME, parse_announcement, registry_client
+    from tapml.targets import read_token
+    token = read_token(token_file)
+    client = registry_client(registry_spec, timeout)
+    announced = {}
+    try:
+        addresses = {tuple(a) for a in client.discover(SERVICE_NAME)}
+        try:
+            names = client.list() or ()
+        except Exception:  # noqa: BLE001 - listing off or reply too long: fall back to probing
+            names = ()
+        for name in names:
+            info = parse_announcement(name)
+            if info is not None:
+                for a in client.discover(name):
+                    announced[tuple(a)] = info
+    except OSError as e:
+        fail(f"cannot reach the registry at {registry_spec}: {e.strerror or e}; start one with `tapml registry`")
+    rows = [_probe(host, int(port), announced.get((host, port), {}), token, timeout)
+            for host, port in sorted(addresses)]
+    if json_out:
+        write_json(rows, json_out)
+        if json_out == "-":
+            return
+    if not rows:
+        out.print(f"no devices registered at {registry_spec}")
+        raise typer.Exit(EXIT_OK)
+    from rich.table import Table
+    table = Table(title=f"devices at {registry_spec}")
+    for col in ("target", "platform", "adapter", "backend", "features", "max storage buffer", "status"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        limit = r["limits"].get("maxStorageBufferBindingSize") or r["limits"].get("max-storage-buffer-binding-size")
+        table.add_row(r["target"], r["platform"], r["adapter"], r["backend"], ", ".join(r["features"]),
+                      f"{limit / 2**20:.0f} MiB" if isinstance(limit, (int, float)) else "", r["status"])
+    out.print(table)
+
+
+def _probe(host: str, port: int, announced: dict, token: str | None, timeout: float) -> dict:
+    """What the registry announced for one device, updated with its live caps when the token
+    lets us in; ``status`` says why not otherwise."""
+    from tapml.errors import TapmlError
+    from tapml.remote.client import RemotePlatform
+    row = {"target": f"remote://{host}:{port}", "platform": announced.get("platform", "?"),
+           "adapter": announced.get("adapter") or "", "backend": announced.get("backend") or "",
+           "features": list(announced.get("features") or []), "limits": {}, "dtypes": [], "status": "ok"}
+    try:
+        with RemotePlatform(host, port, token=token, timeout=timeout, connect_timeout=timeout) as device:
+            caps = device.caps()
+            row.update(platform=device.info.get("platform", row["platform"]), adapter=caps.get("adapter", ""),
+                       backend=caps.get("backend", ""), features=list(caps.get("features", [])),
+                       limits=dict(caps.get("limits", {})), dtypes=list(caps.get("dtypes", [])))
+    except TapmlError as e:
+        row["status"] = str(e)
+    return row
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``serve``, ``registry`` and ``devices`` to the tapml app."""
+    app.command()(command(serve))
+    app.command()(command(registry))
+    app.command()(command(devices))
