@@ -1,0 +1,397 @@
+"""Benchmarks: how fast the generated kernels, the runtime, carving and migration are, each
+next to a baseline measured in the same run on the same machine.
+
+Each figure is one small function returning plain JSON data; :func:`run_suite` runs them all
+against one target and adds the ``ratios`` and ``goals`` that ``tapml bench`` prints. Timings
+are best-of-N (the machines are shared: the minimum is the least disturbed run) and every
+baseline is measured alternately with the figure it is compared to, so load hits both alike.
+
+Example::
+
+    from tapml.bench import run_suite
+    report = run_suite("wgpu:vulkan", quick=True, workdir="/tmp/bench")
+    report["ratios"]["matmul_512_vs_torch"]  # our GFLOP/s / torch CPU GFLOP/s
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Callable
+
+#: Issue 9's goals: (comparison, bound) per ratio key.
+GOALS = {
+    "matmul_512_vs_torch": (">=", 0.25),
+    "matmul_1024_vs_torch": (">=", 0.25),
+    "e2e_tiny_llama_vs_torch": ("<=", 5.0),
+    "carve_write_vs_file_write": (">=", 0.5),
+    "migrate_max_s": ("<", 60.0),
+}
+ZOO_MODELS = ("zoo:mlp", "zoo:cnn", "zoo:tiny-llama", "zoo:tiny-gpt2", "zoo:tiny-bert", "zoo:tiny-vit",
+              "zoo:tiny-resnet")
+E2E_MODELS = ("zoo:tiny-llama", "zoo:tiny-vit")
+MATMUL_SIZES = (256, 512, 1024)
+BMM_BATCH = 2
+
+
+def best_of(fn: Callable[[], object], repeat: int) -> float:
+    """Seconds of the fastest of ``repeat`` calls of ``fn``."""
+    best = math.inf
+    for _ in range(max(1, repeat)):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _round(x, digits: int = 4):
+    return None if x is None else round(float(x), digits)
+
+
+def _ratio(a, b, digits: int = 4):
+    return None if a is None or b is None or b == 0 else round(a / b, digits)
+
+
+# --- kernels -------------------------------------------------------------------------------
+
+def matmul_graph(n: int, batch: int = 0):
+    """A one-node graph: ``mm`` of two n×n matrices, or ``bmm`` of two batch×n×n stacks."""
+    from tapml.graph import Graph, Node, TensorMeta
+    shape = (batch, n, n) if batch else (n, n)
+    meta = TensorMeta(shape, "float32")
+    op = "aten.bmm.default" if batch else "aten.mm.default"
+    node = Node("out", op, [{"ref": "a"}, {"ref": "b"}], {}, [meta])
+    return Graph([("a", meta), ("b", meta)], [node], ["out"])
+
+
+def device_seconds(platform, program, inputs: list, repeat: int) -> tuple[float, str]:
+    """Seconds per run of ``program``: device time with inputs resident where the platform
+    can measure it (``benchmark``), else the round trip of ``run`` (transfers included).
+    Returns ``(seconds, "device" | "round trip")``."""
+    bench = getattr(platform, "benchmark", None)
+    if callable(bench):
+        return bench(program, inputs, repeat=repeat), "device"
+    platform.run(program, inputs)
+    return best_of(lambda: platform.run(program, inputs), repeat), "round trip"
+
+
+def matmul_figure(platform, n: int, batch: int = 0, repeat: int = 3) -> dict:
+    """GFLOP/s of the target's generated ``mm`` (or ``bmm``) kernel and of torch CPU at size
+    ``n``, with the largest error against torch (the kernel must be right to count)."""
+    import torch
+    gen = torch.Generator().manual_seed(n)
+    shape = (batch, n, n) if batch else (n, n)
+    a, b = torch.rand(shape, generator=gen), torch.rand(shape, generator=gen)
+    fn = torch.bmm if batch else torch.mm
+    flops = 2 * n ** 3 * max(1, batch)
+    row = {"op": "bmm" if batch else "mm", "n": n, "batch": batch or 1, "gflop": round(flops / 1e9, 4)}
+    expected = fn(a, b)
+    torch_s = best_of(lambda: fn(a, b), max(3, repeat * 2))
+    try:
+        program = platform.compile(matmul_graph(n, batch))
+        got = platform.run(program, [a, b])[0]
+        s, timing = device_seconds(platform, program, [a, b], repeat)
+    except Exception as e:  # noqa: BLE001 - a kernel that fails is a figure, not a crash
+        return {**row, "error": f"{type(e).__name__}: {e}", "ours_gflops": None,
+                "torch_gflops": round(flops / torch_s / 1e9, 3), "ratio": None}
+    torch_s = min(torch_s, best_of(lambda: fn(a, b), max(3, repeat * 2)))
+    ours, ref = flops / s / 1e9, flops / torch_s / 1e9
+    return {**row, "ours_gflops": round(ours, 3), "torch_gflops": round(ref, 3), "ratio": _ratio(ours, ref),
+            "timing": timing, "max_abs_err": float((got - expected).abs().max()),
+            "kernel": getattr(program, "kernels", [None])[0].name if getattr(program, "kernels", None) else None}
+
+
+def matmul_figures(platform, sizes=MATMUL_SIZES, repeat: int = 3, batch: int = BMM_BATCH) -> list[dict]:
+    """:func:`matmul_figure` for ``mm`` and ``bmm`` at every size."""
+    return [matmul_figure(platform, n, b, repeat) for b in (0, batch) for n in sizes]
+
+
+# --- dispatch ------------------------------------------------------------------------------
+
+def chain_graph(length: int):
+    """``length`` dependent 1×1 ``mm`` nodes: one tiny kernel each, nothing to fuse."""
+    from tapml.graph import Graph, Node, TensorMeta
+    meta = TensorMeta((1, 1), "float32")
+    nodes, prev = [], "x"
+    for i in range(length):
+        nodes.append(Node(f"mm{i}", "aten.mm.default", [{"ref": prev}, {"ref": "w"}], {}, [meta]))
+        prev = f"mm{i}"
+    return Graph([("x", meta), ("w", meta)], nodes, [prev])
+
+
+def dispatch_figures(platform, repeat: int = 50, chain: int = 32) -> dict:
+    """Fixed costs of the runtime: ``empty_kernel_ms`` (a one-kernel program on a 1×1 tensor,
+    upload + dispatch + readback), ``per_kernel_ms`` (one more kernel in the same submission)
+    and ``per_region_ms`` (one more target region in a hybrid run: the crossing from host to
+    device and back, measured on regions of one tiny kernel between reference nodes)."""
+    import torch
+
+    from tapml.hybrid import REFERENCE, TARGET, HybridRunner
+    x, w = torch.full((1, 1), 0.5), torch.full((1, 1), 1.0)
+    one = platform.compile(chain_graph(1))
+    platform.run(one, [x, w])
+    empty_s = best_of(lambda: platform.run(one, [x, w]), repeat)
+    many = platform.compile(chain_graph(chain))
+    s1, timing = device_seconds(platform, one, [x, w], repeat)
+    sn, _ = device_seconds(platform, many, [x, w], repeat)
+    per_kernel = max(0.0, (sn - s1) / (chain - 1))
+
+    graph = chain_graph(chain)
+    runner = HybridRunner(graph, platform)
+    inputs = {"x": x, "w": w}
+    split = {n.name: (TARGET if i % 2 == 0 else REFERENCE) for i, n in enumerate(graph.nodes)}
+    runner.run(inputs, split)
+    best = math.inf
+    for _ in range(max(1, repeat // 5)):
+        start = time.perf_counter()
+        result = runner.run(inputs, split)
+        best = min(best, (time.perf_counter() - start) * 1e3 - result.reference_ms)
+    regions = len(result.regions)
+    return {"empty_kernel_ms": round(empty_s * 1e3, 4), "per_kernel_ms": round(per_kernel * 1e3, 4),
+            "per_kernel_timing": timing, "per_region_ms": round(best / regions, 4), "regions": regions,
+            "chain": chain}
+
+
+# --- end to end ----------------------------------------------------------------------------
+
+def torch_eager_ms(spec: str, repeat: int) -> float:
+    """Forward latency of the model itself in torch eager on CPU (best of ``repeat``), ms."""
+    import torch
+
+    from tapml.capture import split_inputs
+    from tapml.models import load_model
+    model, example = load_model(spec)
+    args, kwargs = split_inputs(example)
+    with torch.no_grad():
+        model(*args, **kwargs)
+        return best_of(lambda: model(*args, **kwargs), repeat) * 1e3
+
+
+def e2e_figure(platform, store, repeat: int = 10) -> dict:
+    """Forward latency of the store's whole model with every node on the target (one region,
+    compiled once; inputs uploaded and outputs read back each run) next to torch eager CPU,
+    and the end-to-end error against the reference's outputs."""
+    from tapml.hybrid import TARGET, HybridRunner
+    runner = HybridRunner(store.graph, platform)
+    inputs = store.program_inputs()
+    placement = {n.name: TARGET for n in store.graph.nodes}
+    row = {"nodes": len(store.graph.nodes)}
+    torch_ms = torch_eager_ms(store.model, repeat * 2)
+    try:
+        start = time.perf_counter()
+        result = runner.run(inputs, placement)
+        row["first_run_ms"] = round((time.perf_counter() - start) * 1e3, 3)
+        ours_ms = best_of(lambda: runner.run(inputs, placement), repeat) * 1e3
+    except Exception as e:  # noqa: BLE001
+        return {**row, "error": f"{type(e).__name__}: {e}", "ours_ms": None, "torch_ms": round(torch_ms, 4),
+                "ratio": None}
+    torch_ms = min(torch_ms, torch_eager_ms(store.model, repeat * 2))
+    expected = store.model_outputs()
+    err = max((float((result.values[r].float() - t.float()).abs().max()) for r, t in expected.items()
+               if t.numel() and t.is_floating_point()), default=0.0)
+    program = next(iter(runner._programs.values()))
+    return {**row, "kernels": len(getattr(program, "kernels", [])), "regions": len(result.regions),
+            "ours_ms": round(ours_ms, 4), "torch_ms": round(torch_ms, 4), "ratio": _ratio(ours_ms, torch_ms),
+            "max_abs_err": err}
+
+
+# --- carving -------------------------------------------------------------------------------
+
+def tensor_mix(total_bytes: int, seed: int = 0) -> list:
+    """Float32 tensors of log-uniform sizes between 1 KiB and 4 MiB, ``total_bytes`` in all:
+    the spread of activations and weights a carve writes."""
+    import torch
+    gen = torch.Generator().manual_seed(seed)
+    out, left = [], total_bytes
+    while left > 0:
+        nbytes = int(2 ** (10 + 12 * float(torch.rand((), generator=gen))))
+        n = max(1, min(nbytes, left) // 4)
+        out.append(torch.rand(n, generator=gen))
+        left -= n * 4
+    return out
+
+
+def carve_write_figure(workdir: Path, total_mb: int = 64, repeat: int = 3) -> dict:
+    """MB/s of tensors written through the CarveStore writer (safetensors shards and the
+    manifest) next to a plain sequential ``write`` of the same bytes to one file, alternately,
+    best of ``repeat`` each. Neither fsyncs: both measure the same path to the page cache."""
+    from tapml.carving.store import CarveStoreWriter
+    tensors = tensor_mix(total_mb << 20)
+    nbytes = sum(t.nbytes for t in tensors)
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+
+    def plain():
+        with open(workdir / "plain.bin", "wb") as f:
+            for t in tensors:
+                f.write(memoryview(t.numpy()))
+
+    def carve_writer():
+        writer = CarveStoreWriter(workdir / "store")
+        for i, t in enumerate(tensors):
+            writer.put(f"t{i}", t)
+        writer.close({"model": "bench", "cases": []})
+
+    plain_s = carve_s = math.inf
+    for _ in range(max(1, repeat)):
+        plain_s = min(plain_s, best_of(plain, 1))
+        (workdir / "plain.bin").unlink()
+        carve_s = min(carve_s, best_of(carve_writer, 1))
+        shutil.rmtree(workdir / "store")
+    file_mbps, carve_mbps = nbytes / plain_s / 1e6, nbytes / carve_s / 1e6
+    return {"bytes": nbytes, "tensors": len(tensors), "file_write_MBps": round(file_mbps, 1),
+            "carve_write_MBps": round(carve_mbps, 1), "ratio": _ratio(carve_mbps, file_mbps)}
+
+
+def carve_model_figure(spec: str, out: Path) -> dict:
+    """Carve ``spec`` into ``out``: export time, carve time (running the model on the reference
+    and writing every case) and their ratio."""
+    from tapml.carving import carve
+    info = carve(spec, out)
+    return {"export_s": round(info["export_s"], 3), "carve_s": round(info["carve_s"], 3),
+            "carve_vs_export": _ratio(info["carve_s"], info["export_s"]), "bytes": info["bytes"],
+            "cases": info["cases"], "nodes": info["nodes"],
+            "carve_MBps": round(info["bytes"] / info["carve_s"] / 1e6, 2) if info["carve_s"] else None}
+
+
+# --- migration -----------------------------------------------------------------------------
+
+def migrate_figure(spec: str, platform, target: str, workdir: Path) -> dict:
+    """Wall time of a full migration of ``spec`` to the platform, carving included (what
+    ``tapml migrate SPEC`` does), with its outcome."""
+    from tapml.migrate import Migration, open_or_carve
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    state_path = workdir / "state.json"
+    start = time.perf_counter()
+    try:
+        store, _ = open_or_carve(spec, state_path)
+        carved = time.perf_counter()
+        state = Migration(store, platform, target, state_path).run()
+    except Exception as e:  # noqa: BLE001
+        return {"s": round(time.perf_counter() - start, 3), "error": f"{type(e).__name__}: {e}", "passed": False}
+    end = time.perf_counter()
+    placement = state["placement"]
+    return {"s": round(end - start, 3), "carve_s": round(carved - start, 3), "migrate_s": round(end - carved, 3),
+            "passed": bool(state["passed"]), "cases": sum(state["summary"].values()),
+            "ops_share": placement["ops_share"], "culprits": len(state["culprits"])}
+
+
+# --- the suite -----------------------------------------------------------------------------
+
+def _goal_met(key: str, value) -> bool | None:
+    if key not in GOALS or value is None:
+        return None
+    op, bound = GOALS[key]
+    return {">=": value >= bound, "<=": value <= bound, "<": value < bound}[op]
+
+
+def run_suite(target: str = "wgpu", *, quick: bool = False, token: str | None = None,
+              workdir: str | Path | None = None, models: tuple[str, ...] | None = None,
+              on_step: Callable[[str], None] | None = None) -> dict:
+    """Run every benchmark against ``target`` and return the report (see ``tapml bench``).
+
+    ``quick`` shrinks repetitions, the carving payload, the transport payload and migrates
+    only ``zoo:mlp`` (a smoke run, figures not meant to be quoted). ``models`` overrides the
+    zoo models migrated. Scratch stores go under ``workdir`` (a temp dir by default, removed).
+    """
+    import tempfile
+
+    import torch
+
+    from tapml.replay import device_info
+    from tapml.targets import check_target, open_target
+    check_target(target)
+    step = on_step or (lambda _msg: None)
+    own_dir = workdir is None
+    root = Path(tempfile.mkdtemp(prefix="tapml-bench-")) if own_dir else Path(workdir)
+    root.mkdir(parents=True, exist_ok=True)
+    repeat = 2 if quick else 5
+    migrate_models = tuple(models) if models else (("zoo:mlp",) if quick else ZOO_MODELS)
+    started = time.perf_counter()
+    report: dict = {"target": target, "quick": quick, "machine": {
+        "cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads()}}
+    try:
+        with open_target(target, token=token) as platform:
+            report["device"] = device_info(platform)
+            step("matmul and bmm kernels vs torch CPU")
+            report["matmul"] = matmul_figures(platform, MATMUL_SIZES, repeat=1 if quick else 3)
+            step("dispatch overhead")
+            report["dispatch"] = dispatch_figures(platform, repeat=20 if quick else 100)
+            report["carving"] = {"models": {}}
+            report["e2e"] = {}
+            for spec in E2E_MODELS:
+                step(f"carving {spec}")
+                out = root / spec.replace(":", "_") / "store"
+                report["carving"]["models"][spec] = carve_model_figure(spec, out)
+                step(f"{spec} forward on {target} vs torch eager")
+                from tapml.carving import CarveStore
+                report["e2e"][spec] = e2e_figure(platform, CarveStore(out), repeat=3 if quick else 10)
+            step("carve writer vs plain file write")
+            report["carving"]["write"] = carve_write_figure(root / "write", 16 if quick else 128, repeat)
+            report["migrate"] = {}
+            for spec in migrate_models:
+                step(f"migrating {spec}")
+                report["migrate"][spec] = migrate_figure(spec, platform, target,
+                                                         root / "migrate" / spec.replace(":", "_"))
+            report["transport"] = None
+            if target.startswith("remote://"):
+                step("transport vs plain socket")
+                report["transport"] = transport_figure(platform, quick)
+    finally:
+        if own_dir:
+            shutil.rmtree(root, ignore_errors=True)
+    report["wall_s"] = round(time.perf_counter() - started, 2)
+    report["ratios"] = ratios(report)
+    report["goals"] = {k: {"goal": f"{op} {bound:g}", "value": report["ratios"].get(k),
+                           "met": _goal_met(k, report["ratios"].get(k))} for k, (op, bound) in GOALS.items()}
+    if report["transport"]:
+        for k, bound in report["transport"]["goals"].items():
+            op = "<" if k == "empty_call_ms" else ">="
+            value = report["ratios"].get(k)
+            met = None if value is None else (value < bound if op == "<" else value >= bound)
+            report["goals"][k] = {"goal": f"{op} {bound:g}", "value": value, "met": met}
+    return report
+
+
+def transport_figure(platform, quick: bool) -> dict:
+    """Tensor upload/download and empty-call latency of a ``remote://`` target next to a plain
+    socket to the same server (:func:`tapml.remote.bench.measure_transport`)."""
+    from tapml.remote.bench import measure_transport
+    limit = platform.info.get("max_message", 64 << 20)
+    size = min(16 << 20 if quick else 64 << 20, limit - limit % 4)
+    return measure_transport(platform, size, repeat=3 if quick else 10, calls=200 if quick else 2000)
+
+
+def ratios(report: dict) -> dict:
+    """The headline ratios of a report (None where a figure failed)."""
+    mm = {r["n"]: r for r in report.get("matmul", []) if r["op"] == "mm"}
+    e2e = report.get("e2e", {})
+    migrate = report.get("migrate", {})
+    out = {
+        "matmul_256_vs_torch": mm.get(256, {}).get("ratio"),
+        "matmul_512_vs_torch": mm.get(512, {}).get("ratio"),
+        "matmul_1024_vs_torch": mm.get(1024, {}).get("ratio"),
+        "e2e_tiny_llama_vs_torch": e2e.get("zoo:tiny-llama", {}).get("ratio"),
+        "e2e_tiny_vit_vs_torch": e2e.get("zoo:tiny-vit", {}).get("ratio"),
+        "carve_write_vs_file_write": report.get("carving", {}).get("write", {}).get("ratio"),
+        "migrate_s": {spec: m["s"] for spec, m in migrate.items()},
+        "migrate_max_s": max((m["s"] for m in migrate.values()), default=None),
+    }
+    for r in report.get("matmul", []):
+        if r["op"] == "bmm":
+            out[f"bmm_{r['n']}_vs_torch"] = r.get("ratio")
+    for spec, c in report.get("carving", {}).get("models", {}).items():
+        out[f"carve_vs_export_{spec.split(':')[-1].replace('-', '_')}"] = c.get("carve_vs_export")
+    t = report.get("transport")
+    if t:
+        out.update({k: t["ratios"][k] for k in ("upload_vs_socket", "download_vs_socket", "empty_call_ms")})
+    return out
+
+
+__all__ = ["run_suite", "ratios", "GOALS", "matmul_figure", "matmul_figures", "dispatch_figures", "e2e_figure",
+           "carve_write_figure", "carve_model_figure", "migrate_figure", "transport_figure", "best_of",
+           "device_seconds", "matmul_graph", "chain_graph", "tensor_mix", "torch_eager_ms"]

@@ -1,0 +1,187 @@
+"""``tapml bench``: benchmarks. Each benchmark is a subcommand of the ``bench`` group."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+
+from tapml.cli import EXIT_FINDING, EXIT_OK, JsonOpt, QuietOpt, TokenFileOpt, command, console, fail, out, write_json
+
+bench_app = typer.Typer(help="Measure tapml's moving parts: the whole suite, or one subcommand.",
+                        no_args_is_help=False, add_completion=False, pretty_exceptions_enable=False)
+
+
+@bench_app.callback(invoke_without_command=True)
+@command
+def bench(ctx: typer.Context,
+          target: str = typer.Option("wgpu", "--target", "-t",
+                                     help="Target whose kernels and runtime are measured: wgpu[:vulkan|gl|...], "
+                                          "reference, browser, remote://HOST:PORT"),
+          json_out: Optional[str] = JsonOpt,
+          quick: bool = typer.Option(False, "--quick", help="Smoke run: few repetitions, small payloads, "
+                                                            "migrate zoo:mlp only (figures not to be quoted)"),
+          model: Optional[List[str]] = typer.Option(None, "--model", help="Zoo model to migrate (repeatable; "
+                                                                          "default every zoo model, zoo:mlp with --quick)"),
+          token_file: Optional[str] = TokenFileOpt,
+          check: bool = typer.Option(False, "--check", help="Exit 1 when a goal is missed"),
+          quiet: bool = QuietOpt):
+    """Run every benchmark against TARGET (kernels vs torch CPU, dispatch overhead, end-to-end
+    latency, carving, migration, and transport for remote:// targets) and print the figures
+    with their ratios. Subcommands run one benchmark alone."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from tapml.bench import ZOO_MODELS, run_suite
+    from tapml.targets import check_target, read_token
+    check_target(target)
+    for m in model or []:
+        if m not in ZOO_MODELS:
+            fail(f"--model {m!r} is not a zoo model; use one of {', '.join(ZOO_MODELS)}")
+    if json_out and json_out != "-":
+        from pathlib import Path
+        parent = Path(json_out).parent
+        if not parent.is_dir():
+            fail(f"cannot write --json {json_out}: directory {parent} does not exist")
+    report = run_suite(target, quick=quick, token=read_token(token_file), models=tuple(model or ()),
+                       on_step=None if quiet else (lambda msg: console.print(f"[dim]bench:[/] {msg}", highlight=False)))
+    if json_out:
+        write_json(report, json_out)
+    if json_out != "-":
+        _render_suite(report)
+    missed = [k for k, g in report["goals"].items() if g["met"] is False]
+    raise typer.Exit(EXIT_FINDING if check and missed else EXIT_OK)
+
+
+def _num(x, fmt: str = ".3g") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _render_suite(r: dict) -> None:
+    """One table: each figure, its baseline, the ratio and the goal where the issue sets one."""
+    from rich.table import Table
+    goals = r["goals"]
+
+    def goal(key: str) -> str:
+        g = goals.get(key)
+        if not g:
+            return ""
+        mark = {True: "[green]met[/]", False: "[red]missed[/]", None: "[yellow]n/a[/]"}[g["met"]]
+        return f"{g['goal']} {mark}"
+
+    dev = r.get("device", {})
+    table = Table(title=f"tapml bench on {r['target']} ({dev.get('adapter', '')}){' --quick' if r['quick'] else ''}, "
+                        f"{r['machine']['cpus']} CPUs, {r['wall_s']:.0f} s")
+    for col, justify in (("figure", "left"), ("ours", "right"), ("baseline", "right"), ("ratio", "right"),
+                         ("goal", "left")):
+        table.add_column(col, justify=justify)
+    for m in r["matmul"]:
+        key = f"{'matmul' if m['op'] == 'mm' else 'bmm'}_{m['n']}_vs_torch"
+        label = f"{m['op']} {m['n']}" + (f" x{m['batch']}" if m["op"] == "bmm" else "") + " GFLOP/s vs torch CPU"
+        if m.get("error"):
+            label += f" [red]({m['error'][:60]})[/]"
+        table.add_row(label, _num(m["ours_gflops"]), _num(m["torch_gflops"]), _num(m["ratio"]), goal(key))
+    for spec, e in r["e2e"].items():
+        key = f"e2e_{spec.split(':')[-1].replace('-', '_')}_vs_torch"
+        label = f"{spec} forward ms vs torch eager" + (f" [red]({e['error'][:60]})[/]" if e.get("error") else "")
+        table.add_row(label, _num(e["ours_ms"]), _num(e["torch_ms"]), _num(e["ratio"]), goal(key))
+    d = r["dispatch"]
+    table.add_row("empty kernel round trip ms", _num(d["empty_kernel_ms"]), "", "", "")
+    table.add_row(f"per kernel ms ({d['per_kernel_timing']})", _num(d["per_kernel_ms"]), "", "", "")
+    table.add_row("per region ms", _num(d["per_region_ms"]), "", "", "")
+    w = r["carving"]["write"]
+    table.add_row("carve writer MB/s vs plain file write", _num(w["carve_write_MBps"], ".0f"),
+                  _num(w["file_write_MBps"], ".0f"), _num(w["ratio"]), goal("carve_write_vs_file_write"))
+    for spec, c in r["carving"]["models"].items():
+        table.add_row(f"carve s vs export s, {spec}", _num(c["carve_s"]), _num(c["export_s"]),
+                      _num(c["carve_vs_export"]), "")
+    for spec, m in r["migrate"].items():
+        status = "" if m.get("passed") else " [red](did not pass)[/]"
+        table.add_row(f"migrate {spec} s{status}", _num(m["s"]), "", "", f"< 60 {'[green]met[/]' if m['s'] < 60 else '[red]missed[/]'}")
+    t = r.get("transport")
+    if t:
+        table.add_row("upload MB/s vs plain socket", _num(t["tensor"]["upload_MBps"], ".0f"),
+                      _num(t["socket"]["upload_MBps"], ".0f"), _num(t["ratios"]["upload_vs_socket"]), goal("upload_vs_socket"))
+        table.add_row("download MB/s vs plain socket", _num(t["tensor"]["download_MBps"], ".0f"),
+                      _num(t["socket"]["download_MBps"], ".0f"), _num(t["ratios"]["download_vs_socket"]),
+                      goal("download_vs_socket"))
+        table.add_row("empty call ms vs socket round trip", _num(t["empty_call_ms"]), _num(t["socket"]["round_trip_ms"]),
+                      "", goal("empty_call_ms"))
+    out.print(table)
+
+
+@bench_app.command()
+@command
+def transport(target: Optional[str] = typer.Option(None, "--target", "-t",
+                                                   help="remote://HOST:PORT to measure; default: a local `tapml serve` started for the run"),
+              token_file: Optional[str] = TokenFileOpt,
+              size_mib: int = typer.Option(64, "--size-mib", help="Tensor size for throughput"),
+              repeat: int = typer.Option(10, "--repeat", help="Transfers per direction (best is kept)"),
+              calls: int = typer.Option(2000, "--calls", help="Empty calls timed for latency"),
+              check: bool = typer.Option(False, "--check", help="Exit 1 when a goal is missed"),
+              json_out: Optional[str] = JsonOpt):
+    """Tensor throughput and empty-call latency of a device server, next to a plain socket.
+
+    Both are measured in the same run against the same server; --json writes them with a
+    `ratios` object (upload_vs_socket, download_vs_socket, empty_call_ms).
+    """
+    import secrets
+
+    from tapml.remote.bench import GOALS, measure_transport
+    from tapml.remote.client import RemotePlatform
+    from tapml.remote.server import ServerProcess
+    from tapml.targets import parse_remote, read_token
+    if size_mib < 1 or repeat < 1 or calls < 1:
+        fail("--size-mib, --repeat and --calls must be at least 1")
+    server = None
+    if target:
+        if not target.startswith("remote://"):
+            fail(f"--target {target!r}: the transport benchmark measures a device server, remote://HOST:PORT")
+        host, port = parse_remote(target)
+        token = read_token(token_file)
+    else:
+        token = secrets.token_hex(16)
+        console.print("starting a local `tapml serve --platform reference` for the benchmark", highlight=False)
+        server = ServerProcess(platform="reference", token=token,
+                               args=("--max-message-mib", str(max(1024, size_mib + 1))))
+        host, port = server.host, server.port
+    try:
+        with RemotePlatform(host, port, token=token) as platform:
+            try:
+                report = measure_transport(platform, size_mib << 20, repeat, calls)
+            except ValueError as e:
+                fail(str(e))
+    finally:
+        if server:
+            server.stop()
+    if json_out:
+        write_json(report, json_out)
+    if json_out != "-":
+        _render(report, GOALS)
+    raise typer.Exit(EXIT_FINDING if check and not report["passed"] else EXIT_OK)
+
+
+def _render(r: dict, goals: dict) -> None:
+    from rich.table import Table
+    table = Table(title=f"transport to {r['target']} ({r['platform']}), {r['size_bytes'] >> 20} MiB tensors, "
+                        f"{r['statistic']} ({r['repeat']})")
+    for col in ("", "plain socket", "tapml", "ratio", "goal"):
+        table.add_column(col, justify="right")
+
+    def mark(ok: bool) -> str:
+        return "[green]ok[/]" if ok else "[red]missed[/]"
+
+    ratios = r["ratios"]
+    table.add_row("upload MB/s", f"{r['socket']['upload_MBps']:.0f}", f"{r['tensor']['upload_MBps']:.0f}",
+                  f"{ratios['upload_vs_socket']:.2f}",
+                  f"≥ {goals['upload_vs_socket']} {mark(ratios['upload_vs_socket'] >= goals['upload_vs_socket'])}")
+    table.add_row("download MB/s", f"{r['socket']['download_MBps']:.0f}", f"{r['tensor']['download_MBps']:.0f}",
+                  f"{ratios['download_vs_socket']:.2f}",
+                  f"≥ {goals['download_vs_socket']} {mark(ratios['download_vs_socket'] >= goals['download_vs_socket'])}")
+    table.add_row("round trip ms", f"{r['socket']['round_trip_ms']:.3f}", f"{r['empty_call_ms']:.3f}", "",
+                  f"< {goals['empty_call_ms']} {mark(r['empty_call_ms'] < goals['empty_call_ms'])}")
+    out.print(table)
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``bench`` group (with ``transport``) to the tapml app."""
+    app.add_typer(bench_app, name="bench")
