@@ -11,7 +11,8 @@ demo: setup
 	rm -rf stores/tiny-llama
 	.venv/bin/tapml carve zoo:tiny-llama -o stores/tiny-llama
 	.venv/bin/tapml inspect stores/tiny-llama
-	.venv/bin/tapml replay stores/tiny-llama --target reference --json stores/tiny-llama-verdicts.json
+	.venv/bin/tapml replay stores/tiny-llama --target reference --json stores/tiny-llama-reference.json
+	.venv/bin/tapml replay stores/tiny-llama --target wgpu:vulkan --json stores/tiny-llama-vulkan.json
 
 test: setup
 	$(PY) -m pytest -n 2 --dist loadgroup -q -rs
