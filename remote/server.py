@@ -586,6 +586,9 @@ def serve(platform, spec: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT
         server.close()
         for session in list(device.sessions.values()):
             session.close()
+        # Connection threads (daemons) still winding down must not write to stderr while the
+        # interpreter shuts down: that can abort the process (SIGABRT) instead of exiting 0.
+        log.disabled = True
 
 
 class ServerProcess:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 from tapml.compare import Comparison, Tolerances, compare_tensor, merge
-from tapml.errors import PlatformError, TapmlError, Unsupported
+from tapml.errors import DeviceLost, PlatformError, TapmlError, Unsupported
 from tapml.graph import Graph
 from tapml.hybrid import REFERENCE, TARGET, HybridRunner, placement_shares, reference_values
 
@@ -206,6 +206,17 @@ class RegionChecker:
         return verdict
 
 
+class MigrationInterrupted(TapmlError):
+    """The device went away mid-migration: nothing about it was recorded as a verdict, and
+    ``resume=True`` continues where it stopped."""
+
+
+def _device_lost(record: dict) -> bool:
+    """A verdict (or device record) that only says the device was unreachable."""
+    text = record.get("message") or record.get("error") or ""
+    return record.get("status", "error") == "error" and "device lost" in text
+
+
 def _where(e: Exception) -> str:
     region = getattr(e, "region", None)
     if not region:
@@ -320,6 +331,11 @@ class Migration:
         record = self.journal.get(key)
         if record is None:
             record = compute()
+            if _device_lost(record):  # once more: a remote client reconnects by itself
+                record = compute()
+                if _device_lost(record):  # a verdict about the device's absence, not about the code
+                    text = record.get("message") or record.get("error") or ""
+                    raise DeviceLost(text[text.find("device lost"):])
             self.journal.put(key, record)
         return record
 
@@ -350,6 +366,11 @@ class Migration:
             self._model_stage()
             self.stage = "done"
             self._save(force=True)
+        except DeviceLost as e:
+            self._save(force=True)
+            raise MigrationInterrupted(
+                f"{e}; the migration stopped there and its {len(self.journal.records)} verdicts so far are kept "
+                f"in {self.journal.path}: when the device is back, rerun the same command with --resume") from None
         finally:
             self.journal.close()
         return self.state()
@@ -598,6 +619,6 @@ def exit_code(state: dict) -> int:
     return 0 if state.get("passed") else 1
 
 
-__all__ = ["Migration", "open_or_carve", "check_faults", "RegionChecker", "Journal", "bisect", "module_regions",
+__all__ = ["Migration", "MigrationInterrupted", "open_or_carve", "check_faults", "RegionChecker", "Journal", "bisect", "module_regions",
            "journal_path", "exit_code",
            "STATE_FORMAT"]
