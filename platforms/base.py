@@ -155,6 +155,11 @@ class Platform:
         self.last_run_ms = (time.perf_counter() - start) * 1e3
         return out
 
+    def reconnect(self) -> None:
+        """Re-open a device that was lost (a restarted server, a fresh browser page).
+
+        Raises DeviceLost when it cannot be had; platforms that cannot lose their device do nothing."""
+
     def close(self) -> None:
         """Release the device. Safe to call twice."""
 

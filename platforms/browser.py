@@ -96,6 +96,10 @@ def _lan_address() -> str:
             return "127.0.0.1"
 
 
+# Largest frame the page may send: one output buffer (WebGPU caps storage buffers far below this).
+MAX_FRAME = 1 << 30
+
+
 class PageBridge:
     """Serves the runtime page and one WebSocket connection to it, from a background thread
     running its own asyncio loop. The calling thread talks to the page with :meth:`request`."""
@@ -136,7 +140,7 @@ class PageBridge:
     async def _serve(self, host, port):
         from websockets.asyncio.server import serve
         return await serve(self._handler, host, port, process_request=self._process_request, compression=None,
-                           max_size=None, ping_interval=20, ping_timeout=60, open_timeout=20)
+                           max_size=MAX_FRAME, ping_interval=20, ping_timeout=60, open_timeout=20)
 
     def _process_request(self, connection, request):
         from websockets.datastructures import Headers
@@ -260,12 +264,19 @@ class PageBridge:
                         await asyncio.wait_for(server.wait_closed(), 3)
                     except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - best effort on shutdown
                         pass
+                # Connection handlers still pending would otherwise die later, outside a running loop.
+                tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
             try:
                 self.call_soon(shutdown()).result(timeout=5)
             except Exception:  # noqa: BLE001
                 pass
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
+            if not self._thread.is_alive():
+                self._loop.close()
         self.mark_lost("the browser platform was closed")
 
 
@@ -389,6 +400,8 @@ class BrowserPlatform(Platform):
         self._on_page: set[str] = set()
         self._plans: dict[str, tuple[dict, list[bytes]]] = {}
         executable = find_chromium() if launch and not chromium else chromium
+        self._executable = executable
+        self.relaunches = 0
         self.bridge = PageBridge(host, port)
         self.url = self.bridge.url
         if launch:
@@ -399,6 +412,26 @@ class BrowserPlatform(Platform):
             except BaseException:
                 self.close()
                 raise
+
+    def reconnect(self) -> None:
+        """Start a fresh browser and page after a crash (launch mode only: in ``--no-launch`` mode a
+        person has to open a new URL, so this raises DeviceLost)."""
+        if self._closed:
+            raise DeviceLost("the browser platform was closed")
+        if not self.launch:
+            raise DeviceLost("the page is gone; start `tapml serve --platform browser --no-launch` again")
+        if self.browser is not None:
+            self.browser.close()
+        self.bridge.close()
+        self.bridge = PageBridge(self.bridge.host, 0)
+        self.url = self.bridge.url
+        self._on_page.clear()
+        try:
+            self.browser = self.bridge.call_soon(self._launch(self._executable)).result(timeout=30)
+            self.wait_for_device()
+        except TapmlError as e:
+            raise DeviceLost(f"a fresh browser did not come up: {e}") from None
+        self.relaunches += 1
 
     async def _launch(self, executable):
         return ChromiumProcess(self.url, executable, self.chromium_flags)

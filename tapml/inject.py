@@ -103,5 +103,8 @@ class InjectedPlatform(Platform):
     def _run(self, program, inputs):
         return self.inner.run(program, inputs)
 
+    def reconnect(self) -> None:
+        self.inner.reconnect()
+
     def close(self) -> None:
         self.inner.close()

@@ -331,7 +331,11 @@ class Migration:
         record = self.journal.get(key)
         if record is None:
             record = compute()
-            if _device_lost(record):  # once more: a remote client reconnects by itself
+            if _device_lost(record):  # once more, on a re-opened device (new connection, fresh page)
+                try:
+                    self.platform.reconnect()
+                except DeviceLost:
+                    pass
                 record = compute()
                 if _device_lost(record):  # a verdict about the device's absence, not about the code
                     text = record.get("message") or record.get("error") or ""

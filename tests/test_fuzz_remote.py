@@ -355,24 +355,8 @@ def test_browser_bridge_survives_random_page_frames(figure):
             assert time.monotonic() - start < 2
             outcomes["page lost" if "failed" in bridge.lost else "ignored"] += 1
         finally:
-            close_bridge(bridge)
+            bridge.close()
 
     check()
     figure("fuzzed browser-bridge page sessions tried", outcomes["page lost"] + outcomes["ignored"])
     assert outcomes["http refused"] > 0 and outcomes["page lost"] > 0
-
-
-def close_bridge(bridge) -> None:
-    """Close a PageBridge and finish the connection handlers its stopped loop left pending.
-    (PageBridge.close stops its loop with those coroutines unfinished; garbage-collected later,
-    they raise "no running event loop" at a random spot — inside an import, even.)"""
-    import asyncio
-    bridge.close()
-    loop = bridge._loop
-    if not loop.is_running() and not loop.is_closed():
-        tasks = asyncio.all_tasks(loop)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-        loop.close()

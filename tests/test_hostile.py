@@ -270,21 +270,5 @@ def test_browser_page_token_is_compared_in_constant_time(monkeypatch):
         assert e.value.code == 403
         assert urllib.request.urlopen(bridge.url, timeout=10).status == 200
     finally:
-        close_bridge(bridge)
+        bridge.close()
     assert len(calls) == 2
-
-
-def close_bridge(bridge) -> None:
-    """Close a PageBridge and finish the connection handlers its stopped loop left pending.
-    (PageBridge.close stops its loop with those coroutines unfinished; garbage-collected later,
-    they raise "no running event loop" at a random spot — inside an import, even.)"""
-    import asyncio
-    bridge.close()
-    loop = bridge._loop
-    if not loop.is_running() and not loop.is_closed():
-        tasks = asyncio.all_tasks(loop)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-        loop.close()

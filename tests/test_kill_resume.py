@@ -38,7 +38,8 @@ def migrate(req):
                 f.write(str(browser.pid))
         state = Migration(store, platform, req["target"], req["state"], inject=req["inject"],
                           resume=req["resume"]).run()
-    return {"exit": exit_code(state)}
+        relaunches = getattr(getattr(platform, "inner", platform), "relaunches", 0)
+    return {"exit": exit_code(state), **({"relaunches": relaunches} if relaunches else {})}
 
 for line in sys.stdin:
     req = json.loads(line)
@@ -255,7 +256,7 @@ def test_kill_the_device_server_at_random_moments(zygote, carved, tmp_path, figu
 @pytest.mark.xdist_group("browser")
 @pytest.mark.skipif(shutil.which("chromium") is None and not os.environ.get("TAPML_CHROMIUM"),
                     reason="no chromium on PATH (apt-get install chromium)")
-def test_kill_the_browser_at_random_moments_and_resume_on_a_fresh_page(zygote, carved, tmp_path, figure):
+def test_kill_the_browser_at_random_moments_and_carry_on_on_a_fresh_page(zygote, carved, tmp_path, figure):
     store = carved("zoo:mlp")
     expected = uninterrupted(zygote, store, "browser", tmp_path, MLP_FAULT)
     assert expected["device"]["backend"] == "browser-webgpu"
@@ -271,12 +272,11 @@ def test_kill_the_browser_at_random_moments_and_resume_on_a_fresh_page(zygote, c
         outcome = zygote.wait(state)
         if killed:
             kills += 1
-            assert outcome["exit"] == 2 and outcome["interrupted"], outcome
-            assert "killed by signal 9" in outcome["message"] and "--resume" in outcome["message"]
+            # The migration survives: the lost case is retried on a fresh browser and page.
+            assert outcome == {"exit": 1, "relaunches": 1}, outcome
             assert "device lost" not in journal_path(state).read_text()
-            zygote.start(store, "browser", state, MLP_FAULT, resume=True)  # a fresh browser and page
-            outcome = zygote.wait(state)
-        assert outcome == {"exit": 1}
+        else:
+            assert outcome == {"exit": 1}, outcome
         lost += check_same(expected, state)
     figure("kill -9 of the browser (faults injected)", kills)
     figure("verdicts lost after killing the browser", lost)
