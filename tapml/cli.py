@@ -85,7 +85,7 @@ def carve(model: str = typer.Argument(..., help="zoo:NAME, hf:MODEL_TYPE, path/f
           device: str = typer.Option("cpu", "--device", help="Reference device: cpu or cuda"),
           seed: int = typer.Option(0, "--seed", help="Seed for weights and inputs"),
           hf_config: Optional[List[str]] = typer.Option(None, "--hf-config", help="KEY=VALUE config override for hf: models"),
-          quiet: bool = QuietOpt):
+          quiet: bool = QuietOpt, json_out: Optional[str] = JsonOpt):
     """Run MODEL on the reference and record every operator call as a test case."""
     from tapml.carving import carve as carve_model
     from tapml.models import parse_hf_overrides
@@ -99,6 +99,8 @@ def carve(model: str = typer.Argument(..., help="zoo:NAME, hf:MODEL_TYPE, path/f
         info = carve_model(model, output, seed=seed, device=device, hf_config=overrides,
                            on_start=lambda n: bar.update(task, total=n),
                            on_node=lambda _: bar.advance(task))
+    if json_out:
+        write_json({"model": model, "store": str(Path(output).resolve()), **info}, json_out)
     console.print(f"carved [bold]{model}[/] -> {output}: {info['nodes']} nodes, {info['cases']} cases, "
                   f"{info['ops']} ops, {info['bytes'] / 1e6:.1f} MB "
                   f"(export {info['export_s']:.1f}s, carve {info['carve_s']:.1f}s)", highlight=False)
@@ -106,7 +108,8 @@ def carve(model: str = typer.Argument(..., help="zoo:NAME, hf:MODEL_TYPE, path/f
 
 @app.command()
 @command
-def inspect(store: str = typer.Argument(..., help="Carve store directory"), json_out: Optional[str] = JsonOpt):
+def inspect(store: str = typer.Argument(..., help="Carve store directory"), json_out: Optional[str] = JsonOpt,
+            quiet: bool = QuietOpt):
     """List the ops of a store: cases, instances, shapes and dtypes."""
     from rich.table import Table
     s = open_store(store)
@@ -122,7 +125,11 @@ def inspect(store: str = typer.Argument(..., help="Carve store directory"), json
     if json_out:
         write_json([{**r, "dtypes": sorted(r["dtypes"])} for r in rows], json_out)
         return
-    table = Table(title=f"{s.model}: {len(rows)} ops, {len(s.cases)} cases, {len(s.graph.nodes)} nodes")
+    title = f"{s.model}: {len(rows)} ops, {len(s.cases)} cases, {len(s.graph.nodes)} nodes"
+    if quiet:
+        out.print(title, highlight=False)
+        return
+    table = Table(title=title)
     for col in ("op", "cases", "instances", "shapes", "dtypes"):
         table.add_column(col, justify="right" if col in ("cases", "instances") else "left")
     for r in rows:

@@ -6,7 +6,8 @@ from typing import List, Optional
 
 import typer
 
-from tapml.cli import InjectOpt, QuietOpt, TargetOpt, TokenFileOpt, TolOpt, command, console, fail, out
+from tapml.cli import (InjectOpt, JsonOpt, QuietOpt, TargetOpt, TokenFileOpt, TolOpt, command, console, fail, out,
+                       write_json)
 
 ModelArg = typer.Argument(..., help="Carve store directory, or a MODEL spec (zoo:NAME, hf:TYPE, file.py:factory, "
                                     "file.pt2) to carve first")
@@ -124,7 +125,7 @@ def migrate(model: str = ModelArg, target: str = TargetOpt,
                                                            "is kept beside it as STATE.journal"),
             resume: bool = typer.Option(False, "--resume", help="Continue from the state's journal, skipping what is done"),
             inject: Optional[List[str]] = InjectOpt, tol: Optional[List[str]] = TolOpt,
-            token_file: Optional[str] = TokenFileOpt, quiet: bool = QuietOpt):
+            token_file: Optional[str] = TokenFileOpt, quiet: bool = QuietOpt, json_out: Optional[str] = JsonOpt):
     """Offload MODEL to TARGET: each op, then growing regions, then the whole model, checking each step."""
     from pathlib import Path
 
@@ -144,7 +145,10 @@ def migrate(model: str = ModelArg, target: str = TargetOpt,
             MigrationDisplay(f"migrating {store.model} to {target}", quiet) as display:
         result = Migration(store, platform, target, state, tolerances=tolerances, inject=inject, resume=resume,
                            on_event=display.event, store_path=str(store_path)).run()
-    render_state(result, quiet)
+    if json_out:
+        write_json(result, json_out)
+    if json_out != "-":
+        render_state(result, quiet)
     raise typer.Exit(exit_code(result))
 
 

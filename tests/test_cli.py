@@ -123,3 +123,12 @@ def test_carve_refuses_to_overwrite_other_files(tmp_path):
     r = tapml("carve", "zoo:mlp", "-o", tmp_path)
     assert r.exit_code == 2 and "choose another" in r.output
     assert (tmp_path / "keep.txt").read_text() == "precious"
+
+
+def test_json_and_quiet_modes_for_scripts(carved, tmp_path):
+    r = tapml("carve", "zoo:mlp", "-o", tmp_path / "s", "--json", tmp_path / "carve.json", "-q")
+    assert r.exit_code == 0, r.output
+    info = json.loads((tmp_path / "carve.json").read_text())
+    assert info["cases"] == 10 and info["store"].endswith("s")
+    r = tapml("inspect", tmp_path / "s", "-q")
+    assert r.exit_code == 0 and r.output.strip() == "zoo:mlp: 6 ops, 10 cases, 10 nodes"
