@@ -34,8 +34,21 @@ def write_json_atomic(path: Path, data) -> None:
     os.replace(tmp, path)
 
 
+#: safetensors dtype codes of the torch dtypes a store holds.
+_ST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+              "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "complex64": "C64"}
+#: Bytes reserved for a shard's safetensors header; a shard closes early when its header would not fit.
+HEADER_RESERVE = 64 << 10
+
+
 class CarveStoreWriter:
-    """Streams tensors into safetensors shards and writes the manifest at the end."""
+    """Streams tensors into safetensors shards and writes the manifest at the end.
+
+    Each tensor's bytes go to the open shard file the moment it is put (no copy is kept, so a
+    later in-place change cannot reach the store and memory stays flat); the shard's header is
+    written into space reserved at its start (padded with spaces, as the format allows) when
+    the shard reaches ``shard_bytes`` or the writer closes.
+    """
 
     def __init__(self, path: str | Path, shard_bytes: int = 64 << 20):
         self.path = Path(path)
@@ -43,35 +56,62 @@ class CarveStoreWriter:
         (self.path / "shards").mkdir(exist_ok=True)
         self.shard_bytes = shard_bytes
         self.tensors: dict[str, dict] = {}
-        self._pending: dict[str, torch.Tensor] = {}
+        self._pending: dict[str, dict] = {}
         self._pending_bytes = 0
+        self._header_bytes = 2
+        self._file = None
         self._shard = 0
         self.bytes_written = 0
         self.peak_pending_bytes = 0
 
     def put(self, name: str, tensor: torch.Tensor) -> str:
-        """Queue a tensor under ``name`` (flushed to disk in shards); returns the name."""
+        """Write a tensor under ``name`` into the open shard; returns the name."""
         if name in self.tensors or name in self._pending:
             raise ValueError(f"tensor {name!r} written twice")
-        t = tensor.detach().to("cpu", copy=True).contiguous()
-        self._pending[name] = t
-        self._pending_bytes += t.nbytes
+        t = tensor.detach().to("cpu").contiguous()
+        meta = TensorMeta.of(t)
+        code = _ST_DTYPES.get(meta.dtype)
+        if code is None:
+            raise ValueError(f"tensor {name!r}: a store cannot hold dtype {meta.dtype}")
+        nbytes = t.numel() * t.element_size()
+        entry = {"dtype": code, "shape": list(meta.shape), "data_offsets": [self._pending_bytes, self._pending_bytes + nbytes]}
+        size = len(json.dumps({name: entry}, separators=(",", ":")))
+        if self._file is not None and (self._header_bytes + size + 32 > HEADER_RESERVE):
+            self.flush()
+            entry["data_offsets"] = [0, nbytes]
+            size = len(json.dumps({name: entry}, separators=(",", ":")))
+        if size + 32 > HEADER_RESERVE:
+            raise ValueError(f"tensor name {name[:40]!r}... is too long for a shard header")
+        if self._file is None:
+            self._file = open(self.path / f"shards/tensors-{self._shard:05d}.safetensors", "wb")
+            self._file.seek(8 + HEADER_RESERVE)
+        if nbytes:
+            self._file.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        self._pending[name] = entry
+        self._header_bytes += size
+        self._pending_bytes += nbytes
         self.peak_pending_bytes = max(self.peak_pending_bytes, self._pending_bytes)
         if self._pending_bytes >= self.shard_bytes:
             self.flush()
         return name
 
     def flush(self) -> None:
-        if not self._pending:
+        """Close the open shard: write its header into the reserved space."""
+        if self._file is None:
             return
-        from safetensors.torch import save_file
         shard = f"shards/tensors-{self._shard:05d}.safetensors"
-        save_file(self._pending, str(self.path / shard))
-        for name, t in self._pending.items():
-            self.tensors[name] = {"shard": shard, **TensorMeta.of(t).to_json()}
+        header = json.dumps(self._pending, separators=(",", ":")).encode()
+        header += b" " * (HEADER_RESERVE - len(header))
+        self._file.seek(0)
+        self._file.write(struct.pack("<Q", HEADER_RESERVE) + header)
+        self._file.close()
+        self._file = None
+        for name, entry in self._pending.items():
+            self.tensors[name] = {"shard": shard, "shape": entry["shape"],
+                                  "dtype": next(k for k, v in _ST_DTYPES.items() if v == entry["dtype"])}
         self.bytes_written += self._pending_bytes
         self._shard += 1
-        self._pending, self._pending_bytes = {}, 0
+        self._pending, self._pending_bytes, self._header_bytes = {}, 0, 2
 
     def close(self, manifest: dict) -> None:
         """Flush the last shard and write ``manifest.json`` (with the tensor index) atomically."""

@@ -3,7 +3,9 @@
 Compilation is :func:`tapml.platforms.wgsl.compile_graph` from this device's caps; running
 uploads the inputs, records every kernel into one command submission, and reads back only
 the outputs (intermediates never leave the device). Pipelines are cached by the hash of
-their WGSL, so programs compiled elsewhere (``KernelProgram.from_json``) run as well.
+their WGSL, so programs compiled elsewhere (``KernelProgram.from_json``) run as well. A
+program's buffers and bind groups stay on the device between runs, and an input handed the
+same unmodified tensor as last time is not uploaded again (weights cross once).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+from collections import OrderedDict
 
 import torch
 
@@ -30,6 +33,8 @@ _LIMITS = ["max-storage-buffer-binding-size", "max-buffer-size", "max-storage-bu
            "max-compute-workgroup-size-x", "max-compute-workgroup-size-y", "max-compute-workgroup-size-z",
            "max-compute-workgroup-storage-size", "max-bind-groups", "max-bindings-per-bind-group"]
 _POISON = 0xFF  # every byte 0xFF: NaN for f32/f16, -1 for i32, an invalid bool for u32
+#: Device memory kept for reused program buffers before the least recently used are released.
+RESIDENT_BYTES = 512 << 20
 
 
 def _adapters():
@@ -72,9 +77,8 @@ class WgpuPlatform(Platform):
         self.backend = {v: k for k, v in BACKENDS.items()}.get(chosen.info.get("backend_type"),
                                                               str(chosen.info.get("backend_type")).lower())
         self.name = f"wgpu:{self.backend}"
-        features = []
-        if "shader-f16" in chosen.features:
-            features.append("shader-f16")
+        # subgroup: matmul variants that share loads between lanes (platforms/wgsl/matmul.py)
+        features = [f for f in ("shader-f16", "subgroup") if f in chosen.features]
         limits = {k: chosen.limits[k] for k in ("max-storage-buffer-binding-size", "max-buffer-size",
                                                "max-storage-buffers-per-shader-stage") if k in chosen.limits}
         try:
@@ -84,6 +88,8 @@ class WgpuPlatform(Platform):
         self._caps_cache = None
         self._pipelines: dict[str, object] = {}
         self._compiled: dict[str, KernelProgram] = {}
+        self._residents: OrderedDict[str, _Resident] = OrderedDict()
+        self._resident_bytes = 0
 
     # --- caps / support ------------------------------------------------------------------
     def _caps(self) -> dict:
@@ -131,89 +137,205 @@ class WgpuPlatform(Platform):
         self._compiled[program.key] = program
 
     # --- run -----------------------------------------------------------------------------
-    def _run(self, program: KernelProgram, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        import wgpu
+    def _resident(self, program: KernelProgram) -> "_Resident":
+        """The program's device buffers and bind groups, made once and reused by every run
+        (least recently used ones are released past a byte budget)."""
+        res = self._residents.pop(program.key, None)
+        if res is None:
+            res = _Resident(self, program)  # releases what it made when it raises
+            while self._residents and self._resident_bytes + res.nbytes > RESIDENT_BYTES:
+                _, old = self._residents.popitem(last=False)
+                self._resident_bytes -= old.nbytes
+                old.release()
+            self._resident_bytes += res.nbytes
+        self._residents[program.key] = res
+        return res
 
-        from tapml.platforms.wgsl.tensors import from_device, to_device, unwritten_bools
+    def _run(self, program: KernelProgram, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        from tapml.platforms.wgsl.tensors import from_device, unwritten_bools
         self._prepare(program)
-        limits = self.caps()["limits"]
-        max_groups = limits.get("max-compute-workgroups-per-dimension", 65535)
-        dev = self.device
-        bufs = {b.name: b for b in program.buffers}
-        gpu: dict[str, object] = {}
-        storage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
         try:
-            for name, t, meta in zip(program.inputs, inputs, program.input_meta):
-                spec = bufs[name]
-                if spec.size == 0:
-                    continue
-                data = to_device(t, spec.dtype, f"input {name}")
-                gpu[name] = dev.create_buffer_with_data(data=data, usage=storage)
-            for spec in program.buffers:
-                if spec.name in gpu or spec.size == 0 or spec.role == "input":
-                    continue
-                if spec.role == "const":
-                    gpu[spec.name] = dev.create_buffer_with_data(data=spec.data, usage=storage)
-                    continue
-                gpu[spec.name] = dev.create_buffer(size=spec.size, usage=storage)
-                if spec.role == "output":  # poison, so elements no kernel wrote show up as NaN / -1
-                    dev.queue.write_buffer(gpu[spec.name], 0, bytes([_POISON]) * spec.size)
-            encoder = dev.create_command_encoder()
-            cpass = encoder.begin_compute_pass()
-            for kern in program.kernels:
-                if any(g > max_groups for g in kern.workgroups):
-                    raise Unsupported(f"kernel {kern.name} dispatches {kern.workgroups} workgroups; "
-                                      f"the device allows {max_groups} per dimension")
-                pipe = self._pipeline(kern.wgsl, kern.entry)
-                entries = [{"binding": i, "resource": {"buffer": gpu[name], "offset": 0, "size": gpu[name].size}}
-                           for i, (name, _access) in enumerate(kern.bindings)]
-                group = dev.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=entries)
-                cpass.set_pipeline(pipe)
-                cpass.set_bind_group(0, group)
-                cpass.dispatch_workgroups(*kern.workgroups)
-            cpass.end()
-            readback = {}
-            for name in dict.fromkeys(program.outputs):
-                if name in gpu:
-                    rb = dev.create_buffer(size=bufs[name].size, usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
-                    encoder.copy_buffer_to_buffer(gpu[name], 0, rb, 0, bufs[name].size)
-                    readback[name] = rb
-            dev.queue.submit([encoder.finish()])
+            res = self._resident(program)
+            res.upload(inputs)
+            encoder = self.device.create_command_encoder()
+            res.record(encoder, repeat=1, poison=True, readback=True)
+            self.device.queue.submit([encoder.finish()])
             out = []
-            for name, meta in zip(program.outputs, program.output_meta):
-                spec = bufs[name]
-                if name not in readback:
+            for name, meta, data in zip(program.outputs, program.output_meta, res.read_outputs()):
+                if data is None:
                     out.append(torch.empty(meta.shape, dtype=_torch_dtype(meta.dtype)))
                     continue
-                rb = readback[name]
-                rb.map_sync(wgpu.MapMode.READ)
-                data = rb.read_mapped()
-                rb.unmap()
-                if spec.dtype == "u32":
+                storage = res.specs[name].dtype
+                if storage == "u32":
                     bad = unwritten_bools(data, meta)
                     if bad:
                         raise PlatformError(f"{bad} elements of bool output {name} were never written")
-                out.append(from_device(data, spec.dtype, meta))
+                out.append(from_device(data, storage, meta))
             return out
         except (Unsupported, PlatformError):
             raise
         except Exception as e:  # noqa: BLE001
+            self._drop_resident(program.key)
             raise PlatformError(f"{self.name}: {type(e).__name__}: {e}") from e
-        finally:
-            for b in gpu.values():
-                try:
-                    b.destroy()
-                except Exception:  # noqa: BLE001
-                    pass
+
+    def _drop_resident(self, key: str) -> None:
+        res = self._residents.pop(key, None)
+        if res is not None:
+            self._resident_bytes -= res.nbytes
+            res.release()
+
+    def benchmark(self, program: KernelProgram, inputs: list[torch.Tensor], repeat: int = 10) -> float:
+        """Seconds one run of ``program``'s kernels takes on the device, inputs already
+        resident: ``repeat`` runs are recorded into one submission and waited for together,
+        so host transfers and submission overhead are left out (best of three such batches)."""
+        import time
+        if repeat < 1:
+            raise ValueError("repeat must be at least 1")
+        self.run(program, inputs)  # validates, uploads, compiles pipelines, warms up
+        res = self._resident(program)
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            encoder = self.device.create_command_encoder()
+            res.record(encoder, repeat=repeat, poison=False, readback=False)
+            res.fence(encoder)
+            self.device.queue.submit([encoder.finish()])
+            res.wait_fence()
+            best = min(best, (time.perf_counter() - start) / repeat)
+        return best
 
     def close(self) -> None:
         dev, self.device = getattr(self, "device", None), None
         self._pipelines = {}
+        for res in self._residents.values():
+            res.release()
+        self._residents.clear()
+        self._resident_bytes = 0
         if dev is not None:
             try:
                 dev.destroy()
             except Exception:  # noqa: BLE001
                 pass
+
+
+class _Resident:
+    """One program's device state, kept between runs: a buffer per BufferSpec (constants
+    uploaded once), a bind group per kernel, readback buffers for the outputs, and a poison
+    buffer copied over the outputs before each run so that elements no kernel wrote show up.
+    An input buffer is not written again when it is handed the very same tensor, unmodified
+    (same object, same ``_version``), as last time: weights cross to the device once."""
+
+    def __init__(self, platform: WgpuPlatform, program: KernelProgram):
+        self.buffers: dict[str, object] = {}
+        self.readback: dict[str, object] = {}
+        self.poison = self.fence_buf = None
+        try:
+            self._make(platform, program)
+        except BaseException:
+            self.release()
+            raise
+
+    def _make(self, platform: WgpuPlatform, program: KernelProgram) -> None:
+        import wgpu
+        self.device = dev = platform.device
+        self.program = program
+        self.specs = {b.name: b for b in program.buffers}
+        storage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+        self.nbytes = 0
+        for spec in program.buffers:
+            if spec.size == 0:
+                continue
+            if spec.role == "const":
+                self.buffers[spec.name] = dev.create_buffer_with_data(data=spec.data, usage=storage)
+            else:
+                self.buffers[spec.name] = dev.create_buffer(size=spec.size, usage=storage)
+            self.nbytes += spec.size
+        max_groups = platform.caps()["limits"].get("max-compute-workgroups-per-dimension", 65535)
+        self.dispatches = []
+        for kern in program.kernels:
+            if any(g > max_groups for g in kern.workgroups):
+                raise Unsupported(f"kernel {kern.name} dispatches {kern.workgroups} workgroups; "
+                                  f"the device allows {max_groups} per dimension")
+            pipe = platform._pipeline(kern.wgsl, kern.entry)
+            entries = [{"binding": i, "resource": {"buffer": self.buffers[name], "offset": 0,
+                                                   "size": self.buffers[name].size}}
+                       for i, (name, _access) in enumerate(kern.bindings)]
+            group = dev.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=entries)
+            self.dispatches.append((pipe, group, tuple(kern.workgroups)))
+        self.outputs = [n for n in dict.fromkeys(program.outputs) if n in self.buffers]
+        read = wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
+        self.readback = {n: dev.create_buffer(size=self.specs[n].size, usage=read) for n in self.outputs}
+        poison = max((self.specs[n].size for n in self.outputs if self.specs[n].role == "output"), default=0)
+        self.poison = dev.create_buffer_with_data(data=bytes([_POISON]) * poison, usage=storage) if poison else None
+        self.nbytes += 2 * poison + sum(self.specs[n].size for n in self.outputs)
+        self.fence_buf = None
+        self.last_inputs: dict[str, tuple] = {}
+        # an input buffer some kernel writes must be uploaded on every run
+        self.written = {name for kern in program.kernels for name, access in kern.bindings if access == "read_write"}
+
+    def upload(self, inputs: list[torch.Tensor]) -> None:
+        from tapml.platforms.wgsl.tensors import to_device
+        for name, t in zip(self.program.inputs, inputs):
+            if name not in self.buffers:
+                continue
+            last = self.last_inputs.get(name)
+            if last is not None and last[0] is t and last[1] == t._version and name not in self.written:
+                continue
+            self.last_inputs.pop(name, None)
+            self.device.queue.write_buffer(self.buffers[name], 0, to_device(t, self.specs[name].dtype, f"input {name}"))
+            self.last_inputs[name] = (t, t._version)
+
+    def record(self, encoder, repeat: int, poison: bool, readback: bool) -> None:
+        if poison and self.poison is not None:
+            for n in self.outputs:
+                if self.specs[n].role == "output":
+                    encoder.copy_buffer_to_buffer(self.poison, 0, self.buffers[n], 0, self.specs[n].size)
+        if self.dispatches:
+            cpass = encoder.begin_compute_pass()
+            for _ in range(repeat):
+                for pipe, group, groups in self.dispatches:
+                    cpass.set_pipeline(pipe)
+                    cpass.set_bind_group(0, group)
+                    cpass.dispatch_workgroups(*groups)
+            cpass.end()
+        if readback:
+            for n in self.outputs:
+                encoder.copy_buffer_to_buffer(self.buffers[n], 0, self.readback[n], 0, self.specs[n].size)
+
+    def read_outputs(self) -> list:
+        """Bytes of each program output (None for an empty one), after a submitted record()."""
+        import wgpu
+        data = {}
+        for n in self.outputs:
+            rb = self.readback[n]
+            rb.map_sync(wgpu.MapMode.READ)
+            data[n] = rb.read_mapped()
+            rb.unmap()
+        return [data.get(n) for n in self.program.outputs]
+
+    def fence(self, encoder) -> None:
+        """Record a 4-byte copy whose mapping waits for everything submitted before it."""
+        import wgpu
+        if self.fence_buf is None:
+            self.fence_buf = self.device.create_buffer(size=4, usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
+        src = next(iter(self.buffers.values()), None)
+        if src is not None:
+            encoder.copy_buffer_to_buffer(src, 0, self.fence_buf, 0, 4)
+
+    def wait_fence(self) -> None:
+        import wgpu
+        if self.fence_buf is not None and self.buffers:
+            self.fence_buf.map_sync(wgpu.MapMode.READ)
+            self.fence_buf.unmap()
+
+    def release(self) -> None:
+        for b in [*self.buffers.values(), *self.readback.values(), self.poison, self.fence_buf]:
+            if b is not None:
+                try:
+                    b.destroy()
+                except Exception:  # noqa: BLE001
+                    pass
+        self.buffers, self.readback, self.last_inputs = {}, {}, {}
 
 
 def _torch_dtype(name: str):

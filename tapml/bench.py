@@ -37,13 +37,15 @@ MATMUL_SIZES = (256, 512, 1024)
 BMM_BATCH = 2
 
 
-def best_of(fn: Callable[[], object], repeat: int) -> float:
-    """Seconds of the fastest of ``repeat`` calls of ``fn``."""
-    best = math.inf
-    for _ in range(max(1, repeat)):
+def best_of(fn: Callable[[], object], repeat: int, min_s: float = 0.0, max_calls: int = 1000) -> float:
+    """Seconds of the fastest call of ``fn``: at least ``repeat`` calls, and more until
+    ``min_s`` seconds have passed (short calls need many tries to find an undisturbed one)."""
+    best, calls, begin = math.inf, 0, time.perf_counter()
+    while calls < max(1, repeat) or (time.perf_counter() - begin < min_s and calls < max_calls):
         start = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - start)
+        calls += 1
     return best
 
 
@@ -72,10 +74,13 @@ def device_seconds(platform, program, inputs: list, repeat: int) -> tuple[float,
     can measure it (``benchmark``), else the round trip of ``run`` (transfers included).
     Returns ``(seconds, "device" | "round trip")``."""
     bench = getattr(platform, "benchmark", None)
-    if callable(bench):
-        return bench(program, inputs, repeat=repeat), "device"
+    start = time.perf_counter()
     platform.run(program, inputs)
-    return best_of(lambda: platform.run(program, inputs), repeat), "round trip"
+    if callable(bench):
+        # enough runs per batch that a batch lasts ~50 ms: submission jitter then stops mattering
+        per_batch = min(50, max(repeat, math.ceil(0.05 / max(time.perf_counter() - start, 1e-6))))
+        return bench(program, inputs, repeat=per_batch), "device"
+    return best_of(lambda: platform.run(program, inputs), repeat, min_s=0.1), "round trip"
 
 
 def matmul_figure(platform, n: int, batch: int = 0, repeat: int = 3) -> dict:
@@ -89,7 +94,7 @@ def matmul_figure(platform, n: int, batch: int = 0, repeat: int = 3) -> dict:
     flops = 2 * n ** 3 * max(1, batch)
     row = {"op": "bmm" if batch else "mm", "n": n, "batch": batch or 1, "gflop": round(flops / 1e9, 4)}
     expected = fn(a, b)
-    torch_s = best_of(lambda: fn(a, b), max(3, repeat * 2))
+    torch_s = best_of(lambda: fn(a, b), max(3, repeat * 2), min_s=0.1 * repeat)
     try:
         program = platform.compile(matmul_graph(n, batch))
         got = platform.run(program, [a, b])[0]
@@ -97,7 +102,7 @@ def matmul_figure(platform, n: int, batch: int = 0, repeat: int = 3) -> dict:
     except Exception as e:  # noqa: BLE001 - a kernel that fails is a figure, not a crash
         return {**row, "error": f"{type(e).__name__}: {e}", "ours_gflops": None,
                 "torch_gflops": round(flops / torch_s / 1e9, 3), "ratio": None}
-    torch_s = min(torch_s, best_of(lambda: fn(a, b), max(3, repeat * 2)))
+    torch_s = min(torch_s, best_of(lambda: fn(a, b), max(3, repeat * 2), min_s=0.1 * repeat))
     ours, ref = flops / s / 1e9, flops / torch_s / 1e9
     return {**row, "ours_gflops": round(ours, 3), "torch_gflops": round(ref, 3), "ratio": _ratio(ours, ref),
             "timing": timing, "max_abs_err": float((got - expected).abs().max()),
@@ -107,6 +112,17 @@ def matmul_figure(platform, n: int, batch: int = 0, repeat: int = 3) -> dict:
 def matmul_figures(platform, sizes=MATMUL_SIZES, repeat: int = 3, batch: int = BMM_BATCH) -> list[dict]:
     """:func:`matmul_figure` for ``mm`` and ``bmm`` at every size."""
     return [matmul_figure(platform, n, b, repeat) for b in (0, batch) for n in sizes]
+
+
+def autotune_figure(platform, n: int = 512, repeat: int = 3) -> dict:
+    """Tune the matmul tile sizes on this device (cached per device for every later compile);
+    returns the GFLOP/s of each candidate and the choice."""
+    from tapml.platforms.wgsl.matmul import cache_path, tune
+    try:
+        result = tune(platform, n=n, repeat=repeat)
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {**result, "cache": str(cache_path())}
 
 
 # --- dispatch ------------------------------------------------------------------------------
@@ -167,7 +183,7 @@ def torch_eager_ms(spec: str, repeat: int) -> float:
     args, kwargs = split_inputs(example)
     with torch.no_grad():
         model(*args, **kwargs)
-        return best_of(lambda: model(*args, **kwargs), repeat) * 1e3
+        return best_of(lambda: model(*args, **kwargs), repeat, min_s=0.2) * 1e3
 
 
 def e2e_figure(platform, store, repeat: int = 10) -> dict:
@@ -184,7 +200,7 @@ def e2e_figure(platform, store, repeat: int = 10) -> dict:
         start = time.perf_counter()
         result = runner.run(inputs, placement)
         row["first_run_ms"] = round((time.perf_counter() - start) * 1e3, 3)
-        ours_ms = best_of(lambda: runner.run(inputs, placement), repeat) * 1e3
+        ours_ms = best_of(lambda: runner.run(inputs, placement), repeat, min_s=0.2) * 1e3
     except Exception as e:  # noqa: BLE001
         return {**row, "error": f"{type(e).__name__}: {e}", "ours_ms": None, "torch_ms": round(torch_ms, 4),
                 "ratio": None}
@@ -215,35 +231,38 @@ def tensor_mix(total_bytes: int, seed: int = 0) -> list:
 
 
 def carve_write_figure(workdir: Path, total_mb: int = 64, repeat: int = 3) -> dict:
-    """MB/s of tensors written through the CarveStore writer (safetensors shards and the
-    manifest) next to a plain sequential ``write`` of the same bytes to one file, alternately,
-    best of ``repeat`` each. Neither fsyncs: both measure the same path to the page cache."""
+    """MB/s of tensors written through the CarveStore writer (every byte into safetensors
+    shards, headers included) next to a plain sequential ``write`` of the same bytes to one
+    file, alternately, best of ``repeat`` each. Neither side fsyncs: both measure the same
+    path to the page cache. The writer's fixed cost per store, its manifest written
+    atomically with an fsync, is timed apart as ``manifest_ms``."""
     from tapml.carving.store import CarveStoreWriter
     tensors = tensor_mix(total_mb << 20)
     nbytes = sum(t.nbytes for t in tensors)
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-
-    def plain():
+    times = {"plain": math.inf, "carve": math.inf, "manifest": math.inf}
+    for _ in range(max(1, repeat)):
+        start = time.perf_counter()
         with open(workdir / "plain.bin", "wb") as f:
             for t in tensors:
                 f.write(memoryview(t.numpy()))
-
-    def carve_writer():
+        times["plain"] = min(times["plain"], time.perf_counter() - start)
+        (workdir / "plain.bin").unlink()
+        start = time.perf_counter()
         writer = CarveStoreWriter(workdir / "store")
         for i, t in enumerate(tensors):
             writer.put(f"t{i}", t)
+        writer.flush()
+        written = time.perf_counter()
         writer.close({"model": "bench", "cases": []})
-
-    plain_s = carve_s = math.inf
-    for _ in range(max(1, repeat)):
-        plain_s = min(plain_s, best_of(plain, 1))
-        (workdir / "plain.bin").unlink()
-        carve_s = min(carve_s, best_of(carve_writer, 1))
+        times["carve"] = min(times["carve"], written - start)
+        times["manifest"] = min(times["manifest"], time.perf_counter() - written)
         shutil.rmtree(workdir / "store")
-    file_mbps, carve_mbps = nbytes / plain_s / 1e6, nbytes / carve_s / 1e6
+    file_mbps, carve_mbps = nbytes / times["plain"] / 1e6, nbytes / times["carve"] / 1e6
     return {"bytes": nbytes, "tensors": len(tensors), "file_write_MBps": round(file_mbps, 1),
-            "carve_write_MBps": round(carve_mbps, 1), "ratio": _ratio(carve_mbps, file_mbps)}
+            "carve_write_MBps": round(carve_mbps, 1), "ratio": _ratio(carve_mbps, file_mbps),
+            "manifest_ms": round(times["manifest"] * 1e3, 3)}
 
 
 def carve_model_figure(spec: str, out: Path) -> dict:
@@ -259,25 +278,32 @@ def carve_model_figure(spec: str, out: Path) -> dict:
 
 # --- migration -----------------------------------------------------------------------------
 
-def migrate_figure(spec: str, platform, target: str, workdir: Path) -> dict:
-    """Wall time of a full migration of ``spec`` to the platform, carving included (what
-    ``tapml migrate SPEC`` does), with its outcome."""
-    from tapml.migrate import Migration, open_or_carve
+def migrate_figure(spec: str, target: str, workdir: Path, token: str | None = None, timeout: float = 600) -> dict:
+    """Wall time of ``tapml migrate SPEC -t TARGET`` in a fresh process, exactly as a user runs
+    it (interpreter start, imports, carving, opening the device and every stage), with the
+    outcome read from its state file."""
+    import json
+    import subprocess
+    import sys
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     state_path = workdir / "state.json"
+    env = {k: v for k, v in os.environ.items() if k != "TAPML_TOKEN"}
+    if token:
+        env["TAPML_TOKEN"] = token
+    cmd = [sys.executable, "-m", "tapml.cli", "migrate", spec, "--target", target, "--state", str(state_path), "-q"]
     start = time.perf_counter()
     try:
-        store, _ = open_or_carve(spec, state_path)
-        carved = time.perf_counter()
-        state = Migration(store, platform, target, state_path).run()
-    except Exception as e:  # noqa: BLE001
-        return {"s": round(time.perf_counter() - start, 3), "error": f"{type(e).__name__}: {e}", "passed": False}
-    end = time.perf_counter()
-    placement = state["placement"]
-    return {"s": round(end - start, 3), "carve_s": round(carved - start, 3), "migrate_s": round(end - carved, 3),
-            "passed": bool(state["passed"]), "cases": sum(state["summary"].values()),
-            "ops_share": placement["ops_share"], "culprits": len(state["culprits"])}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"s": round(time.perf_counter() - start, 3), "passed": False, "error": f"timed out after {timeout:g} s"}
+    seconds = round(time.perf_counter() - start, 3)
+    if proc.returncode not in (0, 1) or not state_path.is_file():
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"s": seconds, "passed": False, "error": f"exit {proc.returncode}: {tail}"}
+    state = json.loads(state_path.read_text())
+    return {"s": seconds, "passed": bool(state["passed"]), "cases": sum(state["summary"].values()),
+            "ops_share": state["placement"]["ops_share"], "culprits": len(state["culprits"])}
 
 
 # --- the suite -----------------------------------------------------------------------------
@@ -317,6 +343,10 @@ def run_suite(target: str = "wgpu", *, quick: bool = False, token: str | None = 
     try:
         with open_target(target, token=token) as platform:
             report["device"] = device_info(platform)
+            report["autotune"] = None
+            if callable(getattr(platform, "benchmark", None)):
+                step("tuning matmul tile sizes for this device")
+                report["autotune"] = autotune_figure(platform, repeat=1 if quick else 3)
             step("matmul and bmm kernels vs torch CPU")
             report["matmul"] = matmul_figures(platform, MATMUL_SIZES, repeat=1 if quick else 3)
             step("dispatch overhead")
@@ -331,12 +361,12 @@ def run_suite(target: str = "wgpu", *, quick: bool = False, token: str | None = 
                 from tapml.carving import CarveStore
                 report["e2e"][spec] = e2e_figure(platform, CarveStore(out), repeat=3 if quick else 10)
             step("carve writer vs plain file write")
-            report["carving"]["write"] = carve_write_figure(root / "write", 16 if quick else 128, repeat)
+            report["carving"]["write"] = carve_write_figure(root / "write", 16 if quick else 128, 3 if quick else 5)
             report["migrate"] = {}
             for spec in migrate_models:
                 step(f"migrating {spec}")
-                report["migrate"][spec] = migrate_figure(spec, platform, target,
-                                                         root / "migrate" / spec.replace(":", "_"))
+                report["migrate"][spec] = migrate_figure(spec, target, root / "migrate" / spec.replace(":", "_"),
+                                                         token=token)
             report["transport"] = None
             if target.startswith("remote://"):
                 step("transport vs plain socket")
@@ -393,5 +423,5 @@ def ratios(report: dict) -> dict:
 
 
 __all__ = ["run_suite", "ratios", "GOALS", "matmul_figure", "matmul_figures", "dispatch_figures", "e2e_figure",
-           "carve_write_figure", "carve_model_figure", "migrate_figure", "transport_figure", "best_of",
+           "carve_write_figure", "carve_model_figure", "autotune_figure", "migrate_figure", "transport_figure", "best_of",
            "device_seconds", "matmul_graph", "chain_graph", "tensor_mix", "torch_eager_ms"]

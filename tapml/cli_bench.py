@@ -1,4 +1,5 @@
-"""``tapml bench``: benchmarks. Each benchmark is a subcommand of the ``bench`` group."""
+"""``tapml bench``: benchmarks. The bare command runs the whole suite (:mod:`tapml.bench`); each
+subcommand runs one benchmark alone."""
 
 from __future__ import annotations
 
@@ -74,6 +75,13 @@ def _render_suite(r: dict) -> None:
     for col, justify in (("figure", "left"), ("ours", "right"), ("baseline", "right"), ("ratio", "right"),
                          ("goal", "left")):
         table.add_column(col, justify=justify)
+    tune = r.get("autotune")
+    if tune:
+        if tune.get("error"):
+            table.add_row(f"matmul tile autotune [red]({tune['error'][:60]})[/]", "", "", "", "")
+        else:
+            table.add_row(f"matmul tiles autotuned over {len(tune['gflops'])}: {tune['label']} (TMxTN/WG) GFLOP/s",
+                          _num(tune["best_gflops"]), "", "", "")
     for m in r["matmul"]:
         key = f"{'matmul' if m['op'] == 'mm' else 'bmm'}_{m['n']}_vs_torch"
         label = f"{m['op']} {m['n']}" + (f" x{m['batch']}" if m["op"] == "bmm" else "") + " GFLOP/s vs torch CPU"
@@ -91,6 +99,7 @@ def _render_suite(r: dict) -> None:
     w = r["carving"]["write"]
     table.add_row("carve writer MB/s vs plain file write", _num(w["carve_write_MBps"], ".0f"),
                   _num(w["file_write_MBps"], ".0f"), _num(w["ratio"]), goal("carve_write_vs_file_write"))
+    table.add_row("  + manifest (atomic, fsync) ms per store", _num(w["manifest_ms"]), "", "", "")
     for spec, c in r["carving"]["models"].items():
         table.add_row(f"carve s vs export s, {spec}", _num(c["carve_s"]), _num(c["export_s"]),
                       _num(c["carve_vs_export"]), "")

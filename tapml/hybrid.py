@@ -101,11 +101,15 @@ class HybridRunner:
         self.graph = graph
         self.platform = platform
         self._programs: dict[tuple, object] = {}
+        self._subgraphs: dict[tuple, Graph] = {}  # a region's subgraph costs O(graph) to cut; runs repeat
         self.compile_ms: dict[tuple[str, str], float] = {}
 
     def program(self, names: list[str], keep: Iterable[str] = ()) -> tuple[object, Graph, bool, float]:
         """(program, subgraph, cached, compile_ms) of the region made of ``names``."""
-        sub = self.graph.subgraph(names, keep_outputs=keep)
+        skey = (tuple(names), frozenset(keep))
+        sub = self._subgraphs.get(skey)
+        if sub is None:
+            sub = self._subgraphs[skey] = self.graph.subgraph(names, keep_outputs=keep)
         key = (tuple(names), tuple(sub.outputs))  # keeping what is already an output changes nothing
         if key in self._programs:
             return self._programs[key], sub, True, 0.0

@@ -1,20 +1,147 @@
 """Matrix products: mm, bmm, addmm, baddbmm.
 
-A register-blocked kernel: each thread computes a 4x4 output tile, stepping K by 4 with
-vec4 loads where the operand is contiguous and aligned along the loaded axis. No workgroup
-shared memory: barriers are expensive on CPU adapters (PLATFORM_NOTES: lavapipe 16x16
-shared tiles 0.16 GFLOP/s vs 4x4 register blocking 1.09). Operands are strided buffer views,
-so transposed weights (``t``, ``permute``) are read in place.
+A register-blocked kernel: each thread computes a TM x TN output tile (TN a multiple of 4,
+held as vec4 accumulators), stepping K by 4 with vec4 loads where the operand is contiguous
+and aligned along the loaded axis. No workgroup shared memory: barriers are expensive on CPU
+adapters (PLATFORM_NOTES: lavapipe 16x16 shared tiles 0.16 GFLOP/s vs 4x4 register blocking
+1.09). Operands are strided buffer views, so transposed weights (``t``, ``permute``) are read
+in place.
+
+On devices with the ``subgroup`` feature a variant stacks a workgroup's threads along M so
+that B's tile is the same for all of them: each lane loads a share and ``subgroupBroadcast``
+hands it around (on lavapipe every storage load is a per-lane loop, so fewer loads is what
+counts). It assumes a subgroup size, checks it at run time (NaN outputs otherwise, never a
+quiet error), and is only ever chosen by :func:`tune` after giving right results on the device.
+
+Tile sizes are per device: :func:`tune` times a few candidates on the device and caches the
+fastest in ``~/.cache/tapml/matmul-tiles.json`` (``$TAPML_CACHE_DIR`` overrides the folder),
+keyed by backend and adapter; compilation only reads that file, so it needs no device, and
+a device never tuned gets :data:`DEFAULT_TILES` (the best measured on lavapipe).
 """
 
 from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
 
 from tapml.platforms.wgsl import views
 from tapml.platforms.wgsl.codegen import BufferView, Value, cast, lit, store
 from tapml.platforms.wgsl.registry import ALL_FLOAT, rand, register
 
-TILE = 4
-WG = (8, 8, 1)  # 8x8 threads of 4x4 tiles; measured best overall on lavapipe among 4..32-wide shapes
+#: (TM, TN, workgroup x, workgroup y, subgroup): rows and columns per thread, threads per
+#: workgroup, and 0 or the subgroup size S over which lanes share B's tile (subgroupBroadcast).
+SMALL_TILES = (4, 4, 8, 8, 0)
+DEFAULT_TILES = (8, 16, 8, 4, 0)
+CANDIDATES = [(4, 4, 8, 8, 0), (8, 8, 8, 4, 0), (16, 8, 8, 4, 0), (8, 16, 8, 4, 0), (16, 8, 16, 2, 0),
+              (8, 16, 16, 2, 0), (16, 16, 8, 2, 0)]
+#: Tried only on devices with the ``subgroup`` feature; kept only where their results are right.
+SUBGROUP_CANDIDATES = [(4, 32, 8, 1, 8), (4, 32, 16, 1, 8), (8, 32, 8, 1, 8), (8, 32, 16, 1, 8), (8, 16, 8, 1, 8)]
+#: Outputs with fewer rows or columns than this use SMALL_TILES (more threads for small work).
+LARGE = 64
+_FORCED: tuple | None = None
+_CACHE: dict = {}
+
+
+def cache_path() -> Path:
+    """Where tuned tile sizes are kept."""
+    base = os.environ.get("TAPML_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tapml")
+    return Path(base) / "matmul-tiles.json"
+
+
+def device_key(caps: dict) -> str:
+    return f"{caps.get('backend', '')}|{caps.get('adapter', '')}"
+
+
+def _read_cache() -> dict:
+    path = cache_path()
+    try:
+        stamp = path.stat().st_mtime_ns
+    except OSError:
+        return {}
+    if _CACHE.get("stamp") != (str(path), stamp):
+        try:
+            data = json.loads(path.read_text())
+            devices = data.get("devices", {}) if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            devices = {}
+        _CACHE.update(stamp=(str(path), stamp), devices=devices)
+    return _CACHE["devices"]
+
+
+def tiles_label(tiles) -> str:
+    """``(8, 16, 8, 4, 0)`` -> ``"8x16/8x4"``; subgroup variants end in ``"/sg8"``."""
+    tm, tn, wx, wy, sg = tuple(tiles) + (0,) * (5 - len(tiles))
+    return f"{tm}x{tn}/{wx}x{wy}" + (f"/sg{sg}" if sg else "")
+
+
+def tiles_for(caps: dict, m: int, n: int) -> tuple[int, int, int, int, int]:
+    """Tile sizes for an m x n output on a device with ``caps``."""
+    if _FORCED is not None:
+        return _FORCED
+    if m < LARGE or n < LARGE:
+        return SMALL_TILES
+    entry = _read_cache().get(device_key(caps or {}))
+    known = [list(c) for c in CANDIDATES + SUBGROUP_CANDIDATES]
+    tiles = tuple(entry["tiles"]) if isinstance(entry, dict) and entry.get("tiles") in known else None
+    return tiles or DEFAULT_TILES
+
+
+@contextlib.contextmanager
+def forced_tiles(tiles: tuple[int, ...]):
+    """Compile every matmul with ``tiles`` inside the block (for tuning)."""
+    global _FORCED
+    old, _FORCED = _FORCED, tuple(tiles) + (0,) * (5 - len(tiles))
+    try:
+        yield
+    finally:
+        _FORCED = old
+
+
+def tune(platform, n: int = 512, repeat: int = 3, candidates=None) -> dict:
+    """Time each candidate tile shape on ``platform`` (an ``n`` x ``n`` x ``n`` mm), keep the
+    fastest correct one in the cache file for this device, and return
+    ``{"device", "tiles", "gflops": {"TMxTN/WXxWY": GFLOP/s}}``."""
+    import torch
+
+    from tapml.graph import Graph, Node, TensorMeta
+    meta = TensorMeta((n, n), "float32")
+    graph = Graph([("a", meta), ("b", meta)], [Node("mm", "aten.mm.default", [{"ref": "a"}, {"ref": "b"}], {}, [meta])],
+                  ["mm"])
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.rand(n, n, generator=gen), torch.rand(n, n, generator=gen)
+    expected = a @ b
+    results = {}
+    if candidates is None:
+        candidates = CANDIDATES + (SUBGROUP_CANDIDATES if "subgroup" in platform.caps().get("features", []) else [])
+    for tiles in candidates:
+        with forced_tiles(tiles):
+            program = platform.compile(graph)
+        got = platform.run(program, [a, b])[0]
+        if not torch.allclose(got, expected, rtol=1e-3, atol=1e-3):
+            continue
+        results[tuple(tiles)] = 2 * n ** 3 / platform.benchmark(program, [a, b], repeat=repeat) / 1e9
+    if not results:
+        raise RuntimeError("no matmul tile candidate gave correct results")
+    best = max(results, key=results.get)
+    key = device_key(platform.caps())
+    path = cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict) or not isinstance(data.get("devices"), dict):
+            data = {}
+    except (OSError, ValueError):
+        data = {}
+    data = {"format": 1, "devices": {**data.get("devices", {}), key: {"tiles": list(best), "n": n,
+            "gflops": {tiles_label(t): round(g, 3) for t, g in results.items()}}}}
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+    return {"device": key, "tiles": list(best), "label": tiles_label(best), "best_gflops": round(results[best], 3),
+            **data["devices"][key]}
 
 
 def _vec_ok(v: BufferView, axis: int, size: int) -> bool:
@@ -53,59 +180,98 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
     def f1(e, dt):
         return e if dt == "f32" else f"f32({e})"
 
+    tm, tn, wx, wy, sg = tiles_for(pb.caps, M, N)
+    nb = tn // 4
+    sg = sg if (sg and "subgroup" in pb.features and (vec_bn or vec_bk) and tn % sg == 0) else 0
     k.emit("let z: i32 = i32(gid.z);")
-    k.emit(f"let m0: i32 = i32(gid.y) * {TILE};")
-    k.emit(f"let n0: i32 = i32(gid.x) * {TILE};")
-    k.emit(f"if (m0 >= {M} || n0 >= {N}) {{ return; }}")
-    for i in range(TILE):  # rows past the end are clamped for loads; their results are dropped
+    if sg:
+        # one workgroup = one column block; its threads stack along M (no early return: subgroup
+        # operations need every lane of the subgroup active)
+        wy = 1
+        k.emit(f"let m0: i32 = (i32(gid.y) * {wx} + i32(gid.x) % {wx}) * {tm};")
+        k.emit(f"let n0: i32 = (i32(gid.x) / {wx}) * {tn};")
+        k.emit("let lane: i32 = i32(sg_id);")
+    else:
+        k.emit(f"let m0: i32 = i32(gid.y) * {tm};")
+        k.emit(f"let n0: i32 = i32(gid.x) * {tn};")
+        k.emit(f"if (m0 >= {M} || n0 >= {N}) {{ return; }}")
+    for i in range(tm):  # rows past the end are clamped for loads; their results are dropped
         k.emit(f"let ra{i}: i32 = {a.offset} + z * {sab} + min(m0 + {i}, {M - 1}) * {sam};")
     if vec_bn:
-        k.emit(f"let cb: i32 = {b.offset} + z * {sbb} + min(n0, {N - 4});")
+        for jb in range(nb):
+            k.emit(f"let cb{jb}: i32 = {b.offset} + z * {sbb} + min(n0 + {4 * jb}, {N - 4});")
     else:
-        for j in range(TILE):
+        for j in range(tn):
             k.emit(f"let cb{j}: i32 = {b.offset} + z * {sbb} + min(n0 + {j}, {N - 1}) * {sbn};")
-    for i in range(TILE):
-        k.emit(f"var acc{i}: vec4<f32> = vec4<f32>(0.0);")
+    for i in range(tm):
+        for jb in range(nb):
+            k.emit(f"var acc{i}_{jb}: vec4<f32> = vec4<f32>(0.0);")
+
+    def b_row(jb: int, kk: str) -> str:
+        """Columns 4jb..4jb+3 of B's row ``kk`` as a vec4<f32>."""
+        if vec_bn:
+            return f4(f"{B}[(cb{jb} + ({kk}) * {sbk}) / 4]", b.buf.dtype)
+        return "vec4<f32>(" + ", ".join(f1(f"{B}[cb{4 * jb + j} + ({kk}) * {sbk}]", b.buf.dtype) for j in range(4)) + ")"
+
     k4 = K - K % 4
     if k4:
         k.emit(f"for (var k: i32 = 0; k < {k4}; k = k + 4) {{")
-        for i in range(TILE):
+        for i in range(tm):
             if vec_a:
                 k.emit(f"  let a{i} = {f4(f'{A}[(ra{i} + k) / 4]', a.buf.dtype)};")
             else:
                 parts = ", ".join(f1(f"{A}[ra{i} + (k + {q}) * {sak}]", a.buf.dtype) for q in range(4))
                 k.emit(f"  let a{i} = vec4<f32>({parts});")
+        if sg:
+            # the tile of B (tn vec4s per k step) is the same for every lane of the
+            # workgroup; each lane loads tn/S of them and subgroupBroadcast shares them
+            for r in range(tn // sg):
+                k.emit(f"  let e{r}: i32 = lane + {sg * r};")
+                if vec_bn:
+                    addr = f"({b.offset} + z * {sbb} + min(n0 + 4 * (e{r} % {nb}), {N - 4}) + (k + e{r} / {nb}) * {sbk}) / 4"
+                else:
+                    addr = f"({b.offset} + z * {sbb} + min(n0 + e{r}, {N - 1}) * {sbn} + k) / 4"
+                k.emit(f"  let mine{r} = {f4(f'{B}[{addr}]', b.buf.dtype)};")
         if vec_bk:
-            for j in range(TILE):
-                k.emit(f"  let b{j} = {f4(f'{B}[(cb{j} + k) / 4]', b.buf.dtype)};")
-            for i in range(TILE):
-                k.emit(f"  acc{i} = acc{i} + vec4<f32>(dot(a{i}, b0), dot(a{i}, b1), dot(a{i}, b2), dot(a{i}, b3));")
+            for j in range(tn):
+                if sg:
+                    k.emit(f"  let b{j} = subgroupBroadcast(mine{j // sg}, {j % sg}u);")
+                else:
+                    k.emit(f"  let b{j} = {f4(f'{B}[(cb{j} + k) / 4]', b.buf.dtype)};")
+            for i in range(tm):
+                for jb in range(nb):
+                    dots = ", ".join(f"dot(a{i}, b{4 * jb + j})" for j in range(4))
+                    k.emit(f"  acc{i}_{jb} = acc{i}_{jb} + vec4<f32>({dots});")
         else:
             for q in range(4):
-                if vec_bn:
-                    k.emit(f"  let b{q} = {f4(f'{B}[(cb + (k + {q}) * {sbk}) / 4]', b.buf.dtype)};")
-                else:
-                    parts = ", ".join(f1(f"{B}[cb{j} + (k + {q}) * {sbk}]", b.buf.dtype) for j in range(4))
-                    k.emit(f"  let b{q} = vec4<f32>({parts});")
-            for i in range(TILE):
-                k.emit(f"  acc{i} = acc{i} + a{i}.x * b0 + a{i}.y * b1 + a{i}.z * b2 + a{i}.w * b3;")
+                for jb in range(nb):
+                    e = q * nb + jb
+                    if sg:
+                        k.emit(f"  let b{q}_{jb} = subgroupBroadcast(mine{e // sg}, {e % sg}u);")
+                    else:
+                        k.emit(f"  let b{q}_{jb} = {b_row(jb, f'k + {q}')};")
+            for i in range(tm):
+                for jb in range(nb):
+                    terms = " + ".join(f"a{i}.{'xyzw'[q]} * b{q}_{jb}" for q in range(4))
+                    k.emit(f"  acc{i}_{jb} = acc{i}_{jb} + {terms};")
         k.emit("}")
     if K % 4:
         k.emit(f"for (var k: i32 = {k4}; k < {K}; k = k + 1) {{")
-        if vec_bn:
-            bq = f4(f"{B}[(cb + k * {sbk}) / 4]", b.buf.dtype)
-        else:
-            bq = "vec4<f32>(" + ", ".join(f1(f"{B}[cb{j} + k * {sbk}]", b.buf.dtype) for j in range(4)) + ")"
-        k.emit(f"  let bk = {bq};")
-        for i in range(TILE):
-            k.emit(f"  acc{i} = acc{i} + {f1(f'{A}[ra{i} + k * {sak}]', a.buf.dtype)} * bk;")
+        for jb in range(nb):
+            k.emit(f"  let bk{jb} = {b_row(jb, 'k')};")
+        for i in range(tm):
+            k.emit(f"  let ak{i} = {f1(f'{A}[ra{i} + k * {sak}]', a.buf.dtype)};")
+            for jb in range(nb):
+                k.emit(f"  acc{i}_{jb} = acc{i}_{jb} + ak{i} * bk{jb};")
         k.emit("}")
     comps = "xyzw"
-    for i in range(TILE):
+    for i in range(tm):
         k.open(f"if (m0 + {i} < {M})")
-        for j in range(TILE):
+        for j in range(tn):
             k.open(f"if (n0 + {j} < {N})")
-            e = f"acc{i}.{comps[j]}"
+            e = f"acc{i}_{j // 4}.{comps[j % 4]}"
+            if sg:  # another subgroup size would have shared the wrong tiles: NaN, never a quiet error
+                e = f"select(bitcast<f32>(0x7fc00000u), {e}, sg_size == {sg}u)"
             if alpha != 1:
                 e = f"({lit(alpha, 'f32')} * {e})"
             if bias is not None and beta != 0:
@@ -114,8 +280,17 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
             k.emit(f"{o}[(z * {M} + m0 + {i}) * {N} + n0 + {j}] = {store(e, 'f32', out.dtype)};")
             k.close()
         k.close()
-    groups = (-(-N // (TILE * WG[0])), -(-M // (TILE * WG[1])), Z)
-    pb.add(k.finish(0, workgroup=WG, groups=groups))
+    if sg:
+        groups = (-(-N // tn), -(-M // (tm * wx)), Z)
+    else:
+        groups = (-(-N // (tn * wx)), -(-M // (tm * wy)), Z)
+    kern = k.finish(0, workgroup=(wx, wy, 1), groups=groups)
+    if sg:
+        sig = "fn main(@builtin(global_invocation_id) gid: vec3<u32>)"
+        assert sig in kern.wgsl
+        kern.wgsl = kern.wgsl.replace(sig, sig[:-1] + ", @builtin(subgroup_invocation_id) sg_id: u32, "
+                                                     "@builtin(subgroup_size) sg_size: u32)")
+    pb.add(kern)
     return result
 
 

@@ -1,0 +1,118 @@
+"""`tapml bench`: one smoke run of the whole suite (figures present, kernels correct; speed is
+never asserted), the remote transport figures on a real loopback server, and bad usage."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+RATIO_KEYS = ("matmul_512_vs_torch", "matmul_1024_vs_torch", "e2e_tiny_llama_vs_torch", "e2e_tiny_vit_vs_torch",
+              "carve_write_vs_file_write", "migrate_s")
+
+
+def tapml(*args, env=None, timeout=300):
+    full_env = {k: v for k, v in os.environ.items() if k != "TAPML_TOKEN"}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "tapml.cli", *args], capture_output=True, text=True,
+                          env=full_env, timeout=timeout)
+
+
+def _bench_target() -> tuple[str, list]:
+    try:
+        from tapml.platforms.wgpu_native import available_backends
+    except ImportError as e:
+        return "reference", [pytest.mark.skip(reason=f"tapml.platforms.wgpu_native is not importable: {e}")]
+    if "vulkan" not in available_backends():
+        return "reference", [pytest.mark.skip(reason="no Vulkan adapter (install mesa-vulkan-drivers for lavapipe)")]
+    return "wgpu:vulkan", []
+
+
+TARGET, _SKIP = _bench_target()
+
+
+@pytest.mark.slow
+@pytest.mark.device
+@pytest.mark.xdist_group("vulkan")
+@pytest.mark.parametrize("target", [pytest.param(TARGET, marks=_SKIP)])
+def test_quick_suite_reports_every_figure(tmp_path, target, figure):
+    out = tmp_path / "b.json"
+    r = tapml("bench", "--quick", "--target", target, "--json", str(out),
+              env={"TAPML_CACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "160"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert "mm 512" in r.stdout and "carve writer" in r.stdout
+
+    ratios = report["ratios"]
+    for key in RATIO_KEYS:
+        assert key in ratios, key
+    for key in RATIO_KEYS[:-1]:
+        assert isinstance(ratios[key], float) and ratios[key] > 0, (key, ratios[key])
+    assert set(ratios["migrate_s"]) == {"zoo:mlp"} and ratios["migrate_s"]["zoo:mlp"] > 0
+    assert set(report["goals"]) >= {"matmul_512_vs_torch", "e2e_tiny_llama_vs_torch", "carve_write_vs_file_write"}
+
+    # every kernel measured was right, or its speed would mean nothing
+    sizes = {(m["op"], m["n"]) for m in report["matmul"]}
+    assert sizes == {(op, n) for op in ("mm", "bmm") for n in (256, 512, 1024)}
+    for m in report["matmul"]:
+        assert "error" not in m, m
+        assert m["max_abs_err"] < 1e-3 * m["n"], m
+        assert m["timing"] == "device"
+    for spec in ("zoo:tiny-llama", "zoo:tiny-vit"):
+        e2e = report["e2e"][spec]
+        assert "error" not in e2e, e2e
+        assert e2e["max_abs_err"] < 1e-3 and e2e["regions"] == 1 and e2e["ours_ms"] > 0 and e2e["torch_ms"] > 0
+        carve = report["carving"]["models"][spec]
+        assert carve["export_s"] > 0 and carve["carve_s"] > 0 and carve["bytes"] > 0
+    assert report["migrate"]["zoo:mlp"]["passed"] is True
+    d = report["dispatch"]
+    assert d["empty_kernel_ms"] > 0 and d["per_region_ms"] > 0 and d["regions"] == d["chain"] // 2
+    w = report["carving"]["write"]
+    assert w["bytes"] >= 16 << 20 and w["file_write_MBps"] > 0 and w["carve_write_MBps"] > 0
+
+    tune = report["autotune"]
+    assert tune and tune["tiles"] and (tmp_path / "cache" / "matmul-tiles.json").is_file()
+    assert report["transport"] is None
+    figure("bench quick wall s", report["wall_s"])
+    for key in RATIO_KEYS[:-1]:
+        figure(f"bench {key}", ratios[key])
+
+
+def test_transport_figures_of_a_remote_target():
+    """A real `tapml serve` on loopback: the suite's transport figures and their ratios."""
+    from tapml.bench import ratios, transport_figure
+    from tapml.remote.client import RemotePlatform
+    from tapml.remote.server import ServerProcess
+    with ServerProcess(platform="reference", token="t0ken", args=("--max-message-mib", "64")) as srv:
+        with RemotePlatform(srv.host, srv.port, token="t0ken") as platform:
+            t = transport_figure(platform, quick=True)
+    assert t["size_bytes"] == 16 << 20
+    r = ratios({"transport": t})
+    for key in ("upload_vs_socket", "download_vs_socket", "empty_call_ms"):
+        assert isinstance(r[key], float) and r[key] > 0
+
+
+def test_kernel_figure_on_reference_and_its_ratio():
+    """The same figure functions work on any platform; without ``benchmark`` the round trip is timed."""
+    from tapml.bench import matmul_figure
+    from tapml.platforms.reference import ReferencePlatform
+    row = matmul_figure(ReferencePlatform(), 64, batch=2, repeat=1)
+    assert row["op"] == "bmm" and row["timing"] == "round trip" and row["max_abs_err"] == 0.0
+    assert row["ratio"] == pytest.approx(row["ours_gflops"] / row["torch_gflops"], rel=1e-2)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--target", "tpu"), "unknown target"),
+    (("--model", "zoo:nope"), "not a zoo model"),
+    (("--json", "/no/such/dir/b.json"), "does not exist"),
+])
+def test_bad_usage_exits_2(args, message):
+    r = tapml("bench", *args, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert message in r.stderr
+
+
+def test_transport_subcommand_is_still_there():
+    r = tapml("bench", "transport", "--help", timeout=60)
+    assert r.returncode == 0 and "--size-mib" in r.stdout
