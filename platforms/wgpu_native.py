@@ -35,6 +35,7 @@ _LIMITS = ["max-storage-buffer-binding-size", "max-buffer-size", "max-storage-bu
 _POISON = 0xFF  # every byte 0xFF: NaN for f32/f16, -1 for i32, an invalid bool for u32
 #: Device memory kept for reused program buffers before the least recently used are released.
 RESIDENT_BYTES = 512 << 20
+CACHED_PIPELINES = 2048  # compute pipelines and compiled programs kept, least recently used dropped first
 
 
 def _adapters():
@@ -86,8 +87,8 @@ class WgpuPlatform(Platform):
         except Exception as e:  # noqa: BLE001
             raise TapmlError(f"wgpu could not open a device on {_describe(chosen)}: {e}") from None
         self._caps_cache = None
-        self._pipelines: dict[str, object] = {}
-        self._compiled: dict[str, KernelProgram] = {}
+        self._pipelines: OrderedDict[str, object] = OrderedDict()
+        self._compiled: OrderedDict[str, KernelProgram] = OrderedDict()
         self._residents: OrderedDict[str, _Resident] = OrderedDict()
         self._resident_bytes = 0
 
@@ -118,23 +119,30 @@ class WgpuPlatform(Platform):
     def _pipeline(self, wgsl: str, entry: str):
         key = hashlib.sha256(f"{entry}\0{wgsl}".encode()).hexdigest()
         pipe = self._pipelines.get(key)
-        if pipe is None:
+        if pipe is not None:
+            self._pipelines.move_to_end(key)
+        else:
             try:
                 module = self.device.create_shader_module(code=wgsl)
                 pipe = self.device.create_compute_pipeline(layout="auto", compute={"module": module, "entry_point": entry})
             except Exception as e:  # noqa: BLE001 - a shader that does not compile is a verdict
                 raise PlatformError(f"WGSL compile failed on {self.name}: {e}\n--- shader ---\n{wgsl}") from e
             self._pipelines[key] = pipe
+            if len(self._pipelines) > CACHED_PIPELINES:  # a long-running server sees endless shapes
+                self._pipelines.popitem(last=False)
         return pipe
 
     def _prepare(self, program: KernelProgram) -> None:
         if program.kind != "wgsl":
             raise PlatformError(f"{self.name} runs wgsl programs, not {program.kind!r}")
         if program.key in self._compiled:
+            self._compiled.move_to_end(program.key)
             return
         for kern in program.kernels:
             self._pipeline(kern.wgsl, kern.entry)
         self._compiled[program.key] = program
+        if len(self._compiled) > CACHED_PIPELINES:
+            self._compiled.popitem(last=False)
 
     # --- run -----------------------------------------------------------------------------
     def _resident(self, program: KernelProgram) -> "_Resident":

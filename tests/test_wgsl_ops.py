@@ -247,3 +247,18 @@ def test_strided_views_feed_elementwise(vulkan, shape, data, seed):
     m = s * y
     assert compare_tensor(out[0], torch.where(m > 0, m, s)).passed
     assert torch.equal(out[1], m > 0)
+
+
+def test_pipeline_and_program_caches_are_capped(monkeypatch, vulkan):
+    """A long-running device server compiles endless shapes: the caches drop the least recently used."""
+    import tapml.platforms.wgpu_native as native
+    from tapml.graph import Graph, Node, TensorMeta
+    monkeypatch.setattr(native, "CACHED_PIPELINES", 3)
+    for n in range(1, 7):
+        meta = TensorMeta((n,), "float32")
+        graph = Graph(inputs=[("x", meta)], nodes=[Node("y", "aten.neg.default", [{"ref": "x"}], {}, [meta])],
+                      outputs=["y"])
+        x = torch.randn(n)
+        (y,) = vulkan.run(vulkan.compile(graph), [x])
+        assert torch.equal(y, -x)
+    assert len(vulkan._pipelines) <= 3 and len(vulkan._compiled) <= 3
