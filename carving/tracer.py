@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from tapml.graph import Graph, TensorMeta, graph_from_fx, map_refs
+from tapml.graph import Graph, TensorMeta, map_refs
 from tapml.carving.store import CarveStoreWriter
 
 

@@ -11,7 +11,6 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 

@@ -335,7 +335,6 @@ def run_suite(target: str = "wgpu", *, quick: bool = False, token: str | None = 
     own_dir = workdir is None
     root = Path(tempfile.mkdtemp(prefix="tapml-bench-")) if own_dir else Path(workdir)
     root.mkdir(parents=True, exist_ok=True)
-    repeat = 2 if quick else 5
     migrate_models = tuple(models) if models else (("zoo:mlp",) if quick else ZOO_MODELS)
     started = time.perf_counter()
     report: dict = {"target": target, "quick": quick, "machine": {

@@ -27,6 +27,13 @@ def carved(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def mlp(carved):
+    """The CarveStore of zoo:mlp: the smallest real model, for tests about everything but the model."""
+    from tapml.carving import CarveStore
+    return CarveStore(carved("zoo:mlp"))
+
+
 @pytest.fixture
 def figure(record_property):
     """``figure("fuzz inputs tried", 400)``: a number printed in the run's summary (works under xdist)."""

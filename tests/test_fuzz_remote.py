@@ -9,12 +9,12 @@ and its memory stays bounded. The number of inputs tried is printed in the run's
 
 import itertools
 import json
-import os
 import socket
 import struct
 import time
 
 import pytest
+from support import rss_mib
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -33,20 +33,6 @@ def server():
     yield srv
     code = srv.stop()
     assert code == 0, "".join(srv.stderr_lines[-30:])
-
-
-@pytest.fixture(scope="module")
-def mlp(carved):
-    from tapml.carving.store import CarveStore
-    return CarveStore(carved("zoo:mlp"))
-
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 def still_serves(srv, mlp) -> None:

@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+from support import rss_mib
 
 from tapml.errors import TapmlError
 from tapml.remote import protocol as P
@@ -27,17 +28,6 @@ def server():
     yield srv
     code = srv.stop()
     assert code == 0, "".join(srv.stderr_lines[-30:])
-
-
-@pytest.fixture(scope="module")
-def mlp(carved):
-    from tapml.carving.store import CarveStore
-    return CarveStore(carved("zoo:mlp"))
-
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
 
 
 def replay_ok(srv, mlp, cases: int = 3) -> bool:

@@ -3,14 +3,10 @@ memory measured at the start and the end; its program cache stays under its cap 
 sessions of finished clients are freed."""
 
 import pytest
+from support import rss_mib
 
 ZOO = ("mlp", "cnn", "tiny-llama", "tiny-gpt2", "tiny-bert", "tiny-vit", "tiny-resnet")
 MAX_RSS_GROWTH_MIB = 300
-
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
 
 
 @pytest.mark.slow

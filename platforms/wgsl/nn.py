@@ -229,7 +229,6 @@ def convolution(pb, node, x, w, bias, stride, padding, dilation, transposed, out
     Cout = w.shape[0]
     cig, cog = Cin // groups, Cout // groups
     ksz = list(w.shape[2:])
-    osz = list(meta.shape[2:])
     isz = list(x.shape[2:])
     out = pb.buffer("temp", meta)
     result = BufferView.whole(out, meta)
