@@ -20,21 +20,40 @@ def vulkan():
     return shared_platform("vulkan")
 
 
-@pytest.mark.parametrize("model", ZOO)
-def test_every_carved_case_matches_reference(vulkan, carved, model):
+def _replay(carved, spec, backend):
     from tapml.carving import CarveStore
-    store = CarveStore(carved(f"zoo:{model}"))
-    failures = []
-    for case in store.cases:
-        try:
-            out = vulkan.run(vulkan.compile(store.case_graph(case)), store.case_inputs(case))
-        except Exception as e:  # noqa: BLE001 - collect every failing case, then report them all
-            failures.append(f"{case['id']} {case['op']}: {type(e).__name__}: {str(e)[:300]}")
-            continue
-        result = compare_outputs(out, store.case_outputs(case), op=case["op"])
-        if not result.passed:
-            failures.append(f"{case['id']} {case['op']}: {result.message}")
-    assert not failures, f"{len(failures)}/{len(store.cases)} cases of zoo:{model} fail:\n" + "\n".join(failures)
+    from tapml.replay import replay
+    store = CarveStore(carved(spec))
+    return replay(store, shared_platform(backend), f"wgpu:{backend}")
+
+
+def _not_passing(result, allowed=("pass",)):
+    return [f"{v['id']} {v['op']}: {v['status']}: {v['message'][:300]}" for v in result["cases"]
+            if v["status"] not in allowed]
+
+
+@pytest.mark.parametrize("model", ZOO)
+def test_every_carved_case_passes_on_vulkan(carved, model):
+    result = _replay(carved, f"zoo:{model}", "vulkan")
+    bad = _not_passing(result)
+    assert not bad, f"{len(bad)}/{len(result['cases'])} cases of zoo:{model} fail:\n" + "\n".join(bad)
+
+
+@pytest.mark.skipif("gl" not in available_backends(), reason="no wgpu OpenGL adapter (llvmpipe via EGL)")
+@pytest.mark.parametrize("model", ZOO)
+def test_every_carved_case_passes_or_is_unsupported_with_a_reason_on_gl(carved, model):
+    result = _replay(carved, f"zoo:{model}", "gl")
+    bad = _not_passing(result, ("pass", "unsupported"))
+    assert not bad, "\n".join(bad)
+    assert all(v["message"] for v in result["cases"] if v["status"] == "unsupported")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["hf:mistral", "hf:roberta", "hf:deit"])
+def test_architectures_beyond_the_zoo_pass_on_vulkan(carved, spec):
+    """Decoder, encoder and vision families that no code names: the registry is generic."""
+    result = _replay(carved, spec, "vulkan")
+    assert not _not_passing(result), _not_passing(result)
 
 
 @pytest.mark.parametrize("model", ZOO)
