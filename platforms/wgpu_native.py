@@ -128,7 +128,7 @@ class WgpuPlatform(Platform):
             except Exception as e:  # noqa: BLE001 - a shader that does not compile is a verdict
                 raise PlatformError(f"WGSL compile failed on {self.name}: {e}\n--- shader ---\n{wgsl}") from e
             self._pipelines[key] = pipe
-            if len(self._pipelines) > CACHED_PIPELINES:  # a long-running server sees endless shapes
+            while len(self._pipelines) > CACHED_PIPELINES:  # a long-running server sees endless shapes
                 self._pipelines.popitem(last=False)
         return pipe
 
@@ -141,7 +141,7 @@ class WgpuPlatform(Platform):
         for kern in program.kernels:
             self._pipeline(kern.wgsl, kern.entry)
         self._compiled[program.key] = program
-        if len(self._compiled) > CACHED_PIPELINES:
+        while len(self._compiled) > CACHED_PIPELINES:
             self._compiled.popitem(last=False)
 
     # --- run -----------------------------------------------------------------------------
