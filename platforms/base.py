@@ -189,6 +189,16 @@ def graph_program(graph: Graph) -> KernelProgram:
                          output_meta=[graph.meta[r] for r in graph.outputs])
 
 
+def check_workgroups(program: KernelProgram, caps: dict) -> None:
+    """Raise :class:`Unsupported` when a kernel of ``program`` dispatches more workgroups per
+    dimension than a device with ``caps`` allows (``max-compute-workgroups-per-dimension``)."""
+    max_groups = (caps.get("limits") or {}).get("max-compute-workgroups-per-dimension", 65535)
+    for kern in program.kernels:
+        if any(g > max_groups for g in kern.workgroups):
+            raise Unsupported(f"kernel {kern.name} dispatches {kern.workgroups} workgroups; "
+                              f"the device allows {max_groups} per dimension")
+
+
 def wrap_errors(fn, *args):
     """Call fn, turning unexpected exceptions into PlatformError (keeping Unsupported)."""
     try:
@@ -199,4 +209,4 @@ def wrap_errors(fn, *args):
         raise PlatformError(f"{type(e).__name__}: {e}") from e
 
 
-__all__ = ["BufferSpec", "Kernel", "KernelProgram", "Platform", "graph_program", "wrap_errors"]
+__all__ = ["BufferSpec", "Kernel", "KernelProgram", "Platform", "check_workgroups", "graph_program", "wrap_errors"]

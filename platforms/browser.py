@@ -10,7 +10,9 @@ to i32, bool to u32 on the host), never as JSON arrays.
 ``BrowserPlatform()`` starts the system Chromium headless with a fresh profile and closes it
 (process group and all) on :meth:`close`, at exit, or when tapml dies. ``BrowserPlatform(
 launch=False)`` starts no browser: whoever opens :attr:`BrowserPlatform.url` (a one-time
-token) in a WebGPU browser becomes the device.
+token) in a WebGPU browser becomes the device. When that page is lost (tab closed, GPU
+device lost, no answer), a fresh one-time URL is handed out and the next page to open it
+becomes the device; runs in between raise DeviceLost.
 """
 
 from __future__ import annotations
@@ -31,16 +33,16 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
-from tapml.errors import DeviceLost, PlatformError, TapmlError, Unsupported
+from tapml.errors import DeviceLost, PlatformError, TapmlError
 from tapml.graph import Graph, Node
-from tapml.platforms.base import KernelProgram, Platform, wrap_errors
+from tapml.platforms.base import KernelProgram, Platform, check_workgroups
 
 WEB_DIR = Path(__file__).with_name("web")
 FRAME = struct.Struct("<IIII")  # magic, run id, slot, kind
 FRAME_MAGIC = 0x31545054  # b"TPT1" as little-endian u32
 KIND_INPUT, KIND_CONST, KIND_OUTPUT = 0, 1, 2
-ITEMSIZE = {"f32": 4, "f16": 2, "i32": 4, "u32": 4}
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 CHROMIUM_FLAGS = (
     "--headless=new", "--no-sandbox", "--enable-unsafe-webgpu", "--enable-features=Vulkan", "--disable-quic",
@@ -96,20 +98,29 @@ def _lan_address() -> str:
             return "127.0.0.1"
 
 
+REJOIN_HINT = "; open the new page URL tapml printed to attach another browser"
 # Largest frame the page may send: one output buffer (WebGPU caps storage buffers far below this).
 MAX_FRAME = 1 << 30
 
 
 class PageBridge:
     """Serves the runtime page and one WebSocket connection to it, from a background thread
-    running its own asyncio loop. The calling thread talks to the page with :meth:`request`."""
+    running its own asyncio loop. The calling thread talks to the page with :meth:`request`.
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+    With ``rejoin`` a lost page is not the end: the bridge takes a fresh one-time token, calls
+    ``on_url(url)`` with the new page URL, and the next page to open it (and report a working
+    adapter) is the device again.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, rejoin: bool = False,
+                 on_url: Callable[[str], None] | None = None):
         self.host = host
-        self.token = secrets.token_urlsafe(18)
-        self.hello: concurrent.futures.Future = concurrent.futures.Future()
+        self.rejoin = rejoin
+        self.on_url = on_url
         self.lost: str | None = None
-        self._token_used = False
+        self.pages = 0  # pages that attached with a working adapter
+        self._closing = False
+        self._new_token()
         self._ws = None
         self._run: tuple[int, concurrent.futures.Future, dict] | None = None
         self._lock = threading.Lock()
@@ -124,6 +135,12 @@ class PageBridge:
                              f"choose another --port or host") from None
         self.port = self._server.sockets[0].getsockname()[1]
 
+    def _new_token(self) -> None:
+        """A fresh one-time URL, and a fresh ``hello`` future for the page that opens it."""
+        self.token = secrets.token_urlsafe(18)
+        self._token_used = False
+        self.hello: concurrent.futures.Future = concurrent.futures.Future()
+
     @property
     def url(self) -> str:
         """Where the page lives; the path carries the one-time token."""
@@ -135,6 +152,7 @@ class PageBridge:
         return f"http://{host}:{self.port}/t/{self.token}/"
 
     def call_soon(self, coro) -> concurrent.futures.Future:
+        """Run ``coro`` on the bridge's loop; returns a future the calling thread can wait on."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     async def _serve(self, host, port):
@@ -164,8 +182,8 @@ class PageBridge:
                                                                ("Connection", "close")]), b"")
         if rest == "ws":
             if self._token_used:
-                return respond(403, "Forbidden", b"this URL was already used by another page; start tapml again "
-                                                 b"for a new one\n")
+                return respond(403, "Forbidden", b"this URL was already used by another page; each URL tapml "
+                                                 b"prints attaches one page\n")
             self._token_used = True
             return None  # go on with the WebSocket handshake
         if rest in _STATIC:
@@ -179,7 +197,10 @@ class PageBridge:
         try:
             async for message in ws:
                 if isinstance(message, str):
-                    self._on_text(json.loads(message))
+                    refused = self._on_text(json.loads(message))
+                    if refused:
+                        reason = refused
+                        break
                 else:
                     self._on_frame(message)
         except Exception as e:  # noqa: BLE001 - any transport failure means the page is gone
@@ -187,32 +208,53 @@ class PageBridge:
         finally:
             self._ws = None
             self.mark_lost(reason)
+            if self.rejoin and not self._closing:
+                self._new_token()
+                if not self.lost.endswith(REJOIN_HINT):
+                    self.lost += REJOIN_HINT
+                if self.on_url is not None:
+                    self.on_url(self.url)
 
-    def _on_text(self, msg: dict) -> None:
+    def _on_text(self, msg: dict) -> str | None:
+        """Handle a text message; returns a reason when the page must be dropped."""
         kind = msg.get("type")
         if kind == "hello":
+            if msg.get("error") and self.pages:
+                # a page rejoining without WebGPU: free its URL for another (the first page's
+                # error is reported to whoever waits for the device instead)
+                return f"the page that attached has no WebGPU adapter: {msg['error']}"
+            if not msg.get("error"):
+                self.pages += 1
+                self.lost = None
             if not self.hello.done():
                 self.hello.set_result(msg)
         elif kind == "lost":
             self.mark_lost(f"the browser lost its GPU device: {msg.get('message', '')}")
-        elif kind in ("done", "error") and self._run and self._run[0] == msg.get("id"):
-            _, fut, outputs = self._run
-            if not fut.done():
-                fut.set_result((msg, outputs))
+        elif kind in ("done", "error"):
+            run = self._run  # the calling thread clears it when it stops waiting
+            if run and run[0] == msg.get("id") and not run[1].done():
+                run[1].set_result((msg, run[2]))
+        return None
 
     def _on_frame(self, data: bytes) -> None:
         run_id, slot, kind, payload = decode_frame(data)
-        if kind == KIND_OUTPUT and self._run and self._run[0] == run_id:
-            self._run[2][slot] = payload
+        run = self._run
+        if kind == KIND_OUTPUT and run and run[0] == run_id:
+            run[2][slot] = payload
 
     def mark_lost(self, reason: str) -> None:
-        """The page is gone: every waiting and later call raises DeviceLost(reason)."""
+        """The page is gone: every waiting and later call raises DeviceLost(reason). With
+        ``rejoin`` a page that is still connected (hung, or its GPU device lost) is dropped,
+        so that its URL is replaced by a fresh one."""
         if self.lost is None:
             self.lost = reason
         if not self.hello.done():
             self.hello.set_exception(DeviceLost(reason))
         if self._run and not self._run[1].done():
             self._run[1].set_exception(DeviceLost(reason))
+        ws = self._ws
+        if self.rejoin and ws is not None and not self._closing and not self._loop.is_closed():
+            self.call_soon(ws.close())
 
     def wait(self, fut: concurrent.futures.Future, timeout: float, what: str, alive=None):
         """Wait for ``fut`` in short slices (so Ctrl-C and a dead browser are noticed at once)."""
@@ -247,14 +289,16 @@ class PageBridge:
             fut: concurrent.futures.Future = concurrent.futures.Future()
             self._run = (msg["id"], fut, {})
             sent = self.call_soon(self._send([json.dumps(msg, separators=(",", ":"))] + frames))
-            sent.add_done_callback(lambda f: f.exception() and self.mark_lost(f"sending to the page failed: "
-                                                                              f"{f.exception()}"))
+            sent.add_done_callback(lambda f: not f.cancelled() and f.exception() and self.mark_lost(
+                f"sending to the page failed: {f.exception()}"))
             try:
                 return self.wait(fut, timeout, f"running {msg.get('key')}", alive)
             finally:
                 self._run = None
 
     def close(self) -> None:
+        """Stop serving and drop the page; waiting and later calls raise DeviceLost. Safe to call twice."""
+        self._closing = True
         if not self._loop.is_closed() and self._thread.is_alive():
             async def shutdown():
                 server = getattr(self, "_server", None)
@@ -346,6 +390,15 @@ class ChromiumProcess:
                 pids.append(int(entry))
         return pids
 
+    def _gone_within(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` for Chromium and every helper to exit; True when they did."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None and not self.session_pids():
+                return True
+            time.sleep(0.05)
+        return False
+
     def close(self) -> None:
         """Terminate Chromium and its helpers, wait for them, remove the profile. Safe to call twice."""
         for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
@@ -358,14 +411,8 @@ class ChromiumProcess:
                     os.kill(pid, sig)
                 except (ProcessLookupError, PermissionError):
                     pass
-            deadline = time.monotonic() + grace
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None and not self.session_pids():
-                    break
-                time.sleep(0.05)
-            else:
-                continue
-            break
+            if self._gone_within(grace):
+                break
         try:
             self.proc.wait(timeout=1)
         except subprocess.TimeoutExpired:
@@ -377,7 +424,8 @@ class ChromiumProcess:
 class BrowserPlatform(Platform):
     """WebGPU in a browser page. ``launch=True`` starts headless Chromium on :attr:`url` and waits
     for its adapter; ``launch=False`` waits (on first use, or :meth:`wait_for_device`) for a person
-    to open :attr:`url` in any WebGPU browser.
+    to open :attr:`url` in any WebGPU browser, and when that page is lost, hands a fresh URL to
+    ``on_url`` (default: prints it) for another page to take its place.
 
     Example::
 
@@ -389,7 +437,7 @@ class BrowserPlatform(Platform):
 
     def __init__(self, launch: bool = True, host: str = "127.0.0.1", port: int = 0, *,
                  connect_timeout: float | None = None, run_timeout: float = 300.0, chromium: str | None = None,
-                 chromium_flags: tuple[str, ...] = ()):
+                 chromium_flags: tuple[str, ...] = (), on_url: Callable[[str], None] | None = None):
         self.launch = launch
         self.chromium_flags = tuple(chromium_flags)
         self.run_timeout = run_timeout
@@ -397,13 +445,14 @@ class BrowserPlatform(Platform):
         self.browser: ChromiumProcess | None = None
         self._closed = False
         self._run_id = 0
-        self._on_page: set[str] = set()
+        self._on_page: set[str] = set()  # program keys the page of self._page has prepared
+        self._page: concurrent.futures.Future | None = None
+        self._hello: dict | None = None  # the last page's hello (its caps stay valid while a new page is awaited)
         self._plans: dict[str, tuple[dict, list[bytes]]] = {}
         executable = find_chromium() if launch and not chromium else chromium
         self._executable = executable
         self.relaunches = 0
-        self.bridge = PageBridge(host, port)
-        self.url = self.bridge.url
+        self.bridge = PageBridge(host, port, rejoin=not launch, on_url=on_url or _print_new_url)
         if launch:
             try:
                 # started from the bridge thread so that the parent-death signal follows the platform's life
@@ -413,19 +462,24 @@ class BrowserPlatform(Platform):
                 self.close()
                 raise
 
+    @property
+    def url(self) -> str:
+        """The page URL to open (with ``launch=False``, a fresh one after each lost page)."""
+        return self.bridge.url
+
     def reconnect(self) -> None:
-        """Start a fresh browser and page after a crash (launch mode only: in ``--no-launch`` mode a
-        person has to open a new URL, so this raises DeviceLost)."""
+        """Start a fresh browser and page after a crash. With ``launch=False`` a person opens the
+        new URL instead: this returns when a page has attached again, else raises DeviceLost."""
         if self._closed:
             raise DeviceLost("the browser platform was closed")
         if not self.launch:
-            raise DeviceLost("the page is gone; start `tapml serve --platform browser --no-launch` again")
+            if self.bridge.lost:
+                raise DeviceLost(self.bridge.lost)
+            return
         if self.browser is not None:
             self.browser.close()
         self.bridge.close()
         self.bridge = PageBridge(self.bridge.host, 0)
-        self.url = self.bridge.url
-        self._on_page.clear()
         try:
             self.browser = self.bridge.call_soon(self._launch(self._executable)).result(timeout=30)
             self.wait_for_device()
@@ -471,10 +525,13 @@ class BrowserPlatform(Platform):
                 hint = ("install Vulkan drivers (Debian: `apt-get install mesa-vulkan-drivers`) or use a browser "
                         "with WebGPU (Chromium with --enable-unsafe-webgpu, recent Chrome, Edge, Safari)")
             raise TapmlError(f"the browser has no WebGPU adapter: {hello['error']}; {hint}")
+        self._hello = hello
         return hello
 
     def _caps(self) -> dict:
-        hello = self.wait_for_device()
+        page = self.bridge.hello
+        attached = page.done() and page.exception() is None
+        hello = self.wait_for_device() if attached or self._hello is None else self._hello
         info = hello.get("adapter") or {}
         adapter = " ".join(x for x in (info.get("vendor"), info.get("architecture")) if x) or "unknown"
         if info.get("description"):
@@ -493,7 +550,7 @@ class BrowserPlatform(Platform):
 
     def _compile(self, graph: Graph) -> KernelProgram:
         from tapml.platforms.wgsl import compile_graph
-        return wrap_errors(compile_graph, graph, self.caps())
+        return compile_graph(graph, self.caps())
 
     def _plan(self, program: KernelProgram) -> tuple[dict, list[bytes]]:
         """The page's view of a program (buffer sizes, const names, kernels) and the const bytes."""
@@ -511,16 +568,16 @@ class BrowserPlatform(Platform):
         return plan
 
     def _run(self, program: KernelProgram, inputs: list) -> list:
-        from tapml.platforms.wgsl.tensors import from_device, to_device, unwritten_bools
+        from tapml.platforms.wgsl.codegen import ITEMSIZE
+        from tapml.platforms.wgsl.tensors import read_output, to_device
         if program.kind != "wgsl":
             raise PlatformError(f"the browser runs wgsl KernelPrograms, not {program.kind!r} ones")
         if self._closed:
             raise DeviceLost("the browser platform was closed")
-        max_groups = self.caps()["limits"].get("max-compute-workgroups-per-dimension", 65535)
-        for kern in program.kernels:
-            if any(g > max_groups for g in kern.workgroups):
-                raise Unsupported(f"kernel {kern.name} dispatches {kern.workgroups} workgroups; "
-                                  f"the device allows {max_groups} per dimension")
+        check_workgroups(program, self.caps())
+        if self.bridge.hello is not self._page:  # one hello future per page: a new page has no programs yet
+            self._page = self.bridge.hello
+            self._on_page.clear()
         specs = {b.name: b for b in program.buffers}
         payloads = [to_device(t, specs[name].dtype, f"input {name}") for name, t in zip(program.inputs, inputs)]
         metas = program.output_meta or [specs[n].meta for n in program.outputs]
@@ -547,14 +604,8 @@ class BrowserPlatform(Platform):
             raise PlatformError(f"browser: {reply.get('message', 'run failed')}")
         if len(got) != len(outputs):
             raise PlatformError(f"the browser returned {len(got)} of {len(outputs)} outputs")
-        result = []
-        for i, (name, meta) in enumerate(zip(program.outputs, metas)):
-            if specs[name].dtype == "u32":
-                bad = unwritten_bools(got[i], meta)
-                if bad:
-                    raise PlatformError(f"{bad} elements of bool output {name} were never written")
-            result.append(from_device(got[i], specs[name].dtype, meta))
-        return result
+        return [read_output(got[i], specs[name].dtype, meta, name)
+                for i, (name, meta) in enumerate(zip(program.outputs, metas))]
 
     def close(self) -> None:
         """Close the browser (if tapml launched it) and the server. Safe to call twice."""
@@ -564,6 +615,10 @@ class BrowserPlatform(Platform):
         if self.browser is not None:
             self.browser.close()
         self.bridge.close()
+
+
+def _print_new_url(url: str) -> None:
+    print(f"the browser page is gone; open {url} in a browser with WebGPU to attach another", flush=True)
 
 
 __all__ = ["BrowserPlatform", "ChromiumProcess", "PageBridge", "find_chromium", "encode_frame", "decode_frame"]

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import torch
-
 import dataclasses
 
+import torch
+
+from tapml.errors import TapmlError
 from tapml.graph import Graph, Node, resolve_op, run_graph, run_node
 from tapml.platforms.base import KernelProgram, Platform, graph_program
 
@@ -15,7 +16,6 @@ class ReferencePlatform(Platform):
 
     def __init__(self, device: str = "cpu"):
         if device == "cuda" and not torch.cuda.is_available():
-            from tapml.errors import TapmlError
             raise TapmlError("target reference:cuda needs a CUDA device; this machine has none (use `reference`)")
         self.device = torch.device(device)
         self.name = "reference" if device == "cpu" else f"reference:{device}"

@@ -13,13 +13,14 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+import time
 from collections import OrderedDict
 
 import torch
 
 from tapml.errors import PlatformError, TapmlError, Unsupported
-from tapml.graph import Graph, Node
-from tapml.platforms.base import KernelProgram, Platform
+from tapml.graph import Graph, Node, torch_dtype
+from tapml.platforms.base import KernelProgram, Platform, check_workgroups
 
 if not os.environ.get("XDG_RUNTIME_DIR"):
     # Mesa's EGL prints "XDG_RUNTIME_DIR is invalid" lines on every adapter query without one.
@@ -160,7 +161,7 @@ class WgpuPlatform(Platform):
         return res
 
     def _run(self, program: KernelProgram, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        from tapml.platforms.wgsl.tensors import from_device, unwritten_bools
+        from tapml.platforms.wgsl.tensors import read_output
         self._prepare(program)
         try:
             res = self._resident(program)
@@ -171,14 +172,9 @@ class WgpuPlatform(Platform):
             out = []
             for name, meta, data in zip(program.outputs, program.output_meta, res.read_outputs()):
                 if data is None:
-                    out.append(torch.empty(meta.shape, dtype=_torch_dtype(meta.dtype)))
-                    continue
-                storage = res.specs[name].dtype
-                if storage == "u32":
-                    bad = unwritten_bools(data, meta)
-                    if bad:
-                        raise PlatformError(f"{bad} elements of bool output {name} were never written")
-                out.append(from_device(data, storage, meta))
+                    out.append(torch.empty(meta.shape, dtype=torch_dtype(meta.dtype)))
+                else:
+                    out.append(read_output(data, res.specs[name].dtype, meta, name))
             return out
         except (Unsupported, PlatformError):
             raise
@@ -196,7 +192,6 @@ class WgpuPlatform(Platform):
         """Seconds one run of ``program``'s kernels takes on the device, inputs already
         resident: ``repeat`` runs are recorded into one submission and waited for together,
         so host transfers and submission overhead are left out (best of three such batches)."""
-        import time
         if repeat < 1:
             raise ValueError("repeat must be at least 1")
         self.run(program, inputs)  # validates, uploads, compiles pipelines, warms up
@@ -214,7 +209,8 @@ class WgpuPlatform(Platform):
 
     def close(self) -> None:
         dev, self.device = getattr(self, "device", None), None
-        self._pipelines = {}
+        self._pipelines.clear()
+        self._compiled.clear()
         for res in self._residents.values():
             res.release()
         self._residents.clear()
@@ -237,6 +233,7 @@ class _Resident:
         self.buffers: dict[str, object] = {}
         self.readback: dict[str, object] = {}
         self.poison = self.fence_buf = None
+        self.last_inputs: dict[str, tuple] = {}
         try:
             self._make(platform, program)
         except BaseException:
@@ -258,12 +255,9 @@ class _Resident:
             else:
                 self.buffers[spec.name] = dev.create_buffer(size=spec.size, usage=storage)
             self.nbytes += spec.size
-        max_groups = platform.caps()["limits"].get("max-compute-workgroups-per-dimension", 65535)
+        check_workgroups(program, platform.caps())
         self.dispatches = []
         for kern in program.kernels:
-            if any(g > max_groups for g in kern.workgroups):
-                raise Unsupported(f"kernel {kern.name} dispatches {kern.workgroups} workgroups; "
-                                  f"the device allows {max_groups} per dimension")
             pipe = platform._pipeline(kern.wgsl, kern.entry)
             entries = [{"binding": i, "resource": {"buffer": self.buffers[name], "offset": 0,
                                                    "size": self.buffers[name].size}}
@@ -276,8 +270,6 @@ class _Resident:
         poison = max((self.specs[n].size for n in self.outputs if self.specs[n].role == "output"), default=0)
         self.poison = dev.create_buffer_with_data(data=bytes([_POISON]) * poison, usage=storage) if poison else None
         self.nbytes += 2 * poison + sum(self.specs[n].size for n in self.outputs)
-        self.fence_buf = None
-        self.last_inputs: dict[str, tuple] = {}
         # an input buffer some kernel writes must be uploaded on every run
         self.written = {name for kern in program.kernels for name, access in kern.bindings if access == "read_write"}
 
@@ -346,11 +338,6 @@ class _Resident:
         self.buffers, self.readback, self.last_inputs = {}, {}, {}
 
 
-def _torch_dtype(name: str):
-    from tapml.graph import torch_dtype
-    return torch_dtype(name)
-
-
 def _best(adapters):
     """Prefer discrete > integrated > CPU; Vulkan/Metal/D3D12 over OpenGL."""
     if not adapters:
@@ -359,9 +346,6 @@ def _best(adapters):
     rank_backend = {"Vulkan": 0, "Metal": 0, "D3D12": 1, "OpenGL": 2}
     return min(adapters, key=lambda a: (rank_type.get(a.info.get("adapter_type"), 4),
                                         rank_backend.get(a.info.get("backend_type"), 3)))
-
-
-
 
 
 _SHARED: dict = {}
@@ -382,4 +366,6 @@ def available_backends() -> list[str]:
         return []
     names = {v: k for k, v in BACKENDS.items()}
     return sorted({names[a.info.get("backend_type")] for a in adapters if a.info.get("backend_type") in names})
+
+
 __all__ = ["WgpuPlatform", "BACKENDS", "shared_platform", "available_backends"]

@@ -32,17 +32,6 @@ pytestmark = [
 LAUNCHED = []  # every ChromiumProcess this module started, for the leftover check
 
 
-def _has_compiler() -> bool:
-    try:
-        from tapml.platforms.wgsl import compile_graph  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-needs_compiler = pytest.mark.skipif(not _has_compiler(), reason="tapml.platforms.wgsl.compile_graph is not written yet")
-
-
 def open_browser(**kwargs):
     from tapml.platforms.browser import BrowserPlatform
     platform = BrowserPlatform(**kwargs)
@@ -186,7 +175,6 @@ def test_browser_crash_mid_run_is_device_lost_not_a_hang():
         platform.close()
 
 
-@needs_compiler
 def test_crash_during_replay_gives_device_lost_verdicts(carved):
     from tapml.carving import CarveStore
     from tapml.replay import replay
@@ -210,13 +198,10 @@ def test_crash_during_replay_gives_device_lost_verdicts(carved):
 
 
 def _registry_ops() -> list:
-    if not _has_compiler():
-        return []
     from tapml.platforms.wgsl import load_lowerings
     return sorted(load_lowerings())
 
 
-@needs_compiler
 @pytest.mark.parametrize("op", _registry_ops())
 def test_lowering_in_the_browser(browser, op):
     """The registry's own samples (the same checks as the wgpu tier), on the browser's WebGPU."""
@@ -252,14 +237,10 @@ def _f32_case(case) -> bool:
 
 
 def _open_vulkan():
-    try:
-        from tapml.platforms.wgpu_native import WgpuPlatform
-    except ImportError as e:
-        pytest.skip(f"tapml.platforms.wgpu_native is not available: {e}")
+    from tapml.platforms.wgpu_native import WgpuPlatform
     return WgpuPlatform("vulkan")
 
 
-@needs_compiler
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", ["zoo:tiny-llama", "zoo:tiny-vit"])
 def test_zoo_replay_passes_every_f32_case_and_matches_wgpu_vulkan(browser, carved, spec):
@@ -277,7 +258,6 @@ def test_zoo_replay_passes_every_f32_case_and_matches_wgpu_vulkan(browser, carve
     assert ({v["id"]: v["status"] for v in on_browser["cases"]} == {v["id"]: v["status"] for v in on_vulkan["cases"]})
 
 
-@needs_compiler
 @pytest.mark.slow
 def test_cli_replay_on_browser(carved, tmp_path):
     store = carved("zoo:tiny-llama")
@@ -322,20 +302,56 @@ def test_no_launch_mode_turns_a_separately_started_browser_into_the_device():
         other.close()
 
 
+def test_no_launch_mode_hands_out_a_fresh_url_when_the_page_is_lost():
+    import time
+    from tapml.platforms.browser import ChromiumProcess
+    urls = []
+    platform = open_browser(launch=False, connect_timeout=60, on_url=urls.append)
+    first_url = platform.url
+    pages = [ChromiumProcess(first_url)]  # a person opening the URL
+    LAUNCHED.extend(pages)
+    try:
+        program = add_program(33)
+        a, b = torch.randn(33), torch.randint(0, 3, (33,))
+        assert torch.equal(platform.run(program, [a, b])[0], a + b.float())
+        pages[0].close()  # the person closes the tab
+        deadline = time.monotonic() + 20
+        while not urls and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert urls == [platform.url] and platform.url != first_url and "/t/" in platform.url
+        with pytest.raises(DeviceLost, match="device lost: .*; open the new page URL tapml printed"):
+            platform.run(program, [a, b])  # at once, not after a timeout
+        with pytest.raises(DeviceLost, match="new page URL"):
+            platform.reconnect()
+        with pytest.raises(urllib.error.HTTPError) as e:  # the old URL is spent
+            urllib.request.urlopen(first_url, timeout=5)
+        assert e.value.code == 403
+        pages.append(ChromiumProcess(platform.url))  # another page takes its place
+        LAUNCHED.append(pages[-1])
+        assert platform.wait_for_device()["adapter"]["architecture"] == "swiftshader"
+        platform.reconnect()  # a page is attached: nothing to do
+        a = torch.randn(33)
+        assert torch.equal(platform.run(program, [a, b])[0], a + b.float())  # the new page gets the program anew
+        assert len(urls) == 1  # no new URL while a page is attached
+    finally:
+        platform.close()
+        for page in pages:
+            page.close()
+
+
 @pytest.mark.slow
 def test_serve_no_launch_makes_a_browser_a_remote_device(browser, carved, tmp_path):
     """`tapml serve --platform browser --no-launch` + a separately started Chromium on the printed URL
-    is a device that `remote://` replay uses."""
+    is a device that `remote://` replay uses; when that page is lost, serve prints a fresh URL and
+    a page opening it is the device again, without restarting serve."""
     import re
-    try:
-        import tapml.remote.server  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"tapml.remote is not available: {e}")
+    import select
+    import time
     from tapml.platforms.browser import ChromiumProcess
     store = carved("zoo:mlp")
     server = subprocess.Popen([sys.executable, "-m", "tapml.cli", "serve", "--platform", "browser", "--no-launch",
                                "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    page = None
+    pages = []
     try:
         url = port = None
         while port is None:
@@ -344,26 +360,43 @@ def test_serve_no_launch_makes_a_browser_a_remote_device(browser, carved, tmp_pa
             url = url or (re.search(r"open (http://\S+/t/\S+/) in a browser", line) or [None, None])[1]
             port = (re.search(r"listening on \S+:(\d+)", line) or [None, None])[1]
         assert url, "serve printed no page URL"
-        page = ChromiumProcess(url)  # a person opening the URL
-        LAUNCHED.append(page)
-        r = subprocess.run([sys.executable, "-m", "tapml.cli", "replay", str(store), "--target",
-                            f"remote://127.0.0.1:{port}", "--json", str(tmp_path / "v.json")],
-                           capture_output=True, text=True, timeout=180)
-        assert r.returncode in (0, 1), r.stdout + r.stderr
-        verdicts = json.loads((tmp_path / "v.json").read_text())
+        pages.append(ChromiumProcess(url))  # a person opening the URL
+        LAUNCHED.append(pages[-1])
+
+        def remote_replay():
+            r = subprocess.run([sys.executable, "-m", "tapml.cli", "replay", str(store), "--target",
+                                f"remote://127.0.0.1:{port}", "--json", str(tmp_path / "v.json")],
+                               capture_output=True, text=True, timeout=180)
+            assert r.returncode in (0, 1), r.stdout + r.stderr
+            return json.loads((tmp_path / "v.json").read_text())
+        verdicts = remote_replay()
         assert verdicts["device"]["adapter"].startswith("google swiftshader")
         assert verdicts["summary"]["pass"] > 0
         from tapml.carving import CarveStore
         from tapml.replay import replay
         direct = replay(CarveStore(store), browser, "browser")  # the same page, without the server in between
         assert [(v["id"], v["status"]) for v in verdicts["cases"]] == [(v["id"], v["status"]) for v in direct["cases"]]
+
+        pages[0].close()  # the tab is closed: serve hands out a fresh URL
+        assert select.select([server.stdout], [], [], 20)[0], "serve printed no new URL after the page was lost"
+        line = server.stdout.readline()
+        new_url = (re.search(r"open (http://\S+/t/\S+/) in a browser", line) or [None, None])[1]
+        assert new_url and new_url != url, line
+        pages.append(ChromiumProcess(new_url))
+        LAUNCHED.append(pages[-1])
+        for _ in range(20):  # runs before the new page has opened WebGPU are device-lost verdicts
+            again = remote_replay()
+            if not any("device lost" in v["message"] for v in again["cases"]):
+                break
+            time.sleep(1)
+        assert [(v["id"], v["status"]) for v in again["cases"]] == [(v["id"], v["status"]) for v in direct["cases"]]
     finally:
         server.send_signal(signal.SIGINT)
         try:
             server.wait(timeout=20)
         except subprocess.TimeoutExpired:
             server.kill()
-        if page is not None:
+        for page in pages:
             page.close()
 
 

@@ -283,5 +283,6 @@ export async function start(statusElement) {
     (f.kind === KIND.const ? pending.consts : pending.inputs)[f.slot] = f.payload;
     if (--pending.missing === 0) { finish(pending); pending = null; }
   };
-  ws.onclose = () => status("disconnected from the tapml host");
+  // Each URL attaches one page: after a disconnect, tapml serve --no-launch prints a fresh one.
+  ws.onclose = () => status("disconnected from the tapml host; open the new URL it printed to attach again");
 }

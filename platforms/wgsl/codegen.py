@@ -46,6 +46,7 @@ def ctype(dtype: str) -> str:
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Row-major element strides of ``shape``: ``(3, 4)`` -> ``(4, 1)``."""
     strides, acc = [], 1
     for s in reversed(shape):
         strides.append(acc)
@@ -93,6 +94,7 @@ def cast(expr: str, src: str, dst: str) -> str:
 
 
 def load(raw: str, storage: str, ty: str) -> str:
+    """Expression of type ``ty`` reading ``raw``, an element of a ``storage`` buffer."""
     if storage == "u32":
         return cast(f"({raw} != 0u)", "bool", ty)
     if storage == "f16":
@@ -101,6 +103,7 @@ def load(raw: str, storage: str, ty: str) -> str:
 
 
 def store(expr: str, ty: str, storage: str) -> str:
+    """``expr`` (of type ``ty``) converted for writing into a ``storage`` buffer."""
     if storage == "u32":
         return f"select(0u, 1u, {cast(expr, ty, 'bool')})"
     if storage == "f16":
@@ -109,6 +112,7 @@ def store(expr: str, ty: str, storage: str) -> str:
 
 
 def index_sum(idx: Sequence[str], strides: Sequence[int], offset: int = 0) -> str:
+    """Linear element index ``offset + sum(idx[d] * strides[d])`` as a WGSL expression."""
     terms = [str(offset)] if offset else []
     for i, s in zip(idx, strides):
         if s == 0 or i == "0":
@@ -291,11 +295,6 @@ class KernelBuilder:
                groups: tuple[int, int, int] | None = None) -> Kernel:
         """Wrap the body: with ``threads`` (1-D kernels) the body sees ``n`` (the thread's
         linear index, < threads) on a 2-D grid when one dimension is not enough."""
-        header = []
-        for i, (key, (name, buf, access)) in enumerate(self.bindings.items()):
-            elem = key[1]
-            header.append(f"@group(0) @binding({i}) var<storage, {access}> {name}: array<{elem}>;")
-        header.extend(self.helpers.values())
         if groups is None:
             wg = WORKGROUP
             total = max(1, -(-threads // wg))
@@ -313,9 +312,11 @@ class KernelBuilder:
             if g > MAX_GROUPS:
                 raise Unsupported(f"dispatch of {groups} workgroups exceeds {MAX_GROUPS} per dimension")
         body = "\n".join(pre + self.lines)
-        if "tap_bits_f32(" in body:
+        if "tap_bits_f32(" in body:  # literals of Inf and NaN (see lit) call it
             self.need("tap_bits_f32")
-            header = [h for h in header if h not in self.helpers.values()] + list(self.helpers.values())
+        header = [f"@group(0) @binding({i}) var<storage, {access}> {name}: array<{elem}>;"
+                  for i, ((_, elem), (name, _, access)) in enumerate(self.bindings.items())]
+        header.extend(self.helpers.values())
         if "f16" in body or any("f16" in key[1] for key in self.bindings):
             header.insert(0, "enable f16;")
         src = "\n".join(header) + "\n\n" + \
@@ -401,17 +402,9 @@ class ProgramBuilder:
         return values
 
 
-class Custom(Value):
+class Custom(Compute):
     """A value whose element is computed by ``fn(k, idx)``, which reads ``inputs`` itself
     (gathers, padding, pooling windows of computed values)."""
 
-    def __init__(self, shape, dtype: str, inputs: Sequence[Value], fn: Callable, cost: int = 1):
-        self.shape, self.dtype, self.inputs, self.fn = tuple(shape), dtype, list(inputs), fn
-        self.cost = cost + sum(v.cost for v in self.inputs)
-        self._bufs = frozenset().union(*(v.bufs() for v in self.inputs))
-
     def read(self, k, idx):
         return k.let(self.fn(k, idx), self.ty)
-
-    def bufs(self):
-        return self._bufs

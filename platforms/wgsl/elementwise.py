@@ -6,6 +6,8 @@ kernel finally reads them. Inputs broadcast by index (stride 0), never by copyin
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from tapml.platforms.wgsl.codegen import Compute, Value, cast, ctype, lit
 from tapml.platforms.wgsl.registry import ALL, ALL_FLOAT, ALL_INT, NUMERIC, rand, randbool, randint, register
 from tapml.platforms.wgsl.views import expand_to
@@ -23,14 +25,16 @@ def promoted(args) -> str:
 
 
 def elementwise(pb, node, args, fn, compute: str | None = None, result: str | None = None, cost: int = 1,
-                out: int = 0) -> Compute:
-    """A Compute of ``node``'s output ``out``: tensor args are broadcast and cast to
-    ``compute`` (default: the output's type), scalars become literals; ``fn(k, *exprs)``
-    returns an expression of type ``result`` (default: ``compute``)."""
-    meta = node.outputs[out]
+                arg_types: Sequence[str] | None = None) -> Compute:
+    """A Compute of ``node``'s output: tensor args are broadcast and cast to ``compute``
+    (default: the output's type; ``arg_types`` gives one type per argument instead), scalars
+    become literals; ``fn(k, *exprs)`` returns an expression of type ``result`` (default:
+    ``compute``). Example: ``elementwise(pb, node, [x, 2.0], lambda k, a, b: f"({a} * {b})")``."""
+    meta = node.outputs[0]
     oty = ctype(meta.dtype)
     compute = compute or oty
     result = result or compute
+    types = list(arg_types) if arg_types is not None else [compute] * len(args)
     tensors = [expand_to(a, meta.shape) for a in args if isinstance(a, Value)]
     tensors = pb.fit(tensors, 1)
     it = iter(tensors)
@@ -38,12 +42,7 @@ def elementwise(pb, node, args, fn, compute: str | None = None, result: str | No
 
     def emit(k, exprs, idx):
         ex = iter(exprs)
-        ops = []
-        for a in plan:
-            if isinstance(a, Value):
-                ops.append(cast(next(ex), a.ty, compute))
-            else:
-                ops.append(lit(a, compute))
+        ops = [cast(next(ex), a.ty, ty) if isinstance(a, Value) else lit(a, ty) for a, ty in zip(plan, types)]
         return cast(fn(k, *ops), result, oty)
     return Compute(meta.shape, meta.dtype, tensors, emit, cost=cost)
 
@@ -251,7 +250,7 @@ def _binary_samples(scalar=False, ints=True, lo=-3.0, hi=3.0, positive_rhs=False
         out = [((rand(3, 5, lo=lo, hi=hi), rhs(3, 5)), {}),
                ((rand(2, 1, 4, lo=lo, hi=hi), rhs(3, 1)), {}),
                ((rand(6, lo=lo, hi=hi), rhs(4, 1)), {}),
-               ((rand(3, 4, lo=lo, hi=hi), rhs(()) if False else rhs(1)), {})]
+               ((rand(3, 4, lo=lo, hi=hi), rhs(1)), {})]
         if ints:
             out.append(((randint(4, 6, lo=-20, hi=20), randint(6, lo=1, hi=7)), {}))
             out.append(((randint(4, 6, lo=-20, hi=20), rand(4, 6)), {}))
@@ -468,21 +467,8 @@ def _where_samples():
 @register("aten.where.self", ALL, samples=_where_samples)
 def where(pb, node, cond, a, b):
     t = ctype(node.outputs[0].dtype)
-
-    meta = node.outputs[0]
-    vals = [expand_to(v, meta.shape) if isinstance(v, Value) else v for v in (cond, a, b)]
-    tensors = pb.fit([v for v in vals if isinstance(v, Value)], 1)
-    it = iter(tensors)
-    vals = [next(it) if isinstance(v, Value) else v for v in vals]
-
-    def emit(k, exprs, idx):
-        ex = iter(exprs)
-        ops = []
-        for v, want in zip(vals, ("bool", t, t)):
-            ops.append(cast(next(ex), v.ty, want) if isinstance(v, Value) else lit(v, want))
-        c, x, y = ops
-        return f"select({y}, {x}, {c})"
-    return [Compute(meta.shape, meta.dtype, tensors, emit)]
+    return [elementwise(pb, node, [cond, a, b], lambda k, c, x, y: f"select({y}, {x}, {c})",
+                        arg_types=("bool", t, t))]
 
 
 @register(["aten.where.ScalarSelf", "aten.where.ScalarOther", "aten.where.Scalar"], ALL,

@@ -5,6 +5,9 @@ clamped into range so a bad index can never read outside a buffer (torch would r
 
 from __future__ import annotations
 
+import torch
+
+from tapml.errors import Unsupported
 from tapml.platforms.wgsl import views
 from tapml.platforms.wgsl.codegen import Custom, cast
 from tapml.platforms.wgsl.registry import ALL, ALL_INT, rand, randint, register
@@ -76,9 +79,7 @@ def index_tensor(pb, node, x, indices):
     pos = [d for d, i in enumerate(indices) if i is not None]
     for d in pos:
         if indices[d].dtype not in ALL_INT:
-            from tapml.errors import Unsupported
             raise Unsupported("index.Tensor with boolean masks has a data-dependent shape")
-    import torch
     bshape = tuple(torch.broadcast_shapes(*[tuple(indices[d].shape) for d in pos]))
     adjacent = pos == list(range(pos[0], pos[-1] + 1))
     start = pos[0] if adjacent else 0

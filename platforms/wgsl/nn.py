@@ -82,11 +82,7 @@ def native_layer_norm(pb, node, x, normalized_shape, weight, bias, eps):
     result = [BufferView.whole(b, m) for b, m in zip(bufs, metas)]
     if math.prod(rows_shape) * L == 0:
         return result
-    params = [p for p in (weight, bias) if p is not None]
-    x, *params = pb.fit([x] + params, 3)
-    it = iter(params)
-    weight = next(it) if weight is not None else None
-    bias = next(it) if bias is not None else None
+    x, weight, bias = _fit_affine(pb, x, weight, bias)
     k = pb.kernel("layer_norm")
     y, mean_o, rstd_o = (k.bind(b, "read_write") for b in bufs)
     ridx = k.unravel("n", rows_shape)
@@ -97,17 +93,31 @@ def native_layer_norm(pb, node, x, normalized_shape, weight, bias, eps):
     mean, rstd = _moments(k, L, eps, lambda k: read(k)[1])
     k.loop("j", L)
     jidx, v = read(k)
-    e = f"({v} - {mean}) * {rstd}"
-    if weight is not None:
-        e = f"({e}) * {cast(weight.read(k, jidx), weight.ty, 'f32')}"
-    if bias is not None:
-        e = f"{e} + {cast(bias.read(k, jidx), bias.ty, 'f32')}"
+    e = _affine(k, f"({v} - {mean}) * {rstd}", weight, bias, jidx)
     k.emit(f"{y}[n * {L} + j] = {store(e, 'f32', bufs[0].dtype)};")
     k.close()
     k.emit(f"{mean_o}[n] = {store(mean, 'f32', bufs[1].dtype)};")
     k.emit(f"{rstd_o}[n] = {store(rstd, 'f32', bufs[2].dtype)};")
     pb.add(k.finish(math.prod(rows_shape)))
     return result
+
+
+def _fit_affine(pb, x, weight, bias):
+    """``x`` and the optional ``weight`` and ``bias`` of a norm kernel that also writes three
+    outputs, materialized as far as the binding limit needs."""
+    x, *params = pb.fit([x] + [p for p in (weight, bias) if p is not None], 3)
+    weight = params.pop(0) if weight is not None else None
+    bias = params.pop(0) if bias is not None else None
+    return x, weight, bias
+
+
+def _affine(k, e: str, weight, bias, idx) -> str:
+    """``e * weight[idx] + bias[idx]`` in f32, for whichever of weight and bias is given."""
+    if weight is not None:
+        e = f"({e}) * {cast(weight.read(k, idx), weight.ty, 'f32')}"
+    if bias is not None:
+        e = f"{e} + {cast(bias.read(k, idx), bias.ty, 'f32')}"
+    return e
 
 
 def _moments(k, L: int, eps: float, read) -> tuple[str, str]:
@@ -135,12 +145,7 @@ def native_group_norm(pb, node, x, weight, bias, N, C, HxW, group, eps):
     result = [BufferView.whole(b, m) for b, m in zip(bufs, metas)]
     if N * C * HxW == 0:
         return result
-    xf = views.reshape(x, (N, C, HxW))
-    params = [p for p in (weight, bias) if p is not None]
-    xf, *params = pb.fit([xf] + params, 3)
-    it = iter(params)
-    weight = next(it) if weight is not None else None
-    bias = next(it) if bias is not None else None
+    xf, weight, bias = _fit_affine(pb, views.reshape(x, (N, C, HxW)), weight, bias)
     cg = C // group
     L = cg * HxW
     k = pb.kernel("group_norm")
@@ -154,11 +159,7 @@ def native_group_norm(pb, node, x, weight, bias, N, C, HxW, group, eps):
         return cast(xf.read(k, ["bn", "c", "p"]), xf.ty, "f32")
     mean, rstd = _moments(k, L, eps, read)
     k.loop("j", L)
-    e = f"({read(k)} - {mean}) * {rstd}"
-    if weight is not None:
-        e = f"({e}) * {cast(weight.read(k, ['c']), weight.ty, 'f32')}"
-    if bias is not None:
-        e = f"{e} + {cast(bias.read(k, ['c']), bias.ty, 'f32')}"
+    e = _affine(k, f"({read(k)} - {mean}) * {rstd}", weight, bias, ["c"])
     k.emit(f"{y}[(bn * {C} + c) * {HxW} + p] = {store(e, 'f32', bufs[0].dtype)};")
     k.close()
     k.emit(f"{mean_o}[n] = {store(mean, 'f32', bufs[1].dtype)};")

@@ -10,8 +10,9 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
+from tapml.errors import Unsupported
 from tapml.graph import TensorMeta
-from tapml.platforms.wgsl.codegen import BufferView, Value, cast, ctype, lit, store
+from tapml.platforms.wgsl.codegen import BufferView, Value, cast, contiguous_strides, ctype, index_sum, lit, store
 from tapml.platforms.wgsl.registry import ALL, ALL_FLOAT, NUMERIC, rand, randbool, randint, register
 from tapml.platforms.wgsl.views import norm_dim
 
@@ -60,10 +61,6 @@ def reduction(pb, name: str, x: Value, dims: Sequence[int], outs: Sequence[Tenso
     return views
 
 
-def _acc_type(node, x):
-    return ctype(node.outputs[0].dtype)
-
-
 def _red_samples(ints=True, bools=False):
     def samples():
         out = [((rand(3, 5), [1]), {}), ((rand(2, 3, 4), [0, 2], True), {}), ((rand(4, 6), [-1], False), {}),
@@ -105,11 +102,9 @@ register(["aten.mean.dim", "aten.mean.default"], ALL_FLOAT,
     _sum_like("mean"))
 
 
-@register(["aten.prod.dim_int", "aten.prod.default"], NUMERIC,
-          samples=lambda: [((rand(3, 5, lo=0.5, hi=1.5), 1), {}), ((rand(2, 4, lo=0.5, hi=1.5),), {}),
-                           ((randint(3, 4, lo=-3, hi=3), 0, True), {})])
-def prod(pb, node, x, dim=None, keepdim=False, dtype=None):
-    return _sum_like("prod")(pb, node, x, dim, keepdim, dtype)
+register(["aten.prod.dim_int", "aten.prod.default"], NUMERIC,
+         samples=lambda: [((rand(3, 5, lo=0.5, hi=1.5), 1), {}), ((rand(2, 4, lo=0.5, hi=1.5),), {}),
+                          ((randint(3, 4, lo=-3, hi=3), 0, True), {})])(_sum_like("prod"))
 
 
 def _extreme(t, is_max):
@@ -230,7 +225,6 @@ def var(pb, node, x, dim=None, *, correction=None, keepdim=False):
 def vector_norm(pb, node, x, ord=2, dim=None, keepdim=False, dtype=None):
     dims = norm_dims(dim, len(x.shape))
     if ord not in (1, 2, math.inf):
-        from tapml.errors import Unsupported
         raise Unsupported(f"linalg_vector_norm with ord={ord}")
 
     def init(k):
@@ -271,7 +265,6 @@ def _scan(kind):
         idx = list(lidx[:dim]) + ["j"] + list(lidx[dim:])
         v = cast(x.read(k, idx), x.ty, t)
         k.emit(f"{acc} = {acc} {'*' if kind == 'cumprod' else '+'} {v};")
-        from tapml.platforms.wgsl.codegen import contiguous_strides, index_sum
         k.emit(f"{o}[{index_sum(idx, contiguous_strides(meta.shape))}] = {store(acc, t, out.dtype)};")
         k.close()
         pb.add(k.finish(math.prod(lines)))

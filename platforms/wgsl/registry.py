@@ -25,6 +25,11 @@ NUMERIC = ALL_FLOAT + ALL_INT
 
 @dataclass
 class Lowering:
+    """A registry entry: ``fn`` emits ``op``, which takes tensors of ``dtypes``; ``samples()``
+    returns ``[(args, kwargs)]`` for its tests, ``check(node)`` a reason it cannot run a node
+    (or None), ``family`` is the module that registered it, ``tol`` test options
+    (``{"values": False}``: only shapes and dtypes are compared)."""
+
     op: str
     fn: Callable
     dtypes: tuple[str, ...]
@@ -38,7 +43,14 @@ REGISTRY: dict[str, Lowering] = {}
 
 
 def register(ops: str | Sequence[str], dtypes: Sequence[str] = ALL, samples=None, check=None, tol=None):
-    """Decorator: register ``fn`` as the lowering of each op in ``ops``."""
+    """Decorator: register ``fn`` as the lowering of each op in ``ops``.
+
+    Example::
+
+        @register("aten.neg.default", NUMERIC, samples=lambda: [((rand(3, 5),), {})])
+        def neg(pb, node, x):
+            return [elementwise(pb, node, [x], lambda k, a: f"(-{a})")]
+    """
     names = [ops] if isinstance(ops, str) else list(ops)
 
     def deco(fn):
@@ -138,10 +150,6 @@ def _enc(a):
     return encode_arg(a, None)
 
 
-__all__ = ["Lowering", "REGISTRY", "register", "supports_node", "dtype_reason", "case_graph", "rand", "randint",
-           "randbool", "sample_cases", "ALL", "ALL_FLOAT", "ALL_INT", "NUMERIC"]
-
-
 def sample_cases(op: str) -> list[tuple[Graph, list[torch.Tensor]]]:
     """The registry's samples that fit ``op``'s schema, as one-node graphs with inputs.
     An entry's samples may be shared by several overloads; each keeps the ones it accepts."""
@@ -153,3 +161,7 @@ def sample_cases(op: str) -> list[tuple[Graph, list[torch.Tensor]]]:
         except (RuntimeError, TypeError, IndexError, ValueError, NotImplementedError):
             continue
     return out
+
+
+__all__ = ["Lowering", "REGISTRY", "register", "supports_node", "dtype_reason", "case_graph", "rand", "randint",
+           "randbool", "sample_cases", "ALL", "ALL_FLOAT", "ALL_INT", "NUMERIC"]

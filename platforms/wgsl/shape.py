@@ -162,7 +162,7 @@ def constant_pad_nd(pb, node, x, pad, value=0):
             for i, lo, size in zip(idx, lows, src_shape):
                 j = k.let(f"({i} + {-lo})", "i32") if lo else i
                 src_idx.append(f"clamp({j}, 0, {size - 1})")
-                if lo > 0 or size != meta.shape[len(src_idx) - 1] or lo < 0:
+                if lo != 0 or size != meta.shape[len(src_idx) - 1]:
                     conds.append(f"({j} >= 0 && {j} < {size})")
             inside = " && ".join(conds) or "true"
             clamped = [k.let(s, "i32") for s in src_idx]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tapml.errors import Unsupported
+from tapml.errors import PlatformError, Unsupported
 from tapml.graph import TensorMeta, torch_dtype
 
 _I32 = (-2**31, 2**31 - 1)
@@ -62,3 +62,13 @@ def unwritten_bools(data, meta: TensorMeta) -> int:
     """Elements of a u32 bool buffer that hold neither 0 nor 1 (left unwritten: poison)."""
     arr = np.frombuffer(bytes(data), dtype=np.uint32, count=meta.numel)
     return int(((arr != 0) & (arr != 1)).sum())
+
+
+def read_output(data, storage: str, meta: TensorMeta, name: str) -> torch.Tensor:
+    """Output ``name`` from its buffer's bytes; raises PlatformError when a bool output has
+    elements no kernel wrote (still poison), since those would read back as ``True``."""
+    if storage == "u32":
+        bad = unwritten_bools(data, meta)
+        if bad:
+            raise PlatformError(f"{bad} elements of bool output {name} were never written")
+    return from_device(data, storage, meta)

@@ -10,6 +10,7 @@ from tapml.platforms.wgsl.codegen import BufferView, Remap, Value, contiguous_st
 
 
 def norm_dim(d: int, ndim: int) -> int:
+    """``d`` in ``[0, ndim)`` (negative dims count from the end; a 0-d tensor takes 0 and -1)."""
     if not -max(ndim, 1) <= d < max(ndim, 1):
         raise IndexError(f"dim {d} out of range for {ndim}-d tensor")
     return d % max(ndim, 1)
@@ -34,6 +35,7 @@ def expand_to(v: Value, shape: Sequence[int]) -> Value:
 
 
 def permute(v: Value, dims: Sequence[int]) -> Value:
+    """``v`` with its dimensions in the order ``dims``."""
     nd = len(v.shape)
     dims = [norm_dim(d, nd) for d in dims]
     shape = [v.shape[d] for d in dims]
@@ -70,6 +72,7 @@ def _view_strides(shape, strides, new_shape):
 
 
 def reshape(v: Value, shape: Sequence[int]) -> Value:
+    """``v`` as ``shape`` (one -1 allowed): a strided view where torch could view it, else a remap."""
     shape = list(shape)
     if -1 in shape:
         known = math.prod(s for s in shape if s != -1)
@@ -92,6 +95,7 @@ def reshape(v: Value, shape: Sequence[int]) -> Value:
 
 
 def slice_(v: Value, dim: int, start, end, step: int = 1) -> Value:
+    """``v[start:end:step]`` along ``dim``, with Python's clamping of out-of-range bounds."""
     nd = len(v.shape)
     dim = norm_dim(dim, nd)
     size = v.shape[dim]
@@ -118,6 +122,7 @@ def slice_(v: Value, dim: int, start, end, step: int = 1) -> Value:
 
 
 def select(v: Value, dim: int, index: int) -> Value:
+    """``v`` at ``index`` along ``dim``, that dimension dropped."""
     nd = len(v.shape)
     dim = norm_dim(dim, nd)
     index = index + v.shape[dim] if index < 0 else index
@@ -129,6 +134,7 @@ def select(v: Value, dim: int, index: int) -> Value:
 
 
 def unsqueeze(v: Value, dim: int) -> Value:
+    """``v`` with a new dimension of size 1 at ``dim``."""
     dim = dim % (len(v.shape) + 1)
     shape = v.shape[:dim] + (1,) + v.shape[dim:]
     if isinstance(v, BufferView):
@@ -137,6 +143,7 @@ def unsqueeze(v: Value, dim: int) -> Value:
 
 
 def squeeze(v: Value, dims: Sequence[int] | None = None) -> Value:
+    """``v`` without the size-1 dimensions among ``dims`` (all of them when None)."""
     nd = len(v.shape)
     if dims is None:
         dims = [d for d in range(nd) if v.shape[d] == 1]
