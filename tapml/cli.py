@@ -18,8 +18,9 @@ from rich.console import Console
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Port PyTorch models to WebGPU, Vulkan, Metal and OpenGL: carve, migrate, verify.")
-console = Console(stderr=True)
-out = Console()
+# No emoji codes: user text such as `file.py:boom` must print as it is.
+console = Console(stderr=True, emoji=False)
+out = Console(emoji=False)
 
 EXIT_OK, EXIT_FINDING, EXIT_USAGE = 0, 1, 2
 
@@ -32,6 +33,7 @@ QuietOpt = typer.Option(False, "--quiet", "-q", help="Print only errors and the 
 
 
 def fail(message: str, code: int = EXIT_USAGE):
+    """Print ``message`` as one error line on stderr and exit with ``code`` (default 2, bad usage)."""
     from rich.markup import escape
     console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
@@ -61,7 +63,7 @@ def write_json(data, path: str) -> None:
         return
     from tapml.carving.store import write_json_atomic
     target = Path(path)
-    if target.parent and not target.parent.exists():
+    if not target.parent.is_dir():
         fail(f"cannot write {path}: directory {target.parent} does not exist")
     write_json_atomic(target, data)
 

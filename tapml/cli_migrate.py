@@ -8,13 +8,10 @@ import typer
 
 from tapml.cli import (InjectOpt, JsonOpt, QuietOpt, TargetOpt, TokenFileOpt, TolOpt, command, console, fail, out,
                        write_json)
+from tapml.render import fmt_err
 
 ModelArg = typer.Argument(..., help="Carve store directory, or a MODEL spec (zoo:NAME, hf:TYPE, file.py:factory, "
                                     "file.pt2) to carve first")
-
-
-def _fmt(x) -> str:
-    return "-" if x is None else f"{x:.3g}"
 
 
 class MigrationDisplay:
@@ -53,11 +50,12 @@ class MigrationDisplay:
             for col in ("kind", "op", "node", "module", "max_abs_err"):
                 table.add_column(col, overflow="fold")
             for f in self.findings[-8:]:
-                table.add_row(f["kind"], f["op"], f["node"], f["module"], _fmt(f["max_abs_err"]))
+                table.add_row(f["kind"], f["op"], f["node"], f["module"], fmt_err(f["max_abs_err"]))
             parts.append(table)
         return Group(*parts)
 
     def event(self, kind: str, data: dict) -> None:
+        """The ``on_event`` callback of :class:`~tapml.migrate.Migration`."""
         if kind == "stage":
             if self.task is not None:
                 self.progress.update(self.task, visible=False)
@@ -73,7 +71,7 @@ class MigrationDisplay:
             self.findings.append(data)
             if not self.live_mode and not self.quiet:
                 console.print(f"  finding: {data['kind']} {data['op']} at {data['node']} ({data['module'] or '<root>'}) "
-                              f"max_abs_err {_fmt(data['max_abs_err'])}", highlight=False)
+                              f"max_abs_err {fmt_err(data['max_abs_err'])}", highlight=False)
         if self.live is not None:
             self.live.update(self._render())
 
@@ -96,24 +94,23 @@ def render_state(state: dict, quiet: bool = False) -> None:
                 nodes = ", ".join(c["nodes"])
             else:
                 nodes = f"{c['nodes'][0]} (+{len(c['nodes']) - 1})"
-            table.add_row(c["kind"], c["op"], nodes, c["module"] or "<root>", _fmt(c["max_abs_err"]),
-                          _fmt(c["max_rel_err"]), frac, *(((c["message"] or "")[:120],) if wide else ()))
+            table.add_row(c["kind"], c["op"], nodes, c["module"] or "<root>", fmt_err(c["max_abs_err"]),
+                          fmt_err(c["max_rel_err"]), frac, *(((c["message"] or "")[:120],) if wide else ()))
         out.print(table)
     s = state["summary"]
     total = sum(s.values())
     out.print(f"op stage: {s['pass']}/{total} cases pass, {s['mismatch']} mismatch, {s['unsupported']} unsupported, "
               f"{s['error']} error", highlight=False)
     regions = [u for u in state["units"] if u["kind"] == "region"]
-    failed_regions = [u for u in regions if u["status"] != "pass" and u.get("role") == "module"]
-    out.print(f"region stage: {len([u for u in regions if u.get('role') == 'module'])} regions, "
-              f"{len(failed_regions)} failed, {len(regions) - len([u for u in regions if u.get('role') == 'module'])} "
-              "bisection runs", highlight=False)
+    modules = [u for u in regions if u.get("role") == "module"]
+    out.print(f"region stage: {len(modules)} regions, {sum(u['status'] != 'pass' for u in modules)} failed, "
+              f"{len(regions) - len(modules)} bisection runs", highlight=False)
     out.print(f"placement: {p['ops_on_target']}/{p['ops_total']} ops ({p['ops_share']:.1%}) and "
               f"{p['flops_share']:.1%} of FLOPs on {state['target']}", highlight=False)
     e = state["end_to_end"] or {"status": "not run", "max_abs_err": None, "max_rel_err": None, "message": ""}
     color = "green" if e["status"] == "pass" else "red"
-    out.print(f"end to end: [{color}]{e['status']}[/] max_abs_err {_fmt(e['max_abs_err'])} "
-              f"max_rel_err {_fmt(e['max_rel_err'])}" + (f" ({e['message']})" if e.get("message") else ""),
+    out.print(f"end to end: [{color}]{e['status']}[/] max_abs_err {fmt_err(e['max_abs_err'])} "
+              f"max_rel_err {fmt_err(e['max_rel_err'])}" + (f" ({e['message']})" if e.get("message") else ""),
               highlight=False)
     verdict = "[green]migrated: everything passed[/]" if state["passed"] else \
         f"[red]{len(culprits)} finding(s)[/]" + ("" if e["status"] == "pass" else "; the model does not match end to end")

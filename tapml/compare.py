@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tapml.errors import TapmlError
+from tapml.graph import dtype_name
 
 #: dtype -> (rtol, atol)
 DEFAULT_TOLERANCES = {
@@ -26,11 +27,20 @@ DEFAULT_TOLERANCES = {
 @dataclass
 class Tolerances:
     """Default tolerances per dtype, overridable for all ops (key ``"*"``) or per op
-    (key = aten overload name, or a prefix such as ``aten.mm``)."""
+    (key = aten overload name, or a prefix such as ``aten.mm``).
+
+    Example::
+
+        tol = Tolerances.parse(["aten.mm=1e-2,1e-3", "1e-4,1e-5"])
+        tol.get("aten.mm.default", "float32")  # (0.01, 0.001)
+        tol.get("aten.add.Tensor", "float32")  # (0.0001, 1e-05)
+    """
 
     overrides: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def get(self, op: str | None, dtype: str) -> tuple[float, float]:
+        """``(rtol, atol)`` for outputs of ``op`` (None: no op) with dtype name ``dtype``: the
+        override for the op, else for its overload packet, else for ``"*"``, else the dtype's default."""
         if op is not None:
             for key in (op, op.rsplit(".", 1)[0]):
                 if key in self.overrides:
@@ -77,6 +87,7 @@ class Comparison:
     worst: list[dict] = field(default_factory=list)
 
     def stats(self) -> dict:
+        """The error statistics as verdict fields: ``max_abs_err``, ``max_rel_err``, ``mismatch_fraction``."""
         return {"max_abs_err": self.max_abs_err, "max_rel_err": self.max_rel_err,
                 "mismatch_fraction": self.mismatch_fraction}
 
@@ -91,7 +102,7 @@ def compare_tensor(target: torch.Tensor, ref: torch.Tensor, rtol: float | None =
     if tuple(target.shape) != tuple(ref.shape):
         return Comparison(False, message=f"shape {tuple(target.shape)} != reference {tuple(ref.shape)}")
     if target.dtype != ref.dtype:
-        return Comparison(False, message=f"dtype {str(target.dtype)[6:]} != reference {str(ref.dtype)[6:]}")
+        return Comparison(False, message=f"dtype {dtype_name(target.dtype)} != reference {dtype_name(ref.dtype)}")
     n = ref.numel()
     if n == 0:
         return Comparison(True, 0.0, 0.0, 0.0)
@@ -102,7 +113,7 @@ def compare_tensor(target: torch.Tensor, ref: torch.Tensor, rtol: float | None =
         rel = diff / r.double().abs().clamp_min(1e-300)
         return _result(bad, diff, rel, t, r, ref.shape, worst, "values differ (exact match required)")
 
-    dflt_rtol, dflt_atol = DEFAULT_TOLERANCES.get(str(ref.dtype)[6:], DEFAULT_TOLERANCES["float32"])
+    dflt_rtol, dflt_atol = DEFAULT_TOLERANCES.get(dtype_name(ref.dtype), DEFAULT_TOLERANCES["float32"])
     rtol = dflt_rtol if rtol is None else rtol
     atol = dflt_atol if atol is None else atol
     t64, r64 = t.double(), r.double()
@@ -128,10 +139,8 @@ def _result(bad, diff, rel, t, r, shape, worst: int, msg: str) -> Comparison:
         score = torch.where(bad, diff, torch.full_like(diff, -1.0))
         idx = torch.topk(score, min(worst, n_bad)).indices
         for i in idx.tolist():
-            worst_list.append({"index": list(torch.unravel_index(torch.tensor(i), tuple(shape))) if shape else [],
-                               "target": _py(t[i]), "reference": _py(r[i])})
-        for w in worst_list:
-            w["index"] = [int(x) for x in w["index"]]
+            index = [int(x) for x in torch.unravel_index(torch.tensor(i), tuple(shape))] if shape else []
+            worst_list.append({"index": index, "target": _py(t[i]), "reference": _py(r[i])})
     return Comparison(passed=n_bad == 0, max_abs_err=_finite_or_none(float(diff.max())),
                       max_rel_err=_finite_or_none(float(rel.max())), mismatch_fraction=fraction,
                       message="" if n_bad == 0 else f"{n_bad}/{bad.numel()} elements mismatch: {msg}",
@@ -153,7 +162,7 @@ def compare_outputs(targets: list[torch.Tensor], refs: list[torch.Tensor], op: s
     tolerances = tolerances or Tolerances()
     results = []
     for t, r in zip(targets, refs):
-        rtol, atol = tolerances.get(op, str(r.dtype)[6:])
+        rtol, atol = tolerances.get(op, dtype_name(r.dtype))
         results.append(compare_tensor(t, r, rtol, atol))
     return merge(results)
 
@@ -182,19 +191,16 @@ def compare_anchored(targets: list[torch.Tensor], refs32: list[torch.Tensor], re
                      factor: float = 4.0, floor: float = 1e-6) -> Comparison:
     """fp64-anchored check: the target passes when its error against the float64 result is
     within ``factor`` times the float32 reference's own error (plus a small ``floor``)."""
+    if len(targets) != len(refs32):
+        return Comparison(False, message=f"{len(targets)} outputs != reference {len(refs32)}")
     results = []
     for t, r32, r64 in zip(targets, refs32, refs64):
-        if not r32.dtype.is_floating_point:
-            results.append(compare_tensor(t, r32))
-            continue
-        if tuple(t.shape) != tuple(r32.shape) or t.dtype != r32.dtype:
-            results.append(compare_tensor(t, r32))
+        if not r32.dtype.is_floating_point or tuple(t.shape) != tuple(r32.shape) or t.dtype != r32.dtype:
+            results.append(compare_tensor(t, r32))  # exact, or a shape/dtype mismatch: no anchoring needed
             continue
         ref_err = float((r32.double() - r64.double()).abs().nan_to_num(0.0).max()) if r32.numel() else 0.0
         bound = factor * ref_err + floor
         c = compare_tensor(t.double(), r64.double(), rtol=0.0, atol=bound)
         c.message = c.message and f"{c.message} (fp64-anchored: reference float32 error {ref_err:.3g}, factor {factor:g})"
         results.append(c)
-    if len(targets) != len(refs32):
-        return Comparison(False, message=f"{len(targets)} outputs != reference {len(refs32)}")
     return merge(results)

@@ -190,10 +190,12 @@ class Node:
 
     @property
     def output_refs(self) -> list[str]:
+        """Refs of the node's output values: ``[name]``, or ``name#i`` for each of a multi-output op."""
         return [f"{self.name}#{i}" for i in range(len(self.outputs))] if self.multi else [self.name]
 
     @property
     def input_refs(self) -> list[str]:
+        """Refs of the tensor values the node reads, in argument order."""
         return arg_refs(self.args) + arg_refs(list(self.kwargs.values()))
 
     def to_json(self) -> dict:
@@ -227,6 +229,7 @@ class Graph:
                 self.meta.update(zip(n.output_refs, n.outputs))
 
     def node(self, name: str) -> Node:
+        """The node named ``name``; KeyError when there is none."""
         for n in self.nodes:
             if n.name == name:
                 return n

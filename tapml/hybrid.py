@@ -22,7 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from tapml.graph import Graph, Node, run_node
+from tapml.errors import PlatformError
+from tapml.graph import Graph, Node, run_graph, run_node
 
 TARGET, REFERENCE = "target", "reference"
 
@@ -169,7 +170,6 @@ class HybridRunner:
             e.region = names
             raise
         if len(outs) != len(sub.outputs):
-            from tapml.errors import PlatformError
             err = PlatformError(f"region {names[0]}..{names[-1]} returned {len(outs)} outputs, expected "
                                 f"{len(sub.outputs)}")
             err.region = names
@@ -184,7 +184,6 @@ def reference_values(graph: Graph, inputs: dict) -> dict:
     """Every value of the graph (inputs and every node output) computed on the reference."""
     everything = Graph(inputs=graph.inputs, nodes=graph.nodes,
                        outputs=[r for n in graph.nodes for r in n.output_refs], meta=graph.meta)
-    from tapml.graph import run_graph
     values = run_graph(everything, dict(inputs))
     values.update(inputs)
     return values

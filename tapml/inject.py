@@ -20,6 +20,9 @@ KINDS = ("scale:F", "offset:F", "nan", "compile-error")
 
 @dataclass(frozen=True)
 class Fault:
+    """One parsed ``--inject`` item: corrupt ``op`` (only node ``node`` when given) with ``kind``
+    (``scale``, ``offset``, ``nan``, ``compile-error``) and, for scale and offset, ``value``."""
+
     op: str
     node: str | None
     kind: str

@@ -28,17 +28,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
-from tapml.compare import Comparison, Tolerances, compare_tensor, merge
+from tapml.compare import Comparison, Tolerances, compare_outputs, compare_tensor, merge
 from tapml.errors import DeviceLost, PlatformError, TapmlError, Unsupported
-from tapml.graph import Graph
-from tapml.hybrid import REFERENCE, TARGET, HybridRunner, placement_shares, reference_values
+from tapml.graph import Graph, dtype_name
+from tapml.hybrid import REFERENCE, TARGET, HybridResult, HybridRunner, placement_shares, reference_values
 
 STATE_FORMAT = "tapml-migration/1"
-STAGES = ("op", "region", "model")
 #: Bisect-and-recheck rounds per region before giving up on it.
 MAX_ROUNDS = 8
 
@@ -65,14 +66,14 @@ class Journal:
             old_header, self.records = self.read(self.path)
             if old_header is not None and old_header != header:
                 raise TapmlError(_option_mismatch(old_header, header, self.path))
-            # Rewrite without a torn tail so that appends start on a fresh line.
-            self._rewrite(header)
-        else:
-            self._rewrite(header)
+        # A fresh file, or the old records without a torn tail, so that appends start on a new line.
+        self._rewrite(header)
         self._file = open(self.path, "a")
 
     @staticmethod
     def read(path: Path) -> tuple[dict | None, dict[str, dict]]:
+        """``(header, {key: record})`` of a journal file; TapmlError when a line other than
+        the last is not JSON."""
         header, records = None, {}
         with open(path) as f:
             lines = f.read().split("\n")
@@ -106,6 +107,7 @@ class Journal:
         return self.records.get(key)
 
     def put(self, key: str, record: dict) -> None:
+        """Record ``record`` under ``key`` and make the line durable before returning."""
         self.records[key] = record
         self._file.write(json.dumps({"key": key, "record": record}, allow_nan=False) + "\n")
         self._file.flush()
@@ -147,20 +149,26 @@ class RegionChecker:
         return self._ref
 
     def runner(self, names: list[str]) -> HybridRunner:
+        """The (cached) runner of the region made of ``names``, in topological order."""
         key = tuple(names)
         if key not in self._runners:
             self._runners[key] = HybridRunner(self.graph.subgraph(names), self.platform)
         return self._runners[key]
 
+    def compare_ref(self, value, ref: str, worst: int = 5) -> Comparison:
+        """Compare ``value`` with the reference's value at ``ref``, with the tolerance of the op
+        that produces it (``worst``: how many of the worst elements to list)."""
+        expected = self.ref[ref]
+        op = self.producer[ref].op if ref in self.producer else None
+        rtol, atol = self.tolerances.get(op, dtype_name(expected.dtype))
+        return compare_tensor(value, expected, rtol, atol, worst=worst)
+
     def compare(self, values: dict, refs: list[str]) -> tuple[Comparison, str | None]:
-        """Compare values at ``refs`` with the reference, each with its producing op's
-        tolerance; returns the merged comparison and the ref of the worst failing output."""
+        """Compare values at ``refs`` with the reference (see :meth:`compare_ref`); returns the
+        merged comparison and the ref of the worst failing output."""
         results, worst_ref, worst_err = [], None, -1.0
         for r in refs:
-            expected = self.ref[r]
-            op = self.producer[r].op if r in self.producer else None
-            rtol, atol = self.tolerances.get(op, str(expected.dtype).removeprefix("torch."))
-            c = compare_tensor(values[r], expected, rtol, atol)
+            c = self.compare_ref(values[r], r)
             results.append(c)
             if not c.passed:
                 err = float("inf") if c.max_abs_err is None else c.max_abs_err
@@ -180,22 +188,16 @@ class RegionChecker:
         sub = runner.graph
         refs = list(sub.outputs)
         if window:
-            refs += [r for r in sub.subgraph(window).outputs if r not in set(refs)]
+            known = set(refs)
+            refs += [r for r in sub.subgraph(window).outputs if r not in known]
         inputs = {r: self.ref[r] for r, _ in sub.inputs}
         verdict = {"status": "error", "max_abs_err": None, "max_rel_err": None, "mismatch_fraction": None,
                    "message": "", "time_ms": None,
                    "on_target": sum(placement.get(n) == TARGET for n in names)}
         try:
             result = runner.run(inputs, placement, keep=refs)
-        except Unsupported as e:
-            verdict.update(status="unsupported", message=_where(e) + str(e))
-            return verdict
-        except PlatformError as e:
-            verdict.update(status="error", message=_where(e) + str(e))
-            return verdict
         except Exception as e:  # noqa: BLE001 - a failing region is a verdict, not a crash
-            verdict.update(status="error", message=f"{_where(e)}{type(e).__name__}: {e}")
-            return verdict
+            return {**verdict, **failure(e)}
         verdict["time_ms"] = round(sum(r.run_ms for r in result.regions), 4)
         comparison, worst_ref = self.compare(result.values, refs)
         verdict.update(status="pass" if comparison.passed else "mismatch", message=comparison.message,
@@ -204,6 +206,35 @@ class RegionChecker:
             verdict["worst_output"] = worst_ref
             verdict["worst"] = comparison.worst
         return verdict
+
+
+def check_model(store, runner: HybridRunner, placement: dict[str, str], tolerances: Tolerances,
+                keep: Iterable[str] = ()) -> tuple[dict, HybridResult | None]:
+    """Run the whole model of ``store`` with ``runner`` on ``placement`` and compare its outputs
+    with the reference's. Shared by migrate's model stage and the session's ``check``.
+
+    Returns the verdict's fields (``status``, ``max_abs_err``, ``max_rel_err``,
+    ``mismatch_fraction``, ``message``, ``time_ms``, and ``worst`` on a mismatch) and the run,
+    which is None when the run raised: a failing run is a verdict, see :func:`failure`.
+
+    Example::
+
+        fields, result = check_model(store, HybridRunner(store.graph, platform), placement, Tolerances())
+        fields["status"]  # 'pass'
+    """
+    fields = {"status": "error", "max_abs_err": None, "max_rel_err": None, "mismatch_fraction": None,
+              "message": "", "time_ms": None}
+    try:
+        result = runner.run(store.program_inputs(), placement, keep=keep)
+    except Exception as e:  # noqa: BLE001 - a failing model is a verdict, not a crash
+        return {**fields, **failure(e)}, None
+    expected = store.model_outputs()
+    c = compare_outputs([result.values[r] for r in expected], list(expected.values()), tolerances=tolerances)
+    fields.update(status="pass" if c.passed else "mismatch", message=c.message, **c.stats(),
+                  time_ms=round(sum(r.run_ms for r in result.regions) + result.reference_ms, 4))
+    if c.worst:
+        fields["worst"] = c.worst
+    return fields, result
 
 
 class MigrationInterrupted(TapmlError):
@@ -217,11 +248,23 @@ def _device_lost(record: dict) -> bool:
     return record.get("status", "error") == "error" and "device lost" in text
 
 
-def _where(e: Exception) -> str:
+def failure(e: Exception) -> dict:
+    """``{"status", "message"}`` of the verdict on a run that raised ``e``: ``unsupported`` for
+    :class:`Unsupported`, else ``error``. The message names the region the error came from
+    (``e.region``, set by :class:`HybridRunner`) and, for an error that is not the platform's
+    own, the exception type.
+
+    Example: ``failure(Unsupported("no f64"))`` -> ``{"status": "unsupported", "message": "no f64"}``.
+    """
     region = getattr(e, "region", None)
     if not region:
-        return ""
-    return f"in region {region[0]}..{region[-1]} ({len(region)} nodes): " if len(region) > 1 else f"in {region[0]}: "
+        where = ""
+    elif len(region) > 1:
+        where = f"in region {region[0]}..{region[-1]} ({len(region)} nodes): "
+    else:
+        where = f"in {region[0]}: "
+    text = str(e) if isinstance(e, (Unsupported, PlatformError)) else f"{type(e).__name__}: {e}"
+    return {"status": "unsupported" if isinstance(e, Unsupported) else "error", "message": where + text}
 
 
 def bisect(names: list[str], fails: Callable[[list[str]], bool]) -> list[str]:
@@ -387,7 +430,9 @@ class Migration:
             return
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             return
-        header = {k: state.get(k) for k in self.header}
+        # The state's "cases" is the verdict list, not the header's case count; the count is the
+        # store's, which "model" and "nodes" already vouch for.
+        header = {k: state.get(k) for k in self.header if k != "cases"} | {"cases": self.header["cases"]}
         lines = [{"header": header}]
         if state.get("device") is not None:
             lines.append({"key": "device", "record": state["device"]})
@@ -483,7 +528,7 @@ class Migration:
         ops = sorted({n.op for n in nodes})
         self._finding({"kind": kind, "op": surface.op if len(window) > 1 else nodes[0].op, "ops": ops,
                        "node": window[0] if len(window) == 1 else f"{window[0]}..{window[-1]}",
-                       "nodes": list(window), "module": _common_module([n.module for n in nodes]),
+                       "nodes": list(window), "module": common_module([n.module for n in nodes]),
                        "region": label, "unit": evidence["id"], "status": evidence["status"],
                        "probes": len(probes), "max_abs_err": evidence["max_abs_err"],
                        "max_rel_err": evidence["max_rel_err"], "mismatch_fraction": evidence["mismatch_fraction"],
@@ -496,28 +541,12 @@ class Migration:
         uid = "model"
 
         def compute():
-            runner = HybridRunner(self.graph, self.platform)
-            expected = self.store.model_outputs()
+            fields, result = check_model(self.store, HybridRunner(self.graph, self.platform), self.placement,
+                                         self.tolerances)
             v = {"id": uid, "kind": "model", "role": "end-to-end", "module": "", "nodes": names,
-                 "on_target": sum(self.placement[n] == TARGET for n in names), "status": "error",
-                 "max_abs_err": None, "max_rel_err": None, "mismatch_fraction": None, "message": "", "time_ms": None}
-            try:
-                result = runner.run(self.store.program_inputs(), self.placement)
-            except Unsupported as e:
-                v.update(status="unsupported", message=_where(e) + str(e))
-                return v
-            except Exception as e:  # noqa: BLE001 - a failing model is a verdict, not a crash
-                v.update(status="error", message=f"{_where(e)}{type(e).__name__}: {e}")
-                return v
-            from tapml.compare import compare_outputs
-            refs = list(expected)
-            c = compare_outputs([result.values[r] for r in refs], [expected[r] for r in refs],
-                                tolerances=self.tolerances)
-            v.update(status="pass" if c.passed else "mismatch", message=c.message, **c.stats(),
-                     time_ms=round(sum(r.run_ms for r in result.regions) + result.reference_ms, 4),
-                     regions=len(result.regions))
-            if c.worst:
-                v["worst"] = c.worst
+                 "on_target": sum(self.placement[n] == TARGET for n in names), **fields}
+            if result is not None:
+                v["regions"] = len(result.regions)
             return v
 
         unit = self._memo(f"unit:{uid}", compute)
@@ -554,7 +583,8 @@ class Migration:
             self._last_write = now
 
 
-def _common_module(paths: list[str]) -> str:
+def common_module(paths: list[str]) -> str:
+    """The deepest module path that contains every one of ``paths``: ``["a.b.c", "a.b.d"]`` -> ``"a.b"``."""
     parts = [p.split(".") if p else [] for p in paths]
     common = []
     for items in zip(*parts):
@@ -577,7 +607,6 @@ def open_or_carve(model_or_store: str, state_path: str | Path | None = None,
     if path.exists():
         raise TapmlError(f"{model_or_store} is a file, not a carve store or a model spec")
     if state_path is None:
-        import tempfile
         base = Path(tempfile.mkdtemp(prefix="tapml-session-"))
         out = base / "store"
     else:
@@ -594,10 +623,12 @@ def open_or_carve(model_or_store: str, state_path: str | Path | None = None,
     if on_carve:
         on_carve(model_or_store, out)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    if tmp.exists():
-        import shutil
-        shutil.rmtree(tmp)
-    carve(model_or_store, tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        carve(model_or_store, tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     os.replace(tmp, out)
     return CarveStore(out), out
 
@@ -623,6 +654,6 @@ def exit_code(state: dict) -> int:
     return 0 if state.get("passed") else 1
 
 
-__all__ = ["Migration", "MigrationInterrupted", "open_or_carve", "check_faults", "RegionChecker", "Journal", "bisect", "module_regions",
-           "journal_path", "exit_code",
+__all__ = ["Migration", "MigrationInterrupted", "open_or_carve", "check_faults", "check_model", "failure",
+           "RegionChecker", "Journal", "bisect", "module_regions", "common_module", "journal_path", "exit_code",
            "STATE_FORMAT"]

@@ -8,6 +8,7 @@ deterministic: the same seed gives the same model and the same inputs.
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from typing import Callable
@@ -80,7 +81,6 @@ ZOO: dict[str, Callable[[], tuple]] = {
 
 def parse_hf_overrides(items: list[str] | None) -> dict:
     """``["hidden_size=32", "hidden_act=gelu"]`` -> dict with JSON-ish values."""
-    import json
     out = {}
     for item in items or []:
         key, sep, value = item.partition("=")
@@ -108,7 +108,10 @@ def build_hf(model_type: str, overrides: dict | None = None):
     config = AutoConfig.for_model(model_type)
     _shrink(config)
     for key, value in (overrides or {}).items():
-        setattr(config, key, value)
+        try:
+            setattr(config, key, value)
+        except Exception as e:  # noqa: BLE001 - configs validate their fields in their own ways
+            raise TapmlError(f"hf:{model_type}: --hf-config {key}={value!r}: {type(e).__name__}: {e}") from None
     config.use_cache = False
     if hasattr(config, "_attn_implementation"):
         try:
@@ -192,7 +195,10 @@ def _load_factory(spec: str):
     fn = getattr(module, factory, None)
     if not callable(fn):
         raise TapmlError(f"{path} has no function {factory!r}")
-    result = fn()
+    try:
+        result = fn()
+    except Exception as e:  # noqa: BLE001 - a user's factory failing is bad input
+        raise TapmlError(f"{spec}: the factory raised {type(e).__name__}: {e}") from None
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.nn.Module)):
         raise TapmlError(f"{spec}: factory must return (model, example_inputs_tuple)")
     model, inputs = result

@@ -9,12 +9,11 @@ from __future__ import annotations
 STATUS_STYLE = {"pass": "green", "mismatch": "red", "error": "bold red", "unsupported": "yellow"}
 
 
-def _err(x) -> str:
-    if x is None:
-        return "-"
-    if x == float("inf"):
-        return "inf"
-    return f"{x:.3g}"
+def fmt_err(x: float | None) -> str:
+    """An error statistic for the terminal: 3 significant digits, ``-`` when not compared.
+
+    Example: ``fmt_err(0.000123456)`` -> ``'0.000123'``, ``fmt_err(None)`` -> ``'-'``."""
+    return "-" if x is None else f"{x:.3g}"
 
 
 def render_states(states, console, quiet: bool = False, max_rows: int = 30) -> None:
@@ -36,7 +35,7 @@ def render_states(states, console, quiet: bool = False, max_rows: int = 30) -> N
                 style = STATUS_STYLE.get(f["status"], "")
                 table.add_row("[bold red]culprit[/]" if f["culprit"] else "", escape(f["kind"]), escape(f["op"]),
                               escape(f["node"]), escape(f["module"] or "<root>"),
-                              f"[{style}]{escape(f['status'])}[/]", _err(f["max_abs_err"]), frac)
+                              f"[{style}]{escape(f['status'])}[/]", fmt_err(f["max_abs_err"]), frac)
             console.print(table)
             if len(failures) > max_rows:
                 console.print(f"... and {len(failures) - max_rows} more (see the HTML report)")
@@ -66,8 +65,8 @@ def render_states(states, console, quiet: bool = False, max_rows: int = 30) -> N
             line += f"; {shares['ops_share']:.1%} of ops{flops} on the target"
         if e2e is not None:
             line += (f"; end to end [{STATUS_STYLE.get(e2e['status'], '')}]{e2e['status']}[/] "
-                     f"(max abs err {_err(e2e['max_abs_err'])})")
+                     f"(max abs err {fmt_err(e2e['max_abs_err'])})")
         console.print(line, highlight=False)
 
 
-__all__ = ["render_states", "STATUS_STYLE"]
+__all__ = ["render_states", "fmt_err", "STATUS_STYLE"]

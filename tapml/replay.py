@@ -62,6 +62,7 @@ def run_case(platform, store, case: dict, tolerances: Tolerances | None = None, 
 
 
 def summarize(verdicts: Iterable[dict]) -> dict:
+    """``{"pass": n, "mismatch": n, "unsupported": n, "error": n}`` over ``verdicts``."""
     summary = dict.fromkeys(STATUSES, 0)
     for v in verdicts:
         summary[v["status"]] += 1

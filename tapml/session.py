@@ -27,6 +27,9 @@ from rich.markup import escape
 
 from tapml.errors import TapmlError
 from tapml.hybrid import REFERENCE, TARGET, HybridRunner, placement_shares, segments
+from tapml.migrate import STATE_FORMAT, RegionChecker, check_faults, check_model, common_module, open_or_carve
+from tapml.migrate import bisect as smallest_failing_window
+from tapml.render import fmt_err
 
 
 class Session:
@@ -41,7 +44,6 @@ class Session:
     def __init__(self, model: str, target: str = "reference", state: str | None = None,
                  inject: list[str] | None = None, tol=None, token: str | None = None, platform=None):
         from tapml.compare import Tolerances
-        from tapml.migrate import RegionChecker, check_faults, open_or_carve
         from tapml.targets import check_target, open_target
         check_target(target)
         self.tolerances = tol if isinstance(tol, Tolerances) else Tolerances.parse(tol)
@@ -133,36 +135,17 @@ class Session:
         """Run the whole model on the current placement and compare end to end; also compare
         each target region's outputs with the reference (errors from earlier regions included,
         as in the real hybrid run). Returns ``{status, error stats, message, regions}``."""
-        from tapml.compare import compare_outputs
-        expected = self.store.model_outputs()
         # The values crossing out of target regions anyway; keeping them adds no program output.
         keep = {r for s in segments(self.graph, self.placement) if s.where == TARGET
                 for r in self.graph.subgraph(s.names).outputs}
+        fields, result = check_model(self.store, self.runner, self.placement, self.tolerances, keep=keep)
         verdict = {"id": f"check:{len(self.units)}", "kind": "model", "role": "session", "module": "",
-                   "on_target": sum(v == TARGET for v in self.placement.values()), "status": "error",
-                   "max_abs_err": None, "max_rel_err": None, "mismatch_fraction": None, "message": "",
-                   "time_ms": None, "regions": []}
-        try:
-            result = self.runner.run(self.store.program_inputs(), self.placement, keep=keep)
-        except Exception as e:  # noqa: BLE001 - a failing placement is a verdict, not a crash
-            from tapml.errors import Unsupported
-            region = getattr(e, "region", None)
-            where = f" in region {region[0]}..{region[-1]}" if region else ""
-            verdict.update(status="unsupported" if isinstance(e, Unsupported) else "error",
-                           message=f"{type(e).__name__}{where}: {e}")
-            return self._record_check(verdict)
-        refs = list(expected)
-        c = compare_outputs([result.values[r] for r in refs], [expected[r] for r in refs], tolerances=self.tolerances)
-        verdict.update(status="pass" if c.passed else "mismatch", message=c.message, **c.stats(),
-                       time_ms=round(sum(r.run_ms for r in result.regions) + result.reference_ms, 4))
-        for run in result.regions:
+                   "on_target": sum(v == TARGET for v in self.placement.values()), **fields, "regions": []}
+        for run in result.regions if result is not None else ():
             rc, worst = self.checker.compare(result.values, run.outputs)
             verdict["regions"].append({"first": run.nodes[0], "last": run.nodes[-1], "nodes": len(run.nodes),
                                        "status": "pass" if rc.passed else "mismatch", **rc.stats(),
                                        "worst_output": worst})
-        return self._record_check(verdict)
-
-    def _record_check(self, verdict: dict) -> dict:
         self.units.append(verdict)
         self.last_check = verdict
         return verdict
@@ -182,7 +165,6 @@ class Session:
         """Find the smallest failing sub-region of the nodes on the target (each probe runs
         with the reference's values at its inputs). Returns the culprit, or None when the
         target nodes pass together."""
-        from tapml.migrate import bisect
         nodes = [n for n in self._nodes if self.placement[n] == TARGET]
         if not nodes:
             raise TapmlError("nothing is on the target; `offload NODE|MODULE|OP|all` first")
@@ -202,14 +184,14 @@ class Session:
 
         if not fails(nodes):
             return None
-        window = bisect(nodes, fails)
+        window = smallest_failing_window(nodes, fails)
         evidence = next(p for p in reversed(probes) if p["nodes"] == window)
         first = self._nodes[window[0]]
         surface = self.checker.producer.get(evidence.get("worst_output") or "", self._nodes[window[-1]])
         culprit = {"kind": "node" if len(window) == 1 else "accumulated", "op": surface.op,
                    "ops": sorted({self._nodes[n].op for n in window}),
                    "node": window[0] if len(window) == 1 else f"{window[0]}..{window[-1]}", "nodes": window,
-                   "module": first.module if len(window) == 1 else _common([self._nodes[n].module for n in window]),
+                   "module": first.module if len(window) == 1 else common_module([self._nodes[n].module for n in window]),
                    "status": evidence["status"], "probes": len(probes),
                    **{k: evidence[k] for k in ("max_abs_err", "max_rel_err", "mismatch_fraction", "message")},
                    "worst": evidence.get("worst", [])}
@@ -219,17 +201,14 @@ class Session:
     def diff(self, node: str, worst: int = 8) -> dict:
         """Error of one node's outputs on the current placement against the reference:
         stats and the worst elements (index, target, reference)."""
-        from tapml.compare import compare_tensor
         if node not in self._nodes:
             raise TapmlError(f"no node named {node!r}; TAB completes node names")
         n = self._nodes[node]
         result = self.runner.run(self.store.program_inputs(), self.placement, keep=n.output_refs)
         outputs = []
-        for ref in n.output_refs:
-            expected = self.checker.ref[ref]
-            rtol, atol = self.tolerances.get(n.op, str(expected.dtype).removeprefix("torch."))
-            c = compare_tensor(result.values[ref], expected, rtol, atol, worst=worst)
-            outputs.append({"ref": ref, "shape": list(expected.shape), "dtype": str(expected.dtype)[6:],
+        for ref, meta in zip(n.output_refs, n.outputs):
+            c = self.checker.compare_ref(result.values[ref], ref, worst=worst)
+            outputs.append({"ref": ref, "shape": list(meta.shape), "dtype": meta.dtype,
                             "passed": c.passed, **c.stats(), "message": c.message, "worst": c.worst})
         return {"node": node, "op": n.op, "module": n.module, "placed": self.placement[node], "outputs": outputs}
 
@@ -255,7 +234,6 @@ class Session:
     # output --------------------------------------------------------------------------------
     def state(self) -> dict:
         """The session as a migration state document (same schema as ``tapml migrate --state``)."""
-        from tapml.migrate import STATE_FORMAT
         from tapml.replay import device_info, summarize
         e = self.last_check
         return {"format": STATE_FORMAT, "model": self.store.model, "target": self.target,
@@ -301,15 +279,6 @@ def _ancestors(path: str) -> list[str]:
     return out
 
 
-def _common(paths: list[str]) -> str:
-    from tapml.migrate import _common_module
-    return _common_module(paths)
-
-
-def _fmt(x) -> str:
-    return "-" if x is None else f"{x:.3g}"
-
-
 class SessionShell(cmd.Cmd):
     """The ``tapml session`` REPL. Reads commands from stdin (a terminal or a script)."""
 
@@ -319,7 +288,7 @@ class SessionShell(cmd.Cmd):
         super().__init__(stdin=stdin)
         from rich.console import Console
         self.s = session
-        self.console = console or Console(highlight=False)
+        self.console = console or Console(highlight=False, emoji=False)
         self.interactive = stdin is None and os.isatty(0)
         self.use_rawinput = stdin is None
         self.prompt = "tapml> " if self.interactive else ""
@@ -400,10 +369,10 @@ class SessionShell(cmd.Cmd):
         self.console.print(table)
         if st["last_check"]:
             c = st["last_check"]
-            self.console.print(f"last check: {c['status']} max_abs_err {_fmt(c['max_abs_err'])}")
+            self.console.print(f"last check: {c['status']} max_abs_err {fmt_err(c['max_abs_err'])}")
         for c in st["culprits"]:
             self.console.print(f"culprit: {c['kind']} {c['op']} at {c['node']} ({c['module']}) "
-                               f"max_abs_err {_fmt(c['max_abs_err'])}")
+                               f"max_abs_err {fmt_err(c['max_abs_err'])}")
 
     def do_offload(self, arg):
         """offload NODE|MODULE|OP|CASE|all ...: place nodes on the target."""
@@ -435,14 +404,14 @@ class SessionShell(cmd.Cmd):
         start = time.perf_counter()
         v = self.s.check()
         color = "green" if v["status"] == "pass" else "red"
-        self.console.print(f"end to end: [{color}]{v['status']}[/] max_abs_err {_fmt(v['max_abs_err'])} "
-                           f"max_rel_err {_fmt(v['max_rel_err'])} ({time.perf_counter() - start:.2f}s)")
+        self.console.print(f"end to end: [{color}]{v['status']}[/] max_abs_err {fmt_err(v['max_abs_err'])} "
+                           f"max_rel_err {fmt_err(v['max_rel_err'])} ({time.perf_counter() - start:.2f}s)")
         if v["message"]:
             self.console.print(f"  {escape(v['message'][:300])}")
         for r in v["regions"]:
             if r["status"] != "pass":
                 self.console.print(f"  region {r['first']}..{r['last']} ({r['nodes']} nodes): first differs at "
-                                   f"{r['worst_output']} max_abs_err {_fmt(r['max_abs_err'])}")
+                                   f"{r['worst_output']} max_abs_err {fmt_err(r['max_abs_err'])}")
 
     def do_bisect(self, arg):
         """bisect: find the smallest failing sub-region of the nodes on the target."""
@@ -451,7 +420,7 @@ class SessionShell(cmd.Cmd):
             self.console.print("[green]the nodes on the target pass with reference inputs[/]; nothing to bisect")
             return
         self.console.print(f"culprit ({c['probes']} runs): {c['kind']} {c['op']} at {c['node']} ({c['module']}) "
-                           f"max_abs_err {_fmt(c['max_abs_err'])}; `fallback {' '.join(c['nodes'][:8])}` "
+                           f"max_abs_err {fmt_err(c['max_abs_err'])}; `fallback {' '.join(c['nodes'][:8])}` "
                            "places it on the reference")
 
     def do_diff(self, arg):
@@ -464,8 +433,8 @@ class SessionShell(cmd.Cmd):
         self.console.print(f"{d['node']} ({d['op']}, {d['module'] or '<root>'}) on the {d['placed']}")
         for o in d["outputs"]:
             state = "[green]pass[/]" if o["passed"] else "[red]mismatch[/]"
-            self.console.print(f"  {o['ref']} {o['dtype']}{o['shape']}: {state} max_abs_err {_fmt(o['max_abs_err'])} "
-                               f"max_rel_err {_fmt(o['max_rel_err'])} mismatch {_fmt(o['mismatch_fraction'])}")
+            self.console.print(f"  {o['ref']} {o['dtype']}{o['shape']}: {state} max_abs_err {fmt_err(o['max_abs_err'])} "
+                               f"max_rel_err {fmt_err(o['max_rel_err'])} mismatch {fmt_err(o['mismatch_fraction'])}")
             if o["worst"]:
                 table = Table(title="worst elements")
                 for col in ("index", "target", "reference"):
@@ -512,7 +481,7 @@ class SessionShell(cmd.Cmd):
         table.add_row("cases checked", f"{sum(s.values())} ({s['pass']} pass)")
         table.add_row("checks run", str(len(st["units"])))
         e = st["end_to_end"]
-        table.add_row("end to end", "not checked" if e is None else f"{e['status']} max_abs_err {_fmt(e['max_abs_err'])}")
+        table.add_row("end to end", "not checked" if e is None else f"{e['status']} max_abs_err {fmt_err(e['max_abs_err'])}")
         for c in st["culprits"]:
             table.add_row("culprit", f"{c['kind']} {c['op']} at {c['node']} ({c['module']})")
         self.console.print(table)

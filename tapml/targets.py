@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 from tapml.errors import TapmlError
 
@@ -17,9 +18,11 @@ def read_token(token_file: str | None = None) -> str | None:
     """The shared device-server token: from ``token_file``, else ``$TAPML_TOKEN``, else None."""
     if token_file:
         try:
-            token = open(token_file).read().strip()
+            token = Path(token_file).read_text().strip()
         except OSError as e:
-            raise TapmlError(f"cannot read --token-file {token_file}: {e.strerror}") from None
+            raise TapmlError(f"cannot read --token-file {token_file}: {e.strerror or e}") from None
+        except UnicodeDecodeError:
+            raise TapmlError(f"--token-file {token_file} is not a text file holding the token") from None
         if not token:
             raise TapmlError(f"--token-file {token_file} is empty")
         return token
@@ -27,6 +30,7 @@ def read_token(token_file: str | None = None) -> str | None:
 
 
 def parse_remote(spec: str) -> tuple[str, int]:
+    """``"remote://127.0.0.1:18861"`` -> ``("127.0.0.1", 18861)``; TapmlError for a bad spec."""
     m = re.fullmatch(r"remote://(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):(\d{1,5})", spec)
     if not m or not 0 < int(m.group(2)) < 65536:
         raise TapmlError(f"bad remote target {spec!r}; expected remote://HOST:PORT, e.g. remote://127.0.0.1:18861")

@@ -89,11 +89,15 @@ def test_factory_file_and_pt2_specs(tmp_path):
             return torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Tanh()), (torch.randn(2, 8),)
         def broken():
             return 3
+        def raising():
+            raise RuntimeError("weights missing")
     """))
     info = carve(f"{tmp_path}/m.py:make", tmp_path / "s1")
     assert info["ops"] >= 2
     with pytest.raises(TapmlError, match="factory must return"):
         load_model(f"{tmp_path}/m.py:broken")
+    with pytest.raises(TapmlError, match="factory raised RuntimeError: weights missing"):
+        load_model(f"{tmp_path}/m.py:raising")
     with pytest.raises(TapmlError, match="no function"):
         load_model(f"{tmp_path}/m.py:absent")
     model, inputs = load_model(f"{tmp_path}/m.py:make")

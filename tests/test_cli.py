@@ -68,6 +68,7 @@ def test_tolerance_override_turns_a_mismatch_into_a_pass(carved):
 @pytest.mark.parametrize("args,message", [
     (["carve", "zoo:nope", "-o", "{tmp}/x"], "unknown zoo model"),
     (["carve", "hf:llama", "-o", "{tmp}/x", "--hf-config", "novalue"], "KEY=VALUE"),
+    (["carve", "hf:gpt2", "-o", "{tmp}/x", "--hf-config", "n_embd=abc"], "hf:gpt2: "),
     (["replay", "{tmp}/missing"], "does not exist"),
     (["replay", "{tmp}", "--target", "reference"], "not a carve store"),
     (["replay", "{store}", "--target", "tpu"], "unknown target"),
@@ -85,6 +86,14 @@ def test_bad_input_exits_2_with_one_clear_line(carved, tmp_path, args, message):
     r = tapml(*[a.format(tmp=tmp_path, store=store) for a in args])
     assert r.exit_code == 2, r.output
     assert message in r.output
+    assert "Traceback" not in r.output
+
+
+def test_failing_factory_exits_2_and_prints_the_spec_as_written(tmp_path):
+    (tmp_path / "m.py").write_text("def boom():\n    raise RuntimeError('weights missing')\n")
+    r = tapml("carve", f"{tmp_path}/m.py:boom", "-o", tmp_path / "s")
+    assert r.exit_code == 2, r.output
+    assert "m.py:boom: the factory raised RuntimeError: weights missing" in r.output  # no :boom: emoji
     assert "Traceback" not in r.output
 
 

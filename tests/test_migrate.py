@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 
 from tapml.compare import Tolerances
 from tapml.hybrid import REFERENCE, TARGET
-from tapml.migrate import Migration, exit_code, journal_path, module_regions
+from tapml.errors import PlatformError, Unsupported
+from tapml.migrate import Migration, exit_code, failure, journal_path, module_regions
 from tapml.replay import run_case
 from tapml.targets import open_target
 
@@ -207,6 +208,26 @@ def test_cli_migrate_carves_beside_the_state_and_reports(tmp_path):
     again = tapml("migrate", "zoo:mlp", "--state", tmp_path / "m.json", "--resume")
     assert again.exit_code == 0, again.output
     assert strip_times(json.loads((tmp_path / "m.json").read_text())) == strip_times(state)
+
+
+def test_failure_turns_any_exception_into_a_verdict_that_names_its_region():
+    e = PlatformError("shader broke")
+    e.region = ["a", "b", "c"]
+    assert failure(e) == {"status": "error", "message": "in region a..c (3 nodes): shader broke"}
+    assert failure(Unsupported("no f64")) == {"status": "unsupported", "message": "no f64"}
+    k = KeyError("x")
+    k.region = ["mm"]
+    assert failure(k) == {"status": "error", "message": "in mm: KeyError: 'x'"}
+
+
+def test_resume_rebuilds_a_removed_journal_from_the_state(mlp, tmp_path):
+    args = ["migrate", mlp.path, "--state", tmp_path / "s.json", "--inject", "aten.gelu.default=scale:1.1"]
+    assert tapml(*args).exit_code == 1
+    state = json.loads((tmp_path / "s.json").read_text())
+    journal_path(tmp_path / "s.json").unlink()
+    r = tapml(*args, "--resume")
+    assert r.exit_code == 1, r.output
+    assert strip_times(json.loads((tmp_path / "s.json").read_text())) == strip_times(state)
 
 
 def test_cli_finding_exits_1_with_the_culprit(gpt2, tmp_path):
