@@ -132,7 +132,10 @@ def _function_name(op: str) -> str:
     return "test_" + re.sub(r"\W", "_", op)
 
 
-def _case_tolerance(case: dict, tolerances) -> tuple[float, float] | None:
+def case_tolerance(case: dict, tolerances) -> tuple[float, float] | None:
+    """``(rtol, atol)`` that ``tolerances`` (a :class:`~tapml.compare.Tolerances`) give the
+    case's first floating output, or None when its outputs are integers or bools (compared
+    exactly). Example: ``case_tolerance(store.case("c0"), Tolerances())`` -> ``(0.001, 0.0001)``."""
     dtype = next((m["dtype"] for m in case["output_meta"] if m["dtype"].startswith(("float", "bfloat"))), None)
     if dtype is None:
         return None  # integer and bool outputs are compared exactly
@@ -217,7 +220,7 @@ def generate_suite(store_path: str | Path, out_dir: str | Path, *, state: str | 
         state_inject=" ".join(f"--tapml-inject {x}" for x in (info or {}).get("inject", [])),
         default_target=default_target, store_expr=store_expr, manifest_sha256=_manifest_sha256(src), **common))
     for op, cases in sorted(by_op.items()):
-        rows = [{"id": c["id"], "test_id": ids[c["id"]], "tol": _case_tolerance(c, tols),
+        rows = [{"id": c["id"], "test_id": ids[c["id"]], "tol": case_tolerance(c, tols),
                  "known": failures.get(c["id"])} for c in cases]
         imports = ["case"] + ([known_kind] if any(r["known"] for r in rows) else [])
         name = _function_name(op)
@@ -248,4 +251,4 @@ def _tapml_version() -> str:
         return "dev"
 
 
-__all__ = ["KNOWN_FAILURE_MODES", "case_test_id", "generate_suite", "load_state", "unique_ids"]
+__all__ = ["KNOWN_FAILURE_MODES", "case_test_id", "case_tolerance", "generate_suite", "load_state", "unique_ids"]

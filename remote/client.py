@@ -14,6 +14,8 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import math
+import os
 import socket
 import threading
 
@@ -22,6 +24,36 @@ from tapml.platforms.base import KernelProgram, Platform
 from tapml.remote import protocol as P
 
 CLIENT_MAX_MESSAGE = 4 << 30
+DEFAULT_TIMEOUT_S = 300.0
+TIMEOUT_ENV = "TAPML_REMOTE_TIMEOUT"
+
+
+def call_timeout(timeout: float | None = None) -> float:
+    """Seconds a remote call may take: ``timeout`` when given, else ``$TAPML_REMOTE_TIMEOUT``,
+    else 300.
+
+    Raises :class:`~tapml.errors.TapmlError` saying what to set when the value is not a
+    positive number of seconds. Example: ``call_timeout()`` is ``600.0`` with
+    ``TAPML_REMOTE_TIMEOUT=600`` in the environment.
+    """
+    if timeout is not None:
+        return _seconds(timeout, f"timeout={timeout!r}", "pass a positive number of seconds")
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_TIMEOUT_S
+    return _seconds(text, f"{TIMEOUT_ENV}={text!r}",
+                    f"set {TIMEOUT_ENV} to the seconds a remote call may take (a positive number such as "
+                    f"600), or unset it for {DEFAULT_TIMEOUT_S:g}")
+
+
+def _seconds(value, what: str, fix: str) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise TapmlError(f"{what} is not a positive number of seconds; {fix}")
+    return seconds
 
 
 class _UnknownProgram(Exception):
@@ -33,22 +65,25 @@ class RemotePlatform(Platform):
 
     ``token`` is the shared secret (None for a server started without one); ``timeout`` bounds
     every call in seconds (compiling and running a large region on a slow device can take a
-    while), ``connect_timeout`` the connection and handshake.
+    while; default ``$TAPML_REMOTE_TIMEOUT``, else 300), ``connect_timeout`` the connection
+    and handshake.
 
     Example::
 
         with RemotePlatform("127.0.0.1", 18861, token=read_token()) as p:
             outputs = p.run(p.compile(graph), inputs)
 
-    Raises :class:`~tapml.errors.TapmlError` when the server cannot be reached or refuses the
-    token at construction time.
+    Raises :class:`~tapml.errors.TapmlError` when a timeout is not a positive number of
+    seconds, or when the server cannot be reached or refuses the token at construction time.
     """
 
-    def __init__(self, host: str, port: int, token: str | None = None, *, timeout: float = 300.0,
+    def __init__(self, host: str, port: int, token: str | None = None, *, timeout: float | None = None,
                  connect_timeout: float = 10.0):
         self.host, self.port, self.token = host, int(port), token
         self.name = f"remote://{host}:{port}"
-        self.timeout, self.connect_timeout = float(timeout), float(connect_timeout)
+        self.timeout = call_timeout(timeout)
+        self.connect_timeout = _seconds(connect_timeout, f"connect_timeout={connect_timeout!r}",
+                                        "pass a positive number of seconds")
         self.info: dict = {}
         self._conn = None
         self._bulk: socket.socket | None = None
@@ -151,13 +186,15 @@ class RemotePlatform(Platform):
         return DeviceLost(f"{self.name}: {what}")
 
     def _call(self, name: str, *args):
-        """One control call; transport failures become DeviceLost."""
-        self._ensure()
-        self.stats["calls"][name] = self.stats["calls"].get(name, 0) + 1
-        try:
-            return self._calls[name](*args)
-        except (EOFError, OSError, TimeoutError, P.ProtocolError) as e:
-            raise self._lost(e) from None
+        """One control call (under the lock: the connection may be replaced by a reconnect);
+        transport failures become DeviceLost."""
+        with self._lock:
+            self._ensure()
+            self.stats["calls"][name] = self.stats["calls"].get(name, 0) + 1
+            try:
+                return self._calls[name](*args)
+            except (EOFError, OSError, TimeoutError, P.ProtocolError) as e:
+                raise self._lost(e) from None
 
     @staticmethod
     def _raise(error: dict):
@@ -180,8 +217,7 @@ class RemotePlatform(Platform):
     def _supports(self, node) -> str | None:
         key = json.dumps(node.to_json(), sort_keys=True)
         if key not in self._support_cache:
-            with self._lock:
-                self._support_cache[key] = self._call("supports", key) or None
+            self._support_cache[key] = self._call("supports", key) or None
         return self._support_cache[key]
 
     def _compile(self, graph) -> KernelProgram:
@@ -261,7 +297,6 @@ class RemotePlatform(Platform):
             raise self._lost(e) from None
         if errors:
             raise PlatformError(f"device server: {errors[0]}")
-        self.device_ms = reply.get("device_ms")
         return results
 
     # --- transport primitives (benchmarks) ------------------------------------------------------
@@ -304,6 +339,7 @@ class RemotePlatform(Platform):
         return json.loads(self._call("stats"))
 
     def free(self, slots: list[int]) -> None:
+        """Drop server-side tensors (from :meth:`upload` or :meth:`bench_tensor`) that will not be downloaded."""
         self._call("free", json.dumps(list(slots)))
 
     def bench_tensor(self, nbytes: int) -> int:

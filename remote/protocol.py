@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import mmap
 import os
 import socket
@@ -83,6 +84,7 @@ def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> by
 
 
 def recv_into_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """:func:`recv_exact` into ``view`` (no copy)."""
     got, n = 0, len(view)
     while got < n:
         if deadline is not None:  # a per-recv timeout alone lets a peer trickle one byte at a time forever
@@ -146,13 +148,15 @@ def client_handshake(sock: socket.socket, token: str | None, role: str, timeout:
     """Run the client side of the handshake for ``role``.
 
     Raises :class:`AuthError` with a message that says what to fix when the server refuses,
-    needs a token the client lacks, or cannot prove it holds the same token.
+    needs a token the client lacks, or cannot prove it holds the same token. The whole
+    handshake must finish within ``timeout`` seconds.
     """
     code = ROLE_OF[role]
     old = sock.gettimeout()
+    deadline = time.monotonic() + timeout
     sock.settimeout(timeout)
     try:
-        hello = recv_exact(sock, len(MAGIC) + 1 + NONCE)
+        hello = recv_exact(sock, len(MAGIC) + 1 + NONCE, deadline)
         if hello[:len(MAGIC)] != MAGIC:
             raise AuthError("the server does not speak the tapml protocol (is it a `tapml serve`?)")
         needs_token, nonce_s = hello[len(MAGIC)], hello[len(MAGIC) + 1:]
@@ -161,15 +165,15 @@ def client_handshake(sock: socket.socket, token: str | None, role: str, timeout:
         nonce_c = os.urandom(NONCE)
         mac = _mac(token, b"client", code, nonce_s, nonce_c) if token else bytes(MAC)
         sock.sendall(code + nonce_c + mac)
-        status = recv_exact(sock, 2)
+        status = recv_exact(sock, 2, deadline)
         if status == b"NO":
-            (n,) = struct.unpack("!H", recv_exact(sock, 2))
-            reason = recv_exact(sock, n).decode(errors="replace")
+            (n,) = struct.unpack("!H", recv_exact(sock, 2, deadline))
+            reason = recv_exact(sock, n, deadline).decode(errors="replace")
             raise AuthError(f"the server refused the connection: {reason}"
                             + ("; check --token-file / TAPML_TOKEN" if "token" in reason else ""))
         if status != b"OK":
             raise AuthError("the server sent a malformed handshake reply")
-        proof = recv_exact(sock, MAC)
+        proof = recv_exact(sock, MAC, deadline)
         if needs_token and not hmac.compare_digest(proof, _mac(token, b"server", code, nonce_c, nonce_s)):
             raise AuthError("the server could not prove it holds the token; it is not the server you meant")
     except (OSError, EOFError) as e:
@@ -223,10 +227,7 @@ def recv_payload(sock: socket.socket, nbytes: int):
     """Receive a payload of ``nbytes`` into a writable buffer. Large payloads go into an anonymous
     mapping whose pages the kernel commits only as bytes arrive, so a header that announces
     a large tensor and then stalls holds no memory it has not been sent."""
-    if nbytes >= LAZY_PAYLOAD:
-        buf = _lazy_buffer(nbytes)
-    else:
-        buf = bytearray(nbytes)
+    buf = _LazyBuffer(-1, nbytes) if nbytes >= LAZY_PAYLOAD else bytearray(nbytes)
     if nbytes:
         recv_into_exact(sock, memoryview(buf))
     return buf
@@ -235,10 +236,6 @@ def recv_payload(sock: socket.socket, nbytes: int):
 class _LazyBuffer(mmap.mmap):
     def decode(self, *args, **kwargs) -> str:  # like bytearray, for error payloads
         return bytes(self).decode(*args, **kwargs)
-
-
-def _lazy_buffer(nbytes: int):
-    return _LazyBuffer(-1, nbytes)
 
 
 def refuse(sock: socket.socket, reason: str, linger: float = 1.0) -> None:
@@ -258,7 +255,10 @@ def refuse(sock: socket.socket, reason: str, linger: float = 1.0) -> None:
 
 
 def tensor_bytes(t):
-    """``(dtype code, shape, bytes-like view)`` of a CPU tensor, without copying when contiguous."""
+    """``(dtype code, shape, bytes-like view)`` of a CPU tensor, without copying when contiguous.
+    ValueError for a dtype the wire format has no code for."""
+    import torch
+
     from tapml.graph import dtype_name
     name = dtype_name(t.dtype)
     if name not in DTYPE_CODE:
@@ -267,13 +267,11 @@ def tensor_bytes(t):
     shape = tuple(int(s) for s in t.shape)
     if t.numel() == 0:
         return DTYPE_CODE[name], shape, b""
-    return DTYPE_CODE[name], shape, t.reshape(-1).view(__import__("torch").uint8).numpy().data
+    return DTYPE_CODE[name], shape, t.reshape(-1).view(torch.uint8).numpy().data
 
 
 def tensor_from(dtype: int, shape: tuple[int, ...], payload: bytearray):
     """Rebuild a tensor from a received payload (no copy); ProtocolError when sizes disagree."""
-    import math
-
     import torch
 
     from tapml.graph import torch_dtype
@@ -289,11 +287,13 @@ def tensor_from(dtype: int, shape: tuple[int, ...], payload: bytearray):
 
 
 def send_tensor(sock: socket.socket, kind: bytes, slot: int, tensor) -> None:
+    """Send ``tensor`` as one bulk message of ``kind`` for ``slot``."""
     dtype, shape, payload = tensor_bytes(tensor)
     send_message(sock, kind, slot, payload, dtype, shape)
 
 
 def send_error(sock: socket.socket, message: str, slot: int = 0) -> None:
+    """Tell the peer why its message was refused; a peer that is already gone is ignored."""
     try:
         send_message(sock, ERR, slot, message.encode())
     except OSError:

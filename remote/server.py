@@ -19,6 +19,7 @@ import itertools
 import json
 import logging
 import os
+import queue
 import re
 import signal
 import socket
@@ -122,7 +123,11 @@ class Session:
 
 
 class Device:
-    """The platform a server exposes, its program cache and the open sessions."""
+    """The platform a server exposes, its program cache and the open sessions.
+
+    ``lock`` serializes device calls; the program cache has its own lock, so that a cache
+    hit never waits for a device call of another client.
+    """
 
     def __init__(self, platform, spec: str, max_message: int = DEFAULT_MAX_MESSAGE, timeout: float = 300.0):
         self.platform = platform
@@ -130,6 +135,7 @@ class Device:
         self.max_message = max_message
         self.timeout = timeout
         self.lock = threading.Lock()
+        self._cache_lock = threading.Lock()
         self.programs: OrderedDict[str, object] = OrderedDict()
         self.graph_keys: dict[str, str] = {}
         self.sessions: dict[bytes, Session] = {}
@@ -151,14 +157,28 @@ class Device:
         return {"protocol": PROTOCOL_VERSION, "platform": self.spec, "caps": self.caps,
                 "max_message": self.max_message, "session": session.id.hex(), "server_id": self.server_id}
 
+    def program(self, key: str | None = None, graph_hash: str | None = None):
+        """The cached program of ``key`` (or of the graph whose JSON hashes to ``graph_hash``),
+        marked as just used; None when it is not cached."""
+        with self._cache_lock:
+            if key is None:
+                key = self.graph_keys.get(graph_hash)
+            program = self.programs.get(key)
+            if program is not None:
+                self.programs.move_to_end(key)
+            return program
+
     def remember(self, program, graph_hash: str | None = None) -> None:
-        self.programs[program.key] = program
-        self.programs.move_to_end(program.key)
-        if graph_hash:
-            self.graph_keys[graph_hash] = program.key
-        while len(self.programs) > PROGRAM_CACHE:
-            old, _ = self.programs.popitem(last=False)
-            self.graph_keys = {g: k for g, k in self.graph_keys.items() if k != old}
+        """Cache ``program`` (compiled from the graph of ``graph_hash``, when given); the least
+        recently used programs go once the cache holds ``PROGRAM_CACHE``."""
+        with self._cache_lock:
+            self.programs[program.key] = program
+            self.programs.move_to_end(program.key)
+            if graph_hash:
+                self.graph_keys[graph_hash] = program.key
+            while len(self.programs) > PROGRAM_CACHE:
+                old, _ = self.programs.popitem(last=False)
+                self.graph_keys = {g: k for g, k in self.graph_keys.items() if k != old}
 
 
 def _str(value, name: str) -> str:
@@ -246,9 +266,9 @@ def make_service(device: Device):
             try:
                 text = _str(graph_json, "graph_json")
                 ghash = _hash(text)
-                key = device.graph_keys.get(ghash)
-                if key in device.programs:
-                    return json.dumps({"key": key, "program": device.programs[key].to_json()})
+                program = device.program(graph_hash=ghash)
+                if program is not None:
+                    return json.dumps({"key": program.key, "program": program.to_json()})
                 graph = Graph.from_json(json.loads(text))
                 _check_ops(graph)
                 with device.lock:
@@ -289,12 +309,12 @@ def make_service(device: Device):
                 inputs = self.session.take(slots, device.timeout)
             except PlatformError as e:
                 return _error_of(e)
-            program = device.programs.get(key)
+            program = device.program(key)
             if program is None:
                 return _error("unknown-program", f"program {key} is not cached on this server")
-            device.runs += 1
             try:
                 with device.lock:
+                    device.runs += 1
                     outputs = device.platform.run(program, inputs)
                     ms = getattr(device.platform, "last_run_ms", None)
             except ValueError as e:
@@ -324,8 +344,7 @@ def make_service(device: Device):
 
 def serve_bulk(device: Device, sock: socket.socket, peer) -> None:
     """Serve one authenticated bulk connection until it closes."""
-    first = P.recv_header(sock, 64)
-    kind, _, _, _, n = first
+    kind, _, _, _, n = P.recv_header(sock, 64)
     session = device.sessions.get(bytes(P.recv_payload(sock, n))) if kind == P.SESS else None
     if session is None:
         P.send_error(sock, "unknown session: open the control connection first")
@@ -610,29 +629,35 @@ class ServerProcess:
                "--port", str(port), *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         self.lines: list[str] = []
-        deadline = time.monotonic() + startup_s
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                err = self.proc.stderr.read()
-                raise RuntimeError(f"tapml serve exited ({self.proc.wait()}) before listening:\n{err}")
-            self.lines.append(line)
-            m = re.search(r"listening on (\S+):(\d+)", line)
-            if m:
-                self.host, self.port = m.group(1).strip("[]"), int(m.group(2))
-                break
-            if time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError("tapml serve did not start listening in time")
-        # Keep draining the pipes so a chatty server never blocks on a full pipe.
         self.stderr_lines: list[str] = []
-        threading.Thread(target=self._drain, args=(self.proc.stdout, self.lines), daemon=True).start()
-        threading.Thread(target=self._drain, args=(self.proc.stderr, self.stderr_lines), daemon=True).start()
+        # Both pipes are drained for the server's whole life (a chatty server never blocks on a
+        # full pipe); the address comes through a queue so that waiting for it has a deadline
+        # even when the server prints nothing.
+        address: queue.Queue = queue.Queue()
+        threading.Thread(target=self._drain, args=(self.proc.stdout, self.lines, address), daemon=True).start()
+        stderr = threading.Thread(target=self._drain, args=(self.proc.stderr, self.stderr_lines), daemon=True)
+        stderr.start()
+        try:
+            found = address.get(timeout=startup_s)
+        except queue.Empty:
+            self.kill()
+            raise RuntimeError(f"tapml serve did not start listening within {startup_s:g} s") from None
+        if found is None:
+            code = self.proc.wait()
+            stderr.join(5)
+            raise RuntimeError(f"tapml serve exited ({code}) before listening:\n{''.join(self.stderr_lines)}")
+        self.host, self.port = found
 
     @staticmethod
-    def _drain(pipe, sink):
+    def _drain(pipe, sink: list, address: queue.Queue | None = None) -> None:
         for line in pipe:
             sink.append(line)
+            m = address is not None and re.search(r"listening on (\S+):(\d+)", line)
+            if m:
+                address.put((m.group(1).strip("[]"), int(m.group(2))))
+                address = None
+        if address is not None:
+            address.put(None)  # closed before it listened
 
     @property
     def target(self) -> str:

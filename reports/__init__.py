@@ -9,6 +9,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from tapml.errors import TapmlError
@@ -59,7 +60,7 @@ def write_report(states, out: str | Path, format: str | None = None, title: str 
     target = Path(out)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp")
+        tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")  # two writers never share one
         tmp.write_text(text, encoding="utf-8")
         tmp.replace(target)
     except OSError as e:

@@ -378,11 +378,10 @@ def run_suite(target: str = "wgpu", *, quick: bool = False, token: str | None = 
     report["goals"] = {k: {"goal": f"{op} {bound:g}", "value": report["ratios"].get(k),
                            "met": _goal_met(k, report["ratios"].get(k))} for k, (op, bound) in GOALS.items()}
     if report["transport"]:
+        from tapml.remote.bench import GOAL_OPS, goal_met
         for k, bound in report["transport"]["goals"].items():
-            op = "<" if k == "empty_call_ms" else ">="
             value = report["ratios"].get(k)
-            met = None if value is None else (value < bound if op == "<" else value >= bound)
-            report["goals"][k] = {"goal": f"{op} {bound:g}", "value": value, "met": met}
+            report["goals"][k] = {"goal": f"{GOAL_OPS[k]} {bound:g}", "value": value, "met": goal_met(k, value)}
     return report
 
 

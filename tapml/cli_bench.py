@@ -135,7 +135,8 @@ def transport(target: Optional[str] = typer.Option(None, "--target", "-t",
     """
     import secrets
 
-    from tapml.remote.bench import GOALS, measure_transport
+    from tapml.errors import PlatformError
+    from tapml.remote.bench import measure_transport
     from tapml.remote.client import RemotePlatform
     from tapml.remote.server import ServerProcess
     from tapml.targets import parse_remote, read_token
@@ -159,35 +160,38 @@ def transport(target: Optional[str] = typer.Option(None, "--target", "-t",
                 report = measure_transport(platform, size_mib << 20, repeat, calls)
             except ValueError as e:
                 fail(str(e))
+            except (PlatformError, OSError, EOFError) as e:  # the server went away mid-run
+                fail(f"transport benchmark of {platform.name} failed: {e}; check that the server is still up")
     finally:
         if server:
             server.stop()
     if json_out:
         write_json(report, json_out)
     if json_out != "-":
-        _render(report, GOALS)
+        _render(report)
     raise typer.Exit(EXIT_FINDING if check and not report["passed"] else EXIT_OK)
 
 
-def _render(r: dict, goals: dict) -> None:
+def _render(r: dict) -> None:
     from rich.table import Table
+
+    from tapml.remote.bench import GOAL_OPS, GOALS, goal_met
     table = Table(title=f"transport to {r['target']} ({r['platform']}), {r['size_bytes'] >> 20} MiB tensors, "
                         f"{r['statistic']} ({r['repeat']})")
     for col in ("", "plain socket", "tapml", "ratio", "goal"):
         table.add_column(col, justify="right")
 
-    def mark(ok: bool) -> str:
-        return "[green]ok[/]" if ok else "[red]missed[/]"
+    def goal(key: str) -> str:
+        op = {">=": "≥"}.get(GOAL_OPS[key], GOAL_OPS[key])
+        return f"{op} {GOALS[key]} {'[green]ok[/]' if goal_met(key, r['ratios'][key]) else '[red]missed[/]'}"
 
     ratios = r["ratios"]
     table.add_row("upload MB/s", f"{r['socket']['upload_MBps']:.0f}", f"{r['tensor']['upload_MBps']:.0f}",
-                  f"{ratios['upload_vs_socket']:.2f}",
-                  f"≥ {goals['upload_vs_socket']} {mark(ratios['upload_vs_socket'] >= goals['upload_vs_socket'])}")
+                  f"{ratios['upload_vs_socket']:.2f}", goal("upload_vs_socket"))
     table.add_row("download MB/s", f"{r['socket']['download_MBps']:.0f}", f"{r['tensor']['download_MBps']:.0f}",
-                  f"{ratios['download_vs_socket']:.2f}",
-                  f"≥ {goals['download_vs_socket']} {mark(ratios['download_vs_socket'] >= goals['download_vs_socket'])}")
+                  f"{ratios['download_vs_socket']:.2f}", goal("download_vs_socket"))
     table.add_row("round trip ms", f"{r['socket']['round_trip_ms']:.3f}", f"{r['empty_call_ms']:.3f}", "",
-                  f"< {goals['empty_call_ms']} {mark(r['empty_call_ms'] < goals['empty_call_ms'])}")
+                  goal("empty_call_ms"))
     out.print(table)
 
 

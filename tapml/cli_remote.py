@@ -116,6 +116,8 @@ def devices(registry_spec: str = typer.Option("udp://255.255.255.255:18811", "--
     """List the devices announced to a registry, with their caps."""
     from tapml.remote.server import SERVICE_NAME, parse_announcement, registry_client
     from tapml.targets import read_token
+    if not timeout > 0:
+        fail(f"--timeout {timeout:g} must be a positive number of seconds")
     token = read_token(token_file)
     client = registry_client(registry_spec, timeout)
     announced = {}

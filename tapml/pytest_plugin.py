@@ -243,12 +243,9 @@ class CarvedCase:
         return verdict
 
     def _tol_text(self) -> str:
-        dtype = next((m["dtype"] for m in self.case["output_meta"] if m["dtype"].startswith(("float", "bfloat"))),
-                     None)
-        if dtype is None:
-            return "exact"
-        rtol, atol = self.tolerances.get(self.case["op"], dtype)
-        return f"rtol={rtol:g} atol={atol:g}"
+        from tapml.carving.gentests import case_tolerance
+        tol = case_tolerance(self.case, self.tolerances)
+        return "exact" if tol is None else f"rtol={tol[0]:g} atol={tol[1]:g}"
 
     def __repr__(self) -> str:
         return f"<CarvedCase {self.case['id']} {self.case['op']} at {self.case['node']} on {self.target}>"

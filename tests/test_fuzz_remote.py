@@ -140,7 +140,7 @@ def rpyc_frame(payload: bytes, length: int | None = None, compressed: int = 0) -
 
 
 def brine_values():
-    from rpyc.core import brine  # noqa: F401 - what brine can encode: None, bools, ints, floats, str, bytes, tuples
+    """Values rpyc's brine encodes: None, bools, ints, floats, str, bytes, tuples."""
     leaf = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | st.text(max_size=12)
             | st.binary(max_size=16) | st.sampled_from(["exposed_compile", "exposed_run", "exposed_load", "exposed_free",
                                                          "exposed_supports", "exposed_bench_tensor", "exposed_hello",

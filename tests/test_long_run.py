@@ -52,3 +52,23 @@ def test_program_cache_is_capped_and_evicts_the_oldest():
     assert len(device.programs) == PROGRAM_CACHE
     assert programs[0].key not in device.programs and programs[-1].key in device.programs
     assert set(device.graph_keys.values()) <= set(device.programs)
+
+
+def test_program_cache_keeps_recently_used_programs():
+    """A cache hit (a run of a program, a compile of a graph already compiled) makes the
+    program the most recently used, so a program in steady use is never evicted."""
+    from tapml.platforms.base import KernelProgram
+    from tapml.platforms.reference import ReferencePlatform
+    from tapml.remote.server import PROGRAM_CACHE, Device
+    device = Device(ReferencePlatform(), "reference")
+    programs = [KernelProgram(kind="graph", inputs=[], outputs=[], graph={"n": i}) for i in range(PROGRAM_CACHE + 2)]
+    for i, program in enumerate(programs[:PROGRAM_CACHE]):
+        device.remember(program, graph_hash=f"g{i}")
+    assert device.program(programs[0].key) is programs[0]
+    assert device.program(graph_hash="g1") is programs[1]
+    assert device.program("no such key") is None and device.program(graph_hash="no such graph") is None
+    device.remember(programs[-2], graph_hash="new1")
+    device.remember(programs[-1], graph_hash="new2")
+    assert programs[0].key in device.programs and programs[1].key in device.programs
+    assert programs[2].key not in device.programs and programs[3].key not in device.programs
+    assert device.program(graph_hash="g2") is None

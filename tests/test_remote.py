@@ -322,13 +322,21 @@ def test_server_killed_mid_replay_gives_device_lost_then_reconnects(mlp):
         again.stop()
 
 
-def test_hung_server_times_out_as_device_lost(mlp):
+@pytest.mark.parametrize("given", ["argument", "environment"])
+def test_hung_server_times_out_as_device_lost(mlp, given, monkeypatch):
     from tapml.errors import DeviceLost
     from tapml.remote.server import ServerProcess
     from tapml.replay import run_case
     srv = ServerProcess(platform="reference")
+    if given == "environment":
+        monkeypatch.setenv("TAPML_REMOTE_TIMEOUT", "1")
+        kwargs = {}
+    else:
+        monkeypatch.setenv("TAPML_REMOTE_TIMEOUT", "600")  # the argument wins
+        kwargs = {"timeout": 1.0}
     try:
-        with remote(srv, token=None, timeout=1.0, connect_timeout=1.0) as platform:
+        with remote(srv, token=None, connect_timeout=1.0, **kwargs) as platform:
+            assert platform.timeout == 1.0
             case = mlp.cases[0]
             program = platform.compile(mlp.case_graph(case))
             os.kill(srv.proc.pid, signal.SIGSTOP)
@@ -344,6 +352,38 @@ def test_hung_server_times_out_as_device_lost(mlp):
             assert run_case(platform, mlp, case)["status"] == "pass"
     finally:
         srv.stop()
+
+
+def test_remote_timeout_comes_from_the_environment(monkeypatch):
+    from tapml.remote.client import DEFAULT_TIMEOUT_S, RemotePlatform, call_timeout
+    monkeypatch.delenv("TAPML_REMOTE_TIMEOUT", raising=False)
+    assert call_timeout() == DEFAULT_TIMEOUT_S == 300.0
+    monkeypatch.setenv("TAPML_REMOTE_TIMEOUT", " 1800 ")
+    assert call_timeout() == 1800.0
+    assert call_timeout(5) == 5.0
+    monkeypatch.setenv("TAPML_REMOTE_TIMEOUT", "")
+    assert call_timeout() == DEFAULT_TIMEOUT_S
+    for bad in ("abc", "0", "-5", "nan", "inf", "10s"):
+        monkeypatch.setenv("TAPML_REMOTE_TIMEOUT", bad)
+        with pytest.raises(TapmlError, match=r"TAPML_REMOTE_TIMEOUT=.* is not a positive number of seconds; "
+                                             r"set TAPML_REMOTE_TIMEOUT to"):
+            call_timeout()
+        # Checked before connecting: the message is about the setting, not the (absent) server.
+        with pytest.raises(TapmlError, match="TAPML_REMOTE_TIMEOUT"):
+            RemotePlatform("127.0.0.1", 1)
+    monkeypatch.delenv("TAPML_REMOTE_TIMEOUT")
+    for bad in (0, -1.0, float("nan"), "x"):
+        with pytest.raises(TapmlError, match="is not a positive number of seconds"):
+            call_timeout(bad)
+    with pytest.raises(TapmlError, match="connect_timeout"):
+        RemotePlatform("127.0.0.1", 1, connect_timeout=0)
+
+
+def test_bad_remote_timeout_is_a_usage_error(carved):
+    r = tapml("replay", str(carved("zoo:mlp")), "--target", "remote://127.0.0.1:1",
+              env={"TAPML_REMOTE_TIMEOUT": "soon"})
+    assert r.returncode == 2, r.stderr
+    assert "TAPML_REMOTE_TIMEOUT='soon'" in r.stderr and "Traceback" not in r.stderr
 
 
 # --- CLI ------------------------------------------------------------------------------------
