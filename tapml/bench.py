@@ -53,6 +53,11 @@ def _round(x, digits: int = 4):
     return None if x is None else round(float(x), digits)
 
 
+def _sig(x: float, digits: int = 4) -> float:
+    """``x`` to ``digits`` significant digits: small figures keep their precision too."""
+    return float(f"{x:.{digits}g}")
+
+
 def _ratio(a, b, digits: int = 4):
     return None if a is None or b is None or b == 0 else round(a / b, digits)
 
@@ -101,10 +106,10 @@ def matmul_figure(platform, n: int, batch: int = 0, repeat: int = 3) -> dict:
         s, timing = device_seconds(platform, program, [a, b], repeat)
     except Exception as e:  # noqa: BLE001 - a kernel that fails is a figure, not a crash
         return {**row, "error": f"{type(e).__name__}: {e}", "ours_gflops": None,
-                "torch_gflops": round(flops / torch_s / 1e9, 3), "ratio": None}
+                "torch_gflops": _sig(flops / torch_s / 1e9), "ratio": None}
     torch_s = min(torch_s, best_of(lambda: fn(a, b), max(3, repeat * 2), min_s=0.1 * repeat))
     ours, ref = flops / s / 1e9, flops / torch_s / 1e9
-    return {**row, "ours_gflops": round(ours, 3), "torch_gflops": round(ref, 3), "ratio": _ratio(ours, ref),
+    return {**row, "ours_gflops": _sig(ours), "torch_gflops": _sig(ref), "ratio": _ratio(ours, ref),
             "timing": timing, "max_abs_err": float((got - expected).abs().max()),
             "kernel": getattr(program, "kernels", [None])[0].name if getattr(program, "kernels", None) else None}
 
