@@ -59,7 +59,7 @@ def _sig(x: float, digits: int = 4) -> float:
 
 
 def _ratio(a, b, digits: int = 4):
-    return None if a is None or b is None or b == 0 else round(a / b, digits)
+    return None if a is None or b is None or b == 0 else _sig(a / b, digits)
 
 
 # --- kernels -------------------------------------------------------------------------------
