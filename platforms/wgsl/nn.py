@@ -313,6 +313,17 @@ def max_pool2d(pb, node, x, kernel_size, stride=(), padding=0, dilation=1, ceil_
     return res
 
 
+def _window_sum(k, x, lead, h0: str, h1: str, w0: str, w1: str) -> str:
+    """Emit the f32 sum of ``x[lead..., h0:h1, w0:w1]``; returns the accumulator's name."""
+    acc = k.var("f32", "0.0", "acc")
+    k.open(f"for (var a: i32 = {h0}; a < {h1}; a = a + 1)")
+    k.open(f"for (var b: i32 = {w0}; b < {w1}; b = b + 1)")
+    k.emit(f"{acc} = {acc} + {cast(x.read(k, list(lead) + ['a', 'b']), x.ty, 'f32')};")
+    k.close()
+    k.close()
+    return acc
+
+
 @register("aten.avg_pool2d.default", ALL_FLOAT,
           samples=lambda: [((rand(2, 3, 8, 8), [2, 2]), {}), ((rand(1, 4, 9, 9), [3, 3], [2, 2], [1, 1]), {}),
                            ((rand(1, 2, 7, 7), [3, 3], [2, 2], [1, 1], True, False), {}),
@@ -335,12 +346,7 @@ def avg_pool2d(pb, node, x, kernel_size, stride=(), padding=0, ceil_mode=False, 
         pool = k.let(f"({he} - {hs}) * ({we} - {ws})", "i32")
         h0, w0 = k.let(f"max({hs}, 0)", "i32"), k.let(f"max({ws}, 0)", "i32")
         h1, w1 = k.let(f"min({he}, {H})", "i32"), k.let(f"min({we}, {W})", "i32")
-        acc = k.var("f32", "0.0", "acc")
-        k.open(f"for (var a: i32 = {h0}; a < {h1}; a = a + 1)")
-        k.open(f"for (var b: i32 = {w0}; b < {w1}; b = b + 1)")
-        k.emit(f"{acc} = {acc} + {cast(x.read(k, list(lead) + ['a', 'b']), x.ty, 'f32')};")
-        k.close()
-        k.close()
+        acc = _window_sum(k, x, lead, h0, h1, w0, w1)
         if divisor_override:
             div = lit(divisor_override, "f32")
         elif count_include_pad:
@@ -364,11 +370,6 @@ def adaptive_avg_pool2d(pb, node, x, output_size):
         h1 = k.let(f"(({oh} + 1) * {H} + {OH - 1}) / {OH}", "i32")
         w0 = k.let(f"({ow} * {W}) / {OW}", "i32")
         w1 = k.let(f"(({ow} + 1) * {W} + {OW - 1}) / {OW}", "i32")
-        acc = k.var("f32", "0.0", "acc")
-        k.open(f"for (var a: i32 = {h0}; a < {h1}; a = a + 1)")
-        k.open(f"for (var b: i32 = {w0}; b < {w1}; b = b + 1)")
-        k.emit(f"{acc} = {acc} + {cast(x.read(k, list(lead) + ['a', 'b']), x.ty, 'f32')};")
-        k.close()
-        k.close()
+        acc = _window_sum(k, x, lead, h0, h1, w0, w1)
         return f"({acc} / f32(({h1} - {h0}) * ({w1} - {w0})))"
     return [Custom(meta.shape, meta.dtype, [x], fn, cost=9)]
