@@ -20,6 +20,7 @@ from __future__ import annotations
 import cmd
 import os
 import shlex
+import shutil
 import time
 from pathlib import Path
 
@@ -51,6 +52,8 @@ class Session:
         self.target = target
         self.state_path = Path(state) if state else None
         self.store, self.store_path = open_or_carve(str(model), state)
+        # A model carved without --state lives in a scratch folder, removed at close unless saved.
+        self._scratch = self.store_path.parent if state is None and not Path(str(model)).is_dir() else None
         self.graph = self.store.graph
         check_faults(self.graph, self.inject)
         self.platform = platform if platform is not None else open_target(target, token=token, inject=self.inject)
@@ -66,8 +69,11 @@ class Session:
         self._modules = sorted({p for n in self.graph.nodes for p in _ancestors(n.module)} - {""})
 
     def close(self) -> None:
-        """Release the target."""
+        """Release the target (and the scratch store of an unsaved session)."""
         self.platform.close()
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
 
     def __enter__(self):
         return self
@@ -256,6 +262,7 @@ class Session:
         if not target.parent.is_dir():
             raise TapmlError(f"cannot save to {target}: directory {target.parent} does not exist")
         write_json_atomic(target, self.state())
+        self._scratch = None  # the saved state points at the store: keep it
         return target
 
     def report(self, path: str | None = None) -> Path | None:

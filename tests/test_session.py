@@ -150,3 +150,19 @@ def test_session_on_vulkan(carved):
         s.fallback("relu")
         assert s.check()["status"] == "pass"
         assert len(s.profile()["regions"]) == 2
+
+
+def test_a_model_carved_without_state_is_removed_at_close_unless_saved(tmp_path):
+    from tapml import Session
+    with Session("zoo:mlp", target="reference") as s:
+        scratch = s.store_path
+        assert scratch.is_dir()
+    assert not scratch.exists()
+    with Session("zoo:mlp", target="reference") as s:
+        kept = s.store_path
+        s.save(str(tmp_path / "state.json"))
+    assert kept.is_dir()
+    import json
+    import shutil
+    assert json.loads((tmp_path / "state.json").read_text())["store"] == str(kept)
+    shutil.rmtree(kept.parent)
