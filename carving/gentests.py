@@ -22,6 +22,7 @@ import re
 import shutil
 from pathlib import Path
 
+import tapml
 from tapml.errors import TapmlError
 from tapml.targets import check_target
 
@@ -211,7 +212,7 @@ def generate_suite(store_path: str | Path, out_dir: str | Path, *, state: str | 
         default_target = "reference"
 
     env = _template_env()
-    common = {"model": store.model, "tapml_version": _tapml_version()}
+    common = {"model": store.model, "tapml_version": tapml.version()}
     known_kind = {"xfail": "xfail", "fail": "failing", "skip": "skip"}[known_failures]
     files = [out / "conftest.py"]
     files[0].write_text(encoding="utf-8", data=env.get_template("conftest.py.j2").render(
@@ -241,14 +242,6 @@ def _copy_store(store, src: Path, data: Path) -> None:
     for shard in sorted({i["shard"] for i in store.tensor_index.values()}):
         shutil.copy2(src / shard, data / shard)
     shutil.copy2(src / "manifest.json", data / "manifest.json")
-
-
-def _tapml_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version("tapml")
-    except PackageNotFoundError:
-        return "dev"
 
 
 __all__ = ["KNOWN_FAILURE_MODES", "case_test_id", "case_tolerance", "generate_suite", "load_state", "unique_ids"]

@@ -58,12 +58,10 @@ def _environment():
 
 def render_html(states: list[StateReport], title: str | None = None) -> str:
     """The report of one or more states as one HTML document (a string)."""
-    from importlib.metadata import PackageNotFoundError, version
     from markupsafe import Markup
-    try:
-        tapml_version = version("tapml")
-    except PackageNotFoundError:
-        tapml_version = "dev"
+
+    from tapml import version
+    tapml_version = version()
     env = _environment()
     sections = []
     for i, s in enumerate(states):

@@ -5,6 +5,15 @@
 """
 
 
+def version() -> str:
+    """The installed tapml version (``"dev"`` when running from a source tree that is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version as package_version
+    try:
+        return package_version("tapml")
+    except PackageNotFoundError:
+        return "dev"
+
+
 def __getattr__(name: str):
     if name == "Session":
         from tapml.session import Session
