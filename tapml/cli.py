@@ -95,11 +95,18 @@ def carve(model: str = typer.Argument(..., help="zoo:NAME, hf:MODEL_TYPE, path/f
                                                           for p in target.iterdir())):
         fail(f"{output} exists and is not an empty directory or a carve store; choose another -o")
     overrides = parse_hf_overrides(hf_config)
-    with progress_bar(quiet) as bar:
-        task = bar.add_task(f"carving {model}", total=None)
-        info = carve_model(model, output, seed=seed, device=device, hf_config=overrides,
-                           on_start=lambda n: bar.update(task, total=n),
-                           on_node=lambda _: bar.advance(task))
+    created = not target.exists()
+    try:
+        with progress_bar(quiet) as bar:
+            task = bar.add_task(f"carving {model}", total=None)
+            info = carve_model(model, output, seed=seed, device=device, hf_config=overrides,
+                               on_start=lambda n: bar.update(task, total=n),
+                               on_node=lambda _: bar.advance(task))
+    except BaseException:
+        if created:  # no half-written store left behind
+            import shutil
+            shutil.rmtree(target, ignore_errors=True)
+        raise
     if json_out:
         write_json({"model": model, "store": str(Path(output).resolve()), **info}, json_out)
     console.print(f"carved [bold]{model}[/] -> {output}: {info['nodes']} nodes, {info['cases']} cases, "

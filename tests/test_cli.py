@@ -141,3 +141,19 @@ def test_json_and_quiet_modes_for_scripts(carved, tmp_path):
     assert info["cases"] == 10 and info["store"].endswith("s")
     r = tapml("inspect", tmp_path / "s", "-q")
     assert r.exit_code == 0 and r.output.strip() == "zoo:mlp: 6 ops, 10 cases, 10 nodes"
+
+
+def test_interrupted_carve_leaves_no_half_store(tmp_path, monkeypatch):
+    from tapml.carving.tracer import CarvingInterpreter
+    run_node, calls = CarvingInterpreter.run_node, []
+
+    def interrupted(self, n):  # Ctrl-C arriving in the middle of the reference run
+        calls.append(n)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return run_node(self, n)
+
+    monkeypatch.setattr(CarvingInterpreter, "run_node", interrupted)
+    r = tapml("carve", "zoo:mlp", "-o", tmp_path / "out")
+    assert r.exit_code == 130, r.output
+    assert len(calls) == 5 and not (tmp_path / "out").exists()
