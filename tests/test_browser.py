@@ -47,12 +47,15 @@ def browser():
     platform.close()
 
 
-ADD_WGSL = """
+# Bindings of add_program's buffers: a (f32 in), b (i32 in), c (f32 out), m (bool out as u32).
+BINDINGS = """
 @group(0) @binding(0) var<storage, read> a: array<f32>;
 @group(0) @binding(1) var<storage, read> b: array<i32>;
 @group(0) @binding(2) var<storage, read_write> c: array<f32>;
 @group(0) @binding(3) var<storage, read_write> m: array<u32>;
-@compute @workgroup_size(64) fn main(@builtin(global_invocation_id) g: vec3<u32>) {
+"""
+
+ADD_WGSL = BINDINGS + """@compute @workgroup_size(64) fn main(@builtin(global_invocation_id) g: vec3<u32>) {
   let i = g.x;
   if (i < arrayLength(&c)) { c[i] = a[i] + f32(b[i]); m[i] = select(0u, 1u, c[i] > 0.0); }
 }"""
@@ -142,12 +145,7 @@ def test_frames_have_a_small_binary_header():
         decode_frame(b"[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]")
 
 
-SLOW_WGSL = """
-@group(0) @binding(0) var<storage, read> a: array<f32>;
-@group(0) @binding(1) var<storage, read> b: array<i32>;
-@group(0) @binding(2) var<storage, read_write> c: array<f32>;
-@group(0) @binding(3) var<storage, read_write> m: array<u32>;
-@compute @workgroup_size(64) fn main(@builtin(global_invocation_id) g: vec3<u32>) {
+SLOW_WGSL = BINDINGS + """@compute @workgroup_size(64) fn main(@builtin(global_invocation_id) g: vec3<u32>) {
   var x = a[g.x];
   for (var i = 0; i < b[g.x]; i++) { x = fma(x, 0.999999, 1e-7); }
   c[g.x] = x;

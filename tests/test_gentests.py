@@ -301,25 +301,18 @@ def test_generate_for_a_pure_torch_zoo_model(carved, tmp_path):
     assert rc == 0 and f"{info['cases']} passed" in out, out
 
 
-def _wgpu_missing() -> str | None:
-    """Why wgpu:vulkan cannot be used here (None when it can)."""
-    try:
-        import tapml.platforms.wgpu_native  # noqa: F401
-    except ImportError as e:
-        return f"tapml.platforms.wgpu_native is not importable yet ({e})"
+@pytest.fixture(scope="module")
+def vulkan_available():
+    """Skips the test, with the reason, when wgpu:vulkan cannot be opened here."""
     from tapml.targets import open_target
     try:
         open_target("wgpu:vulkan").close()
     except Exception as e:  # noqa: BLE001 - any failure to get an adapter means skip
-        return f"no wgpu Vulkan adapter on this machine ({e}); CI provides lavapipe"
-    return None
+        pytest.skip(f"no wgpu Vulkan adapter on this machine ({e}); CI provides lavapipe")
 
 
 @pytest.mark.device
-def test_generated_suite_on_wgpu_vulkan(llama, llama_suite, tmp_path):
-    missing = _wgpu_missing()
-    if missing:
-        pytest.skip(missing)
+def test_generated_suite_on_wgpu_vulkan(vulkan_available, llama, llama_suite, tmp_path):
     _, store = llama
     rc, out = run_suite(llama_suite, "--tapml-target", "wgpu:vulkan", "--junitxml", tmp_path / "r.xml")
     assert rc == 0, out[-4000:]
@@ -352,10 +345,8 @@ WgpuPlatform._compile = _buggy
 
 
 @pytest.mark.device
-def test_regression_planted_in_a_wgpu_lowering_fails_exactly_its_tests(llama, llama_suite, tmp_path):
-    missing = _wgpu_missing()
-    if missing:
-        pytest.skip(missing)
+def test_regression_planted_in_a_wgpu_lowering_fails_exactly_its_tests(vulkan_available, llama, llama_suite,
+                                                                      tmp_path):
     _, store = llama
     (tmp_path / "planted_bug.py").write_text(PLANTED_BUG)
     sigmoid = [c for c in store.cases if c["op"] == "aten.sigmoid.default"]
