@@ -3,7 +3,8 @@
 Two inputs are accepted (ARCHITECTURE.md): a Verdict JSON from ``tapml replay --json`` and a
 migration state from ``tapml migrate --state``, which is a Verdict JSON plus ``units``,
 ``placement``, ``culprits`` and ``end_to_end``. Optional keys may be missing; a file that is not
-such a document raises :class:`~tapml.errors.TapmlError` saying what is wrong.
+such a document, or one with a field of the wrong type, raises :class:`~tapml.errors.TapmlError`
+naming the file and the field (the schema is :mod:`tapml.verdict`'s).
 
 Example::
 
@@ -14,17 +15,15 @@ Example::
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tapml.errors import TapmlError
+from tapml.verdict import CULPRIT_KINDS, STAT_KEYS, STATUSES, MigrationState, VerdictDocument, passed, summary
 
-STATUSES = ("pass", "mismatch", "unsupported", "error")
-STAT_KEYS = ("max_abs_err", "max_rel_err", "mismatch_fraction")
 #: Order of culprit kinds at the top of a report: the most specific finding first.
-KIND_ORDER = {"op": 0, "node": 1, "error": 2, "accumulated": 3, "region": 4, "unsupported": 5}
+KIND_ORDER = {kind: i for i, kind in enumerate(CULPRIT_KINDS)}
 
 
 @dataclass
@@ -55,16 +54,13 @@ class StateReport:
 
     @property
     def summary(self) -> dict:
-        counts = dict.fromkeys(STATUSES, 0)
-        for c in self.cases:
-            counts[c["status"]] += 1
-        return counts
+        return summary(self.cases)
 
     @property
     def passed(self) -> bool:
-        """Every case passed, nothing was blamed and the end-to-end check (if any) passed."""
-        return (all(c["status"] == "pass" for c in self.cases) and not self.culprits
-                and (self.end_to_end is None or self.end_to_end.get("status") == "pass"))
+        """:func:`tapml.verdict.passed`: every case passed, nothing was blamed, and the end-to-end
+        check passed (a migration needs one; a replay has none)."""
+        return passed(self.cases, self.culprits, self.end_to_end, needs_end_to_end=self.kind == "migration")
 
     @property
     def shares(self) -> dict:
@@ -91,15 +87,13 @@ class StateReport:
         out = []
         for i, c in enumerate(self.culprits):
             evidence = _evidence(c, by_case, by_unit)
-            out.append({"culprit": True, "rank": i, "kind": c.get("kind") or "op", "op": c.get("op") or "?",
-                        "ops": c.get("ops") or [c.get("op") or "?"], "node": c.get("node") or "",
-                        "nodes": c.get("nodes") or ([c["node"]] if c.get("node") else []),
-                        "module": c.get("module") or "", "status": c.get("status") or "mismatch",
-                        "message": c.get("message") or (evidence or {}).get("message", ""),
+            out.append({"culprit": True, "rank": i, "kind": c["kind"], "op": c["op"], "ops": c["ops"],
+                        "node": c["node"], "nodes": c["nodes"], "module": c["module"], "status": c["status"],
+                        "message": c["message"] or (evidence or {}).get("message", ""),
                         "unit": c.get("unit") or "", "region": c.get("region"),
-                        **_stats({"status": c.get("status") or "mismatch",
-                                  **{k: c.get(k, (evidence or {}).get(k)) for k in STAT_KEYS}}),
-                        "worst": list((evidence or {}).get("worst") or c.get("worst") or [])})
+                        **_stats({"status": c["status"],
+                                  **{k: c[k] if c[k] is not None else (evidence or {}).get(k) for k in STAT_KEYS}}),
+                        "worst": list((evidence or {}).get("worst") or c["worst"])})
         out.sort(key=lambda f: (KIND_ORDER.get(f["kind"], 9), -_sortable(f["max_abs_err"]), f["rank"]))
         blamed = {f["op"] for f in out} | {op for f in out for op in f["ops"]}
         for c in self.cases:
@@ -229,106 +223,66 @@ def _evidence(culprit: dict, by_case: dict, by_unit: dict) -> dict | None:
     return None
 
 
-def _num(x):
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        return None
-    return float(x)
-
-
 def _sortable(x) -> float:
     return -1.0 if x is None else x
 
 
 def _stats(v: dict) -> dict:
-    stats = {k: _num(v.get(k)) for k in STAT_KEYS}
+    stats = {k: v.get(k) for k in STAT_KEYS}
     if v.get("status") == "mismatch" and stats["max_abs_err"] is None:
         stats["max_abs_err"] = math.inf  # NaN/Inf where the reference is finite, or shapes differ
     return stats
 
 
-def _case(c: dict, where: str) -> dict:
-    if not isinstance(c, dict) or not isinstance(c.get("op"), str) or c.get("status") not in STATUSES:
-        raise TapmlError(f"{where} is not a verdict (it needs at least \"op\" and a \"status\" of "
-                         f"{', '.join(STATUSES)})")
-    return {"id": str(c.get("id", "")), "op": c["op"], "node": str(c.get("node") or ""),
-            "module": str(c.get("module") or ""), "status": c["status"], "message": str(c.get("message") or ""),
-            "instances": int(c.get("instances") or 1), "time_ms": _num(c.get("time_ms")),
-            **_stats(c), "worst": [w for w in c.get("worst") or [] if isinstance(w, dict)]}
-
-
-def _unit(u: dict, where: str) -> dict:
-    if not isinstance(u, dict) or u.get("status") not in STATUSES:
-        raise TapmlError(f"{where} is not a unit verdict (it needs a \"status\" of {', '.join(STATUSES)})")
-    nodes = u.get("nodes") if isinstance(u.get("nodes"), list) else []
-    return {"id": str(u.get("id", "")), "kind": str(u.get("kind") or "region"), "role": str(u.get("role") or ""),
-            "module": str(u.get("module") or ""), "nodes": [str(n) for n in nodes],
-            "on_target": u.get("on_target") if isinstance(u.get("on_target"), int) else None,
-            "status": u["status"], "message": str(u.get("message") or ""), "time_ms": _num(u.get("time_ms")),
-            **_stats(u), "worst": [w for w in u.get("worst") or [] if isinstance(w, dict)]}
-
-
-def _reference_info(data: dict, path: Path) -> dict:
+def _reference_info(store: str | None, path: Path) -> dict:
     """The reference side, from the store a migration state names (when it is still there)."""
-    info = {"device": "cpu", "torch": None, "store": data.get("store")}
-    store = data.get("store")
-    if isinstance(store, str):
+    from tapml.verdict import read_json_file
+    info = {"device": "cpu", "torch": None, "store": store}
+    if store:
         manifest = (path.parent / store if not Path(store).is_absolute() else Path(store)) / "manifest.json"
         try:
-            m = json.loads(manifest.read_text())
-            info.update(device=m.get("reference_device") or "cpu", torch=m.get("torch_version"))
-        except (OSError, ValueError, AttributeError):
-            pass
+            m = read_json_file(manifest, str(manifest))
+        except (TapmlError, OSError, ValueError):
+            return info
+        if isinstance(m, dict):
+            device, torch = m.get("reference_device"), m.get("torch_version")
+            info.update(device=device if isinstance(device, str) and device else "cpu",
+                        torch=torch if isinstance(torch, str) else None)
     return info
 
 
+HINT = "expected a Verdict JSON (`tapml replay --json`) or a migration state (`tapml migrate --state`)"
+
+
 def parse_state(data, path: str = "<state>") -> StateReport:
-    """Normalize an already-parsed Verdict JSON or migration state; TapmlError when it is neither."""
-    hint = "expected a Verdict JSON (`tapml replay --json`) or a migration state (`tapml migrate --state`)"
-    if not isinstance(data, dict):
-        raise TapmlError(f"{path} is not a verdict file: its JSON is a {type(data).__name__}, not an object; {hint}")
-    if not isinstance(data.get("cases"), list) or not isinstance(data.get("target"), str):
-        missing = [k for k in ("target", "cases") if k not in data]
-        what = f"lacks {' and '.join(missing)}" if missing else "has a malformed target or cases"
-        raise TapmlError(f"{path} {what}; {hint}")
-    cases = [_case(c, f"{path}: cases[{i}]") for i, c in enumerate(data["cases"])]
-    units = data.get("units") if isinstance(data.get("units"), list) else []
-    units = [_unit(u, f"{path}: units[{i}]") for i, u in enumerate(units)]
-    culprits = [c for c in data.get("culprits") or [] if isinstance(c, dict)]
-    placement = data.get("placement") if isinstance(data.get("placement"), dict) else {}
-    e2e = data.get("end_to_end") if isinstance(data.get("end_to_end"), dict) else None
-    if e2e is not None:
-        e2e = {"status": e2e.get("status") if e2e.get("status") in STATUSES else "error",
-               "message": str(e2e.get("message") or ""), "time_ms": _num(e2e.get("time_ms")),
-               **_stats(e2e), "worst": list(e2e.get("worst") or [])}
-    device = data.get("device") if isinstance(data.get("device"), dict) else {}
-    device = {"adapter": str(device.get("adapter") or ""), "backend": str(device.get("backend") or ""),
-              "features": [str(f) for f in device.get("features") or []],
-              "limits": device.get("limits") if isinstance(device.get("limits"), dict) else {},
-              "error": str(device.get("error") or "")}
-    migration = any(k in data for k in ("units", "culprits", "placement", "end_to_end"))
-    return StateReport(path=path, kind="migration" if migration else "replay", target=data["target"],
-                       model=str(data.get("model") or "?"), device=device, cases=cases, units=units,
-                       culprits=culprits, placement=placement, end_to_end=e2e,
-                       tolerances=data.get("tolerances") if isinstance(data.get("tolerances"), dict) else {},
-                       reference=_reference_info(data, Path(path)), stage=data.get("stage"),
-                       complete=bool(data.get("complete", True)),
-                       inject=[str(x) for x in data.get("inject") or []])
+    """Normalize an already-parsed Verdict JSON or migration state; TapmlError naming the field
+    when it is neither (optional keys may be missing; present ones must have their type)."""
+    doc = VerdictDocument.from_json(data, path, hint=HINT)
+    migration = isinstance(doc, MigrationState)
+
+    def verdict(v) -> dict:
+        return {**v.to_json(), **_stats(v.to_json())}
+
+    device = {"adapter": "", "backend": "", "features": [], "limits": {}, "error": "", **(doc.device or {})}
+    return StateReport(path=path, kind="migration" if migration else "replay", target=doc.target,
+                       model=doc.model or "?", device=device, cases=[verdict(c) for c in doc.cases],
+                       units=[verdict(u) for u in doc.units] if migration else [],
+                       culprits=[c.to_json() for c in doc.culprits] if migration else [],
+                       placement=doc.placement if migration else {},
+                       end_to_end=verdict(doc.end_to_end) if migration and doc.end_to_end else None,
+                       tolerances=doc.tolerances, reference=_reference_info(doc.store if migration else None, Path(path)),
+                       stage=doc.stage if migration else None, complete=doc.complete if migration and doc.stage else True,
+                       inject=doc.inject if migration else [])
 
 
 def load_state(path: str | Path) -> StateReport:
-    """Read one Verdict JSON or migration state file."""
+    """Read one Verdict JSON or migration state file (see :func:`parse_state`)."""
+    from tapml.verdict import read_json_file
     p = Path(path)
     if not p.is_file():
         raise TapmlError(f"{path} does not exist; pass a file written by `tapml replay --json` or "
                          "`tapml migrate --state`")
-    try:
-        data = json.loads(p.read_text())
-    except UnicodeDecodeError:
-        raise TapmlError(f"{path} is not a text file; pass a verdict or state JSON file") from None
-    except json.JSONDecodeError as e:
-        raise TapmlError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); pass a verdict or state "
-                         "JSON file") from None
-    return parse_state(data, str(path))
+    return parse_state(read_json_file(p, str(path), "pass a verdict or state JSON file"), str(path))
 
 
 def load_states(paths) -> list[StateReport]:

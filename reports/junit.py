@@ -7,7 +7,7 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 
 from tapml.reports.data import StateReport
-from tapml.reports.html import fmt_err, fmt_pct
+from tapml.reports.html import fmt_err, fmt_pct, visible_text
 
 
 def _seconds(ms) -> str:
@@ -20,7 +20,8 @@ def _details(v: dict) -> str:
     if v.get("message"):
         lines.append(v["message"])
     for w in v.get("worst") or []:
-        lines.append(f"  at {w.get('index')}: target {w.get('target')} reference {w.get('reference')}")
+        if isinstance(w, dict):
+            lines.append(f"  at {w.get('index')}: target {w.get('target')} reference {w.get('reference')}")
     return "\n".join(lines)
 
 
@@ -75,8 +76,20 @@ def junit_tree(states: list[StateReport]) -> ET.ElementTree:
         totals["time"] += time_ms
     for k, n in totals.items():
         root.set(k, _seconds(n) if k == "time" else str(n))
+    _make_xml_safe(root)
     ET.indent(root)
     return ET.ElementTree(root)
+
+
+def _make_xml_safe(root: ET.Element) -> None:
+    """Write every character XML 1.0 cannot hold (controls, lone surrogates, U+FFFE/U+FFFF)
+    as a visible escape in every attribute and text; ElementTree escapes ``<&"`` itself but
+    would write those characters raw and make the document unreadable."""
+    for el in root.iter():
+        for key, value in el.attrib.items():
+            el.set(key, visible_text(value))
+        if el.text is not None:
+            el.text = visible_text(el.text)
 
 
 def render_junit(states: list[StateReport]) -> str:

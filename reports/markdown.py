@@ -2,34 +2,80 @@
 
 from __future__ import annotations
 
+import re
+
 from tapml.reports.data import STATUSES, StateReport, coverage_matrix
-from tapml.reports.html import fmt_err, fmt_ms, fmt_pct
+from tapml.reports.html import fmt_err, fmt_ms, fmt_pct, visible_text
 
 ICON = {"pass": "✅", "mismatch": "❌", "error": "💥", "unsupported": "⚠️"}
 
+# Inline Markdown syntax, escaped with a backslash wherever it occurs in data: code spans,
+# emphasis, strikethrough, links and images, table cells, math, headings, escapes themselves.
+# An underscore inside a word is left alone (GFM never reads it as emphasis): `add_3`, not `add\_3`.
+_INLINE = re.compile(r"[\\`*\[\]|~$#]|(?<![A-Za-z0-9])_|_(?![A-Za-z0-9])")
+_HTML = {"&": "&amp;", "<": "&lt;", ">": "&gt;"}
+# What makes a line a block (list item, heading, quote, setext rule) when it starts one.
+_BLOCK_START = re.compile(r"^(\d+)([.)])|^([-+=])")
+# Text shown as a code span as it is: nothing a code span or a table cell would interpret.
+_CODE_SAFE = re.compile(r"[^`|<>&\s]+(?: [^`|<>&\s]+)*")
 
-def _cell(text) -> str:
-    """Table cell text: pipes escaped, one line."""
-    return str(text).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+
+class Md(str):
+    """Text that is already Markdown (made by :func:`md` or :func:`code`): tables keep it as is."""
 
 
-def _table(header: list[str], rows: list[list], align: str = "") -> list[str]:
+def md(text, line_start: bool = False) -> Md:
+    """``text`` (anything from a state file) as Markdown that shows exactly it: one line (line
+    breaks become spaces), controls visible as escapes, HTML characters as entities, Markdown
+    syntax backslash-escaped. ``line_start``: the text begins a block, so a leading ``-``, ``+``,
+    ``=`` or ``1.`` is escaped too. Example: ``md("<b>|x*")`` -> ``"&lt;b&gt;\\|x\\*"``."""
+    flat = " ".join(visible_text(text).replace("\r", "\n").replace("\t", " ").split("\n"))
+    out = _INLINE.sub(lambda m: "\\" + m.group(), flat)
+    out = "".join(_HTML.get(ch, ch) for ch in out)
+    if line_start:
+        out = _BLOCK_START.sub(lambda m: f"{m.group(1)}\\{m.group(2)}" if m.group(1) else "\\" + m.group(3), out)
+    return Md(out)
+
+
+def code(text) -> Md:
+    """``text`` as a code span when that shows it exactly (op names, module paths), else as
+    escaped text in ``<code>`` (still monospace, still one cell, no raw HTML from the data)."""
+    text = str(text)
+    if _CODE_SAFE.fullmatch(text) and visible_text(text) == text:
+        return Md(f"`{text}`")
+    return Md(f"<code>{md(text)}</code>")
+
+
+def _cell(value) -> str:
+    """A table cell: Markdown made here as it is, anything else escaped into one line."""
+    return value if isinstance(value, Md) else md(value)
+
+
+def _table(header: list, rows: list[list], align: str = "") -> list[str]:
     align = align or "l" * len(header)
     rule = ["---:" if a == "r" else "---" for a in align]
-    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(rule) + " |"]
+    lines = ["| " + " | ".join(_cell(h) for h in header) + " |", "| " + " | ".join(rule) + " |"]
     lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
     return lines
 
 
+def _worst(w: dict) -> str:
+    index = w.get("index")
+    index = ", ".join(map(str, index)) if isinstance(index, list) else ("" if index is None else str(index))
+    return f"\\[{md(index)}\\] target {md(w.get('target'))} vs reference {md(w.get('reference'))}"
+
+
 def render_markdown(states: list[StateReport], max_rows: int = 60) -> str:
     """Markdown for one or more states: verdict line, findings (culprits first) with their
-    worst elements, op coverage when several states are given, and per-op tables."""
-    lines = [f"# tapml report: {', '.join(sorted({s.model for s in states}))}", ""]
+    worst elements, op coverage when several states are given, and per-op tables. Every value
+    from the states is escaped (:func:`md`, :func:`code`): a state file cannot add HTML,
+    links, emphasis, lines or table cells to the report."""
+    lines = [f"# tapml report: {md(', '.join(sorted({str(s.model) for s in states})))}", ""]
     for s in states:
         summary = s.summary
         verdict = "✅ passed" if s.passed else "❌ did not pass"
         counts = ", ".join(f"{summary[k]} {k}" for k in STATUSES)
-        lines.append(f"**{s.model} on {s.label}** ({s.kind}): {verdict}; {counts}.")
+        lines.append(f"**{md(s.model)} on {md(s.label)}** ({md(s.kind)}): {verdict}; {counts}.")
     lines.append("")
 
     findings = [(s, f) for s in states for f in s.failures]
@@ -37,43 +83,42 @@ def render_markdown(states: list[StateReport], max_rows: int = 60) -> str:
     if findings:
         lines += ["## Findings", ""]
         for s, f in findings:
-            where = f"`{f['module'] or '<root>'}`" + (f" (node `{f['node']}`)" if f["node"] else "")
+            where = code(f["module"] or "<root>") + (f" (node {code(f['node'])})" if f["node"] else "")
             tag = "**culprit** " if f["culprit"] else ""
-            on = f" on {s.label}" if len(states) > 1 else ""
-            lines.append(f"- {ICON.get(f['status'], '')} {tag}`{f['op']}` {f['status']} ({f['kind']}){on} in {where}: "
-                         f"max abs error {fmt_err(f['max_abs_err'])}, max rel error {fmt_err(f['max_rel_err'])}, "
-                         f"{fmt_pct(f['mismatch_fraction'])} mismatching")
+            on = f" on {md(s.label)}" if len(states) > 1 else ""
+            lines.append(f"- {ICON.get(f['status'], '')} {tag}{code(f['op'])} {md(f['status'])} ({md(f['kind'])}){on} "
+                         f"in {where}: max abs error {fmt_err(f['max_abs_err'])}, max rel error "
+                         f"{fmt_err(f['max_rel_err'])}, {fmt_pct(f['mismatch_fraction'])} mismatching")
             if f["message"]:
-                lines.append(f"  - {f['message']}")
-            if f["worst"]:
-                lines.append("  - worst elements: " + "; ".join(
-                    f"[{', '.join(map(str, w.get('index', [])))}] target {w.get('target')} vs reference "
-                    f"{w.get('reference')}" for w in f["worst"][:3]))
+                lines.append(f"  - {md(f['message'], line_start=True)}")
+            worst = [w for w in f["worst"] or [] if isinstance(w, dict)]
+            if worst:
+                lines.append("  - worst elements: " + "; ".join(_worst(w) for w in worst[:3]))
         lines.append("")
 
     if len(states) > 1:
         m = coverage_matrix(states)
         lines += ["## Op coverage", ""]
-        rows = [[f"`{r['op']}`"] + [f"{ICON[c['status']]} {c['pass']}/{c['total']}" if c else "—" for c in r["cells"]]
+        rows = [[code(r["op"])] + [f"{ICON[c['status']]} {c['pass']}/{c['total']}" if c else "—" for c in r["cells"]]
                 for r in m["rows"]]
         lines += _table(["op"] + m["labels"], rows) + [""]
 
     for s in states:
         shares = s.shares
-        lines += [f"## {s.model} on {s.label}", ""]
+        lines += [f"## {md(s.model)} on {md(s.label)}", ""]
         dev = s.device
-        lines.append(f"- reference: torch eager, {s.reference.get('device', 'cpu')}")
-        lines.append(f"- target: {s.target}: {dev['adapter'] or '?'} ({dev['backend'] or '?'}); features: "
-                     f"{', '.join(dev['features']) or 'none'}")
-        lines.append(f"- ops on the target: {fmt_pct(shares['ops_share'])} ({shares['ops_on_target']} of "
-                     f"{shares['ops_total']}{'' if shares['basis'] == 'placement' else ', calls whose case passes'})"
-                     f"; FLOPs on the target: {fmt_pct(shares['flops_share'])}")
+        lines.append(f"- reference: torch eager, {md(s.reference.get('device', 'cpu'))}")
+        lines.append(f"- target: {md(s.target)}: {md(dev['adapter'] or '?')} ({md(dev['backend'] or '?')}); "
+                     f"features: {md(', '.join(dev['features']) or 'none')}")
+        basis = "" if shares["basis"] == "placement" else ", calls whose case passes"
+        lines.append(f"- ops on the target: {fmt_pct(shares['ops_share'])} ({md(shares['ops_on_target'])} of "
+                     f"{md(shares['ops_total'])}{basis}); FLOPs on the target: {fmt_pct(shares['flops_share'])}")
         e2e = s.end_to_end
-        lines.append("- end to end: " + (f"{ICON.get(e2e.get('status'), '')} {e2e.get('status')}, max abs error "
+        lines.append("- end to end: " + (f"{ICON.get(e2e.get('status'), '')} {md(e2e.get('status'))}, max abs error "
                                          f"{fmt_err(e2e.get('max_abs_err'))}" if e2e else "not run"))
         lines.append("")
         cases = sorted(s.cases, key=lambda c: (c["status"] == "pass", -(c["max_abs_err"] or 0.0)))
-        rows = [[c["id"], f"`{c['op']}`", c["node"], c["module"], f"{ICON[c['status']]} {c['status']}",
+        rows = [[c["id"], code(c["op"]), c["node"], c["module"], f"{ICON[c['status']]} {c['status']}",
                  fmt_err(c["max_abs_err"]), fmt_err(c["max_rel_err"]), fmt_pct(c["mismatch_fraction"]),
                  fmt_ms(c["time_ms"])] for c in cases[:max_rows]]
         lines += ["<details><summary>" + f"{len(s.cases)} cases (failures first)" + "</summary>", ""]
@@ -82,11 +127,11 @@ def render_markdown(states: list[StateReport], max_rows: int = 60) -> str:
         if len(cases) > max_rows:
             lines.append(f"\n… and {len(cases) - max_rows} more cases (see the HTML report).")
         lines += ["", "</details>", ""]
-        times = [[f"`{r['op']}`", r["instances"], fmt_ms(r["mean_ms"]), fmt_ms(r["ms_per_model"]), fmt_pct(r["share"])]
+        times = [[code(r["op"]), r["instances"], fmt_ms(r["mean_ms"]), fmt_ms(r["ms_per_model"]), fmt_pct(r["share"])]
                  for r in s.op_times()[:15]]
         lines += ["Time per op on the target (top 15):", ""]
         lines += _table(["op", "calls per run", "ms per call", "ms per model run", "share"], times, "lrrrr") + [""]
     return "\n".join(lines)
 
 
-__all__ = ["render_markdown"]
+__all__ = ["render_markdown", "md", "code", "Md"]

@@ -287,7 +287,6 @@ def migrate_figure(spec: str, target: str, workdir: Path, token: str | None = No
     """Wall time of ``tapml migrate SPEC -t TARGET`` in a fresh process, exactly as a user runs
     it (interpreter start, imports, carving, opening the device and every stage), with the
     outcome read from its state file."""
-    import json
     import subprocess
     import sys
     workdir = Path(workdir)
@@ -306,9 +305,10 @@ def migrate_figure(spec: str, target: str, workdir: Path, token: str | None = No
     if proc.returncode not in (0, 1) or not state_path.is_file():
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         return {"s": seconds, "passed": False, "error": f"exit {proc.returncode}: {tail}"}
-    state = json.loads(state_path.read_text())
-    return {"s": seconds, "passed": bool(state["passed"]), "cases": sum(state["summary"].values()),
-            "ops_share": state["placement"]["ops_share"], "culprits": len(state["culprits"])}
+    from tapml.verdict import MigrationState
+    state = MigrationState.read(state_path, what="migration state", strict=True)
+    return {"s": seconds, "passed": state.passed, "cases": len(state.cases),
+            "ops_share": state.placement["ops_share"], "culprits": len(state.culprits)}
 
 
 # --- the suite -----------------------------------------------------------------------------

@@ -35,11 +35,11 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from tapml.compare import Comparison, Tolerances, compare_outputs, compare_tensor, merge
-from tapml.errors import DeviceLost, PlatformError, TapmlError, Unsupported
+from tapml.errors import DeviceLost, TapmlError
 from tapml.graph import Graph, dtype_name
 from tapml.hybrid import REFERENCE, TARGET, HybridResult, HybridRunner, placement_shares, reference_values
-
-STATE_FORMAT = "tapml-migration/1"
+from tapml.verdict import (STATE_FORMAT, CaseVerdict, Culprit, EndToEnd, MigrationState, UnitVerdict, Verdict,
+                           culprit_kind, journal_record, outcome_verdict, parse_json)
 #: Bisect-and-recheck rounds per region before giving up on it.
 MAX_ROUNDS = 8
 
@@ -52,16 +52,23 @@ def journal_path(state_path: str | Path) -> Path:
     return state_path.with_name(state_path.name + ".journal")
 
 
+#: What a refused journal's message tells the user to do.
+START_OVER = "remove it and its state file to start over"
+
+
 class Journal:
     """An append-only JSON-lines file of ``{"key", "record"}`` lines, each flushed and fsynced.
 
     The first line is a header (the options the migration was started with). Reading tolerates
-    a torn last line, which is what a kill in the middle of a write leaves behind.
+    a torn last line, which is what a kill in the middle of a write leaves behind, and nothing
+    else: a record that does not fit its schema (:func:`~tapml.verdict.journal_record`) makes
+    the whole journal refused. Records are typed: the device dict, :class:`CaseVerdict`,
+    :class:`UnitVerdict`.
     """
 
     def __init__(self, path: Path, header: dict, resume: bool):
         self.path = Path(path)
-        self.records: dict[str, dict] = {}
+        self.records: dict[str, object] = {}
         if resume and self.path.exists():
             old_header, self.records = self.read(self.path)
             if old_header is not None and old_header != header:
@@ -71,26 +78,43 @@ class Journal:
         self._file = open(self.path, "a")
 
     @staticmethod
-    def read(path: Path) -> tuple[dict | None, dict[str, dict]]:
-        """``(header, {key: record})`` of a journal file; TapmlError when a line other than
-        the last is not JSON."""
+    def read(path: Path) -> tuple[dict | None, dict[str, object]]:
+        """``(header, {key: typed record})`` of a journal file; TapmlError when a line other than
+        the last is not JSON, or any line does not fit its schema."""
+        from tapml.verdict import MAX_FILE_BYTES, _check_depth, _Ctx
         header, records = None, {}
-        with open(path) as f:
-            lines = f.read().split("\n")
+        try:
+            if path.stat().st_size > MAX_FILE_BYTES:
+                raise TapmlError(f"journal {path} is larger than {MAX_FILE_BYTES >> 20} MiB; {START_OVER}")
+            with open(path, "rb") as f:
+                text = f.read().decode("utf-8")
+        except UnicodeDecodeError:
+            raise TapmlError(f"journal {path} is not a text file; {START_OVER}") from None
+        except OSError as e:
+            raise TapmlError(f"cannot read journal {path}: {e.strerror}") from None
+        lines = text.split("\n")
         for i, line in enumerate(lines):
             if not line.strip():
                 continue
+            where = f"journal {path} line {i + 1}"
             try:
-                item = json.loads(line)
+                item = json.loads(line, parse_constant=_no_constant)
             except json.JSONDecodeError:
                 if i >= len(lines) - 2:  # torn final line from a kill mid-write
                     break
-                raise TapmlError(f"journal {path} is corrupt at line {i + 1}; remove it and its state file "
-                                 "to start over") from None
-            if "header" in item:
+                raise TapmlError(f"journal {path} is corrupt at line {i + 1}; {START_OVER}") from None
+            except (ValueError, RecursionError):
+                parse_json(line, where, START_OVER)  # raises TapmlError saying what is wrong
+                raise
+            _check_depth(item, _Ctx(where, True, START_OVER))
+            if isinstance(item, dict) and set(item) == {"header"} and isinstance(item["header"], dict) \
+                    and header is None and not records:
                 header = item["header"]
+            elif isinstance(item, dict) and set(item) == {"key", "record"} and header is not None:
+                records[item["key"]] = journal_record(item["key"], item["record"], where, START_OVER)
             else:
-                records[item["key"]] = item["record"]
+                raise TapmlError(f"{where} is not a journal line (a header first, then {{\"key\", \"record\"}} "
+                                 f"lines); {START_OVER}")
         return header, records
 
     def _rewrite(self, header: dict) -> None:
@@ -98,24 +122,33 @@ class Journal:
         with open(tmp, "w") as f:
             f.write(json.dumps({"header": header}, allow_nan=False) + "\n")
             for key, record in self.records.items():
-                f.write(json.dumps({"key": key, "record": record}, allow_nan=False) + "\n")
+                f.write(json.dumps({"key": key, "record": _plain(record)}, allow_nan=False) + "\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
 
-    def get(self, key: str) -> dict | None:
+    def get(self, key: str):
         return self.records.get(key)
 
-    def put(self, key: str, record: dict) -> None:
-        """Record ``record`` under ``key`` and make the line durable before returning."""
+    def put(self, key: str, record) -> None:
+        """Record ``record`` (a device dict or a verdict) under ``key`` and make the line
+        durable before returning."""
         self.records[key] = record
-        self._file.write(json.dumps({"key": key, "record": record}, allow_nan=False) + "\n")
+        self._file.write(json.dumps({"key": key, "record": _plain(record)}, allow_nan=False) + "\n")
         self._file.flush()
         os.fsync(self._file.fileno())
 
     def close(self) -> None:
         if not self._file.closed:
             self._file.close()
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _plain(record):
+    return record if isinstance(record, dict) else record.to_json()
 
 
 def _option_mismatch(old: dict, new: dict, path: Path) -> str:
@@ -176,9 +209,10 @@ class RegionChecker:
                     worst_ref, worst_err = r, err
         return merge(results), worst_ref
 
-    def check(self, names: list[str], placement: dict[str, str], window: list[str] | None = None) -> dict:
-        """Run the region made of ``names`` (each placed as ``placement`` says) and return a
-        verdict: status, error stats, message, time_ms, worst elements, worst output.
+    def check(self, names: list[str], placement: dict[str, str], window: list[str] | None = None) -> Verdict:
+        """Run the region made of ``names`` (each placed as ``placement`` says) and return its
+        verdict (status, error stats, message, time_ms, worst elements, worst output); a run
+        that raises is a verdict too (:func:`~tapml.verdict.outcome_verdict`), DeviceLost is raised.
 
         The region's outputs are compared with the reference; with ``window`` (a subset of
         ``names``), the values leaving the window are compared too, so an error is pinned
@@ -191,80 +225,41 @@ class RegionChecker:
             known = set(refs)
             refs += [r for r in sub.subgraph(window).outputs if r not in known]
         inputs = {r: self.ref[r] for r, _ in sub.inputs}
-        verdict = {"status": "error", "max_abs_err": None, "max_rel_err": None, "mismatch_fraction": None,
-                   "message": "", "time_ms": None,
-                   "on_target": sum(placement.get(n) == TARGET for n in names)}
         try:
             result = runner.run(inputs, placement, keep=refs)
         except Exception as e:  # noqa: BLE001 - a failing region is a verdict, not a crash
-            return {**verdict, **failure(e)}
-        verdict["time_ms"] = round(sum(r.run_ms for r in result.regions), 4)
+            return outcome_verdict(e)
         comparison, worst_ref = self.compare(result.values, refs)
-        verdict.update(status="pass" if comparison.passed else "mismatch", message=comparison.message,
-                       **comparison.stats())
-        if worst_ref is not None:
-            verdict["worst_output"] = worst_ref
-            verdict["worst"] = comparison.worst
+        verdict = outcome_verdict(comparison, round(sum(r.run_ms for r in result.regions), 4))
+        verdict.worst_output = worst_ref
         return verdict
 
 
 def check_model(store, runner: HybridRunner, placement: dict[str, str], tolerances: Tolerances,
-                keep: Iterable[str] = ()) -> tuple[dict, HybridResult | None]:
+                keep: Iterable[str] = ()) -> tuple[Verdict, HybridResult | None]:
     """Run the whole model of ``store`` with ``runner`` on ``placement`` and compare its outputs
     with the reference's. Shared by migrate's model stage and the session's ``check``.
 
-    Returns the verdict's fields (``status``, ``max_abs_err``, ``max_rel_err``,
-    ``mismatch_fraction``, ``message``, ``time_ms``, and ``worst`` on a mismatch) and the run,
-    which is None when the run raised: a failing run is a verdict, see :func:`failure`.
+    Returns the verdict and the run, which is None when the run raised: a failing run is a
+    verdict (:func:`~tapml.verdict.outcome_verdict`), except DeviceLost, which is raised.
 
     Example::
 
-        fields, result = check_model(store, HybridRunner(store.graph, platform), placement, Tolerances())
-        fields["status"]  # 'pass'
+        verdict, result = check_model(store, HybridRunner(store.graph, platform), placement, Tolerances())
+        verdict.status  # 'pass'
     """
-    fields = {"status": "error", "max_abs_err": None, "max_rel_err": None, "mismatch_fraction": None,
-              "message": "", "time_ms": None}
     try:
         result = runner.run(store.program_inputs(), placement, keep=keep)
     except Exception as e:  # noqa: BLE001 - a failing model is a verdict, not a crash
-        return {**fields, **failure(e)}, None
+        return outcome_verdict(e), None
     expected = store.model_outputs()
     c = compare_outputs([result.values[r] for r in expected], list(expected.values()), tolerances=tolerances)
-    fields.update(status="pass" if c.passed else "mismatch", message=c.message, **c.stats(),
-                  time_ms=round(sum(r.run_ms for r in result.regions) + result.reference_ms, 4))
-    if c.worst:
-        fields["worst"] = c.worst
-    return fields, result
+    return outcome_verdict(c, round(sum(r.run_ms for r in result.regions) + result.reference_ms, 4)), result
 
 
 class MigrationInterrupted(TapmlError):
     """The device went away mid-migration: nothing about it was recorded as a verdict, and
     ``resume=True`` continues where it stopped."""
-
-
-def _device_lost(record: dict) -> bool:
-    """A verdict (or device record) that only says the device was unreachable."""
-    text = record.get("message") or record.get("error") or ""
-    return record.get("status", "error") == "error" and "device lost" in text
-
-
-def failure(e: Exception) -> dict:
-    """``{"status", "message"}`` of the verdict on a run that raised ``e``: ``unsupported`` for
-    :class:`Unsupported`, else ``error``. The message names the region the error came from
-    (``e.region``, set by :class:`HybridRunner`) and, for an error that is not the platform's
-    own, the exception type.
-
-    Example: ``failure(Unsupported("no f64"))`` -> ``{"status": "unsupported", "message": "no f64"}``.
-    """
-    region = getattr(e, "region", None)
-    if not region:
-        where = ""
-    elif len(region) > 1:
-        where = f"in region {region[0]}..{region[-1]} ({len(region)} nodes): "
-    else:
-        where = f"in {region[0]}: "
-    text = str(e) if isinstance(e, (Unsupported, PlatformError)) else f"{type(e).__name__}: {e}"
-    return {"status": "unsupported" if isinstance(e, Unsupported) else "error", "message": where + text}
 
 
 def bisect(names: list[str], fails: Callable[[list[str]], bool]) -> list[str]:
@@ -332,7 +327,7 @@ class Migration:
     """One migration of a store's model to a platform, journaled beside ``state_path``.
 
     ``on_event(kind, data)`` is called with ``("stage", {"stage", "total"})``,
-    ``("step", {"stage", "label", "status"})`` and ``("finding", culprit)`` for live displays.
+    ``("step", {"stage", "label", "status"})`` and ``("finding", culprit JSON)`` for live displays.
     :meth:`run` returns the final state (the same document it writes to ``state_path``).
     """
 
@@ -361,42 +356,51 @@ class Migration:
 
     def _reset(self) -> None:
         self.stage = "op"
-        self.cases: list[dict] = []
-        self.units: list[dict] = []
+        self.cases: list[CaseVerdict] = []
+        self.units: list[UnitVerdict] = []
         self._unit_ids: set[str] = set()
-        self.culprits: list[dict] = []
-        self.end_to_end: dict | None = None
+        self.culprits: list[Culprit] = []
+        self.end_to_end: EndToEnd | None = None
         self.placement = {n.name: TARGET for n in self.graph.nodes}
         self.device: dict | None = None
 
     # records -------------------------------------------------------------------------------
-    def _memo(self, key: str, compute: Callable[[], dict]) -> dict:
+    def _memo(self, key: str, compute: Callable[[], object]):
         record = self.journal.get(key)
         if record is None:
-            record = compute()
-            if _device_lost(record):  # once more, on a re-opened device (new connection, fresh page)
+            try:
+                record = compute()
+            except DeviceLost:  # once more, on a re-opened device (new connection, fresh page)
                 try:
                     self.platform.reconnect()
                 except DeviceLost:
                     pass
-                record = compute()
-                if _device_lost(record):  # a verdict about the device's absence, not about the code
-                    text = record.get("message") or record.get("error") or ""
-                    raise DeviceLost(text[text.find("device lost"):])
+                record = compute()  # DeviceLost again: the device's absence, not a verdict on the code
             self.journal.put(key, record)
         return record
 
     def _unit(self, uid: str, kind: str, role: str, module: str | None, names: list[str],
-              placement: dict[str, str], window: list[str] | None = None) -> dict:
+              placement: dict[str, str], window: list[str] | None = None) -> UnitVerdict:
+        nodes = list(window or names)
+
         def compute():
             v = self.checker.check(names, placement, window)
-            return {"id": uid, "kind": kind, "role": role, "module": module, "nodes": list(window or names), **v}
+            return UnitVerdict(id=uid, kind=kind, role=role, module=module, nodes=nodes,
+                               on_target=sum(placement.get(n) == TARGET for n in names), **v.outcome())
         unit = self._memo(f"unit:{uid}", compute)
+        self._check_record(unit, kind=kind, role=role, module=module, nodes=nodes)
         if uid not in self._unit_ids:
             self._unit_ids.add(uid)
             self.units.append(unit)
         self._save()
         return unit
+
+    def _check_record(self, record, **expected) -> None:
+        """A journaled verdict must be about what this migration asks (its resume is trusted)."""
+        wrong = [k for k, v in expected.items() if getattr(record, k) != v]
+        if wrong:
+            raise TapmlError(f"journal {self.journal.path}: the record of {record.id[:80]!r} has another "
+                             f"{', '.join(wrong)} than this migration computes; {START_OVER}")
 
     # stages --------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -423,26 +427,25 @@ class Migration:
         return self.state()
 
     def _journal_from_state(self) -> None:
-        """Rebuild a journal from a state file alone (its journal was removed)."""
-        try:
-            state = json.loads(self.state_path.read_text())
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-            return
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            return
+        """Rebuild a journal from a state file alone (its journal was removed); TapmlError
+        when the state is not a migration state that fits its schema."""
+        hint = f"remove {self.state_path} to start over, or run without --resume"
+        state = MigrationState.read(self.state_path, what="--state", strict=True, hint=hint)
+        if not isinstance(state, MigrationState):
+            raise TapmlError(f"--state {self.state_path} is not a migration state; {hint}")
         # The state's "cases" is the verdict list, not the header's case count; the count is the
         # store's, which "model" and "nodes" already vouch for.
-        header = {k: state.get(k) for k in self.header if k != "cases"} | {"cases": self.header["cases"]}
+        header = state.header() | {"cases": self.header["cases"]}
         lines = [{"header": header}]
-        if state.get("device") is not None:
-            lines.append({"key": "device", "record": state["device"]})
-        lines += [{"key": f"case:{c['id']}", "record": c} for c in state.get("cases", [])]
-        lines += [{"key": f"unit:{u['id']}", "record": u} for u in state.get("units", [])]
+        if state.device is not None:
+            lines.append({"key": "device", "record": state.device})
+        lines += [{"key": f"case:{c.id}", "record": c.to_json()} for c in state.cases]
+        lines += [{"key": f"unit:{u.id}", "record": u.to_json()} for u in state.units]
         with open(journal_path(self.state_path), "w") as f:
-            f.write("\n".join(json.dumps(x) for x in lines) + "\n")
+            f.write("\n".join(json.dumps(x, allow_nan=False) for x in lines) + "\n")
 
     def _op_stage(self) -> None:
-        from tapml.replay import run_case
+        from tapml.replay import check_case
         self.stage = "op"
         self.on_event("stage", {"stage": "op", "total": len(self.store.cases)})
         nodes_of: dict[str, list[str]] = {}
@@ -451,35 +454,33 @@ class Migration:
                 nodes_of.setdefault(n.case, []).append(n.name)
         for case in self.store.cases:
             verdict = self._memo(f"case:{case['id']}",
-                                 lambda: run_case(self.platform, self.store, case, self.tolerances))
+                                 lambda: check_case(self.platform, self.store, case, self.tolerances))
+            self._check_record(verdict, op=case["op"], node=case["node"], module=case["module"])
             self.cases.append(verdict)
-            self.on_event("step", {"stage": "op", "label": f"{case['id']} {case['op']}", "status": verdict["status"]})
-            if verdict["status"] != "pass":
+            self.on_event("step", {"stage": "op", "label": f"{case['id']} {case['op']}", "status": verdict.status})
+            if verdict.status != "pass":
                 self._localize_case(case, verdict, nodes_of.get(case["id"], []))
             self._save()
 
-    def _localize_case(self, case: dict, verdict: dict, nodes: list[str]) -> None:
+    def _localize_case(self, case: dict, verdict: CaseVerdict, nodes: list[str]) -> None:
         """Which of a failing case's nodes fail in the model's own context (all of them for
         an unsupported op); those go back to the reference."""
-        if verdict["status"] == "unsupported" or len(nodes) <= 1:
+        if verdict.status == "unsupported" or len(nodes) <= 1:
             failing = nodes
         else:
             failing = []
             for name in nodes:
                 unit = self._unit(f"op:{name}", "op", "instance", self.graph.node(name).module, [name],
                                   {name: TARGET})
-                if unit["status"] != "pass":
+                if unit.status != "pass":
                     failing.append(name)
             if not failing:  # passes in every context but not alone: keep the case's verdict honest
                 failing = [case["node"]] if case["node"] in nodes else nodes[:1]
         for name in failing:
             self.placement[name] = REFERENCE
-        kind = {"unsupported": "unsupported", "error": "error"}.get(verdict["status"], "op")
-        self._finding({"kind": kind, "op": case["op"], "ops": [case["op"]], "node": case["node"],
-                       "nodes": failing, "module": case["module"], "case": case["id"], "unit": f"case:{case['id']}",
-                       "status": verdict["status"], "max_abs_err": verdict["max_abs_err"],
-                       "max_rel_err": verdict["max_rel_err"], "mismatch_fraction": verdict["mismatch_fraction"],
-                       "message": verdict["message"]})
+        self._finding(Culprit.of(culprit_kind(verdict.status, len(failing), alone=True), verdict, op=case["op"],
+                                 ops=[case["op"]], node=case["node"], nodes=failing, module=case["module"],
+                                 case=case["id"], unit=f"case:{case['id']}"))
 
     def _region_stage(self) -> None:
         self.stage = "region"
@@ -494,45 +495,38 @@ class Migration:
             for attempt in range(1, MAX_ROUNDS + 1):
                 uid = f"region:{label}" + (f"#{attempt}" if attempt > 1 else "")
                 unit = self._unit(uid, "region", "module", path, names, dict(self.placement))
-                self.on_event("step", {"stage": "region", "label": label, "status": unit["status"]})
-                if unit["status"] == "pass":
+                self.on_event("step", {"stage": "region", "label": label, "status": unit.status})
+                if unit.status == "pass":
                     break
                 self._bisect_region(label, path, names, unit)
                 if not any(self.placement[n] == TARGET for n in names):
                     break
             self._save()
 
-    def _bisect_region(self, label: str, path: str, names: list[str], unit: dict) -> None:
+    def _bisect_region(self, label: str, path: str, names: list[str], unit: UnitVerdict) -> None:
         target_nodes = [n for n in names if self.placement[n] == TARGET]
-        probes: list[dict] = []
+        probes: list[UnitVerdict] = []
 
-        def probe(window: list[str]) -> dict:
+        def probe(window: list[str]) -> UnitVerdict:
             # The region as it will run, with only the window on the target.
             digest = hashlib.sha1("\n".join(window).encode()).hexdigest()[:8]
             uid = f"bisect:{label}:{window[0]}..{window[-1]}:{digest}"
             v = self._unit(uid, "region", "bisect", path, names, {n: TARGET for n in window}, window)
             probes.append(v)
-            self.on_event("step", {"stage": "bisect", "label": uid, "status": v["status"]})
+            self.on_event("step", {"stage": "bisect", "label": uid, "status": v.status})
             return v
 
-        window = bisect(target_nodes, lambda w: probe(w)["status"] != "pass")
-        evidence = next((p for p in reversed(probes) if p["nodes"] == window), unit)
-        if len(window) == 1:
-            kind = "node"
-        else:  # every op passes alone: error that builds up along the chain, or a fusion that breaks
-            kind = "accumulated" if evidence["status"] == "mismatch" else "fusion"
+        window = bisect(target_nodes, lambda w: probe(w).status != "pass")
+        evidence = next((p for p in reversed(probes) if p.nodes == window), unit)
         for n in window:
             self.placement[n] = REFERENCE
         nodes = [self.graph.node(n) for n in window]
-        surface = self.checker.producer.get(evidence.get("worst_output") or "", nodes[-1])
-        ops = sorted({n.op for n in nodes})
-        self._finding({"kind": kind, "op": surface.op if len(window) > 1 else nodes[0].op, "ops": ops,
-                       "node": window[0] if len(window) == 1 else f"{window[0]}..{window[-1]}",
-                       "nodes": list(window), "module": common_module([n.module for n in nodes]),
-                       "region": label, "unit": evidence["id"], "status": evidence["status"],
-                       "probes": len(probes), "max_abs_err": evidence["max_abs_err"],
-                       "max_rel_err": evidence["max_rel_err"], "mismatch_fraction": evidence["mismatch_fraction"],
-                       "message": evidence["message"]})
+        surface = self.checker.producer.get(evidence.worst_output or "", nodes[-1])
+        self._finding(Culprit.of(culprit_kind(evidence.status, len(window), alone=False), evidence,
+                                 op=surface.op if len(window) > 1 else nodes[0].op, ops=sorted({n.op for n in nodes}),
+                                 node=window[0] if len(window) == 1 else f"{window[0]}..{window[-1]}",
+                                 nodes=window, module=common_module([n.module for n in nodes]), region=label,
+                                 unit=evidence.id, probes=len(probes)))
 
     def _model_stage(self) -> None:
         self.stage = "model"
@@ -541,39 +535,40 @@ class Migration:
         uid = "model"
 
         def compute():
-            fields, result = check_model(self.store, HybridRunner(self.graph, self.platform), self.placement,
-                                         self.tolerances)
-            v = {"id": uid, "kind": "model", "role": "end-to-end", "module": "", "nodes": names,
-                 "on_target": sum(self.placement[n] == TARGET for n in names), **fields}
-            if result is not None:
-                v["regions"] = len(result.regions)
-            return v
+            verdict, result = check_model(self.store, HybridRunner(self.graph, self.platform), self.placement,
+                                          self.tolerances)
+            return UnitVerdict(id=uid, kind="model", role="end-to-end", module="", nodes=names,
+                               on_target=sum(self.placement[n] == TARGET for n in names),
+                               regions=None if result is None else len(result.regions), **verdict.outcome())
 
         unit = self._memo(f"unit:{uid}", compute)
+        self._check_record(unit, kind="model", nodes=names)
         self.units.append(unit)
-        self.end_to_end = {k: unit.get(k) for k in ("status", "max_abs_err", "max_rel_err", "mismatch_fraction",
-                                                    "message", "time_ms", "regions")}
-        self.on_event("step", {"stage": "model", "label": "end to end", "status": unit["status"]})
+        self.end_to_end = EndToEnd(regions=unit.regions, **unit.outcome())
+        self.on_event("step", {"stage": "model", "label": "end to end", "status": unit.status})
 
-    def _finding(self, culprit: dict) -> None:
+    def _finding(self, culprit: Culprit) -> None:
         self.culprits.append(culprit)
-        self.on_event("finding", culprit)
+        self.on_event("finding", culprit.to_json())
 
     # state ---------------------------------------------------------------------------------
+    def migration_state(self) -> MigrationState:
+        """The migration state, typed (see :meth:`state`)."""
+        return MigrationState(model=self.store.model, target=self.target, tolerances=self.tolerances.to_json(),
+                              inject=self.inject, nodes=len(self.graph.nodes), cases=self.cases,
+                              store=self.store_path, device=self.device, stage=self.stage, units=self.units,
+                              placement={"nodes": dict(self.placement),
+                                         **placement_shares(self.graph, self.placement)},
+                              culprits=self.culprits, end_to_end=self.end_to_end)
+
     def state(self) -> dict:
         """The migration state: the Verdict JSON of ARCHITECTURE.md plus units, placement,
         culprits and the end-to-end result."""
-        from tapml.replay import summarize
-        return {**self.header, "store": self.store_path, "device": self.device, "stage": self.stage,
-                "complete": self.stage == "done", "cases": self.cases, "summary": summarize(self.cases),
-                "units": self.units,
-                "placement": {"nodes": dict(self.placement), **placement_shares(self.graph, self.placement)},
-                "culprits": self.culprits, "end_to_end": self.end_to_end, "passed": self.passed()}
+        return self.migration_state().to_json()
 
     def passed(self) -> bool:
-        """Everything checked passed: every case, no culprit, and the end-to-end comparison."""
-        return (all(c["status"] == "pass" for c in self.cases) and not self.culprits
-                and self.end_to_end is not None and self.end_to_end["status"] == "pass")
+        """Everything checked passed (:func:`tapml.verdict.passed`)."""
+        return self.migration_state().passed
 
     def _save(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -654,6 +649,6 @@ def exit_code(state: dict) -> int:
     return 0 if state.get("passed") else 1
 
 
-__all__ = ["Migration", "MigrationInterrupted", "open_or_carve", "check_faults", "check_model", "failure",
+__all__ = ["Migration", "MigrationInterrupted", "open_or_carve", "check_faults", "check_model",
            "RegionChecker", "Journal", "bisect", "module_regions", "common_module", "journal_path", "exit_code",
            "STATE_FORMAT"]

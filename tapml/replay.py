@@ -3,21 +3,23 @@
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 
 from tapml.compare import Tolerances, compare_anchored, compare_outputs
 from tapml.errors import DeviceLost, PlatformError, Unsupported
 from tapml.graph import run_graph
-
-STATUSES = ("pass", "mismatch", "unsupported", "error")
+from tapml.verdict import STATUSES, CaseVerdict, VerdictDocument, outcome_verdict, summary  # noqa: F401 - re-exported
 
 
 def device_info(platform) -> dict:
-    """``{adapter, backend, features, limits}`` of a platform, for verdict files."""
+    """``{adapter, backend, features, limits}`` of a platform, for verdict files (with
+    ``error`` when the platform cannot say); DeviceLost is raised."""
     try:
         caps = platform.caps()
+    except DeviceLost:
+        raise
     except PlatformError as e:
         return {"adapter": "unknown", "backend": "unknown", "features": [], "limits": {}, "error": str(e)}
     return {k: caps.get(k, default) for k, default in
@@ -31,52 +33,52 @@ def _reference64(store, case) -> list[torch.Tensor]:
     return [out[r] for r in graph.outputs]
 
 
-def run_case(platform, store, case: dict, tolerances: Tolerances | None = None, anchored: bool = False) -> dict:
-    """Run one case on ``platform``; returns its verdict (never raises for a platform failure)."""
-    verdict = {"id": case["id"], "op": case["op"], "node": case["node"], "module": case["module"],
-               "instances": case.get("instances", 1), "status": "error", "max_abs_err": None,
-               "max_rel_err": None, "mismatch_fraction": None, "message": "", "time_ms": None}
+def check_case(platform, store, case: dict, tolerances: Tolerances | None = None,
+               anchored: bool = False) -> CaseVerdict:
+    """Run one case on ``platform`` and judge it against the reference's outputs. A platform
+    failure is a verdict (see :func:`~tapml.verdict.outcome_verdict`); DeviceLost is raised."""
     start = time.perf_counter()
     try:
         program = platform.compile(store.case_graph(case))
         outputs = platform.run(program, store.case_inputs(case))
-    except Unsupported as e:
-        verdict.update(status="unsupported", message=str(e))
-        return verdict
-    except DeviceLost as e:
-        verdict.update(status="error", message=f"error: {e}")
-        return verdict
-    except PlatformError as e:
-        verdict.update(status="error", message=str(e))
-        return verdict
-    verdict["time_ms"] = round(getattr(platform, "last_run_ms", (time.perf_counter() - start) * 1e3), 4)
-    expected = store.case_outputs(case)
-    if anchored:
-        result = compare_anchored(outputs, expected, _reference64(store, case))
+    except (Unsupported, PlatformError) as e:
+        outcome = outcome_verdict(e)
     else:
-        result = compare_outputs(outputs, expected, op=case["op"], tolerances=tolerances)
-    verdict.update(status="pass" if result.passed else "mismatch", message=result.message, **result.stats())
-    if result.worst:
-        verdict["worst"] = result.worst
-    return verdict
+        time_ms = round(getattr(platform, "last_run_ms", (time.perf_counter() - start) * 1e3), 4)
+        expected = store.case_outputs(case)
+        if anchored:
+            result = compare_anchored(outputs, expected, _reference64(store, case))
+        else:
+            result = compare_outputs(outputs, expected, op=case["op"], tolerances=tolerances)
+        outcome = outcome_verdict(result, time_ms)
+    return CaseVerdict(id=case["id"], op=case["op"], node=case["node"], module=case["module"],
+                       instances=case.get("instances", 1), **outcome.outcome())
 
 
-def summarize(verdicts: Iterable[dict]) -> dict:
-    """``{"pass": n, "mismatch": n, "unsupported": n, "error": n}`` over ``verdicts``."""
-    summary = dict.fromkeys(STATUSES, 0)
-    for v in verdicts:
-        summary[v["status"]] += 1
-    return summary
+def run_case(platform, store, case: dict, tolerances: Tolerances | None = None, anchored: bool = False) -> dict:
+    """:func:`check_case` as the case's Verdict JSON; DeviceLost is raised, never a verdict."""
+    return check_case(platform, store, case, tolerances, anchored).to_json()
 
 
 def replay(store, platform, target: str, tolerances: Tolerances | None = None, anchored: bool = False,
            cases: list[dict] | None = None, on_case: Callable[[dict], None] | None = None) -> dict:
-    """Replay ``cases`` (default: all) of ``store`` on ``platform``; returns the Verdict JSON."""
+    """Replay ``cases`` (default: all) of ``store`` on ``platform``; returns the Verdict JSON.
+
+    A case that finds the device gone is an ``error`` verdict saying so, and the replay goes
+    on: the next case may find it back (a remote platform reconnects by itself)."""
     verdicts = []
+    try:
+        device = device_info(platform)
+    except DeviceLost as e:
+        device = {"adapter": "unknown", "backend": "unknown", "features": [], "limits": {}, "error": str(e)}
     for case in store.cases if cases is None else cases:
-        v = run_case(platform, store, case, tolerances, anchored)
+        try:
+            v = check_case(platform, store, case, tolerances, anchored)
+        except DeviceLost as e:
+            v = CaseVerdict(id=case["id"], op=case["op"], node=case["node"], module=case["module"],
+                            instances=case.get("instances", 1), status="error", message=f"error: {e}")
         verdicts.append(v)
         if on_case:
-            on_case(v)
-    return {"target": target, "device": device_info(platform), "model": store.model,
-            "tolerances": (tolerances or Tolerances()).to_json(), "cases": verdicts, "summary": summarize(verdicts)}
+            on_case(v.to_json())
+    return VerdictDocument(target=target, device=device, model=store.model, tolerances=(tolerances or Tolerances()).to_json(),
+                           cases=verdicts).to_json()

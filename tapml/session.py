@@ -28,9 +28,11 @@ from rich.markup import escape
 
 from tapml.errors import TapmlError
 from tapml.hybrid import REFERENCE, TARGET, HybridRunner, placement_shares, segments
-from tapml.migrate import STATE_FORMAT, RegionChecker, check_faults, check_model, common_module, open_or_carve
+from tapml.migrate import RegionChecker, check_faults, check_model, common_module, open_or_carve
 from tapml.migrate import bisect as smallest_failing_window
 from tapml.render import fmt_err
+from tapml.verdict import (CaseVerdict, Culprit, EndToEnd, MigrationState, RegionCheck, UnitVerdict, Verdict,
+                           culprit_kind, outcome_verdict, summary)
 
 
 class Session:
@@ -60,10 +62,10 @@ class Session:
         self.checker = RegionChecker(self.store, self.platform, self.tolerances)
         self.runner = HybridRunner(self.graph, self.platform)
         self.placement: dict[str, str] = {n.name: REFERENCE for n in self.graph.nodes}
-        self.cases: list[dict] = []
-        self.units: list[dict] = []
-        self.culprits: list[dict] = []
-        self.last_check: dict | None = None
+        self.cases: list[CaseVerdict] = []
+        self.units: list[UnitVerdict] = []
+        self.culprits: list[Culprit] = []
+        self.last_check: UnitVerdict | None = None
         self._nodes = {n.name: n for n in self.graph.nodes}
         self._ops = sorted({n.op for n in self.graph.nodes})
         self._modules = sorted({p for n in self.graph.nodes for p in _ancestors(n.module)} - {""})
@@ -135,37 +137,42 @@ class Session:
         regions = [s for s in segments(self.graph, self.placement) if s.where == TARGET]
         return {"model": self.store.model, "target": self.target, "placement": placement_shares(self.graph, self.placement),
                 "regions": [{"first": s.names[0], "last": s.names[-1], "nodes": len(s.nodes)} for s in regions],
-                "modules": list(modules.values()), "last_check": self.last_check, "culprits": self.culprits}
+                "modules": list(modules.values()),
+                "last_check": None if self.last_check is None else self.last_check.to_json(),
+                "culprits": [c.to_json() for c in self.culprits]}
 
     def check(self) -> dict:
         """Run the whole model on the current placement and compare end to end; also compare
         each target region's outputs with the reference (errors from earlier regions included,
-        as in the real hybrid run). Returns ``{status, error stats, message, regions}``."""
+        as in the real hybrid run). Returns the check's unit verdict as JSON: ``status``, error
+        stats, ``message``, ``regions`` (how many target regions) and ``region_checks``."""
         # The values crossing out of target regions anyway; keeping them adds no program output.
         keep = {r for s in segments(self.graph, self.placement) if s.where == TARGET
                 for r in self.graph.subgraph(s.names).outputs}
-        fields, result = check_model(self.store, self.runner, self.placement, self.tolerances, keep=keep)
-        verdict = {"id": f"check:{len(self.units)}", "kind": "model", "role": "session", "module": "",
-                   "on_target": sum(v == TARGET for v in self.placement.values()), **fields, "regions": []}
+        outcome, result = check_model(self.store, self.runner, self.placement, self.tolerances, keep=keep)
+        checks = []
         for run in result.regions if result is not None else ():
             rc, worst = self.checker.compare(result.values, run.outputs)
-            verdict["regions"].append({"first": run.nodes[0], "last": run.nodes[-1], "nodes": len(run.nodes),
-                                       "status": "pass" if rc.passed else "mismatch", **rc.stats(),
-                                       "worst_output": worst})
+            checks.append(RegionCheck(first=run.nodes[0], last=run.nodes[-1], nodes=len(run.nodes),
+                                      **{**outcome_verdict(rc).outcome(), "worst_output": worst}))
+        verdict = UnitVerdict(id=f"check:{len(self.units)}", kind="model", role="session", module="",
+                              nodes=list(self._nodes), on_target=sum(v == TARGET for v in self.placement.values()),
+                              regions=None if result is None else len(result.regions), region_checks=checks,
+                              **outcome.outcome())
         self.units.append(verdict)
         self.last_check = verdict
-        return verdict
+        return verdict.to_json()
 
     def check_ops(self) -> dict:
         """The op stage for the nodes now on the target: their carved cases, each alone with
         the reference's inputs. Returns ``{"cases": [...], "summary": {...}}``."""
-        from tapml.replay import run_case, summarize
+        from tapml.replay import check_case
         wanted = {self._nodes[n].case for n in self._nodes if self.placement[n] == TARGET}
-        verdicts = [run_case(self.platform, self.store, c, self.tolerances) for c in self.store.cases
+        verdicts = [check_case(self.platform, self.store, c, self.tolerances) for c in self.store.cases
                     if c["id"] in wanted]
-        done = {v["id"] for v in verdicts}
-        self.cases = [c for c in self.cases if c["id"] not in done] + verdicts
-        return {"cases": verdicts, "summary": summarize(verdicts)}
+        done = {v.id for v in verdicts}
+        self.cases = [c for c in self.cases if c.id not in done] + verdicts
+        return {"cases": [v.to_json() for v in verdicts], "summary": summary(verdicts)}
 
     def bisect(self) -> dict | None:
         """Find the smallest failing sub-region of the nodes on the target (each probe runs
@@ -174,7 +181,7 @@ class Session:
         nodes = [n for n in self._nodes if self.placement[n] == TARGET]
         if not nodes:
             raise TapmlError("nothing is on the target; `offload NODE|MODULE|OP|all` first")
-        probes: list[dict] = []
+        probes: list[tuple[list[str], Verdict]] = []
 
         order = list(self._nodes)
         position = {n: i for i, n in enumerate(order)}
@@ -185,24 +192,20 @@ class Session:
             # since an error within tolerance at the window can grow past it downstream.
             span = order[position[window[0]]:]
             v = self.checker.check(span, {n: TARGET for n in window}, window)
-            probes.append({**v, "nodes": window})
-            return v["status"] != "pass"
+            probes.append((window, v))
+            return v.status != "pass"
 
         if not fails(nodes):
             return None
         window = smallest_failing_window(nodes, fails)
-        evidence = next(p for p in reversed(probes) if p["nodes"] == window)
-        first = self._nodes[window[0]]
-        surface = self.checker.producer.get(evidence.get("worst_output") or "", self._nodes[window[-1]])
-        culprit = {"kind": "node" if len(window) == 1 else "accumulated", "op": surface.op,
-                   "ops": sorted({self._nodes[n].op for n in window}),
-                   "node": window[0] if len(window) == 1 else f"{window[0]}..{window[-1]}", "nodes": window,
-                   "module": first.module if len(window) == 1 else common_module([self._nodes[n].module for n in window]),
-                   "status": evidence["status"], "probes": len(probes),
-                   **{k: evidence[k] for k in ("max_abs_err", "max_rel_err", "mismatch_fraction", "message")},
-                   "worst": evidence.get("worst", [])}
+        evidence = next(v for w, v in reversed(probes) if w == window)
+        surface = self.checker.producer.get(evidence.worst_output or "", self._nodes[window[-1]])
+        culprit = Culprit.of(culprit_kind(evidence.status, len(window), alone=False), evidence, op=surface.op,
+                             ops=sorted({self._nodes[n].op for n in window}),
+                             node=window[0] if len(window) == 1 else f"{window[0]}..{window[-1]}", nodes=window,
+                             module=common_module([self._nodes[n].module for n in window]), probes=len(probes))
         self.culprits.append(culprit)
-        return culprit
+        return culprit.to_json()
 
     def diff(self, node: str, worst: int = 8) -> dict:
         """Error of one node's outputs on the current placement against the reference:
@@ -240,18 +243,15 @@ class Session:
     # output --------------------------------------------------------------------------------
     def state(self) -> dict:
         """The session as a migration state document (same schema as ``tapml migrate --state``)."""
-        from tapml.replay import device_info, summarize
+        from tapml.replay import device_info
         e = self.last_check
-        return {"format": STATE_FORMAT, "model": self.store.model, "target": self.target,
-                "tolerances": self.tolerances.to_json(), "inject": self.inject, "nodes": len(self.graph.nodes),
-                "cases": self.cases, "store": str(self.store_path), "device": device_info(self.platform),
-                "stage": "session", "complete": False, "summary": summarize(self.cases), "units": self.units,
-                "placement": {"nodes": dict(self.placement), **placement_shares(self.graph, self.placement)},
-                "culprits": self.culprits,
-                "end_to_end": None if e is None else {k: e.get(k) for k in ("status", "max_abs_err", "max_rel_err",
-                                                                               "mismatch_fraction", "message", "time_ms")},
-                "passed": bool(e and e["status"] == "pass" and not self.culprits
-                               and all(c["status"] == "pass" for c in self.cases))}
+        return MigrationState(model=self.store.model, target=self.target, tolerances=self.tolerances.to_json(),
+                              inject=self.inject, nodes=len(self.graph.nodes), cases=self.cases,
+                              store=str(self.store_path), device=device_info(self.platform), stage="session",
+                              units=self.units,
+                              placement={"nodes": dict(self.placement), **placement_shares(self.graph, self.placement)},
+                              culprits=self.culprits,
+                              end_to_end=None if e is None else EndToEnd(regions=e.regions, **e.outcome())).to_json()
 
     def save(self, path: str | None = None) -> Path:
         """Write :meth:`state` atomically to ``path`` (default: the session's ``state`` file)."""
@@ -415,7 +415,7 @@ class SessionShell(cmd.Cmd):
                            f"max_rel_err {fmt_err(v['max_rel_err'])} ({time.perf_counter() - start:.2f}s)")
         if v["message"]:
             self.console.print(f"  {escape(v['message'][:300])}")
-        for r in v["regions"]:
+        for r in v["region_checks"]:
             if r["status"] != "pass":
                 self.console.print(f"  region {r['first']}..{r['last']} ({r['nodes']} nodes): first differs at "
                                    f"{r['worst_output']} max_abs_err {fmt_err(r['max_abs_err'])}")

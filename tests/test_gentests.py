@@ -278,7 +278,7 @@ def test_bad_options_and_input_say_what_to_fix(llama, llama_suite, tmp_path):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     bad_state = tmp_path / "state.json"
-    bad_state.write_text(json.dumps({"cases": [{"id": "c9999", "status": "mismatch"}]}))
+    bad_state.write_text(json.dumps({"cases": [{"id": "c9999", "op": "aten.mm.default", "status": "mismatch"}]}))
     for args, message in [
         ((tmp_path / "missing", "-o", tmp_path / "g"), "does not exist"),
         ((path, "-o", tmp_path / "mine"), "which tapml did not generate"),

@@ -14,10 +14,11 @@ from typer.testing import CliRunner
 
 from tapml.compare import Tolerances
 from tapml.hybrid import REFERENCE, TARGET
-from tapml.errors import PlatformError, Unsupported
-from tapml.migrate import Migration, exit_code, failure, journal_path, module_regions
+from tapml.errors import DeviceLost, PlatformError, Unsupported
+from tapml.migrate import Migration, exit_code, journal_path, module_regions
 from tapml.replay import run_case
 from tapml.targets import open_target
+from tapml.verdict import outcome_verdict
 
 TAPML = [sys.executable, "-m", "tapml.cli"]
 CHAIN_MODEL = textwrap.dedent("""
@@ -210,6 +211,11 @@ def test_cli_migrate_carves_beside_the_state_and_reports(tmp_path):
     assert strip_times(json.loads((tmp_path / "m.json").read_text())) == strip_times(state)
 
 
+def failure(e):
+    v = outcome_verdict(e)
+    return {"status": v.status, "message": v.message}
+
+
 def test_failure_turns_any_exception_into_a_verdict_that_names_its_region():
     e = PlatformError("shader broke")
     e.region = ["a", "b", "c"]
@@ -218,6 +224,8 @@ def test_failure_turns_any_exception_into_a_verdict_that_names_its_region():
     k = KeyError("x")
     k.region = ["mm"]
     assert failure(k) == {"status": "error", "message": "in mm: KeyError: 'x'"}
+    with pytest.raises(DeviceLost):  # the device's absence is never a verdict on the code
+        failure(DeviceLost("server gone"))
 
 
 def test_resume_rebuilds_a_removed_journal_from_the_state(mlp, tmp_path):

@@ -1,0 +1,326 @@
+"""States, verdict files and journals from strangers: every malformed one is refused with exit 2
+and a message naming the file and the field (never a traceback), a journal record that does not
+fit its schema is never trusted, and real documents survive a typed round trip unchanged."""
+
+import json
+import os
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from tapml.errors import DeviceLost, PlatformError, TapmlError, Unsupported
+from tapml.migrate import journal_path
+from tapml.verdict import (CULPRIT_KINDS, FORMAT_VERSION, MigrationState, VerdictDocument, culprit_kind,
+                           outcome_verdict, passed, summary)
+
+FAULT = "aten.addmm.default@addmm_1=scale:1.01"  # a culprit with its worst elements, and every stage has work
+
+
+def tapml(*args):
+    from tapml.cli import app
+    for name in ("migrate", "report"):
+        if not any(c.name == name for c in app.registered_commands):
+            import importlib
+            importlib.import_module(f"tapml.cli_{name}").register(app)
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def refused(r, *expect):
+    """Exit 2 with one clear message that says each of ``expect``; no traceback, no crash."""
+    assert r.exit_code == 2, (r.exit_code, r.output)
+    assert "Traceback" not in r.output and "internal error" not in r.output, r.output
+    for text in expect:
+        assert text in r.output, (text, r.output)
+
+
+@pytest.fixture(scope="module")
+def real(mlp, tmp_path_factory):
+    """Real documents of zoo:mlp on the reference, made by the CLI: a clean migration, one with
+    a fault (culprits, bisection probes, worst elements), and a replay Verdict JSON."""
+    work = tmp_path_factory.mktemp("real")
+    r = tapml("migrate", mlp.path, "--target", "reference", "--state", work / "clean.json", "-q")
+    assert r.exit_code == 0, r.output
+    r = tapml("migrate", mlp.path, "--target", "reference", "--state", work / "fault.json", "--inject", FAULT, "-q")
+    assert r.exit_code == 1, r.output
+    r = tapml("replay", mlp.path, "--target", "reference", "--inject", "aten.relu.default=nan", "--json",
+              work / "replay.json", "-q")
+    assert r.exit_code == 1, r.output
+    return {"work": work, "store": mlp.path, **{k: json.loads((work / f"{k}.json").read_text())
+                                                for k in ("clean", "fault", "replay")}}
+
+
+# --- the typed round trip ------------------------------------------------------------------
+
+def test_real_states_and_verdicts_round_trip_unchanged(real):
+    for name in ("clean", "fault"):
+        doc = MigrationState.from_json(real[name], name, strict=True)
+        assert isinstance(doc, MigrationState)
+        assert doc.to_json() == real[name]
+        assert doc.passed == real[name]["passed"] == (name == "clean")
+        assert real[name]["format_version"] == FORMAT_VERSION and real[name]["complete"]
+    fault = MigrationState.from_json(real["fault"], "fault")
+    assert [(c.kind, c.nodes) for c in fault.culprits] == [("op", ["addmm_1"])]
+    assert fault.culprits[0].worst and any(c.worst for c in fault.cases) and fault.end_to_end.status == "pass"
+    replay = VerdictDocument.from_json(real["replay"], "replay")
+    assert type(replay) is VerdictDocument and replay.to_json() == real["replay"]
+    assert real["replay"]["summary"] == summary(replay.cases) and not replay.passed
+    assert {c.status for c in replay.cases} == {"pass", "mismatch"}
+
+
+def test_older_files_without_format_version_or_worst_still_read(real):
+    old = json.loads(json.dumps(real["fault"]))
+    del old["format_version"]
+    for c in old["cases"]:
+        c.pop("worst")
+    doc = MigrationState.from_json(old, "old.json", strict=True)
+    assert [c["worst"] for c in doc.to_json()["cases"]] == [[]] * len(old["cases"])
+    assert doc.culprits[0].kind == "op" and doc.culprits[0].worst
+    newer = {**real["clean"], "format_version": FORMAT_VERSION + 1}
+    with pytest.raises(TapmlError, match="format_version 2 is newer"):
+        MigrationState.from_json(newer, "new.json")
+
+
+def test_one_outcome_mapping_and_device_lost_stays_an_exception():
+    e = PlatformError("shader broke")
+    e.region = ["a", "b", "c"]
+    assert (outcome_verdict(e).status, outcome_verdict(e).message) == ("error", "in region a..c (3 nodes): shader broke")
+    assert outcome_verdict(Unsupported("no f64")).status == "unsupported"
+    k = KeyError("x")
+    k.region = ["mm"]
+    assert outcome_verdict(k).message == "in mm: KeyError: 'x'"
+    with pytest.raises(DeviceLost, match="device lost: gone"):
+        outcome_verdict(DeviceLost("gone"))
+    # one closed list of culprit kinds, which migrate and the session both draw from
+    assert {culprit_kind(s, n, alone) for s in ("mismatch", "error", "unsupported") for n in (1, 3)
+            for alone in (True, False)} == set(CULPRIT_KINDS)
+    assert passed([{"status": "pass"}]) and not passed([{"status": "pass"}], needs_end_to_end=True)
+
+
+# --- tapml report on crafted states --------------------------------------------------------
+
+WRONG = {str: 12345, list: "x", dict: [1], int: "x", bool: "yes", float: "x", type(None): 7}
+
+
+def _write(tmp_path, data, name="s.json"):
+    path = tmp_path / name
+    path.write_bytes(data if isinstance(data, bytes) else (data if isinstance(data, str) else json.dumps(data)).encode())
+    return path
+
+
+def test_report_refuses_a_wrong_type_in_every_top_level_field(real, tmp_path):
+    state = real["fault"]
+    assert len(state) >= 18
+    for key, value in state.items():
+        bad = _write(tmp_path, {**state, key: WRONG[type(value)]})
+        r = tapml("report", bad, "-o", tmp_path / "r.html")
+        refused(r, str(bad), key)
+        assert not (tmp_path / "r.html").exists()
+
+
+@pytest.mark.parametrize("path, value, expect", [
+    (("cases", 0, "status"), "fine", "cases[0] is not a verdict: status is 'fine'"),
+    (("cases", 0, "max_abs_err"), "big", "cases[0] is not a verdict: max_abs_err"),
+    (("cases", 0, "max_abs_err"), 10 ** 400, "max_abs_err is not a finite number"),
+    (("cases", 0, "instances"), 10 ** 30, "instances is out of range"),
+    (("cases", 0, "worst"), [{"index": ["a"]}], "cases[0] is not a verdict: worst[0]"),
+    (("cases", 1), "pass", "cases[1] is not a verdict: it is a string"),
+    (("units", 0, "nodes"), 5, "units[0] is not a unit verdict: nodes"),
+    (("units", 0, "kind"), "galaxy", "units[0] is not a unit verdict: kind is 'galaxy'"),
+    (("culprits", 0, "kind"), "region", "culprits[0] is not a culprit: kind is 'region'"),
+    (("culprits", 0, "probes"), -1, "probes"),
+    (("placement", "nodes", "addmm"), "gpu", "placement.nodes is not a placement of nodes"),
+    (("placement", "ops_share"), 7.5, "ops_share"),
+    (("end_to_end", "status"), 5, "end_to_end is not an end-to-end verdict: status"),
+    (("device", "limits"), {"x": {"y": 1}}, "device.limits"),
+    (("tolerances",), {"aten.mm.default": [1, -1]}, "tolerances"),
+    (("summary",), {"pass": "all"}, "summary"),
+])
+def test_report_refuses_a_malformed_nested_field(real, tmp_path, path, value, expect):
+    state = json.loads(json.dumps(real["fault"]))
+    holder = state
+    for key in path[:-1]:
+        holder = holder[key]
+    holder[path[-1]] = value
+    r = tapml("report", _write(tmp_path, state), "-o", tmp_path / "r.html")
+    refused(r, expect)
+
+
+@pytest.mark.parametrize("make, expect", [
+    (lambda s: {k: v for k, v in s.items() if k != "cases"}, "it lacks cases"),
+    (lambda s: {k: v for k, v in s.items() if k != "target"}, "it lacks target"),
+    (lambda s: {**s, "cases": [{"status": "pass"}]}, "cases[0] is not a verdict: it lacks op"),
+    (lambda s: {**s, "units": [{"id": "u"}]}, "units[0] is not a unit verdict: it lacks status"),
+    (lambda s: {**s, "format": "tapml-migration/9"}, "format is 'tapml-migration/9'"),
+    (lambda s: json.dumps(s).replace('"max_abs_err": 0.0', '"max_abs_err": NaN', 1), "NaN"),
+    (lambda s: json.dumps(s).replace('"time_ms": ', '"time_ms": Infinity, "x": ', 1), "Infinity"),
+    (lambda s: json.dumps(s).replace('"max_abs_err": 0.0', '"max_abs_err": -Infinity', 1), "-Infinity"),
+    (lambda s: json.dumps(s).replace('"nodes": 10', '"nodes": 1' + "0" * 5000, 1), "not valid JSON"),
+    (lambda s: '{"target": "x", "cases": ' + "[" * 50000 + "]" * 50000 + "}", "nests too deeply"),
+    (lambda s: {**s, "device": {**s["device"], "limits": {"deep": json.loads("[" * 100 + "]" * 100)}}},
+     "nests deeper than"),
+    (lambda s: [s], "its JSON is a list, not an object"),
+    (lambda s: "null", "its JSON is a null"),
+    (lambda s: '"a string"', "its JSON is a string"),
+    (lambda s: "3", "its JSON is an integer"),
+    (lambda s: b"\x89PNG\r\n\x1a\n\xff\xfe\x00garbage" + os.urandom(64), "not a text file"),
+    (lambda s: "", "not valid JSON"),
+    (lambda s: json.dumps(s)[: len(json.dumps(s)) // 2], "not valid JSON"),
+])
+def test_report_refuses_missing_keys_nonfinite_numbers_depth_and_garbage(real, tmp_path, make, expect):
+    bad = _write(tmp_path, make(real["fault"]))
+    r = tapml("report", bad, "-o", tmp_path / "r.html")
+    refused(r, str(bad), expect)
+    assert not (tmp_path / "r.html").exists()
+
+
+def test_report_recomputes_what_a_state_claims(real, tmp_path):
+    # "passed": true and a doctored summary on a state with a culprit change nothing.
+    lying = {**real["fault"], "passed": True, "summary": {"pass": 99, "mismatch": 0, "unsupported": 0, "error": 0}}
+    r = tapml("report", _write(tmp_path, lying), "--json", tmp_path / "r.json", "-q")
+    assert r.exit_code == 1, r.output
+    data = json.loads((tmp_path / "r.json").read_text())[0]
+    assert not data["passed"] and data["summary"] == summary(real["fault"]["cases"])
+
+
+# --- tapml migrate --resume on crafted journals and states ---------------------------------
+
+@pytest.fixture
+def resumable(real, tmp_path):
+    """A copy of the clean migration's state and journal, to be doctored."""
+    state = tmp_path / "s.json"
+    shutil.copy(real["work"] / "clean.json", state)
+    shutil.copy(journal_path(real["work"] / "clean.json"), journal_path(state))
+    lines = [json.loads(line) for line in journal_path(state).read_text().splitlines()]
+    return state, lines
+
+
+def _resume(real, state):
+    return tapml("migrate", real["store"], "--target", "reference", "--state", state, "--resume")
+
+
+def _lines(lines):
+    return "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines)
+
+
+def _case_keys(lines):
+    return [i for i, x in enumerate(lines) if isinstance(x, dict) and str(x.get("key", "")).startswith("case:")]
+
+
+def test_a_bare_pass_record_is_never_trusted(real, resumable):
+    state, lines = resumable
+    header = lines[0]
+    # Every case "passed", the review's forged journal: refused, not "everything passed".
+    forged = [header] + [{"key": x["key"], "record": {"status": "pass"}} for x in lines[1:]
+                         if x["key"].startswith("case:")]
+    journal_path(state).write_text(_lines(forged))
+    r = _resume(real, state)
+    refused(r, str(journal_path(state)), "lacks", "remove it and its state file to start over")
+    assert "everything passed" not in r.output
+    assert journal_path(state).read_text() == _lines(forged)  # refused, not rewritten
+
+
+def _doctor(lines, index, change):
+    lines = json.loads(json.dumps(lines))
+    lines[index] = change(lines[index])
+    return lines
+
+
+@pytest.mark.parametrize("change, expect", [
+    (lambda x: {**x, "record": {**x["record"], "status": "fine"}}, "status is 'fine'"),
+    (lambda x: {**x, "record": {k: v for k, v in x["record"].items() if k != "node"}}, "it lacks node"),
+    (lambda x: {**x, "record": {**x["record"], "id": "c99"}}, "holds the verdict of 'c99'"),
+    (lambda x: {**x, "record": {**x["record"], "op": "aten.mm.default"}}, "has another op"),
+    (lambda x: {**x, "record": {**x["record"], "max_abs_err": "0"}}, "max_abs_err is a string"),
+    (lambda x: {**x, "record": [x["record"]]}, "it is a list, not an object"),
+    (lambda x: {**x, "key": "case:"}, "is not device, case:ID or unit:ID"),
+    (lambda x: {**x, "key": "secret"}, "is not device, case:ID or unit:ID"),
+    (lambda x: {**x, "key": 5}, "its key is an integer"),
+    (lambda x: {"key": x["key"]}, "is not a journal line"),
+    (lambda x: [x], "is not a journal line"),
+    (lambda x: json.dumps(x).replace('"max_abs_err": 0.0', '"max_abs_err": NaN'), "NaN"),
+    (lambda x: json.dumps(x).replace('"instances": 1', '"instances": 1' + "0" * 5000), "not valid JSON"),
+    (lambda x: '{"key": "case:c0", "record": ' + "[" * 50000 + "]" * 50000 + "}", "nests too deeply"),
+    (lambda x: "{not json", "is corrupt at line"),
+])
+def test_resume_refuses_a_case_record_that_does_not_fit(real, resumable, change, expect):
+    state, lines = resumable
+    i = _case_keys(lines)[0]
+    doctored = _doctor(lines, i, change)
+    journal_path(state).write_text(_lines(doctored))
+    r = _resume(real, state)
+    refused(r, expect, "start over")
+    assert "everything passed" not in r.output
+
+
+@pytest.mark.parametrize("change, expect", [
+    (lambda r: {k: v for k, v in r.items() if k != "id"}, "it lacks id"),
+    (lambda r: {k: v for k, v in r.items() if k != "nodes"}, "it lacks nodes"),
+    (lambda r: {**r, "nodes": ["addmm_1"]}, "has another nodes"),
+    (lambda r: {**r, "kind": "model"}, "has another kind"),
+    (lambda r: {**r, "on_target": True}, "on_target"),
+])
+def test_resume_refuses_a_unit_record_that_does_not_fit(real, resumable, change, expect):
+    state, lines = resumable
+    i = next(i for i, x in enumerate(lines) if str(x.get("key", "")).startswith("unit:region:"))
+    doctored = _doctor(lines, i, lambda x: {**x, "record": change(x["record"])})
+    journal_path(state).write_text(_lines(doctored))
+    refused(_resume(real, state), expect, "start over")
+
+
+@pytest.mark.parametrize("make, expect", [
+    (lambda lines: lines[1:], "is not a journal line"),  # no header
+    (lambda lines: [{"header": [1]}] + lines[1:], "is not a journal line"),
+    (lambda lines: lines[:1] + [{"key": "device", "record": "a gpu"}] + lines[2:], "is not a device description"),
+    (lambda lines: lines[:1] + [{"key": "device", "record": {"adapter": 1}}] + lines[2:], "adapter is an integer"),
+    (lambda lines: [lines[0]] + lines, "is not a journal line"),  # a second header
+])
+def test_resume_refuses_a_journal_whose_structure_is_wrong(real, resumable, make, expect):
+    state, lines = resumable
+    journal_path(state).write_text(_lines(make(lines)))
+    refused(_resume(real, state), expect, "start over")
+
+
+def test_resume_refuses_binary_garbage_for_a_journal(real, resumable):
+    state, _ = resumable
+    journal_path(state).write_bytes(b"\xff\xfe\x00\x01" + os.urandom(256))
+    refused(_resume(real, state), "is not a text file", "start over")
+
+
+def test_resume_tolerates_a_torn_last_line_only(real, resumable):
+    state, lines = resumable
+    journal_path(state).write_text(_lines(lines[:-3]) + '{"key": "unit:region:0", "rec')
+    r = _resume(real, state)
+    assert r.exit_code == 0, r.output
+    assert strip_times(json.loads(state.read_text())) == strip_times(real["clean"])
+
+
+def strip_times(x):
+    if isinstance(x, dict):
+        return {k: strip_times(v) for k, v in x.items() if k not in ("time_ms",)}
+    if isinstance(x, list):
+        return [strip_times(v) for v in x]
+    return x
+
+
+@pytest.mark.parametrize("make, expect", [
+    (lambda s, replay: replay, "lacks format"),  # a replay Verdict JSON is no migration state
+    (lambda s, replay: {**s, "cases": [{**s["cases"][0], "status": "fine"}]}, "status is 'fine'"),
+    (lambda s, replay: {**s, "cases": [{"id": "c0", "op": "aten.permute.default", "status": "pass"}]}, "lacks node"),
+    (lambda s, replay: {**s, "units": [{"status": "pass"}]}, "units[0] is not a unit verdict: it lacks id"),
+    (lambda s, replay: {k: v for k, v in s.items() if k != "tolerances"}, "it lacks tolerances"),
+    (lambda s, replay: {**s, "format": "tapml-migration/0"}, "format is 'tapml-migration/0'"),
+    (lambda s, replay: json.dumps(s).replace('"time_ms": ', '"time_ms": NaN, "x": ', 1), "NaN"),
+    (lambda s, replay: "[" * 50000 + "]" * 50000, "nests too deeply"),
+    (lambda s, replay: b"\x00\xff binary", "not a text file"),
+    (lambda s, replay: "[]", "its JSON is a list"),
+])
+def test_resume_from_a_crafted_state_without_journal_is_refused(real, resumable, make, expect):
+    state, _ = resumable
+    journal_path(state).unlink()
+    crafted = make(real["clean"], real["replay"])
+    _write(state.parent, crafted, state.name)
+    before = state.read_bytes()
+    r = _resume(real, state)
+    refused(r, f"--state {state}", expect, "without --resume")
+    assert state.read_bytes() == before and not journal_path(state).exists()
