@@ -13,6 +13,11 @@ launch=False)`` starts no browser: whoever opens :attr:`BrowserPlatform.url` (a 
 token) in a WebGPU browser becomes the device. When that page is lost (tab closed, GPU
 device lost, no answer), a fresh one-time URL is handed out and the next page to open it
 becomes the device; runs in between raise DeviceLost.
+
+The token never appears on a command line: a launched Chromium opens a start file in its own
+0700 profile directory that forwards it to the page URL (see :class:`ChromiumProcess`). The
+WebSocket upgrade needs the token, an ``Origin`` that is the bridge's own http origin, and a
+token that no page has used yet: one token, one connection.
 """
 
 from __future__ import annotations
@@ -32,8 +37,10 @@ import subprocess
 import tempfile
 import threading
 import time
+from html import escape
 from pathlib import Path
 from typing import Callable
+from urllib.parse import urlsplit
 
 from tapml.errors import DeviceLost, PlatformError, TapmlError
 from tapml.graph import Graph, Node
@@ -98,6 +105,21 @@ def _lan_address() -> str:
             return "127.0.0.1"
 
 
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
+
+
+def _origin_key(origin: str) -> tuple[str, str, int] | None:
+    """``(scheme, host, port)`` of an http origin, the default port filled in; None when it is not one."""
+    try:
+        parts = urlsplit(origin)
+        port = parts.port or 80
+    except ValueError:
+        return None
+    if parts.scheme != "http" or not parts.hostname or parts.path or parts.query or parts.username:
+        return None
+    return parts.scheme, parts.hostname.lower(), port
+
+
 REJOIN_HINT = "; open the new page URL tapml printed to attach another browser"
 # Largest frame the page may send: one output buffer (WebGPU caps storage buffers far below this).
 MAX_FRAME = 1 << 30
@@ -107,9 +129,11 @@ class PageBridge:
     """Serves the runtime page and one WebSocket connection to it, from a background thread
     running its own asyncio loop. The calling thread talks to the page with :meth:`request`.
 
-    With ``rejoin`` a lost page is not the end: the bridge takes a fresh one-time token, calls
-    ``on_url(url)`` with the new page URL, and the next page to open it (and report a working
-    adapter) is the device again.
+    The WebSocket upgrade is accepted once per token, and only with an ``Origin`` header that is
+    the bridge's own http origin (see :meth:`origin_allowed`); the connection that took it is the
+    page session, and any other connection is refused. With ``rejoin`` a lost page is not the
+    end: the bridge takes a fresh one-time token, calls ``on_url(url)`` with the new page URL,
+    and the next page to open it (and report a working adapter) is the device again.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, rejoin: bool = False,
@@ -139,6 +163,7 @@ class PageBridge:
         """A fresh one-time URL, and a fresh ``hello`` future for the page that opens it."""
         self.token = secrets.token_urlsafe(18)
         self._token_used = False
+        self._session = None  # the one connection that joined with this token
         self.hello: concurrent.futures.Future = concurrent.futures.Future()
 
     @property
@@ -181,17 +206,44 @@ class PageBridge:
             return Response(301, "Moved Permanently", Headers([("Location", location), ("Content-Length", "0"),
                                                                ("Connection", "close")]), b"")
         if rest == "ws":
+            if not self.origin_allowed(request.headers.get("Origin"), request.headers.get("Host")):
+                return respond(403, "Forbidden", b"the WebSocket must come from the tapml page itself (wrong or "
+                                                 b"missing Origin); open the exact URL tapml printed\n")
             if self._token_used:
                 return respond(403, "Forbidden", b"this URL was already used by another page; each URL tapml "
                                                  b"prints attaches one page\n")
             self._token_used = True
+            self._session = connection
             return None  # go on with the WebSocket handshake
         if rest in _STATIC:
             name, ctype = _STATIC[rest]
             return respond(200, "OK", (WEB_DIR / name).read_bytes(), ctype)
         return respond(404, "Not Found", b"no such file\n")
 
+    @property
+    def origin(self) -> str:
+        """The page's http origin (scheme, host, port of :attr:`url`)."""
+        return self.url.split("/t/", 1)[0]
+
+    def origin_allowed(self, origin: str | None, host: str | None = None) -> bool:
+        """Whether a WebSocket upgrade with this ``Origin`` (and ``Host``) header comes from the page.
+
+        Allowed: the origin of :attr:`url`, and a loopback origin (127.0.0.1, localhost, [::1], any
+        port) that names the very ``Host`` the request was sent to: the page opened through a
+        loopback forward such as ``ssh -L`` or ``adb reverse``. A page of another site cannot send
+        that pair (its Origin and Host name its own domain, even after DNS rebinding), and a
+        client without an Origin is no browser page at all."""
+        key = _origin_key(origin) if origin else None
+        if key is None:
+            return False
+        if key == _origin_key(self.origin):
+            return True
+        return key[1] in LOOPBACK_NAMES and host is not None and key == _origin_key(f"http://{host}")
+
     async def _handler(self, ws):
+        if ws is not self._session:  # only the connection that spent this token is the page
+            await ws.close(1008, "not the page session")
+            return
         self._ws = ws
         reason = "the page closed its connection"
         try:
@@ -207,6 +259,7 @@ class PageBridge:
             reason = f"connection to the page failed: {type(e).__name__}: {e}"
         finally:
             self._ws = None
+            self._session = None
             self.mark_lost(reason)
             if self.rejoin and not self._closing:
                 self._new_token()
@@ -339,17 +392,35 @@ def _remove_stale_profiles() -> None:
             pass  # not ours to judge (no pid file yet, or another user's)
 
 
+def _write_start_file(profile: str, url: str) -> str:
+    """A page in ``profile`` that forwards to ``url``; returns its file:// URL. The file is 0600 in
+    the 0700 profile directory, so only this user (and the Chromium it starts) can read the URL."""
+    path = os.path.join(profile, "start.html")
+    target = escape(url, quote=True)
+    page = (f'<!doctype html><meta charset="utf-8"><meta name="referrer" content="no-referrer">'
+            f'<meta http-equiv="refresh" content="0; url={target}"><title>tapml</title>')
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(page)
+    return Path(path).as_uri()
+
+
 class ChromiumProcess:
     """A headless Chromium on a fresh profile, in its own process group; :meth:`close` kills the
-    group and removes the profile. It also dies with tapml (``atexit`` and a parent-death signal)."""
+    group and removes the profile. It also dies with tapml (``atexit`` and a parent-death signal).
+
+    ``url`` (which holds the page's one-time token) is never put on Chromium's command line, which
+    every local user can read in ``/proc/PID/cmdline``: Chromium opens a start file in its private
+    profile directory instead, and that file forwards it to ``url``."""
 
     def __init__(self, url: str, executable: str | None = None, extra_flags: tuple[str, ...] = ()):
         self.executable = executable or find_chromium()
         _remove_stale_profiles()
-        self.profile = tempfile.mkdtemp(prefix=PROFILE_PREFIX)
+        self.profile = tempfile.mkdtemp(prefix=PROFILE_PREFIX)  # mode 0700: other users cannot look inside
         Path(self.profile, "tapml.pid").write_text(str(os.getpid()))
         self.log_path = os.path.join(self.profile, "chromium.log")
-        cmd = [self.executable, *CHROMIUM_FLAGS, *extra_flags, f"--user-data-dir={self.profile}", url]
+        start = _write_start_file(self.profile, url)
+        cmd = [self.executable, *CHROMIUM_FLAGS, *extra_flags, f"--user-data-dir={self.profile}", start]
         setpriv = shutil.which("setpriv")
         if setpriv:  # SIGKILL chromium when the thread that started it (the bridge thread) dies
             cmd = [setpriv, "--pdeathsig", "KILL", "--", *cmd]

@@ -132,8 +132,89 @@ def test_page_and_websocket_need_the_one_time_token(browser):
     with pytest.raises(urllib.error.HTTPError) as e:  # the page already took the WebSocket
         urllib.request.urlopen(urllib.request.Request(browser.url + "ws", headers={
             "Upgrade": "websocket", "Connection": "Upgrade", "Sec-WebSocket-Version": "13",
-            "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="}), timeout=5)
+            "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==", "Origin": base}), timeout=5)
     assert e.value.code == 403 and b"already used" in e.value.read()
+
+
+def _ws_refusal(url: str, origin: str | None) -> tuple[int, bytes]:
+    """Open the page's WebSocket as a local program would; ``(status, body)`` of the refusal."""
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+    try:
+        with connect(url.replace("http://", "ws://") + "ws", origin=origin, open_timeout=10, proxy=None):
+            pass
+    except InvalidStatus as e:
+        return e.response.status_code, bytes(e.response.body)
+    raise AssertionError(f"the bridge let a WebSocket client with Origin {origin!r} in")
+
+
+def _cmdlines_holding(secret: str) -> dict[int, str]:
+    found = {}
+    for entry in os.listdir("/proc"):
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if secret.encode() in cmdline:
+            found[int(entry)] = cmdline.replace(b"\0", b" ").decode(errors="replace")[:200]
+    return found
+
+
+def test_the_page_token_is_on_no_command_line_and_no_other_client_gets_the_page(browser, carved):
+    """A local user sees every command line (/proc/PID/cmdline) and can connect to the bridge's port:
+    the token must be on none of Chromium's command lines, and a client with a foreign Origin, with
+    no Origin, or with the real token copied after the page joined gets no WebSocket."""
+    from tapml.carving import CarveStore
+    from tapml.replay import replay
+    token = browser.bridge.token
+    assert token in browser.url and browser.bridge.pages == 1
+    chromium = browser.browser
+    pids = [chromium.pid, *chromium.session_pids()]
+    assert len(pids) > 3  # the browser, its zygotes, GPU process and renderers
+    for pid in pids:
+        assert token not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"), pid
+    assert _cmdlines_holding(token) == {}  # nor on any other process's (setpriv, the wrapper script)
+    # What holds the URL instead: a 0600 start file in the 0700 profile, unreadable to other users.
+    assert os.stat(chromium.profile).st_mode & 0o077 == 0
+    start = Path(chromium.profile, "start.html")
+    assert start.stat().st_mode & 0o077 == 0 and token in start.read_text()
+
+    base = browser.url.split("/t/")[0]
+    for origin in ("http://evil.example", "http://127.0.0.1:1", base.replace("http://", "https://"), "null"):
+        status, body = _ws_refusal(browser.url, origin)
+        assert status == 403 and b"Origin" in body, (origin, body)
+    status, body = _ws_refusal(browser.url, None)
+    assert status == 403 and b"Origin" in body
+    status, body = _ws_refusal(browser.url, base)  # the real token and the right Origin: spent
+    assert status == 403 and b"already used" in body
+
+    result = replay(CarveStore(carved("zoo:mlp")), browser, "browser")  # the real page is still the device
+    assert result["cases"] and result["summary"]["pass"] == len(result["cases"]), result["summary"]
+    assert browser.bridge.pages == 1 and browser.bridge.lost is None
+
+
+def test_websocket_origin_rule():
+    from tapml.platforms.browser import PageBridge
+    bridge = PageBridge()
+    try:
+        port = bridge.port
+        own = f"http://127.0.0.1:{port}"
+        assert bridge.origin == own and bridge.origin_allowed(own, f"127.0.0.1:{port}")
+        assert bridge.origin_allowed(own, None)  # the Host header does not matter for the URL's own origin
+        for origin, host in ((f"http://localhost:{port}", f"localhost:{port}"),  # typed localhost
+                             ("http://127.0.0.1:9000", "127.0.0.1:9000"),  # ssh -L 9000:127.0.0.1:PORT
+                             ("http://[::1]:9000", "[::1]:9000")):
+            assert bridge.origin_allowed(origin, host), origin
+        for origin, host in ((None, f"127.0.0.1:{port}"), ("", f"127.0.0.1:{port}"), ("null", f"127.0.0.1:{port}"),
+                             ("http://evil.example", f"127.0.0.1:{port}"),
+                             (f"http://evil.example:{port}", f"evil.example:{port}"),  # DNS rebinding
+                             (f"https://127.0.0.1:{port}", f"127.0.0.1:{port}"),
+                             (f"http://127.0.0.1:{port}/t/x", f"127.0.0.1:{port}"),
+                             ("http://127.0.0.1:9000", "127.0.0.1:9001"), ("http://localhost:9000", None),
+                             ("http://[::1", f"127.0.0.1:{port}"), (f"http://user@127.0.0.1:{port}", None)):
+            assert not bridge.origin_allowed(origin, host), (origin, host)
+    finally:
+        bridge.close()
 
 
 def test_frames_have_a_small_binary_header():
@@ -298,6 +379,69 @@ def test_no_launch_mode_turns_a_separately_started_browser_into_the_device():
     finally:
         platform.close()
         other.close()
+
+
+def test_no_launch_mode_refuses_foreign_clients_without_spending_the_url():
+    """Before any page joined: clients without the page's Origin are refused and the URL stays
+    good for the real page; after it joined, the URL (token included) is spent."""
+    from tapml.platforms.browser import ChromiumProcess
+    platform = open_browser(launch=False, connect_timeout=60)
+    page = None
+    try:
+        for origin in (None, "http://evil.example", "null"):
+            status, body = _ws_refusal(platform.url, origin)
+            assert status == 403 and b"Origin" in body
+        assert not platform.bridge.hello.done()
+        page = ChromiumProcess(platform.url)
+        LAUNCHED.append(page)
+        assert platform.wait_for_device()["adapter"]["architecture"] == "swiftshader"
+        status, body = _ws_refusal(platform.url, platform.bridge.origin)
+        assert status == 403 and b"already used" in body
+        a, b = torch.randn(33), torch.randint(0, 3, (33,))
+        assert torch.equal(platform.run(add_program(33), [a, b])[0], a + b.float())
+    finally:
+        platform.close()
+        if page is not None:
+            page.close()
+
+
+def test_serve_no_launch_refuses_foreign_clients_at_its_page_bridge():
+    """`tapml serve --platform browser --no-launch` prints its URL (for the person who started it);
+    its bridge refuses a WebSocket without the page's Origin, and a copied URL once a page joined."""
+    import re
+    from tapml.platforms.browser import ChromiumProcess
+    from tapml.targets import open_target
+    server = subprocess.Popen([sys.executable, "-m", "tapml.cli", "serve", "--platform", "browser", "--no-launch",
+                               "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    page = None
+    try:
+        url = port = None
+        while port is None:
+            line = server.stdout.readline()
+            assert line, f"serve exited: {server.stderr.read()}"
+            url = url or (re.search(r"open (http://\S+/t/\S+/) in a browser", line) or [None, None])[1]
+            port = (re.search(r"listening on \S+:(\d+)", line) or [None, None])[1]
+        assert url, "serve printed no page URL"
+        origin = url.split("/t/")[0]
+        for bad in (None, "http://evil.example", origin.replace("127.0.0.1", "127.0.0.2")):
+            status, body = _ws_refusal(url, bad)
+            assert status == 403 and b"Origin" in body, (bad, body)
+        page = ChromiumProcess(url)  # the person opens the printed URL: the refusals did not spend it
+        LAUNCHED.append(page)
+        with open_target(f"remote://127.0.0.1:{port}") as device:
+            assert device.caps()["adapter"].startswith("google swiftshader")  # the page joined
+            status, body = _ws_refusal(url, origin)
+            assert status == 403 and b"already used" in body
+            a, b = torch.randn(33), torch.randint(0, 3, (33,))
+            assert torch.equal(device.run(add_program(33), [a, b])[0], a + b.float())
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        if page is not None:
+            page.close()
 
 
 def test_no_launch_mode_hands_out_a_fresh_url_when_the_page_is_lost():

@@ -324,7 +324,7 @@ def test_browser_bridge_survives_random_page_frames(figure):
             except urllib.error.HTTPError as e:
                 assert e.code in (403, 404)
                 outcomes["http refused"] += 1
-            with ws_connect(bridge.url.replace("http://", "ws://") + "ws", open_timeout=10) as ws:
+            with ws_connect(bridge.url.replace("http://", "ws://") + "ws", origin=base, open_timeout=10) as ws:
                 try:
                     for m in messages:
                         ws.send(m)

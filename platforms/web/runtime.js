@@ -229,7 +229,8 @@ export async function start(statusElement) {
   ws.binaryType = "arraybuffer";
   await new Promise((resolve, reject) => {
     ws.onopen = resolve;
-    ws.onerror = () => reject(new Error("cannot connect to the tapml host (already used URL or host gone)"));
+    ws.onerror = () => reject(new Error("cannot connect to the tapml host (URL already used by another page, " +
+                                        "page opened under another address, or host gone)"));
   }).catch((e) => { status(e.message); throw e; });
   let runtime;
   try {
