@@ -201,7 +201,7 @@ class RemotePlatform(Platform):
         kind, message = error.get("kind"), error.get("message", "")
         if kind == "unsupported":
             raise Unsupported(message)
-        if kind == "device-lost":
+        if kind in ("device-lost", "device-busy"):  # not a verdict about the program: retry later
             raise DeviceLost(message)
         if kind == "unknown-program":
             raise _UnknownProgram(message)
@@ -335,7 +335,7 @@ class RemotePlatform(Platform):
 
     def server_stats(self) -> dict:
         """The server's counters: ``compiled`` (programs it compiled), ``cached`` (programs in its
-        cache), ``runs``, ``sessions``."""
+        cache), ``runs``, ``sessions``, ``worker_restarts`` (device workers replaced after a timeout or crash)."""
         return json.loads(self._call("stats"))
 
     def free(self, slots: list[int]) -> None:

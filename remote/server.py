@@ -10,10 +10,16 @@ platform, and a repeated case sends only its tensors.
 Every connection proves the shared token first (:mod:`tapml.remote.protocol`); the rpyc
 service exposes only ``exposed_*`` methods taking and returning str/bytes/int/None, with
 pickle off and no classic mode. Device calls are serialized by one lock; transfers are not.
+
+Nothing a client sends reaches the device unchecked: op names go through the closed vocabulary,
+programs are validated and held to the server's :class:`~tapml.remote.limits.ServerLimits`
+(invocations, buffer bytes), and the device itself runs in a worker process
+(:mod:`tapml.remote.device_worker`) that is killed when a compile or run passes the wall-clock limit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -31,6 +37,7 @@ from collections import OrderedDict
 
 from tapml.errors import DeviceLost, PlatformError, TapmlError, Unsupported
 from tapml.remote import protocol as P
+from tapml.remote.limits import ServerLimits, check_graph, check_node, check_ops_json, check_program
 
 PROTOCOL_VERSION = 1
 DEFAULT_PORT = 18861
@@ -38,6 +45,7 @@ DEFAULT_MAX_MESSAGE = 1 << 30
 PROGRAM_CACHE = 1024
 SERVICE_NAME = "TAPML"
 OUTPUT_SLOTS = 1 << 62  # server-assigned slot ids; clients use ids below this
+STOP_GRACE_S = 3.0  # after SIGTERM/SIGINT, the process exits this soon whatever is still running
 
 log = logging.getLogger("tapml.serve")
 
@@ -53,6 +61,8 @@ def _error(kind: str, message: str) -> str:
 def _error_of(e: BaseException) -> str:
     if isinstance(e, Unsupported):
         return _error("unsupported", str(e))
+    if isinstance(e, DeviceBusy):
+        return _error("device-busy", str(e))
     if isinstance(e, DeviceLost):
         return _error("device-lost", str(e))
     if isinstance(e, PlatformError):
@@ -60,16 +70,13 @@ def _error_of(e: BaseException) -> str:
     return _error("platform", f"{type(e).__name__}: {e}")
 
 
-def _check_ops(graph) -> None:
-    """Only core ATen runs here: a graph naming ops of other namespaces is refused, since the
-    reference platform resolves op names with ``torch.ops`` and would run anything found there."""
-    for node in graph.nodes:
-        if not node.op.startswith("aten."):
-            raise Unsupported(f"{node.op}: only aten ops run on a device server")
+class DeviceBusy(PlatformError):
+    """Another client held the device for longer than a request may wait for it."""
 
 
-class Session:
-    """State of one control connection: tensors waiting in slots, its bulk sockets."""
+class ConnectionState:
+    """Server-side state of one client's control connection: tensors waiting in slots, its bulk
+    sockets, the id that binds them."""
 
     def __init__(self):
         self.id = os.urandom(16)
@@ -123,22 +130,26 @@ class Session:
 
 
 class Device:
-    """The platform a server exposes, its program cache and the open sessions.
+    """The platform a server exposes, its limits, its program cache and the open connections.
 
-    ``lock`` serializes device calls; the program cache has its own lock, so that a cache
-    hit never waits for a device call of another client.
+    ``lock`` serializes device calls (:meth:`exclusive` waits for it at most
+    ``limits.run_timeout`` seconds); the program cache has its own lock, so that a cache hit
+    never waits for a device call of another client.
     """
 
-    def __init__(self, platform, spec: str, max_message: int = DEFAULT_MAX_MESSAGE, timeout: float = 300.0):
+    def __init__(self, platform, spec: str, max_message: int = DEFAULT_MAX_MESSAGE, timeout: float = 300.0,
+                 limits: ServerLimits | None = None):
         self.platform = platform
         self.spec = spec
         self.max_message = max_message
         self.timeout = timeout
+        self.limits = limits or ServerLimits()
+        self.program_kind = "graph" if spec.startswith("reference") else "wgsl"
         self.lock = threading.Lock()
         self._cache_lock = threading.Lock()
         self.programs: OrderedDict[str, object] = OrderedDict()
         self.graph_keys: dict[str, str] = {}
-        self.sessions: dict[bytes, Session] = {}
+        self.sessions: dict[bytes, ConnectionState] = {}
         self.server_id = os.urandom(8).hex()
         self._caps: dict | None = None
         self.compiled = 0
@@ -148,14 +159,28 @@ class Device:
     def caps(self) -> dict:
         # Lazy: a browser served with --no-launch has no adapter until someone opens its page.
         if self._caps is None:
-            with self.lock:
+            with self.exclusive():
                 if self._caps is None:
                     self._caps = self.platform.caps()
         return self._caps
 
-    def info(self, session: Session) -> dict:
+    @contextlib.contextmanager
+    def exclusive(self):
+        """Hold the device for one call; DeviceBusy when another client holds it for longer than
+        ``limits.run_timeout`` (the most one call may take), so a waiting client gets an answer."""
+        if not self.lock.acquire(timeout=self.limits.run_timeout):
+            raise DeviceBusy(f"device busy: other clients held it for {self.limits.run_timeout:g} s "
+                             "(the server's --run-timeout); retry later")
+        try:
+            yield
+        finally:
+            self.lock.release()
+
+    def info(self, session: ConnectionState) -> dict:
         return {"protocol": PROTOCOL_VERSION, "platform": self.spec, "caps": self.caps,
-                "max_message": self.max_message, "session": session.id.hex(), "server_id": self.server_id}
+                "max_message": self.max_message, "session": session.id.hex(), "server_id": self.server_id,
+                "limits": {"max_invocations": self.limits.max_invocations,
+                           "max_buffer_bytes": self.limits.max_buffer_bytes, "run_timeout": self.limits.run_timeout}}
 
     def program(self, key: str | None = None, graph_hash: str | None = None):
         """The cached program of ``key`` (or of the graph whose JSON hashes to ``graph_hash``),
@@ -215,7 +240,7 @@ def parse_announcement(name: str) -> dict | None:
 
 
 def make_service(device: Device):
-    """The rpyc Service class for ``device``: one instance (and Session) per connection."""
+    """The rpyc Service class for ``device``: one instance (and ConnectionState) per connection."""
     import rpyc
 
     from tapml.graph import Graph, Node
@@ -225,7 +250,7 @@ def make_service(device: Device):
         ALIASES = [SERVICE_NAME]  # serve() adds the announcement once the caps are known
 
         def on_connect(self, conn):
-            self.session = Session()
+            self.session = ConnectionState()
             device.sessions[self.session.id] = self.session
 
         def on_disconnect(self, conn):
@@ -240,9 +265,11 @@ def make_service(device: Device):
                 return _error_of(e)
 
         def exposed_stats(self) -> str:
-            """Counters (JSON): programs compiled, programs cached, runs, open sessions."""
+            """Counters (JSON): programs compiled, programs cached, runs, open sessions, device
+            workers restarted (after a timeout or a crash)."""
             return json.dumps({"compiled": device.compiled, "cached": len(device.programs), "runs": device.runs,
-                               "sessions": len(device.sessions)})
+                               "sessions": len(device.sessions),
+                               "worker_restarts": getattr(device.platform, "restarts", 0)})
 
         def exposed_ping(self) -> None:
             """Nothing: measures the round trip."""
@@ -250,16 +277,18 @@ def make_service(device: Device):
         def exposed_supports(self, node_json) -> str:
             """'' when the platform can run the node (JSON), else the reason it cannot."""
             try:
-                node = Node.from_json(json.loads(_str(node_json, "node_json")))
+                raw = json.loads(_str(node_json, "node_json"))
+                check_node(raw if isinstance(raw, dict) else {})
+                node = Node.from_json(raw)
             except (TypeError, ValueError, KeyError) as e:
                 return f"malformed node: {e}"
-            if not node.op.startswith("aten."):
-                return "only aten ops run on a device server"
-            with device.lock:
-                try:
+            except Unsupported as e:
+                return str(e)
+            try:
+                with device.exclusive():
                     return device.platform.supports(node) or ""
-                except Exception as e:  # noqa: BLE001 - a reason, not a crash
-                    return f"{type(e).__name__}: {e}"
+            except Exception as e:  # noqa: BLE001 - a reason, not a crash
+                return f"{type(e).__name__}: {e}"
 
         def exposed_compile(self, graph_json) -> str:
             """Compile a graph (JSON); returns ``{"key", "program"}`` or ``{"error": {kind, message}}``."""
@@ -269,11 +298,14 @@ def make_service(device: Device):
                 program = device.program(graph_hash=ghash)
                 if program is not None:
                     return json.dumps({"key": program.key, "program": program.to_json()})
-                graph = Graph.from_json(json.loads(text))
-                _check_ops(graph)
-                with device.lock:
+                raw = json.loads(text)
+                check_ops_json(raw)
+                graph = Graph.from_json(raw)
+                check_graph(graph, device.limits)
+                with device.exclusive():
                     program = device.platform.compile(graph)
                     device.compiled += 1
+                check_program(program, device.limits, device.program_kind)
                 device.remember(program, ghash)
                 return json.dumps({"key": program.key, "program": program.to_json()})
             except (TypeError, ValueError, KeyError) as e:
@@ -284,10 +316,11 @@ def make_service(device: Device):
         def exposed_load(self, program_json) -> str:
             """Cache a program compiled elsewhere (JSON); returns ``{"key"}`` or an error."""
             try:
-                program = KernelProgram.from_json(json.loads(_str(program_json, "program_json")))
-                if program.graph is not None:
-                    _check_ops(Graph.from_json(program.graph))
-            except (TypeError, ValueError, KeyError) as e:
+                raw = json.loads(_str(program_json, "program_json"))
+                check_ops_json(raw.get("graph") if isinstance(raw, dict) else None)
+                program = KernelProgram.from_json(raw)
+                check_program(program, device.limits, device.program_kind)
+            except (TypeError, ValueError, KeyError, AttributeError) as e:
                 return _error("usage", f"malformed program: {type(e).__name__}: {e}")
             except Unsupported as e:
                 return _error_of(e)
@@ -313,7 +346,7 @@ def make_service(device: Device):
             if program is None:
                 return _error("unknown-program", f"program {key} is not cached on this server")
             try:
-                with device.lock:
+                with device.exclusive():
                     device.runs += 1
                     outputs = device.platform.run(program, inputs)
                     ms = getattr(device.platform, "last_run_ms", None)
@@ -569,11 +602,15 @@ def registry_client(spec: str, timeout: float = 2.0):
 
 def serve(platform, spec: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, token: str | None = None,
           max_message: int = DEFAULT_MAX_MESSAGE, register: str | None = None, timeout: float = 300.0,
-          on_listen=None, lazy_caps: bool = False, auth_timeout: float = P.AUTH_TIMEOUT_S) -> None:
+          on_listen=None, lazy_caps: bool = False, auth_timeout: float = P.AUTH_TIMEOUT_S,
+          limits: ServerLimits | None = None, on_stop=None) -> None:
     """Serve ``platform`` until SIGTERM/SIGINT. ``on_listen(host, port)`` runs once the port accepts.
     ``lazy_caps``: ask the platform for its caps only when a client does (a browser page that
-    nobody has opened yet has none)."""
-    device = Device(platform, spec, max_message=max_message, timeout=timeout)
+    nobody has opened yet has none). ``limits``: what one request may cost (defaults of
+    :class:`ServerLimits`). After a signal the process exits within ``STOP_GRACE_S`` seconds even
+    when a device call does not return: then ``on_stop()`` runs (release the device) and the
+    process ends with ``os._exit(0)``."""
+    device = Device(platform, spec, max_message=max_message, timeout=timeout, limits=limits)
     if not lazy_caps:
         device.caps  # noqa: B018 - fail before listening when the device cannot say what it is
     registrar = registry_client(register) if register else None
@@ -585,7 +622,21 @@ def serve(platform, spec: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT
     server._listen()  # listen before announcing the port: clients may connect at once
     stop = threading.Event()
 
+    def force_exit():
+        time.sleep(STOP_GRACE_S)
+        # Still here: a device call in native code holds the process (or its shutdown); end it.
+        try:
+            if on_stop:  # in a thread of its own: releasing the device may block as well
+                releasing = threading.Thread(target=on_stop, daemon=True)
+                releasing.start()
+                releasing.join(STOP_GRACE_S)
+            os.write(1, b"tapml serve: stopped (device call abandoned)\n")
+        finally:
+            os._exit(0)
+
     def on_signal(signum, frame):
+        if not stop.is_set():
+            threading.Thread(target=force_exit, name="tapml-stop-watchdog", daemon=True).start()
         stop.set()
         server.close()
 

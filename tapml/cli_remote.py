@@ -31,10 +31,18 @@ def serve(platform: str = typer.Option("wgpu", "--platform", "-p", help=SERVE_PL
           max_message_mib: int = typer.Option(1024, "--max-message-mib", help="Refuse messages (tensors, JSON) larger than this"),
           timeout: float = typer.Option(300.0, "--timeout", help="Seconds a run may wait for its input tensors"),
           auth_timeout: float = typer.Option(10.0, "--auth-timeout", help="Seconds a new connection has to authenticate"),
+          max_invocations: int = typer.Option(1 << 32, "--max-invocations",
+                                              help="Refuse programs dispatching more shader invocations than this"),
+          max_buffer_mib: int = typer.Option(4096, "--max-buffer-mib",
+                                             help="Refuse programs declaring more device buffer MiB than this"),
+          run_timeout: float = typer.Option(120.0, "--run-timeout",
+                                            help="Seconds one compile or run may take (then its device worker is "
+                                                 "killed) and a request may wait for a busy device"),
           no_launch: bool = typer.Option(False, "--no-launch", help="browser: do not start Chromium; print the page URL to open"),
           verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every connection")):
     """Serve a local device to tapml clients (targets remote://HOST:PORT)."""
     from tapml.errors import TapmlError
+    from tapml.remote.limits import ServerLimits
     from tapml.remote.server import is_loopback, parse_registry
     from tapml.remote.server import serve as run_server
     from tapml.targets import check_target, open_target, read_token
@@ -49,6 +57,8 @@ def serve(platform: str = typer.Option("wgpu", "--platform", "-p", help=SERVE_PL
         fail("--max-message-mib must be at least 1")
     if timeout <= 0 or auth_timeout <= 0:
         fail("--timeout and --auth-timeout must be positive")
+    if max_invocations < 1 or max_buffer_mib < 1 or not 0 < run_timeout < 1e6:
+        fail("--max-invocations and --max-buffer-mib must be at least 1, --run-timeout a positive number of seconds")
     if register:
         parse_registry(register)
     token = read_token(token_file)
@@ -63,8 +73,11 @@ def serve(platform: str = typer.Option("wgpu", "--platform", "-p", help=SERVE_PL
             raise TapmlError(f"platform browser is not available: {e}") from None
         device = BrowserPlatform(launch=False, host=host)  # the page is served where a person can reach it
         print(f"open {device.url} in a browser with WebGPU to attach it", flush=True)
-    else:
+    elif platform == "browser":
         device = open_target(platform)
+    else:
+        from tapml.remote.device_worker import WorkerPlatform
+        device = WorkerPlatform(platform, timeout=run_timeout)  # killable when a run passes --run-timeout
 
     def announce(bound_host: str, bound_port: int) -> None:
         adapter = "adapter: the page that opens the URL" if no_launch else device.caps().get("adapter", "?")
@@ -75,7 +88,8 @@ def serve(platform: str = typer.Option("wgpu", "--platform", "-p", help=SERVE_PL
     try:
         run_server(device, platform, host=host, port=port, token=token, max_message=max_message_mib << 20,
                    register=register, timeout=timeout, on_listen=announce,
-                   lazy_caps=no_launch, auth_timeout=auth_timeout)
+                   lazy_caps=no_launch, auth_timeout=auth_timeout, on_stop=device.close,
+                   limits=ServerLimits(max_invocations, max_buffer_mib << 20, run_timeout))
     finally:
         device.close()
     print("tapml serve: stopped", flush=True)

@@ -1,0 +1,281 @@
+"""The device of a ``tapml serve`` in a process of its own, which the server can kill.
+
+A GPU dispatch (or a torch op) cannot be interrupted from Python, and a shader can loop for as
+long as it likes within any invocation count. So the server never touches its device itself:
+:class:`WorkerPlatform` forwards caps/supports/compile/run to a child process
+(``python -m tapml.remote.device_worker FD SPEC``) over a socket pair, and when a call runs past
+its deadline, or the worker dies, it kills the worker (SIGKILL; the device's threads and memory
+go with it) and starts a fresh one on the next call. The server's own threads stay free to
+answer other clients and signals.
+
+Between parent and worker: a frame is an 8-byte length and a JSON object; tensors follow as
+bulk messages of :mod:`tapml.remote.protocol`. No pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections import OrderedDict
+
+from tapml.errors import DeviceLost, PlatformError, TapmlError, Unsupported
+from tapml.platforms.base import KernelProgram, Platform, wrap_errors
+from tapml.remote import protocol as P
+
+_LEN = struct.Struct("!Q")
+MAX_FRAME = 1 << 30
+STARTUP_TIMEOUT_S = 120.0
+WORKER_PROGRAMS = 1024
+
+
+class RunTimeout(PlatformError):
+    """A compile or run took longer than the server's wall-clock limit; its worker was killed."""
+
+
+def _send(sock: socket.socket, obj: dict, tensors=()) -> None:
+    data = json.dumps(obj).encode()
+    sock.sendall(_LEN.pack(len(data)) + data)
+    for t in tensors:
+        P.send_tensor(sock, P.TENSOR, 0, t)
+
+
+def _recv(sock: socket.socket, deadline: float | None = None) -> dict:
+    (n,) = _LEN.unpack(P.recv_exact(sock, _LEN.size, deadline))
+    if n > MAX_FRAME:
+        raise P.ProtocolError(f"worker frame of {n} bytes")
+    return json.loads(P.recv_exact(sock, n, deadline))
+
+
+def _recv_tensors(sock: socket.socket, count: int, deadline: float | None = None) -> list:
+    out = []
+    for _ in range(count):
+        if deadline is not None:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+        _, _, dtype, shape, nbytes = P.recv_header(sock, 1 << 62)
+        if deadline is not None:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+        out.append(P.tensor_from(dtype, shape, P.recv_payload(sock, nbytes)))
+    return out
+
+
+class WorkerPlatform(Platform):
+    """A platform spec (``reference``, ``wgpu:vulkan``, ...) opened in a killable child process.
+
+    ``timeout`` bounds every compile and run in seconds: past it the worker is killed and the
+    call raises :class:`RunTimeout`; the next call starts a fresh worker. Raises TapmlError
+    when the worker cannot open the device (the message says why).
+
+    Example::
+
+        with WorkerPlatform("wgpu:vulkan", timeout=60) as p:
+            outputs = p.run(p.compile(graph), inputs)
+    """
+
+    def __init__(self, spec: str, timeout: float = 120.0):
+        self.spec = self.name = spec
+        self.timeout = timeout
+        self._proc: subprocess.Popen | None = None
+        self._sock: socket.socket | None = None
+        self._loaded: set[str] = set()
+        self._caps_cache: dict | None = None
+        self._lock = threading.Lock()
+        self.restarts = 0
+        self.last_run_ms = self._device_ms = None
+        with self._lock:
+            self._start()
+
+    # --- the worker process ---------------------------------------------------------------
+    def _start(self) -> None:
+        parent, child = socket.socketpair()
+        try:
+            self._proc = subprocess.Popen([sys.executable, "-m", "tapml.remote.device_worker", str(child.fileno()),
+                                           self.spec], pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
+        finally:
+            child.close()
+        self._sock, self._loaded = parent, set()
+        try:
+            hello = _recv(parent, time.monotonic() + STARTUP_TIMEOUT_S)
+        except (OSError, EOFError, ValueError, P.ProtocolError) as e:
+            self._kill()
+            raise TapmlError(f"the device worker for {self.spec} did not start: {e}") from None
+        if "error" in hello:
+            self._kill()
+            raise TapmlError(hello["error"]["message"])
+        self._caps_cache = hello["caps"]
+
+    def _kill(self) -> None:
+        proc, sock = self._proc, self._sock
+        self._proc = self._sock = None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        if proc is not None:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        if sock is not None:
+            sock.close()
+
+    def _call(self, request: dict, tensors=(), what: str = "call") -> tuple[dict, list]:
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                if self._proc is not None:
+                    self._kill()
+                self.restarts += 1
+                try:
+                    self._start()
+                except TapmlError as e:
+                    raise DeviceLost(str(e)) from None
+            deadline = time.monotonic() + self.timeout
+            try:
+                reply, outputs = self._exchange(request, tensors, deadline)
+                if reply.get("error", {}).get("kind") == "unknown-program":  # the worker forgot it
+                    self._loaded.discard(request["key"])
+                    reply, outputs = self._exchange(request, tensors, deadline)
+            except (TimeoutError, socket.timeout):
+                self._kill()
+                raise RunTimeout(f"the {what} ran past this server's limit of {self.timeout:g} s "
+                                 "(tapml serve --run-timeout) and was stopped") from None
+            except (OSError, EOFError, ValueError, P.ProtocolError) as e:
+                code = self._proc.poll() if self._proc else None
+                self._kill()
+                why = f"signal {-code}" if code is not None and code < 0 else f"exit {code}" if code is not None else e
+                raise PlatformError(f"the device worker died during the {what} ({why}); "
+                                    "it is restarted for the next request") from None
+            if request.get("op") == "run" and "error" not in reply:
+                self._loaded.add(request["key"])
+        if "error" in reply:
+            kind, message = reply["error"].get("kind"), reply["error"].get("message", "")
+            raise (Unsupported if kind == "unsupported" else ValueError if kind == "usage" else PlatformError)(message)
+        return reply, outputs
+
+    def _exchange(self, request: dict, tensors, deadline: float) -> tuple[dict, list]:
+        if request.get("op") == "run":
+            request = {k: v for k, v in request.items() if k != "program"} if request["key"] in self._loaded \
+                else request
+        self._sock.settimeout(max(0.001, deadline - time.monotonic()))
+        _send(self._sock, request, tensors)
+        reply = _recv(self._sock, deadline)
+        return reply, _recv_tensors(self._sock, int(reply.get("tensors", 0)), deadline)
+
+    # --- Platform -------------------------------------------------------------------------
+    def _caps(self) -> dict:
+        if self._caps_cache is None:
+            self._call({"op": "caps"})
+        return dict(self._caps_cache)
+
+    def _supports(self, node) -> str | None:
+        return self._call({"op": "supports", "node": node.to_json()})[0].get("reason") or None
+
+    def compile(self, graph):
+        """Compile ``graph`` in the worker (which checks support node by node itself)."""
+        return wrap_errors(self._compile, graph)
+
+    def _compile(self, graph) -> KernelProgram:
+        reply, _ = self._call({"op": "compile", "graph": graph.to_json()}, what="compile")
+        return KernelProgram.from_json(reply["program"])
+
+    def run(self, program: KernelProgram, inputs: list):
+        """Run ``program`` in the worker; ``last_run_ms`` is the worker's own time for it."""
+        out = super().run(program, inputs)
+        self.last_run_ms = self._device_ms
+        return out
+
+    def _run(self, program: KernelProgram, inputs: list) -> list:
+        reply, outputs = self._call({"op": "run", "key": program.key, "program": program.to_json(),
+                                     "inputs": len(inputs)}, inputs, what="run")
+        self._device_ms = reply.get("device_ms")
+        return outputs
+
+    def close(self) -> None:
+        """Kill the worker (without waiting for a call in flight)."""
+        self._kill()
+
+
+# --- the worker side ------------------------------------------------------------------------
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: never outlive the server
+    except (OSError, AttributeError):
+        pass
+
+
+def _error(kind: str, e: BaseException) -> dict:
+    return {"error": {"kind": kind, "message": str(e) if kind != "platform" or isinstance(e, PlatformError)
+                      else f"{type(e).__name__}: {e}"}}
+
+
+def worker_main(fd: int, spec: str) -> None:
+    """Open ``spec`` and answer the parent on socket ``fd`` until it closes."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent decides
+    sock = socket.socket(fileno=fd)
+    from tapml.graph import Graph, Node
+    from tapml.targets import open_target
+    try:
+        platform = open_target(spec)
+        caps = platform.caps()
+    except TapmlError as e:
+        _send(sock, _error("usage", e))
+        return
+    except Exception as e:  # noqa: BLE001 - the parent reports it
+        _send(sock, _error("platform", e))
+        return
+    _send(sock, {"caps": caps})
+    programs: OrderedDict[str, KernelProgram] = OrderedDict()
+    while True:
+        try:
+            req = _recv(sock)
+        except (OSError, EOFError):
+            return
+        op, outputs, payloads = req.get("op"), [], []
+        try:
+            # a run's inputs follow its frame whatever becomes of it: read them first
+            inputs = _recv_tensors(sock, int(req.get("inputs", 0))) if op == "run" else []
+        except (OSError, EOFError, ValueError, P.ProtocolError):
+            return
+        try:
+            if op == "caps":
+                reply = {"caps": platform.caps()}
+            elif op == "supports":
+                reply = {"reason": platform.supports(Node.from_json(req["node"]))}
+            elif op == "compile":
+                reply = {"program": platform.compile(Graph.from_json(req["graph"])).to_json()}
+            elif op == "run" and "program" not in req and req["key"] not in programs:
+                reply = {"error": {"kind": "unknown-program", "message": "send the program"}}
+            elif op == "run":
+                if "program" in req:
+                    programs[req["key"]] = KernelProgram.from_json(req["program"])
+                programs.move_to_end(req["key"])
+                while len(programs) > WORKER_PROGRAMS:
+                    programs.popitem(last=False)
+                outputs = platform.run(programs[req["key"]], inputs)
+                payloads = [P.tensor_bytes(t) for t in outputs]
+                reply = {"tensors": len(outputs), "device_ms": getattr(platform, "last_run_ms", None)}
+            else:
+                reply = _error("usage", ValueError(f"unknown worker request {op!r}"))
+        except Unsupported as e:
+            reply = _error("unsupported", e)
+        except (TypeError, ValueError, KeyError) as e:
+            reply = _error("usage", e)
+        except Exception as e:  # noqa: BLE001 - the verdict of the request, not the worker's end
+            reply = _error("platform", e)
+        del inputs, outputs
+        try:
+            _send(sock, reply)
+            for dtype, shape, payload in (payloads if "error" not in reply else ()):
+                P.send_message(sock, P.TENSOR, 0, payload, dtype, shape)
+        except OSError:
+            return
+
+
+if __name__ == "__main__":
+    worker_main(int(sys.argv[1]), sys.argv[2])

@@ -1,0 +1,228 @@
+"""What a device server lets one request cost, and the checks that hold programs to it.
+
+Every graph and program a client sends is checked here before it reaches the device: op
+names go through the closed vocabulary (:func:`tapml.ops.check_op`), WGSL programs have their
+fields validated (types, sizes, counts, names that refer to something), and the work a program
+asks for is measured and held to :class:`ServerLimits`: total invocations (workgroups x
+workgroup size, summed over kernels) and total buffer bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from tapml.errors import Unsupported
+
+DEFAULT_MAX_INVOCATIONS = 1 << 32
+DEFAULT_MAX_BUFFER_BYTES = 4096 << 20
+DEFAULT_RUN_TIMEOUT_S = 120.0
+MAX_KERNELS = 65536
+MAX_BUFFERS = 65536
+MAX_NODES = 1 << 20
+MAX_DIMS = 16
+MAX_WGSL_CHARS = 1 << 20
+WGSL_TYPES = {"f32": 4, "f16": 2, "i32": 4, "u32": 4}
+BUFFER_ROLES = ("input", "output", "temp", "const")
+ACCESS = ("read", "read_write")
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+
+
+class LimitExceeded(Unsupported):
+    """A request asks for more work than the server's limits allow; it never reaches the device."""
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Per-request limits a device server enforces (``tapml serve`` options in brackets).
+
+    ``max_invocations`` [--max-invocations]: shader invocations one program may dispatch;
+    ``max_buffer_bytes`` [--max-buffer-mib]: bytes of device buffers (or tensors, for graph
+    programs) one program may declare; ``run_timeout`` [--run-timeout]: seconds one compile or run
+    may take on the device, and how long a request waits for a device another client holds.
+    """
+
+    max_invocations: int = DEFAULT_MAX_INVOCATIONS
+    max_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES
+    run_timeout: float = DEFAULT_RUN_TIMEOUT_S
+
+
+def check_ops(graph) -> None:
+    """Raise :class:`Unsupported` unless every op of ``graph`` is in tapml's closed vocabulary."""
+    if len(graph.nodes) > MAX_NODES:
+        raise LimitExceeded(f"graph has {len(graph.nodes)} nodes; a device server takes at most {MAX_NODES}")
+    for node in graph.nodes:
+        check_node(node)
+
+
+def check_node(node) -> None:
+    """Raise :class:`Unsupported` unless ``node``'s op (a Node, or its JSON) is in tapml's closed vocabulary."""
+    from tapml.ops import check_op
+    op = node.get("op") if isinstance(node, dict) else node.op
+    try:
+        check_op(op)
+    except ValueError as e:
+        raise Unsupported(f"{str(op)[:80]}: only aten ops of tapml's vocabulary run on a device server ({e})") \
+            from None
+
+
+def check_ops_json(graph_json) -> None:
+    """:func:`check_ops` on a graph's JSON, before it is parsed: a refused op is reported as
+    such (Unsupported), not as a malformed graph. Malformed structure is left to the parser."""
+    nodes = graph_json.get("nodes") if isinstance(graph_json, dict) else None
+    if isinstance(nodes, list):
+        if len(nodes) > MAX_NODES:
+            raise LimitExceeded(f"graph has {len(nodes)} nodes; a device server takes at most {MAX_NODES}")
+        for node in nodes:
+            if isinstance(node, dict):
+                check_node(node)
+
+
+def _meta_bytes(meta) -> int:
+    from tapml.graph import torch_dtype
+    if len(meta.shape) > MAX_DIMS or any(type(s) is not int or s < 0 for s in meta.shape):
+        raise ValueError(f"tensor shape {list(meta.shape)[:MAX_DIMS + 1]} is not a list of at most {MAX_DIMS} sizes >= 0")
+    try:
+        itemsize = torch_dtype(meta.dtype).itemsize
+    except (KeyError, ValueError, TypeError, AttributeError):
+        raise ValueError(f"unknown dtype {str(meta.dtype)[:40]!r}") from None
+    return math.prod(meta.shape) * itemsize
+
+
+def graph_bytes(graph) -> int:
+    """Bytes of every tensor a graph declares (inputs and node outputs)."""
+    return sum(_meta_bytes(m) for _, m in graph.inputs) + sum(_meta_bytes(m) for n in graph.nodes for m in n.outputs)
+
+
+def check_graph(graph, limits: ServerLimits) -> None:
+    """Vocabulary and size checks of a graph a client sends to ``compile``."""
+    check_ops(graph)
+    _check_bytes(graph_bytes(graph), limits, "graph")
+
+
+def _check_bytes(nbytes: int, limits: ServerLimits, what: str) -> None:
+    if nbytes > limits.max_buffer_bytes:
+        raise LimitExceeded(f"{what} declares {nbytes} bytes of tensors; this server allows "
+                            f"{limits.max_buffer_bytes} (tapml serve --max-buffer-mib)")
+
+
+def _strip_comments(wgsl: str) -> str:
+    """WGSL without comments (block comments nest; WGSL has no string literals)."""
+    out, i, depth, n = [], 0, 0, len(wgsl)
+    while i < n:
+        two = wgsl[i:i + 2]
+        if two == "/*":
+            depth, i = depth + 1, i + 2
+        elif depth and two == "*/":
+            depth, i = depth - 1, i + 2
+        elif depth:
+            i += 1
+        elif two == "//":
+            end = wgsl.find("\n", i)
+            i = n if end < 0 else end
+        else:
+            out.append(wgsl[i])
+            i += 1
+    return "".join(out)
+
+
+_AFTER_ATTRS = re.compile(r"\s*((?:@\s*\w+(?:\s*\([^)]*\))?\s*)*)fn\s+([A-Za-z_]\w*)")
+_INT = re.compile(r"\s*(\d{1,10})[iu]?\s*")
+
+
+def workgroup_size(wgsl: str, entry: str) -> int:
+    """Invocations per workgroup of entry point ``entry``: the product of its
+    ``@workgroup_size(...)``, which must be integer literals. ValueError otherwise."""
+    code = _strip_comments(wgsl)
+    sizes = []
+    for m in re.finditer(r"@\s*workgroup_size\s*\(([^)]*)\)", code):
+        fn = _AFTER_ATTRS.match(code, m.end())
+        if fn and fn.group(2) == entry:
+            sizes.append(m.group(1))
+    if len(re.findall(rf"\bfn\s+{re.escape(entry)}\b", code)) != 1 or len(sizes) != 1:
+        raise ValueError(f"entry point {entry!r} must be declared once with one @workgroup_size")
+    dims = [d for d in sizes[0].split(",") if d.strip()]
+    if not 1 <= len(dims) <= 3 or not all(_INT.fullmatch(d) for d in dims):
+        raise ValueError(f"@workgroup_size({sizes[0].strip()[:60]}) of {entry!r}: only integer literals are accepted")
+    return math.prod(int(_INT.fullmatch(d).group(1)) for d in dims)
+
+
+def check_program(program, limits: ServerLimits, kind: str) -> dict:
+    """Validate a KernelProgram a client sends (or the server compiled) and hold it to ``limits``.
+
+    ``kind`` is the program kind this server runs (``wgsl`` or ``graph``). Returns the work it
+    asks for, ``{"invocations", "buffer_bytes"}``. Raises ValueError for a malformed program,
+    :class:`Unsupported` for ops outside the vocabulary and :class:`LimitExceeded` past a limit.
+    """
+    from tapml.graph import Graph
+    if program.kind != kind:
+        raise ValueError(f"this server runs {kind!r} programs, not {str(program.kind)[:40]!r}")
+    for name in (*program.inputs, *program.outputs):
+        if type(name) is not str:
+            raise ValueError("program inputs and outputs must be names")
+    for meta in (*program.input_meta, *program.output_meta):
+        _meta_bytes(meta)
+    if kind == "graph":
+        if not isinstance(program.graph, dict):
+            raise ValueError("a graph program needs its graph")
+        graph = Graph.from_json(program.graph)
+        check_ops(graph)
+        nbytes = graph_bytes(graph)
+        _check_bytes(nbytes, limits, "program")
+        return {"invocations": 0, "buffer_bytes": nbytes}
+    if program.graph is not None:
+        raise ValueError("a wgsl program carries no graph")
+    if len(program.buffers) > MAX_BUFFERS or len(program.kernels) > MAX_KERNELS:
+        raise LimitExceeded(f"program has {len(program.buffers)} buffers and {len(program.kernels)} kernels; "
+                            f"a device server takes at most {MAX_BUFFERS} and {MAX_KERNELS}")
+    buffers = {}
+    nbytes = 0
+    for b in program.buffers:
+        if type(b.name) is not str or not b.name or len(b.name) > 256 or b.name in buffers:
+            raise ValueError(f"buffer name {str(b.name)[:40]!r} is empty, too long or repeated")
+        if b.dtype not in WGSL_TYPES:
+            raise ValueError(f"buffer {b.name}: dtype {str(b.dtype)[:20]!r} is not one of {', '.join(WGSL_TYPES)}")
+        if b.role not in BUFFER_ROLES:
+            raise ValueError(f"buffer {b.name}: role {str(b.role)[:20]!r} is not one of {', '.join(BUFFER_ROLES)}")
+        if type(b.size) is not int or b.size < 0 or b.size % 4:
+            raise ValueError(f"buffer {b.name}: size {b.size} is not a multiple of 4 bytes >= 0")
+        if (b.role == "const") != (b.data is not None) or (b.data is not None and len(b.data) != b.size):
+            raise ValueError(f"buffer {b.name}: only const buffers carry data, exactly size bytes of it")
+        if b.meta is not None:
+            _meta_bytes(b.meta)
+        buffers[b.name] = b
+        nbytes += b.size
+    for name in (*program.inputs, *program.outputs):
+        if name not in buffers:
+            raise ValueError(f"program input/output {name[:40]!r} names no buffer")
+    # outputs are read back through a buffer of their size, and a poison buffer refills them
+    nbytes += sum(buffers[n].size for n in set(program.outputs)) + max(
+        (buffers[n].size for n in program.outputs), default=0)
+    _check_bytes(nbytes, limits, "program")
+    invocations = 0
+    for k in program.kernels:
+        if type(k.name) is not str or type(k.wgsl) is not str or type(k.entry) is not str \
+                or not _IDENT.fullmatch(k.entry):
+            raise ValueError(f"kernel {str(k.name)[:40]!r}: name, wgsl and entry must be strings (entry an identifier)")
+        if len(k.wgsl) > MAX_WGSL_CHARS:
+            raise LimitExceeded(f"kernel {k.name[:40]}: WGSL of {len(k.wgsl)} characters; at most {MAX_WGSL_CHARS}")
+        if len(k.workgroups) != 3 or not all(type(g) is int and 0 <= g for g in k.workgroups):
+            raise ValueError(f"kernel {k.name[:40]}: workgroups must be three counts >= 0")
+        for name, access in k.bindings:
+            if name not in buffers or access not in ACCESS:
+                raise ValueError(f"kernel {k.name[:40]}: binding {name[:40]!r} ({access[:20]}) names no buffer "
+                                 f"or an access other than {' / '.join(ACCESS)}")
+        try:
+            per_group = workgroup_size(k.wgsl, k.entry)
+        except ValueError as e:
+            raise ValueError(f"kernel {k.name[:40]}: {e}") from None
+        invocations += math.prod(k.workgroups) * per_group
+    if invocations > limits.max_invocations:
+        raise LimitExceeded(f"program dispatches {invocations} shader invocations; this server allows "
+                            f"{limits.max_invocations} per run (tapml serve --max-invocations)")
+    return {"invocations": invocations, "buffer_bytes": nbytes}
+
+
+__all__ = ["ServerLimits", "LimitExceeded", "check_ops", "check_ops_json", "check_node", "check_graph", "check_program",
+           "workgroup_size", "DEFAULT_MAX_INVOCATIONS", "DEFAULT_MAX_BUFFER_BYTES", "DEFAULT_RUN_TIMEOUT_S"]
