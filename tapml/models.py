@@ -207,7 +207,8 @@ def _load_factory(spec: str):
 
 def load_model(spec: str, seed: int = 0, hf_config: dict | None = None):
     """Model and example inputs of a MODEL spec; a ``.pt2`` spec returns the ExportedProgram
-    itself in place of the model. Raises TapmlError for bad specs."""
+    itself in place of the model, read by :func:`tapml.pt2.load_pt2` (nothing in it runs).
+    Raises TapmlError for bad specs."""
     if not isinstance(spec, str) or not spec:
         raise TapmlError("empty model spec; use zoo:NAME, hf:MODEL_TYPE, file.py:factory or file.pt2")
     torch.manual_seed(seed)
@@ -224,13 +225,8 @@ def load_model(spec: str, seed: int = 0, hf_config: dict | None = None):
     if spec.endswith(".pt2"):
         if not Path(spec).is_file():
             raise TapmlError(f"exported program {spec!r} does not exist")
-        try:
-            ep = torch.export.load(spec)
-        except Exception as e:  # noqa: BLE001
-            raise TapmlError(f"{spec} is not a readable torch.export program: {e}") from None
-        if ep.example_inputs is None:
-            raise TapmlError(f"{spec} holds no example inputs; save it from torch.export.export(model, args)")
-        args, kwargs = ep.example_inputs
+        from tapml.pt2 import load_pt2  # never torch.export.load: it unpickles (see tapml/pt2.py)
+        ep, args, kwargs = load_pt2(spec)
         if kwargs:
             raise TapmlError(f"{spec}: keyword example inputs are not supported")
         return ep, tuple(args)
