@@ -8,6 +8,7 @@ which validates the manifest and every shard header on open. No pickle anywhere.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -15,12 +16,13 @@ from pathlib import Path
 import torch
 
 from tapml.errors import TapmlError
-from tapml.graph import Graph, Node, TensorMeta, torch_dtype
+from tapml.graph import Graph, Node, TensorMeta, arg_refs, check_arg, torch_dtype
+from tapml.ops import check_op
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 _REQUIRED = ("format_version", "model", "torch_version", "reference_device", "seed", "nodes", "cases",
-             "graph_inputs", "graph_outputs", "tensors")
+             "graph_inputs", "graph_outputs", "tensors", "program_inputs", "model_outputs")
 
 
 def write_json_atomic(path: Path, data) -> None:
@@ -120,8 +122,63 @@ class CarveStoreWriter:
                                                  "tensors": self.tensors})
 
 
+class _Refused:
+    """What the parser put in place of a value it refuses, so that the error can name its field."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
+def _refused_path(value) -> tuple[str, str] | None:
+    """``(field path, reason)`` of the first refused value inside ``value``, or None."""
+    stack = [("", value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, _Refused):
+            return path or "(top level)", v.reason
+        if isinstance(v, dict):
+            stack.extend((f"{path}.{k[:40]}" if path else k[:40], x) for k, x in reversed(list(v.items())))
+        elif isinstance(v, list):
+            stack.extend((f"{path}[{i}]", x) for i, x in reversed(list(enumerate(v))))
+    return None
+
+
+def read_json_strict(path: Path):
+    """Parse a JSON file that may come from anyone: ``NaN``/``Infinity``, floats that overflow
+    and integers beyond 64 bits are refused, naming their field (``cases[0].args[1]: ...``), and
+    so is nesting deeper than Python can parse. Raises ValueError (a JSONDecodeError for broken
+    syntax) with the reason; OSError when the file cannot be read."""
+    refused = []
+
+    def refuse(reason: str) -> _Refused:
+        refused.append(reason)
+        return _Refused(reason)
+
+    def integer(text: str):
+        if len(text) > 21:
+            return refuse(f"an integer of {len(text.lstrip('-'))} digits is beyond 64 bits")
+        return int(text)
+
+    def number(text: str):
+        value = float(text)
+        return value if math.isfinite(value) else refuse(f"the number {text[:40]} overflows a float")
+
+    raw = path.read_bytes()
+    try:
+        data = json.loads(raw, parse_int=integer, parse_float=number,
+                          parse_constant=lambda name: refuse(f"the JSON constant {name} is not allowed "
+                                                             "(numbers must be finite)"))
+    except RecursionError:
+        raise ValueError("it is nested too deeply to parse") from None
+    if refused:
+        where, reason = _refused_path(data) or ("", refused[0])
+        raise ValueError(f"{where}: {reason}")
+    return data
+
+
 def _check_shard(path: Path) -> dict:
-    """Parse a safetensors header and check the file holds every byte it declares."""
+    """Parse a safetensors header and check the file holds every byte it declares, each entry
+    exactly as many bytes as its dtype and shape need."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
@@ -132,7 +189,7 @@ def _check_shard(path: Path) -> dict:
             raise TapmlError(f"shard {path} declares a {n}-byte header in a {size}-byte file; it is corrupt")
         try:
             header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (ValueError, RecursionError):
             raise TapmlError(f"shard {path} has an unreadable header; it is corrupt") from None
     if not isinstance(header, dict):
         raise TapmlError(f"shard {path} has an unreadable header; it is corrupt")
@@ -141,31 +198,142 @@ def _check_shard(path: Path) -> dict:
         if key == "__metadata__":
             continue
         try:
-            end = max(end, int(info["data_offsets"][1]))
+            start, stop = info["data_offsets"]
+            shape, code = info["shape"], info["dtype"]
+            itemsize = torch_dtype(_DTYPE_OF_CODE[code]).itemsize
+            if not (type(start) is int and type(stop) is int and 0 <= start <= stop
+                    and isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+                    and stop - start == math.prod(shape) * itemsize):
+                raise ValueError
         except (TypeError, KeyError, IndexError, ValueError):
-            raise TapmlError(f"shard {path}: entry {key!r} has no valid data_offsets; it is corrupt") from None
+            raise TapmlError(f"shard {path}: entry {str(key)[:60]!r} has no valid dtype, shape and data_offsets; "
+                             "it is corrupt") from None
+        end = max(end, stop)
     if 8 + n + end != size:
         raise TapmlError(f"shard {path} is {size} bytes but its header needs {8 + n + end}; "
                          "it is truncated or corrupt — carve the model again")
     return header
 
 
+_DTYPE_OF_CODE = {v: k for k, v in _ST_DTYPES.items()}
 _CASE_FIELDS = {"id": str, "op": str, "node": str, "module": str, "args": list, "kwargs": dict, "multi": bool,
                 "output_meta": list, "inputs": list, "outputs": list, "instances": int}
 
 
-def _check_case(case) -> None:
+def _names(value, field: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        raise ValueError(f"{field} must be a list of names")
+    return value
+
+
+def _check_tensor_index(index) -> dict[str, dict]:
+    if not isinstance(index, dict):
+        raise ValueError("field 'tensors' must be an object")
+    for name, info in index.items():
+        where = f"tensors[{name[:60]!r}]"
+        if not (isinstance(info, dict) and isinstance(info.get("shard"), str) and 0 < len(info["shard"]) <= 4096):
+            raise ValueError(f"{where}: field 'shard' must be a path inside the store")
+        try:
+            TensorMeta.from_json(info)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: {e}") from None
+        if info["dtype"] not in _ST_DTYPES:
+            raise ValueError(f"{where}: field 'dtype' {info['dtype']!r} is no dtype a store holds")
+    return index
+
+
+def _check_case(case, index: dict, node_names: set[str]) -> None:
     if not isinstance(case, dict):
-        raise TypeError("a case is not an object")
+        raise ValueError("a case is not an object")
+    where = f"case {str(case.get('id', '?'))[:60]!r}"
     for key, kind in _CASE_FIELDS.items():
-        if not isinstance(case.get(key), kind):
-            raise TypeError(f"case {case.get('id', '?')!r}: field {key!r} is missing or not a {kind.__name__}")
-    for m in case["output_meta"]:
-        TensorMeta.from_json(m)
+        value = case.get(key)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ValueError(f"{where}: field {key!r} is missing or not a {kind.__name__}")
+    try:
+        check_op(case["op"])
+    except ValueError as e:
+        raise ValueError(f"{where}: field 'op': {e}") from None
+    check_arg(case["args"], f"{where}: field 'args'")
+    for k, v in case["kwargs"].items():
+        check_arg(v, f"{where}: field 'kwargs'[{k[:40]!r}]")
+    try:
+        metas = [TensorMeta.from_json(m) for m in case["output_meta"]]
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: field 'output_meta': {e}") from None
+    inputs = _names(case["inputs"], f"{where}: field 'inputs'")
+    outputs = _names(case["outputs"], f"{where}: field 'outputs'")
+    if not metas or len(outputs) != len(metas) or (len(metas) > 1 and not case["multi"]):
+        raise ValueError(f"{where}: fields 'outputs' and 'output_meta' must name the same tensors "
+                         "(one, or several with 'multi')")
+    for name in inputs + outputs:
+        if name not in index:
+            raise ValueError(f"{where} refers to tensor {name[:60]!r}, which is not in the index")
+    for ref in arg_refs(case["args"]) + arg_refs(list(case["kwargs"].values())):
+        if ref not in inputs:
+            raise ValueError(f"{where}: its arguments read {ref[:60]!r}, which is not one of its 'inputs'")
+    if case["node"] not in node_names:
+        raise ValueError(f"{where}: field 'node' {case['node'][:60]!r} is no node of the graph")
+    if case["instances"] < 1:
+        raise ValueError(f"{where}: field 'instances' must be at least 1")
+
+
+def _check_manifest(m: dict) -> tuple[Graph, list[dict], dict[str, dict]]:
+    """Validate every field of a manifest; ValueError/TypeError naming the field."""
+    if not isinstance(m["model"], str) or not m["model"].isprintable() or len(m["model"]) > 4096:
+        raise ValueError("field 'model' must be a model spec (printable text)")
+    for key in ("torch_version", "reference_device"):
+        if not isinstance(m[key], str):
+            raise ValueError(f"field {key!r} must be a string")
+    if type(m["seed"]) is not int or not isinstance(m.get("hf_config", {}), dict):
+        raise ValueError("field 'seed' must be an int and 'hf_config' an object")
+    try:
+        graph = Graph.from_json({"inputs": m["graph_inputs"], "nodes": m["nodes"], "outputs": m["graph_outputs"]})
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"graph ('graph_inputs', 'nodes', 'graph_outputs'): {e}") from None
+    index = _check_tensor_index(m["tensors"])
+    program_inputs, model_outputs = m["program_inputs"], m["model_outputs"]
+    if not isinstance(program_inputs, dict) or not isinstance(model_outputs, dict):
+        raise ValueError("fields 'program_inputs' and 'model_outputs' must be objects")
+    for name, meta in graph.inputs:
+        info = program_inputs.get(name)
+        if not (isinstance(info, dict) and isinstance(info.get("kind"), str) and isinstance(info.get("tensor"), str)):
+            raise ValueError(f"program_inputs: graph input {name[:60]!r} has no entry with a 'kind' and a 'tensor'")
+        stored = index.get(info["tensor"])
+        if stored is None or TensorMeta.from_json(stored) != meta:
+            raise ValueError(f"program_inputs[{name[:60]!r}]: tensor {info['tensor'][:60]!r} is not in the index "
+                             "or has another shape or dtype than the graph input")
+    extra = sorted(set(program_inputs) - {name for name, _ in graph.inputs})
+    if extra:
+        raise ValueError(f"program_inputs: {extra[0][:60]!r} is no graph input")
+    if graph.outputs and not model_outputs:
+        raise ValueError("model_outputs: the reference's outputs are missing")
+    for ref, tensor in model_outputs.items():
+        if ref not in graph.outputs or not isinstance(tensor, str) or tensor not in index:
+            raise ValueError(f"model_outputs[{ref[:60]!r}] must map a graph output to a tensor in the index")
+    if not isinstance(m["cases"], list):
+        raise ValueError("field 'cases' must be a list")
+    ids, node_names = set(), {n.name for n in graph.nodes}
+    for i, case in enumerate(m["cases"]):
+        try:
+            _check_case(case, index, node_names)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"cases[{i}]: {e}") from None
+        if case["id"] in ids:
+            raise ValueError(f"cases[{i}]: case id {case['id'][:60]!r} is used twice")
+        ids.add(case["id"])
+    for node in graph.nodes:
+        if node.case is not None and node.case not in ids:
+            raise ValueError(f"node {node.name!r}: field 'case' {node.case[:60]!r} names no case")
+    return graph, list(m["cases"]), index
 
 
 class CarveStore:
-    """A carved store opened for reading. Raises TapmlError when it is missing or corrupt."""
+    """A carved store opened for reading. Raises TapmlError when it is missing or corrupt.
+
+    Stores may come from anyone: opening one validates every field of the manifest (op names
+    against the vocabulary of :mod:`tapml.ops`, arguments, shapes, refs, tensor index) and every
+    shard header, and refuses shards that lie outside the store (symlinks included)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -174,49 +342,51 @@ class CarveStore:
             raise TapmlError(f"store {str(path)!r} does not exist; create it with `tapml carve MODEL -o {path}`")
         if not manifest_path.is_file():
             raise TapmlError(f"{path} is not a carve store (no {MANIFEST}); create it with `tapml carve`")
+        root = self.path.resolve()
+        if manifest_path.resolve().parent != root:
+            raise TapmlError(f"{manifest_path} is a link to a file outside the store; carve the model again")
         try:
-            self.manifest = json.loads(manifest_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            self.manifest = read_json_strict(manifest_path)
+        except UnicodeDecodeError as e:
             raise TapmlError(f"{manifest_path} is not valid JSON ({e}); carve the model again") from None
+        except json.JSONDecodeError as e:
+            raise TapmlError(f"{manifest_path} is not valid JSON ({e}); carve the model again") from None
+        except ValueError as e:
+            raise TapmlError(f"{manifest_path} is refused: {e}; carve the model again") from None
+        except OSError as e:
+            raise TapmlError(f"cannot read {manifest_path}: {e.strerror}") from None
         if not isinstance(self.manifest, dict):
             raise TapmlError(f"{manifest_path} is not a JSON object; carve the model again")
         missing = [k for k in _REQUIRED if k not in self.manifest]
         if missing:
             raise TapmlError(f"{manifest_path} lacks {', '.join(missing)}; carve the model again")
-        if self.manifest["format_version"] != FORMAT_VERSION:
-            raise TapmlError(f"{path} has store format {self.manifest['format_version']!r}; "
+        if type(self.manifest["format_version"]) is not int or self.manifest["format_version"] != FORMAT_VERSION:
+            raise TapmlError(f"{path} has store format {str(self.manifest['format_version'])[:40]!r}; "
                              f"this tapml reads format {FORMAT_VERSION}")
         try:
-            self.graph = Graph.from_json({"inputs": self.manifest["graph_inputs"], "nodes": self.manifest["nodes"],
-                                          "outputs": self.manifest["graph_outputs"]})
-            self.cases: list[dict] = list(self.manifest["cases"])
-            self._by_id = {c["id"]: c for c in self.cases}
-            self.tensor_index: dict[str, dict] = dict(self.manifest["tensors"])
-            for name, info in self.tensor_index.items():
-                if not (isinstance(info, dict) and isinstance(info.get("shard"), str)):
-                    raise TypeError(f"tensor {name!r} has no shard")
-                meta = TensorMeta.from_json(info)
-                torch_dtype(meta.dtype)
-            for c in self.cases:
-                _check_case(c)
-                for name in c["inputs"] + c["outputs"]:
-                    if name not in self.tensor_index:
-                        raise KeyError(f"case {c['id']} refers to tensor {name!r}, which is not in the index")
-        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
-            raise TapmlError(f"{manifest_path} is malformed ({type(e).__name__}: {e}); carve the model again") from None
-        self._headers = {}
+            self.graph, self.cases, self.tensor_index = _check_manifest(self.manifest)
+        except (TypeError, ValueError) as e:
+            raise TapmlError(f"{manifest_path} is malformed: {e}; carve the model again") from None
+        self._by_id = {c["id"]: c for c in self.cases}
+        self._headers, self._shard_paths = {}, {}
         for shard in sorted({info["shard"] for info in self.tensor_index.values()}):
-            shard_path = (self.path / shard).resolve()
-            if self.path.resolve() not in shard_path.parents:
-                raise TapmlError(f"{manifest_path} points outside the store ({shard})")
+            try:
+                shard_path = (self.path / shard).resolve()
+            except (OSError, RuntimeError, ValueError):
+                raise TapmlError(f"{manifest_path}: shard path {shard[:80]!r} cannot be resolved") from None
+            if root not in shard_path.parents:
+                raise TapmlError(f"{manifest_path} points outside the store: shard {shard[:80]!r} "
+                                 f"resolves to {shard_path} (links included); refusing to read it")
             if not shard_path.is_file():
-                raise TapmlError(f"store {path} is missing shard {shard}; carve the model again")
+                raise TapmlError(f"store {path} is missing shard {shard[:80]}; carve the model again")
             self._headers[shard] = _check_shard(shard_path)
+            self._shard_paths[shard] = shard_path
         for name, info in self.tensor_index.items():
             entry = self._headers[info["shard"]].get(name)
-            if entry is None or list(entry.get("shape", [])) != list(info["shape"]):
-                raise TapmlError(f"tensor {name!r} is missing from {info['shard']} or has another shape; "
-                                 "the store is corrupt")
+            if (not isinstance(entry, dict) or list(entry.get("shape", [])) != list(info["shape"])
+                    or entry.get("dtype") != _ST_DTYPES[info["dtype"]]):
+                raise TapmlError(f"tensor {name[:60]!r} is missing from {info['shard'][:80]} or has another shape "
+                                 "or dtype; the store is corrupt")
         self._open: dict[str, object] = {}
 
     @property
@@ -235,7 +405,7 @@ class CarveStore:
         shard = info["shard"]
         try:
             if shard not in self._open:
-                self._open[shard] = safe_open(str(self.path / shard), framework="pt")
+                self._open[shard] = safe_open(str(self._shard_paths[shard]), framework="pt")
             return self._open[shard].get_tensor(name)
         except (SafetensorError, OSError, RuntimeError) as e:
             raise TapmlError(f"reading {name!r} from {shard} failed ({e}); the store is corrupt") from None
@@ -263,4 +433,4 @@ class CarveStore:
         return {ref: self.tensor(name) for ref, name in self.manifest["model_outputs"].items()}
 
 
-__all__ = ["CarveStore", "CarveStoreWriter", "write_json_atomic"]
+__all__ = ["CarveStore", "CarveStoreWriter", "read_json_strict", "write_json_atomic"]

@@ -1,4 +1,8 @@
-"""The reference platform: torch eager on CPU (or CUDA), the ground truth everything is checked against."""
+"""The reference platform: torch eager on CPU (or CUDA), the ground truth everything is checked against.
+
+It runs only ops of the closed vocabulary (:mod:`tapml.ops`): a graph is read back with
+:meth:`Graph.from_json`, which refuses any other op name, and each node resolves its op there.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,8 @@ import dataclasses
 import torch
 
 from tapml.errors import TapmlError
-from tapml.graph import Graph, Node, resolve_op, run_graph, run_node
+from tapml.graph import Graph, Node, run_graph, run_node
+from tapml.ops import check_op
 from tapml.platforms.base import KernelProgram, Platform, graph_program
 
 
@@ -27,7 +32,7 @@ class ReferencePlatform(Platform):
 
     def _supports(self, node) -> str | None:
         try:
-            resolve_op(node.op)
+            check_op(node.op)
         except ValueError as e:
             return str(e)
         return None

@@ -62,6 +62,10 @@ def command(fn):
             raise typer.Exit(130)
         except (typer.Exit, click.exceptions.Exit, click.exceptions.Abort, click.exceptions.ClickException):
             raise
+        except BrokenPipeError:  # `tapml inspect S | head`: the reader left; not a bug of ours
+            import sys
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise typer.Exit(141)  # 128 + SIGPIPE, as a shell reports it
         except Exception as e:  # noqa: BLE001 - the one place that turns a bug into exit 3
             from rich.markup import escape
             lines = str(e).strip().splitlines()

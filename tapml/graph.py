@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import math
 import operator
+import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
+
+from tapml.ops import check_op, resolve_op  # noqa: F401 - the vocabulary; importers use tapml.graph.resolve_op
 
 _DTYPE_NAMES = {
     torch.float32: "float32",
@@ -31,6 +34,19 @@ _DTYPE_NAMES = {
     torch.complex64: "complex64",
 }
 _DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
+_LAYOUTS = {"strided": torch.strided, "sparse_coo": torch.sparse_coo, "sparse_csr": torch.sparse_csr,
+            "sparse_csc": torch.sparse_csc, "sparse_bsr": torch.sparse_bsr, "sparse_bsc": torch.sparse_bsc}
+_MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "channels_last": torch.channels_last,
+                   "channels_last_3d": torch.channels_last_3d, "preserve_format": torch.preserve_format}
+_DEVICE = re.compile(r"(cpu|cuda|meta)(:[0-9]{1,3})?")
+_DTYPE_TEXT = re.compile(r"[a-z][a-z0-9_]{0,31}")
+
+#: Bounds on what graphs read from files may hold (a store, a program sent to a server).
+MAX_ARG_DEPTH = 64
+MAX_RANK = 64
+MAX_DIM = 1 << 48
+MAX_INT = 1 << 64
+MAX_TEXT = 4096
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -73,7 +89,28 @@ class TensorMeta:
 
     @classmethod
     def from_json(cls, d: dict) -> "TensorMeta":
-        return cls(tuple(int(s) for s in d["shape"]), str(d["dtype"]))
+        """``{"shape": [2, 3], "dtype": "float32"}`` -> TensorMeta; ValueError/TypeError when
+        the shape is not a list of non-negative ints (at most 64 of them, each below 2**48)
+        or the dtype is not a dtype name."""
+        if not isinstance(d, dict):
+            raise TypeError(f"tensor metadata must be an object, not {type(d).__name__}")
+        shape, dtype = d.get("shape"), d.get("dtype")
+        if not isinstance(shape, (list, tuple)) or len(shape) > MAX_RANK or not all(
+                type(s) is int and 0 <= s < MAX_DIM for s in shape):
+            raise ValueError(f"shape must be a list of at most {MAX_RANK} non-negative ints below 2**48, "
+                             f"not {_short(shape)}")
+        if not isinstance(dtype, str) or not _DTYPE_TEXT.fullmatch(dtype):
+            raise ValueError(f"dtype must be a dtype name such as 'float32', not {_short(dtype)}")
+        return cls(tuple(shape), dtype)
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """``repr`` of a value read from a file, cut to ``limit`` characters (it may be huge or deep)."""
+    try:
+        text = repr(value)
+    except RecursionError:
+        text = f"<deeply nested {type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def op_name(target: Any) -> str:
@@ -82,17 +119,6 @@ def op_name(target: Any) -> str:
         ns, name = target.name().split("::")
         return f"{ns}.{name}" if "." in name else f"{ns}.{name}.default"
     return getattr(target, "__name__", str(target))
-
-
-def resolve_op(name: str) -> torch._ops.OpOverload:
-    """``"aten.add.Tensor"`` -> ``torch.ops.aten.add.Tensor``; ValueError when there is no such op."""
-    parts = name.split(".")
-    if len(parts) != 3:
-        raise ValueError(f"op name {name!r} is not of the form namespace.op.overload")
-    try:
-        return getattr(getattr(getattr(torch.ops, parts[0]), parts[1]), parts[2])
-    except (AttributeError, RuntimeError):
-        raise ValueError(f"no such op {name!r}") from None
 
 
 # --- argument encoding -------------------------------------------------------------------
@@ -125,6 +151,47 @@ def encode_arg(a: Any, ref_of) -> Any:
     raise ValueError(f"cannot encode argument of type {type(a).__name__}: {a!r}")
 
 
+def check_arg(a: Any, where: str = "args", depth: int = 0) -> None:
+    """Check that ``a`` is an encoded argument (the grammar :func:`encode_arg` writes), nested at
+    most :data:`MAX_ARG_DEPTH` deep, with ints of at most 64 bits, finite floats and short
+    strings; ValueError naming ``where`` (``args[1][0]``) otherwise. Graphs read from files
+    are checked with it before anything walks or runs them."""
+    if depth > MAX_ARG_DEPTH:
+        raise ValueError(f"{where[:90]}...: arguments are nested deeper than {MAX_ARG_DEPTH} levels")
+    if a is None or isinstance(a, bool):
+        return
+    if isinstance(a, int):
+        if not -MAX_INT < a < MAX_INT:
+            raise ValueError(f"{where}: integer {_short(a)} is beyond 64 bits")
+        return
+    if isinstance(a, float):
+        if not math.isfinite(a):
+            raise ValueError(f"{where}: a float must be finite (write {{\"float\": \"inf\"}} for infinity)")
+        return
+    if isinstance(a, str):
+        if len(a) > MAX_TEXT:
+            raise ValueError(f"{where}: a string argument is longer than {MAX_TEXT} characters")
+        return
+    if isinstance(a, list):
+        for i, x in enumerate(a):
+            check_arg(x, f"{where}[{i}]", depth + 1)
+        return
+    if not isinstance(a, dict) or len(a) != 1:
+        raise ValueError(f"{where}: {_short(a)} is not an encoded argument")
+    (key, v), = a.items()
+    if key == "dict" and isinstance(v, dict):
+        for k, x in v.items():
+            if not isinstance(k, str) or len(k) > MAX_TEXT:
+                raise ValueError(f"{where}: dict keys must be short strings")
+            check_arg(x, f"{where}[{k[:40]!r}]", depth + 1)
+        return
+    valid = {"ref": lambda: 0 < len(v) <= MAX_TEXT, "dtype": lambda: v in _DTYPES,
+             "layout": lambda: v in _LAYOUTS, "memory_format": lambda: v in _MEMORY_FORMATS,
+             "float": lambda: v in ("inf", "-inf", "nan"), "device": lambda: _DEVICE.fullmatch(v) is not None}
+    if key not in valid or not isinstance(v, str) or not valid[key]():
+        raise ValueError(f"{where}: {_short(a)} is not an encoded argument")
+
+
 def decode_arg(a: Any, value_of) -> Any:
     """Inverse of :func:`encode_arg`; ``value_of(ref)`` supplies tensor values."""
     if isinstance(a, list):
@@ -135,17 +202,17 @@ def decode_arg(a: Any, value_of) -> Any:
             return value_of(v)
         if key == "dtype":
             return torch_dtype(v)
-        if key == "device":
+        if key == "device" and isinstance(v, str) and _DEVICE.fullmatch(v):
             return torch.device(v)
-        if key == "layout":
-            return getattr(torch, v)
-        if key == "memory_format":
-            return getattr(torch, v)
-        if key == "float":
+        if key == "layout" and isinstance(v, str) and v in _LAYOUTS:
+            return _LAYOUTS[v]
+        if key == "memory_format" and isinstance(v, str) and v in _MEMORY_FORMATS:
+            return _MEMORY_FORMATS[v]
+        if key == "float" and isinstance(v, str) and v in ("inf", "-inf", "nan"):
             return float(v)
         if key == "dict":
             return {k: decode_arg(x, value_of) for k, x in v.items()}
-        raise ValueError(f"unknown encoded argument {a!r}")
+        raise ValueError(f"unknown encoded argument {_short(a)}")
     return a
 
 
@@ -208,8 +275,39 @@ class Node:
 
     @classmethod
     def from_json(cls, d: dict) -> "Node":
-        return cls(name=d["name"], op=d["op"], args=list(d["args"]), kwargs=dict(d.get("kwargs", {})),
-                   outputs=[TensorMeta.from_json(m) for m in d["outputs"]], multi=bool(d.get("multi")),
+        """A node read from a file: every field is checked (the op against the vocabulary of
+        :mod:`tapml.ops`, arguments with :func:`check_arg`); ValueError/TypeError naming the
+        field otherwise."""
+        if not isinstance(d, dict):
+            raise TypeError(f"a node must be an object, not {type(d).__name__}")
+        name = d.get("name")
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_TEXT or "#" in name:
+            raise ValueError(f"node name must be a non-empty string without '#', not {_short(name)}")
+        try:
+            check_op(d.get("op"))
+        except ValueError as e:
+            raise ValueError(f"node {name[:60]!r}: field 'op': {e}") from None
+        args, kwargs, outputs = d.get("args"), d.get("kwargs", {}), d.get("outputs")
+        if not isinstance(args, list) or not isinstance(kwargs, dict) or not isinstance(outputs, list):
+            raise TypeError(f"node {name[:60]!r}: fields 'args', 'kwargs' and 'outputs' must be a list, an object "
+                            "and a list")
+        check_arg(args, f"node {name[:60]!r}: field 'args'")
+        for k, v in kwargs.items():
+            if not isinstance(k, str) or len(k) > MAX_TEXT:
+                raise TypeError(f"node {name[:60]!r}: field 'kwargs' must have short string keys")
+            check_arg(v, f"node {name[:60]!r}: field 'kwargs'[{k[:40]!r}]")
+        for key in ("module", "module_type"):
+            if not isinstance(d.get(key, ""), str):
+                raise TypeError(f"node {name[:60]!r}: field {key!r} must be a string")
+        if not isinstance(d.get("multi", False), bool) or not isinstance(d.get("case"), (str, type(None))):
+            raise TypeError(f"node {name[:60]!r}: field 'multi' must be a bool and 'case' a string")
+        try:
+            metas = [TensorMeta.from_json(m) for m in outputs]
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"node {name[:60]!r}: field 'outputs': {e}") from None
+        if not metas or (len(metas) > 1 and not d.get("multi")):
+            raise ValueError(f"node {name[:60]!r}: field 'outputs' must hold one tensor, or several with 'multi'")
+        return cls(name=name, op=d["op"], args=args, kwargs=kwargs, outputs=metas, multi=d.get("multi", False),
                    module=d.get("module", ""), module_type=d.get("module_type", ""), case=d.get("case"))
 
 
@@ -267,8 +365,45 @@ class Graph:
 
     @classmethod
     def from_json(cls, d: dict) -> "Graph":
-        return cls(inputs=[(i["name"], TensorMeta.from_json(i)) for i in d["inputs"]],
-                   nodes=[Node.from_json(n) for n in d["nodes"]], outputs=list(d["outputs"]))
+        """A graph read from a file: nodes are checked as :meth:`Node.from_json` says, and every
+        ref a node reads or the graph outputs must name a graph input or an earlier node's
+        output; ValueError/TypeError naming the field otherwise."""
+        if not isinstance(d, dict):
+            raise TypeError(f"a graph must be an object, not {type(d).__name__}")
+        raw_inputs, raw_nodes, outputs = d.get("inputs"), d.get("nodes"), d.get("outputs")
+        if not (isinstance(raw_inputs, list) and isinstance(raw_nodes, list) and isinstance(outputs, list)):
+            raise TypeError("a graph needs lists 'inputs', 'nodes' and 'outputs'")
+        inputs = []
+        for i, item in enumerate(raw_inputs):
+            name = item.get("name") if isinstance(item, dict) else None
+            if not isinstance(name, str) or not 0 < len(name) <= MAX_TEXT:
+                raise ValueError(f"inputs[{i}]: field 'name' must be a non-empty string")
+            try:
+                inputs.append((name, TensorMeta.from_json(item)))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"inputs[{i}] ({name[:60]!r}): {e}") from None
+        known = {name for name, _ in inputs}
+        if len(known) != len(inputs):
+            raise ValueError("inputs: two graph inputs have the same name")
+        names, nodes = set(known), []
+        for i, raw in enumerate(raw_nodes):
+            try:
+                node = Node.from_json(raw)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"nodes[{i}]: {e}") from None
+            for ref in node.input_refs:
+                if ref not in known:
+                    raise ValueError(f"nodes[{i}] ({node.name[:60]!r}) reads {_short(ref)}, which is no graph input "
+                                     "or output of an earlier node")
+            if node.name in names or any(r in known for r in node.output_refs):
+                raise ValueError(f"nodes[{i}]: the name {node.name[:60]!r} is used twice")
+            known.update(node.output_refs)
+            names.add(node.name)
+            nodes.append(node)
+        for ref in outputs:
+            if not isinstance(ref, str) or ref not in known:
+                raise ValueError(f"outputs: {_short(ref)} is no graph input or node output")
+        return cls(inputs=inputs, nodes=nodes, outputs=list(outputs))
 
 
 def _tensor_metas(val: Any) -> tuple[list[TensorMeta], bool] | None:
@@ -292,7 +427,8 @@ def module_of(fx_node: torch.fx.Node) -> tuple[str, str]:
 
 def graph_from_fx(fx_graph: torch.fx.Graph) -> Graph:
     """Convert an exported (core ATen) fx graph. ``getitem`` nodes fold into ``name#i`` refs;
-    nodes that return no tensor (assertions) are dropped."""
+    nodes that return no tensor (assertions) are dropped; ValueError for an op outside the
+    vocabulary of :mod:`tapml.ops`."""
     refs: dict[torch.fx.Node, str] = {}
     inputs, nodes, outputs = [], [], []
 
@@ -316,6 +452,7 @@ def graph_from_fx(fx_graph: torch.fx.Graph) -> Graph:
             outs, multi = metas
             refs[n] = n.name
             module, module_type = module_of(n)
+            check_op(op_name(n.target))
             nodes.append(Node(name=n.name, op=op_name(n.target), args=encode_arg(list(n.args), ref_of),
                               kwargs={k: encode_arg(v, ref_of) for k, v in n.kwargs.items()},
                               outputs=outs, multi=multi, module=module, module_type=module_type))
