@@ -1,14 +1,23 @@
-"""Carving: record every operator's real inputs and outputs as test cases in a CarveStore."""
+"""Carving: record every operator's real inputs and outputs as test cases in a CarveStore.
+
+A store appears whole or not at all: :func:`carve` writes into a temporary folder beside the
+destination and renames it into place at the end, so a failure or a kill never leaves a half
+store (``tapml carve``, ``tapml migrate MODEL`` and the session all carve through it).
+"""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
 
 from tapml.carving.store import CarveStore, CarveStoreWriter
+from tapml.errors import TapmlError
 
-__all__ = ["carve", "CarveStore", "CarveStoreWriter"]
+__all__ = ["carve", "open_or_carve", "CarveStore", "CarveStoreWriter"]
 
 
 def carve(spec: str, out: str | Path, *, seed: int = 0, device: str = "cpu", hf_config: dict | None = None,
@@ -16,14 +25,77 @@ def carve(spec: str, out: str | Path, *, seed: int = 0, device: str = "cpu", hf_
           on_node: Callable[[str], None] | None = None) -> dict:
     """Capture ``spec``, run it on the reference and write a CarveStore at ``out``.
 
+    ``out`` may be missing, an empty folder or an older store (replaced). The store is written
+    into a temporary folder beside ``out`` and renamed into place when complete; on any
+    failure (Ctrl-C included) the temporary folder is removed and ``out`` is left as it was.
+
     Returns timing and size figures: ``export_s``, ``carve_s``, ``bytes``, ``cases``, ``nodes``.
     Example: ``carve("zoo:mlp", "stores/mlp")``.
     """
+    return write_store_atomically(out, lambda tmp: _carve_into(
+        spec, tmp, seed=seed, device=device, hf_config=hf_config, shard_bytes=shard_bytes,
+        on_start=on_start, on_node=on_node))
+
+
+def write_store_atomically(out: str | Path, fill: Callable[[Path], dict]) -> dict:
+    """Call ``fill(tmp)`` to write a store into a temporary folder beside ``out``, then rename
+    it into place (replacing an empty folder or an older store); on any failure the temporary
+    folder is removed and ``out`` is left as it was. Returns what ``fill`` returns."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.carving{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        info = fill(tmp)
+        if out.exists():  # an empty folder or an older store: swap, then drop the old one
+            old = out.with_name(f".{out.name}.old{os.getpid()}")
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return info
+
+
+def open_or_carve(model_or_store: str, state_path: str | Path | None = None,
+                  on_carve: Callable[[str, Path], None] | None = None) -> tuple[CarveStore, Path]:
+    """A CarveStore for MODEL|STORE: an existing store directory is opened as it is; a model
+    spec is carved (:func:`carve`) into ``STATE.store/`` beside the state file, reused when it
+    already holds that model, or into a new temporary folder without a state file.
+    ``on_carve(spec, path)`` is called before carving. Returns ``(store, path)``."""
+    path = Path(model_or_store)
+    if path.is_dir():
+        return CarveStore(path), path
+    if path.exists():
+        raise TapmlError(f"{model_or_store} is a file, not a carve store or a model spec")
+    if state_path is None:
+        out = Path(tempfile.mkdtemp(prefix="tapml-session-")) / "store"
+    else:
+        state_path = Path(state_path)
+        if not state_path.parent.is_dir():
+            raise TapmlError(f"cannot write --state {state_path}: directory {state_path.parent} does not exist")
+        out = state_path.with_name(state_path.stem + ".store")
+    if out.is_dir():
+        store = CarveStore(out)
+        if store.model != model_or_store:
+            raise TapmlError(f"{out} holds a store of {store.model}, not {model_or_store}; remove it or "
+                             "use another --state")
+        return store, out
+    if on_carve:
+        on_carve(model_or_store, out)
+    carve(model_or_store, out)
+    return CarveStore(out), out
+
+
+def _carve_into(spec: str, out: Path, *, seed: int, device: str, hf_config: dict | None, shard_bytes: int,
+                on_start: Callable[[int], None] | None, on_node: Callable[[str], None] | None) -> dict:
     import torch
 
     from tapml.capture import export, program_inputs
     from tapml.carving.tracer import CarvingInterpreter
-    from tapml.errors import TapmlError
     from tapml.graph import graph_from_fx
     from tapml.models import load_model
 

@@ -9,31 +9,20 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 from pathlib import Path
 
 import torch
 
 from tapml.errors import TapmlError
-from tapml.graph import Graph, Node, TensorMeta, arg_refs, check_arg, torch_dtype
+from tapml.graph import Graph, Node, TensorMeta, arg_refs, check_arg, check_state, torch_dtype
+from tapml.io import read_json_file, write_json_atomic
 from tapml.ops import check_op
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 _REQUIRED = ("format_version", "model", "torch_version", "reference_device", "seed", "nodes", "cases",
              "graph_inputs", "graph_outputs", "tensors", "program_inputs", "model_outputs")
-
-
-def write_json_atomic(path: Path, data) -> None:
-    """Write JSON to a temp file, fsync, rename: readers see the old or the new file, never half."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, allow_nan=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 #: safetensors dtype codes of the torch dtypes a store holds.
@@ -120,60 +109,6 @@ class CarveStoreWriter:
         self.flush()
         write_json_atomic(self.path / MANIFEST, {"format_version": FORMAT_VERSION, **manifest,
                                                  "tensors": self.tensors})
-
-
-class _Refused:
-    """What the parser put in place of a value it refuses, so that the error can name its field."""
-
-    def __init__(self, reason: str):
-        self.reason = reason
-
-
-def _refused_path(value) -> tuple[str, str] | None:
-    """``(field path, reason)`` of the first refused value inside ``value``, or None."""
-    stack = [("", value)]
-    while stack:
-        path, v = stack.pop()
-        if isinstance(v, _Refused):
-            return path or "(top level)", v.reason
-        if isinstance(v, dict):
-            stack.extend((f"{path}.{k[:40]}" if path else k[:40], x) for k, x in reversed(list(v.items())))
-        elif isinstance(v, list):
-            stack.extend((f"{path}[{i}]", x) for i, x in reversed(list(enumerate(v))))
-    return None
-
-
-def read_json_strict(path: Path):
-    """Parse a JSON file that may come from anyone: ``NaN``/``Infinity``, floats that overflow
-    and integers beyond 64 bits are refused, naming their field (``cases[0].args[1]: ...``), and
-    so is nesting deeper than Python can parse. Raises ValueError (a JSONDecodeError for broken
-    syntax) with the reason; OSError when the file cannot be read."""
-    refused = []
-
-    def refuse(reason: str) -> _Refused:
-        refused.append(reason)
-        return _Refused(reason)
-
-    def integer(text: str):
-        if len(text) > 21:
-            return refuse(f"an integer of {len(text.lstrip('-'))} digits is beyond 64 bits")
-        return int(text)
-
-    def number(text: str):
-        value = float(text)
-        return value if math.isfinite(value) else refuse(f"the number {text[:40]} overflows a float")
-
-    raw = path.read_bytes()
-    try:
-        data = json.loads(raw, parse_int=integer, parse_float=number,
-                          parse_constant=lambda name: refuse(f"the JSON constant {name} is not allowed "
-                                                             "(numbers must be finite)"))
-    except RecursionError:
-        raise ValueError("it is nested too deeply to parse") from None
-    if refused:
-        where, reason = _refused_path(data) or ("", refused[0])
-        raise ValueError(f"{where}: {reason}")
-    return data
 
 
 def _check_shard(path: Path) -> dict:
@@ -295,17 +230,7 @@ def _check_manifest(m: dict) -> tuple[Graph, list[dict], dict[str, dict]]:
     program_inputs, model_outputs = m["program_inputs"], m["model_outputs"]
     if not isinstance(program_inputs, dict) or not isinstance(model_outputs, dict):
         raise ValueError("fields 'program_inputs' and 'model_outputs' must be objects")
-    for name, meta in graph.inputs:
-        info = program_inputs.get(name)
-        if not (isinstance(info, dict) and isinstance(info.get("kind"), str) and isinstance(info.get("tensor"), str)):
-            raise ValueError(f"program_inputs: graph input {name[:60]!r} has no entry with a 'kind' and a 'tensor'")
-        stored = index.get(info["tensor"])
-        if stored is None or TensorMeta.from_json(stored) != meta:
-            raise ValueError(f"program_inputs[{name[:60]!r}]: tensor {info['tensor'][:60]!r} is not in the index "
-                             "or has another shape or dtype than the graph input")
-    extra = sorted(set(program_inputs) - {name for name, _ in graph.inputs})
-    if extra:
-        raise ValueError(f"program_inputs: {extra[0][:60]!r} is no graph input")
+    _check_program_inputs(program_inputs, graph, index, "program_inputs")
     if graph.outputs and not model_outputs:
         raise ValueError("model_outputs: the reference's outputs are missing")
     for ref, tensor in model_outputs.items():
@@ -313,19 +238,147 @@ def _check_manifest(m: dict) -> tuple[Graph, list[dict], dict[str, dict]]:
             raise ValueError(f"model_outputs[{ref[:60]!r}] must map a graph output to a tensor in the index")
     if not isinstance(m["cases"], list):
         raise ValueError("field 'cases' must be a list")
-    ids, node_names = set(), {n.name for n in graph.nodes}
+    graphs = {"prefill": graph}
+    if "generation" in m:
+        try:
+            graphs = _check_generation(m["generation"], graph, index, program_inputs)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"generation: {e}") from None
+    node_names = {kind: {n.name for n in g.nodes} for kind, g in graphs.items()}
+    ids = set()
     for i, case in enumerate(m["cases"]):
         try:
-            _check_case(case, index, node_names)
+            kind = _case_graph_kind(case, m.get("generation"))
+            _check_case(case, index, node_names[kind])
         except (TypeError, ValueError) as e:
             raise ValueError(f"cases[{i}]: {e}") from None
         if case["id"] in ids:
             raise ValueError(f"cases[{i}]: case id {case['id'][:60]!r} is used twice")
         ids.add(case["id"])
-    for node in graph.nodes:
-        if node.case is not None and node.case not in ids:
-            raise ValueError(f"node {node.name!r}: field 'case' {node.case[:60]!r} names no case")
-    return graph, list(m["cases"]), index
+    for kind, g in graphs.items():
+        for node in g.nodes:
+            if node.case is not None and node.case not in ids:
+                raise ValueError(f"{'' if kind == 'prefill' else 'generation.decode: '}node {node.name!r}: field "
+                                 f"'case' {node.case[:60]!r} names no case")
+    return graphs, list(m["cases"]), index
+
+
+def _check_program_inputs(program_inputs, graph: Graph, index: dict, field: str) -> None:
+    """Every graph input has a ``{"kind", "tensor"}`` entry naming a stored tensor of its shape
+    and dtype, and nothing else has one."""
+    if not isinstance(program_inputs, dict):
+        raise ValueError(f"field {field!r} must be an object")
+    for name, meta in graph.inputs:
+        info = program_inputs.get(name)
+        if not (isinstance(info, dict) and isinstance(info.get("kind"), str) and isinstance(info.get("tensor"), str)):
+            raise ValueError(f"{field}: graph input {name[:60]!r} has no entry with a 'kind' and a 'tensor'")
+        stored = index.get(info["tensor"])
+        if stored is None or TensorMeta.from_json(stored) != meta:
+            raise ValueError(f"{field}[{name[:60]!r}]: tensor {info['tensor'][:60]!r} is not in the index "
+                             "or has another shape or dtype than the graph input")
+    extra = sorted(set(program_inputs) - {name for name, _ in graph.inputs})
+    if extra:
+        raise ValueError(f"{field}: {extra[0][:60]!r} is no graph input")
+
+
+#: Bounds on a generation read from a store.
+MAX_GENERATION_TOKENS = 1 << 20
+_KINDS = ("prefill", "decode")
+
+
+def _positive_int(value, field: str, limit: int = MAX_GENERATION_TOKENS) -> int:
+    if type(value) is not int or not 1 <= value <= limit:
+        raise ValueError(f"field {field!r} must be an integer from 1 to {limit}, not {str(value)[:40]}")
+    return value
+
+
+def _check_generation(g, prefill: Graph, index: dict, prefill_inputs: dict) -> dict[str, Graph]:
+    """Validate a store's ``generation`` object (see :mod:`tapml.carving.generation`); returns
+    ``{"prefill": graph with its state, "decode": graph}``."""
+    if not isinstance(g, dict):
+        raise TypeError("it must be an object")
+    prompt_len = _positive_int(g.get("prompt_len"), "prompt_len")
+    tokens = _positive_int(g.get("tokens"), "tokens")
+    max_cache_len = _positive_int(g.get("max_cache_len"), "max_cache_len", 2 * MAX_GENERATION_TOKENS)
+    if max_cache_len < prompt_len + tokens:
+        raise ValueError(f"field 'max_cache_len' {max_cache_len} cannot hold prompt_len + tokens "
+                         f"({prompt_len + tokens})")
+    decode_raw = g.get("decode")
+    if not isinstance(decode_raw, dict):
+        raise TypeError("field 'decode' must be a graph object")
+    try:
+        decode = Graph.from_json(decode_raw)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"decode: {e}") from None
+    _check_program_inputs(decode_raw.get("program_inputs"), decode, index, "decode.program_inputs")
+    try:
+        prefill = Graph(inputs=prefill.inputs, nodes=prefill.nodes, outputs=prefill.outputs,
+                        state=check_state(g.get("prefill_state"), prefill))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"prefill_state: {e}") from None
+    graphs = {"prefill": prefill, "decode": decode}
+    if not prefill.state or set(prefill.state) != set(decode.state):
+        raise ValueError("'prefill_state' and 'decode.state' must name the same state inputs (the cache)")
+    for name in prefill.state:
+        if prefill.meta[name] != decode.meta[name]:
+            raise ValueError(f"state input {name[:60]!r} has another shape or dtype in the decode graph")
+    logits, per_step_inputs = {}, {}
+    for kind, graph in graphs.items():
+        taken = set(graph.state.values())
+        rest = [r for r in graph.outputs if r not in taken]
+        if len(rest) != 1 or len(graph.meta[rest[0]].shape) != 3:
+            raise ValueError(f"the {kind} graph must have one output besides its state: logits [batch, seq, vocab]")
+        logits[kind] = graph.meta[rest[0]]
+    for kind, entries in (("prefill", prefill_inputs), ("decode", decode_raw["program_inputs"])):
+        per_step_inputs[kind] = {name for name, _ in graphs[kind].inputs if entries[name]["kind"] == "input"}
+        if per_step_inputs[kind] & set(graphs[kind].state):
+            raise ValueError(f"a state input of the {kind} graph is also a per-step input")
+    steps = g.get("steps")
+    if not isinstance(steps, list) or len(steps) != tokens + 1:
+        raise ValueError(f"field 'steps' must be a list of {tokens + 1} steps (the prefill, then one per token)")
+    for i, s in enumerate(steps):
+        where = f"steps[{i}]"
+        kind = "prefill" if i == 0 else "decode"
+        if not isinstance(s, dict) or s.get("step") != i or type(s.get("step")) is not int or s.get("kind") != kind:
+            raise ValueError(f"{where}: must be an object with 'step' {i} and 'kind' {kind!r}")
+        inputs = s.get("inputs")
+        if not isinstance(inputs, dict) or set(inputs) != per_step_inputs[kind]:
+            raise ValueError(f"{where}: field 'inputs' must map the {kind} graph's per-step inputs "
+                             f"({', '.join(sorted(per_step_inputs[kind]))[:200]}) to tensors")
+        for name, tensor in inputs.items():
+            stored = index.get(tensor) if isinstance(tensor, str) else None
+            if stored is None or TensorMeta.from_json(stored) != graphs[kind].meta[name]:
+                raise ValueError(f"{where}.inputs[{name[:60]!r}] must name a stored tensor of the input's shape "
+                                 "and dtype")
+        vocab = logits[kind].shape[-1]
+        stored = index.get(s.get("logits")) if isinstance(s.get("logits"), str) else None
+        if stored is None or TensorMeta.from_json(stored) != TensorMeta((vocab,), logits[kind].dtype):
+            raise ValueError(f"{where}: field 'logits' must name a stored tensor [{vocab}] of {logits[kind].dtype}")
+        token = s.get("token")
+        if type(token) is not int or not 0 <= token < vocab:
+            raise ValueError(f"{where}: field 'token' must be a token id below {vocab}")
+    if g.get("reference_tokens") != [s["token"] for s in steps[:tokens]] \
+            or not all(type(t) is int for t in g["reference_tokens"]):
+        raise ValueError("field 'reference_tokens' must be the tokens of steps 0 to tokens-1")
+    return graphs
+
+
+def _case_graph_kind(case, generation) -> str:
+    """Which graph a case's node is in; a generation's cases say it, with the steps they occur in."""
+    if not isinstance(case, dict):
+        return "prefill"  # _check_case refuses it
+    if generation is None:
+        if "graph" in case or "steps" in case:
+            raise ValueError("fields 'graph' and 'steps' belong to a generation store, and this store has none")
+        return "prefill"
+    kind, steps = case.get("graph"), case.get("steps")
+    if kind not in _KINDS:
+        raise ValueError(f"field 'graph' must be one of {', '.join(_KINDS)}")
+    last = generation["tokens"]
+    if not (isinstance(steps, list) and steps and all(type(x) is int and 0 <= x <= last for x in steps)
+            and steps == sorted(set(steps))):
+        raise ValueError(f"field 'steps' must be a non-empty increasing list of step indices 0 to {last}")
+    return kind
 
 
 class CarveStore:
@@ -345,16 +398,7 @@ class CarveStore:
         root = self.path.resolve()
         if manifest_path.resolve().parent != root:
             raise TapmlError(f"{manifest_path} is a link to a file outside the store; carve the model again")
-        try:
-            self.manifest = read_json_strict(manifest_path)
-        except UnicodeDecodeError as e:
-            raise TapmlError(f"{manifest_path} is not valid JSON ({e}); carve the model again") from None
-        except json.JSONDecodeError as e:
-            raise TapmlError(f"{manifest_path} is not valid JSON ({e}); carve the model again") from None
-        except ValueError as e:
-            raise TapmlError(f"{manifest_path} is refused: {e}; carve the model again") from None
-        except OSError as e:
-            raise TapmlError(f"cannot read {manifest_path}: {e.strerror}") from None
+        self.manifest = read_json_file(manifest_path, str(manifest_path), "carve the model again")
         if not isinstance(self.manifest, dict):
             raise TapmlError(f"{manifest_path} is not a JSON object; carve the model again")
         missing = [k for k in _REQUIRED if k not in self.manifest]
@@ -364,9 +408,12 @@ class CarveStore:
             raise TapmlError(f"{path} has store format {str(self.manifest['format_version'])[:40]!r}; "
                              f"this tapml reads format {FORMAT_VERSION}")
         try:
-            self.graph, self.cases, self.tensor_index = _check_manifest(self.manifest)
+            graphs, self.cases, self.tensor_index = _check_manifest(self.manifest)
         except (TypeError, ValueError) as e:
             raise TapmlError(f"{manifest_path} is malformed: {e}; carve the model again") from None
+        self._step_graphs = graphs
+        self.graph = Graph(inputs=graphs["prefill"].inputs, nodes=graphs["prefill"].nodes,
+                           outputs=graphs["prefill"].outputs)
         self._by_id = {c["id"]: c for c in self.cases}
         self._headers, self._shard_paths = {}, {}
         for shard in sorted({info["shard"] for info in self.tensor_index.values()}):
@@ -424,13 +471,64 @@ class CarveStore:
     def case_outputs(self, case: dict) -> list[torch.Tensor]:
         return [self.tensor(n) for n in case["outputs"]]
 
-    def program_inputs(self) -> dict[str, torch.Tensor]:
-        """Every input of the model graph (parameters, buffers, constants, user inputs) by name."""
-        return {name: self.tensor(info["tensor"]) for name, info in self.manifest["program_inputs"].items()}
+    def program_inputs(self, kind: str = "prefill") -> dict[str, torch.Tensor]:
+        """Every input of the model graph (parameters, buffers, constants, user inputs) by name.
+        In a generation store ``kind="decode"`` gives the decode graph's: the cache as it was
+        before the prefill, the inputs of step 1."""
+        if kind == "prefill":
+            entries = self.manifest["program_inputs"]
+        else:
+            self.step_graph(kind)
+            entries = self.manifest["generation"]["decode"]["program_inputs"]
+        return {name: self.tensor(info["tensor"]) for name, info in entries.items()}
+
+    @property
+    def is_generation(self) -> bool:
+        """Whether the store holds a generation (:func:`tapml.carving.generation.carve_generation`)."""
+        return "generation" in self.manifest
+
+    def _generation(self) -> dict:
+        if not self.is_generation:
+            raise TapmlError(f"store {self.path} holds no generation; carve one with "
+                             "`tapml carve MODEL --generate N`")
+        return self.manifest["generation"]
+
+    def step_graph(self, kind: str) -> Graph:
+        """The ``"prefill"`` or ``"decode"`` graph of a generation, with its ``state`` (the cache
+        buffers: input name -> output ref); run one step with :func:`tapml.graph.step`."""
+        self._generation()
+        if kind not in _KINDS:
+            raise TapmlError(f"a generation has graphs {', '.join(_KINDS)}, not {str(kind)[:40]!r}")
+        return self._step_graphs[kind]
+
+    @property
+    def steps(self) -> list[dict]:
+        """The generation's steps: ``{"step", "kind", "inputs", "logits", "token"}`` each."""
+        return self._generation()["steps"]
+
+    def _step(self, step: int) -> dict:
+        steps = self.steps
+        if type(step) is not int or not 0 <= step < len(steps):
+            raise TapmlError(f"the generation has steps 0 to {len(steps) - 1}, not {step!r}")
+        return steps[step]
+
+    def step_inputs(self, step: int) -> dict[str, torch.Tensor]:
+        """The per-step inputs of step ``step`` (``input_ids``, ``cache_position``) by graph input
+        name; parameters and the cache come from :meth:`program_inputs` and the previous step."""
+        return {name: self.tensor(tensor) for name, tensor in self._step(step)["inputs"].items()}
+
+    def step_logits(self, step: int) -> torch.Tensor:
+        """The reference's logits of the last position at step ``step`` (``[vocab]``)."""
+        return self.tensor(self._step(step)["logits"])
+
+    @property
+    def reference_tokens(self) -> list[int]:
+        """The reference's greedy tokens: the ``tokens`` generated ids (step k's argmax, k < tokens)."""
+        return list(self._generation()["reference_tokens"])
 
     def model_outputs(self) -> dict[str, torch.Tensor]:
         """The reference's outputs of the whole model, by graph output ref."""
         return {ref: self.tensor(name) for ref, name in self.manifest["model_outputs"].items()}
 
 
-__all__ = ["CarveStore", "CarveStoreWriter", "read_json_strict", "write_json_atomic"]
+__all__ = ["CarveStore", "CarveStoreWriter"]

@@ -17,16 +17,24 @@ class CarvingInterpreter(torch.fx.Interpreter):
 
     Cases are deduplicated by (op, input shapes and dtypes, non-tensor arguments); the first
     instance's tensors are written to the store, later ones only count.
+
+    A generation runs several programs (prefill, decode) several times: interpreters made with
+    ``shares=`` an earlier one add to its cases, deduplicated across programs and steps, and
+    with ``graph_kind`` set each case records ``graph`` (the program of its ``node``) and
+    ``steps`` (the values :attr:`step` had at its instances).
     """
 
     def __init__(self, gm: torch.fx.GraphModule, graph: Graph, writer: CarveStoreWriter,
-                 on_node: Callable[[str], None] | None = None):
+                 on_node: Callable[[str], None] | None = None, *, shares: "CarvingInterpreter | None" = None,
+                 graph_kind: str | None = None):
         super().__init__(gm, garbage_collect_values=True)
         self.ir = {n.name: n for n in graph.nodes}
         self.writer = writer
         self.on_node = on_node
-        self.cases: list[dict] = []
-        self._by_key: dict[str, dict] = {}
+        self.cases: list[dict] = [] if shares is None else shares.cases
+        self._by_key: dict[str, dict] = {} if shares is None else shares._by_key
+        self.graph_kind = graph_kind
+        self.step = 0
 
     def run_node(self, n: torch.fx.Node):
         result = super().run_node(n)
@@ -60,8 +68,16 @@ class CarvingInterpreter(torch.fx.Interpreter):
                     "inputs": [self.writer.put(name, t) for name, t in zip(names, inputs)],
                     "outputs": [self.writer.put(f"{cid}.o{i}", t) for i, t in enumerate(outputs)],
                     "instances": 0}
+            if self.graph_kind is not None:
+                case.update(graph=self.graph_kind, steps=[])
             self._by_key[key] = case
             self.cases.append(case)
         case["instances"] += 1
-        case["nodes"].append(node.name)
+        if self.graph_kind is None:
+            case["nodes"].append(node.name)
+        else:  # a generation runs each node once per step: name it once, and each step once
+            if node.name not in case["nodes"]:
+                case["nodes"].append(node.name)
+            if self.step not in case["steps"]:
+                case["steps"].append(self.step)
         node.case = case["id"]

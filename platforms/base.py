@@ -3,6 +3,11 @@
 A :class:`Platform` turns a :class:`~tapml.graph.Graph` into a :class:`KernelProgram`
 (``compile``) and runs it on torch tensors (``run``). Subclasses implement the ``_caps``,
 ``_supports``, ``_compile`` and ``_run`` hooks; the public methods validate and time.
+
+:class:`RuntimePlatform` is the plumbing shared by platforms that execute KernelPrograms on a
+runtime that keeps them (wgpu-native, a browser page, a device server, a device worker): one
+:class:`~tapml.platforms.program_cache.ProgramCache` of prepared programs and two hooks,
+``_prepare(program)`` and ``_execute(program, prepared, inputs)``.
 """
 
 from __future__ import annotations
@@ -182,6 +187,64 @@ class Platform:
         raise NotImplementedError
 
 
+class RuntimePlatform(Platform):
+    """A platform whose runtime prepares each program once and then runs it many times.
+
+    The base class owns the one :class:`~tapml.platforms.program_cache.ProgramCache` of
+    prepared programs (``self.programs``, keyed by :attr:`KernelProgram.key`, limits from
+    ``TAPML_PROGRAM_CACHE`` / ``TAPML_PROGRAM_CACHE_MIB``) and calls the hooks:
+
+    - ``_prepare(program) -> (prepared, nbytes)``: make the program ready on the runtime
+      (pipelines and buffers, an upload to a page or server); ``nbytes`` is what it holds there.
+    - ``_execute(program, prepared, inputs) -> outputs``: run a prepared program.
+    - ``_release(key, prepared)``: free what ``_prepare`` made (called when the cache drops it).
+
+    ``program_kinds`` lists the :attr:`KernelProgram.kind` values the runtime executes.
+    """
+
+    program_kinds: tuple[str, ...] = ("wgsl",)
+
+    def __init__(self, max_entries: int | None = None, max_bytes: int | None = None):
+        from tapml.platforms.program_cache import ProgramCache
+        self.programs = ProgramCache(max_entries, max_bytes, on_evict=self._release)
+
+    def prepared(self, program: KernelProgram):
+        """The runtime's prepared form of ``program``, made by ``_prepare`` when not cached."""
+        if program.kind not in self.program_kinds:
+            raise PlatformError(f"{self.name} runs {' or '.join(self.program_kinds)} programs, not {program.kind!r}")
+        prepared = self.programs.get(program.key, _MISSING)
+        if prepared is _MISSING:
+            prepared, nbytes = self._prepare(program)
+            self.programs.put(program.key, prepared, nbytes)
+        return prepared
+
+    def forget(self, key: str) -> None:
+        """Drop the prepared program of ``key`` (releasing it), e.g. after the runtime failed it."""
+        prepared = self.programs.pop(key, _MISSING)
+        if prepared is not _MISSING:
+            self._release(key, prepared)
+
+    def _run(self, program: KernelProgram, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self._execute(program, self.prepared(program), inputs)
+
+    def close(self) -> None:
+        """Release every prepared program. Safe to call twice."""
+        self.programs.clear()
+
+    # hooks -------------------------------------------------------------------------------
+    def _prepare(self, program: KernelProgram) -> tuple[object, int]:
+        return program, 0
+
+    def _execute(self, program: KernelProgram, prepared, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def _release(self, key: str, prepared) -> None:
+        """Nothing to free by default: the runtime forgets the program by itself."""
+
+
+_MISSING = object()
+
+
 def graph_program(graph: Graph) -> KernelProgram:
     """A ``graph`` KernelProgram: the graph itself, for runtimes that execute ATen eagerly."""
     return KernelProgram(kind="graph", inputs=[r for r, _ in graph.inputs], outputs=list(graph.outputs),
@@ -209,4 +272,4 @@ def wrap_errors(fn, *args):
         raise PlatformError(f"{type(e).__name__}: {e}") from e
 
 
-__all__ = ["BufferSpec", "Kernel", "KernelProgram", "Platform", "check_workgroups", "graph_program", "wrap_errors"]
+__all__ = ["BufferSpec", "Kernel", "KernelProgram", "Platform", "RuntimePlatform", "check_workgroups", "graph_program", "wrap_errors"]

@@ -127,6 +127,11 @@ class ProgramCache:
         with self._lock:
             return list(self._items)
 
+    def values(self) -> list:
+        """Values from least to most recently used."""
+        with self._lock:
+            return [v for v, _ in self._items.values()]
+
 
 _MISSING = object()
 

@@ -14,13 +14,14 @@ import hashlib
 import os
 import tempfile
 import time
-from collections import OrderedDict
 
 import torch
 
 from tapml.errors import PlatformError, TapmlError, Unsupported
-from tapml.graph import Graph, Node, torch_dtype
-from tapml.platforms.base import KernelProgram, Platform, check_workgroups
+from tapml.graph import torch_dtype
+from tapml.platforms.base import KernelProgram
+from tapml.platforms.program_cache import ProgramCache
+from tapml.platforms.wgsl_platform import WgslPlatform
 
 if not os.environ.get("XDG_RUNTIME_DIR"):
     # Mesa's EGL prints "XDG_RUNTIME_DIR is invalid" lines on every adapter query without one.
@@ -34,9 +35,6 @@ _LIMITS = ["max-storage-buffer-binding-size", "max-buffer-size", "max-storage-bu
            "max-compute-workgroup-size-x", "max-compute-workgroup-size-y", "max-compute-workgroup-size-z",
            "max-compute-workgroup-storage-size", "max-bind-groups", "max-bindings-per-bind-group"]
 _POISON = 0xFF  # every byte 0xFF: NaN for f32/f16, -1 for i32, an invalid bool for u32
-#: Device memory kept for reused program buffers before the least recently used are released.
-RESIDENT_BYTES = 512 << 20
-CACHED_PIPELINES = 2048  # compute pipelines and compiled programs kept, least recently used dropped first
 
 
 def _adapters():
@@ -53,7 +51,7 @@ def _describe(a) -> str:
     return f"{info.get('backend_type')}: {info.get('device')} ({info.get('description')})"
 
 
-class WgpuPlatform(Platform):
+class WgpuPlatform(WgslPlatform):
     """WebGPU through wgpu-native. ``backend`` is None (best adapter), ``"vulkan"``, ``"gl"``,
     ``"metal"`` or ``"dx12"``; raises TapmlError naming the adapters that exist when the
     requested backend has none.
@@ -88,12 +86,11 @@ class WgpuPlatform(Platform):
         except Exception as e:  # noqa: BLE001
             raise TapmlError(f"wgpu could not open a device on {_describe(chosen)}: {e}") from None
         self._caps_cache = None
-        self._pipelines: OrderedDict[str, object] = OrderedDict()
-        self._compiled: OrderedDict[str, KernelProgram] = OrderedDict()
-        self._residents: OrderedDict[str, _Resident] = OrderedDict()
-        self._resident_bytes = 0
+        super().__init__()
+        # compute pipelines by WGSL hash, shared by every program that has the same kernel
+        self._pipelines = ProgramCache()
 
-    # --- caps / support ------------------------------------------------------------------
+    # --- caps ----------------------------------------------------------------------------
     def _caps(self) -> dict:
         if self._caps_cache is None:
             info = self.adapter.info
@@ -106,65 +103,35 @@ class WgpuPlatform(Platform):
                 "limits": {k: int(lim[k]) for k in _LIMITS if k in lim}, "dtypes": dtypes}
         return self._caps_cache
 
-    def _supports(self, node: Node) -> str | None:
-        from tapml.platforms.wgsl import supports
-        return supports(node, self.caps())
-
-    # --- compile -------------------------------------------------------------------------
-    def _compile(self, graph: Graph) -> KernelProgram:
-        from tapml.platforms.wgsl import compile_graph
-        program = compile_graph(graph, self.caps())
-        self._prepare(program)
-        return program
-
+    # --- runtime hooks -------------------------------------------------------------------
     def _pipeline(self, wgsl: str, entry: str):
         key = hashlib.sha256(f"{entry}\0{wgsl}".encode()).hexdigest()
         pipe = self._pipelines.get(key)
-        if pipe is not None:
-            self._pipelines.move_to_end(key)
-        else:
+        if pipe is None:
             try:
                 module = self.device.create_shader_module(code=wgsl)
                 pipe = self.device.create_compute_pipeline(layout="auto", compute={"module": module, "entry_point": entry})
             except Exception as e:  # noqa: BLE001 - a shader that does not compile is a verdict
                 raise PlatformError(f"WGSL compile failed on {self.name}: {e}\n--- shader ---\n{wgsl}") from e
-            self._pipelines[key] = pipe
-            while len(self._pipelines) > CACHED_PIPELINES:  # a long-running server sees endless shapes
-                self._pipelines.popitem(last=False)
+            self._pipelines.put(key, pipe)
         return pipe
 
-    def _prepare(self, program: KernelProgram) -> None:
-        if program.kind != "wgsl":
-            raise PlatformError(f"{self.name} runs wgsl programs, not {program.kind!r}")
-        if program.key in self._compiled:
-            self._compiled.move_to_end(program.key)
-            return
-        for kern in program.kernels:
+    def _check_compiled(self, program: KernelProgram) -> None:
+        for kern in program.kernels:  # the device compiles every shader now: its errors are compile errors
             self._pipeline(kern.wgsl, kern.entry)
-        self._compiled[program.key] = program
-        while len(self._compiled) > CACHED_PIPELINES:
-            self._compiled.popitem(last=False)
 
-    # --- run -----------------------------------------------------------------------------
-    def _resident(self, program: KernelProgram) -> "_Resident":
-        """The program's device buffers and bind groups, made once and reused by every run
-        (least recently used ones are released past a byte budget)."""
-        res = self._residents.pop(program.key, None)
-        if res is None:
-            res = _Resident(self, program)  # releases what it made when it raises
-            while self._residents and self._resident_bytes + res.nbytes > RESIDENT_BYTES:
-                _, old = self._residents.popitem(last=False)
-                self._resident_bytes -= old.nbytes
-                old.release()
-            self._resident_bytes += res.nbytes
-        self._residents[program.key] = res
-        return res
+    def _prepare(self, program: KernelProgram) -> tuple["_Resident", int]:
+        """The program's pipelines, device buffers and bind groups, made once and reused by every
+        run (least recently used ones are released past the cache's limits)."""
+        res = _Resident(self, program)  # releases what it made when it raises
+        return res, res.nbytes
 
-    def _run(self, program: KernelProgram, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _release(self, key: str, res: "_Resident") -> None:
+        res.release()
+
+    def _execute(self, program: KernelProgram, res: "_Resident", inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         from tapml.platforms.wgsl.tensors import read_output
-        self._prepare(program)
         try:
-            res = self._resident(program)
             res.upload(inputs)
             encoder = self.device.create_command_encoder()
             res.record(encoder, repeat=1, poison=True, readback=True)
@@ -179,14 +146,8 @@ class WgpuPlatform(Platform):
         except (Unsupported, PlatformError):
             raise
         except Exception as e:  # noqa: BLE001
-            self._drop_resident(program.key)
+            self.forget(program.key)
             raise PlatformError(f"{self.name}: {type(e).__name__}: {e}") from e
-
-    def _drop_resident(self, key: str) -> None:
-        res = self._residents.pop(key, None)
-        if res is not None:
-            self._resident_bytes -= res.nbytes
-            res.release()
 
     def benchmark(self, program: KernelProgram, inputs: list[torch.Tensor], repeat: int = 10) -> float:
         """Seconds one run of ``program``'s kernels takes on the device, inputs already
@@ -195,7 +156,7 @@ class WgpuPlatform(Platform):
         if repeat < 1:
             raise ValueError("repeat must be at least 1")
         self.run(program, inputs)  # validates, uploads, compiles pipelines, warms up
-        res = self._resident(program)
+        res = self.prepared(program)
         best = float("inf")
         for _ in range(3):
             start = time.perf_counter()
@@ -208,13 +169,9 @@ class WgpuPlatform(Platform):
         return best
 
     def close(self) -> None:
-        dev, self.device = getattr(self, "device", None), None
+        super().close()  # releases every program's buffers
         self._pipelines.clear()
-        self._compiled.clear()
-        for res in self._residents.values():
-            res.release()
-        self._residents.clear()
-        self._resident_bytes = 0
+        dev, self.device = getattr(self, "device", None), None
         if dev is not None:
             try:
                 dev.destroy()
@@ -230,6 +187,7 @@ class _Resident:
     (same object, same ``_version``), as last time: weights cross to the device once."""
 
     def __init__(self, platform: WgpuPlatform, program: KernelProgram):
+        self.nbytes = 0
         self.buffers: dict[str, object] = {}
         self.readback: dict[str, object] = {}
         self.poison = self.fence_buf = None
@@ -255,7 +213,6 @@ class _Resident:
             else:
                 self.buffers[spec.name] = dev.create_buffer(size=spec.size, usage=storage)
             self.nbytes += spec.size
-        check_workgroups(program, platform.caps())
         self.dispatches = []
         for kern in program.kernels:
             pipe = platform._pipeline(kern.wgsl, kern.entry)

@@ -2,8 +2,10 @@
 
 Structure travels as JSON over an authenticated rpyc connection; tensors travel over a second
 authenticated socket as raw bytes with a small header (see :mod:`tapml.remote.protocol`).
-The server compiles and caches programs by content hash; this client remembers what it
-compiled, so a repeated case sends only its tensors.
+The server compiles (for its own device, with its own cache of programs by graph hash, shared by
+every client) and caches programs by content hash; this client is a
+:class:`~tapml.platforms.base.RuntimePlatform` whose prepared programs are the ones the server
+holds (``_prepare`` loads a program compiled elsewhere), so a repeated case sends only its tensors.
 
 When the server goes away, calls raise :class:`~tapml.errors.DeviceLost` (an ``error: device
 lost`` verdict, never a hang: every call has a timeout) and the next call reconnects.
@@ -20,7 +22,8 @@ import socket
 import threading
 
 from tapml.errors import DeviceLost, PlatformError, TapmlError, Unsupported
-from tapml.platforms.base import KernelProgram, Platform
+from tapml.platforms.base import KernelProgram, RuntimePlatform
+from tapml.platforms.program_cache import ProgramCache
 from tapml.remote import protocol as P
 
 CLIENT_MAX_MESSAGE = 4 << 30
@@ -60,7 +63,7 @@ class _UnknownProgram(Exception):
     pass
 
 
-class RemotePlatform(Platform):
+class RemotePlatform(RuntimePlatform):
     """A platform served by ``tapml serve`` at ``host:port``.
 
     ``token`` is the shared secret (None for a server started without one); ``timeout`` bounds
@@ -77,6 +80,8 @@ class RemotePlatform(Platform):
     seconds, or when the server cannot be reached or refuses the token at construction time.
     """
 
+    program_kinds = ("wgsl", "graph")  # a reference server runs graphs
+
     def __init__(self, host: str, port: int, token: str | None = None, *, timeout: float | None = None,
                  connect_timeout: float = 10.0):
         self.host, self.port, self.token = host, int(port), token
@@ -84,13 +89,13 @@ class RemotePlatform(Platform):
         self.timeout = call_timeout(timeout)
         self.connect_timeout = _seconds(connect_timeout, f"connect_timeout={connect_timeout!r}",
                                         "pass a positive number of seconds")
+        super().__init__()  # self.programs: keys of the programs the server holds for us
         self.info: dict = {}
         self._conn = None
         self._bulk: socket.socket | None = None
         self._calls: dict = {}
-        self._programs: dict[str, KernelProgram] = {}
-        self._loaded: set[str] = set()
-        self._support_cache: dict[str, str | None] = {}
+        self._compiled = ProgramCache()  # graph JSON hash -> the program the server compiled from it
+        self._support_cache = ProgramCache()  # node JSON -> the server's reason ('' when supported)
         self._slots = itertools.count(1)
         self._lock = threading.RLock()
         #: what this client sent: control calls by name, tensor bytes each way
@@ -152,7 +157,7 @@ class RemotePlatform(Platform):
             conn.close()
             raise
         if info["server_id"] != self.info.get("server_id"):
-            self._loaded.clear()  # a new server process has an empty program cache
+            self.programs.clear()  # a new server process has an empty program cache
         self._conn, self._bulk, self._calls, self.info = conn, bulk, calls, info
 
     def _drop(self) -> None:
@@ -216,16 +221,20 @@ class RemotePlatform(Platform):
 
     def _supports(self, node) -> str | None:
         key = json.dumps(node.to_json(), sort_keys=True)
-        if key not in self._support_cache:
-            self._support_cache[key] = self._call("supports", key) or None
-        return self._support_cache[key]
+        reason = self._support_cache.get(key)
+        if reason is None:
+            reason = self._call("supports", key) or ""
+            self._support_cache.put(key, reason)
+        return reason or None
 
     def _compile(self, graph) -> KernelProgram:
+        """The server compiles for its own device (and keeps the program): one compiler and one
+        cache per device, shared by its clients; the graph crosses once."""
         text = json.dumps(graph.to_json(), sort_keys=True, separators=(",", ":"))
         ghash = hashlib.sha256(text.encode()).hexdigest()
         with self._lock:
-            program = self._programs.get(ghash)
-            if program is not None and program.key in self._loaded:
+            program = self._compiled.get(ghash)
+            if program is not None and program.key in self.programs:
                 return program
             if len(text) > self.info.get("max_message", CLIENT_MAX_MESSAGE):
                 raise PlatformError(f"graph JSON of {len(text)} bytes exceeds the server's message limit; "
@@ -234,8 +243,8 @@ class RemotePlatform(Platform):
             if "error" in reply:
                 self._raise(reply["error"])
             program = KernelProgram.from_json(reply["program"])
-            self._programs[ghash] = program
-            self._loaded.add(program.key)
+            self._compiled.put(ghash, program)
+            self.programs.put(program.key, True)
             return program
 
     def _run(self, program: KernelProgram, inputs: list) -> list:
@@ -247,19 +256,22 @@ class RemotePlatform(Platform):
                                     "--max-message-mib")
         with self._lock:
             self._ensure()
-            if program.key not in self._loaded:
-                self._load(program)
-            try:
-                return self._run_once(program, inputs)
-            except _UnknownProgram:  # the server restarted or evicted it
-                self._load(program)
-                return self._run_once(program, inputs)
+            return super()._run(program, inputs)
 
-    def _load(self, program: KernelProgram) -> None:
+    def _prepare(self, program: KernelProgram) -> tuple[bool, int]:
+        """Load a program compiled elsewhere into the server's cache."""
         reply = json.loads(self._call("load", program.dumps()))
         if "error" in reply:
             self._raise(reply["error"])
-        self._loaded.add(program.key)
+        return True, 0
+
+    def _execute(self, program: KernelProgram, prepared, inputs: list) -> list:
+        try:
+            return self._run_once(program, inputs)
+        except _UnknownProgram:  # the server restarted or evicted it
+            self.forget(program.key)
+            self.prepared(program)
+            return self._run_once(program, inputs)
 
     def _run_once(self, program: KernelProgram, inputs: list) -> list:
         slots = [next(self._slots) for _ in inputs]
@@ -354,5 +366,6 @@ class RemotePlatform(Platform):
             raise DeviceLost(f"{self.name}: {e}") from None
 
     def close(self) -> None:
+        """Close the connection (the server keeps its programs for the next client)."""
         with self._lock:
             self._drop()

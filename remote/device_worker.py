@@ -9,7 +9,10 @@ go with it) and starts a fresh one on the next call. The server's own threads st
 answer other clients and signals.
 
 Between parent and worker: a frame is an 8-byte length and a JSON object; tensors follow as
-bulk messages of :mod:`tapml.remote.protocol`. No pickle.
+bulk messages of :mod:`tapml.remote.protocol`. No pickle. The parent is a
+:class:`~tapml.platforms.base.RuntimePlatform`: its prepared programs are the ones the worker
+holds (a compile leaves its program there; ``_prepare`` loads one compiled elsewhere), and both
+sides keep them in a :class:`~tapml.platforms.program_cache.ProgramCache` of the same limits.
 """
 
 from __future__ import annotations
@@ -22,16 +25,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections import OrderedDict
 
 from tapml.errors import DeviceLost, PlatformError, TapmlError, Unsupported
-from tapml.platforms.base import KernelProgram, Platform, wrap_errors
+from tapml.platforms.base import KernelProgram, RuntimePlatform, wrap_errors
+from tapml.platforms.program_cache import ProgramCache
 from tapml.remote import protocol as P
 
 _LEN = struct.Struct("!Q")
 MAX_FRAME = 1 << 30
 STARTUP_TIMEOUT_S = 120.0
-WORKER_PROGRAMS = 1024
 
 
 class RunTimeout(PlatformError):
@@ -64,7 +66,11 @@ def _recv_tensors(sock: socket.socket, count: int, deadline: float | None = None
     return out
 
 
-class WorkerPlatform(Platform):
+class _UnknownProgram(Exception):
+    pass
+
+
+class WorkerPlatform(RuntimePlatform):
     """A platform spec (``reference``, ``wgpu:vulkan``, ...) opened in a killable child process.
 
     ``timeout`` bounds every compile and run in seconds: past it the worker is killed and the
@@ -77,12 +83,14 @@ class WorkerPlatform(Platform):
             outputs = p.run(p.compile(graph), inputs)
     """
 
+    program_kinds = ("wgsl", "graph")
+
     def __init__(self, spec: str, timeout: float = 120.0):
         self.spec = self.name = spec
         self.timeout = timeout
+        super().__init__()  # self.programs: keys of the programs the current worker holds
         self._proc: subprocess.Popen | None = None
         self._sock: socket.socket | None = None
-        self._loaded: set[str] = set()
         self._caps_cache: dict | None = None
         self._lock = threading.Lock()
         self.restarts = 0
@@ -98,7 +106,8 @@ class WorkerPlatform(Platform):
                                            self.spec], pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
         finally:
             child.close()
-        self._sock, self._loaded = parent, set()
+        self._sock = parent
+        self.programs.clear()  # a fresh worker holds no programs
         try:
             hello = _recv(parent, time.monotonic() + STARTUP_TIMEOUT_S)
         except (OSError, EOFError, ValueError, P.ProtocolError) as e:
@@ -135,9 +144,6 @@ class WorkerPlatform(Platform):
             deadline = time.monotonic() + self.timeout
             try:
                 reply, outputs = self._exchange(request, tensors, deadline)
-                if reply.get("error", {}).get("kind") == "unknown-program":  # the worker forgot it
-                    self._loaded.discard(request["key"])
-                    reply, outputs = self._exchange(request, tensors, deadline)
             except (TimeoutError, socket.timeout):
                 self._kill()
                 raise RunTimeout(f"the {what} ran past this server's limit of {self.timeout:g} s "
@@ -148,17 +154,14 @@ class WorkerPlatform(Platform):
                 why = f"signal {-code}" if code is not None and code < 0 else f"exit {code}" if code is not None else e
                 raise PlatformError(f"the device worker died during the {what} ({why}); "
                                     "it is restarted for the next request") from None
-            if request.get("op") == "run" and "error" not in reply:
-                self._loaded.add(request["key"])
         if "error" in reply:
             kind, message = reply["error"].get("kind"), reply["error"].get("message", "")
+            if kind == "unknown-program":
+                raise _UnknownProgram(message)
             raise (Unsupported if kind == "unsupported" else ValueError if kind == "usage" else PlatformError)(message)
         return reply, outputs
 
     def _exchange(self, request: dict, tensors, deadline: float) -> tuple[dict, list]:
-        if request.get("op") == "run":
-            request = {k: v for k, v in request.items() if k != "program"} if request["key"] in self._loaded \
-                else request
         self._sock.settimeout(max(0.001, deadline - time.monotonic()))
         _send(self._sock, request, tensors)
         reply = _recv(self._sock, deadline)
@@ -179,7 +182,9 @@ class WorkerPlatform(Platform):
 
     def _compile(self, graph) -> KernelProgram:
         reply, _ = self._call({"op": "compile", "graph": graph.to_json()}, what="compile")
-        return KernelProgram.from_json(reply["program"])
+        program = KernelProgram.from_json(reply["program"])
+        self.programs.put(program.key, True)  # the worker that compiled it keeps it (else: unknown-program, resent)
+        return program
 
     def run(self, program: KernelProgram, inputs: list):
         """Run ``program`` in the worker; ``last_run_ms`` is the worker's own time for it."""
@@ -187,9 +192,19 @@ class WorkerPlatform(Platform):
         self.last_run_ms = self._device_ms
         return out
 
-    def _run(self, program: KernelProgram, inputs: list) -> list:
-        reply, outputs = self._call({"op": "run", "key": program.key, "program": program.to_json(),
-                                     "inputs": len(inputs)}, inputs, what="run")
+    def _prepare(self, program: KernelProgram) -> tuple[bool, int]:
+        """Hand the worker a program compiled elsewhere (it checks and keeps it; no device work)."""
+        self._call({"op": "load", "program": program.to_json()}, what="load")
+        return True, 0
+
+    def _execute(self, program: KernelProgram, prepared, inputs: list) -> list:
+        request = {"op": "run", "key": program.key, "inputs": len(inputs)}
+        try:
+            reply, outputs = self._call(request, inputs, what="run")
+        except _UnknownProgram:  # the worker was restarted or dropped it: nothing ran, send it again
+            self.forget(program.key)
+            self.prepared(program)
+            reply, outputs = self._call(request, inputs, what="run")
         self._device_ms = reply.get("device_ms")
         return outputs
 
@@ -219,9 +234,9 @@ def worker_main(fd: int, spec: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent decides
     sock = socket.socket(fileno=fd)
     from tapml.graph import Graph, Node
-    from tapml.targets import open_target
+    from tapml.platforms.targets import open_platform
     try:
-        platform = open_target(spec)
+        platform = open_platform(spec)
         caps = platform.caps()
     except TapmlError as e:
         _send(sock, _error("usage", e))
@@ -230,7 +245,7 @@ def worker_main(fd: int, spec: str) -> None:
         _send(sock, _error("platform", e))
         return
     _send(sock, {"caps": caps})
-    programs: OrderedDict[str, KernelProgram] = OrderedDict()
+    programs = ProgramCache()  # the same limits as the parent's record of what this worker holds
     while True:
         try:
             req = _recv(sock)
@@ -248,16 +263,17 @@ def worker_main(fd: int, spec: str) -> None:
             elif op == "supports":
                 reply = {"reason": platform.supports(Node.from_json(req["node"]))}
             elif op == "compile":
-                reply = {"program": platform.compile(Graph.from_json(req["graph"])).to_json()}
-            elif op == "run" and "program" not in req and req["key"] not in programs:
+                program = platform.compile(Graph.from_json(req["graph"]))
+                programs.put(program.key, program)
+                reply = {"program": program.to_json()}
+            elif op == "load":
+                program = KernelProgram.from_json(req["program"])
+                programs.put(program.key, program)
+                reply = {"key": program.key}
+            elif op == "run" and (program := programs.get(req["key"])) is None:
                 reply = {"error": {"kind": "unknown-program", "message": "send the program"}}
             elif op == "run":
-                if "program" in req:
-                    programs[req["key"]] = KernelProgram.from_json(req["program"])
-                programs.move_to_end(req["key"])
-                while len(programs) > WORKER_PROGRAMS:
-                    programs.popitem(last=False)
-                outputs = platform.run(programs[req["key"]], inputs)
+                outputs = platform.run(program, inputs)
                 payloads = [P.tensor_bytes(t) for t in outputs]
                 reply = {"tensors": len(outputs), "device_ms": getattr(platform, "last_run_ms", None)}
             else:

@@ -25,15 +25,11 @@ import itertools
 import json
 import logging
 import os
-import queue
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-from collections import OrderedDict
 
 from tapml.errors import DeviceLost, PlatformError, TapmlError, Unsupported
 from tapml.remote import protocol as P
@@ -42,7 +38,6 @@ from tapml.remote.limits import ServerLimits, check_graph, check_node, check_ops
 PROTOCOL_VERSION = 1
 DEFAULT_PORT = 18861
 DEFAULT_MAX_MESSAGE = 1 << 30
-PROGRAM_CACHE = 1024
 SERVICE_NAME = "TAPML"
 OUTPUT_SLOTS = 1 << 62  # server-assigned slot ids; clients use ids below this
 STOP_GRACE_S = 3.0  # after SIGTERM/SIGINT, the process exits this soon whatever is still running
@@ -133,8 +128,10 @@ class Device:
     """The platform a server exposes, its limits, its program cache and the open connections.
 
     ``lock`` serializes device calls (:meth:`exclusive` waits for it at most
-    ``limits.run_timeout`` seconds); the program cache has its own lock, so that a cache hit
-    never waits for a device call of another client.
+    ``limits.run_timeout`` seconds); the program cache (a
+    :class:`~tapml.platforms.program_cache.ProgramCache`, ``TAPML_PROGRAM_CACHE`` /
+    ``TAPML_PROGRAM_CACHE_MIB``) has its own lock, so that a cache hit never waits for a device
+    call of another client.
     """
 
     def __init__(self, platform, spec: str, max_message: int = DEFAULT_MAX_MESSAGE, timeout: float = 300.0,
@@ -146,9 +143,9 @@ class Device:
         self.limits = limits or ServerLimits()
         self.program_kind = "graph" if spec.startswith("reference") else "wgsl"
         self.lock = threading.Lock()
-        self._cache_lock = threading.Lock()
-        self.programs: OrderedDict[str, object] = OrderedDict()
-        self.graph_keys: dict[str, str] = {}
+        from tapml.platforms.program_cache import ProgramCache
+        self.programs = ProgramCache(on_evict=self._forget_graphs)
+        self.graph_keys: dict[str, str] = {}  # graph JSON hash -> key of the program compiled from it
         self.sessions: dict[bytes, ConnectionState] = {}
         self.server_id = os.urandom(8).hex()
         self._caps: dict | None = None
@@ -185,25 +182,27 @@ class Device:
     def program(self, key: str | None = None, graph_hash: str | None = None):
         """The cached program of ``key`` (or of the graph whose JSON hashes to ``graph_hash``),
         marked as just used; None when it is not cached."""
-        with self._cache_lock:
-            if key is None:
-                key = self.graph_keys.get(graph_hash)
-            program = self.programs.get(key)
-            if program is not None:
-                self.programs.move_to_end(key)
-            return program
+        if key is None:
+            key = self.graph_keys.get(graph_hash)
+        return self.programs.get(key) if key is not None else None
 
     def remember(self, program, graph_hash: str | None = None) -> None:
         """Cache ``program`` (compiled from the graph of ``graph_hash``, when given); the least
-        recently used programs go once the cache holds ``PROGRAM_CACHE``."""
-        with self._cache_lock:
-            self.programs[program.key] = program
-            self.programs.move_to_end(program.key)
-            if graph_hash:
-                self.graph_keys[graph_hash] = program.key
-            while len(self.programs) > PROGRAM_CACHE:
-                old, _ = self.programs.popitem(last=False)
-                self.graph_keys = {g: k for g, k in self.graph_keys.items() if k != old}
+        recently used programs go past the cache's limits (their bytes: constants and kernels)."""
+        if graph_hash:
+            self.graph_keys[graph_hash] = program.key
+        self.programs.put(program.key, program, program_bytes(program))
+
+    def _forget_graphs(self, key: str, program) -> None:
+        for ghash in [g for g, k in list(self.graph_keys.items()) if k == key]:
+            self.graph_keys.pop(ghash, None)
+
+
+def program_bytes(program) -> int:
+    """Host memory a cached program holds: its constants and kernel sources (graphs by their JSON)."""
+    if program.kind == "graph":
+        return len(json.dumps(program.graph or {}))
+    return sum(len(b.data or b"") for b in program.buffers) + sum(len(k.wgsl) for k in program.kernels)
 
 
 def _str(value, name: str) -> str:
@@ -659,79 +658,3 @@ def serve(platform, spec: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT
         # Connection threads (daemons) still winding down must not write to stderr while the
         # interpreter shuts down: that can abort the process (SIGABRT) instead of exiting 0.
         log.disabled = True
-
-
-class ServerProcess:
-    """A ``tapml serve`` subprocess on loopback (tests and the benchmark use it).
-
-    Example::
-
-        with ServerProcess(platform="reference", token="s3cret") as srv:
-            RemotePlatform(srv.host, srv.port, token="s3cret")
-    """
-
-    def __init__(self, platform: str = "reference", token: str | None = None, port: int = 0,
-                 host: str = "127.0.0.1", args: tuple[str, ...] = (), startup_s: float = 60.0):
-        env = dict(os.environ)
-        env.pop("TAPML_TOKEN", None)
-        if token:
-            env["TAPML_TOKEN"] = token
-        cmd = [sys.executable, "-m", "tapml.cli", "serve", "--platform", platform, "--host", host,
-               "--port", str(port), *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        self.lines: list[str] = []
-        self.stderr_lines: list[str] = []
-        # Both pipes are drained for the server's whole life (a chatty server never blocks on a
-        # full pipe); the address comes through a queue so that waiting for it has a deadline
-        # even when the server prints nothing.
-        address: queue.Queue = queue.Queue()
-        threading.Thread(target=self._drain, args=(self.proc.stdout, self.lines, address), daemon=True).start()
-        stderr = threading.Thread(target=self._drain, args=(self.proc.stderr, self.stderr_lines), daemon=True)
-        stderr.start()
-        try:
-            found = address.get(timeout=startup_s)
-        except queue.Empty:
-            self.kill()
-            raise RuntimeError(f"tapml serve did not start listening within {startup_s:g} s") from None
-        if found is None:
-            code = self.proc.wait()
-            stderr.join(5)
-            raise RuntimeError(f"tapml serve exited ({code}) before listening:\n{''.join(self.stderr_lines)}")
-        self.host, self.port = found
-
-    @staticmethod
-    def _drain(pipe, sink: list, address: queue.Queue | None = None) -> None:
-        for line in pipe:
-            sink.append(line)
-            m = address is not None and re.search(r"listening on (\S+):(\d+)", line)
-            if m:
-                address.put((m.group(1).strip("[]"), int(m.group(2))))
-                address = None
-        if address is not None:
-            address.put(None)  # closed before it listened
-
-    @property
-    def target(self) -> str:
-        return f"remote://{self.host}:{self.port}"
-
-    def kill(self) -> None:
-        """SIGKILL: the server dies without closing anything (a crashed device)."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-
-    def stop(self, timeout: float = 10.0) -> int:
-        """SIGTERM and wait; returns the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        return self.proc.wait()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()

@@ -9,10 +9,10 @@ Example::
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from tapml.errors import TapmlError
+from tapml.io import write_text_atomic
 from tapml.reports.data import StateReport, coverage_matrix, load_state, load_states, parse_state
 
 FORMATS = ("html", "md", "junit")
@@ -60,9 +60,7 @@ def write_report(states, out: str | Path, format: str | None = None, title: str 
     target = Path(out)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")  # two writers never share one
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(target)
+        write_text_atomic(target, text)
     except OSError as e:
         raise TapmlError(f"cannot write report {out}: {e.strerror}") from None
     return target

@@ -10,7 +10,7 @@ Example::
 
     states = load_states(["gpt2-vulkan.json", "gpt2-gl.json"])
     states[0].failures[0]["op"]      # the culprit the report puts at the top
-    coverage_matrix(states)          # op -> status on every target
+    coverage_matrix(states)          # op -> status and worst error on every target
 """
 
 from __future__ import annotations
@@ -206,10 +206,7 @@ def _fold(point: dict, check: dict) -> None:
 
 
 def _worst_status(statuses: set[str]) -> str:
-    for s in ("error", "mismatch", "unsupported", "pass"):
-        if s in statuses:
-            return s
-    return "pass"
+    return min(statuses, key=status_rank, default="pass")
 
 
 def _evidence(culprit: dict, by_case: dict, by_unit: dict) -> dict | None:
@@ -236,7 +233,7 @@ def _stats(v: dict) -> dict:
 
 def _reference_info(store: str | None, path: Path) -> dict:
     """The reference side, from the store a migration state names (when it is still there)."""
-    from tapml.verdict import read_json_file
+    from tapml.io import read_json_file
     info = {"device": "cpu", "torch": None, "store": store}
     if store:
         manifest = (path.parent / store if not Path(store).is_absolute() else Path(store)) / "manifest.json"
@@ -277,7 +274,7 @@ def parse_state(data, path: str = "<state>") -> StateReport:
 
 def load_state(path: str | Path) -> StateReport:
     """Read one Verdict JSON or migration state file (see :func:`parse_state`)."""
-    from tapml.verdict import read_json_file
+    from tapml.io import read_json_file
     p = Path(path)
     if not p.is_file():
         raise TapmlError(f"{path} does not exist; pass a file written by `tapml replay --json` or "
@@ -285,36 +282,179 @@ def load_state(path: str | Path) -> StateReport:
     return parse_state(read_json_file(p, str(path), "pass a verdict or state JSON file"), str(path))
 
 
+def load_documents(path: str | Path) -> list[StateReport]:
+    """The states one file holds: one for a Verdict JSON or migration state, one per target for
+    a multi-target document (:func:`matrix_document`)."""
+    from tapml.io import read_json_file
+    p = Path(path)
+    if not p.is_file():
+        raise TapmlError(f"{path} does not exist; pass a file written by `tapml replay --json` or "
+                         "`tapml migrate --state`")
+    data = read_json_file(p, str(path), "pass a verdict or state JSON file")
+    if is_matrix_document(data):
+        return parse_matrix_document(data, str(path))
+    return [parse_state(data, str(path))]
+
+
 def load_states(paths) -> list[StateReport]:
-    """Read several state files; each keeps its order (it becomes a column of the coverage matrix)."""
+    """Read several state files (a multi-target document gives one state per target); each
+    keeps its order (it becomes a column of the coverage matrix)."""
     if not paths:
         raise TapmlError("no state files given; pass one or more STATE.json files")
-    states = [load_state(p) for p in paths]
+    states = [s for p in paths for s in load_documents(p)]
+    _label_repeats(states)
+    return states
+
+
+def _label_repeats(states: list[StateReport]) -> None:
+    """Columns must tell states of the same target apart: add the file's name where it differs."""
     targets = [s.target for s in states]
     for s in states:
         if targets.count(s.target) > 1:
             s.display = f"{s.target} ({Path(s.path).stem})"
+
+
+#: Order of statuses from worst to best, for a cell that stands for several cases. Statuses a
+#: later tapml adds (a reader only meets them once :data:`tapml.verdict.STATUSES` has them)
+#: rank between ``mismatch`` and ``unsupported``: a finding, but not a wrong number.
+STATUS_RANK = {"error": 0, "mismatch": 1, "flaky": 2, "slower": 3, "unsupported": 5, "pass": 9}
+#: Row groups of a coverage matrix, in the order it lists them: a case that passes on one
+#: target and fails on another (what a driver or browser engineer can act on), then rows
+#: failing on every target that ran them, then rows passing everywhere.
+MATRIX_GROUPS = ("differs", "fails", "passes")
+
+
+def status_rank(status: str) -> int:
+    """Rank of ``status`` from worst (0) to best (``pass``); see :data:`STATUS_RANK`."""
+    return STATUS_RANK.get(status, 4)
+
+
+def coverage_matrix(states: list[StateReport], by_case: bool = False) -> dict:
+    """The op (or case) by target matrix over several states, one column per state.
+
+    Returns ``{"labels", "columns": [{"target", "adapter", "backend"}], "rows": [{"op", "case"
+    (with ``by_case``), "group", "cells": [cell | None]}], "totals", "groups"}``. A cell is
+    ``{"status", "max_abs_err", "pass", "total"}``: the worst status of the row's cases on that
+    target, their largest error (``inf`` for a mismatch without a finite one), how many of them
+    pass; None where the target ran none of them. ``group`` is one of :data:`MATRIX_GROUPS`:
+    ``differs`` when one of the row's cases passes on one target and not on another, ``fails``
+    when no target passes all of them (or they fail alike everywhere), else ``passes``. Rows are
+    ordered by group, then worst status, then op and case. ``totals`` count rows passing per
+    column; ``groups`` count rows per group. The one matrix of the terminal, JSON and HTML.
+
+    Example::
+
+        m = coverage_matrix(load_states(["vulkan.json", "gl.json"]))
+        [r["op"] for r in m["rows"] if r["group"] == "differs"]   # ops only one target gets wrong
+    """
+    rows: dict[tuple, list[list[dict]]] = {}
+    for i, s in enumerate(states):
+        for c in s.cases:
+            key = (c["op"], c["id"]) if by_case else (c["op"],)
+            rows.setdefault(key, [[] for _ in states])[i].append(c)
+    out = []
+    for key, per_state in rows.items():
+        cells = [_cell(cases) if cases else None for cases in per_state]
+        row = {"op": key[0], **({"case": key[1]} if by_case else {}), "group": _group(per_state, cells), "cells": cells}
+        out.append(row)
+
+    def order(r):
+        worst = min(status_rank(c["status"]) for c in r["cells"] if c)
+        return MATRIX_GROUPS.index(r["group"]), worst, r["op"], r.get("case", "")
+
+    out.sort(key=order)
+    totals = [{"pass": sum(1 for r in out if r["cells"][i] and r["cells"][i]["status"] == "pass"),
+               "total": sum(1 for r in out if r["cells"][i])} for i in range(len(states))]
+    return {"labels": [s.label for s in states],
+            "columns": [{"target": s.target, "adapter": s.device.get("adapter") or "",
+                         "backend": s.device.get("backend") or ""} for s in states],
+            "rows": out, "totals": totals, "groups": {g: sum(r["group"] == g for r in out) for g in MATRIX_GROUPS}}
+
+
+def _cell(cases: list[dict]) -> dict:
+    errors = [c["max_abs_err"] for c in cases if c["max_abs_err"] is not None]
+    return {"status": min((c["status"] for c in cases), key=status_rank),
+            "max_abs_err": max(errors) if errors else None,
+            "pass": sum(c["status"] == "pass" for c in cases), "total": len(cases)}
+
+
+def _group(per_state: list[list[dict]], cells: list) -> str:
+    passing: dict[str, set[bool]] = {}
+    for cases in per_state:
+        for c in cases:
+            passing.setdefault(c["id"], set()).add(c["status"] == "pass")
+    present = [c for c in cells if c]
+    whole = {c["status"] == "pass" for c in present}
+    if any(len(p) > 1 for p in passing.values()) or len(whole) > 1:
+        return "differs"
+    return "passes" if whole == {True} else "fails"
+
+
+def matrix_json(matrix: dict) -> dict:
+    """The ``matrix`` of a multi-target document: columns and rows of :func:`coverage_matrix`,
+    with non-finite errors as None so that it is strict JSON."""
+    return _finite({"columns": matrix["columns"], "rows": matrix["rows"]})
+
+
+#: Most targets one multi-target document may hold.
+MAX_TARGETS = 64
+
+
+def matrix_document(verdicts: dict[str, dict], by_case: bool = False) -> dict:
+    """The JSON of a run on several targets (``replay --target A --target B --json``): ``{"format_version",
+    "targets", "verdicts": {target: Verdict JSON or migration state, unchanged}, "matrix"}``.
+
+    Example: ``matrix_document({"wgpu:vulkan": v1, "wgpu:gl": v2})["matrix"]["rows"][0]["cells"]``."""
+    from tapml.verdict import FORMAT_VERSION
+    states = [parse_state(doc, f"<verdicts of {target}>") for target, doc in verdicts.items()]
+    return {"format_version": FORMAT_VERSION, "targets": list(verdicts), "verdicts": dict(verdicts),
+            "matrix": matrix_json(coverage_matrix(states, by_case=by_case))}
+
+
+def is_matrix_document(data) -> bool:
+    """Whether parsed JSON is a multi-target document (:func:`matrix_document`) rather than one
+    Verdict JSON or migration state."""
+    return isinstance(data, dict) and "verdicts" in data and "cases" not in data
+
+
+def parse_matrix_document(data, path: str = "<document>") -> list[StateReport]:
+    """The per-target states of a multi-target document, in its ``targets`` order; each is
+    validated as a Verdict JSON or migration state. The stored ``matrix`` is derived data: it
+    must be an object, and is recomputed from the verdicts, never trusted. TapmlError naming
+    the field when the document is malformed."""
+    from tapml.verdict import FORMAT_VERSION, check_depth
+    hint = "expected the --json of `tapml replay` or `tapml migrate` with several --target"
+    check_depth(data, path, hint)
+
+    def bad(problem: str):
+        raise TapmlError(f"{path} is not a multi-target document: {problem}; {hint}")
+
+    version = data.get("format_version", 0)
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        bad("format_version is not a non-negative integer")
+    if version > FORMAT_VERSION:
+        bad(f"format_version {version} is newer than this tapml reads ({FORMAT_VERSION}); upgrade tapml")
+    targets, verdicts = data.get("targets"), data["verdicts"]
+    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
+        bad("targets is not a non-empty list of strings")
+    if len(targets) > MAX_TARGETS:
+        bad(f"it names {len(targets)} targets, more than {MAX_TARGETS}")
+    if len(set(targets)) != len(targets):
+        bad("a target appears twice in targets")
+    if not isinstance(verdicts, dict) or set(verdicts) != set(targets):
+        bad("verdicts is not an object with one entry per target in targets")
+    if not isinstance(data.get("matrix", {}), dict):
+        bad("matrix is not an object")
+    states = []
+    for t in targets:
+        state = parse_state(verdicts[t], f"{path}: verdicts[{t[:80]!r}]")
+        if state.target != t:
+            bad(f"verdicts[{t[:80]!r}] holds the verdicts of target {str(state.target)[:80]!r}")
+        state.path = path
+        states.append(state)
     return states
 
 
-def coverage_matrix(states: list[StateReport]) -> dict:
-    """Op coverage over several states: ``{"labels", "rows": [{"op", "cells": [cell|None]}]}``
-    where a cell is ``{"status", "pass", "total"}`` (worst status of the op's cases there)."""
-    ops: dict[str, list] = {}
-    for i, s in enumerate(states):
-        for c in s.cases:
-            cells = ops.setdefault(c["op"], [None] * len(states))
-            cell = cells[i] or {"status": "pass", "pass": 0, "total": 0}
-            cell["total"] += 1
-            cell["pass"] += c["status"] == "pass"
-            cell["status"] = _worst_status({cell["status"], c["status"]})
-            cells[i] = cell
-    status_rank = {"error": 0, "mismatch": 1, "unsupported": 2, "pass": 3}
-    rows = [{"op": op, "cells": cells} for op, cells in ops.items()]
-    rows.sort(key=lambda r: (min(status_rank[c["status"]] if c else 3 for c in r["cells"]), r["op"]))
-    totals = [{"pass": sum(c["status"] == "pass" for c in s_cells if c), "total": sum(1 for c in s_cells if c)}
-              for s_cells in zip(*[r["cells"] for r in rows])] if rows else [{"pass": 0, "total": 0} for _ in states]
-    return {"labels": [s.label for s in states], "rows": rows, "totals": totals}
-
-
-__all__ = ["StateReport", "load_state", "load_states", "parse_state", "coverage_matrix", "STATUSES"]
+__all__ = ["StateReport", "load_state", "load_states", "load_documents", "parse_state", "coverage_matrix",
+           "matrix_json", "matrix_document", "is_matrix_document", "parse_matrix_document", "status_rank",
+           "STATUS_RANK", "MATRIX_GROUPS", "STATUSES"]

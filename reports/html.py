@@ -13,7 +13,7 @@ import math
 import re
 from pathlib import Path
 
-from tapml.reports.data import STATUSES, StateReport, coverage_matrix
+from tapml.reports.data import MATRIX_GROUPS, STATUSES, StateReport, coverage_matrix
 from tapml.reports.plot import STATUS_COLORS, module_error_svg
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -124,8 +124,19 @@ def _environment():
     return env
 
 
-def render_html(states: list[StateReport], title: str | None = None) -> str:
-    """The report of one or more states as one HTML document (a string)."""
+#: How the HTML report names each row group of the coverage matrix.
+GROUP_TEXT = {"differs": "differs", "fails": "fails on all", "passes": "passes on all"}
+
+
+def _matrix(states: list[StateReport], by_case: bool) -> dict:
+    m = coverage_matrix(states, by_case=by_case)
+    return {**m, "by_case": by_case, "group_text": GROUP_TEXT, "group_order": {g: i for i, g in enumerate(MATRIX_GROUPS)}}
+
+
+def render_html(states: list[StateReport], title: str | None = None, by_case: bool = False) -> str:
+    """The report of one or more states as one HTML document (a string); with several states,
+    the coverage matrix (:func:`~tapml.reports.data.coverage_matrix`) has a row per op, or per
+    case with ``by_case``."""
     from markupsafe import Markup
 
     from tapml import version
@@ -146,8 +157,8 @@ def render_html(states: list[StateReport], title: str | None = None) -> str:
     # that no escaping touches: controls, lone surrogates, line separators, bidi overrides.
     return visible_text(env.get_template("report.html.j2").render(
         title=title or f"tapml report: {', '.join(models)} on {', '.join(s.label for s in states)}",
-        sections=sections, findings=findings, states=states, sources=[Path(s.path).name for s in states], statuses=STATUSES, colors=STATUS_COLORS,
-        matrix=coverage_matrix(states) if len(states) > 1 else None,
+        sections=sections, findings=findings, states=states, sources=list(dict.fromkeys(Path(s.path).name for s in states)),
+        statuses=STATUSES, colors=STATUS_COLORS, matrix=_matrix(states, by_case) if len(states) > 1 else None,
         css=Markup((TEMPLATES / "report.css").read_text()), js=Markup((TEMPLATES / "report.js").read_text()),
         version=tapml_version, generated=datetime.datetime.now().strftime("%Y-%m-%d %H:%M")))
 

@@ -99,9 +99,10 @@ def render_markdown(states: list[StateReport], max_rows: int = 60) -> str:
     if len(states) > 1:
         m = coverage_matrix(states)
         lines += ["## Op coverage", ""]
-        rows = [[code(r["op"])] + [f"{ICON[c['status']]} {c['pass']}/{c['total']}" if c else "—" for c in r["cells"]]
-                for r in m["rows"]]
-        lines += _table(["op"] + m["labels"], rows) + [""]
+        rows = [[code(r["op"]), r["group"]] + [
+            f"{ICON.get(c['status'], '')} {c['pass']}/{c['total']}" + ("" if c["status"] == "pass" else f" {fmt_err(c['max_abs_err'])}")
+            if c else "—" for c in r["cells"]] for r in m["rows"]]
+        lines += _table(["op", "across targets"] + m["labels"], rows) + [""]
 
     for s in states:
         shares = s.shares

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-#: Issue 9's goals: (comparison, bound) per ratio key.
+#: Performance goals: (comparison, bound) per ratio key; `tapml bench` marks each figure against its goal.
 GOALS = {
     "matmul_512_vs_torch": (">=", 0.25),
     "matmul_1024_vs_torch": (">=", 0.25),

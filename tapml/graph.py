@@ -313,12 +313,17 @@ class Node:
 
 @dataclass
 class Graph:
-    """A core-ATen graph: named tensor inputs, nodes in topological order, output refs."""
+    """A core-ATen graph: named tensor inputs, nodes in topological order, output refs.
+
+    ``state`` maps an input that holds state across calls (a key/value cache buffer the
+    program mutates) to the output ref whose value that input takes after a call; see
+    :func:`step`. Empty for a graph without state."""
 
     inputs: list[tuple[str, TensorMeta]]
     nodes: list[Node]
     outputs: list[str]
     meta: dict[str, TensorMeta] = field(default_factory=dict, repr=False)
+    state: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.meta:
@@ -360,8 +365,11 @@ class Graph:
         return Graph(inputs=inputs, nodes=nodes, outputs=outputs)
 
     def to_json(self) -> dict:
-        return {"inputs": [{"name": r, **m.to_json()} for r, m in self.inputs],
-                "nodes": [n.to_json() for n in self.nodes], "outputs": list(self.outputs)}
+        d = {"inputs": [{"name": r, **m.to_json()} for r, m in self.inputs],
+             "nodes": [n.to_json() for n in self.nodes], "outputs": list(self.outputs)}
+        if self.state:
+            d["state"] = dict(self.state)
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> "Graph":
@@ -403,7 +411,29 @@ class Graph:
         for ref in outputs:
             if not isinstance(ref, str) or ref not in known:
                 raise ValueError(f"outputs: {_short(ref)} is no graph input or node output")
-        return cls(inputs=inputs, nodes=nodes, outputs=list(outputs))
+        graph = cls(inputs=inputs, nodes=nodes, outputs=list(outputs))
+        graph.state = check_state(d.get("state", {}), graph)
+        return graph
+
+
+def check_state(state: Any, graph: Graph) -> dict[str, str]:
+    """Validate a ``state`` for ``graph`` (read from a file): each key a graph input, each value
+    a distinct graph output of the same shape and dtype as its input. Returns it as a dict;
+    ValueError/TypeError naming the entry otherwise."""
+    inputs = dict(graph.inputs)
+    if not isinstance(state, dict):
+        raise TypeError("field 'state' must be an object mapping graph inputs to graph outputs")
+    taken = set()
+    for name, ref in state.items():
+        if name not in inputs:
+            raise ValueError(f"state: {_short(name)} is no graph input")
+        if not isinstance(ref, str) or ref not in graph.outputs or ref in taken:
+            raise ValueError(f"state[{name[:60]!r}]: {_short(ref)} is no graph output (or is taken by another input)")
+        if graph.meta[ref] != inputs[name]:
+            raise ValueError(f"state[{name[:60]!r}]: output {ref[:60]!r} is {graph.meta[ref]}, the input is "
+                             f"{inputs[name]}; a state must keep its shape and dtype")
+        taken.add(ref)
+    return dict(state)
 
 
 def _tensor_metas(val: Any) -> tuple[list[TensorMeta], bool] | None:
@@ -425,10 +455,11 @@ def module_of(fx_node: torch.fx.Node) -> tuple[str, str]:
     return str(path), mtype
 
 
-def graph_from_fx(fx_graph: torch.fx.Graph) -> Graph:
+def graph_from_fx(fx_graph: torch.fx.Graph, signature=None) -> Graph:
     """Convert an exported (core ATen) fx graph. ``getitem`` nodes fold into ``name#i`` refs;
     nodes that return no tensor (assertions) are dropped; ValueError for an op outside the
-    vocabulary of :mod:`tapml.ops`."""
+    vocabulary of :mod:`tapml.ops`. With the ExportedProgram's ``graph_signature``, the
+    buffers the program mutates become the graph's ``state`` (buffer input -> output ref)."""
     refs: dict[torch.fx.Node, str] = {}
     inputs, nodes, outputs = [], [], []
 
@@ -461,7 +492,26 @@ def graph_from_fx(fx_graph: torch.fx.Graph) -> Graph:
                        if isinstance(x, torch.fx.Node)]
         else:
             raise ValueError(f"unexpected fx node {n.op} {n.name}")
-    return Graph(inputs=inputs, nodes=nodes, outputs=outputs)
+    graph = Graph(inputs=inputs, nodes=nodes, outputs=outputs)
+    if signature is not None:
+        graph.state = _state_from_signature(signature, {n.name: r for n, r in refs.items()})
+        check_state(graph.state, graph)
+    return graph
+
+
+def _state_from_signature(signature, ref_of_name: dict[str, str]) -> dict[str, str]:
+    """Buffer input -> output ref, for every buffer an ExportGraphSignature says is mutated."""
+    from torch.export.graph_signature import InputKind, OutputKind
+    buffer_input = {s.target: s.arg.name for s in signature.input_specs if s.kind == InputKind.BUFFER}
+    state = {}
+    for spec in signature.output_specs:
+        if spec.kind == OutputKind.USER_INPUT_MUTATION:
+            raise ValueError(f"the program mutates its input {spec.target!r}; only buffers may hold state")
+        if spec.kind == OutputKind.BUFFER_MUTATION:
+            if spec.target not in buffer_input or spec.arg.name not in ref_of_name:
+                raise ValueError(f"mutated buffer {spec.target!r} is no graph input or its value no graph output")
+            state[buffer_input[spec.target]] = ref_of_name[spec.arg.name]
+    return state
 
 
 def run_node(node: Node, value_of) -> list[torch.Tensor]:
@@ -486,3 +536,18 @@ def run_graph(graph: Graph, inputs: dict[str, torch.Tensor], run=run_node) -> di
             if last_use.get(r) == i and r not in keep:
                 env.pop(r, None)
     return {r: env[r] for r in graph.outputs}
+
+
+def step(graph: Graph, inputs: dict[str, torch.Tensor], state_values: dict[str, torch.Tensor],
+         run=run_node) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One call of a graph with state: run it (:func:`run_graph`) on ``inputs`` plus the
+    current ``state_values`` (by state input name) and return ``(outputs by ref, new state
+    values by state input name)``. Example, a decode loop::
+
+        outputs, cache = step(decode, {**params, "input_ids": ids, "cache_position": pos}, cache)
+    """
+    missing = sorted(set(graph.state) - set(state_values))
+    if missing:
+        raise KeyError(f"no value for state input {missing[0]!r}")
+    outputs = run_graph(graph, {**inputs, **{k: state_values[k] for k in graph.state}}, run=run)
+    return outputs, {name: outputs[ref] for name, ref in graph.state.items()}

@@ -17,7 +17,6 @@ Example::
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -26,16 +25,6 @@ from tapml.errors import PlatformError
 from tapml.graph import Graph, Node, run_graph, run_node
 
 TARGET, REFERENCE = "target", "reference"
-
-#: Ops that only reinterpret their input (strides, not work): zero FLOPs.
-VIEW_OPS = frozenset({
-    "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.permute.default",
-    "aten.expand.default", "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.dims",
-    "aten.squeeze.default", "aten.slice.Tensor", "aten.select.int", "aten.alias.default", "aten.t.default",
-    "aten.transpose.int", "aten.detach.default", "aten.split_with_sizes.default", "aten.split.Tensor",
-    "aten.unbind.int", "aten.as_strided.default",
-})
-
 
 @dataclass
 class Segment:
@@ -101,23 +90,27 @@ class HybridRunner:
     def __init__(self, graph: Graph, platform):
         self.graph = graph
         self.platform = platform
-        self._programs: dict[tuple, object] = {}
-        self._subgraphs: dict[tuple, Graph] = {}  # a region's subgraph costs O(graph) to cut; runs repeat
+        from tapml.platforms.program_cache import ProgramCache
+        self._programs = ProgramCache()
+        self._subgraphs = ProgramCache()  # a region's subgraph costs O(graph) to cut; runs repeat
         self.compile_ms: dict[tuple[str, str], float] = {}
 
     def program(self, names: list[str], keep: Iterable[str] = ()) -> tuple[object, Graph, bool, float]:
         """(program, subgraph, cached, compile_ms) of the region made of ``names``."""
-        skey = (tuple(names), frozenset(keep))
+        keep = sorted(keep)
+        skey = _region_key(names, keep)
         sub = self._subgraphs.get(skey)
         if sub is None:
-            sub = self._subgraphs[skey] = self.graph.subgraph(names, keep_outputs=keep)
-        key = (tuple(names), tuple(sub.outputs))  # keeping what is already an output changes nothing
-        if key in self._programs:
-            return self._programs[key], sub, True, 0.0
+            sub = self.graph.subgraph(names, keep_outputs=keep)
+            self._subgraphs.put(skey, sub)
+        key = _region_key(names, sub.outputs)  # keeping what is already an output changes nothing
+        program = self._programs.get(key)
+        if program is not None:
+            return program, sub, True, 0.0
         start = time.perf_counter()
         program = self.platform.compile(sub)
         ms = (time.perf_counter() - start) * 1e3
-        self._programs[key] = program
+        self._programs.put(key, program)
         self.compile_ms[(names[0], names[-1])] = ms
         return program, sub, False, ms
 
@@ -180,6 +173,11 @@ class HybridRunner:
                          compile_ms=compile_ms, run_ms=float(run_ms), cached=cached)
 
 
+def _region_key(names: list[str], refs) -> str:
+    """A cache key of a region (its node names) with a set of output refs."""
+    return "\0".join(names) + "\1" + "\0".join(refs)
+
+
 def reference_values(graph: Graph, inputs: dict) -> dict:
     """Every value of the graph (inputs and every node output) computed on the reference."""
     everything = Graph(inputs=graph.inputs, nodes=graph.nodes,
@@ -190,32 +188,12 @@ def reference_values(graph: Graph, inputs: dict) -> dict:
 
 
 def node_flops(node: Node, meta: dict) -> int:
-    """A rough FLOP count of one node: 2·M·N·K for matrix products and convolutions, a few per
-    element for normalizations and softmax, one per output element for everything else, and
-    zero for views."""
-    if node.op in VIEW_OPS:
-        return 0
-    out = sum(m.numel for m in node.outputs)
-    ins = [meta[r] for r in node.input_refs if r in meta]
-    name = node.op.rsplit(".", 1)[0]
-    try:
-        if name in ("aten.mm", "aten.bmm") and len(ins) >= 2:
-            return 2 * out * ins[0].shape[-1]
-        if name == "aten.addmm" and len(ins) >= 3:
-            return 2 * out * ins[1].shape[-1] + out
-        if name == "aten.convolution" and len(ins) >= 2:
-            weight = ins[1].shape  # (Cout, Cin/groups, *kernel)
-            return 2 * node.outputs[0].numel * math.prod(weight[1:])
-        if name in ("aten._softmax", "aten._log_softmax"):
-            return 5 * out
-        if name in ("aten.native_layer_norm", "aten.native_group_norm", "aten._native_batch_norm_legit_no_training"):
-            return 8 * node.outputs[0].numel
-        if name in ("aten.mean", "aten.sum", "aten.amax", "aten.var", "aten.cumsum", "aten.any", "aten.max",
-                    "aten.min", "aten.prod", "aten.argmax", "aten.argmin") and ins:
-            return ins[0].numel
-    except (IndexError, TypeError):
-        pass
-    return out
+    """A rough FLOP count of one node, by its op's registry entry
+    (:func:`tapml.platforms.wgsl.registry.node_flops`): 2·M·N·K for matrix products and
+    convolutions, a few per element for normalizations and softmax, zero for views, one per
+    output element for everything else."""
+    from tapml.platforms.wgsl.registry import node_flops as registry_flops
+    return registry_flops(node, meta)
 
 
 def placement_shares(graph: Graph, placement: dict[str, str]) -> dict:

@@ -65,7 +65,9 @@ def _zoo_cnn():
 
 
 def _hf_zoo(model_type: str, **overrides) -> Callable:
-    return lambda: build_hf(model_type, overrides)
+    build = lambda: build_hf(model_type, overrides)  # noqa: E731
+    build.hf = (model_type, overrides)  # what load_causal_lm rebuilds with its cache enabled
+    return build
 
 
 ZOO: dict[str, Callable[[], tuple]] = {
@@ -95,23 +97,8 @@ def parse_hf_overrides(items: list[str] | None) -> dict:
 
 def build_hf(model_type: str, overrides: dict | None = None):
     """A tiny random-init transformers model of ``model_type`` and an example input."""
-    try:
-        import transformers
-        from transformers import AutoConfig
-    except ImportError as e:
-        raise TapmlError(f"hf: models need transformers installed ({e})") from None
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-    if model_type not in CONFIG_MAPPING_NAMES:
-        close = [k for k in CONFIG_MAPPING_NAMES if model_type.replace("-", "_") in k][:8]
-        hint = f"; similar: {', '.join(close)}" if close else ""
-        raise TapmlError(f"unknown transformers model type {model_type!r}{hint}")
-    config = AutoConfig.for_model(model_type)
-    _shrink(config)
-    for key, value in (overrides or {}).items():
-        try:
-            setattr(config, key, value)
-        except Exception as e:  # noqa: BLE001 - configs validate their fields in their own ways
-            raise TapmlError(f"hf:{model_type}: --hf-config {key}={value!r}: {type(e).__name__}: {e}") from None
+    config = _small_config(model_type, overrides)
+    import transformers
     config.use_cache = False
     if hasattr(config, "_attn_implementation"):
         try:
@@ -138,6 +125,27 @@ def build_hf(model_type: str, overrides: dict | None = None):
         # Encoder-decoder models need a decoder prompt too; passed by keyword.
         return model, (example, {"decoder_input_ids": torch.zeros(1, 4, dtype=torch.long)})
     return model, (example,)
+
+
+def _small_config(model_type: str, overrides: dict | None):
+    """The shrunk config of ``model_type`` with ``--hf-config`` overrides applied."""
+    try:
+        from transformers import AutoConfig
+    except ImportError as e:
+        raise TapmlError(f"hf: models need transformers installed ({e})") from None
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    if model_type not in CONFIG_MAPPING_NAMES:
+        close = [k for k in CONFIG_MAPPING_NAMES if model_type.replace("-", "_") in k][:8]
+        hint = f"; similar: {', '.join(close)}" if close else ""
+        raise TapmlError(f"unknown transformers model type {model_type!r}{hint}")
+    config = AutoConfig.for_model(model_type)
+    _shrink(config)
+    for key, value in (overrides or {}).items():
+        try:
+            setattr(config, key, value)
+        except Exception as e:  # noqa: BLE001 - configs validate their fields in their own ways
+            raise TapmlError(f"hf:{model_type}: --hf-config {key}={value!r}: {type(e).__name__}: {e}") from None
+    return config
 
 
 def _shrink(config) -> None:
@@ -234,3 +242,78 @@ def load_model(spec: str, seed: int = 0, hf_config: dict | None = None):
         return _load_factory(spec)
     raise TapmlError(f"unknown model spec {spec!r}; use zoo:NAME ({', '.join(ZOO)}), hf:MODEL_TYPE, "
                      "path/to/file.py:factory or file.pt2")
+
+
+#: Config keys that bound a causal LM's positions, first present wins.
+_MAX_POSITIONS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
+
+
+def load_causal_lm(spec: str, *, tokens: int, prompt_len: int, seed: int = 0, hf_config: dict | None = None):
+    """A causal LM of a MODEL spec with its key/value cache enabled, for carving a generation of
+    ``prompt_len`` prompt tokens and ``tokens`` generated ones.
+
+    ``spec`` is ``hf:MODEL_TYPE`` (shrunk like :func:`build_hf`, ``hf_config`` overrides) or a
+    zoo model built from transformers (``zoo:tiny-llama``, ``zoo:tiny-gpt2``); the weights are
+    those :func:`load_model` gives for the same seed. The model's ``generation_config`` asks for
+    a static cache. Raises TapmlError (saying what fits) when the model is no causal LM (an
+    encoder, an encoder-decoder, a pure-torch or file model), when ``tokens`` or ``prompt_len``
+    is below 1, or when ``prompt_len + tokens`` exceeds the model's positions.
+    Example: ``load_causal_lm("zoo:tiny-llama", tokens=4, prompt_len=8)``.
+    """
+    for name, value in (("tokens", tokens), ("prompt_len", prompt_len)):
+        if type(value) is not int or value < 1:
+            raise TapmlError(f"{name} must be an integer of at least 1, not {value!r}")
+    fits = ("a causal LM fits: hf:MODEL_TYPE of a decoder-only transformers model (hf:llama, hf:gpt2, "
+            f"hf:gpt_neox, hf:qwen2, hf:mistral...) or {', '.join(f'zoo:{n}' for n in _zoo_causal_lms())}")
+    if not isinstance(spec, str) or not spec.startswith(("zoo:", "hf:")):
+        raise TapmlError(f"cannot carve a generation of {str(spec)[:80]!r}: {fits}")
+    if hf_config and not spec.startswith("hf:"):
+        raise TapmlError("--hf-config only applies to hf:MODEL_TYPE specs")
+    if spec.startswith("zoo:"):
+        build = ZOO.get(spec[4:])
+        if build is None:
+            raise TapmlError(f"unknown zoo model {spec[4:]!r}; {fits}")
+        if spec[4:] not in _zoo_causal_lms():
+            raise TapmlError(f"{spec} is not a causal LM, so it has no generation to carve; {fits}")
+        model_type, overrides = build.hf
+    else:
+        model_type, overrides = spec[3:], hf_config
+    config = _small_config(model_type, overrides)
+    import transformers
+    if (getattr(config, "is_encoder_decoder", False) or type(config) in transformers.AutoModelForMaskedLM._model_mapping
+            or type(config) not in transformers.AutoModelForCausalLM._model_mapping):
+        raise TapmlError(f"{spec} is not a decoder-only causal LM (no text generation with a key/value cache); "
+                         f"{fits}")
+    max_positions = next((getattr(config, k) for k in _MAX_POSITIONS if isinstance(getattr(config, k, None), int)),
+                         None)
+    if max_positions is not None and prompt_len + tokens > max_positions:
+        raise TapmlError(f"{spec}: prompt_len {prompt_len} + tokens {tokens} exceeds the model's {max_positions} "
+                         f"positions; ask for at most {max_positions - prompt_len} tokens, a shorter prompt, or "
+                         "raise max_position_embeddings with --hf-config")
+    config.use_cache = True
+    if hasattr(config, "_attn_implementation"):
+        try:
+            config._attn_implementation = "eager"
+        except Exception:  # noqa: BLE001 - read-only on some configs; sdpa is fine then
+            pass
+    torch.manual_seed(seed)
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    except Exception as e:  # noqa: BLE001 - a config that builds no model is bad input
+        raise TapmlError(f"{spec}: cannot build the causal LM from its config: {type(e).__name__}: {e}") from None
+    model.generation_config.use_cache = True
+    model.generation_config.cache_implementation = "static"
+    return model
+
+
+def _zoo_causal_lms() -> list[str]:
+    """Zoo models that are causal LMs (built from transformers, with an LM head)."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    names = []
+    for name, build in ZOO.items():
+        hf = getattr(build, "hf", None)
+        if hf and CONFIG_MAPPING[hf[0]] in transformers.AutoModelForCausalLM._model_mapping \
+                and CONFIG_MAPPING[hf[0]] not in transformers.AutoModelForMaskedLM._model_mapping:
+            names.append(name)
+    return names

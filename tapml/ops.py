@@ -9,8 +9,9 @@ never followed as an attribute chain. A name is accepted only when
 - it returns tensors and only tensors (what a graph node is);
 - it does not reach outside tensors: no files (``from_file``, ``save``), printing, RNG or
   grad state, storages, futures or RPC references;
-- a leading-underscore internal is core ATen (``torch.Tag.core``), in
-  :data:`EXPORTED_INTERNALS`, or has a WGSL lowering.
+- a leading-underscore internal is core ATen (``torch.Tag.core``) or in
+  :data:`EXPORTED_INTERNALS` (every op with a WGSL lowering passes; tests/test_layers.py
+  checks it, so that this foundation module needs nothing from the platforms above it).
 
 Example::
 
@@ -96,8 +97,7 @@ def _resolve(name: str):
         raise _refuse(name, "it reaches outside tensors (files, printing, RNG or grad state, storages, RPC)")
     if not schema.returns or not all(_is_tensor_type(r.type) for r in schema.returns):
         raise _refuse(name, "it does not return tensors, so it is no graph node")
-    if op_name.startswith("_") and not (torch.Tag.core in op.tags or op_name in EXPORTED_INTERNALS
-                                        or name in _lowered_ops()):
+    if op_name.startswith("_") and not (torch.Tag.core in op.tags or op_name in EXPORTED_INTERNALS):
         raise _refuse(name, "it is a torch internal (leading underscore) that is neither core ATen nor "
                             "one that exported graphs hold")
     return op
@@ -112,12 +112,6 @@ def _is_tensor_type(t) -> bool:
         if isinstance(t, torch.OptionalType):
             t = t.getElementType()
     return isinstance(t, torch.TensorType)
-
-
-@functools.lru_cache(maxsize=1)
-def _lowered_ops() -> frozenset:
-    from tapml.platforms.wgsl import load_lowerings
-    return frozenset(load_lowerings())
 
 
 __all__ = ["EXPORTED_INTERNALS", "check_op", "resolve_op"]

@@ -16,6 +16,64 @@ def fmt_err(x: float | None) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
+GROUP_TITLES = {"differs": "differs between targets", "fails": "fails on every target",
+                "passes": "passes on every target"}
+
+
+def render_matrix(matrix: dict, console, all_rows: bool = False, max_rows: int | None = None,
+                  all_option: str | None = None) -> None:
+    """Print a :func:`~tapml.reports.data.coverage_matrix`: a header naming each target's adapter,
+    then a table with a column per target and a row per op (per case when the matrix has them)
+    whose cell is the worst status, passing cases and largest error there. Rows that pass on one
+    target and fail on another come first, then rows failing everywhere; rows passing everywhere
+    are one count line unless ``all_rows`` (naming ``all_option``, the option that lists them, when
+    there is one). ``max_rows`` caps the rows of each group (None: no cap)."""
+    from rich.markup import escape
+    from rich.table import Table
+    rows, groups = matrix["rows"], matrix["groups"]
+    by_case = any("case" in r for r in rows)
+    what = "cases" if by_case else "ops"
+    console.print(f"[bold]op coverage: {len(rows)} {what} on {len(matrix['columns'])} targets[/]; {groups['differs']} "
+                  f"differ between targets, {groups['fails']} fail everywhere, {groups['passes']} pass everywhere",
+                  highlight=False)
+    for label, col in zip(matrix["labels"], matrix["columns"]):
+        backend = f" [{col['backend']}]" if col["backend"] else ""
+        console.print(f"  {escape(label)}: {escape((col['adapter'] or '?') + backend)}", highlight=False)
+    table = Table()
+    table.add_column("op", no_wrap=True)
+    if by_case:
+        table.add_column("case")
+    for label in matrix["labels"]:
+        table.add_column(escape(label), justify="center", overflow="fold")
+    blank = [""] * (by_case + len(matrix["columns"]))
+    for group in ("differs", "fails") + (("passes",) if all_rows else ()):
+        members = [r for r in rows if r["group"] == group]
+        if not members:
+            continue
+        table.add_row(f"[bold]{GROUP_TITLES[group]}[/]", *blank)
+        shown = members if max_rows is None else members[:max_rows]
+        for r in shown:
+            table.add_row(escape(r["op"]), *([escape(r["case"])] if by_case else []), *map(_matrix_cell, r["cells"]))
+        if len(shown) < len(members):
+            table.add_row(f"[dim]... and {len(members) - len(shown)} more[/]", *blank)
+        table.add_section()
+    table.add_row("[bold]passing[/]", *([""] if by_case else []),
+                  *[f"{t['pass']}/{t['total']} {what}" for t in matrix["totals"]])
+    console.print(table)
+    if groups["passes"] and not all_rows:
+        console.print(f"[green]{groups['passes']} {what} pass on every target[/]" +
+                      (f" ({all_option} lists them)" if all_option else ""), highlight=False)
+
+
+def _matrix_cell(cell: dict | None) -> str:
+    if cell is None:
+        return "[dim]not run[/]"
+    from rich.markup import escape
+    style = STATUS_STYLE.get(cell["status"], "magenta")
+    err = "" if cell["status"] == "pass" or cell["max_abs_err"] is None else f" {fmt_err(cell['max_abs_err'])}"
+    return f"[{style}]{escape(cell['status'])} {cell['pass']}/{cell['total']}{err}[/]"
+
+
 def render_states(states, console, quiet: bool = False, max_rows: int = 30) -> None:
     """Print each :class:`~tapml.reports.data.StateReport`: its findings as a table (culprits
     first, marked), an op-coverage table when several states are given, and one summary line
@@ -41,19 +99,7 @@ def render_states(states, console, quiet: bool = False, max_rows: int = 30) -> N
                 console.print(f"... and {len(failures) - max_rows} more (see the HTML report)")
         if len(states) > 1:
             from tapml.reports.data import coverage_matrix
-            m = coverage_matrix(states)
-            bad = [r for r in m["rows"] if any(c is None or c["status"] != "pass" for c in r["cells"])]
-            table = Table(title=f"op coverage ({len(m['rows'])} ops, {len(bad)} not passing everywhere)",
-                          title_justify="left")
-            table.add_column("op")
-            for label in m["labels"]:
-                table.add_column(escape(label), justify="center")
-            for r in bad[:max_rows]:
-                table.add_row(escape(r["op"]), *[
-                    "[dim]not run[/]" if c is None else
-                    f"[{STATUS_STYLE[c['status']]}]{c['status']} {c['pass']}/{c['total']}[/]" for c in r["cells"]])
-            table.add_row("[bold]cases passing[/]", *[f"{t['pass']}/{t['total']} ops" for t in m["totals"]])
-            console.print(table)
+            render_matrix(coverage_matrix(states), console, max_rows=max_rows)
     for s in states:
         summary, shares, e2e = s.summary, s.shares, s.end_to_end
         total = sum(summary.values())
@@ -69,4 +115,4 @@ def render_states(states, console, quiet: bool = False, max_rows: int = 30) -> N
         console.print(line, highlight=False)
 
 
-__all__ = ["render_states", "fmt_err", "STATUS_STYLE"]
+__all__ = ["render_states", "render_matrix", "fmt_err", "STATUS_STYLE"]

@@ -33,7 +33,7 @@ def _reference64(store, case) -> list[torch.Tensor]:
     return [out[r] for r in graph.outputs]
 
 
-def check_case(platform, store, case: dict, tolerances: Tolerances | None = None,
+def replay_case(platform, store, case: dict, tolerances: Tolerances | None = None,
                anchored: bool = False) -> CaseVerdict:
     """Run one case on ``platform`` and judge it against the reference's outputs. A platform
     failure is a verdict (see :func:`~tapml.verdict.outcome_verdict`); DeviceLost is raised."""
@@ -56,8 +56,8 @@ def check_case(platform, store, case: dict, tolerances: Tolerances | None = None
 
 
 def run_case(platform, store, case: dict, tolerances: Tolerances | None = None, anchored: bool = False) -> dict:
-    """:func:`check_case` as the case's Verdict JSON; DeviceLost is raised, never a verdict."""
-    return check_case(platform, store, case, tolerances, anchored).to_json()
+    """:func:`replay_case` as the case's Verdict JSON; DeviceLost is raised, never a verdict."""
+    return replay_case(platform, store, case, tolerances, anchored).to_json()
 
 
 def replay(store, platform, target: str, tolerances: Tolerances | None = None, anchored: bool = False,
@@ -73,7 +73,7 @@ def replay(store, platform, target: str, tolerances: Tolerances | None = None, a
         device = {"adapter": "unknown", "backend": "unknown", "features": [], "limits": {}, "error": str(e)}
     for case in store.cases if cases is None else cases:
         try:
-            v = check_case(platform, store, case, tolerances, anchored)
+            v = replay_case(platform, store, case, tolerances, anchored)
         except DeviceLost as e:
             v = CaseVerdict(id=case["id"], op=case["op"], node=case["node"], module=case["module"],
                             instances=case.get("instances", 1), status="error", message=f"error: {e}")
@@ -82,3 +82,37 @@ def replay(store, platform, target: str, tolerances: Tolerances | None = None, a
             on_case(v.to_json())
     return VerdictDocument(target=target, device=device, model=store.model, tolerances=(tolerances or Tolerances()).to_json(),
                            cases=verdicts).to_json()
+
+
+def injects_into(target: str) -> bool:
+    """Whether ``--inject`` faults go into ``target`` when several targets run side by side:
+    every target but ``reference`` (the column the others are read against)."""
+    return not (target == "reference" or target.startswith("reference:"))
+
+
+def replay_targets(store, targets: list[str], *, token: str | None = None, inject: list[str] | None = None,
+                   on_target: Callable[[str, int], None] | None = None, **options) -> dict[str, dict]:
+    """Replay ``store`` on each of ``targets`` in turn; returns ``{target: Verdict JSON}`` in
+    their order, each exactly what :func:`replay` returns for that target alone.
+
+    Each platform is closed before the next opens, so a browser and a wgpu device never compete
+    for the machine. ``inject`` goes into every target but ``reference`` (:func:`injects_into`).
+    ``on_target(target, index)`` is called before each opens; ``options`` go to :func:`replay`
+    (``tolerances``, ``anchored``, ``cases``, ``on_case``...).
+
+    Example: ``replay_targets(store, ["reference", "wgpu:vulkan"])["wgpu:vulkan"]["summary"]``.
+    """
+    from tapml.errors import TapmlError
+    from tapml.targets import check_target, open_target
+    for t in targets:
+        check_target(t)
+    repeated = sorted({t for t in targets if targets.count(t) > 1})
+    if repeated:
+        raise TapmlError(f"--target {repeated[0]} is given twice; name each target once")
+    results = {}
+    for i, target in enumerate(targets):
+        if on_target:
+            on_target(target, i)
+        with open_target(target, token=token, inject=inject if injects_into(target) else None) as platform:
+            results[target] = replay(store, platform, target, **options)
+    return results

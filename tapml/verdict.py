@@ -20,13 +20,13 @@ Example::
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
 from tapml.errors import DeviceLost, PlatformError, TapmlError, Unsupported
+from tapml.io import read_json_file
 
 if TYPE_CHECKING:
     from tapml.compare import Comparison
@@ -47,7 +47,6 @@ STAGES = ("op", "region", "model", "done", "session")
 #: Where a node runs (tapml.hybrid's TARGET and REFERENCE).
 PLACES = ("target", "reference")
 #: Bounds on what a reader accepts from a file.
-MAX_FILE_BYTES = 256 << 20
 MAX_DEPTH = 32
 MAX_COUNT = (1 << 63) - 1
 
@@ -436,43 +435,6 @@ def journal_record(key, record, where: str, hint: str):
 
 # --- reading and validation ----------------------------------------------------------------
 
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not a number JSON allows")
-
-
-def parse_json(text: str, where: str, hint: str = ""):
-    """``json.loads`` for files from anyone: NaN/Infinity, integers of thousands of digits and
-    nesting deeper than the parser's stack are TapmlError naming ``where``."""
-    tail = f"; {hint}" if hint else ""
-    try:
-        return json.loads(text, parse_constant=_reject_constant)
-    except json.JSONDecodeError as e:
-        raise TapmlError(f"{where} is not valid JSON ({e.msg} at line {e.lineno}){tail}") from None
-    except RecursionError:
-        raise TapmlError(f"{where} is not a tapml file: its JSON nests too deeply{tail}") from None
-    except ValueError as e:  # NaN/Infinity, or an integer too long to convert
-        raise TapmlError(f"{where} is not valid JSON for tapml: {e}{tail}") from None
-
-
-def read_json_file(path: str | Path, where: str, hint: str = ""):
-    """Read a JSON file of at most :data:`MAX_FILE_BYTES` (see :func:`parse_json`)."""
-    tail = f"; {hint}" if hint else ""
-    p = Path(path)
-    try:
-        size = p.stat().st_size
-        if size > MAX_FILE_BYTES:
-            raise TapmlError(f"{where} is {size >> 20} MiB, more than the {MAX_FILE_BYTES >> 20} MiB a tapml file "
-                             f"may have{tail}")
-        data = p.read_bytes()
-    except OSError as e:
-        raise TapmlError(f"cannot read {where}: {e.strerror}") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise TapmlError(f"{where} is not a text file (not UTF-8){tail}") from None
-    return parse_json(text, where, hint)
-
-
 @dataclass
 class _Ctx:
     file: str
@@ -484,6 +446,11 @@ def _a(x) -> str:
     name = {dict: "object", list: "list", str: "string", bool: "boolean", int: "integer", float: "number",
             type(None): "null"}.get(type(x), type(x).__name__)
     return f"an {name}" if name[0] in "aeiou" else f"a {name}"
+
+
+def check_depth(data, where: str, hint: str = "") -> None:
+    """TapmlError naming ``where`` when parsed JSON ``data`` nests deeper than :data:`MAX_DEPTH`."""
+    _check_depth(data, _Ctx(where, True, hint))
 
 
 def _check_depth(data, ctx: _Ctx) -> None:
@@ -693,6 +660,6 @@ def _placement(o: _Obj) -> dict:
 
 
 __all__ = ["Verdict", "CaseVerdict", "UnitVerdict", "RegionCheck", "EndToEnd", "Culprit", "VerdictDocument",
-           "MigrationState", "outcome_verdict", "culprit_kind", "summary", "passed", "journal_record", "parse_json",
-           "read_json_file", "STATUSES", "STAT_KEYS", "CULPRIT_KINDS", "UNIT_KINDS", "STAGES", "STATE_FORMAT",
+           "MigrationState", "outcome_verdict", "culprit_kind", "summary", "passed", "journal_record", "check_depth",
+           "STATUSES", "STAT_KEYS", "CULPRIT_KINDS", "UNIT_KINDS", "STAGES", "STATE_FORMAT",
            "FORMAT_VERSION"]

@@ -83,7 +83,7 @@ def test_transport_figures_of_a_remote_target():
     """A real `tapml serve` on loopback: the suite's transport figures and their ratios."""
     from tapml.bench import ratios, transport_figure
     from tapml.remote.client import RemotePlatform
-    from tapml.remote.server import ServerProcess
+    from tapml.remote.launcher import ServerProcess
     with ServerProcess(platform="reference", token="t0ken", args=("--max-message-mib", "64")) as srv:
         with RemotePlatform(srv.host, srv.port, token="t0ken") as platform:
             t = transport_figure(platform, quick=True)

@@ -101,9 +101,30 @@ def test_page_cache_eviction_is_recovered(browser):
     c, _ = browser.run(program, [torch.ones(10), torch.ones(10, dtype=torch.int64)])
     assert torch.equal(c, torch.full((10,), 2.0))
     other = add_program(12)
-    browser._on_page.add(other.key)  # the host believes the page has it; the page asks for it again
+    browser._on_page.put(other.key, True)  # the host believes the page has it; the page asks for it again
     c, _ = browser.run(other, [torch.ones(12), torch.zeros(12, dtype=torch.int64)])
     assert torch.equal(c, torch.ones(12))
+
+
+def test_page_keeps_as_many_programs_as_the_host_tells_it(monkeypatch):
+    """The page's program cache takes its limit from the host's welcome (TAPML_PROGRAM_CACHE),
+    not a constant of its own: with a limit of 2, the oldest of three programs is dropped there."""
+    monkeypatch.setenv("TAPML_PROGRAM_CACHE", "2")
+    platform = open_browser()
+    try:
+        assert platform.bridge.program_cache["max_programs"] == 2
+        programs = [add_program(n) for n in (16, 17, 18)]
+        for p in programs:
+            platform.run(p, [torch.ones(p.input_meta[0].shape), torch.ones(p.input_meta[1].shape, dtype=torch.int64)])
+        assert programs[0].key not in platform._on_page and len(platform._on_page) == 2
+        platform._on_page.put(programs[0].key, True)  # claim the page has it: the page must ask for it again
+        c, _ = platform.run(programs[0], [torch.ones(16), torch.ones(16, dtype=torch.int64)])
+        assert torch.equal(c, torch.full((16,), 2.0)) and platform.page_misses == 1
+        platform._on_page.pop(programs[2].key)  # the page has the newest: sending it again is no miss
+        platform.run(programs[2], [torch.ones(18), torch.ones(18, dtype=torch.int64)])
+        assert platform.page_misses == 1
+    finally:
+        platform.close()
 
 
 def test_shader_compile_error_is_a_platform_error_not_a_crash(browser):
@@ -194,7 +215,7 @@ def test_the_page_token_is_on_no_command_line_and_no_other_client_gets_the_page(
 
 
 def test_websocket_origin_rule():
-    from tapml.platforms.browser import PageBridge
+    from tapml.platforms.page_bridge import PageBridge
     bridge = PageBridge()
     try:
         port = bridge.port
@@ -218,7 +239,7 @@ def test_websocket_origin_rule():
 
 
 def test_frames_have_a_small_binary_header():
-    from tapml.platforms.browser import KIND_OUTPUT, decode_frame, encode_frame
+    from tapml.platforms.page_bridge import KIND_OUTPUT, decode_frame, encode_frame
     data = encode_frame(7, 2, KIND_OUTPUT, b"\x01\x02\x03\x04")
     assert len(data) == 16 + 4 and data[:4] == b"TPT1"
     assert decode_frame(data) == (7, 2, KIND_OUTPUT, b"\x01\x02\x03\x04")
@@ -304,7 +325,7 @@ def test_lowering_in_the_browser(browser, op):
         for i, (o, r) in enumerate(zip(out, ref)):
             assert tuple(o.shape) == tuple(r.shape) and o.dtype == r.dtype, \
                 f"{op} output {i}: {o.dtype}{list(o.shape)} != reference {r.dtype}{list(r.shape)}"
-            if REGISTRY[op].tol.get("values", True):
+            if REGISTRY[op].compare_values:
                 res = compare_tensor(o, r)
                 assert res.passed, f"{op} output {i}: {res.message}; worst {res.worst}"
         ran += 1
@@ -366,7 +387,7 @@ def test_missing_chromium_is_exit_2_saying_what_to_install(tmp_path, carved):
 
 
 def test_no_launch_mode_turns_a_separately_started_browser_into_the_device():
-    from tapml.platforms.browser import ChromiumProcess
+    from tapml.platforms.chromium import ChromiumProcess
     platform = open_browser(launch=False, connect_timeout=60)
     assert platform.browser is None and "/t/" in platform.url
     other = ChromiumProcess(platform.url)  # stands in for a person opening the URL
@@ -384,7 +405,7 @@ def test_no_launch_mode_turns_a_separately_started_browser_into_the_device():
 def test_no_launch_mode_refuses_foreign_clients_without_spending_the_url():
     """Before any page joined: clients without the page's Origin are refused and the URL stays
     good for the real page; after it joined, the URL (token included) is spent."""
-    from tapml.platforms.browser import ChromiumProcess
+    from tapml.platforms.chromium import ChromiumProcess
     platform = open_browser(launch=False, connect_timeout=60)
     page = None
     try:
@@ -409,7 +430,7 @@ def test_serve_no_launch_refuses_foreign_clients_at_its_page_bridge():
     """`tapml serve --platform browser --no-launch` prints its URL (for the person who started it);
     its bridge refuses a WebSocket without the page's Origin, and a copied URL once a page joined."""
     import re
-    from tapml.platforms.browser import ChromiumProcess
+    from tapml.platforms.chromium import ChromiumProcess
     from tapml.targets import open_target
     server = subprocess.Popen([sys.executable, "-m", "tapml.cli", "serve", "--platform", "browser", "--no-launch",
                                "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -446,7 +467,7 @@ def test_serve_no_launch_refuses_foreign_clients_at_its_page_bridge():
 
 def test_no_launch_mode_hands_out_a_fresh_url_when_the_page_is_lost():
     import time
-    from tapml.platforms.browser import ChromiumProcess
+    from tapml.platforms.chromium import ChromiumProcess
     urls = []
     platform = open_browser(launch=False, connect_timeout=60, on_url=urls.append)
     first_url = platform.url
@@ -489,7 +510,7 @@ def test_serve_no_launch_makes_a_browser_a_remote_device(browser, carved, tmp_pa
     import re
     import select
     import time
-    from tapml.platforms.browser import ChromiumProcess
+    from tapml.platforms.chromium import ChromiumProcess
     store = carved("zoo:mlp")
     server = subprocess.Popen([sys.executable, "-m", "tapml.cli", "serve", "--platform", "browser", "--no-launch",
                                "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

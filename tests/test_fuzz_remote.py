@@ -28,7 +28,7 @@ MAX_RSS_GROWTH_MIB = 150
 
 @pytest.fixture(scope="module")
 def server():
-    from tapml.remote.server import ServerProcess
+    from tapml.remote.launcher import ServerProcess
     srv = ServerProcess(platform="reference", token=TOKEN, args=("--max-message-mib", "4"))
     yield srv
     code = srv.stop()
@@ -266,7 +266,7 @@ def test_random_raw_headers_after_authentication(server, mlp, figure):
 # --- the browser bridge -------------------------------------------------------------------
 
 def test_fuzzed_browser_frames_decode_or_fail_clearly(figure):
-    from tapml.platforms.browser import FRAME, FRAME_MAGIC, decode_frame, encode_frame
+    from tapml.platforms.page_bridge import FRAME, FRAME_MAGIC, decode_frame, encode_frame
     tried = 0
 
     @settings(FUZZ, max_examples=300)
@@ -310,7 +310,7 @@ def test_browser_bridge_survives_random_page_frames(figure):
     from websockets.sync.client import connect as ws_connect
 
     from tapml.errors import DeviceLost
-    from tapml.platforms.browser import PageBridge
+    from tapml.platforms.page_bridge import PageBridge
     outcomes = {"http refused": 0, "page lost": 0, "ignored": 0}
 
     @settings(FUZZ, max_examples=40)

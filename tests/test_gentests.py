@@ -10,28 +10,16 @@ import sys
 import xml.etree.ElementTree as ET
 
 import pytest
-import typer
 from typer.testing import CliRunner
 
 from tapml.carving.gentests import case_test_id, generate_suite, unique_ids
-from tapml.cli_gentests import register
-
-def _cli() -> typer.Typer:
-    app = typer.Typer()
-
-    @app.callback()
-    def _root():
-        """tapml (test copy with gen-tests only)."""
-
-    register(app)
-    return app
-
+from tapml.cli import app
 
 runner = CliRunner()
 
 
 def gen_tests(*args):
-    return runner.invoke(_cli(), ["gen-tests", *map(str, args)])
+    return runner.invoke(app, ["gen-tests", *map(str, args)])
 
 
 def run_suite(suite, *args, cwd=None, env=None):

@@ -23,7 +23,7 @@ TOKEN = "hostile-token-0123456789abcdef"
 
 @pytest.fixture(scope="module")
 def server():
-    from tapml.remote.server import ServerProcess
+    from tapml.remote.launcher import ServerProcess
     srv = ServerProcess(platform="reference", token=TOKEN)  # default 1 GiB message limit
     yield srv
     code = srv.stop()
@@ -248,7 +248,7 @@ def test_browser_page_token_is_compared_in_constant_time(monkeypatch):
     import urllib.error
     import urllib.request
 
-    from tapml.platforms import browser
+    from tapml.platforms import page_bridge as browser
     calls = []
     real = hmac.compare_digest
     monkeypatch.setattr(browser.hmac, "compare_digest", lambda a, b: calls.append((a, b)) or real(a, b))

@@ -31,10 +31,7 @@ UNSHOWABLE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u2028\u2029\u202e\
 
 
 def tapml(*args):
-    """Run ``tapml ARGS`` in this process; ``report`` is registered the way ``main()`` does."""
-    if not any(c.name == "report" for c in app.registered_commands):
-        from tapml import cli_report
-        cli_report.register(app)
+    """Run ``tapml ARGS`` in this process."""
     return CliRunner().invoke(app, [str(a) for a in args])
 
 

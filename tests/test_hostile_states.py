@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tapml.errors import DeviceLost, PlatformError, TapmlError, Unsupported
-from tapml.migrate import journal_path
+from tapml.journal import journal_path
 from tapml.verdict import (CULPRIT_KINDS, FORMAT_VERSION, MigrationState, VerdictDocument, culprit_kind,
                            outcome_verdict, passed, summary)
 
@@ -19,10 +19,6 @@ FAULT = "aten.addmm.default@addmm_1=scale:1.01"  # a culprit with its worst elem
 
 def tapml(*args):
     from tapml.cli import app
-    for name in ("migrate", "report"):
-        if not any(c.name == name for c in app.registered_commands):
-            import importlib
-            importlib.import_module(f"tapml.cli_{name}").register(app)
     return CliRunner().invoke(app, [str(a) for a in args])
 
 
@@ -121,8 +117,9 @@ def test_report_refuses_a_wrong_type_in_every_top_level_field(real, tmp_path):
 @pytest.mark.parametrize("path, value, expect", [
     (("cases", 0, "status"), "fine", "cases[0] is not a verdict: status is 'fine'"),
     (("cases", 0, "max_abs_err"), "big", "cases[0] is not a verdict: max_abs_err"),
-    (("cases", 0, "max_abs_err"), 10 ** 400, "max_abs_err is not a finite number"),
-    (("cases", 0, "instances"), 10 ** 30, "instances is out of range"),
+    (("cases", 0, "max_abs_err"), 10 ** 400, "cases[0].max_abs_err: an integer of 401 digits is beyond 64 bits"),
+    (("cases", 0, "instances"), 10 ** 30, "cases[0].instances: an integer of 31 digits is beyond 64 bits"),
+    (("cases", 0, "instances"), 2 ** 63, "instances is out of range"),
     (("cases", 0, "worst"), [{"index": ["a"]}], "cases[0] is not a verdict: worst[0]"),
     (("cases", 1), "pass", "cases[1] is not a verdict: it is a string"),
     (("units", 0, "nodes"), 5, "units[0] is not a unit verdict: nodes"),

@@ -7,7 +7,7 @@ import torch
 
 from tapml.graph import Graph
 from tapml.hybrid import REFERENCE, TARGET, HybridRunner, node_flops, placement_shares, reference_values, segments
-from tapml.migrate import bisect
+from tapml.regions import bisect
 from tapml.platforms.reference import ReferencePlatform
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tapml.migrate import journal_path
+from tapml.journal import journal_path
 
 ZYGOTE = r"""
 import json, os, sys, traceback
@@ -215,7 +215,7 @@ def test_kill_the_migrating_process_at_random_moments(zygote, carved, tmp_path, 
 
 @pytest.mark.slow
 def test_kill_the_device_server_at_random_moments(zygote, carved, tmp_path, figure):
-    from tapml.remote.server import ServerProcess
+    from tapml.remote.launcher import ServerProcess
     store = carved("zoo:mlp")
     token = "kill-resume-token"
     srv = ServerProcess(platform="reference", token=token)

@@ -14,7 +14,9 @@ def test_one_server_migrates_every_zoo_model_with_bounded_memory(carved, tmp_pat
     from tapml.carving import CarveStore
     from tapml.migrate import Migration
     from tapml.remote.client import RemotePlatform
-    from tapml.remote.server import PROGRAM_CACHE, ServerProcess
+    from tapml.platforms.program_cache import default_limits
+    from tapml.remote.launcher import ServerProcess
+    PROGRAM_CACHE = default_limits()[0]
     stores = {name: CarveStore(carved(f"zoo:{name}")) for name in ZOO}
     srv = ServerProcess(platform="reference", token="long-run")
     try:
@@ -44,14 +46,15 @@ def test_one_server_migrates_every_zoo_model_with_bounded_memory(carved, tmp_pat
 def test_program_cache_is_capped_and_evicts_the_oldest():
     from tapml.platforms.base import KernelProgram
     from tapml.platforms.reference import ReferencePlatform
-    from tapml.remote.server import PROGRAM_CACHE, Device
+    from tapml.remote.server import Device
     device = Device(ReferencePlatform(), "reference")
+    PROGRAM_CACHE = device.programs.max_entries
     programs = [KernelProgram(kind="graph", inputs=[], outputs=[], graph={"n": i}) for i in range(PROGRAM_CACHE + 50)]
     for i, program in enumerate(programs):
         device.remember(program, graph_hash=f"g{i}")
     assert len(device.programs) == PROGRAM_CACHE
     assert programs[0].key not in device.programs and programs[-1].key in device.programs
-    assert set(device.graph_keys.values()) <= set(device.programs)
+    assert set(device.graph_keys.values()) <= set(device.programs.keys())
 
 
 def test_program_cache_keeps_recently_used_programs():
@@ -59,8 +62,9 @@ def test_program_cache_keeps_recently_used_programs():
     program the most recently used, so a program in steady use is never evicted."""
     from tapml.platforms.base import KernelProgram
     from tapml.platforms.reference import ReferencePlatform
-    from tapml.remote.server import PROGRAM_CACHE, Device
+    from tapml.remote.server import Device
     device = Device(ReferencePlatform(), "reference")
+    PROGRAM_CACHE = device.programs.max_entries
     programs = [KernelProgram(kind="graph", inputs=[], outputs=[], graph={"n": i}) for i in range(PROGRAM_CACHE + 2)]
     for i, program in enumerate(programs[:PROGRAM_CACHE]):
         device.remember(program, graph_hash=f"g{i}")

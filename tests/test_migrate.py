@@ -15,7 +15,9 @@ from typer.testing import CliRunner
 from tapml.compare import Tolerances
 from tapml.hybrid import REFERENCE, TARGET
 from tapml.errors import DeviceLost, PlatformError, Unsupported
-from tapml.migrate import Migration, exit_code, journal_path, module_regions
+from tapml.journal import journal_path
+from tapml.migrate import Migration, exit_code
+from tapml.regions import module_regions
 from tapml.replay import run_case
 from tapml.targets import open_target
 from tapml.verdict import outcome_verdict
@@ -46,16 +48,9 @@ CHAIN_MODEL = textwrap.dedent("""
 """)
 
 
-def cli():
-    from tapml.cli import app
-    if not any(c.name == "migrate" for c in app.registered_commands):
-        from tapml import cli_migrate
-        cli_migrate.register(app)
-    return app
-
-
 def tapml(*args):
-    return CliRunner().invoke(cli(), [str(a) for a in args])
+    from tapml.cli import app
+    return CliRunner().invoke(app, [str(a) for a in args])
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ def strip_timings(result: dict) -> dict:
 def server():
     """A reference device server that requires TOKEN, refuses messages over 1 MiB and drops
     connections that have not authenticated within 2 s."""
-    from tapml.remote.server import ServerProcess
+    from tapml.remote.launcher import ServerProcess
     srv = ServerProcess(platform="reference", token=TOKEN, args=("--max-message-mib", "1", "--auth-timeout", "2"))
     yield srv
     assert srv.stop() == 0
@@ -292,7 +292,7 @@ def test_client_killed_mid_upload_leaves_server_serving(server, mlp):
 
 def test_server_killed_mid_replay_gives_device_lost_then_reconnects(mlp):
     from tapml.remote.client import RemotePlatform
-    from tapml.remote.server import ServerProcess
+    from tapml.remote.launcher import ServerProcess
     from tapml.replay import replay
     srv = ServerProcess(platform="reference")
     platform = RemotePlatform(srv.host, srv.port, timeout=20)
@@ -325,7 +325,7 @@ def test_server_killed_mid_replay_gives_device_lost_then_reconnects(mlp):
 @pytest.mark.parametrize("given", ["argument", "environment"])
 def test_hung_server_times_out_as_device_lost(mlp, given, monkeypatch):
     from tapml.errors import DeviceLost
-    from tapml.remote.server import ServerProcess
+    from tapml.remote.launcher import ServerProcess
     from tapml.replay import run_case
     srv = ServerProcess(platform="reference")
     if given == "environment":
@@ -390,7 +390,7 @@ def test_bad_remote_timeout_is_a_usage_error(carved):
 # --- CLI ------------------------------------------------------------------------------------
 
 def test_serve_sigterm_and_non_loopback_warning(tmp_path):
-    from tapml.remote.server import ServerProcess
+    from tapml.remote.launcher import ServerProcess
     srv = ServerProcess(platform="reference", host="0.0.0.0")
     try:
         assert any("without a token" in line for line in _wait_stderr(srv, "without a token"))
@@ -421,7 +421,7 @@ def test_serve_and_remote_usage_errors(tmp_path, carved):
 
 
 def test_registry_lists_devices_with_caps(tmp_path):
-    from tapml.remote.server import ServerProcess
+    from tapml.remote.launcher import ServerProcess
     reg = subprocess.Popen([sys.executable, "-m", "tapml.cli", "registry", "--port", "0"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -487,7 +487,7 @@ def test_remote_wgpu_vulkan_gives_in_process_verdicts(carved):
     except ImportError as e:
         pytest.skip(f"tapml.platforms.wgpu_native is not importable: {e}")
     from tapml.carving.store import CarveStore
-    from tapml.remote.server import ServerProcess
+    from tapml.remote.launcher import ServerProcess
     from tapml.replay import replay
     from tapml.targets import open_target
     store = CarveStore(carved("zoo:tiny-llama"))
@@ -512,7 +512,7 @@ def test_serve_browser_no_launch_prints_url():
         import tapml.platforms.browser  # noqa: F401
     except ImportError as e:
         pytest.skip(f"tapml.platforms.browser is not importable: {e}")
-    from tapml.remote.server import ServerProcess
+    from tapml.remote.launcher import ServerProcess
     srv = ServerProcess(platform="browser", args=("--no-launch",))
     try:
         assert any(re.search(r"open http://127\.0\.0\.1:\d+/\S+ in a browser", line) for line in srv.lines)
@@ -527,7 +527,7 @@ def test_remote_browser_gives_in_process_verdicts(mlp):
         import tapml.platforms.browser  # noqa: F401
     except ImportError as e:
         pytest.skip(f"tapml.platforms.browser is not importable: {e}")
-    from tapml.remote.server import ServerProcess
+    from tapml.remote.launcher import ServerProcess
     from tapml.replay import replay
     from tapml.targets import open_target
     with open_target("browser") as browser:

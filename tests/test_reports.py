@@ -26,10 +26,7 @@ CULPRIT_MODULE = "transformer.h.0.mlp.act"  # tiny-gpt2's GELU (tanh approximati
 
 
 def tapml(*args):
-    """Run ``tapml ARGS`` in this process; ``report`` is registered the way ``main()`` does."""
-    if not any(c.name == "report" for c in app.registered_commands):
-        from tapml import cli_report
-        cli_report.register(app)
+    """Run ``tapml ARGS`` in this process."""
     return CliRunner().invoke(app, [str(a) for a in args])
 
 

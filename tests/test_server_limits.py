@@ -27,7 +27,7 @@ def remote(srv, **kwargs):
 
 
 def server(platform="reference", *args):
-    from tapml.remote.server import ServerProcess
+    from tapml.remote.launcher import ServerProcess
     return ServerProcess(platform=platform, token=TOKEN, args=args)
 
 

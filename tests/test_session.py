@@ -37,7 +37,7 @@ def test_api_finds_each_faulty_node_and_ends_matching(session, tmp_path):
     assert len(session.offload("all")) == len(session.graph.nodes)
     found = []
     for _ in range(3):
-        result = session.check()
+        result = session.compare_model()
         if result["status"] == "pass":
             break
         assert result["status"] == "mismatch" and result["max_abs_err"] > 1e-4
@@ -46,7 +46,7 @@ def test_api_finds_each_faulty_node_and_ends_matching(session, tmp_path):
         found += culprit["nodes"]
         assert session.fallback(*culprit["nodes"]) == culprit["nodes"]
     assert sorted(found) == ["tanh", "tanh_1"]
-    assert session.check()["status"] == "pass"
+    assert session.compare_model()["status"] == "pass"
     assert session.bisect() is None
     status = session.status()
     assert status["placement"]["ops_on_target"] == len(session.graph.nodes) - 2
@@ -86,9 +86,9 @@ def test_api_selection(session):
         session.diff("nope")
 
 
-def test_check_ops_runs_the_cases_of_offloaded_nodes(session):
+def test_compare_ops_runs_the_cases_of_offloaded_nodes(session):
     session.offload("transformer.h.0.mlp")
-    result = session.check_ops()
+    result = session.compare_ops()
     ops = {v["op"] for v in result["cases"]}
     assert "aten.tanh.default" in ops and "aten.embedding.default" not in ops
     bad = [v for v in result["cases"] if v["status"] != "pass"]
@@ -98,7 +98,7 @@ def test_check_ops_runs_the_cases_of_offloaded_nodes(session):
 def test_shell_with_scripted_input(session, tmp_path):
     from rich.console import Console
 
-    from tapml.session import SessionShell
+    from tapml.cli.session import SessionShell
     script = "\n".join(["offload all", "check", "bisect", "fallback tanh", "bisect", "fallback tanh_1", "check",
                         "diff tanh", "status", "profile", f"save {tmp_path / 'saved.json'}",
                         f"report {tmp_path / 'r.html'}", "offload no.such.module", "frobnicate", "help", "quit",
@@ -118,7 +118,7 @@ def test_shell_with_scripted_input(session, tmp_path):
 
 
 def test_shell_completes_names(session):
-    from tapml.session import SessionShell
+    from tapml.cli.session import SessionShell
     shell = SessionShell(session, stdin=io.StringIO(""))
     assert shell.complete_offload("transformer.h.1.mlp.a", "offload transformer.h.1.mlp.a", 8, 29) == \
         ["transformer.h.1.mlp.act"]
@@ -144,11 +144,11 @@ def test_session_on_vulkan(carved):
     import tapml
     with tapml.Session(str(carved("zoo:mlp")), target="wgpu:vulkan", inject=["aten.relu.default=offset:0.1"]) as s:
         s.offload("all")
-        assert s.check()["status"] == "mismatch"
+        assert s.compare_model()["status"] == "mismatch"
         culprit = s.bisect()
         assert (culprit["op"], culprit["nodes"]) == ("aten.relu.default", ["relu"])
         s.fallback("relu")
-        assert s.check()["status"] == "pass"
+        assert s.compare_model()["status"] == "pass"
         assert len(s.profile()["regions"]) == 2
 
 

@@ -69,7 +69,7 @@ def _run_registry_entry(platform, op):
     ran = 0
     for graph, inputs in cases:
         try:
-            check_case(platform, graph, inputs, op, values=low.tol.get("values", True))
+            check_case(platform, graph, inputs, op, values=low.compare_values)
             ran += 1
         except Unsupported as e:
             if "float16" not in str(e):
@@ -250,15 +250,20 @@ def test_strided_views_feed_elementwise(vulkan, shape, data, seed):
 
 
 def test_pipeline_and_program_caches_are_capped(monkeypatch, vulkan):
-    """A long-running device server compiles endless shapes: the caches drop the least recently used."""
-    import tapml.platforms.wgpu_native as native
+    """A long-running device server compiles endless shapes: the caches drop the least recently
+    used, and a dropped program's device buffers are released."""
     from tapml.graph import Graph, Node, TensorMeta
-    monkeypatch.setattr(native, "CACHED_PIPELINES", 3)
+    monkeypatch.setattr(vulkan.programs, "max_entries", 3)
+    monkeypatch.setattr(vulkan._pipelines, "max_entries", 3)
+    prepared = []
     for n in range(1, 7):
         meta = TensorMeta((n,), "float32")
         graph = Graph(inputs=[("x", meta)], nodes=[Node("y", "aten.neg.default", [{"ref": "x"}], {}, [meta])],
                       outputs=["y"])
         x = torch.randn(n)
-        (y,) = vulkan.run(vulkan.compile(graph), [x])
+        program = vulkan.compile(graph)
+        prepared.append(vulkan.prepared(program))
+        (y,) = vulkan.run(program, [x])
         assert torch.equal(y, -x)
-    assert len(vulkan._pipelines) <= 3 and len(vulkan._compiled) <= 3
+    assert len(vulkan._pipelines) <= 3 and len(vulkan.programs) <= 3
+    assert prepared[0].buffers == {} and prepared[-1].buffers  # evicted: released; kept: still on the device

@@ -1,7 +1,9 @@
 // tapml's WebGPU runtime: executes KernelPrograms sent by a tapml host over a WebSocket.
 //
-// Protocol (the host side is tapml/platforms/browser.py):
+// Protocol (the host side is tapml/platforms/browser.py and page_bridge.py):
 //   page -> host  text   {"type": "hello", adapter, features, limits} or {"type": "hello", error}
+//   host -> page  text   {"type": "welcome", max_programs, max_bytes}: how many prepared programs (and bytes
+//                        of their buffers) the page keeps, least recently used dropped first; sent before any run
 //   host -> page  text   {"type": "run", id, key, program | null, inputs: [name], outputs: [[name, nbytes]]}
 //   host -> page  binary one frame per const buffer (only when program is sent), then one per input
 //   page -> host  binary one frame per output, then text {"type": "done", id, gpu_ms}
@@ -13,7 +15,6 @@
 export const FRAME_MAGIC = 0x31545054; // "TPT1" read as little-endian u32
 export const HEADER_BYTES = 16;
 export const KIND = { input: 0, const: 1, output: 2 };
-const PROGRAM_CACHE_SIZE = 64;
 
 export function frame(id, slot, kind, bytes) {
   const out = new Uint8Array(HEADER_BYTES + bytes.byteLength);
@@ -92,6 +93,14 @@ export class KernelRuntime {
     this.device = device;
     this.programs = new Map(); // key -> prepared program, in least-recently-used order
     this.modules = new Map();  // WGSL source -> GPUShaderModule, shared across programs
+    this.limits = null;        // {max_programs, max_bytes} from the host's welcome
+    this.bytes = 0;            // buffer bytes of the prepared programs
+  }
+
+  /** The host's cache limits (its ProgramCache's); until they arrive nothing is prepared. */
+  setLimits(maxPrograms, maxBytes) {
+    if (!(maxPrograms >= 1) || !(maxBytes >= 1)) throw new Error("welcome without positive cache limits");
+    this.limits = { maxPrograms, maxBytes };
   }
 
   has(key) {
@@ -99,6 +108,7 @@ export class KernelRuntime {
   }
 
   async prepare(key, program, consts) {
+    if (!this.limits) throw Object.assign(new Error("the host sent no welcome with cache limits"), { code: "compile" });
     const device = this.device;
     const buffers = new Map();
     const usage = GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC | GPUBufferUsage.COPY_DST;
@@ -141,7 +151,9 @@ export class KernelRuntime {
       const buffer = buffers.get(name);
       return { buffer, bytes: new Uint8Array(buffer.size).fill(0xff) };
     });
-    const prepared = { buffers, kernels, poison, staging: new Map() };
+    let bytes = 0;
+    buffers.forEach((b) => { bytes += b.size; });
+    const prepared = { buffers, kernels, poison, staging: new Map(), bytes };
     this.remember(key, prepared);
     return prepared;
   }
@@ -161,14 +173,23 @@ export class KernelRuntime {
   }
 
   remember(key, prepared) {
+    const old = this.programs.get(key);
+    if (old) this.drop(key, old);
     this.programs.set(key, prepared);
-    while (this.programs.size > PROGRAM_CACHE_SIZE) {
-      const [oldKey, old] = this.programs.entries().next().value;
-      this.programs.delete(oldKey);
-      old.buffers.forEach((b) => b.destroy());
-      old.staging.forEach((b) => b.destroy());
+    this.bytes += prepared.bytes;
+    const { maxPrograms, maxBytes } = this.limits;
+    while (this.programs.size > 1 && (this.programs.size > maxPrograms || this.bytes > maxBytes)) {
+      const [oldKey, oldest] = this.programs.entries().next().value;
+      this.drop(oldKey, oldest);
     }
-    if (this.modules.size > 4 * PROGRAM_CACHE_SIZE) this.modules.clear();
+    if (this.modules.size > 4 * maxPrograms) this.modules.clear();
+  }
+
+  drop(key, prepared) {
+    this.programs.delete(key);
+    this.bytes -= prepared.bytes;
+    prepared.buffers.forEach((b) => b.destroy());
+    prepared.staging.forEach((b) => b.destroy());
   }
 
   /** Uploads inputs, dispatches every kernel in one submission, reads outputs back: [Uint8Array]. */
@@ -272,6 +293,7 @@ export async function start(statusElement) {
   ws.onmessage = (event) => {
     if (typeof event.data === "string") {
       const msg = JSON.parse(event.data);
+      if (msg.type === "welcome") { runtime.setLimits(msg.max_programs, msg.max_bytes); return; }
       if (msg.type !== "run") return;
       const nconsts = msg.program ? msg.program.consts.length : 0;
       pending = { msg, consts: new Array(nconsts), inputs: new Array(msg.inputs.length),

@@ -299,28 +299,28 @@ def _mm_samples():
             ((rand(33, 8).t(), rand(33, 10)), {})]
 
 
-@register("aten.mm.default", ALL_FLOAT, samples=_mm_samples)
+@register("aten.mm.default", ALL_FLOAT, samples=_mm_samples, flops="matmul")
 def mm(pb, node, a, b):
     return [matmul(pb, "mm", views.unsqueeze(a, 0), views.unsqueeze(b, 0), node.outputs[0])]
 
 
 @register("aten.bmm.default", ALL_FLOAT,
           samples=lambda: [((rand(2, 5, 7), rand(2, 7, 3)), {}), ((rand(4, 16, 16), rand(4, 16, 16)), {}),
-                           ((rand(3, 8, 6), rand(3, 5, 6).transpose(1, 2)), {})])
+                           ((rand(3, 8, 6), rand(3, 5, 6).transpose(1, 2)), {})], flops="matmul")
 def bmm(pb, node, a, b):
     return [matmul(pb, "bmm", a, b, node.outputs[0])]
 
 
 @register("aten.addmm.default", ALL_FLOAT,
           samples=lambda: [((rand(3), rand(5, 7), rand(7, 3)), {}), ((rand(64), rand(16, 32), rand(64, 32).t()), {}),
-                           ((rand(5, 1), rand(5, 4), rand(4, 6)), {"beta": 0.5, "alpha": 2.0})])
+                           ((rand(5, 1), rand(5, 4), rand(4, 6)), {"beta": 0.5, "alpha": 2.0})], flops="addmm")
 def addmm(pb, node, bias, a, b, beta=1, alpha=1):
     return [matmul(pb, "addmm", views.unsqueeze(a, 0), views.unsqueeze(b, 0), node.outputs[0],
                    bias=views.unsqueeze(views.expand_to(bias, node.outputs[0].shape), 0), alpha=alpha, beta=beta)]
 
 
 @register("aten.baddbmm.default", ALL_FLOAT,
-          samples=lambda: [((rand(2, 5, 3), rand(2, 5, 7), rand(2, 7, 3)), {"beta": 0.5, "alpha": 0.25})])
+          samples=lambda: [((rand(2, 5, 3), rand(2, 5, 7), rand(2, 7, 3)), {"beta": 0.5, "alpha": 0.25})], flops="addmm")
 def baddbmm(pb, node, bias, a, b, beta=1, alpha=1):
     return [matmul(pb, "baddbmm", a, b, node.outputs[0], bias=views.expand_to(bias, node.outputs[0].shape),
                    alpha=alpha, beta=beta)]

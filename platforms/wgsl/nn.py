@@ -64,14 +64,14 @@ def _softmax_samples():
             ((rand(4, 6), 0, False), {})]
 
 
-register("aten._softmax.default", ALL_FLOAT, samples=_softmax_samples)(_softmax(False))
-register("aten._log_softmax.default", ALL_FLOAT, samples=_softmax_samples)(_softmax(True))
+register("aten._softmax.default", ALL_FLOAT, samples=_softmax_samples, flops="softmax")(_softmax(False))
+register("aten._log_softmax.default", ALL_FLOAT, samples=_softmax_samples, flops="softmax")(_softmax(True))
 
 
 @register("aten.native_layer_norm.default", ALL_FLOAT,
           samples=lambda: [((rand(2, 5, 16), [16], rand(16), rand(16), 1e-5), {}),
                            ((rand(3, 4, 6), [4, 6], rand(4, 6), None, 1e-6), {}),
-                           ((rand(4, 8), [8], None, None, 1e-12), {})])
+                           ((rand(4, 8), [8], None, None, 1e-12), {})], flops="norm")
 def native_layer_norm(pb, node, x, normalized_shape, weight, bias, eps):
     nd = len(x.shape)
     axis = nd - len(normalized_shape)
@@ -138,7 +138,7 @@ def _moments(k, L: int, eps: float, read) -> tuple[str, str]:
 
 @register("aten.native_group_norm.default", ALL_FLOAT,
           samples=lambda: [((rand(2, 6, 4, 4), rand(6), rand(6), 2, 6, 16, 3, 1e-5), {}),
-                           ((rand(1, 4, 5), None, None, 1, 4, 5, 2, 1e-5), {})])
+                           ((rand(1, 4, 5), None, None, 1, 4, 5, 2, 1e-5), {})], flops="norm")
 def native_group_norm(pb, node, x, weight, bias, N, C, HxW, group, eps):
     metas = node.outputs
     bufs = [pb.buffer("temp", m) for m in metas]
@@ -173,7 +173,7 @@ def _bn_samples():
             ((rand(3, 6), None, None, rand(6), rand(6, lo=0.5, hi=2), 0.1, 1e-3), {})]
 
 
-@register("aten._native_batch_norm_legit_no_training.default", ALL_FLOAT, samples=_bn_samples)
+@register("aten._native_batch_norm_legit_no_training.default", ALL_FLOAT, samples=_bn_samples, flops="norm")
 def batch_norm(pb, node, x, weight, bias, running_mean, running_var, momentum, eps):
     meta = node.outputs[0]
     C = x.shape[1] if len(x.shape) > 1 else 1
@@ -199,7 +199,7 @@ def batch_norm(pb, node, x, weight, bias, running_mean, running_var, momentum, e
 
 @register("aten.native_batch_norm.default", ALL_FLOAT,
           samples=lambda: [((rand(2, 4, 5, 5), rand(4), rand(4), rand(4), rand(4, lo=0.5, hi=2), False, 0.1, 1e-5), {})],
-          check=lambda node: "native_batch_norm in training mode" if node.args[5] else None)
+          check=lambda node: "native_batch_norm in training mode" if node.args[5] else None, flops="norm")
 def native_batch_norm(pb, node, x, weight, bias, running_mean, running_var, training, momentum, eps):
     return batch_norm(pb, node, x, weight, bias, running_mean, running_var, momentum, eps)
 
@@ -219,7 +219,7 @@ def _conv_samples():
             ((rand(2, 3, 16), rand(5, 3, 4), rand(5), [2], [1], [1], False, [0], 1), {})]
 
 
-@register("aten.convolution.default", ALL_FLOAT, samples=_conv_samples, check=_conv_check)
+@register("aten.convolution.default", ALL_FLOAT, samples=_conv_samples, check=_conv_check, flops="conv")
 def convolution(pb, node, x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
     meta = node.outputs[0]
     x, w = pb.plain(x), pb.plain(w)

@@ -96,15 +96,15 @@ def _sum_like(kind):
 
 
 register(["aten.sum.dim_IntList", "aten.sum.default"], ALL, samples=lambda: _red_samples(bools=True)() + [
-    ((rand(3, 4),), {})])(_sum_like("sum"))
+    ((rand(3, 4),), {})], flops="reduce")(_sum_like("sum"))
 register(["aten.mean.dim", "aten.mean.default"], ALL_FLOAT,
-         samples=lambda: [((rand(3, 5), [1]), {}), ((rand(2, 3, 4, 4), [2, 3], True), {}), ((rand(4, 6),), {})])(
+         samples=lambda: [((rand(3, 5), [1]), {}), ((rand(2, 3, 4, 4), [2, 3], True), {}), ((rand(4, 6),), {})], flops="reduce")(
     _sum_like("mean"))
 
 
 register(["aten.prod.dim_int", "aten.prod.default"], NUMERIC,
          samples=lambda: [((rand(3, 5, lo=0.5, hi=1.5), 1), {}), ((rand(2, 4, lo=0.5, hi=1.5),), {}),
-                          ((randint(3, 4, lo=-3, hi=3), 0, True), {})])(_sum_like("prod"))
+                          ((randint(3, 4, lo=-3, hi=3), 0, True), {})], flops="reduce")(_sum_like("prod"))
 
 
 def _extreme(t, is_max):
@@ -137,9 +137,9 @@ def _amax_like(is_max):
 
 
 register(["aten.amax.default", "aten.max.default"], ALL, samples=lambda: _red_samples(bools=True)()[:-2] + [
-    ((rand(3, 4),), {})])(_amax_like(True))
+    ((rand(3, 4),), {})], flops="reduce")(_amax_like(True))
 register(["aten.amin.default", "aten.min.default"], ALL, samples=lambda: _red_samples()()[:-1] + [
-    ((rand(3, 4),), {})])(_amax_like(False))
+    ((rand(3, 4),), {})], flops="reduce")(_amax_like(False))
 
 
 def _arg_like(is_max, values):
@@ -165,10 +165,10 @@ def _dim_samples():
     return [((rand(3, 5), 1), {}), ((rand(2, 3, 4), 0, True), {}), ((randint(4, 6, lo=0, hi=4), -1), {})]
 
 
-register("aten.max.dim", NUMERIC, samples=_dim_samples)(_arg_like(True, True))
-register("aten.min.dim", NUMERIC, samples=_dim_samples)(_arg_like(False, True))
-register("aten.argmax.default", NUMERIC, samples=lambda: _dim_samples() + [((rand(3, 4),), {})])(_arg_like(True, False))
-register("aten.argmin.default", NUMERIC, samples=lambda: _dim_samples() + [((rand(3, 4),), {})])(_arg_like(False, False))
+register("aten.max.dim", NUMERIC, samples=_dim_samples, flops="reduce")(_arg_like(True, True))
+register("aten.min.dim", NUMERIC, samples=_dim_samples, flops="reduce")(_arg_like(False, True))
+register("aten.argmax.default", NUMERIC, samples=lambda: _dim_samples() + [((rand(3, 4),), {})], flops="reduce")(_arg_like(True, False))
+register("aten.argmin.default", NUMERIC, samples=lambda: _dim_samples() + [((rand(3, 4),), {})], flops="reduce")(_arg_like(False, False))
 
 
 def _any_like(is_any):
@@ -191,13 +191,13 @@ def _any_samples():
             ((rand(4, 3).round(), [0, 1]), {})]
 
 
-register(["aten.any.dim", "aten.any.dims", "aten.any.default"], ALL, samples=_any_samples)(_any_like(True))
-register(["aten.all.dim", "aten.all.dims", "aten.all.default"], ALL, samples=_any_samples)(_any_like(False))
+register(["aten.any.dim", "aten.any.dims", "aten.any.default"], ALL, samples=_any_samples, flops="reduce")(_any_like(True))
+register(["aten.all.dim", "aten.all.dims", "aten.all.default"], ALL, samples=_any_samples, flops="reduce")(_any_like(False))
 
 
 @register(["aten.var.correction", "aten.var_mean.correction"], ALL_FLOAT,
           samples=lambda: [((rand(3, 5), [1]), {}), ((rand(2, 3, 4), [0, 2]), {"correction": 0, "keepdim": True}),
-                           ((rand(4, 6),), {})])
+                           ((rand(4, 6),), {})], flops="reduce")
 def var(pb, node, x, dim=None, *, correction=None, keepdim=False):
     dims = norm_dims(dim, len(x.shape))
     count = math.prod(x.shape[d] for d in dims)
@@ -221,7 +221,7 @@ def var(pb, node, x, dim=None, *, correction=None, keepdim=False):
 
 
 @register("aten.linalg_vector_norm.default", ALL_FLOAT,
-          samples=lambda: [((rand(3, 5),), {}), ((rand(3, 5), 2, [1], True), {}), ((rand(4, 6), 1, [0]), {})])
+          samples=lambda: [((rand(3, 5),), {}), ((rand(3, 5), 2, [1], True), {}), ((rand(4, 6), 1, [0]), {})], flops="reduce")
 def vector_norm(pb, node, x, ord=2, dim=None, keepdim=False, dtype=None):
     dims = norm_dims(dim, len(x.shape))
     if ord not in (1, 2, math.inf):
@@ -273,5 +273,5 @@ def _scan(kind):
 
 
 register("aten.cumsum.default", ALL, samples=lambda: [((rand(3, 5), 1), {}), ((randint(2, 6), -1), {}),
-                                                      ((randbool(4, 3), 0), {}), ((rand(2, 3, 4), 1), {})])(_scan("cumsum"))
-register("aten.cumprod.default", NUMERIC, samples=lambda: [((rand(3, 5, lo=0.5, hi=1.5), 1), {})])(_scan("cumprod"))
+                                                      ((randbool(4, 3), 0), {}), ((rand(2, 3, 4), 1), {})], flops="reduce")(_scan("cumsum"))
+register("aten.cumprod.default", NUMERIC, samples=lambda: [((rand(3, 5, lo=0.5, hi=1.5), 1), {})], flops="reduce")(_scan("cumprod"))

@@ -10,7 +10,8 @@ replaced by a :class:`~tapml.platforms.wgsl.codegen.Value` and returns one Value
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -23,12 +24,57 @@ ALL = ALL_FLOAT + ALL_INT + ("bool",)
 NUMERIC = ALL_FLOAT + ALL_INT
 
 
+def _elements(node: Node, ins: list[TensorMeta]) -> int:
+    return sum(m.numel for m in node.outputs)
+
+
+def _matmul(node: Node, ins: list[TensorMeta]) -> int:
+    if len(ins) < 2:
+        raise IndexError("a matrix product has two operands")
+    return 2 * _elements(node, ins) * ins[0].shape[-1]
+
+
+def _addmm(node: Node, ins: list[TensorMeta]) -> int:
+    if len(ins) < 3:
+        raise IndexError("addmm has three operands")
+    out = _elements(node, ins)
+    return 2 * out * ins[1].shape[-1] + out
+
+
+def _conv(node: Node, ins: list[TensorMeta]) -> int:
+    weight = ins[1].shape  # (Cout, Cin/groups, *kernel)
+    return 2 * node.outputs[0].numel * math.prod(weight[1:])
+
+
+def _reduce(node: Node, ins: list[TensorMeta]) -> int:
+    if not ins:
+        raise IndexError("a reduction has an input")
+    return ins[0].numel
+
+
+#: FLOP counts by kind, from a node and the metas of its tensor inputs. Rough on purpose: they
+#: weigh how much of a model's work a placement puts on the target.
+FLOPS: dict[str, Callable[[Node, list[TensorMeta]], int]] = {
+    "elementwise": _elements,  # one per output element
+    "view": lambda node, ins: 0,  # a reinterpretation (strides), no work
+    "matmul": _matmul,  # 2·M·N·K
+    "addmm": _addmm,  # 2·M·N·K + M·N
+    "conv": _conv,  # 2·outputs·(Cin/groups)·kernel
+    "softmax": lambda node, ins: 5 * _elements(node, ins),
+    "norm": lambda node, ins: 8 * node.outputs[0].numel,
+    "reduce": _reduce,  # one per input element
+}
+
+
 @dataclass
 class Lowering:
     """A registry entry: ``fn`` emits ``op``, which takes tensors of ``dtypes``; ``samples()``
     returns ``[(args, kwargs)]`` for its tests, ``check(node)`` a reason it cannot run a node
-    (or None), ``family`` is the module that registered it, ``tol`` test options
-    (``{"values": False}``: only shapes and dtypes are compared)."""
+    (or None), ``family`` is the module that registered it.
+
+    Facts about the op itself: ``view`` (it only reinterprets its input: zero FLOPs),
+    ``flops`` (a kind of :data:`FLOPS`), ``compare_values`` (False when any values are right,
+    e.g. ``empty``: its tests compare only shapes and dtypes)."""
 
     op: str
     fn: Callable
@@ -36,31 +82,60 @@ class Lowering:
     samples: Callable[[], list] | None = None
     check: Callable[[Node], str | None] | None = None
     family: str = ""
-    tol: dict = field(default_factory=dict)
+    view: bool = False
+    flops: str = "elementwise"
+    compare_values: bool = True
+
+    def count_flops(self, node: Node, meta: dict[str, TensorMeta]) -> int:
+        """A rough FLOP count of ``node`` (``meta``: the graph's tensor metas by ref)."""
+        return node_flops(node, meta, self)
 
 
 REGISTRY: dict[str, Lowering] = {}
 
 
-def register(ops: str | Sequence[str], dtypes: Sequence[str] = ALL, samples=None, check=None, tol=None):
+def register(ops: str | Sequence[str], dtypes: Sequence[str] = ALL, samples=None, check=None, *,
+             view: bool = False, flops: str | None = None, compare_values: bool = True):
     """Decorator: register ``fn`` as the lowering of each op in ``ops``.
 
-    Example::
+    ``view``: the ops only reinterpret their input (zero FLOPs); ``flops``: a kind of
+    :data:`FLOPS` (default ``"elementwise"``, ``"view"`` for views); ``compare_values=False``:
+    tests compare only shapes and dtypes. Example::
 
         @register("aten.neg.default", NUMERIC, samples=lambda: [((rand(3, 5),), {})])
         def neg(pb, node, x):
             return [elementwise(pb, node, [x], lambda k, a: f"(-{a})")]
     """
     names = [ops] if isinstance(ops, str) else list(ops)
+    kind = flops or ("view" if view else "elementwise")
+    if kind not in FLOPS:
+        raise ValueError(f"unknown flops kind {kind!r}; use one of {', '.join(FLOPS)}")
 
     def deco(fn):
         family = fn.__module__.rsplit(".", 1)[-1]
         for name in names:
             if name in REGISTRY:
                 raise ValueError(f"{name} is registered twice")
-            REGISTRY[name] = Lowering(name, fn, tuple(dtypes), samples, check, family, dict(tol or {}))
+            REGISTRY[name] = Lowering(name, fn, tuple(dtypes), samples, check, family, view=view, flops=kind,
+                                      compare_values=compare_values)
         return fn
     return deco
+
+
+def node_flops(node: Node, meta: dict[str, TensorMeta], lowering: Lowering | None = None) -> int:
+    """A rough FLOP count of one node by its registry entry's ``flops`` kind: 2·M·N·K for matrix
+    products and convolutions, a few per element for normalizations and softmax, one per input
+    element for reductions, zero for views, and one per output element for everything else
+    (ops without a lowering included)."""
+    if lowering is None:
+        from tapml.platforms.wgsl import load_lowerings
+        lowering = load_lowerings().get(node.op)
+    kind = lowering.flops if lowering is not None else "elementwise"
+    ins = [meta[r] for r in node.input_refs if r in meta]
+    try:
+        return FLOPS[kind](node, ins)
+    except (IndexError, TypeError):
+        return _elements(node, ins)
 
 
 def dtype_reason(dtype: str, caps: dict) -> str | None:
@@ -163,5 +238,5 @@ def sample_cases(op: str) -> list[tuple[Graph, list[torch.Tensor]]]:
     return out
 
 
-__all__ = ["Lowering", "REGISTRY", "register", "supports_node", "dtype_reason", "case_graph", "rand", "randint",
+__all__ = ["Lowering", "REGISTRY", "FLOPS", "register", "node_flops", "supports_node", "dtype_reason", "case_graph", "rand", "randint",
            "randbool", "sample_cases", "ALL", "ALL_FLOAT", "ALL_INT", "NUMERIC"]

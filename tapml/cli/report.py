@@ -6,9 +6,11 @@ from typing import List, Optional
 
 import typer
 
-from tapml.cli import EXIT_FINDING, EXIT_OK, JsonOpt, QuietOpt, command, console, fail, out, write_json
+from tapml.cli.common import EXIT_FINDING, EXIT_OK, JsonOpt, QuietOpt, app, command, console, fail, out, write_json
 
 
+@app.command(name="report")
+@command
 def report(states: List[str] = typer.Argument(..., help="Verdict JSON (`replay --json`) or migration state "
                                                          "(`migrate --state`) files; several give an op-coverage matrix"),
            output: Optional[str] = typer.Option(None, "-o", "--output",
@@ -42,8 +44,3 @@ def report(states: List[str] = typer.Argument(..., help="Verdict JSON (`replay -
     elif json_out != "-":
         render_states(loaded, out, quiet=quiet)
     raise typer.Exit(EXIT_OK if all(s.passed for s in loaded) else EXIT_FINDING)
-
-
-def register(app: typer.Typer) -> None:
-    """Add ``report`` to the tapml CLI."""
-    app.command(name="report")(command(report))

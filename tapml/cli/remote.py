@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from tapml.cli import EXIT_OK, JsonOpt, TokenFileOpt, command, console, fail, out, write_json
+from tapml.cli.common import EXIT_OK, JsonOpt, TokenFileOpt, app, command, console, fail, out, write_json
 
 SERVE_PLATFORMS = "wgpu, wgpu:vulkan, wgpu:gl, wgpu:metal, wgpu:dx12, browser, reference"
 
@@ -23,6 +23,8 @@ def _log_to_stderr(verbose: bool) -> None:
     logger.propagate = False
 
 
+@app.command()
+@command
 def serve(platform: str = typer.Option("wgpu", "--platform", "-p", help=SERVE_PLATFORMS),
           host: str = typer.Option("127.0.0.1", "--host", help="Address to bind; anything but loopback needs a token"),
           port: int = typer.Option(18861, "--port", help="TCP port; 0 picks a free one (printed)"),
@@ -95,6 +97,8 @@ def serve(platform: str = typer.Option("wgpu", "--platform", "-p", help=SERVE_PL
     print("tapml serve: stopped", flush=True)
 
 
+@app.command()
+@command
 def registry(host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (0.0.0.0 for a LAN)"),
              port: int = typer.Option(18811, "--port", help="Port; 0 picks a free one (printed)"),
              mode: str = typer.Option("udp", "--mode", help="udp or tcp"),
@@ -123,6 +127,8 @@ def registry(host: str = typer.Option("127.0.0.1", "--host", help="Address to bi
     print("tapml registry: stopped", flush=True)
 
 
+@app.command()
+@command
 def devices(registry_spec: str = typer.Option("udp://255.255.255.255:18811", "--registry",
                                               help="[udp://|tcp://]HOST[:PORT] of the registry (default: UDP broadcast)"),
             token_file: Optional[str] = TokenFileOpt, json_out: Optional[str] = JsonOpt,
@@ -185,10 +191,3 @@ def _probe(host: str, port: int, announced: dict, token: str | None, timeout: fl
     except TapmlError as e:
         row["status"] = str(e)
     return row
-
-
-def register(app: typer.Typer) -> None:
-    """Add ``serve``, ``registry`` and ``devices`` to the tapml app."""
-    app.command()(command(serve))
-    app.command()(command(registry))
-    app.command()(command(devices))

@@ -1,4 +1,4 @@
-"""``tapml migrate`` and ``tapml session``: offload a model to a target, checked step by step."""
+"""``tapml migrate``: offload a model to a target, checked step by step."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from typing import List, Optional
 
 import typer
 
-from tapml.cli import (InjectOpt, JsonOpt, QuietOpt, TargetOpt, TokenFileOpt, TolOpt, command, console, fail, out,
-                       write_json)
+from tapml.cli.common import (InjectOpt, JsonOpt, QuietOpt, TargetOpt, TokenFileOpt, TolOpt, app, command, console,
+                              fail, out, write_json)
 from tapml.render import fmt_err
 
 ModelArg = typer.Argument(..., help="Carve store directory, or a MODEL spec (zoo:NAME, hf:TYPE, file.py:factory, "
@@ -117,6 +117,8 @@ def render_state(state: dict, quiet: bool = False) -> None:
     out.print(verdict, highlight=False)
 
 
+@app.command(name="migrate")
+@command
 def migrate(model: str = ModelArg, target: str = TargetOpt,
             state: str = typer.Option(..., "--state", help="Migration state file (JSON) to write; its journal "
                                                            "is kept beside it as STATE.journal"),
@@ -128,7 +130,8 @@ def migrate(model: str = ModelArg, target: str = TargetOpt,
 
     from tapml.compare import Tolerances
     from tapml.inject import parse_faults
-    from tapml.migrate import Migration, check_faults, exit_code, open_or_carve
+    from tapml.carving import open_or_carve
+    from tapml.migrate import Migration, check_faults, exit_code
     from tapml.targets import check_target, open_target, read_token
     check_target(target)
     tolerances = Tolerances.parse(tol)
@@ -149,25 +152,4 @@ def migrate(model: str = ModelArg, target: str = TargetOpt,
     raise typer.Exit(exit_code(result))
 
 
-def session(model: str = ModelArg, target: str = TargetOpt,
-            state: Optional[str] = typer.Option(None, "--state", help="State file that `save` writes (and next to "
-                                                                      "which a MODEL spec is carved)"),
-            inject: Optional[List[str]] = InjectOpt, tol: Optional[List[str]] = TolOpt,
-            token_file: Optional[str] = TokenFileOpt):
-    """Interactive offloading: place nodes, modules or ops on TARGET and check them step by step."""
-    from tapml.session import Session, SessionShell
-    from tapml.targets import read_token
-    with Session(model, target=target, state=state, inject=inject, tol=tol, token=read_token(token_file)) as s:
-        shell = SessionShell(s)
-        shell.cmdloop()
-    if shell.errors and not shell.interactive:
-        fail(f"{shell.errors} scripted command(s) failed (see above)")
-
-
-def register(app: typer.Typer) -> None:
-    """Add ``migrate`` and ``session`` to the tapml CLI."""
-    app.command(name="migrate")(command(migrate))
-    app.command(name="session")(command(session))
-
-
-__all__ = ["register", "render_state", "MigrationDisplay"]
+__all__ = ["render_state", "MigrationDisplay", "ModelArg"]

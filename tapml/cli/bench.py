@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from tapml.cli import EXIT_FINDING, EXIT_OK, JsonOpt, QuietOpt, TokenFileOpt, command, console, fail, out, write_json
+from tapml.cli.common import EXIT_FINDING, EXIT_OK, JsonOpt, QuietOpt, TokenFileOpt, app, command, console, fail, out, write_json
 
 bench_app = typer.Typer(help="Measure tapml's moving parts: the whole suite, or one subcommand.",
                         no_args_is_help=False, add_completion=False, pretty_exceptions_enable=False)
@@ -58,7 +58,7 @@ def _num(x, fmt: str = ".3g") -> str:
 
 
 def _render_suite(r: dict) -> None:
-    """One table: each figure, its baseline, the ratio and the goal where the issue sets one."""
+    """One table: each figure, its baseline, the ratio and the goal where one is set (tapml.bench.GOALS)."""
     from rich.table import Table
     goals = r["goals"]
 
@@ -138,7 +138,7 @@ def transport(target: Optional[str] = typer.Option(None, "--target", "-t",
     from tapml.errors import PlatformError
     from tapml.remote.bench import measure_transport
     from tapml.remote.client import RemotePlatform
-    from tapml.remote.server import ServerProcess
+    from tapml.remote.launcher import ServerProcess
     from tapml.targets import parse_remote, read_token
     if size_mib < 1 or repeat < 1 or calls < 1:
         fail("--size-mib, --repeat and --calls must be at least 1")
@@ -195,6 +195,4 @@ def _render(r: dict) -> None:
     out.print(table)
 
 
-def register(app: typer.Typer) -> None:
-    """Add the ``bench`` group (with ``transport``) to the tapml app."""
-    app.add_typer(bench_app, name="bench")
+app.add_typer(bench_app, name="bench")

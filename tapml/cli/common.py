@@ -1,0 +1,140 @@
+"""What every command module of the CLI shares: the Typer ``app``, the consoles, exit codes,
+common options, :func:`fail`, the :func:`command` decorator and :func:`write_json`.
+
+Torch, wgpu and transformers are imported inside commands so ``tapml --help`` is instant.
+Exit codes: 0 everything checked passed, 1 something did not pass, 2 bad usage or input,
+3 an internal error: one line on stderr, the traceback in a private file
+(``$XDG_CACHE_HOME/tapml/tapml-crash-*.txt``, else ``~/.cache/tapml/``, else the temp dir), 130 Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  help="Port PyTorch models to WebGPU, Vulkan, Metal and OpenGL: carve, migrate, verify.")
+# No emoji codes: user text such as `file.py:boom` must print as it is.
+console = Console(stderr=True, emoji=False)
+out = Console(emoji=False)
+
+EXIT_OK, EXIT_FINDING, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
+
+TargetOpt = typer.Option("reference", "--target", "-t", help="reference, wgpu[:vulkan|gl|metal|dx12], browser, remote://HOST:PORT")
+TolOpt = typer.Option(None, "--tol", help="Tolerance override OP=RTOL,ATOL or RTOL,ATOL (repeatable)")
+InjectOpt = typer.Option(None, "--inject", help="Fault OP[@NODE]=scale:F|offset:F|nan|compile-error (repeatable)")
+TokenFileOpt = typer.Option(None, "--token-file", help="File holding the device server token (else $TAPML_TOKEN)")
+JsonOpt = typer.Option(None, "--json", help="Write the result as JSON to this file ('-' for stdout)")
+QuietOpt = typer.Option(False, "--quiet", "-q", help="Print only errors and the final line")
+
+
+def fail(message: str, code: int = EXIT_USAGE):
+    """Print ``message`` as one error line on stderr and exit with ``code`` (default 2, bad usage)."""
+    from rich.markup import escape
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def command(fn):
+    """Decorator for every command: TapmlError -> one clear line and exit 2; Ctrl-C -> exit 130;
+    any other exception -> ``internal error: TYPE: MESSAGE — details in FILE`` and exit 3, with
+    the traceback in FILE (never on the terminal); quiet libraries. Typer's and click's own exits
+    (``typer.Exit``, usage errors, aborts) pass through unchanged."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        import click
+
+        from tapml.errors import TapmlError
+        warnings.filterwarnings("ignore")
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        try:
+            return fn(*args, **kwargs)
+        except TapmlError as e:
+            fail(str(e))
+        except KeyboardInterrupt:
+            console.print("[yellow]interrupted[/]")
+            raise typer.Exit(130)
+        except (typer.Exit, click.exceptions.Exit, click.exceptions.Abort, click.exceptions.ClickException):
+            raise
+        except BrokenPipeError:  # `tapml inspect S | head`: the reader left; not a bug of ours
+            import sys
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise typer.Exit(141)  # 128 + SIGPIPE, as a shell reports it
+        except Exception as e:  # noqa: BLE001 - the one place that turns a bug into exit 3
+            from rich.markup import escape
+            lines = str(e).strip().splitlines()
+            summary = type(e).__name__ + (f": {lines[0][:300]}" if lines else "")
+            report = write_crash_report(e)
+            where = f"details in {report}" if report else "no details file could be written"
+            console.print(f"[bold red]internal error:[/] {escape(summary)} — {escape(where)}",
+                          highlight=False, soft_wrap=True)
+            raise typer.Exit(EXIT_INTERNAL)
+    return wrapper
+
+
+def write_crash_report(error: BaseException) -> Optional[str]:
+    """Write the command line and traceback of ``error`` to a new file only its owner can read
+    (mode 0600) under ``$XDG_CACHE_HOME/tapml`` (default ``~/.cache/tapml``), else the temp dir.
+
+    Returns the file's path, or None when neither place is writable.
+    """
+    import shlex
+    import sys
+    import tempfile
+    import time
+    import traceback
+
+    from tapml import version
+    text = (f"tapml {version()}, Python {sys.version.split()[0]}, {time.strftime('%Y-%m-%d %H:%M:%S %z')}\n"
+            f"command: {shlex.join(sys.argv)}\n\n" + "".join(traceback.format_exception(error)))
+    cache = os.environ.get("XDG_CACHE_HOME", "")
+    cache = cache if os.path.isabs(cache) else os.path.join(os.path.expanduser("~"), ".cache")
+    name = f"tapml-crash-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt"
+    folders = [Path(cache) / "tapml"] if os.path.isabs(cache) else []  # "~" stays relative without a home
+    for folder in folders + [Path(tempfile.gettempdir())]:
+        try:
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8", errors="replace") as f:
+                f.write(text)
+            return str(folder / name)
+        except OSError:
+            continue
+    return None
+
+
+def write_json(data, path: str) -> None:
+    """Write JSON to a file atomically, or to stdout when path is '-'."""
+    if path == "-":
+        out.print_json(json.dumps(data, allow_nan=False))
+        return
+    from tapml.io import write_json_atomic
+    target = Path(path)
+    if not target.parent.is_dir():
+        fail(f"cannot write {path}: directory {target.parent} does not exist")
+    write_json_atomic(target, data)
+
+
+def open_store(path: str):
+    """The CarveStore at ``path`` (TapmlError, exit 2, when it is missing or corrupt)."""
+    from tapml.carving.store import CarveStore
+    return CarveStore(path)
+
+
+def progress_bar(quiet: bool = False):
+    """A transient progress bar on stderr; disabled when quiet or stderr is not a terminal."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=True, disable=quiet or not console.is_terminal)
+
+
+__all__ = ["app", "console", "out", "EXIT_OK", "EXIT_FINDING", "EXIT_USAGE", "EXIT_INTERNAL", "TargetOpt", "TolOpt",
+           "InjectOpt", "TokenFileOpt", "JsonOpt", "QuietOpt", "fail", "command", "write_crash_report", "write_json",
+           "open_store", "progress_bar"]

@@ -1,0 +1,127 @@
+"""The migration journal: an append-only JSON-lines file beside a state file.
+
+Every verdict is appended (flushed and fsynced) the moment it is made, so a killed migration
+resumes where it stopped. The first line is a header (the options the migration was started
+with); then one ``{"key", "record"}`` line per record, typed by
+:func:`tapml.verdict.journal_record`: ``device`` -> the device dict, ``case:ID`` ->
+:class:`~tapml.verdict.CaseVerdict`, ``unit:ID`` -> :class:`~tapml.verdict.UnitVerdict`.
+
+Example::
+
+    journal = Journal(journal_path("gpt2.json"), header, resume=True)
+    journal.put("device", {"adapter": "cpu"})
+    journal.close()
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from tapml.errors import TapmlError
+from tapml.io import MAX_JSON_BYTES, JsonSyntaxError, parse_json, write_text_atomic
+from tapml.verdict import check_depth, journal_record
+
+#: What a refused journal's message tells the user to do.
+START_OVER = "remove it and its state file to start over"
+
+
+def journal_path(state_path: str | Path) -> Path:
+    """The JSON-lines journal kept beside a state file."""
+    state_path = Path(state_path)
+    return state_path.with_name(state_path.name + ".journal")
+
+
+def journal_text(header: dict, records: dict[str, object]) -> str:
+    """The journal's lines for ``header`` and ``{key: record}`` (records are dicts or verdicts)."""
+    lines = [json.dumps({"header": header}, allow_nan=False)]
+    lines += [json.dumps({"key": key, "record": _plain(record)}, allow_nan=False) for key, record in records.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _plain(record):
+    return record if isinstance(record, dict) else record.to_json()
+
+
+def _option_mismatch(old: dict, new: dict, path: Path) -> str:
+    diffs = [f"{k}: journal has {old.get(k)!r}, now {new.get(k)!r}" for k in sorted(set(old) | set(new))
+             if old.get(k) != new.get(k)]
+    return (f"cannot resume from {path}: it was made with other options ({'; '.join(diffs)}); "
+            "rerun with the same options, or without --resume to start over")
+
+
+class Journal:
+    """An append-only JSON-lines file of ``{"key", "record"}`` lines, each flushed and fsynced.
+
+    The first line is a header (the options the migration was started with). Reading tolerates
+    a torn last line, which is what a kill in the middle of a write leaves behind, and nothing
+    else: a record that does not fit its schema (:func:`~tapml.verdict.journal_record`) makes
+    the whole journal refused. Records are typed: the device dict, :class:`CaseVerdict`,
+    :class:`UnitVerdict`.
+    """
+
+    def __init__(self, path: Path, header: dict, resume: bool):
+        self.path = Path(path)
+        self.records: dict[str, object] = {}
+        if resume and self.path.exists():
+            old_header, self.records = self.read(self.path)
+            if old_header is not None and old_header != header:
+                raise TapmlError(_option_mismatch(old_header, header, self.path))
+        # A fresh file, or the old records without a torn tail, so that appends start on a new line.
+        write_text_atomic(self.path, journal_text(header, self.records))
+        self._file = open(self.path, "a")
+
+    @staticmethod
+    def read(path: Path) -> tuple[dict | None, dict[str, object]]:
+        """``(header, {key: typed record})`` of a journal file; TapmlError when a line other than
+        the last is not JSON, or any line does not fit its schema."""
+        header, records = None, {}
+        try:
+            if path.stat().st_size > MAX_JSON_BYTES:
+                raise TapmlError(f"journal {path} is larger than {MAX_JSON_BYTES >> 20} MiB; {START_OVER}")
+            with open(path, "rb") as f:
+                text = f.read().decode("utf-8")
+        except UnicodeDecodeError:
+            raise TapmlError(f"journal {path} is not a text file; {START_OVER}") from None
+        except OSError as e:
+            raise TapmlError(f"cannot read journal {path}: {e.strerror}") from None
+        lines = text.split("\n")
+        for i, line in enumerate(lines):
+            if not line.strip():
+                continue
+            where = f"journal {path} line {i + 1}"
+            try:
+                item = parse_json(line, where, START_OVER)
+            except JsonSyntaxError:
+                if i >= len(lines) - 2:  # torn final line from a kill mid-write
+                    break
+                raise TapmlError(f"journal {path} is corrupt at line {i + 1}; {START_OVER}") from None
+            check_depth(item, where, START_OVER)
+            if isinstance(item, dict) and set(item) == {"header"} and isinstance(item["header"], dict) \
+                    and header is None and not records:
+                header = item["header"]
+            elif isinstance(item, dict) and set(item) == {"key", "record"} and header is not None:
+                records[item["key"]] = journal_record(item["key"], item["record"], where, START_OVER)
+            else:
+                raise TapmlError(f"{where} is not a journal line (a header first, then {{\"key\", \"record\"}} "
+                                 f"lines); {START_OVER}")
+        return header, records
+
+    def get(self, key: str):
+        return self.records.get(key)
+
+    def put(self, key: str, record) -> None:
+        """Record ``record`` (a device dict or a verdict) under ``key`` and make the line
+        durable before returning."""
+        self.records[key] = record
+        self._file.write(json.dumps({"key": key, "record": _plain(record)}, allow_nan=False) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+
+__all__ = ["Journal", "journal_path", "journal_text", "START_OVER"]

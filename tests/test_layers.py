@@ -1,0 +1,66 @@
+"""The layers point one way: the import-linter contracts of pyproject.toml hold on the package
+as it installs, and a wrong import breaks them. Also what the layering relies on: importing
+``tapml.cli`` registers every command, and every op with a WGSL lowering is in the foundation's
+op vocabulary (tapml.ops no longer asks the platforms)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LINT = Path(sys.executable).with_name("lint-imports")
+COMMANDS = {"carve", "inspect", "replay", "gen-tests", "migrate", "session", "serve", "registry", "devices", "report",
+            "bench"}
+
+
+def _tree(dest: Path) -> Path:
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "layer_tree.py"), str(dest)], check=True,
+                   capture_output=True)
+    return dest
+
+
+def _lint(tree: Path) -> subprocess.CompletedProcess:
+    # From inside the tree: lint-imports puts the working directory first on sys.path.
+    return subprocess.run([str(LINT), "--config", str(ROOT / "pyproject.toml"), "--no-cache"], cwd=tree,
+                          env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"}, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_the_layer_contracts_hold(tmp_path):
+    r = _lint(_tree(tmp_path / "tree"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "4 kept, 0 broken" in r.stdout
+
+
+def test_an_upward_import_breaks_the_layers_contract(tmp_path):
+    linked = _tree(tmp_path / "linked")
+    copy = tmp_path / "copy"
+    shutil.copytree(linked, copy, symlinks=False, ignore=shutil.ignore_patterns("__pycache__"))
+    graph = copy / "tapml" / "graph.py"
+    graph.write_text(graph.read_text() + "\nimport tapml.cli  # noqa: E402,F401 - the foundation importing the CLI\n")
+    r = _lint(copy)
+    assert r.returncode != 0, r.stdout
+    assert "tapml layers point one way" in r.stdout and "BROKEN" in r.stdout
+    assert "tapml.graph -> tapml.cli" in r.stdout
+
+
+def test_importing_the_cli_registers_every_command():
+    code = ("import sys; from tapml.cli import app; "
+            "names = {c.name or c.callback.__name__.replace('_', '-') for c in app.registered_commands}; "
+            "names |= {g.name for g in app.registered_groups}; "
+            "print(' '.join(sorted(names))); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert set(out[0].split()) == COMMANDS
+    assert out[1] == "False"  # heavy imports stay inside the commands
+
+
+def test_every_lowered_op_is_in_the_vocabulary():
+    from tapml.ops import check_op
+    from tapml.platforms.wgsl import load_lowerings
+    names = sorted(load_lowerings())
+    assert len(names) > 50
+    for name in names:
+        check_op(name)  # ValueError names the op and why
