@@ -137,9 +137,8 @@ def tune(platform, n: int = 512, repeat: int = 3, candidates=None) -> dict:
         data = {}
     data = {"format": 1, "devices": {**data.get("devices", {}), key: {"tiles": list(best), "n": n,
             "gflops": {tiles_label(t): round(g, 3) for t, g in results.items()}}}}
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    from tapml.io import write_json_atomic
+    write_json_atomic(path, data)
     return {"device": key, "tiles": list(best), "label": tiles_label(best), "best_gflops": round(results[best], 3),
             **data["devices"][key]}
 
