@@ -1,0 +1,217 @@
+"""Carving a generation: prefill plus greedy decode steps against a static key/value cache.
+
+A chat LLM runs a loop: one *prefill* call over the prompt, then one *decode* call per new
+token, each reading and updating the key/value cache. :func:`carve_generation` exports both
+programs through transformers' own ExecuTorch recipe
+(``transformers.integrations.executorch.TorchExportableModuleForDecoderOnlyLM``, a
+``StaticCache`` registered as buffers), decomposes each to core ATen, and runs the loop on the
+reference with the carving tracer, so that every op call of every step is a case. The cache
+is the programs' mutated buffers: a graph's ``state`` (:class:`tapml.graph.Graph`) says which
+output each buffer input takes after a step, and the loop feeds it back.
+
+The store keeps its usual keys for the prefill program (existing tools read a generation store
+as the store of its prefill step) and adds a ``generation`` object with the decode program,
+each step's inputs, last-position logits and greedy token (see :mod:`tapml.carving.store`).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable
+
+from tapml.errors import TapmlError
+
+#: The programs' per-step inputs, in the order transformers' recipe exports them.
+STEP_INPUTS = ("input_ids", "cache_position")
+
+
+def carve_generation(spec: str, out: str | Path, *, tokens: int, prompt_len: int = 8, seed: int = 0,
+                     hf_config: dict | None = None, device: str = "cpu",
+                     on_step: Callable[[dict], None] | None = None) -> dict:
+    """Carve a greedy generation of ``tokens`` new tokens after a ``prompt_len``-token prompt.
+
+    ``spec`` must be a causal LM (``zoo:tiny-llama``, ``zoo:tiny-gpt2``, ``hf:llama``,
+    ``hf:gpt2``, ``hf:gpt_neox``, ``hf:qwen2``...; see :func:`tapml.models.load_causal_lm`). The
+    prompt is ``prompt_len`` random token ids drawn from ``seed``. Step 0 is the prefill
+    (``input_ids [1, prompt_len]``, ``cache_position = arange(prompt_len)``); steps 1..tokens
+    are decode steps, each feeding the previous step's argmax token at the next position, so
+    the cache holds ``prompt_len + tokens`` positions. Every step's op calls become cases of
+    one CarveStore at ``out`` (written into a temporary folder and renamed into place, like
+    :func:`tapml.carving.carve`), deduplicated across steps and layers, each tagged with its
+    ``graph`` and ``steps``. ``on_step(step)`` is called with each step's record
+    (``{"step", "kind", "token", ...}``) as it completes.
+
+    Returns figures: ``export_s``, ``carve_s``, ``bytes``, ``cases``, ``nodes`` (prefill),
+    ``decode_nodes``, ``steps``, ``reference_tokens`` (the ``tokens`` generated token ids) and
+    ``decode_s_per_step`` (the reference's time per decode step, tracing included).
+    Raises TapmlError for bad input (not a causal LM, ``tokens < 1``, a prompt too long...).
+    Example: ``carve_generation("zoo:tiny-llama", "stores/gen", tokens=4, prompt_len=5)``.
+    """
+    from tapml.carving import write_store_atomically
+    from tapml.models import load_causal_lm
+
+    if device not in ("cpu", "cuda"):
+        raise TapmlError(f"--device must be cpu or cuda, not {device!r}")
+    model = load_causal_lm(spec, tokens=tokens, prompt_len=prompt_len, seed=seed, hf_config=hf_config)
+    return write_store_atomically(out, lambda tmp: _carve_generation_into(
+        model, spec, tmp, tokens=tokens, prompt_len=prompt_len, seed=seed, hf_config=hf_config, device=device,
+        on_step=on_step))
+
+
+def export_generation_programs(model, prompt_len: int, max_cache_len: int, spec: str = "the model"):
+    """Export ``model`` (a causal LM with a static cache, see
+    :func:`tapml.models.load_causal_lm`) as a prefill program (``input_ids [1, prompt_len]``)
+    and a decode program (``input_ids [1, 1]``), both over a ``max_cache_len`` static cache and
+    decomposed to core ATen. Returns ``(prefill, decode)`` ExportedPrograms; TapmlError when
+    the model does not export with a static cache."""
+    import torch
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+    from tapml.capture import export
+
+    ids = torch.zeros(1, prompt_len, dtype=torch.long)
+    try:
+        recipe = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=max_cache_len,
+                                                       device=torch.device("cpu"))
+        with torch.no_grad():
+            programs = [recipe.export(input_ids=ids, cache_position=torch.arange(prompt_len)),
+                        recipe.export(input_ids=ids[:, :1], cache_position=torch.tensor([prompt_len]))]
+    except Exception as e:  # noqa: BLE001 - any failure here is the model's, reported plainly
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise TapmlError(f"{spec} does not export with a static key/value cache "
+                         f"(transformers' ExecuTorch recipe): {type(e).__name__}: {first[:300]}") from None
+    with torch.no_grad():
+        return tuple(export(ep, ()) for ep in programs)
+
+
+def _carve_generation_into(model, spec: str, out: Path, *, tokens: int, prompt_len: int, seed: int,
+                           hf_config: dict | None, device: str, on_step: Callable[[dict], None] | None) -> dict:
+    import torch
+
+    from tapml.capture import program_inputs
+    from tapml.carving.store import CarveStoreWriter
+    from tapml.carving.tracer import CarvingInterpreter
+    from tapml.graph import graph_from_fx
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise TapmlError("--device cuda: no CUDA device on this machine; use --device cpu")
+    t0 = time.perf_counter()
+    max_cache_len = prompt_len + tokens
+    vocab = int(model.config.get_text_config().vocab_size)
+    prompt = torch.randint(0, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(seed))
+    programs = export_generation_programs(model, prompt_len, max_cache_len, spec)
+    if device == "cuda":
+        from torch.export.passes import move_to_device_pass
+        programs = tuple(move_to_device_pass(ep, "cuda") for ep in programs)
+    try:
+        graphs = [graph_from_fx(ep.graph, ep.graph_signature) for ep in programs]
+    except ValueError as e:
+        raise TapmlError(f"the exported generation programs cannot be represented: {e}") from None
+    prefill_ep, decode_ep = programs
+    prefill, decode = graphs
+    logits_refs = [_logits_ref(g) for g in graphs]
+    if set(prefill.state) != set(decode.state) or not prefill.state:
+        raise RuntimeError(f"the prefill and decode programs of {spec} hold different caches "
+                           f"({sorted(prefill.state)[:4]} vs {sorted(decode.state)[:4]})")
+    t1 = time.perf_counter()
+
+    writer = CarveStoreWriter(out)
+    first_inputs = {"input_ids": prompt, "cache_position": torch.arange(prompt_len)}
+    prefill_stored, stored_by_target = {}, {}
+    values = {}  # prefill program inputs by graph input name
+    for (name, kind, t), spec_ in zip(program_inputs(prefill_ep, tuple(first_inputs.values())),
+                                      prefill_ep.graph_signature.input_specs):
+        t = first_inputs[name] if kind == "input" else t
+        tensor_name = writer.put(f"in.{name}", t)
+        prefill_stored[name] = {"kind": kind, "tensor": tensor_name}
+        values[name] = t.to(device)
+        if spec_.target is not None:
+            stored_by_target[spec_.target] = (tensor_name, t)
+
+    recorder = CarvingInterpreter(prefill_ep.graph_module, prefill, writer, graph_kind="prefill")
+    steps, decode_s = [], 0.0
+    outputs = _run_step(recorder, prefill, values)
+    model_outputs = {ref: writer.put(f"out.{i}", t) for i, (ref, t) in enumerate(outputs.items())}
+    state = {name: outputs[ref] for name, ref in prefill.state.items()}
+    steps.append(_step_record(writer, 0, "prefill", {k: prefill_stored[k]["tensor"] for k in first_inputs},
+                              outputs[logits_refs[0]]))
+    if on_step:
+        on_step(steps[-1])
+
+    # The decode program's parameters and initial buffers are the prefill's: stored once.
+    decode_stored, decode_values = {}, {}
+    step_names = {k: f"step1.{k}" for k in STEP_INPUTS}
+    for (name, kind, t), spec_ in zip(program_inputs(decode_ep, (prompt[:, :1], torch.tensor([prompt_len]))),
+                                      decode_ep.graph_signature.input_specs):
+        if kind == "input":
+            decode_stored[name] = {"kind": kind, "tensor": step_names[name]}
+            continue
+        shared = stored_by_target.get(spec_.target)
+        if shared is not None and _same_tensor(shared[1], t):
+            decode_stored[name] = {"kind": kind, "tensor": shared[0]}
+        else:
+            decode_stored[name] = {"kind": kind, "tensor": writer.put(f"decode.in.{name}", t)}
+        decode_values[name] = t.to(device)
+    recorder = CarvingInterpreter(decode_ep.graph_module, decode, writer, shares=recorder, graph_kind="decode")
+    for k in range(1, tokens + 1):
+        step_inputs = {"input_ids": torch.tensor([[steps[-1]["token"]]]),
+                       "cache_position": torch.tensor([prompt_len + k - 1])}
+        stored = {name: writer.put(f"step{k}.{name}", t) for name, t in step_inputs.items()}
+        recorder.step = k
+        started = time.perf_counter()
+        outputs = _run_step(recorder, decode, {**decode_values, **state,
+                                               **{n: t.to(device) for n, t in step_inputs.items()}})
+        decode_s += time.perf_counter() - started
+        state = {name: outputs[ref] for name, ref in decode.state.items()}
+        steps.append(_step_record(writer, k, "decode", stored, outputs[logits_refs[1]]))
+        if on_step:
+            on_step(steps[-1])
+
+    prefill_json = prefill.to_json()
+    reference_tokens = [s["token"] for s in steps[:tokens]]
+    writer.close({
+        "model": spec, "hf_config": hf_config or {}, "torch_version": torch.__version__,
+        "reference_device": device, "seed": seed,
+        "graph_inputs": prefill_json["inputs"], "nodes": prefill_json["nodes"],
+        "graph_outputs": prefill_json["outputs"], "program_inputs": prefill_stored, "model_outputs": model_outputs,
+        "cases": recorder.cases,
+        "generation": {"prompt_len": prompt_len, "tokens": tokens, "max_cache_len": max_cache_len,
+                       "decode": {**decode.to_json(), "program_inputs": decode_stored},
+                       "prefill_state": dict(prefill.state), "steps": steps, "reference_tokens": reference_tokens},
+    })
+    t2 = time.perf_counter()
+    return {"export_s": t1 - t0, "carve_s": t2 - t1, "bytes": writer.bytes_written, "cases": len(recorder.cases),
+            "nodes": len(prefill.nodes), "decode_nodes": len(decode.nodes), "steps": len(steps),
+            "reference_tokens": reference_tokens, "decode_s_per_step": decode_s / tokens}
+
+
+def _logits_ref(graph) -> str:
+    """The one graph output that is no state: the logits."""
+    taken = set(graph.state.values())
+    rest = [r for r in graph.outputs if r not in taken]
+    if len(rest) != 1 or len(graph.meta[rest[0]].shape) != 3:
+        raise RuntimeError(f"expected one logits output [batch, seq, vocab] besides the cache, found {rest[:4]}")
+    return rest[0]
+
+
+def _run_step(recorder, graph, values: dict) -> dict:
+    """Run one program through the carving tracer; its outputs by ref."""
+    import torch
+    with torch.no_grad():
+        result = recorder.run(*[values[name] for name, _ in graph.inputs], enable_io_processing=False)
+    leaves = [x for x in torch.utils._pytree.tree_leaves(result) if isinstance(x, torch.Tensor)]
+    return dict(zip(graph.outputs, leaves))
+
+
+def _step_record(writer, step: int, kind: str, inputs: dict[str, str], logits) -> dict:
+    last = logits[0, -1]
+    return {"step": step, "kind": kind, "inputs": inputs, "logits": writer.put(f"step{step}.logits", last),
+            "token": int(last.argmax())}
+
+
+def _same_tensor(a, b) -> bool:
+    return a is b or (a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and bool((a == b).all()))
+
+
+__all__ = ["carve_generation", "export_generation_programs", "STEP_INPUTS"]
