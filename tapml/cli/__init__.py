@@ -22,6 +22,7 @@ from tapml.cli import session  # noqa: E402,F401 - session
 from tapml.cli import remote  # noqa: E402,F401 - serve, registry, devices
 from tapml.cli import bench  # noqa: E402,F401 - bench, bench transport
 from tapml.cli import report  # noqa: E402,F401 - report
+from tapml.cli import repro  # noqa: E402,F401 - repro
 
 
 def main() -> None:
