@@ -61,13 +61,17 @@ def write_store_atomically(out: str | Path, fill: Callable[[Path], dict]) -> dic
 
 
 def open_or_carve(model_or_store: str, state_path: str | Path | None = None,
-                  on_carve: Callable[[str, Path], None] | None = None) -> tuple[CarveStore, Path]:
+                  on_carve: Callable[[str, Path], None] | None = None,
+                  hf_config: dict | None = None) -> tuple[CarveStore, Path]:
     """A CarveStore for MODEL|STORE: an existing store directory is opened as it is; a model
     spec is carved (:func:`carve`) into ``STATE.store/`` beside the state file, reused when it
     already holds that model, or into a new temporary folder without a state file.
-    ``on_carve(spec, path)`` is called before carving. Returns ``(store, path)``."""
+    ``on_carve(spec, path)`` is called before carving; ``hf_config`` overrides an ``hf:`` model's
+    config (a reused store must have been carved with the same). Returns ``(store, path)``."""
     path = Path(model_or_store)
     if path.is_dir():
+        if hf_config:
+            raise TapmlError(f"{model_or_store} is a store: --hf-config applies to an hf: MODEL spec to carve")
         return CarveStore(path), path
     if path.exists():
         raise TapmlError(f"{model_or_store} is a file, not a carve store or a model spec")
@@ -80,13 +84,14 @@ def open_or_carve(model_or_store: str, state_path: str | Path | None = None,
         out = state_path.with_name(state_path.stem + ".store")
     if out.is_dir():
         store = CarveStore(out)
-        if store.model != model_or_store:
-            raise TapmlError(f"{out} holds a store of {store.model}, not {model_or_store}; remove it or "
-                             "use another --state")
+        if store.model != model_or_store or store.manifest.get("hf_config", {}) != (hf_config or {}):
+            raise TapmlError(f"{out} holds a store of {store.model} (--hf-config "
+                             f"{store.manifest.get('hf_config') or 'none'}), not {model_or_store} (--hf-config "
+                             f"{hf_config or 'none'}); remove it or use another --state")
         return store, out
     if on_carve:
         on_carve(model_or_store, out)
-    carve(model_or_store, out)
+    carve(model_or_store, out, hf_config=hf_config)
     return CarveStore(out), out
 
 

@@ -123,10 +123,42 @@ class KernelProgram:
         return self._key
 
 
+@dataclass(frozen=True)
+class ResidentTensor:
+    """A tensor a run left on a platform's device instead of reading it back (``keep`` of
+    :meth:`Platform.run`): output ``output`` of the program whose key is ``program``, from that
+    program's run number ``serial``. Pass it as an input of a later run on the same platform
+    (it is consumed device-side, no host round trip) or download it with :meth:`Platform.read`.
+    Only these plain fields cross to a page or a server. It goes stale when its program runs
+    again (PlatformError on use)."""
+
+    meta: TensorMeta
+    program: str
+    output: int
+    serial: int
+    owner: int
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.meta.shape)
+
+    @property
+    def dtype(self) -> str:
+        return self.meta.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.meta.nbytes
+
+
 class Platform:
-    """Base class of targets. Subclasses set ``name`` and implement the ``_`` hooks."""
+    """Base class of targets. Subclasses set ``name`` and implement the ``_`` hooks.
+
+    ``upload_bytes`` counts the bytes the platform has written host -> device so far (inputs,
+    constants); a runtime that keeps a tensor resident does not count it again."""
 
     name = "platform"
+    upload_bytes = 0
 
     def caps(self) -> dict:
         """``{"adapter", "backend", "features", "limits", "dtypes"}`` of the device."""
@@ -147,17 +179,63 @@ class Platform:
                 raise Unsupported(f"{node.op}: {reason}")
         return wrap_errors(self._compile, graph)
 
-    def run(self, program: KernelProgram, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Run a compiled program on CPU tensors; returns CPU tensors (one per graph output)."""
+    def run(self, program: KernelProgram, inputs: list, keep=()) -> list:
+        """Run a compiled program on CPU tensors; returns CPU tensors (one per graph output).
+
+        An input may be a :class:`ResidentTensor` from an earlier run on this platform (it stays
+        on the device). Output positions in ``keep`` stay on the device too and come back as
+        ResidentTensors, not read back. Example, a cache carried across steps::
+
+            logits, cache = platform.run(program, [ids, cache], keep=[1])
+        """
         if len(inputs) != len(program.inputs):
             raise ValueError(f"program takes {len(program.inputs)} inputs, got {len(inputs)}")
+        keep = sorted(set(keep))
+        if any(type(i) is not int or not 0 <= i < len(program.outputs) for i in keep):
+            raise ValueError(f"keep must name output positions below {len(program.outputs)}, not {keep}")
+        serials = self.__dict__.setdefault("_serials", {})
+        resident = False
         for i, (t, m) in enumerate(zip(inputs, program.input_meta)):
+            if isinstance(t, ResidentTensor):
+                self._check_handle(t, f"input {i}")
+                if t.dtype != m.dtype:
+                    raise ValueError(f"input {i} is a resident {t.dtype} tensor, program expects {m.dtype}")
+                resident = True
             if tuple(t.shape) != m.shape:
                 raise ValueError(f"input {i} has shape {tuple(t.shape)}, program expects {m.shape}")
         start = time.perf_counter()
-        out = wrap_errors(self._run, program, inputs)
+        if keep or resident:
+            out = wrap_errors(self._run_resident, program, inputs, keep)
+        else:
+            out = wrap_errors(self._run, program, inputs)
         self.last_run_ms = (time.perf_counter() - start) * 1e3
+        if keep or program.key in serials:  # any run overwrites the outputs earlier handles name
+            serials[program.key] = serial = serials.get(program.key, 0) + 1
+            out = list(out)
+            for i in keep:
+                out[i] = ResidentTensor(program.output_meta[i], program.key, i, serial, id(self))
         return out
+
+    def read(self, handle: ResidentTensor) -> torch.Tensor:
+        """Download a :class:`ResidentTensor` (an explicit device -> host crossing)."""
+        if not isinstance(handle, ResidentTensor):
+            raise TypeError(f"read() takes a ResidentTensor, not {type(handle).__name__}")
+        self._check_handle(handle, "read()")
+        return wrap_errors(self._read_resident, handle)
+
+    def _check_handle(self, handle: ResidentTensor, what: str) -> None:
+        if handle.owner != id(self):
+            raise ValueError(f"{what}: the resident tensor belongs to another platform; read() it there first")
+        if self.__dict__.get("_serials", {}).get(handle.program) != handle.serial:
+            raise PlatformError(f"{what}: stale resident tensor (output {handle.output} of program "
+                                f"{handle.program[:12]}): that program ran again since")
+
+    def enable_guards(self) -> bool:
+        """Check every later run for out-of-bounds writes: output and scratch buffers get a
+        sentinel-filled guard region after their end, inside their binding, and a run that
+        changed one raises PlatformError naming the kernel, the buffer and the first bad byte.
+        Returns False when the platform cannot (the default; wgpu-native can)."""
+        return False
 
     def reconnect(self) -> None:
         """Re-open a device that was lost (a restarted server, a fresh browser page).
@@ -185,6 +263,23 @@ class Platform:
 
     def _run(self, program: KernelProgram, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         raise NotImplementedError
+
+    def _run_resident(self, program: KernelProgram, inputs: list, keep: list[int]) -> list:
+        """Hook: run with ResidentTensor inputs and outputs kept at ``keep`` (their returned
+        values are ignored). By default the kept tensors stay on the host, in the platform."""
+        held = self.__dict__.setdefault("_held", {})
+        host = [held[(t.program, t.output)] if isinstance(t, ResidentTensor) else t for t in inputs]
+        out = self._run(program, host)
+        for i in keep:
+            held[(program.key, i)] = out[i]
+        return out
+
+    def _read_resident(self, handle: ResidentTensor) -> torch.Tensor:
+        """Hook: the tensor of a handle (by default the one :meth:`_run_resident` holds)."""
+        try:
+            return self.__dict__["_held"][(handle.program, handle.output)]
+        except KeyError:
+            raise PlatformError(f"resident output {handle.output} of program {handle.program[:12]} is gone") from None
 
 
 class RuntimePlatform(Platform):
@@ -272,4 +367,4 @@ def wrap_errors(fn, *args):
         raise PlatformError(f"{type(e).__name__}: {e}") from e
 
 
-__all__ = ["BufferSpec", "Kernel", "KernelProgram", "Platform", "RuntimePlatform", "check_workgroups", "graph_program", "wrap_errors"]
+__all__ = ["BufferSpec", "Kernel", "KernelProgram", "Platform", "ResidentTensor", "RuntimePlatform", "check_workgroups", "graph_program", "wrap_errors"]

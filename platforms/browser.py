@@ -58,6 +58,7 @@ class BrowserPlatform(WgslPlatform):
         self.browser: ChromiumProcess | None = None
         self._closed = False
         self._run_id = 0
+        self.guards = False
         super().__init__()  # self.programs: each program's plan for the page and its const bytes
         # the program keys the page of self._page has prepared, kept to the same limits as the
         # page's own cache (it evicts alike; a program it dropped anyway is sent again)
@@ -162,6 +163,15 @@ class BrowserPlatform(WgslPlatform):
                 "adapter_info": info, "features": features, "limits": dict(hello.get("limits") or {}),
                 "dtypes": dtypes, "url": self.url}
 
+    def enable_guards(self) -> bool:
+        """Guard every buffer a kernel writes, as :meth:`WgpuPlatform.enable_guards` does, in the
+        page (``platforms/web/runtime.js``): programs are sent to the page again with guards."""
+        if not self.guards:
+            self.guards = True
+            self.programs.clear()
+            self._on_page.clear()
+        return True
+
     def _page_cache_limits(self) -> dict:
         return {"max_programs": self.programs.max_entries, "max_bytes": self.programs.max_bytes}
 
@@ -173,6 +183,12 @@ class BrowserPlatform(WgslPlatform):
                 "consts": [b.name for b in consts],
                 "poison": [b.name for b in program.buffers if b.role == "output" and b.size],
                 "kernels": [k.to_json() for k in program.kernels]}
+        if self.guards:  # see enable_guards; the page sizes, fills and checks them (runtime.js)
+            written = {name for k in program.kernels for name, access in k.bindings if access == "read_write"}
+            limits = self.caps()["limits"]
+            room = min(limits.get("max-storage-buffer-binding-size", 128 << 20), limits.get("max-buffer-size", 256 << 20))
+            plan["guards"] = {b.name: -(-b.size // 4) * 4 for b in program.buffers
+                              if b.name in written and b.role != "const" and b.size and -(-b.size // 4) * 4 + 256 <= room}
         data = [b.data or b"" for b in consts]
         return (plan, data), sum(len(d) for d in data)
 
@@ -201,6 +217,7 @@ class BrowserPlatform(WgslPlatform):
                 reply, got = self.bridge.request(msg, frames, self.run_timeout, self._alive)
             except DeviceLost as e:
                 raise DeviceLost(self._crash_reason() or str(e)) from None
+            self.upload_bytes += sum(len(p) for p in payloads) + (sum(map(len, consts)) if send_program else 0)
             if reply["type"] == "done":
                 self._on_page.put(program.key, True, sum(b["size"] for b in plan["buffers"]))
                 break

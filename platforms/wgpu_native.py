@@ -35,6 +35,10 @@ _LIMITS = ["max-storage-buffer-binding-size", "max-buffer-size", "max-storage-bu
            "max-compute-workgroup-size-x", "max-compute-workgroup-size-y", "max-compute-workgroup-size-z",
            "max-compute-workgroup-storage-size", "max-bind-groups", "max-bindings-per-bind-group"]
 _POISON = 0xFF  # every byte 0xFF: NaN for f32/f16, -1 for i32, an invalid bool for u32
+#: Bytes of the guard region after each guarded buffer (enable_guards), and what fills it: a
+#: word no kernel writes by accident (0x3CC35AA5: neither poison, zero, nor a small number).
+GUARD_BYTES = 256
+_SENTINEL = bytes([0xA5, 0x5A, 0xC3, 0x3C]) * (GUARD_BYTES // 4)
 
 
 def _adapters():
@@ -78,7 +82,8 @@ class WgpuPlatform(WgslPlatform):
                                                               str(chosen.info.get("backend_type")).lower())
         self.name = f"wgpu:{self.backend}"
         # subgroup: matmul variants that share loads between lanes (platforms/wgsl/matmul.py)
-        features = [f for f in ("shader-f16", "subgroup") if f in chosen.features]
+        # timestamp-query: per-program device times for `replay --profile` (tapml/profile.py)
+        features = [f for f in ("shader-f16", "subgroup", "timestamp-query") if f in chosen.features]
         limits = {k: chosen.limits[k] for k in ("max-storage-buffer-binding-size", "max-buffer-size",
                                                "max-storage-buffers-per-shader-stage") if k in chosen.limits}
         try:
@@ -86,6 +91,7 @@ class WgpuPlatform(WgslPlatform):
         except Exception as e:  # noqa: BLE001
             raise TapmlError(f"wgpu could not open a device on {_describe(chosen)}: {e}") from None
         self._caps_cache = None
+        self.guards = False
         super().__init__()
         # compute pipelines by WGSL hash, shared by every program that has the same kernel
         self._pipelines = ProgramCache()
@@ -129,13 +135,25 @@ class WgpuPlatform(WgslPlatform):
     def _release(self, key: str, res: "_Resident") -> None:
         res.release()
 
+    def enable_guards(self) -> bool:
+        """Guard every buffer a kernel writes (outputs, temps) with :data:`GUARD_BYTES` of
+        sentinel after its end, inside its binding so that a write past the tensor lands there
+        instead of being discarded or clamped by WGSL's robustness rules; each run refills the
+        guards, snapshots them after every kernel, and raises PlatformError at the first kernel
+        that changed one. Programs already prepared are made again. Returns True."""
+        if not self.guards:
+            self.guards = True
+            self.programs.clear()
+        return True
+
     def _execute(self, program: KernelProgram, res: "_Resident", inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         from tapml.platforms.wgsl.tensors import read_output
         try:
             res.upload(inputs)
             encoder = self.device.create_command_encoder()
-            res.record(encoder, repeat=1, poison=True, readback=True)
+            res.record(encoder, repeat=1, poison=True, readback=True, guards=bool(res.guarded))
             self.device.queue.submit([encoder.finish()])
+            res.check_guards()
             out = []
             for name, meta, data in zip(program.outputs, program.output_meta, res.read_outputs()):
                 if data is None:
@@ -148,6 +166,68 @@ class WgpuPlatform(WgslPlatform):
         except Exception as e:  # noqa: BLE001
             self.forget(program.key)
             raise PlatformError(f"{self.name}: {type(e).__name__}: {e}") from e
+
+    def _run_resident(self, program: KernelProgram, inputs: list, keep: list[int]) -> list:
+        """Resident inputs are copied device-side from the output buffer of the run that made
+        them into this program's input buffer; kept outputs stay in their buffers, unread."""
+        from tapml.platforms.base import ResidentTensor
+        from tapml.platforms.wgsl.tensors import read_output
+        res = self.prepared(program)
+        sources = {}
+        for i, t in enumerate(inputs):
+            if isinstance(t, ResidentTensor):
+                src = self.programs.get(t.program)
+                if src is None:
+                    raise PlatformError(f"input {i}: the program holding that resident tensor was released "
+                                        "(program cache full); raise TAPML_PROGRAM_CACHE")
+                sources[i] = src.buffers.get(src.program.outputs[t.output])
+        skip = {program.outputs[i] for i in keep}
+        try:
+            res.upload([None if i in sources else t for i, t in enumerate(inputs)])
+            encoder = self.device.create_command_encoder()
+            for i, buf in sources.items():
+                name = program.inputs[i]
+                res.last_inputs.pop(name, None)
+                dst = res.buffers.get(name)
+                if buf is not None and dst is not None and buf is not dst:
+                    encoder.copy_buffer_to_buffer(buf, 0, dst, 0, res.specs[name].size)
+            res.record(encoder, repeat=1, poison=True, readback=True, guards=bool(res.guarded), skip=skip)
+            self.device.queue.submit([encoder.finish()])
+            res.check_guards()
+            out = []
+            for name, meta, data in zip(program.outputs, program.output_meta, res.read_outputs(skip)):
+                if name in skip or data is None:
+                    out.append(None if name in skip else torch.empty(meta.shape, dtype=torch_dtype(meta.dtype)))
+                else:
+                    out.append(read_output(data, res.specs[name].dtype, meta, name))
+            return out
+        except (Unsupported, PlatformError):
+            raise
+        except Exception as e:  # noqa: BLE001
+            self.forget(program.key)
+            raise PlatformError(f"{self.name}: {type(e).__name__}: {e}") from e
+
+    def _read_resident(self, handle) -> torch.Tensor:
+        import wgpu
+        from tapml.platforms.wgsl.tensors import read_output
+        res = self.programs.get(handle.program)
+        if res is None:
+            raise PlatformError("the program holding that resident tensor was released (program cache full)")
+        name = res.program.outputs[handle.output]
+        spec = res.specs[name]
+        if name not in res.buffers:
+            return torch.empty(handle.meta.shape, dtype=torch_dtype(handle.meta.dtype))
+        rb = self.device.create_buffer(size=spec.size, usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
+        try:
+            encoder = self.device.create_command_encoder()
+            encoder.copy_buffer_to_buffer(res.buffers[name], 0, rb, 0, spec.size)
+            self.device.queue.submit([encoder.finish()])
+            rb.map_sync(wgpu.MapMode.READ)
+            data = rb.read_mapped()
+            rb.unmap()
+        finally:
+            rb.destroy()
+        return read_output(data, spec.dtype, handle.meta, name)
 
     def benchmark(self, program: KernelProgram, inputs: list[torch.Tensor], repeat: int = 10) -> float:
         """Seconds one run of ``program``'s kernels takes on the device, inputs already
@@ -167,6 +247,42 @@ class WgpuPlatform(WgslPlatform):
             res.wait_fence()
             best = min(best, (time.perf_counter() - start) / repeat)
         return best
+
+    def device_times(self, program: KernelProgram, inputs: list[torch.Tensor], runs: int = 5) -> tuple[list[float], str]:
+        """Milliseconds of each of ``runs`` runs of ``program``'s kernels on the device, inputs
+        resident, and how they were taken: ``"timestamp"`` (GPU timestamps written at the start
+        and end of each run's compute pass, all runs in one submission) when the device has
+        ``timestamp-query``, else ``"wall"`` (each run the host clock of a :meth:`benchmark`
+        batch). Example: ``median(platform.device_times(program, [x])[0])``."""
+        import wgpu
+        if runs < 1:
+            raise ValueError("runs must be at least 1")
+        if "timestamp-query" not in self.device.features:
+            return [self.benchmark(program, inputs, repeat=3) * 1e3 for _ in range(runs)], "wall"
+        self.run(program, inputs)  # validates, uploads, compiles pipelines, warms up
+        res = self.prepared(program)
+        if not res.dispatches:
+            return [0.0] * runs, "timestamp"
+        queries = self.device.create_query_set(type=wgpu.QueryType.timestamp, count=2 * runs)
+        resolved = self.device.create_buffer(size=16 * runs, usage=wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC)
+        readback = self.device.create_buffer(size=16 * runs, usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
+        try:
+            encoder = self.device.create_command_encoder()
+            for r in range(runs):
+                res.record(encoder, repeat=1, poison=False, readback=False,
+                           timestamp_writes={"query_set": queries, "beginning_of_pass_write_index": 2 * r,
+                                             "end_of_pass_write_index": 2 * r + 1})
+            encoder.resolve_query_set(queries, 0, 2 * runs, resolved, 0)
+            encoder.copy_buffer_to_buffer(resolved, 0, readback, 0, 16 * runs)
+            self.device.queue.submit([encoder.finish()])
+            readback.map_sync(wgpu.MapMode.READ)
+            ticks = memoryview(readback.read_mapped()).cast("Q").tolist()
+            readback.unmap()
+        finally:
+            for b in (resolved, readback, queries):
+                b.destroy()
+        # WebGPU timestamps are nanoseconds; a clock that went backwards counts as no time
+        return [max(0, end - begin) / 1e6 for begin, end in zip(ticks[0::2], ticks[1::2])], "timestamp"
 
     def close(self) -> None:
         super().close()  # releases every program's buffers
@@ -190,7 +306,9 @@ class _Resident:
         self.nbytes = 0
         self.buffers: dict[str, object] = {}
         self.readback: dict[str, object] = {}
-        self.poison = self.fence_buf = None
+        self.poison = self.fence_buf = self.sentinel = self.guard_readback = None
+        self.guarded: dict[str, int] = {}  # guarded buffer -> where its guard starts
+        self.snapshots: list[tuple[int, str]] = []  # (kernel index, buffer) per guard snapshot
         self.last_inputs: dict[str, tuple] = {}
         try:
             self._make(platform, program)
@@ -201,18 +319,26 @@ class _Resident:
     def _make(self, platform: WgpuPlatform, program: KernelProgram) -> None:
         import wgpu
         self.device = dev = platform.device
+        self.platform = platform
         self.program = program
         self.specs = {b.name: b for b in program.buffers}
         storage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
         self.nbytes = 0
+        written = {name for kern in program.kernels for name, access in kern.bindings if access == "read_write"}
+        limits = platform.caps()["limits"]
+        room = min(limits.get("max-storage-buffer-binding-size", 128 << 20), limits.get("max-buffer-size", 256 << 20))
         for spec in program.buffers:
             if spec.size == 0:
                 continue
             if spec.role == "const":
                 self.buffers[spec.name] = dev.create_buffer_with_data(data=spec.data, usage=storage)
+                platform.upload_bytes += spec.size
+            elif platform.guards and spec.name in written and spec.size + GUARD_BYTES <= room:
+                self.buffers[spec.name] = dev.create_buffer(size=spec.size + GUARD_BYTES, usage=storage)
+                self.guarded[spec.name] = spec.size
             else:
                 self.buffers[spec.name] = dev.create_buffer(size=spec.size, usage=storage)
-            self.nbytes += spec.size
+            self.nbytes += self.buffers[spec.name].size
         self.dispatches = []
         for kern in program.kernels:
             pipe = platform._pipeline(kern.wgsl, kern.entry)
@@ -227,28 +353,40 @@ class _Resident:
         poison = max((self.specs[n].size for n in self.outputs if self.specs[n].role == "output"), default=0)
         self.poison = dev.create_buffer_with_data(data=bytes([_POISON]) * poison, usage=storage) if poison else None
         self.nbytes += 2 * poison + sum(self.specs[n].size for n in self.outputs)
+        if self.guarded:
+            self.sentinel = dev.create_buffer_with_data(data=_SENTINEL, usage=storage)
+            self.snapshots = [(i, name) for i, kern in enumerate(program.kernels)
+                              for name in dict.fromkeys(n for n, access in kern.bindings if access == "read_write")
+                              if name in self.guarded]
+            self.guard_readback = dev.create_buffer(size=max(1, len(self.snapshots)) * GUARD_BYTES, usage=read)
+            self.nbytes += (1 + len(self.snapshots)) * GUARD_BYTES
         # an input buffer some kernel writes must be uploaded on every run
         self.written = {name for kern in program.kernels for name, access in kern.bindings if access == "read_write"}
 
     def upload(self, inputs: list[torch.Tensor]) -> None:
         from tapml.platforms.wgsl.tensors import to_device
         for name, t in zip(self.program.inputs, inputs):
-            if name not in self.buffers:
+            if name not in self.buffers or t is None:  # None: filled on the device (a resident tensor)
                 continue
             last = self.last_inputs.get(name)
             if last is not None and last[0] is t and last[1] == t._version and name not in self.written:
                 continue
             self.last_inputs.pop(name, None)
-            self.device.queue.write_buffer(self.buffers[name], 0, to_device(t, self.specs[name].dtype, f"input {name}"))
+            data = to_device(t, self.specs[name].dtype, f"input {name}")
+            self.device.queue.write_buffer(self.buffers[name], 0, data)
+            self.platform.upload_bytes += len(data)
             self.last_inputs[name] = (t, t._version)
 
-    def record(self, encoder, repeat: int, poison: bool, readback: bool) -> None:
+    def record(self, encoder, repeat: int, poison: bool, readback: bool, timestamp_writes: dict | None = None,
+               guards: bool = False, skip=()) -> None:
         if poison and self.poison is not None:
             for n in self.outputs:
                 if self.specs[n].role == "output":
                     encoder.copy_buffer_to_buffer(self.poison, 0, self.buffers[n], 0, self.specs[n].size)
-        if self.dispatches:
-            cpass = encoder.begin_compute_pass()
+        if guards:
+            self._record_guarded(encoder, repeat)
+        elif self.dispatches:
+            cpass = encoder.begin_compute_pass(timestamp_writes=timestamp_writes)
             for _ in range(repeat):
                 for pipe, group, groups in self.dispatches:
                     cpass.set_pipeline(pipe)
@@ -257,13 +395,56 @@ class _Resident:
             cpass.end()
         if readback:
             for n in self.outputs:
-                encoder.copy_buffer_to_buffer(self.buffers[n], 0, self.readback[n], 0, self.specs[n].size)
+                if n not in skip:
+                    encoder.copy_buffer_to_buffer(self.buffers[n], 0, self.readback[n], 0, self.specs[n].size)
 
-    def read_outputs(self) -> list:
-        """Bytes of each program output (None for an empty one), after a submitted record()."""
+    def _record_guarded(self, encoder, repeat: int) -> None:
+        """The dispatches with refilled guards, each kernel in its own pass followed by a copy
+        of the guards it could have written, so that a bad write is pinned to its kernel."""
+        for name, start in self.guarded.items():
+            encoder.copy_buffer_to_buffer(self.sentinel, 0, self.buffers[name], start, GUARD_BYTES)
+        for _ in range(repeat):
+            for i, (pipe, group, groups) in enumerate(self.dispatches):
+                cpass = encoder.begin_compute_pass()
+                cpass.set_pipeline(pipe)
+                cpass.set_bind_group(0, group)
+                cpass.dispatch_workgroups(*groups)
+                cpass.end()
+                for slot, (kernel, name) in enumerate(self.snapshots):
+                    if kernel == i:
+                        encoder.copy_buffer_to_buffer(self.buffers[name], self.guarded[name], self.guard_readback,
+                                                      slot * GUARD_BYTES, GUARD_BYTES)
+
+    def check_guards(self) -> None:
+        """After a submitted ``record(guards=True)``: PlatformError naming the first kernel that
+        wrote into a guard, the buffer and the first bad byte (nothing when guards are off)."""
+        import wgpu
+        if not self.snapshots:
+            return
+        self.guard_readback.map_sync(wgpu.MapMode.READ)
+        try:
+            data = bytes(self.guard_readback.read_mapped())
+        finally:
+            self.guard_readback.unmap()
+        for slot, (kernel, name) in enumerate(self.snapshots):
+            guard = data[slot * GUARD_BYTES:(slot + 1) * GUARD_BYTES]
+            if guard != _SENTINEL:
+                first = next(i for i, (a, b) in enumerate(zip(guard, _SENTINEL)) if a != b)
+                last = max(i for i, (a, b) in enumerate(zip(guard, _SENTINEL)) if a != b)
+                spec = self.specs[name]
+                what = f"{spec.role} {spec.dtype}" + (f"[{'x'.join(map(str, spec.meta.shape))}]" if spec.meta else "")
+                raise PlatformError(f"kernel {self.program.kernels[kernel].name} wrote past buffer {name} ({what}, "
+                                    f"{spec.size} bytes): first bad byte at offset +{first} after its end "
+                                    f"(last at +{last} of the {GUARD_BYTES}-byte guard)")
+
+    def read_outputs(self, skip=()) -> list:
+        """Bytes of each program output (None for an empty one or one in ``skip``), after a
+        submitted record()."""
         import wgpu
         data = {}
         for n in self.outputs:
+            if n in skip:
+                continue
             rb = self.readback[n]
             rb.map_sync(wgpu.MapMode.READ)
             data[n] = rb.read_mapped()
@@ -286,7 +467,8 @@ class _Resident:
             self.fence_buf.unmap()
 
     def release(self) -> None:
-        for b in [*self.buffers.values(), *self.readback.values(), self.poison, self.fence_buf]:
+        for b in [*self.buffers.values(), *self.readback.values(), self.poison, self.fence_buf, self.sentinel,
+                  self.guard_readback]:
             if b is not None:
                 try:
                     b.destroy()

@@ -279,6 +279,7 @@ class RemotePlatform(RuntimePlatform):
             for slot, t in zip(slots, inputs):
                 P.send_tensor(self._bulk, P.PUT, slot, t)
                 self.stats["bytes_up"] += t.numel() * t.element_size()
+                self.upload_bytes += t.numel() * t.element_size()
         except (OSError, EOFError) as e:
             raise self._lost(e) from None
         except ValueError as e:

@@ -2,7 +2,8 @@
 
 Two inputs are accepted (ARCHITECTURE.md): a Verdict JSON from ``tapml replay --json`` and a
 migration state from ``tapml migrate --state``, which is a Verdict JSON plus ``units``,
-``placement``, ``culprits`` and ``end_to_end``. Optional keys may be missing; a file that is not
+``placement``, ``culprits`` and ``end_to_end``; and a document holding one of them per target
+(``replay``/``migrate`` with several ``--target``, :func:`matrix_document`). Optional keys may be missing; a file that is not
 such a document, or one with a field of the wrong type, raises :class:`~tapml.errors.TapmlError`
 naming the file and the field (the schema is :mod:`tapml.verdict`'s).
 
@@ -142,6 +143,10 @@ class StateReport:
         out.sort(key=lambda r: (-(r["ms_per_model"] or 0.0), r["op"]))
         return out
 
+    def op_speeds(self) -> list[dict]:
+        """Per-op speed of a profiled replay (:func:`op_speeds`); empty when it was not profiled."""
+        return op_speeds(self.cases)
+
     def module_errors(self) -> list[dict]:
         """Error per module along the depth of the model: one point per module that runs ops of
         its own (or has no sub-modules), in the order the model first runs it, with the
@@ -203,6 +208,45 @@ def _fold(point: dict, check: dict) -> None:
     if err is not None and (point["max_abs_err"] is None or err > point["max_abs_err"]):
         point["max_abs_err"] = err
     point["status"] = _worst_status({point["status"], check["status"]})
+
+
+def _speed_number(x) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 else None
+
+
+def op_speeds(cases: list[dict]) -> list[dict]:
+    """Per op of the profiled cases (those with ``device_ms``, ``replay --profile``): cases, the
+    sum of their device ms, GFLOP/s and GB/s over that time, and against a baseline (cases with
+    ``baseline_ms``) the sum of their baseline ms and the ratio of their device time to it;
+    the slowest op first."""
+    rows: dict[str, dict] = {}
+    for c in cases:
+        ms = _speed_number(c.get("device_ms"))
+        if ms is None:
+            continue
+        r = rows.setdefault(c.get("op", "?"), {"op": c.get("op", "?"), "cases": 0, "device_ms": 0.0, "gflop": 0.0,
+                                               "gbytes": 0.0, "rated": 0.0, "baseline_ms": None, "compared_ms": 0.0})
+        r["cases"] += 1
+        r["device_ms"] += ms
+        gflops, gbps = _speed_number(c.get("gflops")), _speed_number(c.get("gbps"))
+        if gflops is not None and gbps is not None:
+            r["gflop"] += gflops * ms / 1e3
+            r["gbytes"] += gbps * ms / 1e3
+            r["rated"] += ms
+        base = _speed_number(c.get("baseline_ms"))
+        if base is not None:
+            r["baseline_ms"] = (r["baseline_ms"] or 0.0) + base
+            r["compared_ms"] += ms
+    out = []
+    for r in rows.values():
+        per_s = 1e3 / r["rated"] if r["rated"] > 0 else None
+        base = r["baseline_ms"]
+        out.append({"op": r["op"], "cases": r["cases"], "device_ms": r["device_ms"],
+                    "gflops": None if per_s is None else r["gflop"] * per_s,
+                    "gbps": None if per_s is None else r["gbytes"] * per_s, "baseline_ms": base,
+                    "ratio": r["compared_ms"] / base if base else None})
+    out.sort(key=lambda r: (-r["device_ms"], r["op"]))
+    return out
 
 
 def _worst_status(statuses: set[str]) -> str:
@@ -274,12 +318,10 @@ def parse_state(data, path: str = "<state>") -> StateReport:
 
 def load_state(path: str | Path) -> StateReport:
     """Read one Verdict JSON or migration state file (see :func:`parse_state`)."""
-    from tapml.io import read_json_file
-    p = Path(path)
-    if not p.is_file():
-        raise TapmlError(f"{path} does not exist; pass a file written by `tapml replay --json` or "
-                         "`tapml migrate --state`")
-    return parse_state(read_json_file(p, str(path), "pass a verdict or state JSON file"), str(path))
+    states = load_documents(path)
+    if len(states) > 1:
+        raise TapmlError(f"{path} holds the verdicts of {len(states)} targets; read it with load_documents")
+    return states[0]
 
 
 def load_documents(path: str | Path) -> list[StateReport]:
@@ -457,4 +499,4 @@ def parse_matrix_document(data, path: str = "<document>") -> list[StateReport]:
 
 __all__ = ["StateReport", "load_state", "load_states", "load_documents", "parse_state", "coverage_matrix",
            "matrix_json", "matrix_document", "is_matrix_document", "parse_matrix_document", "status_rank",
-           "STATUS_RANK", "MATRIX_GROUPS", "STATUSES"]
+           "STATUS_RANK", "MATRIX_GROUPS", "STATUSES", "op_speeds"]

@@ -147,7 +147,8 @@ def render_html(states: list[StateReport], title: str | None = None, by_case: bo
         failures = [{**f, "worst": worst_rows(f["worst"]), "ops": _strings(f["ops"]), "nodes": _strings(f["nodes"])}
                     for f in s.failures]
         sections.append({"state": s, "anchor": f"s{i}", "failures": failures, "shares": s.shares,
-                         "summary": s.summary, "op_times": s.op_times(), "tolerances": tolerance_rows(s.tolerances),
+                         "flaky": [c for c in s.cases if c["status"] == "flaky"],
+                         "summary": s.summary, "op_times": s.op_times(), "op_speeds": s.op_speeds(), "tolerances": tolerance_rows(s.tolerances),
                          "plot": Markup(module_error_svg(s.module_errors(), s.end_to_end,
                                                          title=f"error per module, {s.model} on {s.label}"))})
     findings = [{**f, "state": sec["state"], "anchor": sec["anchor"]} for sec in sections for f in sec["failures"]]

@@ -33,7 +33,7 @@ def _testcase(suite: ET.Element, classname: str, name: str, v: dict, culprit: di
     message = v.get("message") or status
     if culprit is not None:
         message = f"culprit {culprit['op']} in {culprit['module'] or '<root>'} ({culprit['kind']}): {message}"
-    tag = {"mismatch": "failure", "error": "error", "unsupported": "skipped"}[status]
+    tag = {"mismatch": "failure", "error": "error", "unsupported": "skipped", "flaky": "failure"}[status]
     el = ET.SubElement(tc, tag, message=message[:500])
     if tag != "skipped":
         el.set("type", status)
@@ -65,7 +65,7 @@ def junit_tree(states: list[StateReport]) -> ET.ElementTree:
         for classname, name, v, culprit in checks:
             status = _testcase(suite, classname, name, v, culprit)
             counts["tests"] += 1
-            key = {"mismatch": "failures", "error": "errors", "unsupported": "skipped"}.get(status)
+            key = {"mismatch": "failures", "error": "errors", "unsupported": "skipped", "flaky": "failures"}.get(status)
             if key:
                 counts[key] += 1
             time_ms += v.get("time_ms") or 0.0

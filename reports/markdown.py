@@ -7,7 +7,7 @@ import re
 from tapml.reports.data import STATUSES, StateReport, coverage_matrix
 from tapml.reports.html import fmt_err, fmt_ms, fmt_pct, visible_text
 
-ICON = {"pass": "✅", "mismatch": "❌", "error": "💥", "unsupported": "⚠️"}
+ICON = {"pass": "✅", "mismatch": "❌", "error": "💥", "unsupported": "⚠️", "flaky": "🔀"}
 
 # Inline Markdown syntax, escaped with a backslash wherever it occurs in data: code spans,
 # emphasis, strikethrough, links and images, table cells, math, headings, escapes themselves.

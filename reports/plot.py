@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 from html import escape
 
-STATUS_COLORS = {"pass": "#2e9d5b", "mismatch": "#d2373c", "error": "#8e1116", "unsupported": "#d99a00"}
+STATUS_COLORS = {"pass": "#2e9d5b", "mismatch": "#d2373c", "error": "#8e1116", "unsupported": "#d99a00",
+                 "flaky": "#8a3ffc"}
 FLOOR = 1e-9  # errors below this (including exact zeros) are drawn on the floor line
 
 

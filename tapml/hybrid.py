@@ -94,6 +94,10 @@ class HybridRunner:
         self._programs = ProgramCache()
         self._subgraphs = ProgramCache()  # a region's subgraph costs O(graph) to cut; runs repeat
         self.compile_ms: dict[tuple[str, str], float] = {}
+        #: compile() calls that missed this runner's program cache
+        self.programs_compiled = 0
+        #: the HybridResult of the last :meth:`step`
+        self.last_result: HybridResult | None = None
 
     def program(self, names: list[str], keep: Iterable[str] = ()) -> tuple[object, Graph, bool, float]:
         """(program, subgraph, cached, compile_ms) of the region made of ``names``."""
@@ -111,14 +115,19 @@ class HybridRunner:
         program = self.platform.compile(sub)
         ms = (time.perf_counter() - start) * 1e3
         self._programs.put(key, program)
+        self.programs_compiled += 1
         self.compile_ms[(names[0], names[-1])] = ms
         return program, sub, False, ms
 
-    def run(self, inputs: dict, placement: dict[str, str], keep: Iterable[str] = ()) -> HybridResult:
+    def run(self, inputs: dict, placement: dict[str, str], keep: Iterable[str] = (),
+            resident: set[str] = frozenset()) -> HybridResult:
         """Run the graph; returns the graph outputs and the refs in ``keep`` by ref.
 
-        ``inputs`` holds a tensor for every graph input (parameters and user inputs).
+        ``inputs`` holds a tensor for every graph input (parameters and user inputs), or a
+        ResidentTensor on the platform; refs in ``resident`` that a target region produces stay
+        on the device (returned as ResidentTensors).
         """
+        from tapml.platforms.base import ResidentTensor
         missing = [r for r, _ in self.graph.inputs if r not in inputs]
         if missing:
             raise ValueError(f"hybrid run lacks graph inputs: {', '.join(missing[:5])}")
@@ -140,24 +149,64 @@ class HybridRunner:
             if seg.where == REFERENCE:
                 start = time.perf_counter()
                 for n in seg.nodes:
+                    for r in n.input_refs:
+                        if isinstance(env[r], ResidentTensor):  # its consumer is on the host: it crosses
+                            env[r] = self.platform.read(env[r])
                     env.update(zip(n.output_refs, run_node(n, env.__getitem__)))
                 result.reference_ms += (time.perf_counter() - start) * 1e3
             else:
-                result.regions.append(self._run_region(seg, env, keep))
+                result.regions.append(self._run_region(seg, env, keep, resident))
             for r in free_after.get(i, ()):
                 env.pop(r, None)
         result.values = {r: env[r] for r in self.graph.outputs}
         result.values.update({r: env[r] for r in keep if r in env})
         return result
 
-    def _run_region(self, seg: Segment, env: dict, keep: set[str]) -> RegionRun:
+    def step(self, inputs: dict, state_values: dict, placement: dict[str, str],
+             keep: Iterable[str] = ()) -> tuple[dict, dict]:
+        """One call of a graph with state (``graph.state``: state input -> output ref).
+
+        ``inputs`` holds every other graph input (parameters, the step's token ids and
+        positions); ``state_values`` a value per state input: a host tensor, or a
+        :class:`~tapml.platforms.base.ResidentTensor` a previous step left on the target.
+        State produced on the target stays there (a ResidentTensor, fed device-side to the
+        next step); state produced on the reference stays on the host; a value whose consumer
+        is on the other side is moved explicitly. Returns ``(outputs by ref, new state values
+        by state input name)``; outputs other than state are host tensors. The step's region
+        records are in :attr:`last_result`. Example::
+
+            out, cache = runner.step({**params, **store.step_inputs(1)}, cache, placement)
+        """
+        state = self.graph.state
+        if not state:
+            raise ValueError("step() runs a graph with state; this graph has none (use run())")
+        missing = sorted(set(state) - set(state_values))
+        if missing:
+            raise ValueError(f"step lacks state values: {', '.join(missing[:5])}")
+        result = self.run({**inputs, **{k: state_values[k] for k in state}}, placement, keep,
+                          resident=set(state.values()))
+        self.last_result = result
+        outputs = {r: v if r in state.values() else self.to_host(v) for r, v in result.values.items()}
+        return outputs, {name: result.values[ref] for name, ref in state.items()}
+
+    def to_host(self, value):
+        """``value`` on the host: a tensor as is, a ResidentTensor downloaded from the platform."""
+        from tapml.platforms.base import ResidentTensor
+        return self.platform.read(value) if isinstance(value, ResidentTensor) else value
+
+    def _run_region(self, seg: Segment, env: dict, keep: set[str], resident: set[str] = frozenset()) -> RegionRun:
+        from tapml.platforms.base import ResidentTensor
         names = seg.names
         produced = {r for n in seg.nodes for r in n.output_refs}
         try:
             program, sub, cached, compile_ms = self.program(names, keep & produced)
             args = [env[r] for r, _ in sub.inputs]
+            kept = [i for i, r in enumerate(sub.outputs) if r in resident]
             start = time.perf_counter()
-            outs = self.platform.run(program, args)
+            if kept or any(isinstance(a, ResidentTensor) for a in args):
+                outs = self.platform.run(program, args, keep=kept)
+            else:
+                outs = self.platform.run(program, args)
             run_ms = getattr(self.platform, "last_run_ms", None) or (time.perf_counter() - start) * 1e3
         except Exception as e:  # noqa: BLE001 - tag with the region, re-raise the platform's own error
             e.region = names
@@ -169,7 +218,8 @@ class HybridRunner:
             raise err
         env.update(zip(sub.outputs, outs))
         return RegionRun(nodes=names, inputs=[r for r, _ in sub.inputs], outputs=list(sub.outputs),
-                         bytes_in=sum(int(t.nbytes) for t in args), bytes_out=sum(int(t.nbytes) for t in outs),
+                         bytes_in=sum(int(t.nbytes) for t in args if not isinstance(t, ResidentTensor)),
+                         bytes_out=sum(int(t.nbytes) for t in outs if not isinstance(t, ResidentTensor)),
                          compile_ms=compile_ms, run_ms=float(run_ms), cached=cached)
 
 

@@ -106,6 +106,24 @@ class InjectedPlatform(Platform):
     def _run(self, program, inputs):
         return self.inner.run(program, inputs)
 
+    def run(self, program, inputs, keep=()):
+        # Resident tensors belong to the inner platform: it runs, keeps and counts them itself.
+        return self.inner.run(program, inputs, keep)
+
+    def read(self, handle):
+        return self.inner.read(handle)
+
+    @property
+    def upload_bytes(self) -> int:
+        return self.inner.upload_bytes
+
+    @property
+    def last_run_ms(self):
+        return getattr(self.inner, "last_run_ms", None)
+
+    def enable_guards(self) -> bool:
+        return self.inner.enable_guards()
+
     def reconnect(self) -> None:
         self.inner.reconnect()
 

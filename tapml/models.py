@@ -95,16 +95,21 @@ def parse_hf_overrides(items: list[str] | None) -> dict:
     return out
 
 
-def build_hf(model_type: str, overrides: dict | None = None):
-    """A tiny random-init transformers model of ``model_type`` and an example input."""
-    config = _small_config(model_type, overrides)
-    import transformers
-    config.use_cache = False
+def _export_settings(config, use_cache: bool) -> None:
+    """Settings every exported transformers model gets: the cache on or off, eager attention."""
+    config.use_cache = use_cache
     if hasattr(config, "_attn_implementation"):
         try:
             config._attn_implementation = "eager"
         except Exception:  # noqa: BLE001 - read-only on some configs; sdpa is fine then
             pass
+
+
+def build_hf(model_type: str, overrides: dict | None = None):
+    """A tiny random-init transformers model of ``model_type`` and an example input."""
+    config = _small_config(model_type, overrides)
+    import transformers
+    _export_settings(config, use_cache=False)
     model = None
     # Decoders get their LM head; encoders (also listed as causal LMs, e.g. BERT) stay bare models.
     encoder = type(config) in transformers.AutoModelForMaskedLM._model_mapping
@@ -290,12 +295,7 @@ def load_causal_lm(spec: str, *, tokens: int, prompt_len: int, seed: int = 0, hf
         raise TapmlError(f"{spec}: prompt_len {prompt_len} + tokens {tokens} exceeds the model's {max_positions} "
                          f"positions; ask for at most {max_positions - prompt_len} tokens, a shorter prompt, or "
                          "raise max_position_embeddings with --hf-config")
-    config.use_cache = True
-    if hasattr(config, "_attn_implementation"):
-        try:
-            config._attn_implementation = "eager"
-        except Exception:  # noqa: BLE001 - read-only on some configs; sdpa is fine then
-            pass
+    _export_settings(config, use_cache=True)
     torch.manual_seed(seed)
     try:
         model = transformers.AutoModelForCausalLM.from_config(config).eval()

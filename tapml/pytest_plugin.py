@@ -9,6 +9,9 @@ the dashes, e.g. ``tapml_target = wgpu:vulkan``):
 ``--tapml-inject OP=KIND``   fault injection, as ``tapml replay --inject`` (repeatable)
 ``--tapml-token-file FILE``  device server token for ``remote://`` targets (else $TAPML_TOKEN)
 ``--tapml-store DIR``        the carve store of hand-written suites
+``--tapml-repeat K``         run each case K times; outputs that differ run to run fail it as flaky
+``--tapml-baseline OLD.json`` a ``tapml replay --profile --json`` file: each case is also timed,
+                             and fails when it is more than 25% (and 0.05 ms) slower than there
 
 and these fixtures:
 
@@ -46,6 +49,10 @@ _OPTIONS = (
      "for remote:// targets (else $TAPML_TOKEN)"),
     ("--tapml-store", "tapml_store", "store", "Carve store whose cases hand-written tests that use "
      "the tapml_case fixture run"),
+    ("--tapml-repeat", "tapml_repeat", "store", "Run each case K times (default 1); a case whose outputs "
+     "are not bit-identical run to run fails as flaky, with a map of the elements that varied"),
+    ("--tapml-baseline", "tapml_baseline", "store", "A `tapml replay --profile --json` file: time each case "
+     "and fail it when it is more than 25% slower than the same case there"),
 )
 
 
@@ -122,8 +129,41 @@ def pytest_configure(config):
         tol = _opt(config, "tapml_tol")
         if tol:
             _cli_tolerances(tol)
+        repeat_option(config)
+        baseline_option(config)
     except TapmlError as e:
         raise pytest.UsageError(f"tapml: {e}") from None
+
+
+_BASELINES: dict[str, object] = {}
+
+
+def baseline_option(config):
+    """The VerdictDocument of ``--tapml-baseline`` (read once per process), or None.
+    Raises TapmlError when the file is malformed or holds no device times."""
+    path = _opt(config, "tapml_baseline")
+    if not path:
+        return None
+    if path not in _BASELINES:
+        from tapml.profile import read_baseline
+        _BASELINES[path] = read_baseline(path)
+    return _BASELINES[path]
+
+
+def repeat_option(config) -> int:
+    """``--tapml-repeat`` (or the ini key) as a number of runs, 1 when not given; TapmlError
+    when it is not a whole number of 1 or more."""
+    from tapml.errors import TapmlError
+    value = _opt(config, "tapml_repeat")
+    if value is None:
+        return 1
+    try:
+        runs = int(value)
+    except ValueError:
+        runs = 0
+    if runs < 1:
+        raise TapmlError(f"--tapml-repeat {value}: give a number of runs of 1 or more (e.g. 20)")
+    return runs
 
 
 def _cli_tolerances(items):
@@ -216,19 +256,24 @@ class CarvedCase:
     asserts that it passes."""
 
     def __init__(self, store, case: dict, platform, target: str, tolerances, known_failure: str | None,
-                 item=None):
+                 item=None, baseline=None):
         self.store, self.case, self.platform, self.target = store, case, platform, target
         self.tolerances = tolerances
         self.known_failure = known_failure
         self._item = item
+        self.baseline = baseline
 
     def run(self) -> dict:
-        """Run the case on the target; returns the Verdict dict of :func:`tapml.replay.run_case`."""
-        from tapml.replay import run_case
-        verdict = run_case(self.platform, self.store, self.case, self.tolerances)
+        """Run the case on the target; returns the Verdict dict of :func:`tapml.replay.run_case`
+        (profiled, with ``device_ms``, when there is a baseline)."""
+        from tapml.replay import replay_case
+        from tapml.profile import RUNS
+        verdict = replay_case(self.platform, self.store, self.case, self.tolerances,
+                              profile=RUNS if self.baseline is not None else 0,
+                              repeat=repeat_option(self._item.config) if self._item is not None else 1).to_json()
         if self._item is not None:
             for key in ("op", "node", "module", "status", "max_abs_err", "max_rel_err", "mismatch_fraction",
-                        "time_ms"):
+                        "time_ms", "device_ms"):
                 self._item.user_properties.append((f"tapml_{key}", verdict.get(key)))
         return verdict
 
@@ -240,7 +285,25 @@ class CarvedCase:
             raise CaseFailure(failure_message(verdict, self.target, self._tol_text()) +
                               (f"\nknown failure recorded during migration: {self.known_failure}"
                                if self.known_failure else ""))
+        if self.baseline is not None:
+            self._check_speed(verdict)
         return verdict
+
+    def _check_speed(self, verdict: dict) -> None:
+        __tracebackhide__ = True
+        from tapml.profile import RUNS, SLOWER_THAN, profile_program, slower_cases
+
+        def remeasure(_verdict):
+            graph = self.store.case_graph(self.case)
+            program = self.platform.compile(graph)
+            return profile_program(self.platform, program, self.store.case_inputs(self.case), graph, RUNS)["device_ms"]
+
+        slower = slower_cases({"cases": [verdict]}, self.baseline, SLOWER_THAN, remeasure=remeasure)
+        if slower:
+            s = slower[0]
+            raise CaseFailure(f"{s['op']} at node {verdict['node']} (case {s['id']}) on {self.target}: "
+                              f"{s['ratio']:.2f}x slower than the baseline ({s['device_ms']:.4f} ms, "
+                              f"baseline {s['baseline_ms']:.4f} ms; more than {SLOWER_THAN:g}% slower)")
 
     def _tol_text(self) -> str:
         from tapml.carving.gentests import case_tolerance
@@ -300,7 +363,8 @@ def tapml_case(request, tapml_target, tapml_target_spec) -> CarvedCase:
     known = request.node.get_closest_marker("tapml_known_failure")
     return CarvedCase(store, case_dict, tapml_target, tapml_target_spec,
                       _case_tolerances(case_dict["op"], spec, request.config),
-                      known.kwargs.get("reason") if known else None, request.node)
+                      known.kwargs.get("reason") if known else None, request.node,
+                      baseline=baseline_option(request.config))
 
 
 def pytest_generate_tests(metafunc):

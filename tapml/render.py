@@ -6,7 +6,7 @@ state, for scripts that read the exit code (and ``--json`` for the data itself).
 
 from __future__ import annotations
 
-STATUS_STYLE = {"pass": "green", "mismatch": "red", "error": "bold red", "unsupported": "yellow"}
+STATUS_STYLE = {"pass": "green", "mismatch": "red", "error": "bold red", "unsupported": "yellow", "flaky": "magenta"}
 
 
 def fmt_err(x: float | None) -> str:
@@ -38,7 +38,7 @@ def render_matrix(matrix: dict, console, all_rows: bool = False, max_rows: int |
                   highlight=False)
     for label, col in zip(matrix["labels"], matrix["columns"]):
         backend = f" [{col['backend']}]" if col["backend"] else ""
-        console.print(f"  {escape(label)}: {escape((col['adapter'] or '?') + backend)}", highlight=False)
+        console.print(f"  {escape(label)}: {escape((col['adapter'] or '?') + backend)}", highlight=False, soft_wrap=True)
     table = Table()
     table.add_column("op", no_wrap=True)
     if by_case:
@@ -105,7 +105,8 @@ def render_states(states, console, quiet: bool = False, max_rows: int = 30) -> N
         total = sum(summary.values())
         color = "green" if s.passed else "red"
         line = (f"[{color}]{escape(s.model)} on {escape(s.label)}: {summary['pass']}/{total} cases pass[/]"
-                f", {summary['mismatch']} mismatch, {summary['unsupported']} unsupported, {summary['error']} error")
+                f", {summary['mismatch']} mismatch, {summary['unsupported']} unsupported, {summary['error']} error"
+                + (f", {summary['flaky']} flaky" if summary.get("flaky") else ""))
         if shares["basis"] == "placement" and shares["ops_share"] is not None:
             flops = "" if shares["flops_share"] is None else f", {shares['flops_share']:.1%} of FLOPs"
             line += f"; {shares['ops_share']:.1%} of ops{flops} on the target"

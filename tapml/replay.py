@@ -10,7 +10,7 @@ import torch
 from tapml.compare import Tolerances, compare_anchored, compare_outputs
 from tapml.errors import DeviceLost, PlatformError, Unsupported
 from tapml.graph import run_graph
-from tapml.verdict import STATUSES, CaseVerdict, VerdictDocument, outcome_verdict, summary  # noqa: F401 - re-exported
+from tapml.verdict import STATUSES, CaseVerdict, Verdict, VerdictDocument, outcome_verdict, summary  # noqa: F401 - re-exported
 
 
 def device_info(platform) -> dict:
@@ -33,26 +33,70 @@ def _reference64(store, case) -> list[torch.Tensor]:
     return [out[r] for r in graph.outputs]
 
 
+def repeat_runs(platform, program, inputs: list[torch.Tensor], first: list[torch.Tensor], repeat: int) -> str | None:
+    """Run ``program`` ``repeat - 1`` more times after a first run that gave ``first`` and
+    compare every run's outputs with the first's bit for bit (:class:`tapml.flaky.RunToRun`).
+    Returns None when all were identical, else the ``flaky`` verdict's message (how many runs
+    differed, each varied output's pattern and map). A later run that fails raises its
+    PlatformError (or Unsupported) prefixed with which run it was.
+
+    Example: ``repeat_runs(platform, program, [x], platform.run(program, [x]), 20)``."""
+    from tapml.flaky import RunToRun
+    if repeat <= 1:
+        return None
+    runs = RunToRun(first)
+    for k in range(1, repeat):
+        try:
+            runs.add(platform.run(program, inputs))
+        except (Unsupported, PlatformError) as e:
+            raise type(e)(f"run {k + 1} of {repeat} (run 1 went through): {e}") from e
+    return runs.report()
+
+
+def flaky_verdict(first: Verdict, report: str) -> Verdict:
+    """The ``flaky`` verdict of a case whose runs differed (``report`` from :func:`repeat_runs`),
+    keeping the first run's error statistics and saying how it compared with the reference."""
+    against = f"run 1 against the reference: {first.status}" + (f" ({first.message})" if first.message else "")
+    return Verdict(**{**first.outcome(), "status": "flaky", "message": f"{report}\n{against}"})
+
+
 def replay_case(platform, store, case: dict, tolerances: Tolerances | None = None,
-               anchored: bool = False) -> CaseVerdict:
+               anchored: bool = False, profile: int = 0, repeat: int = 1) -> CaseVerdict:
     """Run one case on ``platform`` and judge it against the reference's outputs. A platform
-    failure is a verdict (see :func:`~tapml.verdict.outcome_verdict`); DeviceLost is raised."""
+    failure is a verdict (see :func:`~tapml.verdict.outcome_verdict`); DeviceLost is raised.
+    ``profile``: time that many more runs of a case that ran and record their median device
+    time, GFLOP/s and GB/s on the verdict (:func:`tapml.profile.profile_program`).
+    ``repeat``: run the case that many times; outputs that differ from run to run make it
+    ``flaky`` (:func:`repeat_runs`), whatever the first run's comparison says."""
     start = time.perf_counter()
+    speed = {}
     try:
-        program = platform.compile(store.case_graph(case))
-        outputs = platform.run(program, store.case_inputs(case))
+        graph = store.case_graph(case)
+        program = platform.compile(graph)
+        inputs = store.case_inputs(case)
+        outputs = platform.run(program, inputs)
+        first_ms = getattr(platform, "last_run_ms", None)
+        varied = repeat_runs(platform, program, inputs, outputs, repeat)
     except (Unsupported, PlatformError) as e:
         outcome = outcome_verdict(e)
     else:
-        time_ms = round(getattr(platform, "last_run_ms", (time.perf_counter() - start) * 1e3), 4)
+        time_ms = round(first_ms if first_ms is not None else (time.perf_counter() - start) * 1e3, 4)
         expected = store.case_outputs(case)
         if anchored:
             result = compare_anchored(outputs, expected, _reference64(store, case))
         else:
             result = compare_outputs(outputs, expected, op=case["op"], tolerances=tolerances)
         outcome = outcome_verdict(result, time_ms)
+        if varied:
+            outcome = flaky_verdict(outcome, varied)
+        if profile:
+            from tapml.profile import profile_program
+            try:
+                speed = profile_program(platform, program, inputs, graph, runs=profile)
+            except (Unsupported, PlatformError) as e:
+                outcome.message = (outcome.message + "; " if outcome.message else "") + f"not profiled: {e}"
     return CaseVerdict(id=case["id"], op=case["op"], node=case["node"], module=case["module"],
-                       instances=case.get("instances", 1), **outcome.outcome())
+                       instances=case.get("instances", 1), **outcome.outcome(), **speed)
 
 
 def run_case(platform, store, case: dict, tolerances: Tolerances | None = None, anchored: bool = False) -> dict:
@@ -61,11 +105,22 @@ def run_case(platform, store, case: dict, tolerances: Tolerances | None = None, 
 
 
 def replay(store, platform, target: str, tolerances: Tolerances | None = None, anchored: bool = False,
-           cases: list[dict] | None = None, on_case: Callable[[dict], None] | None = None) -> dict:
+           cases: list[dict] | None = None, on_case: Callable[[dict], None] | None = None, profile: int = 0,
+           repeat: int = 1, guards: bool = False) -> dict:
     """Replay ``cases`` (default: all) of ``store`` on ``platform``; returns the Verdict JSON.
+    ``profile``: record each case's device time, the median of that many runs (see :func:`replay_case`).
+    ``repeat``: run each case that many times, ``flaky`` when its outputs vary. ``guards``: check
+    every run for writes past the end of a buffer (:meth:`Platform.enable_guards`; TapmlError
+    when the platform cannot), which are ``error`` verdicts naming the kernel and buffer.
 
     A case that finds the device gone is an ``error`` verdict saying so, and the replay goes
     on: the next case may find it back (a remote platform reconnects by itself)."""
+    from tapml.errors import TapmlError
+    if not (isinstance(repeat, int) and repeat >= 1):
+        raise TapmlError(f"--repeat {repeat}: give a number of runs of 1 or more (2 or more to check for flaky kernels)")
+    if guards and not platform.enable_guards():
+        raise TapmlError(f"--guards: {target} cannot check for out-of-bounds writes; wgpu targets "
+                         "(wgpu, wgpu:vulkan, wgpu:gl, ...) and browser can")
     verdicts = []
     try:
         device = device_info(platform)
@@ -73,7 +128,7 @@ def replay(store, platform, target: str, tolerances: Tolerances | None = None, a
         device = {"adapter": "unknown", "backend": "unknown", "features": [], "limits": {}, "error": str(e)}
     for case in store.cases if cases is None else cases:
         try:
-            v = replay_case(platform, store, case, tolerances, anchored)
+            v = replay_case(platform, store, case, tolerances, anchored, profile, repeat)
         except DeviceLost as e:
             v = CaseVerdict(id=case["id"], op=case["op"], node=case["node"], module=case["module"],
                             instances=case.get("instances", 1), status="error", message=f"error: {e}")

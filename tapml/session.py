@@ -40,7 +40,8 @@ class Session:
     """
 
     def __init__(self, model: str, target: str = "reference", state: str | None = None,
-                 inject: list[str] | None = None, tol=None, token: str | None = None, platform=None):
+                 inject: list[str] | None = None, tol=None, token: str | None = None, platform=None,
+                 hf_config: dict | None = None):
         from tapml.compare import Tolerances
         from tapml.targets import check_target, open_target
         check_target(target)
@@ -48,7 +49,7 @@ class Session:
         self.inject = list(inject or [])
         self.target = target
         self.state_path = Path(state) if state else None
-        self.store, self.store_path = open_or_carve(str(model), state)
+        self.store, self.store_path = open_or_carve(str(model), state, hf_config=hf_config)
         # A model carved without --state lives in a scratch folder, removed at close unless saved.
         self._scratch = self.store_path.parent if state is None and not Path(str(model)).is_dir() else None
         self.graph = self.store.graph

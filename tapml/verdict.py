@@ -35,8 +35,12 @@ if TYPE_CHECKING:
 FORMAT_VERSION = 1
 #: The ``format`` key of migration states (and of their journal's header).
 STATE_FORMAT = "tapml-migration/1"
-STATUSES = ("pass", "mismatch", "unsupported", "error")
+#: ``flaky``: outputs that differ from run to run (``replay --repeat K``, :mod:`tapml.flaky`), kept
+#: apart from ``mismatch`` (a wrong but repeatable result).
+STATUSES = ("pass", "mismatch", "unsupported", "error", "flaky")
 STAT_KEYS = ("max_abs_err", "max_rel_err", "mismatch_fraction")
+#: How a profiled case's ``device_ms`` was taken (tapml.profile): GPU timestamps or the host clock.
+TIMINGS = ("timestamp", "wall")
 #: Kinds of culprit, in the order reports list them: a wrong op (alone), a wrong node (in its
 #: model's context), an op that fails to compile or run, a window of nodes that fails to run
 #: together (fusion), error that builds up along a window of nodes that each pass, and last an
@@ -103,24 +107,45 @@ class Verdict:
 @dataclass(kw_only=True)
 class CaseVerdict(Verdict):
     """The verdict on one carved case run alone (``id``, ``op``, ``node``, ``module`` of the
-    case, ``instances``: how many calls of the model it stands for)."""
+    case, ``instances``: how many calls of the model it stands for). A profiled case
+    (``replay --profile``, :mod:`tapml.profile`) adds its median ``device_ms``, ``gflops``,
+    ``gbps``, ``timing`` (one of :data:`TIMINGS`), input ``shapes`` and, compared with a
+    baseline, ``baseline_ms``; all None otherwise and then not written."""
 
     id: str = ""
     op: str = "?"
     node: str = ""
     module: str = ""
     instances: int = 1
+    device_ms: float | None = None
+    gflops: float | None = None
+    gbps: float | None = None
+    timing: str | None = None
+    shapes: str | None = None
+    baseline_ms: float | None = None
 
     def to_json(self) -> dict:
-        return {"id": self.id, "op": self.op, "node": self.node, "module": self.module,
-                "instances": self.instances, **super().to_json()}
+        out = {"id": self.id, "op": self.op, "node": self.node, "module": self.module,
+               "instances": self.instances, **super().to_json()}
+        if self.device_ms is not None:
+            out.update(device_ms=self.device_ms, gflops=self.gflops, gbps=self.gbps, timing=self.timing,
+                       shapes=self.shapes)
+        if self.baseline_ms is not None:
+            out["baseline_ms"] = self.baseline_ms
+        return out
 
     @classmethod
     def _read(cls, o: "_Obj") -> "CaseVerdict":
         strict = o.ctx.strict
+        speed = {k: o.number(k) for k in ("device_ms", "gflops", "gbps", "baseline_ms")}
+        for k, v in speed.items():
+            if v is not None and v < 0:
+                o.fail(f"{k} is {v}, expected a time or rate of 0 or more")
         return cls(id=o.string("id", "", required=strict), op=o.string("op", required=True),
                    node=o.string("node", "", required=strict), module=o.string("module", "", required=strict),
-                   instances=o.count("instances", 1, required=strict), **cls._read_outcome(o))
+                   instances=o.count("instances", 1, required=strict), **speed,
+                   timing=o.choice("timing", TIMINGS, None), shapes=o.string("shapes", None),
+                   **cls._read_outcome(o))
 
 
 @dataclass(kw_only=True)
@@ -292,7 +317,7 @@ def _status(v) -> str:
 
 
 def summary(verdicts: Iterable) -> dict:
-    """``{"pass": n, "mismatch": n, "unsupported": n, "error": n}`` over verdicts (typed or JSON)."""
+    """``{"pass": n, "mismatch": n, "unsupported": n, "error": n, "flaky": n}`` over verdicts (typed or JSON)."""
     counts = dict.fromkeys(STATUSES, 0)
     for v in verdicts:
         counts[_status(v)] += 1
@@ -661,5 +686,5 @@ def _placement(o: _Obj) -> dict:
 
 __all__ = ["Verdict", "CaseVerdict", "UnitVerdict", "RegionCheck", "EndToEnd", "Culprit", "VerdictDocument",
            "MigrationState", "outcome_verdict", "culprit_kind", "summary", "passed", "journal_record", "check_depth",
-           "STATUSES", "STAT_KEYS", "CULPRIT_KINDS", "UNIT_KINDS", "STAGES", "STATE_FORMAT",
+           "STATUSES", "STAT_KEYS", "TIMINGS", "CULPRIT_KINDS", "UNIT_KINDS", "STAGES", "STATE_FORMAT",
            "FORMAT_VERSION"]

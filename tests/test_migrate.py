@@ -131,7 +131,7 @@ def test_injected_faults_are_localized_exactly(gpt2, tmp_path, inject, kind, nod
 def test_accumulated_error_is_bisected(chain, tmp_path):
     # Each add is 6e-5 off: alone within atol 1e-4, but two in a row are not.
     state = migrate(chain, tmp_path, inject=["aten.add.Tensor=offset:6e-5"], tol=["0,1e-4"])
-    assert state["summary"] == {"pass": len(chain.cases), "mismatch": 0, "unsupported": 0, "error": 0}
+    assert state["summary"] == {"pass": len(chain.cases), "mismatch": 0, "unsupported": 0, "error": 0, "flaky": 0}
     leaf = [u for u in state["units"] if u["id"].startswith("region:chain.")]
     assert len(leaf) == 4 and all(u["status"] == "pass" for u in leaf)
     assert next(u for u in state["units"] if u["id"] == "region:chain")["status"] == "mismatch"

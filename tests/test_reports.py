@@ -415,7 +415,7 @@ def test_html_report_in_headless_chromium(states, tmp_path_factory):
     assert got["text_rows"] and all("tanh" in row for row in got["text_rows"])
     assert got["count"] == f"{len(got['text_rows'])} of {n_cases} rows"
     assert got["fail_rows"] == ["mismatch"] * n_failing and got["all_rows"] == n_cases
-    assert got["matrix_cols"] == 4  # op + three states
+    assert got["matrix_cols"] == 5  # op, agreement across targets, three states
     assert CULPRIT_MODULE in got["plot_culprits"]
 
 

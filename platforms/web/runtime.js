@@ -5,6 +5,7 @@
 //   host -> page  text   {"type": "welcome", max_programs, max_bytes}: how many prepared programs (and bytes
 //                        of their buffers) the page keeps, least recently used dropped first; sent before any run
 //   host -> page  text   {"type": "run", id, key, program | null, inputs: [name], outputs: [[name, nbytes]]}
+//                        (a program may hold guards: {buffer name: byte where its guard starts}, see GUARD_BYTES)
 //   host -> page  binary one frame per const buffer (only when program is sent), then one per input
 //   page -> host  binary one frame per output, then text {"type": "done", id, gpu_ms}
 //                 or text {"type": "error", id, code, message}   (code: no-program | compile | run)
@@ -37,6 +38,10 @@ export function parseFrame(data) {
 }
 
 const align4 = (n) => Math.max(4, Math.ceil(n / 4) * 4);
+// Guard regions (the host's enable_guards): GUARD_BYTES after each guarded buffer, inside its binding, filled
+// with the same sentinel as platforms/wgpu_native.py's, so that a write past the tensor lands where it is seen.
+export const GUARD_BYTES = 256;
+const SENTINEL = new Uint8Array(GUARD_BYTES).map((_, i) => [0xa5, 0x5a, 0xc3, 0x3c][i % 4]);
 const kebab = (name) => name.replace(/[A-Z]/g, (c) => "-" + c.toLowerCase());
 
 function gatherLimits(limits) {
@@ -112,8 +117,10 @@ export class KernelRuntime {
     const device = this.device;
     const buffers = new Map();
     const usage = GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC | GPUBufferUsage.COPY_DST;
+    const guarded = new Map(Object.entries(program.guards ?? {})); // name -> where its guard starts
     program.buffers.forEach((spec) => {
-      buffers.set(spec.name, device.createBuffer({ label: spec.name, size: align4(spec.size), usage }));
+      const size = align4(spec.size) + (guarded.has(spec.name) ? GUARD_BYTES : 0);
+      buffers.set(spec.name, device.createBuffer({ label: spec.name, size, usage }));
     });
     program.consts.forEach((name, i) => device.queue.writeBuffer(buffers.get(name), 0, padded(consts[i])));
     device.pushErrorScope("validation");
@@ -134,7 +141,9 @@ export class KernelRuntime {
         const bindGroup = device.createBindGroup({
           layout, entries: k.bindings.map(([name], binding) => ({ binding, resource: { buffer: buffers.get(name) } })),
         });
-        kernels.push({ pipeline, bindGroup, workgroups: k.workgroups });
+        // the guards this kernel could write, copied out after it runs to pin a bad write on it
+        const snapshots = [...new Set(k.bindings.filter(([n, a]) => a === "read_write" && guarded.has(n)).map(([n]) => n))];
+        kernels.push({ pipeline, bindGroup, workgroups: k.workgroups, name: k.name, snapshots });
       }
     } catch (e) {
       await device.popErrorScope();
@@ -153,7 +162,13 @@ export class KernelRuntime {
     });
     let bytes = 0;
     buffers.forEach((b) => { bytes += b.size; });
-    const prepared = { buffers, kernels, poison, staging: new Map(), bytes };
+    const slots = kernels.reduce((n, k) => n + k.snapshots.length, 0);
+    const guards = slots === 0 ? null : {
+      starts: guarded, slots,
+      readback: device.createBuffer({ size: slots * GUARD_BYTES, usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST }),
+    };
+    if (guards) bytes += slots * GUARD_BYTES;
+    const prepared = { buffers, kernels, poison, staging: new Map(), bytes, guards };
     this.remember(key, prepared);
     return prepared;
   }
@@ -190,6 +205,7 @@ export class KernelRuntime {
     this.bytes -= prepared.bytes;
     prepared.buffers.forEach((b) => b.destroy());
     prepared.staging.forEach((b) => b.destroy());
+    if (prepared.guards) prepared.guards.readback.destroy();
   }
 
   /** Uploads inputs, dispatches every kernel in one submission, reads outputs back: [Uint8Array]. */
@@ -203,13 +219,31 @@ export class KernelRuntime {
     device.pushErrorScope("out-of-memory");
     device.pushErrorScope("validation");
     const encoder = device.createCommandEncoder();
-    const pass = encoder.beginComputePass();
-    for (const k of prepared.kernels) {
-      pass.setPipeline(k.pipeline);
-      pass.setBindGroup(0, k.bindGroup);
-      pass.dispatchWorkgroups(...k.workgroups);
+    const guards = prepared.guards;
+    const snapshots = []; // [kernel name, buffer name] per guard slot, in dispatch order
+    if (guards) {
+      guards.starts.forEach((start, name) => device.queue.writeBuffer(prepared.buffers.get(name), start, SENTINEL));
+      for (const k of prepared.kernels) {
+        const pass = encoder.beginComputePass();
+        pass.setPipeline(k.pipeline);
+        pass.setBindGroup(0, k.bindGroup);
+        pass.dispatchWorkgroups(...k.workgroups);
+        pass.end();
+        for (const name of k.snapshots) {
+          encoder.copyBufferToBuffer(prepared.buffers.get(name), guards.starts.get(name), guards.readback,
+                                     snapshots.length * GUARD_BYTES, GUARD_BYTES);
+          snapshots.push([k.name, name]);
+        }
+      }
+    } else {
+      const pass = encoder.beginComputePass();
+      for (const k of prepared.kernels) {
+        pass.setPipeline(k.pipeline);
+        pass.setBindGroup(0, k.bindGroup);
+        pass.dispatchWorkgroups(...k.workgroups);
+      }
+      pass.end();
     }
-    pass.end();
     const reads = outputs.map(([name, nbytes]) => {
       const size = align4(nbytes);
       const stagingKey = `${name}:${size}`;
@@ -226,11 +260,30 @@ export class KernelRuntime {
     const oom = await device.popErrorScope();
     if (validation || oom) throw Object.assign(new Error((validation ?? oom).message), { code: "run" });
     await Promise.all(reads.map((r) => r.staging.mapAsync(GPUMapMode.READ)));
+    if (guards) await checkGuards(guards.readback, snapshots, guards.starts);
     return reads.map((r) => {
       const bytes = new Uint8Array(r.staging.getMappedRange(0, align4(r.nbytes)).slice(0, r.nbytes));
       r.staging.unmap();
       return bytes;
     });
+  }
+}
+
+/** Throws (code "run") naming the first kernel that wrote into a guard, the buffer and the first bad byte. */
+async function checkGuards(readback, snapshots, starts) {
+  await readback.mapAsync(GPUMapMode.READ);
+  const data = new Uint8Array(readback.getMappedRange().slice(0));
+  readback.unmap();
+  for (let slot = 0; slot < snapshots.length; slot++) {
+    const guard = data.subarray(slot * GUARD_BYTES, (slot + 1) * GUARD_BYTES);
+    const bad = [];
+    guard.forEach((b, i) => { if (b !== SENTINEL[i]) bad.push(i); });
+    if (bad.length) {
+      const [kernel, name] = snapshots[slot];
+      throw Object.assign(new Error(`kernel ${kernel} wrote past buffer ${name} (${starts.get(name)} bytes): first bad ` +
+                                    `byte at offset +${bad[0]} after its end (last at +${bad[bad.length - 1]} of the ` +
+                                    `${GUARD_BYTES}-byte guard)`), { code: "run" });
+    }
   }
 }
 

@@ -6,10 +6,13 @@ from typing import List, Optional
 
 import typer
 
-from tapml.cli.common import (InjectOpt, JsonOpt, QuietOpt, TargetOpt, TokenFileOpt, TolOpt, app, command, console,
+from tapml.cli.common import (InjectOpt, JsonOpt, QuietOpt, TokenFileOpt, TolOpt, app, command, console,
                               fail, out, write_json)
+from tapml.cli.store import check_targets, render_matrix_run
 from tapml.render import fmt_err
 
+HfConfigOpt = typer.Option(None, "--hf-config", help="KEY=VALUE config override when MODEL is an hf: spec to carve "
+                                                    "(repeatable)")
 ModelArg = typer.Argument(..., help="Carve store directory, or a MODEL spec (zoo:NAME, hf:TYPE, file.py:factory, "
                                     "file.pt2) to carve first")
 
@@ -117,14 +120,32 @@ def render_state(state: dict, quiet: bool = False) -> None:
     out.print(verdict, highlight=False)
 
 
+def state_for_target(state: str, target: str) -> str:
+    """The state file of one target when a migration runs on several: the target spec, its
+    punctuation turned into dashes, before the suffix (``s.json``, ``wgpu:vulkan`` -> ``s.wgpu-vulkan.json``)."""
+    import re
+    from pathlib import Path
+    path = Path(state)
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", target).strip("-")
+    return str(path.with_name(f"{path.stem}.{slug}{path.suffix or '.json'}"))
+
+
+MigrateTargetsOpt = typer.Option(["reference"], "--target", "-t",
+                                 help="reference, wgpu[:vulkan|gl|metal|dx12], browser, remote://HOST:PORT; "
+                                      "repeatable: one migration per target, one after another, each with its own "
+                                      "state file named from --state (s.json -> s.wgpu-vulkan.json) and one matrix "
+                                      "at the end; --inject then goes into every target but reference")
+
+
 @app.command(name="migrate")
 @command
-def migrate(model: str = ModelArg, target: str = TargetOpt,
+def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
             state: str = typer.Option(..., "--state", help="Migration state file (JSON) to write; its journal "
                                                            "is kept beside it as STATE.journal"),
             resume: bool = typer.Option(False, "--resume", help="Continue from the state's journal, skipping what is done"),
             inject: Optional[List[str]] = InjectOpt, tol: Optional[List[str]] = TolOpt,
-            token_file: Optional[str] = TokenFileOpt, quiet: bool = QuietOpt, json_out: Optional[str] = JsonOpt):
+            token_file: Optional[str] = TokenFileOpt, hf_config: Optional[List[str]] = HfConfigOpt,
+            quiet: bool = QuietOpt, json_out: Optional[str] = JsonOpt):
     """Offload MODEL to TARGET: each op, then growing regions, then the whole model, checking each step."""
     from pathlib import Path
 
@@ -132,15 +153,33 @@ def migrate(model: str = ModelArg, target: str = TargetOpt,
     from tapml.inject import parse_faults
     from tapml.carving import open_or_carve
     from tapml.migrate import Migration, check_faults, exit_code
-    from tapml.targets import check_target, open_target, read_token
-    check_target(target)
+    from tapml.replay import injects_into
+    from tapml.targets import open_target, read_token
+    targets = check_targets(target)
     tolerances = Tolerances.parse(tol)
     parse_faults(inject or [])
     if Path(state).is_dir():
         fail(f"--state {state} is a directory; give a file name such as {Path(state) / 'state.json'}")
+    from tapml.models import parse_hf_overrides
     store, store_path = open_or_carve(model, state, on_carve=lambda spec, path: None if quiet else console.print(
-        f"carving {spec} into {path}", highlight=False))
+        f"carving {spec} into {path}", highlight=False), hf_config=parse_hf_overrides(hf_config))
     check_faults(store.graph, inject)
+    if len(targets) > 1:
+        paths = {t: state_for_target(state, t) for t in targets}
+        results = {}
+        for t in targets:
+            faults = inject if injects_into(t) else None
+            with open_target(t, token=read_token(token_file), inject=faults) as platform, \
+                    MigrationDisplay(f"migrating {store.model} to {t} ({paths[t]})", quiet) as display:
+                results[t] = Migration(store, platform, t, paths[t], tolerances=tolerances, inject=faults, resume=resume,
+                                       on_event=display.event, store_path=str(store_path)).run()
+        def render_target(doc: dict) -> None:
+            from rich.markup import escape
+            out.print(f"[bold]{escape(doc['target'])}[/] ({escape(paths[doc['target']])})", highlight=False)
+            render_state(doc, quiet)
+
+        raise typer.Exit(render_matrix_run(results, False, False, quiet, json_out, render_target))
+    target = targets[0]
     with open_target(target, token=read_token(token_file), inject=inject) as platform, \
             MigrationDisplay(f"migrating {store.model} to {target}", quiet) as display:
         result = Migration(store, platform, target, state, tolerances=tolerances, inject=inject, resume=resume,
@@ -152,4 +191,4 @@ def migrate(model: str = ModelArg, target: str = TargetOpt,
     raise typer.Exit(exit_code(result))
 
 
-__all__ = ["render_state", "MigrationDisplay", "ModelArg"]
+__all__ = ["render_state", "MigrationDisplay", "ModelArg", "HfConfigOpt", "state_for_target"]

@@ -15,7 +15,7 @@ import typer
 from rich.markup import escape
 
 from tapml.cli.common import InjectOpt, TargetOpt, TokenFileOpt, TolOpt, app, command, fail
-from tapml.cli.migrate import ModelArg
+from tapml.cli.migrate import HfConfigOpt, ModelArg
 from tapml.errors import TapmlError
 from tapml.render import fmt_err
 
@@ -26,11 +26,13 @@ def session(model: str = ModelArg, target: str = TargetOpt,
             state: Optional[str] = typer.Option(None, "--state", help="State file that `save` writes (and next to "
                                                                       "which a MODEL spec is carved)"),
             inject: Optional[List[str]] = InjectOpt, tol: Optional[List[str]] = TolOpt,
-            token_file: Optional[str] = TokenFileOpt):
+            token_file: Optional[str] = TokenFileOpt, hf_config: Optional[List[str]] = HfConfigOpt):
     """Interactive offloading: place nodes, modules or ops on TARGET and check them step by step."""
+    from tapml.models import parse_hf_overrides
     from tapml.session import Session
     from tapml.targets import read_token
-    with Session(model, target=target, state=state, inject=inject, tol=tol, token=read_token(token_file)) as s:
+    with Session(model, target=target, state=state, inject=inject, tol=tol, token=read_token(token_file),
+                 hf_config=parse_hf_overrides(hf_config)) as s:
         shell = SessionShell(s)
         shell.cmdloop()
     if shell.errors and not shell.interactive:

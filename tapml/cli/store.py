@@ -18,8 +18,13 @@ def carve(model: str = typer.Argument(..., help="zoo:NAME, hf:MODEL_TYPE, path/f
           device: str = typer.Option("cpu", "--device", help="Reference device: cpu or cuda"),
           seed: int = typer.Option(0, "--seed", help="Seed for weights and inputs"),
           hf_config: Optional[List[str]] = typer.Option(None, "--hf-config", help="KEY=VALUE config override for hf: models"),
+          generate: Optional[int] = typer.Option(None, "--generate", help="Record a generation instead: the prefill "
+                                                 "and N greedy decode steps against a static key/value cache "
+                                                 "(N+1 steps; a causal LM)"),
+          prompt_len: int = typer.Option(8, "--prompt-len", help="With --generate: prompt tokens of the prefill"),
           quiet: bool = QuietOpt, json_out: Optional[str] = JsonOpt):
-    """Run MODEL on the reference and record every operator call as a test case."""
+    """Run MODEL on the reference and record every operator call as a test case. With
+    --generate N, record a generation: prefill plus N decode steps (`tapml generate` checks it)."""
     from tapml.carving import carve as carve_model
     from tapml.models import parse_hf_overrides
     target = Path(output)
@@ -27,6 +32,10 @@ def carve(model: str = typer.Argument(..., help="zoo:NAME, hf:MODEL_TYPE, path/f
                                                           for p in target.iterdir())):
         fail(f"{output} exists and is not an empty directory or a carve store; choose another -o")
     overrides = parse_hf_overrides(hf_config)
+    if generate is not None:
+        carve_generation_command(model, output, tokens=generate, prompt_len=prompt_len, seed=seed, device=device,
+                                 hf_config=overrides, quiet=quiet, json_out=json_out)
+        return
     with progress_bar(quiet) as bar:  # carve() leaves no half store behind
         task = bar.add_task(f"carving {model}", total=None)
         info = carve_model(model, output, seed=seed, device=device, hf_config=overrides,
@@ -36,6 +45,25 @@ def carve(model: str = typer.Argument(..., help="zoo:NAME, hf:MODEL_TYPE, path/f
     console.print(f"carved [bold]{model}[/] -> {output}: {info['nodes']} nodes, {info['cases']} cases, "
                   f"{info['ops']} ops, {info['bytes'] / 1e6:.1f} MB "
                   f"(export {info['export_s']:.1f}s, carve {info['carve_s']:.1f}s)", highlight=False)
+
+
+def carve_generation_command(model: str, output: str, *, tokens: int, prompt_len: int, seed: int, device: str,
+                             hf_config: dict, quiet: bool, json_out: Optional[str]) -> None:
+    """``tapml carve MODEL --generate N``: carve the prefill and N decode steps into ``output``."""
+    from tapml.carving.generation import carve_generation
+    if tokens < 1 or prompt_len < 1:
+        fail(f"--generate {tokens} --prompt-len {prompt_len}: both must be 1 or more (N decode steps after an "
+             "L-token prompt)")
+    with progress_bar(quiet) as bar:  # carve_generation() leaves no half store behind
+        task = bar.add_task(f"carving a generation of {model}", total=tokens + 1)
+        info = carve_generation(model, output, tokens=tokens, prompt_len=prompt_len, seed=seed, device=device,
+                                hf_config=hf_config or None, on_step=lambda _: bar.advance(task))
+    if json_out:
+        write_json({"model": model, "store": str(Path(output).resolve()), **info}, json_out)
+    console.print(f"carved a generation of [bold]{model}[/] -> {output}: {info['steps']} steps (prefill + {tokens} "
+                  f"decode), {info['nodes']} prefill and {info['decode_nodes']} decode nodes, {info['cases']} cases, "
+                  f"{info['bytes'] / 1e6:.1f} MB (export {info['export_s']:.1f}s, carve {info['carve_s']:.1f}s)",
+                  highlight=False)
 
 
 @app.command()
@@ -78,19 +106,31 @@ def render_verdicts(result: dict, quiet: bool = False) -> None:
         table = Table(title=f"cases that did not pass on {result['target']}")
         for col in ("id", "op", "node", "module", "status", "max_abs_err", "message"):
             table.add_column(col, overflow="fold")
-        style = {"mismatch": "red", "error": "bold red", "unsupported": "yellow"}
+        style = {"mismatch": "red", "error": "bold red", "unsupported": "yellow", "flaky": "magenta"}
         for v in bad[:50]:
             err = "" if v["max_abs_err"] is None else f"{v['max_abs_err']:.3g}"
-            table.add_row(v["id"], v["op"], v["node"], v["module"], f"[{style[v['status']]}]{v['status']}[/]",
-                          err, v["message"][:160])
+            table.add_row(v["id"], v["op"], v["node"], v["module"], f"[{style.get(v['status'], 'magenta')}]{v['status']}[/]",
+                          err, v["message"].split("\n")[0][:160])
         out.print(table)
         if len(bad) > 50:
             out.print(f"... and {len(bad) - 50} more (see --json)")
+        render_flaky([v for v in bad if v["status"] == "flaky"])
     s = result["summary"]
     total = sum(s.values())
     color = "green" if s["pass"] == total else "red"
     out.print(f"[{color}]{s['pass']}/{total} pass[/], {s['mismatch']} mismatch, {s['unsupported']} unsupported, "
-              f"{s['error']} error on {result['target']} ({result['device'].get('adapter', '')})", highlight=False)
+              f"{s['error']} error" + (f", {s['flaky']} flaky" if s.get("flaky") else "") +
+              f" on {result['target']} ({result['device'].get('adapter', '')})", highlight=False)
+
+
+def render_flaky(flaky: list[dict], most: int = 5) -> None:
+    """Each flaky case's report: how many runs differed, the pattern and map of what varied."""
+    from rich.markup import escape
+    for v in flaky[:most]:
+        out.print(f"[magenta]flaky[/] {escape(v['id'])} {escape(v['op'])} at {escape(v['node'])}:", highlight=False)
+        out.print(escape(v["message"]), highlight=False, soft_wrap=True)
+    if len(flaky) > most:
+        out.print(f"... and {len(flaky) - most} more flaky cases (see --json)")
 
 
 TargetsOpt = typer.Option(["reference"], "--target", "-t",
@@ -116,7 +156,8 @@ def check_targets(targets: Optional[List[str]]) -> list[str]:
 def render_matrix_run(verdicts: dict[str, dict], by_case: bool, all_rows: bool, quiet: bool, json_out: Optional[str],
                       render_one) -> int:
     """Write (``--json``) and print the result of a run on several targets: ``verdicts`` is
-    ``{target: Verdict JSON or state}``, ``render_one(doc, quiet)`` prints one target's own lines.
+    ``{target: Verdict JSON or migration state}``, ``render_one(doc)`` prints one target's own lines
+    after the matrix.
     Returns the exit code: 0 when everything passed on every target, else 1."""
     from tapml.reports.data import coverage_matrix, matrix_document, parse_state
     from tapml.render import render_matrix
@@ -127,7 +168,7 @@ def render_matrix_run(verdicts: dict[str, dict], by_case: bool, all_rows: bool, 
         if not quiet:
             render_matrix(coverage_matrix(states, by_case=by_case), out, all_rows=all_rows, all_option="--all")
         for doc in verdicts.values():
-            render_one(doc, True)
+            render_one(doc)
     return EXIT_OK if all(s.passed for s in states) else EXIT_FINDING
 
 
@@ -144,7 +185,9 @@ def replay_matrix(store, targets: list[str], *, token, inject, json_out, quiet, 
 
         verdicts = replay_targets(store, targets, token=token, inject=inject, on_target=start, cases=cases,
                                   on_case=lambda v: bar.advance(current["task"]), **options)
-    raise typer.Exit(render_matrix_run(verdicts, by_case, all_rows, quiet, json_out, render_verdicts))
+    # The matrix shows what failed where; each target adds its summary line.
+    raise typer.Exit(render_matrix_run(verdicts, by_case, all_rows, quiet, json_out,
+                                       lambda doc: render_verdicts(doc, quiet=True)))
 
 
 @app.command()
@@ -155,9 +198,21 @@ def replay(store: str = typer.Argument(..., help="Carve store directory"),
            anchored: bool = typer.Option(False, "--fp64-anchored", help="Judge float errors against a float64 recomputation"),
            op: Optional[List[str]] = typer.Option(None, "--op", help="Only cases of this op (repeatable)"),
            by_case: bool = ByCaseOpt, all_rows: bool = AllRowsOpt,
+           profile: bool = typer.Option(False, "--profile", help="Record each case's device time (median of 5 runs; "
+                                        "GPU timestamps where the device has them), GFLOP/s and GB/s"),
+           baseline: Optional[str] = typer.Option(None, "--baseline", help="A `replay --profile --json` file to compare "
+                                                  "device times with (implies --profile); slower cases are findings"),
+           slower_than: float = typer.Option(25.0, "--slower-than", help="With --baseline: percent slower that makes "
+                                             "a case a finding"),
+           repeat: int = typer.Option(1, "--repeat", help="Run each case K times: a case whose outputs are not "
+                                      "bit-identical run to run is flaky (with a map of the elements that varied)"),
+           guards: bool = typer.Option(False, "--guards", help="Guard the end of every buffer a kernel writes with a "
+                                       "sentinel: a kernel that writes past its tensor is an error (wgpu and browser targets)"),
            quiet: bool = QuietOpt):
     """Run every carved case of STORE on TARGET and compare with the reference. With several
-    --target, every case runs on every target (one after another) and one matrix shows them."""
+    --target, every case runs on every target (one after another) and one matrix shows them.
+    With --baseline, cases more than --slower-than percent (and 0.05 ms) slower than the same
+    case of the baseline are findings (exit 1)."""
     from tapml.compare import Tolerances
     from tapml.replay import replay as replay_store
     from tapml.targets import open_target, read_token
@@ -167,16 +222,81 @@ def replay(store: str = typer.Argument(..., help="Carve store directory"),
     cases = [c for c in s.cases if not op or c["op"] in op]
     if op and not cases:
         fail(f"no cases of {', '.join(op)} in {store}; `tapml inspect {store}` lists its ops")
+    if repeat < 1:
+        fail(f"--repeat {repeat}: give a number of runs of 1 or more (e.g. --repeat 20 to find flaky kernels)")
+    unguarded = [t for t in targets if t.split(":")[0] not in ("wgpu", "browser")]
+    if guards and unguarded:
+        fail(f"--guards checks for out-of-bounds writes on wgpu and browser targets only, not on {', '.join(unguarded)}; "
+             "drop --guards or those targets")
+    from tapml.profile import RUNS, compare_with_baseline, read_baseline, unmatched_cases
+    if not slower_than >= 0:
+        fail(f"--slower-than {slower_than}: give a percentage of 0 or more (25 flags cases 25% slower)")
+    if baseline and len(targets) > 1:
+        fail("--baseline compares one target with its baseline; give one --target")
+    old = read_baseline(baseline) if baseline else None
+    runs = RUNS if profile or baseline else 0
     if len(targets) > 1:
         replay_matrix(s, targets, token=read_token(token_file), inject=inject, json_out=json_out, quiet=quiet,
-                      by_case=by_case, all_rows=all_rows, tolerances=tolerances, anchored=anchored, cases=cases)
+                      by_case=by_case, all_rows=all_rows, tolerances=tolerances, anchored=anchored, cases=cases,
+                      profile=runs, repeat=repeat, guards=guards)
     target = targets[0]
     with open_target(target, token=read_token(token_file), inject=inject) as platform, progress_bar(quiet) as bar:
         task = bar.add_task(f"replay on {target}", total=len(cases))
         result = replay_store(s, platform, target, tolerances, anchored=anchored, cases=cases,
-                              on_case=lambda v: bar.advance(task))
+                              on_case=lambda v: bar.advance(task), profile=runs, repeat=repeat, guards=guards)
+        if old is not None and old.target != target:
+            console.print(f"[yellow]note:[/] the baseline ran on {old.target}, this replay on {target}", highlight=False)
+        slower = compare_with_baseline(s, platform, result, old, slower_than) if old is not None else []
+        missing = unmatched_cases(result, old) if old is not None else 0
+        if missing:
+            console.print(f"[yellow]note:[/] {missing} profiled case(s) have no case of the same id, op and shapes "
+                          f"in {baseline}: not compared", highlight=False)
+    if old is not None:
+        result["slower"] = slower
     if json_out:
         write_json(result, json_out)
     if json_out != "-":
+        if runs:
+            render_speed(result, slower, baseline, slower_than, quiet)
         render_verdicts(result, quiet)
-    raise typer.Exit(EXIT_OK if result["summary"]["pass"] == len(result["cases"]) else EXIT_FINDING)
+    passed = result["summary"]["pass"] == len(result["cases"])
+    raise typer.Exit(EXIT_OK if passed and not slower else EXIT_FINDING)
+
+
+def render_speed(result: dict, slower: list[dict], baseline: Optional[str], slower_than: float, quiet: bool) -> None:
+    """Per-op device time, GFLOP/s and GB/s (against the baseline when there is one), then the
+    cases that got slower."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from tapml.reports.data import op_speeds
+    rows = op_speeds(result["cases"])
+    if rows and not quiet:
+        timing = ", ".join(sorted({c["timing"] for c in result["cases"] if c.get("timing")}))
+        table = Table(title=f"device time per op on {escape(result['target'])} ({timing}; median of each case's runs)")
+        for col in ("op", "cases", "device ms", "GFLOP/s", "GB/s") + (("baseline ms", "ratio") if baseline else ()):
+            table.add_column(col, justify="left" if col == "op" else "right")
+        for r in rows:
+            cells = [r["op"], str(r["cases"]), f"{r['device_ms']:.4f}", _num(r["gflops"]), _num(r["gbps"])]
+            if baseline:
+                cells += [_num(r["baseline_ms"], ".4f"), _num(r["ratio"], ".2f")]
+            table.add_row(*cells)
+        out.print(table)
+    if slower and not quiet:
+        table = Table(title=f"cases more than {slower_than:g}% slower than {escape(baseline or '')}")
+        for col in ("id", "op", "baseline ms", "device ms", "ratio"):
+            table.add_column(col, justify="left" if col in ("id", "op") else "right")
+        for f in slower[:50]:
+            table.add_row(f["id"], f["op"], f"{f['baseline_ms']:.4f}", f"{f['device_ms']:.4f}", f"[red]{f['ratio']:.2f}x[/]")
+        out.print(table)
+    if baseline:
+        color = "red" if slower else "green"
+        drift = result.get("drift") or 1.0
+        note = (f" (every case ran {drift:.2f}x the baseline's time: a loaded machine, or a change that slows all "
+                "alike; cases are judged against that)") if drift > 1 + slower_than / 100 else ""
+        out.print(f"[{color}]{len(slower)} slower[/] than the baseline by more than {slower_than:g}%{note}",
+                  highlight=False)
+
+
+def _num(x, spec: str = ".3g") -> str:
+    return "—" if x is None else format(x, spec)

@@ -1,0 +1,194 @@
+"""``tapml generate``: run a generation (prefill, then decode token by token) on a target and
+check every step against the reference."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+
+from tapml.cli.common import (EXIT_FINDING, EXIT_OK, InjectOpt, JsonOpt, QuietOpt, TargetOpt, TokenFileOpt, TolOpt,
+                              app, command, console, fail, out, write_json)
+from tapml.cli.migrate import HfConfigOpt
+from tapml.render import fmt_err
+
+#: Defaults when a MODEL is carved on the fly.
+DEFAULT_TOKENS, DEFAULT_PROMPT_LEN = 8, 8
+
+
+
+@app.command(name="generate")
+@command
+def generate(model: str = typer.Argument(..., help="A generation store (`tapml carve MODEL --generate N`), or a "
+                                                    "causal LM spec (zoo:tiny-llama, hf:gpt2, hf:qwen2...) to carve first"),
+             target: str = TargetOpt,
+             tokens: Optional[int] = typer.Option(None, "--tokens", help="Decode steps after the prefill: N gives "
+                                                  f"N+1 steps (default {DEFAULT_TOKENS}; with a STORE, all it holds)"),
+             prompt_len: Optional[int] = typer.Option(None, "--prompt-len", help="Prompt tokens of the prefill "
+                                                      f"(default {DEFAULT_PROMPT_LEN}; a STORE has its own)"),
+             free: bool = typer.Option(False, "--free", help="The target feeds its own tokens (default: every step "
+                                       "gets the reference's tokens, teacher-forced)"),
+             store_dir: Optional[str] = typer.Option(None, "--store", help="Keep the store carved from MODEL in this "
+                                                     "new directory (default: a temporary one, removed after)"),
+             seed: int = typer.Option(0, "--seed", help="Seed for weights and the prompt when carving MODEL"),
+             hf_config: Optional[List[str]] = HfConfigOpt,
+             localize: bool = typer.Option(True, "--localize/--no-localize", help="Find the culprit of the first "
+                                           "failing step with the migration machinery"),
+             inject: Optional[List[str]] = InjectOpt, tol: Optional[List[str]] = TolOpt,
+             token_file: Optional[str] = TokenFileOpt, json_out: Optional[str] = JsonOpt, quiet: bool = QuietOpt):
+    """Generate with MODEL on TARGET step by step (prefill, then one decode step per token against
+    the key/value cache) and compare every step's logits and token with the reference. Exit 0
+    when every step passes (or is a near-tie), 1 on a failure, 2 on bad input."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from tapml.carving.store import CarveStore
+    from tapml.compare import Tolerances
+    from tapml.generate import check_generation_store, generate as run_generation, passed
+    from tapml.inject import parse_faults
+    from tapml.models import parse_hf_overrides
+    from tapml.targets import check_target, open_target, read_token
+
+    check_target(target)
+    tolerances = Tolerances.parse(tol)
+    parse_faults(inject or [])
+    for name, value in (("--tokens", tokens), ("--prompt-len", prompt_len)):
+        if value is not None and value < 1:
+            fail(f"{name} {value}: give 1 or more")
+    overrides = parse_hf_overrides(hf_config)
+    temporary = None
+    if Path(model).is_dir():
+        if store_dir or hf_config:
+            fail(f"{model} is a store: --store and --hf-config apply when MODEL is a model spec to carve")
+        store = CarveStore(model)
+        tokens = check_generation_store(store, tokens, prompt_len)
+    else:
+        if Path(model).exists():
+            fail(f"{model} is a file, not a generation store or a causal LM spec")
+        if store_dir:
+            out_dir = Path(store_dir)
+            if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+                fail(f"--store {store_dir} exists and is not an empty directory; choose another, or pass the "
+                     "store itself as MODEL")
+            if not out_dir.parent.is_dir():
+                fail(f"--store {store_dir}: directory {out_dir.parent} does not exist")
+        else:
+            temporary = tempfile.mkdtemp(prefix="tapml-generate-")
+            out_dir = Path(temporary) / "store"
+        tokens = DEFAULT_TOKENS if tokens is None else tokens
+        prompt_len = DEFAULT_PROMPT_LEN if prompt_len is None else prompt_len
+        store = _carve(model, out_dir, tokens=tokens, prompt_len=prompt_len, seed=seed, hf_config=overrides,
+                       quiet=quiet)
+    try:
+        _check_faults(store, inject)
+        with open_target(target, token=read_token(token_file), inject=inject) as platform:
+            doc = run_generation(store, platform, target, tokens=tokens, free=free, tolerances=tolerances,
+                                 localize=localize, inject=inject, on_step=_progress(quiet or json_out == "-"))
+    finally:
+        if temporary:
+            shutil.rmtree(temporary, ignore_errors=True)
+    if json_out:
+        write_json(doc, json_out)
+    if json_out != "-":
+        render_generation(doc, quiet)
+    raise typer.Exit(EXIT_OK if passed(doc) else EXIT_FINDING)
+
+
+def _carve(model: str, out_dir, *, tokens: int, prompt_len: int, seed: int, hf_config: dict, quiet: bool):
+    from tapml.carving.generation import carve_generation
+    from tapml.carving.store import CarveStore
+    if not quiet:
+        console.print(f"carving a generation of {model}: prompt {prompt_len} tokens, {tokens} decode steps",
+                      highlight=False)
+    carve_generation(model, out_dir, tokens=tokens, prompt_len=prompt_len, seed=seed, hf_config=hf_config or None)
+    return CarveStore(out_dir)
+
+
+def _check_faults(store, inject: Optional[List[str]]) -> None:
+    """An --inject fault must name an op (and node) of the prefill or the decode graph."""
+    from tapml.errors import TapmlError
+    from tapml.migrate import check_faults
+    for item in inject or []:
+        errors = []
+        for kind in ("prefill", "decode"):
+            try:
+                check_faults(store.step_graph(kind), [item])
+                break
+            except TapmlError as e:
+                errors.append(e)
+        else:
+            raise errors[0]
+
+
+def _progress(quiet: bool):
+    """One line per step on stderr when stderr is a terminal."""
+    if quiet or not console.is_terminal:
+        return None
+
+    def show(row: dict) -> None:
+        console.print(f"  step {row['step']} {row['kind']}: {row['status']}", highlight=False)
+    return show
+
+
+STEP_STYLE = {"pass": "green", "near-tie": "yellow", "mismatch": "red", "error": "bold red"}
+
+
+def render_generation(doc: dict, quiet: bool = False) -> None:
+    """The two token streams side by side, a row per step, the culprit table, then the summary."""
+    from rich.markup import escape
+    from rich.table import Table
+    s = doc["summary"]
+    if not quiet:
+        out.print(f"[bold]{escape(doc['model'])}[/] on [bold]{escape(doc['target'])}[/] "
+                  f"({escape(str(doc['device'].get('adapter', '')))}): {doc['mode']}, prompt {doc['prompt_len']} "
+                  f"tokens, {doc['tokens']} decode steps", highlight=False)
+        ref = doc["reference_tokens"]
+        got = doc["target_tokens"]
+        width = max([len(str(t)) for t in ref + got] + [1])
+        cells_ref = " ".join(str(t).rjust(width) for t in ref)
+        cells_got = " ".join((f"[red]{str(t).rjust(width)}[/]" if i >= len(ref) or t != ref[i] else str(t).rjust(width))
+                             for i, t in enumerate(got))
+        out.print(f"reference: {cells_ref}", highlight=False)
+        out.print(f"target:    {cells_got}", highlight=False)
+        out.print(f"[dim]({escape(doc['tokenizer_note'])})[/]", highlight=False)
+        table = Table(title="steps")
+        for col in ("step", "kind", "ref token", "target token", "max_abs_err", "status", "message"):
+            table.add_column(col, justify="right" if col in ("step", "ref token", "target token") else "left",
+                             overflow="fold")
+        for r in doc["steps"]:
+            table.add_row(str(r["step"]), r["kind"], str(r["reference_token"]),
+                          "-" if r["target_token"] is None else str(r["target_token"]), fmt_err(r["max_abs_err"]),
+                          f"[{STEP_STYLE[r['status']]}]{r['status']}[/]", escape((r["message"] or "")[:120]))
+        out.print(table)
+    if doc["culprits"] and not quiet:
+        table = Table(title=f"culprits of step {s['first_failure']}")
+        for col in ("op", "node", "module", "kind", "step", "max_abs_err"):
+            table.add_column(col, overflow="fold")
+        for c in doc["culprits"]:
+            table.add_row(c["op"], c["node"], c["module"] or "<root>", c["kind"], str(c["step"]),
+                          fmt_err(c["max_abs_err"]))
+        out.print(table)
+    if not quiet:
+        fell = {k: p["fell_back"] for k, p in doc["placement"].items()}
+        upload = doc["upload_bytes_per_decode_step"]
+        rates = doc["tokens_per_s"]
+        out.print(f"placement: {fell['prefill']} prefill and {fell['decode']} decode nodes fell back to the reference; "
+                  f"programs compiled: {doc['programs_compiled']} ({doc['compiled_per_shape']})", highlight=False)
+        out.print(f"uploaded per decode step: {'-' if upload is None else f'{upload} bytes'}; decode tokens/s: target "
+                  f"{_rate(rates['target'])}, reference (torch eager, CPU) {_rate(rates['reference'])}", highlight=False)
+        if doc.get("first_divergence") is not None:
+            out.print(f"[yellow]the target's tokens leave the reference's at step {doc['first_divergence']}[/]",
+                      highlight=False)
+    from tapml.generate import passed
+    color = "green" if passed(doc) else "red"
+    where = "" if s["first_failure"] is None else f", first failure at step {s['first_failure']}"
+    out.print(f"[{color}]{s['pass']}/{doc['tokens'] + 1} steps pass[/], {s['near_tie']} near-tie, {s['mismatch']} "
+              f"mismatch, {s['error']} error{where}", highlight=False)
+
+
+def _rate(x) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+__all__ = ["render_generation"]

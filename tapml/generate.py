@@ -1,0 +1,335 @@
+"""Checking a generation on a target: prefill, then decode step by step against the key/value cache.
+
+A generation store (``tapml carve MODEL --generate N``, :mod:`tapml.carving.generation`) holds
+the prefill and decode graphs with their cache as ``state``, every step's inputs, and the
+reference's last-position logits and greedy token per step. :func:`generate` runs the same
+steps on a target through :class:`~tapml.hybrid.HybridRunner`'s step API: every node the target
+supports is placed on it, the rest falls back to the reference; weights are uploaded once and
+the cache stays where its producer runs, so only token ids and positions cross per step.
+
+- **teacher-forced** (default): every step gets the reference's tokens; each step's logits are
+  compared with the reference's (:mod:`tapml.compare` tolerances) and the argmax tokens too.
+  A different token where the reference's own top-2 logit gap is within the tolerance is a
+  ``near-tie``: reported, not a failure.
+- **free** (``free=True``): the target feeds its own tokens; the reference follows the same
+  tokens in lockstep so that every step's logits are still comparable, and the first token
+  where the target leaves the reference's own generation is reported.
+
+On the first failing step the migration machinery (:class:`tapml.migrate.Migration`: op stage
+on that graph's cases, then regions with bisection) runs on that step's graph with the
+reference's real inputs at that step, and names the culprits (op, node, module, kind, step).
+
+Shapes are static: one program per region of the prefill graph (per prompt length) and one
+per region of the decode graph, reused by every decode step, so ``programs_compiled`` does not
+grow with the number of tokens.
+
+Example::
+
+    store = CarveStore("stores/llama-gen")
+    with open_target("wgpu:vulkan") as platform:
+        doc = generate(store, platform, "wgpu:vulkan")
+    doc["summary"]  # {'steps': 9, 'pass': 9, 'mismatch': 0, 'near_tie': 0, 'error': 0, 'first_failure': None}
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+from tapml.compare import Comparison, Tolerances, compare_outputs
+from tapml.errors import DeviceLost, TapmlError
+from tapml.graph import Graph, dtype_name, step as reference_step
+from tapml.hybrid import REFERENCE, TARGET, HybridRunner
+from tapml.verdict import outcome_verdict
+
+KINDS = ("prefill", "decode")
+STEP_STATUSES = ("pass", "mismatch", "near-tie", "error")
+COMPILED_PER_SHAPE = ("static shapes, compiled per shape: one program per region of the prefill graph (for this "
+                      "prompt length) and one per region of the decode graph, reused by every decode step")
+NO_TOKENIZER = "no tokenizer: zoo: and hf: models have random weights and no vocabulary; token ids are shown"
+
+
+def check_generation_store(store, tokens: int | None = None, prompt_len: int | None = None) -> int:
+    """The number of decode steps to check in ``store``: ``tokens`` (at most the store's) or all
+    of them. TapmlError (bad input) when the store holds no generation, when ``tokens`` is
+    below 1 or beyond what the store holds, or when ``prompt_len`` is not the store's."""
+    if not store.is_generation:
+        raise TapmlError(f"store {store.path} holds no generation (it was carved from one forward); carve one "
+                         f"with `tapml carve {store.model} --generate N -o DIR`, or pass the MODEL to "
+                         "`tapml generate`")
+    gen = store.manifest["generation"]
+    if prompt_len is not None and prompt_len != gen["prompt_len"]:
+        raise TapmlError(f"--prompt-len {prompt_len}: store {store.path} was carved with a {gen['prompt_len']}-token "
+                         "prompt; leave --prompt-len out or carve again")
+    if tokens is None:
+        return gen["tokens"]
+    if type(tokens) is not int or tokens < 1:
+        raise TapmlError(f"--tokens {tokens}: give the number of tokens to decode, 1 or more")
+    if tokens > gen["tokens"]:
+        raise TapmlError(f"--tokens {tokens}: store {store.path} holds {gen['tokens']} decode steps; ask for at most "
+                         f"{gen['tokens']}, or carve a longer generation")
+    return tokens
+
+
+def shared_program_inputs(store) -> dict[str, dict]:
+    """``{"prefill": inputs, "decode": inputs}`` by graph input name, where a tensor the two
+    graphs share in the store is one tensor object (a runtime that keeps uploaded tensors by
+    identity then uploads the weights once for both graphs)."""
+    loaded: dict[str, object] = {}
+    entries = {"prefill": store.manifest["program_inputs"],
+               "decode": store.manifest["generation"]["decode"]["program_inputs"]}
+    out = {}
+    for kind, by_name in entries.items():
+        out[kind] = {}
+        for name, info in by_name.items():
+            if info["tensor"] not in loaded:
+                loaded[info["tensor"]] = store.tensor(info["tensor"])
+            out[kind][name] = loaded[info["tensor"]]
+    return out
+
+
+def logits_ref(graph: Graph) -> str:
+    """The one output of a step graph that is no state: the logits ``[batch, seq, vocab]``."""
+    taken = set(graph.state.values())
+    return next(r for r in graph.outputs if r not in taken)
+
+
+def target_placement(graph: Graph, platform) -> tuple[dict[str, str], list[str]]:
+    """Every node ``platform`` supports on the target, the rest on the reference; returns the
+    placement and the names of the nodes that fell back."""
+    placement, fell_back = {}, []
+    for node in graph.nodes:
+        if platform.supports(node) is None:
+            placement[node.name] = TARGET
+        else:
+            placement[node.name] = REFERENCE
+            fell_back.append(node.name)
+    return placement, fell_back
+
+
+def judge_step(logits, expected, tolerances: Tolerances, reference_token: int) -> tuple[str, Comparison, int]:
+    """``(status, comparison, target token)`` of one step's last-position logits against the
+    reference's: ``mismatch`` when the logits are out of tolerance, ``near-tie`` when they are
+    within it but the argmax differs because the reference's own top-2 gap is within the
+    tolerance, else ``pass`` (a different argmax with a wider gap is a ``mismatch``)."""
+    logits = logits.detach().cpu().reshape(-1)
+    comparison = compare_outputs([logits], [expected], tolerances=tolerances)
+    token = int(logits.argmax()) if logits.numel() else -1
+    if not comparison.passed:
+        return "mismatch", comparison, token
+    if token == reference_token:
+        return "pass", comparison, token
+    rtol, atol = tolerances.get(None, dtype_name(expected.dtype))
+    top = expected.double().topk(2).values
+    gap = float(top[0] - top[1])
+    if gap <= 2 * (atol + rtol * float(top[0].abs())):  # each logit may move by its tolerance
+        comparison.message = (f"argmax {token} instead of {reference_token}: the reference's top-2 gap {gap:.3g} "
+                              "is within the tolerance")
+        return "near-tie", comparison, token
+    comparison.message = f"argmax {token} instead of {reference_token} (the reference's top-2 gap is {gap:.3g})"
+    return "mismatch", comparison, token
+
+
+class StepStore:
+    """One step of a generation seen as a plain store, for the migration machinery: its graph
+    (prefill or decode, the cache as ordinary inputs and outputs), that graph's cases, the
+    reference's real inputs at the step (``program_inputs``) and outputs (``model_outputs``).
+    Everything else (tensors, cases' graphs) comes from the generation store."""
+
+    def __init__(self, store, kind: str, inputs: dict, outputs: dict):
+        full = store.step_graph(kind)
+        self._store = store
+        self.graph = Graph(inputs=full.inputs, nodes=full.nodes, outputs=full.outputs, meta=full.meta)
+        self.cases = [c for c in store.cases if c.get("graph", "prefill") == kind]
+        self._inputs, self._outputs = inputs, outputs
+
+    def program_inputs(self) -> dict:
+        return dict(self._inputs)
+
+    def model_outputs(self) -> dict:
+        return dict(self._outputs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+
+class _ReferenceStepper:
+    """The reference's own decoding of the stored graphs, eagerly with torch, op by op."""
+
+    def __init__(self, store, graphs: dict[str, Graph], params: dict[str, dict]):
+        self.graphs, self.params = graphs, params
+        self.state = {name: params["prefill"][name] for name in graphs["prefill"].state}
+        self.decode_s = 0.0
+
+    def step(self, kind: str, step_inputs: dict) -> tuple[dict, dict, dict]:
+        """Run one step; returns (its inputs with the cache before it, outputs by ref, new cache)."""
+        import torch
+        graph = self.graphs[kind]
+        inputs = {**self.params[kind], **step_inputs}
+        before = dict(self.state)
+        start = time.perf_counter()
+        with torch.no_grad():
+            outputs, self.state = reference_step(graph, {k: v for k, v in inputs.items() if k not in graph.state},
+                                                 self.state)
+        if kind == "decode":
+            self.decode_s += time.perf_counter() - start
+        return {**inputs, **before}, outputs, self.state
+
+
+def generate(store, platform, target: str, *, tokens: int | None = None, free: bool = False,
+             tolerances: Tolerances | None = None, localize: bool = True, inject: list[str] | None = None,
+             on_step: Callable[[dict], None] | None = None,
+             on_event: Callable[[str, dict], None] | None = None) -> dict:
+    """Run the generation of ``store`` on ``platform`` (opened for the TARGET spec ``target``)
+    and judge every step against the reference. Returns the JSON document of ``tapml generate``:
+    ``{"target", "model", "device", "mode", "prompt_len", "tokens", "steps": [{"step", "kind",
+    "reference_token", "target_token", "max_abs_err", "status", "message"}], "summary": {"steps",
+    "pass", "mismatch", "near_tie", "error", "first_failure"}, "culprits": [{"op", "node",
+    "module", "kind", "step", "max_abs_err"}], "programs_compiled", "upload_bytes_per_decode_step",
+    "tokens_per_s": {"target", "reference"}, ...}``.
+
+    ``tokens``: how many of the store's decode steps to run (default all: ``tokens + 1`` steps
+    with the prefill). ``free``: the target feeds its own tokens (``first_divergence`` says where
+    they leave the reference's). ``localize``: on the first failing step, run the migration
+    machinery on that step's graph with the reference's real inputs and name the culprits.
+    ``on_step(row)`` sees each step's row as it is judged; ``on_event`` is the migration's.
+    Raises TapmlError when the store holds no generation; DeviceLost when the device goes away.
+    """
+    from tapml.replay import device_info
+    tokens = check_generation_store(store, tokens)
+    tolerances = tolerances or Tolerances()
+    graphs = {k: store.step_graph(k) for k in KINDS}
+    params = shared_program_inputs(store)
+    refs = {k: logits_ref(graphs[k]) for k in KINDS}
+    placements, fell_back = {}, {}
+    for k in KINDS:
+        placements[k], fell_back[k] = target_placement(graphs[k], platform)
+    runners = {k: HybridRunner(graphs[k], platform) for k in KINDS}
+    reference = _ReferenceStepper(store, graphs, params)
+    stored_steps = store.steps[:tokens + 1]
+    gen = store.manifest["generation"]
+
+    rows: list[dict] = []
+    state: dict = {name: params["prefill"][name] for name in graphs["prefill"].state}
+    target_tokens: list[int] = []
+    uploads, target_decode_s = [], 0.0
+    first_failure, failing = None, None
+    first_divergence = None
+    for s in stored_steps:
+        k, kind = s["step"], s["kind"]
+        graph = graphs[kind]
+        if free and k > 0:
+            step_inputs = {"input_ids": _token_tensor(target_tokens[-1]), **_other_step_inputs(store, k)}
+        else:
+            step_inputs = store.step_inputs(k)
+        ref_inputs, ref_outputs, _ = reference.step(kind, step_inputs)
+        expected = store.step_logits(k) if not free or first_divergence is None else \
+            ref_outputs[refs[kind]][0, -1].detach().cpu()
+        reference_token = s["token"] if not free or first_divergence is None else int(expected.argmax())
+        before = platform.upload_bytes
+        start = time.perf_counter()
+        try:
+            outputs, state = runners[kind].step({n: v for n, v in params[kind].items() if n not in graph.state}
+                                                | step_inputs, state, placements[kind])
+            logits = outputs[refs[kind]][0, -1]
+        except DeviceLost:
+            raise
+        except Exception as e:  # noqa: BLE001 - a failing step is a verdict, not a crash
+            verdict = outcome_verdict(e)
+            rows.append(_row(k, kind, reference_token, None, None, "error", verdict.message))
+        else:
+            if kind == "decode":
+                target_decode_s += time.perf_counter() - start
+                uploads.append(platform.upload_bytes - before)
+            status, comparison, token = judge_step(logits, expected, tolerances, reference_token)
+            target_tokens.append(token)
+            rows.append(_row(k, kind, reference_token, token, comparison.max_abs_err, status, comparison.message))
+            if free and first_divergence is None and token != s["token"]:
+                first_divergence = k
+        if on_step:
+            on_step(rows[-1])
+        if rows[-1]["status"] in ("mismatch", "error") and first_failure is None:
+            first_failure = k
+            failing = (kind, ref_inputs, ref_outputs)
+        if rows[-1]["status"] == "error":
+            break  # the target's cache is unknown after a step that did not run
+
+    culprits, localization = [], None
+    if failing is not None and localize:
+        culprits, localization = _localize(store, platform, target, first_failure, *failing, tolerances=tolerances,
+                                           inject=inject, on_event=on_event)
+    decode_steps = sum(1 for r in rows if r["kind"] == "decode" and r["target_token"] is not None)
+    counts = {status: sum(r["status"] == status for r in rows) for status in STEP_STATUSES}
+    return {
+        "target": target, "model": store.model, "device": device_info(platform),
+        "mode": "free" if free else "teacher-forced", "prompt_len": gen["prompt_len"], "tokens": tokens,
+        "steps": rows,
+        "summary": {"steps": len(rows), "pass": counts["pass"], "mismatch": counts["mismatch"],
+                    "near_tie": counts["near-tie"], "error": counts["error"], "first_failure": first_failure},
+        "culprits": culprits,
+        "localization": localization,
+        "reference_tokens": [s["token"] for s in stored_steps],
+        "target_tokens": target_tokens,
+        "first_divergence": first_divergence if free else None,
+        "tokenizer": None, "tokenizer_note": NO_TOKENIZER,
+        "placement": {k: {"nodes": len(graphs[k].nodes), "on_target": len(graphs[k].nodes) - len(fell_back[k]),
+                          "fell_back": len(fell_back[k]), "fell_back_nodes": fell_back[k][:50]} for k in KINDS},
+        "programs_compiled": sum(r.programs_compiled for r in runners.values()),
+        "compiled_per_shape": COMPILED_PER_SHAPE,
+        # The first decode step also uploads the decode programs' weights (once per program).
+        "upload_bytes_per_decode_step": max(uploads[1:] or uploads) if uploads else None,
+        "upload_bytes_first_decode_step": uploads[0] if uploads else None,
+        "tokens_per_s": {"target": _rate(decode_steps, target_decode_s),
+                         "reference": _rate(tokens, reference.decode_s)},
+    }
+
+
+def passed(doc: dict) -> bool:
+    """Every step passed or was a near-tie (the exit code of ``tapml generate`` is 0)."""
+    s = doc["summary"]
+    return s["mismatch"] == 0 and s["error"] == 0 and s["steps"] == doc["tokens"] + 1
+
+
+def _row(step: int, kind: str, reference_token: int, target_token: int | None, max_abs_err: float | None,
+         status: str, message: str) -> dict:
+    return {"step": step, "kind": kind, "reference_token": reference_token, "target_token": target_token,
+            "max_abs_err": max_abs_err, "status": status, "message": message or ""}
+
+
+def _token_tensor(token: int):
+    import torch
+    return torch.tensor([[token]], dtype=torch.long)
+
+
+def _other_step_inputs(store, step: int) -> dict:
+    """A step's inputs besides the token (the cache position), as the reference fed them."""
+    return {n: t for n, t in store.step_inputs(step).items() if n != "input_ids"}
+
+
+def _rate(tokens: int, seconds: float) -> float | None:
+    return round(tokens / seconds, 3) if tokens and seconds > 0 else None
+
+
+def _localize(store, platform, target: str, step: int, kind: str, inputs: dict, outputs: dict, *,
+              tolerances: Tolerances, inject: list[str] | None,
+              on_event: Callable[[str, dict], None] | None) -> tuple[list[dict], dict]:
+    """Migrate step ``step``'s graph with the reference's inputs at that step: op stage on the
+    graph's cases, then regions with bisection, then the whole step; its culprits, each with
+    the step, and a summary of the run."""
+    from tapml.migrate import Migration
+    view = StepStore(store, kind, inputs, {r: outputs[r] for r in store.step_graph(kind).outputs})
+    with tempfile.TemporaryDirectory(prefix="tapml-generate-") as tmp:
+        state = Migration(view, platform, target, Path(tmp) / "step.json", tolerances=tolerances, inject=inject,
+                          on_event=on_event).run()
+    culprits = [{"op": c["op"], "node": c["node"], "module": c["module"], "kind": c["kind"], "step": step,
+                 "max_abs_err": c["max_abs_err"], "graph": kind, "nodes": c["nodes"], "message": c["message"]}
+                for c in state["culprits"]]
+    e = state["end_to_end"] or {}
+    return culprits, {"step": step, "graph": kind, "cases": len(state["cases"]), "units": len(state["units"]),
+                      "end_to_end": e.get("status"), "placement": state["placement"]["ops_on_target"]}
+
+
+__all__ = ["generate", "passed", "check_generation_store", "judge_step", "target_placement", "logits_ref",
+           "StepStore", "shared_program_inputs", "KINDS", "STEP_STATUSES", "COMPILED_PER_SHAPE", "NO_TOKENIZER"]

@@ -1,0 +1,151 @@
+"""Per-op speed (`replay --profile`, `--baseline`, `--tapml-baseline`): device times on real
+shapes, and a kernel slowed on purpose caught as `slower` while an unchanged replay flags nothing."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from tapml.cli import app
+from tapml.platforms.base import KernelProgram, Platform
+
+runner = CliRunner()
+SLOWED_OP = "aten.addmm.default"
+
+
+def tapml(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+class SlowedPlatform(Platform):
+    """A test-only fault: programs of ``op`` dispatch each of their kernels ``times`` times (same
+    results, ``times`` times the work), the rest runs unchanged on ``inner``."""
+
+    def __init__(self, inner, op: str, times: int = 50):
+        self.inner, self.op, self.times, self.name = inner, op, times, inner.name
+
+    def _caps(self):
+        return self.inner.caps()
+
+    def _supports(self, node):
+        return self.inner.supports(node)
+
+    def _compile(self, graph):
+        program = self.inner.compile(graph)
+        if not any(n.op == self.op for n in graph.nodes):
+            return program
+        return KernelProgram(**{**vars(program), "kernels": [k for k in program.kernels for _ in range(self.times)]})
+
+    def _run(self, program, inputs):
+        return self.inner.run(program, inputs)
+
+
+@pytest.fixture(scope="module")
+def vulkan():
+    from tapml.platforms.wgpu_native import available_backends, shared_platform
+    if "vulkan" not in available_backends():
+        pytest.skip("no Vulkan adapter (install mesa-vulkan-drivers for lavapipe)")
+    return shared_platform("vulkan")
+
+
+@pytest.fixture(scope="module")
+def baseline(carved, tmp_path_factory, vulkan):
+    """A `replay --profile --json` of zoo:mlp on wgpu:vulkan, recorded through the CLI."""
+    path = tmp_path_factory.mktemp("baseline") / "old.json"
+    r = tapml("replay", carved("zoo:mlp"), "-t", "wgpu:vulkan", "--profile", "--json", path, "-q")
+    assert r.exit_code == 0, r.output
+    return path
+
+
+@pytest.mark.device
+def test_profile_records_device_time_flops_and_bytes(baseline):
+    doc = json.loads(baseline.read_text())
+    assert doc["summary"]["pass"] == len(doc["cases"]) == 10
+    for c in doc["cases"]:
+        assert c["timing"] == "timestamp"  # lavapipe has timestamp-query
+        assert c["device_ms"] > 0 and c["gbps"] > 0, c
+        assert c["shapes"]
+    addmm = [c for c in doc["cases"] if c["op"] == SLOWED_OP]
+    assert addmm and all(c["gflops"] > 0 for c in addmm)
+    assert all(c["gflops"] == 0 for c in doc["cases"] if c["op"] == "aten.permute.default")  # a view: no FLOPs
+
+
+@pytest.mark.device
+def test_unchanged_replay_flags_nothing(carved, baseline, tmp_path):
+    out = tmp_path / "new.json"
+    r = tapml("replay", carved("zoo:mlp"), "-t", "wgpu:vulkan", "--baseline", baseline, "--json", out)
+    assert r.exit_code == 0, r.output
+    doc = json.loads(out.read_text())
+    assert doc["slower"] == []
+    assert all(c["baseline_ms"] > 0 for c in doc["cases"])
+    assert "0 slower than the baseline" in r.output
+
+
+@pytest.mark.device
+def test_slowed_kernel_is_slower_than_baseline(mlp, baseline, vulkan):
+    from tapml.profile import RUNS, compare_with_baseline, read_baseline
+    from tapml.replay import replay
+    slowed = SlowedPlatform(vulkan, SLOWED_OP)
+    result = replay(mlp, slowed, "wgpu:vulkan", profile=RUNS)
+    assert result["summary"]["pass"] == len(result["cases"])  # slower, not wrong
+    slower = compare_with_baseline(mlp, slowed, result, read_baseline(str(baseline)))
+    addmm = {c["id"] for c in mlp.cases if c["op"] == SLOWED_OP}
+    assert {s["id"] for s in slower} == addmm, slower
+    assert all(s["op"] == SLOWED_OP and s["ratio"] > 5 and s["device_ms"] > s["baseline_ms"] for s in slower)
+
+
+@pytest.mark.device
+def test_pytest_plugin_fails_a_slowed_case_with_its_ratio(mlp, baseline, vulkan):
+    from tapml.profile import read_baseline
+    from tapml.pytest_plugin import CarvedCase, CaseFailure
+    old = read_baseline(str(baseline))
+    case = next(c for c in mlp.cases if c["op"] == SLOWED_OP)
+    verdict = CarvedCase(mlp, case, vulkan, "wgpu:vulkan", None, None, baseline=old).check()
+    assert verdict["status"] == "pass" and verdict["device_ms"] > 0
+    with pytest.raises(CaseFailure, match=r"\d+\.\d\dx slower than the baseline"):
+        CarvedCase(mlp, case, SlowedPlatform(vulkan, SLOWED_OP), "wgpu:vulkan", None, None, baseline=old).check()
+
+
+@pytest.mark.device
+def test_pytest_option_tapml_baseline(carved, baseline, tmp_path):
+    test = tmp_path / "test_cases.py"
+    test.write_text("import pytest\n\n@pytest.mark.tapml(op='aten.relu.default')\n"
+                    "def test_case(tapml_case):\n    assert tapml_case.check()['device_ms'] > 0\n")
+    r = subprocess.run([sys.executable, "-m", "pytest", str(test), "-q", "-p", "no:cacheprovider",
+                        f"--tapml-store={carved('zoo:mlp')}", "--tapml-target=wgpu:vulkan",
+                        f"--tapml-baseline={baseline}"], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "1 passed" in r.stdout
+
+
+def test_bad_baseline_is_bad_input(carved, tmp_path):
+    store = carved("zoo:mlp")
+    plain = tmp_path / "plain.json"
+    assert tapml("replay", store, "--json", plain, "-q").exit_code == 0
+    r = tapml("replay", store, "--baseline", plain)
+    assert r.exit_code == 2 and "holds no device times" in r.output and "--profile --json" in r.output
+    doc = json.loads(plain.read_text())
+    doc["cases"][0]["device_ms"] = -1.0
+    negative = tmp_path / "negative.json"
+    negative.write_text(json.dumps(doc))
+    r = tapml("replay", store, "--baseline", negative)
+    assert r.exit_code == 2 and "device_ms" in r.output
+    assert tapml("replay", store, "--baseline", plain, "--slower-than", "-5").exit_code == 2
+    assert tapml("replay", store, "-t", "reference", "-t", "wgpu:gl", "--baseline", plain).exit_code == 2
+
+
+def test_reference_profile_and_report_speed_section(carved, tmp_path):
+    from tapml.reports.data import load_states
+    from tapml.reports.html import render_html
+    store = carved("zoo:mlp")
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    assert tapml("replay", store, "--profile", "--json", old, "-q").exit_code == 0
+    r = tapml("replay", store, "--baseline", old, "--slower-than", "1000000", "--json", new, "-q")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(new.read_text())
+    assert doc["slower"] == [] and all(c["timing"] == "wall" and c["baseline_ms"] > 0 for c in doc["cases"])
+    html = render_html(load_states([str(new)]))
+    assert "Device speed per op against the baseline" in html and "aten.addmm.default" in html
+    assert "GFLOP/s" in html and "baseline ms" in html
