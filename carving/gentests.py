@@ -62,14 +62,27 @@ def _digest(text: str) -> str:
 def case_test_id(case: dict, tensor_index: dict) -> str:
     """Readable test id of a case: ``module::op[input shapes]``, e.g.
     ``model.layers.0.mlp.down_proj::aten.mm.default[16x128-128x64]``. Ops without tensor
-    inputs show their output shape (``out:16``); the top-level module is ``top``. Always
+    inputs show their output shape (``out:16``); the top-level module is ``top``. A generation's
+    case starts with its graph and steps (``decode@steps1-32::model.layers.0...``). Always
     printable ASCII (see :func:`ascii_text`), whatever the store's strings hold."""
     shapes = [shape_text(tensor_index[name]["shape"]) for name in case["inputs"]]
     if len(shapes) > _MAX_ID_INPUTS:
         shapes = shapes[:_MAX_ID_INPUTS] + [f"+{len(shapes) - _MAX_ID_INPUTS}"]
     if not shapes:
         shapes = ["out:" + "-".join(shape_text(m["shape"]) for m in case["output_meta"])]
-    return f"{ascii_text(case['module'] or 'top')}::{ascii_text(case['op'])}[{'-'.join(shapes)}]"
+    kind = f"{ascii_text(case['graph'])}@{steps_text(case.get('steps', []))}::" if case.get("graph") else ""
+    return f"{kind}{ascii_text(case['module'] or 'top')}::{ascii_text(case['op'])}[{'-'.join(shapes)}]"
+
+
+def steps_text(steps) -> str:
+    """A generation case's steps as ranges for its test id: ``[0, 1, 2, 5]`` -> ``"steps0-2,5"``."""
+    runs: list[list[int]] = []
+    for x in steps:
+        if runs and x == runs[-1][1] + 1:
+            runs[-1][1] = x
+        else:
+            runs.append([x, x])
+    return "steps" + ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def unique_ids(pairs: list[tuple[str, str]]) -> list[str]:
@@ -322,4 +335,4 @@ def _copy_store(store, src: Path, data: Path) -> None:
 
 
 __all__ = ["KNOWN_FAILURE_MODES", "ascii_text", "case_test_id", "case_tolerance", "docstring_text", "generate_suite",
-           "load_state", "py_literal", "suite_function_names", "unique_ids"]
+           "load_state", "py_literal", "steps_text", "suite_function_names", "unique_ids"]

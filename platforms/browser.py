@@ -27,7 +27,7 @@ import time
 from typing import Callable
 
 from tapml.errors import DeviceLost, PlatformError, TapmlError
-from tapml.platforms.base import KernelProgram
+from tapml.platforms.base import KernelProgram, ResidentTensor
 from tapml.platforms.chromium import INSTALL_HINT, ChromiumProcess, find_chromium
 from tapml.platforms.page_bridge import KIND_CONST, KIND_INPUT, PageBridge, encode_frame
 from tapml.platforms.program_cache import ProgramCache
@@ -62,7 +62,12 @@ class BrowserPlatform(WgslPlatform):
         super().__init__()  # self.programs: each program's plan for the page and its const bytes
         # the program keys the page of self._page has prepared, kept to the same limits as the
         # page's own cache (it evicts alike; a program it dropped anyway is sent again)
-        self._on_page = ProgramCache(self.programs.max_entries, self.programs.max_bytes)
+        self._on_page = ProgramCache(self.programs.max_entries, self.programs.max_bytes, on_evict=self._page_dropped)
+        # what the page holds for each program on it: its input tensors, by input name, as
+        # (tensor, _version) of what was last sent (weights cross once), and the outputs kept
+        # there for later runs ((program key, output position) -> output buffer name)
+        self._page_inputs: dict[str, dict[str, tuple]] = {}
+        self._kept: dict[tuple[str, int], tuple[str, str]] = {}  # -> (buffer name, WGSL dtype)
         self._page: concurrent.futures.Future | None = None
         #: runs that found their program dropped from the page's cache (it was sent again)
         self.page_misses = 0
@@ -175,61 +180,141 @@ class BrowserPlatform(WgslPlatform):
     def _page_cache_limits(self) -> dict:
         return {"max_programs": self.programs.max_entries, "max_bytes": self.programs.max_bytes}
 
-    def _prepare(self, program: KernelProgram) -> tuple[tuple[dict, list[bytes]], int]:
-        """The page's view of a program (buffer sizes, const names, kernels) and the const bytes;
-        the page itself gets it with the program's first run there."""
+    def _prepare(self, program: KernelProgram) -> tuple[dict, list[bytes], set[str]]:
+        """The page's view of a program (buffer sizes, const names, kernels), the const bytes and
+        the buffers its kernels write; the page itself gets it with the program's first run there."""
         consts = [b for b in program.buffers if b.role == "const"]
         plan = {"buffers": [{"name": b.name, "size": b.size} for b in program.buffers],
                 "consts": [b.name for b in consts],
                 "poison": [b.name for b in program.buffers if b.role == "output" and b.size],
                 "kernels": [k.to_json() for k in program.kernels]}
+        written = {name for k in program.kernels for name, access in k.bindings if access == "read_write"}
         if self.guards:  # see enable_guards; the page sizes, fills and checks them (runtime.js)
-            written = {name for k in program.kernels for name, access in k.bindings if access == "read_write"}
             limits = self.caps()["limits"]
             room = min(limits.get("max-storage-buffer-binding-size", 128 << 20), limits.get("max-buffer-size", 256 << 20))
             plan["guards"] = {b.name: -(-b.size // 4) * 4 for b in program.buffers
                               if b.name in written and b.role != "const" and b.size and -(-b.size // 4) * 4 + 256 <= room}
         data = [b.data or b"" for b in consts]
-        return (plan, data), sum(len(d) for d in data)
+        return (plan, data, written), sum(len(d) for d in data)
 
-    def _execute(self, program: KernelProgram, prepared: tuple[dict, list[bytes]], inputs: list) -> list:
-        from tapml.platforms.wgsl.codegen import ITEMSIZE
-        from tapml.platforms.wgsl.tensors import read_output, to_device
+    def _page_dropped(self, key: str, _value=None) -> None:
+        """The page no longer holds program ``key`` (evicted, failed, or a new page): forget its
+        inputs and the outputs it kept."""
+        self._page_inputs.pop(key, None)
+        for k in [k for k in self._kept if k[0] == key]:
+            del self._kept[k]
+
+    def _execute(self, program: KernelProgram, prepared, inputs: list) -> list:
+        return self._run_on_page(program, prepared, inputs, ())
+
+    def _run_resident(self, program: KernelProgram, inputs: list, keep: list[int]) -> list:
+        """Resident inputs are copied on the page from the output buffer that holds them into
+        this program's input buffer; kept outputs stay in their buffers on the page, unread."""
+        return self._run_on_page(program, self.prepared(program), inputs, keep)
+
+    def _new_page(self) -> None:
         if self._closed:
             raise DeviceLost("the browser platform was closed")
         if self.bridge.hello is not self._page:  # one hello future per page: a new page has no programs yet
             self._page = self.bridge.hello
             self._on_page.clear()
+
+    def _run_on_page(self, program: KernelProgram, prepared, inputs: list, keep) -> list:
+        from tapml.platforms.wgsl.codegen import ITEMSIZE
+        from tapml.platforms.wgsl.tensors import read_output, to_device
+        self._new_page()
         specs = {b.name: b for b in program.buffers}
-        payloads = [to_device(t, specs[name].dtype, f"input {name}") for name, t in zip(program.inputs, inputs)]
         metas = program.output_meta or [specs[n].meta for n in program.outputs]
-        outputs = [[name, meta.numel * ITEMSIZE[specs[name].dtype]] for name, meta in zip(program.outputs, metas)]
-        plan, consts = prepared
+        keep = set(keep)
+        outputs = [[name, meta.numel * ITEMSIZE[specs[name].dtype]]
+                   for i, (name, meta) in enumerate(zip(program.outputs, metas)) if i not in keep]
+        copies = []  # [input buffer, program key holding the tensor, its buffer, bytes]
+        for i, (name, t) in enumerate(zip(program.inputs, inputs)):
+            if isinstance(t, ResidentTensor):
+                src = self._kept.get((t.program, t.output))
+                if src is None or t.program not in self._on_page:
+                    raise PlatformError(f"input {i}: the browser page no longer holds that resident tensor (the page "
+                                        "was replaced, or it dropped the program that made it: raise "
+                                        "TAPML_PROGRAM_CACHE); run again from the step that made it")
+                self._on_page.get(t.program)  # just used: the page keeps it while this program is prepared
+                copies.append([name, t.program, src[0], max(4, -(-specs[name].size // 4) * 4)])
+        plan, consts, written = prepared
+        payloads: dict[str, bytes] = {}
         for attempt in range(2):
-            self._run_id += 1
             send_program = program.key not in self._on_page
+            if send_program:
+                self._page_dropped(program.key)  # prepared afresh on the page: it holds none of its inputs
+            held = self._page_inputs.get(program.key, {})
+            send, kept_inputs = [], []
+            for name, t in zip(program.inputs, inputs):
+                if isinstance(t, ResidentTensor):
+                    continue
+                last = held.get(name)
+                if last is not None and last[0] is t and last[1] == t._version and name not in written:
+                    kept_inputs.append(name)  # the page's buffer already holds this very tensor
+                    continue
+                if name not in payloads:
+                    payloads[name] = to_device(t, specs[name].dtype, f"input {name}")
+                send.append((name, t))
+            self._run_id += 1
             msg = {"type": "run", "id": self._run_id, "key": program.key, "program": plan if send_program else None,
-                   "inputs": list(program.inputs), "outputs": outputs}
+                   "inputs": [name for name, _ in send], "held": kept_inputs, "copies": copies, "outputs": outputs}
             frames = ([encode_frame(self._run_id, i, KIND_CONST, c) for i, c in enumerate(consts)] if send_program
                       else [])
-            frames += [encode_frame(self._run_id, i, KIND_INPUT, p) for i, p in enumerate(payloads)]
+            frames += [encode_frame(self._run_id, i, KIND_INPUT, payloads[name]) for i, (name, _) in enumerate(send)]
             try:
                 reply, got = self.bridge.request(msg, frames, self.run_timeout, self._alive)
             except DeviceLost as e:
                 raise DeviceLost(self._crash_reason() or str(e)) from None
-            self.upload_bytes += sum(len(p) for p in payloads) + (sum(map(len, consts)) if send_program else 0)
+            self.upload_bytes += sum(len(payloads[name]) for name, _ in send) + (sum(map(len, consts)) if send_program else 0)
             if reply["type"] == "done":
                 self._on_page.put(program.key, True, sum(b["size"] for b in plan["buffers"]))
+                held = self._page_inputs.setdefault(program.key, held)
+                held.update({name: (t, t._version) for name, t in send})
+                for name, *_ in copies:
+                    held.pop(name, None)
+                for i in range(len(program.outputs)):
+                    if i in keep:
+                        self._kept[(program.key, i)] = (program.outputs[i], specs[program.outputs[i]].dtype)
+                    else:
+                        self._kept.pop((program.key, i), None)
                 break
-            if reply.get("code") == "no-program" and attempt == 0:
+            # a failed run leaves the program's buffers unknown: nothing of it is relied on again
+            self._page_dropped(program.key)
+            if reply.get("code") in ("no-program", "no-input") and attempt == 0:
                 self._on_page.pop(program.key)
                 self.page_misses += 1
                 continue
+            if reply.get("code") == "no-resident":
+                raise PlatformError(f"browser: the page dropped the program holding a resident input "
+                                    f"({reply.get('message', '')}); raise TAPML_PROGRAM_CACHE")
             raise PlatformError(f"browser: {reply.get('message', 'run failed')}")
         if len(got) != len(outputs):
             raise PlatformError(f"the browser returned {len(got)} of {len(outputs)} outputs")
-        return [read_output(got[i], specs[name].dtype, meta, name)
+        read = iter(range(len(outputs)))
+        return [None if i in keep else read_output(got[next(read)], specs[name].dtype, meta, name)
                 for i, (name, meta) in enumerate(zip(program.outputs, metas))]
+
+    def _read_resident(self, handle):
+        from tapml.platforms.wgsl.codegen import ITEMSIZE
+        from tapml.platforms.wgsl.tensors import read_output
+        self._new_page()
+        kept = self._kept.get((handle.program, handle.output))
+        if kept is None or handle.program not in self._on_page:
+            raise PlatformError("the browser page no longer holds that resident tensor (the page was replaced, or "
+                                "it dropped the program that made it: raise TAPML_PROGRAM_CACHE)")
+        name, dtype = kept
+        self._run_id += 1
+        nbytes = handle.meta.numel * ITEMSIZE[dtype]
+        msg = {"type": "read", "id": self._run_id, "key": handle.program, "outputs": [[name, nbytes]]}
+        try:
+            reply, got = self.bridge.request(msg, [], self.run_timeout, self._alive)
+        except DeviceLost as e:
+            raise DeviceLost(self._crash_reason() or str(e)) from None
+        if reply["type"] != "done" or len(got) != 1:
+            self._page_dropped(handle.program)
+            raise PlatformError(f"browser: reading a resident tensor failed: {reply.get('message', 'no data')}")
+        return read_output(got[0], dtype, handle.meta, name)
 
     def close(self) -> None:
         """Close the browser (if tapml launched it) and the server. Safe to call twice."""

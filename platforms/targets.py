@@ -32,6 +32,7 @@ class TargetKind:
     args: Callable[[str, str | None], dict]
     needs: str = ""
     check: Callable[[str], object] | None = None
+    usage: str = ""
 
 
 #: TARGET spec prefix -> its kind. Adding a platform is its runtime module and one line here.
@@ -43,10 +44,62 @@ TARGETS: dict[str, TargetKind] = {
     "browser": TargetKind("tapml.platforms.browser:BrowserPlatform", ("browser",), lambda spec, token: {},
                           "the websockets package; run the README's setup"),
     "remote://": TargetKind("tapml.remote.client:RemotePlatform", None, lambda spec, token: {
-        **dict(zip(("host", "port"), parse_remote(spec))), "token": token}, "rpyc; run the README's setup",
-        check=lambda spec: parse_remote(spec)),
+        **dict(zip(("host", "port"), parse_remote(spec))), "token": token_for(token, spec)}, "rpyc; run the README's setup",
+        check=lambda spec: parse_remote(spec), usage="remote://HOST:PORT"),
+    "registry://": TargetKind("tapml.remote.pool:PoolPlatform", None, lambda spec, token: {"spec": spec, "token": token},
+                              "rpyc; run the README's setup", check=lambda spec: parse_registry_target(spec),
+                              usage="registry://HOST:PORT[?platform=P]"),
 }
-TARGET_HELP = ", ".join(form for kind in TARGETS.values() for form in (kind.forms or ("remote://HOST:PORT",)))
+TARGET_HELP = ", ".join(form for kind in TARGETS.values() for form in (kind.forms or (kind.usage,)))
+
+
+@dataclass(frozen=True)
+class RegistryTarget:
+    """A parsed ``registry://HOST:PORT[?platform=P][&mode=udp|tcp]`` target: the registry's
+    address and protocol (``udp``, as ``tapml registry`` runs by default, or ``tcp``) and the
+    platform kind a device server must serve to join the pool (None: any)."""
+
+    host: str
+    port: int
+    mode: str = "udp"
+    platform: str | None = None
+
+
+def parse_registry_target(spec: str) -> RegistryTarget:
+    """``"registry://127.0.0.1:18811?platform=wgpu:vulkan"`` -> its :class:`RegistryTarget`;
+    TapmlError saying what to fix for a bad spec."""
+    from urllib.parse import parse_qsl
+    usage = "expected registry://HOST:PORT[?platform=P][&mode=udp|tcp], e.g. registry://127.0.0.1:18811?platform=wgpu"
+    m = re.fullmatch(r"registry://(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):(\d{1,5})(?:\?([A-Za-z0-9_.:=&-]*))?", spec)
+    if not m or not 0 < int(m.group(2)) < 65536:
+        raise TapmlError(f"bad registry target {spec[:200]!r}; {usage}")
+    try:
+        query = parse_qsl(m.group(3) or "", keep_blank_values=True, strict_parsing=bool(m.group(3)))
+    except ValueError:
+        query = [("", "")]
+    options = dict(query)
+    unknown = sorted(set(options) - {"platform", "mode"})
+    if unknown or len(options) != len(query):
+        raise TapmlError(f"bad registry target {spec[:200]!r}: only platform= and mode= may follow '?', each once; {usage}")
+    mode = options.get("mode", "udp")
+    if mode not in ("udp", "tcp"):
+        raise TapmlError(f"bad registry target {spec[:200]!r}: mode={mode!r}; use mode=udp or mode=tcp")
+    platform = options.get("platform")
+    if platform is not None:
+        if platform.startswith(("remote://", "registry://")) or not platform:
+            raise TapmlError(f"bad registry target {spec[:200]!r}: platform= names what the device servers serve "
+                             f"(reference, wgpu, wgpu:vulkan, browser, ...), not {platform!r}")
+        _kind(platform)
+    return RegistryTarget(m.group(1).strip("[]"), int(m.group(2)), mode, platform)
+
+
+def token_for(token, target: str) -> str | None:
+    """The token for one ``remote://HOST:PORT`` target: ``token`` itself when it is a string
+    (or None), else its entry in a token map (``{"HOST:PORT": token, "*": fallback}``)."""
+    if token is None or isinstance(token, str):
+        return token
+    address = target.removeprefix("remote://")
+    return token.get(address, token.get("*"))
 
 
 def parse_remote(spec: str) -> tuple[str, int]:

@@ -22,7 +22,7 @@ import socket
 import threading
 
 from tapml.errors import DeviceLost, PlatformError, TapmlError, Unsupported
-from tapml.platforms.base import KernelProgram, RuntimePlatform
+from tapml.platforms.base import KernelProgram, ResidentTensor, RuntimePlatform
 from tapml.platforms.program_cache import ProgramCache
 from tapml.remote import protocol as P
 
@@ -63,6 +63,14 @@ class _UnknownProgram(Exception):
     pass
 
 
+class _UnknownInput(Exception):
+    pass
+
+
+SERVER_STATE_LOST = ("the device server no longer holds that resident tensor (the connection to it was lost or "
+                     "re-opened, or a failed run dropped it); run the generation again from its first step")
+
+
 class RemotePlatform(RuntimePlatform):
     """A platform served by ``tapml serve`` at ``host:port``.
 
@@ -100,6 +108,11 @@ class RemotePlatform(RuntimePlatform):
         self._lock = threading.RLock()
         #: what this client sent: control calls by name, tensor bytes each way
         self.stats: dict = {"calls": {}, "bytes_up": 0, "bytes_down": 0}
+        # what this connection's server session holds: per program, the inputs it was sent last
+        # (position -> (tensor, _version); an unmodified one is named, not sent again) and the ids
+        # of the outputs it kept on the device ((program key, output) -> id)
+        self._sent: dict[str, dict[int, tuple]] = {}
+        self._resident_ids: dict[tuple[str, int], int] = {}
         try:
             self._connect()
         except (P.AuthError, OSError, EOFError, TimeoutError) as e:
@@ -137,7 +150,7 @@ class RemotePlatform(RuntimePlatform):
         try:
             root = conn.root
             calls = {name: getattr(root, name) for name in
-                     ("hello", "ping", "supports", "compile", "load", "run", "free", "bench_tensor", "stats")}
+                     ("hello", "ping", "supports", "compile", "load", "run", "read", "free", "bench_tensor", "stats")}
             info = json.loads(calls["hello"]())
             if "error" in info:
                 raise P.AuthError(f"the device server cannot open its device: {info['error']['message']}")
@@ -164,6 +177,8 @@ class RemotePlatform(RuntimePlatform):
         conn, bulk = self._conn, self._bulk
         self._conn = self._bulk = None
         self._calls = {}
+        self._sent.clear()  # the server's session, and all it held, ends with the connection
+        self._resident_ids.clear()
         for closer in (getattr(conn, "close", None), getattr(bulk, "close", None)):
             try:
                 if closer:
@@ -210,6 +225,10 @@ class RemotePlatform(RuntimePlatform):
             raise DeviceLost(message)
         if kind == "unknown-program":
             raise _UnknownProgram(message)
+        if kind == "unknown-input":
+            raise _UnknownInput(message)
+        if kind == "unknown-resident":
+            raise PlatformError(f"{SERVER_STATE_LOST}: {message}")
         raise PlatformError(message)
 
     # --- Platform hooks ---------------------------------------------------------------------
@@ -248,15 +267,38 @@ class RemotePlatform(RuntimePlatform):
             return program
 
     def _run(self, program: KernelProgram, inputs: list) -> list:
+        self._check_sizes(inputs)
+        with self._lock:
+            self._ensure()
+            return super()._run(program, inputs)
+
+    def _run_resident(self, program: KernelProgram, inputs: list, keep: list[int]) -> list:
+        """Resident inputs are named to the server, which passes them to its device; kept
+        outputs stay there (the server answers with their ids)."""
+        self._check_sizes(inputs)
+        with self._lock:
+            self._ensure()
+            return self._run_remote(program, self.prepared(program), inputs, keep)
+
+    def _read_resident(self, handle):
+        with self._lock:
+            rid = self._resident_ids.get((handle.program, handle.output))
+            if rid is None or self._conn is None:
+                raise PlatformError(SERVER_STATE_LOST)
+            reply = json.loads(self._call("read", rid))
+            if "error" in reply:
+                self._raise(reply["error"])
+            return self._fetch(reply["outputs"])[0]
+
+    def _check_sizes(self, inputs: list) -> None:
         limit = self.info.get("max_message", CLIENT_MAX_MESSAGE)
         for i, t in enumerate(inputs):
+            if isinstance(t, ResidentTensor):
+                continue
             if t.numel() * t.element_size() > limit:
                 raise PlatformError(f"input {i} is {t.numel() * t.element_size()} bytes, over the device "
                                     f"server's message limit of {limit}; restart it with a larger "
                                     "--max-message-mib")
-        with self._lock:
-            self._ensure()
-            return super()._run(program, inputs)
 
     def _prepare(self, program: KernelProgram) -> tuple[bool, int]:
         """Load a program compiled elsewhere into the server's cache."""
@@ -266,17 +308,37 @@ class RemotePlatform(RuntimePlatform):
         return True, 0
 
     def _execute(self, program: KernelProgram, prepared, inputs: list) -> list:
-        try:
-            return self._run_once(program, inputs)
-        except _UnknownProgram:  # the server restarted or evicted it
-            self.forget(program.key)
-            self.prepared(program)
-            return self._run_once(program, inputs)
+        return self._run_remote(program, prepared, inputs, [])
 
-    def _run_once(self, program: KernelProgram, inputs: list) -> list:
-        slots = [next(self._slots) for _ in inputs]
+    def _run_remote(self, program: KernelProgram, prepared, inputs: list, keep: list[int]) -> list:
+        for attempt in range(3):
+            try:
+                return self._run_once(program, inputs, keep)
+            except _UnknownProgram:  # the server restarted or evicted it
+                self.forget(program.key)
+                self.prepared(program)
+            except _UnknownInput:  # the server dropped what it held for it: send every input
+                self._sent.pop(program.key, None)
+        raise PlatformError(f"the device server kept dropping program {program.key[:12]}; raise its "
+                            "TAPML_PROGRAM_CACHE / --max-buffer-mib")
+
+    def _run_once(self, program: KernelProgram, inputs: list, keep: list[int]) -> list:
+        held = self._sent.get(program.key, {})
+        items, send = [], []
+        for pos, t in enumerate(inputs):
+            if isinstance(t, ResidentTensor):
+                rid = self._resident_ids.get((t.program, t.output))
+                if rid is None:
+                    raise PlatformError(f"input {pos}: {SERVER_STATE_LOST}")
+                items.append({"resident": rid})
+            elif (last := held.get(pos)) is not None and last[0] is t and last[1] == t._version:
+                items.append("held")  # the server holds this very tensor from the last run
+            else:
+                items.append(next(self._slots))
+                send.append((pos, items[-1], t))
+        slots = [slot for _, slot, _ in send]
         try:
-            for slot, t in zip(slots, inputs):
+            for _, slot, t in send:
                 P.send_tensor(self._bulk, P.PUT, slot, t)
                 self.stats["bytes_up"] += t.numel() * t.element_size()
                 self.upload_bytes += t.numel() * t.element_size()
@@ -285,10 +347,35 @@ class RemotePlatform(RuntimePlatform):
         except ValueError as e:
             self._call("free", json.dumps(slots))
             raise Unsupported(str(e)) from None
-        reply = json.loads(self._call("run", program.key, json.dumps(slots)))
+        request = {"inputs": items, "keep": list(keep)} if keep or len(slots) != len(items) else slots
+        reply = json.loads(self._call("run", program.key, json.dumps(request)))
         if "error" in reply:
+            # after a failed run the server holds nothing of this program
+            self._sent.pop(program.key, None)
+            self._forget_kept(program.key, len(program.outputs))
             self._raise(reply["error"])
+        held = self._sent.setdefault(program.key, held)
+        for pos, t in enumerate(inputs):
+            if isinstance(t, ResidentTensor):
+                held.pop(pos, None)
+        held.update({pos: (t, t._version) for pos, _, t in send})
+        self._forget_kept(program.key, len(program.outputs))
+        for pos, rid in reply.get("resident", []):
+            if type(pos) is not int or type(rid) is not int or pos not in keep:
+                raise self._lost(P.ProtocolError(f"the server kept output {pos!r} as {rid!r}; asked for {keep}"))
+            self._resident_ids[(program.key, pos)] = rid
         outputs = reply["outputs"]
+        if len(outputs) != len(program.outputs) or any((slot is None) != (i in keep) for i, (slot, _) in enumerate(outputs)):
+            raise self._lost(P.ProtocolError("the server's outputs do not match the program's"))
+        fetched = iter(self._fetch([o for o in outputs if o[0] is not None]))
+        return [None if slot is None else next(fetched) for slot, _ in outputs]
+
+    def _forget_kept(self, key: str, count: int) -> None:
+        for i in range(count):
+            self._resident_ids.pop((key, i), None)
+
+    def _fetch(self, outputs: list) -> list:
+        """Download the tensors of output slots ``[[slot, meta], ...]`` (freeing them there)."""
         try:
             for slot, _ in outputs:
                 P.send_message(self._bulk, P.GET, slot)

@@ -27,13 +27,17 @@ import threading
 import time
 
 from tapml.errors import DeviceLost, PlatformError, TapmlError, Unsupported
-from tapml.platforms.base import KernelProgram, RuntimePlatform, wrap_errors
+from tapml.platforms.base import KernelProgram, ResidentTensor, RuntimePlatform, wrap_errors
 from tapml.platforms.program_cache import ProgramCache
 from tapml.remote import protocol as P
 
 _LEN = struct.Struct("!Q")
 MAX_FRAME = 1 << 30
 STARTUP_TIMEOUT_S = 120.0
+
+
+class _StateLost(Exception):
+    pass
 
 
 class RunTimeout(PlatformError):
@@ -70,6 +74,18 @@ class _UnknownProgram(Exception):
     pass
 
 
+class _UnknownInput(Exception):
+    pass
+
+
+#: a run's inputs the worker keeps (the last tensor of each input of each program) and kept
+#: outputs are lost with the worker; this is what a run that names one is told
+WORKER_STATE_LOST = ("the device server's worker no longer holds that resident tensor: the worker was restarted "
+                     "(a run passed tapml serve --run-timeout, or it crashed) and its device state went with it, "
+                     "or it dropped the program that made it (raise TAPML_PROGRAM_CACHE); run the generation "
+                     "again from its first step")
+
+
 class WorkerPlatform(RuntimePlatform):
     """A platform spec (``reference``, ``wgpu:vulkan``, ...) opened in a killable child process.
 
@@ -95,6 +111,11 @@ class WorkerPlatform(RuntimePlatform):
         self._lock = threading.Lock()
         self.restarts = 0
         self.last_run_ms = self._device_ms = None
+        self._worker = 0  # which worker process: state kept in one is gone in the next
+        # the input tensors the current worker holds per program (position -> (tensor, _version)),
+        # so an unmodified tensor is not sent again, and the worker that holds each kept output
+        self._sent: dict[str, dict[int, tuple]] = {}
+        self._kept: dict[tuple[str, int], int] = {}
         with self._lock:
             self._start()
 
@@ -107,7 +128,10 @@ class WorkerPlatform(RuntimePlatform):
         finally:
             child.close()
         self._sock = parent
-        self.programs.clear()  # a fresh worker holds no programs
+        self._worker += 1
+        self.programs.clear()  # a fresh worker holds no programs, inputs or kept outputs
+        self._sent.clear()
+        self._kept.clear()
         try:
             hello = _recv(parent, time.monotonic() + STARTUP_TIMEOUT_S)
         except (OSError, EOFError, ValueError, P.ProtocolError) as e:
@@ -131,16 +155,24 @@ class WorkerPlatform(RuntimePlatform):
         if sock is not None:
             sock.close()
 
-    def _call(self, request: dict, tensors=(), what: str = "call") -> tuple[dict, list]:
+    def _ensure_worker(self) -> None:
+        """Start a fresh worker when there is none or it died (under the lock)."""
+        if self._proc is None or self._proc.poll() is not None:
+            if self._proc is not None:
+                self._kill()
+            self.restarts += 1
+            try:
+                self._start()
+            except TapmlError as e:
+                raise DeviceLost(str(e)) from None
+
+    def _call(self, request: dict, tensors=(), what: str = "call", worker: int | None = None) -> tuple[dict, list]:
+        """One request; ``worker``: the worker the request was built for (it names state kept
+        there): when that one is gone, PlatformError instead of asking a fresh one."""
         with self._lock:
-            if self._proc is None or self._proc.poll() is not None:
-                if self._proc is not None:
-                    self._kill()
-                self.restarts += 1
-                try:
-                    self._start()
-                except TapmlError as e:
-                    raise DeviceLost(str(e)) from None
+            self._ensure_worker()
+            if worker is not None and worker != self._worker:
+                raise _StateLost(WORKER_STATE_LOST)
             deadline = time.monotonic() + self.timeout
             try:
                 reply, outputs = self._exchange(request, tensors, deadline)
@@ -152,12 +184,18 @@ class WorkerPlatform(RuntimePlatform):
                 code = self._proc.poll() if self._proc else None
                 self._kill()
                 why = f"signal {-code}" if code is not None and code < 0 else f"exit {code}" if code is not None else e
+                lost = "" if worker is None else (" with the device state it kept (resident tensors); run the "
+                                                  "generation again from its first step")
                 raise PlatformError(f"the device worker died during the {what} ({why}); "
-                                    "it is restarted for the next request") from None
+                                    f"it is restarted for the next request{lost}") from None
         if "error" in reply:
             kind, message = reply["error"].get("kind"), reply["error"].get("message", "")
             if kind == "unknown-program":
                 raise _UnknownProgram(message)
+            if kind == "unknown-input":
+                raise _UnknownInput(message)
+            if kind == "unknown-resident":
+                raise PlatformError(WORKER_STATE_LOST)
             raise (Unsupported if kind == "unsupported" else ValueError if kind == "usage" else PlatformError)(message)
         return reply, outputs
 
@@ -186,9 +224,9 @@ class WorkerPlatform(RuntimePlatform):
         self.programs.put(program.key, True)  # the worker that compiled it keeps it (else: unknown-program, resent)
         return program
 
-    def run(self, program: KernelProgram, inputs: list):
+    def run(self, program: KernelProgram, inputs: list, keep=()):
         """Run ``program`` in the worker; ``last_run_ms`` is the worker's own time for it."""
-        out = super().run(program, inputs)
+        out = super().run(program, inputs, keep)
         self.last_run_ms = self._device_ms
         return out
 
@@ -198,15 +236,89 @@ class WorkerPlatform(RuntimePlatform):
         return True, 0
 
     def _execute(self, program: KernelProgram, prepared, inputs: list) -> list:
-        request = {"op": "run", "key": program.key, "inputs": len(inputs)}
+        return self._run_in_worker(program, inputs, [])
+
+    def _run_resident(self, program: KernelProgram, inputs: list, keep: list[int]) -> list:
+        """Resident inputs are named to the worker, which holds them (the device's own
+        ResidentTensors); kept outputs stay there."""
+        return self._run_in_worker(program, inputs, keep)
+
+    def _run_in_worker(self, program: KernelProgram, inputs: list, keep: list[int]) -> list:
+        """A run whose inputs cross only when the worker does not hold them already: an
+        unmodified tensor sent for the same input before (weights) is named, not sent; a
+        resident tensor is named by the program and output that made it."""
+        for _attempt in range(3):
+            with self._lock:
+                self._ensure_worker()
+                worker = self._worker
+                held = self._sent.get(program.key, {})
+                args, tensors, sent = [], [], {}
+                for pos, t in enumerate(inputs):
+                    if isinstance(t, ResidentTensor):
+                        if self._kept.get((t.program, t.output)) != worker:
+                            raise PlatformError(WORKER_STATE_LOST)
+                        args.append(["resident", t.program, t.output])
+                    elif (last := held.get(pos)) is not None and last[0] is t and last[1] == t._version:
+                        args.append("held")
+                    else:
+                        args.append("t")
+                        tensors.append(t)
+                        sent[pos] = (t, t._version)
+            if program.key not in self.programs:
+                self.prepared(program)
+            request = {"op": "run", "key": program.key, "inputs": len(tensors), "args": args, "keep": list(keep)}
+            names_state = any(a != "t" for a in args)  # then only the worker it was built for may run it
+            try:
+                reply, outputs = self._call(request, tensors, what="run", worker=worker if names_state else None)
+            except _UnknownProgram:  # the worker dropped it: nothing ran, send it again
+                self.forget(program.key)
+                self._sent.pop(program.key, None)
+                continue
+            except _UnknownInput:  # the worker dropped what it held for it: send every input
+                self._sent.pop(program.key, None)
+                continue
+            except _StateLost:
+                raise PlatformError(WORKER_STATE_LOST) from None
+            except BaseException:  # noqa: B036 - forget, then re-raise whatever it was
+                self._forget_state(program.key)
+                raise
+            held = self._sent.setdefault(program.key, held)
+            for pos, t in enumerate(inputs):
+                if isinstance(t, ResidentTensor):
+                    held.pop(pos, None)
+            held.update(sent)
+            for i in range(len(program.outputs)):
+                if i in keep:
+                    self._kept[(program.key, i)] = worker
+                else:
+                    self._kept.pop((program.key, i), None)
+            self._device_ms = reply.get("device_ms")
+            out = iter(outputs)
+            return [None if i in keep else next(out) for i in range(len(program.outputs))]
+        raise PlatformError(f"the device worker kept dropping program {program.key[:12]} (its program cache is "
+                            "too small for it; raise TAPML_PROGRAM_CACHE / TAPML_PROGRAM_CACHE_MIB)")
+
+    def _forget_state(self, key: str) -> None:
+        """A failed run leaves the program's buffers unknown: rely on nothing it held."""
+        self._sent.pop(key, None)
+        for k in [k for k in self._kept if k[0] == key]:
+            del self._kept[k]
+
+    def _release(self, key: str, prepared) -> None:
+        self._forget_state(key)
+
+    def _read_resident(self, handle) -> "torch.Tensor":
+        with self._lock:
+            self._ensure_worker()
+            worker = self._worker
+            if self._kept.get((handle.program, handle.output)) != worker:
+                raise PlatformError(WORKER_STATE_LOST)
         try:
-            reply, outputs = self._call(request, inputs, what="run")
-        except _UnknownProgram:  # the worker was restarted or dropped it: nothing ran, send it again
-            self.forget(program.key)
-            self.prepared(program)
-            reply, outputs = self._call(request, inputs, what="run")
-        self._device_ms = reply.get("device_ms")
-        return outputs
+            _, outputs = self._call({"op": "read", "key": handle.program, "output": handle.output},
+                                    what="read", worker=worker)
+        except _StateLost:
+            raise PlatformError(WORKER_STATE_LOST) from None
+        return outputs[0]
 
     def close(self) -> None:
         """Kill the worker (without waiting for a call in flight)."""
@@ -245,7 +357,16 @@ def worker_main(fd: int, spec: str) -> None:
         _send(sock, _error("platform", e))
         return
     _send(sock, {"caps": caps})
-    programs = ProgramCache()  # the same limits as the parent's record of what this worker holds
+    held = ProgramCache()  # program key -> the tensors of its last run's inputs (what "held" names)
+    kept: dict[tuple[str, int], object] = {}  # (program key, output) -> the platform's ResidentTensor
+
+    def forget(key: str, _program=None) -> None:
+        held.pop(key)
+        for k in [k for k in kept if k[0] == key]:
+            del kept[k]
+
+    # the same limits as the parent's record of what this worker holds
+    programs = ProgramCache(on_evict=forget)
     while True:
         try:
             req = _recv(sock)
@@ -270,14 +391,32 @@ def worker_main(fd: int, spec: str) -> None:
                 program = KernelProgram.from_json(req["program"])
                 programs.put(program.key, program)
                 reply = {"key": program.key}
-            elif op == "run" and (program := programs.get(req["key"])) is None:
+            elif op in ("run", "read") and (program := programs.get(req["key"])) is None:
                 reply = {"error": {"kind": "unknown-program", "message": "send the program"}}
             elif op == "run":
-                outputs = platform.run(program, inputs)
-                payloads = [P.tensor_bytes(t) for t in outputs]
-                reply = {"tensors": len(outputs), "device_ms": getattr(platform, "last_run_ms", None)}
+                args, keep = _run_args(req, inputs, held.get(program.key) or [], kept)
+                try:
+                    outputs = platform.run(program, args, keep=keep)
+                except BaseException:
+                    forget(program.key)  # its buffers are unknown after a failed run
+                    raise
+                held.put(program.key, [None if isinstance(t, ResidentTensor) else t for t in args],
+                         sum(t.nbytes for t in args if not isinstance(t, ResidentTensor)))
+                for i in range(len(outputs)):
+                    kept.pop((program.key, i), None)
+                kept.update({(program.key, i): outputs[i] for i in keep})
+                payloads = [P.tensor_bytes(t) for i, t in enumerate(outputs) if i not in keep]
+                reply = {"tensors": len(payloads), "device_ms": getattr(platform, "last_run_ms", None)}
+            elif op == "read":
+                handle = kept.get((program.key, req["output"]))
+                if handle is None:
+                    raise _NotHeld("unknown-resident")
+                payloads = [P.tensor_bytes(platform.read(handle))]
+                reply = {"tensors": 1}
             else:
                 reply = _error("usage", ValueError(f"unknown worker request {op!r}"))
+        except _NotHeld as e:
+            reply = {"error": {"kind": str(e), "message": "not held by this worker"}}
         except Unsupported as e:
             reply = _error("unsupported", e)
         except (TypeError, ValueError, KeyError) as e:
@@ -291,6 +430,37 @@ def worker_main(fd: int, spec: str) -> None:
                 P.send_message(sock, P.TENSOR, 0, payload, dtype, shape)
         except OSError:
             return
+
+
+class _NotHeld(Exception):
+    """A run names an input or a resident tensor this worker does not hold (its kind)."""
+
+
+def _run_args(req: dict, inputs: list, held: list, kept: dict) -> tuple[list, list[int]]:
+    """A run's inputs (tensors sent with it, held from the last run, resident) and its keep list."""
+    args = req.get("args", ["t"] * len(inputs))
+    keep = req.get("keep", [])
+    if not isinstance(args, list) or not isinstance(keep, list) or not all(type(i) is int for i in keep):
+        raise ValueError("malformed run request")
+    if sum(a == "t" for a in args) != len(inputs):
+        raise ValueError(f"run names {sum(a == 't' for a in args)} sent tensors, {len(inputs)} came")
+    sent = iter(inputs)
+    out = []
+    for pos, a in enumerate(args):
+        if a == "t":
+            out.append(next(sent))
+        elif a == "held":
+            if pos >= len(held) or held[pos] is None:
+                raise _NotHeld("unknown-input")
+            out.append(held[pos])
+        elif isinstance(a, list) and len(a) == 3 and a[0] == "resident":
+            handle = kept.get((a[1], a[2]))
+            if handle is None:
+                raise _NotHeld("unknown-resident")
+            out.append(handle)
+        else:
+            raise ValueError(f"malformed run argument {str(a)[:40]}")
+    return out, keep
 
 
 if __name__ == "__main__":

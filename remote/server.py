@@ -33,13 +33,15 @@ import time
 
 from tapml.errors import DeviceLost, PlatformError, TapmlError, Unsupported
 from tapml.remote import protocol as P
-from tapml.remote.limits import ServerLimits, check_graph, check_node, check_ops_json, check_program
+from tapml.remote.limits import (LimitExceeded, ServerLimits, check_graph, check_node, check_ops_json,
+                                 check_program)
 
 PROTOCOL_VERSION = 1
 DEFAULT_PORT = 18861
 DEFAULT_MAX_MESSAGE = 1 << 30
 SERVICE_NAME = "TAPML"
 OUTPUT_SLOTS = 1 << 62  # server-assigned slot ids; clients use ids below this
+MAX_RESIDENT = 4096  # outputs one connection may keep on the device at once
 STOP_GRACE_S = 3.0  # after SIGTERM/SIGINT, the process exits this soon whatever is still running
 
 log = logging.getLogger("tapml.serve")
@@ -69,13 +71,31 @@ class DeviceBusy(PlatformError):
     """Another client held the device for longer than a request may wait for it."""
 
 
+class NotHeld(Exception):
+    """A run names a tensor this connection does not hold; ``kind`` is ``unknown-input`` (the
+    client sends it again) or ``unknown-resident`` (a kept output that is gone)."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
 class ConnectionState:
     """Server-side state of one client's control connection: tensors waiting in slots, its bulk
-    sockets, the id that binds them."""
+    sockets, the id that binds them, and what it keeps between runs: the last input tensors of
+    each program it ran (an unmodified input is named, not sent again: weights cross once) and
+    the outputs its runs kept on the device (resident tensors, by id). Both are bounded by
+    ``max_bytes`` (the server's --max-buffer-mib) and freed with the connection."""
 
-    def __init__(self):
+    def __init__(self, max_bytes: int = 4096 << 20):
+        from tapml.platforms.program_cache import ProgramCache
         self.id = os.urandom(16)
         self.slots: dict[int, object] = {}
+        self.max_bytes = max_bytes
+        self.held = ProgramCache(max_bytes=max_bytes)  # program key -> its last inputs (None: resident)
+        self.resident: dict[int, object] = {}  # id -> the platform's ResidentTensor
+        self.resident_of: dict[tuple[str, int], int] = {}  # (program key, output) -> id
+        self._resident_ids = itertools.count(1)
         self.cond = threading.Condition()
         self.error: str | None = None
         self.sockets: list[socket.socket] = []
@@ -112,11 +132,72 @@ class ConnectionState:
             self.error = message
             self.cond.notify_all()
 
+    def run_args(self, key: str, items: list, tensors: list, count: int) -> list:
+        """A run's inputs: ``items`` (slot, ``"held"`` or ``{"resident": id}``) resolved to the
+        tensors that arrived in the slots, the ones held from the last run, or resident tensors."""
+        if len(items) != count:
+            raise ValueError(f"program takes {count} inputs, the run names {len(items)}")
+        held = self.held.get(key) or []
+        sent = iter(tensors)
+        args = []
+        for pos, item in enumerate(items):
+            if type(item) is int:
+                args.append(next(sent))
+            elif item == "held":
+                if pos >= len(held) or held[pos] is None:
+                    raise NotHeld("unknown-input", f"input {pos} of program {key[:12]} is not held for this "
+                                                   "connection; send it")
+                args.append(held[pos])
+            else:
+                handle = self.resident.get(item["resident"])
+                if handle is None:
+                    raise NotHeld("unknown-resident", f"resident tensor {item['resident']} is not held for this "
+                                                      "connection (the run that kept it failed, or a later run of "
+                                                      "its program replaced it); run the generation again from "
+                                                      "its first step")
+                args.append(handle)
+        return args
+
+    def check_keep(self, program, keep: list[int]) -> None:
+        """LimitExceeded when keeping ``keep`` of ``program`` would hold more than ``max_bytes``
+        or :data:`MAX_RESIDENT` outputs for this connection (its earlier ones are replaced)."""
+        replaced = {self.resident_of.get((program.key, i)) for i in range(len(program.outputs))}
+        others = [h for rid, h in self.resident.items() if rid not in replaced]
+        nbytes = sum(h.nbytes for h in others) + sum(program.output_meta[i].nbytes for i in keep)
+        if len(others) + len(keep) > MAX_RESIDENT or nbytes > self.max_bytes:
+            raise LimitExceeded(f"keeping {len(others) + len(keep)} tensors ({nbytes} bytes) on the device for one "
+                                f"connection; this server allows {MAX_RESIDENT} and {self.max_bytes} bytes "
+                                "(tapml serve --max-buffer-mib)")
+
+    def after_run(self, program, args: list, keep: list[int], outputs: list) -> list[list[int]]:
+        """Record a run: its inputs are held, its kept outputs get ids (``[[position, id]]``);
+        the earlier kept outputs of the program are stale now and dropped."""
+        from tapml.platforms.base import ResidentTensor
+        host = [None if isinstance(a, ResidentTensor) else a for a in args]
+        self.held.put(program.key, host, sum(t.numel() * t.element_size() for t in host if t is not None))
+        self.forget_kept(program.key, len(program.outputs))
+        ids = []
+        for i in keep:
+            rid = next(self._resident_ids)
+            self.resident[rid] = outputs[i]
+            self.resident_of[(program.key, i)] = rid
+            ids.append([i, rid])
+        return ids
+
+    def forget_kept(self, key: str, count: int) -> None:
+        for i in range(count):
+            rid = self.resident_of.pop((key, i), None)
+            if rid is not None:
+                self.resident.pop(rid, None)
+
     def close(self) -> None:
         with self.cond:
             self.closed = True
             self.slots.clear()
             self.cond.notify_all()
+        self.held.clear()
+        self.resident.clear()
+        self.resident_of.clear()
         for s in self.sockets:
             try:
                 s.shutdown(socket.SHUT_RDWR)
@@ -198,6 +279,24 @@ class Device:
             self.graph_keys.pop(ghash, None)
 
 
+def parse_run_request(request) -> tuple[list, list[int]]:
+    """``(inputs, keep)`` of a run request (see ``exposed_run``), every field checked: inputs are
+    client slot ids, ``"held"`` or ``{"resident": id}``; keep is distinct output positions."""
+    if isinstance(request, list):
+        request = {"inputs": request}
+    if not isinstance(request, dict) or set(request) - {"inputs", "keep"} or not isinstance(request.get("inputs"), list):
+        raise ValueError('a run names {"inputs": [...], "keep": [...]} or a list of slots')
+    items, keep = request["inputs"], request.get("keep", [])
+    for item in items:
+        ok = (type(item) is int and 0 <= item < OUTPUT_SLOTS) or (type(item) is str and item == "held") or (
+            type(item) is dict and list(item) == ["resident"] and type(item["resident"]) is int)
+        if not ok:
+            raise ValueError('inputs must be client slot ids, "held" or {"resident": id}')
+    if not isinstance(keep, list) or not all(type(i) is int and 0 <= i for i in keep) or len(set(keep)) != len(keep):
+        raise ValueError("keep must be a list of distinct output positions")
+    return items, sorted(keep)
+
+
 def program_bytes(program) -> int:
     """Host memory a cached program holds: its constants and kernel sources (graphs by their JSON)."""
     if program.kind == "graph":
@@ -242,14 +341,14 @@ def make_service(device: Device):
     """The rpyc Service class for ``device``: one instance (and ConnectionState) per connection."""
     import rpyc
 
-    from tapml.graph import Graph, Node
+    from tapml.graph import Graph, Node, TensorMeta
     from tapml.platforms.base import KernelProgram
 
     class DeviceService(rpyc.Service):
         ALIASES = [SERVICE_NAME]  # serve() adds the announcement once the caps are known
 
         def on_connect(self, conn):
-            self.session = ConnectionState()
+            self.session = ConnectionState(device.limits.max_buffer_bytes)
             device.sessions[self.session.id] = self.session
 
         def on_disconnect(self, conn):
@@ -327,34 +426,69 @@ def make_service(device: Device):
             return json.dumps({"key": program.key})
 
         def exposed_run(self, key, slots_json) -> str:
-            """Run cached program ``key`` on the tensors in the input slots (JSON list); returns
-            ``{"outputs": [[slot, meta], ...], "device_ms"}`` or an error."""
-            from tapml.graph import TensorMeta
+            """Run cached program ``key``. ``slots_json`` is a JSON list of input slots, or
+            ``{"inputs": [...], "keep": [output positions]}`` whose inputs are each a slot, ``"held"``
+            (the tensor this connection sent for that input of this program last time) or
+            ``{"resident": id}`` (an output a run of this connection kept on the device). Returns
+            ``{"outputs": [[slot | null, meta], ...], "resident": [[position, id], ...], "device_ms"}``
+            (kept outputs have no slot) or an error."""
+            from tapml.platforms.base import ResidentTensor
             try:
                 key = _str(key, "key")
-                slots = json.loads(_str(slots_json, "slots_json"))
-                if not isinstance(slots, list) or not all(type(s) is int and 0 <= s < OUTPUT_SLOTS for s in slots):
-                    raise ValueError("slots must be a list of client slot ids")
+                items, keep = parse_run_request(json.loads(_str(slots_json, "slots_json")))
             except (TypeError, ValueError) as e:
                 return _error("usage", str(e))
+            session = self.session
             try:
-                inputs = self.session.take(slots, device.timeout)
+                tensors = session.take([s for s in items if type(s) is int], device.timeout)
             except PlatformError as e:
                 return _error_of(e)
             program = device.program(key)
             if program is None:
                 return _error("unknown-program", f"program {key} is not cached on this server")
             try:
+                if any(i >= len(program.outputs) for i in keep):
+                    raise ValueError(f"keep names outputs past the program's {len(program.outputs)}")
+                args = session.run_args(key, items, tensors, len(program.inputs))
+                session.check_keep(program, keep)
+            except NotHeld as e:
+                return _error(e.kind, str(e))
+            except ValueError as e:
+                return _error("usage", str(e))
+            except Unsupported as e:
+                return _error_of(e)
+            resident = keep or any(isinstance(a, ResidentTensor) for a in args)
+            try:
                 with device.exclusive():
                     device.runs += 1
-                    outputs = device.platform.run(program, inputs)
+                    outputs = device.platform.run(program, args, keep=keep) if resident \
+                        else device.platform.run(program, args)
                     ms = getattr(device.platform, "last_run_ms", None)
-            except ValueError as e:
-                return _error("platform", str(e))
             except Exception as e:  # noqa: BLE001 - becomes the case's verdict
+                # what the program held is unknown after a failed run: the client sends it all again
+                session.held.pop(key)
+                session.forget_kept(key, len(program.outputs))
+                return _error("platform", str(e)) if isinstance(e, ValueError) else _error_of(e)
+            ids = session.after_run(program, args, keep, outputs)
+            return json.dumps({"outputs": [[None, program.output_meta[i].to_json()] if i in keep else
+                                           [session.store(t), TensorMeta.of(t).to_json()]
+                                           for i, t in enumerate(outputs)],
+                               "resident": ids, "device_ms": ms})
+
+        def exposed_read(self, resident_id) -> str:
+            """Download a resident tensor (by the id a run gave it): ``{"outputs": [[slot, meta]]}``
+            (fetch the slot over the bulk connection) or an error."""
+            if type(resident_id) is not int:
+                return _error("usage", "resident_id must be an int")
+            handle = self.session.resident.get(resident_id)
+            if handle is None:
+                return _error("unknown-resident", f"resident tensor {resident_id} is not held for this connection")
+            try:
+                with device.exclusive():
+                    t = device.platform.read(handle)
+            except Exception as e:  # noqa: BLE001 - the client reports it
                 return _error_of(e)
-            return json.dumps({"outputs": [[self.session.store(t), TensorMeta.of(t).to_json()] for t in outputs],
-                               "device_ms": ms})
+            return json.dumps({"outputs": [[self.session.store(t), TensorMeta.of(t).to_json()]]})
 
         def exposed_free(self, slots_json) -> None:
             """Drop tensors the client will not download."""

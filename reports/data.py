@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tapml.errors import TapmlError
-from tapml.verdict import CULPRIT_KINDS, STAT_KEYS, STATUSES, MigrationState, VerdictDocument, passed, summary
+from tapml.verdict import (CULPRIT_KINDS, STAT_KEYS, STATUSES, MigrationState, VerdictDocument,
+                           is_generation_document, passed, read_generation_document, summary)
 
 #: Order of culprit kinds at the top of a report: the most specific finding first.
 KIND_ORDER = {kind: i for i, kind in enumerate(CULPRIT_KINDS)}
@@ -32,7 +33,7 @@ class StateReport:
     """One replay verdict or migration state, normalized: every case and unit has every key."""
 
     path: str
-    kind: str  # "migration" or "replay"
+    kind: str  # "migration", "replay" or "generation"
     target: str
     model: str
     device: dict
@@ -47,6 +48,9 @@ class StateReport:
     complete: bool = True
     inject: list[str] = field(default_factory=list)
     display: str = ""
+    #: A generation (``tapml generate --json``): its steps, summary, programs_compiled, uploads
+    #: and tokens/s (:func:`tapml.verdict.read_generation_document`); None for other documents.
+    generation: dict | None = None
 
     @property
     def label(self) -> str:
@@ -60,7 +64,11 @@ class StateReport:
     @property
     def passed(self) -> bool:
         """:func:`tapml.verdict.passed`: every case passed, nothing was blamed, and the end-to-end
-        check passed (a migration needs one; a replay has none)."""
+        check passed (a migration needs one; a replay has none). A generation passed when no step
+        mismatched or failed (near-ties are reported, not failures)."""
+        if self.generation is not None:
+            g = self.generation["summary"]
+            return g["mismatch"] == 0 and g["error"] == 0
         return passed(self.cases, self.culprits, self.end_to_end, needs_end_to_end=self.kind == "migration")
 
     @property
@@ -109,6 +117,11 @@ class StateReport:
             status_rank = {"error": 0, "mismatch": 1, "unsupported": 2}
             out.sort(key=lambda f: (status_rank.get(f["status"], 3), -_sortable(f["max_abs_err"])))
         return out
+
+    @property
+    def decode_units(self) -> list[dict]:
+        """The units of a generation store's decode pass (``graph`` decode), in order."""
+        return [u for u in self.units if u.get("graph") == "decode"]
 
     @property
     def culprit_modules(self) -> set[str]:
@@ -187,7 +200,8 @@ class StateReport:
                 "passed": self.passed, "shares": self.shares, "end_to_end": self.end_to_end,
                 "failures": self.failures, "op_times": self.op_times(),
                 "module_errors": [{**m} for m in self.module_errors()],
-                "cases": self.cases, "units": self.units})
+                "cases": self.cases, "units": self.units,
+                **({"generation": self.generation} if self.generation is not None else {})})
 
 
 def _finite(x):
@@ -316,6 +330,27 @@ def parse_state(data, path: str = "<state>") -> StateReport:
                        inject=doc.inject if migration else [])
 
 
+def parse_generation(data, path: str = "<generation>") -> StateReport:
+    """A Generation JSON (``tapml generate --json``) as a report: no cases; its steps, culprits
+    and figures in ``generation`` (validated by :func:`tapml.verdict.read_generation_document`)."""
+    doc = read_generation_document(data, path, "expected the JSON of `tapml generate --json`")
+    device = {"adapter": "", "backend": "", "features": [], "limits": {}, "error": "", **(doc["device"] or {})}
+    return StateReport(path=path, kind="generation", target=doc["target"], model=doc["model"], device=device,
+                       cases=[], culprits=doc["culprits"], reference={"device": "cpu", "torch": None, "store": None},
+                       generation={k: doc[k] for k in ("mode", "steps", "summary", "culprits", "programs_compiled",
+                                                       "upload_bytes_per_decode_step", "tokens_per_s")})
+
+
+def step_error_points(state: StateReport) -> list[dict]:
+    """A generation's steps as points of :func:`tapml.reports.plot.module_error_svg`: one per
+    step, labelled ``step N kind``, near-ties shown as passing, the first failure marked."""
+    g = state.generation or {"steps": [], "summary": {}}
+    first = g["summary"].get("first_failure")
+    return [{"module": f"step {x['step']} {x['kind']}", "max_abs_err": x["max_abs_err"],
+             "status": "pass" if x["status"] == "near-tie" else x["status"], "culprit": x["step"] == first, "ops": []}
+            for x in g["steps"]]
+
+
 def load_state(path: str | Path) -> StateReport:
     """Read one Verdict JSON or migration state file (see :func:`parse_state`)."""
     states = load_documents(path)
@@ -335,6 +370,8 @@ def load_documents(path: str | Path) -> list[StateReport]:
     data = read_json_file(p, str(path), "pass a verdict or state JSON file")
     if is_matrix_document(data):
         return parse_matrix_document(data, str(path))
+    if is_generation_document(data):
+        return [parse_generation(data, str(path))]
     return [parse_state(data, str(path))]
 
 
@@ -497,6 +534,7 @@ def parse_matrix_document(data, path: str = "<document>") -> list[StateReport]:
     return states
 
 
-__all__ = ["StateReport", "load_state", "load_states", "load_documents", "parse_state", "coverage_matrix",
+__all__ = ["StateReport", "load_state", "load_states", "load_documents", "parse_state", "parse_generation",
+           "step_error_points", "coverage_matrix",
            "matrix_json", "matrix_document", "is_matrix_document", "parse_matrix_document", "status_rank",
            "STATUS_RANK", "MATRIX_GROUPS", "STATUSES", "op_speeds"]

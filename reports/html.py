@@ -13,7 +13,7 @@ import math
 import re
 from pathlib import Path
 
-from tapml.reports.data import MATRIX_GROUPS, STATUSES, StateReport, coverage_matrix
+from tapml.reports.data import MATRIX_GROUPS, STATUSES, StateReport, coverage_matrix, step_error_points
 from tapml.reports.plot import STATUS_COLORS, module_error_svg
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -150,7 +150,9 @@ def render_html(states: list[StateReport], title: str | None = None, by_case: bo
                          "flaky": [c for c in s.cases if c["status"] == "flaky"],
                          "summary": s.summary, "op_times": s.op_times(), "op_speeds": s.op_speeds(), "tolerances": tolerance_rows(s.tolerances),
                          "plot": Markup(module_error_svg(s.module_errors(), s.end_to_end,
-                                                         title=f"error per module, {s.model} on {s.label}"))})
+                                                         title=f"error per module, {s.model} on {s.label}")),
+                         "step_plot": Markup(module_error_svg(step_error_points(s), title=f"error per step, {s.model} on "
+                                                              f"{s.label}")) if s.generation else ""})
     findings = [{**f, "state": sec["state"], "anchor": sec["anchor"]} for sec in sections for f in sec["failures"]]
     findings.sort(key=lambda f: not f["culprit"])  # stable: each state's order kept, culprits first
     models = sorted({s.model for s in states})

@@ -62,6 +62,14 @@ def junit_tree(states: list[StateReport]) -> ET.ElementTree:
                    culprit_of.get(f"case:{c['id']}")) for c in s.cases]
         checks += [(f"{s.model}.{u['kind']}", f"{u['id']} [{u['module'] or '<root>'}]", u, culprit_of.get(u["id"]))
                    for u in s.units]
+        first_culprit = s.failures[0] if s.failures else None
+        for x in (s.generation or {}).get("steps", []):  # near-ties are reported, not failures
+            status = "pass" if x["status"] == "near-tie" else x["status"]
+            checks.append((f"{s.model}.generation.{x['kind']}", f"step {x['step']} {x['kind']}",
+                           {**x, "status": status, "message": f"near-tie: {x['message']}" if x["status"] == "near-tie"
+                            else x["message"]},
+                           first_culprit if status != "pass" and x["step"] == s.generation["summary"]["first_failure"]
+                           else None))
         for classname, name, v, culprit in checks:
             status = _testcase(suite, classname, name, v, culprit)
             counts["tests"] += 1

@@ -117,7 +117,16 @@ def render_markdown(states: list[StateReport], max_rows: int = 60) -> str:
         e2e = s.end_to_end
         lines.append("- end to end: " + (f"{ICON.get(e2e.get('status'), '')} {md(e2e.get('status'))}, max abs error "
                                          f"{fmt_err(e2e.get('max_abs_err'))}" if e2e else "not run"))
+        decode = s.decode_units
+        if decode:
+            e2e = next((u for u in decode if u["kind"] == "model"), None)
+            lines.append(f"- decode graph (second pass): {len(decode)} units, "
+                         f"{sum(u['status'] == 'pass' for u in decode)} pass; decode step end to end: "
+                         + (f"{ICON.get(e2e['status'], '')} {md(e2e['status'])}, max abs error "
+                            f"{fmt_err(e2e['max_abs_err'])}" if e2e else "not run"))
         lines.append("")
+        if s.generation is not None:
+            lines += _generation_lines(s.generation)
         cases = sorted(s.cases, key=lambda c: (c["status"] == "pass", -(c["max_abs_err"] or 0.0)))
         rows = [[c["id"], code(c["op"]), c["node"], c["module"], f"{ICON[c['status']]} {c['status']}",
                  fmt_err(c["max_abs_err"]), fmt_err(c["max_rel_err"]), fmt_pct(c["mismatch_fraction"]),
@@ -133,6 +142,30 @@ def render_markdown(states: list[StateReport], max_rows: int = 60) -> str:
         lines += ["Time per op on the target (top 15):", ""]
         lines += _table(["op", "calls per run", "ms per call", "ms per model run", "share"], times, "lrrrr") + [""]
     return "\n".join(lines)
+
+
+def _generation_lines(g: dict) -> list[str]:
+    """The generation section: figures, the step table, the culprits."""
+    sm = g["summary"]
+    first = "none" if sm["first_failure"] is None else f"step {sm['first_failure']}"
+    rates = g["tokens_per_s"]
+    lines = [f"### Generation: {sm['steps']} steps, {sm['pass']} pass, {sm['near_tie']} near-tie, "
+             f"{sm['mismatch']} mismatch, {sm['error']} error; first failure: {first}", "",
+             f"- programs compiled: {md(g['programs_compiled'])}; bytes uploaded per decode step: "
+             f"{md(g['upload_bytes_per_decode_step'])}; decode tokens/s: {md(rates['target'])} "
+             f"(reference {md(rates['reference'])})", ""]
+    icon = {"near-tie": "🟰"}
+    rows = [[x["step"], x["kind"], md(x["reference_token"]), md(x["target_token"]), fmt_err(x["max_abs_err"]),
+             f"{icon.get(x['status'], ICON.get(x['status'], ''))} {x['status']}", md(x["message"][:120])]
+            for x in g["steps"]]
+    lines += _table(["step", "kind", "reference token", "target token", "max abs err", "status", "message"],
+                    rows, "rlrrrll") + [""]
+    if g["culprits"]:
+        rows = [[md(c.get("step")), md(c.get("graph") or "—"), md(c["kind"]), code(c["op"]), code(c["node"]),
+                 code(c["module"] or "<root>"), fmt_err(c["max_abs_err"])] for c in g["culprits"]]
+        lines += ["Culprits of the first failing step:", ""]
+        lines += _table(["step", "graph", "kind", "op", "node", "module", "max abs err"], rows, "rllllll") + [""]
+    return lines
 
 
 __all__ = ["render_markdown", "md", "code", "Md"]

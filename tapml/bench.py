@@ -3,8 +3,9 @@ next to a baseline measured in the same run on the same machine.
 
 Each figure is one small function returning plain JSON data; :func:`run_suite` runs them all
 against one target and adds the ``ratios`` and ``goals`` that ``tapml bench`` prints. Timings
-are best-of-N (the machines are shared: the minimum is the least disturbed run) and every
-baseline is measured alternately with the figure it is compared to, so load hits both alike.
+are best-of-N (the machines are shared: the minimum is the least disturbed run), except the
+generation's (medians of alternated whole generations, with the load average of each run), and
+every baseline is measured alternately with the figure it is compared to, so load hits both alike.
 
 Example::
 
@@ -15,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -219,6 +221,165 @@ def e2e_figure(platform, store, repeat: int = 10) -> dict:
             "max_abs_err": err}
 
 
+# --- generation ----------------------------------------------------------------------------
+
+GENERATION_MODEL = "zoo:tiny-llama"
+#: Decode steps of the two generations whose compile counts are compared; the longer one is timed.
+GENERATION_TOKENS = (8, 64)
+GENERATION_PROMPT_LEN = 8
+
+
+class _TargetDecoder:
+    """A generation store's steps on a platform (teacher-forced, every node the platform
+    supports on it), its runners kept across runs as ``tapml generate`` keeps them across steps."""
+
+    def __init__(self, store, platform, steps: int):
+        from tapml.generate import KINDS, logits_ref, shared_program_inputs, target_placement
+        from tapml.hybrid import HybridRunner
+        self.platform = platform
+        self.graphs = {k: store.step_graph(k) for k in KINDS}
+        params = shared_program_inputs(store)
+        self.initial_state = {name: params["prefill"][name] for name in self.graphs["prefill"].state}
+        self.placements = {k: target_placement(self.graphs[k], platform)[0] for k in KINDS}
+        self.runners = {k: HybridRunner(self.graphs[k], platform) for k in KINDS}
+        self.logits = {k: logits_ref(self.graphs[k]) for k in KINDS}
+        fixed = {k: {n: v for n, v in params[k].items() if n not in self.graphs[k].state} for k in KINDS}
+        self.steps = [(s["kind"], {**fixed[s["kind"]], **store.step_inputs(s["step"])})
+                      for s in store.steps[:steps + 1]]
+        self.decode_upload_bytes = 0
+
+    def __call__(self) -> tuple[float, float, list[int]]:
+        """One generation: ``(prefill seconds, decode seconds, greedy tokens)``."""
+        state, tokens = dict(self.initial_state), []
+        start = time.perf_counter()
+        for i, (kind, inputs) in enumerate(self.steps):
+            outputs, state = self.runners[kind].step(inputs, state, self.placements[kind])
+            tokens.append(int(outputs[self.logits[kind]][0, -1].argmax()))
+            if i == 0:
+                prefilled, uploaded = time.perf_counter(), self.platform.upload_bytes
+        end = time.perf_counter()
+        self.decode_upload_bytes = self.platform.upload_bytes - uploaded
+        return prefilled - start, end - prefilled, tokens
+
+    @property
+    def programs_compiled(self) -> int:
+        return sum(r.programs_compiled for r in self.runners.values())
+
+
+class _TorchDecoder:
+    """The same model, prompt and steps in torch eager on the CPU: transformers' static-cache
+    module (the one the generation programs were exported from) called once per step."""
+
+    def __init__(self, store, spec: str, steps: int, hf_config: dict | None):
+        import torch
+        from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+        from tapml.models import load_causal_lm
+        gen = store.manifest["generation"]
+        model = load_causal_lm(spec, tokens=gen["tokens"], prompt_len=gen["prompt_len"], seed=store.manifest["seed"],
+                               hf_config=hf_config)
+        # .model: the outer recipe's forward drops cache_position; the exported module takes it
+        self.module = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=gen["max_cache_len"],
+                                                            device=torch.device("cpu")).model
+        self.steps = [store.step_inputs(s["step"]) for s in store.steps[:steps + 1]]
+        self.last_logits = None
+
+    def __call__(self, threads: int) -> tuple[float, float, list[int]]:
+        """One generation on ``threads`` CPU threads: ``(prefill seconds, decode seconds, greedy tokens)``."""
+        import torch
+        tokens, before = [], torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            self._generate(tokens)
+        finally:
+            torch.set_num_threads(before)
+        return self.times[0], self.times[1], tokens
+
+    def _generate(self, tokens: list) -> None:
+        import torch
+        with torch.no_grad():
+            start = time.perf_counter()
+            for i, inputs in enumerate(self.steps):
+                logits = self.module(input_ids=inputs["input_ids"], cache_position=inputs["cache_position"])
+                tokens.append(int(logits[0, -1].argmax()))
+                if i == 0:
+                    prefilled = time.perf_counter()
+            end = time.perf_counter()
+        self.last_logits = logits[0, -1]
+        self.times = (prefilled - start, end - prefilled)
+
+
+def generation_figure(platform, target: str, workdir: Path, spec: str = GENERATION_MODEL, *,
+                      tokens: tuple[int, int] = GENERATION_TOKENS, prompt_len: int = GENERATION_PROMPT_LEN,
+                      repeat: int = 5, hf_config: dict | None = None) -> dict:
+    """Decode tokens/s and prefill time of a greedy generation of ``spec`` on the target next to
+    torch eager decoding of the same model, prompt and steps on the CPU, and the programs a
+    generation compiles for ``tokens[0]`` and ``tokens[1]`` decode steps (static shapes: equal).
+
+    A generation of ``tokens[1]`` steps after a ``prompt_len``-token prompt is carved into
+    ``workdir``; ``tapml generate`` checks it on the target for both token counts (every step
+    must pass for the speed to count). Then, after one warm-up each, ``repeat`` rounds run the
+    target, torch on its default threads and torch on one thread (teacher-forced, the
+    reference's tokens), alternately; each figure is the median of its runs, with the 1-minute
+    load average at each round's start. torch's figure is its better thread count for that
+    figure (``torch_threads``): a batch-1 decode of a tiny model gains nothing from a second
+    thread, and two spinning threads on a loaded machine lose up to 10x (``torch_by_threads``).
+    ``ratios``: ``decode`` = target tokens/s over torch tokens/s (above 1: the target decodes
+    faster); ``prefill`` = target ms over torch ms (below 1: the target prefills faster).
+    Example: ``generation_figure(platform, "wgpu:vulkan", Path("/tmp/gen"), tokens=(2, 8))``.
+    """
+    import statistics
+
+    import torch
+
+    from tapml.carving.generation import carve_generation
+    from tapml.carving.store import CarveStore
+    from tapml.generate import generate, passed
+    few, many = tokens
+    start = time.perf_counter()
+    carve_generation(spec, workdir, tokens=many, prompt_len=prompt_len, hf_config=hf_config)
+    store = CarveStore(workdir)
+    row = {"model": spec, "prompt_len": prompt_len, "tokens": many, "runs": repeat, "statistic": "median",
+           "carve_s": round(time.perf_counter() - start, 3)}
+    thread_counts = sorted({torch.get_num_threads(), 1}, reverse=True)
+    try:
+        checked = {n: generate(store, platform, target, tokens=n, localize=False) for n in (few, many)}
+        row.update({"passed": all(passed(doc) for doc in checked.values()),
+                    "summary": checked[many]["summary"],
+                    "programs_compiled": {str(n): doc["programs_compiled"] for n, doc in checked.items()},
+                    "upload_bytes_per_decode_step": checked[many]["upload_bytes_per_decode_step"]})
+        row["compile_count_flat"] = checked[few]["programs_compiled"] == checked[many]["programs_compiled"]
+        ours, theirs = _TargetDecoder(store, platform, many), _TorchDecoder(store, spec, many, hf_config)
+        ours(), theirs(thread_counts[0])  # warm-up: compiles, first uploads, allocator
+        runs: dict[str, list] = {"target": [], **{str(n): [] for n in thread_counts}}
+        loads = []
+        for _ in range(max(1, repeat)):
+            loads.append(round(os.getloadavg()[0], 2))
+            runs["target"].append(ours())
+            for n in thread_counts:
+                runs[str(n)].append(theirs(n))
+    except Exception as e:  # noqa: BLE001 - a generation that fails is a figure, not a crash
+        return {**row, "error": f"{type(e).__name__}: {e}", "ratios": {"decode": None, "prefill": None}}
+    expected = [s["token"] for s in store.steps[:many + 1]]
+    decode_tps = {side: statistics.median(many / r[1] for r in rs) for side, rs in runs.items()}
+    prefill_ms = {side: statistics.median(r[0] * 1e3 for r in rs) for side, rs in runs.items()}
+    decode_threads = max((str(n) for n in thread_counts), key=decode_tps.__getitem__)
+    prefill_threads = min((str(n) for n in thread_counts), key=prefill_ms.__getitem__)
+    return {**row,
+            "decode_tokens_per_s": {"target": _sig(decode_tps["target"]), "torch": _sig(decode_tps[decode_threads])},
+            "prefill_ms": {"target": _sig(prefill_ms["target"]), "torch": _sig(prefill_ms[prefill_threads])},
+            "ratios": {"decode": _ratio(decode_tps["target"], decode_tps[decode_threads]),
+                       "prefill": _ratio(prefill_ms["target"], prefill_ms[prefill_threads])},
+            "torch_threads": {"decode": int(decode_threads), "prefill": int(prefill_threads)},
+            "torch_by_threads": {str(n): {"decode_tokens_per_s": _sig(decode_tps[str(n)]),
+                                          "prefill_ms": _sig(prefill_ms[str(n)])} for n in thread_counts},
+            "load_avg": loads, "load_avg_median": statistics.median(loads),
+            "tokens_match": {side: all(r[2] == expected for r in rs) for side, rs in runs.items()},
+            "torch_max_abs_err": float((theirs.last_logits - store.step_logits(many)).abs().max()),
+            "timed_upload_bytes_per_decode_step": ours.decode_upload_bytes // many,
+            "timed_programs_compiled": ours.programs_compiled}
+
+
 # --- carving -------------------------------------------------------------------------------
 
 def tensor_mix(total_bytes: int, seed: int = 0) -> list:
@@ -283,10 +444,11 @@ def carve_model_figure(spec: str, out: Path) -> dict:
 
 # --- migration -----------------------------------------------------------------------------
 
-def migrate_figure(spec: str, target: str, workdir: Path, token: str | None = None, timeout: float = 600) -> dict:
+def migrate_figure(spec: str, target: str, workdir: Path, token: str | None = None, timeout: float = 600,
+                   hf_config: dict | None = None) -> dict:
     """Wall time of ``tapml migrate SPEC -t TARGET`` in a fresh process, exactly as a user runs
     it (interpreter start, imports, carving, opening the device and every stage), with the
-    outcome read from its state file."""
+    outcome read from its state file. ``hf_config`` goes to ``--hf-config`` for an ``hf:`` spec."""
     import subprocess
     import sys
     workdir = Path(workdir)
@@ -296,6 +458,8 @@ def migrate_figure(spec: str, target: str, workdir: Path, token: str | None = No
     if token:
         env["TAPML_TOKEN"] = token
     cmd = [sys.executable, "-m", "tapml.cli", "migrate", spec, "--target", target, "--state", str(state_path), "-q"]
+    if hf_config and spec.startswith("hf:"):
+        cmd += [arg for k, v in hf_config.items() for arg in ("--hf-config", f"{k}={json.dumps(v)}")]
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
@@ -320,14 +484,45 @@ def _goal_met(key: str, value) -> bool | None:
     return {">=": value >= bound, "<=": value <= bound, "<": value < bound}[op]
 
 
+def check_models(models: tuple[str, ...] = (), generation_model: str = GENERATION_MODEL,
+                 hf_config: dict | None = None, *, tokens: int = max(GENERATION_TOKENS),
+                 prompt_len: int = GENERATION_PROMPT_LEN) -> None:
+    """Validate the bench's MODEL specs before a long run: ``models`` (migrated) may be any
+    MODEL spec, ``generation_model`` must be a causal LM, ``hf_config`` applies to their
+    ``hf:`` specs (each is built once, tiny, to check it); the generation must fit ``prompt_len +
+    tokens`` positions. TapmlError saying what fits."""
+    from tapml.errors import TapmlError
+    from tapml.models import ZOO, load_causal_lm, load_model
+    if hf_config and not any(m.startswith("hf:") for m in (*models, generation_model)):
+        raise TapmlError("--hf-config applies to hf:MODEL_TYPE models; give one with --model or --generation-model")
+    for spec in models:
+        if spec.startswith("zoo:"):
+            if spec[4:] not in ZOO:
+                raise TapmlError(f"--model {spec}: unknown zoo model {spec[4:]!r}; the zoo has: {', '.join(ZOO)}")
+        elif spec.startswith("hf:"):
+            load_model(spec, hf_config=hf_config)
+        elif spec.endswith(".pt2") or ".py:" in spec:
+            path = spec if spec.endswith(".pt2") else spec.rpartition(":")[0]
+            if not Path(path).is_file():
+                raise TapmlError(f"--model {spec}: file {path} does not exist")
+        else:
+            raise TapmlError(f"--model {spec!r} is not a MODEL spec; use zoo:NAME, hf:MODEL_TYPE, "
+                             "path/to/file.py:factory or file.pt2")
+    load_causal_lm(generation_model, tokens=tokens, prompt_len=prompt_len,
+                   hf_config=hf_config if generation_model.startswith("hf:") else None)
+
+
 def run_suite(target: str = "wgpu", *, quick: bool = False, token: str | None = None,
               workdir: str | Path | None = None, models: tuple[str, ...] | None = None,
+              generation_model: str = GENERATION_MODEL, hf_config: dict | None = None,
               on_step: Callable[[str], None] | None = None) -> dict:
     """Run every benchmark against ``target`` and return the report (see ``tapml bench``).
 
-    ``quick`` shrinks repetitions, the carving payload, the transport payload and migrates
-    only ``zoo:mlp`` (a smoke run, figures not meant to be quoted). ``models`` overrides the
-    zoo models migrated. Scratch stores go under ``workdir`` (a temp dir by default, removed).
+    ``quick`` shrinks repetitions, the carving payload, the transport payload, the generation
+    (2 vs 8 tokens) and migrates only ``zoo:mlp`` (a smoke run, figures not meant to be
+    quoted). ``models`` overrides the models migrated (any MODEL spec); ``generation_model``
+    is the causal LM whose generation is timed; ``hf_config`` applies to their ``hf:`` specs
+    (see :func:`check_models`). Scratch stores go under ``workdir`` (a temp dir by default, removed).
     """
     import tempfile
 
@@ -342,8 +537,9 @@ def run_suite(target: str = "wgpu", *, quick: bool = False, token: str | None = 
     root.mkdir(parents=True, exist_ok=True)
     migrate_models = tuple(models) if models else (("zoo:mlp",) if quick else ZOO_MODELS)
     started = time.perf_counter()
-    report: dict = {"target": target, "quick": quick, "machine": {
-        "cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads()}}
+    report: dict = {"target": target, "quick": quick, "hf_config": hf_config or {}, "machine": {
+        "cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "load_avg": [round(x, 2) for x in os.getloadavg()]}}
     try:
         with open_target(target, token=token) as platform:
             report["device"] = device_info(platform)
@@ -364,13 +560,18 @@ def run_suite(target: str = "wgpu", *, quick: bool = False, token: str | None = 
                 step(f"{spec} forward on {target} vs torch eager")
                 from tapml.carving import CarveStore
                 report["e2e"][spec] = e2e_figure(platform, CarveStore(out), repeat=3 if quick else 10)
+            gen_tokens = (2, 8) if quick else GENERATION_TOKENS
+            step(f"{generation_model} generation on {target} ({gen_tokens[1]} tokens) vs torch eager decoding")
+            report["generation"] = generation_figure(
+                platform, target, root / "generation" / "store", generation_model, tokens=gen_tokens,
+                hf_config=hf_config if generation_model.startswith("hf:") else None)
             step("carve writer vs plain file write")
             report["carving"]["write"] = carve_write_figure(root / "write", 16 if quick else 128, 3 if quick else 5)
             report["migrate"] = {}
             for spec in migrate_models:
                 step(f"migrating {spec}")
-                report["migrate"][spec] = migrate_figure(spec, target, root / "migrate" / spec.replace(":", "_"),
-                                                         token=token)
+                report["migrate"][spec] = migrate_figure(spec, target, root / "migrate" / _dir_name(spec),
+                                                         token=token, hf_config=hf_config)
             report["transport"] = None
             if target.startswith("remote://"):
                 step("transport vs plain socket")
@@ -388,6 +589,11 @@ def run_suite(target: str = "wgpu", *, quick: bool = False, token: str | None = 
             value = report["ratios"].get(k)
             report["goals"][k] = {"goal": f"{GOAL_OPS[k]} {bound:g}", "value": value, "met": goal_met(k, value)}
     return report
+
+
+def _dir_name(spec: str) -> str:
+    """A folder name for a MODEL spec (which may be a path)."""
+    return "".join(c if c.isalnum() or c in "-." else "_" for c in spec)[-80:]
 
 
 def transport_figure(platform, quick: bool) -> dict:
@@ -413,6 +619,8 @@ def ratios(report: dict) -> dict:
         "carve_write_vs_file_write": report.get("carving", {}).get("write", {}).get("ratio"),
         "migrate_s": {spec: m["s"] for spec, m in migrate.items()},
         "migrate_max_s": max((m["s"] for m in migrate.values()), default=None),
+        "generation_decode_vs_torch": report.get("generation", {}).get("ratios", {}).get("decode"),
+        "generation_prefill_vs_torch": report.get("generation", {}).get("ratios", {}).get("prefill"),
     }
     for r in report.get("matmul", []):
         if r["op"] == "bmm":
@@ -427,4 +635,5 @@ def ratios(report: dict) -> dict:
 
 __all__ = ["run_suite", "ratios", "GOALS", "matmul_figure", "matmul_figures", "dispatch_figures", "e2e_figure",
            "carve_write_figure", "carve_model_figure", "autotune_figure", "migrate_figure", "transport_figure", "best_of",
-           "device_seconds", "matmul_graph", "chain_graph", "tensor_mix", "torch_eager_ms"]
+           "device_seconds", "matmul_graph", "chain_graph", "tensor_mix", "torch_eager_ms", "generation_figure",
+           "check_models", "GENERATION_MODEL", "GENERATION_TOKENS", "GENERATION_PROMPT_LEN"]

@@ -10,6 +10,14 @@
    topological order — to the smallest failing sub-region, which goes back to the reference.
 3. **model** — the whole model on the final placement, compared end to end.
 
+A generation store (``tapml carve --generate``) runs the three stages once per step kind: the
+prefill graph first, as above, then the decode graph — its cases (and the prefill's cases that
+its nodes share) localized in the decode graph's own context, its module regions, and the
+decode step end to end, all on the first decode step's real inputs with the reference's cache
+after the prefill. The decode pass's unit ids start ``decode:``; units and culprits of a
+generation say their ``graph`` (and culprits their ``step``); its placement is
+``placement["decode"]``.
+
 Every verdict is appended to a JSON-lines journal (``STATE.json.journal``, flushed and
 fsynced per line) the moment it is made, and the state file is rewritten atomically. The
 algorithm is deterministic given its verdicts, so ``resume=True`` replays it with the
@@ -41,6 +49,26 @@ from tapml.verdict import (STATE_FORMAT, CaseVerdict, Culprit, EndToEnd, Migrati
 
 #: Bisect-and-recheck rounds per region before giving up on it.
 MAX_ROUNDS = 8
+#: The step a generation's graph is checked on: the prefill, and the first decode step.
+CHECKED_STEP = {"prefill": 0, "decode": 1}
+
+
+class GraphPass:
+    """One graph a migration checks: the model's graph, or one step kind of a generation
+    (``kind`` ``"prefill"``/``"decode"``; None for a store without generation). Unit ids of the
+    decode pass start with ``prefix``."""
+
+    def __init__(self, kind: str | None, graph: Graph, checker: RegionChecker):
+        self.kind = kind
+        self.graph = graph
+        self.checker = checker
+        self.prefix = "decode:" if kind == "decode" else ""
+        self.placement = {n.name: TARGET for n in graph.nodes}
+        self.end_to_end: EndToEnd | None = None
+
+    def where(self) -> dict:
+        """The ``graph`` field of its units (none outside a generation)."""
+        return {} if self.kind is None else {"graph": self.kind}
 
 
 class MigrationInterrupted(TapmlError):
@@ -70,6 +98,9 @@ class Migration:
         self.on_event = on_event or (lambda kind, data: None)
         self.checker = RegionChecker(store, platform, self.tolerances)
         self.graph = store.graph
+        from tapml.carving.store import CarveStore
+        # A view of one step of a generation (tapml.generate.StepStore) is checked as a plain store.
+        self.generation = isinstance(store, CarveStore) and store.is_generation
         self.header = {"format": STATE_FORMAT, "model": store.model, "target": target,
                        "tolerances": self.tolerances.to_json(), "inject": self.inject,
                        "nodes": len(self.graph.nodes), "cases": len(store.cases)}
@@ -87,9 +118,25 @@ class Migration:
         self.units: list[UnitVerdict] = []
         self._unit_ids: set[str] = set()
         self.culprits: list[Culprit] = []
-        self.end_to_end: EndToEnd | None = None
-        self.placement = {n.name: TARGET for n in self.graph.nodes}
+        self.prefill = GraphPass("prefill" if self.generation else None, self.graph, self.checker)
+        self.passes = [self.prefill]
+        if self.generation:
+            decode = self.store.step_graph("decode")
+            self.passes.append(GraphPass("decode", decode, RegionChecker(
+                self.store, self.platform, self.tolerances, graph=decode, inputs=self._decode_inputs)))
+        self.placement = self.prefill.placement
         self.device: dict | None = None
+
+    @property
+    def end_to_end(self) -> EndToEnd | None:
+        return self.prefill.end_to_end
+
+    def _decode_inputs(self) -> dict:
+        """The decode graph's inputs at the first decode step: its parameters, step 1's token
+        and position, and the reference's cache after the prefill."""
+        prefill = self.store.step_graph("prefill")
+        cache = {name: self.checker.ref[ref] for name, ref in prefill.state.items()}
+        return {**self.store.program_inputs("decode"), **self.store.step_inputs(1), **cache}
 
     # records -------------------------------------------------------------------------------
     def _memo(self, key: str, compute: Callable[[], object]):
@@ -106,16 +153,17 @@ class Migration:
             self.journal.put(key, record)
         return record
 
-    def _unit(self, uid: str, kind: str, role: str, module: str | None, names: list[str],
+    def _unit(self, gp: GraphPass, uid: str, kind: str, role: str, module: str | None, names: list[str],
               placement: dict[str, str], window: list[str] | None = None) -> UnitVerdict:
         nodes = list(window or names)
+        uid = gp.prefix + uid
 
         def compute():
-            v = self.checker.compare_region(names, placement, window)
+            v = gp.checker.compare_region(names, placement, window)
             return UnitVerdict(id=uid, kind=kind, role=role, module=module, nodes=nodes,
-                               on_target=sum(placement.get(n) == TARGET for n in names), **v.outcome())
+                               on_target=sum(placement.get(n) == TARGET for n in names), **gp.where(), **v.outcome())
         unit = self._memo(f"unit:{uid}", compute)
-        self._check_record(unit, kind=kind, role=role, module=module, nodes=nodes)
+        self._check_record(unit, kind=kind, role=role, module=module, nodes=nodes, graph=gp.kind)
         if uid not in self._unit_ids:
             self._unit_ids.add(uid)
             self.units.append(unit)
@@ -139,9 +187,10 @@ class Migration:
         try:
             self.device = self._memo("device", lambda: device_info(self.platform))
             self._save(force=True)
-            self._op_stage()
-            self._region_stage()
-            self._model_stage()
+            for gp in self.passes:
+                self._op_stage(gp)
+                self._region_stage(gp)
+                self._model_stage(gp)
             self.stage = "done"
             self._save(force=True)
         except DeviceLost as e:
@@ -168,25 +217,44 @@ class Migration:
         records |= {f"unit:{u.id}": u for u in state.units}
         write_text_atomic(journal_path(self.state_path), journal_text(header, records))
 
-    def _op_stage(self) -> None:
+    def _op_stage(self, gp: GraphPass) -> None:
         from tapml.replay import replay_case
         self.stage = "op"
-        self.on_event("stage", {"stage": "op", "total": len(self.store.cases)})
         nodes_of: dict[str, list[str]] = {}
-        for n in self.graph.nodes:
+        for n in gp.graph.nodes:
             if n.case is not None:
                 nodes_of.setdefault(n.case, []).append(n.name)
-        for case in self.store.cases:
+        if gp.kind == "decode":  # its own cases, and the prefill's that its nodes share
+            cases = [c for c in self.store.cases if c.get("graph") == "decode" or c["id"] in nodes_of]
+        else:
+            cases = [c for c in self.store.cases if c.get("graph", "prefill") == "prefill"]
+        self._stage_event(gp, "op", len(cases))
+        done = {c.id for c in self.cases}
+        for case in cases:
             verdict = self._memo(f"case:{case['id']}",
                                  lambda: replay_case(self.platform, self.store, case, self.tolerances))
             self._check_record(verdict, op=case["op"], node=case["node"], module=case["module"])
-            self.cases.append(verdict)
-            self.on_event("step", {"stage": "op", "label": f"{case['id']} {case['op']}", "status": verdict.status})
+            if case["id"] not in done:
+                self.cases.append(verdict)
+                done.add(case["id"])
+            self.on_event("step", {"stage": "op", "label": f"{gp.prefix}{case['id']} {case['op']}",
+                                   "status": verdict.status})
             if verdict.status != "pass":
-                self._localize_case(case, verdict, nodes_of.get(case["id"], []))
+                self._localize_case(gp, case, verdict, nodes_of.get(case["id"], []))
             self._save()
 
-    def _localize_case(self, case: dict, verdict: CaseVerdict, nodes: list[str]) -> None:
+    def _stage_event(self, gp: GraphPass, stage: str, total: int) -> None:
+        self.on_event("stage", {"stage": f"{gp.kind} {stage}" if gp.kind == "decode" else stage, "total": total})
+
+    def _culprit_where(self, gp: GraphPass, case: dict | None = None) -> dict:
+        """A generation culprit's ``graph`` and ``step``: the first step of its kind the case
+        occurs in, else the step the pass checks."""
+        if gp.kind is None:
+            return {}
+        steps = [s for s in (case or {}).get("steps", []) if (s == 0) == (gp.kind == "prefill")]
+        return {"graph": gp.kind, "step": steps[0] if steps else CHECKED_STEP[gp.kind]}
+
+    def _localize_case(self, gp: GraphPass, case: dict, verdict: CaseVerdict, nodes: list[str]) -> None:
         """Which of a failing case's nodes fail in the model's own context (all of them for
         an unsupported op); those go back to the reference."""
         if verdict.status == "unsupported" or len(nodes) <= 1:
@@ -194,48 +262,49 @@ class Migration:
         else:
             failing = []
             for name in nodes:
-                unit = self._unit(f"op:{name}", "op", "instance", self.graph.node(name).module, [name],
+                unit = self._unit(gp, f"op:{name}", "op", "instance", gp.graph.node(name).module, [name],
                                   {name: TARGET})
                 if unit.status != "pass":
                     failing.append(name)
             if not failing:  # passes in every context but not alone: keep the case's verdict honest
                 failing = [case["node"]] if case["node"] in nodes else nodes[:1]
         for name in failing:
-            self.placement[name] = REFERENCE
+            gp.placement[name] = REFERENCE
+        node = case["node"] if case["node"] in nodes or not failing else failing[0]
         self._finding(Culprit.of(culprit_kind(verdict.status, len(failing), alone=True), verdict, op=case["op"],
-                                 ops=[case["op"]], node=case["node"], nodes=failing, module=case["module"],
-                                 case=case["id"], unit=f"case:{case['id']}"))
+                                 ops=[case["op"]], node=node, nodes=failing, module=case["module"],
+                                 case=case["id"], unit=f"case:{case['id']}", **self._culprit_where(gp, case)))
 
-    def _region_stage(self) -> None:
+    def _region_stage(self, gp: GraphPass) -> None:
         self.stage = "region"
-        regions = module_regions(self.graph)
-        self.on_event("stage", {"stage": "region", "total": len(regions)})
+        regions = module_regions(gp.graph)
+        self._stage_event(gp, "region", len(regions))
         for path, names in regions:
             label = path or "<model>"
-            if not any(self.placement[n] == TARGET for n in names):
+            if not any(gp.placement[n] == TARGET for n in names):
                 self.on_event("step", {"stage": "region", "label": label, "status": "skipped"})
                 continue
             # A region can hold several independent failures: bisect, fall back, check again.
             for attempt in range(1, MAX_ROUNDS + 1):
                 uid = f"region:{label}" + (f"#{attempt}" if attempt > 1 else "")
-                unit = self._unit(uid, "region", "module", path, names, dict(self.placement))
-                self.on_event("step", {"stage": "region", "label": label, "status": unit.status})
+                unit = self._unit(gp, uid, "region", "module", path, names, dict(gp.placement))
+                self.on_event("step", {"stage": "region", "label": gp.prefix + label, "status": unit.status})
                 if unit.status == "pass":
                     break
-                self._bisect_region(label, path, names, unit)
-                if not any(self.placement[n] == TARGET for n in names):
+                self._bisect_region(gp, label, path, names, unit)
+                if not any(gp.placement[n] == TARGET for n in names):
                     break
             self._save()
 
-    def _bisect_region(self, label: str, path: str, names: list[str], unit: UnitVerdict) -> None:
-        target_nodes = [n for n in names if self.placement[n] == TARGET]
+    def _bisect_region(self, gp: GraphPass, label: str, path: str, names: list[str], unit: UnitVerdict) -> None:
+        target_nodes = [n for n in names if gp.placement[n] == TARGET]
         probes: list[UnitVerdict] = []
 
         def probe(window: list[str]) -> UnitVerdict:
             # The region as it will run, with only the window on the target.
             digest = hashlib.sha1("\n".join(window).encode()).hexdigest()[:8]
             uid = f"bisect:{label}:{window[0]}..{window[-1]}:{digest}"
-            v = self._unit(uid, "region", "bisect", path, names, {n: TARGET for n in window}, window)
+            v = self._unit(gp, uid, "region", "bisect", path, names, {n: TARGET for n in window}, window)
             probes.append(v)
             self.on_event("step", {"stage": "bisect", "label": uid, "status": v.status})
             return v
@@ -243,33 +312,40 @@ class Migration:
         window = bisect(target_nodes, lambda w: probe(w).status != "pass")
         evidence = next((p for p in reversed(probes) if p.nodes == window), unit)
         for n in window:
-            self.placement[n] = REFERENCE
-        nodes = [self.graph.node(n) for n in window]
-        surface = self.checker.producer.get(evidence.worst_output or "", nodes[-1])
+            gp.placement[n] = REFERENCE
+        nodes = [gp.graph.node(n) for n in window]
+        surface = gp.checker.producer.get(evidence.worst_output or "", nodes[-1])
         self._finding(Culprit.of(culprit_kind(evidence.status, len(window), alone=False), evidence,
                                  op=surface.op if len(window) > 1 else nodes[0].op, ops=sorted({n.op for n in nodes}),
                                  node=window[0] if len(window) == 1 else f"{window[0]}..{window[-1]}",
                                  nodes=window, module=common_module([n.module for n in nodes]), region=label,
-                                 unit=evidence.id, probes=len(probes)))
+                                 unit=evidence.id, probes=len(probes), **self._culprit_where(gp)))
 
-    def _model_stage(self) -> None:
+    def _model_stage(self, gp: GraphPass) -> None:
         self.stage = "model"
-        self.on_event("stage", {"stage": "model", "total": 1})
-        names = [n.name for n in self.graph.nodes]
-        uid = "model"
+        self._stage_event(gp, "model", 1)
+        names = [n.name for n in gp.graph.nodes]
+        uid = gp.prefix + "model"
 
         def compute():
-            verdict, result = run_model_against_reference(self.store, HybridRunner(self.graph, self.platform), self.placement,
-                                          self.tolerances)
+            inputs = expected = None
+            if gp.kind == "decode":
+                inputs = {r: gp.checker.ref[r] for r, _ in gp.graph.inputs}
+                expected = {r: gp.checker.ref[r] for r in gp.graph.outputs}
+            verdict, result = run_model_against_reference(self.store, HybridRunner(gp.graph, self.platform),
+                                                          gp.placement, self.tolerances, inputs=inputs,
+                                                          expected=expected)
             return UnitVerdict(id=uid, kind="model", role="end-to-end", module="", nodes=names,
-                               on_target=sum(self.placement[n] == TARGET for n in names),
-                               regions=None if result is None else len(result.regions), **verdict.outcome())
+                               on_target=sum(gp.placement[n] == TARGET for n in names),
+                               regions=None if result is None else len(result.regions), **gp.where(),
+                               **verdict.outcome())
 
         unit = self._memo(f"unit:{uid}", compute)
-        self._check_record(unit, kind="model", nodes=names)
+        self._check_record(unit, kind="model", nodes=names, graph=gp.kind)
         self.units.append(unit)
-        self.end_to_end = EndToEnd(regions=unit.regions, **unit.outcome())
-        self.on_event("step", {"stage": "model", "label": "end to end", "status": unit.status})
+        gp.end_to_end = EndToEnd(regions=unit.regions, **unit.outcome())
+        self.on_event("step", {"stage": "model", "label": f"{gp.kind} end to end" if gp.kind else "end to end",
+                               "status": unit.status})
 
     def _finding(self, culprit: Culprit) -> None:
         self.culprits.append(culprit)
@@ -281,9 +357,14 @@ class Migration:
         return MigrationState(model=self.store.model, target=self.target, tolerances=self.tolerances.to_json(),
                               inject=self.inject, nodes=len(self.graph.nodes), cases=self.cases,
                               store=self.store_path, device=self.device, stage=self.stage, units=self.units,
-                              placement={"nodes": dict(self.placement),
-                                         **placement_shares(self.graph, self.placement)},
+                              placement=self._placement_json(),
                               culprits=self.culprits, end_to_end=self.end_to_end)
+
+    def _placement_json(self) -> dict:
+        placement = {"nodes": dict(self.placement), **placement_shares(self.graph, self.placement)}
+        for gp in self.passes[1:]:
+            placement[gp.kind] = {"nodes": dict(gp.placement), **placement_shares(gp.graph, gp.placement)}
+        return placement
 
     def state(self) -> dict:
         """The migration state: the Verdict JSON of ARCHITECTURE.md plus units, placement,
@@ -322,4 +403,4 @@ def exit_code(state: dict) -> int:
     return 0 if state.get("passed") else 1
 
 
-__all__ = ["Migration", "MigrationInterrupted", "check_faults", "exit_code", "MAX_ROUNDS"]
+__all__ = ["Migration", "MigrationInterrupted", "GraphPass", "check_faults", "exit_code", "MAX_ROUNDS", "CHECKED_STEP"]

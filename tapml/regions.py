@@ -27,11 +27,17 @@ from tapml.verdict import Verdict, outcome_verdict
 
 class RegionChecker:
     """Runs sub-regions of a store's model on a platform with reference values at their
-    inputs and compares their outputs with the reference. Shared by migrate and the session."""
+    inputs and compares their outputs with the reference. Shared by migrate and the session.
 
-    def __init__(self, store, platform, tolerances: Tolerances | None = None):
+    ``graph`` is the store's model graph unless given (a generation's decode graph), and
+    ``inputs()`` returns the reference values of its inputs (the store's program inputs unless
+    given)."""
+
+    def __init__(self, store, platform, tolerances: Tolerances | None = None, *, graph: Graph | None = None,
+                 inputs: Callable[[], dict] | None = None):
         self.store = store
-        self.graph: Graph = store.graph
+        self.graph: Graph = store.graph if graph is None else graph
+        self._inputs = inputs or store.program_inputs
         self.platform = platform
         self.tolerances = tolerances or Tolerances()
         self.producer = self.graph.producer()
@@ -43,7 +49,7 @@ class RegionChecker:
     def ref(self) -> dict:
         """Every reference value of the model (computed once)."""
         if self._ref is None:
-            self._ref = reference_values(self.graph, self.store.program_inputs())
+            self._ref = reference_values(self.graph, self._inputs())
         return self._ref
 
     def runner(self, names: list[str]) -> HybridRunner:
@@ -101,9 +107,12 @@ class RegionChecker:
 
 
 def run_model_against_reference(store, runner: HybridRunner, placement: dict[str, str], tolerances: Tolerances,
-                keep: Iterable[str] = ()) -> tuple[Verdict, HybridResult | None]:
+                keep: Iterable[str] = (), *, inputs: dict | None = None,
+                expected: dict | None = None) -> tuple[Verdict, HybridResult | None]:
     """Run the whole model of ``store`` with ``runner`` on ``placement`` and compare its outputs
     with the reference's. Shared by migrate's model stage and :meth:`tapml.session.Session.compare_model`.
+    ``inputs`` and ``expected`` (reference outputs by ref) replace the store's program inputs and
+    model outputs (a generation's decode step).
 
     Returns the verdict and the run, which is None when the run raised: a failing run is a
     verdict (:func:`~tapml.verdict.outcome_verdict`), except DeviceLost, which is raised.
@@ -114,10 +123,10 @@ def run_model_against_reference(store, runner: HybridRunner, placement: dict[str
         verdict.status  # 'pass'
     """
     try:
-        result = runner.run(store.program_inputs(), placement, keep=keep)
+        result = runner.run(store.program_inputs() if inputs is None else inputs, placement, keep=keep)
     except Exception as e:  # noqa: BLE001 - a failing model is a verdict, not a crash
         return outcome_verdict(e), None
-    expected = store.model_outputs()
+    expected = store.model_outputs() if expected is None else expected
     c = compare_outputs([result.values[r] for r in expected], list(expected.values()), tolerances=tolerances)
     return outcome_verdict(c, round(sum(r.run_ms for r in result.regions) + result.reference_ms, 4)), result
 

@@ -101,6 +101,14 @@ def render_states(states, console, quiet: bool = False, max_rows: int = 30) -> N
             from tapml.reports.data import coverage_matrix
             render_matrix(coverage_matrix(states), console, max_rows=max_rows)
     for s in states:
+        if s.generation is not None:
+            g = s.generation["summary"]
+            color = "green" if s.passed else "red"
+            console.print(f"[{color}]{escape(s.model)} on {escape(s.label)}: {g['pass']}/{g['steps']} steps pass[/], "
+                          f"{g['near_tie']} near-tie, {g['mismatch']} mismatch, {g['error']} error"
+                          + ("" if g.get("first_failure") is None else f"; first failure at step {g['first_failure']}"),
+                          highlight=False)
+            continue
         summary, shares, e2e = s.summary, s.shares, s.end_to_end
         total = sum(summary.values())
         color = "green" if s.passed else "red"

@@ -53,6 +53,11 @@ class Session:
         # A model carved without --state lives in a scratch folder, removed at close unless saved.
         self._scratch = self.store_path.parent if state is None and not Path(str(model)).is_dir() else None
         self.graph = self.store.graph
+        #: A line to show the user when the session covers less than the store holds, else None.
+        self.scope_note: str | None = None
+        if self.store.is_generation:
+            self.scope_note = ("this is a generation store: the session works on its prefill graph only; "
+                               "`tapml migrate` checks the decode graph too, `tapml generate` every step")
         check_faults(self.graph, self.inject)
         self.platform = platform if platform is not None else open_target(target, token=token, inject=self.inject)
         self.checker = RegionChecker(self.store, self.platform, self.tolerances)

@@ -47,6 +47,8 @@ TIMINGS = ("timestamp", "wall")
 #: op the target does not support (a gap, not a bug).
 CULPRIT_KINDS = ("op", "node", "error", "fusion", "accumulated", "unsupported")
 UNIT_KINDS = ("op", "region", "model")
+#: The graphs of a generation store a migration checks, one pass each (units and culprits say which).
+GRAPH_KINDS = ("prefill", "decode")
 STAGES = ("op", "region", "model", "done", "session")
 #: Where a node runs (tapml.hybrid's TARGET and REFERENCE).
 PLACES = ("target", "reference")
@@ -170,7 +172,8 @@ class UnitVerdict(Verdict):
     """The verdict on a unit of the migration: one node in context (``kind`` op), a region or
     a bisection probe (region), the whole model (model). ``nodes`` are the nodes it judges,
     ``on_target`` how many of them ran on the target, ``regions`` how many target regions the
-    model ran as, ``region_checks`` each target region's own comparison (session checks)."""
+    model ran as, ``region_checks`` each target region's own comparison (session checks),
+    ``graph`` the graph of a generation it is about (one of :data:`GRAPH_KINDS`; None otherwise)."""
 
     id: str = ""
     kind: str = "region"
@@ -180,10 +183,13 @@ class UnitVerdict(Verdict):
     on_target: int | None = None
     regions: int | None = None
     region_checks: list[RegionCheck] | None = None
+    graph: str | None = None
 
     def to_json(self) -> dict:
         out = {"id": self.id, "kind": self.kind, "role": self.role, "module": self.module,
                "nodes": list(self.nodes), "on_target": self.on_target, **super().to_json()}
+        if self.graph is not None:
+            out["graph"] = self.graph
         if self.regions is not None:
             out["regions"] = self.regions
         if self.region_checks is not None:
@@ -198,7 +204,7 @@ class UnitVerdict(Verdict):
                    role=o.string("role", "", required=strict), module=o.string("module", "", required=strict),
                    nodes=o.strings("nodes", required=strict), on_target=o.count("on_target", None, required=strict),
                    regions=o.count("regions", None), region_checks=checks if "region_checks" in o.data else None,
-                   **cls._read_outcome(o))
+                   graph=o.choice("graph", GRAPH_KINDS, None), **cls._read_outcome(o))
 
 
 @dataclass(kw_only=True)
@@ -220,7 +226,8 @@ class Culprit:
     """The smallest piece found to cause a failure: ``kind`` (one of :data:`CULPRIT_KINDS`),
     the op (where its error surfaces), every op and node of it, its module, the verdict that
     shows it (``status``, error stats, ``message``, ``worst``) and where that verdict is
-    (``unit``, ``case``, ``region``; ``probes``: the runs bisection took)."""
+    (``unit``, ``case``, ``region``; ``probes``: the runs bisection took). In a generation,
+    ``graph`` (one of :data:`GRAPH_KINDS`) and ``step`` say which graph and step it was found in."""
 
     kind: str
     op: str
@@ -238,6 +245,8 @@ class Culprit:
     case: str | None = None
     region: str | None = None
     probes: int | None = None
+    graph: str | None = None
+    step: int | None = None
 
     @classmethod
     def of(cls, kind: str, evidence: Verdict, *, op: str, ops: list[str], node: str, nodes: list[str], module: str,
@@ -256,6 +265,7 @@ class Culprit:
         out["status"] = self.status
         if self.probes is not None:
             out["probes"] = self.probes
+        out.update({k: getattr(self, k) for k in ("graph", "step") if getattr(self, k) is not None})
         out.update({k: getattr(self, k) for k in STAT_KEYS})
         out.update(message=self.message, worst=[dict(w) for w in self.worst])
         return out
@@ -268,7 +278,8 @@ class Culprit:
                    nodes=o.strings("nodes") or ([node] if node else []), module=o.string("module", ""),
                    status=o.choice("status", STATUSES, "mismatch"), **{k: o.number(k) for k in STAT_KEYS},
                    message=o.string("message", ""), worst=o.worst("worst"), unit=o.string("unit", None),
-                   case=o.string("case", None), region=o.string("region", None), probes=o.count("probes", None))
+                   case=o.string("case", None), region=o.string("region", None), probes=o.count("probes", None),
+                   graph=o.choice("graph", GRAPH_KINDS, None), step=o.count("step", None))
 
 
 def culprit_kind(status: str, nodes: int, alone: bool) -> str:
@@ -417,7 +428,9 @@ class MigrationState(VerdictDocument):
 
     @property
     def passed(self) -> bool:
-        return passed(self.cases, self.culprits, self.end_to_end, needs_end_to_end=True)
+        # a generation has an end-to-end unit per graph; end_to_end is the prefill's
+        return (passed(self.cases, self.culprits, self.end_to_end, needs_end_to_end=True)
+                and all(u.status == "pass" for u in self.units if u.kind == "model"))
 
     def header(self) -> dict:
         """The options the migration ran with, as its journal's header holds them."""
@@ -430,6 +443,69 @@ class MigrationState(VerdictDocument):
                 "summary": self.summary, "units": [u.to_json() for u in self.units], "placement": self.placement,
                 "culprits": [c.to_json() for c in self.culprits],
                 "end_to_end": None if self.end_to_end is None else self.end_to_end.to_json(), "passed": self.passed}
+
+
+# --- the generation document ---------------------------------------------------------------
+
+#: Statuses of a generation step (``tapml generate``): ``near-tie`` is a different token where
+#: the reference's own top-2 logit gap is within the tolerance, reported but not a failure.
+STEP_STATUSES = ("pass", "mismatch", "near-tie", "error")
+#: The keys of a generation document's ``summary``, besides ``first_failure``.
+STEP_SUMMARY_KEYS = ("steps", "pass", "mismatch", "near_tie", "error")
+
+
+def read_generation_document(data, where: str = "<generation>", hint: str = "") -> dict:
+    """Validate a parsed Generation JSON (``tapml generate --json``, ARCHITECTURE.md) and return
+    the fields reports use, normalized: ``target``, ``model``, ``device``, ``mode``, ``steps``
+    (``step``, ``kind`` prefill|decode, ``reference_token``, ``target_token``, ``max_abs_err``,
+    ``status`` one of :data:`STEP_STATUSES`, ``message``), ``summary`` (recomputed from the steps,
+    never trusted), ``culprits`` (full culprits, kind from :data:`CULPRIT_KINDS`, with ``graph``
+    and ``step``), ``programs_compiled``, ``upload_bytes_per_decode_step`` and ``tokens_per_s``.
+    TapmlError naming ``where`` and the field when it is malformed."""
+    ctx = _Ctx(where, True, hint)
+    _check_depth(data, ctx)
+    o = _Obj(data, ctx, "", "a generation document", top=True)
+    steps = []
+    for key in ("steps", "culprits"):
+        if not isinstance(o.data.get(key, []), list):
+            o._bad(key, o.data[key], "a list")
+    for i, item in enumerate(o._get("steps", _MISSING, True)):
+        st = _Obj(item, ctx, f"steps[{i}]", "a generation step")
+        step = st.count("step", required=True)
+        ref_token, target_token = st.count("reference_token", None), st.count("target_token", None)
+        steps.append({"step": step, "kind": st.choice("kind", GRAPH_KINDS, required=True),
+                      "reference_token": ref_token, "target_token": target_token,
+                      "max_abs_err": st.number("max_abs_err"), "status": st.choice("status", STEP_STATUSES, required=True),
+                      "message": st.string("message", "") or ""})
+    s = o.child("summary", "a generation summary", required=True)
+    for k in STEP_SUMMARY_KEYS:
+        s.count(k, None)
+    s.count("first_failure", None)
+    counts = {st: sum(x["status"] == st for x in steps) for st in STEP_STATUSES}
+    failing = [x["step"] for x in steps if x["status"] in ("mismatch", "error")]
+    culprits = []
+    for i, item in enumerate(o.data.get("culprits") or []):
+        c = _Obj(item, ctx, f"culprits[{i}]", "a generation culprit")
+        op, node = c.string("op", required=True), c.string("node", "") or ""
+        culprits.append(Culprit(kind=c.choice("kind", CULPRIT_KINDS, "op"), op=op, ops=[op], node=node,
+                                nodes=c.strings("nodes") or ([node] if node else []), module=c.string("module", "") or "",
+                                max_abs_err=c.number("max_abs_err"), message=c.string("message", "") or "",
+                                graph=c.choice("graph", GRAPH_KINDS, None), step=c.count("step", None)).to_json())
+    rates = o.child("tokens_per_s", "tokens per second ({target, reference})")
+    return {"target": o.string("target", required=True), "model": o.string("model", required=True),
+            "device": _device(o), "mode": o.string("mode", None),
+            "steps": steps, "culprits": culprits,
+            "summary": {"steps": len(steps), "pass": counts["pass"], "mismatch": counts["mismatch"],
+                        "near_tie": counts["near-tie"], "error": counts["error"],
+                        "first_failure": failing[0] if failing else None},
+            "programs_compiled": o.count("programs_compiled", None),
+            "upload_bytes_per_decode_step": o.count("upload_bytes_per_decode_step", None),
+            "tokens_per_s": {k: rates.number(k) if rates else None for k in ("target", "reference")}}
+
+
+def is_generation_document(data) -> bool:
+    """Whether parsed JSON claims to be a Generation JSON (``steps`` and no verdict ``cases``)."""
+    return isinstance(data, dict) and "steps" in data and "cases" not in data
 
 
 # --- journal records -----------------------------------------------------------------------
@@ -665,8 +741,16 @@ def _placement(o: _Obj) -> dict:
     p = o.child("placement", "a placement", o.ctx.strict)
     if p is None:
         return {}
+    out = _graph_placement(p, o.ctx.strict)
+    decode = p.child("decode", "the placement of a generation's decode graph")
+    if decode is not None:
+        out["decode"] = _graph_placement(decode, o.ctx.strict)
+    return out
+
+
+def _graph_placement(p: _Obj, strict: bool) -> dict:
     out: dict = {}
-    nodes = p.child("nodes", "a placement of nodes", o.ctx.strict)
+    nodes = p.child("nodes", "a placement of nodes", strict)
     if nodes is not None:
         for name, where in nodes.data.items():
             if where not in PLACES:
@@ -674,17 +758,17 @@ def _placement(o: _Obj) -> dict:
         out["nodes"] = dict(nodes.data)
     for k in _SHARE_KEYS:
         if k.endswith("_share"):
-            v = p.number(k, required=o.ctx.strict)
+            v = p.number(k, required=strict)
             if v is not None and not 0.0 <= v <= 1.0:
                 p.fail(f"{k} is {v}, expected a share between 0 and 1")
         else:
-            v = p.count(k, None, required=o.ctx.strict)
+            v = p.count(k, None, required=strict)
         if k in p.data:
             out[k] = v
     return out
 
 
 __all__ = ["Verdict", "CaseVerdict", "UnitVerdict", "RegionCheck", "EndToEnd", "Culprit", "VerdictDocument",
-           "MigrationState", "outcome_verdict", "culprit_kind", "summary", "passed", "journal_record", "check_depth",
-           "STATUSES", "STAT_KEYS", "TIMINGS", "CULPRIT_KINDS", "UNIT_KINDS", "STAGES", "STATE_FORMAT",
+           "MigrationState", "read_generation_document", "is_generation_document", "STEP_STATUSES", "outcome_verdict", "culprit_kind", "summary", "passed", "journal_record", "check_depth",
+           "STATUSES", "STAT_KEYS", "TIMINGS", "CULPRIT_KINDS", "UNIT_KINDS", "GRAPH_KINDS", "STAGES", "STATE_FORMAT",
            "FORMAT_VERSION"]

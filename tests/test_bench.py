@@ -1,5 +1,6 @@
 """`tapml bench`: one smoke run of the whole suite (figures present, kernels correct; speed is
-never asserted), the remote transport figures on a real loopback server, and bad usage."""
+never asserted), the generation figure on lavapipe, `--hf-config` reaching the migrated model,
+the remote transport figures on a real loopback server, and bad usage."""
 
 import json
 import os
@@ -9,7 +10,7 @@ import sys
 import pytest
 
 RATIO_KEYS = ("matmul_512_vs_torch", "matmul_1024_vs_torch", "e2e_tiny_llama_vs_torch", "e2e_tiny_vit_vs_torch",
-              "carve_write_vs_file_write", "migrate_s")
+              "carve_write_vs_file_write", "generation_decode_vs_torch", "generation_prefill_vs_torch", "migrate_s")
 
 
 def tapml(*args, env=None, timeout=300):
@@ -42,7 +43,7 @@ def test_quick_suite_reports_every_figure(tmp_path, target, figure):
               env={"TAPML_CACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "160"})
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert "mm 512" in r.stdout and "carve writer" in r.stdout
+    assert "mm 512" in r.stdout and "carve writer" in r.stdout and "decode tokens/s" in r.stdout
 
     ratios = report["ratios"]
     for key in RATIO_KEYS:
@@ -66,6 +67,9 @@ def test_quick_suite_reports_every_figure(tmp_path, target, figure):
         carve = report["carving"]["models"][spec]
         assert carve["export_s"] > 0 and carve["carve_s"] > 0 and carve["bytes"] > 0
     assert report["migrate"]["zoo:mlp"]["passed"] is True
+    gen = report["generation"]
+    assert "error" not in gen, gen
+    assert gen["passed"] and gen["compile_count_flat"] and gen["programs_compiled"]["2"] == gen["programs_compiled"]["8"]
     d = report["dispatch"]
     assert d["empty_kernel_ms"] > 0 and d["per_region_ms"] > 0 and d["regions"] == d["chain"] // 2
     w = report["carving"]["write"]
@@ -77,6 +81,54 @@ def test_quick_suite_reports_every_figure(tmp_path, target, figure):
     figure("bench quick wall s", report["wall_s"])
     for key in RATIO_KEYS[:-1]:
         figure(f"bench {key}", ratios[key])
+
+
+GENERATION_KEYS = {"model", "prompt_len", "tokens", "runs", "statistic", "passed", "summary", "programs_compiled",
+                   "compile_count_flat", "upload_bytes_per_decode_step", "decode_tokens_per_s", "prefill_ms", "ratios",
+                   "load_avg", "load_avg_median", "tokens_match", "torch_max_abs_err", "torch_threads",
+                   "torch_by_threads"}
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("vulkan")
+@pytest.mark.parametrize("target", [pytest.param(TARGET, marks=_SKIP)])
+def test_generation_figure_against_torch_eager_decoding(tmp_path, target, figure):
+    """A zoo:tiny-llama generation on lavapipe next to torch eager decoding of the same steps:
+    both right, both timed, and the programs compiled do not grow from 2 to 8 tokens."""
+    from tapml.bench import generation_figure, ratios
+    from tapml.targets import open_target
+    with open_target(target) as platform:
+        g = generation_figure(platform, target, tmp_path / "store", "zoo:tiny-llama", tokens=(2, 8), prompt_len=5,
+                              repeat=2)
+    assert "error" not in g, g
+    assert GENERATION_KEYS <= set(g)
+    assert g["tokens"] == 8 and g["prompt_len"] == 5 and g["runs"] == 2 and len(g["load_avg"]) == 2
+    assert g["passed"] and g["summary"]["steps"] == 9 and g["summary"]["pass"] + g["summary"]["near_tie"] == 9
+    # static shapes: one program per region of each graph, whatever the number of tokens
+    assert g["programs_compiled"]["2"] == g["programs_compiled"]["8"] > 0 and g["compile_count_flat"] is True
+    assert g["timed_programs_compiled"] == g["programs_compiled"]["8"]
+    # weights and the cache stay on the device: a decode step uploads its token id and position only
+    assert 0 < g["upload_bytes_per_decode_step"] <= 64 and g["timed_upload_bytes_per_decode_step"] <= 64
+    # torch eager is the same model: the reference's tokens and logits
+    assert "target" in g["tokens_match"] and all(g["tokens_match"].values()) and g["torch_max_abs_err"] < 1e-4
+    assert set(g["torch_by_threads"]) >= {"1"} and str(g["torch_threads"]["decode"]) in g["torch_by_threads"]
+    for side in ("target", "torch"):
+        assert g["decode_tokens_per_s"][side] > 0 and g["prefill_ms"][side] > 0
+    assert g["ratios"]["decode"] == pytest.approx(g["decode_tokens_per_s"]["target"] / g["decode_tokens_per_s"]["torch"],
+                                                  rel=1e-2)
+    r = ratios({"generation": g})
+    assert r["generation_decode_vs_torch"] > 0 and r["generation_prefill_vs_torch"] > 0
+    figure("generation decode tokens/s vs torch", r["generation_decode_vs_torch"])
+
+
+def test_hf_config_reaches_the_migrated_model(tmp_path):
+    """`--model hf:... --hf-config K=V`: the migrate run carves the model with the override."""
+    from tapml.bench import migrate_figure
+    m = migrate_figure("hf:gpt2", "reference", tmp_path, hf_config={"n_layer": 1, "activation_function": "relu"})
+    assert m["passed"] is True, m
+    manifest = json.loads((tmp_path / "state.store" / "manifest.json").read_text())
+    assert manifest["model"] == "hf:gpt2"
+    assert manifest["hf_config"] == {"n_layer": 1, "activation_function": "relu"}
 
 
 def test_transport_figures_of_a_remote_target():
@@ -104,7 +156,15 @@ def test_kernel_figure_on_reference_and_its_ratio():
 
 @pytest.mark.parametrize("args, message", [
     (("--target", "tpu"), "unknown target"),
-    (("--model", "zoo:nope"), "not a zoo model"),
+    (("--model", "zoo:nope"), "unknown zoo model"),
+    (("--model", "llama"), "not a MODEL spec"),
+    (("--model", "no/such/file.py:factory"), "does not exist"),
+    (("--hf-config", "n_layer=1"), "applies to hf:MODEL_TYPE models"),
+    (("--model", "hf:gpt2", "--hf-config", "n_layer"), "KEY=VALUE"),
+    (("--generation-model", "zoo:tiny-bert"), "not a causal LM"),
+    (("--generation-model", "zoo:tiny-llama", "--hf-config", "n_layer=1"), "applies to hf:MODEL_TYPE models"),
+    (("generation", "--tokens", "8,2"), "FEW < MANY"),
+    (("generation", "--model", "zoo:mlp"), "causal LM"),
     (("--json", "/no/such/dir/b.json"), "does not exist"),
 ])
 def test_bad_usage_exits_2(args, message):

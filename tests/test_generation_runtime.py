@@ -1,10 +1,11 @@
 """Generation at runtime: state (the key/value cache) kept resident on the target across steps.
 
 Fast tier: the ResidentTensor plumbing of Platform.run on the reference platform and on a tiny
-hand-made graph with state. Device tier (lavapipe Vulkan, llvmpipe GL) and a loopback
-``tapml serve``: every step of a zoo:tiny-llama generation on the target through
-HybridRunner.step, logits equal to the reference's, decode steps uploading only their token id
-and position, and as many programs compiled for 2 tokens as for 4.
+hand-made graph with state. Device tier (lavapipe Vulkan, llvmpipe GL, a loopback ``tapml
+serve``) and browser tier (headless Chromium): every step of a zoo:tiny-llama generation on the
+target through HybridRunner.step, logits equal to the reference's, decode steps uploading only
+their token id and position, and as many programs compiled for 2 tokens as for 4; a server
+whose device worker is killed mid-generation fails the next step clearly.
 """
 
 from __future__ import annotations
@@ -146,6 +147,29 @@ def test_generation_steps_on_wgpu_keep_the_cache_resident(llama, backend):
     assert compiled == compiled2 == 2
 
 
+#: what a decode step may upload on the browser and remote runtimes: its token id and position
+#: (int64 over the wire to a server), nothing of the weights or the cache
+DECODE_STEP_MAX_BYTES = 64
+
+
+def _check_resident_generation(platform, llama):
+    """A tokens=4 generation on ``platform`` keeps weights and cache on the device: every step
+    passes (generate_on), the decode steps after the first send only their ids and positions,
+    and a tokens=2 generation compiles as many programs."""
+    uploads, compiled = generate_on(platform, llama(4))
+    assert len(uploads) == 5
+    assert uploads[0] > 100_000 and uploads[1] > 100_000  # weights and the initial cache, once per program
+    assert all(0 < u <= DECODE_STEP_MAX_BYTES for u in uploads[2:]), uploads
+    _, compiled2 = generate_on(platform, llama(2))
+    assert compiled == compiled2 == 2
+
+
+def _server_children(pid: int) -> list[int]:
+    from pathlib import Path
+    return [int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+            for c in (task / "children").read_text().split()]
+
+
 @pytest.mark.device
 def test_generation_steps_on_a_loopback_server(llama):
     from tapml.platforms.wgpu_native import available_backends
@@ -155,6 +179,67 @@ def test_generation_steps_on_a_loopback_server(llama):
         pytest.skip("no vulkan adapter here (install mesa-vulkan-drivers for lavapipe)")
     with ServerProcess(platform="wgpu:vulkan", token="t0ken") as srv:
         with RemotePlatform(srv.host, srv.port, token="t0ken") as platform:
-            uploads, compiled = generate_on(platform, llama(2))
-    assert compiled == 2 and len(uploads) == 3
-    assert all(u > 0 for u in uploads)
+            _check_resident_generation(platform, llama)
+            assert platform.stats["bytes_down"] < 64 << 10  # logits only: the cache never came back
+
+
+@pytest.mark.device
+def test_killed_server_worker_mid_generation_is_a_clear_error(llama):
+    import os
+    import signal
+    from tapml.platforms.wgpu_native import available_backends
+    from tapml.remote.client import RemotePlatform
+    from tapml.remote.launcher import ServerProcess
+    if "vulkan" not in available_backends():
+        pytest.skip("no vulkan adapter here (install mesa-vulkan-drivers for lavapipe)")
+    store = llama(2)
+    params = {k: store.program_inputs(k) for k in ("prefill", "decode")}
+    with ServerProcess(platform="wgpu:vulkan") as srv, RemotePlatform(srv.host, srv.port) as platform:
+        runners = {k: HybridRunner(store.step_graph(k), platform) for k in params}
+
+        def run_step(s, state):
+            graph = runners[s["kind"]].graph
+            inputs = {k: v for k, v in params[s["kind"]].items() if k not in graph.state} | store.step_inputs(s["step"])
+            return runners[s["kind"]].step(inputs, state, {n.name: "target" for n in graph.nodes})
+
+        initial = {name: params["prefill"][name] for name in runners["prefill"].graph.state}
+        _, state = run_step(store.steps[0], initial)
+        _, state = run_step(store.steps[1], state)
+        assert all(isinstance(v, ResidentTensor) for v in state.values())
+        (worker,) = _server_children(srv.proc.pid)
+        os.kill(worker, signal.SIGKILL)
+        # the next step finds the worker dead, or dying (its socket closes as its threads end)
+        with pytest.raises(PlatformError, match="worker (was restarted|died during the run)") as err:
+            run_step(store.steps[2], state)
+        assert "run the generation again from its first step" in str(err.value)
+        with pytest.raises(PlatformError, match="no longer holds"):
+            platform.read(next(iter(state.values())))
+        # started over, the generation runs on a fresh worker
+        out, _ = run_step(store.steps[0], initial)
+        assert platform.server_stats()["worker_restarts"] == 1
+        (logits,) = [r for r in runners["prefill"].graph.outputs if r not in runners["prefill"].graph.state.values()]
+        assert compare_tensor(out[logits][0, -1], store.step_logits(0)).passed
+
+
+@pytest.mark.browser
+def test_generation_steps_in_the_browser_keep_the_cache_on_the_page(llama):
+    from tapml.platforms.browser import BrowserPlatform
+    with BrowserPlatform() as platform:
+        _check_resident_generation(platform, llama)
+        # a kept output reads back explicitly, equal to what the reference's cache holds
+        store = llama(2)
+        runner = HybridRunner(store.step_graph("prefill"), platform)
+        graph = runner.graph
+        params = store.program_inputs("prefill")
+        state = {name: params[name] for name in graph.state}
+        _, state = runner.step({k: v for k, v in params.items() if k not in graph.state} | store.step_inputs(0),
+                               state, {n.name: "target" for n in graph.nodes})
+        _, expected = step(graph, {k: v for k, v in params.items() if k not in graph.state} | store.step_inputs(0),
+                           {name: params[name] for name in graph.state})
+        for name, handle in state.items():
+            assert isinstance(handle, ResidentTensor)
+            assert compare_tensor(platform.read(handle), expected[name]).passed
+        # a page that dropped its programs loses what they kept: a clear error, never garbage
+        platform._on_page.clear()
+        with pytest.raises(PlatformError, match="no longer holds"):
+            platform.read(next(iter(state.values())))

@@ -4,11 +4,18 @@
 //   page -> host  text   {"type": "hello", adapter, features, limits} or {"type": "hello", error}
 //   host -> page  text   {"type": "welcome", max_programs, max_bytes}: how many prepared programs (and bytes
 //                        of their buffers) the page keeps, least recently used dropped first; sent before any run
-//   host -> page  text   {"type": "run", id, key, program | null, inputs: [name], outputs: [[name, nbytes]]}
+//   host -> page  text   {"type": "run", id, key, program | null, inputs: [name], outputs: [[name, nbytes]],
+//                         held: [name], copies: [[name, key, buffer, nbytes]]}
 //                        (a program may hold guards: {buffer name: byte where its guard starts}, see GUARD_BYTES)
+//                        inputs: the input buffers written from this run's frames; held: input buffers that keep
+//                        what an earlier run wrote (weights cross once); copies: input buffers filled on the GPU
+//                        from an output buffer another run left there (program key, buffer: resident state);
+//                        outputs: the outputs read back (the others stay in their buffers, for copies and reads)
 //   host -> page  binary one frame per const buffer (only when program is sent), then one per input
+//   host -> page  text   {"type": "read", id, key, outputs: [[name, nbytes]]}: read buffers a run left (no frames)
 //   page -> host  binary one frame per output, then text {"type": "done", id, gpu_ms}
-//                 or text {"type": "error", id, code, message}   (code: no-program | compile | run)
+//                 or text {"type": "error", id, code, message}
+//                 (code: no-program | no-input (a held buffer was never written) | no-resident | compile | run)
 //   page -> host  text   {"type": "lost", message} when the GPU device is lost
 // Binary frames start with a 16-byte header: "TPT1", u32 run id, u32 slot, u32 kind
 // (0 input, 1 const, 2 output), little-endian; the payload is the tensor's device bytes.
@@ -168,7 +175,8 @@ export class KernelRuntime {
       readback: device.createBuffer({ size: slots * GUARD_BYTES, usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST }),
     };
     if (guards) bytes += slots * GUARD_BYTES;
-    const prepared = { buffers, kernels, poison, staging: new Map(), bytes, guards };
+    // filled: input buffers some run wrote (only those may be "held")
+    const prepared = { buffers, kernels, poison, staging: new Map(), bytes, guards, filled: new Set() };
     this.remember(key, prepared);
     return prepared;
   }
@@ -208,14 +216,42 @@ export class KernelRuntime {
     if (prepared.guards) prepared.guards.readback.destroy();
   }
 
-  /** Uploads inputs, dispatches every kernel in one submission, reads outputs back: [Uint8Array]. */
-  async run(key, inputs, inputData, outputs) {
+  /** Marks a program as just used (it is kept over others while a run that needs it prepares). */
+  touch(key) {
     const prepared = this.programs.get(key);
-    this.programs.delete(key);
-    this.programs.set(key, prepared);
+    if (prepared) {
+      this.programs.delete(key);
+      this.programs.set(key, prepared);
+    }
+  }
+
+  /** Uploads inputs, dispatches every kernel in one submission, reads outputs back: [Uint8Array].
+   *  held: input buffers that keep an earlier run's data; copies: [input, program key, output buffer, bytes]. */
+  async run(key, inputs, inputData, outputs, held = [], copies = []) {
+    const prepared = this.programs.get(key);
+    this.touch(key);
     const device = this.device;
+    const missing = held.filter((name) => !prepared.filled.has(name));
+    if (missing.length) {
+      throw Object.assign(new Error(`input buffers ${missing.join(", ")} were never written`), { code: "no-input" });
+    }
+    const sources = copies.map(([name, srcKey, srcName, nbytes]) => {
+      const src = this.programs.get(srcKey)?.buffers.get(srcName);
+      if (!src) throw Object.assign(new Error(`program ${srcKey} is no longer on the page`), { code: "no-resident" });
+      return { dst: prepared.buffers.get(name), src, nbytes, name };
+    });
+    if (sources.length) {
+      // submitted before the outputs are poisoned below: a program may read its own previous output
+      const copy = device.createCommandEncoder();
+      sources.forEach(({ dst, src, nbytes }) => { if (dst !== src) copy.copyBufferToBuffer(src, 0, dst, 0, nbytes); });
+      device.queue.submit([copy.finish()]);
+      sources.forEach(({ name }) => prepared.filled.add(name));
+    }
     prepared.poison.forEach((p) => device.queue.writeBuffer(p.buffer, 0, p.bytes));
-    inputs.forEach((name, i) => device.queue.writeBuffer(prepared.buffers.get(name), 0, padded(inputData[i])));
+    inputs.forEach((name, i) => {
+      device.queue.writeBuffer(prepared.buffers.get(name), 0, padded(inputData[i]));
+      prepared.filled.add(name);
+    });
     device.pushErrorScope("out-of-memory");
     device.pushErrorScope("validation");
     const encoder = device.createCommandEncoder();
@@ -244,29 +280,49 @@ export class KernelRuntime {
       }
       pass.end();
     }
-    const reads = outputs.map(([name, nbytes]) => {
+    const reads = this.copyOut(prepared, encoder, outputs);
+    device.queue.submit([encoder.finish()]);
+    const validation = await device.popErrorScope();
+    const oom = await device.popErrorScope();
+    if (validation || oom) throw Object.assign(new Error((validation ?? oom).message), { code: "run" });
+    const out = await mapped(reads);
+    if (guards) await checkGuards(guards.readback, snapshots, guards.starts);
+    return out;
+  }
+
+  /** Reads back output buffers an earlier run of program key left on the page: [Uint8Array]. */
+  async read(key, outputs) {
+    const prepared = this.programs.get(key);
+    if (!prepared) throw Object.assign(new Error(`program ${key} is no longer on the page`), { code: "no-program" });
+    const encoder = this.device.createCommandEncoder();
+    const reads = this.copyOut(prepared, encoder, outputs);
+    this.device.queue.submit([encoder.finish()]);
+    return mapped(reads);
+  }
+
+  /** Records copies of output buffers into their staging buffers: [{staging, nbytes}]. */
+  copyOut(prepared, encoder, outputs) {
+    return outputs.map(([name, nbytes]) => {
       const size = align4(nbytes);
       const stagingKey = `${name}:${size}`;
       let staging = prepared.staging.get(stagingKey);
       if (!staging) {
-        staging = device.createBuffer({ size, usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST });
+        staging = this.device.createBuffer({ size, usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST });
         prepared.staging.set(stagingKey, staging);
       }
       encoder.copyBufferToBuffer(prepared.buffers.get(name), 0, staging, 0, size);
       return { staging, nbytes };
     });
-    device.queue.submit([encoder.finish()]);
-    const validation = await device.popErrorScope();
-    const oom = await device.popErrorScope();
-    if (validation || oom) throw Object.assign(new Error((validation ?? oom).message), { code: "run" });
-    await Promise.all(reads.map((r) => r.staging.mapAsync(GPUMapMode.READ)));
-    if (guards) await checkGuards(guards.readback, snapshots, guards.starts);
-    return reads.map((r) => {
-      const bytes = new Uint8Array(r.staging.getMappedRange(0, align4(r.nbytes)).slice(0, r.nbytes));
-      r.staging.unmap();
-      return bytes;
-    });
   }
+}
+
+async function mapped(reads) {
+  await Promise.all(reads.map((r) => r.staging.mapAsync(GPUMapMode.READ)));
+  return reads.map((r) => {
+    const bytes = new Uint8Array(r.staging.getMappedRange(0, align4(r.nbytes)).slice(0, r.nbytes));
+    r.staging.unmap();
+    return bytes;
+  });
 }
 
 /** Throws (code "run") naming the first kernel that wrote into a guard, the buffer and the first bad byte. */
@@ -331,10 +387,17 @@ export async function start(statusElement) {
   const execute = async (job) => {
     const { msg, consts, inputs } = job;
     try {
+      if (msg.type === "read") {
+        const outputs = await runtime.read(msg.key, msg.outputs);
+        outputs.forEach((bytes, slot) => ws.send(frame(msg.id, slot, KIND.output, bytes)));
+        ws.send(JSON.stringify({ type: "done", id: msg.id, gpu_ms: 0 }));
+        return;
+      }
+      (msg.copies ?? []).forEach(([, srcKey]) => runtime.touch(srcKey));
       if (msg.program) await runtime.prepare(msg.key, msg.program, consts);
       else if (!runtime.has(msg.key)) throw Object.assign(new Error("program not cached"), { code: "no-program" });
       const t0 = performance.now();
-      const outputs = await runtime.run(msg.key, msg.inputs, inputs, msg.outputs);
+      const outputs = await runtime.run(msg.key, msg.inputs, inputs, msg.outputs, msg.held ?? [], msg.copies ?? []);
       const gpuMs = performance.now() - t0;
       outputs.forEach((bytes, slot) => ws.send(frame(msg.id, slot, KIND.output, bytes)));
       ws.send(JSON.stringify({ type: "done", id: msg.id, gpu_ms: gpuMs }));
@@ -347,10 +410,10 @@ export async function start(statusElement) {
     if (typeof event.data === "string") {
       const msg = JSON.parse(event.data);
       if (msg.type === "welcome") { runtime.setLimits(msg.max_programs, msg.max_bytes); return; }
-      if (msg.type !== "run") return;
+      if (msg.type !== "run" && msg.type !== "read") return;
       const nconsts = msg.program ? msg.program.consts.length : 0;
-      pending = { msg, consts: new Array(nconsts), inputs: new Array(msg.inputs.length),
-                  missing: nconsts + msg.inputs.length };
+      const ninputs = msg.type === "run" ? msg.inputs.length : 0;
+      pending = { msg, consts: new Array(nconsts), inputs: new Array(ninputs), missing: nconsts + ninputs };
       if (pending.missing === 0) { finish(pending); pending = null; }
       return;
     }

@@ -8,6 +8,10 @@ from typing import List, Optional
 import typer
 
 from tapml.cli.common import EXIT_FINDING, EXIT_OK, JsonOpt, QuietOpt, TokenFileOpt, app, command, console, fail, out, write_json
+from tapml.cli.migrate import HfConfigOpt
+
+GenerationModelOpt = typer.Option("zoo:tiny-llama", "--generation-model",
+                                  help="Causal LM whose generation is timed (zoo:tiny-llama, hf:gpt2, hf:qwen2...)")
 
 bench_app = typer.Typer(help="Measure tapml's moving parts: the whole suite, or one subcommand.",
                         no_args_is_help=False, add_completion=False, pretty_exceptions_enable=False)
@@ -22,28 +26,29 @@ def bench(ctx: typer.Context,
           json_out: Optional[str] = JsonOpt,
           quick: bool = typer.Option(False, "--quick", help="Smoke run: few repetitions, small payloads, "
                                                             "migrate zoo:mlp only (figures not to be quoted)"),
-          model: Optional[List[str]] = typer.Option(None, "--model", help="Zoo model to migrate (repeatable; "
-                                                                          "default every zoo model, zoo:mlp with --quick)"),
+          model: Optional[List[str]] = typer.Option(None, "--model", help="MODEL to migrate: zoo:NAME, hf:TYPE, "
+                                                    "file.py:factory, file.pt2 (repeatable; default every zoo model, "
+                                                    "zoo:mlp with --quick)"),
+          generation_model: str = GenerationModelOpt,
+          hf_config: Optional[List[str]] = HfConfigOpt,
           token_file: Optional[str] = TokenFileOpt,
           check: bool = typer.Option(False, "--check", help="Exit 1 when a goal is missed"),
           quiet: bool = QuietOpt):
     """Run every benchmark against TARGET (kernels vs torch CPU, dispatch overhead, end-to-end
-    latency, carving, migration, and transport for remote:// targets) and print the figures
-    with their ratios. Subcommands run one benchmark alone."""
+    latency, a generation's decode tokens/s vs torch eager decoding, carving, migration, and
+    transport for remote:// targets) and print the figures with their ratios. Subcommands run
+    one benchmark alone."""
     if ctx.invoked_subcommand is not None:
         return
-    from tapml.bench import ZOO_MODELS, run_suite
+    from tapml.bench import check_models, run_suite
+    from tapml.models import parse_hf_overrides
     from tapml.targets import check_target, read_token
     check_target(target)
-    for m in model or []:
-        if m not in ZOO_MODELS:
-            fail(f"--model {m!r} is not a zoo model; use one of {', '.join(ZOO_MODELS)}")
-    if json_out and json_out != "-":
-        from pathlib import Path
-        parent = Path(json_out).parent
-        if not parent.is_dir():
-            fail(f"cannot write --json {json_out}: directory {parent} does not exist")
+    overrides = parse_hf_overrides(hf_config)
+    _check_json_dir(json_out)
+    check_models(tuple(model or ()), generation_model, overrides)
     report = run_suite(target, quick=quick, token=read_token(token_file), models=tuple(model or ()),
+                       generation_model=generation_model, hf_config=overrides,
                        on_step=None if quiet else (lambda msg: console.print(f"[dim]bench:[/] {msg}", highlight=False)))
     if json_out:
         write_json(report, json_out)
@@ -53,8 +58,43 @@ def bench(ctx: typer.Context,
     raise typer.Exit(EXIT_FINDING if check and missed else EXIT_OK)
 
 
+def _check_json_dir(json_out: Optional[str]) -> None:
+    if json_out and json_out != "-":
+        from pathlib import Path
+        parent = Path(json_out).parent
+        if not parent.is_dir():
+            fail(f"cannot write --json {json_out}: directory {parent} does not exist")
+
+
 def _num(x, fmt: str = ".3g") -> str:
     return "-" if x is None else format(x, fmt)
+
+
+def _generation_rows(g: dict) -> list[tuple[str, str, str, str, str]]:
+    """Table rows of a generation figure (tapml.bench.generation_figure): decode tokens/s and
+    prefill ms against torch eager, with the load average, and the compile counts."""
+    spec = g["model"]
+    if g.get("error"):
+        return [(f"{spec} generation [red]({g['error'][:80]})[/]", "", "", "", "")]
+    load = f"load {g['load_avg_median']:.2f}"
+    threads = g["torch_threads"]
+    label = f"median of {g['runs']}, {load}"
+    if not g["passed"] or not all(g["tokens_match"].values()):
+        label += ", [red]steps did not all pass[/]"
+    few, many = g["programs_compiled"]
+    compiled = g["programs_compiled"]
+    flat = "[green]met[/]" if g["compile_count_flat"] else "[red]missed[/]"
+    return [
+        (f"{spec} decode tokens/s vs torch eager CPU, {threads['decode']} thread(s) ({g['tokens']} tokens, {label})",
+         _num(g["decode_tokens_per_s"]["target"]), _num(g["decode_tokens_per_s"]["torch"]), _num(g["ratios"]["decode"]),
+         ""),
+        (f"{spec} prefill ms vs torch eager CPU, {threads['prefill']} thread(s) ({g['prompt_len']}-token prompt)",
+         _num(g["prefill_ms"]["target"]), _num(g["prefill_ms"]["torch"]), _num(g["ratios"]["prefill"]), ""),
+        (f"{spec} programs compiled for {few} / {many} tokens", f"{compiled[few]} / {compiled[many]}", "", "",
+         f"equal {flat}"),
+        ("  upload bytes per decode step (weights stay on the device)", _num(g["upload_bytes_per_decode_step"], "d"),
+         "", "", ""),
+    ]
 
 
 def _render_suite(r: dict) -> None:
@@ -92,6 +132,8 @@ def _render_suite(r: dict) -> None:
         key = f"e2e_{spec.split(':')[-1].replace('-', '_')}_vs_torch"
         label = f"{spec} forward ms vs torch eager" + (f" [red]({e['error'][:60]})[/]" if e.get("error") else "")
         table.add_row(label, _num(e["ours_ms"]), _num(e["torch_ms"]), _num(e["ratio"]), goal(key))
+    for row in _generation_rows(r["generation"]) if r.get("generation") else ():
+        table.add_row(*row)
     d = r["dispatch"]
     table.add_row("empty kernel round trip ms", _num(d["empty_kernel_ms"]), "", "", "")
     table.add_row(f"per kernel ms ({d['per_kernel_timing']})", _num(d["per_kernel_ms"]), "", "", "")
@@ -116,6 +158,59 @@ def _render_suite(r: dict) -> None:
         table.add_row("empty call ms vs socket round trip", _num(t["empty_call_ms"]), _num(t["socket"]["round_trip_ms"]),
                       "", goal("empty_call_ms"))
     out.print(table)
+
+
+@bench_app.command()
+@command
+def generation(target: str = typer.Option("wgpu", "--target", "-t", help="Target that generates: wgpu[:vulkan|gl|...], "
+                                          "reference, browser, remote://HOST:PORT"),
+               model: str = typer.Option("zoo:tiny-llama", "--model", help="Causal LM whose generation is timed "
+                                         "(zoo:tiny-llama, hf:gpt2, hf:qwen2...)"),
+               hf_config: Optional[List[str]] = HfConfigOpt,
+               tokens: str = typer.Option("8,64", "--tokens", help="FEW,MANY: decode steps of the two generations "
+                                          "whose compile counts are compared; MANY is timed"),
+               prompt_len: int = typer.Option(8, "--prompt-len", help="Prompt tokens of the prefill"),
+               repeat: int = typer.Option(5, "--repeat", help="Alternated target and torch runs (the median is kept)"),
+               token_file: Optional[str] = TokenFileOpt,
+               json_out: Optional[str] = JsonOpt):
+    """Decode tokens/s and prefill ms of a greedy generation on TARGET next to torch eager
+    decoding of the same model and steps on the CPU (alternated runs, medians, load average),
+    and the programs compiled for FEW and MANY tokens (static shapes: they must be equal).
+    Exit 1 when a step does not pass or the compile count grows with the tokens."""
+    import tempfile
+    from pathlib import Path
+
+    from tapml.bench import check_models, generation_figure
+    from tapml.models import parse_hf_overrides
+    from tapml.targets import check_target, open_target, read_token
+    check_target(target)
+    few, _, many = tokens.partition(",")
+    if not (few.strip().isdigit() and many.strip().isdigit() and 1 <= int(few) < int(many)):
+        fail(f"--tokens {tokens!r}: give FEW,MANY with 1 <= FEW < MANY, e.g. 8,64")
+    if prompt_len < 1 or repeat < 1:
+        fail("--prompt-len and --repeat must be at least 1")
+    overrides = parse_hf_overrides(hf_config)
+    _check_json_dir(json_out)
+    check_models((), model, overrides, tokens=int(many), prompt_len=prompt_len)
+    with tempfile.TemporaryDirectory(prefix="tapml-bench-") as tmp, \
+            open_target(target, token=read_token(token_file)) as platform:
+        figure = generation_figure(platform, target, Path(tmp) / "store", model, tokens=(int(few), int(many)),
+                                   prompt_len=prompt_len, repeat=repeat,
+                                   hf_config=overrides if model.startswith("hf:") else None)
+    figure["target"] = target
+    if json_out:
+        write_json(figure, json_out)
+    if json_out != "-":
+        from rich.table import Table
+        table = Table(title=f"generation on {target}")
+        for col, justify in (("figure", "left"), ("ours", "right"), ("torch eager CPU", "right"), ("ratio", "right"),
+                             ("", "left")):
+            table.add_column(col, justify=justify)
+        for row in _generation_rows(figure):
+            table.add_row(*row)
+        out.print(table)
+    ok = not figure.get("error") and figure["passed"] and figure["compile_count_flat"]
+    raise typer.Exit(EXIT_OK if ok else EXIT_FINDING)
 
 
 @bench_app.command()

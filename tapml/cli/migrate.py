@@ -87,7 +87,9 @@ def render_state(state: dict, quiet: bool = False) -> None:
     if culprits and not quiet:
         table = Table(title=f"failures on {state['target']} and their culprits")
         wide = out.width >= 140  # messages stay in the state file on narrow terminals
-        for col in ("kind", "op", "node", "module", "max_abs_err", "max_rel_err", "mismatch") + (("message",) if wide else ()):
+        graphs = any(c.get("graph") for c in culprits)
+        for col in (("graph",) if graphs else ()) + ("kind", "op", "node", "module", "max_abs_err", "max_rel_err",
+                                                     "mismatch") + (("message",) if wide else ()):
             table.add_column(col, overflow="fold")
         for c in culprits:
             frac = "-" if c["mismatch_fraction"] is None else f"{c['mismatch_fraction']:.1%}"
@@ -97,7 +99,9 @@ def render_state(state: dict, quiet: bool = False) -> None:
                 nodes = ", ".join(c["nodes"])
             else:
                 nodes = f"{c['nodes'][0]} (+{len(c['nodes']) - 1})"
-            table.add_row(c["kind"], c["op"], nodes, c["module"] or "<root>", fmt_err(c["max_abs_err"]),
+            where = (f"{c.get('graph') or '-'}" + (f" step {c['step']}" if c.get("step") is not None else ""),) \
+                if graphs else ()
+            table.add_row(*where, c["kind"], c["op"], nodes, c["module"] or "<root>", fmt_err(c["max_abs_err"]),
                           fmt_err(c["max_rel_err"]), frac, *(((c["message"] or "")[:120],) if wide else ()))
         out.print(table)
     s = state["summary"]
@@ -115,8 +119,16 @@ def render_state(state: dict, quiet: bool = False) -> None:
     out.print(f"end to end: [{color}]{e['status']}[/] max_abs_err {fmt_err(e['max_abs_err'])} "
               f"max_rel_err {fmt_err(e['max_rel_err'])}" + (f" ({e['message']})" if e.get("message") else ""),
               highlight=False)
+    decode = next((u for u in state["units"] if u["kind"] == "model" and u.get("graph") == "decode"), None)
+    if decode is not None:  # a generation store: its decode graph was a second pass
+        d = p.get("decode") or {}
+        color = "green" if decode["status"] == "pass" else "red"
+        out.print(f"decode graph: {d.get('ops_on_target', '?')}/{d.get('ops_total', '?')} ops on {state['target']}; "
+                  f"decode step end to end: [{color}]{decode['status']}[/] max_abs_err {fmt_err(decode['max_abs_err'])}"
+                  + (f" ({decode['message']})" if decode.get("message") else ""), highlight=False)
+    matches = e["status"] == "pass" and (decode is None or decode["status"] == "pass")
     verdict = "[green]migrated: everything passed[/]" if state["passed"] else \
-        f"[red]{len(culprits)} finding(s)[/]" + ("" if e["status"] == "pass" else "; the model does not match end to end")
+        f"[red]{len(culprits)} finding(s)[/]" + ("" if matches else "; the model does not match end to end")
     out.print(verdict, highlight=False)
 
 

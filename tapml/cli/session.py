@@ -72,6 +72,8 @@ class SessionShell(cmd.Cmd):
             self.console.print(self.intro_text)
         self.console.print(f"{self.s.store.model}: {len(self.s.graph.nodes)} nodes, target {self.s.target}; "
                            "everything starts on the reference")
+        if self.s.scope_note:
+            self.console.print(self.s.scope_note, highlight=False)
 
     def postloop(self) -> None:
         if self._history is not None:
