@@ -307,7 +307,7 @@ class WorkerPlatform(RuntimePlatform):
     def _release(self, key: str, prepared) -> None:
         self._forget_state(key)
 
-    def _read_resident(self, handle) -> "torch.Tensor":
+    def _read_resident(self, handle):
         with self._lock:
             self._ensure_worker()
             worker = self._worker

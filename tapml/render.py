@@ -32,15 +32,16 @@ def render_matrix(matrix: dict, console, all_rows: bool = False, max_rows: int |
     from rich.table import Table
     rows, groups = matrix["rows"], matrix["groups"]
     by_case = any("case" in r for r in rows)
-    what = "cases" if by_case else "ops"
-    console.print(f"[bold]op coverage: {len(rows)} {what} on {len(matrix['columns'])} targets[/]; {groups['differs']} "
+    what = matrix.get("rows_are") or ("cases" if by_case else "ops")
+    row_name = "model" if what == "models" else "op"
+    console.print(f"[bold]{row_name} coverage: {len(rows)} {what} on {len(matrix['columns'])} targets[/]; {groups['differs']} "
                   f"differ between targets, {groups['fails']} fail everywhere, {groups['passes']} pass everywhere",
                   highlight=False)
     for label, col in zip(matrix["labels"], matrix["columns"]):
         backend = f" [{col['backend']}]" if col["backend"] else ""
         console.print(f"  {escape(label)}: {escape((col['adapter'] or '?') + backend)}", highlight=False, soft_wrap=True)
     table = Table()
-    table.add_column("op", no_wrap=True)
+    table.add_column(row_name, no_wrap=True)
     if by_case:
         table.add_column("case")
     for label in matrix["labels"]:

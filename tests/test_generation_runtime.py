@@ -88,6 +88,18 @@ def test_step_needs_state():
         HybridRunner(graph, ReferencePlatform()).step({"x": torch.ones(4)}, {}, {})
 
 
+def test_server_checks_every_field_of_a_run_request():
+    from tapml.remote.server import OUTPUT_SLOTS, parse_run_request
+    assert parse_run_request([3, 4]) == ([3, 4], [])
+    assert parse_run_request({"inputs": [1, "held", {"resident": 7}], "keep": [2, 0]}) == \
+        ([1, "held", {"resident": 7}], [0, 2])
+    for bad in ({"inputs": [1], "extra": 1}, {"inputs": "x"}, [OUTPUT_SLOTS], [-1], [True], ["kept"], [1.0],
+                [{"resident": "7"}], [{"resident": 1, "x": 2}], {"inputs": [], "keep": [1, 1]},
+                {"inputs": [], "keep": [-1]}, {"inputs": [], "keep": "0"}, None, 5):
+        with pytest.raises(ValueError):
+            parse_run_request(bad)
+
+
 # --- a real generation on the device tiers -----------------------------------------------------
 
 @pytest.fixture(scope="module")
