@@ -147,25 +147,7 @@ class WgpuPlatform(WgslPlatform):
         return True
 
     def _execute(self, program: KernelProgram, res: "_Resident", inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        from tapml.platforms.wgsl.tensors import read_output
-        try:
-            res.upload(inputs)
-            encoder = self.device.create_command_encoder()
-            res.record(encoder, repeat=1, poison=True, readback=True, guards=bool(res.guarded))
-            self.device.queue.submit([encoder.finish()])
-            res.check_guards()
-            out = []
-            for name, meta, data in zip(program.outputs, program.output_meta, res.read_outputs()):
-                if data is None:
-                    out.append(torch.empty(meta.shape, dtype=torch_dtype(meta.dtype)))
-                else:
-                    out.append(read_output(data, res.specs[name].dtype, meta, name))
-            return out
-        except (Unsupported, PlatformError):
-            raise
-        except Exception as e:  # noqa: BLE001
-            self.forget(program.key)
-            raise PlatformError(f"{self.name}: {type(e).__name__}: {e}") from e
+        return self._run_resident(program, inputs, [])
 
     def _run_resident(self, program: KernelProgram, inputs: list, keep: list[int]) -> list:
         """Resident inputs are copied device-side from the output buffer of the run that made
