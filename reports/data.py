@@ -368,6 +368,8 @@ def load_documents(path: str | Path) -> list[StateReport]:
         raise TapmlError(f"{path} does not exist; pass a file written by `tapml replay --json` or "
                          "`tapml migrate --state`")
     data = read_json_file(p, str(path), "pass a verdict or state JSON file")
+    if is_fleet_document(data):
+        return parse_fleet_document(data, str(path))
     if is_matrix_document(data):
         return parse_matrix_document(data, str(path))
     if is_generation_document(data):
@@ -408,7 +410,7 @@ def status_rank(status: str) -> int:
     return STATUS_RANK.get(status, 4)
 
 
-def coverage_matrix(states: list[StateReport], by_case: bool = False) -> dict:
+def coverage_matrix(states: list[StateReport], by_case: bool = False, by_model: bool = False) -> dict:
     """The op (or case) by target matrix over several states, one column per state.
 
     Returns ``{"labels", "columns": [{"target", "adapter", "backend"}], "rows": [{"op", "case"
@@ -419,7 +421,10 @@ def coverage_matrix(states: list[StateReport], by_case: bool = False) -> dict:
     ``differs`` when one of the row's cases passes on one target and not on another, ``fails``
     when no target passes all of them (or they fail alike everywhere), else ``passes``. Rows are
     ordered by group, then worst status, then op and case. ``totals`` count rows passing per
-    column; ``groups`` count rows per group. The one matrix of the terminal, JSON and HTML.
+    column; ``groups`` count rows per group; ``rows_are`` says what a row stands for (``ops``,
+    ``cases`` or ``models``). The one matrix of the terminal, JSON and HTML.
+    ``by_model``: a row per model (its ``op`` is the model's label), for the per-device states of
+    a fleet run (:func:`fleet_states`, whose cases carry their ``model``).
 
     Example::
 
@@ -429,7 +434,7 @@ def coverage_matrix(states: list[StateReport], by_case: bool = False) -> dict:
     rows: dict[tuple, list[list[dict]]] = {}
     for i, s in enumerate(states):
         for c in s.cases:
-            key = (c["op"], c["id"]) if by_case else (c["op"],)
+            key = (c.get("model", "?"),) if by_model else (c["op"], c["id"]) if by_case else (c["op"],)
             rows.setdefault(key, [[] for _ in states])[i].append(c)
     out = []
     for key, per_state in rows.items():
@@ -444,7 +449,7 @@ def coverage_matrix(states: list[StateReport], by_case: bool = False) -> dict:
     out.sort(key=order)
     totals = [{"pass": sum(1 for r in out if r["cells"][i] and r["cells"][i]["status"] == "pass"),
                "total": sum(1 for r in out if r["cells"][i])} for i in range(len(states))]
-    return {"labels": [s.label for s in states],
+    return {"labels": [s.label for s in states], "rows_are": "models" if by_model else "cases" if by_case else "ops",
             "columns": [{"target": s.target, "adapter": s.device.get("adapter") or "",
                          "backend": s.device.get("backend") or ""} for s in states],
             "rows": out, "totals": totals, "groups": {g: sum(r["group"] == g for r in out) for g in MATRIX_GROUPS}}
@@ -534,7 +539,102 @@ def parse_matrix_document(data, path: str = "<document>") -> list[StateReport]:
     return states
 
 
+#: Most devices and models one fleet document may hold.
+MAX_FLEET_DEVICES, MAX_FLEET_MODELS = 1024, 10000
+
+
+def fleet_states(runs: dict[str, dict[str, dict]], devices: list[str], path: str = "<fleet>") -> list[StateReport]:
+    """One state per device of a fleet run (``runs``: ``{model: {device target: Verdict JSON}}``),
+    in ``devices`` order: the cases of every model that device ran, each tagged with its
+    ``model`` and with an id prefixed by it (``"zoo:mlp::c3"``), so that :func:`coverage_matrix`
+    with ``by_model`` has a row per model and a column per device."""
+    states = []
+    for target in devices:
+        cases, device, tolerances = [], None, {}
+        for model, per_device in runs.items():
+            if target not in per_device:
+                continue
+            s = parse_state(per_device[target], f"{path}: runs[{model[:80]!r}][{target[:80]!r}]")
+            if s.target != target:
+                raise TapmlError(f"{path} is not a fleet document: runs[{model[:80]!r}][{target[:80]!r}] holds the "
+                                 f"verdicts of target {str(s.target)[:80]!r}; {FLEET_HINT}")
+            device = device or s.device
+            tolerances = tolerances or s.tolerances
+            cases += [{**c, "id": f"{model}::{c['id']}", "model": model} for c in s.cases]
+        states.append(StateReport(path=path, kind="replay", target=target, model=f"{len(runs)} model(s)",
+                                  device=device or {"adapter": "", "backend": "", "features": [], "limits": {},
+                                                    "error": ""},
+                                  cases=cases, tolerances=tolerances, reference={"device": "cpu", "torch": None,
+                                                                                 "store": None}))
+    return states
+
+
+def fleet_document(runs: dict[str, dict[str, dict]], devices: list[dict], by_op: bool = False,
+                   left_out: dict[str, str] | None = None) -> dict:
+    """The JSON of ``tapml fleet``: ``{"format_version", "kind": "fleet", "models", "devices":
+    [{"target", "adapter", "backend", "platform", "served", "status"}], "left_out": {target:
+    reason}, "runs": {model: {device target: Verdict JSON}}, "matrix"}``; the matrix has a row per
+    model (per op with ``by_op``) and a column per device. ``status`` is ``ok`` or why the device
+    dropped out of the run; ``left_out`` names the servers announced but not live when it began."""
+    from tapml.verdict import FORMAT_VERSION
+    states = fleet_states(runs, [d["target"] for d in devices])
+    return {"format_version": FORMAT_VERSION, "kind": "fleet", "models": list(runs), "devices": devices,
+            "left_out": dict(left_out or {}), "runs": runs,
+            "matrix": matrix_json(coverage_matrix(states, by_model=not by_op))}
+
+
+def is_fleet_document(data) -> bool:
+    """Whether parsed JSON is the document of ``tapml fleet --json`` (:func:`fleet_document`)."""
+    return isinstance(data, dict) and data.get("kind") == "fleet"
+
+
+FLEET_HINT = "expected the --json of `tapml fleet`"
+
+
+def parse_fleet_document(data, path: str = "<fleet>") -> list[StateReport]:
+    """The per-device states of a fleet document (:func:`fleet_states`), in its ``devices``
+    order; every verdict is validated, the stored ``matrix`` is recomputed, never trusted.
+    TapmlError naming the field when the document is malformed."""
+    from tapml.verdict import FORMAT_VERSION, check_depth
+    check_depth(data, path, FLEET_HINT)
+
+    def bad(problem: str):
+        raise TapmlError(f"{path} is not a fleet document: {problem}; {FLEET_HINT}")
+
+    version = data.get("format_version", 0)
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        bad("format_version is not a non-negative integer")
+    if version > FORMAT_VERSION:
+        bad(f"format_version {version} is newer than this tapml reads ({FORMAT_VERSION}); upgrade tapml")
+    models, devices, runs = data.get("models"), data.get("devices"), data.get("runs")
+    if not isinstance(models, list) or not models or not all(isinstance(m, str) and m for m in models):
+        bad("models is not a non-empty list of strings")
+    if len(models) > MAX_FLEET_MODELS or len(set(models)) != len(models):
+        bad(f"models holds more than {MAX_FLEET_MODELS} entries or a model twice")
+    if (not isinstance(devices, list) or not devices or len(devices) > MAX_FLEET_DEVICES
+            or not all(isinstance(d, dict) and isinstance(d.get("target"), str) and d["target"] for d in devices)):
+        bad(f"devices is not a list of 1 to {MAX_FLEET_DEVICES} objects with a target")
+    targets = [d["target"] for d in devices]
+    if len(set(targets)) != len(targets):
+        bad("a device appears twice in devices")
+    for d in devices:
+        if not all(isinstance(d.get(k, ""), str) for k in ("adapter", "backend", "platform", "status")):
+            bad(f"device {d['target'][:80]!r} has a field that is not a string")
+    if not isinstance(runs, dict) or set(runs) != set(models):
+        bad("runs is not an object with one entry per model in models")
+    for m in models:
+        if not isinstance(runs[m], dict) or not set(runs[m]) <= set(targets):
+            bad(f"runs[{m[:80]!r}] is not an object keyed by targets of devices")
+    left_out = data.get("left_out", {})
+    if not isinstance(left_out, dict) or not all(isinstance(v, str) for v in left_out.values()):
+        bad("left_out is not an object of target -> reason strings")
+    if not isinstance(data.get("matrix", {}), dict):
+        bad("matrix is not an object")
+    return fleet_states({m: runs[m] for m in models}, targets, path)
+
+
 __all__ = ["StateReport", "load_state", "load_states", "load_documents", "parse_state", "parse_generation",
            "step_error_points", "coverage_matrix",
            "matrix_json", "matrix_document", "is_matrix_document", "parse_matrix_document", "status_rank",
-           "STATUS_RANK", "MATRIX_GROUPS", "STATUSES", "op_speeds"]
+           "STATUS_RANK", "MATRIX_GROUPS", "STATUSES", "op_speeds", "fleet_states", "fleet_document",
+           "is_fleet_document", "parse_fleet_document"]

@@ -129,7 +129,9 @@ GROUP_TEXT = {"differs": "differs", "fails": "fails on all", "passes": "passes o
 
 
 def _matrix(states: list[StateReport], by_case: bool) -> dict:
-    m = coverage_matrix(states, by_case=by_case)
+    # The per-device states of a fleet run (fleet_states) tag every case with its model: a row per model.
+    by_model = all(s.cases and all("model" in c for c in s.cases) for s in states)
+    m = coverage_matrix(states, by_case=by_case and not by_model, by_model=by_model)
     return {**m, "by_case": by_case, "group_text": GROUP_TEXT, "group_order": {g: i for i, g in enumerate(MATRIX_GROUPS)}}
 
 

@@ -229,6 +229,7 @@ class Migration:
         else:
             cases = [c for c in self.store.cases if c.get("graph", "prefill") == "prefill"]
         self._stage_event(gp, "op", len(cases))
+        self._spread_cases([c for c in cases if self.journal.get(f"case:{c['id']}") is None])
         done = {c.id for c in self.cases}
         for case in cases:
             verdict = self._memo(f"case:{case['id']}",
@@ -242,6 +243,19 @@ class Migration:
             if verdict.status != "pass":
                 self._localize_case(gp, case, verdict, nodes_of.get(case["id"], []))
             self._save()
+
+    def _spread_cases(self, cases: list[dict]) -> None:
+        """On a pool (``registry://``), check ``cases`` spread over its devices and journal each
+        verdict (with the device that made it) as it arrives, so that the op stage reads them
+        back in order; a lost device's case runs again on another. Elsewhere nothing happens."""
+        from tapml.replay import replay_case
+        from tapml.targets import spread
+
+        def journal(i: int, verdict: CaseVerdict, ran_on: str) -> None:
+            verdict.device = ran_on
+            self.journal.put(f"case:{cases[i]['id']}", verdict)
+        spread(self.platform, cases, lambda device, case: replay_case(device, self.store, case, self.tolerances),
+               on_result=journal)
 
     def _stage_event(self, gp: GraphPass, stage: str, total: int) -> None:
         self.on_event("stage", {"stage": f"{gp.kind} {stage}" if gp.kind == "decode" else stage, "total": total})

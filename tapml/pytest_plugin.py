@@ -4,10 +4,13 @@ Loaded into every pytest run through the ``pytest11`` entry point, so it imports
 until a tapml test actually runs. It adds these options (and ini keys of the same name without
 the dashes, e.g. ``tapml_target = wgpu:vulkan``):
 
-``--tapml-target SPEC``      the target to check (any TARGET spec; default ``reference``)
+``--tapml-target SPEC``      the target to check (any TARGET spec; default ``reference``); a
+                             ``registry://HOST:PORT[?platform=P]`` pool gives each pytest-xdist
+                             worker its own device (``-n auto``: one worker per live device)
 ``--tapml-tol OP=RTOL,ATOL`` tolerance override, as ``tapml replay --tol`` (repeatable)
 ``--tapml-inject OP=KIND``   fault injection, as ``tapml replay --inject`` (repeatable)
 ``--tapml-token-file FILE``  device server token for ``remote://`` targets (else $TAPML_TOKEN)
+``--tapml-token-map FILE``   JSON ``{"HOST:PORT": token, "*": fallback}``: a token per server of a pool
 ``--tapml-store DIR``        the carve store of hand-written suites
 ``--tapml-repeat K``         run each case K times; outputs that differ run to run fail it as flaky
 ``--tapml-baseline OLD.json`` a ``tapml replay --profile --json`` file: each case is also timed,
@@ -27,7 +30,14 @@ of the store; ``@pytest.mark.tapml(op="aten.mm.default")`` narrows it to one op:
     def test_matmuls(tapml_case):
         tapml_case.check()
 
-Cases are judged by :func:`tapml.replay.run_case`, exactly like ``tapml replay``.
+Cases are judged by :func:`tapml.replay.run_case`, exactly like ``tapml replay``. Each test records
+the device it ran on as the JUnit properties ``tapml_device`` (the target, ``remote://HOST:PORT``
+for a pool's device) and ``tapml_adapter``.
+
+Over a device pool (``--tapml-target registry://...``), worker ``gwN`` of ``pytest -n K`` takes
+device ``N`` (modulo the pool's size) of the pool's live devices sorted by target; without xdist
+the run takes the first. When that device goes away during a test, the test runs again on the
+next live device of the pool, which the worker keeps from then on.
 """
 
 from __future__ import annotations
@@ -40,13 +50,16 @@ import pytest
 
 _OPTIONS = (
     ("--tapml-target", "tapml_target", "store", "Target to check: reference, wgpu[:vulkan|gl|metal|dx12], "
-     "browser, remote://HOST:PORT (default: the suite's target, else reference)"),
+     "browser, remote://HOST:PORT, registry://HOST:PORT[?platform=P] (a device per xdist worker; "
+     "-n auto: one worker per device) (default: the suite's target, else reference)"),
     ("--tapml-tol", "tapml_tol", "append", "Tolerance override OP=RTOL,ATOL or RTOL,ATOL (repeatable); "
      "takes precedence over the tolerances a generated suite recorded"),
     ("--tapml-inject", "tapml_inject", "append", "Fault OP[@NODE]=scale:F|offset:F|nan|compile-error "
      "(repeatable): proves the suite catches a broken kernel"),
     ("--tapml-token-file", "tapml_token_file", "store", "File holding the device server token "
      "for remote:// targets (else $TAPML_TOKEN)"),
+    ("--tapml-token-map", "tapml_token_map", "store", "JSON file mapping HOST:PORT (or \"*\") to the token "
+     "of each device server of a registry:// pool"),
     ("--tapml-store", "tapml_store", "store", "Carve store whose cases hand-written tests that use "
      "the tapml_case fixture run"),
     ("--tapml-repeat", "tapml_repeat", "store", "Run each case K times (default 1); a case whose outputs "
@@ -184,20 +197,130 @@ def tapml_target_spec(pytestconfig) -> str:
     return target_option(pytestconfig) or "reference"
 
 
+def _tokens(config):
+    """The token(s) for device servers: ``--tapml-token-file`` / ``--tapml-token-map`` / $TAPML_TOKEN."""
+    from tapml.targets import read_tokens
+    return read_tokens(_opt(config, "tapml_token_file"), _opt(config, "tapml_token_map"))
+
+
+def _option_message(error) -> str:
+    return str(error).replace("--token-file", "--tapml-token-file").replace("--token-map", "--tapml-token-map")
+
+
+def worker_index(config) -> int:
+    """This process's pytest-xdist worker number (``gw3`` -> 3), 0 without xdist."""
+    worker = getattr(config, "workerinput", {}).get("workerid") or os.environ.get("PYTEST_XDIST_WORKER", "")
+    return int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)  # before xdist's own count of CPUs
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` with a ``registry://`` target: one worker per live device of the pool."""
+    spec = target_option(config)
+    if not spec or not spec.startswith("registry://"):
+        return None
+    from tapml.errors import TapmlError
+    from tapml.remote.pool import DevicePool
+    try:
+        with DevicePool(spec, token=_tokens(config)) as pool:
+            return len(pool.devices)
+    except TapmlError as e:
+        raise pytest.UsageError(f"tapml: --tapml-target {spec}: {_option_message(e)}") from None
+
+
+class PoolSeat:
+    """The device one pytest process (an xdist worker, or the run without xdist) uses from a
+    ``registry://`` pool: device ``index`` modulo the pool's size, the pool's live devices sorted
+    by target; :meth:`next_device` moves to the next live one when it goes away. Tests call the
+    seat as they would the platform (it forwards to the current device's platform, with fault
+    injection when asked)."""
+
+    def __init__(self, pool, index: int, faults=None):
+        self.pool, self.faults = pool, faults
+        self.devices = sorted(pool.devices, key=lambda d: d.target)
+        self.lost: dict[str, str] = {}
+        self._use(self.devices[index % len(self.devices)])
+
+    def _use(self, device) -> None:
+        from tapml.replay import device_info
+        self.device = device
+        platform = device.platform
+        if self.faults:
+            from tapml.inject import InjectedPlatform
+            platform = InjectedPlatform(platform, self.faults)
+        self.platform = platform
+        from tapml.errors import DeviceLost
+        try:
+            self.adapter = device_info(platform).get("adapter") or ""
+        except DeviceLost:  # met again, and handled, by the first case that runs
+            self.adapter = ""
+
+    @property
+    def target(self) -> str:
+        """The device in use, ``remote://HOST:PORT``."""
+        return self.device.target
+
+    def next_device(self, reason: str) -> bool:
+        """Leave the current device (``reason``: why) for the next live one after it; False
+        when none is left."""
+        self.lost[self.device.target] = reason
+        order = self.devices.index(self.device)
+        for device in self.devices[order + 1:] + self.devices[:order]:
+            if device.target not in self.lost:
+                self._use(device)
+                return True
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self.platform, name)
+
+    def close(self) -> None:
+        self.pool.close()
+
+
 @pytest.fixture(scope="session")
 def tapml_target(pytestconfig, tapml_target_spec):
     """The opened target platform, shared by the session (one per xdist worker) and closed at
-    the end. ``--tapml-inject`` wraps it with fault injection."""
+    the end. ``--tapml-inject`` wraps it with fault injection. A ``registry://`` target is a
+    :class:`PoolSeat`: this worker's own device of the pool."""
     from tapml.errors import TapmlError
-    from tapml.targets import open_target, read_token
+    from tapml.targets import open_target
     try:
-        platform = open_target(tapml_target_spec, token=read_token(_opt(pytestconfig, "tapml_token_file")),
-                               inject=_opt(pytestconfig, "tapml_inject"))
+        if tapml_target_spec.startswith("registry://"):
+            from tapml.inject import parse_faults
+            from tapml.remote.pool import DevicePool
+            inject = _opt(pytestconfig, "tapml_inject")
+            faults = parse_faults(inject) if inject else None
+            pool = DevicePool(tapml_target_spec, token=_tokens(pytestconfig))
+            try:
+                platform = PoolSeat(pool, worker_index(pytestconfig), faults)
+            except BaseException:
+                pool.close()
+                raise
+        else:
+            platform = open_target(tapml_target_spec, token=_tokens(pytestconfig),
+                                   inject=_opt(pytestconfig, "tapml_inject"))
     except TapmlError as e:
-        message = str(e).replace("--token-file", "--tapml-token-file")
-        pytest.fail(f"cannot open target {tapml_target_spec}: {message}", pytrace=False)
+        pytest.fail(f"cannot open target {tapml_target_spec}: {_option_message(e)}", pytrace=False)
     yield platform
     platform.close()
+
+
+_ADAPTERS: dict[int, str] = {}
+
+
+def _device_properties(platform, target: str) -> list[tuple[str, str]]:
+    """The JUnit properties naming the device a case ran on: ``tapml_device``, ``tapml_adapter``."""
+    if isinstance(platform, PoolSeat):
+        return [("tapml_device", platform.target), ("tapml_adapter", platform.adapter)]
+    if id(platform) not in _ADAPTERS:  # the session's platform lives as long as the process
+        from tapml.errors import DeviceLost
+        from tapml.replay import device_info
+        try:
+            _ADAPTERS[id(platform)] = device_info(platform).get("adapter") or ""
+        except DeviceLost:
+            return [("tapml_device", target), ("tapml_adapter", "")]
+    return [("tapml_device", target), ("tapml_adapter", _ADAPTERS[id(platform)])]
 
 
 _STORES: dict[str, object] = {}
@@ -266,12 +389,22 @@ class CarvedCase:
     def run(self) -> dict:
         """Run the case on the target; returns the Verdict dict of :func:`tapml.replay.run_case`
         (profiled, with ``device_ms``, when there is a baseline)."""
-        from tapml.replay import replay_case
+        from tapml.errors import DeviceLost
         from tapml.profile import RUNS
-        verdict = replay_case(self.platform, self.store, self.case, self.tolerances,
-                              profile=RUNS if self.baseline is not None else 0,
-                              repeat=repeat_option(self._item.config) if self._item is not None else 1).to_json()
+        from tapml.replay import replay_case
+        while True:
+            try:
+                verdict = replay_case(self.platform, self.store, self.case, self.tolerances,
+                                      profile=RUNS if self.baseline is not None else 0,
+                                      repeat=repeat_option(self._item.config) if self._item is not None else 1).to_json()
+                break
+            except DeviceLost as e:
+                # A pool's device went away: run the case again on the next live one (each
+                # case still gets one verdict); a single device has no other to go to.
+                if not isinstance(self.platform, PoolSeat) or not self.platform.next_device(str(e)):
+                    raise
         if self._item is not None:
+            self._item.user_properties.extend(_device_properties(self.platform, self.target))
             for key in ("op", "node", "module", "status", "max_abs_err", "max_rel_err", "mismatch_fraction",
                         "time_ms", "device_ms"):
                 self._item.user_properties.append((f"tapml_{key}", verdict.get(key)))

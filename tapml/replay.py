@@ -114,29 +114,58 @@ def replay(store, platform, target: str, tolerances: Tolerances | None = None, a
     when the platform cannot), which are ``error`` verdicts naming the kernel and buffer.
 
     A case that finds the device gone is an ``error`` verdict saying so, and the replay goes
-    on: the next case may find it back (a remote platform reconnects by itself)."""
+    on: the next case may find it back (a remote platform reconnects by itself).
+
+    On a pool (``registry://``) the cases spread over its devices (:func:`tapml.targets.spread`):
+    a case whose device is lost runs again on another, each verdict says the ``device`` that
+    ran it, the document lists the pool's ``devices`` (what each served, why one left), and
+    only a case no device is left for is an ``error`` verdict."""
     from tapml.errors import TapmlError
     if not (isinstance(repeat, int) and repeat >= 1):
         raise TapmlError(f"--repeat {repeat}: give a number of runs of 1 or more (2 or more to check for flaky kernels)")
     if guards and not platform.enable_guards():
         raise TapmlError(f"--guards: {target} cannot check for out-of-bounds writes; wgpu targets "
                          "(wgpu, wgpu:vulkan, wgpu:gl, ...) and browser can")
+    from tapml.targets import spread
     verdicts = []
     try:
         device = device_info(platform)
     except DeviceLost as e:
         device = {"adapter": "unknown", "backend": "unknown", "features": [], "limits": {}, "error": str(e)}
-    for case in store.cases if cases is None else cases:
+    todo = store.cases if cases is None else cases
+
+    def lost(case: dict, e: DeviceLost) -> CaseVerdict:
+        return CaseVerdict(id=case["id"], op=case["op"], node=case["node"], module=case["module"],
+                           instances=case.get("instances", 1), status="error", message=f"error: {e}")
+
+    # A pool (registry://): the cases spread over its devices, each case's verdict made once,
+    # on the device that ran it (recorded per case), reported back in the store's order.
+    pooled = spread(platform, todo, lambda device, case: replay_case(device, store, case, tolerances, anchored,
+                                                                     profile, repeat),
+                    on_result=(lambda i, v, ran_on: on_case({**v.to_json(), "device": ran_on})) if on_case else None,
+                    on_lost=lost)
+    if pooled is not None:
+        for v, ran_on in pooled:
+            v.device = ran_on or None
+            verdicts.append(v)
+    for case in todo if pooled is None else ():
         try:
             v = replay_case(platform, store, case, tolerances, anchored, profile, repeat)
         except DeviceLost as e:
-            v = CaseVerdict(id=case["id"], op=case["op"], node=case["node"], module=case["module"],
-                            instances=case.get("instances", 1), status="error", message=f"error: {e}")
+            v = lost(case, e)
         verdicts.append(v)
         if on_case:
             on_case(v.to_json())
-    return VerdictDocument(target=target, device=device, model=store.model, tolerances=(tolerances or Tolerances()).to_json(),
-                           cases=verdicts).to_json()
+    doc = VerdictDocument(target=target, device=device, model=store.model, tolerances=(tolerances or Tolerances()).to_json(),
+                          cases=verdicts).to_json()
+    if pooled is not None:
+        doc["devices"] = _pool_of(platform).pool.describe()
+    return doc
+
+
+def _pool_of(platform):
+    """The PoolPlatform under a (possibly fault-injected) pool platform."""
+    return getattr(platform, "inner", platform)
 
 
 def injects_into(target: str) -> bool:

@@ -1,5 +1,5 @@
 """TARGET specs -> platforms: ``reference[:cuda]``, ``wgpu[:vulkan|metal|dx12|gl]``, ``browser``,
-``remote://HOST:PORT``, from one table (``tapml.platforms.targets.TARGETS``), wrapped with fault
+``remote://HOST:PORT``, ``registry://HOST:PORT[?platform=P]`` (a pool), from one table (``tapml.platforms.targets.TARGETS``), wrapped with fault
 injection when asked; and the device-server token. Heavy modules are imported only for the
 target asked for."""
 
@@ -9,10 +9,11 @@ import os
 from pathlib import Path
 
 from tapml.errors import TapmlError
-from tapml.platforms.targets import TARGET_HELP, TARGETS, WGPU_BACKENDS, TargetKind, check_target, open_platform, parse_remote
+from tapml.platforms.targets import (TARGET_HELP, TARGETS, WGPU_BACKENDS, RegistryTarget, TargetKind, check_target,
+                                     open_platform, parse_registry_target, parse_remote, token_for)
 
-__all__ = ["TARGETS", "TARGET_HELP", "WGPU_BACKENDS", "TargetKind", "check_target", "open_platform", "open_target",
-           "parse_remote", "read_token"]
+__all__ = ["TARGETS", "TARGET_HELP", "WGPU_BACKENDS", "RegistryTarget", "TargetKind", "check_target", "open_platform",
+           "open_target", "parse_registry_target", "parse_remote", "read_token", "read_tokens", "spread", "token_for"]
 
 
 def read_token(token_file: str | None = None) -> str | None:
@@ -30,10 +31,42 @@ def read_token(token_file: str | None = None) -> str | None:
     return os.environ.get("TAPML_TOKEN") or None
 
 
+def read_tokens(token_file: str | None = None, token_map: str | None = None):
+    """What ``token=`` of :func:`open_target` takes from the CLI: the token map of ``--token-map``
+    (a JSON file, see :func:`tapml.remote.pool.read_token_map`), else :func:`read_token`.
+    TapmlError when both are given."""
+    if token_map:
+        if token_file:
+            raise TapmlError("give --token-file (one token for every server) or --token-map (a token per server), "
+                             "not both; a token map's \"*\" entry is the token for servers it does not name")
+        from tapml.remote.pool import read_token_map
+        return read_token_map(token_map)
+    return read_token(token_file)
+
+
+def spread(platform, items: list, work, **options) -> list | None:
+    """Run ``work(device_platform, item)`` for every item spread over the devices of a pool
+    (a ``registry://`` target, fault-injected or not; see :meth:`tapml.remote.pool.DevicePool.map`,
+    which takes ``options``); returns ``[(result, device target), ...]`` in the items' order, or
+    None when ``platform`` is not a pool (then the caller runs the items itself)."""
+    from tapml.inject import InjectedPlatform
+    from tapml.remote.pool import PoolPlatform
+    faults = platform.faults if isinstance(platform, InjectedPlatform) else None
+    pool = platform.inner if faults is not None else platform
+    if not isinstance(pool, PoolPlatform):
+        return None
+    if faults:
+        return pool.pool.map(items, lambda device, item: work(InjectedPlatform(device, faults), item), **options)
+    return pool.pool.map(items, work, **options)
+
+
 def open_target(spec: str, *, token: str | None = None, inject: list[str] | None = None):
     """Open the platform a TARGET spec names, wrapped with fault injection when asked.
 
-    Example: ``open_target("wgpu:vulkan")``, ``open_target("remote://127.0.0.1:18861", token=t)``.
+    ``token``: None, one token, or a token map ``{"HOST:PORT": token, "*": fallback}`` (:func:`read_tokens`).
+
+    Example: ``open_target("wgpu:vulkan")``, ``open_target("remote://127.0.0.1:18861", token=t)``,
+    ``open_target("registry://127.0.0.1:18811?platform=wgpu", token=t)`` (a pool, see :func:`spread`).
     """
     check_target(spec)
     faults = None

@@ -125,10 +125,13 @@ class CaseVerdict(Verdict):
     timing: str | None = None
     shapes: str | None = None
     baseline_ms: float | None = None
+    device: str | None = None  # the pool device (remote://HOST:PORT) that ran it; None off a pool
 
     def to_json(self) -> dict:
         out = {"id": self.id, "op": self.op, "node": self.node, "module": self.module,
                "instances": self.instances, **super().to_json()}
+        if self.device is not None:
+            out["device"] = self.device
         if self.device_ms is not None:
             out.update(device_ms=self.device_ms, gflops=self.gflops, gbps=self.gbps, timing=self.timing,
                        shapes=self.shapes)
@@ -147,7 +150,7 @@ class CaseVerdict(Verdict):
                    node=o.string("node", "", required=strict), module=o.string("module", "", required=strict),
                    instances=o.count("instances", 1, required=strict), **speed,
                    timing=o.choice("timing", TIMINGS, None), shapes=o.string("shapes", None),
-                   **cls._read_outcome(o))
+                   device=o.string("device", None), **cls._read_outcome(o))
 
 
 @dataclass(kw_only=True)

@@ -31,6 +31,8 @@ TargetOpt = typer.Option("reference", "--target", "-t", help="reference, wgpu[:v
 TolOpt = typer.Option(None, "--tol", help="Tolerance override OP=RTOL,ATOL or RTOL,ATOL (repeatable)")
 InjectOpt = typer.Option(None, "--inject", help="Fault OP[@NODE]=scale:F|offset:F|nan|compile-error (repeatable)")
 TokenFileOpt = typer.Option(None, "--token-file", help="File holding the device server token (else $TAPML_TOKEN)")
+TokenMapOpt = typer.Option(None, "--token-map", help='JSON file of a token per device server, '
+                           '{"HOST:PORT": "token", "*": "token for the others"} (registry:// pools)')
 JsonOpt = typer.Option(None, "--json", help="Write the result as JSON to this file ('-' for stdout)")
 QuietOpt = typer.Option(False, "--quiet", "-q", help="Print only errors and the final line")
 

@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from tapml.cli.common import (InjectOpt, JsonOpt, QuietOpt, TokenFileOpt, TolOpt, app, command, console,
+from tapml.cli.common import (InjectOpt, JsonOpt, QuietOpt, TokenFileOpt, TokenMapOpt, TolOpt, app, command, console,
                               fail, out, write_json)
 from tapml.cli.store import check_targets, render_matrix_run
 from tapml.render import fmt_err
@@ -156,8 +156,8 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
                                                            "is kept beside it as STATE.journal"),
             resume: bool = typer.Option(False, "--resume", help="Continue from the state's journal, skipping what is done"),
             inject: Optional[List[str]] = InjectOpt, tol: Optional[List[str]] = TolOpt,
-            token_file: Optional[str] = TokenFileOpt, hf_config: Optional[List[str]] = HfConfigOpt,
-            quiet: bool = QuietOpt, json_out: Optional[str] = JsonOpt):
+            token_file: Optional[str] = TokenFileOpt, token_map: Optional[str] = TokenMapOpt,
+            hf_config: Optional[List[str]] = HfConfigOpt, quiet: bool = QuietOpt, json_out: Optional[str] = JsonOpt):
     """Offload MODEL to TARGET: each op, then growing regions, then the whole model, checking each step."""
     from pathlib import Path
 
@@ -166,9 +166,10 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
     from tapml.carving import open_or_carve
     from tapml.migrate import Migration, check_faults, exit_code
     from tapml.replay import injects_into
-    from tapml.targets import open_target, read_token
+    from tapml.targets import open_target, read_tokens
     targets = check_targets(target)
     tolerances = Tolerances.parse(tol)
+    token = read_tokens(token_file, token_map)
     parse_faults(inject or [])
     if Path(state).is_dir():
         fail(f"--state {state} is a directory; give a file name such as {Path(state) / 'state.json'}")
@@ -181,7 +182,7 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
         results = {}
         for t in targets:
             faults = inject if injects_into(t) else None
-            with open_target(t, token=read_token(token_file), inject=faults) as platform, \
+            with open_target(t, token=token, inject=faults) as platform, \
                     MigrationDisplay(f"migrating {store.model} to {t} ({paths[t]})", quiet) as display:
                 results[t] = Migration(store, platform, t, paths[t], tolerances=tolerances, inject=faults, resume=resume,
                                        on_event=display.event, store_path=str(store_path)).run()
@@ -192,7 +193,7 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
 
         raise typer.Exit(render_matrix_run(results, False, False, quiet, json_out, render_target))
     target = targets[0]
-    with open_target(target, token=read_token(token_file), inject=inject) as platform, \
+    with open_target(target, token=token, inject=inject) as platform, \
             MigrationDisplay(f"migrating {store.model} to {target}", quiet) as display:
         result = Migration(store, platform, target, state, tolerances=tolerances, inject=inject, resume=resume,
                            on_event=display.event, store_path=str(store_path)).run()

@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from tapml.cli.common import (EXIT_FINDING, EXIT_OK, InjectOpt, JsonOpt, QuietOpt, TokenFileOpt, TolOpt,
+from tapml.cli.common import (EXIT_FINDING, EXIT_OK, InjectOpt, JsonOpt, QuietOpt, TokenFileOpt, TokenMapOpt, TolOpt,
                               app, command, console, fail, open_store, out, progress_bar, write_json)
 
 
@@ -195,6 +195,7 @@ def replay_matrix(store, targets: list[str], *, token, inject, json_out, quiet, 
 def replay(store: str = typer.Argument(..., help="Carve store directory"),
            target: List[str] = TargetsOpt, json_out: Optional[str] = JsonOpt, tol: Optional[List[str]] = TolOpt,
            inject: Optional[List[str]] = InjectOpt, token_file: Optional[str] = TokenFileOpt,
+           token_map: Optional[str] = TokenMapOpt,
            anchored: bool = typer.Option(False, "--fp64-anchored", help="Judge float errors against a float64 recomputation"),
            op: Optional[List[str]] = typer.Option(None, "--op", help="Only cases of this op (repeatable)"),
            by_case: bool = ByCaseOpt, all_rows: bool = AllRowsOpt,
@@ -215,9 +216,10 @@ def replay(store: str = typer.Argument(..., help="Carve store directory"),
     case of the baseline are findings (exit 1)."""
     from tapml.compare import Tolerances
     from tapml.replay import replay as replay_store
-    from tapml.targets import open_target, read_token
+    from tapml.targets import open_target, read_tokens
     targets = check_targets(target)
     tolerances = Tolerances.parse(tol)
+    token = read_tokens(token_file, token_map)
     s = open_store(store)
     cases = [c for c in s.cases if not op or c["op"] in op]
     if op and not cases:
@@ -236,11 +238,11 @@ def replay(store: str = typer.Argument(..., help="Carve store directory"),
     old = read_baseline(baseline) if baseline else None
     runs = RUNS if profile or baseline else 0
     if len(targets) > 1:
-        replay_matrix(s, targets, token=read_token(token_file), inject=inject, json_out=json_out, quiet=quiet,
+        replay_matrix(s, targets, token=token, inject=inject, json_out=json_out, quiet=quiet,
                       by_case=by_case, all_rows=all_rows, tolerances=tolerances, anchored=anchored, cases=cases,
                       profile=runs, repeat=repeat, guards=guards)
     target = targets[0]
-    with open_target(target, token=read_token(token_file), inject=inject) as platform, progress_bar(quiet) as bar:
+    with open_target(target, token=token, inject=inject) as platform, progress_bar(quiet) as bar:
         task = bar.add_task(f"replay on {target}", total=len(cases))
         result = replay_store(s, platform, target, tolerances, anchored=anchored, cases=cases,
                               on_case=lambda v: bar.advance(task), profile=runs, repeat=repeat, guards=guards)
