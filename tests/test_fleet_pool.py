@@ -183,6 +183,48 @@ def test_kill_one_server_mid_run_loses_and_duplicates_nothing(store):
         reg.stop()
 
 
+def test_a_server_that_stops_answering_is_dropped_and_its_cases_run_elsewhere(store, monkeypatch):
+    """SIGSTOP one server mid-run: its case in flight times out (TAPML_REMOTE_TIMEOUT), runs again
+    on another device, and the frozen device leaves the pool with the reason; nothing is lost."""
+    import signal
+
+    from tapml.carving.store import CarveStore
+    from tapml.remote.launcher import ServerProcess
+    from tapml.replay import replay
+    from tapml.targets import open_target
+    monkeypatch.setenv("TAPML_REMOTE_TIMEOUT", "3")
+    reg = Registry()
+    servers = [ServerProcess(platform="reference", token=TOKEN, args=("--register", reg.udp)) for _ in range(3)]
+    victim = servers[2]
+    try:
+        assert len(wait_for(reg, 3)) == 3
+        s = CarveStore(store)
+        cases = [{**c, "id": f"{c['id']}#{i}"} for i, c in enumerate(s.cases * 8)]
+        seen: list[str] = []
+
+        def on_case(v):
+            seen.append(v["id"])
+            if len(seen) == 10:
+                os.kill(victim.proc.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with open_target(reg.target, token=TOKEN) as platform:
+            doc = replay(s, platform, reg.target, cases=cases, on_case=on_case)
+        assert time.monotonic() - start < 120
+        ids = [c["id"] for c in doc["cases"]]
+        assert ids == [c["id"] for c in cases] and sorted(seen) == sorted(ids)  # each case exactly once
+        assert doc["summary"]["pass"] == len(cases)
+        served = {d["target"]: d["served"] for d in doc["devices"]}
+        assert sum(served.values()) == len(cases)
+        # Frozen after the 10th case: the live devices took over everything after its case in flight.
+        assert served[victim.target] < min(n for t, n in served.items() if t != victim.target), doc["devices"]
+    finally:
+        if victim.proc.poll() is None:
+            os.kill(victim.proc.pid, signal.SIGCONT)
+        for srv in servers:
+            srv.stop()
+        reg.stop()
+
+
 def test_registry_restart_does_not_stop_the_pool(store):
     """The pool keeps the servers it knows when its registry goes away mid-run."""
     from tapml.carving.store import CarveStore
