@@ -98,10 +98,11 @@ def open_or_carve(model_or_store: str, state_path: str | Path | None = None,
 def _carve_into(spec: str, out: Path, *, seed: int, device: str, hf_config: dict | None, shard_bytes: int,
                 on_start: Callable[[int], None] | None, on_node: Callable[[str], None] | None) -> dict:
     import torch
+    from torch.export.graph_signature import OutputKind
 
-    from tapml.capture import export, program_inputs
-    from tapml.carving.tracer import CarvingInterpreter
-    from tapml.graph import graph_from_fx
+    from tapml.capture import export, placeholder_values, program_inputs
+    from tapml.carving.tracer import CarvingInterpreter, RealValueRecorder
+    from tapml.graph import graph_from_fx, needs_real_values
     from tapml.models import load_model
 
     if device not in ("cpu", "cuda"):
@@ -114,21 +115,25 @@ def _carve_into(spec: str, out: Path, *, seed: int, device: str, hf_config: dict
     if device == "cuda":
         from torch.export.passes import move_to_device_pass
         ep = move_to_device_pass(ep, "cuda")
+    inputs = program_inputs(ep, example)
+    run_args = placeholder_values(ep, example, device)
     try:
-        graph = graph_from_fx(ep.graph)
+        # Data-dependent shapes and scalars (x[mask], nonzero, x.item()) take the reference run's values.
+        real_values = RealValueRecorder(ep.graph_module).record(*run_args) if needs_real_values(ep.graph) else None
+        graph = graph_from_fx(ep.graph, real_values=real_values)
     except ValueError as e:
         raise TapmlError(f"the exported graph cannot be represented: {e}") from None
     t1 = time.perf_counter()
 
     writer = CarveStoreWriter(out, shard_bytes=shard_bytes)
-    inputs = program_inputs(ep, example)
     stored_inputs = {name: {"kind": kind, "tensor": writer.put(f"in.{name}", t)} for name, kind, t in inputs}
     if on_start:
         on_start(len(graph.nodes))
     interp = CarvingInterpreter(ep.graph_module, graph, writer, on_node=on_node)
     with torch.no_grad():
-        result = interp.run(*[t.to(device) for _, _, t in inputs], enable_io_processing=False)
-    leaves = [x for x in torch.utils._pytree.tree_leaves(result) if isinstance(x, torch.Tensor)]
+        result = interp.run(*run_args, enable_io_processing=False)
+    leaves = [x for spec, x in zip(ep.graph_signature.output_specs, result)
+              if spec.kind != OutputKind.TOKEN and isinstance(x, torch.Tensor)]
     model_outputs = {ref: writer.put(f"out.{i}", t) for i, (ref, t) in enumerate(zip(graph.outputs, leaves))}
     graph_json = graph.to_json()
     writer.close({

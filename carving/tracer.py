@@ -81,3 +81,33 @@ class CarvingInterpreter(torch.fx.Interpreter):
             if self.step not in case["steps"]:
                 case["steps"].append(self.step)
         node.case = case["id"]
+
+
+class RealValueRecorder(torch.fx.Interpreter):
+    """Runs an exported program on real inputs and keeps, for every node, what
+    :func:`tapml.graph.graph_from_fx` needs where export has only symbols: a tensor's
+    :class:`TensorMeta` (a list of them for a node returning several), a scalar's value.
+
+    Example: ``values = RealValueRecorder(ep.graph_module).record(*placeholder_values(ep, example))``.
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        super().__init__(gm, garbage_collect_values=True)
+        self.values: dict[str, object] = {}
+
+    def record(self, *args) -> dict[str, object]:
+        """Run the program on ``args`` (one value per placeholder); returns fx node name -> value."""
+        with torch.no_grad():
+            self.run(*args, enable_io_processing=False)
+        return self.values
+
+    def run_node(self, n: torch.fx.Node):
+        result = super().run_node(n)
+        if isinstance(result, torch.Tensor):
+            self.values[n.name] = TensorMeta.of(result)
+        elif isinstance(result, (list, tuple)) and result and all(isinstance(v, torch.Tensor) for v in result):
+            self.values[n.name] = [TensorMeta.of(v) for v in result]
+        elif isinstance(result, (bool, int, float)):
+            self.values[n.name] = result
+        return result
+

@@ -37,17 +37,35 @@ def split_inputs(example_inputs: tuple) -> tuple[tuple, dict]:
 
 
 def program_inputs(ep, example_inputs: tuple) -> list[tuple[str, str, torch.Tensor]]:
-    """``(placeholder, kind, tensor)`` for every input of the exported graph, in order.
+    """``(placeholder, kind, tensor)`` for every tensor input of the exported graph, in order.
 
-    ``kind`` is ``param``, ``buffer``, ``constant`` or ``input``.
+    ``kind`` is ``param``, ``buffer``, ``constant`` or ``input``. Non-tensor model inputs
+    (``return_dict=False``, an int) are constants of the graph and effect tokens no inputs at
+    all (see :func:`tapml.graph.graph_from_fx`), so neither is listed.
     """
-    from torch.export.graph_signature import InputKind
+    return [(name, kind, value) for name, kind, value in _placeholders(ep, example_inputs)
+            if kind not in ("literal", "token")]
+
+
+def placeholder_values(ep, example_inputs: tuple, device: str = "cpu") -> list:
+    """The value of every placeholder of ``ep.graph``, in order, to run its graph module: the
+    tensors of :func:`program_inputs` on ``device``, non-tensor inputs as the example gave them,
+    an empty tensor for each effect token."""
+    return [value.to(device) if isinstance(value, torch.Tensor) else value
+            for _, _, value in _placeholders(ep, example_inputs)]
+
+
+def _placeholders(ep, example_inputs: tuple) -> list[tuple[str, str, object]]:
+    from torch.export.graph_signature import InputKind, TensorArgument
     user = [x for x in torch.utils._pytree.tree_leaves(split_inputs(example_inputs)) if isinstance(x, torch.Tensor)]
+    vals = {n.name: n.meta.get("val") for n in ep.graph.nodes if n.op == "placeholder"}
     state = ep.state_dict
     out = []
     for spec in ep.graph_signature.input_specs:
         name = spec.arg.name
-        if spec.kind == InputKind.USER_INPUT:
+        if spec.kind == InputKind.USER_INPUT and not isinstance(spec.arg, TensorArgument):
+            out.append((name, "literal", getattr(spec.arg, "value", vals.get(name))))
+        elif spec.kind == InputKind.USER_INPUT:
             if not user:
                 raise TapmlError("the exported program takes more inputs than were given")
             out.append((name, "input", user.pop(0)))
@@ -56,6 +74,8 @@ def program_inputs(ep, example_inputs: tuple) -> list[tuple[str, str, torch.Tens
             out.append((name, "param" if spec.kind == InputKind.PARAMETER else "buffer", t))
         elif spec.kind == InputKind.CONSTANT_TENSOR:
             out.append((name, "constant", ep.constants[spec.target]))
+        elif spec.kind == InputKind.TOKEN:
+            out.append((name, "token", torch.empty(0)))
         else:
             raise TapmlError(f"unsupported exported input kind {spec.kind} ({name})")
     return out

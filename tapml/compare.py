@@ -3,6 +3,13 @@
 Shapes and dtypes first, then values. Integers and bools must be equal. Floats pass when
 ``|t - r| <= atol + rtol * |r|`` elementwise; NaN and ±Inf must match in position (and sign).
 Every result carries error statistics, whether it passed or not.
+
+int64 policy (one for inputs and outputs): WGSL targets hold int64 as i32, so an int64 value
+outside the i32 range makes a case ``unsupported`` with the reason :data:`INT64_OUTSIDE_I32`.
+An input is refused where it is uploaded (``platforms/wgsl/tensors.py``, using
+:func:`first_outside_i32`); an output is judged here: where every element that differs is one
+whose reference value lies outside the i32 range, the comparison is ``unsupported`` rather
+than a mismatch (a target with 64-bit integers that gets those values right still passes).
 """
 
 from __future__ import annotations
@@ -14,6 +21,11 @@ import torch
 
 from tapml.errors import TapmlError
 from tapml.graph import dtype_name
+
+#: The range of i32, WGSL's widest integer: int64 tensors live as i32 on WGSL targets.
+I32_RANGE = (-2**31, 2**31 - 1)
+#: Why an int64 value outside :data:`I32_RANGE` makes a case ``unsupported`` (inputs and outputs alike).
+INT64_OUTSIDE_I32 = "int64 values outside the i32 range: WGSL has no 64-bit integers"
 
 #: dtype -> (rtol, atol)
 DEFAULT_TOLERANCES = {
@@ -77,7 +89,9 @@ class Tolerances:
 
 @dataclass
 class Comparison:
-    """Outcome of comparing target outputs with the reference."""
+    """Outcome of comparing target outputs with the reference. ``unsupported`` (a reason) when
+    the outputs differ only where the target cannot hold the reference's values (see the
+    int64 policy above): the verdict is then ``unsupported``, not ``mismatch``."""
 
     passed: bool
     max_abs_err: float | None = None
@@ -85,11 +99,28 @@ class Comparison:
     mismatch_fraction: float | None = None
     message: str = ""
     worst: list[dict] = field(default_factory=list)
+    unsupported: str = ""
 
     def stats(self) -> dict:
         """The error statistics as verdict fields: ``max_abs_err``, ``max_rel_err``, ``mismatch_fraction``."""
         return {"max_abs_err": self.max_abs_err, "max_rel_err": self.max_rel_err,
                 "mismatch_fraction": self.mismatch_fraction}
+
+
+def outside_i32(t: torch.Tensor) -> torch.Tensor | None:
+    """Mask of the elements of an int64 tensor outside :data:`I32_RANGE`; None for other dtypes."""
+    if t.dtype != torch.int64:
+        return None
+    return (t < I32_RANGE[0]) | (t > I32_RANGE[1])
+
+
+def first_outside_i32(t: torch.Tensor) -> int | None:
+    """The first value of an int64 tensor outside :data:`I32_RANGE` (None when all fit or
+    ``t`` is not int64). Example: ``first_outside_i32(torch.tensor([1, 2**40]))`` -> ``2**40``."""
+    mask = outside_i32(t)
+    if mask is None or not bool(mask.any()):
+        return None
+    return int(t.reshape(-1)[mask.reshape(-1)][0])
 
 
 def _finite_or_none(x: float) -> float | None:
@@ -111,7 +142,19 @@ def compare_tensor(target: torch.Tensor, ref: torch.Tensor, rtol: float | None =
         bad = t != r
         diff = (t.double() - r.double()).abs()
         rel = diff / r.double().abs().clamp_min(1e-300)
-        return _result(bad, diff, rel, t, r, ref.shape, worst, "values differ (exact match required)")
+        wide = outside_i32(r)
+        if wide is None or not bool((bad & wide).any()):
+            return _result(bad, diff, rel, t, r, ref.shape, worst, "values differ (exact match required)")
+        n_wide = int((bad & wide).sum())
+        if bool((bad & ~wide).any()):
+            return _result(bad, diff, rel, t, r, ref.shape, worst, f"values differ (exact match required; "
+                           f"{n_wide} of them where the reference's int64 value lies outside the i32 range)")
+        result = _result(bad, diff, rel, t, r, ref.shape, worst, f"{INT64_OUTSIDE_I32} ({n_wide} elements)")
+        first = int(torch.nonzero(bad & wide)[0])
+        index = [int(x) for x in torch.unravel_index(torch.tensor(first), tuple(ref.shape))] if ref.shape else []
+        result.unsupported = (f"{INT64_OUTSIDE_I32}: the reference holds {int(r[first])} at {index} "
+                              f"({n_wide} such elements differ; i32 holds [{I32_RANGE[0]}, {I32_RANGE[1]}])")
+        return result
 
     dflt_rtol, dflt_atol = DEFAULT_TOLERANCES.get(dtype_name(ref.dtype), DEFAULT_TOLERANCES["float32"])
     rtol = dflt_rtol if rtol is None else rtol
@@ -181,10 +224,13 @@ def merge(results: list[Comparison]) -> Comparison:
         return max(vals)
 
     failed = [(i, c) for i, c in enumerate(results) if not c.passed]
+    # a real mismatch in any output outweighs outputs the target cannot hold
+    unsupported = "; ".join(f"output {i}: {c.unsupported}" for i, c in failed) \
+        if failed and all(c.unsupported for _, c in failed) else ""
     return Comparison(passed=not failed, max_abs_err=worst_of("max_abs_err"), max_rel_err=worst_of("max_rel_err"),
                       mismatch_fraction=worst_of("mismatch_fraction"),
                       message="; ".join(f"output {i}: {c.message}" for i, c in failed),
-                      worst=failed[0][1].worst if failed else [])
+                      worst=failed[0][1].worst if failed else [], unsupported=unsupported)
 
 
 def compare_anchored(targets: list[torch.Tensor], refs32: list[torch.Tensor], refs64: list[torch.Tensor],

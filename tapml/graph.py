@@ -455,12 +455,56 @@ def module_of(fx_node: torch.fx.Node) -> tuple[str, str]:
     return str(path), mtype
 
 
-def graph_from_fx(fx_graph: torch.fx.Graph, signature=None) -> Graph:
+_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+_CONSTANT_TYPES = (bool, int, float, str, type(None))
+
+
+def _is_data_dependent(val: Any) -> bool:
+    """True for an fx value torch.export could not make concrete: a symbolic scalar (``x.item()``,
+    ``sym_size`` of a data-dependent size) or a tensor with a symbolic size (``nonzero``, ``x[mask]``)."""
+    if isinstance(val, _SYMBOLIC):
+        return True
+    if isinstance(val, torch.Tensor):
+        return not all(type(s) is int for s in val.shape)
+    if isinstance(val, (list, tuple)):
+        return any(_is_data_dependent(v) for v in val)
+    return False
+
+
+def needs_real_values(fx_graph: torch.fx.Graph) -> bool:
+    """True when :func:`graph_from_fx` needs ``real_values`` for ``fx_graph``: some node's shape or
+    scalar value depends on the data (``nonzero``, ``masked_select``, ``x[mask]``, ``x.item()``)."""
+    return any(_is_data_dependent(n.meta.get("val")) for n in fx_graph.nodes)
+
+
+def _is_with_effects(n: torch.fx.Node) -> bool:
+    return n.op == "call_function" and getattr(n.target, "__name__", "") == "with_effects"
+
+
+def _is_token_placeholder(n: torch.fx.Node) -> bool:
+    """An effect token: a placeholder read only as the token (first argument) of ``with_effects``."""
+    return n.op == "placeholder" and bool(n.users) and all(
+        _is_with_effects(u) and u.args and u.args[0] is n and n not in u.args[1:] for u in n.users)
+
+
+def graph_from_fx(fx_graph: torch.fx.Graph, signature=None, real_values: dict[str, Any] | None = None) -> Graph:
     """Convert an exported (core ATen) fx graph. ``getitem`` nodes fold into ``name#i`` refs;
-    nodes that return no tensor (assertions) are dropped; ValueError for an op outside the
-    vocabulary of :mod:`tapml.ops`. With the ExportedProgram's ``graph_signature``, the
-    buffers the program mutates become the graph's ``state`` (buffer input -> output ref)."""
+    nodes that return no tensor (assertions) are dropped; ValueError naming the node for what
+    cannot be represented (an op outside the vocabulary of :mod:`tapml.ops`, a call with
+    side effects whose result is used). With the ExportedProgram's ``graph_signature``, the
+    buffers the program mutates become the graph's ``state`` (buffer input -> output ref).
+
+    Non-tensor values become constants of the graph: a non-tensor input (``return_dict=False``,
+    an int) takes its example value, a scalar node (``x.item()``, the size of ``x[mask]``) takes
+    its value in ``real_values`` and its consumers take that value as a constant argument.
+    ``real_values`` (fx node name -> the node's value in a reference run, tensors as
+    :class:`TensorMeta`; see :func:`needs_real_values`) also gives the real shapes where export
+    has only symbols (``nonzero``, ``masked_select``): the graph is then specialized to that run.
+    Effect tokens (``with_effects``) are dropped with the side-effect-only calls they order.
+    """
     refs: dict[torch.fx.Node, str] = {}
+    constants: dict[torch.fx.Node, Any] = {}
+    tokens: set[torch.fx.Node] = set()
     inputs, nodes, outputs = [], [], []
 
     def ref_of(n: torch.fx.Node) -> str:
@@ -468,28 +512,71 @@ def graph_from_fx(fx_graph: torch.fx.Graph, signature=None) -> Graph:
             raise ValueError(f"node {n.name} is used but returns no tensor")
         return refs[n]
 
+    def folded(a: Any) -> Any:
+        return torch.fx.node.map_arg(a, lambda x: constants[x] if x in constants else x)
+
+    def real(n: torch.fx.Node) -> Any:
+        if real_values is None or n.name not in real_values:
+            raise ValueError(f"node {n.name} ({op_name(n.target)}) has a data-dependent shape or value "
+                             f"({_short(n.meta.get('val'))}); it needs the values of a reference run")
+        return real_values[n.name]
+
     for n in fx_graph.nodes:
+        val = n.meta.get("val")
         if n.op == "placeholder":
-            refs[n] = n.name
-            inputs.append((n.name, TensorMeta.of(n.meta["val"])))
+            if _is_token_placeholder(n):
+                tokens.add(n)
+            elif isinstance(val, torch.Tensor):
+                refs[n] = n.name
+                inputs.append((n.name, real(n) if _is_data_dependent(val) else TensorMeta.of(val)))
+            elif isinstance(val, _CONSTANT_TYPES):
+                constants[n] = val
+            else:
+                raise ValueError(f"input {n.name} is a {type(val).__name__} ({_short(val)}); model inputs must be "
+                                 "tensors or bool, int, float, str or None constants")
         elif n.op == "call_function" and n.target is operator.getitem:
-            refs[n] = f"{refs[n.args[0]]}#{n.args[1]}"
+            source = n.args[0]
+            if source in tokens or (_is_with_effects(source) and n.args[1] == 0):
+                tokens.add(n)
+            elif source in constants:
+                constants[n] = constants[source][n.args[1]]
+            elif _is_with_effects(source):
+                raise ValueError(f"node {source.name} calls {op_name(source.args[1])} with side effects "
+                                 "(with_effects) and its result is used; tapml carves only functional ops")
+            else:
+                refs[n] = f"{ref_of(source)}#{n.args[1]}"
+        elif n.op == "call_function" and _is_with_effects(n):
+            continue  # its token and results are handled where getitem reads them
         elif n.op == "call_function":
-            metas = _tensor_metas(n.meta.get("val"))
+            if _is_data_dependent(val):
+                val = real(n)
+            if isinstance(val, TensorMeta):
+                metas = [val], False
+            elif isinstance(val, list) and val and all(isinstance(v, TensorMeta) for v in val):
+                metas = list(val), True
+            else:
+                metas = _tensor_metas(val)
             if metas is None:
-                if n.users:
-                    raise ValueError(f"node {n.name} ({op_name(n.target)}) returns a non-tensor value")
+                if isinstance(val, _CONSTANT_TYPES) and val is not None:
+                    constants[n] = val  # a scalar (x.item(), a size): its consumers take the reference's value
+                elif n.users:
+                    raise ValueError(f"node {n.name} ({op_name(n.target)}) returns a non-tensor value "
+                                     f"({type(val).__name__}) that tapml cannot represent")
                 continue
             outs, multi = metas
             refs[n] = n.name
             module, module_type = module_of(n)
-            check_op(op_name(n.target))
-            nodes.append(Node(name=n.name, op=op_name(n.target), args=encode_arg(list(n.args), ref_of),
-                              kwargs={k: encode_arg(v, ref_of) for k, v in n.kwargs.items()},
+            try:
+                check_op(op_name(n.target))
+                args = encode_arg(list(folded(n.args)), ref_of)
+                kwargs = {k: encode_arg(v, ref_of) for k, v in folded(dict(n.kwargs)).items()}
+            except ValueError as e:
+                raise ValueError(f"node {n.name}: {e}") from None
+            nodes.append(Node(name=n.name, op=op_name(n.target), args=args, kwargs=kwargs,
                               outputs=outs, multi=multi, module=module, module_type=module_type))
         elif n.op == "output":
             outputs = [ref_of(x) for x in torch.utils._pytree.tree_leaves(n.args[0])
-                       if isinstance(x, torch.fx.Node)]
+                       if isinstance(x, torch.fx.Node) and x not in tokens and x not in constants]
         else:
             raise ValueError(f"unexpected fx node {n.op} {n.name}")
     graph = Graph(inputs=inputs, nodes=nodes, outputs=outputs)

@@ -299,7 +299,9 @@ def culprit_kind(status: str, nodes: int, alone: bool) -> str:
 def outcome_verdict(outcome: "BaseException | Comparison", time_ms: float | None = None) -> Verdict:
     """The verdict on a run that raised ``outcome`` or whose outputs compared as ``outcome``.
 
-    A comparison passes or mismatches, with its stats and worst elements. :class:`Unsupported`
+    A comparison passes or mismatches, with its stats and worst elements; one whose only
+    differences are values the target cannot hold (``Comparison.unsupported``, the int64 policy
+    of :mod:`tapml.compare`) is ``unsupported`` with that reason. :class:`Unsupported`
     is ``unsupported``, any other exception ``error``; the message names the region the error
     came from (``e.region``, set by :class:`~tapml.hybrid.HybridRunner`) and, for an error that
     is not the platform's own, the exception type. :class:`DeviceLost` is re-raised: it is
@@ -321,9 +323,11 @@ def outcome_verdict(outcome: "BaseException | Comparison", time_ms: float | None
         text = str(outcome) if own else f"{type(outcome).__name__}: {outcome}"
         return Verdict(status="unsupported" if isinstance(outcome, Unsupported) else "error", message=where + text,
                        time_ms=time_ms)
-    return Verdict(status="pass" if outcome.passed else "mismatch", max_abs_err=outcome.max_abs_err,
-                   max_rel_err=outcome.max_rel_err, mismatch_fraction=outcome.mismatch_fraction,
-                   message=outcome.message, time_ms=time_ms, worst=list(outcome.worst))
+    unsupported = not outcome.passed and getattr(outcome, "unsupported", "")  # tapml.compare's int64 policy
+    return Verdict(status="unsupported" if unsupported else "pass" if outcome.passed else "mismatch",
+                   max_abs_err=outcome.max_abs_err, max_rel_err=outcome.max_rel_err,
+                   mismatch_fraction=outcome.mismatch_fraction, message=unsupported or outcome.message,
+                   time_ms=time_ms, worst=list(outcome.worst))
 
 
 def _status(v) -> str:

@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from tapml.compare import INT64_OUTSIDE_I32
 from tapml.errors import Unsupported
 from tapml.graph import TensorMeta
 from tapml.platforms.base import BufferSpec, Kernel
@@ -68,7 +69,7 @@ def lit(v, ty: str) -> str:
             raise Unsupported(f"value {v} is not an integer")
         v = int(v)
         if not -2**31 <= v < 2**31:
-            raise Unsupported(f"int64 value {v} does not fit in i32 (WGSL has no 64-bit integers)")
+            raise Unsupported(f"{INT64_OUTSIDE_I32}: int64 value {v} does not fit in i32")
         return f"i32({v})" if v != -2**31 else "i32(-2147483647 - 1)"
     if ty == "u32":
         return f"{int(v)}u"
@@ -168,6 +169,10 @@ class BufferView(Value):
             self.numel == self.buf.meta.numel
 
     def read(self, k, idx):
+        if self.numel == 0 or self.buf.size == 0:
+            # no element can be read, so the read sits in code that never runs (a loop over
+            # zero elements); binding it would bind an empty buffer, which WebGPU cannot create
+            return lit(0, self.ty)
         name = k.bind(self.buf)
         raw = f"{name}[{index_sum(idx, self.strides, self.offset)}]"
         return k.let(load(raw, self.buf.dtype, self.ty), self.ty, key=raw)

@@ -10,7 +10,7 @@ import torch
 from tapml.errors import Unsupported
 from tapml.platforms.wgsl import views
 from tapml.platforms.wgsl.codegen import Custom, cast
-from tapml.platforms.wgsl.registry import ALL, ALL_INT, rand, randint, register
+from tapml.platforms.wgsl.registry import ALL, ALL_INT, edge_floats, edge_ints, rand, randint, register
 
 
 def _index(k, v, idx, size, wrap=True):
@@ -35,24 +35,36 @@ def embedding(pb, node, weight, indices, padding_idx=-1, scale_grad_by_freq=Fals
 
 @register("aten.gather.default", ALL,
           samples=lambda: [((rand(3, 5), 1, randint(3, 4, hi=5)), {}), ((rand(4, 3), 0, randint(2, 3, hi=4)), {}),
-                           ((randint(2, 6), 1, randint(2, 6, hi=6)), {})])
+                           ((randint(2, 6), 1, randint(2, 6, hi=6)), {}),
+                           # 0-d tensors gather as 1-d ones (OpInfo's gather samples)
+                           ((torch.tensor(2.5), 0, torch.tensor([0])), {}), ((torch.tensor(7), 0, torch.tensor(0)), {}),
+                           ((rand(4), 0, torch.tensor(3)), {})])
 def gather(pb, node, x, dim, index, sparse_grad=False):
     meta = node.outputs[0]
     dim = views.norm_dim(dim, len(x.shape))
 
     def fn(k, idx):
-        i = _index(k, index, list(idx), x.shape[dim], wrap=False)
+        idx = list(idx) or ["0"]  # torch gathers 0-d tensors as 1-d ones of one element
+        i = _index(k, index, idx, x.shape[dim], wrap=False)
         src = list(idx)
         src[dim] = i
         return x.read(k, src)
     x, index = pb.fit([x, index], 1)
+    x, index = (v if v.shape else views.reshape(v, [1]) for v in (x, index))
     return [Custom(meta.shape, meta.dtype, [x, index], fn)]
 
 
 @register("aten.index_select.default", ALL,
-          samples=lambda: [((rand(5, 4), 0, randint(3, hi=5)), {}), ((rand(2, 6, 3), 1, randint(4, hi=6)), {})])
+          samples=lambda: [((rand(5, 4), 0, randint(3, hi=5)), {}), ((rand(2, 6, 3), 1, randint(4, hi=6)), {}),
+                           # a 0-d input and a 0-d index (OpInfo's index_select samples)
+                           ((torch.tensor(3.5), 0, torch.tensor([0])), {}), ((rand(5), 0, torch.tensor(2)), {}),
+                           ((edge_floats(5, 3), 0, randint(4, hi=5)), {}),
+                           ((edge_ints(6, 2, dtype=torch.int32), 0, randint(5, hi=6)), {}),
+                           ((edge_ints(6), 0, randint(5, hi=6)), {})])
 def index_select(pb, node, x, dim, index):
     meta = node.outputs[0]
+    if not x.shape:  # a 0-d tensor: torch lets the index be 0 (or -1) only, so the result is x
+        return [x]
     dim = views.norm_dim(dim, len(x.shape))
     index = views.reshape(index, [index.numel])
 

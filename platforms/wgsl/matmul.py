@@ -27,8 +27,8 @@ import os
 from pathlib import Path
 
 from tapml.platforms.wgsl import views
-from tapml.platforms.wgsl.codegen import BufferView, Value, cast, lit, store
-from tapml.platforms.wgsl.registry import ALL_FLOAT, rand, register
+from tapml.platforms.wgsl.codegen import BufferView, Compute, Value, cast, ctype, lit, store
+from tapml.platforms.wgsl.registry import ALL_FLOAT, edge_floats, rand, register
 
 #: (TM, TN, workgroup x, workgroup y, subgroup): rows and columns per thread, threads per
 #: workgroup, and 0 or the subgroup size S over which lanes share B's tile (subgroupBroadcast).
@@ -163,6 +163,8 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
     if bias is not None:
         bias = views.expand_to(bias, (Z, M, N))
         (bias,) = pb.fit([bias], 3)
+    if K == 0:  # an empty sum: torch gives beta * bias (zeros without one); the operands are empty buffers
+        return _empty_product(pb, out, meta, (Z, M, N), bias if beta != 0 else None, beta)
     k = pb.kernel(name)
     o = k.bind(out, "read_write")
     vec_a = _vec_ok(a, 2, K)
@@ -293,9 +295,25 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
     return result
 
 
+def _empty_product(pb, out, meta, shape, bias: Value | None, beta) -> BufferView:
+    """``out`` filled with ``beta * bias`` (or zeros): a matrix product over K = 0."""
+    if bias is None:
+        value = Compute(shape, meta.dtype, [], lambda k, e, idx: lit(0, ctype(meta.dtype)))
+    else:
+        def scaled(k, e, idx):
+            bv = cast(e[0], bias.ty, "f32")
+            return cast(bv if beta == 1 else f"({lit(beta, 'f32')} * {bv})", "f32", ctype(meta.dtype))
+        value = Compute(shape, meta.dtype, [bias], scaled)
+    pb.materialize(value, out)
+    return BufferView.whole(out, meta)
+
+
 def _mm_samples():
     return [((rand(5, 7), rand(7, 3)), {}), ((rand(16, 64), rand(64, 32)), {}), ((rand(9, 12), rand(20, 12).t()), {}),
-            ((rand(33, 8).t(), rand(33, 10)), {})]
+            ((rand(33, 8).t(), rand(33, 10)), {}),
+            # K = 0 (OpInfo's mm and linalg.multi_dot samples): zeros, no read of the empty operands
+            ((rand(5, 0), rand(0, 10)), {}), ((rand(0, 4), rand(4, 3)), {}),
+            ((edge_floats(4, 6), rand(6, 5)), {})]
 
 
 @register("aten.mm.default", ALL_FLOAT, samples=_mm_samples, flops="matmul")
@@ -305,14 +323,17 @@ def mm(pb, node, a, b):
 
 @register("aten.bmm.default", ALL_FLOAT,
           samples=lambda: [((rand(2, 5, 7), rand(2, 7, 3)), {}), ((rand(4, 16, 16), rand(4, 16, 16)), {}),
-                           ((rand(3, 8, 6), rand(3, 5, 6).transpose(1, 2)), {})], flops="matmul")
+                           ((rand(3, 8, 6), rand(3, 5, 6).transpose(1, 2)), {}), ((rand(2, 3, 0), rand(2, 0, 4)), {})],
+          flops="matmul")
 def bmm(pb, node, a, b):
     return [matmul(pb, "bmm", a, b, node.outputs[0])]
 
 
 @register("aten.addmm.default", ALL_FLOAT,
           samples=lambda: [((rand(3), rand(5, 7), rand(7, 3)), {}), ((rand(64), rand(16, 32), rand(64, 32).t()), {}),
-                           ((rand(5, 1), rand(5, 4), rand(4, 6)), {"beta": 0.5, "alpha": 2.0})], flops="addmm")
+                           ((rand(5, 1), rand(5, 4), rand(4, 6)), {"beta": 0.5, "alpha": 2.0}),
+                           ((rand(3), rand(2, 0), rand(0, 3)), {"beta": 0.5}),
+                           ((edge_floats(2, 3), rand(2, 0), rand(0, 3)), {"beta": 0})], flops="addmm")
 def addmm(pb, node, bias, a, b, beta=1, alpha=1):
     return [matmul(pb, "addmm", views.unsqueeze(a, 0), views.unsqueeze(b, 0), node.outputs[0],
                    bias=views.unsqueeze(views.expand_to(bias, node.outputs[0].shape), 0), alpha=alpha, beta=beta)]

@@ -10,10 +10,13 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
+import torch
+
 from tapml.errors import Unsupported
 from tapml.graph import TensorMeta
 from tapml.platforms.wgsl.codegen import BufferView, Value, cast, contiguous_strides, ctype, index_sum, lit, store
-from tapml.platforms.wgsl.registry import ALL, ALL_FLOAT, NUMERIC, rand, randbool, randint, register
+from tapml.platforms.wgsl.registry import (ALL, ALL_FLOAT, NUMERIC, edge_floats, edge_ints, rand, randbool, randint,
+                                           register)
 from tapml.platforms.wgsl.views import norm_dim
 
 
@@ -95,10 +98,13 @@ def _sum_like(kind):
     return lower
 
 
+# sums over no elements (OpInfo's linalg.vecdot samples of empty vectors): 0, and NaN for a mean
 register(["aten.sum.dim_IntList", "aten.sum.default"], ALL, samples=lambda: _red_samples(bools=True)() + [
-    ((rand(3, 4),), {})], flops="reduce")(_sum_like("sum"))
+    ((rand(3, 4),), {}), ((rand(0, 5), [0]), {}), ((rand(5, 0), [1]), {}), ((rand(0),), {}),
+    ((edge_floats(3, 4), [1]), {}), ((edge_ints(2, 5, dtype=torch.int32), [1]), {})], flops="reduce")(_sum_like("sum"))
 register(["aten.mean.dim", "aten.mean.default"], ALL_FLOAT,
-         samples=lambda: [((rand(3, 5), [1]), {}), ((rand(2, 3, 4, 4), [2, 3], True), {}), ((rand(4, 6),), {})], flops="reduce")(
+         samples=lambda: [((rand(3, 5), [1]), {}), ((rand(2, 3, 4, 4), [2, 3], True), {}), ((rand(4, 6),), {}),
+                          ((rand(0, 5), [0]), {}), ((edge_floats(3, 4), [1]), {})], flops="reduce")(
     _sum_like("mean"))
 
 
@@ -197,7 +203,11 @@ register(["aten.all.dim", "aten.all.dims", "aten.all.default"], ALL, samples=_an
 
 @register(["aten.var.correction", "aten.var_mean.correction"], ALL_FLOAT,
           samples=lambda: [((rand(3, 5), [1]), {}), ((rand(2, 3, 4), [0, 2]), {"correction": 0, "keepdim": True}),
-                           ((rand(4, 6),), {})], flops="reduce")
+                           ((rand(4, 6),), {}), ((rand(3, 5), [1]), {"correction": 1}),
+                           # OpInfo's var_mean/std_mean samples of empty tensors, and one element with
+                           # correction 1: NaN, as torch gives
+                           ((rand(0),), {}), ((rand(0, 5), [0]), {"correction": 1}), ((rand(0, 5),), {"correction": 0}),
+                           ((rand(1, 4), [0]), {"correction": 1}), ((edge_floats(2, 4), [1]), {})], flops="reduce")
 def var(pb, node, x, dim=None, *, correction=None, keepdim=False):
     dims = norm_dims(dim, len(x.shape))
     count = math.prod(x.shape[d] for d in dims)

@@ -187,6 +187,24 @@ def randbool(*shape) -> torch.Tensor:
     return torch.rand(*shape) > 0.5
 
 
+def edge_floats(*shape, dtype=torch.float32) -> torch.Tensor:
+    """:func:`rand` with the float edge values +0, -0, +inf, -inf and NaN in its first elements
+    (as many as fit), for samples of lowerings that claim float dtypes."""
+    t = rand(*shape).reshape(-1)
+    specials = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan])[:t.numel()]
+    t[:len(specials)] = specials
+    return t.reshape(shape).to(dtype)
+
+
+def edge_ints(*shape, dtype=torch.int64) -> torch.Tensor:
+    """:func:`randint` in [-5, 5) with the i32 boundaries (INT32_MIN, INT32_MAX, -1, 0, 1) in its
+    first elements, for samples of lowerings that claim integer dtypes."""
+    t = randint(*shape, lo=-5, hi=5, dtype=dtype).reshape(-1)
+    bounds = torch.tensor([-2**31, 2**31 - 1, -1, 0, 1], dtype=torch.int64)[:t.numel()]
+    t[:len(bounds)] = bounds.to(dtype)
+    return t.reshape(shape)
+
+
 def case_graph(op: str, args: Sequence[Any], kwargs: dict | None = None) -> tuple[Graph, list[torch.Tensor]]:
     """A one-node Graph calling ``op`` on sample arguments (tensors become graph inputs),
     with output metadata taken from running it in torch; returns the graph and its inputs."""
@@ -239,4 +257,4 @@ def sample_cases(op: str) -> list[tuple[Graph, list[torch.Tensor]]]:
 
 
 __all__ = ["Lowering", "REGISTRY", "FLOPS", "register", "node_flops", "supports_node", "dtype_reason", "case_graph", "rand", "randint",
-           "randbool", "sample_cases", "ALL", "ALL_FLOAT", "ALL_INT", "NUMERIC"]
+           "randbool", "edge_floats", "edge_ints", "sample_cases", "ALL", "ALL_FLOAT", "ALL_INT", "NUMERIC"]

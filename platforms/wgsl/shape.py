@@ -94,7 +94,9 @@ def to_copy(pb, node, x, dtype=None, **kwargs):
 
 def _cat_samples():
     return [(([_x(2, 3), _x(2, 5)], 1), {}), (([_x(2, 3), _x(4, 3), _x(1, 3)],), {}),
-            (([randint(3, 2), randint(3, 4)], -1), {}), (([_x(3, 2)] * 9, 0), {})]
+            (([randint(3, 2), randint(3, 4)], -1), {}), (([_x(3, 2)] * 9, 0), {}),
+            # parts with no elements (OpInfo's stack samples of (0, 1, 0) tensors)
+            (([_x(0, 1, 0), _x(0, 1, 0)], 1), {}), (([_x(0, 3), _x(2, 3)], 0), {})]
 
 
 @register("aten.cat.default", ALL, samples=_cat_samples)
@@ -107,7 +109,7 @@ def cat(pb, node, tensors, dim=0):
     start = 0
     for t in parts:  # one copy kernel per input keeps every kernel within the binding limit
         n = t.shape[dim]
-        if n:
+        if t.numel:  # a part with no elements copies nothing (and its kernel would bind an empty buffer)
             dst = views.slice_(whole, dim, start, start + n)
             k = pb.kernel("cat")
             o = k.bind(out, "read_write")

@@ -10,10 +10,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tapml.compare import I32_RANGE, INT64_OUTSIDE_I32, first_outside_i32
 from tapml.errors import PlatformError, Unsupported
 from tapml.graph import TensorMeta, torch_dtype
-
-_I32 = (-2**31, 2**31 - 1)
 
 
 def to_device(t: torch.Tensor, storage: str, name: str = "tensor") -> bytes:
@@ -28,12 +27,10 @@ def to_device(t: torch.Tensor, storage: str, name: str = "tensor") -> bytes:
     elif storage == "u32":
         arr = (t != 0).numpy().astype(np.uint32)
     elif storage == "i32":
-        if t.dtype in (torch.int64,) and t.numel():
-            lo, hi = int(t.min()), int(t.max())
-            if lo < _I32[0] or hi > _I32[1]:
-                bad = lo if lo < _I32[0] else hi
-                raise Unsupported(f"{name}: int64 value {bad} does not fit in i32 (WGSL has no 64-bit integers; "
-                                  f"values must lie in [{_I32[0]}, {_I32[1]}])")
+        bad = first_outside_i32(t)
+        if bad is not None:  # the int64 policy of tapml.compare: the same reason as for an output
+            raise Unsupported(f"{name}: {INT64_OUTSIDE_I32}: int64 value {bad} does not fit in i32 "
+                              f"(values must lie in [{I32_RANGE[0]}, {I32_RANGE[1]}])")
         arr = t.to(torch.int32).numpy()
     else:
         raise ValueError(f"unknown storage type {storage!r}")
