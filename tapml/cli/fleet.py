@@ -11,7 +11,7 @@ from tapml.cli.common import (EXIT_FINDING, EXIT_OK, JsonOpt, QuietOpt, TokenFil
                               command, console, fail, out, progress_bar, write_json)
 
 
-@app.command()
+@app.command(short_help="Run each model's cases on every device of a registry:// pool; a models x devices matrix.")
 @command
 def fleet(models: List[str] = typer.Argument(..., metavar="STORE_OR_MODEL...", help="Carve stores, or MODEL specs (zoo:NAME, hf:TYPE, "
                                                          "file.py:factory, file.pt2) carved first"),

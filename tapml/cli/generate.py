@@ -17,7 +17,7 @@ DEFAULT_TOKENS, DEFAULT_PROMPT_LEN = 8, 8
 
 
 
-@app.command(name="generate")
+@app.command(name="generate", short_help="Generate token by token on TARGET (prefill, then decode steps against the KV cache) and check every step.")
 @command
 def generate(model: str = typer.Argument(..., help="A generation store (`tapml carve MODEL --generate N`), or a "
                                                     "causal LM spec (zoo:tiny-llama, hf:gpt2, hf:qwen2...) to carve first"),

@@ -9,7 +9,7 @@ import typer
 from tapml.cli.common import EXIT_FINDING, EXIT_OK, JsonOpt, QuietOpt, app, command, console, fail, out, write_json
 
 
-@app.command(name="report")
+@app.command(name="report", short_help="Render verdicts, states, generations or fleets as HTML, Markdown or JUnit.")
 @command
 def report(states: List[str] = typer.Argument(..., help="Verdict JSON (`replay --json`) or migration state "
                                                          "(`migrate --state`) files; several give an op-coverage matrix"),

@@ -10,7 +10,7 @@ from tapml.cli.common import (EXIT_OK, InjectOpt, JsonOpt, QuietOpt, TokenFileOp
                               open_store, out, write_json)
 
 
-@app.command()
+@app.command(short_help="Write a folder that reproduces one case or region without tapml (WGSL, run.py, a WebGPU page).")
 @command
 def repro(store: str = typer.Argument(..., help="Carve store directory"),
           what: str = typer.Argument(..., metavar="CASE_OR_NODE",

@@ -11,7 +11,7 @@ from tapml.cli.common import (EXIT_FINDING, EXIT_OK, InjectOpt, JsonOpt, QuietOp
                               app, command, console, fail, open_store, out, progress_bar, write_json)
 
 
-@app.command()
+@app.command(short_help="Run MODEL on the reference and record every operator call as a test case (--generate N: a generation).")
 @command
 def carve(model: str = typer.Argument(..., help="zoo:NAME, hf:MODEL_TYPE, path/file.py:factory or file.pt2"),
           output: str = typer.Option(..., "-o", "--output", help="Store directory to write"),
@@ -190,7 +190,7 @@ def replay_matrix(store, targets: list[str], *, token, inject, json_out, quiet, 
                                        lambda doc: render_verdicts(doc, quiet=True)))
 
 
-@app.command()
+@app.command(short_help="Run every carved case on one or more targets and compare with the reference.")
 @command
 def replay(store: str = typer.Argument(..., help="Carve store directory"),
            target: List[str] = TargetsOpt, json_out: Optional[str] = JsonOpt, tol: Optional[List[str]] = TolOpt,
