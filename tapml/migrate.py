@@ -44,13 +44,12 @@ from tapml.graph import Graph
 from tapml.hybrid import REFERENCE, TARGET, HybridRunner, placement_shares
 from tapml.io import write_json_atomic, write_text_atomic
 from tapml.journal import START_OVER, Journal, journal_path, journal_text
-from tapml.regions import RegionChecker, bisect, common_module, module_regions, run_model_against_reference
+from tapml.regions import (CHECKED_STEP, RegionChecker, bisect, common_module, decode_step_inputs, module_regions,
+                           run_model_against_reference)
 from tapml.verdict import (STATE_FORMAT, CaseVerdict, Culprit, EndToEnd, MigrationState, UnitVerdict, culprit_kind)
 
 #: Bisect-and-recheck rounds per region before giving up on it.
 MAX_ROUNDS = 8
-#: The step a generation's graph is checked on: the prefill, and the first decode step.
-CHECKED_STEP = {"prefill": 0, "decode": 1}
 
 
 class GraphPass:
@@ -123,20 +122,14 @@ class Migration:
         if self.generation:
             decode = self.store.step_graph("decode")
             self.passes.append(GraphPass("decode", decode, RegionChecker(
-                self.store, self.platform, self.tolerances, graph=decode, inputs=self._decode_inputs)))
+                self.store, self.platform, self.tolerances, graph=decode,
+                inputs=lambda: decode_step_inputs(self.store, self.checker.ref))))
         self.placement = self.prefill.placement
         self.device: dict | None = None
 
     @property
     def end_to_end(self) -> EndToEnd | None:
         return self.prefill.end_to_end
-
-    def _decode_inputs(self) -> dict:
-        """The decode graph's inputs at the first decode step: its parameters, step 1's token
-        and position, and the reference's cache after the prefill."""
-        prefill = self.store.step_graph("prefill")
-        cache = {name: self.checker.ref[ref] for name, ref in prefill.state.items()}
-        return {**self.store.program_inputs("decode"), **self.store.step_inputs(1), **cache}
 
     # records -------------------------------------------------------------------------------
     def _memo(self, key: str, compute: Callable[[], object]):
@@ -342,10 +335,7 @@ class Migration:
         uid = gp.prefix + "model"
 
         def compute():
-            inputs = expected = None
-            if gp.kind == "decode":
-                inputs = {r: gp.checker.ref[r] for r, _ in gp.graph.inputs}
-                expected = {r: gp.checker.ref[r] for r in gp.graph.outputs}
+            inputs, expected = gp.checker.model_io() if gp.kind == "decode" else (None, None)
             verdict, result = run_model_against_reference(self.store, HybridRunner(gp.graph, self.platform),
                                                           gp.placement, self.tolerances, inputs=inputs,
                                                           expected=expected)

@@ -5,6 +5,7 @@ and model stages and by the session.
 - :class:`RegionChecker` runs a sub-region on a hybrid placement and judges it
   (:meth:`~RegionChecker.compare_region`);
 - :func:`run_model_against_reference` runs the whole model and compares end to end;
+- :func:`decode_step_inputs` are the inputs a generation's decode graph is checked on;
 - :func:`bisect` finds the smallest failing window of nodes;
 - :func:`module_regions` lists the regions of the module tree, children before parents;
 - :func:`common_module` is the deepest module holding a set of nodes.
@@ -23,6 +24,9 @@ from tapml.compare import Comparison, Tolerances, compare_outputs, compare_tenso
 from tapml.graph import Graph, dtype_name
 from tapml.hybrid import HybridResult, HybridRunner, reference_values
 from tapml.verdict import Verdict, outcome_verdict
+
+#: The step a generation's graph is checked on: the prefill, and the first decode step.
+CHECKED_STEP = {"prefill": 0, "decode": 1}
 
 
 class RegionChecker:
@@ -51,6 +55,12 @@ class RegionChecker:
         if self._ref is None:
             self._ref = reference_values(self.graph, self._inputs())
         return self._ref
+
+    def model_io(self) -> tuple[dict, dict]:
+        """The reference's values at the graph's inputs and at its outputs: what a whole run of a
+        graph other than the store's model (a generation's decode step) is fed and judged by
+        (``inputs`` and ``expected`` of :func:`run_model_against_reference`)."""
+        return {r: self.ref[r] for r, _ in self.graph.inputs}, {r: self.ref[r] for r in self.graph.outputs}
 
     def runner(self, names: list[str]) -> HybridRunner:
         """The (cached) runner of the region made of ``names``, in topological order."""
@@ -131,6 +141,17 @@ def run_model_against_reference(store, runner: HybridRunner, placement: dict[str
     return outcome_verdict(c, round(sum(r.run_ms for r in result.regions) + result.reference_ms, 4)), result
 
 
+def decode_step_inputs(store, prefill_ref: dict | None = None) -> dict:
+    """The inputs a generation's decode graph is checked on (by migrate and the session): its
+    parameters, the token and position of the first decode step, and the reference's cache after
+    the prefill. ``prefill_ref`` is the prefill graph's reference values (computed when not given)."""
+    prefill = store.step_graph("prefill")
+    if prefill_ref is None:
+        prefill_ref = reference_values(prefill, store.program_inputs("prefill"))
+    cache = {name: prefill_ref[ref] for name, ref in prefill.state.items()}
+    return {**store.program_inputs("decode"), **store.step_inputs(CHECKED_STEP["decode"]), **cache}
+
+
 def bisect(names: list[str], fails: Callable[[list[str]], bool]) -> list[str]:
     """The smallest failing window of ``names`` (a failing sequence in topological order).
 
@@ -201,4 +222,5 @@ def common_module(paths: list[str]) -> str:
     return ".".join(common)
 
 
-__all__ = ["RegionChecker", "run_model_against_reference", "bisect", "module_regions", "common_module"]
+__all__ = ["RegionChecker", "run_model_against_reference", "decode_step_inputs", "bisect", "module_regions",
+           "common_module", "CHECKED_STEP"]

@@ -12,6 +12,10 @@ Example::
             culprit = s.bisect()      # smallest failing sub-region
             s.fallback(*culprit["nodes"])
         s.save("gpt2-session.json")
+
+On a generation store (``tapml carve MODEL --generate N``) the session works on its prefill
+graph, or with ``graph="decode"`` on its decode graph, run on the first decode step's real
+inputs with the reference's cache after the prefill (as ``tapml migrate``'s decode pass).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from tapml.errors import TapmlError
 from tapml.hybrid import REFERENCE, TARGET, HybridRunner, placement_shares, segments
 from tapml.io import write_json_atomic
 from tapml.migrate import check_faults
-from tapml.regions import RegionChecker, common_module, run_model_against_reference
+from tapml.regions import CHECKED_STEP, RegionChecker, common_module, decode_step_inputs, run_model_against_reference
 from tapml.regions import bisect as smallest_failing_window
 from tapml.verdict import (CaseVerdict, Culprit, EndToEnd, MigrationState, RegionCheck, UnitVerdict, Verdict,
                            culprit_kind, outcome_verdict, summary)
@@ -36,15 +40,22 @@ class Session:
     Arguments: ``model`` a carve store directory or a MODEL spec (carved into ``STATE.store/``
     beside ``state``, or into a temporary directory); ``target`` a TARGET spec; ``state`` the
     file :meth:`save` writes; ``inject`` and ``tol`` as ``tapml migrate --inject/--tol``
-    (lists of strings); ``token`` for ``remote://`` targets. Everything starts on the reference.
+    (lists of strings); ``token`` for ``remote://`` targets; ``graph`` which graph of a
+    generation store to work on, ``"prefill"`` or ``"decode"`` (the first decode step, with the
+    reference's cache after the prefill). Everything starts on the reference.
     """
 
     def __init__(self, model: str, target: str = "reference", state: str | None = None,
                  inject: list[str] | None = None, tol=None, token: str | None = None, platform=None,
-                 hf_config: dict | None = None):
+                 hf_config: dict | None = None, graph: str = "prefill"):
         from tapml.compare import Tolerances
         from tapml.targets import check_target, open_target
         check_target(target)
+        if graph not in CHECKED_STEP:
+            raise TapmlError(f"graph must be prefill or decode, not {str(graph)[:40]!r}")
+        if graph == "decode" and not Path(str(model)).is_dir():
+            raise TapmlError(f"--graph decode needs a generation store, and {str(model)[:200]} is a MODEL spec: "
+                             "carve one with `tapml carve MODEL --generate N` and start the session on it")
         self.tolerances = tol if isinstance(tol, Tolerances) else Tolerances.parse(tol)
         self.inject = list(inject or [])
         self.target = target
@@ -52,15 +63,24 @@ class Session:
         self.store, self.store_path = open_or_carve(str(model), state, hf_config=hf_config)
         # A model carved without --state lives in a scratch folder, removed at close unless saved.
         self._scratch = self.store_path.parent if state is None and not Path(str(model)).is_dir() else None
-        self.graph = self.store.graph
-        #: A line to show the user when the session covers less than the store holds, else None.
+        if graph == "decode" and not self.store.is_generation:
+            raise TapmlError(f"--graph decode: {self.store_path} is not a generation store (it has one graph); "
+                             "carve one with `tapml carve MODEL --generate N`, or leave out --graph decode")
+        #: The generation graph the session works on ("prefill" or "decode"); None outside a generation.
+        self.graph_kind: str | None = graph if self.store.is_generation else None
+        self.graph = self.store.step_graph("decode") if graph == "decode" else self.store.graph
+        #: A line to show the user about what the session works on, else None.
         self.scope_note: str | None = None
-        if self.store.is_generation:
-            self.scope_note = ("this is a generation store: the session works on its prefill graph only; "
-                               "`tapml migrate` checks the decode graph too, `tapml generate` every step")
+        if self.graph_kind == "prefill":
+            self.scope_note = ("this is a generation store: the session works on its prefill graph; "
+                               "`--graph decode` works on its decode graph, `tapml generate` checks every step")
+        elif self.graph_kind == "decode":
+            self.scope_note = (f"the session works on the decode graph, at step {CHECKED_STEP['decode']} with the "
+                               "reference's cache after the prefill")
         check_faults(self.graph, self.inject)
         self.platform = platform if platform is not None else open_target(target, token=token, inject=self.inject)
-        self.checker = RegionChecker(self.store, self.platform, self.tolerances)
+        inputs = (lambda: decode_step_inputs(self.store)) if graph == "decode" else None
+        self.checker = RegionChecker(self.store, self.platform, self.tolerances, graph=self.graph, inputs=inputs)
         self.runner = HybridRunner(self.graph, self.platform)
         self.placement: dict[str, str] = {n.name: REFERENCE for n in self.graph.nodes}
         self.cases: list[CaseVerdict] = []
@@ -128,7 +148,8 @@ class Session:
 
     # runs and comparisons --------------------------------------------------------------------------------
     def status(self) -> dict:
-        """Placement shares, regions, per-module counts, the last check and the culprits found."""
+        """The graph worked on (``graph``: prefill/decode in a generation, else None), placement
+        shares, regions, per-module counts, the last check and the culprits found."""
         modules = {}
         for n in self.graph.nodes:
             top = n.module.split(".")[0] if n.module else "<root>"
@@ -136,7 +157,8 @@ class Session:
             row["nodes"] += 1
             row["on_target"] += self.placement[n.name] == TARGET
         regions = [s for s in segments(self.graph, self.placement) if s.where == TARGET]
-        return {"model": self.store.model, "target": self.target, "placement": placement_shares(self.graph, self.placement),
+        return {"model": self.store.model, "target": self.target, "graph": self.graph_kind,
+                "placement": placement_shares(self.graph, self.placement),
                 "regions": [{"first": s.names[0], "last": s.names[-1], "nodes": len(s.nodes)} for s in regions],
                 "modules": list(modules.values()),
                 "last_check": None if self.last_check is None else self.last_check.to_json(),
@@ -150,16 +172,18 @@ class Session:
         # The values crossing out of target regions anyway; keeping them adds no program output.
         keep = {r for s in segments(self.graph, self.placement) if s.where == TARGET
                 for r in self.graph.subgraph(s.names).outputs}
-        outcome, result = run_model_against_reference(self.store, self.runner, self.placement, self.tolerances, keep=keep)
+        inputs, expected = self.checker.model_io() if self.graph_kind == "decode" else (None, None)
+        outcome, result = run_model_against_reference(self.store, self.runner, self.placement, self.tolerances,
+                                                      keep=keep, inputs=inputs, expected=expected)
         checks = []
         for run in result.regions if result is not None else ():
             rc, worst = self.checker.compare(result.values, run.outputs)
             checks.append(RegionCheck(first=run.nodes[0], last=run.nodes[-1], nodes=len(run.nodes),
                                       **{**outcome_verdict(rc).outcome(), "worst_output": worst}))
-        verdict = UnitVerdict(id=f"check:{len(self.units)}", kind="model", role="session", module="",
+        verdict = UnitVerdict(id=f"{self._prefix}check:{len(self.units)}", kind="model", role="session", module="",
                               nodes=list(self._nodes), on_target=sum(v == TARGET for v in self.placement.values()),
                               regions=None if result is None else len(result.regions), region_checks=checks,
-                              **outcome.outcome())
+                              graph=self.graph_kind, **outcome.outcome())
         self.units.append(verdict)
         self.last_check = verdict
         return verdict.to_json()
@@ -204,7 +228,8 @@ class Session:
         culprit = Culprit.of(culprit_kind(evidence.status, len(window), alone=False), evidence, op=surface.op,
                              ops=sorted({self._nodes[n].op for n in window}),
                              node=window[0] if len(window) == 1 else f"{window[0]}..{window[-1]}", nodes=window,
-                             module=common_module([self._nodes[n].module for n in window]), probes=len(probes))
+                             module=common_module([self._nodes[n].module for n in window]), probes=len(probes),
+                             **self._where())
         self.culprits.append(culprit)
         return culprit.to_json()
 
@@ -214,7 +239,7 @@ class Session:
         if node not in self._nodes:
             raise TapmlError(f"no node named {node!r}; TAB completes node names")
         n = self._nodes[node]
-        result = self.runner.run(self.store.program_inputs(), self.placement, keep=n.output_refs)
+        result = self.runner.run(self._inputs(), self.placement, keep=n.output_refs)
         outputs = []
         for ref, meta in zip(n.output_refs, n.outputs):
             c = self.checker.compare_ref(result.values[ref], ref, worst=worst)
@@ -224,7 +249,7 @@ class Session:
 
     def profile(self, repeat: int = 3) -> dict:
         """Time per target region (best of ``repeat`` runs after a warm-up that compiles)."""
-        inputs = self.store.program_inputs()
+        inputs = self._inputs()
         self.runner.run(inputs, self.placement)
         best: list | None = None
         ref_ms = None
@@ -252,7 +277,8 @@ class Session:
                               units=self.units,
                               placement={"nodes": dict(self.placement), **placement_shares(self.graph, self.placement)},
                               culprits=self.culprits,
-                              end_to_end=None if e is None else EndToEnd(regions=e.regions, **e.outcome())).to_json()
+                              end_to_end=None if e is None else EndToEnd(regions=e.regions, **e.outcome()),
+                              graph=self.graph_kind).to_json()
 
     def save(self, path: str | None = None) -> Path:
         """Write :meth:`state` atomically to ``path`` (default: the session's ``state`` file)."""
@@ -264,6 +290,21 @@ class Session:
         write_json_atomic(target, self.state())
         self._scratch = None  # the saved state points at the store: keep it
         return target
+
+
+    # the graph ----------------------------------------------------------------------------
+    @property
+    def _prefix(self) -> str:
+        """Unit ids of the decode graph start ``decode:``, as migrate's decode pass."""
+        return "decode:" if self.graph_kind == "decode" else ""
+
+    def _where(self) -> dict:
+        """A culprit's ``graph`` and ``step`` in a generation (none outside one)."""
+        return {} if self.graph_kind is None else {"graph": self.graph_kind, "step": CHECKED_STEP[self.graph_kind]}
+
+    def _inputs(self) -> dict:
+        """The real inputs of the session's graph: the store's program inputs, or the decode step's."""
+        return self.checker.model_io()[0] if self.graph_kind == "decode" else self.store.program_inputs()
 
 
 def _ancestors(path: str) -> list[str]:

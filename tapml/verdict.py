@@ -404,7 +404,8 @@ class VerdictDocument:
                               stage=o.choice("stage", STAGES, None, required=strict),
                               units=o.objects("units", UnitVerdict, "a unit verdict", required=strict),
                               placement=_placement(o), culprits=o.objects("culprits", Culprit, "a culprit"),
-                              end_to_end=o.object("end_to_end", EndToEnd, "an end-to-end verdict"))
+                              end_to_end=o.object("end_to_end", EndToEnd, "an end-to-end verdict"),
+                              graph=o.choice("graph", GRAPH_KINDS, None))
 
     @classmethod
     def read(cls, path: str | Path, *, what: str = "", strict: bool = False, hint: str = "",
@@ -418,6 +419,8 @@ class VerdictDocument:
 class MigrationState(VerdictDocument):
     """A migration state (``tapml migrate --state``, ``Session.save``): the Verdict JSON plus the
     options it ran with, its stage, units, placement, culprits and end-to-end result.
+    ``graph`` (one of :data:`GRAPH_KINDS`; None outside a generation) is the graph of a
+    generation a session worked on, which its placement and end-to-end result are about.
     ``complete``, ``summary`` and ``passed`` are derived, never read."""
 
     inject: list[str] = field(default_factory=list)
@@ -428,6 +431,7 @@ class MigrationState(VerdictDocument):
     placement: dict = field(default_factory=dict)
     culprits: list[Culprit] = field(default_factory=list)
     end_to_end: EndToEnd | None = None
+    graph: str | None = None
 
     @property
     def complete(self) -> bool:
@@ -449,7 +453,8 @@ class MigrationState(VerdictDocument):
                 "store": self.store, "device": self.device, "stage": self.stage, "complete": self.complete,
                 "summary": self.summary, "units": [u.to_json() for u in self.units], "placement": self.placement,
                 "culprits": [c.to_json() for c in self.culprits],
-                "end_to_end": None if self.end_to_end is None else self.end_to_end.to_json(), "passed": self.passed}
+                "end_to_end": None if self.end_to_end is None else self.end_to_end.to_json(), "passed": self.passed,
+                **({} if self.graph is None else {"graph": self.graph})}
 
 
 # --- the generation document ---------------------------------------------------------------

@@ -26,13 +26,16 @@ def session(model: str = ModelArg, target: str = TargetOpt,
             state: Optional[str] = typer.Option(None, "--state", help="State file that `save` writes (and next to "
                                                                       "which a MODEL spec is carved)"),
             inject: Optional[List[str]] = InjectOpt, tol: Optional[List[str]] = TolOpt,
-            token_file: Optional[str] = TokenFileOpt, hf_config: Optional[List[str]] = HfConfigOpt):
+            token_file: Optional[str] = TokenFileOpt, hf_config: Optional[List[str]] = HfConfigOpt,
+            graph: str = typer.Option("prefill", "--graph", help="The graph of a generation store to work on: "
+                                      "prefill, or decode (its first decode step, with the reference's cache "
+                                      "after the prefill)")):
     """Interactive offloading: place nodes, modules or ops on TARGET and check them step by step."""
     from tapml.models import parse_hf_overrides
     from tapml.session import Session
     from tapml.targets import read_token
     with Session(model, target=target, state=state, inject=inject, tol=tol, token=read_token(token_file),
-                 hf_config=parse_hf_overrides(hf_config)) as s:
+                 hf_config=parse_hf_overrides(hf_config), graph=graph) as s:
         shell = SessionShell(s)
         shell.cmdloop()
     if shell.errors and not shell.interactive:
@@ -70,7 +73,8 @@ class SessionShell(cmd.Cmd):
                 except OSError:
                     pass
             self.console.print(self.intro_text)
-        self.console.print(f"{self.s.store.model}: {len(self.s.graph.nodes)} nodes, target {self.s.target}; "
+        graph = f" ({self.s.graph_kind} graph)" if self.s.graph_kind else ""
+        self.console.print(f"{self.s.store.model}{graph}: {len(self.s.graph.nodes)} nodes, target {self.s.target}; "
                            "everything starts on the reference")
         if self.s.scope_note:
             self.console.print(self.s.scope_note, highlight=False)
