@@ -501,23 +501,29 @@ def is_matrix_document(data) -> bool:
     return isinstance(data, dict) and "verdicts" in data and "cases" not in data
 
 
+def _check_format_version(data: dict, bad) -> None:
+    """Call ``bad(problem)`` unless ``data``'s ``format_version`` (0 when absent) is one this tapml reads."""
+    from tapml.verdict import FORMAT_VERSION
+    version = data.get("format_version", 0)
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        bad("format_version is not a non-negative integer")
+    if version > FORMAT_VERSION:
+        bad(f"format_version {version} is newer than this tapml reads ({FORMAT_VERSION}); upgrade tapml")
+
+
 def parse_matrix_document(data, path: str = "<document>") -> list[StateReport]:
     """The per-target states of a multi-target document, in its ``targets`` order; each is
     validated as a Verdict JSON or migration state. The stored ``matrix`` is derived data: it
     must be an object, and is recomputed from the verdicts, never trusted. TapmlError naming
     the field when the document is malformed."""
-    from tapml.verdict import FORMAT_VERSION, check_depth
+    from tapml.verdict import check_depth
     hint = "expected the --json of `tapml replay` or `tapml migrate` with several --target"
     check_depth(data, path, hint)
 
     def bad(problem: str):
         raise TapmlError(f"{path} is not a multi-target document: {problem}; {hint}")
 
-    version = data.get("format_version", 0)
-    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-        bad("format_version is not a non-negative integer")
-    if version > FORMAT_VERSION:
-        bad(f"format_version {version} is newer than this tapml reads ({FORMAT_VERSION}); upgrade tapml")
+    _check_format_version(data, bad)
     targets, verdicts = data.get("targets"), data["verdicts"]
     if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
         bad("targets is not a non-empty list of strings")
@@ -595,17 +601,13 @@ def parse_fleet_document(data, path: str = "<fleet>") -> list[StateReport]:
     """The per-device states of a fleet document (:func:`fleet_states`), in its ``devices``
     order; every verdict is validated, the stored ``matrix`` is recomputed, never trusted.
     TapmlError naming the field when the document is malformed."""
-    from tapml.verdict import FORMAT_VERSION, check_depth
+    from tapml.verdict import check_depth
     check_depth(data, path, FLEET_HINT)
 
     def bad(problem: str):
         raise TapmlError(f"{path} is not a fleet document: {problem}; {FLEET_HINT}")
 
-    version = data.get("format_version", 0)
-    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-        bad("format_version is not a non-negative integer")
-    if version > FORMAT_VERSION:
-        bad(f"format_version {version} is newer than this tapml reads ({FORMAT_VERSION}); upgrade tapml")
+    _check_format_version(data, bad)
     models, devices, runs = data.get("models"), data.get("devices"), data.get("runs")
     if not isinstance(models, list) or not models or not all(isinstance(m, str) and m for m in models):
         bad("models is not a non-empty list of strings")
