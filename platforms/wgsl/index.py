@@ -13,7 +13,8 @@ from tapml.platforms.wgsl.codegen import Custom, cast
 from tapml.platforms.wgsl.registry import ALL, ALL_INT, edge_floats, edge_ints, rand, randint, register
 
 
-def _index(k, v, idx, size, wrap=True):
+def wrapped_index(k, v, idx, size, wrap=True):
+    """The i32 index read from ``v`` at ``idx``: negative ones wrapped by ``size``, then clamped into range."""
     i = cast(v.read(k, idx), v.ty, "i32")
     if wrap:
         i = k.let(f"select({i}, {i} + {size}, {i} < 0)", "i32")
@@ -27,7 +28,7 @@ def embedding(pb, node, weight, indices, padding_idx=-1, scale_grad_by_freq=Fals
     V = weight.shape[0]
 
     def fn(k, idx):
-        i = _index(k, indices, list(idx[:-1]), V, wrap=False)
+        i = wrapped_index(k, indices, list(idx[:-1]), V, wrap=False)
         return weight.read(k, [i, idx[-1]])
     weight, indices = pb.fit([weight, indices], 1)
     return [Custom(meta.shape, meta.dtype, [weight, indices], fn)]
@@ -45,7 +46,7 @@ def gather(pb, node, x, dim, index, sparse_grad=False):
 
     def fn(k, idx):
         idx = list(idx) or ["0"]  # torch gathers 0-d tensors as 1-d ones of one element
-        i = _index(k, index, idx, x.shape[dim], wrap=False)
+        i = wrapped_index(k, index, idx, x.shape[dim], wrap=False)
         src = list(idx)
         src[dim] = i
         return x.read(k, src)
@@ -70,10 +71,28 @@ def index_select(pb, node, x, dim, index):
 
     def fn(k, idx):
         src = list(idx)
-        src[dim] = _index(k, index, [idx[dim]], x.shape[dim])
+        src[dim] = wrapped_index(k, index, [idx[dim]], x.shape[dim])
         return x.read(k, src)
     x, index = pb.fit([x, index], 1)
     return [Custom(meta.shape, meta.dtype, [x, index], fn)]
+
+
+def advanced_layout(shape, indices, op: str):
+    """Where ``x[indices]``'s index dims go (torch's advanced indexing): ``(indices`` padded with
+    None to ``len(shape)``, the positions that hold an index tensor, their broadcast shape, whether
+    they are adjacent, the first result dim they fill, the dims left as they are)``. Unsupported
+    for boolean masks: their result shape depends on the data."""
+    nd = len(shape)
+    indices = list(indices) + [None] * (nd - len(indices))
+    pos = [d for d, i in enumerate(indices) if i is not None]
+    if not pos:
+        raise Unsupported(f"{op} without any index tensor")
+    for d in pos:
+        if indices[d].dtype not in ALL_INT:
+            raise Unsupported(f"{op} with boolean masks has a data-dependent shape")
+    bshape = tuple(torch.broadcast_shapes(*[tuple(indices[d].shape) for d in pos]))
+    adjacent = pos == list(range(pos[0], pos[-1] + 1))
+    return indices, pos, bshape, adjacent, pos[0] if adjacent else 0, [d for d in range(nd) if d not in pos]
 
 
 def _index_samples():
@@ -87,15 +106,7 @@ def _index_samples():
 def index_tensor(pb, node, x, indices):
     meta = node.outputs[0]
     nd = len(x.shape)
-    indices = list(indices) + [None] * (nd - len(indices))
-    pos = [d for d, i in enumerate(indices) if i is not None]
-    for d in pos:
-        if indices[d].dtype not in ALL_INT:
-            raise Unsupported("index.Tensor with boolean masks has a data-dependent shape")
-    bshape = tuple(torch.broadcast_shapes(*[tuple(indices[d].shape) for d in pos]))
-    adjacent = pos == list(range(pos[0], pos[-1] + 1))
-    start = pos[0] if adjacent else 0
-    rest = [d for d in range(nd) if d not in pos]
+    indices, pos, bshape, adjacent, start, rest = advanced_layout(x.shape, indices, "index.Tensor")
     idx_vals = pb.fit([x] + [views.expand_to(indices[d], bshape) for d in pos], 1)
     x, ivals = idx_vals[0], idx_vals[1:]
     nb = len(bshape)
@@ -105,7 +116,7 @@ def index_tensor(pb, node, x, indices):
         other = list(idx[:start]) + list(idx[start + nb:])
         src = [None] * nd
         for d, v in zip(pos, ivals):
-            src[d] = _index(k, v, bidx, x.shape[d])
+            src[d] = wrapped_index(k, v, bidx, x.shape[d])
         for d, i in zip(rest, other):
             src[d] = i
         return x.read(k, src)

@@ -12,32 +12,15 @@ import math
 
 import torch
 
-from tapml.errors import Unsupported
 from tapml.platforms.wgsl import views
 from tapml.platforms.wgsl.codegen import Custom, cast
-from tapml.platforms.wgsl.registry import ALL, ALL_INT, rand, randint, register
-
-
-def _wrapped(k, v, idx, size):
-    i = cast(v.read(k, idx), v.ty, "i32")
-    i = k.let(f"select({i}, {i} + {size}, {i} < 0)", "i32")
-    return k.let(f"clamp({i}, 0, {size - 1})", "i32")
+from tapml.platforms.wgsl.index import advanced_layout, wrapped_index
+from tapml.platforms.wgsl.registry import ALL, rand, randint, register
 
 
 def _scatter(pb, meta, x, indices: list, values, accumulate: bool):
     """``x`` with ``values`` put at ``indices`` (one int tensor or None per leading dim of x)."""
-    nd = len(x.shape)
-    indices = list(indices) + [None] * (nd - len(indices))
-    pos = [d for d, i in enumerate(indices) if i is not None]
-    if not pos:
-        raise Unsupported("index_put without any index tensor")
-    for d in pos:
-        if indices[d].dtype not in ALL_INT:
-            raise Unsupported("index_put with boolean masks has data-dependent positions")
-    bshape = tuple(torch.broadcast_shapes(*[tuple(indices[d].shape) for d in pos]))
-    adjacent = pos == list(range(pos[0], pos[-1] + 1))
-    start = pos[0] if adjacent else 0
-    rest = [d for d in range(nd) if d not in pos]
+    indices, pos, bshape, adjacent, start, rest = advanced_layout(x.shape, indices, "index_put")
     # the shape of x[indices]: what values broadcast to
     if adjacent:
         indexed = list(x.shape[:start]) + list(bshape) + list(x.shape[pos[-1] + 1:])
@@ -55,7 +38,7 @@ def _scatter(pb, meta, x, indices: list, values, accumulate: bool):
             return acc
         k.loop("b", count)
         bidx = k.unravel("b", bshape) if nb else []
-        hits = [f"({_wrapped(k, v, bidx, x.shape[d])} == {idx[d]})" for d, v in zip(pos, ivals)]
+        hits = [f"({wrapped_index(k, v, bidx, x.shape[d])} == {idx[d]})" for d, v in zip(pos, ivals)]
         other = [idx[d] for d in rest]
         vidx = (list(other[:start]) + bidx + list(other[start:])) if adjacent else bidx + other
         k.open(f"if ({' && '.join(hits)})")
