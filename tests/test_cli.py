@@ -157,3 +157,25 @@ def test_interrupted_carve_leaves_no_half_store(tmp_path, monkeypatch):
     r = tapml("carve", "zoo:mlp", "-o", tmp_path / "out")
     assert r.exit_code == 130, r.output
     assert len(calls) == 5 and not (tmp_path / "out").exists()
+
+
+def test_ctrl_c_that_native_code_turns_into_another_error_still_exits_130(tmp_path):
+    """Native code (safetensors, wgpu) may turn a Ctrl-C into an error of its own; after a SIGINT
+    that error is the interrupt, not an internal error (exit 3) or bad input (exit 2)."""
+    import subprocess
+    import sys
+    model = tmp_path / "m.py"
+    model.write_text(
+        "import os, signal, torch\n"
+        "def factory():\n"
+        "    try:\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "        import time; time.sleep(5)\n"
+        "    except KeyboardInterrupt:\n"
+        "        raise ValueError('could not determine the shape of object type UntypedStorage')\n"
+        "    return torch.nn.Linear(2, 2), (torch.ones(1, 2),)\n")
+    r = subprocess.run([sys.executable, "-m", "tapml.cli", "carve", f"{model}:factory", "-o", str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 130, r.stderr
+    assert "internal error" not in r.stderr and "interrupted" in r.stderr
+    assert not (tmp_path / "out").exists()

@@ -56,13 +56,15 @@ def command(fn):
         from tapml.errors import TapmlError
         warnings.filterwarnings("ignore")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        interrupted, restore = _watch_interrupts()
         try:
             return fn(*args, **kwargs)
         except TapmlError as e:
+            if interrupted():
+                _interrupted()
             fail(str(e))
         except KeyboardInterrupt:
-            console.print("[yellow]interrupted[/]")
-            raise typer.Exit(130)
+            _interrupted()
         except (typer.Exit, click.exceptions.Exit, click.exceptions.Abort, click.exceptions.ClickException):
             raise
         except BrokenPipeError:  # `tapml inspect S | head`: the reader left; not a bug of ours
@@ -70,6 +72,8 @@ def command(fn):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             raise typer.Exit(141)  # 128 + SIGPIPE, as a shell reports it
         except Exception as e:  # noqa: BLE001 - the one place that turns a bug into exit 3
+            if interrupted():  # native code (safetensors, wgpu) turns a Ctrl-C into its own error
+                _interrupted()
             from rich.markup import escape
             lines = str(e).strip().splitlines()
             summary = type(e).__name__ + (f": {lines[0][:300]}" if lines else "")
@@ -78,7 +82,32 @@ def command(fn):
             console.print(f"[bold red]internal error:[/] {escape(summary)} — {escape(where)}",
                           highlight=False, soft_wrap=True)
             raise typer.Exit(EXIT_INTERNAL)
+        finally:
+            restore()
     return wrapper
+
+
+def _watch_interrupts():
+    """Note every SIGINT (then raise KeyboardInterrupt as Python does). Returns ``(interrupted,
+    restore)``: whether one came, and a function that puts the previous handler back. Outside the
+    main thread, or when someone else handles SIGINT, nothing is installed."""
+    import signal
+    import threading
+    seen = []
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous is not signal.default_int_handler:
+        return (lambda: bool(seen)), (lambda: None)
+
+    def on_sigint(signum, frame):
+        seen.append(signum)
+        signal.default_int_handler(signum, frame)
+    signal.signal(signal.SIGINT, on_sigint)
+    return (lambda: bool(seen)), (lambda: signal.signal(signal.SIGINT, previous))
+
+
+def _interrupted():
+    console.print("[yellow]interrupted[/]")
+    raise typer.Exit(130)
 
 
 def write_crash_report(error: BaseException) -> Optional[str]:
