@@ -34,6 +34,15 @@ def mlp(carved):
     return CarveStore(carved("zoo:mlp"))
 
 
+@pytest.fixture(scope="session")
+def gen_store(tmp_path_factory):
+    """A zoo:tiny-llama generation store (prompt 5, 2 decode steps), carved once per test process."""
+    from tapml.carving.generation import carve_generation
+    path = tmp_path_factory.mktemp("gen") / "store"
+    carve_generation("zoo:tiny-llama", path, tokens=2, prompt_len=5)
+    return path
+
+
 @pytest.fixture
 def figure(record_property):
     """``figure("fuzz inputs tried", 400)``: a number printed in the run's summary (works under xdist)."""

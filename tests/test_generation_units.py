@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -16,14 +15,6 @@ from tapml.journal import journal_path
 
 FAULT = "aten.rsqrt.default=scale:1.01"
 TAPML = [sys.executable, "-m", "tapml.cli"]
-
-
-@pytest.fixture(scope="module")
-def gen_store(tmp_path_factory):
-    from tapml.carving.generation import carve_generation
-    path = tmp_path_factory.mktemp("gen") / "store"
-    carve_generation("zoo:tiny-llama", path, tokens=2, prompt_len=5)
-    return path
 
 
 def tapml(*args, **kwargs) -> subprocess.CompletedProcess:

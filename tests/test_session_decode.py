@@ -14,14 +14,6 @@ TAPML = [sys.executable, "-m", "tapml.cli"]
 FAULT = "aten.rsqrt.default=scale:1.01"
 
 
-@pytest.fixture(scope="module")
-def gen_store(tmp_path_factory):
-    from tapml.carving.generation import carve_generation
-    path = tmp_path_factory.mktemp("gen") / "store"
-    carve_generation("zoo:tiny-llama", path, tokens=2, prompt_len=5)
-    return path
-
-
 def run_tapml(*args, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([*TAPML, *map(str, args)], capture_output=True, text=True, timeout=300, **kwargs)
 
