@@ -31,6 +31,7 @@ from tapml.platforms.base import KernelProgram, ResidentTensor
 from tapml.platforms.chromium import INSTALL_HINT, ChromiumProcess, find_chromium
 from tapml.platforms.page_bridge import KIND_CONST, KIND_INPUT, PageBridge, encode_frame
 from tapml.platforms.program_cache import ProgramCache
+from tapml.platforms.wgsl.registry import low_precision_paths
 from tapml.platforms.wgsl_platform import WgslPlatform
 
 
@@ -161,12 +162,10 @@ class BrowserPlatform(WgslPlatform):
         if info.get("description"):
             adapter += f" ({info['description']})"
         features = list(hello.get("features") or [])
-        dtypes = ["float32", "int32", "int64", "int16", "int8", "uint8", "bool"]
-        if "shader-f16" in features:
-            dtypes.insert(1, "float16")
+        dtypes = ["float32", "float16", "bfloat16", "int32", "int64", "int16", "int8", "uint8", "bool"]
         return {"adapter": adapter, "backend": "browser-webgpu", "browser": hello.get("userAgent", ""),
                 "adapter_info": info, "features": features, "limits": dict(hello.get("limits") or {}),
-                "dtypes": dtypes, "url": self.url}
+                "dtypes": dtypes, "low_precision": low_precision_paths(features), "url": self.url}
 
     def enable_guards(self) -> bool:
         """Guard every buffer a kernel writes, as :meth:`WgpuPlatform.enable_guards` does, in the

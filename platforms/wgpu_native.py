@@ -21,6 +21,7 @@ from tapml.errors import PlatformError, TapmlError, Unsupported
 from tapml.graph import torch_dtype
 from tapml.platforms.base import KernelProgram
 from tapml.platforms.program_cache import ProgramCache
+from tapml.platforms.wgsl.registry import low_precision_paths
 from tapml.platforms.wgsl_platform import WgslPlatform
 
 if not os.environ.get("XDG_RUNTIME_DIR"):
@@ -102,11 +103,12 @@ class WgpuPlatform(WgslPlatform):
             info = self.adapter.info
             lim = self.device.limits
             features = sorted(str(f) for f in self.device.features)
-            dtypes = ["float32", "int64", "int32", "bool"] + (["float16"] if "shader-f16" in features else [])
             self._caps_cache = {
                 "adapter": f"{info.get('device')} ({info.get('description')})".strip(),
                 "backend": self.backend, "features": features,
-                "limits": {k: int(lim[k]) for k in _LIMITS if k in lim}, "dtypes": dtypes}
+                "limits": {k: int(lim[k]) for k in _LIMITS if k in lim},
+                "dtypes": ["float32", "float16", "bfloat16", "int64", "int32", "bool"],
+                "low_precision": low_precision_paths(features)}
         return self._caps_cache
 
     # --- runtime hooks -------------------------------------------------------------------

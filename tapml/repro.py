@@ -39,8 +39,11 @@ from tapml.verdict import outcome_verdict
 FORMAT = "tapml-repro/1"
 #: Files copied verbatim from the package's ``templates/repro`` folder.
 TEMPLATES = ("run.py", "run.js", "index.html")
-_DEVICE_NP = {"f32": np.float32, "f16": np.float16, "i32": np.int32, "u32": np.uint32}
-_HOST_NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32,
+# bfloat16 (numpy has none) travels as its raw 16-bit patterns on the device side and as
+# float32 (exact) on the host side.
+_DEVICE_NP = {"f32": np.float32, "f16": np.float16, "f16p": np.float16, "bf16p": np.uint16, "i32": np.int32,
+              "u32": np.uint32}
+_HOST_NP = {"float32": np.float32, "float16": np.float16, "bfloat16": np.float32, "int64": np.int64, "int32": np.int32,
             "int16": np.int16, "int8": np.int8, "uint8": np.uint8, "bool": np.bool_}
 
 
@@ -194,6 +197,10 @@ def _conversion(host: str, device: str) -> str:
         return f"{host} -> i32: widened"
     if (host, device) in (("float32", "f32"), ("float16", "f16")):
         return "none: the same bytes"
+    if (host, device) == ("float16", "f16p"):
+        return "none: the same bytes, read as two float16 per u32 word (no shader-f16)"
+    if (host, device) == ("bfloat16", "bf16p"):
+        return "bfloat16 bit patterns, two per u32 word (the high half of each float32)"
     return f"{host} -> {device}: converted"
 
 
@@ -214,6 +221,8 @@ def _host_array(tensor: torch.Tensor, what: str) -> np.ndarray:
     name = dtype_name(tensor.dtype)
     if name not in _HOST_NP:
         raise TapmlError(f"{what} has dtype {name}, which a repro cannot hold (no WGSL lowering has it)")
+    if name == "bfloat16":
+        tensor = tensor.float()
     return tensor.detach().cpu().contiguous().numpy().astype(_HOST_NP[name], copy=False)
 
 

@@ -61,12 +61,9 @@ def test_every_lowering_compiles_for_vulkan_and_gl_caps(op):
     for graph, _ in cases:
         program = compile_graph(graph, VULKAN)
         assert_well_formed(program, VULKAN)
-        f16 = any(m.dtype == "float16" for m in graph.meta.values())
-        if f16:
-            with pytest.raises(Unsupported, match="shader-f16"):
-                compile_graph(graph, GL)
-        else:
-            assert_well_formed(compile_graph(graph, GL), GL)
+        gl = compile_graph(graph, GL)  # no shader-f16: float16 is packed two per u32
+        assert_well_formed(gl, GL)
+        assert not any("enable f16" in k.wgsl for k in gl.kernels)
 
 
 def test_registry_covers_the_ops_transformer_and_cnn_models_use():
@@ -196,11 +193,21 @@ def test_float64_is_unsupported_with_reason():
     assert "float64" in supports(graph.nodes[0], VULKAN)
 
 
-def test_float16_needs_shader_f16():
+def test_float16_is_native_with_shader_f16_and_packed_without():
     graph, _ = case_graph("aten.mul.Tensor", [torch.randn(3).half(), torch.randn(3).half()])
-    assert compile_graph(graph, VULKAN).buffers[0].dtype == "f16"
-    with pytest.raises(Unsupported, match="shader-f16"):
-        compile_graph(graph, GL)
+    native = compile_graph(graph, VULKAN)
+    assert native.buffers[0].dtype == "f16" and "enable f16;" in native.kernels[0].wgsl
+    packed = compile_graph(graph, GL)
+    assert {b.dtype for b in packed.buffers} == {"f16p"} and "enable f16" not in packed.kernels[0].wgsl
+    assert "unpack2x16float" in packed.kernels[0].wgsl and "atomic<u32>" in packed.kernels[0].wgsl
+    assert packed.buffers[0].size == 8  # three 2-byte elements, rounded up to a whole u32 word
+
+
+def test_bfloat16_is_packed_everywhere():
+    graph, _ = case_graph("aten.mul.Tensor", [torch.randn(3).bfloat16(), torch.randn(3).bfloat16()])
+    for caps in (VULKAN, GL):
+        program = compile_graph(graph, caps)
+        assert {b.dtype for b in program.buffers} == {"bf16p"} and "tap_bf16_bits" in program.kernels[0].wgsl
 
 
 def test_buffer_over_binding_size_is_unsupported_naming_the_limit():

@@ -16,6 +16,7 @@ so a shader is specialized to its shapes and cached by content hash.
 from __future__ import annotations
 
 import math
+import re
 from typing import Callable, Sequence
 
 import numpy as np
@@ -28,10 +29,18 @@ from tapml.platforms.base import BufferSpec, Kernel
 WORKGROUP = 64
 MAX_GROUPS = 65535
 
-FLOATS = ("float32", "float16")
+FLOATS = ("float32", "float16", "bfloat16")
 INTS = ("int64", "int32", "int16", "int8", "uint8")
-STORAGE = {"float32": "f32", "float16": "f16", "bool": "u32", **{d: "i32" for d in INTS}}
-ITEMSIZE = {"f32": 4, "f16": 2, "i32": 4, "u32": 4}
+#: torch dtype -> WGSL storage type. float16 is ``f16`` on devices with shader-f16 and packed
+#: (``f16p``) elsewhere; see :meth:`ProgramBuilder.storage`.
+STORAGE = {"float32": "f32", "float16": "f16", "bfloat16": "bf16p", "bool": "u32", **{d: "i32" for d in INTS}}
+#: Storage types holding two 16-bit floats per u32 word (element i in word i / 2, low half
+#: first): float16 without shader-f16 (``f16p``, read with unpack2x16float) and bfloat16
+#: (``bf16p``, the high half of an f32 bit pattern). Arithmetic is f32; stores round to
+#: nearest even (tap_f16_bits, tap_bf16_bits) and write their half with atomicAnd/atomicOr,
+#: since the other half of the word belongs to another thread.
+PACKED = ("f16p", "bf16p")
+ITEMSIZE = {"f32": 4, "f16": 2, "f16p": 2, "bf16p": 2, "i32": 4, "u32": 4}
 
 
 def ctype(dtype: str) -> str:
@@ -94,8 +103,24 @@ def cast(expr: str, src: str, dst: str) -> str:
     return f"{dst}({expr})"
 
 
+def elem_type(storage: str) -> str:
+    """The WGSL array element type a buffer of ``storage`` is bound as (u32 for packed ones)."""
+    return "u32" if storage in PACKED else storage
+
+
+def load_at(name: str, index: str, storage: str, ty: str) -> str:
+    """Expression of type ``ty`` reading element ``index`` (an i32 expression) of the buffer
+    bound as ``name``, of storage type ``storage`` (packed types included)."""
+    if storage == "f16p":
+        return cast(f"unpack2x16float({name}[({index}) >> 1u])[({index}) & 1]", "f32", ty)
+    if storage == "bf16p":
+        word = f"{name}[({index}) >> 1u]"
+        return cast(f"bitcast<f32>(({word} >> (u32(({index}) & 1) * 16u)) << 16u)", "f32", ty)
+    return load(f"{name}[{index}]", storage, ty)
+
+
 def load(raw: str, storage: str, ty: str) -> str:
-    """Expression of type ``ty`` reading ``raw``, an element of a ``storage`` buffer."""
+    """Expression of type ``ty`` reading ``raw``, an element of a ``storage`` buffer (not packed)."""
     if storage == "u32":
         return cast(f"({raw} != 0u)", "bool", ty)
     if storage == "f16":
@@ -174,8 +199,11 @@ class BufferView(Value):
             # zero elements); binding it would bind an empty buffer, which WebGPU cannot create
             return lit(0, self.ty)
         name = k.bind(self.buf)
-        raw = f"{name}[{index_sum(idx, self.strides, self.offset)}]"
-        return k.let(load(raw, self.buf.dtype, self.ty), self.ty, key=raw)
+        index = index_sum(idx, self.strides, self.offset)
+        raw = f"{name}[{index}]"
+        if self.buf.dtype in PACKED:
+            index = k.let(index, "i32")
+        return k.let(load_at(name, index, self.buf.dtype, self.ty), self.ty, key=raw)
 
     def bufs(self):
         return frozenset([self.buf.name])
@@ -206,13 +234,21 @@ class Compute(Value):
 
     def read(self, k, idx):
         exprs = [v.read(k, idx) for v in self.inputs]
-        e = self.fn(k, exprs, idx)
-        if self.dtype == "float16":  # torch rounds every float16 op's result
-            e = f"f32(f16({e}))"
+        e = round_low(k, self.fn(k, exprs, idx), self.dtype)
         return k.let(e, self.ty)
 
     def bufs(self):
         return self._bufs
+
+
+def round_low(k: "KernelBuilder", e: str, dtype: str) -> str:
+    """``e`` (an f32 expression) rounded to ``dtype`` when that is float16 or bfloat16, as torch
+    rounds every low-precision op's result (kept in f32)."""
+    if dtype == "float16":
+        return f"f32(f16({e}))" if k.program.storage(dtype) == "f16" else f"{k.need('tap_round_f16')}({e})"
+    if dtype == "bfloat16":
+        return f"{k.need('tap_round_bf16')}({e})"
+    return e
 
 
 # --- kernels -----------------------------------------------------------------------------
@@ -229,15 +265,33 @@ class KernelBuilder:
         self.counter = 0
 
     def bind(self, buf: BufferSpec, access: str = "read", elem: str | None = None) -> str:
-        elem = elem or buf.dtype
+        plain = elem_type(buf.dtype)
+        elem = elem or plain
         key = (buf.name, elem)
         if key not in self.bindings:
-            self.bindings[key] = (f"buf_{buf.name}{'' if elem == buf.dtype else '_v4'}", buf, access)
+            suffix = "" if elem == plain else "_at" if elem.startswith("atomic") else "_v4"
+            self.bindings[key] = (f"buf_{buf.name}{suffix}", buf, access)
         else:
             name, b, acc = self.bindings[key]
             if access == "read_write":
                 self.bindings[key] = (name, b, access)
         return self.bindings[key][0]
+
+    def write(self, buf: BufferSpec, index: str, expr: str, ty: str) -> None:
+        """Emit the store of ``expr`` (of expression type ``ty``) into element ``index`` (an i32
+        expression) of ``buf``, converting to its storage type (see :data:`PACKED`)."""
+        if buf.dtype not in PACKED:
+            self.emit(f"{self.bind(buf, 'read_write')}[{index}] = {store(expr, ty, buf.dtype)};")
+            return
+        name = self.bind(buf, "read_write", elem="atomic<u32>")
+        bits = self.need("tap_f16_bits" if buf.dtype == "f16p" else "tap_bf16_bits")
+        i = self.let(index, "i32")
+        self.open("")
+        self.emit(f"let word: i32 = {i} >> 1u;")
+        self.emit(f"let shift: u32 = u32({i} & 1) * 16u;")
+        self.emit(f"atomicAnd(&{name}[word], ~(0xffffu << shift));")
+        self.emit(f"atomicOr(&{name}[word], {bits}({cast(expr, ty, 'f32')}) << shift);")
+        self.close()
 
     def fresh(self, prefix: str = "t") -> str:
         self.counter += 1
@@ -322,7 +376,7 @@ class KernelBuilder:
         header = [f"@group(0) @binding({i}) var<storage, {access}> {name}: array<{elem}>;"
                   for i, ((_, elem), (name, _, access)) in enumerate(self.bindings.items())]
         header.extend(self.helpers.values())
-        if "f16" in body or any("f16" in key[1] for key in self.bindings):
+        if re.search(r"\bf16\b", body) or any(re.search(r"\bf16\b", key[1]) for key in self.bindings):
             header.insert(0, "enable f16;")
         src = "\n".join(header) + "\n\n" + \
             f"@compute @workgroup_size({', '.join(map(str, workgroup))})\n" + \
@@ -352,10 +406,17 @@ class ProgramBuilder:
         self.kernels: list[Kernel] = []
         self.names: dict[str, int] = {}
 
-    def buffer(self, role: str, meta: TensorMeta, hint: str = "t") -> BufferSpec:
-        storage = STORAGE.get(meta.dtype)
+    def storage(self, dtype: str) -> str:
+        """The WGSL storage type of torch dtype ``dtype`` on this device (Unsupported if none)."""
+        storage = STORAGE.get(dtype)
         if storage is None:
-            raise Unsupported(f"dtype {meta.dtype} has no WGSL storage type")
+            raise Unsupported(f"dtype {dtype} has no WGSL storage type")
+        if storage == "f16" and "shader-f16" not in self.features:
+            return "f16p"
+        return storage
+
+    def buffer(self, role: str, meta: TensorMeta, hint: str = "t") -> BufferSpec:
+        storage = self.storage(meta.dtype)
         nbytes = meta.numel * ITEMSIZE[storage]
         size = -(-nbytes // 4) * 4  # WebGPU buffer sizes are multiples of 4
         if size > self.max_binding_size:
@@ -382,10 +443,9 @@ class ProgramBuilder:
         if value.numel == 0:
             return BufferView.whole(out, meta)
         k = self.kernel("fused" if value.cost > 0 else name)
-        o = k.bind(out, "read_write")
         idx = k.unravel("n", value.shape)
         e = value.read(k, idx)
-        k.emit(f"{o}[n] = {store(e, value.ty, out.dtype)};")
+        k.write(out, "n", e, value.ty)
         self.add(k.finish(value.numel))
         return BufferView.whole(out, meta)
 

@@ -9,6 +9,42 @@ HELPERS: dict[str, tuple[tuple[str, ...], str]] = {
 fn tap_bits_f32(u: u32) -> f32 {
   return bitcast<f32>(u);
 }"""),
+    # f32 -> float16 bits with round-to-nearest-even, Inf on overflow and NaN kept: WGSL leaves
+    # an out-of-range f32 -> f16 conversion indeterminate, and overflow is what float16 checks look for.
+    "tap_f16_bits": ((), """
+fn tap_f16_bits(x: f32) -> u32 {
+  let b = bitcast<u32>(x);
+  let sign = (b >> 16u) & 0x8000u;
+  let a = b & 0x7fffffffu;
+  if (a > 0x7f800000u) { return sign | 0x7e00u; }
+  if (a >= 0x477ff000u) { return sign | 0x7c00u; }
+  if (a >= 0x38800000u) {
+    let m = a - 0x38000000u;
+    return sign | ((m + 0xfffu + ((m >> 13u) & 1u)) >> 13u);
+  }
+  if (a < 0x33000000u) { return sign; }
+  let shift = 126u - (a >> 23u);
+  let mant = (a & 0x7fffffu) | 0x800000u;
+  let q = mant >> shift;
+  let rem = mant & ((1u << shift) - 1u);
+  let half = 1u << (shift - 1u);
+  return sign | (q + select(0u, 1u, rem > half || (rem == half && (q & 1u) == 1u)));
+}"""),
+    # f32 -> bfloat16 bits (the high half), round-to-nearest-even, NaN kept quiet.
+    "tap_bf16_bits": ((), """
+fn tap_bf16_bits(x: f32) -> u32 {
+  let b = bitcast<u32>(x);
+  if ((b & 0x7fffffffu) > 0x7f800000u) { return (b >> 16u) | 0x40u; }
+  return (b + 0x7fffu + ((b >> 16u) & 1u)) >> 16u;
+}"""),
+    "tap_round_f16": (("tap_f16_bits",), """
+fn tap_round_f16(x: f32) -> f32 {
+  return unpack2x16float(tap_f16_bits(x)).x;
+}"""),
+    "tap_round_bf16": (("tap_bf16_bits",), """
+fn tap_round_bf16(x: f32) -> f32 {
+  return bitcast<f32>(tap_bf16_bits(x) << 16u);
+}"""),
     # Abramowitz & Stegun 7.1.26 has 1.5e-7 absolute error; good enough next to f32's 6e-8
     # for |x| >= 0.5; below that the Taylor series is exact to f32 precision.
     "tap_erf": ((), """

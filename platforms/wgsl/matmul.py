@@ -27,7 +27,7 @@ import os
 from pathlib import Path
 
 from tapml.platforms.wgsl import views
-from tapml.platforms.wgsl.codegen import BufferView, Compute, Value, cast, ctype, lit, store
+from tapml.platforms.wgsl.codegen import BufferView, Compute, Value, cast, ctype, lit, load_at
 from tapml.platforms.wgsl.registry import ALL_FLOAT, edge_floats, rand, register
 
 #: (TM, TN, workgroup x, workgroup y, subgroup): rows and columns per thread, threads per
@@ -166,7 +166,6 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
     if K == 0:  # an empty sum: torch gives beta * bias (zeros without one); the operands are empty buffers
         return _empty_product(pb, out, meta, (Z, M, N), bias if beta != 0 else None, beta)
     k = pb.kernel(name)
-    o = k.bind(out, "read_write")
     vec_a = _vec_ok(a, 2, K)
     vec_bn = _vec_ok(b, 2, N)
     vec_bk = not vec_bn and _vec_ok(b, 1, K)
@@ -178,8 +177,8 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
     def f4(e, dt):
         return e if dt == "f32" else f"vec4<f32>({e})"
 
-    def f1(e, dt):
-        return e if dt == "f32" else f"f32({e})"
+    def f1(name, index, dt):
+        return load_at(name, index, dt, "f32")
 
     tm, tn, wx, wy, sg = tiles_for(pb.caps, M, N)
     nb = tn // 4
@@ -212,7 +211,7 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
         """Columns 4jb..4jb+3 of B's row ``kk`` as a vec4<f32>."""
         if vec_bn:
             return f4(f"{B}[(cb{jb} + ({kk}) * {sbk}) / 4]", b.buf.dtype)
-        return "vec4<f32>(" + ", ".join(f1(f"{B}[cb{4 * jb + j} + ({kk}) * {sbk}]", b.buf.dtype) for j in range(4)) + ")"
+        return "vec4<f32>(" + ", ".join(f1(B, f"cb{4 * jb + j} + ({kk}) * {sbk}", b.buf.dtype) for j in range(4)) + ")"
 
     k4 = K - K % 4
     if k4:
@@ -221,7 +220,7 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
             if vec_a:
                 k.emit(f"  let a{i} = {f4(f'{A}[(ra{i} + k) / 4]', a.buf.dtype)};")
             else:
-                parts = ", ".join(f1(f"{A}[ra{i} + (k + {q}) * {sak}]", a.buf.dtype) for q in range(4))
+                parts = ", ".join(f1(A, f"ra{i} + (k + {q}) * {sak}", a.buf.dtype) for q in range(4))
                 k.emit(f"  let a{i} = vec4<f32>({parts});")
         if sg:
             # the tile of B (tn vec4s per k step) is the same for every lane of the
@@ -261,7 +260,7 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
         for jb in range(nb):
             k.emit(f"  let bk{jb} = {b_row(jb, 'k')};")
         for i in range(tm):
-            k.emit(f"  let ak{i} = {f1(f'{A}[ra{i} + k * {sak}]', a.buf.dtype)};")
+            k.emit(f"  let ak{i} = {f1(A, f'ra{i} + k * {sak}', a.buf.dtype)};")
             for jb in range(nb):
                 k.emit(f"  acc{i}_{jb} = acc{i}_{jb} + ak{i} * bk{jb};")
         k.emit("}")
@@ -278,7 +277,7 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
             if bias is not None and beta != 0:
                 bv = cast(bias.read(k, ["z", k.let(f"m0 + {i}", "i32"), k.let(f"n0 + {j}", "i32")]), bias.ty, "f32")
                 e = f"({e} + {bv})" if beta == 1 else f"({e} + {lit(beta, 'f32')} * {bv})"
-            k.emit(f"{o}[(z * {M} + m0 + {i}) * {N} + n0 + {j}] = {store(e, 'f32', out.dtype)};")
+            k.write(out, f"(z * {M} + m0 + {i}) * {N} + n0 + {j}", e, "f32")
             k.close()
         k.close()
     if sg:

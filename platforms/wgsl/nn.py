@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from tapml.platforms.wgsl import views
-from tapml.platforms.wgsl.codegen import BufferView, Compute, Custom, cast, contiguous_strides, index_sum, lit, store
+from tapml.platforms.wgsl.codegen import BufferView, Compute, Custom, cast, contiguous_strides, index_sum, lit
 from tapml.platforms.wgsl.registry import ALL_FLOAT, rand, register
 
 
@@ -21,7 +21,6 @@ def _rows(pb, name, x, dim, meta, body):
     (x,) = pb.fit([x], 1)
     lines = [x.shape[d] for d in range(nd) if d != dim]
     k = pb.kernel(name)
-    o = k.bind(out, "read_write")
     lidx = k.unravel("n", lines)
     ostrides = contiguous_strides(meta.shape)
 
@@ -32,7 +31,7 @@ def _rows(pb, name, x, dim, meta, body):
         return cast(x.read(k, full(j)), x.ty, "f32")
 
     def write(j, e):
-        k.emit(f"{o}[{index_sum(full(j), ostrides)}] = {store(e, 'f32', out.dtype)};")
+        k.write(out, index_sum(full(j), ostrides), e, "f32")
     body(k, read, write, x.shape[dim] if nd else 1)
     pb.add(k.finish(math.prod(lines)))
     return view
@@ -84,7 +83,6 @@ def native_layer_norm(pb, node, x, normalized_shape, weight, bias, eps):
         return result
     x, weight, bias = _fit_affine(pb, x, weight, bias)
     k = pb.kernel("layer_norm")
-    y, mean_o, rstd_o = (k.bind(b, "read_write") for b in bufs)
     ridx = k.unravel("n", rows_shape)
 
     def read(k):
@@ -94,10 +92,10 @@ def native_layer_norm(pb, node, x, normalized_shape, weight, bias, eps):
     k.loop("j", L)
     jidx, v = read(k)
     e = _affine(k, f"({v} - {mean}) * {rstd}", weight, bias, jidx)
-    k.emit(f"{y}[n * {L} + j] = {store(e, 'f32', bufs[0].dtype)};")
+    k.write(bufs[0], f"n * {L} + j", e, "f32")
     k.close()
-    k.emit(f"{mean_o}[n] = {store(mean, 'f32', bufs[1].dtype)};")
-    k.emit(f"{rstd_o}[n] = {store(rstd, 'f32', bufs[2].dtype)};")
+    k.write(bufs[1], "n", mean, "f32")
+    k.write(bufs[2], "n", rstd, "f32")
     pb.add(k.finish(math.prod(rows_shape)))
     return result
 
@@ -149,7 +147,6 @@ def native_group_norm(pb, node, x, weight, bias, N, C, HxW, group, eps):
     cg = C // group
     L = cg * HxW
     k = pb.kernel("group_norm")
-    y, mean_o, rstd_o = (k.bind(b, "read_write") for b in bufs)
     k.emit(f"let bn: i32 = n / {group};")
     k.emit(f"let g: i32 = n % {group};")
 
@@ -160,10 +157,10 @@ def native_group_norm(pb, node, x, weight, bias, N, C, HxW, group, eps):
     mean, rstd = _moments(k, L, eps, read)
     k.loop("j", L)
     e = _affine(k, f"({read(k)} - {mean}) * {rstd}", weight, bias, ["c"])
-    k.emit(f"{y}[(bn * {C} + c) * {HxW} + p] = {store(e, 'f32', bufs[0].dtype)};")
+    k.write(bufs[0], f"(bn * {C} + c) * {HxW} + p", e, "f32")
     k.close()
-    k.emit(f"{mean_o}[n] = {store(mean, 'f32', bufs[1].dtype)};")
-    k.emit(f"{rstd_o}[n] = {store(rstd, 'f32', bufs[2].dtype)};")
+    k.write(bufs[1], "n", mean, "f32")
+    k.write(bufs[2], "n", rstd, "f32")
     pb.add(k.finish(N * group))
     return result
 
@@ -236,7 +233,6 @@ def convolution(pb, node, x, w, bias, stride, padding, dilation, transposed, out
     if meta.numel == 0:
         return result
     k = pb.kernel("conv")
-    o = k.bind(out, "read_write")
     idx = k.unravel("n", meta.shape)
     b, oc, osp = idx[0], idx[1], idx[2:]
     k.emit(f"let g: i32 = {oc} / {cog};" if groups > 1 else "let g: i32 = 0;")
@@ -261,7 +257,7 @@ def convolution(pb, node, x, w, bias, stride, padding, dilation, transposed, out
     e = acc
     if bias is not None:
         e = f"{acc} + {cast(bias.read(k, [oc]), bias.ty, 'f32')}"
-    k.emit(f"{o}[n] = {store(e, 'f32', out.dtype)};")
+    k.write(out, "n", e, "f32")
     pb.add(k.finish(meta.numel))
     return [result]
 
@@ -292,7 +288,7 @@ def max_pool2d(pb, node, x, kernel_size, stride=(), padding=0, dilation=1, ceil_
         return res
     (x,) = pb.fit([x], 2)
     k = pb.kernel("max_pool2d")
-    vo, io = k.bind(vb, "read_write"), k.bind(ib, "read_write")
+    io = k.bind(ib, "read_write")
     idx = k.unravel("n", vmeta.shape)
     lead, oh, ow = idx[:-2], idx[-2], idx[-1]
     best = k.var("f32", lit(-math.inf, "f32"), "best")
@@ -307,7 +303,7 @@ def max_pool2d(pb, node, x, kernel_size, stride=(), padding=0, dilation=1, ceil_
     k.close()
     k.close()
     k.close()
-    k.emit(f"{vo}[n] = {store(best, 'f32', vb.dtype)};")
+    k.write(vb, "n", best, "f32")
     k.emit(f"{io}[n] = {arg};")
     pb.add(k.finish(vmeta.numel))
     return res

@@ -14,7 +14,7 @@ import torch
 
 from tapml.errors import Unsupported
 from tapml.graph import TensorMeta
-from tapml.platforms.wgsl.codegen import BufferView, Value, cast, contiguous_strides, ctype, index_sum, lit, store
+from tapml.platforms.wgsl.codegen import BufferView, Value, cast, contiguous_strides, ctype, index_sum, lit
 from tapml.platforms.wgsl.registry import (ALL, ALL_FLOAT, NUMERIC, edge_floats, edge_ints, rand, randbool, randint,
                                            register)
 from tapml.platforms.wgsl.views import norm_dim
@@ -45,7 +45,6 @@ def reduction(pb, name: str, x: Value, dims: Sequence[int], outs: Sequence[Tenso
         return views
     (x,) = pb.fit([x], len(outs))
     k = pb.kernel(name)
-    names = [k.bind(b, "read_write") for b in bufs]
     kidx = k.unravel("n", kept_shape)
     state = init(k)
     for p in passes:
@@ -58,8 +57,8 @@ def reduction(pb, name: str, x: Value, dims: Sequence[int], outs: Sequence[Tenso
             idx[d] = i
         p(k, state, x.read(k, idx), "r")
         k.close()
-    for nm, b, (e, ty) in zip(names, bufs, final(k, state)):
-        k.emit(f"{nm}[n] = {store(e, ty, b.dtype)};")
+    for b, (e, ty) in zip(bufs, final(k, state)):
+        k.write(b, "n", e, ty)
     pb.add(k.finish(math.prod(kept_shape)))
     return views
 
@@ -225,7 +224,11 @@ def var(pb, node, x, dim=None, *, correction=None, keepdim=False):
         k.emit(f"{st[1]} = {st[1]} + d{r} * d{r};")
 
     def final(k, st):
-        out = [(f"({st[1]} / {lit(max(count - corr, 0), 'f32')})", "f32")]
+        if count - corr > 0:
+            out = [(f"({st[1]} / {lit(count - corr, 'f32')})", "f32")]
+        else:  # no degrees of freedom: 0/0 is NaN, x/0 is Inf (spelled out: drivers fold x / 0.0 freely)
+            out = [(f"select({lit(math.inf, 'f32')}, {lit(math.nan, 'f32')}, {st[1]} == 0.0 || {st[1]} != {st[1]})",
+                    "f32")]
         return out + ([(f"({st[0]} / {lit(count, 'f32')})", "f32")] if with_mean else [])
     return reduction(pb, "var", x, dims, node.outputs, init, [p1, p2], final)
 
@@ -268,14 +271,13 @@ def _scan(kind):
         lines = [x.shape[d] for d in range(nd) if d != dim]
         (x,) = pb.fit([x], 1)
         k = pb.kernel(kind)
-        o = k.bind(out, "read_write")
         lidx = k.unravel("n", lines)
         acc = k.var(t, lit(1 if kind == "cumprod" else 0, t), "acc")
         k.loop("j", x.shape[dim])
         idx = list(lidx[:dim]) + ["j"] + list(lidx[dim:])
         v = cast(x.read(k, idx), x.ty, t)
         k.emit(f"{acc} = {acc} {'*' if kind == 'cumprod' else '+'} {v};")
-        k.emit(f"{o}[{index_sum(idx, contiguous_strides(meta.shape))}] = {store(acc, t, out.dtype)};")
+        k.write(out, index_sum(idx, contiguous_strides(meta.shape)), acc, t)
         k.close()
         pb.add(k.finish(math.prod(lines)))
         return [view]

@@ -18,7 +18,7 @@ import torch
 
 from tapml.graph import Graph, Node, TensorMeta, encode_arg
 
-ALL_FLOAT = ("float32", "float16")
+ALL_FLOAT = ("float32", "float16", "bfloat16")
 ALL_INT = ("int64", "int32", "int16", "int8", "uint8")
 ALL = ALL_FLOAT + ALL_INT + ("bool",)
 NUMERIC = ALL_FLOAT + ALL_INT
@@ -142,15 +142,20 @@ def dtype_reason(dtype: str, caps: dict) -> str | None:
     """Why a tensor of ``dtype`` cannot live on a device with ``caps`` (None when it can)."""
     if dtype == "float64":
         return "float64: WGSL has no 64-bit floats"
-    if dtype == "bfloat16":
-        return "bfloat16: WGSL has no bfloat16 type"
     if dtype.startswith("complex"):
         return f"{dtype}: WGSL has no complex types"
-    if dtype == "float16" and "shader-f16" not in (caps.get("features") or []):
-        return f"float16 needs the shader-f16 feature, which adapter {caps.get('adapter', '?')!r} lacks"
     if dtype not in ALL:
         return f"dtype {dtype} has no WGSL lowering"
     return None
+
+
+def low_precision_paths(features) -> dict[str, str]:
+    """How float16 and bfloat16 are held and computed on a device with ``features``: the
+    ``low_precision`` entry of its caps (shown in verdicts' device info)."""
+    f16 = ("native f16 (shader-f16), f32 arithmetic rounded per op" if "shader-f16" in (features or []) else
+           "packed two per u32 (no shader-f16): unpack2x16float to f32, rounded to nearest even on store")
+    return {"float16": f16, "bfloat16": "packed two per u32 as the high half of an f32: f32 arithmetic, "
+                                        "rounded to nearest even on store"}
 
 
 def supports_node(node: Node, caps: dict, input_metas: Sequence[TensorMeta] = ()) -> str | None:
@@ -257,4 +262,4 @@ def sample_cases(op: str) -> list[tuple[Graph, list[torch.Tensor]]]:
 
 
 __all__ = ["Lowering", "REGISTRY", "FLOPS", "register", "node_flops", "supports_node", "dtype_reason", "case_graph", "rand", "randint",
-           "randbool", "edge_floats", "edge_ints", "sample_cases", "ALL", "ALL_FLOAT", "ALL_INT", "NUMERIC"]
+           "randbool", "edge_floats", "edge_ints", "sample_cases", "low_precision_paths", "ALL", "ALL_FLOAT", "ALL_INT", "NUMERIC"]

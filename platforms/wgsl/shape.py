@@ -4,7 +4,7 @@ creation (arange, full, zeros/ones/empty and their _like variants)."""
 from __future__ import annotations
 
 from tapml.platforms.wgsl import views
-from tapml.platforms.wgsl.codegen import BufferView, Compute, Remap, Value, cast, ctype, index_sum, lit, store
+from tapml.platforms.wgsl.codegen import BufferView, Compute, Remap, Value, cast, ctype, index_sum, lit
 from tapml.platforms.wgsl.registry import ALL, rand, randbool, randint, register
 
 
@@ -112,12 +112,11 @@ def cat(pb, node, tensors, dim=0):
         if t.numel:  # a part with no elements copies nothing (and its kernel would bind an empty buffer)
             dst = views.slice_(whole, dim, start, start + n)
             k = pb.kernel("cat")
-            o = k.bind(out, "read_write")
             idx = k.unravel("n", t.shape)
             src = t if t.dtype == meta.dtype else Compute(t.shape, meta.dtype, [t],
                                                            lambda kk, e, i, s=t.ty: cast(e[0], s, ctype(meta.dtype)))
             e = src.read(k, idx)
-            k.emit(f"{o}[{index_sum(idx, dst.strides, dst.offset)}] = {store(e, src.ty, out.dtype)};")
+            k.write(out, index_sum(idx, dst.strides, dst.offset), e, src.ty)
             pb.add(k.finish(t.numel))
         start += n
     return [whole]

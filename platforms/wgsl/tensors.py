@@ -2,7 +2,8 @@
 
 WGSL has no 64-bit integers, no bool storage and no f64: int64 travels as i32 (checked at
 upload: a value that does not fit raises, it is never wrapped silently), bool as one u32 per
-element, float16 as f16 (only with shader-f16).
+element, float16 as f16 with shader-f16 and else packed two to a u32 (``f16p``: the same
+bytes), bfloat16 packed two to a u32 (``bf16p``: the same bytes as torch's bfloat16).
 """
 
 from __future__ import annotations
@@ -16,14 +17,16 @@ from tapml.graph import TensorMeta, torch_dtype
 
 
 def to_device(t: torch.Tensor, storage: str, name: str = "tensor") -> bytes:
-    """Bytes of ``t`` in the WGSL storage type ``storage`` (f32, f16, i32, u32)."""
+    """Bytes of ``t`` in the WGSL storage type ``storage`` (f32, f16, f16p, bf16p, i32, u32)."""
     t = t.detach().cpu().contiguous()
     if t.dtype == torch.float64:
         raise Unsupported(f"{name}: float64: WGSL has no 64-bit floats")
     if storage == "f32":
         arr = t.to(torch.float32).numpy()
-    elif storage == "f16":
+    elif storage in ("f16", "f16p"):
         arr = t.to(torch.float16).numpy()
+    elif storage == "bf16p":
+        arr = t.to(torch.bfloat16).view(torch.int16).numpy()
     elif storage == "u32":
         arr = (t != 0).numpy().astype(np.uint32)
     elif storage == "i32":
@@ -40,7 +43,8 @@ def to_device(t: torch.Tensor, storage: str, name: str = "tensor") -> bytes:
     return data
 
 
-_NP = {"f32": np.float32, "f16": np.float16, "i32": np.int32, "u32": np.uint32}
+_NP = {"f32": np.float32, "f16": np.float16, "f16p": np.float16, "bf16p": np.int16, "i32": np.int32,
+       "u32": np.uint32}
 
 
 def from_device(data, storage: str, meta: TensorMeta) -> torch.Tensor:
@@ -50,6 +54,8 @@ def from_device(data, storage: str, meta: TensorMeta) -> torch.Tensor:
     dtype = torch_dtype(meta.dtype)
     if storage == "u32":
         t = torch.from_numpy(arr.astype(np.bool_))
+    elif storage == "bf16p":
+        t = torch.from_numpy(arr.copy()).view(torch.bfloat16).to(dtype)
     else:
         t = torch.from_numpy(arr.copy()).to(dtype)
     return t.reshape(meta.shape)

@@ -1,7 +1,7 @@
-// kernel fused_0 workgroups=[1, 1, 1] bindings=[('o2', 'read_write'), ('i0', 'read'), ('i1', 'read')]
-@group(0) @binding(0) var<storage, read_write> buf_o2: array<f32>;
-@group(0) @binding(1) var<storage, read> buf_i0: array<f32>;
-@group(0) @binding(2) var<storage, read> buf_i1: array<f32>;
+// kernel fused_0 workgroups=[1, 1, 1] bindings=[('i0', 'read'), ('i1', 'read'), ('o2', 'read_write')]
+@group(0) @binding(0) var<storage, read> buf_i0: array<f32>;
+@group(0) @binding(1) var<storage, read> buf_i1: array<f32>;
+@group(0) @binding(2) var<storage, read_write> buf_o2: array<f32>;
 
 fn tap_erf(x: f32) -> f32 {
   let a = abs(x);

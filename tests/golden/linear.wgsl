@@ -1,8 +1,8 @@
-// kernel addmm_0 workgroups=[1, 1, 1] bindings=[('t3', 'read_write'), ('i0', 'read'), ('i1', 'read'), ('i2', 'read')]
-@group(0) @binding(0) var<storage, read_write> buf_t3: array<f32>;
-@group(0) @binding(1) var<storage, read> buf_i0_v4: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read> buf_i1_v4: array<vec4<f32>>;
-@group(0) @binding(3) var<storage, read> buf_i2: array<f32>;
+// kernel addmm_0 workgroups=[1, 1, 1] bindings=[('i0', 'read'), ('i1', 'read'), ('i2', 'read'), ('t3', 'read_write')]
+@group(0) @binding(0) var<storage, read> buf_i0_v4: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> buf_i1_v4: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> buf_i2: array<f32>;
+@group(0) @binding(3) var<storage, read_write> buf_t3: array<f32>;
 
 @compute @workgroup_size(8, 8, 1)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>) {

@@ -1,6 +1,6 @@
-// kernel mean_0 workgroups=[1, 1, 1] bindings=[('t1', 'read_write'), ('i0', 'read')]
-@group(0) @binding(0) var<storage, read_write> buf_t1: array<f32>;
-@group(0) @binding(1) var<storage, read> buf_i0: array<f32>;
+// kernel mean_0 workgroups=[1, 1, 1] bindings=[('i0', 'read'), ('t1', 'read_write')]
+@group(0) @binding(0) var<storage, read> buf_i0: array<f32>;
+@group(0) @binding(1) var<storage, read_write> buf_t1: array<f32>;
 
 @compute @workgroup_size(64, 1, 1)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>) {

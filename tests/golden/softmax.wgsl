@@ -1,6 +1,6 @@
-// kernel softmax_0 workgroups=[1, 1, 1] bindings=[('t1', 'read_write'), ('i0', 'read')]
-@group(0) @binding(0) var<storage, read_write> buf_t1: array<f32>;
-@group(0) @binding(1) var<storage, read> buf_i0: array<f32>;
+// kernel softmax_0 workgroups=[1, 1, 1] bindings=[('i0', 'read'), ('t1', 'read_write')]
+@group(0) @binding(0) var<storage, read> buf_i0: array<f32>;
+@group(0) @binding(1) var<storage, read_write> buf_t1: array<f32>;
 
 fn tap_bits_f32(u: u32) -> f32 {
   return bitcast<f32>(u);

@@ -25,8 +25,10 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 BACKENDS = {"vulkan": "Vulkan", "gl": "OpenGL", "metal": "Metal", "dx12": "D3D12"}
-DEVICE_TYPES = {"f32": np.float32, "f16": np.float16, "i32": np.int32, "u32": np.uint32}
-HOST_TYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32,
+# f16p: float16 two per u32 word (no shader-f16); bf16p: bfloat16 bit patterns, two per word.
+DEVICE_TYPES = {"f32": np.float32, "f16": np.float16, "f16p": np.float16, "bf16p": np.uint16, "i32": np.int32,
+                "u32": np.uint32}
+HOST_TYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.float32, "int64": np.int64, "int32": np.int32,
               "int16": np.int16, "int8": np.int8, "uint8": np.uint8, "bool": np.bool_}
 FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,120}")
 POISON = 0xFF  # outputs start as 0xFF bytes: NaN for floats, -1 for i32, an invalid bool, so unwritten elements show
@@ -165,6 +167,8 @@ def decode(data: bytes, out: dict) -> np.ndarray:
         if unwritten:
             raise KernelFailure(f"{unwritten} elements of bool output {out['buffer']} were never written")
         return arr.astype(np.bool_).reshape(out["shape"])
+    if out["device_type"] == "bf16p":
+        arr = (arr.astype(np.uint32) << 16).view(np.float32)
     return arr.astype(HOST_TYPES[out["dtype"]]).reshape(out["shape"])
 
 
