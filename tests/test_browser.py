@@ -306,7 +306,6 @@ def _registry_ops() -> list:
 def test_lowering_in_the_browser(browser, op):
     """The registry's own samples (the same checks as the wgpu tier), on the browser's WebGPU."""
     from tapml.compare import compare_tensor
-    from tapml.errors import Unsupported
     from tapml.graph import run_node
     from tapml.platforms.wgsl.registry import REGISTRY, sample_cases
     torch.manual_seed(0)
@@ -314,11 +313,7 @@ def test_lowering_in_the_browser(browser, op):
     assert cases, f"{op}: the registry has no samples for it"
     ran = 0
     for graph, inputs in cases:
-        try:
-            out = browser.run(browser.compile(graph), inputs)
-        except Unsupported as e:
-            assert "float16" in str(e), f"{op}: {e}"  # SwiftShader has no shader-f16; nothing else may be missing
-            continue
+        out = browser.run(browser.compile(graph), inputs)
         env = dict(zip([r for r, _ in graph.inputs], inputs))
         ref = run_node(graph.nodes[0], env.__getitem__)
         assert len(out) == len(ref)
@@ -330,6 +325,25 @@ def test_lowering_in_the_browser(browser, op):
                 assert res.passed, f"{op} output {i}: {res.message}; worst {res.worst}"
         ran += 1
     assert ran, f"{op}: every sample was unsupported in the browser"
+
+
+def _low_precision_ops() -> list:
+    from tapml.platforms.wgsl import load_lowerings
+    return sorted(op for op, low in load_lowerings().items() if set(low.dtypes) & {"float16", "bfloat16"})
+
+
+@pytest.mark.parametrize("op", _low_precision_ops())
+def test_low_precision_lowering_in_the_browser(browser, op):
+    """float16 and bfloat16 samples (packed two per u32 word where the page has no shader-f16),
+    fp64-anchored against torch in the same dtype, as on wgpu."""
+    from support import run_low_precision_samples
+    run_low_precision_samples(browser, op)
+
+
+def test_browser_reports_how_it_holds_low_precision(browser):
+    paths = browser.caps()["low_precision"]
+    native = "shader-f16" in browser.caps()["features"]
+    assert paths["float16"].startswith("native" if native else "packed") and paths["bfloat16"].startswith("packed")
 
 
 def _f32_case(case) -> bool:

@@ -19,6 +19,7 @@ from tapml.platforms.base import KernelProgram
 from tapml.platforms.wgpu_native import available_backends, shared_platform
 from tapml.platforms.wgsl import load_lowerings
 from tapml.platforms.wgsl.registry import case_graph, sample_cases
+from support import LOW, run_low_precision_samples
 
 BACKENDS = available_backends()
 pytestmark = [pytest.mark.device,
@@ -91,62 +92,17 @@ def test_lowering_gl(gl, op):
 # dtype: Vulkan holds float16 natively (shader-f16), GL packed two per u32, bfloat16 is packed
 # everywhere.
 
-LOW = (torch.float16, torch.bfloat16)
-LOW_FLOORS = {torch.float16: 1e-3, torch.bfloat16: 1e-2}
-
-
-def _low_precision_case(graph: Graph, inputs, dtype):
-    """The sample ``graph`` with its float32 inputs in ``dtype``: (graph, inputs, torch's outputs,
-    float64 outputs), or None when torch refuses the op in that dtype."""
-    low = [t.to(dtype) if t.dtype == torch.float32 else t for t in inputs]
-    node = graph.nodes[0]
-    env = dict(zip([r for r, _ in graph.inputs], low))
-    try:
-        ref = run_node(node, env.__getitem__)
-    except (RuntimeError, NotImplementedError):
-        return None
-    wide = {r: t.double() if t.dtype == dtype else t for r, t in env.items()}
-    ref64 = [r.double() if r.is_floating_point() else r for r in run_node(node, wide.__getitem__)]
-    node = Node(node.name, node.op, node.args, node.kwargs, [TensorMeta.of(r) for r in ref], node.multi)
-    g = Graph(inputs=[(r, TensorMeta.of(t)) for (r, _), t in zip(graph.inputs, low)], nodes=[node],
-              outputs=graph.outputs)
-    return g, low, ref, ref64
-
-
-def _run_low_precision(platform, op):
-    low = REGISTRY[op]
-    ran = 0
-    for dtype in LOW:
-        if str(dtype).removeprefix("torch.") not in low.dtypes:
-            continue
-        torch.manual_seed(0)
-        for graph, inputs in sample_cases(op):
-            if not any(t.dtype == torch.float32 for t in inputs):
-                continue
-            case = _low_precision_case(graph, inputs, dtype)
-            if case is None:
-                continue
-            g, ins, ref, ref64 = case
-            out = platform.run(platform.compile(g), ins)
-            assert [o.dtype for o in out] == [r.dtype for r in ref], f"{op} {dtype}: output dtypes"
-            if low.compare_values:
-                res = compare_anchored(out, ref, ref64, floor=LOW_FLOORS[dtype])
-                assert res.passed, f"{op} {dtype}: {res.message}; worst {res.worst}"
-            ran += 1
-    return ran
-
-
 LOW_OPS = [op for op in OPS if set(REGISTRY[op].dtypes) & {"float16", "bfloat16"}]
 
 
 @pytest.mark.parametrize("op", LOW_OPS)
 def test_lowering_low_precision_vulkan(vulkan, op):
-    _run_low_precision(vulkan, op)
+    run_low_precision_samples(vulkan, op)
 
 
 @pytest.mark.parametrize("op", LOW_OPS)
 def test_lowering_low_precision_gl(gl, op):
-    _run_low_precision(gl, op)
+    run_low_precision_samples(gl, op)
 
 
 def test_low_precision_samples_exist():
