@@ -17,13 +17,16 @@ from typing import Callable
 from tapml.carving.store import CarveStore, CarveStoreWriter
 from tapml.errors import TapmlError
 
-__all__ = ["carve", "open_or_carve", "CarveStore", "CarveStoreWriter"]
+__all__ = ["carve", "open_or_carve", "check_store_dtype", "CarveStore", "CarveStoreWriter"]
 
 
 def carve(spec: str, out: str | Path, *, seed: int = 0, device: str = "cpu", hf_config: dict | None = None,
           shard_bytes: int = 64 << 20, on_start: Callable[[int], None] | None = None,
-          on_node: Callable[[str], None] | None = None) -> dict:
+          on_node: Callable[[str], None] | None = None, dtype: str = "float32") -> dict:
     """Capture ``spec``, run it on the reference and write a CarveStore at ``out``.
+
+    ``dtype`` (``float32``, ``float16``, ``bfloat16``): the model's floating parameters and
+    inputs are cast to it and the reference runs in it; the manifest records it as ``dtype``.
 
     ``out`` may be missing, an empty folder or an older store (replaced). The store is written
     into a temporary folder beside ``out`` and renamed into place when complete; on any
@@ -34,7 +37,7 @@ def carve(spec: str, out: str | Path, *, seed: int = 0, device: str = "cpu", hf_
     """
     return write_store_atomically(out, lambda tmp: _carve_into(
         spec, tmp, seed=seed, device=device, hf_config=hf_config, shard_bytes=shard_bytes,
-        on_start=on_start, on_node=on_node))
+        on_start=on_start, on_node=on_node, dtype=dtype))
 
 
 def write_store_atomically(out: str | Path, fill: Callable[[Path], dict]) -> dict:
@@ -62,17 +65,27 @@ def write_store_atomically(out: str | Path, fill: Callable[[Path], dict]) -> dic
 
 def open_or_carve(model_or_store: str, state_path: str | Path | None = None,
                   on_carve: Callable[[str, Path], None] | None = None,
-                  hf_config: dict | None = None) -> tuple[CarveStore, Path]:
+                  hf_config: dict | None = None, dtype: str | None = None) -> tuple[CarveStore, Path]:
     """A CarveStore for MODEL|STORE: an existing store directory is opened as it is; a model
     spec is carved (:func:`carve`) into ``STATE.store/`` beside the state file, reused when it
     already holds that model, or into a new temporary folder without a state file.
     ``on_carve(spec, path)`` is called before carving; ``hf_config`` overrides an ``hf:`` model's
-    config (a reused store must have been carved with the same). Returns ``(store, path)``."""
+    config and ``dtype`` is the ``--dtype`` to carve in (None: float32, or the dtype a ``.pt2``
+    or factory model has); a reused store must have been carved with the same. A STORE given
+    with a ``dtype`` other than its own is refused. Returns ``(store, path)``."""
     path = Path(model_or_store)
+    if dtype is not None:
+        from tapml.dtypes import check_model_dtype
+        try:
+            check_model_dtype(dtype)
+        except ValueError as e:
+            raise TapmlError(str(e)) from None
     if path.is_dir():
         if hf_config:
             raise TapmlError(f"{model_or_store} is a store: --hf-config applies to an hf: MODEL spec to carve")
-        return CarveStore(path), path
+        store = CarveStore(path)
+        check_store_dtype(store, dtype)
+        return store, path
     if path.exists():
         raise TapmlError(f"{model_or_store} is a file, not a carve store or a model spec")
     if state_path is None:
@@ -84,25 +97,38 @@ def open_or_carve(model_or_store: str, state_path: str | Path | None = None,
         out = state_path.with_name(state_path.stem + ".store")
     if out.is_dir():
         store = CarveStore(out)
-        if store.model != model_or_store or store.manifest.get("hf_config", {}) != (hf_config or {}):
+        # zoo: and hf: models are float32 unless asked; a .pt2 or factory model may come in its own dtype.
+        wanted = dtype or ("float32" if model_or_store.startswith(("zoo:", "hf:")) else store.dtype)
+        if store.model != model_or_store or store.manifest.get("hf_config", {}) != (hf_config or {}) \
+                or store.dtype != wanted:
             raise TapmlError(f"{out} holds a store of {store.model} (--hf-config "
-                             f"{store.manifest.get('hf_config') or 'none'}), not {model_or_store} (--hf-config "
-                             f"{hf_config or 'none'}); remove it or use another --state")
+                             f"{store.manifest.get('hf_config') or 'none'}, --dtype {store.dtype}), not "
+                             f"{model_or_store} (--hf-config {hf_config or 'none'}, --dtype {wanted}); remove it or "
+                             "use another --state")
         return store, out
     if on_carve:
         on_carve(model_or_store, out)
-    carve(model_or_store, out, hf_config=hf_config)
+    carve(model_or_store, out, hf_config=hf_config, dtype=dtype or "float32")
     return CarveStore(out), out
 
 
+def check_store_dtype(store: CarveStore, dtype: str | None) -> None:
+    """TapmlError (exit 2) when ``--dtype`` was given with a STORE carved in another dtype."""
+    if dtype is not None and dtype != store.dtype:
+        raise TapmlError(f"{store.path} was carved in {store.dtype}, not {dtype}: a store keeps its dtype; leave "
+                         f"--dtype out, or carve the model again with --dtype {dtype}")
+
+
 def _carve_into(spec: str, out: Path, *, seed: int, device: str, hf_config: dict | None, shard_bytes: int,
-                on_start: Callable[[int], None] | None, on_node: Callable[[str], None] | None) -> dict:
+                on_start: Callable[[int], None] | None, on_node: Callable[[str], None] | None,
+                dtype: str = "float32") -> dict:
     import torch
     from torch.export.graph_signature import OutputKind
 
     from tapml.capture import export, placeholder_values, program_inputs
     from tapml.carving.tracer import CarvingInterpreter, RealValueRecorder
-    from tapml.graph import graph_from_fx, needs_real_values
+    from tapml.dtypes import graph_dtype
+    from tapml.graph import Graph, graph_from_fx, needs_real_values
     from tapml.models import load_model
 
     if device not in ("cpu", "cuda"):
@@ -110,7 +136,7 @@ def _carve_into(spec: str, out: Path, *, seed: int, device: str, hf_config: dict
     if device == "cuda" and not torch.cuda.is_available():
         raise TapmlError("--device cuda: no CUDA device on this machine; use --device cpu")
     t0 = time.perf_counter()
-    model, example = load_model(spec, seed=seed, hf_config=hf_config)
+    model, example = load_model(spec, seed=seed, hf_config=hf_config, dtype=dtype)
     ep = export(model, example)
     if device == "cuda":
         from torch.export.passes import move_to_device_pass
@@ -139,6 +165,8 @@ def _carve_into(spec: str, out: Path, *, seed: int, device: str, hf_config: dict
     writer.close({
         "model": spec, "hf_config": hf_config or {}, "torch_version": torch.__version__,
         "reference_device": device, "seed": seed,
+        # float32 asked of a model that is low-precision itself (a .pt2, a factory): its own dtype
+        "dtype": dtype if dtype != "float32" else graph_dtype(Graph(inputs=graph.inputs, nodes=[], outputs=[])),
         "graph_inputs": graph_json["inputs"], "nodes": graph_json["nodes"], "graph_outputs": graph_json["outputs"],
         "program_inputs": stored_inputs, "model_outputs": model_outputs, "cases": interp.cases,
     })

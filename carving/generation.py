@@ -28,7 +28,7 @@ STEP_INPUTS = ("input_ids", "cache_position")
 
 def carve_generation(spec: str, out: str | Path, *, tokens: int, prompt_len: int = 8, seed: int = 0,
                      hf_config: dict | None = None, device: str = "cpu",
-                     on_step: Callable[[dict], None] | None = None) -> dict:
+                     on_step: Callable[[dict], None] | None = None, dtype: str = "float32") -> dict:
     """Carve a greedy generation of ``tokens`` new tokens after a ``prompt_len``-token prompt.
 
     ``spec`` must be a causal LM (``zoo:tiny-llama``, ``zoo:tiny-gpt2``, ``hf:llama``,
@@ -40,7 +40,9 @@ def carve_generation(spec: str, out: str | Path, *, tokens: int, prompt_len: int
     one CarveStore at ``out`` (written into a temporary folder and renamed into place, like
     :func:`tapml.carving.carve`), deduplicated across steps and layers, each tagged with its
     ``graph`` and ``steps``. ``on_step(step)`` is called with each step's record
-    (``{"step", "kind", "token", ...}``) as it completes.
+    (``{"step", "kind", "token", ...}``) as it completes. ``dtype`` (``float32``, ``float16``,
+    ``bfloat16``): the model's parameters, its cache and the reference run in it (the
+    manifest's ``dtype``).
 
     Returns figures: ``export_s``, ``carve_s``, ``bytes``, ``cases``, ``nodes`` (prefill),
     ``decode_nodes``, ``steps``, ``reference_tokens`` (the ``tokens`` generated token ids) and
@@ -53,10 +55,10 @@ def carve_generation(spec: str, out: str | Path, *, tokens: int, prompt_len: int
 
     if device not in ("cpu", "cuda"):
         raise TapmlError(f"--device must be cpu or cuda, not {device!r}")
-    model = load_causal_lm(spec, tokens=tokens, prompt_len=prompt_len, seed=seed, hf_config=hf_config)
+    model = load_causal_lm(spec, tokens=tokens, prompt_len=prompt_len, seed=seed, hf_config=hf_config, dtype=dtype)
     return write_store_atomically(out, lambda tmp: _carve_generation_into(
         model, spec, tmp, tokens=tokens, prompt_len=prompt_len, seed=seed, hf_config=hf_config, device=device,
-        on_step=on_step))
+        on_step=on_step, dtype=dtype))
 
 
 def export_generation_programs(model, prompt_len: int, max_cache_len: int, spec: str = "the model"):
@@ -86,7 +88,8 @@ def export_generation_programs(model, prompt_len: int, max_cache_len: int, spec:
 
 
 def _carve_generation_into(model, spec: str, out: Path, *, tokens: int, prompt_len: int, seed: int,
-                           hf_config: dict | None, device: str, on_step: Callable[[dict], None] | None) -> dict:
+                           hf_config: dict | None, device: str, on_step: Callable[[dict], None] | None,
+                           dtype: str = "float32") -> dict:
     import torch
 
     from tapml.capture import program_inputs
@@ -172,7 +175,7 @@ def _carve_generation_into(model, spec: str, out: Path, *, tokens: int, prompt_l
     reference_tokens = [s["token"] for s in steps[:tokens]]
     writer.close({
         "model": spec, "hf_config": hf_config or {}, "torch_version": torch.__version__,
-        "reference_device": device, "seed": seed,
+        "reference_device": device, "seed": seed, "dtype": dtype,
         "graph_inputs": prefill_json["inputs"], "nodes": prefill_json["nodes"],
         "graph_outputs": prefill_json["outputs"], "program_inputs": prefill_stored, "model_outputs": model_outputs,
         "cases": recorder.cases,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from tapml.dtypes import LOW_FLOATS, MODEL_DTYPES
 from tapml.errors import TapmlError
 from tapml.graph import Graph, Node, TensorMeta, arg_refs, check_arg, check_state, torch_dtype
 from tapml.io import read_json_file, write_json_atomic
@@ -222,10 +223,15 @@ def _check_manifest(m: dict) -> tuple[Graph, list[dict], dict[str, dict]]:
             raise ValueError(f"field {key!r} must be a string")
     if type(m["seed"]) is not int or not isinstance(m.get("hf_config", {}), dict):
         raise ValueError("field 'seed' must be an int and 'hf_config' an object")
+    dtype = m.get("dtype", "float32")  # stores older than --dtype are float32
+    if not isinstance(dtype, str) or dtype not in MODEL_DTYPES:
+        raise ValueError(f"field 'dtype' must be one of {', '.join(MODEL_DTYPES)}, not {str(dtype)[:40]!r}")
     try:
         graph = Graph.from_json({"inputs": m["graph_inputs"], "nodes": m["nodes"], "outputs": m["graph_outputs"]})
     except (TypeError, ValueError) as e:
         raise ValueError(f"graph ('graph_inputs', 'nodes', 'graph_outputs'): {e}") from None
+    if dtype in LOW_FLOATS and not any(meta.dtype == dtype for meta in graph.meta.values()):
+        raise ValueError(f"field 'dtype' says {dtype}, but no value of the graph is {dtype}")
     index = _check_tensor_index(m["tensors"])
     program_inputs, model_outputs = m["program_inputs"], m["model_outputs"]
     if not isinstance(program_inputs, dict) or not isinstance(model_outputs, dict):
@@ -439,6 +445,12 @@ class CarveStore:
     @property
     def model(self) -> str:
         return self.manifest["model"]
+
+    @property
+    def dtype(self) -> str:
+        """The dtype the model was carved in (``--dtype``): ``float32`` (also for stores older
+        than the ``dtype`` field), ``float16`` or ``bfloat16``."""
+        return self.manifest.get("dtype", "float32")
 
     def case(self, case_id: str) -> dict:
         return self._by_id[case_id]

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from tapml.errors import TapmlError
 from tapml.verdict import (CULPRIT_KINDS, STAT_KEYS, STATUSES, MigrationState, VerdictDocument,
-                           is_generation_document, passed, read_generation_document, summary)
+                           is_generation_document, is_precision_document, passed, read_generation_document,
+                           read_precision_document, summary)
 
 #: Order of culprit kinds at the top of a report: the most specific finding first.
 KIND_ORDER = {kind: i for i, kind in enumerate(CULPRIT_KINDS)}
@@ -51,6 +52,9 @@ class StateReport:
     #: A generation (``tapml generate --json``): its steps, summary, programs_compiled, uploads
     #: and tokens/s (:func:`tapml.verdict.read_generation_document`); None for other documents.
     generation: dict | None = None
+    #: A precision analysis (``tapml precision --json``, :func:`tapml.verdict.read_precision_document`);
+    #: None for other documents.
+    precision: dict | None = None
 
     @property
     def label(self) -> str:
@@ -69,6 +73,8 @@ class StateReport:
         if self.generation is not None:
             g = self.generation["summary"]
             return g["mismatch"] == 0 and g["error"] == 0
+        if self.precision is not None:
+            return self.precision["end_to_end"]["after"]["status"] == "pass"
         return passed(self.cases, self.culprits, self.end_to_end, needs_end_to_end=self.kind == "migration")
 
     @property
@@ -201,7 +207,9 @@ class StateReport:
                 "failures": self.failures, "op_times": self.op_times(),
                 "module_errors": [{**m} for m in self.module_errors()],
                 "cases": self.cases, "units": self.units,
-                **({"generation": self.generation} if self.generation is not None else {})})
+                **({"generation": self.generation} if self.generation is not None else {}),
+                **({"precision": self.precision, "precision_modules": precision_modules(self.precision)}
+                   if self.precision is not None else {})})
 
 
 def _finite(x):
@@ -341,6 +349,40 @@ def parse_generation(data, path: str = "<generation>") -> StateReport:
                                                        "upload_bytes_per_decode_step", "tokens_per_s")})
 
 
+def parse_precision(data, path: str = "<precision>") -> StateReport:
+    """A Precision JSON (``tapml precision --json``) as a report: no cases; the analysis in
+    ``precision`` (validated by :func:`tapml.verdict.read_precision_document`)."""
+    doc = read_precision_document(data, path, "expected the JSON of `tapml precision --json`")
+    device = {"adapter": "", "backend": "", "features": [], "limits": {}, "error": "", **(doc["device"] or {})}
+    return StateReport(path=path, kind="precision", target=doc["target"], model=doc["model"] or "?", device=device,
+                       cases=[], reference={"device": "cpu", "torch": None, "store": None}, precision=doc)
+
+
+def precision_modules(doc: dict) -> list[dict]:
+    """A precision document's ops grouped by module along the depth of the model (in the order
+    the model first runs each module): ``module``, ``depth``, ``ops`` (how many), ``max_abs``
+    (largest), ``headroom`` (smallest), ``overflow``/``absorbed``/``kept`` (how many ops),
+    ``err_vs_fp64`` (largest; ``inf`` when an op's error is unbounded: it overflowed)."""
+    keep = set(doc["keep_float32"])
+    rows: dict[str, dict] = {}
+    for x in doc["ops"]:
+        r = rows.setdefault(x["module"], {"module": x["module"], "depth": len(rows), "ops": 0, "max_abs": None,
+                                          "headroom": None, "overflow": 0, "absorbed": 0, "kept": 0,
+                                          "err_vs_fp64": None})
+        r["ops"] += 1
+        r["overflow"] += x["overflow"]
+        r["absorbed"] += x["absorbed"]
+        r["kept"] += x["node"] in keep
+        if x["max_abs"] is not None:
+            r["max_abs"] = x["max_abs"] if r["max_abs"] is None else max(r["max_abs"], x["max_abs"])
+        if x["headroom"] is not None:
+            r["headroom"] = x["headroom"] if r["headroom"] is None else min(r["headroom"], x["headroom"])
+        err = math.inf if x["overflow"] and x["err_vs_fp64"] is None else x["err_vs_fp64"]
+        if err is not None:
+            r["err_vs_fp64"] = err if r["err_vs_fp64"] is None else max(r["err_vs_fp64"], err)
+    return list(rows.values())
+
+
 def step_error_points(state: StateReport) -> list[dict]:
     """A generation's steps as points of :func:`tapml.reports.plot.module_error_svg`: one per
     step, labelled ``step N kind``, near-ties shown as passing, the first failure marked."""
@@ -372,6 +414,8 @@ def load_documents(path: str | Path) -> list[StateReport]:
         return parse_fleet_document(data, str(path))
     if is_matrix_document(data):
         return parse_matrix_document(data, str(path))
+    if is_precision_document(data):
+        return [parse_precision(data, str(path))]
     if is_generation_document(data):
         return [parse_generation(data, str(path))]
     return [parse_state(data, str(path))]
@@ -636,6 +680,7 @@ def parse_fleet_document(data, path: str = "<fleet>") -> list[StateReport]:
 
 
 __all__ = ["StateReport", "load_state", "load_states", "load_documents", "parse_state", "parse_generation",
+           "parse_precision", "precision_modules",
            "step_error_points", "coverage_matrix",
            "matrix_json", "matrix_document", "is_matrix_document", "parse_matrix_document", "status_rank",
            "STATUS_RANK", "MATRIX_GROUPS", "STATUSES", "op_speeds", "fleet_states", "fleet_document",

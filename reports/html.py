@@ -13,8 +13,9 @@ import math
 import re
 from pathlib import Path
 
-from tapml.reports.data import MATRIX_GROUPS, STATUSES, StateReport, coverage_matrix, step_error_points
-from tapml.reports.plot import STATUS_COLORS, module_error_svg
+from tapml.reports.data import (MATRIX_GROUPS, STATUSES, StateReport, coverage_matrix, precision_modules,
+                                step_error_points)
+from tapml.reports.plot import PRECISION_COLORS, STATUS_COLORS, module_error_svg, precision_svg
 
 TEMPLATES = Path(__file__).parent / "templates"
 
@@ -155,15 +156,21 @@ def render_html(states: list[StateReport], title: str | None = None, by_case: bo
                                                          title=f"error per module, {s.model} on {s.label}")),
                          "step_plot": Markup(module_error_svg(step_error_points(s), title=f"error per step, {s.model} on "
                                                               f"{s.label}")) if s.generation else ""})
+        if s.precision is not None:
+            rows = precision_modules(s.precision)
+            sections[-1].update(precision_rows=rows, precision_colors=PRECISION_COLORS, precision_plot=Markup(
+                precision_svg(rows, s.precision["dtype"], title=f"headroom and error per module, {s.model} in "
+                              f"{s.precision['dtype']} on {s.label}")))
     findings = [{**f, "state": sec["state"], "anchor": sec["anchor"]} for sec in sections for f in sec["failures"]]
     findings.sort(key=lambda f: not f["culprit"])  # stable: each state's order kept, culprits first
     models = sorted({s.model for s in states})
+    verdicts = [s for s in states if s.precision is None]  # a precision analysis has no cases to cover
     # Jinja escapes every value (autoescape); what is left to neutralize are the characters
     # that no escaping touches: controls, lone surrogates, line separators, bidi overrides.
     return visible_text(env.get_template("report.html.j2").render(
         title=title or f"tapml report: {', '.join(models)} on {', '.join(s.label for s in states)}",
         sections=sections, findings=findings, states=states, sources=list(dict.fromkeys(Path(s.path).name for s in states)),
-        statuses=STATUSES, colors=STATUS_COLORS, matrix=_matrix(states, by_case) if len(states) > 1 else None,
+        statuses=STATUSES, colors=STATUS_COLORS, matrix=_matrix(verdicts, by_case) if len(verdicts) > 1 else None,
         css=Markup((TEMPLATES / "report.css").read_text()), js=Markup((TEMPLATES / "report.js").read_text()),
         version=tapml_version, generated=datetime.datetime.now().strftime("%Y-%m-%d %H:%M")))
 

@@ -70,6 +70,10 @@ def junit_tree(states: list[StateReport]) -> ET.ElementTree:
                             else x["message"]},
                            first_culprit if status != "pass" and x["step"] == s.generation["summary"]["first_failure"]
                            else None))
+        if s.precision is not None:  # the finding is whether the model passes once keep_float32 is applied
+            p = s.precision
+            checks.append((f"{s.model}.precision", f"end to end in {p['dtype']} with keep_float32 "
+                           f"({len(p['keep_float32'])} ops in float32)", p["end_to_end"]["after"], None))
         for classname, name, v, culprit in checks:
             status = _testcase(suite, classname, name, v, culprit)
             counts["tests"] += 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from tapml.reports.data import STATUSES, StateReport, coverage_matrix
+from tapml.reports.data import STATUSES, StateReport, coverage_matrix, precision_modules
 from tapml.reports.html import fmt_err, fmt_ms, fmt_pct, visible_text
 
 ICON = {"pass": "✅", "mismatch": "❌", "error": "💥", "unsupported": "⚠️", "flaky": "🔀"}
@@ -72,6 +72,12 @@ def render_markdown(states: list[StateReport], max_rows: int = 60) -> str:
     links, emphasis, lines or table cells to the report."""
     lines = [f"# tapml report: {md(', '.join(sorted({str(s.model) for s in states})))}", ""]
     for s in states:
+        if s.precision is not None:
+            p = s.precision
+            verdict = "✅ passes" if s.passed else "❌ does not pass"
+            lines.append(f"**{md(s.model)} in {md(p['dtype'])} on {md(s.label)}** (precision): {len(p['keep_float32'])} "
+                         f"ops must stay in float32; with them kept, end to end {verdict}.")
+            continue
         summary = s.summary
         verdict = "✅ passed" if s.passed else "❌ did not pass"
         counts = ", ".join(f"{summary[k]} {k}" for k in STATUSES)
@@ -96,8 +102,9 @@ def render_markdown(states: list[StateReport], max_rows: int = 60) -> str:
                 lines.append("  - worst elements: " + "; ".join(_worst(w) for w in worst[:3]))
         lines.append("")
 
-    if len(states) > 1:
-        m = coverage_matrix(states)
+    verdicts = [s for s in states if s.precision is None]  # a precision analysis has no cases to cover
+    if len(verdicts) > 1:
+        m = coverage_matrix(verdicts)
         lines += ["## Op coverage", ""]
         rows = [[code(r["op"]), r["group"]] + [
             f"{ICON.get(c['status'], '')} {c['pass']}/{c['total']}" + ("" if c["status"] == "pass" else f" {fmt_err(c['max_abs_err'])}")
@@ -105,6 +112,9 @@ def render_markdown(states: list[StateReport], max_rows: int = 60) -> str:
         lines += _table(["op", "across targets"] + m["labels"], rows) + [""]
 
     for s in states:
+        if s.precision is not None:
+            lines += _precision_lines(s, max_rows)
+            continue
         shares = s.shares
         lines += [f"## {md(s.model)} on {md(s.label)}", ""]
         dev = s.device
@@ -142,6 +152,36 @@ def render_markdown(states: list[StateReport], max_rows: int = 60) -> str:
         lines += ["Time per op on the target (top 15):", ""]
         lines += _table(["op", "calls per run", "ms per call", "ms per model run", "share"], times, "lrrrr") + [""]
     return "\n".join(lines)
+
+
+def _precision_lines(s: StateReport, max_rows: int) -> list[str]:
+    """The section of a precision analysis: end to end without and with keep_float32, the list,
+    the table by module along the depth of the model, the ops that overflow."""
+    p = s.precision
+    lines = [f"## {md(s.model)} in {md(p['dtype'])} on {md(s.label)}", ""]
+    for label, run in (("end to end", p["end_to_end"]["before"]), ("end to end, keep_float32 applied",
+                                                                    p["end_to_end"]["after"])):
+        lines.append(f"- {label}: {ICON.get(run['status'], '')} {md(run['status'])}, max abs error "
+                     f"{fmt_err(run['max_abs_err'])}" + (f" ({md(run['message'][:200])})" if run["message"] else ""))
+    keep = ", ".join(code(k) for k in p["keep_float32"]) or "none"
+    lines.append(f"- keep_float32 ({len(p['keep_float32'])}): {keep}")
+    if p["keep_float32_modules"]:
+        lines.append("- whole modules kept: " + ", ".join(code(m or "<root>") for m in p["keep_float32_modules"]))
+    lines += ["", f"Headroom (largest finite {md(p['dtype'])} / largest float32 activation; below 1 it does not fit) "
+              "and error against float64, by module along the depth of the model:", ""]
+    rows = [[r["depth"], code(r["module"] or "<root>"), r["ops"], fmt_err(r["max_abs"]), fmt_err(r["headroom"]),
+             r["overflow"], r["absorbed"], r["kept"], fmt_err(r["err_vs_fp64"])] for r in precision_modules(p)]
+    lines += _table(["depth", "module", "ops", "max abs", "headroom", "overflow", "absorbed", "kept", "err vs fp64"],
+                    rows[:max_rows], "rlrrrrrrr")
+    if len(rows) > max_rows:
+        lines.append(f"\n… and {len(rows) - max_rows} more modules (see the HTML report).")
+    bad = [x for x in p["ops"] if x["overflow"]]
+    if bad:
+        lines += ["", "Ops that overflow on the target:", ""]
+        lines += _table(["op", "node", "module", "max abs", "headroom", "absorbed"],
+                        [[code(x["op"]), code(x["node"]), code(x["module"] or "<root>"), fmt_err(x["max_abs"]),
+                          fmt_err(x["headroom"]), "yes" if x["absorbed"] else ""] for x in bad[:max_rows]], "lllrrl")
+    return lines + [""]
 
 
 def _generation_lines(g: dict) -> list[str]:

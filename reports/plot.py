@@ -115,4 +115,82 @@ def module_error_svg(points: list[dict], end_to_end: dict | None = None, title: 
     return "".join(out)
 
 
-__all__ = ["module_error_svg", "STATUS_COLORS"]
+#: Colours of a precision plot's points: fits, overflows to Inf/NaN, overflows but absorbed.
+PRECISION_COLORS = {"fits": STATUS_COLORS["pass"], "overflow": STATUS_COLORS["mismatch"],
+                    "absorbed": STATUS_COLORS["unsupported"]}
+
+
+def precision_svg(rows: list[dict], dtype: str, title: str = "") -> str:
+    """SVG markup of headroom (top panel) and error against float64 (bottom panel) per module
+    along the depth of the model, both on log scales; ``rows`` from
+    :func:`tapml.reports.data.precision_modules`. A dashed line marks headroom 1 (the dtype's
+    largest finite value); modules with overflowing ops are red, absorbed ones amber, modules
+    holding kept ops shaded. Unbounded errors sit above the bottom panel's top."""
+    n = max(len(rows), 1)
+    step = max(26, min(56, 1100 // n)) if n <= 60 else max(8, 1560 // n)
+    left, right, top, panel_h, gap, label_h = 72, 24, 24, 150, 36, 120
+    width = left + right + step * n
+    height = top + 2 * panel_h + gap + label_h
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="module-plot precision-plot" width="{width}" height="{height}" '
+           f'viewBox="0 0 {width} {height}" role="img" aria-label="{escape(title or "headroom and error per module")}">']
+
+    def x_of(i: int) -> float:
+        return left + step * i + step / 2
+
+    def panel(y0: float, values: list, name: str, mark_one: bool) -> list[float | None]:
+        finite = [v for v in values if v is not None and math.isfinite(v) and v > 0]
+        lo = math.floor(math.log10(min(finite + ([1.0] if mark_one else [])))) if finite else -6
+        hi = math.ceil(math.log10(max(finite + ([1.0] if mark_one else [])))) if finite else 0
+        hi = max(hi, lo + 1)
+        bottom, top_y = y0 + panel_h - 8, y0 + 8
+
+        def y_of(v: float) -> float:
+            return bottom - (math.log10(v) - lo) / (hi - lo) * (bottom - top_y)
+
+        for d in range(lo, hi + 1, max(1, (hi - lo) // 6)):
+            y = y_of(10.0 ** d)
+            out.append(f'<line class="grid" x1="{left}" x2="{left + step * n}" y1="{y:.1f}" y2="{y:.1f}"/>'
+                       f'<text class="tick" x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">1e{d}</text>')
+        if mark_one:
+            y = y_of(1.0)
+            out.append(f'<line class="limit" x1="{left}" x2="{left + step * n}" y1="{y:.1f}" y2="{y:.1f}" '
+                       f'stroke="{STATUS_COLORS["mismatch"]}" stroke-dasharray="6 4"/>'
+                       f'<text class="tick" x="{left + step * n - 4}" y="{y - 4:.1f}" text-anchor="end">'
+                       f'{escape(dtype)} max</text>')
+        out.append(f'<text class="axis-title" x="14" y="{y0 + panel_h / 2:.0f}" '
+                   f'transform="rotate(-90 14 {y0 + panel_h / 2:.0f})" text-anchor="middle">{escape(name)}</text>')
+        if any(v is not None and math.isinf(v) for v in values):
+            out.append(f'<text class="tick" x="{left - 6}" y="{y0 - 2}" text-anchor="end">∞</text>')
+        return [None if v is None or not v > 0 else (y0 - 6 if math.isinf(v) else y_of(v)) for v in values]
+
+    for y0 in (top, top + panel_h + gap):
+        out.append(f'<rect x="{left}" y="{y0}" width="{step * n}" height="{panel_h}" class="plot-bg"/>')
+    for i, r in enumerate(rows):
+        if r.get("kept"):
+            out.append(f'<rect class="culprit-band" x="{x_of(i) - step / 2:.1f}" y="{top}" width="{step}" '
+                       f'height="{2 * panel_h + gap + label_h - 10}"/>')
+    head_y = panel(top, [r["headroom"] for r in rows], "headroom", True)
+    err_y = panel(top + panel_h + gap, [r["err_vs_fp64"] for r in rows], "error vs fp64", False)
+    for ys, cls in ((head_y, "headroom"), (err_y, "error")):
+        path = " ".join(f"{x_of(i):.1f},{y:.1f}" for i, y in enumerate(ys) if y is not None)
+        if path:
+            out.append(f'<polyline class="trend {cls}" points="{path}"/>')
+    floor_y = top + 2 * panel_h + gap
+    for i, r in enumerate(rows):
+        kind = "absorbed" if r["absorbed"] else "overflow" if r["overflow"] else "fits"
+        color = PRECISION_COLORS[kind]
+        tip = (f"{r['module'] or '<root>'}: {r['ops']} ops, max |x| {_fmt(r['max_abs'])}, headroom {_fmt(r['headroom'])}, "
+               f"error vs fp64 {_fmt(r['err_vs_fp64'])}, {r['overflow']} overflow, {r['absorbed']} absorbed, "
+               f"{r['kept']} kept in float32")
+        out.append(f'<g class="pt {kind}" data-module="{escape(r["module"])}"><title>{escape(tip)}</title>')
+        for y in (head_y[i], err_y[i]):
+            if y is not None:
+                out.append(f'<circle cx="{x_of(i):.1f}" cy="{y:.1f}" r="{6 if kind != "fits" else 4.5}" fill="{color}"/>')
+        ly = floor_y + 12
+        out.append(f'<text class="xlabel" x="{x_of(i):.1f}" y="{ly}" transform="rotate(55 {x_of(i):.1f} {ly})">'
+                   f'{escape(_short(r["module"]))}</text></g>')
+    out.append("</svg>")
+    return "".join(out)
+
+
+__all__ = ["module_error_svg", "precision_svg", "STATUS_COLORS", "PRECISION_COLORS"]

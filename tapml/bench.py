@@ -180,13 +180,13 @@ def dispatch_figures(platform, repeat: int = 50, chain: int = 32) -> dict:
 
 # --- end to end ----------------------------------------------------------------------------
 
-def torch_eager_ms(spec: str, repeat: int) -> float:
-    """Forward latency of the model itself in torch eager on CPU (best of ``repeat``), ms."""
+def torch_eager_ms(spec: str, repeat: int, dtype: str = "float32") -> float:
+    """Forward latency of the model itself (in ``dtype``) in torch eager on CPU (best of ``repeat``), ms."""
     import torch
 
     from tapml.capture import split_inputs
     from tapml.models import load_model
-    model, example = load_model(spec)
+    model, example = load_model(spec, dtype=dtype)
     args, kwargs = split_inputs(example)
     with torch.no_grad():
         model(*args, **kwargs)
@@ -202,7 +202,7 @@ def e2e_figure(platform, store, repeat: int = 10) -> dict:
     inputs = store.program_inputs()
     placement = {n.name: TARGET for n in store.graph.nodes}
     row = {"nodes": len(store.graph.nodes)}
-    torch_ms = torch_eager_ms(store.model, repeat * 2)
+    torch_ms = torch_eager_ms(store.model, repeat * 2, store.dtype)
     try:
         start = time.perf_counter()
         result = runner.run(inputs, placement)
@@ -211,7 +211,7 @@ def e2e_figure(platform, store, repeat: int = 10) -> dict:
     except Exception as e:  # noqa: BLE001
         return {**row, "error": f"{type(e).__name__}: {e}", "ours_ms": None, "torch_ms": round(torch_ms, 4),
                 "ratio": None}
-    torch_ms = min(torch_ms, torch_eager_ms(store.model, repeat * 2))
+    torch_ms = min(torch_ms, torch_eager_ms(store.model, repeat * 2, store.dtype))
     expected = store.model_outputs()
     err = max((float((result.values[r].float() - t.float()).abs().max()) for r, t in expected.items()
                if t.numel() and t.is_floating_point()), default=0.0)
@@ -277,7 +277,7 @@ class _TorchDecoder:
         from tapml.models import load_causal_lm
         gen = store.manifest["generation"]
         model = load_causal_lm(spec, tokens=gen["tokens"], prompt_len=gen["prompt_len"], seed=store.manifest["seed"],
-                               hf_config=hf_config)
+                               hf_config=hf_config, dtype=store.dtype)
         # .model: the outer recipe's forward drops cache_position; the exported module takes it
         self.module = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=gen["max_cache_len"],
                                                             device=torch.device("cpu")).model
@@ -311,7 +311,7 @@ class _TorchDecoder:
 
 def generation_figure(platform, target: str, workdir: Path, spec: str = GENERATION_MODEL, *,
                       tokens: tuple[int, int] = GENERATION_TOKENS, prompt_len: int = GENERATION_PROMPT_LEN,
-                      repeat: int = 5, hf_config: dict | None = None) -> dict:
+                      repeat: int = 5, hf_config: dict | None = None, dtype: str = "float32") -> dict:
     """Decode tokens/s and prefill time of a greedy generation of ``spec`` on the target next to
     torch eager decoding of the same model, prompt and steps on the CPU, and the programs a
     generation compiles for ``tokens[0]`` and ``tokens[1]`` decode steps (static shapes: equal).
@@ -326,6 +326,7 @@ def generation_figure(platform, target: str, workdir: Path, spec: str = GENERATI
     thread, and two spinning threads on a loaded machine lose up to 10x (``torch_by_threads``).
     ``ratios``: ``decode`` = target tokens/s over torch tokens/s (above 1: the target decodes
     faster); ``prefill`` = target ms over torch ms (below 1: the target prefills faster).
+    ``dtype``: the model (and torch's decoding of it) in that dtype.
     Example: ``generation_figure(platform, "wgpu:vulkan", Path("/tmp/gen"), tokens=(2, 8))``.
     """
     import statistics
@@ -337,7 +338,7 @@ def generation_figure(platform, target: str, workdir: Path, spec: str = GENERATI
     from tapml.generate import generate, passed
     few, many = tokens
     start = time.perf_counter()
-    carve_generation(spec, workdir, tokens=many, prompt_len=prompt_len, hf_config=hf_config)
+    carve_generation(spec, workdir, tokens=many, prompt_len=prompt_len, hf_config=hf_config, dtype=dtype)
     store = CarveStore(workdir)
     row = {"model": spec, "prompt_len": prompt_len, "tokens": many, "runs": repeat, "statistic": "median",
            "carve_s": round(time.perf_counter() - start, 3)}
@@ -431,11 +432,11 @@ def carve_write_figure(workdir: Path, total_mb: int = 64, repeat: int = 3) -> di
             "manifest_ms": round(times["manifest"] * 1e3, 3)}
 
 
-def carve_model_figure(spec: str, out: Path) -> dict:
-    """Carve ``spec`` into ``out``: export time, carve time (running the model on the reference
-    and writing every case) and their ratio."""
+def carve_model_figure(spec: str, out: Path, dtype: str = "float32") -> dict:
+    """Carve ``spec`` (in ``dtype``) into ``out``: export time, carve time (running the model on
+    the reference and writing every case) and their ratio."""
     from tapml.carving import carve
-    info = carve(spec, out)
+    info = carve(spec, out, dtype=dtype)
     return {"export_s": round(info["export_s"], 3), "carve_s": round(info["carve_s"], 3),
             "carve_vs_export": _ratio(info["carve_s"], info["export_s"]), "bytes": info["bytes"],
             "cases": info["cases"], "nodes": info["nodes"],
@@ -445,10 +446,11 @@ def carve_model_figure(spec: str, out: Path) -> dict:
 # --- migration -----------------------------------------------------------------------------
 
 def migrate_figure(spec: str, target: str, workdir: Path, token: str | None = None, timeout: float = 600,
-                   hf_config: dict | None = None) -> dict:
+                   hf_config: dict | None = None, dtype: str = "float32") -> dict:
     """Wall time of ``tapml migrate SPEC -t TARGET`` in a fresh process, exactly as a user runs
     it (interpreter start, imports, carving, opening the device and every stage), with the
-    outcome read from its state file. ``hf_config`` goes to ``--hf-config`` for an ``hf:`` spec."""
+    outcome read from its state file. ``hf_config`` goes to ``--hf-config`` for an ``hf:`` spec,
+    ``dtype`` to ``--dtype``."""
     import subprocess
     import sys
     workdir = Path(workdir)
@@ -460,6 +462,8 @@ def migrate_figure(spec: str, target: str, workdir: Path, token: str | None = No
     cmd = [sys.executable, "-m", "tapml.cli", "migrate", spec, "--target", target, "--state", str(state_path), "-q"]
     if hf_config and spec.startswith("hf:"):
         cmd += [arg for k, v in hf_config.items() for arg in ("--hf-config", f"{k}={json.dumps(v)}")]
+    if dtype != "float32":
+        cmd += ["--dtype", dtype]
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
@@ -486,13 +490,18 @@ def _goal_met(key: str, value) -> bool | None:
 
 def check_models(models: tuple[str, ...] = (), generation_model: str = GENERATION_MODEL,
                  hf_config: dict | None = None, *, tokens: int = max(GENERATION_TOKENS),
-                 prompt_len: int = GENERATION_PROMPT_LEN) -> None:
+                 prompt_len: int = GENERATION_PROMPT_LEN, dtype: str = "float32") -> None:
     """Validate the bench's MODEL specs before a long run: ``models`` (migrated) may be any
     MODEL spec, ``generation_model`` must be a causal LM, ``hf_config`` applies to their
     ``hf:`` specs (each is built once, tiny, to check it); the generation must fit ``prompt_len +
-    tokens`` positions. TapmlError saying what fits."""
+    tokens`` positions; ``dtype`` must be a ``--dtype``. TapmlError saying what fits."""
+    from tapml.dtypes import check_model_dtype
     from tapml.errors import TapmlError
     from tapml.models import ZOO, load_causal_lm, load_model
+    try:
+        check_model_dtype(dtype)
+    except ValueError as e:
+        raise TapmlError(str(e)) from None
     if hf_config and not any(m.startswith("hf:") for m in (*models, generation_model)):
         raise TapmlError("--hf-config applies to hf:MODEL_TYPE models; give one with --model or --generation-model")
     for spec in models:
@@ -515,14 +524,15 @@ def check_models(models: tuple[str, ...] = (), generation_model: str = GENERATIO
 def run_suite(target: str = "wgpu", *, quick: bool = False, token: str | None = None,
               workdir: str | Path | None = None, models: tuple[str, ...] | None = None,
               generation_model: str = GENERATION_MODEL, hf_config: dict | None = None,
-              on_step: Callable[[str], None] | None = None) -> dict:
+              on_step: Callable[[str], None] | None = None, dtype: str = "float32") -> dict:
     """Run every benchmark against ``target`` and return the report (see ``tapml bench``).
 
     ``quick`` shrinks repetitions, the carving payload, the transport payload, the generation
     (2 vs 8 tokens) and migrates only ``zoo:mlp`` (a smoke run, figures not meant to be
     quoted). ``models`` overrides the models migrated (any MODEL spec); ``generation_model``
     is the causal LM whose generation is timed; ``hf_config`` applies to their ``hf:`` specs
-    (see :func:`check_models`). Scratch stores go under ``workdir`` (a temp dir by default, removed).
+    (see :func:`check_models`); every model is carved in ``dtype``. Scratch stores go under
+    ``workdir`` (a temp dir by default, removed).
     """
     import tempfile
 
@@ -537,7 +547,7 @@ def run_suite(target: str = "wgpu", *, quick: bool = False, token: str | None = 
     root.mkdir(parents=True, exist_ok=True)
     migrate_models = tuple(models) if models else (("zoo:mlp",) if quick else ZOO_MODELS)
     started = time.perf_counter()
-    report: dict = {"target": target, "quick": quick, "hf_config": hf_config or {}, "machine": {
+    report: dict = {"target": target, "quick": quick, "hf_config": hf_config or {}, "dtype": dtype, "machine": {
         "cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
         "load_avg": [round(x, 2) for x in os.getloadavg()]}}
     try:
@@ -556,7 +566,7 @@ def run_suite(target: str = "wgpu", *, quick: bool = False, token: str | None = 
             for spec in E2E_MODELS:
                 step(f"carving {spec}")
                 out = root / spec.replace(":", "_") / "store"
-                report["carving"]["models"][spec] = carve_model_figure(spec, out)
+                report["carving"]["models"][spec] = carve_model_figure(spec, out, dtype)
                 step(f"{spec} forward on {target} vs torch eager")
                 from tapml.carving import CarveStore
                 report["e2e"][spec] = e2e_figure(platform, CarveStore(out), repeat=3 if quick else 10)
@@ -564,14 +574,14 @@ def run_suite(target: str = "wgpu", *, quick: bool = False, token: str | None = 
             step(f"{generation_model} generation on {target} ({gen_tokens[1]} tokens) vs torch eager decoding")
             report["generation"] = generation_figure(
                 platform, target, root / "generation" / "store", generation_model, tokens=gen_tokens,
-                hf_config=hf_config if generation_model.startswith("hf:") else None)
+                hf_config=hf_config if generation_model.startswith("hf:") else None, dtype=dtype)
             step("carve writer vs plain file write")
             report["carving"]["write"] = carve_write_figure(root / "write", 16 if quick else 128, 3 if quick else 5)
             report["migrate"] = {}
             for spec in migrate_models:
                 step(f"migrating {spec}")
                 report["migrate"][spec] = migrate_figure(spec, target, root / "migrate" / _dir_name(spec),
-                                                         token=token, hf_config=hf_config)
+                                                         token=token, hf_config=hf_config, dtype=dtype)
             report["transport"] = None
             if target.startswith("remote://"):
                 step("transport vs plain socket")

@@ -61,6 +61,22 @@ class Tolerances:
             return self.overrides["*"]
         return DEFAULT_TOLERANCES.get(dtype, DEFAULT_TOLERANCES["float32"])
 
+    def against_float32(self, op: str | None, dtype: str, expected: torch.Tensor) -> tuple[float, float]:
+        """``(rtol, atol)`` for a value of a float16/bfloat16 run judged against the same model
+        in float32 (``expected``): the low ``dtype``'s defaults with atol raised to at least
+        ``rtol * max|expected|`` (finite elements). A low float keeps about as many digits of a
+        tensor's largest element as rtol says, so after a reduction its small elements carry
+        errors at that scale; an Inf, a NaN or a wrong value at the tensor's own scale still
+        fails. An override (``--tol``) applies as given."""
+        if op is not None and any(k in self.overrides for k in (op, op.rsplit(".", 1)[0])) or "*" in self.overrides:
+            return self.get(op, dtype)
+        rtol, atol = DEFAULT_TOLERANCES.get(dtype, DEFAULT_TOLERANCES["float32"])
+        if expected.is_floating_point() and expected.numel():
+            finite = expected[torch.isfinite(expected)]
+            if finite.numel():
+                atol = max(atol, rtol * float(finite.abs().max()))
+        return rtol, atol
+
     @classmethod
     def parse(cls, items: list[str] | None) -> "Tolerances":
         """Parse ``--tol`` values: ``OP=RTOL,ATOL`` or ``RTOL,ATOL`` (every op)."""
@@ -233,10 +249,24 @@ def merge(results: list[Comparison]) -> Comparison:
                       worst=failed[0][1].worst if failed else [], unsupported=unsupported)
 
 
+#: fp64-anchored mode: a target may be this many times as far from the float64 result as the reference is.
+ANCHOR_FACTOR = 4.0
+#: fp64-anchored mode: the error always allowed on top, per dtype of the output (the dtype's
+#: default atol for the low floats; 1e-6 for float32, whose default atol would hide real errors).
+ANCHOR_FLOOR = {"float32": 1e-6, "float16": DEFAULT_TOLERANCES["float16"][1],
+                "bfloat16": DEFAULT_TOLERANCES["bfloat16"][1], "float64": 1e-12}
+
+
 def compare_anchored(targets: list[torch.Tensor], refs32: list[torch.Tensor], refs64: list[torch.Tensor],
-                     factor: float = 4.0, floor: float = 1e-6) -> Comparison:
+                     factor: float = ANCHOR_FACTOR, floor: float | None = None) -> Comparison:
     """fp64-anchored check: the target passes when its error against the float64 result is
-    within ``factor`` times the float32 reference's own error (plus a small ``floor``)."""
+    within ``factor`` (:data:`ANCHOR_FACTOR`, 4) times the reference's own error (the float32,
+    float16 or bfloat16 reference ``refs32`` against ``refs64``) plus ``floor`` (None: the
+    output dtype's :data:`ANCHOR_FLOOR`). Where the reference itself overflowed (±Inf or NaN
+    where the float64 result is finite: the dtype's own range, not the target's fault) the
+    target must match the reference there, as in the plain comparison.
+
+    Example: ``compare_anchored([t16], [r16], [r64]).passed``."""
     if len(targets) != len(refs32):
         return Comparison(False, message=f"{len(targets)} outputs != reference {len(refs32)}")
     results = []
@@ -244,9 +274,16 @@ def compare_anchored(targets: list[torch.Tensor], refs32: list[torch.Tensor], re
         if not r32.dtype.is_floating_point or tuple(t.shape) != tuple(r32.shape) or t.dtype != r32.dtype:
             results.append(compare_tensor(t, r32))  # exact, or a shape/dtype mismatch: no anchoring needed
             continue
-        ref_err = float((r32.double() - r64.double()).abs().nan_to_num(0.0).max()) if r32.numel() else 0.0
-        bound = factor * ref_err + floor
-        c = compare_tensor(t.double(), r64.double(), rtol=0.0, atol=bound)
-        c.message = c.message and f"{c.message} (fp64-anchored: reference float32 error {ref_err:.3g}, factor {factor:g})"
+        name = dtype_name(r32.dtype)
+        bound_floor = ANCHOR_FLOOR.get(name, ANCHOR_FLOOR["float32"]) if floor is None else floor
+        low, anchor = r32.detach().cpu().double(), r64.detach().cpu().double()
+        overflowed = ~torch.isfinite(low) & torch.isfinite(anchor)
+        anchor = torch.where(overflowed, low, anchor)
+        both = torch.isfinite(low) & torch.isfinite(anchor)
+        ref_err = float((low - anchor).abs()[both].max()) if bool(both.any()) else 0.0
+        bound = factor * ref_err + bound_floor
+        c = compare_tensor(t.double(), anchor, rtol=0.0, atol=bound)
+        c.message = c.message and (f"{c.message} (fp64-anchored: reference {name} error {ref_err:.3g}, "
+                                   f"factor {factor:g}, floor {bound_floor:g})")
         results.append(c)
     return merge(results)

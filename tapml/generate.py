@@ -14,6 +14,10 @@ the cache stays where its producer runs, so only token ids and positions cross p
 - **free** (``free=True``): the target feeds its own tokens; the reference follows the same
   tokens in lockstep so that every step's logits are still comparable, and the first token
   where the target leaves the reference's own generation is reported.
+- **low precision** (a store carved with ``--dtype float16|bfloat16``): each step's logits are
+  judged against the model in float32 (the float32 twin of the graphs, :func:`tapml.dtypes.as_float32`,
+  run with its own float32 cache from the upcast parameters, fed the same tokens), with the
+  low dtype's tolerances; the reference token of a step is the twin's argmax.
 
 On the first failing step the migration machinery (:class:`tapml.migrate.Migration`: op stage
 on that graph's cases, then regions with bisection) runs on that step's graph with the
@@ -38,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from tapml.compare import Comparison, Tolerances, compare_outputs
+from tapml.compare import Comparison, Tolerances, compare_tensor
 from tapml.errors import DeviceLost, TapmlError
 from tapml.graph import Graph, dtype_name, step as reference_step
 from tapml.hybrid import REFERENCE, TARGET, HybridRunner
@@ -109,19 +113,25 @@ def target_placement(graph: Graph, platform) -> tuple[dict[str, str], list[str]]
     return placement, fell_back
 
 
-def judge_step(logits, expected, tolerances: Tolerances, reference_token: int) -> tuple[str, Comparison, int]:
+def judge_step(logits, expected, tolerances: Tolerances, reference_token: int,
+               dtype: str | None = None) -> tuple[str, Comparison, int]:
     """``(status, comparison, target token)`` of one step's last-position logits against the
     reference's: ``mismatch`` when the logits are out of tolerance, ``near-tie`` when they are
     within it but the argmax differs because the reference's own top-2 gap is within the
-    tolerance, else ``pass`` (a different argmax with a wider gap is a ``mismatch``)."""
+    tolerance, else ``pass`` (a different argmax with a wider gap is a ``mismatch``).
+    ``dtype``: the low dtype of a float16/bfloat16 generation judged against float32 logits:
+    ``logits`` are upcast to ``expected``'s dtype and that low dtype's tolerances apply."""
     logits = logits.detach().cpu().reshape(-1)
-    comparison = compare_outputs([logits], [expected], tolerances=tolerances)
+    if dtype is not None and logits.is_floating_point():
+        logits = logits.to(expected.dtype)
+    rtol, atol = tolerances.against_float32(None, dtype, expected) if dtype else \
+        tolerances.get(None, dtype_name(expected.dtype))
+    comparison = compare_tensor(logits, expected, rtol, atol)
     token = int(logits.argmax()) if logits.numel() else -1
     if not comparison.passed:
         return "mismatch", comparison, token
     if token == reference_token:
         return "pass", comparison, token
-    rtol, atol = tolerances.get(None, dtype_name(expected.dtype))
     top = expected.double().topk(2).values
     gap = float(top[0] - top[1])
     if gap <= 2 * (atol + rtol * float(top[0].abs())):  # each logit may move by its tolerance
@@ -208,6 +218,7 @@ def generate(store, platform, target: str, *, tokens: int | None = None, free: b
         placements[k], fell_back[k] = target_placement(graphs[k], platform)
     runners = {k: HybridRunner(graphs[k], platform) for k in KINDS}
     reference = _ReferenceStepper(store, graphs, params)
+    low, twin = _float32_twin(store, graphs, params)
     stored_steps = store.steps[:tokens + 1]
     gen = store.manifest["generation"]
 
@@ -228,6 +239,9 @@ def generate(store, platform, target: str, *, tokens: int | None = None, free: b
         expected = store.step_logits(k) if not free or first_divergence is None else \
             ref_outputs[refs[kind]][0, -1].detach().cpu()
         reference_token = s["token"] if not free or first_divergence is None else int(expected.argmax())
+        if twin is not None:  # low precision: judged against the model in float32, fed the same tokens
+            expected = twin.step(kind, step_inputs)[1][refs[kind]][0, -1].detach().cpu()
+            reference_token = int(expected.argmax())
         before = platform.upload_bytes
         start = time.perf_counter()
         try:
@@ -243,7 +257,7 @@ def generate(store, platform, target: str, *, tokens: int | None = None, free: b
             if kind == "decode":
                 target_decode_s += time.perf_counter() - start
                 uploads.append(platform.upload_bytes - before)
-            status, comparison, token = judge_step(logits, expected, tolerances, reference_token)
+            status, comparison, token = judge_step(logits, expected, tolerances, reference_token, low)
             target_tokens.append(token)
             rows.append(_row(k, kind, reference_token, token, comparison.max_abs_err, status, comparison.message))
             if free and first_divergence is None and token != s["token"]:
@@ -265,6 +279,7 @@ def generate(store, platform, target: str, *, tokens: int | None = None, free: b
     return {
         "target": target, "model": store.model, "device": device_info(platform),
         "mode": "free" if free else "teacher-forced", "prompt_len": gen["prompt_len"], "tokens": tokens,
+        "dtype": store.dtype, "judged_against": "float32" if low else store.dtype,
         "steps": rows,
         "summary": {"steps": len(rows), "pass": counts["pass"], "mismatch": counts["mismatch"],
                     "near_tie": counts["near-tie"], "error": counts["error"], "first_failure": first_failure},
@@ -284,6 +299,26 @@ def generate(store, platform, target: str, *, tokens: int | None = None, free: b
         "tokens_per_s": {"target": _rate(decode_steps, target_decode_s),
                          "reference": _rate(tokens, reference.decode_s)},
     }
+
+
+def _float32_twin(store, graphs: dict[str, Graph], params: dict[str, dict]):
+    """``(low dtype, stepper of the float32 twin)`` of a float16/bfloat16 generation: the twin
+    graphs with their own float32 cache from the upcast parameters (a tensor both graphs share
+    is upcast once); ``(None, None)`` for a float32 store."""
+    from tapml.regions import low_dtype
+    low = low_dtype(store)
+    if low is None:
+        return None, None
+    from tapml.dtypes import as_float32, upcast
+    wide: dict[int, object] = {}
+    twin_params = {}
+    for kind, by_name in params.items():
+        twin_params[kind] = {}
+        for name, t in by_name.items():
+            if id(t) not in wide:
+                wide[id(t)] = upcast({name: t}, low)[name]
+            twin_params[kind][name] = wide[id(t)]
+    return low, _ReferenceStepper(store, {k: as_float32(g, low) for k, g in graphs.items()}, twin_params)
 
 
 def passed(doc: dict) -> bool:

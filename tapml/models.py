@@ -64,6 +64,47 @@ def _zoo_cnn():
     return model, (torch.randn(2, 3, 16, 16),)
 
 
+class _SumOfSquares(torch.nn.Module):
+    """An energy term ``0.001 * sum((300 x)^2)``: the squares pass float16's 65504, so in float16
+    the sum, and the model's output, become Inf (the energy itself, ~1e3, fits)."""
+
+    def forward(self, x):
+        return (x * 300).pow(2).sum(-1, keepdim=True) * 0.001
+
+
+class _Fp16Overflow(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+        self.energy = _SumOfSquares()
+
+    def forward(self, x):
+        return self.proj(x) * self.energy(x)
+
+
+class _ScaledRMSNorm(torch.nn.Module):
+    """RMSNorm of ``300 x``: the mean of squares passes float16's 65504 and becomes Inf, rsqrt turns
+    the Inf into 0, so in float16 the output is finite and wrong (all zeros)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(dim))
+
+    def forward(self, x):
+        h = x * 300
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class _Fp16Absorbed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = _ScaledRMSNorm(64)
+        self.head = torch.nn.Linear(64, 8)
+
+    def forward(self, x):
+        return self.head(self.norm(x))
+
+
 def _hf_zoo(model_type: str, **overrides) -> Callable:
     build = lambda: build_hf(model_type, overrides)  # noqa: E731
     build.hf = (model_type, overrides)  # what load_causal_lm rebuilds with its cache enabled
@@ -78,6 +119,9 @@ ZOO: dict[str, Callable[[], tuple]] = {
     "tiny-bert": _hf_zoo("bert"),
     "tiny-vit": _hf_zoo("vit", image_size=32, patch_size=8),
     "tiny-resnet": _hf_zoo("resnet", embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic"),
+    # Planted float16 overflows, for `tapml precision --dtype float16` (float32 models and inputs).
+    "fp16-overflow": lambda: (_Fp16Overflow(), (torch.randn(4, 16),)),
+    "fp16-absorbed": lambda: (_Fp16Absorbed(), (torch.randn(4, 64),)),
 }
 
 
@@ -218,12 +262,62 @@ def _load_factory(spec: str):
     return model.eval(), tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
 
 
-def load_model(spec: str, seed: int = 0, hf_config: dict | None = None):
+def _check_dtype(dtype: str) -> torch.dtype:
+    """The torch dtype of a ``--dtype`` value; TapmlError naming the choices otherwise."""
+    from tapml.dtypes import check_model_dtype
+    from tapml.graph import torch_dtype
+    try:
+        return torch_dtype(check_model_dtype(dtype))
+    except ValueError as e:
+        raise TapmlError(str(e)) from None
+
+
+def cast_inputs(inputs: tuple, dtype: torch.dtype) -> tuple:
+    """``inputs`` with every floating tensor (also inside a dict of keyword inputs) in ``dtype``."""
+    def cast(x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return x.to(dtype)
+        if isinstance(x, dict):
+            return {k: cast(v) for k, v in x.items()}
+        return x
+    return tuple(cast(x) for x in inputs)
+
+
+def _archive_dtype(ep, args) -> str:
+    """The low float dtype a ``.pt2`` archive holds (its first among parameters, buffers,
+    constants and example inputs), else ``float32``."""
+    from tapml.dtypes import LOW_FLOATS
+    from tapml.graph import dtype_name
+    tensors = [*ep.state_dict.values(), *getattr(ep, "constants", {}).values(), *args]
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and dtype_name(t.dtype) in LOW_FLOATS:
+            return dtype_name(t.dtype)
+    return "float32"
+
+
+def load_model(spec: str, seed: int = 0, hf_config: dict | None = None, dtype: str = "float32"):
     """Model and example inputs of a MODEL spec; a ``.pt2`` spec returns the ExportedProgram
     itself in place of the model, read by :func:`tapml.pt2.load_pt2` (nothing in it runs).
-    Raises TapmlError for bad specs."""
+    ``dtype`` (``float32``, ``float16``, ``bfloat16``): the model's floating parameters and
+    buffers and its floating example inputs are cast to it (``float32`` leaves the model as its
+    spec makes it); a ``.pt2`` cannot be recast, so it must already be in a low ``dtype`` asked for.
+    Raises TapmlError for bad specs and dtypes."""
+    to = _check_dtype(dtype)
     if not isinstance(spec, str) or not spec:
         raise TapmlError("empty model spec; use zoo:NAME, hf:MODEL_TYPE, file.py:factory or file.pt2")
+    model, inputs = _load_model(spec, seed, hf_config)
+    if dtype == "float32":
+        return model, inputs
+    if isinstance(model, torch.nn.Module):
+        return model.to(to), cast_inputs(inputs, to)
+    held = _archive_dtype(model, inputs)
+    if held != dtype:
+        raise TapmlError(f"{spec} is an exported program in {held}; a .pt2 cannot be recast, so --dtype {dtype} "
+                         f"needs an archive exported in {dtype} (or leave --dtype out)")
+    return model, inputs
+
+
+def _load_model(spec: str, seed: int, hf_config: dict | None):
     torch.manual_seed(seed)
     if hf_config and not spec.startswith("hf:"):
         raise TapmlError("--hf-config only applies to hf:MODEL_TYPE specs")
@@ -253,9 +347,11 @@ def load_model(spec: str, seed: int = 0, hf_config: dict | None = None):
 _MAX_POSITIONS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
 
 
-def load_causal_lm(spec: str, *, tokens: int, prompt_len: int, seed: int = 0, hf_config: dict | None = None):
+def load_causal_lm(spec: str, *, tokens: int, prompt_len: int, seed: int = 0, hf_config: dict | None = None,
+                   dtype: str = "float32"):
     """A causal LM of a MODEL spec with its key/value cache enabled, for carving a generation of
-    ``prompt_len`` prompt tokens and ``tokens`` generated ones.
+    ``prompt_len`` prompt tokens and ``tokens`` generated ones, its floating parameters and
+    buffers in ``dtype`` (``float32``, ``float16``, ``bfloat16``).
 
     ``spec`` is ``hf:MODEL_TYPE`` (shrunk like :func:`build_hf`, ``hf_config`` overrides) or a
     zoo model built from transformers (``zoo:tiny-llama``, ``zoo:tiny-gpt2``); the weights are
@@ -265,6 +361,7 @@ def load_causal_lm(spec: str, *, tokens: int, prompt_len: int, seed: int = 0, hf
     is below 1, or when ``prompt_len + tokens`` exceeds the model's positions.
     Example: ``load_causal_lm("zoo:tiny-llama", tokens=4, prompt_len=8)``.
     """
+    to = _check_dtype(dtype)
     for name, value in (("tokens", tokens), ("prompt_len", prompt_len)):
         if type(value) is not int or value < 1:
             raise TapmlError(f"{name} must be an integer of at least 1, not {value!r}")
@@ -303,7 +400,7 @@ def load_causal_lm(spec: str, *, tokens: int, prompt_len: int, seed: int = 0, hf
         raise TapmlError(f"{spec}: cannot build the causal LM from its config: {type(e).__name__}: {e}") from None
     model.generation_config.use_cache = True
     model.generation_config.cache_implementation = "static"
-    return model
+    return model if dtype == "float32" else model.to(to)
 
 
 def _zoo_causal_lms() -> list[str]:

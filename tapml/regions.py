@@ -10,6 +10,13 @@ and model stages and by the session.
 - :func:`module_regions` lists the regions of the module tree, children before parents;
 - :func:`common_module` is the deepest module holding a set of nodes.
 
+A store carved in float16 or bfloat16 (``--dtype``) is judged against *the same model in
+float32* (what a port must preserve), with the tolerances of the low dtype: a region's
+expected outputs are its subgraph's float32 twin (:func:`tapml.dtypes.as_float32`) run on the
+CPU from the region's recorded low-precision inputs, upcast (errors made upstream are not the
+region's); the whole model's, the twin of its graph on the upcast program inputs. So a model
+that overflows in float16 fails even where the CPU reference overflows the same way.
+
 Example::
 
     checker = RegionChecker(store, platform)
@@ -21,12 +28,43 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 from tapml.compare import Comparison, Tolerances, compare_outputs, compare_tensor, merge
-from tapml.graph import Graph, dtype_name
+from tapml.dtypes import LOW_FLOATS, as_float32, upcast
+from tapml.graph import Graph, dtype_name, run_graph
 from tapml.hybrid import HybridResult, HybridRunner, reference_values
 from tapml.verdict import Verdict, outcome_verdict
 
 #: The step a generation's graph is checked on: the prefill, and the first decode step.
 CHECKED_STEP = {"prefill": 0, "decode": 1}
+#: Said after a failing comparison of a low-precision store: what it was compared with.
+AGAINST_FLOAT32 = "against the model in float32"
+
+
+def low_dtype(store) -> str | None:
+    """The low float dtype (``float16``/``bfloat16``) ``store`` was carved in, else None."""
+    dtype = getattr(store, "dtype", "float32")
+    return dtype if dtype in LOW_FLOATS else None
+
+
+def float32_twin_values(graph: Graph, inputs: dict, refs: Iterable[str], dtype: str) -> dict:
+    """The values at ``refs`` of ``graph``'s float32 twin run on the CPU from ``inputs`` (the
+    low-precision values at the graph's inputs, upcast here)."""
+    import torch
+    twin = as_float32(graph, dtype)
+    wanted = Graph(inputs=twin.inputs, nodes=twin.nodes, outputs=list(dict.fromkeys(refs)))
+    with torch.no_grad():
+        return run_graph(wanted, upcast({r: inputs[r] for r, _ in graph.inputs}, dtype))
+
+
+def judge_low(value, expected, dtype: str, tolerances: Tolerances, op: str | None, worst: int = 5) -> Comparison:
+    """Compare a target's low-precision ``value`` (upcast) with the float32 twin's ``expected``
+    with the tolerances of the low ``dtype`` (integers and bools stay exact)."""
+    value = next(iter(upcast({"v": value}, dtype).values()))
+    rtol, atol = tolerances.against_float32(op, dtype, expected) if expected.is_floating_point() else \
+        tolerances.get(op, dtype_name(expected.dtype))
+    c = compare_tensor(value, expected, rtol, atol, worst=worst)
+    if c.message:
+        c.message = f"{c.message} ({AGAINST_FLOAT32})"
+    return c
 
 
 class RegionChecker:
@@ -35,7 +73,8 @@ class RegionChecker:
 
     ``graph`` is the store's model graph unless given (a generation's decode graph), and
     ``inputs()`` returns the reference values of its inputs (the store's program inputs unless
-    given)."""
+    given). In a float16/bfloat16 store, outputs are judged against the float32 twin (see the
+    module's docstring); ``ref`` stays the low-precision run whose values feed each region."""
 
     def __init__(self, store, platform, tolerances: Tolerances | None = None, *, graph: Graph | None = None,
                  inputs: Callable[[], dict] | None = None):
@@ -47,7 +86,10 @@ class RegionChecker:
         self.producer = self.graph.producer()
         self.order = {n.name: i for i, n in enumerate(self.graph.nodes)}
         self._ref: dict | None = None
+        self._ref32: dict | None = None
         self._runners: dict[tuple, HybridRunner] = {}
+        #: The store's low float dtype, None for float32 (judged against the reference itself).
+        self.low = low_dtype(store)
 
     @property
     def ref(self) -> dict:
@@ -55,6 +97,17 @@ class RegionChecker:
         if self._ref is None:
             self._ref = reference_values(self.graph, self._inputs())
         return self._ref
+
+    @property
+    def ref32(self) -> dict:
+        """Every value of the model's float32 twin run from the upcast graph inputs (computed
+        once; a float16/bfloat16 store only): what a value in a whole hybrid run is judged by."""
+        if self._ref32 is None:
+            inputs = {r: self.ref[r] for r, _ in self.graph.inputs}
+            self._ref32 = {**upcast(inputs, self.low),
+                           **float32_twin_values(self.graph, inputs, [r for n in self.graph.nodes
+                                                                      for r in n.output_refs], self.low)}
+        return self._ref32
 
     def model_io(self) -> tuple[dict, dict]:
         """The reference's values at the graph's inputs and at its outputs: what a whole run of a
@@ -69,26 +122,41 @@ class RegionChecker:
             self._runners[key] = HybridRunner(self.graph.subgraph(names), self.platform)
         return self._runners[key]
 
-    def compare_ref(self, value, ref: str, worst: int = 5) -> Comparison:
+    def compare_ref(self, value, ref: str, worst: int = 5, expected=None) -> Comparison:
         """Compare ``value`` with the reference's value at ``ref``, with the tolerance of the op
-        that produces it (``worst``: how many of the worst elements to list)."""
-        expected = self.ref[ref]
+        that produces it (``worst``: how many of the worst elements to list). In a
+        float16/bfloat16 store the reference is the float32 twin's value (``expected``, else
+        :attr:`ref32`), with the low dtype's tolerance."""
         op = self.producer[ref].op if ref in self.producer else None
+        if self.low is not None:
+            return judge_low(value, self.ref32[ref] if expected is None else expected, self.low, self.tolerances,
+                             op, worst)
+        expected = self.ref[ref]
         rtol, atol = self.tolerances.get(op, dtype_name(expected.dtype))
         return compare_tensor(value, expected, rtol, atol, worst=worst)
 
-    def compare(self, values: dict, refs: list[str]) -> tuple[Comparison, str | None]:
-        """Compare values at ``refs`` with the reference (see :meth:`compare_ref`); returns the
-        merged comparison and the ref of the worst failing output."""
+    def compare(self, values: dict, refs: list[str], expected: dict | None = None) -> tuple[Comparison, str | None]:
+        """Compare values at ``refs`` with the reference (see :meth:`compare_ref`; ``expected``:
+        the float32 twin's values by ref, in a low-precision store); returns the merged
+        comparison and the ref of the worst failing output."""
         results, worst_ref, worst_err = [], None, -1.0
         for r in refs:
-            c = self.compare_ref(values[r], r)
+            c = self.compare_ref(values[r], r, expected=None if expected is None else expected[r])
             results.append(c)
             if not c.passed:
                 err = float("inf") if c.max_abs_err is None else c.max_abs_err
                 if err > worst_err:
                     worst_ref, worst_err = r, err
         return merge(results), worst_ref
+
+    def _reference_note(self, refs: list[str], expected: dict) -> str:
+        """Where the CPU reference in the low dtype misses the float32 twin too: a note saying
+        so (the dtype's own error, whatever the target does), else nothing."""
+        own = merge([judge_low(self.ref[r], expected[r], self.low, self.tolerances, None, worst=0) for r in refs])
+        if own.passed:
+            return ""
+        err = "inf" if own.max_abs_err is None else f"{own.max_abs_err:.3g}"
+        return f"; the {self.low} reference itself misses float32 there too (max_abs_err {err}): {self.low}'s own error"
 
     def compare_region(self, names: list[str], placement: dict[str, str], window: list[str] | None = None) -> Verdict:
         """Run the region made of ``names`` (each placed as ``placement`` says) and return its
@@ -110,7 +178,12 @@ class RegionChecker:
             result = runner.run(inputs, placement, keep=refs)
         except Exception as e:  # noqa: BLE001 - a failing region is a verdict, not a crash
             return outcome_verdict(e)
-        comparison, worst_ref = self.compare(result.values, refs)
+        # Low precision: the region's own float32 twin from its recorded inputs, not the twin's
+        # whole run (errors accumulated upstream are not the region's).
+        expected = None if self.low is None else float32_twin_values(sub, inputs, refs, self.low)
+        comparison, worst_ref = self.compare(result.values, refs, expected)
+        if expected is not None and not comparison.passed:
+            comparison.message += self._reference_note(refs, expected)
         verdict = outcome_verdict(comparison, round(sum(r.run_ms for r in result.regions), 4))
         verdict.worst_output = worst_ref
         return verdict
@@ -122,7 +195,9 @@ def run_model_against_reference(store, runner: HybridRunner, placement: dict[str
     """Run the whole model of ``store`` with ``runner`` on ``placement`` and compare its outputs
     with the reference's. Shared by migrate's model stage and :meth:`tapml.session.Session.compare_model`.
     ``inputs`` and ``expected`` (reference outputs by ref) replace the store's program inputs and
-    model outputs (a generation's decode step).
+    model outputs (a generation's decode step). In a float16/bfloat16 store the outputs (those
+    ``expected`` names) are judged against the float32 twin of the graph run on the upcast inputs,
+    with the low dtype's tolerances.
 
     Returns the verdict and the run, which is None when the run raised: a failing run is a
     verdict (:func:`~tapml.verdict.outcome_verdict`), except DeviceLost, which is raised.
@@ -132,12 +207,18 @@ def run_model_against_reference(store, runner: HybridRunner, placement: dict[str
         verdict, result = run_model_against_reference(store, HybridRunner(store.graph, platform), placement, Tolerances())
         verdict.status  # 'pass'
     """
+    inputs = store.program_inputs() if inputs is None else inputs
     try:
-        result = runner.run(store.program_inputs() if inputs is None else inputs, placement, keep=keep)
+        result = runner.run(inputs, placement, keep=keep)
     except Exception as e:  # noqa: BLE001 - a failing model is a verdict, not a crash
         return outcome_verdict(e), None
     expected = store.model_outputs() if expected is None else expected
-    c = compare_outputs([result.values[r] for r in expected], list(expected.values()), tolerances=tolerances)
+    low = low_dtype(store)
+    if low is None:
+        c = compare_outputs([result.values[r] for r in expected], list(expected.values()), tolerances=tolerances)
+    else:
+        twin = float32_twin_values(runner.graph, inputs, expected, low)
+        c = merge([judge_low(result.values[r], twin[r], low, tolerances, None) for r in expected])
     return outcome_verdict(c, round(sum(r.run_ms for r in result.regions) + result.reference_ms, 4)), result
 
 
@@ -223,4 +304,4 @@ def common_module(paths: list[str]) -> str:
 
 
 __all__ = ["RegionChecker", "run_model_against_reference", "decode_step_inputs", "bisect", "module_regions",
-           "common_module", "CHECKED_STEP"]
+           "common_module", "low_dtype", "float32_twin_values", "judge_low", "CHECKED_STEP", "AGAINST_FLOAT32"]

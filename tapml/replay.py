@@ -23,14 +23,30 @@ def device_info(platform) -> dict:
     except PlatformError as e:
         return {"adapter": "unknown", "backend": "unknown", "features": [], "limits": {}, "error": str(e)}
     return {k: caps.get(k, default) for k, default in
-            (("adapter", ""), ("backend", ""), ("features", []), ("limits", {}))}
+            (("adapter", ""), ("backend", ""), ("features", []), ("limits", {}), ("low_precision", {}))}
 
 
 def _reference64(store, case) -> list[torch.Tensor]:
-    graph = store.case_graph(case)
+    """The case recomputed in float64: its floating inputs in float64 and, in a float16/bfloat16
+    store, every value and ``dtype=`` argument of the store's dtype too (so that a case whose op
+    casts to the low dtype is still anchored)."""
+    from tapml.dtypes import as_float32
+    graph = as_float32(store.case_graph(case), store_dtype(store), to="float64")
     inputs = {r: (t.double() if t.is_floating_point() else t) for (r, _), t in zip(graph.inputs, store.case_inputs(case))}
     out = run_graph(graph, inputs)
     return [out[r] for r in graph.outputs]
+
+
+def store_dtype(store) -> str:
+    """The dtype ``store`` was carved in (``float32`` for a store, or a view of one, that does not say)."""
+    return getattr(store, "dtype", "float32")
+
+
+def anchored_by_default(store) -> bool:
+    """Whether cases of ``store`` are judged fp64-anchored when nobody says: a float16/bfloat16
+    store's are (the reference's own rounding is the yardstick), a float32 store's are not."""
+    from tapml.dtypes import LOW_FLOATS
+    return store_dtype(store) in LOW_FLOATS
 
 
 def repeat_runs(platform, program, inputs: list[torch.Tensor], first: list[torch.Tensor], repeat: int) -> str | None:
@@ -61,9 +77,11 @@ def flaky_verdict(first: Verdict, report: str) -> Verdict:
 
 
 def replay_case(platform, store, case: dict, tolerances: Tolerances | None = None,
-               anchored: bool = False, profile: int = 0, repeat: int = 1) -> CaseVerdict:
+               anchored: bool | None = None, profile: int = 0, repeat: int = 1) -> CaseVerdict:
     """Run one case on ``platform`` and judge it against the reference's outputs. A platform
     failure is a verdict (see :func:`~tapml.verdict.outcome_verdict`); DeviceLost is raised.
+    ``anchored``: judge floats fp64-anchored (:func:`~tapml.compare.compare_anchored`); None
+    (default) means so for a float16/bfloat16 store (:func:`anchored_by_default`).
     ``profile``: time that many more runs of a case that ran and record their median device
     time, GFLOP/s and GB/s on the verdict (:func:`tapml.profile.profile_program`).
     ``repeat``: run the case that many times; outputs that differ from run to run make it
@@ -82,7 +100,7 @@ def replay_case(platform, store, case: dict, tolerances: Tolerances | None = Non
     else:
         time_ms = round(first_ms if first_ms is not None else (time.perf_counter() - start) * 1e3, 4)
         expected = store.case_outputs(case)
-        if anchored:
+        if anchored_by_default(store) if anchored is None else anchored:
             result = compare_anchored(outputs, expected, _reference64(store, case))
         else:
             result = compare_outputs(outputs, expected, op=case["op"], tolerances=tolerances)
@@ -99,15 +117,16 @@ def replay_case(platform, store, case: dict, tolerances: Tolerances | None = Non
                        instances=case.get("instances", 1), **outcome.outcome(), **speed)
 
 
-def run_case(platform, store, case: dict, tolerances: Tolerances | None = None, anchored: bool = False) -> dict:
+def run_case(platform, store, case: dict, tolerances: Tolerances | None = None, anchored: bool | None = None) -> dict:
     """:func:`replay_case` as the case's Verdict JSON; DeviceLost is raised, never a verdict."""
     return replay_case(platform, store, case, tolerances, anchored).to_json()
 
 
-def replay(store, platform, target: str, tolerances: Tolerances | None = None, anchored: bool = False,
+def replay(store, platform, target: str, tolerances: Tolerances | None = None, anchored: bool | None = None,
            cases: list[dict] | None = None, on_case: Callable[[dict], None] | None = None, profile: int = 0,
            repeat: int = 1, guards: bool = False) -> dict:
     """Replay ``cases`` (default: all) of ``store`` on ``platform``; returns the Verdict JSON.
+    ``anchored``: fp64-anchored judging, None for the store's default (see :func:`replay_case`).
     ``profile``: record each case's device time, the median of that many runs (see :func:`replay_case`).
     ``repeat``: run each case that many times, ``flaky`` when its outputs vary. ``guards``: check
     every run for writes past the end of a buffer (:meth:`Platform.enable_guards`; TapmlError

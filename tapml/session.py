@@ -42,12 +42,15 @@ class Session:
     file :meth:`save` writes; ``inject`` and ``tol`` as ``tapml migrate --inject/--tol``
     (lists of strings); ``token`` for ``remote://`` targets; ``graph`` which graph of a
     generation store to work on, ``"prefill"`` or ``"decode"`` (the first decode step, with the
-    reference's cache after the prefill). Everything starts on the reference.
+    reference's cache after the prefill); ``dtype`` the ``--dtype`` a MODEL spec is carved in
+    (``float32``, ``float16``, ``bfloat16``; a store given with another is refused). A
+    float16/bfloat16 model's regions and whole runs are judged against it in float32
+    (:mod:`tapml.regions`). Everything starts on the reference.
     """
 
     def __init__(self, model: str, target: str = "reference", state: str | None = None,
                  inject: list[str] | None = None, tol=None, token: str | None = None, platform=None,
-                 hf_config: dict | None = None, graph: str = "prefill"):
+                 hf_config: dict | None = None, graph: str = "prefill", dtype: str | None = None):
         from tapml.compare import Tolerances
         from tapml.targets import check_target, open_target
         check_target(target)
@@ -60,7 +63,7 @@ class Session:
         self.inject = list(inject or [])
         self.target = target
         self.state_path = Path(state) if state else None
-        self.store, self.store_path = open_or_carve(str(model), state, hf_config=hf_config)
+        self.store, self.store_path = open_or_carve(str(model), state, hf_config=hf_config, dtype=dtype)
         # A model carved without --state lives in a scratch folder, removed at close unless saved.
         self._scratch = self.store_path.parent if state is None and not Path(str(model)).is_dir() else None
         if graph == "decode" and not self.store.is_generation:

@@ -520,6 +520,80 @@ def is_generation_document(data) -> bool:
     return isinstance(data, dict) and "steps" in data and "cases" not in data
 
 
+# --- the precision document ----------------------------------------------------------------
+
+#: Version of the precision document (``tapml precision --json``) this tapml writes and reads.
+PRECISION_FORMAT_VERSION = 1
+#: Dtypes a precision analysis is about (tapml.dtypes.LOW_FLOATS).
+PRECISION_DTYPES = ("float16", "bfloat16")
+#: Statuses of a precision document's end-to-end runs.
+END_TO_END_STATUSES = ("pass", "mismatch", "error")
+
+
+def read_precision_document(data, where: str = "<precision>", hint: str = "") -> dict:
+    """Validate a parsed Precision JSON (``tapml precision --json``, ARCHITECTURE.md) and return
+    it normalized: ``format_version``, ``model``, ``dtype`` (float16|bfloat16), ``target``,
+    ``device``, ``ops`` (``op`` from the op vocabulary, ``node`` unique, ``module``, ``max_abs`` >= 0,
+    ``headroom`` > 0, ``overflow``/``absorbed`` booleans, ``absorbed`` only where ``overflow``,
+    ``err_vs_fp64``/``ref_err_vs_fp64``/``err_vs_fp32`` >= 0 or null), ``keep_float32`` (names of
+    nodes in ``ops``), ``keep_float32_modules``, ``rounds`` and ``end_to_end`` (``before``/``after``:
+    ``status`` pass|mismatch|error, ``max_abs_err``, ``max_rel_err``, ``message``). TapmlError
+    naming ``where`` and the field when it is malformed."""
+    from tapml.ops import check_op
+    ctx = _Ctx(where, True, hint)
+    _check_depth(data, ctx)
+    o = _Obj(data, ctx, "", "a precision document", top=True)
+    version = o.count("format_version", 0)
+    if version > PRECISION_FORMAT_VERSION:
+        o.fail(f"format_version {version} is newer than this tapml reads ({PRECISION_FORMAT_VERSION}); upgrade tapml")
+    o.choice("kind", ("precision",), None)
+    if not isinstance(o._get("ops", _MISSING, True), list):
+        o._bad("ops", o.data["ops"], "a list")
+    ops, nodes = [], set()
+    for i, item in enumerate(o.data["ops"]):
+        x = _Obj(item, ctx, f"ops[{i}]", "a precision entry")
+        op = x.string("op", required=True)
+        try:
+            check_op(op)
+        except ValueError as e:
+            x.fail(f"op: {e}")
+        node = x.string("node", required=True)
+        if not node or node in nodes:
+            x.fail(f"node {node[:80]!r} is empty or appears twice")
+        nodes.add(node)
+        entry = {"op": op, "node": node, "module": x.string("module", "") or "",
+                 "overflow": x.boolean("overflow", False), "absorbed": x.boolean("absorbed", False)}
+        for k in ("max_abs", "headroom", "err_vs_fp64", "ref_err_vs_fp64", "err_vs_fp32"):
+            v = x.number(k)
+            if v is not None and (v < 0 or k == "headroom" and v == 0):
+                x.fail(f"{k} is {v}, expected {'a positive number' if k == 'headroom' else 'a number of 0 or more'}")
+            entry[k] = v
+        if entry["absorbed"] and not entry["overflow"]:
+            x.fail("absorbed is true but overflow is false (an absorbed value is one that overflowed)")
+        ops.append(entry)
+    keep = o.strings("keep_float32", required=True)
+    unknown = [k for k in keep if k not in nodes]
+    if unknown:
+        o.fail(f"keep_float32 names {unknown[0][:80]!r}, which is not a node of ops")
+    e2e = o.child("end_to_end", "end-to-end results ({before, after})", required=True)
+    runs = {}
+    for k in ("before", "after"):
+        r = e2e.child(k, "an end-to-end result", required=True)
+        runs[k] = {"status": r.choice("status", END_TO_END_STATUSES, required=True),
+                   "max_abs_err": r.number("max_abs_err"), "max_rel_err": r.number("max_rel_err"),
+                   "message": r.string("message", "") or ""}
+    return {"format_version": version, "model": o.string("model", "") or "",
+            "dtype": o.choice("dtype", PRECISION_DTYPES, required=True), "target": o.string("target", required=True),
+            "device": _device(o), "ops": ops, "keep_float32": keep, "keep_float32_modules": o.strings("keep_float32_modules"),
+            "rounds": o.count("rounds", 0), "end_to_end": runs}
+
+
+def is_precision_document(data) -> bool:
+    """Whether parsed JSON claims to be a Precision JSON (``kind`` precision, or ``keep_float32``
+    and no verdict ``cases``)."""
+    return isinstance(data, dict) and (data.get("kind") == "precision" or ("keep_float32" in data and "cases" not in data))
+
+
 # --- journal records -----------------------------------------------------------------------
 
 def journal_record(key, record, where: str, hint: str):
@@ -719,6 +793,9 @@ def _device(o: _Obj, required: bool = False) -> dict | None:
         if not _scalar(v) or isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_COUNT:
             limits.fail(f"{k[:80]} is not a number, string or boolean")
         out["limits"][k] = v
+    paths = d.child("low_precision", "how float16 and bfloat16 are held on the device")
+    if paths is not None:
+        out["low_precision"] = {k: paths.string(k) for k in ("float16", "bfloat16") if k in paths.data}
     if "error" in d.data:
         out["error"] = d.string("error")
     return out
@@ -781,6 +858,8 @@ def _graph_placement(p: _Obj, strict: bool) -> dict:
 
 
 __all__ = ["Verdict", "CaseVerdict", "UnitVerdict", "RegionCheck", "EndToEnd", "Culprit", "VerdictDocument",
-           "MigrationState", "read_generation_document", "is_generation_document", "STEP_STATUSES", "outcome_verdict", "culprit_kind", "summary", "passed", "journal_record", "check_depth",
+           "MigrationState", "read_generation_document", "is_generation_document", "STEP_STATUSES",
+           "read_precision_document", "is_precision_document", "PRECISION_FORMAT_VERSION", "PRECISION_DTYPES",
+           "END_TO_END_STATUSES", "outcome_verdict", "culprit_kind", "summary", "passed", "journal_record", "check_depth",
            "STATUSES", "STAT_KEYS", "TIMINGS", "CULPRIT_KINDS", "UNIT_KINDS", "GRAPH_KINDS", "STAGES", "STATE_FORMAT",
            "FORMAT_VERSION"]

@@ -20,6 +20,7 @@ from tapml.cli import gentests  # noqa: E402,F401 - gen-tests
 from tapml.cli import migrate  # noqa: E402,F401 - migrate
 from tapml.cli import session  # noqa: E402,F401 - session
 from tapml.cli import generate  # noqa: E402,F401 - generate
+from tapml.cli import precision  # noqa: E402,F401 - precision
 from tapml.cli import remote  # noqa: E402,F401 - serve, registry, devices
 from tapml.cli import fleet  # noqa: E402,F401 - fleet
 from tapml.cli import bench  # noqa: E402,F401 - bench, bench transport

@@ -7,7 +7,8 @@ from typing import List, Optional
 
 import typer
 
-from tapml.cli.common import EXIT_FINDING, EXIT_OK, JsonOpt, QuietOpt, TokenFileOpt, app, command, console, fail, out, write_json
+from tapml.cli.common import (EXIT_FINDING, EXIT_OK, DtypeOpt, JsonOpt, QuietOpt, TokenFileOpt, app, check_dtype, command,
+                              console, fail, out, write_json)
 from tapml.cli.migrate import HfConfigOpt
 
 GenerationModelOpt = typer.Option("zoo:tiny-llama", "--generation-model",
@@ -30,7 +31,7 @@ def bench(ctx: typer.Context,
                                                     "file.py:factory, file.pt2 (repeatable; default every zoo model, "
                                                     "zoo:mlp with --quick)"),
           generation_model: str = GenerationModelOpt,
-          hf_config: Optional[List[str]] = HfConfigOpt,
+          hf_config: Optional[List[str]] = HfConfigOpt, dtype: Optional[str] = DtypeOpt,
           token_file: Optional[str] = TokenFileOpt,
           check: bool = typer.Option(False, "--check", help="Exit 1 when a goal is missed"),
           quiet: bool = QuietOpt):
@@ -45,10 +46,11 @@ def bench(ctx: typer.Context,
     from tapml.targets import check_target, read_token
     check_target(target)
     overrides = parse_hf_overrides(hf_config)
+    dtype = check_dtype(dtype) or "float32"
     _check_json_dir(json_out)
-    check_models(tuple(model or ()), generation_model, overrides)
+    check_models(tuple(model or ()), generation_model, overrides, dtype=dtype)
     report = run_suite(target, quick=quick, token=read_token(token_file), models=tuple(model or ()),
-                       generation_model=generation_model, hf_config=overrides,
+                       generation_model=generation_model, hf_config=overrides, dtype=dtype,
                        on_step=None if quiet else (lambda msg: console.print(f"[dim]bench:[/] {msg}", highlight=False)))
     if json_out:
         write_json(report, json_out)
@@ -166,7 +168,7 @@ def generation(target: str = typer.Option("wgpu", "--target", "-t", help="Target
                                           "reference, browser, remote://HOST:PORT"),
                model: str = typer.Option("zoo:tiny-llama", "--model", help="Causal LM whose generation is timed "
                                          "(zoo:tiny-llama, hf:gpt2, hf:qwen2...)"),
-               hf_config: Optional[List[str]] = HfConfigOpt,
+               hf_config: Optional[List[str]] = HfConfigOpt, dtype: Optional[str] = DtypeOpt,
                tokens: str = typer.Option("8,64", "--tokens", help="FEW,MANY: decode steps of the two generations "
                                           "whose compile counts are compared; MANY is timed"),
                prompt_len: int = typer.Option(8, "--prompt-len", help="Prompt tokens of the prefill"),
@@ -190,13 +192,14 @@ def generation(target: str = typer.Option("wgpu", "--target", "-t", help="Target
     if prompt_len < 1 or repeat < 1:
         fail("--prompt-len and --repeat must be at least 1")
     overrides = parse_hf_overrides(hf_config)
+    dtype = check_dtype(dtype) or "float32"
     _check_json_dir(json_out)
-    check_models((), model, overrides, tokens=int(many), prompt_len=prompt_len)
+    check_models((), model, overrides, tokens=int(many), prompt_len=prompt_len, dtype=dtype)
     with tempfile.TemporaryDirectory(prefix="tapml-bench-") as tmp, \
             open_target(target, token=read_token(token_file)) as platform:
         figure = generation_figure(platform, target, Path(tmp) / "store", model, tokens=(int(few), int(many)),
                                    prompt_len=prompt_len, repeat=repeat,
-                                   hf_config=overrides if model.startswith("hf:") else None)
+                                   hf_config=overrides if model.startswith("hf:") else None, dtype=dtype)
     figure["target"] = target
     if json_out:
         write_json(figure, json_out)

@@ -35,6 +35,9 @@ TokenMapOpt = typer.Option(None, "--token-map", help='JSON file of a token per d
                            '{"HOST:PORT": "token", "*": "token for the others"} (registry:// pools)')
 JsonOpt = typer.Option(None, "--json", help="Write the result as JSON to this file ('-' for stdout)")
 QuietOpt = typer.Option(False, "--quiet", "-q", help="Print only errors and the final line")
+DtypeOpt = typer.Option(None, "--dtype", help="float32, float16 or bfloat16: the model's floating parameters and "
+                        "inputs, and the reference run, in that dtype (default float32; a STORE keeps its own). "
+                        "Low-precision ops are judged fp64-anchored, regions and the whole model against float32")
 
 
 def fail(message: str, code: int = EXIT_USAGE):
@@ -153,6 +156,17 @@ def write_json(data, path: str) -> None:
     write_json_atomic(target, data)
 
 
+def check_dtype(dtype: Optional[str]) -> Optional[str]:
+    """A ``--dtype`` value, validated (exit 2 naming the choices otherwise); None when not given."""
+    if dtype is None:
+        return None
+    from tapml.dtypes import check_model_dtype
+    try:
+        return check_model_dtype(dtype)
+    except ValueError as e:
+        fail(str(e))
+
+
 def open_store(path: str):
     """The CarveStore at ``path`` (TapmlError, exit 2, when it is missing or corrupt)."""
     from tapml.carving.store import CarveStore
@@ -167,5 +181,5 @@ def progress_bar(quiet: bool = False):
 
 
 __all__ = ["app", "console", "out", "EXIT_OK", "EXIT_FINDING", "EXIT_USAGE", "EXIT_INTERNAL", "TargetOpt", "TolOpt",
-           "InjectOpt", "TokenFileOpt", "JsonOpt", "QuietOpt", "fail", "command", "write_crash_report", "write_json",
+           "InjectOpt", "TokenFileOpt", "JsonOpt", "QuietOpt", "DtypeOpt", "check_dtype", "fail", "command", "write_crash_report", "write_json",
            "open_store", "progress_bar"]

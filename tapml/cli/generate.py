@@ -7,8 +7,8 @@ from typing import List, Optional
 
 import typer
 
-from tapml.cli.common import (EXIT_FINDING, EXIT_OK, InjectOpt, JsonOpt, QuietOpt, TargetOpt, TokenFileOpt, TolOpt,
-                              app, command, console, fail, out, write_json)
+from tapml.cli.common import (EXIT_FINDING, EXIT_OK, DtypeOpt, InjectOpt, JsonOpt, QuietOpt, TargetOpt, TokenFileOpt,
+                              TolOpt, app, check_dtype, command, console, fail, out, write_json)
 from tapml.cli.migrate import HfConfigOpt
 from tapml.render import fmt_err
 
@@ -31,7 +31,7 @@ def generate(model: str = typer.Argument(..., help="A generation store (`tapml c
              store_dir: Optional[str] = typer.Option(None, "--store", help="Keep the store carved from MODEL in this "
                                                      "new directory (default: a temporary one, removed after)"),
              seed: int = typer.Option(0, "--seed", help="Seed for weights and the prompt when carving MODEL"),
-             hf_config: Optional[List[str]] = HfConfigOpt,
+             hf_config: Optional[List[str]] = HfConfigOpt, dtype: Optional[str] = DtypeOpt,
              localize: bool = typer.Option(True, "--localize/--no-localize", help="Find the culprit of the first "
                                            "failing step with the migration machinery"),
              inject: Optional[List[str]] = InjectOpt, tol: Optional[List[str]] = TolOpt,
@@ -57,11 +57,14 @@ def generate(model: str = typer.Argument(..., help="A generation store (`tapml c
         if value is not None and value < 1:
             fail(f"{name} {value}: give 1 or more")
     overrides = parse_hf_overrides(hf_config)
+    dtype = check_dtype(dtype)
     temporary = None
     if Path(model).is_dir():
         if store_dir or hf_config:
             fail(f"{model} is a store: --store and --hf-config apply when MODEL is a model spec to carve")
+        from tapml.carving import check_store_dtype
         store = CarveStore(model)
+        check_store_dtype(store, dtype)
         tokens = check_generation_store(store, tokens, prompt_len)
     else:
         if Path(model).exists():
@@ -79,7 +82,7 @@ def generate(model: str = typer.Argument(..., help="A generation store (`tapml c
         tokens = DEFAULT_TOKENS if tokens is None else tokens
         prompt_len = DEFAULT_PROMPT_LEN if prompt_len is None else prompt_len
         store = _carve(model, out_dir, tokens=tokens, prompt_len=prompt_len, seed=seed, hf_config=overrides,
-                       quiet=quiet)
+                       quiet=quiet, dtype=dtype or "float32")
     try:
         _check_faults(store, inject)
         with open_target(target, token=read_token(token_file), inject=inject) as platform:
@@ -95,13 +98,16 @@ def generate(model: str = typer.Argument(..., help="A generation store (`tapml c
     raise typer.Exit(EXIT_OK if passed(doc) else EXIT_FINDING)
 
 
-def _carve(model: str, out_dir, *, tokens: int, prompt_len: int, seed: int, hf_config: dict, quiet: bool):
+def _carve(model: str, out_dir, *, tokens: int, prompt_len: int, seed: int, hf_config: dict, quiet: bool,
+           dtype: str = "float32"):
     from tapml.carving.generation import carve_generation
     from tapml.carving.store import CarveStore
     if not quiet:
-        console.print(f"carving a generation of {model}: prompt {prompt_len} tokens, {tokens} decode steps",
+        in_dtype = "" if dtype == "float32" else f" in {dtype}"
+        console.print(f"carving a generation of {model}{in_dtype}: prompt {prompt_len} tokens, {tokens} decode steps",
                       highlight=False)
-    carve_generation(model, out_dir, tokens=tokens, prompt_len=prompt_len, seed=seed, hf_config=hf_config or None)
+    carve_generation(model, out_dir, tokens=tokens, prompt_len=prompt_len, seed=seed, hf_config=hf_config or None,
+                     dtype=dtype)
     return CarveStore(out_dir)
 
 

@@ -6,8 +6,8 @@ from typing import List, Optional
 
 import typer
 
-from tapml.cli.common import (InjectOpt, JsonOpt, QuietOpt, TokenFileOpt, TokenMapOpt, TolOpt, app, command, console,
-                              fail, out, write_json)
+from tapml.cli.common import (DtypeOpt, InjectOpt, JsonOpt, QuietOpt, TokenFileOpt, TokenMapOpt, TolOpt, app,
+                              check_dtype, command, console, fail, out, write_json)
 from tapml.cli.store import check_targets, render_matrix_run
 from tapml.render import fmt_err
 
@@ -157,7 +157,8 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
             resume: bool = typer.Option(False, "--resume", help="Continue from the state's journal, skipping what is done"),
             inject: Optional[List[str]] = InjectOpt, tol: Optional[List[str]] = TolOpt,
             token_file: Optional[str] = TokenFileOpt, token_map: Optional[str] = TokenMapOpt,
-            hf_config: Optional[List[str]] = HfConfigOpt, quiet: bool = QuietOpt, json_out: Optional[str] = JsonOpt):
+            hf_config: Optional[List[str]] = HfConfigOpt, dtype: Optional[str] = DtypeOpt, quiet: bool = QuietOpt,
+            json_out: Optional[str] = JsonOpt):
     """Offload MODEL to TARGET: each op, then growing regions, then the whole model, checking each step."""
     from pathlib import Path
 
@@ -175,7 +176,8 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
         fail(f"--state {state} is a directory; give a file name such as {Path(state) / 'state.json'}")
     from tapml.models import parse_hf_overrides
     store, store_path = open_or_carve(model, state, on_carve=lambda spec, path: None if quiet else console.print(
-        f"carving {spec} into {path}", highlight=False), hf_config=parse_hf_overrides(hf_config))
+        f"carving {spec} into {path}", highlight=False), hf_config=parse_hf_overrides(hf_config),
+        dtype=check_dtype(dtype))
     check_faults(store.graph, inject)
     if len(targets) > 1:
         paths = {t: state_for_target(state, t) for t in targets}

@@ -1,4 +1,5 @@
-"""``tapml report``: HTML, Markdown or JUnit XML from replay verdicts and migration states."""
+"""``tapml report``: HTML, Markdown or JUnit XML from replay verdicts, migration states, generations,
+fleets and precision analyses."""
 
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ def report(states: List[str] = typer.Argument(..., help="Verdict JSON (`replay -
     """Render STATES as one self-contained report: culprits first, per-op table, error per module,
     op coverage across targets, time per op. Exit 0 when every state passed, 1 when one has findings."""
     from tapml.reports import guess_format, load_states, render, write_report
-    from tapml.render import render_states
     if json_out == "-" and (output == "-" or (format and not output)):
         fail("--json - and a report on stdout would mix on one stream; write one of them to a file")
     loaded = load_states(states)
@@ -37,10 +37,22 @@ def report(states: List[str] = typer.Argument(..., help="Verdict JSON (`replay -
             culprits = sum(1 for s in loaded for f in s.failures if f["culprit"])
             console.print(f"wrote {fmt} report of {len(loaded)} state(s), {culprits} culprit(s) -> {path}",
                           highlight=False)
-        render_states(loaded, console, quiet=True)
+        _render_terminal(loaded, console, quiet=True)
     elif output == "-" or format:
         out.file.write(render(loaded, guess_format(output, format), title=title))
         out.file.flush()
     elif json_out != "-":
-        render_states(loaded, out, quiet=quiet)
+        _render_terminal(loaded, out, quiet=quiet)
     raise typer.Exit(EXIT_OK if all(s.passed for s in loaded) else EXIT_FINDING)
+
+
+def _render_terminal(states, console, quiet: bool) -> None:
+    """Precision analyses as `tapml precision` prints them; every other document as render_states does."""
+    from tapml.cli.precision import render_precision
+    from tapml.render import render_states
+    for s in states:
+        if s.precision is not None:
+            render_precision(s.precision, console, quiet=quiet)
+    others = [s for s in states if s.precision is None]
+    if others:
+        render_states(others, console, quiet=quiet)

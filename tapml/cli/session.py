@@ -14,7 +14,7 @@ from typing import List, Optional
 import typer
 from rich.markup import escape
 
-from tapml.cli.common import InjectOpt, TargetOpt, TokenFileOpt, TolOpt, app, command, fail
+from tapml.cli.common import DtypeOpt, InjectOpt, TargetOpt, TokenFileOpt, TolOpt, app, check_dtype, command, fail
 from tapml.cli.migrate import HfConfigOpt, ModelArg
 from tapml.errors import TapmlError
 from tapml.render import fmt_err
@@ -29,13 +29,14 @@ def session(model: str = ModelArg, target: str = TargetOpt,
             token_file: Optional[str] = TokenFileOpt, hf_config: Optional[List[str]] = HfConfigOpt,
             graph: str = typer.Option("prefill", "--graph", help="The graph of a generation store to work on: "
                                       "prefill, or decode (its first decode step, with the reference's cache "
-                                      "after the prefill)")):
+                                      "after the prefill)"),
+            dtype: Optional[str] = DtypeOpt):
     """Interactive offloading: place nodes, modules or ops on TARGET and check them step by step."""
     from tapml.models import parse_hf_overrides
     from tapml.session import Session
     from tapml.targets import read_token
     with Session(model, target=target, state=state, inject=inject, tol=tol, token=read_token(token_file),
-                 hf_config=parse_hf_overrides(hf_config), graph=graph) as s:
+                 hf_config=parse_hf_overrides(hf_config), graph=graph, dtype=check_dtype(dtype)) as s:
         shell = SessionShell(s)
         shell.cmdloop()
     if shell.errors and not shell.interactive:

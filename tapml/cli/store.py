@@ -7,8 +7,9 @@ from typing import List, Optional
 
 import typer
 
-from tapml.cli.common import (EXIT_FINDING, EXIT_OK, InjectOpt, JsonOpt, QuietOpt, TokenFileOpt, TokenMapOpt, TolOpt,
-                              app, command, console, fail, open_store, out, progress_bar, write_json)
+from tapml.cli.common import (EXIT_FINDING, EXIT_OK, DtypeOpt, InjectOpt, JsonOpt, QuietOpt, TokenFileOpt, TokenMapOpt,
+                              TolOpt, app, check_dtype, command, console, fail, open_store, out, progress_bar,
+                              write_json)
 
 
 @app.command(short_help="Run MODEL on the reference and record every operator call as a test case (--generate N: a generation).")
@@ -22,7 +23,7 @@ def carve(model: str = typer.Argument(..., help="zoo:NAME, hf:MODEL_TYPE, path/f
                                                  "and N greedy decode steps against a static key/value cache "
                                                  "(N+1 steps; a causal LM)"),
           prompt_len: int = typer.Option(8, "--prompt-len", help="With --generate: prompt tokens of the prefill"),
-          quiet: bool = QuietOpt, json_out: Optional[str] = JsonOpt):
+          dtype: Optional[str] = DtypeOpt, quiet: bool = QuietOpt, json_out: Optional[str] = JsonOpt):
     """Run MODEL on the reference and record every operator call as a test case. With
     --generate N, record a generation: prefill plus N decode steps (`tapml generate` checks it)."""
     from tapml.carving import carve as carve_model
@@ -32,24 +33,27 @@ def carve(model: str = typer.Argument(..., help="zoo:NAME, hf:MODEL_TYPE, path/f
                                                           for p in target.iterdir())):
         fail(f"{output} exists and is not an empty directory or a carve store; choose another -o")
     overrides = parse_hf_overrides(hf_config)
+    dtype = check_dtype(dtype) or "float32"
     if generate is not None:
         carve_generation_command(model, output, tokens=generate, prompt_len=prompt_len, seed=seed, device=device,
-                                 hf_config=overrides, quiet=quiet, json_out=json_out)
+                                 hf_config=overrides, quiet=quiet, json_out=json_out, dtype=dtype)
         return
     with progress_bar(quiet) as bar:  # carve() leaves no half store behind
         task = bar.add_task(f"carving {model}", total=None)
-        info = carve_model(model, output, seed=seed, device=device, hf_config=overrides,
+        info = carve_model(model, output, seed=seed, device=device, hf_config=overrides, dtype=dtype,
                            on_start=lambda n: bar.update(task, total=n), on_node=lambda _: bar.advance(task))
     if json_out:
-        write_json({"model": model, "store": str(Path(output).resolve()), **info}, json_out)
-    console.print(f"carved [bold]{model}[/] -> {output}: {info['nodes']} nodes, {info['cases']} cases, "
+        write_json({"model": model, "store": str(Path(output).resolve()), "dtype": dtype, **info}, json_out)
+    in_dtype = "" if dtype == "float32" else f" in {dtype}"
+    console.print(f"carved [bold]{model}[/]{in_dtype} -> {output}: {info['nodes']} nodes, {info['cases']} cases, "
                   f"{info['ops']} ops, {info['bytes'] / 1e6:.1f} MB "
                   f"(export {info['export_s']:.1f}s, carve {info['carve_s']:.1f}s)", highlight=False)
 
 
 def carve_generation_command(model: str, output: str, *, tokens: int, prompt_len: int, seed: int, device: str,
-                             hf_config: dict, quiet: bool, json_out: Optional[str]) -> None:
-    """``tapml carve MODEL --generate N``: carve the prefill and N decode steps into ``output``."""
+                             hf_config: dict, quiet: bool, json_out: Optional[str], dtype: str = "float32") -> None:
+    """``tapml carve MODEL --generate N``: carve the prefill and N decode steps into ``output``
+    (the model in ``dtype``)."""
     from tapml.carving.generation import carve_generation
     if tokens < 1 or prompt_len < 1:
         fail(f"--generate {tokens} --prompt-len {prompt_len}: both must be 1 or more (N decode steps after an "
@@ -57,10 +61,11 @@ def carve_generation_command(model: str, output: str, *, tokens: int, prompt_len
     with progress_bar(quiet) as bar:  # carve_generation() leaves no half store behind
         task = bar.add_task(f"carving a generation of {model}", total=tokens + 1)
         info = carve_generation(model, output, tokens=tokens, prompt_len=prompt_len, seed=seed, device=device,
-                                hf_config=hf_config or None, on_step=lambda _: bar.advance(task))
+                                hf_config=hf_config or None, on_step=lambda _: bar.advance(task), dtype=dtype)
     if json_out:
-        write_json({"model": model, "store": str(Path(output).resolve()), **info}, json_out)
-    console.print(f"carved a generation of [bold]{model}[/] -> {output}: {info['steps']} steps (prefill + {tokens} "
+        write_json({"model": model, "store": str(Path(output).resolve()), "dtype": dtype, **info}, json_out)
+    in_dtype = "" if dtype == "float32" else f" in {dtype}"
+    console.print(f"carved a generation of [bold]{model}[/]{in_dtype} -> {output}: {info['steps']} steps (prefill + {tokens} "
                   f"decode), {info['nodes']} prefill and {info['decode_nodes']} decode nodes, {info['cases']} cases, "
                   f"{info['bytes'] / 1e6:.1f} MB (export {info['export_s']:.1f}s, carve {info['carve_s']:.1f}s)",
                   highlight=False)
@@ -196,7 +201,11 @@ def replay(store: str = typer.Argument(..., help="Carve store directory"),
            target: List[str] = TargetsOpt, json_out: Optional[str] = JsonOpt, tol: Optional[List[str]] = TolOpt,
            inject: Optional[List[str]] = InjectOpt, token_file: Optional[str] = TokenFileOpt,
            token_map: Optional[str] = TokenMapOpt,
-           anchored: bool = typer.Option(False, "--fp64-anchored", help="Judge float errors against a float64 recomputation"),
+           anchored: Optional[bool] = typer.Option(
+               None, "--fp64-anchored/--no-fp64-anchored",
+               help="Judge float errors against a float64 recomputation: a case passes when its error is within 4x "
+                    "the reference's own error plus a floor (the dtype's atol; 1e-6 for float32). Default: on for "
+                    "float16/bfloat16 stores, off for float32 ones"),
            op: Optional[List[str]] = typer.Option(None, "--op", help="Only cases of this op (repeatable)"),
            by_case: bool = ByCaseOpt, all_rows: bool = AllRowsOpt,
            profile: bool = typer.Option(False, "--profile", help="Record each case's device time (median of 5 runs; "
