@@ -66,11 +66,11 @@ def _ratio(a, b, digits: int = 4):
 
 # --- kernels -------------------------------------------------------------------------------
 
-def matmul_graph(n: int, batch: int = 0):
+def matmul_graph(n: int, batch: int = 0, dtype: str = "float32"):
     """A one-node graph: ``mm`` of two n×n matrices, or ``bmm`` of two batch×n×n stacks."""
     from tapml.graph import Graph, Node, TensorMeta
     shape = (batch, n, n) if batch else (n, n)
-    meta = TensorMeta(shape, "float32")
+    meta = TensorMeta(shape, dtype)
     op = "aten.bmm.default" if batch else "aten.mm.default"
     node = Node("out", op, [{"ref": "a"}, {"ref": "b"}], {}, [meta])
     return Graph([("a", meta), ("b", meta)], [node], ["out"])
