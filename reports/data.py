@@ -55,6 +55,9 @@ class StateReport:
     #: A precision analysis (``tapml precision --json``, :func:`tapml.verdict.read_precision_document`);
     #: None for other documents.
     precision: dict | None = None
+    #: A float16/bfloat16 migration's placement by dtype (``precision`` of the state: ``dtype``,
+    #: ``keep_float32``, ``casts``, and ``decode`` in a generation); None otherwise.
+    dtype_placement: dict | None = None
 
     @property
     def label(self) -> str:
@@ -335,7 +338,8 @@ def parse_state(data, path: str = "<state>") -> StateReport:
                        end_to_end=verdict(doc.end_to_end) if migration and doc.end_to_end else None,
                        tolerances=doc.tolerances, reference=_reference_info(doc.store if migration else None, Path(path)),
                        stage=doc.stage if migration else None, complete=doc.complete if migration and doc.stage else True,
-                       inject=doc.inject if migration else [])
+                       inject=doc.inject if migration else [],
+                       dtype_placement=doc.precision if migration else None)
 
 
 def parse_generation(data, path: str = "<generation>") -> StateReport:

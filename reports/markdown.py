@@ -124,6 +124,9 @@ def render_markdown(states: list[StateReport], max_rows: int = 60) -> str:
         basis = "" if shares["basis"] == "placement" else ", calls whose case passes"
         lines.append(f"- ops on the target: {fmt_pct(shares['ops_share'])} ({md(shares['ops_on_target'])} of "
                      f"{md(shares['ops_total'])}{basis}); FLOPs on the target: {fmt_pct(shares['flops_share'])}")
+        if s.dtype_placement and s.dtype_placement["keep_float32"]:
+            lines.append(f"- kept in float32: {len(s.dtype_placement['keep_float32'])} nodes, the rest in "
+                         f"{md(s.dtype_placement['dtype'])}")
         e2e = s.end_to_end
         lines.append("- end to end: " + (f"{ICON.get(e2e.get('status'), '')} {md(e2e.get('status'))}, max abs error "
                                          f"{fmt_err(e2e.get('max_abs_err'))}" if e2e else "not run"))

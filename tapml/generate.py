@@ -17,7 +17,10 @@ the cache stays where its producer runs, so only token ids and positions cross p
 - **low precision** (a store carved with ``--dtype float16|bfloat16``): each step's logits are
   judged against the model in float32 (the float32 twin of the graphs, :func:`tapml.dtypes.as_float32`,
   run with its own float32 cache from the upcast parameters, fed the same tokens), with the
-  low dtype's tolerances; the reference token of a step is the twin's argmax.
+  low dtype's tolerances; the reference token of a step is the twin's argmax. With
+  ``keep_float32`` (node names, module paths, op names) those nodes of the prefill and decode
+  graphs compute in float32 on the target (:func:`tapml.dtypes.keep_float32`, casts placed like
+  their neighbours) while the rest stays in the low dtype; the document records the lists.
 
 On the first failing step the migration machinery (:class:`tapml.migrate.Migration`: op stage
 on that graph's cases, then regions with bisection) runs on that step's graph with the
@@ -40,7 +43,7 @@ from __future__ import annotations
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 from tapml.compare import Comparison, Tolerances, compare_tensor
 from tapml.errors import DeviceLost, TapmlError
@@ -191,7 +194,7 @@ class _ReferenceStepper:
 def generate(store, platform, target: str, *, tokens: int | None = None, free: bool = False,
              tolerances: Tolerances | None = None, localize: bool = True, inject: list[str] | None = None,
              on_step: Callable[[dict], None] | None = None,
-             on_event: Callable[[str, dict], None] | None = None) -> dict:
+             on_event: Callable[[str, dict], None] | None = None, keep_float32: Iterable[str] = ()) -> dict:
     """Run the generation of ``store`` on ``platform`` (opened for the TARGET spec ``target``)
     and judge every step against the reference. Returns the JSON document of ``tapml generate``:
     ``{"target", "model", "device", "mode", "prompt_len", "tokens", "steps": [{"step", "kind",
@@ -205,18 +208,27 @@ def generate(store, platform, target: str, *, tokens: int | None = None, free: b
     they leave the reference's). ``localize``: on the first failing step, run the migration
     machinery on that step's graph with the reference's real inputs and name the culprits.
     ``on_step(row)`` sees each step's row as it is judged; ``on_event`` is the migration's.
-    Raises TapmlError when the store holds no generation; DeviceLost when the device goes away.
+    ``keep_float32``: what runs in float32 on the target in a float16/bfloat16 store (``keep_float32``
+    of the document: ``{"prefill": nodes, "decode": nodes}``).
+    Raises TapmlError when the store holds no generation, or a keep_float32 item names nothing
+    (or the store is float32); DeviceLost when the device goes away.
     """
+    from tapml.dtypes import keep_float32 as keep_float32_graph
+    from tapml.precision import resolve_keep_float32
     from tapml.replay import device_info
     tokens = check_generation_store(store, tokens)
     tolerances = tolerances or Tolerances()
     graphs = {k: store.step_graph(k) for k in KINDS}
+    kept = resolve_keep_float32(graphs, keep_float32)
+    mixed = {k: keep_float32_graph(graphs[k], kept[k]) for k in KINDS}
     params = shared_program_inputs(store)
     refs = {k: logits_ref(graphs[k]) for k in KINDS}
     placements, fell_back = {}, {}
     for k in KINDS:
-        placements[k], fell_back[k] = target_placement(graphs[k], platform)
-    runners = {k: HybridRunner(graphs[k], platform) for k in KINDS}
+        placements[k], fell_back[k] = target_placement(mixed[k], platform)
+        own = {n.name for n in graphs[k].nodes}  # casts are bookkeeping: the counts are the model's nodes
+        fell_back[k] = [n for n in fell_back[k] if n in own]
+    runners = {k: HybridRunner(mixed[k], platform) for k in KINDS}
     reference = _ReferenceStepper(store, graphs, params)
     low, twin = _float32_twin(store, graphs, params)
     stored_steps = store.steps[:tokens + 1]
@@ -230,7 +242,7 @@ def generate(store, platform, target: str, *, tokens: int | None = None, free: b
     first_divergence = None
     for s in stored_steps:
         k, kind = s["step"], s["kind"]
-        graph = graphs[kind]
+        graph = mixed[kind]
         if free and k > 0:
             step_inputs = {"input_ids": _token_tensor(target_tokens[-1]), **_other_step_inputs(store, k)}
         else:
@@ -273,13 +285,14 @@ def generate(store, platform, target: str, *, tokens: int | None = None, free: b
     culprits, localization = [], None
     if failing is not None and localize:
         culprits, localization = _localize(store, platform, target, first_failure, *failing, tolerances=tolerances,
-                                           inject=inject, on_event=on_event)
+                                           inject=inject, on_event=on_event, keep_float32=kept[failing[0]])
     decode_steps = sum(1 for r in rows if r["kind"] == "decode" and r["target_token"] is not None)
     counts = {status: sum(r["status"] == status for r in rows) for status in STEP_STATUSES}
     return {
         "target": target, "model": store.model, "device": device_info(platform),
         "mode": "free" if free else "teacher-forced", "prompt_len": gen["prompt_len"], "tokens": tokens,
         "dtype": store.dtype, "judged_against": "float32" if low else store.dtype,
+        "keep_float32": kept, "casts": {k: len(mixed[k].nodes) - len(graphs[k].nodes) for k in KINDS},
         "steps": rows,
         "summary": {"steps": len(rows), "pass": counts["pass"], "mismatch": counts["mismatch"],
                     "near_tie": counts["near-tie"], "error": counts["error"], "first_failure": first_failure},
@@ -349,7 +362,7 @@ def _rate(tokens: int, seconds: float) -> float | None:
 
 def _localize(store, platform, target: str, step: int, kind: str, inputs: dict, outputs: dict, *,
               tolerances: Tolerances, inject: list[str] | None,
-              on_event: Callable[[str, dict], None] | None) -> tuple[list[dict], dict]:
+              on_event: Callable[[str, dict], None] | None, keep_float32: list[str] = ()) -> tuple[list[dict], dict]:
     """Migrate step ``step``'s graph with the reference's inputs at that step: op stage on the
     graph's cases, then regions with bisection, then the whole step; its culprits, each with
     the step, and a summary of the run."""
@@ -357,7 +370,7 @@ def _localize(store, platform, target: str, step: int, kind: str, inputs: dict, 
     view = StepStore(store, kind, inputs, {r: outputs[r] for r in store.step_graph(kind).outputs})
     with tempfile.TemporaryDirectory(prefix="tapml-generate-") as tmp:
         state = Migration(view, platform, target, Path(tmp) / "step.json", tolerances=tolerances, inject=inject,
-                          on_event=on_event).run()
+                          on_event=on_event, keep_float32=keep_float32).run()
     culprits = [{"op": c["op"], "node": c["node"], "module": c["module"], "kind": c["kind"], "step": step,
                  "max_abs_err": c["max_abs_err"], "graph": kind, "nodes": c["nodes"], "message": c["message"]}
                 for c in state["culprits"]]

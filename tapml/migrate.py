@@ -18,6 +18,13 @@ after the prefill. The decode pass's unit ids start ``decode:``; units and culpr
 generation say their ``graph`` (and culprits their ``step``); its placement is
 ``placement["decode"]``.
 
+A float16/bfloat16 store may keep nodes in float32 (``keep_float32``, *mixed placement by
+dtype*, :func:`tapml.dtypes.keep_float32`): the op stage is unchanged (each case alone, in the
+store's dtype), while the region and model stages (and the decode pass) run the mixed graph, its
+cast nodes placed on the target like their neighbours and judged against the float32 twin. The
+placement's node list and shares count the model's own nodes (casts are bookkeeping); the
+state's ``precision`` records which nodes computed in float32.
+
 Every verdict is appended to a JSON-lines journal (``STATE.json.journal``, flushed and
 fsynced per line) the moment it is made, and the state file is rewritten atomically. The
 algorithm is deterministic given its verdicts, so ``resume=True`` replays it with the
@@ -36,17 +43,20 @@ from __future__ import annotations
 import hashlib
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 from tapml.compare import Tolerances
+from tapml.dtypes import cast_nodes, keep_float32 as keep_float32_graph
 from tapml.errors import DeviceLost, TapmlError
 from tapml.graph import Graph
 from tapml.hybrid import REFERENCE, TARGET, HybridRunner, placement_shares
 from tapml.io import write_json_atomic, write_text_atomic
 from tapml.journal import START_OVER, Journal, journal_path, journal_text
-from tapml.regions import (CHECKED_STEP, RegionChecker, bisect, common_module, decode_step_inputs, module_regions,
-                           run_model_against_reference)
-from tapml.verdict import (STATE_FORMAT, CaseVerdict, Culprit, EndToEnd, MigrationState, UnitVerdict, culprit_kind)
+from tapml.precision import resolve_keep_float32
+from tapml.regions import (CHECKED_STEP, RegionChecker, bisect, common_module, decode_step_inputs, low_dtype,
+                           module_regions, run_model_against_reference)
+from tapml.verdict import (STATE_FORMAT, CaseVerdict, Culprit, EndToEnd, MigrationState, UnitVerdict, culprit_kind,
+                           keep_float32_header)
 
 #: Bisect-and-recheck rounds per region before giving up on it.
 MAX_ROUNDS = 8
@@ -55,11 +65,15 @@ MAX_ROUNDS = 8
 class GraphPass:
     """One graph a migration checks: the model's graph, or one step kind of a generation
     (``kind`` ``"prefill"``/``"decode"``; None for a store without generation). Unit ids of the
-    decode pass start with ``prefix``."""
+    decode pass start with ``prefix``. ``graph`` is the graph that runs (with ``keep_float32``,
+    the mixed one, casts included); ``original`` the store's, which placement shares count."""
 
-    def __init__(self, kind: str | None, graph: Graph, checker: RegionChecker):
+    def __init__(self, kind: str | None, graph: Graph, checker: RegionChecker, original: Graph | None = None,
+                 keep_float32: list[str] | None = None):
         self.kind = kind
         self.graph = graph
+        self.original = original or graph
+        self.keep_float32 = list(keep_float32 or [])
         self.checker = checker
         self.prefix = "decode:" if kind == "decode" else ""
         self.placement = {n.name: TARGET for n in graph.nodes}
@@ -82,12 +96,16 @@ class Migration:
 
     ``on_event(kind, data)`` is called with ``("stage", {"stage", "total"})``,
     ``("step", {"stage", "label", "status"})`` and ``("finding", culprit JSON)`` for live displays.
+    ``keep_float32``: node names, module paths or op names to run in float32 in the region and
+    model stages of a float16/bfloat16 store (:func:`tapml.precision.resolve_keep_float32`;
+    TapmlError when one names nothing, or the store is float32).
     :meth:`run` returns the final state (the same document it writes to ``state_path``).
     """
 
     def __init__(self, store, platform, target: str, state_path: str | Path, *,
                  tolerances: Tolerances | None = None, inject: list[str] | None = None, resume: bool = False,
-                 on_event: Callable[[str, dict], None] | None = None, store_path: str | None = None):
+                 on_event: Callable[[str, dict], None] | None = None, store_path: str | None = None,
+                 keep_float32: Iterable[str] = ()):
         self.store = store
         self.platform = platform
         self.target = target
@@ -95,14 +113,18 @@ class Migration:
         self.tolerances = tolerances or Tolerances()
         self.inject = list(inject or [])
         self.on_event = on_event or (lambda kind, data: None)
-        self.checker = RegionChecker(store, platform, self.tolerances)
         self.graph = store.graph
         from tapml.carving.store import CarveStore
         # A view of one step of a generation (tapml.generate.StepStore) is checked as a plain store.
         self.generation = isinstance(store, CarveStore) and store.is_generation
+        graphs = {"model": self.graph, **({"decode": store.step_graph("decode")} if self.generation else {})}
+        self.keep_float32 = resolve_keep_float32(graphs, keep_float32)
+        self.mixed = {kind: keep_float32_graph(g, self.keep_float32[kind]) for kind, g in graphs.items()}
+        self.checker = RegionChecker(store, platform, self.tolerances, graph=self.mixed["model"])
         self.header = {"format": STATE_FORMAT, "model": store.model, "target": target,
                        "tolerances": self.tolerances.to_json(), "inject": self.inject,
                        "nodes": len(self.graph.nodes), "cases": len(store.cases)}
+        self.header |= keep_float32_header(self._precision_json())
         self.store_path = str(store_path or store.path)
         if not self.state_path.parent.is_dir():
             raise TapmlError(f"cannot write --state {state_path}: directory {self.state_path.parent} does not exist")
@@ -117,19 +139,40 @@ class Migration:
         self.units: list[UnitVerdict] = []
         self._unit_ids: set[str] = set()
         self.culprits: list[Culprit] = []
-        self.prefill = GraphPass("prefill" if self.generation else None, self.graph, self.checker)
+        self.prefill = GraphPass("prefill" if self.generation else None, self.mixed["model"], self.checker,
+                                 self.graph, self.keep_float32["model"])
         self.passes = [self.prefill]
         if self.generation:
-            decode = self.store.step_graph("decode")
+            decode = self.mixed["decode"]
             self.passes.append(GraphPass("decode", decode, RegionChecker(
                 self.store, self.platform, self.tolerances, graph=decode,
-                inputs=lambda: decode_step_inputs(self.store, self.checker.ref))))
+                inputs=lambda: decode_step_inputs(self.store, self._prefill_cache_values())),
+                self.store.step_graph("decode"), self.keep_float32["decode"]))
         self.placement = self.prefill.placement
         self.device: dict | None = None
 
     @property
     def end_to_end(self) -> EndToEnd | None:
         return self.prefill.end_to_end
+
+    def _prefill_cache_values(self) -> dict:
+        """The prefill's reference values with each cache entry as the mixed prefill hands it on
+        (in the store's dtype, after the cast back from a node kept in float32)."""
+        from tapml.graph import torch_dtype
+        ref = self.checker.ref
+        prefill = self.store.step_graph("prefill")
+        return {**ref, **{r: ref[r].to(torch_dtype(prefill.meta[r].dtype)) for r in prefill.state.values()
+                          if hasattr(ref[r], "to") and ref[r].dtype != torch_dtype(prefill.meta[r].dtype)}}
+
+    def _precision_json(self) -> dict | None:
+        """The placement by dtype (``precision`` of the state); None for a float32 store."""
+        dtype = low_dtype(self.store)
+        if dtype is None:
+            return None
+        graphs = {"model": self.graph, **({"decode": self.store.step_graph("decode")} if self.generation else {})}
+        lists = {kind: {"keep_float32": list(self.keep_float32[kind]),
+                        "casts": len(cast_nodes(g, self.mixed[kind]))} for kind, g in graphs.items()}
+        return {"dtype": dtype, **lists["model"], **({"decode": lists["decode"]} if "decode" in lists else {})}
 
     # records -------------------------------------------------------------------------------
     def _memo(self, key: str, compute: Callable[[], object]):
@@ -362,12 +405,15 @@ class Migration:
                               inject=self.inject, nodes=len(self.graph.nodes), cases=self.cases,
                               store=self.store_path, device=self.device, stage=self.stage, units=self.units,
                               placement=self._placement_json(),
-                              culprits=self.culprits, end_to_end=self.end_to_end)
+                              culprits=self.culprits, end_to_end=self.end_to_end, precision=self._precision_json())
 
     def _placement_json(self) -> dict:
-        placement = {"nodes": dict(self.placement), **placement_shares(self.graph, self.placement)}
+        def of(gp: GraphPass) -> dict:  # the store's own nodes: casts kept_float32 added are bookkeeping
+            nodes = {n.name: gp.placement[n.name] for n in gp.original.nodes}
+            return {"nodes": nodes, **placement_shares(gp.original, nodes)}
+        placement = of(self.prefill)
         for gp in self.passes[1:]:
-            placement[gp.kind] = {"nodes": dict(gp.placement), **placement_shares(gp.graph, gp.placement)}
+            placement[gp.kind] = of(gp)
         return placement
 
     def state(self) -> dict:

@@ -139,21 +139,67 @@ def _ancestors(path: str) -> list[str]:
     return out
 
 
-def resolve_keep(graph: Graph, items: Iterable[str]) -> list[str]:
-    """Node names for a keep_float32 list of node names and module paths (a module stands for
-    its floating nodes), in graph order. TapmlError naming an item that is neither."""
+def resolve_keep(graph: Graph, items: Iterable[str], *, unknown: str = "raise") -> list[str]:
+    """Node names for a keep_float32 list, in graph order. An item is a node name, a module path
+    (its floating nodes) or an op overload name ``aten.x.y`` (every node of that op), tried in that
+    order. ``unknown="raise"``: TapmlError naming an item that is none of these; ``"skip"``: such
+    an item is left out (a generation's other graph may have it)."""
     names = {n.name for n in graph.nodes}
     members = module_members(graph)
     floating = {n.name for n in floating_nodes(graph)}
+    by_op: dict[str, list[str]] = {}
+    for n in graph.nodes:
+        by_op.setdefault(n.op, []).append(n.name)
     chosen: set[str] = set()
     for item in items:
         if item in names:
             chosen.add(item)
         elif item in members:
             chosen.update(x for x in members[item] if x in floating)
-        else:
-            raise TapmlError(f"keep_float32 names {item[:80]!r}, which is neither a node nor a module of the model")
+        elif item in by_op:
+            chosen.update(by_op[item])
+        elif unknown == "raise":
+            raise TapmlError(f"keep_float32 names {item[:80]!r}, which is neither a node, a module nor an op "
+                             "(aten.x.y) of the model; `tapml inspect STORE` lists them")
     return [n.name for n in graph.nodes if n.name in chosen]
+
+
+def read_keep_items(items: Iterable[str]) -> list[str]:
+    """``--keep-float32`` items with each path to a Precision JSON (an item ending in ``.json``, or
+    naming an existing file) replaced by its ``keep_float32`` and ``keep_float32_modules``, read with
+    :func:`tapml.verdict.read_precision_document` (the file may come from anyone). TapmlError
+    (exit 2) when such a file cannot be read or is not a precision document."""
+    from pathlib import Path
+
+    from tapml.io import read_json_file
+    from tapml.verdict import read_precision_document
+    out: list[str] = []
+    for item in items:
+        if item.endswith(".json") or ("/" in item and Path(item).is_file()):
+            where = f"--keep-float32 {item}"
+            hint = "expected the JSON of `tapml precision --json`"
+            doc = read_precision_document(read_json_file(item, where, hint), where, hint)
+            out += doc["keep_float32"] + [m for m in doc["keep_float32_modules"] if m]
+        else:
+            out.append(item)
+    return out
+
+
+def resolve_keep_float32(graphs: dict[str, Graph], items: Iterable[str]) -> dict[str, list[str]]:
+    """``--keep-float32`` items (node names, module paths, op names; precision JSON already read
+    with :func:`read_keep_items`) resolved in each of ``graphs`` (``{"prefill": g, "decode": g}``
+    for a generation, else one graph): ``{kind: node names}``. TapmlError (exit 2) when the graphs
+    compute in float32 (nothing to keep) or an item names nothing in any of them."""
+    items = list(items)
+    if not items:
+        return {kind: [] for kind in graphs}
+    if all(graph_dtype(g) not in LOW_FLOATS for g in graphs.values()):
+        raise TapmlError("--keep-float32 needs a float16/bfloat16 carve: add --dtype float16 (or carve the store "
+                         "with it)")
+    for item in items:
+        if not any(resolve_keep(g, [item], unknown="skip") for g in graphs.values()):
+            resolve_keep(next(iter(graphs.values())), [item])  # raises, naming the item
+    return {kind: resolve_keep(g, items, unknown="skip") for kind, g in graphs.items()}
 
 
 def _run_all(graph: Graph, platform, inputs: dict, refs: list[str]) -> dict:
@@ -178,7 +224,8 @@ def end_to_end(graph: Graph, platform, inputs: dict, twin_outputs: dict, dtype: 
     results = []
     for ref, expected in twin_outputs.items():
         got = upcast({ref: values[ref]})[ref]
-        rtol, atol = tolerances.get(None, dtype) if expected.dtype.is_floating_point else (None, None)
+        rtol, atol = tolerances.against_float32(None, dtype, expected) if expected.dtype.is_floating_point \
+            else (None, None)
         results.append(compare_tensor(got, expected, rtol, atol))
     c = merge(results)
     return {"status": "pass" if c.passed else "mismatch", "max_abs_err": _finite(c.max_abs_err),
@@ -277,5 +324,6 @@ def passed(doc: dict) -> bool:
     return doc["end_to_end"]["after"]["status"] == "pass"
 
 
-__all__ = ["analyze", "end_to_end", "floating_nodes", "kept_modules", "module_members", "resolve_keep", "passed",
+__all__ = ["analyze", "end_to_end", "floating_nodes", "kept_modules", "module_members", "resolve_keep",
+           "read_keep_items", "resolve_keep_float32", "passed",
            "PRECISION_FORMAT_VERSION", "MAX_ROUNDS"]

@@ -7,9 +7,9 @@ from typing import Callable
 
 import torch
 
-from tapml.compare import Tolerances, compare_anchored, compare_outputs
+from tapml.compare import Comparison, Tolerances, compare_anchored, compare_outputs, merge
 from tapml.errors import DeviceLost, PlatformError, Unsupported
-from tapml.graph import run_graph
+from tapml.graph import dtype_name, run_graph
 from tapml.verdict import STATUSES, CaseVerdict, Verdict, VerdictDocument, outcome_verdict, summary  # noqa: F401 - re-exported
 
 
@@ -76,6 +76,26 @@ def flaky_verdict(first: Verdict, report: str) -> Verdict:
     return Verdict(**{**first.outcome(), "status": "flaky", "message": f"{report}\n{against}"})
 
 
+def judge_case(store, case: dict, outputs: list[torch.Tensor], expected: list[torch.Tensor],
+               tolerances: Tolerances | None = None, anchored: bool | None = None) -> Comparison:
+    """Compare a case's target ``outputs`` with the reference's ``expected``. ``anchored=True``:
+    every float output fp64-anchored; ``False``: the tolerances; None (default): fp64-anchored
+    for float16/bfloat16 outputs of a low-precision store (the reference's own rounding is the
+    yardstick) and the tolerances for the rest (a float32 op is judged as in a float32 store)."""
+    from tapml.dtypes import LOW_FLOATS
+    if anchored is None:
+        anchored = anchored_by_default(store) and any(dtype_name(e.dtype) in LOW_FLOATS for e in expected)
+        if anchored and not all(dtype_name(e.dtype) in LOW_FLOATS for e in expected):
+            ref64 = _reference64(store, case)
+            return merge([compare_anchored([t], [e], [r]) if dtype_name(e.dtype) in LOW_FLOATS else
+                          compare_outputs([t], [e], op=case["op"], tolerances=tolerances)
+                          for t, e, r in zip(outputs, expected, ref64)] if len(outputs) == len(expected) else
+                         [compare_outputs(outputs, expected)])
+    if anchored:
+        return compare_anchored(outputs, expected, _reference64(store, case))
+    return compare_outputs(outputs, expected, op=case["op"], tolerances=tolerances)
+
+
 def replay_case(platform, store, case: dict, tolerances: Tolerances | None = None,
                anchored: bool | None = None, profile: int = 0, repeat: int = 1) -> CaseVerdict:
     """Run one case on ``platform`` and judge it against the reference's outputs. A platform
@@ -99,11 +119,7 @@ def replay_case(platform, store, case: dict, tolerances: Tolerances | None = Non
         outcome = outcome_verdict(e)
     else:
         time_ms = round(first_ms if first_ms is not None else (time.perf_counter() - start) * 1e3, 4)
-        expected = store.case_outputs(case)
-        if anchored_by_default(store) if anchored is None else anchored:
-            result = compare_anchored(outputs, expected, _reference64(store, case))
-        else:
-            result = compare_outputs(outputs, expected, op=case["op"], tolerances=tolerances)
+        result = judge_case(store, case, outputs, store.case_outputs(case), tolerances, anchored)
         outcome = outcome_verdict(result, time_ms)
         if varied:
             outcome = flaky_verdict(outcome, varied)
@@ -176,6 +192,7 @@ def replay(store, platform, target: str, tolerances: Tolerances | None = None, a
         if on_case:
             on_case(v.to_json())
     doc = VerdictDocument(target=target, device=device, model=store.model, tolerances=(tolerances or Tolerances()).to_json(),
+                          dtype=store_dtype(store), anchored=anchored_by_default(store) if anchored is None else anchored,
                           cases=verdicts).to_json()
     if pooled is not None:
         doc["devices"] = _pool_of(platform).pool.describe()

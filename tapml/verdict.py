@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
+from tapml.dtypes import MODEL_DTYPES
 from tapml.errors import DeviceLost, PlatformError, TapmlError, Unsupported
 from tapml.io import read_json_file
 
@@ -362,6 +363,9 @@ class VerdictDocument:
     device: dict | None = None
     model: str | None = None
     tolerances: dict = field(default_factory=dict)
+    #: The dtype the store was carved in, and whether float cases were judged fp64-anchored.
+    dtype: str = "float32"
+    anchored: bool = False
 
     @property
     def summary(self) -> dict:
@@ -373,7 +377,8 @@ class VerdictDocument:
 
     def to_json(self) -> dict:
         return {"format_version": FORMAT_VERSION, "target": self.target, "device": self.device, "model": self.model,
-                "tolerances": self.tolerances, "cases": [c.to_json() for c in self.cases], "summary": self.summary}
+                "dtype": self.dtype, "anchored": self.anchored, "tolerances": self.tolerances,
+                "cases": [c.to_json() for c in self.cases], "summary": self.summary}
 
     @classmethod
     def from_json(cls, data, where: str = "<verdicts>", *, strict: bool = False, hint: str = "",
@@ -392,20 +397,22 @@ class VerdictDocument:
         common = dict(target=o.string("target", None, required="target" in required),
                       cases=o.objects("cases", CaseVerdict, "a verdict", required="cases" in required),
                       device=_device(o), model=o.string("model", None, required=strict and migration),
-                      tolerances=_tolerances(o, required=strict and migration))
+                      tolerances=_tolerances(o, required=strict and migration),
+                      dtype=o.choice("dtype", MODEL_DTYPES, "float32"), anchored=o.boolean("anchored", False))
         _derived(o)
         if not migration:
             return VerdictDocument(**common)
         fmt = o.string("format", None, required=strict)
         if fmt is not None and fmt != STATE_FORMAT:
             o.fail(f"its format is {fmt!r}, expected {STATE_FORMAT!r}")
+        placement = _placement(o)
         return MigrationState(**common, inject=o.strings("inject", required=strict),
                               nodes=o.count("nodes", None, required=strict), store=o.string("store", None),
                               stage=o.choice("stage", STAGES, None, required=strict),
                               units=o.objects("units", UnitVerdict, "a unit verdict", required=strict),
-                              placement=_placement(o), culprits=o.objects("culprits", Culprit, "a culprit"),
+                              placement=placement, culprits=o.objects("culprits", Culprit, "a culprit"),
                               end_to_end=o.object("end_to_end", EndToEnd, "an end-to-end verdict"),
-                              graph=o.choice("graph", GRAPH_KINDS, None))
+                              graph=o.choice("graph", GRAPH_KINDS, None), precision=_precision(o, placement))
 
     @classmethod
     def read(cls, path: str | Path, *, what: str = "", strict: bool = False, hint: str = "",
@@ -432,6 +439,10 @@ class MigrationState(VerdictDocument):
     culprits: list[Culprit] = field(default_factory=list)
     end_to_end: EndToEnd | None = None
     graph: str | None = None
+    #: Placement by dtype of a float16/bfloat16 migration: ``{"dtype", "keep_float32": [nodes that
+    #: computed in float32], "casts": count}``, plus ``"decode": {"keep_float32", "casts"}`` in a
+    #: generation; None for a float32 model.
+    precision: dict | None = None
 
     @property
     def complete(self) -> bool:
@@ -444,9 +455,11 @@ class MigrationState(VerdictDocument):
                 and all(u.status == "pass" for u in self.units if u.kind == "model"))
 
     def header(self) -> dict:
-        """The options the migration ran with, as its journal's header holds them."""
-        return {"format": STATE_FORMAT, "model": self.model, "target": self.target, "tolerances": self.tolerances,
-                "inject": list(self.inject), "nodes": self.nodes}
+        """The options the migration ran with, as its journal's header holds them (``keep_float32``
+        only when nodes were kept in float32)."""
+        header = {"format": STATE_FORMAT, "model": self.model, "target": self.target, "tolerances": self.tolerances,
+                  "inject": list(self.inject), "nodes": self.nodes}
+        return header | keep_float32_header(self.precision)
 
     def to_json(self) -> dict:
         return {**self.header(), "format_version": FORMAT_VERSION, "cases": [c.to_json() for c in self.cases],
@@ -454,7 +467,19 @@ class MigrationState(VerdictDocument):
                 "summary": self.summary, "units": [u.to_json() for u in self.units], "placement": self.placement,
                 "culprits": [c.to_json() for c in self.culprits],
                 "end_to_end": None if self.end_to_end is None else self.end_to_end.to_json(), "passed": self.passed,
-                **({} if self.graph is None else {"graph": self.graph})}
+                **({} if self.graph is None else {"graph": self.graph}),
+                **({} if self.precision is None else {"precision": self.precision})}
+
+
+def keep_float32_header(precision: dict | None) -> dict:
+    """The journal header's record of a migration's keep_float32 lists (``{"keep_float32":
+    {graph: names}}``; empty when nothing was kept, so older journals still resume)."""
+    if not precision:
+        return {}
+    lists = {"model": list(precision.get("keep_float32", []))}
+    if "decode" in precision:
+        lists["decode"] = list(precision["decode"].get("keep_float32", []))
+    return {"keep_float32": lists} if any(lists.values()) else {}
 
 
 # --- the generation document ---------------------------------------------------------------
@@ -837,6 +862,33 @@ def _placement(o: _Obj) -> dict:
     return out
 
 
+def _precision(o: _Obj, placement: dict) -> dict | None:
+    """A state's placement by dtype; every kept node must be a node of its graph's placement."""
+    p = o.child("precision", "a placement by dtype ({dtype, keep_float32, casts})")
+    if p is None:
+        return None
+    out = {"dtype": p.choice("dtype", PRECISION_DTYPES, required=True)}
+    for holder, place, key in ((p, placement, None), (p.child("decode", "the decode graph's placement by dtype"),
+                                                      placement.get("decode") or {}, "decode")):
+        if holder is None:
+            continue
+        keep = holder.strings("keep_float32", required=True)
+        nodes = place.get("nodes")
+        if len(set(keep)) != len(keep):
+            holder.fail("keep_float32 names a node twice")
+        if nodes is None and keep:
+            holder.fail("keep_float32 names nodes but the placement lists none")
+        unknown = [k for k in keep if nodes is not None and k not in nodes]
+        if unknown:
+            holder.fail(f"keep_float32 names {unknown[0][:80]!r}, which is not a node of the placement")
+        entry = {"keep_float32": keep, "casts": holder.count("casts", 0)}
+        if key is None:
+            out |= entry
+        else:
+            out[key] = entry
+    return out
+
+
 def _graph_placement(p: _Obj, strict: bool) -> dict:
     out: dict = {}
     nodes = p.child("nodes", "a placement of nodes", strict)
@@ -862,4 +914,4 @@ __all__ = ["Verdict", "CaseVerdict", "UnitVerdict", "RegionCheck", "EndToEnd", "
            "read_precision_document", "is_precision_document", "PRECISION_FORMAT_VERSION", "PRECISION_DTYPES",
            "END_TO_END_STATUSES", "outcome_verdict", "culprit_kind", "summary", "passed", "journal_record", "check_depth",
            "STATUSES", "STAT_KEYS", "TIMINGS", "CULPRIT_KINDS", "UNIT_KINDS", "GRAPH_KINDS", "STAGES", "STATE_FORMAT",
-           "FORMAT_VERSION"]
+           "FORMAT_VERSION", "keep_float32_header"]

@@ -346,6 +346,16 @@ def test_browser_reports_how_it_holds_low_precision(browser):
     assert paths["float16"].startswith("native" if native else "packed") and paths["bfloat16"].startswith("packed")
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_zoo_low_precision_replay_passes_in_the_browser(browser, carved, dtype):
+    from tapml.carving import CarveStore
+    from tapml.replay import replay
+    result = replay(CarveStore(carved("zoo:tiny-llama", dtype=dtype)), browser, "browser")
+    failing = [(v["id"], v["op"], v["status"], v["message"][:200]) for v in result["cases"] if v["status"] != "pass"]
+    assert not failing and len(result["cases"]) > 20, failing
+    assert result["dtype"] == dtype and result["anchored"] is True
+
+
 def _f32_case(case) -> bool:
     return all(m["dtype"] == "float32" for m in case["output_meta"])
 

@@ -83,3 +83,20 @@ def test_fp64_anchored_accepts_errors_like_the_references_own():
     # A target as exact as float32 can be passes; one far off fails.
     assert compare_anchored([r32.clone()], [r32], [r64]).passed
     assert not compare_anchored([r32 + 1e-2], [r32], [r64]).passed
+
+
+def test_low_precision_against_float32_scales_atol_to_the_tensor():
+    """A float16 run judged against the float32 model: rtol of float16, atol at least rtol times
+    the tensor's largest value; Inf where float32 is finite and errors at the tensor's scale fail."""
+    from tapml.compare import Tolerances
+    expected = torch.tensor([100.0, 0.5, -0.01, 0.0])
+    rtol, atol = Tolerances().against_float32("aten.mm.default", "float16", expected)
+    assert (rtol, atol) == (1e-2, 1.0)
+    assert compare_tensor(expected + torch.tensor([0.5, 0.9, 0.9, 0.9]), expected, rtol, atol).passed
+    assert not compare_tensor(expected + torch.tensor([0.0, 1.1, 0.0, 0.0]), expected, rtol, atol).passed
+    assert not compare_tensor(torch.tensor([math.inf, 0.5, -0.01, 0.0]), expected, rtol, atol).passed
+    small = torch.tensor([1e-4, -2e-4])
+    assert Tolerances().against_float32(None, "float16", small) == (1e-2, 1e-3)  # the dtype's own atol at least
+    assert Tolerances().against_float32(None, "bfloat16", expected) == (2e-2, 2.0)
+    override = Tolerances.parse(["aten.mm=1e-4,1e-5"])
+    assert override.against_float32("aten.mm.default", "float16", expected) == (1e-4, 1e-5)

@@ -103,11 +103,25 @@ def test_low_precision_cases_pass_on_vulkan(carved, spec, dtype):
 @pytest.mark.device
 @gl_adapter
 @pytest.mark.parametrize("spec", SPECS)
-def test_float16_cases_pass_on_gl(carved, spec):
-    store = CarveStore(carved(spec, dtype="float16"))
+@pytest.mark.parametrize("dtype", LOW)
+def test_low_precision_cases_pass_on_gl_without_shader_f16(carved, spec, dtype):
+    store = CarveStore(carved(spec, dtype=dtype))
     result = replay(store, shared_platform("gl"), "wgpu:gl")
     bad = _all_pass(result)
-    assert not bad, f"{len(bad)}/{len(result['cases'])} cases of {spec} in float16 fail on GL:\n" + "\n".join(bad)
+    assert not bad, f"{len(bad)}/{len(result['cases'])} cases of {spec} in {dtype} fail on GL:\n" + "\n".join(bad)
+    assert result["dtype"] == dtype and result["anchored"] is True
+    assert result["device"]["low_precision"][dtype].startswith("packed")
+
+
+@pytest.mark.device
+@pytest.mark.slow
+def test_float16_generation_passes_on_vulkan(tmp_path):
+    r = tapml("generate", "zoo:tiny-llama", "--dtype", "float16", "--target", "wgpu:vulkan", "--tokens", "3",
+              "--json", tmp_path / "g.json", "-q")
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "g.json").read_text())
+    assert doc["dtype"] == "float16" and [s["status"] for s in doc["steps"]] == ["pass"] * len(doc["steps"])
+    assert doc["upload_bytes_per_decode_step"] == 8 and doc["programs_compiled"] == 2
 
 
 def test_float16_overflow_fails_at_the_model_stage_against_float32(tmp_path):

@@ -39,6 +39,11 @@ DtypeOpt = typer.Option(None, "--dtype", help="float32, float16 or bfloat16: the
                         "inputs, and the reference run, in that dtype (default float32; a STORE keeps its own). "
                         "Low-precision ops are judged fp64-anchored, regions and the whole model against float32")
 
+KeepFloat32Opt = typer.Option(None, "--keep-float32", help="Run these in float32 on the target while the rest runs in "
+                              "the low --dtype: a node name, a module path (its floating nodes), an op (aten.x.y: "
+                              "every node of it) or a `tapml precision --json` file (its keep_float32 list); "
+                              "repeatable. Needs a float16/bfloat16 carve")
+
 
 def fail(message: str, code: int = EXIT_USAGE):
     """Print ``message`` as one error line on stderr and exit with ``code`` (default 2, bad usage)."""
@@ -181,5 +186,5 @@ def progress_bar(quiet: bool = False):
 
 
 __all__ = ["app", "console", "out", "EXIT_OK", "EXIT_FINDING", "EXIT_USAGE", "EXIT_INTERNAL", "TargetOpt", "TolOpt",
-           "InjectOpt", "TokenFileOpt", "JsonOpt", "QuietOpt", "DtypeOpt", "check_dtype", "fail", "command", "write_crash_report", "write_json",
+           "InjectOpt", "TokenFileOpt", "JsonOpt", "QuietOpt", "DtypeOpt", "KeepFloat32Opt", "check_dtype", "fail", "command", "write_crash_report", "write_json",
            "open_store", "progress_bar"]

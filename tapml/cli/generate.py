@@ -7,8 +7,8 @@ from typing import List, Optional
 
 import typer
 
-from tapml.cli.common import (EXIT_FINDING, EXIT_OK, DtypeOpt, InjectOpt, JsonOpt, QuietOpt, TargetOpt, TokenFileOpt,
-                              TolOpt, app, check_dtype, command, console, fail, out, write_json)
+from tapml.cli.common import (EXIT_FINDING, EXIT_OK, DtypeOpt, InjectOpt, JsonOpt, KeepFloat32Opt, QuietOpt, TargetOpt,
+                              TokenFileOpt, TolOpt, app, check_dtype, command, console, fail, out, write_json)
 from tapml.cli.migrate import HfConfigOpt
 from tapml.render import fmt_err
 
@@ -34,6 +34,7 @@ def generate(model: str = typer.Argument(..., help="A generation store (`tapml c
              hf_config: Optional[List[str]] = HfConfigOpt, dtype: Optional[str] = DtypeOpt,
              localize: bool = typer.Option(True, "--localize/--no-localize", help="Find the culprit of the first "
                                            "failing step with the migration machinery"),
+             keep_float32: Optional[List[str]] = KeepFloat32Opt,
              inject: Optional[List[str]] = InjectOpt, tol: Optional[List[str]] = TolOpt,
              token_file: Optional[str] = TokenFileOpt, json_out: Optional[str] = JsonOpt, quiet: bool = QuietOpt):
     """Generate with MODEL on TARGET step by step (prefill, then one decode step per token against
@@ -48,6 +49,7 @@ def generate(model: str = typer.Argument(..., help="A generation store (`tapml c
     from tapml.generate import check_generation_store, generate as run_generation, passed
     from tapml.inject import parse_faults
     from tapml.models import parse_hf_overrides
+    from tapml.precision import read_keep_items, resolve_keep_float32
     from tapml.targets import check_target, open_target, read_token
 
     check_target(target)
@@ -58,6 +60,9 @@ def generate(model: str = typer.Argument(..., help="A generation store (`tapml c
             fail(f"{name} {value}: give 1 or more")
     overrides = parse_hf_overrides(hf_config)
     dtype = check_dtype(dtype)
+    keep = read_keep_items(keep_float32 or [])
+    if keep and not Path(model).is_dir() and (dtype or "float32") == "float32":
+        fail("--keep-float32 needs a float16/bfloat16 carve: add --dtype float16")
     temporary = None
     if Path(model).is_dir():
         if store_dir or hf_config:
@@ -85,9 +90,11 @@ def generate(model: str = typer.Argument(..., help="A generation store (`tapml c
                        quiet=quiet, dtype=dtype or "float32")
     try:
         _check_faults(store, inject)
+        resolve_keep_float32({k: store.step_graph(k) for k in ("prefill", "decode")}, keep)
         with open_target(target, token=read_token(token_file), inject=inject) as platform:
             doc = run_generation(store, platform, target, tokens=tokens, free=free, tolerances=tolerances,
-                                 localize=localize, inject=inject, on_step=_progress(quiet or json_out == "-"))
+                                 localize=localize, inject=inject, on_step=_progress(quiet or json_out == "-"),
+                                 keep_float32=keep)
     finally:
         if temporary:
             shutil.rmtree(temporary, ignore_errors=True)
@@ -181,6 +188,11 @@ def render_generation(doc: dict, quiet: bool = False) -> None:
         rates = doc["tokens_per_s"]
         out.print(f"placement: {fell['prefill']} prefill and {fell['decode']} decode nodes fell back to the reference; "
                   f"programs compiled: {doc['programs_compiled']} ({doc['compiled_per_shape']})", highlight=False)
+        kept = doc.get("keep_float32") or {}
+        if any(kept.values()):
+            out.print(f"precision: {len(kept.get('prefill', []))} prefill and {len(kept.get('decode', []))} decode "
+                      f"nodes kept in float32, the rest in {doc.get('dtype')} "
+                      f"({sum((doc.get('casts') or {}).values())} casts added: bookkeeping)", highlight=False)
         out.print(f"uploaded per decode step: {'-' if upload is None else f'{upload} bytes'}; decode tokens/s: target "
                   f"{_rate(rates['target'])}, reference (torch eager, CPU) {_rate(rates['reference'])}", highlight=False)
         if doc.get("first_divergence") is not None:

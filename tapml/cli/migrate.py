@@ -6,8 +6,8 @@ from typing import List, Optional
 
 import typer
 
-from tapml.cli.common import (DtypeOpt, InjectOpt, JsonOpt, QuietOpt, TokenFileOpt, TokenMapOpt, TolOpt, app,
-                              check_dtype, command, console, fail, out, write_json)
+from tapml.cli.common import (DtypeOpt, InjectOpt, JsonOpt, KeepFloat32Opt, QuietOpt, TokenFileOpt, TokenMapOpt, TolOpt,
+                              app, check_dtype, command, console, fail, out, write_json)
 from tapml.cli.store import check_targets, render_matrix_run
 from tapml.render import fmt_err
 
@@ -114,6 +114,9 @@ def render_state(state: dict, quiet: bool = False) -> None:
               f"{len(regions) - len(modules)} bisection runs", highlight=False)
     out.print(f"placement: {p['ops_on_target']}/{p['ops_total']} ops ({p['ops_share']:.1%}) and "
               f"{p['flops_share']:.1%} of FLOPs on {state['target']}", highlight=False)
+    line = dtype_placement_line(state.get("precision"))
+    if line:
+        out.print(line, highlight=False)
     e = state["end_to_end"] or {"status": "not run", "max_abs_err": None, "max_rel_err": None, "message": ""}
     color = "green" if e["status"] == "pass" else "red"
     out.print(f"end to end: [{color}]{e['status']}[/] max_abs_err {fmt_err(e['max_abs_err'])} "
@@ -130,6 +133,19 @@ def render_state(state: dict, quiet: bool = False) -> None:
     verdict = "[green]migrated: everything passed[/]" if state["passed"] else \
         f"[red]{len(culprits)} finding(s)[/]" + ("" if matches else "; the model does not match end to end")
     out.print(verdict, highlight=False)
+
+
+def dtype_placement_line(precision: dict | None) -> str:
+    """``"4 nodes kept in float32, the rest in float16 (6 casts added, not counted above)"`` for a
+    state's ``precision`` with a keep_float32 list; empty otherwise."""
+    if not precision or not (precision["keep_float32"] or (precision.get("decode") or {}).get("keep_float32")):
+        return ""
+    decode = precision.get("decode")
+    kept = f"{len(precision['keep_float32'])} nodes" + \
+        (f" ({len(decode['keep_float32'])} in the decode graph)" if decode else "")
+    casts = precision.get("casts", 0) + (decode or {}).get("casts", 0)
+    return (f"precision: {kept} kept in float32, the rest in {precision['dtype']} ({casts} casts added: bookkeeping, "
+            "not counted in the placement)")
 
 
 def state_for_target(state: str, target: str) -> str:
@@ -157,7 +173,8 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
             resume: bool = typer.Option(False, "--resume", help="Continue from the state's journal, skipping what is done"),
             inject: Optional[List[str]] = InjectOpt, tol: Optional[List[str]] = TolOpt,
             token_file: Optional[str] = TokenFileOpt, token_map: Optional[str] = TokenMapOpt,
-            hf_config: Optional[List[str]] = HfConfigOpt, dtype: Optional[str] = DtypeOpt, quiet: bool = QuietOpt,
+            hf_config: Optional[List[str]] = HfConfigOpt, dtype: Optional[str] = DtypeOpt,
+            keep_float32: Optional[List[str]] = KeepFloat32Opt, quiet: bool = QuietOpt,
             json_out: Optional[str] = JsonOpt):
     """Offload MODEL to TARGET: each op, then growing regions, then the whole model, checking each step."""
     from pathlib import Path
@@ -166,12 +183,16 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
     from tapml.inject import parse_faults
     from tapml.carving import open_or_carve
     from tapml.migrate import Migration, check_faults, exit_code
+    from tapml.precision import read_keep_items, resolve_keep_float32
     from tapml.replay import injects_into
     from tapml.targets import open_target, read_tokens
     targets = check_targets(target)
     tolerances = Tolerances.parse(tol)
     token = read_tokens(token_file, token_map)
     parse_faults(inject or [])
+    keep = read_keep_items(keep_float32 or [])
+    if keep and not Path(model).is_dir() and not model.endswith(".pt2") and (dtype or "float32") == "float32":
+        fail("--keep-float32 needs a float16/bfloat16 carve: add --dtype float16")
     if Path(state).is_dir():
         fail(f"--state {state} is a directory; give a file name such as {Path(state) / 'state.json'}")
     from tapml.models import parse_hf_overrides
@@ -179,6 +200,8 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
         f"carving {spec} into {path}", highlight=False), hf_config=parse_hf_overrides(hf_config),
         dtype=check_dtype(dtype))
     check_faults(store.graph, inject)
+    resolve_keep_float32({"model": store.graph, **({"decode": store.step_graph("decode")}
+                                                   if store.is_generation else {})}, keep)
     if len(targets) > 1:
         paths = {t: state_for_target(state, t) for t in targets}
         results = {}
@@ -187,7 +210,8 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
             with open_target(t, token=token, inject=faults) as platform, \
                     MigrationDisplay(f"migrating {store.model} to {t} ({paths[t]})", quiet) as display:
                 results[t] = Migration(store, platform, t, paths[t], tolerances=tolerances, inject=faults, resume=resume,
-                                       on_event=display.event, store_path=str(store_path)).run()
+                                       on_event=display.event, store_path=str(store_path),
+                                       keep_float32=keep).run()
         def render_target(doc: dict) -> None:
             from rich.markup import escape
             out.print(f"[bold]{escape(doc['target'])}[/] ({escape(paths[doc['target']])})", highlight=False)
@@ -198,7 +222,7 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
     with open_target(target, token=token, inject=inject) as platform, \
             MigrationDisplay(f"migrating {store.model} to {target}", quiet) as display:
         result = Migration(store, platform, target, state, tolerances=tolerances, inject=inject, resume=resume,
-                           on_event=display.event, store_path=str(store_path)).run()
+                           on_event=display.event, store_path=str(store_path), keep_float32=keep).run()
     if json_out:
         write_json(result, json_out)
     if json_out != "-":
@@ -206,4 +230,4 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
     raise typer.Exit(exit_code(result))
 
 
-__all__ = ["render_state", "MigrationDisplay", "ModelArg", "HfConfigOpt", "state_for_target"]
+__all__ = ["render_state", "MigrationDisplay", "ModelArg", "HfConfigOpt", "state_for_target", "dtype_placement_line"]

@@ -126,6 +126,11 @@ def render_verdicts(result: dict, quiet: bool = False) -> None:
     out.print(f"[{color}]{s['pass']}/{total} pass[/], {s['mismatch']} mismatch, {s['unsupported']} unsupported, "
               f"{s['error']} error" + (f", {s['flaky']} flaky" if s.get("flaky") else "") +
               f" on {result['target']} ({result['device'].get('adapter', '')})", highlight=False)
+    dtype = result.get("dtype", "float32")
+    if dtype != "float32":
+        how = (result.get("device") or {}).get("low_precision", {}).get(dtype)
+        out.print(f"{dtype} cases judged {'fp64-anchored' if result.get('anchored') else 'against the reference'}"
+                  + (f"; the device holds {dtype} as {how}" if how else ""), highlight=False)
 
 
 def render_flaky(flaky: list[dict], most: int = 5) -> None:
