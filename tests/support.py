@@ -1,10 +1,27 @@
 """Helpers shared by test modules (importable because pytest puts tests/ on sys.path)."""
 
+import pytest
 import torch
 
 from tapml.compare import compare_anchored
 from tapml.graph import Graph, Node, TensorMeta, run_node
 from tapml.platforms.wgsl.registry import sample_cases
+
+
+def _vulkan_backends():
+    try:
+        from tapml.platforms.wgpu_native import available_backends
+        return available_backends()
+    except Exception:  # noqa: BLE001 - no wgpu at all: the device tests say why they skip
+        return ()
+
+
+#: ``reference`` and ``wgpu:vulkan`` (a device test, skipped with the reason where lavapipe is
+#: missing): for tests that check one command on the CPU reference and on a real adapter.
+REFERENCE_AND_VULKAN = ["reference", pytest.param("wgpu:vulkan", marks=[
+    pytest.mark.device, pytest.mark.xdist_group("wgpu"),
+    pytest.mark.skipif("vulkan" not in _vulkan_backends(),
+                       reason="no wgpu Vulkan adapter (install mesa-vulkan-drivers for lavapipe)")])]
 
 
 def rss_mib(pid: int) -> float:

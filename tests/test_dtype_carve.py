@@ -88,29 +88,22 @@ def test_replay_is_fp64_anchored_by_default_for_low_precision_and_can_be_turned_
     assert tapml("replay", store, "--no-fp64-anchored").exit_code == 0
 
 
-@pytest.mark.device
-@vulkan_adapter
-@pytest.mark.parametrize("spec", SPECS)
-@pytest.mark.parametrize("dtype", LOW)
-def test_low_precision_cases_pass_on_vulkan(carved, spec, dtype):
-    store = CarveStore(carved(spec, dtype=dtype))
-    result = replay(store, shared_platform("vulkan"), "wgpu:vulkan")
-    bad = _all_pass(result)
-    assert not bad, f"{len(bad)}/{len(result['cases'])} cases of {spec} in {dtype} fail on Vulkan:\n" + "\n".join(bad)
-
+BACKENDS = [pytest.param("vulkan", marks=vulkan_adapter), pytest.param("gl", marks=gl_adapter)]
 
 
 @pytest.mark.device
-@gl_adapter
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("dtype", LOW)
-def test_low_precision_cases_pass_on_gl_without_shader_f16(carved, spec, dtype):
+def test_low_precision_cases_pass_on_vulkan_and_gl(carved, backend, spec, dtype):
+    """Native f16 on Vulkan (shader-f16), packed two per u32 on GL; bfloat16 packed on both."""
     store = CarveStore(carved(spec, dtype=dtype))
-    result = replay(store, shared_platform("gl"), "wgpu:gl")
+    result = replay(store, shared_platform(backend), f"wgpu:{backend}")
     bad = _all_pass(result)
-    assert not bad, f"{len(bad)}/{len(result['cases'])} cases of {spec} in {dtype} fail on GL:\n" + "\n".join(bad)
+    assert not bad, f"{len(bad)}/{len(result['cases'])} cases of {spec} in {dtype} fail on {backend}:\n" + "\n".join(bad)
     assert result["dtype"] == dtype and result["anchored"] is True
-    assert result["device"]["low_precision"][dtype].startswith("packed")
+    packed = dtype == "bfloat16" or "shader-f16" not in result["device"]["features"]
+    assert result["device"]["low_precision"][dtype].startswith("packed" if packed else "native")
 
 
 @pytest.mark.device

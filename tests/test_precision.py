@@ -13,6 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tapml.cli import app
+from support import REFERENCE_AND_VULKAN as TARGETS
 
 runner = CliRunner()
 
@@ -29,18 +30,6 @@ def tapml(*args):
     return runner.invoke(app, [str(a) for a in args])
 
 
-def _vulkan_backends():
-    try:
-        from tapml.platforms.wgpu_native import available_backends
-        return available_backends()
-    except Exception:  # noqa: BLE001 - no wgpu at all: the device tests say why they skip
-        return ()
-
-
-TARGETS = ["reference", pytest.param("wgpu:vulkan", marks=[
-    pytest.mark.device, pytest.mark.xdist_group("wgpu"),
-    pytest.mark.skipif("vulkan" not in _vulkan_backends(),
-                       reason="no wgpu Vulkan adapter (install mesa-vulkan-drivers for lavapipe)")])]
 
 
 @pytest.fixture(scope="module")

@@ -172,6 +172,23 @@ def check_dtype(dtype: Optional[str]) -> Optional[str]:
         fail(str(e))
 
 
+def carve_destination(store_dir: Optional[str], purpose: str) -> tuple[Path, Optional[str]]:
+    """Where a command that carves MODEL first puts the store: ``--store DIR`` (a new or empty
+    directory whose parent exists; exit 2 otherwise) or a new temporary folder. Returns
+    ``(store path, temporary folder to remove afterwards or None)``."""
+    import tempfile
+    if not store_dir:
+        temporary = tempfile.mkdtemp(prefix=f"tapml-{purpose}-")
+        return Path(temporary) / "store", temporary
+    out_dir = Path(store_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        fail(f"--store {store_dir} exists and is not an empty directory; choose another, or pass the "
+             "store itself as MODEL")
+    if not out_dir.parent.is_dir():
+        fail(f"--store {store_dir}: directory {out_dir.parent} does not exist")
+    return out_dir, None
+
+
 def open_store(path: str):
     """The CarveStore at ``path`` (TapmlError, exit 2, when it is missing or corrupt)."""
     from tapml.carving.store import CarveStore

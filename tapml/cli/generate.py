@@ -8,7 +8,8 @@ from typing import List, Optional
 import typer
 
 from tapml.cli.common import (EXIT_FINDING, EXIT_OK, DtypeOpt, InjectOpt, JsonOpt, KeepFloat32Opt, QuietOpt, TargetOpt,
-                              TokenFileOpt, TolOpt, app, check_dtype, command, console, fail, out, write_json)
+                              TokenFileOpt, TolOpt, app, carve_destination, check_dtype, command, console, fail, out,
+                              write_json)
 from tapml.cli.migrate import HfConfigOpt
 from tapml.render import fmt_err
 
@@ -41,7 +42,6 @@ def generate(model: str = typer.Argument(..., help="A generation store (`tapml c
     the key/value cache) and compare every step's logits and token with the reference. Exit 0
     when every step passes (or is a near-tie), 1 on a failure, 2 on bad input."""
     import shutil
-    import tempfile
     from pathlib import Path
 
     from tapml.carving.store import CarveStore
@@ -74,16 +74,7 @@ def generate(model: str = typer.Argument(..., help="A generation store (`tapml c
     else:
         if Path(model).exists():
             fail(f"{model} is a file, not a generation store or a causal LM spec")
-        if store_dir:
-            out_dir = Path(store_dir)
-            if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-                fail(f"--store {store_dir} exists and is not an empty directory; choose another, or pass the "
-                     "store itself as MODEL")
-            if not out_dir.parent.is_dir():
-                fail(f"--store {store_dir}: directory {out_dir.parent} does not exist")
-        else:
-            temporary = tempfile.mkdtemp(prefix="tapml-generate-")
-            out_dir = Path(temporary) / "store"
+        out_dir, temporary = carve_destination(store_dir, "generate")
         tokens = DEFAULT_TOKENS if tokens is None else tokens
         prompt_len = DEFAULT_PROMPT_LEN if prompt_len is None else prompt_len
         store = _carve(model, out_dir, tokens=tokens, prompt_len=prompt_len, seed=seed, hf_config=overrides,

@@ -7,8 +7,8 @@ from typing import List, Optional
 
 import typer
 
-from tapml.cli.common import (EXIT_FINDING, EXIT_OK, JsonOpt, QuietOpt, TargetOpt, TokenFileOpt, TolOpt, app, command,
-                              console, fail, out, write_json)
+from tapml.cli.common import (EXIT_FINDING, EXIT_OK, JsonOpt, QuietOpt, TargetOpt, TokenFileOpt, TolOpt, app,
+                              carve_destination, command, console, fail, out, write_json)
 from tapml.cli.migrate import HfConfigOpt
 from tapml.render import STATUS_STYLE, fmt_err
 
@@ -35,7 +35,6 @@ def precision(model: str = typer.Argument(..., help="A store carved in float16/b
     Lists the ops that must stay in float32 and checks the model end to end without and with them
     in float32. Exit 0 when the model passes with that list applied, 1 when it does not, 2 on bad input."""
     import shutil
-    import tempfile
     from pathlib import Path
 
     from tapml.compare import Tolerances
@@ -59,16 +58,7 @@ def precision(model: str = typer.Argument(..., help="A store carved in float16/b
     else:
         if Path(model).exists():
             fail(f"{model} is a file, not a carve store or a model spec")
-        if store_dir:
-            out_dir = Path(store_dir)
-            if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-                fail(f"--store {store_dir} exists and is not an empty directory; choose another, or pass the "
-                     "store itself as MODEL")
-            if not out_dir.parent.is_dir():
-                fail(f"--store {store_dir}: directory {out_dir.parent} does not exist")
-        else:
-            temporary = tempfile.mkdtemp(prefix="tapml-precision-")
-            out_dir = Path(temporary) / "store"
+        out_dir, temporary = carve_destination(store_dir, "precision")
         store = _carve(model, out_dir, dtype=dtype or DEFAULT_DTYPE, seed=seed, hf_config=overrides, quiet=quiet)
     try:
         with open_target(target, token=read_token(token_file)) as platform:
