@@ -34,6 +34,8 @@ TokenFileOpt = typer.Option(None, "--token-file", help="File holding the device 
 TokenMapOpt = typer.Option(None, "--token-map", help='JSON file of a token per device server, '
                            '{"HOST:PORT": "token", "*": "token for the others"} (registry:// pools)')
 JsonOpt = typer.Option(None, "--json", help="Write the result as JSON to this file ('-' for stdout)")
+StoreDirOpt = typer.Option(None, "--store", help="Keep the store carved from MODEL in this new directory "
+                           "(default: a temporary one, removed after)")
 QuietOpt = typer.Option(False, "--quiet", "-q", help="Print only errors and the final line")
 DtypeOpt = typer.Option(None, "--dtype", help="float32, float16 or bfloat16: the model's floating parameters and "
                         "inputs, and the reference run, in that dtype (default float32; a STORE keeps its own). "

@@ -7,9 +7,9 @@ from typing import List, Optional
 
 import typer
 
-from tapml.cli.common import (EXIT_FINDING, EXIT_OK, DtypeOpt, InjectOpt, JsonOpt, KeepFloat32Opt, QuietOpt, TargetOpt,
-                              TokenFileOpt, TolOpt, app, carve_destination, check_dtype, command, console, fail, out,
-                              write_json)
+from tapml.cli.common import (EXIT_FINDING, EXIT_OK, DtypeOpt, InjectOpt, JsonOpt, KeepFloat32Opt, QuietOpt,
+                              StoreDirOpt, TargetOpt, TokenFileOpt, TolOpt, app, carve_destination, check_dtype, command,
+                              console, fail, out, write_json)
 from tapml.cli.migrate import HfConfigOpt
 from tapml.render import fmt_err
 
@@ -29,8 +29,7 @@ def generate(model: str = typer.Argument(..., help="A generation store (`tapml c
                                                       f"(default {DEFAULT_PROMPT_LEN}; a STORE has its own)"),
              free: bool = typer.Option(False, "--free", help="The target feeds its own tokens (default: every step "
                                        "gets the reference's tokens, teacher-forced)"),
-             store_dir: Optional[str] = typer.Option(None, "--store", help="Keep the store carved from MODEL in this "
-                                                     "new directory (default: a temporary one, removed after)"),
+             store_dir: Optional[str] = StoreDirOpt,
              seed: int = typer.Option(0, "--seed", help="Seed for weights and the prompt when carving MODEL"),
              hf_config: Optional[List[str]] = HfConfigOpt, dtype: Optional[str] = DtypeOpt,
              localize: bool = typer.Option(True, "--localize/--no-localize", help="Find the culprit of the first "

@@ -7,8 +7,8 @@ from typing import List, Optional
 
 import typer
 
-from tapml.cli.common import (EXIT_FINDING, EXIT_OK, JsonOpt, QuietOpt, TargetOpt, TokenFileOpt, TolOpt, app,
-                              carve_destination, command, console, fail, out, write_json)
+from tapml.cli.common import (EXIT_FINDING, EXIT_OK, JsonOpt, QuietOpt, StoreDirOpt, TargetOpt, TokenFileOpt, TolOpt,
+                              app, carve_destination, command, console, fail, out, write_json)
 from tapml.cli.migrate import HfConfigOpt
 from tapml.render import STATUS_STYLE, fmt_err
 
@@ -24,8 +24,7 @@ def precision(model: str = typer.Argument(..., help="A store carved in float16/b
               target: str = TargetOpt,
               dtype: Optional[str] = typer.Option(None, "--dtype", help="float16 or bfloat16: the dtype to carve "
                                                   f"MODEL in (default {DEFAULT_DTYPE}); a STORE keeps its own"),
-              store_dir: Optional[str] = typer.Option(None, "--store", help="Keep the store carved from MODEL in "
-                                                      "this new directory (default: a temporary one, removed after)"),
+              store_dir: Optional[str] = StoreDirOpt,
               seed: int = typer.Option(0, "--seed", help="Seed for weights and inputs when carving MODEL"),
               hf_config: Optional[List[str]] = HfConfigOpt, tol: Optional[List[str]] = TolOpt,
               token_file: Optional[str] = TokenFileOpt, json_out: Optional[str] = JsonOpt, quiet: bool = QuietOpt):
