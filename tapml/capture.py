@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+
 import torch
 
 from tapml.errors import TapmlError
@@ -17,7 +20,7 @@ def export(model, example_inputs: tuple) -> "torch.export.ExportedProgram":
     else:
         try:
             args, kwargs = split_inputs(example_inputs)
-            with torch.no_grad():
+            with torch.no_grad(), _quiet_fake_tensors():
                 ep = torch.export.export(model, args, kwargs=kwargs, strict=False)
         except Exception as e:  # noqa: BLE001 - any export failure is the model's, reported plainly
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
@@ -26,6 +29,19 @@ def export(model, example_inputs: tuple) -> "torch.export.ExportedProgram":
         return ep.run_decompositions()
     except Exception as e:  # noqa: BLE001
         raise TapmlError(f"decomposing the exported program to core ATen failed: {type(e).__name__}: {e}") from None
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensors():
+    """torch logs the traceback of an op that fails on fake tensors before raising the error (a
+    float16 op torch has no kernel for, say); the error becomes one line, so its log is muted."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def split_inputs(example_inputs: tuple) -> tuple[tuple, dict]:

@@ -37,6 +37,28 @@ class _ScaledNorm(torch.nn.Module):
         return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
+class _Inverse(torch.nn.Module):
+    def forward(self, x):
+        return torch.linalg.inv(x) + 1  # torch has no float16/bfloat16 kernel for it
+
+
+def inverse_model():
+    return _Inverse(), (torch.randn(3, 3) + 3 * torch.eye(3),)
+
+
+def test_a_model_torch_cannot_run_in_float16_is_one_line_and_exit_2(tmp_path):
+    """torch logs a traceback while exporting an op it has no float16 kernel for; the user sees
+    only tapml's one line."""
+    import subprocess
+    import sys
+    spec = f"{Path(__file__).resolve()}:inverse_model"
+    r = subprocess.run([sys.executable, "-m", "tapml.cli", "carve", spec, "--dtype", "float16", "-o",
+                        str(tmp_path / "s"), "-q"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and "Low precision dtypes not supported" in r.stderr
+    assert len(r.stderr.strip().splitlines()) <= 2  # one error line (rich may wrap it once)
+
+
 def overflow_model():
     return _ScaledNorm(), (torch.randn(4, 64),)
 
