@@ -171,3 +171,13 @@ def test_a_hostile_precision_document_exits_2_naming_the_field(analysis, tmp_pat
         assert r.exit_code == 2, (field, r.output)
         assert field in r.output and "tapml precision --json" in r.output, (field, r.output)
         assert not (tmp_path / f"{field}.html").exists()
+
+
+@pytest.mark.parametrize("command", ["precision", "generate"])
+def test_a_carve_that_fails_leaves_no_temporary_store(tmp_path, monkeypatch, command):
+    """MODEL is carved into a temporary folder first; a carve that fails removes it too."""
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    r = tapml(command, "zoo:no-such-model" if command == "precision" else "zoo:mlp", "-q")
+    assert r.exit_code == 2, r.output
+    assert list(tmp_path.iterdir()) == []

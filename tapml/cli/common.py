@@ -9,6 +9,7 @@ Exit codes: 0 everything checked passed, 1 something did not pass, 2 bad usage o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -174,21 +175,40 @@ def check_dtype(dtype: Optional[str]) -> Optional[str]:
         fail(str(e))
 
 
-def carve_destination(store_dir: Optional[str], purpose: str) -> tuple[Path, Optional[str]]:
-    """Where a command that carves MODEL first puts the store: ``--store DIR`` (a new or empty
-    directory whose parent exists; exit 2 otherwise) or a new temporary folder. Returns
-    ``(store path, temporary folder to remove afterwards or None)``."""
+@contextlib.contextmanager
+def model_store(model: str, *, store_dir: Optional[str], hf_config, purpose: str, what: str, carve):
+    """The CarveStore of MODEL|STORE for the block, as ``(store, carved)``: an existing store
+    folder as it is (``--store``/``--hf-config`` refused with exit 2), else ``carve(out_dir)``
+    (which returns the store) into ``--store DIR`` (a new or empty directory whose parent exists)
+    or into a temporary folder removed when the block ends, also when carving fails. ``what``
+    names the store kind in messages ("a carve store")."""
+    import shutil
     import tempfile
-    if not store_dir:
+
+    from tapml.carving import CarveStore
+    if Path(model).is_dir():
+        if store_dir or hf_config:
+            fail(f"{model} is a store: --store and --hf-config apply when MODEL is a model spec to carve")
+        yield CarveStore(model), False
+        return
+    if Path(model).exists():
+        fail(f"{model} is a file, not {what} or a model spec")
+    temporary = None
+    if store_dir:
+        out_dir = Path(store_dir)
+        if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+            fail(f"--store {store_dir} exists and is not an empty directory; choose another, or pass the "
+                 "store itself as MODEL")
+        if not out_dir.parent.is_dir():
+            fail(f"--store {store_dir}: directory {out_dir.parent} does not exist")
+    else:
         temporary = tempfile.mkdtemp(prefix=f"tapml-{purpose}-")
-        return Path(temporary) / "store", temporary
-    out_dir = Path(store_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        fail(f"--store {store_dir} exists and is not an empty directory; choose another, or pass the "
-             "store itself as MODEL")
-    if not out_dir.parent.is_dir():
-        fail(f"--store {store_dir}: directory {out_dir.parent} does not exist")
-    return out_dir, None
+        out_dir = Path(temporary) / "store"
+    try:
+        yield carve(out_dir), True
+    finally:
+        if temporary:
+            shutil.rmtree(temporary, ignore_errors=True)
 
 
 def open_store(path: str):

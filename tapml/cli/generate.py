@@ -3,13 +3,14 @@ check every step against the reference."""
 
 from __future__ import annotations
 
+import functools
 from typing import List, Optional
 
 import typer
 
 from tapml.cli.common import (EXIT_FINDING, EXIT_OK, DtypeOpt, InjectOpt, JsonOpt, KeepFloat32Opt, QuietOpt,
-                              StoreDirOpt, TargetOpt, TokenFileOpt, TolOpt, app, carve_destination, check_dtype, command,
-                              console, fail, out, write_json)
+                              StoreDirOpt, TargetOpt, TokenFileOpt, TolOpt, app, check_dtype, command,
+                              console, fail, model_store, out, write_json)
 from tapml.cli.migrate import HfConfigOpt
 from tapml.render import fmt_err
 
@@ -40,10 +41,9 @@ def generate(model: str = typer.Argument(..., help="A generation store (`tapml c
     """Generate with MODEL on TARGET step by step (prefill, then one decode step per token against
     the key/value cache) and compare every step's logits and token with the reference. Exit 0
     when every step passes (or is a near-tie), 1 on a failure, 2 on bad input."""
-    import shutil
     from pathlib import Path
 
-    from tapml.carving.store import CarveStore
+    from tapml.carving import check_store_dtype
     from tapml.compare import Tolerances
     from tapml.generate import check_generation_store, generate as run_generation, passed
     from tapml.inject import parse_faults
@@ -62,32 +62,22 @@ def generate(model: str = typer.Argument(..., help="A generation store (`tapml c
     keep = read_keep_items(keep_float32 or [])
     if keep and not Path(model).is_dir() and (dtype or "float32") == "float32":
         fail("--keep-float32 needs a float16/bfloat16 carve: add --dtype float16")
-    temporary = None
-    if Path(model).is_dir():
-        if store_dir or hf_config:
-            fail(f"{model} is a store: --store and --hf-config apply when MODEL is a model spec to carve")
-        from tapml.carving import check_store_dtype
-        store = CarveStore(model)
-        check_store_dtype(store, dtype)
-        tokens = check_generation_store(store, tokens, prompt_len)
-    else:
-        if Path(model).exists():
-            fail(f"{model} is a file, not a generation store or a causal LM spec")
-        out_dir, temporary = carve_destination(store_dir, "generate")
+    if not Path(model).is_dir():
         tokens = DEFAULT_TOKENS if tokens is None else tokens
         prompt_len = DEFAULT_PROMPT_LEN if prompt_len is None else prompt_len
-        store = _carve(model, out_dir, tokens=tokens, prompt_len=prompt_len, seed=seed, hf_config=overrides,
-                       quiet=quiet, dtype=dtype or "float32")
-    try:
+    carve = functools.partial(_carve, model, tokens=tokens, prompt_len=prompt_len, seed=seed, hf_config=overrides,
+                              quiet=quiet, dtype=dtype or "float32")
+    with model_store(model, store_dir=store_dir, hf_config=hf_config, purpose="generate",
+                     what="a generation store", carve=carve) as (store, carved):
+        if not carved:
+            check_store_dtype(store, dtype)
+            tokens = check_generation_store(store, tokens, prompt_len)
         _check_faults(store, inject)
         resolve_keep_float32({k: store.step_graph(k) for k in ("prefill", "decode")}, keep)
         with open_target(target, token=read_token(token_file), inject=inject) as platform:
             doc = run_generation(store, platform, target, tokens=tokens, free=free, tolerances=tolerances,
                                  localize=localize, inject=inject, on_step=_progress(quiet or json_out == "-"),
                                  keep_float32=keep)
-    finally:
-        if temporary:
-            shutil.rmtree(temporary, ignore_errors=True)
     if json_out:
         write_json(doc, json_out)
     if json_out != "-":

@@ -3,12 +3,13 @@ ops must stay in float32."""
 
 from __future__ import annotations
 
+import functools
 from typing import List, Optional
 
 import typer
 
 from tapml.cli.common import (EXIT_FINDING, EXIT_OK, JsonOpt, QuietOpt, StoreDirOpt, TargetOpt, TokenFileOpt, TolOpt,
-                              app, carve_destination, command, console, fail, out, write_json)
+                              app, command, console, fail, model_store, out, write_json)
 from tapml.cli.migrate import HfConfigOpt
 from tapml.render import STATUS_STYLE, fmt_err
 
@@ -33,9 +34,6 @@ def precision(model: str = typer.Argument(..., help="A store carved in float16/b
     dtype's largest finite value, overflow to Inf/NaN, overflows a later op absorbed, the error.
     Lists the ops that must stay in float32 and checks the model end to end without and with them
     in float32. Exit 0 when the model passes with that list applied, 1 when it does not, 2 on bad input."""
-    import shutil
-    from pathlib import Path
-
     from tapml.compare import Tolerances
     from tapml.dtypes import LOW_FLOATS
     from tapml.models import parse_hf_overrides
@@ -48,24 +46,11 @@ def precision(model: str = typer.Argument(..., help="A store carved in float16/b
     if dtype is not None and dtype not in LOW_FLOATS:
         fail(f"--dtype {dtype}: precision analysis is about {' or '.join(LOW_FLOATS)}; float32 is what it compares with")
     overrides = parse_hf_overrides(hf_config)
-    temporary = None
-    if Path(model).is_dir():
-        if store_dir or hf_config:
-            fail(f"{model} is a store: --store and --hf-config apply when MODEL is a model spec to carve")
-        from tapml.carving import CarveStore
-        store = CarveStore(model)
-    else:
-        if Path(model).exists():
-            fail(f"{model} is a file, not a carve store or a model spec")
-        out_dir, temporary = carve_destination(store_dir, "precision")
-        store = _carve(model, out_dir, dtype=dtype or DEFAULT_DTYPE, seed=seed, hf_config=overrides, quiet=quiet)
-    try:
-        with open_target(target, token=read_token(token_file)) as platform:
-            doc = analyze(store, platform, target, dtype=dtype, tolerances=tolerances, device=device_info(platform),
-                          on_round=None if quiet or json_out == "-" else _round_line)
-    finally:
-        if temporary:
-            shutil.rmtree(temporary, ignore_errors=True)
+    carve = functools.partial(_carve, model, dtype=dtype or DEFAULT_DTYPE, seed=seed, hf_config=overrides, quiet=quiet)
+    with model_store(model, store_dir=store_dir, hf_config=hf_config, purpose="precision", what="a carve store",
+                     carve=carve) as (store, _), open_target(target, token=read_token(token_file)) as platform:
+        doc = analyze(store, platform, target, dtype=dtype, tolerances=tolerances, device=device_info(platform),
+                      on_round=None if quiet or json_out == "-" else _round_line)
     if json_out:
         write_json(doc, json_out)
     if json_out != "-":
