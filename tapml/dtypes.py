@@ -16,9 +16,10 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from typing import Iterable
 
-from tapml.graph import Graph, Node, TensorMeta
+from tapml.graph import Graph, Node, TensorMeta, map_refs
 
 #: Dtypes ``--dtype`` accepts for a model's floating parameters and inputs.
 MODEL_DTYPES = ("float32", "float16", "bfloat16")
@@ -27,8 +28,6 @@ LOW_FLOATS = ("float16", "bfloat16")
 #: Largest finite value of each float dtype.
 FINITE_MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38, "float32": 3.4028234663852886e38,
               "float64": 1.7976931348623157e308}
-#: Unit roundoff (half the gap between 1 and the next value) of each float dtype.
-EPSILON = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8, "float32": 2.0 ** -24, "float64": 2.0 ** -53}
 #: The op inserted where a value changes dtype.
 CAST_OP = "aten._to_copy.default"
 
@@ -116,41 +115,33 @@ def keep_float32(graph: Graph, keep: Iterable[str], dtype: str | None = None) ->
         raise KeyError(f"no such nodes: {', '.join(sorted(missing)[:5])}")
     if low not in LOW_FLOATS or not keep:
         return graph
-    producer = graph.producer()
     wide: set[str] = set()  # refs whose value is float32 in the new graph but low in the old
     casts: dict[tuple[str, str], str] = {}
     nodes: list[Node] = []
 
     def cast(ref: str, to: str, like: Node) -> str:
-        key = (ref, to)
-        if key not in casts:
-            name = f"{ref.replace('#', '_')}.{to}"
-            nodes.append(_cast_node(name, ref, graph.meta[ref], to, like))
-            casts[key] = name
-        return casts[key]
+        if (ref, to) not in casts:
+            casts[ref, to] = f"{ref.replace('#', '_')}.{to}"
+            nodes.append(_cast_node(casts[ref, to], ref, graph.meta[ref], to, like))
+        return casts[ref, to]
 
-    def remap(a, fn):
-        from tapml.graph import map_refs
-        return map_refs(a, fn)
+    def reading(ref: str, n: Node, kept: bool) -> str:
+        """The ref node ``n`` reads for ``ref``: a kept node reads low-precision values cast up,
+        the others read a kept node's float32 value cast back down."""
+        if kept:
+            return ref if ref in wide or graph.meta[ref].dtype != low else cast(ref, "float32", n)
+        return cast(ref, low, n) if ref in wide else ref
 
     for n in graph.nodes:
-        if n.name in keep:
-            def up(r, n=n):
-                if r in wide or graph.meta[r].dtype != low:
-                    return r
-                return cast(r, "float32", n)
-            new = _retype_node(n, low, "float32")
-            new.args, new.kwargs = remap(new.args, up), {k: remap(v, up) for k, v in new.kwargs.items()}
+        kept = n.name in keep
+        new = _retype_node(n, low, "float32") if kept else Node(**vars(n))
+        fix = functools.partial(reading, n=n, kept=kept)
+        new.args, new.kwargs = map_refs(new.args, fix), {k: map_refs(v, fix) for k, v in new.kwargs.items()}
+        if kept:
             wide.update(r for r, m in zip(n.output_refs, n.outputs) if m.dtype == low)
-        else:
-            def down(r, n=n):
-                return cast(r, low, n) if r in wide else r
-            new = Node(**{**n.__dict__, "args": remap(n.args, down),
-                          "kwargs": {k: remap(v, down) for k, v in n.kwargs.items()}})
         nodes.append(new)
-    state = {}
-    for name, ref in graph.state.items():
-        state[name] = cast(ref, low, producer[ref]) if ref in wide else ref
+    producer = graph.producer()
+    state = {name: cast(ref, low, producer[ref]) if ref in wide else ref for name, ref in graph.state.items()}
     return Graph(inputs=list(graph.inputs), nodes=nodes, outputs=list(graph.outputs), state=state)
 
 
@@ -160,5 +151,5 @@ def cast_nodes(original: Graph, mixed: Graph) -> list[str]:
     return [n.name for n in mixed.nodes if n.name not in known]
 
 
-__all__ = ["MODEL_DTYPES", "LOW_FLOATS", "FINITE_MAX", "EPSILON", "CAST_OP", "check_model_dtype", "graph_dtype",
+__all__ = ["MODEL_DTYPES", "LOW_FLOATS", "FINITE_MAX", "CAST_OP", "check_model_dtype", "graph_dtype",
            "as_float32", "upcast", "keep_float32", "cast_nodes"]

@@ -84,16 +84,16 @@ def judge_case(store, case: dict, outputs: list[torch.Tensor], expected: list[to
     yardstick) and the tolerances for the rest (a float32 op is judged as in a float32 store)."""
     from tapml.dtypes import LOW_FLOATS
     if anchored is None:
-        anchored = anchored_by_default(store) and any(dtype_name(e.dtype) in LOW_FLOATS for e in expected)
-        if anchored and not all(dtype_name(e.dtype) in LOW_FLOATS for e in expected):
-            ref64 = _reference64(store, case)
-            return merge([compare_anchored([t], [e], [r]) if dtype_name(e.dtype) in LOW_FLOATS else
-                          compare_outputs([t], [e], op=case["op"], tolerances=tolerances)
-                          for t, e, r in zip(outputs, expected, ref64)] if len(outputs) == len(expected) else
-                         [compare_outputs(outputs, expected)])
-    if anchored:
-        return compare_anchored(outputs, expected, _reference64(store, case))
-    return compare_outputs(outputs, expected, op=case["op"], tolerances=tolerances)
+        default = anchored_by_default(store)
+        anchor = [default and dtype_name(e.dtype) in LOW_FLOATS for e in expected]
+    else:
+        anchor = [anchored] * len(expected)
+    if not any(anchor) or len(outputs) != len(expected):  # a count mismatch is reported as such
+        return compare_outputs(outputs, expected, op=case["op"], tolerances=tolerances)
+    ref64 = _reference64(store, case)
+    return merge([compare_anchored([t], [e], [r]) if a else
+                  compare_outputs([t], [e], op=case["op"], tolerances=tolerances)
+                  for t, e, r, a in zip(outputs, expected, ref64, anchor)])
 
 
 def replay_case(platform, store, case: dict, tolerances: Tolerances | None = None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from tapml.cli import app
@@ -231,3 +232,30 @@ def test_generate_with_nodes_kept_in_float32_passes_and_records_them(gen16, targ
         assert set(rsqrt + norm) <= set(doc["keep_float32"][kind]) and doc["casts"][kind] > 0
         assert doc["placement"][kind]["nodes"] == len(gen16.step_graph(kind).nodes)  # casts not counted
     assert "kept in float32" in " ".join(r.output.split())
+
+
+def test_keep_float32_rewrites_the_graph_with_one_cast_per_crossing():
+    """Kept nodes read low-precision values cast up once, others read a kept value cast back
+    down, graph outputs keep their refs, a state output keeps its dtype, unknown names refuse."""
+    from tapml.dtypes import as_float32, cast_nodes, keep_float32
+    from tapml.graph import Graph, Node, TensorMeta, run_graph
+    h = TensorMeta((2, 4), "float16")
+    nodes = [Node("big", "aten.mul.Tensor", [{"ref": "x"}, 300.0], {}, [h]),
+             Node("sq", "aten.mul.Tensor", [{"ref": "big"}, {"ref": "big"}], {}, [h]),
+             Node("s", "aten.sum.dim_IntList", [{"ref": "sq"}, [1], True], {}, [TensorMeta((2, 1), "float16")]),
+             Node("r", "aten.rsqrt.default", [{"ref": "s"}], {}, [TensorMeta((2, 1), "float16")]),
+             Node("y", "aten.mul.Tensor", [{"ref": "big"}, {"ref": "r"}], {}, [h])]
+    graph = Graph(inputs=[("x", h)], nodes=nodes, outputs=["y", "s"], state={"x": "s"})
+    mixed = keep_float32(graph, {"sq", "s", "r"})
+    assert cast_nodes(graph, mixed) == ["big.float32", "r.float16", "s.float16"]
+    assert mixed.meta["s"].dtype == "float32" and mixed.meta["sq"].dtype == "float32"
+    assert mixed.node("r").args == [{"ref": "s"}] and mixed.node("y").args == [{"ref": "big"}, {"ref": "r.float16"}]
+    assert mixed.state == {"x": "s.float16"}
+    x = torch.randn(2, 4).half()
+    twin = run_graph(as_float32(graph), {"x": x.float()})
+    low, kept = run_graph(graph, {"x": x}), run_graph(mixed, {"x": x})
+    assert torch.isinf(low["s"]).all() and torch.isfinite(kept["s"]).all()  # 4 squares of ~300: past 65504
+    assert torch.allclose(kept["y"].float(), twin["y"], rtol=1e-2, atol=1e-2)
+    assert keep_float32(graph, set()) is graph
+    with pytest.raises(KeyError, match="nope"):
+        keep_float32(graph, {"nope"})
