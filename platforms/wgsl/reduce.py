@@ -28,6 +28,16 @@ def norm_dims(dims, nd: int) -> list[int]:
     return sorted({norm_dim(d, nd) for d in dims}) if nd else []
 
 
+def divide(e: str, n: int) -> str:
+    """``e / n`` (an f32 expression over a count known when compiling). ``n == 0`` is spelled
+    out as IEEE says (0/0 NaN, x/0 ±Inf): drivers fold a division by the literal 0.0 freely
+    (llvmpipe gave 0 once the result was rounded to float16)."""
+    if n:
+        return f"({e} / {lit(n, 'f32')})"
+    inf = f"select({lit(math.inf, 'f32')}, {lit(-math.inf, 'f32')}, {e} < 0.0)"
+    return f"select({inf}, {lit(math.nan, 'f32')}, {e} == 0.0 || {e} != {e})"
+
+
 def reduction(pb, name: str, x: Value, dims: Sequence[int], outs: Sequence[TensorMeta],
               init: Callable, passes: Sequence[Callable], final: Callable) -> list[BufferView]:
     """Emit a kernel with one thread per kept element. ``init(k)`` declares state and returns
@@ -91,7 +101,7 @@ def _sum_like(kind):
 
         def final(k, acc):
             if kind == "mean":
-                return [(f"({acc} / {lit(count, 'f32')})", t)]
+                return [(divide(acc, count), t)]
             return [(acc, t)]
         return reduction(pb, kind, x, dims, node.outputs, init, [step], final)
     return lower
@@ -224,12 +234,8 @@ def var(pb, node, x, dim=None, *, correction=None, keepdim=False):
         k.emit(f"{st[1]} = {st[1]} + d{r} * d{r};")
 
     def final(k, st):
-        if count - corr > 0:
-            out = [(f"({st[1]} / {lit(count - corr, 'f32')})", "f32")]
-        else:  # no degrees of freedom: 0/0 is NaN, x/0 is Inf (spelled out: drivers fold x / 0.0 freely)
-            out = [(f"select({lit(math.inf, 'f32')}, {lit(math.nan, 'f32')}, {st[1]} == 0.0 || {st[1]} != {st[1]})",
-                    "f32")]
-        return out + ([(f"({st[0]} / {lit(count, 'f32')})", "f32")] if with_mean else [])
+        out = [(divide(st[1], max(count - corr, 0)), "f32")]
+        return out + ([(divide(st[0], count), "f32")] if with_mean else [])
     return reduction(pb, "var", x, dims, node.outputs, init, [p1, p2], final)
 
 
