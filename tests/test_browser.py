@@ -450,23 +450,34 @@ def test_no_launch_mode_refuses_foreign_clients_without_spending_the_url():
             page.close()
 
 
+def _serve_browser_no_launch() -> subprocess.Popen:
+    """``tapml serve --platform browser --no-launch`` on a free port, its output piped."""
+    return subprocess.Popen([sys.executable, "-m", "tapml.cli", "serve", "--platform", "browser", "--no-launch",
+                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _page_url_and_port(server: subprocess.Popen) -> tuple[str, str]:
+    """The page URL and the port that ``server`` (serve --no-launch) prints once it listens."""
+    import re
+    url = port = None
+    while port is None:
+        line = server.stdout.readline()
+        assert line, f"serve exited: {server.stderr.read()}"
+        url = url or (re.search(r"open (http://\S+/t/\S+/) in a browser", line) or [None, None])[1]
+        port = (re.search(r"listening on \S+:(\d+)", line) or [None, None])[1]
+    assert url, "serve printed no page URL"
+    return url, port
+
+
 def test_serve_no_launch_refuses_foreign_clients_at_its_page_bridge():
     """`tapml serve --platform browser --no-launch` prints its URL (for the person who started it);
     its bridge refuses a WebSocket without the page's Origin, and a copied URL once a page joined."""
-    import re
     from tapml.platforms.chromium import ChromiumProcess
     from tapml.targets import open_target
-    server = subprocess.Popen([sys.executable, "-m", "tapml.cli", "serve", "--platform", "browser", "--no-launch",
-                               "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    server = _serve_browser_no_launch()
     page = None
     try:
-        url = port = None
-        while port is None:
-            line = server.stdout.readline()
-            assert line, f"serve exited: {server.stderr.read()}"
-            url = url or (re.search(r"open (http://\S+/t/\S+/) in a browser", line) or [None, None])[1]
-            port = (re.search(r"listening on \S+:(\d+)", line) or [None, None])[1]
-        assert url, "serve printed no page URL"
+        url, port = _page_url_and_port(server)
         origin = url.split("/t/")[0]
         for bad in (None, "http://evil.example", origin.replace("127.0.0.1", "127.0.0.2")):
             status, body = _ws_refusal(url, bad)
@@ -536,17 +547,10 @@ def test_serve_no_launch_makes_a_browser_a_remote_device(browser, carved, tmp_pa
     import time
     from tapml.platforms.chromium import ChromiumProcess
     store = carved("zoo:mlp")
-    server = subprocess.Popen([sys.executable, "-m", "tapml.cli", "serve", "--platform", "browser", "--no-launch",
-                               "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    server = _serve_browser_no_launch()
     pages = []
     try:
-        url = port = None
-        while port is None:
-            line = server.stdout.readline()
-            assert line, f"serve exited: {server.stderr.read()}"
-            url = url or (re.search(r"open (http://\S+/t/\S+/) in a browser", line) or [None, None])[1]
-            port = (re.search(r"listening on \S+:(\d+)", line) or [None, None])[1]
-        assert url, "serve printed no page URL"
+        url, port = _page_url_and_port(server)
         pages.append(ChromiumProcess(url))  # a person opening the URL
         LAUNCHED.append(pages[-1])
 
