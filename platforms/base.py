@@ -23,6 +23,12 @@ from tapml.errors import PlatformError, Unsupported
 from tapml.graph import Graph, Node, TensorMeta
 
 
+#: The device limits the compiler reads (and :meth:`Platform.force_limits` may lower).
+LIMIT_NAMES = ("max-storage-buffer-binding-size", "max-buffer-size", "max-storage-buffers-per-shader-stage",
+               "max-compute-workgroups-per-dimension", "max-compute-invocations-per-workgroup",
+               "max-compute-workgroup-storage-size", "min-storage-buffer-offset-alignment")
+
+
 @dataclass
 class BufferSpec:
     """A device buffer of a KernelProgram.
@@ -58,11 +64,13 @@ class BufferSpec:
 @dataclass
 class Kernel:
     """One compute dispatch: WGSL source, entry point, the buffers bound at group 0 in binding
-    order (with ``read`` or ``read_write`` access), and the workgroup counts."""
+    order, and the workgroup counts. A binding is ``(buffer, access)`` (``read`` or
+    ``read_write``), the whole buffer, or ``(buffer, access, offset, size)``: that byte window of
+    it (a buffer over the device's binding limit is bound through several windows)."""
 
     name: str
     wgsl: str
-    bindings: list[tuple[str, str]]
+    bindings: list[tuple]
     workgroups: tuple[int, int, int]
     entry: str = "main"
 
@@ -73,7 +81,7 @@ class Kernel:
     @classmethod
     def from_json(cls, d: dict) -> "Kernel":
         return cls(name=d["name"], wgsl=d["wgsl"], entry=d.get("entry", "main"),
-                   bindings=[(str(b[0]), str(b[1])) for b in d["bindings"]],
+                   bindings=[(str(b[0]), str(b[1]), *(int(x) for x in b[2:4])) for b in d["bindings"]],
                    workgroups=tuple(int(x) for x in d["workgroups"]))
 
 
@@ -161,8 +169,30 @@ class Platform:
     upload_bytes = 0
 
     def caps(self) -> dict:
-        """``{"adapter", "backend", "features", "limits", "dtypes"}`` of the device."""
-        return self._caps()
+        """``{"adapter", "backend", "features", "limits", "dtypes"}`` of the device; limits lowered
+        by :meth:`force_limits` are applied, and listed under ``forced_limits``."""
+        caps = self._caps()
+        forced = self.__dict__.get("forced_limits")
+        if not forced:
+            return caps
+        limits = dict(caps.get("limits") or {})
+        for name, value in forced.items():
+            have = limits.get(name)
+            stricter = max if name.startswith("min-") else min
+            limits[name] = value if have is None else stricter(have, value)
+        return {**caps, "limits": limits, "forced_limits": dict(forced)}
+
+    def force_limits(self, limits: dict[str, int]) -> None:
+        """Compile as if the device had these (stricter) limits, e.g. a phone's 128 MiB
+        ``max-storage-buffer-binding-size`` on a desktop GPU: emulates a smaller device. A value
+        laxer than the device's own is ignored. ValueError for an unknown name or a value that is
+        not a positive integer."""
+        for name, value in limits.items():
+            if name not in LIMIT_NAMES:
+                raise ValueError(f"unknown device limit {name!r}; known: {', '.join(LIMIT_NAMES)}")
+            if type(value) is not int or value <= 0:
+                raise ValueError(f"device limit {name} must be a positive integer, not {value!r}")
+        self.__dict__["forced_limits"] = dict(limits)
 
     def supports(self, node: Node) -> str | None:
         """None when the platform can run the node, else the reason it cannot."""
@@ -367,4 +397,4 @@ def wrap_errors(fn, *args):
         raise PlatformError(f"{type(e).__name__}: {e}") from e
 
 
-__all__ = ["BufferSpec", "Kernel", "KernelProgram", "Platform", "ResidentTensor", "RuntimePlatform", "check_workgroups", "graph_program", "wrap_errors"]
+__all__ = ["LIMIT_NAMES", "BufferSpec", "Kernel", "KernelProgram", "Platform", "ResidentTensor", "RuntimePlatform", "check_workgroups", "graph_program", "wrap_errors"]

@@ -187,7 +187,7 @@ class BrowserPlatform(WgslPlatform):
                 "consts": [b.name for b in consts],
                 "poison": [b.name for b in program.buffers if b.role == "output" and b.size],
                 "kernels": [k.to_json() for k in program.kernels]}
-        written = {name for k in program.kernels for name, access in k.bindings if access == "read_write"}
+        written = {name for k in program.kernels for name, access, *_ in k.bindings if access == "read_write"}
         if self.guards:  # see enable_guards; the page sizes, fills and checks them (runtime.js)
             limits = self.caps()["limits"]
             room = min(limits.get("max-storage-buffer-binding-size", 128 << 20), limits.get("max-buffer-size", 256 << 20))

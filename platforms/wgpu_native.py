@@ -34,7 +34,8 @@ BACKENDS = {"vulkan": "Vulkan", "gl": "OpenGL", "metal": "Metal", "dx12": "D3D12
 _LIMITS = ["max-storage-buffer-binding-size", "max-buffer-size", "max-storage-buffers-per-shader-stage",
            "max-compute-workgroups-per-dimension", "max-compute-invocations-per-workgroup",
            "max-compute-workgroup-size-x", "max-compute-workgroup-size-y", "max-compute-workgroup-size-z",
-           "max-compute-workgroup-storage-size", "max-bind-groups", "max-bindings-per-bind-group"]
+           "max-compute-workgroup-storage-size", "max-bind-groups", "max-bindings-per-bind-group",
+           "min-storage-buffer-offset-alignment"]
 _POISON = 0xFF  # every byte 0xFF: NaN for f32/f16, -1 for i32, an invalid bool for u32
 #: Bytes of the guard region after each guarded buffer (enable_guards), and what fills it: a
 #: word no kernel writes by accident (0x3CC35AA5: neither poison, zero, nor a small number).
@@ -308,7 +309,7 @@ class _Resident:
         self.specs = {b.name: b for b in program.buffers}
         storage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
         self.nbytes = 0
-        written = {name for kern in program.kernels for name, access in kern.bindings if access == "read_write"}
+        written = {name for kern in program.kernels for name, access, *_ in kern.bindings if access == "read_write"}
         limits = platform.caps()["limits"]
         room = min(limits.get("max-storage-buffer-binding-size", 128 << 20), limits.get("max-buffer-size", 256 << 20))
         for spec in program.buffers:
@@ -326,9 +327,9 @@ class _Resident:
         self.dispatches = []
         for kern in program.kernels:
             pipe = platform._pipeline(kern.wgsl, kern.entry)
-            entries = [{"binding": i, "resource": {"buffer": self.buffers[name], "offset": 0,
-                                                   "size": self.buffers[name].size}}
-                       for i, (name, _access) in enumerate(kern.bindings)]
+            entries = [{"binding": i, "resource": {"buffer": self.buffers[name], "offset": window[0] if window else 0,
+                                                   "size": window[1] if window else self.buffers[name].size}}
+                       for i, (name, _access, *window) in enumerate(kern.bindings)]
             group = dev.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=entries)
             self.dispatches.append((pipe, group, tuple(kern.workgroups)))
         self.outputs = [n for n in dict.fromkeys(program.outputs) if n in self.buffers]
@@ -340,12 +341,12 @@ class _Resident:
         if self.guarded:
             self.sentinel = dev.create_buffer_with_data(data=_SENTINEL, usage=storage)
             self.snapshots = [(i, name) for i, kern in enumerate(program.kernels)
-                              for name in dict.fromkeys(n for n, access in kern.bindings if access == "read_write")
+                              for name in dict.fromkeys(n for n, access, *_ in kern.bindings if access == "read_write")
                               if name in self.guarded]
             self.guard_readback = dev.create_buffer(size=max(1, len(self.snapshots)) * GUARD_BYTES, usage=read)
             self.nbytes += (1 + len(self.snapshots)) * GUARD_BYTES
         # an input buffer some kernel writes must be uploaded on every run
-        self.written = {name for kern in program.kernels for name, access in kern.bindings if access == "read_write"}
+        self.written = {name for kern in program.kernels for name, access, *_ in kern.bindings if access == "read_write"}
 
     def upload(self, inputs: list[torch.Tensor]) -> None:
         from tapml.platforms.wgsl.tensors import to_device

@@ -249,6 +249,12 @@ class RemotePlatform(RuntimePlatform):
     def _compile(self, graph) -> KernelProgram:
         """The server compiles for its own device (and keeps the program): one compiler and one
         cache per device, shared by its clients; the graph crosses once."""
+        caps = self.caps()
+        if caps.get("forced_limits") and not str(caps.get("backend")).startswith("torch-"):  # not a reference server
+            # tighter limits than the device's own (force_limits): compiled here for them, then
+            # loaded like any program compiled elsewhere (the server checks it all the same)
+            from tapml.platforms.wgsl import compile_graph
+            return compile_graph(graph, caps)
         text = json.dumps(graph.to_json(), sort_keys=True, separators=(",", ":"))
         ghash = hashlib.sha256(text.encode()).hexdigest()
         with self._lock:

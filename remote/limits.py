@@ -209,10 +209,17 @@ def check_program(program, limits: ServerLimits, kind: str) -> dict:
             raise LimitExceeded(f"kernel {k.name[:40]}: WGSL of {len(k.wgsl)} characters; at most {MAX_WGSL_CHARS}")
         if len(k.workgroups) != 3 or not all(type(g) is int and 0 <= g for g in k.workgroups):
             raise ValueError(f"kernel {k.name[:40]}: workgroups must be three counts >= 0")
-        for name, access in k.bindings:
+        for binding in k.bindings:
+            if len(binding) not in (2, 4):
+                raise ValueError(f"kernel {k.name[:40]}: a binding is [buffer, access] or [buffer, access, offset, size]")
+            name, access, *window = binding
             if name not in buffers or access not in ACCESS:
                 raise ValueError(f"kernel {k.name[:40]}: binding {name[:40]!r} ({access[:20]}) names no buffer "
                                  f"or an access other than {' / '.join(ACCESS)}")
+            if window and not (type(window[0]) is int and type(window[1]) is int and window[0] >= 0
+                               and window[0] % 16 == 0 and 0 < window[1] and window[0] + window[1] <= buffers[name].size):
+                raise ValueError(f"kernel {k.name[:40]}: window {window} of buffer {name[:40]!r} is not inside its "
+                                 f"{buffers[name].size} bytes at an offset that is a multiple of 16")
         try:
             per_group = workgroup_size(k.wgsl, k.entry)
         except ValueError as e:

@@ -67,7 +67,7 @@ def program_bytes(program) -> int:
     if not kernels:  # a graph program (the reference): its inputs are read and outputs written once
         meta = list(getattr(program, "input_meta", [])) + list(getattr(program, "output_meta", []))
         return sum(m.numel * _itemsize(m.dtype) for m in meta)
-    return sum(sizes.get(name, 0) for k in kernels for name, _access in k.bindings)
+    return sum(window[1] if window else sizes.get(name, 0) for k in kernels for name, _access, *window in k.bindings)
 
 
 def _itemsize(dtype: str) -> int:

@@ -80,3 +80,86 @@ def run_low_precision_samples(platform, op: str) -> int:
                 assert res.passed, f"{op} {dtype}: {res.message}; worst {res.worst}"
             ran += 1
     return ran
+
+
+# --- splitting under a forced small binding limit ------------------------------------------
+
+def _family_cases():
+    """One op per family with inputs of a few KiB, so that even a device whose windows must start
+    at multiples of 256 bytes (Chromium) splits them: family -> (op, args, kwargs)."""
+    from tapml.platforms.wgsl.registry import rand, randint
+    torch.manual_seed(0)
+    return {
+        "elementwise": ("aten.add.Tensor", (rand(64, 33), rand(64, 33)), {}),
+        "reduction": ("aten.sum.dim_IntList", (rand(40, 50), [1]), {}),
+        "matmul": ("aten.mm.default", (rand(24, 40), rand(36, 40).t()), {}),
+        "batched matmul": ("aten.bmm.default", (rand(3, 20, 16), rand(3, 16, 24)), {}),
+        "convolution": ("aten.convolution.default",
+                        (rand(1, 4, 16, 16), rand(8, 4, 3, 3), rand(8), [1, 1], [1, 1], [1, 1], False, [0, 0], 1), {}),
+        "pooling": ("aten.max_pool2d_with_indices.default", (rand(1, 4, 16, 16), [2, 2], [2, 2]), {}),
+        "gather": ("aten.embedding.default", (rand(300, 16), randint(5, 7, hi=300)), {}),
+        "indexing": ("aten.index.Tensor", (rand(200, 8), [randint(30, hi=200)]), {}),
+        "scatter": ("aten.index_put.default", (rand(200, 8), [torch.randperm(200)[:30]], rand(30, 8)), {}),
+        "view copy": ("aten.permute.default", (rand(16, 20, 8), [2, 0, 1]), {}),
+        "concatenation": ("aten.cat.default", ([rand(20, 16), rand(30, 16)], 0), {}),
+        "normalization": ("aten.native_layer_norm.default", (rand(32, 48), [48], rand(48), rand(48), 1e-5), {}),
+        "softmax": ("aten._softmax.default", (rand(32, 64), -1, False), {}),
+        "scan": ("aten.cumsum.default", (rand(32, 40), 1), {}),
+        "arg reduction": ("aten.argmax.default", (rand(40, 50), 1), {}),
+    }
+
+
+SPLIT_FAMILIES = _family_cases()
+
+
+def run_split(platform, graph, inputs, dtype=None) -> bool | None:
+    """Run a one-node ``graph`` on ``inputs`` (cast to ``dtype`` when given, judged fp64-anchored)
+    on ``platform`` with max-storage-buffer-binding-size forced to half its largest buffer, so that
+    buffer is bound through windows; asserts the result against torch. Returns whether a buffer
+    was split (None: the case does not apply: unsupported, or too small to split here)."""
+    from tapml.compare import compare_tensor
+    from tapml.errors import Unsupported
+    from tapml.platforms.wgsl import load_lowerings
+    op = graph.nodes[0].op
+    if dtype is not None:
+        if not any(t.dtype == torch.float32 for t in inputs):
+            return None
+        case = low_precision_case(graph, inputs, dtype)
+        if case is None:
+            return None
+        graph, inputs, ref, ref64 = case
+    else:
+        ref = run_node(graph.nodes[0], dict(zip([r for r, _ in graph.inputs], inputs)).__getitem__)
+    platform.__dict__.pop("forced_limits", None)
+    try:
+        largest = max([b.size for b in platform.compile(graph).buffers], default=0)
+    except Unsupported:
+        return None
+    align = platform.caps()["limits"].get("min-storage-buffer-offset-alignment", 256)
+    if largest < 2 * align:
+        return None
+    platform.force_limits({"max-storage-buffer-binding-size": largest // 2 // align * align})
+    try:
+        program = platform.compile(graph)
+        out = platform.run(program, inputs)
+    finally:
+        platform.__dict__.pop("forced_limits", None)
+    if load_lowerings()[op].compare_values:
+        results = ([compare_anchored(out, ref, ref64, floor=LOW_FLOORS[dtype])] if dtype is not None
+                   else [compare_tensor(o, r) for o, r in zip(out, ref)])
+        for res in results:
+            assert res.passed, f"{op} split ({dtype or 'float32'}): {res.message}; worst {res.worst}"
+    return any(len(b) == 4 for k in program.kernels for b in k.bindings)
+
+
+def run_split_samples(platform, op: str, dtype=None) -> int:
+    """:func:`run_split` on each of the registry's samples of ``op``; returns how many split."""
+    torch.manual_seed(0)
+    return sum(bool(run_split(platform, graph, inputs, dtype)) for graph, inputs in sample_cases(op))
+
+
+def run_split_families(platform, dtype=None) -> dict[str, bool | None]:
+    """:func:`run_split` on each family's case of :data:`SPLIT_FAMILIES`: family -> split?"""
+    from tapml.platforms.wgsl.registry import case_graph
+    return {family: run_split(platform, *case_graph(op, args, kwargs), dtype)
+            for family, (op, args, kwargs) in SPLIT_FAMILIES.items()}

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from tapml.errors import PlatformError, TapmlError
+from support import run_split_families
 
 TOKEN = "correct horse battery staple"
 
@@ -501,10 +502,13 @@ def test_remote_wgpu_vulkan_gives_in_process_verdicts(carved):
     try:
         with remote(srv) as platform:
             result = replay(store, platform, srv.target)
+            # split buffers: binding windows cross the wire and pass the server's program checks
+            split = run_split_families(platform)
     finally:
         srv.stop()
     assert strip_timings(result) == strip_timings(local)
     assert result["device"]["backend"] == "vulkan"
+    assert all(split.values()), split
 
 
 def test_serve_browser_no_launch_prints_url():

@@ -210,11 +210,27 @@ def test_bfloat16_is_packed_everywhere():
         assert {b.dtype for b in program.buffers} == {"bf16p"} and "tap_bf16_bits" in program.kernels[0].wgsl
 
 
-def test_buffer_over_binding_size_is_unsupported_naming_the_limit():
-    caps = {**VULKAN, "limits": {**LIMITS, "max-storage-buffer-binding-size": 1024}}
+def test_buffer_over_binding_size_is_split_into_windows():
+    caps = {**VULKAN, "limits": {**LIMITS, "max-storage-buffer-binding-size": 1024,
+                                 "min-storage-buffer-offset-alignment": 256}}
     graph, _ = case_graph("aten.neg.default", [torch.randn(1000)])
-    with pytest.raises(Unsupported, match="max-storage-buffer-binding-size"):
-        compile_graph(graph, caps)
+    program = compile_graph(graph, caps)
+    (kern,) = program.kernels
+    windows = [b[2:] for b in kern.bindings]
+    # 4000 bytes in, 4000 out: each through windows of 1024 bytes at 256-aligned offsets
+    assert windows == [(0, 1024), (1024, 1024), (2048, 1024), (3072, 928)] * 2
+    assert "fn buf_" in kern.wgsl and "_set(" in kern.wgsl
+
+
+def test_buffer_over_max_buffer_size_or_too_many_windows_is_unsupported_naming_the_limit():
+    graph, _ = case_graph("aten.neg.default", [torch.randn(1000)])
+    over_buffer = {**VULKAN, "limits": {**LIMITS, "max-buffer-size": 2048}}
+    with pytest.raises(Unsupported, match="max-buffer-size"):
+        compile_graph(graph, over_buffer)
+    few_bindings = {**VULKAN, "limits": {**LIMITS, "max-storage-buffer-binding-size": 256,
+                                         "max-storage-buffers-per-shader-stage": 8}}
+    with pytest.raises(Unsupported, match="max-storage-buffers-per-shader-stage"):
+        compile_graph(graph, few_bindings)
 
 
 def test_unknown_op_reason():

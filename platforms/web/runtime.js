@@ -146,7 +146,10 @@ export class KernelRuntime {
           compute: { module, entryPoint: k.entry ?? "main" },
         });
         const bindGroup = device.createBindGroup({
-          layout, entries: k.bindings.map(([name], binding) => ({ binding, resource: { buffer: buffers.get(name) } })),
+          // a 4-item binding is a window [offset, offset + size) of a buffer over the binding limit
+          layout, entries: k.bindings.map(([name, , offset, size], binding) => ({
+            binding, resource: offset === undefined ? { buffer: buffers.get(name) } : { buffer: buffers.get(name), offset, size },
+          })),
         });
         // the guards this kernel could write, copied out after it runs to pin a bad write on it
         const snapshots = [...new Set(k.bindings.filter(([n, a]) => a === "read_write" && guarded.has(n)).map(([n]) => n))];

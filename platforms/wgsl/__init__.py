@@ -100,7 +100,7 @@ def compile_graph(graph: Graph, caps: dict) -> KernelProgram:
             v = _output(pb, v, meta, force=True)
         claimed.add(v.buf.name)
         outputs.append(v.buf.name)
-    used = {name for kern in pb.kernels for name, _ in kern.bindings}
+    used = {binding[0] for kern in pb.kernels for binding in kern.bindings}
     # a temp no kernel touches (an unused multi-output element) needs no device memory
     pb.buffers = [b for b in pb.buffers if b.role != "temp" or b.name in used]
     return KernelProgram(kind="wgsl", inputs=inputs, outputs=outputs, buffers=pb.buffers, kernels=pb.kernels,

@@ -11,6 +11,13 @@ once, inputs of kernels that need plain strided buffers).
 
 Index arithmetic is i32 (buffers are at most 2**31 bytes); shapes are baked into the shader,
 so a shader is specialized to its shapes and cached by content hash.
+
+A buffer larger than the device's ``max-storage-buffer-binding-size`` is *split*: a kernel
+binds it through several windows (byte ranges of at most that size, at offsets that are
+multiples of the device's ``min-storage-buffer-offset-alignment``) and reads and writes it through a generated
+accessor function that picks the window (:class:`Binding`). No op is unsupported for size
+alone as long as the buffer itself fits ``max-buffer-size`` and a kernel's windows fit the
+bindings it may have.
 """
 
 from __future__ import annotations
@@ -41,6 +48,11 @@ STORAGE = {"float32": "f32", "float16": "f16", "bfloat16": "bf16p", "bool": "u32
 #: since the other half of the word belongs to another thread.
 PACKED = ("f16p", "bf16p")
 ITEMSIZE = {"f32": 4, "f16": 2, "f16p": 2, "bf16p": 2, "i32": 4, "u32": 4}
+#: Bytes of one element of a binding's WGSL array type.
+ELEM_BYTES = {"f32": 4, "i32": 4, "u32": 4, "f16": 2, "vec4<f32>": 16, "vec4<f16>": 8, "atomic<u32>": 4}
+#: Window offsets are multiples of the device's min-storage-buffer-offset-alignment; this when it
+#: does not say (the largest alignment WebGPU allows), and never less than one vec4.
+WINDOW_ALIGN = 256
 
 
 def ctype(dtype: str) -> str:
@@ -108,15 +120,46 @@ def elem_type(storage: str) -> str:
     return "u32" if storage in PACKED else storage
 
 
-def load_at(name: str, index: str, storage: str, ty: str) -> str:
+def window_bytes(max_binding_size: int, align: int = WINDOW_ALIGN) -> int:
+    """Size of the windows a split buffer is bound through on a device with that binding limit
+    and offset alignment."""
+    align = max(16, align)
+    return max(align, max_binding_size // align * align)
+
+
+def windows(size: int, max_binding_size: int, align: int = WINDOW_ALIGN) -> list[tuple[int, int]]:
+    """``(offset, size)`` byte windows covering a buffer of ``size`` bytes: the whole buffer when
+    it fits the binding limit, else consecutive windows of :func:`window_bytes`."""
+    if size <= max_binding_size:
+        return [(0, size)]
+    w = window_bytes(max_binding_size, align)
+    return [(o, min(w, size - o)) for o in range(0, size, w)]
+
+
+class Binding:
+    """How a kernel names a buffer it binds: ``b[i]`` is the WGSL expression of element ``i``
+    (an i32 expression) of its array. A buffer bound whole is ``name[i]``; a split one is a call
+    of the accessor function that reads the right window (:meth:`KernelBuilder.bind`)."""
+
+    def __init__(self, name: str, split: bool = False):
+        self.name, self.split = name, split
+
+    def __getitem__(self, index: str) -> str:
+        return f"{self.name}({index})" if self.split else f"{self.name}[{index}]"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def load_at(b: Binding, index: str, storage: str, ty: str) -> str:
     """Expression of type ``ty`` reading element ``index`` (an i32 expression) of the buffer
-    bound as ``name``, of storage type ``storage`` (packed types included)."""
+    bound as ``b``, of storage type ``storage`` (packed types included)."""
     if storage == "f16p":
-        return cast(f"unpack2x16float({name}[({index}) >> 1u])[({index}) & 1]", "f32", ty)
+        return cast(f"unpack2x16float({b[f'({index}) >> 1u']})[({index}) & 1]", "f32", ty)
     if storage == "bf16p":
-        word = f"{name}[({index}) >> 1u]"
+        word = b[f"({index}) >> 1u"]
         return cast(f"bitcast<f32>(({word} >> (u32(({index}) & 1) * 16u)) << 16u)", "f32", ty)
-    return load(f"{name}[{index}]", storage, ty)
+    return load(b[index], storage, ty)
 
 
 def load(raw: str, storage: str, ty: str) -> str:
@@ -198,12 +241,12 @@ class BufferView(Value):
             # no element can be read, so the read sits in code that never runs (a loop over
             # zero elements); binding it would bind an empty buffer, which WebGPU cannot create
             return lit(0, self.ty)
-        name = k.bind(self.buf)
+        b = k.bind(self.buf)
         index = index_sum(idx, self.strides, self.offset)
-        raw = f"{name}[{index}]"
-        if self.buf.dtype in PACKED:
+        raw = f"{b.name}[{index}]"
+        if self.buf.dtype in PACKED or b.split:
             index = k.let(index, "i32")
-        return k.let(load_at(name, index, self.buf.dtype, self.ty), self.ty, key=raw)
+        return k.let(load_at(b, index, self.buf.dtype, self.ty), self.ty, key=raw)
 
     def bufs(self):
         return frozenset([self.buf.name])
@@ -258,39 +301,70 @@ class KernelBuilder:
 
     def __init__(self, program: "ProgramBuilder", name: str):
         self.program, self.name = program, name
-        self.bindings: dict[tuple[str, str], tuple[str, BufferSpec, str]] = {}
+        # (buffer, element type, window) -> (WGSL name, buffer, access, (offset, size) or None)
+        self.bindings: dict[tuple[str, str, int], tuple[str, BufferSpec, str, tuple[int, int] | None]] = {}
         self.helpers: dict[str, str] = {}
         self.lines: list[str] = []
         self.scopes: list[dict] = [{}]
         self.counter = 0
 
-    def bind(self, buf: BufferSpec, access: str = "read", elem: str | None = None) -> str:
+    def bind(self, buf: BufferSpec, access: str = "read", elem: str | None = None) -> Binding:
+        """Bind ``buf`` (as an array of ``elem``, its storage type's by default) and return how
+        the kernel names it. A buffer over the binding limit is bound as several windows and
+        read through an accessor function ``buf_NAME(i)`` (writes: :meth:`write`)."""
         plain = elem_type(buf.dtype)
         elem = elem or plain
-        key = (buf.name, elem)
-        if key not in self.bindings:
-            suffix = "" if elem == plain else "_at" if elem.startswith("atomic") else "_v4"
-            self.bindings[key] = (f"buf_{buf.name}{suffix}", buf, access)
-        else:
-            name, b, acc = self.bindings[key]
-            if access == "read_write":
-                self.bindings[key] = (name, b, access)
-        return self.bindings[key][0]
+        suffix = "" if elem == plain else "_at" if elem.startswith("atomic") else "_v4"
+        name = f"buf_{buf.name}{suffix}"
+        parts = self.program.windows(buf.size)
+        for j, window in enumerate(parts):
+            key = (buf.name, elem, j)
+            if key not in self.bindings:
+                part = name if len(parts) == 1 else f"{name}_w{j}"
+                self.bindings[key] = (part, buf, access, None if len(parts) == 1 else window)
+            elif access == "read_write":
+                self.bindings[key] = (*self.bindings[key][:2], access, self.bindings[key][3])
+        if len(parts) == 1:
+            return Binding(name)
+        per = parts[0][1] // ELEM_BYTES[elem]
+        if not elem.startswith("atomic"):
+            ret = [f"  if (i < {per * (j + 1)}) {{ return {name}_w{j}[i - {per * j}]; }}" for j in range(len(parts) - 1)]
+            last = len(parts) - 1
+            self.helpers[name] = (f"fn {name}(i: i32) -> {elem} {{\n" + "\n".join(ret) +
+                                  f"\n  return {name}_w{last}[i - {per * last}];\n}}")
+        if access == "read_write" and f"{name}_set" not in self.helpers:
+            if elem.startswith("atomic"):  # a packed half-word store: clear its half, then set it
+                sig, body = f"fn {name}_set(i: i32, clear: u32, bits: u32)", \
+                    "{{ atomicAnd(&{w}[{j}], clear); atomicOr(&{w}[{j}], bits); return; }}"
+            else:
+                sig, body = f"fn {name}_set(i: i32, v: {elem})", "{{ {w}[{j}] = v; return; }}"
+            lines = [f"  if (i < {per * (j + 1)}) " + body.format(w=f"{name}_w{j}", j=f"i - {per * j}")
+                     for j in range(len(parts) - 1)]
+            last = len(parts) - 1
+            lines.append("  " + body.format(w=f"{name}_w{last}", j=f"i - {per * last}"))
+            self.helpers[f"{name}_set"] = sig + " {\n" + "\n".join(lines) + "\n}"
+        return Binding(name, split=True)
 
     def write(self, buf: BufferSpec, index: str, expr: str, ty: str) -> None:
         """Emit the store of ``expr`` (of expression type ``ty``) into element ``index`` (an i32
         expression) of ``buf``, converting to its storage type (see :data:`PACKED`)."""
         if buf.dtype not in PACKED:
-            self.emit(f"{self.bind(buf, 'read_write')}[{index}] = {store(expr, ty, buf.dtype)};")
+            b = self.bind(buf, "read_write")
+            value = store(expr, ty, buf.dtype)
+            self.emit(f"{b.name}_set({index}, {value});" if b.split else f"{b[index]} = {value};")
             return
-        name = self.bind(buf, "read_write", elem="atomic<u32>")
+        b = self.bind(buf, "read_write", elem="atomic<u32>")
         bits = self.need("tap_f16_bits" if buf.dtype == "f16p" else "tap_bf16_bits")
         i = self.let(index, "i32")
         self.open("")
         self.emit(f"let word: i32 = {i} >> 1u;")
         self.emit(f"let shift: u32 = u32({i} & 1) * 16u;")
-        self.emit(f"atomicAnd(&{name}[word], ~(0xffffu << shift));")
-        self.emit(f"atomicOr(&{name}[word], {bits}({cast(expr, ty, 'f32')}) << shift);")
+        value = f"{bits}({cast(expr, ty, 'f32')}) << shift"
+        if b.split:
+            self.emit(f"{b.name}_set(word, ~(0xffffu << shift), {value});")
+        else:
+            self.emit(f"atomicAnd(&{b['word']}, ~(0xffffu << shift));")
+            self.emit(f"atomicOr(&{b['word']}, {value});")
         self.close()
 
     def fresh(self, prefix: str = "t") -> str:
@@ -374,7 +448,7 @@ class KernelBuilder:
         if "tap_bits_f32(" in body:  # literals of Inf and NaN (see lit) call it
             self.need("tap_bits_f32")
         header = [f"@group(0) @binding({i}) var<storage, {access}> {name}: array<{elem}>;"
-                  for i, ((_, elem), (name, _, access)) in enumerate(self.bindings.items())]
+                  for i, ((_, elem, _), (name, _, access, _)) in enumerate(self.bindings.items())]
         header.extend(self.helpers.values())
         if re.search(r"\bf16\b", body) or any(re.search(r"\bf16\b", key[1]) for key in self.bindings):
             header.insert(0, "enable f16;")
@@ -386,7 +460,8 @@ class KernelBuilder:
         if len(self.bindings) > limit:
             raise Unsupported(f"kernel {self.name} binds {len(self.bindings)} storage buffers; "
                               f"the device allows {limit} (max-storage-buffers-per-shader-stage)")
-        return Kernel(name=self.name, wgsl=src, bindings=[(b.name, acc) for _, b, acc in self.bindings.values()],
+        return Kernel(name=self.name, wgsl=src, bindings=[(b.name, acc, *(window or ())) for _, b, acc, window
+                                                          in self.bindings.values()],
                       workgroups=tuple(int(g) for g in groups))
 
 
@@ -402,6 +477,7 @@ class ProgramBuilder:
         self.max_bindings = int(limits.get("max-storage-buffers-per-shader-stage", 8))
         self.max_binding_size = int(limits.get("max-storage-buffer-binding-size", 128 << 20))
         self.max_buffer_size = int(limits.get("max-buffer-size", 256 << 20))
+        self.window_align = int(limits.get("min-storage-buffer-offset-alignment", WINDOW_ALIGN))
         self.buffers: list[BufferSpec] = []
         self.kernels: list[Kernel] = []
         self.names: dict[str, int] = {}
@@ -419,11 +495,9 @@ class ProgramBuilder:
         storage = self.storage(meta.dtype)
         nbytes = meta.numel * ITEMSIZE[storage]
         size = -(-nbytes // 4) * 4  # WebGPU buffer sizes are multiples of 4
-        if size > self.max_binding_size:
-            raise Unsupported(f"a {meta.dtype} tensor of shape {list(meta.shape)} needs {size} bytes, over the "
-                              f"device's max-storage-buffer-binding-size of {self.max_binding_size}")
         if size > self.max_buffer_size:
-            raise Unsupported(f"{size} bytes exceeds the device's max-buffer-size of {self.max_buffer_size}")
+            raise Unsupported(f"a {meta.dtype} tensor of shape {list(meta.shape)} needs {size} bytes, over the "
+                              f"device's max-buffer-size of {self.max_buffer_size}")
         buf = BufferSpec(name=f"{hint[0]}{len(self.buffers)}", dtype=storage, size=size, role=role, meta=meta)
         self.buffers.append(buf)
         return buf
@@ -455,14 +529,25 @@ class ProgramBuilder:
             return value
         return self.materialize(value)
 
+    def bindings_of(self, names) -> int:
+        """How many bindings a kernel needs to read the buffers ``names`` (a split one needs one per window)."""
+        sizes = {b.name: b.size for b in self.buffers}
+        return sum(len(self.windows(sizes.get(n, 0))) for n in names)
+
+    def windows(self, size: int) -> list[tuple[int, int]]:
+        """The byte windows a kernel binds a buffer of ``size`` bytes through (one: all of it)."""
+        return windows(size, self.max_binding_size, self.window_align)
+
     def fit(self, values: list[Value], reserved: int) -> list[Value]:
         """Materialize computed inputs until a kernel reading ``values`` and binding
         ``reserved`` more buffers stays within the binding limit."""
         values = list(values)
-        while len(frozenset().union(*(v.bufs() for v in values))) + reserved > self.max_bindings:
+        while self.bindings_of(frozenset().union(*(v.bufs() for v in values))) + reserved > self.max_bindings:
             i = max(range(len(values)), key=lambda j: len(values[j].bufs()))
             if isinstance(values[i], BufferView) or len(values[i].bufs()) < 2:
-                raise Unsupported(f"a kernel would bind more than {self.max_bindings} storage buffers")
+                raise Unsupported(f"a kernel would bind more than {self.max_bindings} storage buffers (the device's "
+                                  "max-storage-buffers-per-shader-stage; a buffer over max-storage-buffer-binding-size "
+                                  "takes one binding per window)")
             values[i] = self.materialize(values[i])
         return values
 

@@ -210,7 +210,7 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
     def b_row(jb: int, kk: str) -> str:
         """Columns 4jb..4jb+3 of B's row ``kk`` as a vec4<f32>."""
         if vec_bn:
-            return f4(f"{B}[(cb{jb} + ({kk}) * {sbk}) / 4]", b.buf.dtype)
+            return f4(B[f"(cb{jb} + ({kk}) * {sbk}) / 4"], b.buf.dtype)
         return "vec4<f32>(" + ", ".join(f1(B, f"cb{4 * jb + j} + ({kk}) * {sbk}", b.buf.dtype) for j in range(4)) + ")"
 
     k4 = K - K % 4
@@ -218,7 +218,7 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
         k.emit(f"for (var k: i32 = 0; k < {k4}; k = k + 4) {{")
         for i in range(tm):
             if vec_a:
-                k.emit(f"  let a{i} = {f4(f'{A}[(ra{i} + k) / 4]', a.buf.dtype)};")
+                k.emit(f"  let a{i} = {f4(A[f'(ra{i} + k) / 4'], a.buf.dtype)};")
             else:
                 parts = ", ".join(f1(A, f"ra{i} + (k + {q}) * {sak}", a.buf.dtype) for q in range(4))
                 k.emit(f"  let a{i} = vec4<f32>({parts});")
@@ -231,13 +231,13 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
                     addr = f"({b.offset} + z * {sbb} + min(n0 + 4 * (e{r} % {nb}), {N - 4}) + (k + e{r} / {nb}) * {sbk}) / 4"
                 else:
                     addr = f"({b.offset} + z * {sbb} + min(n0 + e{r}, {N - 1}) * {sbn} + k) / 4"
-                k.emit(f"  let mine{r} = {f4(f'{B}[{addr}]', b.buf.dtype)};")
+                k.emit(f"  let mine{r} = {f4(B[addr], b.buf.dtype)};")
         if vec_bk:
             for j in range(tn):
                 if sg:
                     k.emit(f"  let b{j} = subgroupBroadcast(mine{j // sg}, {j % sg}u);")
                 else:
-                    k.emit(f"  let b{j} = {f4(f'{B}[(cb{j} + k) / 4]', b.buf.dtype)};")
+                    k.emit(f"  let b{j} = {f4(B[f'(cb{j} + k) / 4'], b.buf.dtype)};")
             for i in range(tm):
                 for jb in range(nb):
                     dots = ", ".join(f"dot(a{i}, b{4 * jb + j})" for j in range(4))

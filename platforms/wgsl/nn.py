@@ -288,7 +288,6 @@ def max_pool2d(pb, node, x, kernel_size, stride=(), padding=0, dilation=1, ceil_
         return res
     (x,) = pb.fit([x], 2)
     k = pb.kernel("max_pool2d")
-    io = k.bind(ib, "read_write")
     idx = k.unravel("n", vmeta.shape)
     lead, oh, ow = idx[:-2], idx[-2], idx[-1]
     best = k.var("f32", lit(-math.inf, "f32"), "best")
@@ -304,7 +303,7 @@ def max_pool2d(pb, node, x, kernel_size, stride=(), padding=0, dilation=1, ceil_
     k.close()
     k.close()
     k.write(vb, "n", best, "f32")
-    k.emit(f"{io}[n] = {arg};")
+    k.write(ib, "n", arg, "i32")
     pb.add(k.finish(vmeta.numel))
     return res
 

@@ -187,7 +187,10 @@ async function runKernels(plan, read, device) {
       compute: { module, entryPoint: k.entry ?? "main" },
     });
     const bindGroup = device.createBindGroup({
-      layout, entries: k.bindings.map(([name], binding) => ({ binding, resource: { buffer: buffers.get(name) } })),
+      // a 4-item binding is a byte window [offset, offset + size) of a buffer over the binding limit
+      layout, entries: k.bindings.map(([name, , offset, size], binding) => ({
+        binding, resource: offset === undefined ? { buffer: buffers.get(name) } : { buffer: buffers.get(name), offset, size },
+      })),
     });
     kernels.push({ pipeline, bindGroup, workgroups: k.workgroups });
   }

@@ -116,8 +116,10 @@ def run_kernels(plan: dict, device) -> list[np.ndarray]:
         try:
             module = device.create_shader_module(code=code)
             pipe = device.create_compute_pipeline(layout="auto", compute={"module": module, "entry_point": k["entry"]})
-            entries = [{"binding": i, "resource": {"buffer": buffers[name], "offset": 0, "size": buffers[name].size}}
-                       for i, (name, _access) in enumerate(k["bindings"])]
+            # a 4-item binding is a byte window [offset, offset + size) of a buffer over the binding limit
+            entries = [{"binding": i, "resource": {"buffer": buffers[name], "offset": window[0] if window else 0,
+                                                   "size": window[1] if window else buffers[name].size}}
+                       for i, (name, _access, *window) in enumerate(k["bindings"])]
             group = device.create_bind_group(layout=pipe.get_bind_group_layout(0), entries=entries)
         except Exception as e:  # noqa: BLE001 - the device refusing the shader is the finding
             raise KernelFailure(f"kernel {k['name']} ({k['file']}) was refused: {e}") from None
