@@ -25,8 +25,7 @@ from tapml.graph import Graph, Node, TensorMeta
 
 #: The device limits the compiler reads (and :meth:`Platform.force_limits` may lower).
 LIMIT_NAMES = ("max-storage-buffer-binding-size", "max-buffer-size", "max-storage-buffers-per-shader-stage",
-               "max-compute-workgroups-per-dimension", "max-compute-invocations-per-workgroup",
-               "max-compute-workgroup-storage-size", "min-storage-buffer-offset-alignment")
+               "max-compute-workgroups-per-dimension", "min-storage-buffer-offset-alignment")
 
 
 @dataclass

@@ -140,13 +140,16 @@ def run_case(platform, store, case: dict, tolerances: Tolerances | None = None, 
 
 def replay(store, platform, target: str, tolerances: Tolerances | None = None, anchored: bool | None = None,
            cases: list[dict] | None = None, on_case: Callable[[dict], None] | None = None, profile: int = 0,
-           repeat: int = 1, guards: bool = False) -> dict:
+           repeat: int = 1, guards: bool = False, preflight: Callable | None = None) -> dict:
     """Replay ``cases`` (default: all) of ``store`` on ``platform``; returns the Verdict JSON.
     ``anchored``: fp64-anchored judging, None for the store's default (see :func:`replay_case`).
     ``profile``: record each case's device time, the median of that many runs (see :func:`replay_case`).
     ``repeat``: run each case that many times, ``flaky`` when its outputs vary. ``guards``: check
     every run for writes past the end of a buffer (:meth:`Platform.enable_guards`; TapmlError
     when the platform cannot), which are ``error`` verdicts naming the kernel and buffer.
+    ``preflight``: first hold the cases to the device's limits, compiling only
+    (:func:`tapml.preflight.preflight_before_run`); ``preflight(report)`` is called with the
+    :class:`~tapml.preflight.StorePreflight` and its JSON is the document's ``preflight``.
 
     A case that finds the device gone is an ``error`` verdict saying so, and the replay goes
     on: the next case may find it back (a remote platform reconnects by itself).
@@ -168,6 +171,12 @@ def replay(store, platform, target: str, tolerances: Tolerances | None = None, a
     except DeviceLost as e:
         device = {"adapter": "unknown", "backend": "unknown", "features": [], "limits": {}, "error": str(e)}
     todo = store.cases if cases is None else cases
+    checked = None
+    if preflight is not None:
+        from tapml.preflight import preflight_before_run
+        checked = preflight_before_run(store, platform, target, todo)
+        if checked is not None:
+            preflight(checked)
 
     def lost(case: dict, e: DeviceLost) -> CaseVerdict:
         return CaseVerdict(id=case["id"], op=case["op"], node=case["node"], module=case["module"],
@@ -196,6 +205,8 @@ def replay(store, platform, target: str, tolerances: Tolerances | None = None, a
                           cases=verdicts).to_json()
     if pooled is not None:
         doc["devices"] = _pool_of(platform).pool.describe()
+    if checked is not None:
+        doc["preflight"] = checked.to_json()
     return doc
 
 
@@ -211,12 +222,14 @@ def injects_into(target: str) -> bool:
 
 
 def replay_targets(store, targets: list[str], *, token: str | None = None, inject: list[str] | None = None,
-                   on_target: Callable[[str, int], None] | None = None, **options) -> dict[str, dict]:
+                   on_target: Callable[[str, int], None] | None = None, limits: dict[str, int] | None = None,
+                   **options) -> dict[str, dict]:
     """Replay ``store`` on each of ``targets`` in turn; returns ``{target: Verdict JSON}`` in
     their order, each exactly what :func:`replay` returns for that target alone.
 
     Each platform is closed before the next opens, so a browser and a wgpu device never compete
     for the machine. ``inject`` goes into every target but ``reference`` (:func:`injects_into`).
+    ``limits`` (``--device-limit``) are lowered on every target but ``reference`` too.
     ``on_target(target, index)`` is called before each opens; ``options`` go to :func:`replay`
     (``tolerances``, ``anchored``, ``cases``, ``on_case``...).
 
@@ -233,6 +246,7 @@ def replay_targets(store, targets: list[str], *, token: str | None = None, injec
     for i, target in enumerate(targets):
         if on_target:
             on_target(target, i)
-        with open_target(target, token=token, inject=inject if injects_into(target) else None) as platform:
+        with open_target(target, token=token, inject=inject if injects_into(target) else None,
+                         limits=limits if injects_into(target) else None) as platform:
             results[target] = replay(store, platform, target, **options)
     return results

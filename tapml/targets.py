@@ -60,10 +60,13 @@ def spread(platform, items: list, work, **options) -> list | None:
     return pool.pool.map(items, work, **options)
 
 
-def open_target(spec: str, *, token: str | None = None, inject: list[str] | None = None):
+def open_target(spec: str, *, token: str | None = None, inject: list[str] | None = None,
+                limits: dict[str, int] | None = None):
     """Open the platform a TARGET spec names, wrapped with fault injection when asked.
 
     ``token``: None, one token, or a token map ``{"HOST:PORT": token, "*": fallback}`` (:func:`read_tokens`).
+    ``limits``: device limits to lower for the compiler (``--device-limit``, :meth:`Platform.force_limits`);
+    TapmlError when the platform refuses them.
 
     Example: ``open_target("wgpu:vulkan")``, ``open_target("remote://127.0.0.1:18861", token=t)``,
     ``open_target("registry://127.0.0.1:18811?platform=wgpu", token=t)`` (a pool, see :func:`spread`).
@@ -74,6 +77,15 @@ def open_target(spec: str, *, token: str | None = None, inject: list[str] | None
         from tapml.inject import parse_faults
         faults = parse_faults(inject)  # validate before opening a device
     platform = open_platform(spec, token)
+    if limits:
+        force = getattr(platform, "force_limits", None)
+        try:
+            if force is None:
+                raise ValueError("this target cannot lower its device limits")
+            force(dict(limits))
+        except ValueError as e:
+            platform.close()
+            raise TapmlError(f"--device-limit on {spec}: {e}") from None
     if faults:
         from tapml.inject import InjectedPlatform
         platform = InjectedPlatform(platform, faults)

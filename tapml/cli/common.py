@@ -46,6 +46,34 @@ KeepFloat32Opt = typer.Option(None, "--keep-float32", help="Run these in float32
                               "the low --dtype: a node name, a module path (its floating nodes), an op (aten.x.y: "
                               "every node of it) or a `tapml precision --json` file (its keep_float32 list); "
                               "repeatable. Needs a float16/bfloat16 carve")
+DeviceLimitOpt = typer.Option(None, "--device-limit", help="NAME=VALUE: lower a device limit the compiler sees, to "
+                              "emulate a smaller device (VALUE in bytes or with KiB/MiB/GiB, e.g. "
+                              "max-storage-buffer-binding-size=128MiB); repeatable; a value laxer than the "
+                              "device's own is ignored")
+
+
+def parse_device_limits(items: Optional[list[str]]) -> dict[str, int]:
+    """``--device-limit NAME=VALUE`` items as ``{name: int}``: VALUE an integer, optionally with a
+    KiB/MiB/GiB suffix; exit 2 naming the known limits for a bad name, value or repeat."""
+    import re
+
+    from tapml.platforms.base import LIMIT_NAMES
+    known = ", ".join(LIMIT_NAMES)
+    limits: dict[str, int] = {}
+    for item in items or []:
+        name, eq, value = item.partition("=")
+        name = name.strip()
+        if not eq or name not in LIMIT_NAMES:
+            fail(f"--device-limit {item[:200]!r}: expected NAME=VALUE with NAME one of: {known}")
+        m = re.fullmatch(r"\s*(\d{1,15})\s*(KiB|MiB|GiB)?\s*", value, re.IGNORECASE)
+        number = int(m.group(1)) << {"": 0, "kib": 10, "mib": 20, "gib": 30}[(m.group(2) or "").lower()] if m else 0
+        if number <= 0:
+            fail(f"--device-limit {item[:200]!r}: VALUE must be a positive integer, optionally with KiB, MiB or GiB "
+                 "(e.g. 4096 or 128MiB)")
+        if name in limits:
+            fail(f"--device-limit {name} is given twice; give each limit once")
+        limits[name] = number
+    return limits
 
 
 def fail(message: str, code: int = EXIT_USAGE):
@@ -225,5 +253,5 @@ def progress_bar(quiet: bool = False):
 
 
 __all__ = ["app", "console", "out", "EXIT_OK", "EXIT_FINDING", "EXIT_USAGE", "EXIT_INTERNAL", "TargetOpt", "TolOpt",
-           "InjectOpt", "TokenFileOpt", "JsonOpt", "QuietOpt", "DtypeOpt", "KeepFloat32Opt", "check_dtype", "fail", "command", "write_crash_report", "write_json",
+           "InjectOpt", "TokenFileOpt", "JsonOpt", "DeviceLimitOpt", "parse_device_limits", "QuietOpt", "DtypeOpt", "KeepFloat32Opt", "check_dtype", "fail", "command", "write_crash_report", "write_json",
            "open_store", "progress_bar"]

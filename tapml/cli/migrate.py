@@ -6,9 +6,9 @@ from typing import List, Optional
 
 import typer
 
-from tapml.cli.common import (DtypeOpt, InjectOpt, JsonOpt, KeepFloat32Opt, QuietOpt, TokenFileOpt, TokenMapOpt, TolOpt,
-                              app, check_dtype, command, console, fail, out, write_json)
-from tapml.cli.store import check_targets, render_matrix_run
+from tapml.cli.common import (DeviceLimitOpt, DtypeOpt, InjectOpt, JsonOpt, KeepFloat32Opt, QuietOpt, TokenFileOpt,
+                              TokenMapOpt, TolOpt, app, check_dtype, command, console, fail, out, write_json)
+from tapml.cli.store import check_device_limits, check_targets, limits_for, render_matrix_run, run_preflight
 from tapml.render import fmt_err
 
 HfConfigOpt = typer.Option(None, "--hf-config", help="KEY=VALUE config override when MODEL is an hf: spec to carve "
@@ -174,9 +174,10 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
             inject: Optional[List[str]] = InjectOpt, tol: Optional[List[str]] = TolOpt,
             token_file: Optional[str] = TokenFileOpt, token_map: Optional[str] = TokenMapOpt,
             hf_config: Optional[List[str]] = HfConfigOpt, dtype: Optional[str] = DtypeOpt,
-            keep_float32: Optional[List[str]] = KeepFloat32Opt, quiet: bool = QuietOpt,
-            json_out: Optional[str] = JsonOpt):
-    """Offload MODEL to TARGET: each op, then growing regions, then the whole model, checking each step."""
+            keep_float32: Optional[List[str]] = KeepFloat32Opt, device_limit: Optional[List[str]] = DeviceLimitOpt,
+            quiet: bool = QuietOpt, json_out: Optional[str] = JsonOpt):
+    """Offload MODEL to TARGET: each op, then growing regions, then the whole model, checking each step.
+    Before it starts, a limits preflight says which tensors the target's limits made split."""
     from pathlib import Path
 
     from tapml.compare import Tolerances
@@ -187,6 +188,7 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
     from tapml.replay import injects_into
     from tapml.targets import open_target, read_tokens
     targets = check_targets(target)
+    limits = check_device_limits(device_limit, targets)
     tolerances = Tolerances.parse(tol)
     token = read_tokens(token_file, token_map)
     parse_faults(inject or [])
@@ -207,11 +209,12 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
         results = {}
         for t in targets:
             faults = inject if injects_into(t) else None
-            with open_target(t, token=token, inject=faults) as platform, \
-                    MigrationDisplay(f"migrating {store.model} to {t} ({paths[t]})", quiet) as display:
-                results[t] = Migration(store, platform, t, paths[t], tolerances=tolerances, inject=faults, resume=resume,
-                                       on_event=display.event, store_path=str(store_path),
-                                       keep_float32=keep).run()
+            with open_target(t, token=token, inject=faults, limits=limits_for(t, limits)) as platform:
+                run_preflight(store, platform, t, quiet=quiet)
+                with MigrationDisplay(f"migrating {store.model} to {t} ({paths[t]})", quiet) as display:
+                    results[t] = Migration(store, platform, t, paths[t], tolerances=tolerances, inject=faults,
+                                           resume=resume, on_event=display.event, store_path=str(store_path),
+                                           keep_float32=keep).run()
         def render_target(doc: dict) -> None:
             from rich.markup import escape
             out.print(f"[bold]{escape(doc['target'])}[/] ({escape(paths[doc['target']])})", highlight=False)
@@ -219,10 +222,11 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
 
         raise typer.Exit(render_matrix_run(results, False, False, quiet, json_out, render_target))
     target = targets[0]
-    with open_target(target, token=token, inject=inject) as platform, \
-            MigrationDisplay(f"migrating {store.model} to {target}", quiet) as display:
-        result = Migration(store, platform, target, state, tolerances=tolerances, inject=inject, resume=resume,
-                           on_event=display.event, store_path=str(store_path), keep_float32=keep).run()
+    with open_target(target, token=token, inject=inject, limits=limits_for(target, limits)) as platform:
+        run_preflight(store, platform, target, quiet=quiet)
+        with MigrationDisplay(f"migrating {store.model} to {target}", quiet) as display:
+            result = Migration(store, platform, target, state, tolerances=tolerances, inject=inject, resume=resume,
+                               on_event=display.event, store_path=str(store_path), keep_float32=keep).run()
     if json_out:
         write_json(result, json_out)
     if json_out != "-":

@@ -7,9 +7,9 @@ from typing import List, Optional
 
 import typer
 
-from tapml.cli.common import (EXIT_FINDING, EXIT_OK, DtypeOpt, InjectOpt, JsonOpt, QuietOpt, TokenFileOpt, TokenMapOpt,
-                              TolOpt, app, check_dtype, command, console, fail, open_store, out, progress_bar,
-                              write_json)
+from tapml.cli.common import (EXIT_FINDING, EXIT_OK, DeviceLimitOpt, DtypeOpt, InjectOpt, JsonOpt, QuietOpt,
+                              TokenFileOpt, TokenMapOpt, TolOpt, app, check_dtype, command, console, fail, open_store,
+                              out, parse_device_limits, progress_bar, write_json)
 
 
 @app.command(short_help="Run MODEL on the reference and record every operator call as a test case (--generate N: a generation).")
@@ -74,10 +74,23 @@ def carve_generation_command(model: str, output: str, *, tokens: int, prompt_len
 @app.command()
 @command
 def inspect(store: str = typer.Argument(..., help="Carve store directory"), json_out: Optional[str] = JsonOpt,
-            quiet: bool = QuietOpt):
-    """List the ops of a store: cases, instances, shapes and dtypes."""
+            target: Optional[str] = typer.Option(None, "--target", "-t", help="Preflight on this target: compile "
+                                                 "every case (run nothing) and show per op its kernels, largest "
+                                                 "binding, the tensors split across binding windows and why, and "
+                                                 "anything over a device limit or unsupported"),
+            device_limit: Optional[List[str]] = DeviceLimitOpt, token_file: Optional[str] = TokenFileOpt,
+            token_map: Optional[str] = TokenMapOpt, quiet: bool = QuietOpt):
+    """List the ops of a store: cases, instances, shapes and dtypes. With --target, the limits
+    preflight instead: exit 0 when every case compiles within the target's limits, 1 when some
+    case cannot run there (over a limit, unsupported, or failing to compile)."""
     from rich.table import Table
+    limits = parse_device_limits(device_limit)
+    if (limits or token_file or token_map) and not target:
+        fail("--device-limit, --token-file and --token-map apply to the preflight: add --target T")
     s = open_store(store)
+    if target:
+        raise typer.Exit(inspect_target(s, store, target, limits=limits, token_file=token_file, token_map=token_map,
+                                        json_out=json_out, quiet=quiet))
     ops: dict[str, dict] = {}
     for c in s.cases:
         row = ops.setdefault(c["op"], {"op": c["op"], "cases": 0, "instances": 0, "shapes": [], "dtypes": set()})
@@ -101,6 +114,100 @@ def inspect(store: str = typer.Argument(..., help="Carve store directory"), json
         shapes = "; ".join(r["shapes"][:3]) + (f" (+{len(r['shapes']) - 3})" if len(r["shapes"]) > 3 else "")
         table.add_row(r["op"], str(r["cases"]), str(r["instances"]), shapes, ",".join(sorted(r["dtypes"])))
     out.print(table)
+
+
+def check_device_limits(device_limit: Optional[List[str]], targets: list[str]) -> dict[str, int]:
+    """``--device-limit`` values for ``targets`` (exit 2 when bad, or when every target is the
+    reference, which compiles no WGSL and has no device limits)."""
+    limits = parse_device_limits(device_limit)
+    if limits and not any(limits_for(t, limits) for t in targets):
+        fail("--device-limit lowers the limits of a WGSL device (wgpu, browser, remote://, registry://); "
+             "the reference has none: add such a --target")
+    return limits
+
+
+def limits_for(target: str, limits: dict[str, int]) -> Optional[dict[str, int]]:
+    """The ``--device-limit`` values that go into ``target``: none for the reference."""
+    if not limits or target == "reference" or target.startswith("reference:"):
+        return None
+    return limits
+
+
+def show_preflight(report, quiet: bool = False, with_target: bool = False) -> None:
+    """Print a StorePreflight's summary line (:mod:`tapml.preflight`), after its target when
+    several run, when something was split or is over a limit."""
+    line = report.summary_line()
+    if line and not quiet:
+        console.print(f"{report.target} {line}" if with_target else line, highlight=False, soft_wrap=True)
+
+
+def run_preflight(store, platform, target: str, quiet: bool = False) -> None:
+    """Print the limits preflight of ``store`` on ``platform`` before a migration
+    (:func:`tapml.preflight.preflight_before_run`)."""
+    from tapml.preflight import preflight_before_run
+    report = preflight_before_run(store, platform, target)
+    if report is not None:
+        show_preflight(report, quiet)
+
+
+def inspect_target(s, store: str, target: str, *, limits: dict, token_file, token_map, json_out, quiet) -> int:
+    """``tapml inspect STORE --target T``: the limits preflight per op; returns the exit code."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from tapml.preflight import checks_limits, format_bytes, format_limit, preflight_store
+    from tapml.replay import device_info
+    from tapml.targets import check_target, open_target, read_tokens
+    check_target(target)
+    if limits and not limits_for(target, limits):
+        fail("--device-limit lowers the limits of a WGSL device (wgpu, browser, remote://, registry://); "
+             f"{target} has none")
+    token = read_tokens(token_file, token_map)
+    with open_target(target, token=token, limits=limits) as platform, progress_bar(quiet) as bar:
+        if not checks_limits(platform):
+            fail(f"{target} reports no device limits to check; give a WGSL target (wgpu, browser, remote://...)")
+        task = bar.add_task(f"compiling on {target}", total=len(s.cases))
+        report = preflight_store(s, platform, target, on_case=lambda c: bar.advance(task))
+        device = device_info(platform)
+    doc = {"store": str(Path(store).resolve()), "model": s.model, "device": device, **report.to_json()}
+    code = EXIT_OK if report.fits else EXIT_FINDING
+    if json_out:
+        write_json(doc, json_out)
+        if json_out == "-":
+            return code
+    binding = report.limits.get("max-storage-buffer-binding-size")
+    forced = ", ".join(f"{k}={format_limit(v, k)}" for k, v in sorted(report.forced_limits.items()))
+    title = (f"preflight of {s.model} on {target} ({device.get('adapter', '')}): {len(report.ops)} ops, "
+             f"{len(s.cases)} cases" + (f"; --device-limit {forced}" if forced else ""))
+    if not quiet:
+        table = Table(title=escape(title))
+        largest = "largest binding" + (f" (limit {format_limit(binding)})" if binding else "")
+        split_col = any(o.splits for o in report.ops)
+        problem_col = not report.fits
+        for col in ("op", "cases", "kernels", largest) + (("split",) if split_col else ()) + \
+                (("over a limit / unsupported",) if problem_col else ()):
+            table.add_column(col, justify="right" if col in ("cases", "kernels", largest) else "left", overflow="fold")
+        for o in report.ops:
+            j = o.to_json()
+            cells = [escape(o.op), str(o.cases), str(o.kernels), format_bytes(j["largest_binding"])]
+            if split_col:
+                cells.append(escape("; ".join(x["message"] + (f" ({x['cases']} cases)" if x["cases"] > 1 else "")
+                                              for x in j["splits"][:3])
+                                    + (f" (+{len(j['splits']) - 3})" if len(j["splits"]) > 3 else "")))
+            if problem_col:
+                cells.append("\n".join([f"[red]{escape(v['message'])}[/]" for v in j["violations"][:3]] +
+                                       [f"[yellow]unsupported:[/] {escape(u['reason'])}" for u in j["unsupported"][:2]] +
+                                       [f"[red]error:[/] {escape(e['reason'][:160])}" for e in j["errors"][:2]]))
+            table.add_row(*cells)
+        out.print(table)
+    summary = report.summary()
+    line = report.summary_line() or "preflight: nothing split, nothing over a device limit"
+    color = "green" if report.fits else "red"
+    out.print(f"{escape(line)}\n[{color}]{len(report.ops) - sum(not o.fits for o in report.ops)}/{len(report.ops)} "
+              f"ops fit {escape(target)}[/]" + (f", {summary['ops_unsupported']} with unsupported cases"
+                                                 if summary["ops_unsupported"] else "")
+              + (f", {summary['ops_error']} failing to compile" if summary["ops_error"] else ""), highlight=False)
+    return code
 
 
 def render_verdicts(result: dict, quiet: bool = False) -> None:
@@ -182,7 +289,8 @@ def render_matrix_run(verdicts: dict[str, dict], by_case: bool, all_rows: bool, 
     return EXIT_OK if all(s.passed for s in states) else EXIT_FINDING
 
 
-def replay_matrix(store, targets: list[str], *, token, inject, json_out, quiet, by_case, all_rows, cases, **options):
+def replay_matrix(store, targets: list[str], *, token, inject, json_out, quiet, by_case, all_rows, cases, limits=None,
+                  **options):
     """``tapml replay`` with several --target: each target in turn, then one matrix; exits."""
     from tapml.replay import replay_targets
     with progress_bar(quiet) as bar:
@@ -194,7 +302,8 @@ def replay_matrix(store, targets: list[str], *, token, inject, json_out, quiet, 
             bar.update(tasks[i], visible=True)
 
         verdicts = replay_targets(store, targets, token=token, inject=inject, on_target=start, cases=cases,
-                                  on_case=lambda v: bar.advance(current["task"]), **options)
+                                  on_case=lambda v: bar.advance(current["task"]), limits=limits,
+                                  preflight=lambda report: show_preflight(report, quiet, with_target=True), **options)
     # The matrix shows what failed where; each target adds its summary line.
     raise typer.Exit(render_matrix_run(verdicts, by_case, all_rows, quiet, json_out,
                                        lambda doc: render_verdicts(doc, quiet=True)))
@@ -223,7 +332,7 @@ def replay(store: str = typer.Argument(..., help="Carve store directory"),
                                       "bit-identical run to run is flaky (with a map of the elements that varied)"),
            guards: bool = typer.Option(False, "--guards", help="Guard the end of every buffer a kernel writes with a "
                                        "sentinel: a kernel that writes past its tensor is an error (wgpu and browser targets)"),
-           quiet: bool = QuietOpt):
+           device_limit: Optional[List[str]] = DeviceLimitOpt, quiet: bool = QuietOpt):
     """Run every carved case of STORE on TARGET and compare with the reference. With several
     --target, every case runs on every target (one after another) and one matrix shows them.
     With --baseline, cases more than --slower-than percent (and 0.05 ms) slower than the same
@@ -232,6 +341,7 @@ def replay(store: str = typer.Argument(..., help="Carve store directory"),
     from tapml.replay import replay as replay_store
     from tapml.targets import open_target, read_tokens
     targets = check_targets(target)
+    limits = check_device_limits(device_limit, targets)
     tolerances = Tolerances.parse(tol)
     token = read_tokens(token_file, token_map)
     s = open_store(store)
@@ -254,12 +364,14 @@ def replay(store: str = typer.Argument(..., help="Carve store directory"),
     if len(targets) > 1:
         replay_matrix(s, targets, token=token, inject=inject, json_out=json_out, quiet=quiet,
                       by_case=by_case, all_rows=all_rows, tolerances=tolerances, anchored=anchored, cases=cases,
-                      profile=runs, repeat=repeat, guards=guards)
+                      profile=runs, repeat=repeat, guards=guards, limits=limits)
     target = targets[0]
-    with open_target(target, token=token, inject=inject) as platform, progress_bar(quiet) as bar:
+    with open_target(target, token=token, inject=inject, limits=limits_for(target, limits)) as platform, \
+            progress_bar(quiet) as bar:
         task = bar.add_task(f"replay on {target}", total=len(cases))
         result = replay_store(s, platform, target, tolerances, anchored=anchored, cases=cases,
-                              on_case=lambda v: bar.advance(task), profile=runs, repeat=repeat, guards=guards)
+                              on_case=lambda v: bar.advance(task), profile=runs, repeat=repeat, guards=guards,
+                              preflight=lambda report: show_preflight(report, quiet))
         if old is not None and old.target != target:
             console.print(f"[yellow]note:[/] the baseline ran on {old.target}, this replay on {target}", highlight=False)
         slower = compare_with_baseline(s, platform, result, old, slower_than) if old is not None else []
