@@ -37,6 +37,10 @@ _LIMITS = ["max-storage-buffer-binding-size", "max-buffer-size", "max-storage-bu
            "max-compute-workgroup-storage-size", "max-bind-groups", "max-bindings-per-bind-group",
            "min-storage-buffer-offset-alignment"]
 _POISON = 0xFF  # every byte 0xFF: NaN for f32/f16, -1 for i32, an invalid bool for u32
+#: Outputs are poisoned from a buffer of at most this many bytes (copied chunk by chunk), and an
+#: output larger than this is read back through a staging buffer made for that read only: a
+#: program keeps no second copy of a large tensor (on a CPU adapter device memory is host memory).
+_STAGING_BYTES = 4 << 20
 #: Bytes of the guard region after each guarded buffer (enable_guards), and what fills it: a
 #: word no kernel writes by accident (0x3CC35AA5: neither poison, zero, nor a small number).
 GUARD_BYTES = 256
@@ -334,10 +338,12 @@ class _Resident:
             self.dispatches.append((pipe, group, tuple(kern.workgroups)))
         self.outputs = [n for n in dict.fromkeys(program.outputs) if n in self.buffers]
         read = wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST
-        self.readback = {n: dev.create_buffer(size=self.specs[n].size, usage=read) for n in self.outputs}
-        poison = max((self.specs[n].size for n in self.outputs if self.specs[n].role == "output"), default=0)
+        self.readback = {n: dev.create_buffer(size=self.specs[n].size, usage=read) for n in self.outputs
+                         if self.specs[n].size <= _STAGING_BYTES}
+        poison = min(_STAGING_BYTES, max((self.specs[n].size for n in self.outputs if self.specs[n].role == "output"),
+                                         default=0))
         self.poison = dev.create_buffer_with_data(data=bytes([_POISON]) * poison, usage=storage) if poison else None
-        self.nbytes += 2 * poison + sum(self.specs[n].size for n in self.outputs)
+        self.nbytes += poison + sum(b.size for b in self.readback.values())
         if self.guarded:
             self.sentinel = dev.create_buffer_with_data(data=_SENTINEL, usage=storage)
             self.snapshots = [(i, name) for i, kern in enumerate(program.kernels)
@@ -367,7 +373,9 @@ class _Resident:
         if poison and self.poison is not None:
             for n in self.outputs:
                 if self.specs[n].role == "output":
-                    encoder.copy_buffer_to_buffer(self.poison, 0, self.buffers[n], 0, self.specs[n].size)
+                    size = self.specs[n].size
+                    for at in range(0, size, self.poison.size):
+                        encoder.copy_buffer_to_buffer(self.poison, 0, self.buffers[n], at, min(self.poison.size, size - at))
         if guards:
             self._record_guarded(encoder, repeat)
         elif self.dispatches:
@@ -379,8 +387,12 @@ class _Resident:
                     cpass.dispatch_workgroups(*groups)
             cpass.end()
         if readback:
+            import wgpu
             for n in self.outputs:
                 if n not in skip:
+                    if n not in self.readback:  # a large output: staging for this read only (read_outputs drops it)
+                        self.readback[n] = self.device.create_buffer(
+                            size=self.specs[n].size, usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
                     encoder.copy_buffer_to_buffer(self.buffers[n], 0, self.readback[n], 0, self.specs[n].size)
 
     def _record_guarded(self, encoder, repeat: int) -> None:
@@ -434,6 +446,9 @@ class _Resident:
             rb.map_sync(wgpu.MapMode.READ)
             data[n] = rb.read_mapped()
             rb.unmap()
+            if rb.size > _STAGING_BYTES:
+                del self.readback[n]
+                rb.destroy()
         return [data.get(n) for n in self.program.outputs]
 
     def fence(self, encoder) -> None:

@@ -143,6 +143,11 @@ def _finite_or_none(x: float) -> float | None:
     return float(x) if math.isfinite(x) else None
 
 
+#: Elements compared at a time: the float64 temporaries of a comparison stay a few tens of MB
+#: however large the tensor (a [64000, 1024] logits or weight tensor would need GBs at once).
+CHUNK = 1 << 22
+
+
 def compare_tensor(target: torch.Tensor, ref: torch.Tensor, rtol: float | None = None,
                    atol: float | None = None, worst: int = 5) -> Comparison:
     """Compare one tensor. ``rtol``/``atol`` None means the dtype's default."""
@@ -154,56 +159,84 @@ def compare_tensor(target: torch.Tensor, ref: torch.Tensor, rtol: float | None =
     if n == 0:
         return Comparison(True, 0.0, 0.0, 0.0)
     t, r = target.detach().cpu().reshape(-1), ref.detach().cpu().reshape(-1)
-    if not (ref.dtype.is_floating_point or ref.dtype.is_complex):
-        bad = t != r
-        diff = (t.double() - r.double()).abs()
-        rel = diff / r.double().abs().clamp_min(1e-300)
-        wide = outside_i32(r)
-        if wide is None or not bool((bad & wide).any()):
-            return _result(bad, diff, rel, t, r, ref.shape, worst, "values differ (exact match required)")
-        n_wide = int((bad & wide).sum())
-        if bool((bad & ~wide).any()):
-            return _result(bad, diff, rel, t, r, ref.shape, worst, f"values differ (exact match required; "
-                           f"{n_wide} of them where the reference's int64 value lies outside the i32 range)")
-        result = _result(bad, diff, rel, t, r, ref.shape, worst, f"{INT64_OUTSIDE_I32} ({n_wide} elements)")
-        first = int(torch.nonzero(bad & wide)[0])
+    exact = not (ref.dtype.is_floating_point or ref.dtype.is_complex)
+    if not exact:
+        dflt_rtol, dflt_atol = DEFAULT_TOLERANCES.get(dtype_name(ref.dtype), DEFAULT_TOLERANCES["float32"])
+        rtol = dflt_rtol if rtol is None else rtol
+        atol = dflt_atol if atol is None else atol
+    acc = _Tally(worst)
+    for at in range(0, n, CHUNK):
+        ts, rs = t[at:at + CHUNK], r[at:at + CHUNK]
+        if exact:
+            bad = ts != rs
+            diff = (ts.double() - rs.double()).abs()
+            rel = diff / rs.double().abs().clamp_min(1e-300)
+            wide = outside_i32(rs)
+            if wide is not None:
+                acc.wide_bad += int((bad & wide).sum())
+                if acc.first_wide is None and bool((bad & wide).any()):
+                    acc.first_wide = at + int(torch.nonzero(bad & wide)[0])
+            acc.add(at, bad, diff, rel)
+            continue
+        t64, r64 = ts.double(), rs.double()
+        special_bad = (torch.isnan(t64) != torch.isnan(r64)) | (torch.isinf(t64) != torch.isinf(r64)) | \
+            (torch.isinf(r64) & (t64 != r64))
+        both_finite = torch.isfinite(t64) & torch.isfinite(r64)
+        diff = torch.where(both_finite, (t64 - r64).abs(), torch.zeros_like(t64))
+        rel = diff / r64.abs().clamp_min(1e-30)
+        bad = special_bad | (both_finite & (diff > atol + rtol * r64.abs()))
+        acc.special += int(special_bad.sum())
+        inf = torch.full_like(diff, math.inf)
+        acc.add(at, bad, torch.where(special_bad, inf, diff), rel.where(~special_bad, inf))
+    if exact:
+        n_wide = acc.wide_bad
+        if not n_wide:
+            return acc.result(t, r, ref.shape, "values differ (exact match required)")
+        if acc.bad > n_wide:
+            return acc.result(t, r, ref.shape, f"values differ (exact match required; "
+                              f"{n_wide} of them where the reference's int64 value lies outside the i32 range)")
+        result = acc.result(t, r, ref.shape, f"{INT64_OUTSIDE_I32} ({n_wide} elements)")
+        first = acc.first_wide
         index = [int(x) for x in torch.unravel_index(torch.tensor(first), tuple(ref.shape))] if ref.shape else []
         result.unsupported = (f"{INT64_OUTSIDE_I32}: the reference holds {int(r[first])} at {index} "
                               f"({n_wide} such elements differ; i32 holds [{I32_RANGE[0]}, {I32_RANGE[1]}])")
         return result
-
-    dflt_rtol, dflt_atol = DEFAULT_TOLERANCES.get(dtype_name(ref.dtype), DEFAULT_TOLERANCES["float32"])
-    rtol = dflt_rtol if rtol is None else rtol
-    atol = dflt_atol if atol is None else atol
-    t64, r64 = t.double(), r.double()
-    t_nan, r_nan = torch.isnan(t64), torch.isnan(r64)
-    t_inf, r_inf = torch.isinf(t64), torch.isinf(r64)
-    special_bad = (t_nan != r_nan) | (t_inf != r_inf) | (r_inf & (t64 != r64))
-    both_finite = torch.isfinite(t64) & torch.isfinite(r64)
-    diff = torch.where(both_finite, (t64 - r64).abs(), torch.zeros_like(t64))
-    rel = diff / r64.abs().clamp_min(1e-30)
-    bad = special_bad | (both_finite & (diff > atol + rtol * r64.abs()))
-    diff = torch.where(special_bad, torch.full_like(diff, math.inf), diff)
     msg = f"values exceed rtol={rtol:g} atol={atol:g}"
-    if special_bad.any():
-        msg += f"; NaN/Inf differ at {int(special_bad.sum())} positions"
-    return _result(bad, diff, rel.where(~special_bad, torch.full_like(rel, math.inf)), t, r, ref.shape, worst, msg)
+    if acc.special:
+        msg += f"; NaN/Inf differ at {acc.special} positions"
+    return acc.result(t, r, ref.shape, msg)
 
 
-def _result(bad, diff, rel, t, r, shape, worst: int, msg: str) -> Comparison:
-    n_bad = int(bad.sum())
-    fraction = n_bad / bad.numel()
-    worst_list = []
-    if n_bad and worst:
-        score = torch.where(bad, diff, torch.full_like(diff, -1.0))
-        idx = torch.topk(score, min(worst, n_bad)).indices
-        for i in idx.tolist():
+class _Tally:
+    """What a comparison keeps of each chunk: counts, largest errors, the worst candidates."""
+
+    def __init__(self, worst: int):
+        self.worst, self.n, self.bad, self.special, self.wide_bad = worst, 0, 0, 0, 0
+        self.first_wide: int | None = None
+        self.max_abs = self.max_rel = -math.inf
+        self.candidates: list[tuple[float, int]] = []  # (error, flat index) of mismatching elements
+
+    def add(self, at: int, bad: torch.Tensor, diff: torch.Tensor, rel: torch.Tensor) -> None:
+        n_bad = int(bad.sum())
+        self.n += bad.numel()
+        self.bad += n_bad
+        self.max_abs = max(self.max_abs, float(diff.max()))
+        self.max_rel = max(self.max_rel, float(rel.max()))
+        if n_bad and self.worst:
+            score = torch.where(bad, diff, torch.full_like(diff, -1.0))
+            top = torch.topk(score, min(self.worst, n_bad))
+            self.candidates.extend((v, at + i) for v, i in zip(top.values.tolist(), top.indices.tolist()))
+            self.candidates = sorted(self.candidates, key=lambda c: -c[0])[:self.worst]
+
+    def result(self, t, r, shape, msg: str) -> Comparison:
+        worst_list = []
+        for _, i in self.candidates:
             index = [int(x) for x in torch.unravel_index(torch.tensor(i), tuple(shape))] if shape else []
             worst_list.append({"index": index, "target": _py(t[i]), "reference": _py(r[i])})
-    return Comparison(passed=n_bad == 0, max_abs_err=_finite_or_none(float(diff.max())),
-                      max_rel_err=_finite_or_none(float(rel.max())), mismatch_fraction=fraction,
-                      message="" if n_bad == 0 else f"{n_bad}/{bad.numel()} elements mismatch: {msg}",
-                      worst=worst_list)
+        return Comparison(passed=self.bad == 0, max_abs_err=_finite_or_none(self.max_abs),
+                          max_rel_err=_finite_or_none(self.max_rel), mismatch_fraction=self.bad / self.n,
+                          message="" if self.bad == 0 else f"{self.bad}/{self.n} elements mismatch: {msg}",
+                          worst=worst_list)
 
 
 def _py(x: torch.Tensor):

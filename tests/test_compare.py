@@ -100,3 +100,20 @@ def test_low_precision_against_float32_scales_atol_to_the_tensor():
     assert Tolerances().against_float32(None, "bfloat16", expected) == (2e-2, 2.0)
     override = Tolerances.parse(["aten.mm=1e-4,1e-5"])
     assert override.against_float32("aten.mm.default", "float16", expected) == (1e-4, 1e-5)
+
+
+def test_large_tensors_are_compared_in_chunks_with_the_same_result():
+    from tapml.compare import CHUNK
+    ref = torch.rand(2 * CHUNK + 6) + 1
+    got = ref.clone()
+    got[CHUNK + 7] += 1.0          # second chunk: the worst
+    got[2 * CHUNK + 1] += 0.5      # last, partial chunk
+    got[3] = float("nan")          # first chunk: NaN where the reference is finite
+    res = compare_tensor(got.reshape(2, -1)[:, :], ref.reshape(2, -1))
+    assert not res.passed and res.message.startswith(f"3/{ref.numel()} elements mismatch")
+    assert "NaN/Inf differ at 1 positions" in res.message
+    flat = [i[0] * (ref.numel() // 2) + i[1] for i in (w["index"] for w in res.worst)]
+    assert flat == [3, CHUNK + 7, 2 * CHUNK + 1]  # NaN first (an infinite error), then by size
+    assert res.max_abs_err is None  # the NaN makes the largest error infinite
+    ok = compare_tensor(ref.clone(), ref)
+    assert ok.passed and ok.max_abs_err == 0.0 and ok.mismatch_fraction == 0.0
