@@ -329,7 +329,7 @@ def _copy_store(store, src: Path, data: Path) -> None:
     if data.exists():
         shutil.rmtree(data)
     (data / "shards").mkdir(parents=True)
-    for shard in sorted({i["shard"] for i in store.tensor_index.values()}):
+    for shard in sorted({i["shard"] for i in store.tensor_index.values() if "shard" in i}):
         shutil.copy2(src / shard, data / shard)
     shutil.copy2(src / "manifest.json", data / "manifest.json")
 

@@ -3,13 +3,23 @@
 Written incrementally by :class:`CarveStoreWriter` (tensors are flushed to a new shard every
 ``shard_bytes``, so a store never sits whole in memory) and read lazily by :class:`CarveStore`,
 which validates the manifest and every shard header on open. No pickle anywhere.
+
+A tensor is stored once: one that is the same memory as a tensor already written (a parameter
+that is also a case's input, a view such as ``permute`` or ``view`` of it) or, when small, the
+same bytes, is an *alias* in the index, ``{"alias": NAME, "shape", "dtype"}``, with ``"view":
+{"offset", "stride"}`` (in elements) when it is a strided view of NAME's elements. An alias
+names a stored tensor, never another alias.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import mmap
+import os
 import struct
+import weakref
 from pathlib import Path
 
 import torch
@@ -31,6 +41,10 @@ _ST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": 
               "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "complex64": "C64"}
 #: Bytes reserved for a shard's safetensors header; a shard closes early when its header would not fit.
 HEADER_RESERVE = 64 << 10
+#: Tensors of at most this many bytes are also stored once by content (a hash of their bytes).
+CONTENT_DEDUP_BYTES = 1 << 20
+#: Tensors of at least this many bytes are read memory-mapped (copy-on-write), smaller ones copied.
+MMAP_MIN_BYTES = 1 << 20
 
 
 class CarveStoreWriter:
@@ -40,6 +54,13 @@ class CarveStoreWriter:
     later in-place change cannot reach the store and memory stays flat); the shard's header is
     written into space reserved at its start (padded with spaces, as the format allows) when
     the shard reaches ``shard_bytes`` or the writer closes.
+
+    A tensor put while an earlier one that shares its memory is still alive and unmodified (same
+    storage, same ``_version``) is written as an alias of it (a view when its shape, strides or
+    offset differ); a tensor of at most :data:`CONTENT_DEDUP_BYTES` with the bytes, shape and
+    dtype of one already written is an alias too. The earlier tensor is only weakly referenced:
+    once it is freed its memory may be reused, and nothing aliases it any more.
+    ``aliases`` and ``alias_bytes`` count what was not written.
     """
 
     def __init__(self, path: str | Path, shard_bytes: int = 64 << 20):
@@ -55,17 +76,37 @@ class CarveStoreWriter:
         self._shard = 0
         self.bytes_written = 0
         self.peak_pending_bytes = 0
+        self.aliases = 0
+        self.alias_bytes = 0
+        # (device, storage address) -> [(weakref to the tensor put, its _version, name, offset, numel)]
+        self._live: dict[tuple, list[tuple]] = {}
+        self._by_content: dict[tuple, str] = {}
 
     def put(self, name: str, tensor: torch.Tensor) -> str:
-        """Write a tensor under ``name`` into the open shard; returns the name."""
+        """Write a tensor under ``name`` into the open shard, or an alias of one already
+        written with the same memory or bytes; returns the name."""
         if name in self.tensors or name in self._pending:
             raise ValueError(f"tensor {name!r} written twice")
-        t = tensor.detach().to("cpu").contiguous()
-        meta = TensorMeta.of(t)
+        meta = TensorMeta.of(tensor)
         code = _ST_DTYPES.get(meta.dtype)
         if code is None:
             raise ValueError(f"tensor {name!r}: a store cannot hold dtype {meta.dtype}")
-        nbytes = t.numel() * t.element_size()
+        alias, digest = self._same_memory(tensor), None
+        if alias is None:
+            t = tensor.detach().to("cpu").contiguous()
+            nbytes = t.numel() * t.element_size()
+            if 0 < nbytes <= CONTENT_DEDUP_BYTES:
+                digest = (meta.dtype, meta.shape, hashlib.blake2b(
+                    memoryview(t.reshape(-1).view(torch.uint8).numpy()), digest_size=32).digest())
+                if digest in self._by_content:
+                    alias = (self._by_content[digest], None)
+        if alias is not None:
+            target, view = alias
+            self.tensors[name] = {"alias": target, "shape": list(meta.shape), "dtype": meta.dtype,
+                                  **({"view": view} if view else {})}
+            self.aliases += 1
+            self.alias_bytes += meta.nbytes
+            return name
         entry = {"dtype": code, "shape": list(meta.shape), "data_offsets": [self._pending_bytes, self._pending_bytes + nbytes]}
         size = len(json.dumps({name: entry}, separators=(",", ":")))
         if self._file is not None and (self._header_bytes + size + 32 > HEADER_RESERVE):
@@ -83,9 +124,38 @@ class CarveStoreWriter:
         self._header_bytes += size
         self._pending_bytes += nbytes
         self.peak_pending_bytes = max(self.peak_pending_bytes, self._pending_bytes)
+        if digest is not None:
+            self._by_content[digest] = name
+        if nbytes and tensor.is_contiguous():
+            key = (str(tensor.device), tensor.untyped_storage().data_ptr())
+            self._live.setdefault(key, []).append(
+                (weakref.ref(tensor), tensor._version, name, tensor.storage_offset(), tensor.numel()))
         if self._pending_bytes >= self.shard_bytes:
             self.flush()
         return name
+
+    def _same_memory(self, tensor: torch.Tensor) -> tuple[str, dict | None] | None:
+        """``(name, view)`` of a written tensor, still alive and unmodified, whose elements
+        ``tensor`` reads (``view`` None when it is that tensor exactly), else None."""
+        if tensor.numel() == 0:
+            return None
+        entries = self._live.get((str(tensor.device), tensor.untyped_storage().data_ptr()))
+        for entry in list(entries or ()):
+            ref, version, name, offset, numel = entry
+            base = ref()
+            if base is None or base._version != version:  # freed (its memory may be reused) or written
+                entries.remove(entry)
+                continue
+            if base.dtype != tensor.dtype or tensor._version != version:
+                continue
+            start = tensor.storage_offset() - offset
+            last = start + sum((d - 1) * s for d, s in zip(tensor.shape, tensor.stride()))
+            if start < 0 or last >= numel or any(s < 0 for s in tensor.stride()):
+                continue
+            if start == 0 and tensor.shape == base.shape and tensor.is_contiguous():
+                return name, None
+            return name, {"offset": start, "stride": list(tensor.stride())}
+        return None
 
     def flush(self) -> None:
         """Close the open shard: write its header into the reserved space."""
@@ -112,9 +182,9 @@ class CarveStoreWriter:
                                                  "tensors": self.tensors})
 
 
-def _check_shard(path: Path) -> dict:
+def _check_shard(path: Path) -> tuple[dict, int]:
     """Parse a safetensors header and check the file holds every byte it declares, each entry
-    exactly as many bytes as its dtype and shape need."""
+    exactly as many bytes as its dtype and shape need. Returns the header and where the data starts."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
@@ -148,7 +218,20 @@ def _check_shard(path: Path) -> dict:
     if 8 + n + end != size:
         raise TapmlError(f"shard {path} is {size} bytes but its header needs {8 + n + end}; "
                          "it is truncated or corrupt — carve the model again")
-    return header
+    return header, 8 + n
+
+
+def _read_at(fd: int, pos: int, nbytes: int) -> bytearray:
+    """``nbytes`` bytes of the open file ``fd`` from ``pos`` into a new buffer."""
+    buf = bytearray(nbytes)
+    view, done = memoryview(buf), 0
+    os.lseek(fd, pos, os.SEEK_SET)
+    while done < nbytes:
+        n = os.readv(fd, [view[done:]])
+        if n <= 0:
+            raise OSError("the shard is shorter than its header says")
+        done += n
+    return buf
 
 
 _DTYPE_OF_CODE = {v: k for k, v in _ST_DTYPES.items()}
@@ -167,7 +250,10 @@ def _check_tensor_index(index) -> dict[str, dict]:
         raise ValueError("field 'tensors' must be an object")
     for name, info in index.items():
         where = f"tensors[{name[:60]!r}]"
-        if not (isinstance(info, dict) and isinstance(info.get("shard"), str) and 0 < len(info["shard"]) <= 4096):
+        if isinstance(info, dict) and "alias" in info:
+            if "shard" in info:
+                raise ValueError(f"{where}: a tensor has a 'shard' or an 'alias', not both")
+        elif not (isinstance(info, dict) and isinstance(info.get("shard"), str) and 0 < len(info["shard"]) <= 4096):
             raise ValueError(f"{where}: field 'shard' must be a path inside the store")
         try:
             TensorMeta.from_json(info)
@@ -175,7 +261,41 @@ def _check_tensor_index(index) -> dict[str, dict]:
             raise ValueError(f"{where}: {e}") from None
         if info["dtype"] not in _ST_DTYPES:
             raise ValueError(f"{where}: field 'dtype' {info['dtype']!r} is no dtype a store holds")
+    for name, info in index.items():
+        if "alias" in info:
+            _check_alias(name, info, index)
     return index
+
+
+def _check_alias(name: str, info: dict, index: dict) -> None:
+    """An alias names a tensor stored in a shard (no chains, so no cycles) of its dtype, and
+    reads only that tensor's elements: the same shape, or a ``view`` inside it."""
+    where = f"tensors[{name[:60]!r}]"
+    target = info["alias"]
+    stored = index.get(target) if isinstance(target, str) else None
+    if stored is None:
+        raise ValueError(f"{where}: field 'alias' {str(target)[:60]!r} names no tensor of the store")
+    if "shard" not in stored:
+        raise ValueError(f"{where}: its alias {target[:60]!r} is an alias itself; an alias must name a stored "
+                         "tensor (no chains or cycles)")
+    if stored["dtype"] != info["dtype"]:
+        raise ValueError(f"{where}: dtype {info['dtype']} differs from its alias {target[:60]!r} ({stored['dtype']})")
+    view = info.get("view")
+    if view is None:
+        if list(stored["shape"]) != list(info["shape"]):
+            raise ValueError(f"{where}: shape {info['shape']} differs from its alias {target[:60]!r} "
+                             f"({stored['shape']}) and no 'view' says how to read it")
+        return
+    shape = info["shape"]
+    if not (isinstance(view, dict) and set(view) == {"offset", "stride"} and type(view["offset"]) is int
+            and isinstance(view["stride"], list) and len(view["stride"]) == len(shape)
+            and all(type(x) is int and 0 <= x < 1 << 48 for x in view["stride"]) and 0 <= view["offset"] < 1 << 48):
+        raise ValueError(f"{where}: field 'view' must be {{'offset': int, 'stride': [int per dimension]}} "
+                         "with non-negative values")
+    last = view["offset"] + sum((d - 1) * s for d, s in zip(shape, view["stride"]))
+    if math.prod(shape) and last >= math.prod(stored["shape"]):
+        raise ValueError(f"{where}: its view reads element {last} of {target[:60]!r}, which has "
+                         f"{math.prod(stored['shape'])}")
 
 
 def _check_case(case, index: dict, node_names: set[str]) -> None:
@@ -421,8 +541,8 @@ class CarveStore:
         self.graph = Graph(inputs=graphs["prefill"].inputs, nodes=graphs["prefill"].nodes,
                            outputs=graphs["prefill"].outputs)
         self._by_id = {c["id"]: c for c in self.cases}
-        self._headers, self._shard_paths = {}, {}
-        for shard in sorted({info["shard"] for info in self.tensor_index.values()}):
+        self._headers, self._shard_paths, self._data_start = {}, {}, {}
+        for shard in sorted({info["shard"] for info in self.tensor_index.values() if "shard" in info}):
             try:
                 shard_path = (self.path / shard).resolve()
             except (OSError, RuntimeError, ValueError):
@@ -432,15 +552,16 @@ class CarveStore:
                                  f"resolves to {shard_path} (links included); refusing to read it")
             if not shard_path.is_file():
                 raise TapmlError(f"store {path} is missing shard {shard[:80]}; carve the model again")
-            self._headers[shard] = _check_shard(shard_path)
+            self._headers[shard], self._data_start[shard] = _check_shard(shard_path)
             self._shard_paths[shard] = shard_path
         for name, info in self.tensor_index.items():
+            if "alias" in info:
+                continue
             entry = self._headers[info["shard"]].get(name)
             if (not isinstance(entry, dict) or list(entry.get("shape", [])) != list(info["shape"])
                     or entry.get("dtype") != _ST_DTYPES[info["dtype"]]):
                 raise TapmlError(f"tensor {name[:60]!r} is missing from {info['shard'][:80]} or has another shape "
                                  "or dtype; the store is corrupt")
-        self._open: dict[str, object] = {}
 
     @property
     def model(self) -> str:
@@ -456,17 +577,39 @@ class CarveStore:
         return self._by_id[case_id]
 
     def tensor(self, name: str) -> torch.Tensor:
-        """Load one tensor by name (shards are memory-mapped lazily)."""
-        from safetensors import SafetensorError, safe_open
+        """Load one tensor by name. A large tensor is memory-mapped from its shard (copy-on-write:
+        changing it never reaches the file), a small one read; an alias is its stored tensor, or
+        a contiguous copy of the view of it that the index records."""
         info = self.tensor_index.get(name)
         if info is None:
             raise TapmlError(f"tensor {name!r} is not in store {self.path}")
+        if "alias" not in info:
+            return self._stored(name, info)
+        base = self._stored(info["alias"], self.tensor_index[info["alias"]])
+        view = info.get("view")
+        if view is None:
+            return base
+        return torch.as_strided(base, info["shape"], view["stride"], base.storage_offset() + view["offset"]).contiguous()
+
+    def _stored(self, name: str, info: dict) -> torch.Tensor:
         shard = info["shard"]
+        start, stop = self._headers[shard][name]["data_offsets"]
+        dtype, shape = torch_dtype(info["dtype"]), info["shape"]
+        if stop == start:
+            return torch.empty(shape, dtype=dtype)
+        pos, nbytes = self._data_start[shard] + start, stop - start
         try:
-            if shard not in self._open:
-                self._open[shard] = safe_open(str(self._shard_paths[shard]), framework="pt")
-            return self._open[shard].get_tensor(name)
-        except (SafetensorError, OSError, RuntimeError) as e:
+            fd = os.open(self._shard_paths[shard], os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            try:
+                if nbytes >= MMAP_MIN_BYTES and pos % dtype.itemsize == 0:
+                    lead = pos % mmap.ALLOCATIONGRANULARITY
+                    buf = mmap.mmap(fd, lead + nbytes, offset=pos - lead, access=mmap.ACCESS_COPY)
+                else:
+                    lead, buf = 0, _read_at(fd, pos, nbytes)
+            finally:
+                os.close(fd)
+            return torch.frombuffer(buf, dtype=dtype, offset=lead, count=math.prod(shape)).reshape(shape)
+        except (OSError, ValueError, RuntimeError) as e:
             raise TapmlError(f"reading {name!r} from {shard} failed ({e}); the store is corrupt") from None
 
     def case_graph(self, case: dict) -> Graph:

@@ -20,7 +20,9 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -447,12 +449,10 @@ def carve_model_figure(spec: str, out: Path, dtype: str = "float32") -> dict:
 
 def migrate_figure(spec: str, target: str, workdir: Path, token: str | None = None, timeout: float = 600,
                    hf_config: dict | None = None, dtype: str = "float32") -> dict:
-    """Wall time of ``tapml migrate SPEC -t TARGET`` in a fresh process, exactly as a user runs
-    it (interpreter start, imports, carving, opening the device and every stage), with the
-    outcome read from its state file. ``hf_config`` goes to ``--hf-config`` for an ``hf:`` spec,
+    """Wall time and peak RSS of ``tapml migrate SPEC -t TARGET`` in a fresh process, exactly as
+    a user runs it (interpreter start, imports, carving, opening the device and every stage), with
+    the outcome read from its state file. ``hf_config`` goes to ``--hf-config`` for an ``hf:`` spec,
     ``dtype`` to ``--dtype``."""
-    import subprocess
-    import sys
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     state_path = workdir / "state.json"
@@ -464,19 +464,224 @@ def migrate_figure(spec: str, target: str, workdir: Path, token: str | None = No
         cmd += [arg for k, v in hf_config.items() for arg in ("--hf-config", f"{k}={json.dumps(v)}")]
     if dtype != "float32":
         cmd += ["--dtype", dtype]
-    start = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"s": round(time.perf_counter() - start, 3), "passed": False, "error": f"timed out after {timeout:g} s"}
-    seconds = round(time.perf_counter() - start, 3)
-    if proc.returncode not in (0, 1) or not state_path.is_file():
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"s": seconds, "passed": False, "error": f"exit {proc.returncode}: {tail}"}
+    run = run_child(cmd, timeout, env)
+    seconds, peak = round(run["s"], 3), run["peak_rss_bytes"]
+    if run["returncode"] is None:
+        return {"s": seconds, "peak_rss_bytes": peak, "passed": False, "error": f"timed out after {timeout:g} s"}
+    if run["returncode"] not in (0, 1) or not state_path.is_file():
+        return {"s": seconds, "peak_rss_bytes": peak, "passed": False,
+                "error": f"exit {run['returncode']}: {run['tail']}"}
     from tapml.verdict import MigrationState
     state = MigrationState.read(state_path, what="migration state", strict=True)
-    return {"s": seconds, "passed": state.passed, "cases": len(state.cases),
+    return {"s": seconds, "peak_rss_bytes": peak, "passed": state.passed, "cases": len(state.cases),
             "ops_share": state.placement["ops_share"], "culprits": len(state.culprits)}
+
+
+# --- scale: time to a verdict of a sized model ----------------------------------------------
+
+#: The sized model ``tapml bench scale`` (and ``tapml bench --scale``) carves and migrates unless told.
+SCALE_MODEL = "hf:llama"
+SCALE_CONFIG = {"hidden_size": 1024, "num_hidden_layers": 4, "intermediate_size": 2816, "vocab_size": 64000}
+#: Kinds of work a migration's time is split into (``other``: the rest of the processes' wall time).
+SCALE_SHARES = ("export", "carving", "compile", "device", "compare", "reference", "other")
+
+
+class StageClock:
+    """Seconds per kind of work, added up over a run by the code doing it: ``compile`` and
+    ``device`` (:class:`TimedPlatform`), ``compare`` and ``reference`` (replay, regions, migrate
+    take a ``clock=``). Example::
+
+        clock = StageClock()
+        with clock.measure("compare"):
+            ...
+        clock.seconds  # {"compare": 0.012}
+    """
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def measure(self, kind: str):
+        """Add the seconds of the ``with`` block to ``kind``."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[kind] = self.seconds.get(kind, 0.0) + time.perf_counter() - start
+
+
+class TimedPlatform:
+    """``platform`` with the seconds of its ``compile`` (lowering and shader compilation) and
+    ``run`` (upload, dispatch, the wait for the device and the readback) added to ``clock`` as
+    ``compile`` and ``device``; everything else is the platform's own."""
+
+    def __init__(self, platform, clock: StageClock):
+        self.inner = platform
+        self.clock = clock
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def compile(self, graph):
+        with self.clock.measure("compile"):
+            return self.inner.compile(graph)
+
+    def run(self, program, inputs, keep=()):
+        with self.clock.measure("device"):
+            return self.inner.run(program, inputs, keep)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far, in bytes."""
+    import resource
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def param_bytes(store) -> int:
+    """Bytes of a store's parameters, buffers and constants (its model's weights)."""
+    from tapml.graph import TensorMeta
+    return sum(TensorMeta.from_json(store.tensor_index[info["tensor"]]).nbytes
+               for info in store.manifest["program_inputs"].values() if info["kind"] != "input")
+
+
+def _carve_child(args: dict) -> dict:
+    from tapml.carving import CarveStore, carve
+    info = carve(args["spec"], args["store"], hf_config=args.get("hf_config") or None, dtype=args.get("dtype", "float32"))
+    store = CarveStore(args["store"])
+    return {"export_s": info["export_s"], "carve_s": info["carve_s"], "store_bytes": info["bytes"],
+            "cases": info["cases"], "nodes": info["nodes"], "param_bytes": param_bytes(store),
+            "aliases": sum("alias" in t for t in store.tensor_index.values())}
+
+
+def _migrate_child(args: dict) -> dict:
+    from tapml.carving import CarveStore
+    from tapml.migrate import Migration
+    from tapml.targets import open_target
+    started = time.perf_counter()
+    store = CarveStore(args["store"])
+    clock, marks = StageClock(), []
+
+    def on_event(kind: str, data: dict) -> None:
+        if kind == "stage":
+            marks.append((data["stage"], time.perf_counter(), peak_rss_bytes()))
+    with open_target(args["target"], token=args.get("token")) as platform:
+        state = Migration(store, TimedPlatform(platform, clock), args["target"], args["state"], on_event=on_event,
+                          clock=clock).run()
+    marks.append(("end", time.perf_counter(), peak_rss_bytes()))
+    stages = {}
+    for (name, start, _), (_, end, peak) in zip(marks, marks[1:]):
+        stage = stages.setdefault(name, {"s": 0.0, "peak_rss_bytes": 0})
+        stage["s"] += end - start
+        stage["peak_rss_bytes"] = max(stage["peak_rss_bytes"], peak)
+    return {"setup_s": marks[0][1] - started if len(marks) > 1 else None, "stages": stages,
+            "seconds": clock.seconds, "passed": state["passed"],
+            "ops_share": state["placement"]["ops_share"], "flops_share": state["placement"]["flops_share"],
+            "culprits": len(state["culprits"])}
+
+
+def run_child(argv: list[str], timeout: float, env: dict | None = None,
+              guard: Callable[[], str | None] | None = None) -> dict:
+    """Run ``argv`` in a child process (output to a temporary file); returns its ``returncode``
+    (None when killed at ``timeout``, or when ``guard()``, polled while it runs, returned a
+    reason: then ``killed``), wall seconds ``s``, ``peak_rss_bytes`` (the child's own, from
+    ``wait4``) and the last line of its output (``tail``)."""
+    import subprocess
+    import tempfile
+    with tempfile.TemporaryFile() as log:
+        start = time.perf_counter()
+        proc = subprocess.Popen(argv, stdout=log, stderr=log, env=env)
+        code = usage = killed = None
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                code = os.waitstatus_to_exitcode(status)
+                break
+            killed = f"timed out after {timeout:g} s" if time.perf_counter() - start > timeout else \
+                (guard() if guard else None)
+            if killed:
+                proc.kill()
+                _, _, usage = os.wait4(proc.pid, 0)
+                break
+            time.sleep(0.05)
+        proc.returncode = code if code is not None else -9  # reaped here: Popen must not wait again
+        seconds = time.perf_counter() - start
+        log.seek(0)
+        lines = log.read().decode(errors="replace").strip().splitlines()
+    peak = usage.ru_maxrss if sys.platform == "darwin" else usage.ru_maxrss * 1024
+    return {"returncode": code, "s": seconds, "peak_rss_bytes": peak, "tail": lines[-1] if lines else "no output",
+            **({"killed": killed} if killed else {})}
+
+
+def _child(action: str, args: dict, timeout: float, workdir: Path, guard=None) -> dict:
+    """:func:`_carve_child` or :func:`_migrate_child` in a fresh ``python -m tapml.bench`` process."""
+    out = workdir / f"{action}.json"
+    out.unlink(missing_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "TAPML_TOKEN"}
+    run = run_child([sys.executable, "-m", "tapml.bench", action, json.dumps(args), str(out)], timeout, env, guard)
+    if run["returncode"] != 0 or not out.is_file():
+        why = run.get("killed") or f"exit {run['returncode']}: {run['tail']}"
+        return {**run, "error": f"{action}: {why}"}
+    return {**run, **json.loads(out.read_text())}
+
+
+def scale_figure(spec: str = SCALE_MODEL, target: str = "wgpu", workdir: str | Path | None = None, *,
+                 hf_config: dict | None = None, dtype: str = "float32", token: str | None = None,
+                 timeout: float = 1800, guard: Callable[[], str | None] | None = None) -> dict:
+    """Time to a verdict of a sized model: ``spec`` (with ``hf_config``, default
+    :data:`SCALE_CONFIG` for :data:`SCALE_MODEL`) carved in one fresh process and migrated to
+    ``target`` in another, each measured from outside (wall time, peak RSS from ``wait4``).
+
+    Returns ``wall_s`` (both processes, interpreter start and imports included),
+    ``peak_rss_bytes`` and its ratio to the model's parameter bytes, ``seconds`` and ``shares``
+    of the wall time by kind of work (:data:`SCALE_SHARES`: ``export``, ``carving``,
+    ``compile``, ``device``, ``compare``, ``reference``, ``other``), the migration's stages
+    (``op``, ``region``, ``model``: seconds and peak RSS at their end), the outcome
+    (``passed``, ``ops_share``, ``flops_share``) and the 1-minute load average before and after.
+    ``guard`` (see :func:`run_child`) may stop a child that endangers the machine.
+    Example: ``scale_figure("hf:llama", "wgpu:vulkan", "/tmp/scale")["shares"]["device"]``.
+    """
+    import tempfile
+    if hf_config is None:
+        hf_config = dict(SCALE_CONFIG) if spec == SCALE_MODEL else {}
+    own = workdir is None
+    root = Path(tempfile.mkdtemp(prefix="tapml-scale-")) if own else Path(workdir)
+    root.mkdir(parents=True, exist_ok=True)
+    store = root / "store"
+    shutil.rmtree(store, ignore_errors=True)
+    row = {"model": spec, "hf_config": hf_config, "target": target, "dtype": dtype,
+           "load_avg": [round(os.getloadavg()[0], 2)]}
+    try:
+        carved = _child("carve", {"spec": spec, "store": str(store), "hf_config": hf_config, "dtype": dtype},
+                        timeout, root, guard)
+        row["carve"] = carved
+        if "error" in carved:
+            return {**row, "error": carved["error"]}
+        row["load_avg"].append(round(os.getloadavg()[0], 2))
+        state = root / "state.json"
+        for stale in (state, state.with_name(state.name + ".journal")):
+            stale.unlink(missing_ok=True)
+        migrated = _child("migrate", {"store": str(store), "target": target, "state": str(state), "token": token},
+                          timeout, root, guard)
+        row["migrate"] = migrated
+        row["load_avg"].append(round(os.getloadavg()[0], 2))
+    finally:
+        if own:
+            shutil.rmtree(root, ignore_errors=True)
+    if "error" in migrated:
+        return {**row, "error": migrated["error"]}
+    wall = carved["s"] + migrated["s"]
+    seconds = {"export": carved["export_s"], "carving": carved["carve_s"],
+               **{k: migrated["seconds"].get(k, 0.0) for k in ("compile", "device", "compare", "reference")}}
+    seconds["other"] = max(0.0, wall - sum(seconds.values()))
+    peak = max(carved["peak_rss_bytes"], migrated["peak_rss_bytes"])
+    return {**row, "wall_s": round(wall, 3), "peak_rss_bytes": peak, "param_bytes": carved["param_bytes"],
+            "store_bytes": carved["store_bytes"], "peak_rss_vs_params": _ratio(peak, carved["param_bytes"]),
+            "seconds": {k: round(v, 3) for k, v in seconds.items()},
+            "shares": {k: round(v / wall, 4) for k, v in seconds.items()},
+            "stages": {k: {"s": round(v["s"], 3), "peak_rss_bytes": v["peak_rss_bytes"]}
+                       for k, v in migrated["stages"].items()},
+            "passed": migrated["passed"], "ops_share": migrated["ops_share"], "flops_share": migrated["flops_share"]}
 
 
 # --- the suite -----------------------------------------------------------------------------
@@ -524,8 +729,9 @@ def check_models(models: tuple[str, ...] = (), generation_model: str = GENERATIO
 def run_suite(target: str = "wgpu", *, quick: bool = False, token: str | None = None,
               workdir: str | Path | None = None, models: tuple[str, ...] | None = None,
               generation_model: str = GENERATION_MODEL, hf_config: dict | None = None,
-              on_step: Callable[[str], None] | None = None, dtype: str = "float32") -> dict:
+              on_step: Callable[[str], None] | None = None, dtype: str = "float32", scale: bool = False) -> dict:
     """Run every benchmark against ``target`` and return the report (see ``tapml bench``).
+    ``scale``: also :func:`scale_figure` of the sized :data:`SCALE_MODEL` (``report["scale"]``).
 
     ``quick`` shrinks repetitions, the carving payload, the transport payload, the generation
     (2 vs 8 tokens) and migrates only ``zoo:mlp`` (a smoke run, figures not meant to be
@@ -582,6 +788,10 @@ def run_suite(target: str = "wgpu", *, quick: bool = False, token: str | None = 
                 step(f"migrating {spec}")
                 report["migrate"][spec] = migrate_figure(spec, target, root / "migrate" / _dir_name(spec),
                                                          token=token, hf_config=hf_config, dtype=dtype)
+            report["scale"] = None
+            if scale:
+                step(f"carving and migrating the sized {SCALE_MODEL} {SCALE_CONFIG} (time to a verdict)")
+                report["scale"] = scale_figure(SCALE_MODEL, target, root / "scale", dtype=dtype, token=token)
             report["transport"] = None
             if target.startswith("remote://"):
                 step("transport vs plain socket")
@@ -631,7 +841,11 @@ def ratios(report: dict) -> dict:
         "migrate_max_s": max((m["s"] for m in migrate.values()), default=None),
         "generation_decode_vs_torch": report.get("generation", {}).get("ratios", {}).get("decode"),
         "generation_prefill_vs_torch": report.get("generation", {}).get("ratios", {}).get("prefill"),
+        "migrate_peak_rss_mb": {spec: m.get("peak_rss_bytes", 0) >> 20 for spec, m in migrate.items()},
     }
+    sc = report.get("scale")
+    if sc and not sc.get("error"):
+        out.update(scale_wall_s=sc["wall_s"], scale_peak_rss_vs_params=sc["peak_rss_vs_params"])
     for r in report.get("matmul", []):
         if r["op"] == "bmm":
             out[f"bmm_{r['n']}_vs_torch"] = r.get("ratio")
@@ -646,4 +860,24 @@ def ratios(report: dict) -> dict:
 __all__ = ["run_suite", "ratios", "GOALS", "matmul_figure", "matmul_figures", "dispatch_figures", "e2e_figure",
            "carve_write_figure", "carve_model_figure", "autotune_figure", "migrate_figure", "transport_figure", "best_of",
            "device_seconds", "matmul_graph", "chain_graph", "tensor_mix", "torch_eager_ms", "generation_figure",
-           "check_models", "GENERATION_MODEL", "GENERATION_TOKENS", "GENERATION_PROMPT_LEN"]
+           "check_models", "GENERATION_MODEL", "GENERATION_TOKENS", "GENERATION_PROMPT_LEN", "scale_figure",
+           "StageClock", "TimedPlatform", "run_child", "peak_rss_bytes", "param_bytes", "SCALE_MODEL", "SCALE_CONFIG",
+           "SCALE_SHARES"]
+
+
+def _child_main(argv: list[str]) -> int:
+    """``python -m tapml.bench carve|migrate ARGS_JSON OUT``: one measured child of
+    :func:`scale_figure`. Exit 2 with the message as its last line for bad input (TapmlError)."""
+    from tapml.errors import TapmlError
+    action, args, out = argv
+    try:
+        result = {"carve": _carve_child, "migrate": _migrate_child}[action](json.loads(args))
+    except TapmlError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    Path(out).write_text(json.dumps({**result, "peak_rss_self_bytes": peak_rss_bytes()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main(sys.argv[1:4]))

@@ -99,13 +99,15 @@ class Migration:
     ``keep_float32``: node names, module paths or op names to run in float32 in the region and
     model stages of a float16/bfloat16 store (:func:`tapml.precision.resolve_keep_float32`;
     TapmlError when one names nothing, or the store is float32).
+    ``clock``: a :class:`tapml.bench.StageClock` given the seconds of reference runs and
+    comparisons (``tapml bench`` splits a migration's time with it).
     :meth:`run` returns the final state (the same document it writes to ``state_path``).
     """
 
     def __init__(self, store, platform, target: str, state_path: str | Path, *,
                  tolerances: Tolerances | None = None, inject: list[str] | None = None, resume: bool = False,
                  on_event: Callable[[str, dict], None] | None = None, store_path: str | None = None,
-                 keep_float32: Iterable[str] = ()):
+                 keep_float32: Iterable[str] = (), clock=None):
         self.store = store
         self.platform = platform
         self.target = target
@@ -120,7 +122,8 @@ class Migration:
         graphs = {"model": self.graph, **({"decode": store.step_graph("decode")} if self.generation else {})}
         self.keep_float32 = resolve_keep_float32(graphs, keep_float32)
         self.mixed = {kind: keep_float32_graph(g, self.keep_float32[kind]) for kind, g in graphs.items()}
-        self.checker = RegionChecker(store, platform, self.tolerances, graph=self.mixed["model"])
+        self.clock = clock
+        self.checker = RegionChecker(store, platform, self.tolerances, graph=self.mixed["model"], clock=clock)
         self.header = {"format": STATE_FORMAT, "model": store.model, "target": target,
                        "tolerances": self.tolerances.to_json(), "inject": self.inject,
                        "nodes": len(self.graph.nodes), "cases": len(store.cases)}
@@ -146,7 +149,7 @@ class Migration:
             decode = self.mixed["decode"]
             self.passes.append(GraphPass("decode", decode, RegionChecker(
                 self.store, self.platform, self.tolerances, graph=decode,
-                inputs=lambda: decode_step_inputs(self.store, self._prefill_cache_values())),
+                inputs=lambda: decode_step_inputs(self.store, self._prefill_cache_values()), clock=self.clock),
                 self.store.step_graph("decode"), self.keep_float32["decode"]))
         self.placement = self.prefill.placement
         self.device: dict | None = None
@@ -269,7 +272,7 @@ class Migration:
         done = {c.id for c in self.cases}
         for case in cases:
             verdict = self._memo(f"case:{case['id']}",
-                                 lambda: replay_case(self.platform, self.store, case, self.tolerances))
+                                 lambda: replay_case(self.platform, self.store, case, self.tolerances, clock=self.clock))
             self._check_record(verdict, op=case["op"], node=case["node"], module=case["module"])
             if case["id"] not in done:
                 self.cases.append(verdict)
@@ -290,7 +293,8 @@ class Migration:
         def journal(i: int, verdict: CaseVerdict, ran_on: str) -> None:
             verdict.device = ran_on
             self.journal.put(f"case:{cases[i]['id']}", verdict)
-        spread(self.platform, cases, lambda device, case: replay_case(device, self.store, case, self.tolerances),
+        spread(self.platform, cases, lambda device, case: replay_case(device, self.store, case, self.tolerances,
+                                                                      clock=self.clock),
                on_result=journal)
 
     def _stage_event(self, gp: GraphPass, stage: str, total: int) -> None:
@@ -378,10 +382,10 @@ class Migration:
         uid = gp.prefix + "model"
 
         def compute():
-            inputs, expected = gp.checker.model_io() if gp.kind == "decode" else (None, None)
+            inputs, expected = gp.checker.model_io() if gp.kind == "decode" else (gp.checker.input_values(), None)
             verdict, result = run_model_against_reference(self.store, HybridRunner(gp.graph, self.platform),
                                                           gp.placement, self.tolerances, inputs=inputs,
-                                                          expected=expected)
+                                                          expected=expected, clock=self.clock)
             return UnitVerdict(id=uid, kind="model", role="end-to-end", module="", nodes=names,
                                on_target=sum(gp.placement[n] == TARGET for n in names),
                                regions=None if result is None else len(result.regions), **gp.where(),

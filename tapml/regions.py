@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Callable, Iterable
 
 from tapml.compare import Comparison, Tolerances, compare_outputs, compare_tensor, merge
@@ -77,7 +78,7 @@ class RegionChecker:
     module's docstring); ``ref`` stays the low-precision run whose values feed each region."""
 
     def __init__(self, store, platform, tolerances: Tolerances | None = None, *, graph: Graph | None = None,
-                 inputs: Callable[[], dict] | None = None):
+                 inputs: Callable[[], dict] | None = None, clock=None):
         self.store = store
         self.graph: Graph = store.graph if graph is None else graph
         self._inputs = inputs or store.program_inputs
@@ -90,12 +91,18 @@ class RegionChecker:
         self._runners: dict[tuple, HybridRunner] = {}
         #: The store's low float dtype, None for float32 (judged against the reference itself).
         self.low = low_dtype(store)
+        #: A :class:`tapml.bench.StageClock` given the seconds of the reference runs and comparisons, or None.
+        self.clock = clock
+
+    def _measure(self, kind: str):
+        return self.clock.measure(kind) if self.clock else nullcontext()
 
     @property
     def ref(self) -> dict:
         """Every reference value of the model (computed once)."""
         if self._ref is None:
-            self._ref = reference_values(self.graph, self._inputs())
+            with self._measure("reference"):
+                self._ref = reference_values(self.graph, self._inputs())
         return self._ref
 
     @property
@@ -108,6 +115,13 @@ class RegionChecker:
                            **float32_twin_values(self.graph, inputs, [r for n in self.graph.nodes
                                                                       for r in n.output_refs], self.low)}
         return self._ref32
+
+    def input_values(self) -> dict:
+        """The reference's values at the graph's inputs: the very tensors of :attr:`ref` once it
+        is computed (so a run reuses what the device already holds instead of reading the
+        parameters again), else read from the store."""
+        values = self._ref if self._ref is not None else self._inputs()
+        return {r: values[r] for r, _ in self.graph.inputs}
 
     def model_io(self) -> tuple[dict, dict]:
         """The reference's values at the graph's inputs and at its outputs: what a whole run of a
@@ -180,10 +194,12 @@ class RegionChecker:
             return outcome_verdict(e)
         # Low precision: the region's own float32 twin from its recorded inputs, not the twin's
         # whole run (errors accumulated upstream are not the region's).
-        expected = None if self.low is None else float32_twin_values(sub, inputs, refs, self.low)
-        comparison, worst_ref = self.compare(result.values, refs, expected)
-        if expected is not None and not comparison.passed:
-            comparison.message += self._reference_note(refs, expected)
+        with self._measure("reference"):
+            expected = None if self.low is None else float32_twin_values(sub, inputs, refs, self.low)
+        with self._measure("compare"):
+            comparison, worst_ref = self.compare(result.values, refs, expected)
+            if expected is not None and not comparison.passed:
+                comparison.message += self._reference_note(refs, expected)
         verdict = outcome_verdict(comparison, round(sum(r.run_ms for r in result.regions), 4))
         verdict.worst_output = worst_ref
         return verdict
@@ -191,13 +207,14 @@ class RegionChecker:
 
 def run_model_against_reference(store, runner: HybridRunner, placement: dict[str, str], tolerances: Tolerances,
                 keep: Iterable[str] = (), *, inputs: dict | None = None,
-                expected: dict | None = None) -> tuple[Verdict, HybridResult | None]:
+                expected: dict | None = None, clock=None) -> tuple[Verdict, HybridResult | None]:
     """Run the whole model of ``store`` with ``runner`` on ``placement`` and compare its outputs
     with the reference's. Shared by migrate's model stage and :meth:`tapml.session.Session.compare_model`.
     ``inputs`` and ``expected`` (reference outputs by ref) replace the store's program inputs and
     model outputs (a generation's decode step). In a float16/bfloat16 store the outputs (those
     ``expected`` names) are judged against the float32 twin of the graph run on the upcast inputs,
-    with the low dtype's tolerances.
+    with the low dtype's tolerances. ``clock``: a :class:`tapml.bench.StageClock` given the
+    comparison's seconds.
 
     Returns the verdict and the run, which is None when the run raised: a failing run is a
     verdict (:func:`~tapml.verdict.outcome_verdict`), except DeviceLost, which is raised.
@@ -214,11 +231,12 @@ def run_model_against_reference(store, runner: HybridRunner, placement: dict[str
         return outcome_verdict(e), None
     expected = store.model_outputs() if expected is None else expected
     low = low_dtype(store)
-    if low is None:
-        c = compare_outputs([result.values[r] for r in expected], list(expected.values()), tolerances=tolerances)
-    else:
-        twin = float32_twin_values(runner.graph, inputs, expected, low)
-        c = merge([judge_low(result.values[r], twin[r], low, tolerances, None) for r in expected])
+    with clock.measure("compare") if clock else nullcontext():
+        if low is None:
+            c = compare_outputs([result.values[r] for r in expected], list(expected.values()), tolerances=tolerances)
+        else:
+            twin = float32_twin_values(runner.graph, inputs, expected, low)
+            c = merge([judge_low(result.values[r], twin[r], low, tolerances, None) for r in expected])
     return outcome_verdict(c, round(sum(r.run_ms for r in result.regions) + result.reference_ms, 4)), result
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import Callable
 
 import torch
@@ -97,7 +98,7 @@ def judge_case(store, case: dict, outputs: list[torch.Tensor], expected: list[to
 
 
 def replay_case(platform, store, case: dict, tolerances: Tolerances | None = None,
-               anchored: bool | None = None, profile: int = 0, repeat: int = 1) -> CaseVerdict:
+               anchored: bool | None = None, profile: int = 0, repeat: int = 1, clock=None) -> CaseVerdict:
     """Run one case on ``platform`` and judge it against the reference's outputs. A platform
     failure is a verdict (see :func:`~tapml.verdict.outcome_verdict`); DeviceLost is raised.
     ``anchored``: judge floats fp64-anchored (:func:`~tapml.compare.compare_anchored`); None
@@ -105,7 +106,8 @@ def replay_case(platform, store, case: dict, tolerances: Tolerances | None = Non
     ``profile``: time that many more runs of a case that ran and record their median device
     time, GFLOP/s and GB/s on the verdict (:func:`tapml.profile.profile_program`).
     ``repeat``: run the case that many times; outputs that differ from run to run make it
-    ``flaky`` (:func:`repeat_runs`), whatever the first run's comparison says."""
+    ``flaky`` (:func:`repeat_runs`), whatever the first run's comparison says.
+    ``clock``: a :class:`tapml.bench.StageClock` that the comparison's seconds are added to."""
     start = time.perf_counter()
     speed = {}
     try:
@@ -119,7 +121,8 @@ def replay_case(platform, store, case: dict, tolerances: Tolerances | None = Non
         outcome = outcome_verdict(e)
     else:
         time_ms = round(first_ms if first_ms is not None else (time.perf_counter() - start) * 1e3, 4)
-        result = judge_case(store, case, outputs, store.case_outputs(case), tolerances, anchored)
+        with clock.measure("compare") if clock else nullcontext():
+            result = judge_case(store, case, outputs, store.case_outputs(case), tolerances, anchored)
         outcome = outcome_verdict(result, time_ms)
         if varied:
             outcome = flaky_verdict(outcome, varied)

@@ -176,3 +176,47 @@ def test_bad_usage_exits_2(args, message):
 def test_transport_subcommand_is_still_there():
     r = tapml("bench", "transport", "--help", timeout=60)
     assert r.returncode == 0 and "--size-mib" in r.stdout
+
+
+def test_scale_figure_splits_a_migration_by_kind_of_work(tmp_path):
+    """`tapml bench scale` on a real (small) model: carve and migrate each in a fresh process,
+    their wall time split into export, carving, compilation, device execution, comparison,
+    reference runs and the rest (shares of the whole), peak RSS measured from outside."""
+    out = tmp_path / "scale.json"
+    r = tapml("bench", "scale", "--model", "zoo:mlp", "--target", "reference", "--json", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    f = json.loads(out.read_text())
+    from tapml.bench import SCALE_SHARES
+    assert set(f["shares"]) == set(SCALE_SHARES) == set(f["seconds"])
+    assert sum(f["shares"].values()) == pytest.approx(1.0, abs=1e-3)
+    assert f["seconds"]["export"] > 0 and f["seconds"]["compare"] > 0 and f["seconds"]["device"] > 0
+    assert f["wall_s"] == pytest.approx(f["carve"]["s"] + f["migrate"]["s"], rel=1e-3)
+    assert set(f["stages"]) == {"op", "region", "model"} and all(s["s"] > 0 for s in f["stages"].values())
+    # peak RSS from wait4 is the child's own: at least what it saw of itself at its end
+    for child in ("carve", "migrate"):
+        assert f[child]["peak_rss_bytes"] >= f[child]["peak_rss_self_bytes"] > 50 << 20
+    assert f["peak_rss_vs_params"] == pytest.approx(f["peak_rss_bytes"] / f["param_bytes"], rel=1e-3)
+    assert f["passed"] is True and f["ops_share"] == 1.0 and len(f["load_avg"]) == 3
+    assert "zoo:mlp carve + migrate to reference s" in " ".join(r.stdout.split())
+
+
+def test_stage_clock_and_timed_platform_add_up():
+    """The accumulator the migration is given, and the platform wrapper that times compile and run."""
+    from tapml.bench import StageClock, TimedPlatform, matmul_graph
+    from tapml.platforms.reference import ReferencePlatform
+    import torch
+    clock = StageClock()
+    platform = TimedPlatform(ReferencePlatform(), clock)
+    program = platform.compile(matmul_graph(8))
+    out = platform.run(program, [torch.eye(8), torch.ones(8, 8)])[0]
+    assert torch.equal(out, torch.ones(8, 8)) and platform.name == "reference"
+    with clock.measure("compare"):
+        pass
+    assert set(clock.seconds) == {"compile", "device", "compare"} and all(v >= 0 for v in clock.seconds.values())
+
+
+def test_scale_bad_usage_exits_2():
+    r = tapml("bench", "scale", "--model", "hf:no_such_type", "--target", "reference", timeout=120)
+    assert r.returncode == 2 and "unknown transformers model type" in r.stderr, r.stdout + r.stderr
+    r = tapml("bench", "scale", "--model", "zoo:mlp", "--hf-config", "n_layer=1", timeout=60)
+    assert r.returncode == 2 and "applies to hf:MODEL_TYPE" in r.stderr

@@ -75,8 +75,26 @@ def _placeholder(value):
     return attack
 
 
+def _first_shard(m):
+    """The shard of the first case's first input (of the tensor it aliases, if it is an alias)."""
+    info = m["tensors"][_first_case(m)["inputs"][0]]
+    return m["tensors"][info.get("alias", _first_case(m)["inputs"][0])]["shard"]
+
+
+def _alias_cycle(m, ctx):
+    name, info = next((n, i) for n, i in m["tensors"].items() if "alias" in i)
+    m["tensors"][info["alias"]] = {"alias": name, "shape": info["shape"], "dtype": info["dtype"]}
+    return m
+
+
+def _alias_view_past_its_target(m, ctx):
+    name, info = next((n, i) for n, i in m["tensors"].items() if "alias" in i)
+    info["view"] = {"offset": 1 << 40, "stride": [1] * len(info["shape"])}
+    return m
+
+
 def _symlinked_shard(m, ctx):
-    shard = ctx["store"] / m["tensors"][_first_case(m)["inputs"][0]]["shard"]
+    shard = ctx["store"] / _first_shard(m)
     victim = ctx["outside"] / "victim.safetensors"
     shutil.copy(shard, victim)  # a valid shard, so only where it lies can refuse it
     shard.unlink()
@@ -85,10 +103,10 @@ def _symlinked_shard(m, ctx):
 
 
 def _escaping_shard(m, ctx):
-    shard = m["tensors"][_first_case(m)["inputs"][0]]["shard"]
+    shard = _first_shard(m)
     shutil.copy(ctx["store"] / shard, ctx["outside"] / "victim.safetensors")
     for info in m["tensors"].values():
-        if info["shard"] == shard:
+        if info.get("shard") == shard:
             info["shard"] = "../outside/victim.safetensors"
     return m
 
@@ -156,6 +174,8 @@ ATTACKS = {
     "duplicate-case-id": (_edit(lambda m: m["cases"][1].update(id=m["cases"][0]["id"])), "used twice"),
     "symlinked-shard": (_symlinked_shard, "outside the store"),
     "escaping-shard": (_escaping_shard, "outside the store"),
+    "alias-cycle": (_alias_cycle, "an alias must name a stored tensor (no chains or cycles)"),
+    "alias-view-past-its-target": (_alias_view_past_its_target, "its view reads element"),
 }
 
 

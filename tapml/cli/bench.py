@@ -34,6 +34,8 @@ def bench(ctx: typer.Context,
           hf_config: Optional[List[str]] = HfConfigOpt, dtype: Optional[str] = DtypeOpt,
           token_file: Optional[str] = TokenFileOpt,
           check: bool = typer.Option(False, "--check", help="Exit 1 when a goal is missed"),
+          scale: bool = typer.Option(False, "--scale", help="Also carve and migrate a sized hf:llama (hidden 1024, "
+                                     "4 layers, 64k vocabulary): wall time, peak RSS and where the time goes"),
           quiet: bool = QuietOpt):
     """Run every benchmark against TARGET (kernels vs torch CPU, dispatch overhead, end-to-end
     latency, a generation's decode tokens/s vs torch eager decoding, carving, migration, and
@@ -50,7 +52,7 @@ def bench(ctx: typer.Context,
     _check_json_dir(json_out)
     check_models(tuple(model or ()), generation_model, overrides, dtype=dtype)
     report = run_suite(target, quick=quick, token=read_token(token_file), models=tuple(model or ()),
-                       generation_model=generation_model, hf_config=overrides, dtype=dtype,
+                       generation_model=generation_model, hf_config=overrides, dtype=dtype, scale=scale,
                        on_step=None if quiet else (lambda msg: console.print(f"[dim]bench:[/] {msg}", highlight=False)))
     if json_out:
         write_json(report, json_out)
@@ -150,6 +152,9 @@ def _render_suite(r: dict) -> None:
     for spec, m in r["migrate"].items():
         status = "" if m.get("passed") else " [red](did not pass)[/]"
         table.add_row(f"migrate {spec} s{status}", _num(m["s"]), "", "", f"< 60 {'[green]met[/]' if m['s'] < 60 else '[red]missed[/]'}")
+    if r.get("scale"):
+        for row in _scale_rows(r["scale"]):
+            table.add_row(*row, "", "", "")
     t = r.get("transport")
     if t:
         table.add_row("upload MB/s vs plain socket", _num(t["tensor"]["upload_MBps"], ".0f"),
@@ -160,6 +165,71 @@ def _render_suite(r: dict) -> None:
         table.add_row("empty call ms vs socket round trip", _num(t["empty_call_ms"]), _num(t["socket"]["round_trip_ms"]),
                       "", goal("empty_call_ms"))
     out.print(table)
+
+
+def _scale_rows(f: dict) -> list[tuple[str, str]]:
+    """(figure, value) rows of a scale figure (tapml.bench.scale_figure): migrate wall time and peak
+    RSS of the sized model, the share of each kind of work and each stage."""
+    config = ", ".join(f"{k}={v}" for k, v in f["hf_config"].items())
+    name = f"{f['model']}" + (f" ({config})" if config else "")
+    if f.get("error"):
+        return [(f"{name} carve + migrate [red]({f['error'][:100]})[/]", "")]
+    gib = 1 << 30
+    label = f"{name} carve + migrate to {f['target']} s, load {' → '.join(map(str, f['load_avg']))}"
+    if not f["passed"]:
+        label += f" [red](did not pass: {f['ops_share']:.1%} of ops, {f['flops_share']:.1%} of FLOPs on target)[/]"
+    rows = [(label, _num(f["wall_s"], ".1f")),
+            (f"  peak RSS GiB (x {f['param_bytes'] / gib:.2f} GiB of parameters)",
+             f"{f['peak_rss_bytes'] / gib:.2f} (x{f['peak_rss_vs_params']:.2f})")]
+    rows += [(f"  {kind} s ({f['shares'][kind]:.0%})", _num(f["seconds"][kind], ".1f")) for kind in f["seconds"]]
+    rows += [(f"  {stage} stage s, peak RSS GiB", f"{st['s']:.1f}, {st['peak_rss_bytes'] / gib:.2f}")
+             for stage, st in f["stages"].items()]
+    return rows
+
+
+@bench_app.command()
+@command
+def scale(target: str = typer.Option("wgpu", "--target", "-t", help="Target to migrate to: wgpu[:vulkan|gl|...], "
+                                     "reference, browser, remote://HOST:PORT"),
+          model: str = typer.Option("hf:llama", "--model", help="MODEL to carve and migrate (any MODEL spec)"),
+          hf_config: Optional[List[str]] = HfConfigOpt, dtype: Optional[str] = DtypeOpt,
+          timeout: float = typer.Option(1800, "--timeout", help="Seconds allowed to the carve, and to the migrate"),
+          token_file: Optional[str] = TokenFileOpt,
+          json_out: Optional[str] = JsonOpt):
+    """Time to a verdict of a sized model: MODEL carved, then migrated to TARGET, each in a fresh
+    process; wall time, peak RSS (against the parameter bytes) and the share of export, carving,
+    compilation, device execution and comparison. hf:llama defaults to hidden 1024, 4 layers,
+    intermediate 2816 and a 64k vocabulary (--hf-config replaces them). Exit 1 when the
+    migration does not pass."""
+    from tapml.bench import SCALE_CONFIG, SCALE_MODEL, check_models, scale_figure
+    from tapml.models import parse_hf_overrides
+    from tapml.targets import check_target, read_token
+    check_target(target)
+    if timeout <= 0:
+        fail("--timeout must be a positive number of seconds")
+    overrides = parse_hf_overrides(hf_config)
+    dtype = check_dtype(dtype) or "float32"
+    _check_json_dir(json_out)
+    if overrides and not model.startswith("hf:"):
+        fail("--hf-config applies to hf:MODEL_TYPE models; give one with --model")
+    if not model.startswith("hf:"):  # an hf: model is built by the carve itself: a sized one costs its weights
+        check_models((model,), dtype=dtype)
+    config = overrides or (dict(SCALE_CONFIG) if model == SCALE_MODEL else {})
+    figure = scale_figure(model, target, hf_config=config, dtype=dtype, token=read_token(token_file), timeout=timeout)
+    carve = figure.get("carve", {})
+    if carve.get("returncode") == 2:  # the carve refused the model or its config: the user's to fix
+        fail(carve["tail"].removeprefix("error: "))
+    if json_out:
+        write_json(figure, json_out)
+    if json_out != "-":
+        from rich.table import Table
+        table = Table(title=f"time to a verdict on {target}")
+        table.add_column("figure", justify="left")
+        table.add_column("value", justify="right")
+        for row in _scale_rows(figure):
+            table.add_row(*row)
+        out.print(table)
+    raise typer.Exit(EXIT_OK if not figure.get("error") and figure["passed"] else EXIT_FINDING)
 
 
 @bench_app.command()
