@@ -365,6 +365,11 @@ class _Resident:
             self.last_inputs.pop(name, None)
             data = to_device(t, self.specs[name].dtype, f"input {name}")
             self.device.queue.write_buffer(self.buffers[name], 0, data)
+            staged = getattr(self, "staged", 0) + len(data)
+            if staged >= 64 << 20:  # write_buffer keeps a staged copy until a submit: bound them
+                self.device.queue.submit([])
+                staged = 0
+            self.staged = staged
             self.platform.upload_bytes += len(data)
             self.last_inputs[name] = (t, t._version)
 
