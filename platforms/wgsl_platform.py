@@ -12,6 +12,10 @@ from tapml.graph import Graph, Node
 from tapml.platforms.base import KernelProgram, RuntimePlatform, check_workgroups
 
 
+#: Compiled programs a platform keeps (by graph and caps), so that compiling a graph again is free.
+COMPILED_PROGRAMS = 512
+
+
 class WgslPlatform(RuntimePlatform):
     """A :class:`RuntimePlatform` whose programs the host compiles to WGSL for the device's caps.
 
@@ -25,9 +29,21 @@ class WgslPlatform(RuntimePlatform):
         return supports(node, self.caps())
 
     def _compile(self, graph: Graph) -> KernelProgram:
+        """Compiled once per graph and caps: a run's limits preflight and the run itself compile
+        the same cases (:mod:`tapml.preflight`), as do repeated replays in a session."""
+        import hashlib
+        import json
+
+        from tapml.platforms.program_cache import ProgramCache
         from tapml.platforms.wgsl import compile_graph
-        program = compile_graph(graph, self.caps())
-        self._check_compiled(program)
+        caps = self.caps()
+        key = hashlib.sha256(json.dumps([graph.to_json(), caps], sort_keys=True, default=str).encode()).hexdigest()
+        compiled = self.__dict__.setdefault("_compiled", ProgramCache(max_entries=COMPILED_PROGRAMS))
+        program = compiled.get(key)
+        if program is None:
+            program = compile_graph(graph, caps)
+            self._check_compiled(program)
+            compiled.put(key, program, sum(len(b.data or b"") for b in program.buffers))
         return program
 
     def _check_compiled(self, program: KernelProgram) -> None:
