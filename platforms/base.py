@@ -23,6 +23,10 @@ from tapml.errors import PlatformError, Unsupported
 from tapml.graph import Graph, Node, TensorMeta
 
 
+#: WebGPU's largest min-storage-buffer-offset-alignment: an offset that is a multiple of it is
+#: aligned on every device, so it stands in for a device that does not report its own.
+MAX_OFFSET_ALIGNMENT = 256
+
 #: The device limits the compiler reads (and :meth:`Platform.force_limits` may lower).
 LIMIT_NAMES = ("max-storage-buffer-binding-size", "max-buffer-size", "max-storage-buffers-per-shader-stage",
                "max-compute-workgroups-per-dimension", "min-storage-buffer-offset-alignment")
@@ -396,4 +400,4 @@ def wrap_errors(fn, *args):
         raise PlatformError(f"{type(e).__name__}: {e}") from e
 
 
-__all__ = ["LIMIT_NAMES", "BufferSpec", "Kernel", "KernelProgram", "Platform", "ResidentTensor", "RuntimePlatform", "check_workgroups", "graph_program", "wrap_errors"]
+__all__ = ["LIMIT_NAMES", "MAX_OFFSET_ALIGNMENT", "BufferSpec", "Kernel", "KernelProgram", "Platform", "ResidentTensor", "RuntimePlatform", "check_workgroups", "graph_program", "wrap_errors"]

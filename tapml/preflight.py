@@ -28,9 +28,6 @@ from tapml.errors import PlatformError, Unsupported
 CHECKED_LIMITS = ("max-buffer-size", "max-storage-buffer-binding-size", "min-storage-buffer-offset-alignment",
                   "max-storage-buffers-per-shader-stage", "max-compute-workgroups-per-dimension",
                   "max-compute-invocations-per-workgroup")
-#: WebGPU's default (and largest allowed) storage offset alignment: an offset that is a multiple
-#: of it is aligned on every device, so it stands in for a device that does not report its own.
-DEFAULT_OFFSET_ALIGNMENT = 256
 
 _SHORT_DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", "int64": "i64",
                  "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "bool"}
@@ -61,6 +58,11 @@ def format_limit(n: int, name: str | None = None) -> str:
     return f"{n} B"
 
 
+def tensor_label(shape, dtype: str) -> str:
+    """``"f32 [64000,1024]"`` (just the dtype when the shape is unknown)."""
+    return _SHORT_DTYPES.get(dtype, dtype) + ("" if shape is None else " [" + ",".join(map(str, shape)) + "]")
+
+
 @dataclass(frozen=True)
 class SplitBuffer:
     """A buffer bound through several windows: its tensor's ``shape`` (None when the program
@@ -79,8 +81,7 @@ class SplitBuffer:
 
     def tensor(self) -> str:
         """``"f32 [64000,1024]"``."""
-        shape = "" if self.shape is None else " [" + ",".join(map(str, self.shape)) + "]"
-        return _SHORT_DTYPES.get(self.dtype, self.dtype) + shape
+        return tensor_label(self.shape, self.dtype)
 
     def describe(self) -> str:
         """``"f32 [64000,1024] 262 MB -> 2 windows over max-storage-buffer-binding-size 128 MiB"``."""
@@ -153,11 +154,12 @@ def check_program(program, caps: dict) -> ProgramPreflight:
 
     Example: ``check_program(platform.compile(graph), platform.caps()).violations``.
     """
+    from tapml.platforms.base import MAX_OFFSET_ALIGNMENT
     from tapml.remote.limits import workgroup_size
     limits = caps.get("limits") or {}
     binding_limit = limits.get("max-storage-buffer-binding-size")
     buffer_limit = limits.get("max-buffer-size")
-    alignment = limits.get("min-storage-buffer-offset-alignment") or DEFAULT_OFFSET_ALIGNMENT
+    alignment = limits.get("min-storage-buffer-offset-alignment") or MAX_OFFSET_ALIGNMENT
     per_stage = limits.get("max-storage-buffers-per-shader-stage")
     max_groups = limits.get("max-compute-workgroups-per-dimension")
     max_invocations = limits.get("max-compute-invocations-per-workgroup")
@@ -288,8 +290,7 @@ class StorePreflight:
         split_ops = [o for o in self.ops if o.splits]
         if split_ops:
             big = self.largest_split()
-            tensor = SplitBuffer(big["buffer"], big["shape"], big["dtype"], big["bytes"], big["windows"],
-                                 big["window_bytes"], big["limit"], big["limit_value"]).tensor()
+            tensor = tensor_label(big["shape"], big["dtype"])
             parts.append(f"{len(split_ops)} op{'s' * (len(split_ops) != 1)} split across binding windows (largest: "
                          f"{tensor} {format_bytes(big['bytes'])} in {big['windows']} windows of <= "
                          f"{format_limit(big['window_bytes'])})")

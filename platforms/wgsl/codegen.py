@@ -31,7 +31,7 @@ import numpy as np
 from tapml.compare import INT64_OUTSIDE_I32
 from tapml.errors import Unsupported
 from tapml.graph import TensorMeta
-from tapml.platforms.base import BufferSpec, Kernel
+from tapml.platforms.base import MAX_OFFSET_ALIGNMENT, BufferSpec, Kernel
 
 WORKGROUP = 64
 MAX_GROUPS = 65535
@@ -50,9 +50,9 @@ PACKED = ("f16p", "bf16p")
 ITEMSIZE = {"f32": 4, "f16": 2, "f16p": 2, "bf16p": 2, "i32": 4, "u32": 4}
 #: Bytes of one element of a binding's WGSL array type.
 ELEM_BYTES = {"f32": 4, "i32": 4, "u32": 4, "f16": 2, "vec4<f32>": 16, "vec4<f16>": 8, "atomic<u32>": 4}
-#: Window offsets are multiples of the device's min-storage-buffer-offset-alignment; this when it
-#: does not say (the largest alignment WebGPU allows), and never less than one vec4.
-WINDOW_ALIGN = 256
+#: Window offsets are multiples of the device's min-storage-buffer-offset-alignment (never less
+#: than one vec4); WebGPU's largest when the device does not say.
+WINDOW_ALIGN = MAX_OFFSET_ALIGNMENT
 
 
 def ctype(dtype: str) -> str:
