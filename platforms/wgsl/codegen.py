@@ -326,23 +326,24 @@ class KernelBuilder:
                 self.bindings[key] = (*self.bindings[key][:2], access, self.bindings[key][3])
         if len(parts) == 1:
             return Binding(name)
-        per = parts[0][1] // ELEM_BYTES[elem]
-        if not elem.startswith("atomic"):
-            ret = [f"  if (i < {per * (j + 1)}) {{ return {name}_w{j}[i - {per * j}]; }}" for j in range(len(parts) - 1)]
-            last = len(parts) - 1
-            self.helpers[name] = (f"fn {name}(i: i32) -> {elem} {{\n" + "\n".join(ret) +
-                                  f"\n  return {name}_w{last}[i - {per * last}];\n}}")
-        if access == "read_write" and f"{name}_set" not in self.helpers:
-            if elem.startswith("atomic"):  # a packed half-word store: clear its half, then set it
-                sig, body = f"fn {name}_set(i: i32, clear: u32, bits: u32)", \
-                    "{{ atomicAnd(&{w}[{j}], clear); atomicOr(&{w}[{j}], bits); return; }}"
-            else:
-                sig, body = f"fn {name}_set(i: i32, v: {elem})", "{{ {w}[{j}] = v; return; }}"
-            lines = [f"  if (i < {per * (j + 1)}) " + body.format(w=f"{name}_w{j}", j=f"i - {per * j}")
+        per = parts[0][1] // ELEM_BYTES[elem]  # elements per window (the last may hold fewer)
+
+        def by_window(stmt: str) -> str:
+            """A body running ``stmt`` ({w}: the window's binding, {j}: the index in it) on
+            the window that holds element ``i``."""
+            lines = [f"  if (i < {per * (j + 1)}) {{ " + stmt.format(w=f"{name}_w{j}", j=f"i - {per * j}") + " }"
                      for j in range(len(parts) - 1)]
             last = len(parts) - 1
-            lines.append("  " + body.format(w=f"{name}_w{last}", j=f"i - {per * last}"))
-            self.helpers[f"{name}_set"] = sig + " {\n" + "\n".join(lines) + "\n}"
+            return "\n".join([*lines, "  " + stmt.format(w=f"{name}_w{last}", j=f"i - {per * last}")])
+
+        if elem.startswith("atomic"):  # a packed half-word store: clear its half, then set it
+            setter = (f"fn {name}_set(i: i32, clear: u32, bits: u32)",
+                      "atomicAnd(&{w}[{j}], clear); atomicOr(&{w}[{j}], bits); return;")
+        else:
+            self.helpers.setdefault(name, f"fn {name}(i: i32) -> {elem} {{\n" + by_window("return {w}[{j}];") + "\n}")
+            setter = (f"fn {name}_set(i: i32, v: {elem})", "{w}[{j}] = v; return;")
+        if access == "read_write":
+            self.helpers.setdefault(f"{name}_set", setter[0] + " {\n" + by_window(setter[1]) + "\n}")
         return Binding(name, split=True)
 
     def write(self, buf: BufferSpec, index: str, expr: str, ty: str) -> None:
@@ -479,6 +480,7 @@ class ProgramBuilder:
         self.max_buffer_size = int(limits.get("max-buffer-size", 256 << 20))
         self.window_align = int(limits.get("min-storage-buffer-offset-alignment", WINDOW_ALIGN))
         self.buffers: list[BufferSpec] = []
+        self.sizes: dict[str, int] = {}  # buffer name -> bytes
         self.kernels: list[Kernel] = []
         self.names: dict[str, int] = {}
 
@@ -500,6 +502,7 @@ class ProgramBuilder:
                               f"device's max-buffer-size of {self.max_buffer_size}")
         buf = BufferSpec(name=f"{hint[0]}{len(self.buffers)}", dtype=storage, size=size, role=role, meta=meta)
         self.buffers.append(buf)
+        self.sizes[buf.name] = size
         return buf
 
     def kernel(self, name: str) -> KernelBuilder:
@@ -531,8 +534,7 @@ class ProgramBuilder:
 
     def bindings_of(self, names) -> int:
         """How many bindings a kernel needs to read the buffers ``names`` (a split one needs one per window)."""
-        sizes = {b.name: b.size for b in self.buffers}
-        return sum(len(self.windows(sizes.get(n, 0))) for n in names)
+        return sum(len(self.windows(self.sizes.get(n, 0))) for n in names)
 
     def windows(self, size: int) -> list[tuple[int, int]]:
         """The byte windows a kernel binds a buffer of ``size`` bytes through (one: all of it)."""
