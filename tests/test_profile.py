@@ -1,6 +1,7 @@
 """Per-op speed (`replay --profile`, `--baseline`, `--tapml-baseline`): device times on real
 shapes, and a kernel slowed on purpose caught as `slower` while an unchanged replay flags nothing."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tapml.cli import app
-from tapml.platforms.base import KernelProgram, Platform
+from tapml.platforms.base import Platform
 
 runner = CliRunner()
 SLOWED_OP = "aten.addmm.default"
@@ -36,7 +37,7 @@ class SlowedPlatform(Platform):
         program = self.inner.compile(graph)
         if not any(n.op == self.op for n in graph.nodes):
             return program
-        return KernelProgram(**{**vars(program), "kernels": [k for k in program.kernels for _ in range(self.times)]})
+        return dataclasses.replace(program, kernels=[k for k in program.kernels for _ in range(self.times)])
 
     def _run(self, program, inputs):
         return self.inner.run(program, inputs)
