@@ -22,8 +22,9 @@ import os
 import shutil
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
+
+from tapml.profile import StageClock  # noqa: F401 - part of this module's API
 from typing import Callable
 
 #: Performance goals: (comparison, bound) per ratio key; `tapml bench` marks each figure against its goal.
@@ -486,30 +487,6 @@ SCALE_CONFIG = {"hidden_size": 1024, "num_hidden_layers": 4, "intermediate_size"
 SCALE_SHARES = ("export", "carving", "compile", "device", "compare", "reference", "other")
 
 
-class StageClock:
-    """Seconds per kind of work, added up over a run by the code doing it: ``compile`` and
-    ``device`` (:class:`TimedPlatform`), ``compare`` and ``reference`` (replay, regions, migrate
-    take a ``clock=``). Example::
-
-        clock = StageClock()
-        with clock.measure("compare"):
-            ...
-        clock.seconds  # {"compare": 0.012}
-    """
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-
-    @contextmanager
-    def measure(self, kind: str):
-        """Add the seconds of the ``with`` block to ``kind``."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[kind] = self.seconds.get(kind, 0.0) + time.perf_counter() - start
-
-
 class TimedPlatform:
     """``platform`` with the seconds of its ``compile`` (lowering and shader compilation) and
     ``run`` (upload, dispatch, the wait for the device and the readback) added to ``clock`` as
@@ -531,10 +508,11 @@ class TimedPlatform:
             return self.inner.run(program, inputs, keep)
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size so far, in bytes."""
+def peak_rss_bytes(usage=None) -> int:
+    """Peak resident set size in bytes: this process's so far, or of a ``resource`` usage record
+    (a reaped child's, from ``os.wait4``); ``ru_maxrss`` is KiB on Linux, bytes on macOS."""
     import resource
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = (usage or resource.getrusage(resource.RUSAGE_SELF)).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
 
 
@@ -608,8 +586,7 @@ def run_child(argv: list[str], timeout: float, env: dict | None = None,
         seconds = time.perf_counter() - start
         log.seek(0)
         lines = log.read().decode(errors="replace").strip().splitlines()
-    peak = usage.ru_maxrss if sys.platform == "darwin" else usage.ru_maxrss * 1024
-    return {"returncode": code, "s": seconds, "peak_rss_bytes": peak, "tail": lines[-1] if lines else "no output",
+    return {"returncode": code, "s": seconds, "peak_rss_bytes": peak_rss_bytes(usage), "tail": lines[-1] if lines else "no output",
             **({"killed": killed} if killed else {})}
 
 

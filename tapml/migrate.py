@@ -99,7 +99,7 @@ class Migration:
     ``keep_float32``: node names, module paths or op names to run in float32 in the region and
     model stages of a float16/bfloat16 store (:func:`tapml.precision.resolve_keep_float32`;
     TapmlError when one names nothing, or the store is float32).
-    ``clock``: a :class:`tapml.bench.StageClock` given the seconds of reference runs and
+    ``clock``: a :class:`tapml.profile.StageClock` given the seconds of reference runs and
     comparisons (``tapml bench`` splits a migration's time with it).
     :meth:`run` returns the final state (the same document it writes to ``state_path``).
     """

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from contextlib import contextmanager, nullcontext
 from typing import Callable
 
 from tapml.errors import TapmlError
@@ -183,5 +184,34 @@ def unmatched_cases(result: dict, baseline) -> int:
     return sum(1 for v in result["cases"] if v.get("device_ms") is not None and _key(v) not in old)
 
 
-__all__ = ["RUNS", "SLOWER_THAN", "MIN_DIFF_MS", "device_times", "program_bytes", "graph_flops", "shapes_text",
+__all__ = ["StageClock", "measured", "RUNS", "SLOWER_THAN", "MIN_DIFF_MS", "device_times", "program_bytes", "graph_flops", "shapes_text",
            "profile_program", "read_baseline", "slower_cases", "compare_with_baseline", "unmatched_cases", "runtime_of"]
+
+
+class StageClock:
+    """Seconds per kind of work, added up over a run by the code doing it: ``compile`` and
+    ``device`` (:class:`tapml.bench.TimedPlatform`), ``compare`` and ``reference`` (replay,
+    regions, migrate take a ``clock=``; see :func:`measured`). Example::
+
+        clock = StageClock()
+        with clock.measure("compare"):
+            ...
+        clock.seconds  # {"compare": 0.012}
+    """
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def measure(self, kind: str):
+        """Add the seconds of the ``with`` block to ``kind``."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[kind] = self.seconds.get(kind, 0.0) + time.perf_counter() - start
+
+
+def measured(clock: StageClock | None, kind: str):
+    """``clock.measure(kind)``, or a context that measures nothing when there is no clock."""
+    return nullcontext() if clock is None else clock.measure(kind)

@@ -25,13 +25,13 @@ Example::
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Callable, Iterable
 
 from tapml.compare import Comparison, Tolerances, compare_outputs, compare_tensor, merge
 from tapml.dtypes import LOW_FLOATS, as_float32, upcast
 from tapml.graph import Graph, dtype_name, run_graph
 from tapml.hybrid import HybridResult, HybridRunner, reference_values
+from tapml.profile import measured
 from tapml.verdict import Verdict, outcome_verdict
 
 #: The step a generation's graph is checked on: the prefill, and the first decode step.
@@ -91,17 +91,14 @@ class RegionChecker:
         self._runners: dict[tuple, HybridRunner] = {}
         #: The store's low float dtype, None for float32 (judged against the reference itself).
         self.low = low_dtype(store)
-        #: A :class:`tapml.bench.StageClock` given the seconds of the reference runs and comparisons, or None.
+        #: A :class:`tapml.profile.StageClock` given the seconds of the reference runs and comparisons, or None.
         self.clock = clock
-
-    def _measure(self, kind: str):
-        return self.clock.measure(kind) if self.clock else nullcontext()
 
     @property
     def ref(self) -> dict:
         """Every reference value of the model (computed once)."""
         if self._ref is None:
-            with self._measure("reference"):
+            with measured(self.clock, "reference"):
                 self._ref = reference_values(self.graph, self._inputs())
         return self._ref
 
@@ -194,9 +191,9 @@ class RegionChecker:
             return outcome_verdict(e)
         # Low precision: the region's own float32 twin from its recorded inputs, not the twin's
         # whole run (errors accumulated upstream are not the region's).
-        with self._measure("reference"):
+        with measured(self.clock, "reference"):
             expected = None if self.low is None else float32_twin_values(sub, inputs, refs, self.low)
-        with self._measure("compare"):
+        with measured(self.clock, "compare"):
             comparison, worst_ref = self.compare(result.values, refs, expected)
             if expected is not None and not comparison.passed:
                 comparison.message += self._reference_note(refs, expected)
@@ -213,7 +210,7 @@ def run_model_against_reference(store, runner: HybridRunner, placement: dict[str
     ``inputs`` and ``expected`` (reference outputs by ref) replace the store's program inputs and
     model outputs (a generation's decode step). In a float16/bfloat16 store the outputs (those
     ``expected`` names) are judged against the float32 twin of the graph run on the upcast inputs,
-    with the low dtype's tolerances. ``clock``: a :class:`tapml.bench.StageClock` given the
+    with the low dtype's tolerances. ``clock``: a :class:`tapml.profile.StageClock` given the
     comparison's seconds.
 
     Returns the verdict and the run, which is None when the run raised: a failing run is a
@@ -231,7 +228,7 @@ def run_model_against_reference(store, runner: HybridRunner, placement: dict[str
         return outcome_verdict(e), None
     expected = store.model_outputs() if expected is None else expected
     low = low_dtype(store)
-    with clock.measure("compare") if clock else nullcontext():
+    with measured(clock, "compare"):
         if low is None:
             c = compare_outputs([result.values[r] for r in expected], list(expected.values()), tolerances=tolerances)
         else:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from typing import Callable
 
 import torch
@@ -11,6 +10,7 @@ import torch
 from tapml.compare import Comparison, Tolerances, compare_anchored, compare_outputs, merge
 from tapml.errors import DeviceLost, PlatformError, Unsupported
 from tapml.graph import dtype_name, run_graph
+from tapml.profile import measured
 from tapml.verdict import STATUSES, CaseVerdict, Verdict, VerdictDocument, outcome_verdict, summary  # noqa: F401 - re-exported
 
 
@@ -107,7 +107,7 @@ def replay_case(platform, store, case: dict, tolerances: Tolerances | None = Non
     time, GFLOP/s and GB/s on the verdict (:func:`tapml.profile.profile_program`).
     ``repeat``: run the case that many times; outputs that differ from run to run make it
     ``flaky`` (:func:`repeat_runs`), whatever the first run's comparison says.
-    ``clock``: a :class:`tapml.bench.StageClock` that the comparison's seconds are added to."""
+    ``clock``: a :class:`tapml.profile.StageClock` that the comparison's seconds are added to."""
     start = time.perf_counter()
     speed = {}
     try:
@@ -121,7 +121,7 @@ def replay_case(platform, store, case: dict, tolerances: Tolerances | None = Non
         outcome = outcome_verdict(e)
     else:
         time_ms = round(first_ms if first_ms is not None else (time.perf_counter() - start) * 1e3, 4)
-        with clock.measure("compare") if clock else nullcontext():
+        with measured(clock, "compare"):
             result = judge_case(store, case, outputs, store.case_outputs(case), tolerances, anchored)
         outcome = outcome_verdict(result, time_ms)
         if varied:
