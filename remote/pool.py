@@ -379,6 +379,10 @@ class PoolPlatform(Platform):
     def caps(self) -> dict:
         return self.device.platform.caps()
 
+    def force_limits(self, limits: dict[str, int]) -> None:
+        """Refused: each device of a pool compiles for its own caps, and devices join and leave."""
+        raise ValueError("a registry:// pool cannot lower its devices' limits; give one device as remote://HOST:PORT")
+
     def supports(self, node):
         return self.device.platform.supports(node)
 

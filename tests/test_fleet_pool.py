@@ -107,6 +107,10 @@ def test_platform_filter_and_token_map(tmp_path, store, fleet):
     assert r.returncode == 0, r.stderr
     r = tapml("replay", str(store), "--target", reg.target + "?platform=wgpu:vulkan", "--token-map", str(tokens))
     assert r.returncode == 2 and "no live device serving wgpu:vulkan" in r.stderr and "serves reference" in r.stderr
+    # a pool compiles on each device for its own caps: lowering them is refused, not ignored
+    r = tapml("replay", str(store), "--target", reg.target, "--token-map", str(tokens),
+              "--device-limit", "max-buffer-size=1MiB")
+    assert r.returncode == 2 and "cannot lower its devices' limits" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("content, says", [
