@@ -12,9 +12,8 @@ import sys
 
 import torch
 
-from tapml.bench import device_seconds, matmul_graph
+from tapml.bench import alternated, device_seconds, matmul_graph, wgpu_backends
 from tapml.graph import torch_dtype
-from tapml.platforms.wgpu_native import available_backends, shared_platform
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -33,24 +32,16 @@ def model_program(platform, dtype: str):
 
 def main(rounds: int = 5) -> dict:
     results = {}
-    for backend in available_backends():
-        if backend not in ("vulkan", "gl"):
-            continue
-        platform = shared_platform(backend)
+    for backend, platform in wgpu_backends():
         gen = torch.Generator().manual_seed(0)
         a, b = torch.rand(512, 512, generator=gen), torch.rand(512, 512, generator=gen)
         mm = {d: (platform.compile(matmul_graph(512, 0, d)), [a.to(torch_dtype(d)), b.to(torch_dtype(d))])
               for d in DTYPES}
         model = {d: model_program(platform, d) for d in DTYPES}
-        times = {(what, d): [] for what in ("mm512", "tiny-llama") for d in DTYPES}
-        loads = []
-        for r in range(rounds):
-            order = DTYPES[r % 3:] + DTYPES[:r % 3]
-            for d in order:
-                times["mm512", d].append(device_seconds(platform, *mm[d], repeat=3)[0])
-                times["tiny-llama", d].append(device_seconds(platform, *model[d], repeat=3)[0])
-            loads.append(os.getloadavg()[0])
-        row = {"load_avg": [round(x, 2) for x in loads], "low_precision": platform.caps()["low_precision"]}
+        programs = {("mm512", d): mm[d] for d in DTYPES} | {("tiny-llama", d): model[d] for d in DTYPES}
+        times, loads = alternated({key: (lambda p=p: device_seconds(platform, *p, repeat=3)[0])
+                                   for key, p in programs.items()}, rounds)
+        row = {"load_avg": loads, "low_precision": platform.caps()["low_precision"]}
         for (what, d), ts in times.items():
             row[f"{what} {d} ms"] = round(statistics.median(ts) * 1e3, 3)
         for what in ("mm512", "tiny-llama"):

@@ -8,15 +8,13 @@ the load average beside it. Run: ``.venv/bin/python benchmarks/split.py [ROUNDS]
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 
 import torch
 
-from tapml.bench import device_seconds
+from tapml.bench import alternated, device_seconds, wgpu_backends
 from tapml.graph import Graph, Node, TensorMeta
-from tapml.platforms.wgpu_native import available_backends, shared_platform
 
 VOCAB, HIDDEN, TOKENS = 32000, 1024, 8  # a 131 MB float32 weight: one binding on lavapipe
 
@@ -39,10 +37,7 @@ def graphs() -> dict[str, tuple[Graph, list[torch.Tensor]]]:
 
 def main(rounds: int = 5) -> dict:
     results = {}
-    for backend in available_backends():
-        if backend not in ("vulkan", "gl"):
-            continue
-        platform = shared_platform(backend)
+    for backend, platform in wgpu_backends():
         window = VOCAB * HIDDEN * 4 // 4 // 256 * 256
         for name, (graph, inputs) in graphs().items():
             platform.__dict__.pop("forced_limits", None)
@@ -52,18 +47,11 @@ def main(rounds: int = 5) -> dict:
             platform.__dict__.pop("forced_limits", None)
             assert any(len(b) == 4 for k in split.kernels for b in k.bindings)
             assert torch.allclose(platform.run(whole, inputs)[0], platform.run(split, inputs)[0])
-            times = {"whole": [], "split": []}
-            loads = []
-            for r in range(rounds):
-                order = ("whole", "split") if r % 2 == 0 else ("split", "whole")
-                for kind in order:
-                    program = whole if kind == "whole" else split
-                    times[kind].append(device_seconds(platform, program, inputs, repeat=3)[0])
-                loads.append(os.getloadavg()[0])
+            times, loads = alternated({kind: (lambda p=p: device_seconds(platform, p, inputs, repeat=3)[0])
+                                       for kind, p in (("whole", whole), ("split", split))}, rounds)
             med = {k: statistics.median(v) for k, v in times.items()}
             results[f"{backend}/{name}"] = {"whole_ms": round(med["whole"] * 1e3, 3), "split_ms": round(med["split"] * 1e3, 3),
-                                            "split_vs_whole": round(med["split"] / med["whole"], 3),
-                                            "load": [round(x, 2) for x in loads]}
+                                            "split_vs_whole": round(med["split"] / med["whole"], 3), "load": loads}
             print(backend, name, results[f"{backend}/{name}"], flush=True)
     return results
 

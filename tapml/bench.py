@@ -79,6 +79,24 @@ def matmul_graph(n: int, batch: int = 0, dtype: str = "float32"):
     return Graph([("a", meta), ("b", meta)], [node], ["out"])
 
 
+def alternated(runs: dict, rounds: int) -> tuple[dict, list[float]]:
+    """Call each of ``runs`` (key -> a function returning the seconds of one measurement) once
+    per round, rotating their order every round so that load hits all alike. Returns each key's
+    seconds, one per round, and the 1-minute load average after each round."""
+    keys, times, loads = list(runs), {k: [] for k in runs}, []
+    for r in range(rounds):
+        for k in keys[r % len(keys):] + keys[:r % len(keys)]:
+            times[k].append(runs[k]())
+        loads.append(round(os.getloadavg()[0], 2))
+    return times, loads
+
+
+def wgpu_backends(backends=("vulkan", "gl")) -> list:
+    """``(backend, shared platform)`` for each of ``backends`` this machine has an adapter for."""
+    from tapml.platforms.wgpu_native import available_backends, shared_platform
+    return [(b, shared_platform(b)) for b in available_backends() if b in backends]
+
+
 def device_seconds(platform, program, inputs: list, repeat: int) -> tuple[float, str]:
     """Seconds per run of ``program``: device time with inputs resident where the platform
     can measure it (``benchmark``), else the round trip of ``run`` (transfers included).
@@ -838,7 +856,7 @@ __all__ = ["run_suite", "ratios", "GOALS", "matmul_figure", "matmul_figures", "d
            "carve_write_figure", "carve_model_figure", "autotune_figure", "migrate_figure", "transport_figure", "best_of",
            "device_seconds", "matmul_graph", "chain_graph", "tensor_mix", "torch_eager_ms", "generation_figure",
            "check_models", "GENERATION_MODEL", "GENERATION_TOKENS", "GENERATION_PROMPT_LEN", "scale_figure",
-           "StageClock", "TimedPlatform", "run_child", "peak_rss_bytes", "param_bytes", "SCALE_MODEL", "SCALE_CONFIG",
+           "StageClock", "TimedPlatform", "alternated", "wgpu_backends", "run_child", "peak_rss_bytes", "param_bytes", "SCALE_MODEL", "SCALE_CONFIG",
            "SCALE_SHARES"]
 
 
