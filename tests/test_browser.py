@@ -623,7 +623,8 @@ def test_interrupted_replay_leaves_no_chromium(carved):
     assert profile, "tapml never started chromium"
     time.sleep(1.0)  # let the replay get going
     tapml.send_signal(signal.SIGINT)
-    assert tapml.wait(timeout=30) == 130
+    out, err = tapml.communicate(timeout=30)
+    assert tapml.returncode == 130, err[-2000:]
     time.sleep(0.5)
     assert _processes_mentioning(profile) == []
     assert not Path(profile).exists()

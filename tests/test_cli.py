@@ -179,3 +179,30 @@ def test_ctrl_c_that_native_code_turns_into_another_error_still_exits_130(tmp_pa
     assert r.returncode == 130, r.stderr
     assert "internal error" not in r.stderr and "interrupted" in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("after", ["sleep", "return"])
+def test_ctrl_c_that_a_finalizer_swallows_still_stops_the_command(tmp_path, after):
+    """Python drops a KeyboardInterrupt raised while a ``__del__`` runs (garbage collection can
+    run one anywhere). The command must still stop promptly with 130, not run on and exit 0."""
+    import subprocess
+    import sys
+    import time
+    model = tmp_path / "m.py"
+    model.write_text(
+        "import gc, os, signal, time, torch\n"
+        "class Finalized:\n"
+        "    def __del__(self):\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "        sum(range(10000))  # the interrupt lands here, inside the finalizer\n"
+        "def factory():\n"
+        "    Finalized()\n"
+        f"    {'time.sleep(60)' if after == 'sleep' else 'pass'}\n"
+        "    return torch.nn.Linear(2, 2), (torch.ones(1, 2),)\n")
+    started = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "tapml.cli", "carve", f"{model}:factory", "-o", str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 130, r.stderr
+    assert "interrupted" in r.stderr and "Traceback" not in r.stderr
+    assert time.monotonic() - started < 50
+    assert not (tmp_path / "out").exists()

@@ -30,7 +30,10 @@ from tapml.cli import repro  # noqa: E402,F401 - repro
 
 def main() -> None:
     """The ``tapml`` console script."""
-    app(prog_name="tapml")
+    try:
+        app(prog_name="tapml")
+    except KeyboardInterrupt:  # a Ctrl-C before a command started or after it ended
+        raise SystemExit(130)
 
 
 __all__ = ["app", "main", "EXIT_OK", "EXIT_FINDING", "EXIT_USAGE", "EXIT_INTERNAL"]

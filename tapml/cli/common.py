@@ -97,14 +97,16 @@ def command(fn):
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         interrupted, restore = _watch_interrupts()
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
         except TapmlError as e:
             if interrupted():
                 _interrupted()
             fail(str(e))
         except KeyboardInterrupt:
             _interrupted()
-        except (typer.Exit, click.exceptions.Exit, click.exceptions.Abort, click.exceptions.ClickException):
+        except (typer.Exit, click.exceptions.Exit, click.exceptions.Abort, click.exceptions.ClickException) as e:
+            if interrupted() and getattr(e, "exit_code", None) != 130:  # a Ctrl-C a library swallowed
+                _interrupted()
             raise
         except BrokenPipeError:  # `tapml inspect S | head`: the reader left; not a bug of ours
             import sys
@@ -121,6 +123,10 @@ def command(fn):
             console.print(f"[bold red]internal error:[/] {escape(summary)} — {escape(where)}",
                           highlight=False, soft_wrap=True)
             raise typer.Exit(EXIT_INTERNAL)
+        else:
+            if interrupted():  # a Ctrl-C a library swallowed: the user still asked to stop
+                _interrupted()
+            return result
         finally:
             restore()
     return wrapper
@@ -128,9 +134,14 @@ def command(fn):
 
 def _watch_interrupts():
     """Note every SIGINT (then raise KeyboardInterrupt as Python does). Returns ``(interrupted,
-    restore)``: whether one came, and a function that puts the previous handler back. Outside the
-    main thread, or when someone else handles SIGINT, nothing is installed."""
+    restore)``: whether one came, and a function that puts the previous handlers back. Outside the
+    main thread, or when someone else handles SIGINT, nothing is installed.
+
+    A KeyboardInterrupt raised while a finalizer (``__del__``, a weakref callback) runs is
+    swallowed by Python; the unraisable hook installed here sends the signal again so that the
+    interrupt reaches the command instead of being lost."""
     import signal
+    import sys
     import threading
     seen = []
     previous = signal.getsignal(signal.SIGINT)
@@ -140,8 +151,25 @@ def _watch_interrupts():
     def on_sigint(signum, frame):
         seen.append(signum)
         signal.default_int_handler(signum, frame)
+
+    previous_hook = sys.unraisablehook
+    watching = [True]
+
+    def on_unraisable(unraisable):
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):  # raise it again once the finalizer is done
+            again = threading.Timer(0.05, lambda: watching and os.kill(os.getpid(), signal.SIGINT))
+            again.daemon = True
+            again.start()
+        else:
+            previous_hook(unraisable)
+
+    def restore():
+        watching.clear()
+        signal.signal(signal.SIGINT, previous)
+        sys.unraisablehook = previous_hook
     signal.signal(signal.SIGINT, on_sigint)
-    return (lambda: bool(seen)), (lambda: signal.signal(signal.SIGINT, previous))
+    sys.unraisablehook = on_unraisable
+    return (lambda: bool(seen)), restore
 
 
 def _interrupted():
