@@ -14,6 +14,7 @@ import hashlib
 import os
 import tempfile
 import time
+import weakref
 
 import torch
 
@@ -41,6 +42,7 @@ _POISON = 0xFF  # every byte 0xFF: NaN for f32/f16, -1 for i32, an invalid bool 
 #: output larger than this is read back through a staging buffer made for that read only: a
 #: program keeps no second copy of a large tensor (on a CPU adapter device memory is host memory).
 _STAGING_BYTES = 4 << 20
+_UPLOAD_CHUNK = 64 << 20  # inputs are converted, written and staged this much at a time
 #: Bytes of the guard region after each guarded buffer (enable_guards), and what fills it: a
 #: word no kernel writes by accident (0x3CC35AA5: neither poison, zero, nor a small number).
 GUARD_BYTES = 256
@@ -298,7 +300,8 @@ class _Resident:
         self.poison = self.fence_buf = self.sentinel = self.guard_readback = None
         self.guarded: dict[str, int] = {}  # guarded buffer -> where its guard starts
         self.snapshots: list[tuple[int, str]] = []  # (kernel index, buffer) per guard snapshot
-        self.last_inputs: dict[str, tuple] = {}
+        self.last_inputs: dict[str, tuple] = {}  # input -> (weak reference to the tensor, its _version)
+        self.staged = 0  # bytes written since the last submit
         try:
             self._make(platform, program)
         except BaseException:
@@ -355,23 +358,22 @@ class _Resident:
         self.written = {name for kern in program.kernels for name, access, *_ in kern.bindings if access == "read_write"}
 
     def upload(self, inputs: list[torch.Tensor]) -> None:
-        from tapml.platforms.wgsl.tensors import to_device
+        from tapml.platforms.wgsl.tensors import to_device_chunks
         for name, t in zip(self.program.inputs, inputs):
             if name not in self.buffers or t is None:  # None: filled on the device (a resident tensor)
                 continue
             last = self.last_inputs.get(name)
-            if last is not None and last[0] is t and last[1] == t._version and name not in self.written:
+            if last is not None and last[0]() is t and last[1] == t._version and name not in self.written:
                 continue
             self.last_inputs.pop(name, None)
-            data = to_device(t, self.specs[name].dtype, f"input {name}")
-            self.device.queue.write_buffer(self.buffers[name], 0, data)
-            staged = getattr(self, "staged", 0) + len(data)
-            if staged >= 64 << 20:  # write_buffer keeps a staged copy until a submit: bound them
-                self.device.queue.submit([])
-                staged = 0
-            self.staged = staged
-            self.platform.upload_bytes += len(data)
-            self.last_inputs[name] = (t, t._version)
+            for offset, data in to_device_chunks(t, self.specs[name].dtype, f"input {name}", _UPLOAD_CHUNK):
+                self.device.queue.write_buffer(self.buffers[name], offset, data)
+                self.staged += len(data)
+                if self.staged >= _UPLOAD_CHUNK:  # write_buffer keeps a staged copy until a submit: bound them
+                    self.device.queue.submit([])
+                    self.staged = 0
+                self.platform.upload_bytes += len(data)
+            self.last_inputs[name] = (weakref.ref(t), t._version)
 
     def record(self, encoder, repeat: int, poison: bool, readback: bool, timestamp_writes: dict | None = None,
                guards: bool = False, skip=()) -> None:

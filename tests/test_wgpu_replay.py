@@ -68,3 +68,10 @@ def test_whole_model_as_one_program(vulkan, carved, model):
     ref = store.model_outputs()
     result = compare_outputs(out, [ref[r] for r in graph.outputs])
     assert result.passed, result.message
+
+
+def test_inputs_uploaded_in_small_chunks_give_the_same_outputs(vulkan, carved, monkeypatch):
+    """Weights go to the device in chunks (bounded host staging); every chunk lands where it belongs."""
+    from tapml.platforms import wgpu_native
+    monkeypatch.setattr(wgpu_native, "_UPLOAD_CHUNK", 100)  # not a multiple of any row
+    test_whole_model_as_one_program(vulkan, carved, "tiny-llama")

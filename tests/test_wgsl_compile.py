@@ -257,3 +257,33 @@ def test_bool_is_one_u32_per_element():
     t = torch.tensor([True, False, True])
     data = to_device(t, "u32")
     assert len(data) == 12 and torch.equal(from_device(data, "u32", M((3,), "bool")), t)
+
+
+@pytest.mark.parametrize("storage,dtype", [("f32", torch.float32), ("f16", torch.float16), ("f16p", torch.float16),
+                                           ("bf16p", torch.bfloat16), ("i32", torch.int64), ("u32", torch.bool)])
+def test_chunked_upload_bytes_are_the_whole_upload(storage, dtype):
+    from tapml.platforms.wgsl.tensors import to_device_chunks
+    g = torch.Generator().manual_seed(3)
+    t = (torch.randn(7, 13, generator=g) * 100).to(dtype)  # 91 elements: an odd count, a padded last chunk
+    whole = to_device(t, storage)
+    for chunk_bytes in (8, 12, 64, 1 << 20):
+        parts = list(to_device_chunks(t, storage, "w", chunk_bytes))
+        joined = bytearray(len(whole))
+        for offset, data in parts:
+            assert offset % 4 == 0  # write_buffer needs 4-byte offsets: packed halves never split
+            joined[offset:offset + len(data)] = data
+        assert bytes(joined) == whole and parts[-1][0] + len(parts[-1][1]) == len(whole)
+
+
+def test_page_out_keeps_the_values_of_a_memory_mapped_tensor(tmp_path):
+    import mmap
+    import os
+    from tapml.platforms.wgsl.tensors import page_out
+    t = torch.randn(1 << 20, generator=torch.Generator().manual_seed(0))
+    (tmp_path / "w.bin").write_bytes(t.numpy().tobytes())
+    fd = os.open(tmp_path / "w.bin", os.O_RDONLY)
+    mapped = torch.frombuffer(mmap.mmap(fd, 4 << 20, access=mmap.ACCESS_COPY), dtype=torch.float32)
+    os.close(fd)
+    mapped[:5] = 7.0  # a private change (a copy-on-write page) survives too
+    page_out(mapped)
+    assert torch.equal(mapped[5:], t[5:]) and bool((mapped[:5] == 7).all())

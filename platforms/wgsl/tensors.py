@@ -43,6 +43,56 @@ def to_device(t: torch.Tensor, storage: str, name: str = "tensor") -> bytes:
     return data
 
 
+#: the bytes one element takes in each WGSL storage type (packed halves: two to a u32)
+STORAGE_BYTES = {"f32": 4, "f16": 2, "f16p": 2, "bf16p": 2, "i32": 4, "u32": 4}
+
+
+def to_device_chunks(t: torch.Tensor, storage: str, name: str = "tensor", chunk_bytes: int = 64 << 20):
+    """:func:`to_device` of ``t`` a chunk at a time: yields ``(byte offset, bytes)`` of at most
+    about ``chunk_bytes`` each, so that a 1 GB weight is never converted (or staged) whole. Once a
+    chunk is converted, the host pages it was read from are handed back to the kernel
+    (:func:`page_out`): a store's tensors are memory-mapped, and a weight that now lives on the
+    device need not stay resident on the host too."""
+    flat = t.detach().cpu().reshape(-1)
+    size = STORAGE_BYTES[storage]
+    step = max(2, chunk_bytes // size // 2 * 2)  # even: packed halves never straddle two chunks
+    for start in range(0, max(flat.numel(), 1), step):
+        part = flat[start:start + step]
+        yield start * size, to_device(part, storage, name)
+        page_out(part)
+
+
+_MADV_PAGEOUT = 21  # Linux 5.4+; semantics-preserving: clean file pages are dropped, the rest kept
+
+
+def page_out(t: torch.Tensor, min_bytes: int = 1 << 20) -> None:
+    """Ask the kernel to reclaim the host pages under ``t`` (``madvise(MADV_PAGEOUT)``): the
+    values stay the same (file-backed pages are read again on the next touch). A hint: where the
+    call is not available it does nothing."""
+    import sys
+    nbytes = t.numel() * t.element_size()
+    if sys.platform != "linux" or t.device.type != "cpu" or nbytes < min_bytes or not t.is_contiguous():
+        return
+    global _madvise
+    if _madvise is None:
+        import ctypes
+        try:
+            fn = ctypes.CDLL(None, use_errno=True).madvise
+            fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+        except (OSError, AttributeError):
+            fn = False
+        _madvise = fn
+    if _madvise:
+        import mmap
+        start = -(-t.data_ptr() // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the tensor only
+        end = (t.data_ptr() + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start:
+            _madvise(start, end - start, _MADV_PAGEOUT)
+
+
+_madvise = None
+
+
 _NP = {"f32": np.float32, "f16": np.float16, "f16p": np.float16, "bf16p": np.int16, "i32": np.int32,
        "u32": np.uint32}
 
