@@ -28,7 +28,7 @@ from pathlib import Path
 
 from tapml.platforms.wgsl import views
 from tapml.platforms.wgsl.codegen import BufferView, Compute, Value, cast, ctype, lit, load_at
-from tapml.platforms.wgsl.registry import ALL_FLOAT, edge_floats, rand, register
+from tapml.platforms.wgsl.registry import ALL_INT, NUMERIC, edge_floats, edge_ints, rand, randint, register
 
 #: (TM, TN, workgroup x, workgroup y, subgroup): rows and columns per thread, threads per
 #: workgroup, and 0 or the subgroup size S over which lanes share B's tile (subgroupBroadcast).
@@ -148,6 +148,54 @@ def _vec_ok(v: BufferView, axis: int, size: int) -> bool:
     others = [s for i, s in enumerate(v.strides) if i != axis and v.shape[i] > 1]
     return (v.strides[axis] == 1 and size % 4 == 0 and v.offset % 4 == 0 and all(s % 4 == 0 for s in others)
             and v.buf.dtype in ("f32", "f16"))
+
+
+def wrap_int(expr: str, dtype: str) -> str:
+    """The i32 expression ``expr`` wrapped to the range of the integer ``dtype`` (two's
+    complement, as torch's integer arithmetic wraps): int8, uint8 and int16 results live in i32
+    words, so a value past their range must be brought back before another kernel reads it."""
+    if dtype == "int8":
+        return f"(({expr}) << 24u) >> 24u"
+    if dtype == "int16":
+        return f"(({expr}) << 16u) >> 16u"
+    if dtype == "uint8":
+        return f"(({expr}) & 255)"
+    return expr
+
+
+def int_matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, alpha=1, beta=1) -> BufferView:
+    """:func:`matmul` for integer dtypes: i32 products and sums that wrap as torch's do, so the
+    result is exact modulo 2**32 (an int64 result outside i32 is the comparison's unsupported
+    verdict), then wrapped to the output dtype. ``alpha`` and ``beta`` are truncated to
+    integers, as torch does for integer tensors."""
+    a, b = pb.plain(a), pb.plain(b)
+    Z, M, K = a.shape
+    N = b.shape[2]
+    alpha, beta = int(alpha), int(beta)
+    out = pb.buffer("temp", meta)
+    result = BufferView.whole(out, meta)
+    if M * N * Z == 0:
+        return result
+    if bias is not None:
+        bias = views.expand_to(bias, (Z, M, N))
+        (bias,) = pb.fit([bias], 3)
+    if K == 0:
+        return _empty_product(pb, out, meta, (Z, M, N), bias if beta != 0 else None, beta)
+    k = pb.kernel(name)
+    z, m, n = k.unravel("n", (Z, M, N))
+    acc = k.var("i32", "0", "acc")
+    k.loop("kk", K)
+    av = cast(a.read(k, [z, m, "kk"]), a.ty, "i32")
+    bv = cast(b.read(k, [z, "kk", n]), b.ty, "i32")
+    k.emit(f"{acc} = {acc} + {av} * {bv};")
+    k.close()
+    e = acc if alpha == 1 else f"{lit(alpha, 'i32')} * {acc}"
+    if bias is not None and beta != 0:
+        bv = cast(bias.read(k, [z, m, n]), bias.ty, "i32")
+        e = f"{e} + {bv}" if beta == 1 else f"{e} + {lit(beta, 'i32')} * {bv}"
+    k.write(out, "n", wrap_int(e, meta.dtype), "i32")
+    pb.add(k.finish(Z * M * N))
+    return result
 
 
 def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, alpha=1, beta=1) -> BufferView:
@@ -298,6 +346,11 @@ def _empty_product(pb, out, meta, shape, bias: Value | None, beta) -> BufferView
     """``out`` filled with ``beta * bias`` (or zeros): a matrix product over K = 0."""
     if bias is None:
         value = Compute(shape, meta.dtype, [], lambda k, e, idx: lit(0, ctype(meta.dtype)))
+    elif meta.dtype in ALL_INT:
+        def scaled(k, e, idx):
+            bv = cast(e[0], bias.ty, "i32")
+            return wrap_int(bv if beta == 1 else f"{lit(int(beta), 'i32')} * {bv}", meta.dtype)
+        value = Compute(shape, meta.dtype, [bias], scaled)
     else:
         def scaled(k, e, idx):
             bv = cast(e[0], bias.ty, "f32")
@@ -307,39 +360,99 @@ def _empty_product(pb, out, meta, shape, bias: Value | None, beta) -> BufferView
     return BufferView.whole(out, meta)
 
 
+def product(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, alpha=1, beta=1) -> BufferView:
+    """:func:`matmul` for float outputs, :func:`int_matmul` for integer ones."""
+    fn = int_matmul if meta.dtype in ALL_INT else matmul
+    return fn(pb, name, a, b, meta, bias=bias, alpha=alpha, beta=beta)
+
+
+INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
+
+
+def _int_operands(m: int, k: int, n: int) -> list:
+    """``(a, b)`` pairs of every integer dtype torch multiplies: int32 with the i32 boundaries and
+    int8/int16/uint8 over their whole ranges (torch wraps: so must we), int64 with sums that
+    pass the i32 boundaries on the way but end inside them, and int64 of moderate size."""
+    import torch
+    pairs = [(edge_ints(m, k, dtype=torch.int32), randint(k, n, lo=-1000, hi=1000, dtype=torch.int32)),
+             (randint(m, k, lo=-2**15, hi=2**15, dtype=torch.int16),
+              randint(k, n, lo=-2**15, hi=2**15, dtype=torch.int16)),
+             (randint(m, k, lo=-128, hi=128, dtype=torch.int8), randint(k, n, lo=-128, hi=128, dtype=torch.int8)),
+             (randint(m, k, lo=0, hi=256, dtype=torch.uint8), randint(k, n, lo=0, hi=256, dtype=torch.uint8)),
+             (randint(m, k, lo=-3000, hi=3000, dtype=torch.int64), randint(k, n, lo=-3000, hi=3000, dtype=torch.int64))]
+    rows = torch.tensor([[INT32_MAX, INT32_MAX, INT32_MIN, INT32_MIN + 7], [INT32_MIN, 3, INT32_MAX, -9]])
+    pairs.append((rows, torch.ones(4, 3, dtype=torch.int64)))
+    return pairs
+
+
 def _mm_samples():
+    import torch
     return [((rand(5, 7), rand(7, 3)), {}), ((rand(16, 64), rand(64, 32)), {}), ((rand(9, 12), rand(20, 12).t()), {}),
             ((rand(33, 8).t(), rand(33, 10)), {}),
             # K = 0 (OpInfo's mm and linalg.multi_dot samples): zeros, no read of the empty operands
             ((rand(5, 0), rand(0, 10)), {}), ((rand(0, 4), rand(4, 3)), {}),
-            ((edge_floats(4, 6), rand(6, 5)), {})]
+            ((edge_floats(4, 6), rand(6, 5)), {}),
+            *[((a, b), {}) for a, b in _int_operands(5, 7, 3)],
+            ((randint(20, 12, lo=-100, hi=100, dtype=torch.int32).t(),
+              randint(20, 9, lo=-100, hi=100, dtype=torch.int32)), {}),
+            ((randint(3, 0, dtype=torch.int8), randint(0, 4, dtype=torch.int8)), {})]
 
 
-@register("aten.mm.default", ALL_FLOAT, samples=_mm_samples, flops="matmul")
+@register("aten.mm.default", NUMERIC, samples=_mm_samples, flops="matmul")
 def mm(pb, node, a, b):
-    return [matmul(pb, "mm", views.unsqueeze(a, 0), views.unsqueeze(b, 0), node.outputs[0])]
+    return [product(pb, "mm", views.unsqueeze(a, 0), views.unsqueeze(b, 0), node.outputs[0])]
 
 
-@register("aten.bmm.default", ALL_FLOAT,
-          samples=lambda: [((rand(2, 5, 7), rand(2, 7, 3)), {}), ((rand(4, 16, 16), rand(4, 16, 16)), {}),
-                           ((rand(3, 8, 6), rand(3, 5, 6).transpose(1, 2)), {}), ((rand(2, 3, 0), rand(2, 0, 4)), {})],
-          flops="matmul")
+def _bmm_samples():
+    return [((rand(2, 5, 7), rand(2, 7, 3)), {}), ((rand(4, 16, 16), rand(4, 16, 16)), {}),
+            ((rand(3, 8, 6), rand(3, 5, 6).transpose(1, 2)), {}), ((rand(2, 3, 0), rand(2, 0, 4)), {}),
+            ((edge_floats(2, 3, 4), rand(2, 4, 5)), {}),
+            *[((a.reshape(2, 3, 5), b.reshape(2, 5, 4)), {}) for a, b in _int_operands(6, 5, 8)[:-1]]]
+
+
+@register("aten.bmm.default", NUMERIC, samples=_bmm_samples, flops="matmul")
 def bmm(pb, node, a, b):
-    return [matmul(pb, "bmm", a, b, node.outputs[0])]
+    return [product(pb, "bmm", a, b, node.outputs[0])]
 
 
-@register("aten.addmm.default", ALL_FLOAT,
-          samples=lambda: [((rand(3), rand(5, 7), rand(7, 3)), {}), ((rand(64), rand(16, 32), rand(64, 32).t()), {}),
-                           ((rand(5, 1), rand(5, 4), rand(4, 6)), {"beta": 0.5, "alpha": 2.0}),
-                           ((rand(3), rand(2, 0), rand(0, 3)), {"beta": 0.5}),
-                           ((edge_floats(2, 3), rand(2, 0), rand(0, 3)), {"beta": 0})], flops="addmm")
+def _addmm_samples():
+    import torch
+    *narrow, (a64, b64), _ = _int_operands(5, 7, 3)
+    ints = [((edge_ints(3).to(a.dtype), a, b), {}) for a, b in narrow]
+    ints.append(((randint(5, 3, lo=-9, hi=9), a64, b64), {}))
+    return [((rand(3), rand(5, 7), rand(7, 3)), {}), ((rand(64), rand(16, 32), rand(64, 32).t()), {}),
+            ((rand(5, 1), rand(5, 4), rand(4, 6)), {"beta": 0.5, "alpha": 2.0}),
+            ((rand(3), rand(2, 0), rand(0, 3)), {"beta": 0.5}),
+            ((edge_floats(2, 3), rand(2, 0), rand(0, 3)), {"beta": 0}),
+            ((edge_floats(2, 3), rand(2, 4), rand(4, 3)), {}),
+            *ints,
+            # torch truncates alpha and beta to integers for integer tensors
+            ((randint(5, 1, lo=-9, hi=9, dtype=torch.int32), randint(5, 4, lo=-9, hi=9, dtype=torch.int32),
+              randint(4, 6, lo=-9, hi=9, dtype=torch.int32)), {"beta": -2.5, "alpha": 3}),
+            ((randint(3, lo=-9, hi=9, dtype=torch.int64), randint(2, 0, dtype=torch.int64),
+              randint(0, 3, dtype=torch.int64)), {"beta": 2})]
+
+
+@register("aten.addmm.default", NUMERIC, samples=_addmm_samples, flops="addmm")
 def addmm(pb, node, bias, a, b, beta=1, alpha=1):
-    return [matmul(pb, "addmm", views.unsqueeze(a, 0), views.unsqueeze(b, 0), node.outputs[0],
-                   bias=views.unsqueeze(views.expand_to(bias, node.outputs[0].shape), 0), alpha=alpha, beta=beta)]
+    return [product(pb, "addmm", views.unsqueeze(a, 0), views.unsqueeze(b, 0), node.outputs[0],
+                    bias=views.unsqueeze(views.expand_to(bias, node.outputs[0].shape), 0), alpha=alpha, beta=beta)]
 
 
-@register("aten.baddbmm.default", ALL_FLOAT,
-          samples=lambda: [((rand(2, 5, 3), rand(2, 5, 7), rand(2, 7, 3)), {"beta": 0.5, "alpha": 0.25})], flops="addmm")
+def _baddbmm_samples():
+    import torch
+    narrow = [((edge_ints(2, 1, 4).to(a.dtype), a.reshape(2, 3, 5), b.reshape(2, 5, 4)), {})
+              for a, b in _int_operands(6, 5, 8)[1:4]]
+    return [((rand(2, 5, 3), rand(2, 5, 7), rand(2, 7, 3)), {"beta": 0.5, "alpha": 0.25}),
+            ((edge_floats(1, 5, 3), rand(1, 5, 7), rand(1, 7, 3)), {}),
+            ((edge_ints(2, 1, 3, dtype=torch.int32), edge_ints(2, 4, 6, dtype=torch.int32),
+              randint(2, 6, 3, lo=-50, hi=50, dtype=torch.int32)), {"beta": 2, "alpha": -1}),
+            *narrow,
+            ((randint(2, 4, 3, lo=-99, hi=99), randint(2, 4, 5, lo=-99, hi=99), randint(2, 5, 3, lo=-99, hi=99)),
+             {"alpha": 2})]
+
+
+@register("aten.baddbmm.default", NUMERIC, samples=_baddbmm_samples, flops="addmm")
 def baddbmm(pb, node, bias, a, b, beta=1, alpha=1):
-    return [matmul(pb, "baddbmm", a, b, node.outputs[0], bias=views.expand_to(bias, node.outputs[0].shape),
-                   alpha=alpha, beta=beta)]
+    return [product(pb, "baddbmm", a, b, node.outputs[0], bias=views.expand_to(bias, node.outputs[0].shape),
+                    alpha=alpha, beta=beta)]

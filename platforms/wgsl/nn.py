@@ -6,7 +6,8 @@ import math
 
 from tapml.platforms.wgsl import views
 from tapml.platforms.wgsl.codegen import BufferView, Compute, Custom, cast, contiguous_strides, index_sum, lit
-from tapml.platforms.wgsl.registry import ALL_FLOAT, rand, register
+from tapml.platforms.wgsl.matmul import wrap_int
+from tapml.platforms.wgsl.registry import ALL_FLOAT, ALL_INT, NUMERIC, edge_floats, edge_ints, rand, randint, register
 
 
 def _rows(pb, name, x, dim, meta, body):
@@ -60,7 +61,7 @@ def _softmax(log):
 
 def _softmax_samples():
     return [((rand(3, 5, lo=-5, hi=5), -1, False), {}), ((rand(2, 4, 16, 16, lo=-8, hi=8), -1, False), {}),
-            ((rand(4, 6), 0, False), {})]
+            ((rand(4, 6), 0, False), {}), ((edge_floats(4, 6), -1, False), {})]
 
 
 register("aten._softmax.default", ALL_FLOAT, samples=_softmax_samples, flops="softmax")(_softmax(False))
@@ -70,7 +71,8 @@ register("aten._log_softmax.default", ALL_FLOAT, samples=_softmax_samples, flops
 @register("aten.native_layer_norm.default", ALL_FLOAT,
           samples=lambda: [((rand(2, 5, 16), [16], rand(16), rand(16), 1e-5), {}),
                            ((rand(3, 4, 6), [4, 6], rand(4, 6), None, 1e-6), {}),
-                           ((rand(4, 8), [8], None, None, 1e-12), {})], flops="norm")
+                           ((rand(4, 8), [8], None, None, 1e-12), {}),
+                           ((edge_floats(3, 8), [8], rand(8), rand(8), 1e-5), {})], flops="norm")
 def native_layer_norm(pb, node, x, normalized_shape, weight, bias, eps):
     nd = len(x.shape)
     axis = nd - len(normalized_shape)
@@ -136,7 +138,8 @@ def _moments(k, L: int, eps: float, read) -> tuple[str, str]:
 
 @register("aten.native_group_norm.default", ALL_FLOAT,
           samples=lambda: [((rand(2, 6, 4, 4), rand(6), rand(6), 2, 6, 16, 3, 1e-5), {}),
-                           ((rand(1, 4, 5), None, None, 1, 4, 5, 2, 1e-5), {})], flops="norm")
+                           ((rand(1, 4, 5), None, None, 1, 4, 5, 2, 1e-5), {}),
+                           ((edge_floats(2, 4, 6), rand(4), rand(4), 2, 4, 6, 2, 1e-5), {})], flops="norm")
 def native_group_norm(pb, node, x, weight, bias, N, C, HxW, group, eps):
     metas = node.outputs
     bufs = [pb.buffer("temp", m) for m in metas]
@@ -167,7 +170,8 @@ def native_group_norm(pb, node, x, weight, bias, N, C, HxW, group, eps):
 
 def _bn_samples():
     return [((rand(2, 4, 5, 5), rand(4), rand(4), rand(4), rand(4, lo=0.5, hi=2), 0.1, 1e-5), {}),
-            ((rand(3, 6), None, None, rand(6), rand(6, lo=0.5, hi=2), 0.1, 1e-3), {})]
+            ((rand(3, 6), None, None, rand(6), rand(6, lo=0.5, hi=2), 0.1, 1e-3), {}),
+            ((edge_floats(2, 3, 4), rand(3), rand(3), rand(3), rand(3, lo=0.5, hi=2), 0.1, 1e-5), {})]
 
 
 @register("aten._native_batch_norm_legit_no_training.default", ALL_FLOAT, samples=_bn_samples, flops="norm")
@@ -203,52 +207,84 @@ def native_batch_norm(pb, node, x, weight, bias, running_mean, running_var, trai
 
 # --- convolution -------------------------------------------------------------------------
 
-def _conv_check(node):
-    if node.args[6]:
-        return "transposed convolution has no WGSL lowering yet"
-    return None
-
-
 def _conv_samples():
+    import torch
+    ints = [((randint(2, 4, 7, 6, lo=lo, hi=hi, dtype=dt), randint(6, 2, 3, 2, lo=lo, hi=hi, dtype=dt),
+              randint(6, lo=lo, hi=hi, dtype=dt), [2, 1], [1, 1], [1, 2], False, [0, 0], 2), {})
+            for dt, lo, hi in ((torch.int16, -2**15, 2**15), (torch.int8, -128, 128), (torch.uint8, 0, 256),
+                               (torch.int64, -999, 999))]
     return [((rand(2, 3, 8, 8), rand(4, 3, 3, 3), rand(4), [1, 1], [1, 1], [1, 1], False, [0, 0], 1), {}),
             ((rand(1, 4, 9, 7), rand(6, 2, 3, 2), None, [2, 1], [1, 0], [1, 2], False, [0, 0], 2), {}),
             ((rand(1, 8, 6, 6), rand(8, 1, 3, 3), rand(8), [1, 1], [2, 2], [2, 2], False, [0, 0], 8), {}),
-            ((rand(2, 3, 16), rand(5, 3, 4), rand(5), [2], [1], [1], False, [0], 1), {})]
+            ((rand(2, 3, 16), rand(5, 3, 4), rand(5), [2], [1], [1], False, [0], 1), {}),
+            ((rand(1, 4, 5, 6, 4), rand(6, 2, 3, 2, 3), rand(6), [1, 2, 1], [1, 0, 1], [1, 1, 2], False, [0, 0, 0], 2),
+             {}),
+            ((edge_floats(1, 2, 6, 6), rand(3, 2, 3, 3), rand(3), [1, 1], [1, 1], [1, 1], False, [0, 0], 1), {}),
+            ((edge_ints(2, 3, 9, dtype=torch.int32), randint(4, 3, 3, lo=-999, hi=999, dtype=torch.int32),
+              None, [1], [2], [2], False, [0], 1), {}),
+            *ints,
+            # transposed: weight (Cin, Cout / groups, *kernel); output_padding only lengthens the output
+            ((rand(2, 4, 5, 6), rand(4, 3, 3, 3), rand(3), [2, 2], [1, 1], [1, 1], True, [1, 0], 1), {}),
+            ((rand(1, 4, 4, 5), rand(4, 2, 2, 3), None, [3, 2], [0, 1], [2, 1], True, [2, 1], 2), {}),
+            ((rand(2, 3, 7), rand(3, 2, 4), rand(2), [2], [1], [1], True, [1], 1), {}),
+            ((rand(1, 6, 3, 4, 3), rand(6, 1, 2, 3, 2), rand(3), [2, 1, 2], [0, 1, 1], [1, 2, 1], True, [1, 0, 0], 3),
+             {}),
+            ((rand(1, 8, 16, 16), rand(8, 4, 2, 2), rand(4), [2, 2], [0, 0], [1, 1], True, [0, 0], 1), {}),
+            ((edge_floats(1, 2, 4, 4), rand(2, 3, 3, 3), None, [1, 1], [0, 0], [1, 1], True, [0, 0], 1), {}),
+            # torch takes only int64 among the integers for a transposed convolution
+            ((randint(1, 4, 5, 4, lo=-999, hi=999), randint(4, 1, 3, 2, lo=-999, hi=999), randint(2, lo=-9, hi=9),
+              [2, 1], [1, 0], [1, 1], True, [1, 0], 2), {})]
 
 
-@register("aten.convolution.default", ALL_FLOAT, samples=_conv_samples, check=_conv_check, flops="conv")
+@register("aten.convolution.default", NUMERIC, samples=_conv_samples, flops="conv")
 def convolution(pb, node, x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
+    """Direct convolution, one thread per output element. Transposed, each output gathers the
+    inputs that scatter onto it: ``o = i * stride - padding + k * dilation`` solved for ``i``.
+    Integers accumulate in i32 wrapping as torch's integer arithmetic does."""
     meta = node.outputs[0]
+    acc_ty = "i32" if meta.dtype in ALL_INT else "f32"
     x, w = pb.plain(x), pb.plain(w)
     if bias is not None:
         (bias,) = pb.fit([bias], 3)
     nsp = len(x.shape) - 2
-    Nb, Cin = x.shape[:2]
-    Cout = w.shape[0]
+    Cin = x.shape[1]
+    Cout = meta.shape[1]
     cig, cog = Cin // groups, Cout // groups
     ksz = list(w.shape[2:])
     isz = list(x.shape[2:])
     out = pb.buffer("temp", meta)
     result = BufferView.whole(out, meta)
     if meta.numel == 0:
-        return result
-    k = pb.kernel("conv")
+        return [result]
+    k = pb.kernel("conv_transpose" if transposed else "conv")
     idx = k.unravel("n", meta.shape)
     b, oc, osp = idx[0], idx[1], idx[2:]
     k.emit(f"let g: i32 = {oc} / {cog};" if groups > 1 else "let g: i32 = 0;")
-    acc = k.var("f32", "0.0", "acc")
+    acc = k.var(acc_ty, lit(0, acc_ty), "acc")
     k.loop("ci", cig)
     k.emit(f"let c: i32 = g * {cig} + ci;")
     kv = []
+    conds = []
     for d in range(nsp):
         k.loop(f"k{d}", ksz[d])
-        e = f"{osp[d]} * {stride[d]} - {padding[d]} + k{d} * {dilation[d]}"
-        k.emit(f"let i{d}: i32 = {e};")
         kv.append(f"k{d}")
-    cond = " && ".join(f"i{d} >= 0 && i{d} < {isz[d]}" for d in range(nsp))
-    k.open(f"if ({cond})")
-    xv = cast(x.read(k, [b, "c"] + [f"i{d}" for d in range(nsp)]), x.ty, "f32")
-    wv = cast(w.read(k, [oc, "ci"] + kv), w.ty, "f32")
+        if transposed:
+            k.emit(f"let tp{d}: i32 = {osp[d]} + {padding[d]} - k{d} * {dilation[d]};")
+            # tp < 0 is tested first: WGSL's % of a negative operand becomes GLSL's, which is undefined
+            conds.append(f"tp{d} >= 0 && tp{d} < {isz[d] * stride[d]}" +
+                         (f" && tp{d} % {stride[d]} == 0" if stride[d] != 1 else ""))
+        else:
+            k.emit(f"let i{d}: i32 = {osp[d]} * {stride[d]} - {padding[d]} + k{d} * {dilation[d]};")
+            conds.append(f"i{d} >= 0 && i{d} < {isz[d]}")
+    k.open(f"if ({' && '.join(conds)})")
+    if transposed:
+        for d in range(nsp):
+            k.emit(f"let i{d}: i32 = tp{d} / {stride[d]};" if stride[d] != 1 else f"let i{d}: i32 = tp{d};")
+        widx = ["c", k.let(f"{oc} - g * {cog}", "i32") if groups > 1 else oc]
+    else:
+        widx = [oc, "ci"]
+    xv = cast(x.read(k, [b, "c"] + [f"i{d}" for d in range(nsp)]), x.ty, acc_ty)
+    wv = cast(w.read(k, widx + kv), w.ty, acc_ty)
     k.emit(f"{acc} = {acc} + {xv} * {wv};")
     k.close()
     for _ in range(nsp):
@@ -256,8 +292,8 @@ def convolution(pb, node, x, w, bias, stride, padding, dilation, transposed, out
     k.close()
     e = acc
     if bias is not None:
-        e = f"{acc} + {cast(bias.read(k, [oc]), bias.ty, 'f32')}"
-    k.write(out, "n", e, "f32")
+        e = f"{acc} + {cast(bias.read(k, [oc]), bias.ty, acc_ty)}"
+    k.write(out, "n", wrap_int(e, meta.dtype), acc_ty)
     pb.add(k.finish(meta.numel))
     return [result]
 
@@ -271,10 +307,24 @@ def _pair(v, n=2):
     return v * n if len(v) == 1 else v
 
 
-@register("aten.max_pool2d_with_indices.default", ALL_FLOAT,
-          samples=lambda: [((rand(2, 3, 8, 8), [2, 2], [2, 2]), {}), ((rand(1, 4, 9, 9), [3, 3], [2, 2], [1, 1]), {}),
-                           ((rand(1, 2, 7, 7), [2, 2], [2, 2], [0, 0], [1, 1], True), {}),
-                           ((rand(1, 2, 9, 9), [3, 3], [1, 1], [1, 1], [2, 2]), {})])
+def _max_pool_samples():
+    import torch
+    ints = [((randint(2, 3, 8, 8, lo=lo, hi=hi, dtype=dt), [2, 2], [2, 2]), {})
+            for dt, lo, hi in ((torch.int16, -2**15, 2**15), (torch.int8, -128, 128), (torch.uint8, 0, 256))]
+    two_nans = rand(1, 2, 4, 4)
+    two_nans[0, 0, 0, 1] = two_nans[0, 0, 1, 0] = two_nans[0, 1, 2, 2] = math.nan
+    return [((rand(2, 3, 8, 8), [2, 2], [2, 2]), {}), ((rand(1, 4, 9, 9), [3, 3], [2, 2], [1, 1]), {}),
+            ((rand(1, 2, 7, 7), [2, 2], [2, 2], [0, 0], [1, 1], True), {}),
+            ((rand(1, 2, 9, 9), [3, 3], [1, 1], [1, 1], [2, 2]), {}),
+            ((edge_floats(2, 5, 6), [2, 3], [1, 2], [1, 1]), {}),
+            ((two_nans, [2, 2]), {}),
+            ((edge_ints(2, 3, 9, 9, dtype=torch.int32), [3, 3], [2, 2], [1, 1]), {}),
+            # a narrow range, so that windows hold ties: the first maximum's index wins, as in torch
+            ((randint(1, 2, 7, 7, lo=-3, hi=3), [3, 2], [2, 2], [1, 0], [1, 2], True), {}),
+            ((edge_ints(3, 6, 6), [2, 2]), {}), *ints]
+
+
+@register("aten.max_pool2d_with_indices.default", ALL_FLOAT + ALL_INT, samples=_max_pool_samples)
 def max_pool2d(pb, node, x, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
     kh, kw = _pair(kernel_size)
     sh, sw = _pair(stride) if stride else (kh, kw)
@@ -290,19 +340,23 @@ def max_pool2d(pb, node, x, kernel_size, stride=(), padding=0, dilation=1, ceil_
     k = pb.kernel("max_pool2d")
     idx = k.unravel("n", vmeta.shape)
     lead, oh, ow = idx[:-2], idx[-2], idx[-1]
-    best = k.var("f32", lit(-math.inf, "f32"), "best")
+    ty = "i32" if vmeta.dtype in ALL_INT else "f32"
+    best = k.var(ty, lit(-2**31 if ty == "i32" else -math.inf, ty), "best")
     arg = k.var("i32", "-1", "arg")
     k.loop("a", kh)
     k.loop("b", kw)
     k.emit(f"let ih: i32 = {oh} * {sh} - {ph} + a * {dh};")
     k.emit(f"let iw: i32 = {ow} * {sw} - {pw} + b * {dw};")
     k.open(f"if (ih >= 0 && ih < {H} && iw >= 0 && iw < {W})")
-    v = cast(x.read(k, list(lead) + ["ih", "iw"]), x.ty, "f32")
-    k.emit(f"if ({arg} < 0 || {v} > {best} || ({v} != {v} && {best} == {best})) {{ {best} = {v}; {arg} = ih * {W} + iw; }}")
+    v = cast(x.read(k, list(lead) + ["ih", "iw"]), x.ty, ty)
+    # as in torch, a NaN always takes the place (the last NaN's index wins); tested on the bits,
+    # since drivers may fold v != v to false
+    nan = f" || {k.need('tap_isnan')}({v})" if ty == "f32" else ""
+    k.emit(f"if ({arg} < 0 || {v} > {best}{nan}) {{ {best} = {v}; {arg} = ih * {W} + iw; }}")
     k.close()
     k.close()
     k.close()
-    k.write(vb, "n", best, "f32")
+    k.write(vb, "n", best, ty)
     k.write(ib, "n", arg, "i32")
     pb.add(k.finish(vmeta.numel))
     return res
@@ -319,10 +373,44 @@ def _window_sum(k, x, lead, h0: str, h1: str, w0: str, w1: str) -> str:
     return acc
 
 
-@register("aten.avg_pool2d.default", ALL_FLOAT,
-          samples=lambda: [((rand(2, 3, 8, 8), [2, 2]), {}), ((rand(1, 4, 9, 9), [3, 3], [2, 2], [1, 1]), {}),
-                           ((rand(1, 2, 7, 7), [3, 3], [2, 2], [1, 1], True, False), {}),
-                           ((rand(1, 2, 6, 6), [2, 2], [2, 2], [0, 0], False, True, 3), {})])
+def _int_window_mean(k, x, lead, h0: str, h1: str, w0: str, w1: str, div: str) -> str:
+    """Emit torch's integer mean ``sum // div`` (truncated) of ``x[lead..., h0:h1, w0:w1]``,
+    exact although the sum may pass the i32 range (int64 in torch): the quotients and the
+    remainders of the elements by ``div`` are summed apart, the remainders' sum divided after."""
+    div_i, rem_i = k.need("tap_div_i"), k.need("tap_rem_i")
+    d = k.let(div, "i32")
+    q, r = k.var("i32", "0", "q"), k.var("i32", "0", "r")
+    k.open(f"for (var a: i32 = {h0}; a < {h1}; a = a + 1)")
+    k.open(f"for (var b: i32 = {w0}; b < {w1}; b = b + 1)")
+    v = cast(x.read(k, list(lead) + ['a', 'b']), x.ty, 'i32')
+    k.emit(f"{q} = {q} + {div_i}({v}, {d});")
+    k.emit(f"{r} = {r} + {rem_i}({v}, {d});")
+    k.close()
+    k.close()
+    # sum = Q * d + R with |R| < |d|; truncation wants R of the sum's sign (that of Q * d when
+    # Q != 0), else the quotient is one step closer to zero
+    big_q = k.let(f"{q} + {div_i}({r}, {d})", "i32")
+    big_r = k.let(f"{rem_i}({r}, {d})", "i32")
+    wrong_sign = f"{big_q} != 0 && {big_r} != 0 && sign({big_r}) != sign({big_q}) * sign({d})"
+    return k.let(f"{big_q} - select(0, sign({big_q}), {wrong_sign})", "i32")
+
+
+def _avg_pool_samples():
+    import torch
+    return [((rand(2, 3, 8, 8), [2, 2]), {}), ((rand(1, 4, 9, 9), [3, 3], [2, 2], [1, 1]), {}),
+            ((rand(1, 2, 7, 7), [3, 3], [2, 2], [1, 1], True, False), {}),
+            ((rand(1, 2, 6, 6), [2, 2], [2, 2], [0, 0], False, True, 3), {}),
+            ((edge_floats(2, 5, 6), [2, 3], [1, 2], [1, 1]), {}),
+            # torch averages only int64 among the integers: the sum in int64, divided with truncation
+            ((edge_ints(2, 3, 6, 6), [2, 2]), {}),
+            ((torch.tensor([[[2**31 - 1, 2**31 - 1, -2**31, -7], [2**31 - 1, 5, -2**31, -2**31], [-3, 4, 9, -1]]]),
+              [2, 2], [1, 2], [1, 1], True, True), {}),
+            ((randint(1, 3, 7, 7, lo=-99, hi=99), [3, 3], [2, 2], [1, 1], True, False), {}),
+            ((randint(2, 6, 6, lo=-99, hi=99), [2, 3], [2, 2], [1, 1], False, True, -4), {}),
+            ((randint(1, 2, 5, 5, lo=-99, hi=99), [2, 2], [1, 1], [0, 0], False, True, 3), {})]
+
+
+@register("aten.avg_pool2d.default", ALL_FLOAT + ("int64",), samples=_avg_pool_samples)
 def avg_pool2d(pb, node, x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
                divisor_override=None):
     kh, kw = _pair(kernel_size)
@@ -341,19 +429,22 @@ def avg_pool2d(pb, node, x, kernel_size, stride=(), padding=0, ceil_mode=False, 
         pool = k.let(f"({he} - {hs}) * ({we} - {ws})", "i32")
         h0, w0 = k.let(f"max({hs}, 0)", "i32"), k.let(f"max({ws}, 0)", "i32")
         h1, w1 = k.let(f"min({he}, {H})", "i32"), k.let(f"min({we}, {W})", "i32")
-        acc = _window_sum(k, x, lead, h0, h1, w0, w1)
         if divisor_override:
-            div = lit(divisor_override, "f32")
+            div = lit(divisor_override, "i32")
         elif count_include_pad:
-            div = f"f32({pool})"
+            div = pool
         else:
-            div = f"f32(({h1} - {h0}) * ({w1} - {w0}))"
-        return f"({acc} / {div})"
+            div = f"({h1} - {h0}) * ({w1} - {w0})"
+        if meta.dtype in ALL_INT:
+            return _int_window_mean(k, x, lead, h0, h1, w0, w1, div)
+        acc = _window_sum(k, x, lead, h0, h1, w0, w1)
+        return f"({acc} / f32({div}))"
     return [Custom(meta.shape, meta.dtype, [x], fn, cost=9)]
 
 
 @register("aten._adaptive_avg_pool2d.default", ALL_FLOAT,
-          samples=lambda: [((rand(2, 3, 8, 8), [1, 1]), {}), ((rand(1, 2, 7, 9), [3, 4]), {})])
+          samples=lambda: [((rand(2, 3, 8, 8), [1, 1]), {}), ((rand(1, 2, 7, 9), [3, 4]), {}),
+                           ((edge_floats(1, 2, 5, 6), [2, 3]), {})])
 def adaptive_avg_pool2d(pb, node, x, output_size):
     meta = node.outputs[0]
     H, W = x.shape[-2:]

@@ -42,7 +42,9 @@ def _addmm(node: Node, ins: list[TensorMeta]) -> int:
 
 
 def _conv(node: Node, ins: list[TensorMeta]) -> int:
-    weight = ins[1].shape  # (Cout, Cin/groups, *kernel)
+    weight = ins[1].shape  # (Cout, Cin/groups, *kernel); transposed: (Cin, Cout/groups, *kernel)
+    if len(node.args) > 6 and node.args[6] is True:  # each input element meets Cout/groups·kernel weights
+        return 2 * ins[0].numel * math.prod(weight[1:])
     return 2 * node.outputs[0].numel * math.prod(weight[1:])
 
 

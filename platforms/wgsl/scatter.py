@@ -1,10 +1,12 @@
-"""Scatter ops: index_put (the key/value cache update of a generation), index_copy, slice_scatter.
+"""Scatter ops: index_put (the key/value cache update of a generation), index_copy, slice_scatter,
+scatter / scatter_add / scatter_reduce along a dim, select_scatter, diagonal_scatter, masked_scatter.
 
-All are lazy: an output element is computed where it is read. ``index_put`` scans the index
-entries for the ones that land on the element (a deterministic loop, no atomics): with
-``accumulate`` it adds every match to the input, otherwise the last match wins, as torch does
-for unique indices (it leaves duplicates undefined). Indices are wrapped and clamped like the
-gathers' (platforms/wgsl/index.py), so a bad index never writes outside a buffer."""
+All are lazy: an output element is computed where it is read. ``index_put`` and the scatters
+along a dim scan the index entries for the ones that land on the element (a deterministic
+loop, no atomics): with ``accumulate`` or a reduction they combine every match in index order,
+otherwise the last match wins, as torch does for unique indices (it leaves duplicates
+undefined). Indices are wrapped and clamped like the gathers' (platforms/wgsl/index.py), so a
+bad index never writes outside a buffer."""
 
 from __future__ import annotations
 
@@ -12,10 +14,11 @@ import math
 
 import torch
 
+from tapml.errors import Unsupported
 from tapml.platforms.wgsl import views
-from tapml.platforms.wgsl.codegen import Custom, cast
+from tapml.platforms.wgsl.codegen import BufferView, Custom, Value, cast, lit, round_low
 from tapml.platforms.wgsl.index import advanced_layout, wrapped_index
-from tapml.platforms.wgsl.registry import ALL, rand, randint, register
+from tapml.platforms.wgsl.registry import ALL, edge_floats, edge_ints, rand, randbool, randint, register
 
 
 def _scatter(pb, meta, x, indices: list, values, accumulate: bool):
@@ -47,8 +50,8 @@ def _scatter(pb, meta, x, indices: list, values, accumulate: bool):
             k.emit(f"{acc} = {v};")
         elif ty == "bool":
             k.emit(f"{acc} = {acc} || {v};")
-        else:
-            k.emit(f"{acc} = {acc} + {v};")
+        else:  # rounded per step in float16/bfloat16, as torch accumulates in the tensor's dtype
+            k.emit(f"{acc} = {round_low(k, f'({acc} + {v})', meta.dtype)};")
         k.close()
         k.close()
         return acc
@@ -69,6 +72,11 @@ def _index_put_samples():
         ((randint(4, 3, dtype=torch.int32), [None, torch.tensor([2])], randint(1, dtype=torch.int32)), {}),
         ((rand(4, 3, dtype=torch.float16), [torch.tensor([3, 0])], rand(2, 3, dtype=torch.float16), True), {}),
         ((torch.zeros(5, dtype=torch.bool), [torch.tensor([1, 4])], torch.tensor([True, True])), {}),
+        # edge values, accumulated onto duplicates and put
+        ((edge_floats(6, 3), [torch.tensor([0, 2, 0, 5])], edge_floats(4, 3), True), {}),
+        ((edge_ints(5, 2, dtype=torch.int32), [torch.tensor([4, 0, 4])], edge_ints(3, 2, dtype=torch.int32), True), {}),
+        ((edge_ints(4, 3), [None, torch.tensor([2, 0])], edge_ints(4, 2)), {}),
+        ((randint(5, 4, hi=200, dtype=torch.uint8), [torch.tensor([3, 1])], randint(2, 4, hi=200, dtype=torch.uint8)), {}),
     ]
 
 
@@ -110,4 +118,379 @@ def slice_scatter(pb, node, x, src, dim=0, start=None, end=None, step=1):
     return [Custom(meta.shape, meta.dtype, [x, src], fn)]
 
 
-__all__ = ["index_put", "index_copy", "slice_scatter"]
+# --- scatter along a dim: scatter, scatter_add, scatter_reduce ------------------------------
+#
+# Gather formulation, not atomics: each output element loops over the index entries of its
+# line along ``dim`` and combines the ones that target it, in index order. That is what torch's
+# CPU kernel does sequentially, so float sums and products round in the same order; it needs no
+# float atomics (WGSL has only integer ones: a CAS loop on the f32 bits would serialize
+# duplicates anyway and fix no order); and it works the same for packed float16/bfloat16, bools
+# and every int width. Like torch's CPU kernels, float16/bfloat16 accumulate in f32 and round
+# once at the end. The cost is one pass over the index line per output element.
+
+#: scatter_reduce's reductions, with the aliases of scatter.reduce ("add", "multiply").
+_REDUCE_ALIASES = {"add": "sum", "multiply": "prod"}
+_REDUCTIONS = ("sum", "prod", "mean", "amax", "amin")
+
+
+def _scalar_as(value, dtype: str):
+    """A Python scalar converted to ``dtype`` the way torch converts it (truncation, rounding)."""
+    from tapml.graph import torch_dtype
+    return torch.tensor(value).to(torch_dtype(dtype)).item()
+
+
+def _identity(reduce: str, ty: str) -> str:
+    """The value torch fills a reduced element with before combining when ``include_self`` is False."""
+    if ty == "bool":
+        return lit(reduce in ("prod", "amin"), "bool")
+    if reduce in ("sum", "mean", "prod"):
+        return lit(int(reduce == "prod"), ty)
+    if ty == "f32":
+        return lit(-math.inf if reduce == "amax" else math.inf, ty)
+    return lit(-2**31 if reduce == "amax" else 2**31 - 1, ty)
+
+
+#: Bits of the int dtypes narrower than the i32 that holds them.
+_NARROW = {"int8": (8, True), "uint8": (8, False), "int16": (16, True)}
+
+
+def _wrap_narrow(e: str, dtype: str) -> str:
+    """``e`` (i32) wrapped to ``dtype``'s width as torch's arithmetic wraps it (other dtypes: ``e``)."""
+    if dtype not in _NARROW:
+        return e
+    bits, signed = _NARROW[dtype]
+    if not signed:
+        return f"({e} & {(1 << bits) - 1})"
+    return f"(({e} << {32 - bits}u) >> {32 - bits}u)"
+
+
+def _combine(k, reduce: str | None, ty: str, acc: str, v: str) -> str:
+    """``acc`` combined with ``v`` (expressions of type ``ty``) by ``reduce`` (None: replace)."""
+    if reduce is None:
+        return v
+    if ty == "bool":  # torch reduces bools as logic: sum and amax are or, prod and amin are and
+        return f"({acc} || {v})" if reduce in ("sum", "mean", "amax") else f"({acc} && {v})"
+    if reduce in ("sum", "mean"):
+        e = f"({acc} + {v})"
+    elif reduce == "prod":
+        e = f"({acc} * {v})"
+    elif ty == "f32":  # amax/amin propagate NaN, as torch's do
+        e = f"{k.need('tap_max' if reduce == 'amax' else 'tap_min')}({acc}, {v})"
+    else:
+        e = f"{'max' if reduce == 'amax' else 'min'}({acc}, {v})"
+    return e
+
+
+def scatter_dim(pb, meta, x, dim: int, index, src, reduce: str | None = None, include_self: bool = True) -> Custom:
+    """``x`` with ``src`` (a Value, or a Python scalar) scattered along ``dim`` at ``index``:
+    torch's ``scatter`` (``reduce`` None: the last entry that targets an element wins, as torch
+    does for unique indices; it leaves duplicates undefined) or ``scatter_reduce`` (``reduce`` one
+    of sum, prod, mean, amax, amin; ``include_self`` False: ``x``'s own value takes no part where
+    an entry lands)."""
+    nd = len(x.shape)
+    dim = views.norm_dim(dim, nd) if nd else 0
+    x, index = (v if v.shape else views.reshape(v, [1]) for v in (x, index))
+    scalar = not isinstance(src, Value)
+    if not scalar and not src.shape:
+        src = views.reshape(src, [1])
+    shape = x.shape
+    ishape = index.shape
+    if len(ishape) != len(shape):
+        raise Unsupported(f"scatter: index has {len(ishape)} dims, self {len(shape)}")
+    ty, dtype = x.ty, meta.dtype
+    if scalar:
+        value = lit(_scalar_as(src, dtype), ty)
+        fitted = pb.fit([x, index], 1)
+    else:
+        fitted = pb.fit([x, index, src], 1)
+        src = fitted[2]
+    x, index = fitted[0], fitted[1]
+    # index entries exist only for the leading part of every other dim (index may be smaller)
+    partial = [d for d in range(len(shape)) if d != dim and ishape[d] < shape[d]]
+    count = ishape[dim] if all(ishape) else 0
+
+    def fn(k, idx):
+        idx = list(idx) or ["0"]
+        acc = k.var(ty, x.read(k, idx), "acc")
+        if count == 0:
+            return acc
+        hits = k.var("i32", "0", "hits")
+        if partial:
+            k.open(f"if ({' && '.join(f'{idx[d]} < {ishape[d]}' for d in partial)})")
+        k.loop("j", count)
+        iidx = list(idx)
+        iidx[dim] = "j"
+        k.open(f"if ({wrapped_index(k, index, iidx, shape[dim], wrap=False)} == {idx[dim]})")
+        v = value if scalar else cast(src.read(k, iidx), src.ty, ty)
+        if reduce is not None and not include_self:
+            k.emit(f"if ({hits} == 0) {{ {acc} = {_identity(reduce, ty)}; }}")
+        k.emit(f"{acc} = {_combine(k, reduce, ty, acc, v)};")
+        k.emit(f"{hits} = {hits} + 1;")
+        k.close()
+        k.close()
+        if partial:
+            k.close()
+        total = k.let(_wrap_narrow(round_low(k, acc, dtype), dtype), ty)
+        if reduce == "mean":  # torch divides the sum rounded (or wrapped) to the dtype; ints floor
+            n = hits if not include_self else f"({hits} + 1)"
+            mean = (f"{k.need('tap_floordiv_i')}({total}, {n})" if ty == "i32" else
+                    round_low(k, f"({total} / f32({n}))", dtype))
+            return k.let(f"select({total}, {mean}, {hits} > 0)", ty)
+        return total
+    return Custom(meta.shape, meta.dtype, [x, index] + ([] if scalar else [src]), fn)
+
+
+def _perm_index(rows, cols, n, dim):
+    """An int64 index of shape (rows, cols) whose lines along ``dim`` hold distinct values in
+    [0, n) (plain scatter needs unique targets: torch leaves duplicates undefined)."""
+    lines = cols if dim == 0 else rows
+    length = rows if dim == 0 else cols
+    idx = torch.stack([torch.randperm(n)[:length] for _ in range(lines)])
+    return idx.t().contiguous() if dim == 0 else idx
+
+
+def _scatter_samples():
+    return [
+        ((rand(4, 6), 1, _perm_index(4, 3, 6, 1), rand(4, 5)), {}),
+        ((edge_floats(5, 3), 0, _perm_index(4, 3, 5, 0), edge_floats(4, 3)), {}),
+        # index smaller than self in the other dim, src larger than index
+        ((rand(6, 5), 0, _perm_index(3, 2, 6, 0), rand(4, 4)), {}),
+        ((rand(2, 7, 3), -2, _perm_index(7, 3, 7, 0).reshape(1, 7, 3).expand(2, 7, 3).contiguous(),
+          rand(2, 7, 3)), {}),
+        ((edge_ints(6, 4), 0, _perm_index(5, 4, 6, 0), edge_ints(5, 4)), {}),
+        ((edge_ints(3, 8, dtype=torch.int32), 1, _perm_index(3, 6, 8, 1), edge_ints(3, 6, dtype=torch.int32)), {}),
+        ((randbool(4, 5), 1, _perm_index(4, 2, 5, 1), randbool(4, 2)), {}),
+        ((randint(5, 3, hi=256, dtype=torch.uint8), 0, _perm_index(2, 3, 5, 0), randint(2, 3, hi=256, dtype=torch.uint8)), {}),
+        ((randint(4, 4, lo=-2**15, hi=2**15, dtype=torch.int16), 1, _perm_index(4, 2, 4, 1),
+          randint(4, 2, lo=-2**15, hi=2**15, dtype=torch.int16)), {}),
+        ((rand(8), 0, torch.randperm(8)[:5], rand(5)), {}),
+        ((torch.tensor(1.5), 0, torch.tensor(0), torch.tensor(-2.5)), {}),
+    ]
+
+
+def _scatter_value_samples():
+    return [
+        ((rand(4, 6), 1, _perm_index(4, 3, 6, 1), -1.75), {}),
+        ((edge_floats(5, 3), 0, _perm_index(2, 3, 5, 0), math.inf), {}),
+        ((rand(5, 3), 0, _perm_index(2, 3, 5, 0), math.nan), {}),
+        ((edge_ints(6, 4), 0, _perm_index(5, 4, 6, 0), 2**31 - 1), {}),
+        ((edge_ints(3, 8, dtype=torch.int32), -1, _perm_index(3, 6, 8, 1), -7), {}),
+        ((randbool(4, 5), 1, _perm_index(4, 2, 5, 1), True), {}),
+    ]
+
+
+def _dup_index(*shape, hi):
+    """An index with many duplicates (a reducing scatter combines them)."""
+    return randint(*shape, hi=hi)
+
+
+def _reduce_sources():
+    """(self, dim, index, src) with duplicate indices, one per claimed kind of dtype."""
+    return [
+        (rand(4, 6), 1, _dup_index(4, 9, hi=6), rand(4, 9)),
+        (rand(5, 3), 0, _dup_index(7, 3, hi=5), rand(7, 3, lo=0.5, hi=1.5)),
+        (edge_floats(3, 4), -1, _dup_index(3, 6, hi=4), edge_floats(3, 6)),
+        (rand(2, 5, 3), 1, _dup_index(2, 4, 2, hi=5), rand(2, 6, 3)),
+        (randint(6, 4, lo=-9, hi=9), 0, _dup_index(8, 3, hi=6), randint(8, 4, lo=-9, hi=9)),
+        (edge_ints(4, 5, dtype=torch.int32), 1, _dup_index(4, 7, hi=5), randint(4, 7, lo=-9, hi=9, dtype=torch.int32)),
+        (randbool(5, 4), 0, _dup_index(6, 4, hi=5), randbool(6, 4)),
+        (randint(3, 5, lo=-100, hi=100, dtype=torch.int8), 1, _dup_index(3, 8, hi=5),
+         randint(3, 8, lo=-100, hi=100, dtype=torch.int8)),
+    ]
+
+
+def _scatter_reduce_samples():
+    out = []
+    for n, (x, dim, index, src) in enumerate(_reduce_sources()):
+        for reduce in _REDUCTIONS:
+            if x.dtype == torch.bool and reduce == "mean":
+                continue  # torch has no mean of bools
+            out.append(((x, dim, index, src, reduce), {"include_self": n % 2 == 0}))
+            if n < 3:
+                out.append(((x, dim, index, src, reduce), {"include_self": n % 2 == 1}))
+    # int64 boundaries: amax/amin keep them (a sum would leave the i32 range WGSL holds)
+    out += [((edge_ints(5, 3), 0, _dup_index(6, 3, hi=5), edge_ints(6, 3), r), {"include_self": s})
+            for r in ("amax", "amin") for s in (True, False)]
+    # amax/amin where NaN and infinities meet
+    nan = torch.tensor([[math.nan, 1.0, -math.inf, 2.0, math.inf, -0.0]])
+    out += [((rand(1, 3), 1, torch.tensor([[0, 0, 1, 1, 2, 2]]), nan, r), {"include_self": s})
+            for r in ("amax", "amin") for s in (True, False)]
+    return out
+
+
+def _scatter_add_samples():
+    return [((x, dim, index, src), {}) for x, dim, index, src in _reduce_sources()]
+
+
+def _scatter_reduce_legacy_samples():
+    out = []
+    for x, dim, index, src in _reduce_sources():
+        for reduce in ("add", "multiply"):
+            out.append(((x, dim, index, src), {"reduce": reduce}))
+            out.append(((x, dim, index, 1.5 if x.is_floating_point() else 3), {"reduce": reduce}))
+    return out
+
+
+@register(["aten.scatter.src", "aten.scatter.value"], ALL,
+          samples=lambda: _scatter_samples() + _scatter_value_samples())
+def scatter(pb, node, x, dim, index, src):
+    return [scatter_dim(pb, node.outputs[0], x, dim, index, src)]
+
+
+@register(["aten.scatter.reduce", "aten.scatter.value_reduce"], ALL, samples=_scatter_reduce_legacy_samples)
+def scatter_legacy_reduce(pb, node, x, dim, index, src, *, reduce):
+    if reduce not in _REDUCE_ALIASES:
+        raise Unsupported(f"{node.op}: reduce={reduce!r}; torch takes 'add' or 'multiply'")
+    return [scatter_dim(pb, node.outputs[0], x, dim, index, src, _REDUCE_ALIASES[reduce])]
+
+
+@register("aten.scatter_add.default", ALL, samples=_scatter_add_samples)
+def scatter_add(pb, node, x, dim, index, src):
+    return [scatter_dim(pb, node.outputs[0], x, dim, index, src, "sum")]
+
+
+@register("aten.scatter_reduce.two", ALL, samples=_scatter_reduce_samples)
+def scatter_reduce(pb, node, x, dim, index, src, reduce, *, include_self=True):
+    if reduce not in _REDUCTIONS:
+        raise Unsupported(f"scatter_reduce: reduce={reduce!r}; torch takes {', '.join(_REDUCTIONS)}")
+    return [scatter_dim(pb, node.outputs[0], x, dim, index, src, reduce, bool(include_self))]
+
+
+# --- select_scatter, diagonal_scatter, masked_scatter --------------------------------------
+
+@register("aten.select_scatter.default", ALL,
+          samples=lambda: [((rand(4, 6), rand(6), 0, 2), {}), ((edge_floats(3, 5, 2), edge_floats(3, 5), -1, -1), {}),
+                           ((rand(2, 5, 3), rand(2, 3), 1, 4), {}), ((edge_ints(4, 3), edge_ints(4), 1, 0), {}),
+                           ((edge_ints(3, 3, dtype=torch.int32), randint(3, dtype=torch.int32), 0, -2), {}),
+                           ((randbool(3, 4), randbool(4), 0, 1), {}), ((rand(5), torch.tensor(2.5), 0, 3), {})])
+def select_scatter(pb, node, x, src, dim, index):
+    meta = node.outputs[0]
+    dim = views.norm_dim(dim, len(x.shape))
+    index = index + x.shape[dim] if index < 0 else index
+    x, src = pb.fit([x, src], 1)
+    ty = x.ty
+
+    def fn(k, idx):
+        v = cast(src.read(k, list(idx[:dim]) + list(idx[dim + 1:])), src.ty, ty)
+        return f"select({x.read(k, list(idx))}, {v}, {idx[dim]} == {index})"
+    return [Custom(meta.shape, meta.dtype, [x, src], fn)]
+
+
+def _diagonal_scatter_samples():
+    def diag(x, offset=0, d1=0, d2=1):
+        return torch.diagonal(x, offset, d1, d2)
+    x1, x2, x3, x4 = rand(4, 4), rand(3, 6), rand(2, 5, 4), edge_floats(6, 3)
+    i1, b1 = edge_ints(5, 5), randbool(3, 4)
+    return [((x1, rand(*diag(x1).shape)), {}),
+            ((x2, rand(*diag(x2, 2).shape), 2), {}),
+            ((x2, rand(*diag(x2, -1).shape), -1), {}),
+            ((x3, rand(*diag(x3, 1, 0, 2).shape), 1, 0, 2), {}),
+            ((x3, rand(*diag(x3, -2, -1, 1).shape), -2, -1, 1), {}),
+            ((x4, edge_floats(*diag(x4, -3).shape), -3), {}),
+            ((i1, edge_ints(*diag(i1, 1).shape), 1), {}),
+            ((edge_ints(4, 6, dtype=torch.int32), randint(4, dtype=torch.int32)), {}),
+            ((b1, randbool(*diag(b1, -1).shape), -1), {}),
+            # an offset past the matrix: an empty diagonal, nothing scattered
+            ((x2, rand(0), 7), {})]
+
+
+@register("aten.diagonal_scatter.default", ALL, samples=_diagonal_scatter_samples)
+def diagonal_scatter(pb, node, x, src, offset=0, dim1=0, dim2=1):
+    meta = node.outputs[0]
+    nd = len(x.shape)
+    d1, d2 = views.norm_dim(dim1, nd), views.norm_dim(dim2, nd)
+    x, src = pb.fit([x, src], 1)
+    ty = x.ty
+    rest = [d for d in range(nd) if d not in (d1, d2)]
+
+    def fn(k, idx):
+        old = x.read(k, list(idx))
+        if src.numel == 0:
+            return old
+        # element (i, i + offset) of the (d1, d2) planes is the diagonal's element i (last dim of src)
+        i = idx[d1] if offset >= 0 else idx[d2]
+        on = f"({idx[d2]} - {idx[d1]} == {offset})"
+        last = src.shape[-1] - 1
+        v = cast(src.read(k, [idx[d] for d in rest] + [k.let(f"clamp({i}, 0, {last})", "i32")]), src.ty, ty)
+        return f"select({old}, {v}, {on})"
+    return [Custom(meta.shape, meta.dtype, [x, src], fn)]
+
+
+#: Mask elements counted by one thread of masked_scatter's prefix count.
+_CHUNK = 256
+
+
+def _mask_positions(pb, mask, shape) -> BufferView:
+    """An int32 tensor of ``shape``: for each element, how many True elements of ``mask``
+    (broadcast to ``shape``) precede it in row-major order (where it takes from ``source``).
+
+    Three kernels, no atomics: each thread counts the Trues of one chunk of elements, one
+    thread turns those counts into chunk starts, then each chunk's thread walks its elements."""
+    from tapml.graph import TensorMeta
+    n = math.prod(shape)
+    chunks = -(-n // _CHUNK)
+    mask = views.expand_to(mask, shape)
+    counts = pb.buffer("temp", TensorMeta((chunks,), "int32"))
+    starts = pb.buffer("temp", TensorMeta((chunks,), "int32"))
+    positions = pb.buffer("temp", TensorMeta(tuple(shape), "int32"))
+    counts_v, starts_v = (BufferView.whole(b, b.meta) for b in (counts, starts))
+
+    def walk(name, body):
+        (m,) = pb.fit([mask], 2)
+        k = pb.kernel(name)
+        total = k.var("i32", starts_v.read(k, ["n"]) if name == "mask_positions" else "0", "c")
+        k.loop("e", _CHUNK)
+        i = k.let(f"n * {_CHUNK} + e", "i32")
+        k.emit(f"if ({i} >= {n}) {{ break; }}")
+        body(k, i, total)
+        k.emit(f"{total} = {total} + select(0, 1, {cast(m.read(k, k.unravel(i, shape)), m.ty, 'bool')});")
+        k.close()
+        return k, total
+
+    k, total = walk("mask_count", lambda k, i, total: None)
+    k.write(counts, "n", total, "i32")
+    pb.add(k.finish(chunks))
+    k = pb.kernel("mask_starts")
+    acc = k.var("i32", "0", "acc")
+    k.loop("c", chunks)
+    k.write(starts, "c", acc, "i32")
+    k.emit(f"{acc} = {acc} + {counts_v.read(k, ['c'])};")
+    k.close()
+    pb.add(k.finish(1))
+    k, _ = walk("mask_positions", lambda k, i, total: k.write(positions, i, total, "i32"))
+    pb.add(k.finish(chunks))
+    return BufferView.whole(positions, positions.meta)
+
+
+def _masked_scatter_samples():
+    return [((rand(4, 5), randbool(4, 5), rand(20)), {}),
+            # a mask broadcast over the last dim (the image-token merge of multimodal models)
+            ((rand(2, 6, 8), randbool(2, 6, 1), rand(2, 6, 8)), {}),
+            ((rand(3, 1), randbool(3, 4), rand(5, 4)), {}),
+            ((edge_floats(40, 30), randbool(40, 30), edge_floats(1300)), {}),
+            ((edge_ints(5, 3), randbool(5, 3), edge_ints(16)), {}),
+            ((edge_ints(4, 4, dtype=torch.int32), randbool(4), randint(4, 4, dtype=torch.int32)), {}),
+            ((randbool(6), randbool(6), randbool(6)), {}),
+            ((rand(3, 4), torch.zeros(3, 4, dtype=torch.bool), rand(2)), {})]
+
+
+@register("aten.masked_scatter.default", ALL, samples=_masked_scatter_samples)
+def masked_scatter(pb, node, x, mask, source):
+    meta = node.outputs[0]
+    shape = tuple(meta.shape)
+    if meta.numel == 0 or source.numel == 0:
+        return [views.expand_to(x, shape)]
+    positions = _mask_positions(pb, mask, shape)
+    x, mask, source = views.expand_to(x, shape), views.expand_to(mask, shape), views.reshape(source, [source.numel])
+    x, mask, source = pb.fit([x, mask, source], 2)
+    ty = x.ty
+
+    def fn(k, idx):
+        at = k.let(f"clamp({positions.read(k, list(idx))}, 0, {source.numel - 1})", "i32")
+        taken = cast(source.read(k, [at]), source.ty, ty)
+        return f"select({x.read(k, list(idx))}, {taken}, {cast(mask.read(k, list(idx)), mask.ty, 'bool')})"
+    return [Custom(shape, meta.dtype, [x, mask, source, positions], fn)]
+
+
+__all__ = ["index_put", "index_copy", "slice_scatter", "scatter_dim", "scatter", "scatter_legacy_reduce", "scatter_add",
+           "scatter_reduce", "select_scatter", "diagonal_scatter", "masked_scatter"]

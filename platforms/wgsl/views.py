@@ -1,12 +1,17 @@
 """View transforms on Values: on a BufferView they change strides/offset (no copy); on a
-computed value they re-index it lazily (:class:`Remap`)."""
+computed value they re-index it lazily (:class:`Remap`). The view ops that exist only as such a
+transform (``diagonal``, ``as_strided``) are registered here too."""
 
 from __future__ import annotations
 
 import math
 from typing import Sequence
 
-from tapml.platforms.wgsl.codegen import BufferView, Remap, Value, contiguous_strides
+import torch
+
+from tapml.errors import Unsupported
+from tapml.platforms.wgsl.codegen import ITEMSIZE, BufferView, Remap, Value, contiguous_strides
+from tapml.platforms.wgsl.registry import ALL, edge_floats, edge_ints, rand, randbool, register
 
 
 def norm_dim(d: int, ndim: int) -> int:
@@ -163,3 +168,102 @@ def squeeze(v: Value, dims: Sequence[int] | None = None) -> Value:
                 j += 1
         return out
     return Remap(v, shape, fn)
+
+
+def diagonal(v: Value, offset: int = 0, dim1: int = 0, dim2: int = 1) -> Value:
+    """``torch.diagonal``: the elements ``(i, i + offset)`` of the planes of ``dim1`` and ``dim2``
+    (``(i - offset, i)`` for a negative offset), as a new last dimension; both dims dropped."""
+    nd = len(v.shape)
+    d1, d2 = norm_dim(dim1, nd), norm_dim(dim2, nd)
+    if d1 == d2:
+        raise ValueError(f"diagonal dimensions cannot be identical {dim1}, {dim2}")
+    rest = [d for d in range(nd) if d not in (d1, d2)]
+    length = max(0, min(v.shape[d1] + min(offset, 0), v.shape[d2] - max(offset, 0)))
+    shape = tuple(v.shape[d] for d in rest) + (length,)
+    row, col = max(-offset, 0), max(offset, 0)  # where the diagonal starts
+    if isinstance(v, BufferView):
+        start = v.offset + (row * v.strides[d1] + col * v.strides[d2] if length else 0)
+        return BufferView(v.buf, shape, [v.strides[d] for d in rest] + [v.strides[d1] + v.strides[d2]], start, v.dtype)
+
+    def fn(k, idx):
+        out = [None] * nd
+        for d, i in zip(rest, idx[:-1]):
+            out[d] = i
+        i = idx[-1]
+        out[d1] = k.let(f"({i} + {row})", "i32") if row else i
+        out[d2] = k.let(f"({i} + {col})", "i32") if col else i
+        return out
+    return Remap(v, shape, fn)
+
+
+def as_strided(v: Value, size: Sequence[int], stride: Sequence[int], storage_offset: int | None = None) -> Value:
+    """``torch.as_strided``: elements ``storage[storage_offset + sum(i * stride)]`` of ``v``'s storage.
+
+    A buffer view's storage is its buffer, as a torch view's is its base's (the storage offset
+    defaults to the view's own, as in torch). A computed value has no storage yet: it is read
+    as the contiguous tensor torch makes of a fresh result. Unsupported when an element would
+    lie outside that storage (torch raises there)."""
+    size, stride = [int(s) for s in size], [int(s) for s in stride]
+    if len(size) != len(stride):
+        raise ValueError(f"as_strided: {len(size)} sizes but {len(stride)} strides")
+    if any(s < 0 for s in size) or any(s < 0 for s in stride):
+        raise Unsupported("as_strided with negative sizes or strides (torch refuses them too)")
+    base = (v.offset if isinstance(v, BufferView) else 0) if storage_offset is None else int(storage_offset)
+    if isinstance(v, BufferView):  # a buffer's size is padded to whole words: its meta counts elements
+        elements = v.buf.meta.numel if v.buf.meta is not None else v.buf.size // ITEMSIZE[v.buf.dtype]
+    else:
+        elements = v.numel
+    if math.prod(size):
+        last = base + sum((n - 1) * st for n, st in zip(size, stride))
+        if base < 0 or last >= elements:
+            raise Unsupported(f"as_strided reads element {last} of a storage of {elements} elements "
+                              f"(size {size}, stride {stride}, storage offset {base})")
+    if isinstance(v, BufferView):
+        return BufferView(v.buf, size, stride, base, v.dtype)
+    src_shape = v.shape
+
+    def fn(k, idx):
+        terms = [str(base)] if base else []
+        terms += [i if st == 1 else f"{i} * {st}" for i, st in zip(idx, stride) if st and i != "0"]
+        return k.unravel(k.let(f"({' + '.join(terms) or '0'})", "i32"), src_shape)
+    return Remap(v, size, fn)
+
+
+# --- the view ops registered here ----------------------------------------------------------
+
+def _diagonal_samples():
+    return [((rand(4, 4),), {}), ((rand(3, 6), 2), {}), ((rand(5, 3), -1), {}), ((rand(3, 6), -2), {}),
+            ((rand(2, 5, 4), 1, 0, 2), {}), ((rand(2, 3, 4, 5), -2, -1, 1), {}), ((rand(3, 4, 5), 0, 2, 0), {}),
+            ((edge_floats(6, 6), 0, -1, -2), {}), ((edge_ints(5, 7), 3), {}),
+            ((edge_ints(4, 4, dtype=torch.int32), -3), {}), ((randbool(3, 5), 1), {}),
+            # an offset past the matrix: an empty diagonal
+            ((rand(3, 4), 5), {})]
+
+
+@register("aten.diagonal.default", ALL, samples=_diagonal_samples, view=True)
+def diagonal_op(pb, node, x, offset=0, dim1=0, dim2=1):
+    return [diagonal(x, offset, dim1, dim2)]
+
+
+def _as_strided_samples():
+    x = rand(2, 8, 6, 6)
+    return [
+        # overlapping windows (a 2x2 pooling window view with stride 1, as unfold makes)
+        ((rand(5, 6), [4, 5, 2, 2], [6, 1, 6, 1]), {}),
+        # channels-last read of a contiguous NCHW tensor (what adaptive pooling emits)
+        ((x, [2, 8, 6, 6], [288, 1, 48, 8]), {}),
+        ((x, [2, 8, 3, 3], [288, 36, 12, 2], 1), {}),
+        ((rand(24), [3, 4], [1, 3]), {}),
+        ((rand(4, 6), [2, 3], [0, 2], 5), {}),  # a zero stride repeats
+        ((edge_floats(3, 5), [5, 3], [1, 5]), {}),
+        ((edge_ints(4, 5), [3, 3], [6, 1], 2), {}),
+        ((edge_ints(12, dtype=torch.int32), [2, 2, 3], [6, 3, 1]), {}),
+        ((randbool(3, 4), [4, 3], [1, 4]), {}),
+        ((rand(3, 3), [], [], 4), {}),  # one element, as a 0-d tensor
+        ((rand(3, 3), [0, 4], [4, 1]), {}),
+    ]
+
+
+@register("aten.as_strided.default", ALL, samples=_as_strided_samples, view=True)
+def as_strided_op(pb, node, x, size, stride, storage_offset=None):
+    return [as_strided(x, size, stride, storage_offset)]
