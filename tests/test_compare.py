@@ -117,3 +117,18 @@ def test_large_tensors_are_compared_in_chunks_with_the_same_result():
     assert res.max_abs_err is None  # the NaN makes the largest error infinite
     ok = compare_tensor(ref.clone(), ref)
     assert ok.passed and ok.max_abs_err == 0.0 and ok.mismatch_fraction == 0.0
+
+
+def test_sort_indices_that_only_reorder_ties_pick_the_same_values():
+    from tapml.compare import indices_pick_equal_values, tie_dim
+    x = torch.tensor([[3.0, 1.0, 3.0, float("nan"), 1.0]])
+    values, ref = torch.sort(x, dim=-1, stable=True)  # [1, 1, 3, 3, nan] at [1, 4, 0, 2, 3]
+    swapped = ref[:, [1, 0, 3, 2, 4]]  # equal values, the other order
+    assert indices_pick_equal_values(x, -1, swapped, values)
+    assert not indices_pick_equal_values(x, -1, torch.tensor([[1, 1, 0, 2, 3]]), values)  # an index twice
+    assert not indices_pick_equal_values(x, -1, torch.tensor([[1, 4, 0, 3, 2]]), values)  # 3 and nan swapped
+    assert not indices_pick_equal_values(x, -1, torch.tensor([[1, 4, 0, 2, 5]]), values)  # out of range
+    assert tie_dim("aten.topk.default", [{"ref": "x"}, 2, 0], {}) == 0
+    assert tie_dim("aten.sort.default", [{"ref": "x"}], {}) == -1
+    assert tie_dim("aten.sort.stable", [{"ref": "x"}], {"stable": True, "dim": 0}) is None  # ties in input order
+    assert tie_dim("aten.add.Tensor", [{"ref": "x"}], {}) is None

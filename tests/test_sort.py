@@ -86,3 +86,35 @@ def test_topk_unsorted_is_refused_with_the_reason():
     assert reason is not None and "sorted=False" in reason and "unspecified" in reason
     graph, _ = case_graph("aten.topk.default", [x, 3], {"sorted": True})
     assert supports(graph.nodes[0], {}, [graph.meta["x0"]]) is None
+
+
+TIES = textwrap.dedent('''
+    import torch
+
+
+    class Ties(torch.nn.Module):
+        """Rounded scores: many equal values, whose order torch leaves unspecified."""
+
+        def forward(self, x):
+            scores = torch.round(x * 2) / 2
+            top, where = torch.topk(scores, 5, dim=-1)
+            ranked, order = torch.sort(scores, dim=0, descending=True)
+            return top, where, ranked, order
+
+
+    def ties():
+        torch.manual_seed(1)
+        return Ties(), (torch.randn(6, 64),)
+''')
+
+
+@pytest.mark.device
+def test_sort_and_topk_with_ties_pass_when_only_the_order_of_equal_values_differs(tmp_path):
+    (tmp_path / "ties.py").write_text(TIES)
+    r = CliRunner().invoke(app, ["carve", f"{tmp_path / 'ties.py'}:ties", "-o", str(tmp_path / "s")])
+    assert r.exit_code == 0, r.output
+    verdicts = tmp_path / "v.json"
+    r = CliRunner().invoke(app, ["replay", str(tmp_path / "s"), "--target", "wgpu:vulkan", "--json", str(verdicts)])
+    assert r.exit_code == 0, r.output
+    sorting = [v for v in json.loads(verdicts.read_text())["cases"] if v["op"] in ("aten.topk.default", "aten.sort.default")]
+    assert len(sorting) == 2 and all(v["status"] == "pass" for v in sorting), sorting
