@@ -36,6 +36,7 @@ EXPORTED_INTERNALS = frozenset({
     "_native_batch_norm_legit_functional", "_safe_softmax", "_unsafe_index", "_weight_norm_interface",
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
     "_adaptive_avg_pool2d", "_upsample_bilinear2d_aa", "_upsample_nearest_exact2d",
+    "_upsample_bicubic2d_aa", "_upsample_nearest_exact1d", "_upsample_nearest_exact3d", "_pad_circular",
     "_fft_r2c", "_fft_c2r", "_fft_c2c", "_unique2",
 })
 

@@ -110,6 +110,8 @@ def cast(expr: str, src: str, dst: str) -> str:
     """Convert an expression between expression types (f32, i32, bool)."""
     if src == dst:
         return expr
+    if dst == "bool" and src == "f32":  # NaN is true; drivers may compile != as an ordered compare
+        return f"((bitcast<u32>({expr}) & 0x7fffffffu) != 0u)"
     if dst == "bool":
         return f"({expr} != {lit(0, src)})"
     return f"{dst}({expr})"

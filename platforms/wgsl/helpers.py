@@ -89,6 +89,59 @@ fn tap_expm1(x: f32) -> f32 {
   if (abs(x) < 1e-5) { return x + 0.5 * x * x; }
   return exp(x) - 1.0;
 }"""),
+    # asinh, acosh, atanh through log1p: log(x + sqrt(x*x + 1)) loses every digit for small or
+    # negative x and overflows for large x; past 2**28, sqrt(x*x + 1) is x to f32 precision.
+    "tap_asinh": (("tap_log1p",), """
+fn tap_asinh(x: f32) -> f32 {
+  let a = abs(x);
+  var r: f32;
+  if (a > 268435456.0) {
+    r = log(a) + 0.6931471805599453;
+  } else if (a < 0.000244140625) {
+    return x;
+  } else {
+    r = tap_log1p(a + a * a / (1.0 + sqrt(1.0 + a * a)));
+  }
+  return select(r, -r, x < 0.0);
+}"""),
+    "tap_acosh": (("tap_log1p", "tap_bits_f32"), """
+fn tap_acosh(x: f32) -> f32 {
+  if (x < 1.0) { return tap_bits_f32(0x7fc00000u); }
+  if (x > 268435456.0) { return log(x) + 0.6931471805599453; }
+  let t = x - 1.0;
+  return tap_log1p(t + sqrt(2.0 * t + t * t));
+}"""),
+    "tap_atanh": (("tap_log1p", "tap_bits_f32"), """
+fn tap_atanh(x: f32) -> f32 {
+  let a = abs(x);
+  if (a > 1.0) { return tap_bits_f32(0x7fc00000u); }
+  if (a < 0.000244140625) { return x; }
+  let r = 0.5 * tap_log1p(2.0 * a / (1.0 - a));
+  return select(r, -r, x < 0.0);
+}"""),
+    # WGSL leaves atan2 at zeros and infinities to the driver; these follow C's atan2 (and torch).
+    "tap_atan2": (("tap_isnan",), """
+fn tap_atan2(y: f32, x: f32) -> f32 {
+  if (tap_isnan(y) || tap_isnan(x)) { return y + x; }
+  let pi = 3.14159265358979;
+  let y_neg = (bitcast<u32>(y) >> 31u) == 1u;
+  let x_neg = (bitcast<u32>(x) >> 31u) == 1u;
+  let yi = abs(y) > 3.4028234e38;
+  let xi = abs(x) > 3.4028234e38;
+  var r: f32;
+  if (y == 0.0) {
+    r = select(0.0, pi, x_neg);
+  } else if (yi && xi) {
+    r = select(0.25 * pi, 0.75 * pi, x_neg);
+  } else if (yi || x == 0.0) {
+    r = 0.5 * pi;
+  } else if (xi) {
+    r = select(0.0, pi, x_neg);
+  } else {
+    return atan2(y, x);
+  }
+  return select(r, -r, y_neg);
+}"""),
     "tap_isnan": ((), """
 fn tap_isnan(x: f32) -> bool {
   return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u;
@@ -103,11 +156,21 @@ fn tap_min(a: f32, b: f32) -> f32 {
   if (tap_isnan(a) || tap_isnan(b)) { return a + b; }
   return min(a, b);
 }"""),
-    "tap_pow": (("tap_bits_f32",), """
+    "tap_pow": (("tap_bits_f32", "tap_isnan", "tap_log2"), """
 fn tap_pow(x: f32, y: f32) -> f32 {
-  if (y == 0.0) { return 1.0; }
-  if (x == 0.0) { return select(tap_bits_f32(0x7f800000u), 0.0, y > 0.0); }
-  let p = exp2(y * log2(abs(x)));
+  if (y == 0.0 || x == 1.0) { return 1.0; }
+  if (tap_isnan(x) || tap_isnan(y)) { return x + y; }
+  if (abs(x) > 3.4028234e38) {
+    let odd_int = y == floor(y) && (y * 0.5) != floor(y * 0.5) && abs(y) < 16777216.0;
+    let m = select(0.0, tap_bits_f32(0x7f800000u), y > 0.0);
+    return select(m, -m, x < 0.0 && odd_int);
+  }
+  if (x == 0.0) {
+    let odd_int = y == floor(y) && (y * 0.5) != floor(y * 0.5) && abs(y) < 16777216.0;
+    let m = select(tap_bits_f32(0x7f800000u), 0.0, y > 0.0);
+    return select(m, -m, odd_int && (bitcast<u32>(x) >> 31u) == 1u);
+  }
+  let p = exp2(y * tap_log2(abs(x)));
   if (x > 0.0) { return p; }
   if (y != floor(y)) { return tap_bits_f32(0x7fc00000u); }
   let odd = (y * 0.5) != floor(y * 0.5);
@@ -149,13 +212,61 @@ fn tap_mod_i(a: i32, b: i32) -> i32 {
   let r = tap_rem_i(a, b);
   return select(r, r + b, (r != 0) && ((r < 0) != (b < 0)));
 }"""),
-    "tap_mod_f": ((), """
+    "tap_mod_f": (("tap_fmod_f",), """
 fn tap_mod_f(a: f32, b: f32) -> f32 {
-  let r = a - b * trunc(a / b);
+  let r = tap_fmod_f(a, b);
   return select(r, r + b, (r != 0.0) && ((r < 0.0) != (b < 0.0)));
 }"""),
+    # C's fmod: x for an infinite divisor (a - b * trunc(a / b) would be NaN), NaN for an infinite x.
     "tap_fmod_f": ((), """
 fn tap_fmod_f(a: f32, b: f32) -> f32 {
+  if (abs(b) > 3.4028234e38 && abs(a) <= 3.4028234e38) { return a; }
   return a - b * trunc(a / b);
+}"""),
+    # torch's div_floor_floating: floor of (a - fmod(a, b)) / b, rounded to the nearer integer,
+    # so that an infinite dividend gives NaN and a finite one over an infinite divisor 0 or -1.
+    "tap_floordiv_f": (("tap_fmod_f",), """
+fn tap_floordiv_f(a: f32, b: f32) -> f32 {
+  if (b == 0.0) { return a / b; }
+  let m = tap_fmod_f(a, b);
+  var d = (a - m) / b;
+  if (m != 0.0 && ((b < 0.0) != (m < 0.0))) { d = d - 1.0; }
+  if (d == 0.0) { return select(0.0, bitcast<f32>(0x80000000u), (bitcast<u32>(a / b) >> 31u) == 1u); }
+  var f = floor(d);
+  if (d - f > 0.5) { f = f + 1.0; }
+  return f;
+}"""),
+    # log and log2 of a denormal read its mantissa bits: drivers' log treats denormals as the
+    # smallest normal (lavapipe gave log(1e-40) = -88.0, not -92.1)
+    "tap_log2": ((), """
+fn tap_log2(x: f32) -> f32 {
+  if (x > 0.0 && x < 1.17549435e-38) { return log2(f32(bitcast<u32>(x) & 0x7fffffu)) - 149.0; }
+  return log2(x);
+}"""),
+    "tap_log": ((), """
+fn tap_log(x: f32) -> f32 {
+  if (x > 0.0 && x < 1.17549435e-38) { return log(f32(bitcast<u32>(x) & 0x7fffffu)) - 103.27892990343184; }
+  return log(x);
+}"""),
+    # sin, cos, tan of an infinity are NaN (drivers return anything)
+    "tap_sin": (("tap_bits_f32",), """
+fn tap_sin(x: f32) -> f32 {
+  if (abs(x) > 3.4028234e38) { return tap_bits_f32(0x7fc00000u); }
+  return sin(x);
+}"""),
+    "tap_cos": (("tap_bits_f32",), """
+fn tap_cos(x: f32) -> f32 {
+  if (abs(x) > 3.4028234e38) { return tap_bits_f32(0x7fc00000u); }
+  return cos(x);
+}"""),
+    "tap_tan": (("tap_bits_f32",), """
+fn tap_tan(x: f32) -> f32 {
+  if (abs(x) > 3.4028234e38) { return tap_bits_f32(0x7fc00000u); }
+  return tan(x);
+}"""),
+    "tap_atan": (("tap_isnan",), """
+fn tap_atan(x: f32) -> f32 {
+  if (tap_isnan(x)) { return x; }
+  return atan(x);
 }"""),
 }

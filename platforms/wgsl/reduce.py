@@ -117,9 +117,13 @@ register(["aten.mean.dim", "aten.mean.default"], ALL_FLOAT,
     _sum_like("mean"))
 
 
-register(["aten.prod.dim_int", "aten.prod.default"], NUMERIC,
+register(["aten.prod.dim_int", "aten.prod.default"], ALL,
          samples=lambda: [((rand(3, 5, lo=0.5, hi=1.5), 1), {}), ((rand(2, 4, lo=0.5, hi=1.5),), {}),
-                          ((randint(3, 4, lo=-3, hi=3), 0, True), {})], flops="reduce")(_sum_like("prod"))
+                          ((randint(3, 4, lo=-3, hi=3), 0, True), {}), ((edge_floats(4, 5), 1), {}),
+                          ((randbool(3, 4), 1), {}), ((randbool(3, 4),), {}),
+                          ((edge_ints(3, 5, dtype=torch.int32), 1), {})] + [
+    ((randint(3, 4, lo=-3, hi=3, dtype=getattr(torch, d)), 0), {}) for d in ("int64", "int16", "int8")] + [
+    ((randint(3, 4, lo=1, hi=3, dtype=torch.uint8), 0), {})], flops="reduce")(_sum_like("prod"))
 
 
 def _extreme(t, is_max):
@@ -180,8 +184,13 @@ def _dim_samples():
     return [((rand(3, 5), 1), {}), ((rand(2, 3, 4), 0, True), {}), ((randint(4, 6, lo=0, hi=4), -1), {})]
 
 
-register("aten.max.dim", NUMERIC, samples=_dim_samples, flops="reduce")(_arg_like(True, True))
-register("aten.min.dim", NUMERIC, samples=_dim_samples, flops="reduce")(_arg_like(False, True))
+def _dim_value_samples():
+    return _dim_samples() + [((randbool(3, 5), 1), {}), ((edge_ints(3, 5, dtype=torch.int32), 1), {}),
+                             ((randint(3, 5, lo=0, hi=200, dtype=torch.uint8), 0), {})]
+
+
+register("aten.max.dim", ALL, samples=_dim_value_samples, flops="reduce")(_arg_like(True, True))
+register("aten.min.dim", ALL, samples=_dim_value_samples, flops="reduce")(_arg_like(False, True))
 register("aten.argmax.default", NUMERIC, samples=lambda: _dim_samples() + [((rand(3, 4),), {})], flops="reduce")(_arg_like(True, False))
 register("aten.argmin.default", NUMERIC, samples=lambda: _dim_samples() + [((rand(3, 4),), {})], flops="reduce")(_arg_like(False, False))
 
@@ -218,6 +227,18 @@ register(["aten.all.dim", "aten.all.dims", "aten.all.default"], ALL, samples=_an
                            ((rand(0),), {}), ((rand(0, 5), [0]), {"correction": 1}), ((rand(0, 5),), {"correction": 0}),
                            ((rand(1, 4), [0]), {"correction": 1}), ((edge_floats(2, 4), [1]), {})], flops="reduce")
 def var(pb, node, x, dim=None, *, correction=None, keepdim=False):
+    return _var(pb, node, x, dim, correction, keepdim)
+
+
+@register("aten.var.dim", ALL_FLOAT,
+          samples=lambda: [((rand(3, 5), [1]), {}), ((rand(2, 3, 4), [0, 2], False, True), {}), ((rand(4, 6), None), {}),
+                           ((rand(3, 5), [1], True), {}), ((edge_floats(2, 4), [1]), {}), ((rand(1, 4), [0]), {})],
+          flops="reduce")
+def var_dim(pb, node, x, dim=None, unbiased=True, keepdim=False):
+    return _var(pb, node, x, dim, 1 if unbiased else 0, keepdim)
+
+
+def _var(pb, node, x, dim, correction, keepdim):
     dims = norm_dims(dim, len(x.shape))
     count = math.prod(x.shape[d] for d in dims)
     corr = 1 if correction is None else correction
@@ -292,4 +313,10 @@ def _scan(kind):
 
 register("aten.cumsum.default", ALL, samples=lambda: [((rand(3, 5), 1), {}), ((randint(2, 6), -1), {}),
                                                       ((randbool(4, 3), 0), {}), ((rand(2, 3, 4), 1), {})], flops="reduce")(_scan("cumsum"))
-register("aten.cumprod.default", NUMERIC, samples=lambda: [((rand(3, 5, lo=0.5, hi=1.5), 1), {})], flops="reduce")(_scan("cumprod"))
+register("aten.cumprod.default", ALL, samples=lambda: [((rand(3, 5, lo=0.5, hi=1.5), 1), {}), ((edge_floats(4, 5), 1), {}),
+                                                        ((randbool(4, 3), 0), {}), ((randint(3, 5, lo=-3, hi=4), 1), {}),
+                                                        # i32 boundaries whose running products stay in i32
+                                                        ((torch.tensor([[-2**31, 2**31 - 1, -1, 0, 1], [1, 1, -1, 5, 1],
+                                                                        [1, -1, 1, 1, 1]], dtype=torch.int32), 0), {})],
+         flops="reduce")(
+    _scan("cumprod"))
