@@ -37,7 +37,7 @@ EXPORTED_INTERNALS = frozenset({
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
     "_adaptive_avg_pool2d", "_upsample_bilinear2d_aa", "_upsample_nearest_exact2d",
     "_upsample_bicubic2d_aa", "_upsample_nearest_exact1d", "_upsample_nearest_exact3d", "_pad_circular",
-    "_fft_r2c", "_fft_c2r", "_fft_c2c", "_unique2",
+    "_fft_r2c", "_fft_c2r", "_fft_c2c", "_unique2", "_embedding_bag_forward_only",
 })
 
 #: Ops that reach the world outside their tensors (files, stdout, RNG or grad state, storages,

@@ -160,15 +160,23 @@ def low_precision_paths(features) -> dict[str, str]:
                                         "rounded to nearest even on store"}
 
 
+#: Ops whose input or output is always complex (the FFTs): refused by design, like float64,
+#: whatever dtypes a node's metadata shows.
+COMPLEX_OPS = frozenset({"aten._fft_r2c.default", "aten._fft_c2r.default", "aten._fft_c2c.default"})
+
+
 def supports_node(node: Node, caps: dict, input_metas: Sequence[TensorMeta] = ()) -> str | None:
-    """None when the registry can lower ``node`` for a device with ``caps``, else the reason."""
-    low = REGISTRY.get(node.op)
-    if low is None:
-        return f"no WGSL lowering for {node.op}"
+    """None when the registry can lower ``node`` for a device with ``caps``, else the reason.
+    A refusal by design (float64, complex) is said before a missing lowering."""
+    if node.op in COMPLEX_OPS:
+        return f"{node.op} computes on complex tensors: WGSL has no complex types (refused by design)"
     for m in list(input_metas) + list(node.outputs):
         reason = dtype_reason(m.dtype, caps)
         if reason:
             return reason
+    low = REGISTRY.get(node.op)
+    if low is None:
+        return f"no WGSL lowering for {node.op}"
     for m in input_metas:
         if m.dtype not in low.dtypes:
             return f"{node.op} takes {', '.join(low.dtypes)} tensors, not {m.dtype}"
