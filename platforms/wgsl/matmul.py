@@ -163,22 +163,28 @@ def wrap_int(expr: str, dtype: str) -> str:
     return expr
 
 
+def _operands(pb, a: Value, b: Value, meta, bias: Value | None):
+    """A matrix product's plain 3-d operands, its bias expanded to the output, the output buffer
+    and its view, and the sizes ``(Z, M, K, N)``."""
+    a, b = pb.plain(a), pb.plain(b)
+    Z, M, K = a.shape
+    N = b.shape[2]
+    out = pb.buffer("temp", meta)
+    if bias is not None and M * N * Z:
+        bias = views.expand_to(bias, (Z, M, N))
+        (bias,) = pb.fit([bias], 3)
+    return a, b, bias, out, BufferView.whole(out, meta), (Z, M, K, N)
+
+
 def int_matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, alpha=1, beta=1) -> BufferView:
     """:func:`matmul` for integer dtypes: i32 products and sums that wrap as torch's do, so the
     result is exact modulo 2**32 (an int64 result outside i32 is the comparison's unsupported
     verdict), then wrapped to the output dtype. ``alpha`` and ``beta`` are truncated to
     integers, as torch does for integer tensors."""
-    a, b = pb.plain(a), pb.plain(b)
-    Z, M, K = a.shape
-    N = b.shape[2]
+    a, b, bias, out, result, (Z, M, K, N) = _operands(pb, a, b, meta, bias)
     alpha, beta = int(alpha), int(beta)
-    out = pb.buffer("temp", meta)
-    result = BufferView.whole(out, meta)
     if M * N * Z == 0:
         return result
-    if bias is not None:
-        bias = views.expand_to(bias, (Z, M, N))
-        (bias,) = pb.fit([bias], 3)
     if K == 0:
         return _empty_product(pb, out, meta, (Z, M, N), bias if beta != 0 else None, beta)
     k = pb.kernel(name)
@@ -201,16 +207,9 @@ def int_matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = Non
 def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, alpha=1, beta=1) -> BufferView:
     """out[z, m, n] = beta * bias[z, m, n] + alpha * sum_k a[z, m, k] * b[z, k, n]; ``a`` and
     ``b`` are 3-d (batch first), ``meta`` the output's (2-d or 3-d) meta."""
-    a, b = pb.plain(a), pb.plain(b)
-    Z, M, K = a.shape
-    N = b.shape[2]
-    out = pb.buffer("temp", meta)
-    result = BufferView.whole(out, meta)
+    a, b, bias, out, result, (Z, M, K, N) = _operands(pb, a, b, meta, bias)
     if M * N * Z == 0:
         return result
-    if bias is not None:
-        bias = views.expand_to(bias, (Z, M, N))
-        (bias,) = pb.fit([bias], 3)
     if K == 0:  # an empty sum: torch gives beta * bias (zeros without one); the operands are empty buffers
         return _empty_product(pb, out, meta, (Z, M, N), bias if beta != 0 else None, beta)
     k = pb.kernel(name)
