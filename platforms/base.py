@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -89,14 +90,47 @@ class Kernel:
 
 
 @dataclass
+class SplitTensor:
+    """A tensor over the device's ``max-buffer-size``, held in several device buffers (*parts*).
+
+    ``name`` is the buffer it would have been, ``role`` that buffer's role and ``meta`` the whole
+    tensor (shape, torch dtype). ``parts`` are ``(buffer, start, count)``: part buffer ``buffer``
+    holds the ``count`` elements of the flattened tensor from element ``start`` on (its own
+    ``meta`` is 1-D ``[count]``); the parts follow each other and cover the tensor exactly.
+    """
+
+    name: str
+    role: str
+    meta: TensorMeta
+    parts: list[tuple[str, int, int]]
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "role": self.role, "meta": self.meta.to_json(),
+                "parts": [list(p) for p in self.parts]}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "SplitTensor":
+        parts = d["parts"]
+        if not isinstance(parts, list) or not all(isinstance(p, list) and len(p) == 3 for p in parts):
+            raise ValueError("split tensor parts must be [buffer, start, count] lists")
+        return cls(name=d["name"], role=d["role"], meta=TensorMeta.from_json(d["meta"]),
+                   parts=[(p[0], p[1], p[2]) for p in parts])
+
+
+@dataclass
 class KernelProgram:
     """Plain data that any runtime executes: buffers, kernels in dispatch order, and which
     buffers are the program's inputs and outputs (in order).
 
     ``kind`` is ``"wgsl"`` for compiled programs; ``"graph"`` programs carry the graph itself
     (``graph`` field) for runtimes that execute ATen directly (the reference platform).
-    ``aliases`` maps an output position to an input position for outputs that are the input
-    itself (a view or copy that needs no kernel).
+
+    ``inputs``, ``outputs``, ``input_meta`` and ``output_meta`` are what the device sees: one
+    entry per buffer. A tensor over the device's ``max-buffer-size`` is held in several buffers,
+    listed in ``parts`` (:class:`SplitTensor`); its part buffers stand in a row in ``inputs`` or
+    ``outputs``. :meth:`tensor_inputs` and :meth:`tensor_outputs` give the graph's view (one
+    entry per tensor), and :meth:`Platform.run` splits and joins tensors accordingly, so a
+    runtime only ever sees :meth:`device_program` (the same program without ``parts``).
     """
 
     kind: str
@@ -107,21 +141,29 @@ class KernelProgram:
     graph: dict | None = None
     input_meta: list[TensorMeta] = field(default_factory=list)
     output_meta: list[TensorMeta] = field(default_factory=list)
+    parts: list[SplitTensor] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        return {"kind": self.kind, "inputs": self.inputs, "outputs": self.outputs,
-                "buffers": [b.to_json() for b in self.buffers],
-                "kernels": [k.to_json() for k in self.kernels], "graph": self.graph,
-                "input_meta": [m.to_json() for m in self.input_meta],
-                "output_meta": [m.to_json() for m in self.output_meta]}
+        d = {"kind": self.kind, "inputs": self.inputs, "outputs": self.outputs,
+             "buffers": [b.to_json() for b in self.buffers],
+             "kernels": [k.to_json() for k in self.kernels], "graph": self.graph,
+             "input_meta": [m.to_json() for m in self.input_meta],
+             "output_meta": [m.to_json() for m in self.output_meta]}
+        if self.parts:
+            d["parts"] = [p.to_json() for p in self.parts]
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> "KernelProgram":
+        parts = d.get("parts", [])
+        if not isinstance(parts, list):
+            raise ValueError("program parts must be a list")
         return cls(kind=d["kind"], inputs=list(d["inputs"]), outputs=list(d["outputs"]),
                    buffers=[BufferSpec.from_json(b) for b in d.get("buffers", [])],
                    kernels=[Kernel.from_json(k) for k in d.get("kernels", [])], graph=d.get("graph"),
                    input_meta=[TensorMeta.from_json(m) for m in d.get("input_meta", [])],
-                   output_meta=[TensorMeta.from_json(m) for m in d.get("output_meta", [])])
+                   output_meta=[TensorMeta.from_json(m) for m in d.get("output_meta", [])],
+                   parts=[SplitTensor.from_json(p) for p in parts])
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
@@ -132,6 +174,85 @@ class KernelProgram:
         if not hasattr(self, "_key"):
             self._key = hashlib.sha256(self.dumps().encode()).hexdigest()[:32]
         return self._key
+
+    def device_program(self) -> "KernelProgram":
+        """What a runtime runs: this program without ``parts`` (itself when nothing is split)."""
+        if not self.parts:
+            return self
+        if not hasattr(self, "_device"):
+            self._device = KernelProgram(kind=self.kind, inputs=self.inputs, outputs=self.outputs,
+                                         buffers=self.buffers, kernels=self.kernels, graph=self.graph,
+                                         input_meta=self.input_meta, output_meta=self.output_meta)
+        return self._device
+
+    def tensor_inputs(self) -> list[tuple[TensorMeta, list[int]]]:
+        """One ``(meta, positions)`` per graph input: its tensor and the positions in ``inputs``
+        of the buffers holding it (one, or its parts in order)."""
+        return self._tensors(self.inputs, self.input_meta)
+
+    def tensor_outputs(self) -> list[tuple[TensorMeta, list[int]]]:
+        """One ``(meta, positions)`` per graph output, as :meth:`tensor_inputs`."""
+        return self._tensors(self.outputs, self.output_meta)
+
+    def _tensors(self, names: list[str], metas: list[TensorMeta]) -> list[tuple[TensorMeta, list[int]]]:
+        if not self.parts:  # a hand-made program may give no metas: nothing to check its tensors against
+            return [(metas[i] if i < len(metas) else None, [i]) for i in range(len(names))]
+        first = {t.parts[0][0]: t for t in self.parts if t.parts}
+        out, i = [], 0
+        while i < len(names):
+            split = first.get(names[i])
+            if split is None:
+                out.append((metas[i], [i]))
+                i += 1
+            else:
+                out.append((split.meta, list(range(i, i + len(split.parts)))))
+                i += len(split.parts)
+        return out
+
+    def split_tensors(self, tensors: list, role: str = "input") -> list:
+        """The per-buffer tensors of graph-level ``tensors`` (the graph's inputs, or with
+        ``role="output"`` its outputs): a split tensor becomes flat views of its parts (no copy
+        when it is contiguous); others, None and :class:`ResidentTensor` pass unchanged."""
+        if not self.parts:
+            return list(tensors)
+        views = self.tensor_inputs() if role == "input" else self.tensor_outputs()
+        device_metas = self.input_meta if role == "input" else self.output_meta
+        # the same tensor, unmodified, gets the same part views as last time: runtimes skip uploading
+        # an input they were handed last run (by identity and version), so weights cross once
+        made = self.__dict__.setdefault("_part_views", {})
+        out = []
+        for i, (t, (meta, positions)) in enumerate(zip(tensors, views)):
+            if len(positions) == 1:
+                out.append(t)
+                continue
+            if not isinstance(t, torch.Tensor):
+                raise Unsupported(f"{role} of shape {list(meta.shape)} is split across {len(positions)} device "
+                                  "buffers (over max-buffer-size): pass it as a host tensor, not a resident one")
+            last = made.get((role, i))
+            if last is not None and last[0]() is t and last[1] == t._version:
+                out.extend(last[2])
+                continue
+            flat, start, parts = t.reshape(-1), 0, []
+            for p in positions:
+                count = device_metas[p].numel
+                parts.append(flat[start:start + count])
+                start += count
+            made[(role, i)] = (weakref.ref(t), t._version, parts)
+            out.extend(parts)
+        return out
+
+    def join_outputs(self, outputs: list) -> list:
+        """Graph-level outputs from the per-buffer ``outputs`` of a run of :meth:`device_program`:
+        the parts of a split tensor concatenated and reshaped to its shape."""
+        if not self.parts:
+            return list(outputs)
+        joined = []
+        for meta, positions in self.tensor_outputs():
+            if len(positions) == 1:
+                joined.append(outputs[positions[0]])
+            else:
+                joined.append(torch.cat([outputs[p].reshape(-1) for p in positions]).reshape(meta.shape))
+        return joined
 
 
 @dataclass(frozen=True)
@@ -220,15 +341,22 @@ class Platform:
         ResidentTensors, not read back. Example, a cache carried across steps::
 
             logits, cache = platform.run(program, [ids, cache], keep=[1])
+
+        A tensor the program holds in several buffers (``program.parts``: over the device's
+        max-buffer-size) is handed to the runtime as flat views of its parts and its outputs are
+        joined here; such a tensor cannot be resident (Unsupported).
         """
-        if len(inputs) != len(program.inputs):
-            raise ValueError(f"program takes {len(program.inputs)} inputs, got {len(inputs)}")
+        tensor_inputs, tensor_outputs = program.tensor_inputs(), program.tensor_outputs()
+        if len(inputs) != len(tensor_inputs):
+            raise ValueError(f"program takes {len(tensor_inputs)} inputs, got {len(inputs)}")
         keep = sorted(set(keep))
-        if any(type(i) is not int or not 0 <= i < len(program.outputs) for i in keep):
-            raise ValueError(f"keep must name output positions below {len(program.outputs)}, not {keep}")
+        if any(type(i) is not int or not 0 <= i < len(tensor_outputs) for i in keep):
+            raise ValueError(f"keep must name output positions below {len(tensor_outputs)}, not {keep}")
         serials = self.__dict__.setdefault("_serials", {})
         resident = False
-        for i, (t, m) in enumerate(zip(inputs, program.input_meta)):
+        for i, (t, (m, _)) in enumerate(zip(inputs, tensor_inputs)):
+            if m is None:
+                continue
             if isinstance(t, ResidentTensor):
                 self._check_handle(t, f"input {i}")
                 if t.dtype != m.dtype:
@@ -236,17 +364,27 @@ class Platform:
                 resident = True
             if tuple(t.shape) != m.shape:
                 raise ValueError(f"input {i} has shape {tuple(t.shape)}, program expects {m.shape}")
+        # a runtime sees one tensor per device buffer: split tensors cross as their parts
+        device = program.device_program()
+        for i in keep:
+            if len(tensor_outputs[i][1]) > 1:
+                raise Unsupported(f"output {i} of shape {list(tensor_outputs[i][0].shape)} is split across "
+                                  f"{len(tensor_outputs[i][1])} device buffers (over max-buffer-size) and cannot "
+                                  "stay on the device; read it back instead")
+        device_keep = [tensor_outputs[i][1][0] for i in keep]
+        device_inputs = program.split_tensors(inputs)
         start = time.perf_counter()
         if keep or resident:
-            out = wrap_errors(self._run_resident, program, inputs, keep)
+            out = wrap_errors(self._run_resident, device, device_inputs, device_keep)
         else:
-            out = wrap_errors(self._run, program, inputs)
+            out = wrap_errors(self._run, device, device_inputs)
         self.last_run_ms = (time.perf_counter() - start) * 1e3
-        if keep or program.key in serials:  # any run overwrites the outputs earlier handles name
-            serials[program.key] = serial = serials.get(program.key, 0) + 1
+        out = wrap_errors(program.join_outputs, out)
+        if keep or device.key in serials:  # any run overwrites the outputs earlier handles name
+            serials[device.key] = serial = serials.get(device.key, 0) + 1
             out = list(out)
-            for i in keep:
-                out[i] = ResidentTensor(program.output_meta[i], program.key, i, serial, id(self))
+            for i, at in zip(keep, device_keep):
+                out[i] = ResidentTensor(tensor_outputs[i][0], device.key, at, serial, id(self))
         return out
 
     def read(self, handle: ResidentTensor) -> torch.Tensor:
@@ -400,4 +538,5 @@ def wrap_errors(fn, *args):
         raise PlatformError(f"{type(e).__name__}: {e}") from e
 
 
-__all__ = ["LIMIT_NAMES", "MAX_OFFSET_ALIGNMENT", "BufferSpec", "Kernel", "KernelProgram", "Platform", "ResidentTensor", "RuntimePlatform", "check_workgroups", "graph_program", "wrap_errors"]
+__all__ = ["LIMIT_NAMES", "MAX_OFFSET_ALIGNMENT", "BufferSpec", "Kernel", "KernelProgram", "Platform", "ResidentTensor", "RuntimePlatform",
+           "SplitTensor", "check_workgroups", "graph_program", "wrap_errors"]

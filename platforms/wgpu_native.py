@@ -227,7 +227,7 @@ class WgpuPlatform(WgslPlatform):
         if repeat < 1:
             raise ValueError("repeat must be at least 1")
         self.run(program, inputs)  # validates, uploads, compiles pipelines, warms up
-        res = self.prepared(program)
+        res = self.prepared(program.device_program())  # what run prepared (parts of split tensors)
         best = float("inf")
         for _ in range(3):
             start = time.perf_counter()
@@ -251,7 +251,7 @@ class WgpuPlatform(WgslPlatform):
         if "timestamp-query" not in self.device.features:
             return [self.benchmark(program, inputs, repeat=3) * 1e3 for _ in range(runs)], "wall"
         self.run(program, inputs)  # validates, uploads, compiles pipelines, warms up
-        res = self.prepared(program)
+        res = self.prepared(program.device_program())  # what run prepared (parts of split tensors)
         if not res.dispatches:
             return [0.0] * runs, "timestamp"
         queries = self.device.create_query_set(type=wgpu.QueryType.timestamp, count=2 * runs)

@@ -2,7 +2,8 @@
 
 Every graph and program a client sends is checked here before it reaches the device: op
 names go through the closed vocabulary (:func:`tapml.ops.check_op`), WGSL programs have their
-fields validated (types, sizes, counts, names that refer to something), and the work a program
+fields validated (types, sizes, counts, names that refer to something, split tensors that
+their parts cover exactly), and the work a program
 asks for is measured and held to :class:`ServerLimits`: total invocations (workgroups x
 workgroup size, summed over kernels) and total buffer bytes.
 """
@@ -148,6 +149,65 @@ def workgroup_size(wgsl: str, entry: str) -> int:
     return math.prod(int(_INT.fullmatch(d).group(1)) for d in dims)
 
 
+def _check_parts(program, buffers: dict) -> None:
+    """The split tensors of a WGSL program (``parts``): each names its part buffers, which exist,
+    belong to no other tensor, have its role and dtype and 1-D metas of their element counts,
+    hold those elements, and cover the tensor's elements in order exactly once; the parts of an
+    input or output stand in a row, in order, in the program's inputs or outputs, and nowhere else.
+    ValueError otherwise."""
+    from tapml.graph import TensorMeta
+    if not program.parts:
+        return
+    if len(program.parts) > MAX_BUFFERS:
+        raise ValueError(f"program splits {len(program.parts)} tensors; at most {MAX_BUFFERS}")
+    if len(program.input_meta) != len(program.inputs) or len(program.output_meta) != len(program.outputs):
+        raise ValueError("a program with split tensors gives a meta for each of its inputs and outputs")
+    owner: dict[str, str] = {}
+    for t in program.parts:
+        label = str(t.name)[:40] if type(t.name) is str else "?"
+        if type(t.name) is not str or t.role not in BUFFER_ROLES or not isinstance(t.meta, TensorMeta):
+            raise ValueError(f"split tensor {label!r}: name, role ({', '.join(BUFFER_ROLES)}) and meta are required")
+        _meta_bytes(t.meta)
+        numel = math.prod(t.meta.shape)
+        if numel >= 1 << 31:
+            raise ValueError(f"split tensor {label!r}: {numel} elements; kernels index at most 2**31 - 1")
+        if not 2 <= len(t.parts) <= MAX_BUFFERS:
+            raise ValueError(f"split tensor {label!r} must have between 2 and {MAX_BUFFERS} parts")
+        expected = 0
+        storage = None
+        for part in t.parts:
+            name, start, count = part
+            if type(name) is not str or name not in buffers:
+                raise ValueError(f"split tensor {label!r}: part {str(name)[:40]!r} names no buffer")
+            if name in owner:
+                raise ValueError(f"split tensor {label!r}: buffer {name[:40]!r} is already a part of {owner[name][:40]!r}")
+            owner[name] = t.name
+            b = buffers[name]
+            if type(start) is not int or type(count) is not int or start != expected or count <= 0:
+                raise ValueError(f"split tensor {label!r}: part {name[:40]!r} covers [{start}, +{count}); the parts "
+                                 f"must cover its elements in order, this one from element {expected}")
+            expected += count
+            if b.role != t.role or b.meta is None or tuple(b.meta.shape) != (count,) or b.meta.dtype != t.meta.dtype:
+                raise ValueError(f"split tensor {label!r}: part {name[:40]!r} must be a buffer of role {t.role} "
+                                 f"holding {t.meta.dtype}[{count}]")
+            if storage not in (None, b.dtype) or b.size < count * WGSL_TYPES[b.dtype]:
+                raise ValueError(f"split tensor {label!r}: part {name[:40]!r} ({b.dtype}, {b.size} bytes) does not "
+                                 f"hold {count} elements of the tensor's one storage type")
+            storage = b.dtype
+        if expected != numel:
+            raise ValueError(f"split tensor {label!r}: its parts cover {expected} of its {numel} elements")
+        names = [n for n, _, _ in t.parts]
+        for role, listed in (("input", program.inputs), ("output", program.outputs)):
+            found = [i for i, n in enumerate(listed) if n in set(names)]
+            if t.role != role:
+                if found:
+                    raise ValueError(f"split tensor {label!r} ({t.role}): its parts are listed as program {role}s")
+                continue
+            if len(found) != len(names) or [listed[i] for i in found] != names or \
+                    found != list(range(found[0], found[0] + len(names))):
+                raise ValueError(f"split tensor {label!r}: its parts must be program {role}s, once each, in a row, in order")
+
+
 def check_program(program, limits: ServerLimits, kind: str) -> dict:
     """Validate a KernelProgram a client sends (or the server compiled) and hold it to ``limits``.
 
@@ -164,6 +224,8 @@ def check_program(program, limits: ServerLimits, kind: str) -> dict:
     for meta in (*program.input_meta, *program.output_meta):
         _meta_bytes(meta)
     if kind == "graph":
+        if program.parts:
+            raise ValueError("a graph program has no split tensors (parts)")
         if not isinstance(program.graph, dict):
             raise ValueError("a graph program needs its graph")
         graph = Graph.from_json(program.graph)
@@ -196,6 +258,7 @@ def check_program(program, limits: ServerLimits, kind: str) -> dict:
     for name in (*program.inputs, *program.outputs):
         if name not in buffers:
             raise ValueError(f"program input/output {name[:40]!r} names no buffer")
+    _check_parts(program, buffers)
     # outputs are read back through a buffer of their size, and a poison buffer refills them
     nbytes += sum(buffers[n].size for n in set(program.outputs)) + max(
         (buffers[n].size for n in program.outputs), default=0)

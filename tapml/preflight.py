@@ -6,7 +6,8 @@ and ``min-storage-buffer-offset-alignment``, bindings per kernel against
 ``max-storage-buffers-per-shader-stage``, workgroup counts against
 ``max-compute-workgroups-per-dimension`` and each entry point's ``@workgroup_size`` against
 ``max-compute-invocations-per-workgroup``; and it lists the buffers the compiler bound through
-several windows (a tensor *split* past the binding limit) and why. :func:`preflight_store`
+several windows (a tensor *split* past the binding limit) and the tensors it held in several
+buffers (past ``max-buffer-size``: ``KernelProgram.parts``), and why. :func:`preflight_store`
 compiles every case of a carve store on a platform (compiles only, runs nothing) and sums that
 up per op. Everything returned is plain data with ``to_json``.
 
@@ -68,7 +69,9 @@ class SplitBuffer:
     """A buffer bound through several windows: its tensor's ``shape`` (None when the program
     does not say) and ``dtype``, its ``bytes``, how many distinct ``windows`` the kernels bind,
     the largest window's bytes, and the ``limit`` that forced the split with its value (None
-    when the buffer would fit one binding: the compiler tiled it for another reason)."""
+    when the buffer would fit one binding: the compiler tiled it for another reason). A tensor
+    over ``max-buffer-size`` is held in several device ``buffers`` (its parts; 1 otherwise), and
+    its ``limit`` is ``max-buffer-size``."""
 
     buffer: str
     shape: tuple[int, ...] | None
@@ -78,21 +81,28 @@ class SplitBuffer:
     window_bytes: int
     limit: str | None
     limit_value: int | None
+    buffers: int = 1
 
     def tensor(self) -> str:
         """``"f32 [64000,1024]"``."""
         return tensor_label(self.shape, self.dtype)
 
     def describe(self) -> str:
-        """``"f32 [64000,1024] 262 MB -> 2 windows over max-storage-buffer-binding-size 128 MiB"``."""
+        """``"f32 [64000,1024] 262 MB -> 2 windows over max-storage-buffer-binding-size 128 MiB"``, or
+        for a tensor held in several buffers ``"f32 [128256,4096] 2.1 GB -> 2 buffers over
+        max-buffer-size 2 GiB, 17 windows of <= 128 MiB"``."""
+        if self.buffers > 1:
+            over = f" over {self.limit} {format_limit(self.limit_value)}" if self.limit else ""
+            return (f"{self.tensor()} {format_bytes(self.bytes)} -> {self.buffers} buffers{over}, {self.windows} "
+                    f"windows of <= {format_limit(self.window_bytes)}")
         why = (f" over {self.limit} {format_limit(self.limit_value)}" if self.limit else
                f" of <= {format_limit(self.window_bytes)}")
         return f"{self.tensor()} {format_bytes(self.bytes)} -> {self.windows} windows{why}"
 
     def to_json(self) -> dict:
         return {"buffer": self.buffer, "shape": None if self.shape is None else list(self.shape), "dtype": self.dtype,
-                "bytes": self.bytes, "windows": self.windows, "window_bytes": self.window_bytes, "limit": self.limit,
-                "limit_value": self.limit_value}
+                "bytes": self.bytes, "buffers": self.buffers, "windows": self.windows, "window_bytes": self.window_bytes,
+                "limit": self.limit, "limit_value": self.limit_value}
 
 
 @dataclass(frozen=True)
@@ -213,7 +223,17 @@ def check_program(program, caps: dict) -> ProgramPreflight:
                         detail=f"@workgroup_size of {per_group} invocations, over "
                                f"max-compute-invocations-per-workgroup {max_invocations}"))
     splits = []
+    part_of = {name: t for t in getattr(program, "parts", None) or [] for name, _, _ in t.parts}
+    for t in getattr(program, "parts", None) or []:
+        spans = [(name, span) for name, _, _ in t.parts for span in windows.get(name, ())]
+        splits.append(SplitBuffer(
+            buffer=t.name, shape=tuple(t.meta.shape), dtype=t.meta.dtype,
+            bytes=sum(buffers[name].size for name, _, _ in t.parts if name in buffers), windows=len(spans),
+            window_bytes=max((size for _, (_, size) in spans), default=0), limit="max-buffer-size",
+            limit_value=buffer_limit, buffers=len(t.parts)))
     for name, spans in windows.items():
+        if name in part_of:
+            continue
         buf = buffers[name]
         forced = binding_limit is not None and buf.size > binding_limit
         splits.append(SplitBuffer(
@@ -248,7 +268,7 @@ class OpPreflight:
         self.kernels += found.kernels
         self.largest_binding = max(self.largest_binding, found.largest_binding)
         for s in found.splits:
-            key = (s.shape, s.dtype, s.bytes, s.windows, s.limit)
+            key = (s.shape, s.dtype, s.bytes, s.buffers, s.windows, s.limit)
             entry = self.splits.setdefault(key, {**s.to_json(), "cases": 0, "message": s.describe()})
             entry["cases"] += 1
         for v in found.violations:
@@ -284,15 +304,19 @@ class StorePreflight:
 
     def summary_line(self) -> str:
         """One line for before a run: ``"preflight: 3 ops split across binding windows (largest:
-        f32 [64000,1024] 262 MB in 2 windows of <= 128 MiB)"``, plus ops over a limit; empty when
-        nothing was split or over a limit."""
+        f32 [64000,1024] 262 MB in 2 windows of <= 128 MiB)"`` (``"split across buffers and binding
+        windows"`` when a tensor is over max-buffer-size, ``"in 2 buffers and 17 windows"``), plus
+        ops over a limit; empty when nothing was split or over a limit."""
         parts = []
         split_ops = [o for o in self.ops if o.splits]
         if split_ops:
             big = self.largest_split()
             tensor = tensor_label(big["shape"], big["dtype"])
-            parts.append(f"{len(split_ops)} op{'s' * (len(split_ops) != 1)} split across binding windows (largest: "
-                         f"{tensor} {format_bytes(big['bytes'])} in {big['windows']} windows of <= "
+            held = any(s.get("buffers", 1) > 1 for o in split_ops for s in o.splits.values())
+            many = f"{big['buffers']} buffers and " if big.get("buffers", 1) > 1 else ""
+            parts.append(f"{len(split_ops)} op{'s' * (len(split_ops) != 1)} split across "
+                         f"{'buffers and ' if held else ''}binding windows (largest: {tensor} "
+                         f"{format_bytes(big['bytes'])} in {many}{big['windows']} windows of <= "
                          f"{format_limit(big['window_bytes'])})")
         over = [o for o in self.ops if o.violations]
         if over:

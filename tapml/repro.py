@@ -261,27 +261,33 @@ def build_plan(store, subject: ReproSubject, program, *, target: str, inject: li
             entry["file"] = f"const{len([f for f in files if f.startswith('const')]):02d}_{_safe(b.name)}.bin"
             files[entry["file"]] = b.data or b""
         buffers.append(entry)
+    # a tensor over the device's max-buffer-size fills several buffers: one file per part
+    device_inputs = program.split_tensors(subject.inputs)
+    device_expected = program.split_tensors(subject.expected, role="output")
+    input_of = _tensor_of(program.tensor_inputs(), program.input_meta)
+    output_of = _tensor_of(program.tensor_outputs(), program.output_meta)
     inputs = []
-    for i, (name, meta, tensor) in enumerate(zip(program.inputs, program.input_meta, subject.inputs)):
+    for i, (name, meta, tensor) in enumerate(zip(program.inputs, program.input_meta, device_inputs)):
         storage = specs[name].dtype if name in specs else _storage_of(meta.dtype)
         arr = _device_array(tensor, storage, meta.numel, name)
         entry = {"buffer": name, "file": f"input{i:02d}.npy", "shape": list(meta.shape), "dtype": meta.dtype,
-                 "device_type": storage, "conversion": _conversion(meta.dtype, storage)}
+                 "device_type": storage, "conversion": _conversion(meta.dtype, storage), **input_of[i][1]}
         if subject.kind == "region":
-            entry["ref"] = subject.info["input_refs"][i]
+            entry["ref"] = subject.info["input_refs"][input_of[i][0]]
         files[entry["file"]] = arr
         inputs.append(entry)
     outputs = []
-    for i, (name, meta, ref, (rtol, atol)) in enumerate(zip(program.outputs, program.output_meta, subject.expected,
-                                                            subject.tolerances)):
+    for i, (name, meta, ref) in enumerate(zip(program.outputs, program.output_meta, device_expected)):
+        j, part = output_of[i]
+        rtol, atol = subject.tolerances[j]
         storage = specs[name].dtype if name in specs else _storage_of(meta.dtype)
         entry = {"buffer": name, "expected": f"expected{i:02d}.npy", "shape": list(meta.shape), "dtype": meta.dtype,
-                 "device_type": storage, "rtol": rtol, "atol": atol}
+                 "device_type": storage, "rtol": rtol, "atol": atol, **part}
         if subject.kind == "region":
-            entry["ref"], entry["op"] = subject.info["output_refs"][i], subject.info["output_ops"][i]
+            entry["ref"], entry["op"] = subject.info["output_refs"][j], subject.info["output_ops"][j]
         else:
             entry["op"] = subject.info["op"]
-        files[entry["expected"]] = _host_array(ref, f"output {i}")
+        files[entry["expected"]] = _host_array(ref, f"output {j}")
         outputs.append(entry)
     kernels = []
     for i, k in enumerate(program.kernels):
@@ -299,6 +305,21 @@ def build_plan(store, subject: ReproSubject, program, *, target: str, inject: li
         "observed": observed,
     }
     return plan, files
+
+
+def _tensor_of(tensors: list, device_metas: list) -> list[tuple[int, dict]]:
+    """Per device buffer position: the graph tensor it belongs to, and for a part of a tensor split
+    across buffers the plan fields saying which (``part``, ``parts``, ``tensor_shape`` and
+    ``elements``: ``[start, count]`` of the flattened tensor)."""
+    out = []
+    for j, (meta, positions) in enumerate(tensors):
+        start = 0
+        for k, at in enumerate(positions):
+            count = device_metas[at].numel
+            out.append((j, {} if len(positions) == 1 else {"part": k, "parts": len(positions), "tensor_shape":
+                                                           list(meta.shape), "elements": [start, count]}))
+            start += count
+    return out
 
 
 def _require_wgsl(program, target: str) -> None:
@@ -354,6 +375,13 @@ def _fmt(x) -> str:
     return "—" if x is None else f"{x:.6g}"
 
 
+def _part_note(entry: dict) -> str:
+    if "part" not in entry:
+        return ""
+    return (f"; part {entry['part'] + 1} of {entry['parts']} of a {entry['dtype']}{entry['tensor_shape']} tensor "
+            "held in several buffers (over the device's max-buffer-size), elements in row-major order")
+
+
 def render_readme(plan: dict) -> str:
     """The README.md of a repro folder, from its plan."""
     s, dev, obs = plan["subject"], plan["device"], plan["observed"]
@@ -405,13 +433,14 @@ def render_readme(plan: dict) -> str:
               "- comparison: " + plan["comparison"] + "."]
     for k in plan["kernels"]:
         lines.append(f"- `{k['file']}`: kernel {k['name']}, workgroups {k['workgroups']}, bindings "
-                     + ", ".join(f"{b}({a})" for b, a in k["bindings"]))
+                     + ", ".join(f"{b[0]}({b[1]}" + (f", bytes {b[2]}..{b[2] + b[3]})" if len(b) == 4 else ")")
+                                 for b in k["bindings"]))
     for i in plan["inputs"]:
         lines.append(f"- `{i['file']}`: input buffer {i['buffer']}, {i['dtype']}{i['shape']} as {i['device_type']} "
-                     f"({i['conversion']})")
+                     f"({i['conversion']}){_part_note(i)}")
     for o in plan["outputs"]:
         lines.append(f"- `{o['expected']}`: reference output of buffer {o['buffer']}, {o['dtype']}{o['shape']}, "
-                     f"read back as {o['device_type']}, rtol {o['rtol']:g} atol {o['atol']:g}")
+                     f"read back as {o['device_type']}, rtol {o['rtol']:g} atol {o['atol']:g}{_part_note(o)}")
     for b in plan["buffers"]:
         if b.get("file"):
             lines.append(f"- `{b['file']}`: constant buffer {b['name']} ({b['size']} bytes, {b['type']})")

@@ -106,17 +106,24 @@ def _family_cases():
         "softmax": ("aten._softmax.default", (rand(32, 64), -1, False), {}),
         "scan": ("aten.cumsum.default", (rand(32, 40), 1), {}),
         "arg reduction": ("aten.argmax.default", (rand(40, 50), 1), {}),
+        "sort": ("aten.sort.stable", (rand(2, 2100),), {"stable": True}),  # rows past a block: multi-pass
     }
 
 
 SPLIT_FAMILIES = _family_cases()
 
 
-def run_split(platform, graph, inputs, dtype=None) -> bool | None:
+def run_split(platform, graph, inputs, dtype=None, parts: bool = False) -> bool | None:
     """Run a one-node ``graph`` on ``inputs`` (cast to ``dtype`` when given, judged fp64-anchored)
     on ``platform`` with max-storage-buffer-binding-size forced to half its largest buffer, so that
     buffer is bound through windows; asserts the result against torch. Returns whether a buffer
-    was split (None: the case does not apply: unsupported, or too small to split here)."""
+    was split (None: the case does not apply: unsupported, or too small to split here).
+
+    With ``parts``, the binding size is forced to a quarter of the largest buffer (a third or a
+    half where a kernel would bind more windows than the device allows) and max-buffer-size to
+    twice that, so the largest tensor is held in several buffers (parts) of two windows each;
+    returns whether a tensor was held in parts with a part bound through two windows (None as
+    well when every such choice is more bindings than a kernel may have on the device)."""
     from tapml.compare import compare_tensor
     from tapml.errors import Unsupported
     from tapml.platforms.wgsl import load_lowerings
@@ -136,19 +143,41 @@ def run_split(platform, graph, inputs, dtype=None) -> bool | None:
     except Unsupported:
         return None
     align = platform.caps()["limits"].get("min-storage-buffer-offset-alignment", 256)
-    if largest < 2 * align:
+    if largest < (4 if parts else 2) * align:
         return None
-    platform.force_limits({"max-storage-buffer-binding-size": largest // 2 // align * align})
-    try:
-        program = platform.compile(graph)
-        out = platform.run(program, inputs)
-    finally:
-        platform.__dict__.pop("forced_limits", None)
+    if parts:
+        # windows of a quarter of the largest buffer, or of a third or a half where a kernel would
+        # bind more windows than the device allows; buffers of two windows, fewer than the largest
+        choices = [{"max-storage-buffer-binding-size": w, "max-buffer-size": 2 * w}
+                   for w in dict.fromkeys(largest // d // align * align for d in (4, 3, 2)) if 0 < 2 * w < largest]
+    else:
+        choices = [{"max-storage-buffer-binding-size": largest // 2 // align * align}]
+    for i, limits in enumerate(choices):
+        platform.force_limits(limits)
+        try:
+            program = platform.compile(graph)
+            out = platform.run(program, inputs)
+            break
+        except Unsupported as e:
+            if not parts or "max-storage-buffers-per-shader-stage" not in str(e):
+                raise
+            if i == len(choices) - 1:
+                return None  # every choice of windows is more bindings than a kernel may have here
+        finally:
+            platform.__dict__.pop("forced_limits", None)
+    else:
+        return None
     if load_lowerings()[op].compare_values:
         results = ([compare_anchored(out, ref, ref64, floor=LOW_FLOORS[dtype])] if dtype is not None
                    else [compare_tensor(o, r) for o, r in zip(out, ref)])
         for res in results:
-            assert res.passed, f"{op} split ({dtype or 'float32'}): {res.message}; worst {res.worst}"
+            assert res.passed, f"{op} split ({dtype or 'float32'}{', parts' if parts else ''}): {res.message}; worst {res.worst}"
+    if parts:
+        windows: dict[str, set] = {}
+        for k in program.kernels:
+            for b in k.bindings:
+                windows.setdefault(b[0], set()).add(tuple(b[2:]))
+        return any(len(windows.get(name, ())) >= 2 for t in program.parts for name, _, _ in t.parts)
     return any(len(b) == 4 for k in program.kernels for b in k.bindings)
 
 
@@ -158,8 +187,9 @@ def run_split_samples(platform, op: str, dtype=None) -> int:
     return sum(bool(run_split(platform, graph, inputs, dtype)) for graph, inputs in sample_cases(op))
 
 
-def run_split_families(platform, dtype=None) -> dict[str, bool | None]:
-    """:func:`run_split` on each family's case of :data:`SPLIT_FAMILIES`: family -> split?"""
+def run_split_families(platform, dtype=None, parts: bool = False) -> dict[str, bool | None]:
+    """:func:`run_split` on each family's case of :data:`SPLIT_FAMILIES`: family -> split?
+    (with ``parts``: held in several buffers?)"""
     from tapml.platforms.wgsl.registry import case_graph
-    return {family: run_split(platform, *case_graph(op, args, kwargs), dtype)
+    return {family: run_split(platform, *case_graph(op, args, kwargs), dtype, parts=parts)
             for family, (op, args, kwargs) in SPLIT_FAMILIES.items()}

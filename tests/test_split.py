@@ -4,7 +4,8 @@ Every registered lowering runs its samples with that limit forced to half the sa
 buffer (``Platform.force_limits``) on lavapipe Vulkan and llvmpipe GL, and one case per op family
 (tests/support.py SPLIT_FAMILIES) runs split there, packed float16/bfloat16 on GL, and in
 Chromium, all against torch. The real-size case (a
-64 000-token vocabulary) is in tests/test_scale.py.
+64 000-token vocabulary) is in tests/test_scale.py; tensors over max-buffer-size, held in several
+buffers, in tests/test_parts.py.
 """
 
 import os

@@ -222,11 +222,19 @@ def test_buffer_over_binding_size_is_split_into_windows():
     assert "fn buf_" in kern.wgsl and "_set(" in kern.wgsl
 
 
-def test_buffer_over_max_buffer_size_or_too_many_windows_is_unsupported_naming_the_limit():
+def test_buffer_over_max_buffer_size_is_held_in_parts_or_unsupported_naming_the_limit():
     graph, _ = case_graph("aten.neg.default", [torch.randn(1000)])
     over_buffer = {**VULKAN, "limits": {**LIMITS, "max-buffer-size": 2048}}
+    program = compile_graph(graph, over_buffer)  # 4000 bytes: two parts of at most 2048 (tests/test_parts.py runs them)
+    assert [(b.name, b.size) for b in program.buffers] == [("i0.p0", 2048), ("i0.p1", 1952), ("o1.p0", 2048), ("o1.p1", 1952)]
+    assert [(t.name, t.parts) for t in program.parts] == [("i0", [("i0.p0", 0, 512), ("i0.p1", 512, 488)]),
+                                                          ("o1", [("o1.p0", 0, 512), ("o1.p1", 512, 488)])]
+    one_window = {**VULKAN, "limits": {**LIMITS, "max-buffer-size": 128, "min-storage-buffer-offset-alignment": 256}}
     with pytest.raises(Unsupported, match="max-buffer-size"):
-        compile_graph(graph, over_buffer)
+        compile_graph(graph, one_window)  # not even one 256-byte-aligned window fits a buffer
+    huge = graph_of([("x", (1 << 16, 1 << 15), "float32")], [node("n", "aten.neg.default", [{"ref": "x"}], (1 << 16, 1 << 15))], ["n"])
+    with pytest.raises(Unsupported, match="2\\*\\*31"):
+        compile_graph(huge, VULKAN)  # 8 GiB could be held in parts, but i32 element indices cannot reach it
     few_bindings = {**VULKAN, "limits": {**LIMITS, "max-storage-buffer-binding-size": 256,
                                          "max-storage-buffers-per-shader-stage": 8}}
     with pytest.raises(Unsupported, match="max-storage-buffers-per-shader-stage"):

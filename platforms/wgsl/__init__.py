@@ -103,8 +103,9 @@ def compile_graph(graph: Graph, caps: dict) -> KernelProgram:
     used = {binding[0] for kern in pb.kernels for binding in kern.bindings}
     # a temp no kernel touches (an unused multi-output element) needs no device memory
     pb.buffers = [b for b in pb.buffers if b.role != "temp" or b.name in used]
-    return KernelProgram(kind="wgsl", inputs=inputs, outputs=outputs, buffers=pb.buffers, kernels=pb.kernels,
-                         input_meta=[m for _, m in graph.inputs], output_meta=[graph.meta[r] for r in graph.outputs])
+    program = KernelProgram(kind="wgsl", inputs=inputs, outputs=outputs, buffers=pb.buffers, kernels=pb.kernels,
+                            input_meta=[m for _, m in graph.inputs], output_meta=[graph.meta[r] for r in graph.outputs])
+    return pb.into_parts(program)  # tensors over max-buffer-size: held in several buffers
 
 
 def _output(pb: ProgramBuilder, v: Value, meta: TensorMeta, force: bool = False) -> BufferView:

@@ -9,15 +9,21 @@ one kernel). Kernels (reductions, matmul, convolution, copies) *materialize* val
 buffers; the :class:`ProgramBuilder` decides when (graph outputs, values used more than
 once, inputs of kernels that need plain strided buffers).
 
-Index arithmetic is i32 (buffers are at most 2**31 bytes); shapes are baked into the shader,
-so a shader is specialized to its shapes and cached by content hash.
+Index arithmetic is i32 in elements: a tensor may exceed 2**31 bytes (held in several
+buffers, below) but must stay under 2**31 elements; shapes are baked into the shader, so a
+shader is specialized to its shapes and cached by content hash.
 
 A buffer larger than the device's ``max-storage-buffer-binding-size`` is *split*: a kernel
 binds it through several windows (byte ranges of at most that size, at offsets that are
 multiples of the device's ``min-storage-buffer-offset-alignment``) and reads and writes it through a generated
-accessor function that picks the window (:class:`Binding`). No op is unsupported for size
-alone as long as the buffer itself fits ``max-buffer-size`` and a kernel's windows fit the
-bindings it may have.
+accessor function that picks the window (:class:`Binding`). A tensor larger than the device's
+``max-buffer-size`` is compiled the same way, as one logical buffer and its windows; when the
+program is finished (:meth:`ProgramBuilder.into_parts`) that buffer is replaced by *parts*,
+ordinary buffers ``NAME.p0``, ``NAME.p1``, ... of at most ``max-buffer-size`` bytes, each a whole
+number of windows, and every window binding is moved onto the part that holds it. The program
+records which tensor its parts make up (``KernelProgram.parts``); ``Platform.run`` splits and
+joins the tensors, so runtimes only see ordinary buffers. No op is unsupported for size alone
+as long as a kernel's windows fit the bindings it may have.
 """
 
 from __future__ import annotations
@@ -29,9 +35,9 @@ from typing import Callable, Sequence
 import numpy as np
 
 from tapml.compare import INT64_OUTSIDE_I32
-from tapml.errors import Unsupported
+from tapml.errors import PlatformError, Unsupported
 from tapml.graph import TensorMeta
-from tapml.platforms.base import MAX_OFFSET_ALIGNMENT, BufferSpec, Kernel
+from tapml.platforms.base import MAX_OFFSET_ALIGNMENT, BufferSpec, Kernel, KernelProgram, SplitTensor
 
 WORKGROUP = 64
 MAX_GROUPS = 65535
@@ -53,6 +59,8 @@ ELEM_BYTES = {"f32": 4, "i32": 4, "u32": 4, "f16": 2, "vec4<f32>": 16, "vec4<f16
 #: Window offsets are multiples of the device's min-storage-buffer-offset-alignment (never less
 #: than one vec4); WebGPU's largest when the device does not say.
 WINDOW_ALIGN = MAX_OFFSET_ALIGNMENT
+#: Index arithmetic is i32 in elements: no tensor may have this many elements or more.
+MAX_ELEMENTS = 2 ** 31
 
 
 def ctype(dtype: str) -> str:
@@ -478,8 +486,11 @@ class ProgramBuilder:
         limits = self.caps.get("limits") or {}
         self.features = set(self.caps.get("features") or [])
         self.max_bindings = int(limits.get("max-storage-buffers-per-shader-stage", 8))
-        self.max_binding_size = int(limits.get("max-storage-buffer-binding-size", 128 << 20))
         self.max_buffer_size = int(limits.get("max-buffer-size", 256 << 20))
+        # a binding never spans more than a buffer: parts of a tensor over max-buffer-size are
+        # whole numbers of windows, so windows are at most max-buffer-size too
+        self.max_binding_size = min(int(limits.get("max-storage-buffer-binding-size", 128 << 20)),
+                                    self.max_buffer_size)
         self.window_align = int(limits.get("min-storage-buffer-offset-alignment", WINDOW_ALIGN))
         self.buffers: list[BufferSpec] = []
         self.sizes: dict[str, int] = {}  # buffer name -> bytes
@@ -499,9 +510,14 @@ class ProgramBuilder:
         storage = self.storage(meta.dtype)
         nbytes = meta.numel * ITEMSIZE[storage]
         size = -(-nbytes // 4) * 4  # WebGPU buffer sizes are multiples of 4
-        if size > self.max_buffer_size:
+        if meta.numel >= MAX_ELEMENTS:
+            raise Unsupported(f"a {meta.dtype} tensor of shape {list(meta.shape)} has {meta.numel} elements; WGSL "
+                              f"kernels index elements with i32, so a tensor must have fewer than 2**31")
+        if size > self.max_buffer_size and self.part_bytes() == 0:
             raise Unsupported(f"a {meta.dtype} tensor of shape {list(meta.shape)} needs {size} bytes, over the "
-                              f"device's max-buffer-size of {self.max_buffer_size}")
+                              f"device's max-buffer-size of {self.max_buffer_size}, and cannot be split across "
+                              f"buffers: one binding window ({window_bytes(self.max_binding_size, self.window_align)} "
+                              "bytes, a multiple of min-storage-buffer-offset-alignment) is larger than a buffer")
         buf = BufferSpec(name=f"{hint[0]}{len(self.buffers)}", dtype=storage, size=size, role=role, meta=meta)
         self.buffers.append(buf)
         self.sizes[buf.name] = size
@@ -541,6 +557,67 @@ class ProgramBuilder:
     def windows(self, size: int) -> list[tuple[int, int]]:
         """The byte windows a kernel binds a buffer of ``size`` bytes through (one: all of it)."""
         return windows(size, self.max_binding_size, self.window_align)
+
+    def part_bytes(self) -> int:
+        """Bytes of each part (the last may be smaller) of a buffer over max-buffer-size: the most
+        whole windows that fit one buffer, so that no window straddles two parts (0: not even one)."""
+        window = window_bytes(self.max_binding_size, self.window_align)
+        return self.max_buffer_size // window * window
+
+    def into_parts(self, program: KernelProgram) -> KernelProgram:
+        """``program`` (built here) with every buffer over max-buffer-size replaced by its parts:
+        buffers ``NAME.pK`` of :meth:`part_bytes` bytes (1-D metas of their elements) in the same
+        role, the window bindings of the buffer moved onto the part that holds them, and the
+        tensor recorded in ``parts`` (:class:`~tapml.platforms.base.SplitTensor`). The program
+        itself when nothing is that large."""
+        split = {b.name: b for b in program.buffers if b.size > self.max_buffer_size}
+        if not split:
+            return program
+        step = self.part_bytes()
+        buffers, tensors, pieces = [], [], {}
+        for b in program.buffers:
+            if b.name not in split:
+                buffers.append(b)
+                continue
+            per = step // ITEMSIZE[b.dtype]  # elements per part
+            names = []
+            for k, start in enumerate(range(0, b.meta.numel, per)):
+                count = min(per, b.meta.numel - start)
+                size = -(-count * ITEMSIZE[b.dtype] // 4) * 4
+                data = None if b.data is None else b.data[k * step:k * step + size]
+                buffers.append(BufferSpec(name=f"{b.name}.p{k}", dtype=b.dtype, size=size, role=b.role,
+                                          meta=TensorMeta((count,), b.meta.dtype), data=data))
+                names.append((buffers[-1].name, start, count))
+            tensors.append(SplitTensor(name=b.name, role=b.role, meta=b.meta, parts=names))
+            pieces[b.name] = [n for n, _, _ in names]
+        kernels = []
+        for kern in program.kernels:
+            bindings = []
+            for binding in kern.bindings:
+                if binding[0] not in split:
+                    bindings.append(binding)
+                    continue
+                name, access, *window = binding
+                k = window[0] // step if window else -1
+                if not window or window[0] + window[1] > (k + 1) * step:
+                    raise PlatformError(f"kernel {kern.name} binds {'all of' if not window else 'a window across parts of'} "
+                                        f"buffer {name}, which is over max-buffer-size")
+                bindings.append((pieces[name][k], access, window[0] - k * step, window[1]))
+            kernels.append(Kernel(name=kern.name, wgsl=kern.wgsl, bindings=bindings, workgroups=kern.workgroups,
+                                  entry=kern.entry))
+        specs = {b.name: b for b in buffers}
+
+        def expand(names: list[str], metas: list[TensorMeta]) -> tuple[list[str], list[TensorMeta]]:
+            out_names, out_metas = [], []
+            for n, m in zip(names, metas):
+                out_names.extend(pieces.get(n, [n]))
+                out_metas.extend([specs[p].meta for p in pieces[n]] if n in pieces else [m])
+            return out_names, out_metas
+
+        inputs, input_meta = expand(program.inputs, program.input_meta)
+        outputs, output_meta = expand(program.outputs, program.output_meta)
+        return KernelProgram(kind=program.kind, inputs=inputs, outputs=outputs, buffers=buffers, kernels=kernels,
+                             graph=program.graph, input_meta=input_meta, output_meta=output_meta, parts=tensors)
 
     def fit(self, values: list[Value], reserved: int) -> list[Value]:
         """Materialize computed inputs until a kernel reading ``values`` and binding
