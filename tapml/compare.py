@@ -355,3 +355,271 @@ def indices_pick_equal_values(x: torch.Tensor, dim: int, indices: torch.Tensor, 
     ordered = indices.sort(dim).values  # distinct: no index twice in a row
     return not bool((ordered.narrow(dim, 1, max(0, ordered.shape[dim] - 1)) ==
                      ordered.narrow(dim, 0, max(0, ordered.shape[dim] - 1))).any())
+
+
+# --- random ops: judged by distribution ----------------------------------------------------
+
+#: Op packets whose outputs are random draws (any overload): their values cannot be compared
+#: with the reference's, nor can anything computed from them.
+RANDOM_PACKETS = frozenset({"rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm",
+                            "bernoulli", "native_dropout", "dropout", "normal", "uniform", "exponential",
+                            "multinomial", "poisson", "cauchy", "log_normal", "geometric", "random"})
+#: Random ops whose distribution :func:`compare_distribution` knows.
+RANDOM_OPS = frozenset({"aten.rand.default", "aten.rand_like.default", "aten.randn.default", "aten.randn_like.default",
+                        "aten.bernoulli.p", "aten.bernoulli.default", "aten.native_dropout.default",
+                        "aten.randint.default", "aten.randint.low", "aten.randint_like.default",
+                        "aten.randint_like.low_dtype", "aten.randperm.default"})
+#: What a random op's verdict says first.
+RANDOM_NOTE = "random op: compared on shape, dtype and distribution, not values"
+#: Standard deviations a sample statistic may stray from its expectation, and the
+#: Kolmogorov-Smirnov constant (bound ``KS_CONSTANT / sqrt(n)``; 2.5 is a 2.5e-5 false alarm).
+SIGMAS = 6.0
+KS_CONSTANT = 2.5
+#: Half a grid step of the low floats near 1, added to KS bounds (values are rounded to the dtype).
+_RESOLUTION = {"float32": 0.0, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}
+#: Significand bits of the floats: every integer up to 2**bits is exact in them.
+_SIGNIFICAND = {"float32": 24, "float16": 11, "bfloat16": 8, "float64": 53}
+
+
+def is_random_op(op: str) -> bool:
+    """Whether ``op`` (an aten overload name) draws random values (:data:`RANDOM_PACKETS`)."""
+    parts = op.split(".") if isinstance(op, str) else []
+    return len(parts) == 3 and parts[0] == "aten" and parts[1] in RANDOM_PACKETS
+
+
+class _Draws:
+    """The checks of one random output: each adds a stat to the message; the first failed one
+    is the reason."""
+
+    def __init__(self):
+        self.stats: list[str] = []
+        self.failed: str = ""
+
+    def check(self, ok: bool, stat: str, why: str = "") -> bool:
+        self.stats.append(stat)
+        if not ok and not self.failed:
+            self.failed = why or stat
+        return ok
+
+    def near(self, name: str, value: float, expected: float, tol: float) -> bool:
+        ok = math.isfinite(value) and abs(value - expected) <= tol
+        return self.check(ok, f"{name} {value:.4g} (expected {expected:.4g} ± {tol:.2g})",
+                          f"{name} {value:.4g} is not within {tol:.2g} of {expected:.4g}")
+
+    def ks(self, name: str, sample: torch.Tensor, cdf, resolution: float = 0.0) -> bool:
+        n = sample.numel()
+        x = sample.double().sort().values
+        f = cdf(x)
+        i = torch.arange(1, n + 1, dtype=torch.float64)
+        d = float(torch.maximum(i / n - f, f - (i - 1) / n).max())
+        bound = KS_CONSTANT / math.sqrt(n) + resolution
+        return self.check(d <= bound, f"KS distance to {name} {d:.4f} ≤ {bound:.4f}",
+                          f"Kolmogorov-Smirnov distance to {name} {d:.4f} > {bound:.4f}")
+
+    def result(self, n: int, elementwise_bad: float | None = None) -> Comparison:
+        stats = ", ".join([f"n={n}"] + self.stats)
+        if self.failed:
+            return Comparison(False, mismatch_fraction=elementwise_bad,
+                              message=f"{RANDOM_NOTE}: {self.failed} ({stats})")
+        return Comparison(True, mismatch_fraction=0.0, message=f"{RANDOM_NOTE} ({stats})")
+
+
+def _uniform01(t: torch.Tensor, d: _Draws) -> None:
+    x = t.reshape(-1).double()
+    n = x.numel()
+    if not d.check(bool(((x >= 0) & (x < 1)).all()), "all in [0, 1)",
+                   f"{int((~((x >= 0) & (x < 1))).sum())} values outside [0, 1)"):
+        return
+    res = _RESOLUTION[dtype_name(t.dtype)]
+    d.near("mean", float(x.mean()), 0.5, SIGMAS * math.sqrt(1 / 12 / n) + res)
+    if n > 1:  # the sample variance's standard error: sqrt((1/80 - 1/144) / n)
+        d.near("variance", float(x.var()), 1 / 12, SIGMAS * 0.0745 / math.sqrt(n) + 2 * res)
+    d.ks("uniform [0, 1)", x, lambda v: v, res)
+
+
+def _standard_normal(t: torch.Tensor, d: _Draws) -> None:
+    x = t.reshape(-1).double()
+    n = x.numel()
+    if not d.check(bool(torch.isfinite(x).all()), "all finite", f"{int((~torch.isfinite(x)).sum())} values not finite"):
+        return
+    res = _RESOLUTION[dtype_name(t.dtype)]
+    d.near("mean", float(x.mean()), 0.0, SIGMAS / math.sqrt(n) + res)
+    if n > 1:
+        d.near("variance", float(x.var()), 1.0, SIGMAS * math.sqrt(2 / n) + 4 * res)
+    d.ks("the standard normal", x, torch.special.ndtr, res)
+
+
+def _bernoulli(t: torch.Tensor, p: torch.Tensor, d: _Draws) -> float | None:
+    """Checks draws ``t`` of Bernoulli(``p``) (``p`` broadcast to ``t``); returns the fraction of
+    elements that break a certainty (p = 0 drawn 1, p = 1 drawn 0, a value not 0 or 1)."""
+    x = t.reshape(-1).double()
+    n = x.numel()
+    if p.numel() != 1 and tuple(p.shape) != tuple(t.shape):
+        d.check(False, "p's shape", f"p of shape {list(p.shape)} does not give the output's {list(t.shape)}")
+        return None
+    p = p.double().reshape(-1).expand(n) if p.numel() == 1 else p.double().reshape(-1)
+    binary = (x == 0) | (x == 1)
+    if not d.check(bool(binary.all()), "all 0 or 1", f"{int((~binary).sum())} values are neither 0 nor 1"):
+        return float((~binary).sum()) / n
+    certain_bad = ((p <= 0) & (x != 0)) | ((p >= 1) & (x != 1))
+    if not d.check(not bool(certain_bad.any()), "p=0 gives 0 and p=1 gives 1",
+                   f"{int(certain_bad.sum())} elements with p of 0 or 1 drew the other value"):
+        return float(certain_bad.sum()) / n
+    pc = p.clamp(0, 1)
+    d.near("ones", float(x.sum()), float(pc.sum()), SIGMAS * math.sqrt(float((pc * (1 - pc)).sum())) + 1)
+    return None
+
+
+def _uniform_ints(t: torch.Tensor, low: int, high: int, d: _Draws) -> None:
+    x = t.reshape(-1).double()
+    n, m = x.numel(), high - low
+    lo_b, hi_b = float(low), float(high - 1)
+    if t.dtype.is_floating_point:  # the bounds as the dtype holds them
+        lo_b, hi_b = float(torch.tensor(float(low)).to(t.dtype)), float(torch.tensor(float(high - 1)).to(t.dtype))
+    inside = (x >= lo_b) & (x <= hi_b) & (x == x.round())
+    if not d.check(bool(inside.all()), f"all integers in [{low}, {high})",
+                   f"{int((~inside).sum())} values are not integers in [{low}, {high})"):
+        return
+    ulp = 0.0 if not t.dtype.is_floating_point else float(torch.finfo(t.dtype).eps) * max(abs(low), abs(high))
+    sd = math.sqrt((m * m - 1) / 12)
+    d.near("mean", float(x.mean()), low + (m - 1) / 2, SIGMAS * sd / math.sqrt(n) + ulp)
+    exact = not t.dtype.is_floating_point or max(abs(low), abs(high)) <= 2 ** _SIGNIFICAND[dtype_name(t.dtype)]
+    if m <= 4096 and n >= 5 * m and exact:
+        counts = torch.bincount((x - low).long(), minlength=m).double()
+        e = n / m
+        tol = SIGMAS * math.sqrt(e * (1 - 1 / m)) + 1
+        worst = float((counts - e).abs().max())
+        d.check(worst <= tol, f"every value drawn {e:.1f} ± {tol:.1f} times",
+                f"a value is drawn {worst:.0f} times off the expected {e:.1f} (allowed {tol:.1f})")
+    else:
+        d.ks(f"uniform on [{low}, {high})", (x - low + 0.5) / m, lambda v: v, 1 / m + ulp / m)
+
+
+def compare_distribution(op: str, targets: list[torch.Tensor], refs: list[torch.Tensor], args: list,
+                         kwargs: dict | None = None) -> Comparison:
+    """Judge a random op's outputs ``targets`` by what ``op`` promises, not by value: shapes and
+    dtypes as the reference's ``refs``, then the distribution of the values given the op's
+    decoded ``args``/``kwargs`` (tensors as tensors). Thresholds are deterministic: a sample
+    mean within :data:`SIGMAS` standard errors, a Kolmogorov-Smirnov distance within
+    ``KS_CONSTANT / sqrt(n)`` (plus the grid step of float16/bfloat16), so a small sample is
+    judged leniently and a large one closely.
+
+    - ``rand``/``rand_like``: uniform in [0, 1) (mean, variance, KS);
+    - ``randn``/``randn_like``: standard normal (mean, variance, KS);
+    - ``bernoulli``: 0 or 1, certain where p is 0 or 1, the count of ones near ``sum(p)``;
+    - ``native_dropout``: training: the output is ``x * mask / (1 - p)`` elementwise with the
+      target's own mask, and the dropped fraction near p; evaluation: ``x`` and an all-True mask;
+    - ``randint``: integers in [low, high), uniform (counts per value, or KS for wide ranges);
+    - ``randperm``: a permutation of ``range(n)``, not close to the identity or its reverse.
+
+    The message starts with :data:`RANDOM_NOTE` and gives the statistics. Example::
+
+        compare_distribution("aten.rand.default", [t], [torch.rand(4096)], [[4096]]).passed
+    """
+    kwargs = kwargs or {}
+    if len(targets) != len(refs):
+        return Comparison(False, message=f"{RANDOM_NOTE}: {len(targets)} outputs != reference {len(refs)}")
+    for i, (t, r) in enumerate(zip(targets, refs)):
+        if tuple(t.shape) != tuple(r.shape) or t.dtype != r.dtype:
+            return Comparison(False, message=f"{RANDOM_NOTE}: output {i} is {dtype_name(t.dtype)}{list(t.shape)}, "
+                                             f"the reference {dtype_name(r.dtype)}{list(r.shape)}")
+    if op not in RANDOM_OPS:
+        return Comparison(False, message=f"{RANDOM_NOTE}: no distribution is known for {op}")
+    out = targets[0].detach().cpu()
+    n = out.numel()
+    d = _Draws()
+    if n == 0:
+        return d.result(0)
+    try:
+        params = _random_params(op, list(args), kwargs)
+    except (TypeError, ValueError, IndexError, KeyError) as e:  # arguments from a file
+        return Comparison(False, message=f"{RANDOM_NOTE}: cannot read the arguments of {op}: {e}")
+    packet = op.split(".")[1]
+    if packet in ("rand", "rand_like"):
+        _uniform01(out, d)
+    elif packet in ("randn", "randn_like"):
+        _standard_normal(out, d)
+    elif packet == "bernoulli":
+        return d.result(n, _bernoulli(out, params["p"], d))
+    elif packet == "native_dropout":
+        return _dropout(targets, params["x"], params["p"], params["train"], d)
+    elif packet == "randperm":
+        _permutation(out, d)
+    else:
+        _uniform_ints(out, params["low"], params["high"], d)
+    return d.result(n)
+
+
+def _random_params(op: str, a: list, kwargs: dict) -> dict:
+    """The parameters of a random op's distribution from its decoded arguments (ValueError,
+    TypeError or IndexError when they are not what the op takes)."""
+    def prob(v) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+            raise ValueError(f"p={v!r} is not a probability in [0, 1]")
+        return float(v)
+
+    def integer(v) -> int:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{v!r} is not an integer")
+        return v
+
+    def tensor(v) -> torch.Tensor:
+        if not isinstance(v, torch.Tensor):
+            raise TypeError(f"{type(v).__name__} is not a tensor")
+        return v.detach().cpu()
+
+    if op == "aten.bernoulli.p":
+        return {"p": torch.tensor(prob(a[1] if len(a) > 1 else kwargs.get("p", 0.5)))}
+    if op == "aten.bernoulli.default":
+        return {"p": tensor(a[0])}
+    if op == "aten.native_dropout.default":
+        train = a[2] if len(a) > 2 else kwargs.get("train")
+        if train not in (True, False, None):
+            raise TypeError(f"train={train!r} is not a bool")
+        return {"x": tensor(a[0]), "p": prob(a[1] if len(a) > 1 else kwargs["p"]), "train": train}
+    bounds = {"aten.randint.default": lambda: (0, a[0]), "aten.randint.low": lambda: (a[0], a[1]),
+              "aten.randint_like.default": lambda: (0, a[1]), "aten.randint_like.low_dtype": lambda: (a[1], a[2])}
+    if op in bounds:
+        low, high = (integer(v) for v in bounds[op]())
+        if not low < high:
+            raise ValueError(f"[{low}, {high}) is an empty range")
+        return {"low": low, "high": high}
+    return {}
+
+
+def _dropout(targets: list[torch.Tensor], x: torch.Tensor, p: float, train, d: _Draws) -> Comparison:
+    out, mask = (t.detach().cpu() for t in targets)
+    n = out.numel()
+    if mask.dtype != torch.bool or x.shape != out.shape:
+        d.check(False, "mask and input",
+                f"the mask is {dtype_name(mask.dtype)}, the input {list(x.shape)}: not native_dropout's")
+        return d.result(n)
+    if train is False:
+        same = compare_tensor(out, x)
+        d.check(same.passed, "evaluation: the output is the input", f"evaluation: the output is not the input "
+                f"({same.message})")
+        d.check(bool(mask.all()), "the mask is all True", f"evaluation: {int((~mask).sum())} mask elements are False")
+        return d.result(n, None if same.passed else same.mismatch_fraction)
+    scale = 0.0 if p >= 1 else 1.0 / (1.0 - p)
+    expected = x.mul(mask).mul_(scale)  # torch's own formula, with the target's mask
+    same = compare_tensor(out, expected)
+    if not d.check(same.passed, "output = input * mask / (1 - p)",
+                   f"the output is not input * mask / (1 - p) with its own mask ({same.message})"):
+        return d.result(n, same.mismatch_fraction)
+    dropped = float((~mask).sum())
+    d.near("dropped", dropped, n * p, SIGMAS * math.sqrt(n * p * (1 - p)) + 1)
+    return d.result(n)
+
+
+def _permutation(t: torch.Tensor, d: _Draws) -> None:
+    x = t.reshape(-1).double()
+    n = x.numel()
+    if not d.check(torch.equal(x.sort().values, torch.arange(n, dtype=torch.float64)), f"a permutation of range({n})",
+                   f"not a permutation of range({n})"):
+        return
+    fixed = int((x == torch.arange(n, dtype=torch.float64)).sum())
+    d.check(fixed <= 11, f"{fixed} fixed points ≤ 11", f"{fixed} fixed points (a random permutation has about 1)")
+    if n >= 40:
+        pos = torch.arange(n, dtype=torch.float64)
+        r = float(torch.corrcoef(torch.stack([pos, x]))[0, 1])
+        d.near("position-value correlation", r, 0.0, SIGMAS / math.sqrt(n - 1))

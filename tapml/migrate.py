@@ -10,6 +10,11 @@
    topological order — to the smallest failing sub-region, which goes back to the reference.
 3. **model** — the whole model on the final placement, compared end to end.
 
+Random ops (rand, dropout in training, ...) are judged alone, in the op stage, by distribution
+(:func:`tapml.compare.compare_distribution`); in the region and model stages they stay on the
+reference with the reference's own values fed in (:func:`tapml.regions.random_nodes`), since
+nothing computed from random draws can be compared by value. Their units say so.
+
 A generation store (``tapml carve --generate``) runs the three stages once per step kind: the
 prefill graph first, as above, then the decode graph — its cases (and the prefill's cases that
 its nodes share) localized in the decode graph's own context, its module regions, and the
@@ -45,7 +50,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
-from tapml.compare import Tolerances
+from tapml.compare import Tolerances, is_random_op
 from tapml.dtypes import cast_nodes, keep_float32 as keep_float32_graph
 from tapml.errors import DeviceLost, TapmlError
 from tapml.graph import Graph
@@ -76,7 +81,9 @@ class GraphPass:
         self.keep_float32 = list(keep_float32 or [])
         self.checker = checker
         self.prefix = "decode:" if kind == "decode" else ""
-        self.placement = {n.name: TARGET for n in graph.nodes}
+        # a random op is checked alone by distribution; in regions and the model run it stays on
+        # the reference, pinned to the reference's values (tapml.regions.random_nodes)
+        self.placement = {n.name: REFERENCE if is_random_op(n.op) else TARGET for n in graph.nodes}
         self.end_to_end: EndToEnd | None = None
 
     def where(self) -> dict:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
-from tapml.compare import Comparison, Tolerances, compare_outputs, compare_tensor, merge
+from tapml.compare import Comparison, Tolerances, compare_outputs, compare_tensor, is_random_op, merge
 from tapml.dtypes import LOW_FLOATS, as_float32, upcast
 from tapml.graph import Graph, dtype_name, run_graph
 from tapml.hybrid import HybridResult, HybridRunner, reference_values
@@ -38,6 +38,34 @@ from tapml.verdict import Verdict, outcome_verdict
 CHECKED_STEP = {"prefill": 0, "decode": 1}
 #: Said after a failing comparison of a low-precision store: what it was compared with.
 AGAINST_FLOAT32 = "against the model in float32"
+
+
+def random_nodes(graph: Graph) -> set[str]:
+    """Names of the nodes of ``graph`` that draw random values (:func:`tapml.compare.is_random_op`).
+
+    Their values differ from the reference's by design, and so would everything computed from
+    them: in a region or whole-model run they are *pinned*, kept on the reference with the
+    values of the very reference run the outputs are compared with (they become inputs of the
+    run), while each is checked alone, by distribution, in the op stage."""
+    return {n.name for n in graph.nodes if is_random_op(n.op)}
+
+
+def pinned_note(graph: Graph, pinned: Iterable[str]) -> str:
+    """What a region or model verdict says about the random nodes it pinned ("" for none)."""
+    ops: dict[str, int] = {}
+    names = set(pinned)
+    for n in graph.nodes:
+        if n.name in names:
+            ops[n.op] = ops.get(n.op, 0) + 1
+    if not ops:
+        return ""
+    listed = ", ".join(f"{op} x{k}" if k > 1 else op for op, k in ops.items())
+    return (f"random ops kept on the reference, their reference values fed in ({listed}): a random op is "
+            "compared on shape, dtype and distribution, alone, never by value")
+
+
+def _with_note(message: str, note: str) -> str:
+    return f"{message}; {note}" if message and note else message or note
 
 
 def low_dtype(store) -> str | None:
@@ -93,6 +121,8 @@ class RegionChecker:
         self.low = low_dtype(store)
         #: A :class:`tapml.profile.StageClock` given the seconds of the reference runs and comparisons, or None.
         self.clock = clock
+        #: Nodes that draw random values: pinned to the reference's values in every region (:func:`random_nodes`).
+        self.random = random_nodes(self.graph)
 
     @property
     def ref(self) -> dict:
@@ -176,8 +206,20 @@ class RegionChecker:
 
         The region's outputs are compared with the reference; with ``window`` (a subset of
         ``names``), the values leaving the window are compared too, so an error is pinned
-        to the window even where later reference ops would hide it."""
+        to the window even where later reference ops would hide it. Random nodes among ``names``
+        are pinned to the reference's values (:func:`random_nodes`), and the verdict says so."""
         names = sorted(names, key=self.order.__getitem__)
+        pinned = [n for n in names if n in self.random]
+        if pinned:
+            names = [n for n in names if n not in self.random]
+            window = window and [n for n in window if n not in self.random]
+            if not names:
+                return Verdict(status="pass", message=pinned_note(self.graph, pinned) + "; nothing else to run here")
+        verdict = self._compare_region(names, placement, window)
+        verdict.message = _with_note(verdict.message, pinned_note(self.graph, pinned))
+        return verdict
+
+    def _compare_region(self, names: list[str], placement: dict[str, str], window: list[str] | None) -> Verdict:
         runner = self.runner(names)
         sub = runner.graph
         refs = list(sub.outputs)
@@ -222,6 +264,29 @@ def run_model_against_reference(store, runner: HybridRunner, placement: dict[str
         verdict.status  # 'pass'
     """
     inputs = store.program_inputs() if inputs is None else inputs
+    pinned = random_nodes(runner.graph)
+    if pinned:
+        # values drawn at random can be compared only with the run that drew them: one reference
+        # run gives the random nodes' values (fed in) and the outputs they are judged by
+        graph = runner.graph
+        try:
+            with measured(clock, "reference"):
+                ref = reference_values(graph, inputs)
+        except Exception as e:  # noqa: BLE001 - a model the reference cannot run is a verdict, not a crash
+            return outcome_verdict(e), None
+        wanted = list(expected) if expected is not None else list(store.model_outputs())
+        runner = HybridRunner(graph.subgraph([n.name for n in graph.nodes if n.name not in pinned]), runner.platform)
+        inputs = {r: ref[r] for r, _ in runner.graph.inputs}
+        expected = {r: ref[r] for r in wanted if r in set(runner.graph.outputs)}
+    verdict, result = _run_and_compare(store, runner, placement, tolerances, keep, inputs, expected, clock)
+    if pinned:
+        verdict.message = _with_note(verdict.message, pinned_note(graph, pinned))
+    return verdict, result
+
+
+def _run_and_compare(store, runner: HybridRunner, placement: dict[str, str], tolerances: Tolerances,
+                     keep: Iterable[str], inputs: dict, expected: dict | None,
+                     clock) -> tuple[Verdict, HybridResult | None]:
     try:
         result = runner.run(inputs, placement, keep=keep)
     except Exception as e:  # noqa: BLE001 - a failing model is a verdict, not a crash
@@ -319,4 +384,5 @@ def common_module(paths: list[str]) -> str:
 
 
 __all__ = ["RegionChecker", "run_model_against_reference", "decode_step_inputs", "bisect", "module_regions",
+           "random_nodes", "pinned_note",
            "common_module", "low_dtype", "float32_twin_values", "judge_low", "CHECKED_STEP", "AGAINST_FLOAT32"]

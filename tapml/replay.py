@@ -82,8 +82,12 @@ def judge_case(store, case: dict, outputs: list[torch.Tensor], expected: list[to
     """Compare a case's target ``outputs`` with the reference's ``expected``. ``anchored=True``:
     every float output fp64-anchored; ``False``: the tolerances; None (default): fp64-anchored
     for float16/bfloat16 outputs of a low-precision store (the reference's own rounding is the
-    yardstick) and the tolerances for the rest (a float32 op is judged as in a float32 store)."""
+    yardstick) and the tolerances for the rest (a float32 op is judged as in a float32 store).
+    A random op (:data:`~tapml.compare.RANDOM_OPS`) is judged by distribution instead."""
+    from tapml.compare import RANDOM_OPS
     from tapml.dtypes import LOW_FLOATS
+    if case["op"] in RANDOM_OPS:
+        return _judge_random(store, case, outputs, expected)
     if anchored is None:
         default = anchored_by_default(store)
         anchor = [default and dtype_name(e.dtype) in LOW_FLOATS for e in expected]
@@ -97,6 +101,19 @@ def judge_case(store, case: dict, outputs: list[torch.Tensor], expected: list[to
                         compare_outputs([t], [e], op=case["op"], tolerances=tolerances)
                         for t, e, r, a in zip(outputs, expected, ref64, anchor)])
     return _allow_tie_order(store, case, outputs, expected, result)
+
+
+def _judge_random(store, case: dict, outputs, expected) -> Comparison:
+    """A random op's outputs judged on shape, dtype and distribution, never on values
+    (:func:`tapml.compare.compare_distribution`, with the case's decoded arguments)."""
+    from tapml.compare import compare_distribution
+    from tapml.graph import decode_arg
+    graph = store.case_graph(case)
+    env = dict(zip([r for r, _ in graph.inputs], store.case_inputs(case)))
+    node = graph.nodes[0]
+    args = decode_arg(node.args, env.__getitem__)
+    kwargs = {k: decode_arg(v, env.__getitem__) for k, v in node.kwargs.items()}
+    return compare_distribution(case["op"], outputs, expected, args, kwargs)
 
 
 def _allow_tie_order(store, case: dict, outputs, expected, result: Comparison) -> Comparison:
