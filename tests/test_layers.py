@@ -64,3 +64,12 @@ def test_every_lowered_op_is_in_the_vocabulary():
     assert len(names) > 50
     for name in names:
         check_op(name)  # ValueError names the op and why
+
+
+def test_the_readme_states_the_lowerings_and_their_dtypes():
+    """README's coverage table is the registry's (regenerate it with
+    ``python -c "from tapml.platforms.wgsl.registry import coverage_markdown; print(coverage_markdown())"``)."""
+    from pathlib import Path
+    from tapml.platforms.wgsl.registry import coverage_markdown
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert coverage_markdown() in readme, "README.md's op coverage table is stale: regenerate it"

@@ -273,3 +273,46 @@ def sample_cases(op: str) -> list[tuple[Graph, list[torch.Tensor]]]:
 
 __all__ = ["Lowering", "REGISTRY", "FLOPS", "register", "node_flops", "supports_node", "dtype_reason", "case_graph", "rand", "randint",
            "randbool", "edge_floats", "edge_ints", "sample_cases", "low_precision_paths", "ALL", "ALL_FLOAT", "ALL_INT", "NUMERIC"]
+
+
+# --- coverage, for the README ----------------------------------------------------------------
+
+def core_aten_ops() -> list[str]:
+    """Every functional overload torch tags ``core`` that the op vocabulary accepts (sorted)."""
+    from tapml.ops import check_op
+    names = []
+    for attr in dir(torch.ops.aten):
+        packet = getattr(torch.ops.aten, attr, None)
+        if not hasattr(packet, "overloads"):
+            continue
+        for overload in packet.overloads():
+            name = f"aten.{attr}.{overload}"
+            if torch.Tag.core in getattr(packet, overload).tags:
+                try:
+                    check_op(name)
+                except ValueError:
+                    continue
+                names.append(name)
+    return sorted(names)
+
+
+def coverage_markdown() -> str:
+    """The README's table of lowerings: per family, how many ops take each dtype; then how many
+    core ATen overloads are lowered, which are refused by design and which are not lowered yet."""
+    from tapml.platforms.wgsl import load_lowerings
+    registry = load_lowerings()
+    dtypes = ALL_FLOAT + ALL_INT + ("bool",)
+    families: dict[str, list[Lowering]] = {}
+    for low in registry.values():
+        families.setdefault(low.family.rsplit(".", 1)[-1], []).append(low)
+    lines = ["| family | lowerings | " + " | ".join(dtypes) + " |", "|---|---|" + "---|" * len(dtypes)]
+    for family, lows in sorted(families.items()) + [("**all**", list(registry.values()))]:
+        counts = " | ".join(str(sum(d in low.dtypes for low in lows)) for d in dtypes)
+        lines.append(f"| {family} | {len(lows)} | {counts} |")
+    core = core_aten_ops()
+    by_design = [op for op in core if op not in registry and op in COMPLEX_OPS]
+    missing = [op for op in core if op not in registry and op not in COMPLEX_OPS]
+    lines += ["", f"{sum(op in registry for op in core)} of the {len(core)} functional core ATen overloads are lowered; "
+              f"refused by design: {', '.join(f'`{op}`' for op in by_design) or 'none'} (complex tensors) and every "
+              "float64 tensor; not lowered yet: " + (", ".join(f"`{op}`" for op in missing) or "none") + "."]
+    return "\n".join(lines)
