@@ -24,6 +24,22 @@ REFERENCE_AND_VULKAN = ["reference", pytest.param("wgpu:vulkan", marks=[
                        reason="no wgpu Vulkan adapter (install mesa-vulkan-drivers for lavapipe)")])]
 
 
+def vulkan_or_skip():
+    """Skip the calling test where wgpu has no Vulkan adapter (lavapipe comes with mesa-vulkan-drivers)."""
+    from tapml.platforms.wgpu_native import available_backends
+    if "vulkan" not in available_backends():
+        pytest.skip("no wgpu Vulkan adapter (install mesa-vulkan-drivers for lavapipe)")
+
+
+def store_from_source(tmp_path_factory, name: str, source: str, factory: str = "factory"):
+    """A CarveStore carved from model code ``source`` (written to ``NAME.py``) by ``factory``."""
+    from tapml.carving import CarveStore, carve
+    base = tmp_path_factory.mktemp(name)
+    (base / f"{name}.py").write_text(source)
+    carve(f"{base / f'{name}.py'}:{factory}", base / "store")
+    return CarveStore(base / "store")
+
+
 def rss_mib(pid: int) -> float:
     """Resident memory of a process, in MiB."""
     with open(f"/proc/{pid}/status") as f:

@@ -12,6 +12,8 @@ import textwrap
 import pytest
 import torch
 
+from support import store_from_source, vulkan_or_skip
+
 UPSCALER = textwrap.dedent("""
     import torch
     from torch import nn
@@ -54,17 +56,9 @@ pytestmark = [pytest.mark.device, pytest.mark.xdist_group("wgpu")]
 
 @pytest.fixture(scope="module")
 def upscaler_store(tmp_path_factory):
-    from tapml.carving import CarveStore, carve
-    base = tmp_path_factory.mktemp("upscaler")
-    (base / "upscaler.py").write_text(UPSCALER)
-    carve(f"{base / 'upscaler.py'}:factory", base / "store")
-    return CarveStore(base / "store")
+    return store_from_source(tmp_path_factory, "upscaler", UPSCALER)
 
 
-def _vulkan_or_skip():
-    from tapml.platforms.wgpu_native import available_backends
-    if "vulkan" not in available_backends():
-        pytest.skip("no Vulkan adapter (install mesa-vulkan-drivers for lavapipe)")
 
 
 def test_transposed_convolutions_are_carved_with_their_arguments(upscaler_store):
@@ -75,7 +69,7 @@ def test_transposed_convolutions_are_carved_with_their_arguments(upscaler_store)
 
 
 def test_upscaler_migrates_to_vulkan(upscaler_store, tmp_path):
-    _vulkan_or_skip()
+    vulkan_or_skip()
     from tapml.migrate import Migration, exit_code
     from tapml.targets import open_target
     with open_target("wgpu:vulkan") as platform:
@@ -90,7 +84,7 @@ def test_upscaler_migrates_to_vulkan(upscaler_store, tmp_path):
 
 def test_transposed_convolution_output_matches_torch_on_vulkan():
     """ConvTranspose2d as SAM uses it, with a batch and odd sizes: the values themselves."""
-    _vulkan_or_skip()
+    vulkan_or_skip()
     from tapml.compare import compare_tensor
     from tapml.platforms.wgpu_native import shared_platform
     from tapml.platforms.wgsl.registry import case_graph

@@ -22,14 +22,11 @@ from tapml.flaky import RunToRun, classify, text_map
 from tapml.graph import TensorMeta
 from tapml.platforms.base import BufferSpec, Kernel, KernelProgram
 from tapml.verdict import STATUSES, VerdictDocument, summary
+from support import vulkan_or_skip
 
 TAPML = [sys.executable, "-m", "tapml.cli"]
 
 
-def _vulkan_or_skip():
-    from tapml.platforms.wgpu_native import available_backends
-    if "vulkan" not in available_backends():
-        pytest.skip("no wgpu Vulkan adapter (install mesa-vulkan-drivers for lavapipe)")
 
 
 # --- the analysis, no device ---------------------------------------------------------------
@@ -171,7 +168,7 @@ def _oob_program(temp_extra: int = 0, out_extra: int = 0) -> KernelProgram:
 @pytest.fixture(scope="module")
 def guarded():
     """A Vulkan platform of its own with guards on (the shared one stays unguarded)."""
-    _vulkan_or_skip()
+    vulkan_or_skip()
     from tapml.platforms.wgpu_native import WgpuPlatform
     platform = WgpuPlatform("vulkan")
     assert platform.enable_guards()
@@ -181,7 +178,7 @@ def guarded():
 
 @pytest.mark.device
 def test_a_racy_kernel_is_flaky_with_the_tiles_that_varied(figure):
-    _vulkan_or_skip()
+    vulkan_or_skip()
     from tapml.platforms.wgpu_native import shared_platform
     from tapml.replay import flaky_verdict, repeat_runs
     from tapml.verdict import Verdict
@@ -206,7 +203,7 @@ def test_a_racy_kernel_is_flaky_with_the_tiles_that_varied(figure):
 
 @pytest.mark.device
 def test_a_healthy_program_repeated_is_not_flaky():
-    _vulkan_or_skip()
+    vulkan_or_skip()
     from tapml.platforms.wgpu_native import shared_platform
     from tapml.replay import repeat_runs
     platform = shared_platform("vulkan")
@@ -242,7 +239,7 @@ def test_guards_pass_a_correct_program_and_are_refilled_every_run(guarded):
 
 @pytest.mark.device
 def test_without_guards_the_same_write_goes_unnoticed():
-    _vulkan_or_skip()
+    vulkan_or_skip()
     from tapml.platforms.wgpu_native import shared_platform
     x = torch.randn(N)
     # WGSL robustness discards or clamps the store outside the binding: no error, right values
@@ -252,7 +249,7 @@ def test_without_guards_the_same_write_goes_unnoticed():
 
 @pytest.mark.device
 def test_replay_repeat_and_guards_find_nothing_in_a_healthy_model(carved, tmp_path):
-    _vulkan_or_skip()
+    vulkan_or_skip()
     store = carved("zoo:mlp")
     out = tmp_path / "v.json"
     r = subprocess.run(TAPML + ["replay", str(store), "--target", "wgpu:vulkan", "--repeat", "5", "--guards",

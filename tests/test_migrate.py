@@ -21,6 +21,7 @@ from tapml.regions import module_regions
 from tapml.replay import run_case
 from tapml.targets import open_target
 from tapml.verdict import outcome_verdict
+from support import store_from_source
 
 TAPML = [sys.executable, "-m", "tapml.cli"]
 CHAIN_MODEL = textwrap.dedent("""
@@ -61,11 +62,7 @@ def gpt2(carved):
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory):
-    from tapml.carving import CarveStore, carve
-    base = tmp_path_factory.mktemp("chain")
-    (base / "chain.py").write_text(CHAIN_MODEL)
-    carve(f"{base / 'chain.py'}:factory", base / "store")
-    return CarveStore(base / "store")
+    return store_from_source(tmp_path_factory, "chain", CHAIN_MODEL)
 
 
 def migrate(store, tmp_path, target="reference", inject=None, tol=None, name="s.json"):

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from tapml.cli import app
 from tapml.graph import Node, TensorMeta
+from support import vulkan_or_skip
 
 FACTORIES = textwrap.dedent('''
     import torch
@@ -142,17 +143,13 @@ def factories(tmp_path_factory):
     return path
 
 
-def _vulkan_or_skip():
-    from tapml.platforms.wgpu_native import available_backends
-    if "vulkan" not in available_backends():
-        pytest.skip("no Vulkan adapter (install mesa-vulkan-drivers for lavapipe)")
 
 
 @pytest.mark.device
 @pytest.mark.xdist_group("wgpu")
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_family_carves_and_replays_on_vulkan(family, factories, tmp_path):
-    _vulkan_or_skip()
+    vulkan_or_skip()
     store = tmp_path / "store"
     r = tapml("carve", f"{factories}:{family}", "-o", store)
     assert r.exit_code == 0, r.output

@@ -15,6 +15,8 @@ import textwrap
 import pytest
 import torch
 
+from support import store_from_source, vulkan_or_skip
+
 RESAMPLER = textwrap.dedent("""
     import torch
     import torch.nn.functional as F
@@ -71,17 +73,9 @@ def on_wgpu(test):
 
 @pytest.fixture(scope="module")
 def resampler_store(tmp_path_factory):
-    from tapml.carving import CarveStore, carve
-    base = tmp_path_factory.mktemp("resampler")
-    (base / "resampler.py").write_text(RESAMPLER)
-    carve(f"{base / 'resampler.py'}:factory", base / "store")
-    return CarveStore(base / "store")
+    return store_from_source(tmp_path_factory, "resampler", RESAMPLER)
 
 
-def _vulkan_or_skip():
-    from tapml.platforms.wgpu_native import available_backends
-    if "vulkan" not in available_backends():
-        pytest.skip("no Vulkan adapter (install mesa-vulkan-drivers for lavapipe)")
 
 
 def test_resampling_ops_stay_ops_in_the_export(resampler_store):
@@ -93,7 +87,7 @@ def test_resampling_ops_stay_ops_in_the_export(resampler_store):
 
 @on_wgpu
 def test_resampler_migrates_to_vulkan(resampler_store, tmp_path):
-    _vulkan_or_skip()
+    vulkan_or_skip()
     from tapml.migrate import Migration, exit_code
     from tapml.targets import open_target
     with open_target("wgpu:vulkan") as platform:
@@ -111,7 +105,7 @@ def test_upsample_by_scale_factor_uses_the_given_factor_on_vulkan():
     """A scale factor whose output size implies another factor (5 * 2.3 -> 11, not 2.2): torch
     indexes with 1 / 2.3, not 5 / 11, and so must the device; also with the same size the
     factor does not imply (3 * 1.3 -> 3), where torch's 2-d kernel copies."""
-    _vulkan_or_skip()
+    vulkan_or_skip()
     from tapml.platforms.wgpu_native import shared_platform
     from tapml.platforms.wgsl.registry import case_graph
     vulkan = shared_platform("vulkan")
