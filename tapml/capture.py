@@ -26,9 +26,31 @@ def export(model, example_inputs: tuple) -> "torch.export.ExportedProgram":
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise TapmlError(f"the model does not export with torch.export: {type(e).__name__}: {first}") from None
     try:
-        return ep.run_decompositions()
+        return ep.run_decompositions(decomposition_table())
     except Exception as e:  # noqa: BLE001
         raise TapmlError(f"decomposing the exported program to core ATen failed: {type(e).__name__}: {e}") from None
+
+
+def decomposition_table() -> dict:
+    """torch's default core-ATen decompositions, with ``group_norm`` made contiguous first.
+
+    Eager ``group_norm`` copies its input into the memory format the real strides suggest before
+    ``native_group_norm``; traced on fake tensors, a channels-last input whose real strides differ
+    (diffusers' UNet2DModel and AutoencoderKL after an attention block) goes in as it is, and the
+    decomposed program fails with ``Expected X.is_contiguous(memory_format)``.
+    """
+    table = torch.export.default_decompositions()
+    table[torch.ops.aten.group_norm.default] = _group_norm_contiguous
+    return table
+
+
+def _group_norm_contiguous(input, num_groups, weight=None, bias=None, eps=1e-05, cudnn_enabled=True):
+    x = input.contiguous()
+    n, c = x.shape[0], x.shape[1]
+    hw = 1
+    for size in x.shape[2:]:
+        hw = hw * size
+    return torch.ops.aten.native_group_norm.default(x, weight, bias, n, c, hw, num_groups, eps)[0]
 
 
 @contextlib.contextmanager

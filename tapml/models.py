@@ -26,10 +26,23 @@ _SMALL = {
     ("num_attention_heads", "n_head", "n_heads", "encoder_attention_heads", "decoder_attention_heads"): 4,
     ("num_key_value_heads", "multi_query_group_num"): 2,
     ("vocab_size",): 256,
-    ("intermediate_size", "n_inner", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "hidden_dim"): 128,
+    # not "hidden_dim": EfficientNet's must equal the width its last conv derives
+    ("intermediate_size", "n_inner", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "moe_intermediate_size",
+     "shared_expert_intermediate_size"): 128,
+    ("num_experts", "num_local_experts", "n_routed_experts"): 4,
+    ("num_experts_per_tok",): 2,
     ("head_dim",): 16,
-    ("max_position_embeddings", "n_positions", "n_ctx"): 128,
+    ("max_position_embeddings", "n_positions", "n_ctx", "max_target_positions"): 128,
+    # Whisper's encoder takes exactly 2 x max_source_positions feature frames: the 2 x SEQ_LEN example_inputs makes
+    ("max_source_positions",): SEQ_LEN,
 }
+# Per-stage lists of hierarchical models (Swin, SegFormer, ResNet...): the stage count stays (other
+# lists follow it), each stage gets one block, at most 4 heads (a power of two, so that they divide
+# the widths) and a quarter of its width, rounded up to a multiple of 16.
+_STAGE_DEPTHS = ("depths", "depth", "num_block_repeats", "num_blocks")
+_STAGE_HEADS = ("num_heads", "num_attention_heads")
+_STAGE_WIDTHS = ("hidden_sizes", "embed_dims", "embed_dim", "neck_hidden_sizes", "dims", "widths", "hidden_dims")
+_IMAGE_SIZE = 64
 
 
 def _zoo_mlp():
@@ -140,44 +153,67 @@ def parse_hf_overrides(items: list[str] | None) -> dict:
 
 
 def _export_settings(config, use_cache: bool) -> None:
-    """Settings every exported transformers model gets: the cache on or off, eager attention."""
+    """Settings every exported transformers model gets: the cache on or off, eager attention,
+    batched mixture-of-experts (every token through its top-k experts with gathered weights: the
+    grouped-matmul default is a ``transformers::`` custom op, and the eager loop over the experts
+    hit has a data-dependent length that does not export)."""
     config.use_cache = use_cache
-    if hasattr(config, "_attn_implementation"):
-        try:
-            config._attn_implementation = "eager"
-        except Exception:  # noqa: BLE001 - read-only on some configs; sdpa is fine then
-            pass
+    for setting, value in (("_attn_implementation", "eager"), ("_experts_implementation", "batched_mm")):
+        if hasattr(config, setting):
+            try:
+                setattr(config, setting, value)
+            except Exception:  # noqa: BLE001 - read-only on some configs; the default is fine then
+                pass
 
 
 def build_hf(model_type: str, overrides: dict | None = None):
-    """A tiny random-init transformers model of ``model_type`` and an example input."""
+    """A tiny random-init transformers model of ``model_type`` and its example inputs.
+
+    The config is shrunk by :func:`_small_config`; the inputs are those the model's ``forward``
+    needs (:func:`example_inputs`): the main input positionally, the others (a decoder prompt, the
+    pixels of a text-image model) by keyword in a trailing dict.
+    """
     config = _small_config(model_type, overrides)
-    import transformers
-    _export_settings(config, use_cache=False)
-    model = None
-    # Decoders get their LM head; encoders (also listed as causal LMs, e.g. BERT) stay bare models.
-    encoder = type(config) in transformers.AutoModelForMaskedLM._model_mapping
-    for auto in ("AutoModel",) if encoder else ("AutoModelForCausalLM", "AutoModel"):
-        cls = getattr(transformers, auto)
-        if type(config) in cls._model_mapping:
-            try:
-                model = cls.from_config(config)
-                break
-            except Exception as e:  # noqa: BLE001
-                raise TapmlError(f"hf:{model_type}: cannot build the model from its config: {e}") from None
-    if model is None:
-        raise TapmlError(f"hf:{model_type}: transformers has no AutoModel for this config")
+    for part in (config, *_sub_configs(config)):  # a decoder sub-config would return its cache
+        _export_settings(part, use_cache=False)
+    auto = _auto_model_class(config)
+    if auto is None:
+        raise TapmlError(f"hf:{model_type}: transformers has no AutoModel class for this config")
+    try:
+        model = auto.from_config(config)
+    except Exception as e:  # noqa: BLE001 - a config that builds no model is bad input
+        raise TapmlError(f"hf:{model_type}: cannot build the model from its config: {type(e).__name__}: {e}") from None
     model.eval()
-    example = example_input(model, config)
-    import inspect
-    if "decoder_input_ids" in inspect.signature(model.forward).parameters:
-        # Encoder-decoder models need a decoder prompt too; passed by keyword.
-        return model, (example, {"decoder_input_ids": torch.zeros(1, 4, dtype=torch.long)})
-    return model, (example,)
+    return model, example_inputs(model, config)
+
+
+def _auto_model_class(config):
+    """The transformers Auto class that builds ``config``: decoders get their LM head; encoders
+    (also listed as causal LMs, e.g. BERT) and encoder-decoders (Whisper, whose causal LM would be
+    its decoder alone) stay bare models; a config only a task-specific class takes
+    (vision-encoder-decoder) gets the first such class by name."""
+    import transformers
+    bare = getattr(config, "is_encoder_decoder", False) or type(config) in transformers.AutoModelForMaskedLM._model_mapping
+    preferred = ["AutoModel"] if bare else ["AutoModelForCausalLM", "AutoModel"]
+    others = sorted(n for n in dir(transformers) if n.startswith("AutoModelFor") and n not in preferred)
+    for name in preferred + others:
+        cls = getattr(transformers, name, None)
+        mapping = getattr(cls, "_model_mapping", None)
+        try:
+            if mapping is not None and type(config) in mapping:
+                return cls
+        except Exception:  # noqa: BLE001 - a lazy mapping whose module does not import here
+            continue
+    return None
 
 
 def _small_config(model_type: str, overrides: dict | None):
-    """The shrunk config of ``model_type`` with ``--hf-config`` overrides applied."""
+    """The shrunk config of ``model_type`` with ``--hf-config`` overrides applied.
+
+    The config is rebuilt from its constructor arguments (its dataclass fields) so that what it
+    derives from them (Swin's stage widths, a backbone's stage names) follows the small values;
+    overrides that are fields go through the constructor too, others are set afterwards.
+    """
     try:
         from transformers import AutoConfig
     except ImportError as e:
@@ -187,53 +223,191 @@ def _small_config(model_type: str, overrides: dict | None):
         close = [k for k in CONFIG_MAPPING_NAMES if model_type.replace("-", "_") in k][:8]
         hint = f"; similar: {', '.join(close)}" if close else ""
         raise TapmlError(f"unknown transformers model type {model_type!r}{hint}")
-    config = AutoConfig.for_model(model_type)
-    _shrink(config)
-    for key, value in (overrides or {}).items():
-        try:
-            setattr(config, key, value)
-        except Exception as e:  # noqa: BLE001 - configs validate their fields in their own ways
-            raise TapmlError(f"hf:{model_type}: --hf-config {key}={value!r}: {type(e).__name__}: {e}") from None
+    default = AutoConfig.for_model(model_type)
+    try:
+        small = _rebuild(default, _shrunk_fields(default))
+    except Exception:  # noqa: BLE001 - its validators reject the small sizes (GPT-Neo's per-layer list)
+        small = _set_small(AutoConfig.for_model(model_type))
+    if not overrides:
+        return small
+    fields = _field_names(small)
+    given = ", ".join(f"{k}={v!r}" for k, v in overrides.items())
+    try:
+        config = _rebuild(small, {k: v for k, v in overrides.items() if k in fields})
+        for key, value in overrides.items():
+            if key not in fields:
+                setattr(config, key, value)
+    except Exception as e:  # noqa: BLE001 - configs validate their fields in their own ways
+        raise TapmlError(f"hf:{model_type}: --hf-config {given}: {type(e).__name__}: {e}") from None
     return config
 
 
-def _shrink(config) -> None:
+def _field_names(config) -> set[str]:
+    import dataclasses
+    if dataclasses.is_dataclass(config):
+        return {f.name for f in dataclasses.fields(config) if f.init}
+    import inspect
+    return set(inspect.signature(type(config).__init__).parameters) - {"self", "kwargs"}
+
+
+def _rebuild(config, changes: dict):
+    """A new config of ``config``'s class: the fields ``config`` set apart from the class defaults
+    (a sub-config's ``is_decoder``, say), then ``changes``; derived attributes are recomputed."""
+    if not changes:
+        return config
+    fields = _field_names(config)
+    current, defaults = config.to_dict(), type(config)().to_dict()
+    kept = {k: getattr(config, k) for k in fields
+            if k in current and k not in changes and current[k] != defaults.get(k, current[k])}
+    return type(config)(**kept, **changes)
+
+
+def _shrunk_fields(config) -> dict:
+    """The constructor fields of ``config`` to change, sub-configs (a vision tower, a decoder)
+    shrunk the same way and rebuilt."""
+    fields = _field_names(config)
     present = config.to_dict()
+    changes = {}
     for keys, value in _SMALL.items():
         for key in keys:
-            if key in present and not isinstance(getattr(config, key, None), (list, dict)):
-                setattr(config, key, value)
+            # None too: an unset size (GPT-2's n_inner) would otherwise be derived from the full one
+            if key in fields and key in present and (present[key] is None or type(present[key]) is int):
+                changes[key] = value
+    for key in fields & present.keys():
+        value = present[key]
+        if not (isinstance(value, (list, tuple)) and value and all(type(v) is int for v in value)):
+            continue
+        if key in _STAGE_DEPTHS:
+            changes[key] = [min(v, 1) for v in value]
+        elif key in _STAGE_HEADS:
+            changes[key] = [_power_of_two_at_most(min(v, 4)) for v in value]
+        elif key in _STAGE_WIDTHS:
+            changes[key] = [max(16, -(-v // 64) * 16) for v in value]
+    if isinstance(present.get("image_size"), int) and present["image_size"] > _IMAGE_SIZE \
+            and "image_size" in fields:
+        changes["image_size"] = _IMAGE_SIZE
+    if "num_groups" in fields and isinstance(present.get("num_groups"), int) and present["num_groups"] > 8:
+        changes["num_groups"] = 8  # group norms (BiT's) must divide the quartered widths
+    after = {**present, **changes}
+    # Attention windows must fit the last stage of the smaller image (Swin's 7 against 64 / 4 / 2**3).
+    if "image_size" in changes and "window_size" in fields and isinstance(after.get("window_size"), int) \
+            and isinstance(after.get("patch_size"), int):
+        stages = len(after["depths"]) if isinstance(after.get("depths"), (list, tuple)) else 1
+        last = max(1, after["image_size"] // after["patch_size"] // 2 ** (stages - 1))
+        changes["window_size"] = min(after["window_size"], last)
     # Special token ids of the full-size vocabulary must stay inside the small one.
-    vocab = getattr(config, "vocab_size", None)
+    vocab = after.get("vocab_size")
     if isinstance(vocab, int):
-        for key in present:
-            value = getattr(config, key, None)
-            if key.endswith("token_id") and isinstance(value, int) and value >= vocab:
-                setattr(config, key, vocab - 1)
-    # Sub-configs (vision towers, text towers) get the same treatment.
-    for key, sub in list(vars(config).items()):
-        if hasattr(sub, "to_dict") and hasattr(sub, "model_type") and sub is not config:
-            _shrink(sub)
+        for key in fields & present.keys():
+            if key.endswith("token_id") and isinstance(after[key], int) and after[key] >= vocab:
+                changes[key] = vocab - 1
+    # Rotary embeddings cover at most a head (GPT-J's rotary_dim 64 against heads of 16).
+    hidden = next((after[k] for k in ("hidden_size", "n_embd", "d_model") if isinstance(after.get(k), int)), None)
+    heads = next((after[k] for k in ("num_attention_heads", "n_head") if isinstance(after.get(k), int)), None)
+    head_dim = after.get("head_dim") if isinstance(after.get("head_dim"), int) else \
+        (hidden // heads if hidden and heads else None)
+    if head_dim and "rotary_dim" in fields and isinstance(after.get("rotary_dim"), int) \
+            and after["rotary_dim"] > head_dim:
+        changes["rotary_dim"] = head_dim
+    for key in fields:
+        sub = getattr(config, key, None)
+        if sub is not config and hasattr(sub, "to_dict") and hasattr(sub, "model_type"):
+            try:
+                shrunk = _rebuild(sub, _shrunk_fields(sub))
+            except Exception:  # noqa: BLE001 - as in _small_config
+                shrunk = _set_small(sub)
+            if shrunk is not sub:
+                changes[key] = shrunk
+    return changes
 
 
-def example_input(model, config) -> torch.Tensor:
-    """An input following the model's ``main_input_name``."""
-    name = getattr(model, "main_input_name", "input_ids")
+def _set_small(config):
+    """``config`` with the small sizes set attribute by attribute, for a config whose constructor
+    rejects them: what it derives keeps its full-size value (a per-layer list longer than needed)."""
+    for key, value in _shrunk_fields(config).items():
+        setattr(config, key, value)
+    return config
+
+
+def _sub_configs(config) -> list:
+    """The configs nested in ``config`` (a vision tower, a decoder), depth first."""
+    out = []
+    for value in vars(config).values():
+        if value is not config and hasattr(value, "to_dict") and hasattr(value, "model_type"):
+            out += [value, *_sub_configs(value)]
+    return out
+
+
+def _power_of_two_at_most(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+def _config_value(config, key: str, default=None):
+    """``config.key``, else the first sub-config's (text tower, vision tower, encoder) that has it."""
+    value = getattr(config, key, None)
+    if value is not None:
+        return value
+    for sub_key in ("text_config", "vision_config", "audio_config", "encoder", "decoder"):
+        value = getattr(getattr(config, sub_key, None), key, None)
+        if value is not None:
+            return value
+    return default
+
+
+def _make_input(name: str, config) -> torch.Tensor | None:
+    """An example tensor for the ``forward`` argument ``name``; None for an argument this does not make."""
     if name == "input_ids":
-        vocab = int(getattr(config, "vocab_size", 256) or 256)
+        vocab = int(_config_value(config, "vocab_size", 256) or 256)
         return torch.randint(0, vocab, (1, SEQ_LEN))
+    if name == "decoder_input_ids":
+        return torch.zeros(1, 4, dtype=torch.long)
     if name == "pixel_values":
-        channels = int(getattr(config, "num_channels", 3) or 3)
-        size = getattr(config, "image_size", 32) or 32
+        vision = getattr(config, "vision_config", None) or getattr(config, "encoder", None) or config
+        channels = int(getattr(vision, "num_channels", 3) or 3)
+        size = getattr(vision, "image_size", 32) or 32
         size = size if isinstance(size, int) else int(size[0])
         return torch.randn(1, channels, size, size)
     if name == "input_features":
-        bins = int(getattr(config, "num_mel_bins", getattr(config, "feature_size", 80)) or 80)
+        bins = int(_config_value(config, "num_mel_bins", None) or _config_value(config, "feature_size", 80) or 80)
         return torch.randn(1, bins, 2 * SEQ_LEN)
     if name == "input_values":
         return torch.randn(1, 16000 // 10)
-    raise TapmlError(f"cannot make an example input for main_input_name {name!r}; "
-                     "use a path/to/file.py:factory spec that returns (model, inputs)")
+    return None
+
+
+#: forward arguments that carry what the model takes in (as opposed to masks, caches, options).
+_MODALITY_INPUTS = ("input_ids", "pixel_values", "input_features", "input_values", "decoder_input_ids")
+
+
+def example_inputs(model, config) -> tuple:
+    """Example inputs of a transformers model: its ``main_input_name`` tensor positionally, then a
+    dict of keyword tensors for the other model inputs its ``forward`` takes (CLIP's pixel values
+    beside its token ids, an encoder-decoder's ``decoder_input_ids``) and for required masks."""
+    import inspect
+    main = getattr(model, "main_input_name", "input_ids")
+    first = _make_input(main, config)
+    if first is None:
+        raise TapmlError(f"cannot make an example input for main_input_name {main!r}; "
+                         "use a path/to/file.py:factory spec that returns (model, inputs)")
+    keywords = {}
+    for name, param in inspect.signature(model.forward).parameters.items():
+        if name == main or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        if name in _MODALITY_INPUTS:
+            keywords[name] = _make_input(name, config)
+        elif name in ("attention_mask", "decoder_attention_mask") and param.default is param.empty:
+            ids = first if name == "attention_mask" else keywords.get("decoder_input_ids")
+            if ids is not None:
+                keywords[name] = torch.ones(ids.shape[:2], dtype=torch.long)
+        elif param.default is param.empty:
+            raise TapmlError(f"{type(model).__name__}.forward requires {name!r}, which hf: specs cannot make; "
+                             "use a path/to/file.py:factory spec that returns (model, inputs)")
+    return (first, keywords) if keywords else (first,)
+
+
+def example_input(model, config) -> torch.Tensor:
+    """The example tensor of the model's ``main_input_name`` (see :func:`example_inputs`)."""
+    return example_inputs(model, config)[0]
 
 
 def _load_factory(spec: str):
