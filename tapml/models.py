@@ -184,7 +184,42 @@ def build_hf(model_type: str, overrides: dict | None = None):
     except Exception as e:  # noqa: BLE001 - a config that builds no model is bad input
         raise TapmlError(f"hf:{model_type}: cannot build the model from its config: {type(e).__name__}: {e}") from None
     model.eval()
-    return model, example_inputs(model, config)
+    inputs = example_inputs(model, config)
+    _calibrate_batch_norms(model, inputs)
+    return model, inputs
+
+
+def _calibrate_batch_norms(model, inputs: tuple) -> None:
+    """Give batch norms a scale near 1 and the statistics of the example input as their running
+    statistics. With transformers' init (every weight, batch-norm scales included, drawn with
+    std 0.02) and running statistics of 0 and 1, a deep CNN's activations shrink layer by layer
+    to exact zeros (EfficientNet's output was all zeros): a test model that checks nothing.
+    Seeded, so the model stays deterministic."""
+    norms = [m for m in model.modules()
+             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    if not norms:
+        return
+    args, kwargs = (inputs[:-1], inputs[-1]) if isinstance(inputs[-1], dict) else (inputs, {})
+    momenta = [m.momentum for m in norms]
+    gen = torch.Generator().manual_seed(0)
+    for m in norms:
+        if m.affine:  # a scale near 1 (transformers draws it like a weight: std 0.02)
+            with torch.no_grad():
+                m.weight.copy_(1 + 0.1 * torch.randn(m.weight.shape, generator=gen))
+                m.bias.copy_(0.1 * torch.randn(m.bias.shape, generator=gen))
+        m.reset_running_stats()
+        m.momentum = None  # a cumulative average: after one batch, that batch's statistics
+        m.train()
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - e.g. BatchNorm1d on one sample: keep the statistics 0 and 1
+        for m in norms:
+            m.reset_running_stats()
+    finally:
+        for m, momentum in zip(norms, momenta):
+            m.momentum = momentum
+        model.eval()
 
 
 def _auto_model_class(config):

@@ -217,6 +217,7 @@ def _conv_samples():
             ((rand(1, 4, 9, 7), rand(6, 2, 3, 2), None, [2, 1], [1, 0], [1, 2], False, [0, 0], 2), {}),
             ((rand(1, 8, 6, 6), rand(8, 1, 3, 3), rand(8), [1, 1], [2, 2], [2, 2], False, [0, 0], 8), {}),
             ((rand(2, 3, 16), rand(5, 3, 4), rand(5), [2], [1], [1], False, [0], 1), {}),
+            ((rand(1, 3, 7, 6), rand(4, 3, 3, 2), rand(4), [2], [0], [1], False, [0], 1), {}),  # padding="valid"
             ((rand(1, 4, 5, 6, 4), rand(6, 2, 3, 2, 3), rand(6), [1, 2, 1], [1, 0, 1], [1, 1, 2], False, [0, 0, 0], 2),
              {}),
             ((edge_floats(1, 2, 6, 6), rand(3, 2, 3, 3), rand(3), [1, 1], [1, 1], [1, 1], False, [0, 0], 1), {}),
@@ -247,6 +248,9 @@ def convolution(pb, node, x, w, bias, stride, padding, dilation, transposed, out
     if bias is not None:
         (bias,) = pb.fit([bias], 3)
     nsp = len(x.shape) - 2
+    # torch applies a one-element list to every spatial dim (padding="valid" exports as [0])
+    stride, padding, dilation, output_padding = (list(v) * nsp if len(v) == 1 else list(v)
+                                                 for v in (stride, padding, dilation, output_padding))
     Cin = x.shape[1]
     Cout = meta.shape[1]
     cig, cog = Cin // groups, Cout // groups
