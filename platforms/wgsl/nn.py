@@ -366,33 +366,36 @@ def max_pool2d(pb, node, x, kernel_size, stride=(), padding=0, dilation=1, ceil_
     return res
 
 
-def _window_sum(k, x, lead, h0: str, h1: str, w0: str, w1: str) -> str:
-    """Emit the f32 sum of ``x[lead..., h0:h1, w0:w1]``; returns the accumulator's name."""
-    acc = k.var("f32", "0.0", "acc")
-    k.open(f"for (var a: i32 = {h0}; a < {h1}; a = a + 1)")
-    k.open(f"for (var b: i32 = {w0}; b < {w1}; b = b + 1)")
-    k.emit(f"{acc} = {acc} + {cast(x.read(k, list(lead) + ['a', 'b']), x.ty, 'f32')};")
-    k.close()
-    k.close()
+def _loops(k, names, starts, ends) -> None:
+    """Open one ``for`` loop per name over ``[start, end)`` (close them with ``k.close()``)."""
+    for name, s, e in zip(names, starts, ends):
+        k.open(f"for (var {name}: i32 = {s}; {name} < {e}; {name} = {name} + 1)")
+
+
+def _window_sum(k, x, lead, names, starts, ends, ty: str) -> str:
+    """Emit the sum (in ``ty``) of ``x[lead..., starts:ends]``; returns the accumulator's name."""
+    acc = k.var(ty, lit(0, ty), "acc")
+    _loops(k, names, starts, ends)
+    k.emit(f"{acc} = {acc} + {cast(x.read(k, list(lead) + names), x.ty, ty)};")
+    for _ in names:
+        k.close()
     return acc
 
 
-def _int_window_mean(k, x, lead, h0: str, h1: str, w0: str, w1: str, div: str) -> str:
-    """Emit torch's integer mean ``sum // div`` (truncated) of ``x[lead..., h0:h1, w0:w1]``,
-    exact although the sum may pass the i32 range (int64 in torch): the quotients and the
-    remainders of the elements by ``div`` are summed apart, the remainders' sum divided after."""
+def _int_window_mean(k, x, lead, names, starts, ends, div: str) -> str:
+    """torch's integer mean ``sum / div`` (truncated) of a window, exact although the sum may
+    pass the i32 range (int64 in torch): the quotients and remainders of the elements by ``div``
+    are summed apart, the remainders' sum divided after."""
     div_i, rem_i = k.need("tap_div_i"), k.need("tap_rem_i")
     d = k.let(div, "i32")
     q, r = k.var("i32", "0", "q"), k.var("i32", "0", "r")
-    k.open(f"for (var a: i32 = {h0}; a < {h1}; a = a + 1)")
-    k.open(f"for (var b: i32 = {w0}; b < {w1}; b = b + 1)")
-    v = cast(x.read(k, list(lead) + ['a', 'b']), x.ty, 'i32')
+    _loops(k, names, starts, ends)
+    v = cast(x.read(k, list(lead) + names), x.ty, "i32")
     k.emit(f"{q} = {q} + {div_i}({v}, {d});")
     k.emit(f"{r} = {r} + {rem_i}({v}, {d});")
-    k.close()
-    k.close()
-    # sum = Q * d + R with |R| < |d|; truncation wants R of the sum's sign (that of Q * d when
-    # Q != 0), else the quotient is one step closer to zero
+    for _ in names:
+        k.close()
+    # sum = Q * d + R with |R| < |d|; truncation wants R of the sum's sign
     big_q = k.let(f"{q} + {div_i}({r}, {d})", "i32")
     big_r = k.let(f"{rem_i}({r}, {d})", "i32")
     wrong_sign = f"{big_q} != 0 && {big_r} != 0 && sign({big_r}) != sign({big_q}) * sign({d})"
@@ -440,8 +443,8 @@ def avg_pool2d(pb, node, x, kernel_size, stride=(), padding=0, ceil_mode=False, 
         else:
             div = f"({h1} - {h0}) * ({w1} - {w0})"
         if meta.dtype in ALL_INT:
-            return _int_window_mean(k, x, lead, h0, h1, w0, w1, div)
-        acc = _window_sum(k, x, lead, h0, h1, w0, w1)
+            return _int_window_mean(k, x, lead, ["a", "b"], [h0, w0], [h1, w1], div)
+        acc = _window_sum(k, x, lead, ["a", "b"], [h0, w0], [h1, w1], "f32")
         return f"({acc} / f32({div}))"
     return [Custom(meta.shape, meta.dtype, [x], fn, cost=9)]
 
@@ -460,6 +463,6 @@ def adaptive_avg_pool2d(pb, node, x, output_size):
         h1 = k.let(f"(({oh} + 1) * {H} + {OH - 1}) / {OH}", "i32")
         w0 = k.let(f"({ow} * {W}) / {OW}", "i32")
         w1 = k.let(f"(({ow} + 1) * {W} + {OW - 1}) / {OW}", "i32")
-        acc = _window_sum(k, x, lead, h0, h1, w0, w1)
+        acc = _window_sum(k, x, lead, ["a", "b"], [h0, w0], [h1, w1], "f32")
         return f"({acc} / f32(({h1} - {h0}) * ({w1} - {w0})))"
     return [Custom(meta.shape, meta.dtype, [x], fn, cost=9)]

@@ -13,6 +13,7 @@ from tapml.platforms.wgsl.codegen import BufferView, Compute, Custom, cast, lit,
 from tapml.platforms.wgsl.registry import (ALL, ALL_FLOAT, ALL_INT, edge_floats, edge_ints, rand, randbool, randint,
                                            register)
 # the prefix count of a mask's True elements, shared with masked_scatter
+from tapml.platforms.wgsl.nn import _int_window_mean, _moments, _window_sum
 from tapml.platforms.wgsl.scatter import _mask_positions
 
 
@@ -21,12 +22,6 @@ def _tuple(v, n: int) -> list[int]:
         return [v] * n
     v = list(v)
     return v * n if len(v) == 1 else v
-
-
-def _loops(k, names, starts, ends) -> None:
-    """Open one ``for`` loop per name over ``[start, end)`` (close them with ``k.close()``)."""
-    for name, s, e in zip(names, starts, ends):
-        k.open(f"for (var {name}: i32 = {s}; {name} < {e}; {name} = {name} + 1)")
 
 
 def _flat(names, sizes) -> str:
@@ -140,36 +135,6 @@ def _adaptive_max_samples(nsp: int):
 
 register("aten.adaptive_max_pool2d.default", ALL_FLOAT, samples=_adaptive_max_samples(2))(_adaptive_max(2))
 register("aten.adaptive_max_pool3d.default", ALL_FLOAT, samples=_adaptive_max_samples(3))(_adaptive_max(3))
-
-
-def _window_sum(k, x, lead, names, starts, ends, ty: str) -> str:
-    """Emit the sum (in ``ty``) of ``x[lead..., starts:ends]``; returns the accumulator's name."""
-    acc = k.var(ty, lit(0, ty), "acc")
-    _loops(k, names, starts, ends)
-    k.emit(f"{acc} = {acc} + {cast(x.read(k, list(lead) + names), x.ty, ty)};")
-    for _ in names:
-        k.close()
-    return acc
-
-
-def _int_window_mean(k, x, lead, names, starts, ends, div: str) -> str:
-    """torch's integer mean ``sum / div`` (truncated) of a window, exact although the sum may
-    pass the i32 range (int64 in torch): the quotients and remainders of the elements by ``div``
-    are summed apart, the remainders' sum divided after."""
-    div_i, rem_i = k.need("tap_div_i"), k.need("tap_rem_i")
-    d = k.let(div, "i32")
-    q, r = k.var("i32", "0", "q"), k.var("i32", "0", "r")
-    _loops(k, names, starts, ends)
-    v = cast(x.read(k, list(lead) + names), x.ty, "i32")
-    k.emit(f"{q} = {q} + {div_i}({v}, {d});")
-    k.emit(f"{r} = {r} + {rem_i}({v}, {d});")
-    for _ in names:
-        k.close()
-    # sum = Q * d + R with |R| < |d|; truncation wants R of the sum's sign
-    big_q = k.let(f"{q} + {div_i}({r}, {d})", "i32")
-    big_r = k.let(f"{rem_i}({r}, {d})", "i32")
-    wrong_sign = f"{big_q} != 0 && {big_r} != 0 && sign({big_r}) != sign({big_q}) * sign({d})"
-    return k.let(f"{big_q} - select(0, sign({big_q}), {wrong_sign})", "i32")
 
 
 def _avg_pool3d_samples():
@@ -570,18 +535,9 @@ def batch_norm_no_stats(pb, node, x, weight, bias, training, momentum, eps):
 
     def read(k):
         return cast(xf.read(k, [k.let(f"j / {S}", "i32"), "n", k.let(f"j % {S}", "i32")]), xf.ty, "f32")
-    s = k.var("f32", "0.0", "s")
-    k.loop("j", L)
-    k.emit(f"{s} = {s} + {read(k)};")
-    k.close()
-    mean = k.let(f"{s} / {lit(L, 'f32')}", "f32")
-    q = k.var("f32", "0.0", "q")
-    k.loop("j", L)
-    dlt = k.let(f"{read(k)} - {mean}", "f32")
-    k.emit(f"{q} = {q} + {dlt} * {dlt};")
-    k.close()
+    mean, rstd = _moments(k, L, eps, read)
     k.write(stats[0], "n", mean, "f32")
-    k.write(stats[1], "n", f"inverseSqrt({q} / {lit(L, 'f32')} + {lit(eps, 'f32')})", "f32")
+    k.write(stats[1], "n", rstd, "f32")
     pb.add(k.finish(C))
 
     def chan(v):
