@@ -54,6 +54,35 @@ LOW = (torch.float16, torch.bfloat16)
 LOW_FLOORS = {torch.float16: 1e-3, torch.bfloat16: 1e-2}
 
 
+def finite_normal(inputs: list) -> list:
+    """``inputs`` with every NaN, ±Inf and subnormal float replaced by a value of about ±0.5 (±0 kept). For
+    devices that do what the WGSL spec allows: assume no NaN or Inf in shader execution and flush
+    subnormals to zero (Chromium's Tint on SwiftShader does both); lavapipe and llvmpipe run the
+    registry's edge values as they are."""
+    out = []
+    for t in inputs:
+        if t.is_floating_point():
+            odd = ~torch.isfinite(t) | ((t != 0) & (t.abs() < torch.finfo(t.dtype).tiny))
+            # distinct values (0.5, 0.5 + 2**-8, ...): a sort's ties would make its order ambiguous
+            fill = (0.5 + torch.arange(t.numel()).reshape(t.shape) % 64 / 256).to(t.dtype)
+            t = torch.where(odd, torch.where(t.isnan(), fill, torch.copysign(fill, t)), t)
+        out.append(t)
+    return out
+
+
+def only_ties_reordered(graph: Graph, inputs, out, ref) -> bool:
+    """Whether a sort's or topk's ``out`` differs from torch's ``ref`` only in the order of equal
+    values (torch leaves it unspecified; replay's verdict accepts it: tapml.compare.tie_dim)."""
+    from tapml.compare import indices_pick_equal_values, tie_dim
+    node = graph.nodes[0]
+    dim = tie_dim(node.op, node.args, node.kwargs)
+    if dim is None or len(out) != 2:
+        return False
+    values, expected = out[0], ref[0]
+    same = (values == expected) | (values.isnan() & expected.isnan()) if values.is_floating_point() else values == expected
+    return bool(same.all()) and indices_pick_equal_values(inputs[0], dim, out[1], expected)
+
+
 def low_precision_case(graph: Graph, inputs, dtype):
     """The sample ``graph`` with its float32 inputs in ``dtype``: (graph, inputs, torch's outputs,
     float64 outputs), or None when torch refuses the op in that dtype."""
@@ -72,9 +101,10 @@ def low_precision_case(graph: Graph, inputs, dtype):
     return g, low, ref, ref64
 
 
-def run_low_precision_samples(platform, op: str) -> int:
+def run_low_precision_samples(platform, op: str, edges: bool = True) -> int:
     """Run the registry's samples of ``op`` cast to every low-precision float it claims on
-    ``platform``, judged fp64-anchored against torch in that dtype; returns how many ran."""
+    ``platform``, judged fp64-anchored against torch in that dtype; returns how many ran.
+    ``edges=False``: without NaN, Inf and subnormal inputs (:func:`finite_normal`)."""
     from tapml.platforms.wgsl import load_lowerings
     low = load_lowerings()[op]
     ran = 0
@@ -85,7 +115,7 @@ def run_low_precision_samples(platform, op: str) -> int:
         for graph, inputs in sample_cases(op):
             if not any(t.dtype == torch.float32 for t in inputs):
                 continue
-            case = low_precision_case(graph, inputs, dtype)
+            case = low_precision_case(graph, inputs if edges else finite_normal(inputs), dtype)
             if case is None:
                 continue
             g, ins, ref, ref64 = case
@@ -93,7 +123,7 @@ def run_low_precision_samples(platform, op: str) -> int:
             assert [o.dtype for o in out] == [r.dtype for r in ref], f"{op} {dtype}: output dtypes"
             if low.compare_values:
                 res = compare_anchored(out, ref, ref64, floor=LOW_FLOORS[dtype])
-                assert res.passed, f"{op} {dtype}: {res.message}; worst {res.worst}"
+                assert res.passed or only_ties_reordered(g, ins, out, ref), f"{op} {dtype}: {res.message}; worst {res.worst}"
             ran += 1
     return ran
 

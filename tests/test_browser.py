@@ -304,7 +304,10 @@ def _registry_ops() -> list:
 
 @pytest.mark.parametrize("op", _registry_ops())
 def test_lowering_in_the_browser(browser, op):
-    """The registry's own samples (the same checks as the wgpu tier), on the browser's WebGPU."""
+    """The registry's own samples (the same checks as the wgpu tier), on the browser's WebGPU,
+    without NaN, Inf and subnormal inputs: the WGSL spec lets a device assume no NaN or Inf and
+    flush subnormals, and Chromium's Tint on SwiftShader does (exp(NaN) is Inf, sign(1e-40) is 0)."""
+    from support import finite_normal, only_ties_reordered
     from tapml.compare import compare_tensor
     from tapml.graph import run_node
     from tapml.platforms.wgsl.registry import REGISTRY, sample_cases
@@ -313,6 +316,7 @@ def test_lowering_in_the_browser(browser, op):
     assert cases, f"{op}: the registry has no samples for it"
     ran = 0
     for graph, inputs in cases:
+        inputs = finite_normal(inputs)
         out = browser.run(browser.compile(graph), inputs)
         env = dict(zip([r for r, _ in graph.inputs], inputs))
         ref = run_node(graph.nodes[0], env.__getitem__)
@@ -322,7 +326,8 @@ def test_lowering_in_the_browser(browser, op):
                 f"{op} output {i}: {o.dtype}{list(o.shape)} != reference {r.dtype}{list(r.shape)}"
             if REGISTRY[op].compare_values:
                 res = compare_tensor(o, r)
-                assert res.passed, f"{op} output {i}: {res.message}; worst {res.worst}"
+                assert res.passed or only_ties_reordered(graph, inputs, out, ref), \
+                    f"{op} output {i}: {res.message}; worst {res.worst}"
         ran += 1
     assert ran, f"{op}: every sample was unsupported in the browser"
 
@@ -335,9 +340,9 @@ def _low_precision_ops() -> list:
 @pytest.mark.parametrize("op", _low_precision_ops())
 def test_low_precision_lowering_in_the_browser(browser, op):
     """float16 and bfloat16 samples (packed two per u32 word where the page has no shader-f16),
-    fp64-anchored against torch in the same dtype, as on wgpu."""
+    fp64-anchored against torch in the same dtype, as on wgpu (finite normal inputs: see above)."""
     from support import run_low_precision_samples
-    run_low_precision_samples(browser, op)
+    run_low_precision_samples(browser, op, edges=False)
 
 
 def test_browser_reports_how_it_holds_low_precision(browser):

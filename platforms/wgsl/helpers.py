@@ -237,15 +237,20 @@ fn tap_floordiv_f(a: f32, b: f32) -> f32 {
   return f;
 }"""),
     # log and log2 of a denormal read its mantissa bits: drivers' log treats denormals as the
-    # smallest normal (lavapipe gave log(1e-40) = -88.0, not -92.1)
-    "tap_log2": ((), """
+    # smallest normal (lavapipe gave log(1e-40) = -88.0, not -92.1); WGSL leaves log of 0 and of a
+    # negative number undefined (SwiftShader gave -88.0 and log|x|): -Inf and NaN as in torch
+    "tap_log2": (("tap_bits_f32",), """
 fn tap_log2(x: f32) -> f32 {
-  if (x > 0.0 && x < 1.17549435e-38) { return log2(f32(bitcast<u32>(x) & 0x7fffffu)) - 149.0; }
+  if (x == 0.0) { return tap_bits_f32(0xff800000u); }
+  if (x < 0.0) { return tap_bits_f32(0x7fc00000u); }
+  if (x < 1.17549435e-38) { return log2(f32(bitcast<u32>(x) & 0x7fffffu)) - 149.0; }
   return log2(x);
 }"""),
-    "tap_log": ((), """
+    "tap_log": (("tap_bits_f32",), """
 fn tap_log(x: f32) -> f32 {
-  if (x > 0.0 && x < 1.17549435e-38) { return log(f32(bitcast<u32>(x) & 0x7fffffu)) - 103.27892990343184; }
+  if (x == 0.0) { return tap_bits_f32(0xff800000u); }
+  if (x < 0.0) { return tap_bits_f32(0x7fc00000u); }
+  if (x < 1.17549435e-38) { return log(f32(bitcast<u32>(x) & 0x7fffffu)) - 103.27892990343184; }
   return log(x);
 }"""),
     # sin, cos, tan of an infinity are NaN (drivers return anything)
