@@ -190,8 +190,8 @@ def build_hf(model_type: str, overrides: dict | None = None):
 
 
 def _calibrate_batch_norms(model, inputs: tuple) -> None:
-    """Give batch norms a scale near 1 and the statistics of the example input as their running
-    statistics. With transformers' init (every weight, batch-norm scales included, drawn with
+    """Give batch norms a scale near 1 and, as their running statistics, those of a batch of
+    noisy copies of the example input. With transformers' init (every weight, batch-norm scales included, drawn with
     std 0.02) and running statistics of 0 and 1, a deep CNN's activations shrink layer by layer
     to exact zeros (EfficientNet's output was all zeros): a test model that checks nothing.
     Seeded, so the model stays deterministic."""
@@ -200,8 +200,18 @@ def _calibrate_batch_norms(model, inputs: tuple) -> None:
     if not norms:
         return
     args, kwargs = (inputs[:-1], inputs[-1]) if isinstance(inputs[-1], dict) else (inputs, {})
-    momenta = [m.momentum for m in norms]
+    # a batch of 8 noisy copies: one example's few elements per channel in a deep layer (2x2)
+    # would give variances near 0, and such a norm amplifies rounding noise without bound
     gen = torch.Generator().manual_seed(0)
+
+    def batch(t):
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return t
+        if not t.is_floating_point():
+            return t.repeat(8, *[1] * (t.dim() - 1))
+        return torch.cat([t + 0.5 * t.std().nan_to_num(1.0) * torch.randn(t.shape, generator=gen) for _ in range(8)])
+    args, kwargs = [batch(a) for a in args], {k: batch(v) for k, v in kwargs.items()}
+    momenta = [m.momentum for m in norms]
     for m in norms:
         if m.affine:  # a scale near 1 (transformers draws it like a weight: std 0.02)
             with torch.no_grad():
@@ -213,7 +223,9 @@ def _calibrate_batch_norms(model, inputs: tuple) -> None:
     try:
         with torch.no_grad():
             model(*args, **kwargs)
-    except Exception:  # noqa: BLE001 - e.g. BatchNorm1d on one sample: keep the statistics 0 and 1
+        for m in norms:  # a channel that hardly varies must not amplify noise either
+            m.running_var.clamp_(min=1e-2 * float(m.running_var.mean()))
+    except Exception:  # noqa: BLE001 - inputs a batch of 8 does not fit: keep the statistics 0 and 1
         for m in norms:
             m.reset_running_stats()
     finally:
