@@ -40,6 +40,15 @@ def store_from_source(tmp_path_factory, name: str, source: str, factory: str = "
     return CarveStore(base / "store")
 
 
+def interruptible() -> None:
+    """``preexec_fn`` for a child a test will Ctrl-C: SIGINT at its default and unblocked, as in a
+    terminal. A child inherits an ignored or blocked SIGINT from its parent (a pytest worker may
+    have either), and Python then never turns SIGINT into KeyboardInterrupt."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def rss_mib(pid: int) -> float:
     """Resident memory of a process, in MiB."""
     with open(f"/proc/{pid}/status") as f:

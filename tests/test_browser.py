@@ -611,8 +611,9 @@ def _processes_mentioning(text: str) -> list[int]:
 def test_interrupted_replay_leaves_no_chromium(carved):
     import time
     store = carved("zoo:tiny-llama")
+    from support import interruptible
     tapml = subprocess.Popen([sys.executable, "-m", "tapml.cli", "replay", str(store), "--target", "browser"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=interruptible)
     profile = None
     deadline = time.monotonic() + 60
     while profile is None and time.monotonic() < deadline and tapml.poll() is None:

@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from support import interruptible
 from typer.testing import CliRunner
 
 from tapml.cli import app
@@ -175,7 +177,7 @@ def test_ctrl_c_that_native_code_turns_into_another_error_still_exits_130(tmp_pa
         "        raise ValueError('could not determine the shape of object type UntypedStorage')\n"
         "    return torch.nn.Linear(2, 2), (torch.ones(1, 2),)\n")
     r = subprocess.run([sys.executable, "-m", "tapml.cli", "carve", f"{model}:factory", "-o", str(tmp_path / "out")],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120, preexec_fn=interruptible)
     assert r.returncode == 130, r.stderr
     assert "internal error" not in r.stderr and "interrupted" in r.stderr
     assert not (tmp_path / "out").exists()
@@ -201,7 +203,7 @@ def test_ctrl_c_that_a_finalizer_swallows_still_stops_the_command(tmp_path, afte
         "    return torch.nn.Linear(2, 2), (torch.ones(1, 2),)\n")
     started = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "tapml.cli", "carve", f"{model}:factory", "-o", str(tmp_path / "out")],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=120, preexec_fn=interruptible)
     assert r.returncode == 130, r.stderr
     assert "interrupted" in r.stderr and "Traceback" not in r.stderr
     assert time.monotonic() - started < 50

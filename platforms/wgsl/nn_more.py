@@ -7,13 +7,13 @@ import math
 
 import torch
 
-from tapml.graph import TensorMeta, decode_arg
+from tapml.graph import Node, TensorMeta, decode_arg
 from tapml.platforms.wgsl import views
 from tapml.platforms.wgsl.codegen import BufferView, Compute, Custom, cast, lit, round_low
 from tapml.platforms.wgsl.registry import (ALL, ALL_FLOAT, ALL_INT, edge_floats, edge_ints, rand, randbool, randint,
                                            register)
+from tapml.platforms.wgsl.nn import _int_window_mean, _moments, _window_sum, adaptive_avg_pool2d, avg_pool2d
 # the prefix count of a mask's True elements, shared with masked_scatter
-from tapml.platforms.wgsl.nn import _int_window_mean, _moments, _window_sum
 from tapml.platforms.wgsl.scatter import _mask_positions
 
 
@@ -604,3 +604,32 @@ def nonzero(pb, node, x):
 
 __all__ = ["max_pool3d", "avg_pool3d", "adaptive_avg_pool3d", "cdist_forward", "pdist_forward", "col2im",
            "batch_norm_no_stats", "nonzero"]
+
+
+# --- 1-d average pools: the 2-d lowerings over a height of 1 -------------------------------
+
+def _over_height_1(node, x, pool_2d):
+    """``pool_2d(node2d, x2d)`` on ``x`` [..., L] seen as [..., 1, L], read back as [..., L_out]."""
+    meta = node.outputs[0]
+    high = TensorMeta(tuple(meta.shape[:-1]) + (1, meta.shape[-1]), meta.dtype)
+    (out,) = pool_2d(Node(node.name, node.op, node.args, node.kwargs, [high]), views.unsqueeze(x, -2))
+    return [views.reshape(out, meta.shape)]
+
+
+@register("aten.avg_pool1d.default", ALL_FLOAT + ("int64",),
+          samples=lambda: [((rand(2, 3, 9), [3]), {}), ((rand(1, 4, 10), [3], [2], [1]), {}),
+                           ((rand(3, 7), [2], [2], [1], True, False), {}),
+                           ((edge_floats(2, 3, 8), [2], [1], [1]), {}),
+                           ((edge_ints(2, 3, 8), [3], [2], [1], True, True), {})])
+def avg_pool1d(pb, node, x, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True):
+    k = _tuple(kernel_size, 1)[0]
+    s = _tuple(stride, 1)[0] if list(stride) else k
+    p = _tuple(padding, 1)[0]
+    return _over_height_1(node, x, lambda n, v: avg_pool2d(pb, n, v, [1, k], [1, s], [0, p], ceil_mode,
+                                                           count_include_pad))
+
+
+@register("aten.adaptive_avg_pool1d.default", ALL_FLOAT,
+          samples=lambda: [((rand(2, 3, 9), [1]), {}), ((rand(1, 4, 10), [4]), {}), ((edge_floats(2, 7), [3]), {})])
+def adaptive_avg_pool1d(pb, node, x, output_size):
+    return _over_height_1(node, x, lambda n, v: adaptive_avg_pool2d(pb, n, v, [1, _tuple(output_size, 1)[0]]))

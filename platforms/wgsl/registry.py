@@ -278,22 +278,26 @@ __all__ = ["Lowering", "REGISTRY", "FLOPS", "register", "node_flops", "supports_
 # --- coverage, for the README ----------------------------------------------------------------
 
 def core_aten_ops() -> list[str]:
-    """Every functional overload torch tags ``core`` that the op vocabulary accepts (sorted)."""
+    """Every functional overload torch tags ``core`` that the op vocabulary accepts (sorted).
+    From the dispatcher's full list: ``dir(torch.ops.aten)`` lists only the ops resolved so far."""
     from tapml.ops import check_op
     names = []
-    for attr in dir(torch.ops.aten):
-        packet = getattr(torch.ops.aten, attr, None)
-        if not hasattr(packet, "overloads"):
+    for qualified in torch._C._dispatch_get_all_op_names():
+        if not qualified.startswith("aten::"):
             continue
-        for overload in packet.overloads():
-            name = f"aten.{attr}.{overload}"
-            if torch.Tag.core in getattr(packet, overload).tags:
-                try:
-                    check_op(name)
-                except ValueError:
-                    continue
-                names.append(name)
-    return sorted(names)
+        attr, _, overload = qualified[len("aten::"):].partition(".")
+        overload = overload or "default"
+        packet = getattr(torch.ops.aten, attr, None)
+        op = getattr(packet, overload, None) if packet is not None else None
+        if op is None or torch.Tag.core not in op.tags:
+            continue
+        name = f"aten.{attr}.{overload}"
+        try:
+            check_op(name)
+        except ValueError:
+            continue
+        names.append(name)
+    return sorted(set(names))
 
 
 def coverage_markdown() -> str:
