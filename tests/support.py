@@ -1,5 +1,8 @@
 """Helpers shared by test modules (importable because pytest puts tests/ on sys.path)."""
 
+import os
+import shutil
+
 import pytest
 import torch
 
@@ -22,6 +25,16 @@ REFERENCE_AND_VULKAN = ["reference", pytest.param("wgpu:vulkan", marks=[
     pytest.mark.device, pytest.mark.xdist_group("wgpu"),
     pytest.mark.skipif("vulkan" not in _vulkan_backends(),
                        reason="no wgpu Vulkan adapter (install mesa-vulkan-drivers for lavapipe)")])]
+
+
+#: Skip a test where no Chromium can be started (apt-get install chromium, or TAPML_CHROMIUM).
+NEEDS_CHROMIUM = pytest.mark.skipif(shutil.which("chromium") is None and not os.environ.get("TAPML_CHROMIUM"),
+                                    reason="no chromium on PATH (apt-get install chromium)")
+
+
+def in_chromium(test):
+    """Mark a test of the browser tier: it needs Chromium and runs in the one browser group."""
+    return pytest.mark.browser(pytest.mark.xdist_group("browser")(NEEDS_CHROMIUM(test)))
 
 
 def vulkan_or_skip():

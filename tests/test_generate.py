@@ -2,10 +2,10 @@
 step on real targets; bad input; the near-tie rule. Device tests run on lavapipe / llvmpipe."""
 
 import json
-import os
-import shutil
 
 import pytest
+
+from support import NEEDS_CHROMIUM
 import torch
 from typer.testing import CliRunner
 
@@ -245,8 +245,7 @@ def test_generation_through_a_loopback_server(llama8):
 
 
 @pytest.mark.browser
-@pytest.mark.skipif(shutil.which("chromium") is None and not os.environ.get("TAPML_CHROMIUM"),
-                    reason="no chromium on PATH (apt-get install chromium)")
+@NEEDS_CHROMIUM
 def test_generation_in_headless_chromium(llama8):
     from tapml.targets import open_target
     with open_target("browser") as platform:

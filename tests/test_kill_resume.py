@@ -10,7 +10,6 @@ of seconds; what is killed is still a real process doing real file I/O. The CLI'
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from support import NEEDS_CHROMIUM
 
 from tapml.journal import journal_path
 
@@ -254,8 +255,7 @@ def test_kill_the_device_server_at_random_moments(zygote, carved, tmp_path, figu
 @pytest.mark.browser
 @pytest.mark.slow
 @pytest.mark.xdist_group("browser")
-@pytest.mark.skipif(shutil.which("chromium") is None and not os.environ.get("TAPML_CHROMIUM"),
-                    reason="no chromium on PATH (apt-get install chromium)")
+@NEEDS_CHROMIUM
 def test_kill_the_browser_at_random_moments_and_carry_on_on_a_fresh_page(zygote, carved, tmp_path, figure):
     store = carved("zoo:mlp")
     expected = uninterrupted(zygote, store, "browser", tmp_path, MLP_FAULT)

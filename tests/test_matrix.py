@@ -10,10 +10,10 @@ Browser tier: wgpu:vulkan beside WebGPU in headless Chromium.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 
 import pytest
+
+from support import in_chromium
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -273,10 +273,7 @@ def test_a_fault_in_every_device_target_is_the_row_that_differs(mlp, tmp_path):
 
 # --- browser tier --------------------------------------------------------------------------
 
-@pytest.mark.browser
-@pytest.mark.xdist_group("browser")
-@pytest.mark.skipif(shutil.which("chromium") is None and not os.environ.get("TAPML_CHROMIUM"),
-                    reason="no chromium on PATH (apt-get install chromium)")
+@in_chromium
 @pytest.mark.skipif("vulkan" not in _backends(), reason="no wgpu Vulkan adapter (mesa-vulkan-drivers)")
 def test_vulkan_beside_the_browser(mlp, tmp_path):
     r = tapml("replay", mlp.path, "--target", "wgpu:vulkan", "--target", "browser", "--json", tmp_path / "m.json")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 
@@ -24,7 +23,7 @@ from typer.testing import CliRunner
 
 from tapml.errors import Unsupported
 from tapml.graph import Graph, Node, TensorMeta
-from support import LOW, run_split_families
+from support import LOW, in_chromium, run_split_families
 
 TOKEN = "parts token"
 #: A window of 4 KiB and buffers of two windows: the tiny models' 64 kB embeddings take 8 parts.
@@ -136,10 +135,7 @@ def test_resident_tensors_beside_parts_and_split_ones_refused():
 
 # --- Chromium and a device server ---------------------------------------------------------------
 
-@pytest.mark.browser
-@pytest.mark.xdist_group("browser")
-@pytest.mark.skipif(shutil.which("chromium") is None and not os.environ.get("TAPML_CHROMIUM"),
-                    reason="no chromium on PATH (apt-get install chromium)")
+@in_chromium
 def test_op_families_run_in_parts_in_chromium():
     from tapml.platforms.browser import BrowserPlatform
     platform = BrowserPlatform()

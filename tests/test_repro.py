@@ -12,7 +12,6 @@ import http.server
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -20,6 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from support import in_chromium
 from typer.testing import CliRunner
 
 from tapml.cli import app
@@ -263,10 +264,7 @@ def _page_result(folder: Path, timeout: float = 120) -> str:
         server.server_close()
 
 
-@pytest.mark.browser
-@pytest.mark.xdist_group("browser")
-@pytest.mark.skipif(shutil.which("chromium") is None and not os.environ.get("TAPML_CHROMIUM"),
-                    reason="no chromium on PATH (apt-get install chromium)")
+@in_chromium
 def test_page_fails_for_the_injected_case_and_passes_for_the_healthy_one(store, tanh_case, tmp_path):
     bad, good = tmp_path / "bad", tmp_path / "good"
     plan = make_repro(store, tanh_case["id"], bad, "--inject", FAULT)

@@ -8,14 +8,12 @@ Chromium, all against torch. The real-size case (a
 buffers, in tests/test_parts.py.
 """
 
-import os
-import shutil
 
 import pytest
 import torch
 
 from tapml.platforms.wgsl import load_lowerings
-from support import LOW, run_split_families, run_split_samples
+from support import LOW, in_chromium, run_split_families, run_split_samples
 
 OPS = sorted(load_lowerings())
 
@@ -82,10 +80,7 @@ def test_forced_limit_is_min_of_device_and_override():
         platform.close()
 
 
-@pytest.mark.browser
-@pytest.mark.xdist_group("browser")
-@pytest.mark.skipif(shutil.which("chromium") is None and not os.environ.get("TAPML_CHROMIUM"),
-                    reason="no chromium on PATH (apt-get install chromium)")
+@in_chromium
 def test_op_families_run_split_in_chromium():
     from tapml.platforms.browser import BrowserPlatform
     platform = BrowserPlatform()
