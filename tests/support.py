@@ -150,6 +150,48 @@ def run_low_precision_samples(platform, op: str, edges: bool = True) -> int:
     return ran
 
 
+# --- integer and bool dtypes derived from float samples --------------------------------------
+
+INT_AND_BOOL = ("int64", "int32", "int16", "int8", "uint8", "bool")
+
+
+def sampled_dtypes(op: str) -> set[str]:
+    """The dtypes the registry's samples of ``op`` hold in an input or output (float32 stands for
+    float16 and bfloat16 too: the low-precision tests cast it)."""
+    torch.manual_seed(0)
+    seen = set()
+    for graph, inputs in sample_cases(op):
+        seen |= {str(t.dtype).removeprefix("torch.") for t in inputs} | {m.dtype for m in graph.nodes[0].outputs}
+    return seen | ({"float16", "bfloat16"} if "float32" in seen else set())
+
+
+def _as_dtype(t: torch.Tensor, dtype: str) -> torch.Tensor:
+    if dtype == "bool":
+        return t > 0
+    info = torch.iinfo(getattr(torch, dtype))
+    return (t * 10).round().clamp(max(info.min, -2**31), min(info.max, 2**31 - 1)).to(getattr(torch, dtype))
+
+
+def derived_dtype_cases(op: str, dtype: str):
+    """The samples of ``op`` with their float32 inputs turned into ``dtype`` (ten times the value,
+    rounded; bool: positive), for the integer and bool dtypes an entry claims but samples no case
+    of: ``(graph, inputs, torch's outputs)``, skipping those torch refuses."""
+    torch.manual_seed(0)
+    for graph, inputs in sample_cases(op):
+        if not any(t.dtype == torch.float32 for t in inputs):
+            continue
+        cast = [_as_dtype(t, dtype) if t.dtype == torch.float32 else t for t in inputs]
+        node = graph.nodes[0]
+        env = dict(zip([r for r, _ in graph.inputs], cast))
+        try:
+            ref = run_node(node, env.__getitem__)
+        except (RuntimeError, NotImplementedError, TypeError, ValueError):
+            continue
+        node = Node(node.name, node.op, node.args, node.kwargs, [TensorMeta.of(r) for r in ref], node.multi)
+        yield (Graph(inputs=[(r, TensorMeta.of(t)) for (r, _), t in zip(graph.inputs, cast)], nodes=[node],
+                     outputs=graph.outputs), cast, ref)
+
+
 # --- splitting under a forced small binding limit ------------------------------------------
 
 def _family_cases():

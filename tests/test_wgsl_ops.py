@@ -19,7 +19,7 @@ from tapml.platforms.base import KernelProgram
 from tapml.platforms.wgpu_native import available_backends, shared_platform
 from tapml.platforms.wgsl import load_lowerings
 from tapml.platforms.wgsl.registry import case_graph, sample_cases
-from support import LOW, run_low_precision_samples
+from support import INT_AND_BOOL, LOW, derived_dtype_cases, run_low_precision_samples, sampled_dtypes
 
 BACKENDS = available_backends()
 pytestmark = [pytest.mark.device,
@@ -103,6 +103,37 @@ def test_lowering_low_precision_vulkan(vulkan, op):
 @pytest.mark.parametrize("op", LOW_OPS)
 def test_lowering_low_precision_gl(gl, op):
     run_low_precision_samples(gl, op)
+
+
+# --- integer and bool dtypes an entry claims without a sample of its own --------------------
+# Each such dtype runs the entry's float samples turned into it (where torch takes them), exact.
+
+# (Creation ops, whose dtype is an argument, and entries with no float sample are not derived here.)
+DERIVED = [(op, d) for op in OPS for d in REGISTRY[op].dtypes
+           if d in INT_AND_BOOL and d not in sampled_dtypes(op) and next(derived_dtype_cases(op, d), None)]
+
+
+def _run_derived(platform, op, dtype):
+    ran = 0
+    for graph, inputs, ref in derived_dtype_cases(op, dtype):
+        out = platform.run(platform.compile(graph), inputs)
+        for i, (o, r) in enumerate(zip(out, ref)):
+            assert tuple(o.shape) == tuple(r.shape) and o.dtype == r.dtype, f"{op} {dtype} output {i}: {o.dtype}"
+            if REGISTRY[op].compare_values:
+                res = compare_tensor(o, r)
+                assert res.passed, f"{op} {dtype} output {i}: {res.message}; worst {res.worst}"
+        ran += 1
+    assert ran
+
+
+@pytest.mark.parametrize("op,dtype", DERIVED)
+def test_claimed_int_and_bool_dtypes_vulkan(vulkan, op, dtype):
+    _run_derived(vulkan, op, dtype)
+
+
+@pytest.mark.parametrize("op,dtype", DERIVED)
+def test_claimed_int_and_bool_dtypes_gl(gl, op, dtype):
+    _run_derived(gl, op, dtype)
 
 
 def test_low_precision_samples_exist():

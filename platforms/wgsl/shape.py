@@ -3,9 +3,12 @@ creation (arange, full, zeros/ones/empty and their _like variants)."""
 
 from __future__ import annotations
 
+import math
+
+from tapml.errors import Unsupported
 from tapml.platforms.wgsl import views
 from tapml.platforms.wgsl.codegen import BufferView, Compute, Remap, Value, cast, ctype, index_sum, lit
-from tapml.platforms.wgsl.registry import ALL, rand, randbool, randint, register
+from tapml.platforms.wgsl.registry import ALL, ALL_INT, rand, randbool, randint, register
 
 
 def _x(*shape):
@@ -170,7 +173,7 @@ def constant_pad_nd(pb, node, x, pad, value=0):
             inside = " && ".join(conds) or "true"
             clamped = [k.let(s, "i32") for s in src_idx]
             v = cast(x.read(k, clamped), x.ty, ty)
-            return k.let(f"select({lit(value, ty)}, {v}, {inside})", ty)
+            return k.let(f"select({lit(scalar_as(value, meta.dtype), ty)}, {v}, {inside})", ty)
     return [Pad()]
 
 
@@ -207,9 +210,21 @@ def tril(pb, node, x, diagonal=0):
 
 # --- creation ----------------------------------------------------------------------------
 
+def scalar_as(value, dtype: str):
+    """A Python scalar as torch stores it in a tensor of ``dtype``: truncated toward zero for the
+    integers (fill 1.5 into an int tensor gives 1), a truth value for bool."""
+    if dtype == "bool":
+        return bool(value)
+    if dtype in ALL_INT and isinstance(value, float):
+        if not math.isfinite(value):
+            raise Unsupported(f"{value} cannot be stored in a {dtype} tensor")
+        return math.trunc(value)
+    return value
+
+
 def _fill(meta, value):
     ty = ctype(meta.dtype)
-    v = lit(value, ty)
+    v = lit(scalar_as(value, meta.dtype), ty)
     return Compute(meta.shape, meta.dtype, [], lambda k, e, idx: v, cost=0)
 
 
