@@ -37,6 +37,15 @@ def in_chromium(test):
     return pytest.mark.browser(pytest.mark.xdist_group("browser")(NEEDS_CHROMIUM(test)))
 
 
+def own_wgpu(backend: str):
+    """A WgpuPlatform on ``backend`` with its own device (forced limits stay out of the shared
+    platform); skips where the adapter is missing."""
+    from tapml.platforms.wgpu_native import WgpuPlatform, available_backends
+    if backend not in available_backends():
+        pytest.skip(f"no wgpu {backend} adapter (install mesa-vulkan-drivers and libegl-mesa0)")
+    return WgpuPlatform(backend)
+
+
 def vulkan_or_skip():
     """Skip the calling test where wgpu has no Vulkan adapter (lavapipe comes with mesa-vulkan-drivers)."""
     from tapml.platforms.wgpu_native import available_backends

@@ -23,18 +23,11 @@ from typer.testing import CliRunner
 
 from tapml.errors import Unsupported
 from tapml.graph import Graph, Node, TensorMeta
-from support import LOW, in_chromium, run_split_families
+from support import LOW, in_chromium, own_wgpu, run_split_families
 
 TOKEN = "parts token"
 #: A window of 4 KiB and buffers of two windows: the tiny models' 64 kB embeddings take 8 parts.
 SMALL = {"max-storage-buffer-binding-size": 4096, "max-buffer-size": 8192}
-
-
-def _wgpu(backend):
-    from tapml.platforms.wgpu_native import WgpuPlatform, available_backends
-    if backend not in available_backends():
-        pytest.skip(f"no wgpu {backend} adapter (install mesa-vulkan-drivers and libegl-mesa0)")
-    return WgpuPlatform(backend)  # its own device: forced limits stay out of the shared platform
 
 
 def _all_in_parts(held: dict) -> None:
@@ -55,8 +48,8 @@ def _windows_per_part(program) -> dict[str, int]:
 @pytest.mark.device
 @pytest.mark.xdist_group("wgpu")
 @pytest.mark.parametrize("backend", ["vulkan", "gl"])
-def test_every_op_family_runs_in_parts_on_wgpu(backend):
-    platform = _wgpu(backend)
+def test_every_op_family_runs_in_parts_onown_wgpu(backend):
+    platform = own_wgpu(backend)
     try:
         _all_in_parts(run_split_families(platform, parts=True))
         # float16 native on Vulkan (shader-f16), packed two per word on GL; bfloat16 packed on both
@@ -75,7 +68,7 @@ def test_whole_model_in_parts_as_one_program_on_vulkan(carved):
     from tapml.compare import compare_outputs
     store = CarveStore(carved("zoo:tiny-llama"))
     graph, inputs = store.graph, store.program_inputs()
-    platform = _wgpu("vulkan")
+    platform = own_wgpu("vulkan")
     try:
         platform.force_limits(SMALL)
         program = platform.compile(graph)
@@ -104,7 +97,7 @@ def _two_outputs_graph(n: int) -> Graph:
 def test_resident_tensors_beside_parts_and_split_ones_refused():
     """A generation keeps its cache on the device while a large weight is held in parts: kept
     outputs and resident inputs that are not split work as before; a split one is refused."""
-    platform = _wgpu("vulkan")
+    platform = own_wgpu("vulkan")
     try:
         graph = _two_outputs_graph(3000)
         whole = platform.compile(graph)  # the device's own limits: nothing split
@@ -270,7 +263,7 @@ def test_repro_of_a_case_held_in_parts_runs_outside_tapml(carved, tmp_path):
     from tapml.repro import find_subject, write_repro
     store = CarveStore(carved("zoo:tiny-llama"))
     case = next(c for c in store.cases if c["op"] == "aten.embedding.default")
-    platform = _wgpu("vulkan")
+    platform = own_wgpu("vulkan")
     try:
         platform.force_limits(SMALL)
         result = write_repro(store, find_subject(store, case["id"]), platform, tmp_path / "r", target="wgpu:vulkan")

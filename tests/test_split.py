@@ -13,16 +13,9 @@ import pytest
 import torch
 
 from tapml.platforms.wgsl import load_lowerings
-from support import LOW, in_chromium, run_split_families, run_split_samples
+from support import LOW, in_chromium, own_wgpu, run_split_families, run_split_samples
 
 OPS = sorted(load_lowerings())
-
-
-def _wgpu(backend):
-    from tapml.platforms.wgpu_native import WgpuPlatform, available_backends
-    if backend not in available_backends():
-        pytest.skip(f"no wgpu {backend} adapter (install mesa-vulkan-drivers and libegl-mesa0)")
-    return WgpuPlatform(backend)  # its own device: forced limits stay out of the shared platform
 
 
 def _all_split(split: dict) -> None:
@@ -33,8 +26,8 @@ def _all_split(split: dict) -> None:
 @pytest.mark.device
 @pytest.mark.xdist_group("wgpu")
 @pytest.mark.parametrize("backend", ["vulkan", "gl"])
-def test_every_lowering_runs_split_on_wgpu(backend):
-    platform = _wgpu(backend)
+def test_every_lowering_runs_split_onown_wgpu(backend):
+    platform = own_wgpu(backend)
     try:
         _all_split(run_split_families(platform))
         split = {op: run_split_samples(platform, op) for op in OPS}
@@ -47,7 +40,7 @@ def test_every_lowering_runs_split_on_wgpu(backend):
 @pytest.mark.xdist_group("wgpu")
 @pytest.mark.parametrize("dtype", LOW, ids=str)
 def test_op_families_run_split_on_gl_packed(dtype):
-    platform = _wgpu("gl")  # no shader-f16 on llvmpipe GL: both dtypes are packed two per word
+    platform = own_wgpu("gl")  # no shader-f16 on llvmpipe GL: both dtypes are packed two per word
     try:
         split = run_split_families(platform, dtype)
         _all_split({f: did for f, did in split.items() if did is not None})
@@ -68,7 +61,7 @@ def test_forced_limits_only_tighten_and_are_reported():
 @pytest.mark.device
 @pytest.mark.xdist_group("wgpu")
 def test_forced_limit_is_min_of_device_and_override():
-    platform = _wgpu("vulkan")
+    platform = own_wgpu("vulkan")
     try:
         device = platform.caps()["limits"]["max-storage-buffer-binding-size"]
         platform.force_limits({"max-storage-buffer-binding-size": 4096, "max-buffer-size": 1 << 40})

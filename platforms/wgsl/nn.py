@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from tapml.platforms.wgsl import views
-from tapml.platforms.wgsl.codegen import BufferView, Compute, Custom, cast, contiguous_strides, index_sum, lit
+from tapml.platforms.wgsl.codegen import BufferView, Compute, Custom, Value, cast, contiguous_strides, index_sum, lit
 from tapml.platforms.wgsl.matmul import wrap_int
 from tapml.platforms.wgsl.registry import ALL_FLOAT, ALL_INT, NUMERIC, edge_floats, edge_ints, rand, randint, register
 
@@ -174,26 +174,33 @@ def _bn_samples():
             ((edge_floats(2, 3, 4), rand(3), rand(3), rand(3), rand(3, lo=0.5, hi=2), 0.1, 1e-5), {})]
 
 
-@register("aten._native_batch_norm_legit_no_training.default", ALL_FLOAT, samples=_bn_samples, flops="norm")
-def batch_norm(pb, node, x, weight, bias, running_mean, running_var, momentum, eps):
-    meta = node.outputs[0]
+def normalize_channels(pb, x: Value, meta, mean: Value, spread: Value, weight, bias, scale) -> Compute:
+    """``(x - mean) * scale(spread) * weight + bias`` per channel (dim 1) of ``x``, as one fused
+    value: ``scale`` turns the WGSL expression of a channel's ``spread`` (a variance, or already
+    1/std) into its multiplier; ``weight`` and ``bias`` may be None."""
     C = x.shape[1] if len(x.shape) > 1 else 1
 
     def chan(v):
         return views.expand_to(views.reshape(v, [C] + [1] * (len(x.shape) - 2)), meta.shape)
-    ins = [x, chan(running_mean), chan(running_var)] + [chan(p) for p in (weight, bias) if p is not None]
-    ins = pb.fit(ins, 1)
+    ins = pb.fit([x, chan(mean), chan(spread)] + [chan(p) for p in (weight, bias) if p is not None], 1)
     has_w, has_b = weight is not None, bias is not None
 
     def emit(k, e, idx):
-        xv, mv, vv, *rest = [cast(a, v.ty, "f32") for a, v in zip(e, ins)]
-        out = f"({xv} - {mv}) * inverseSqrt({vv} + {lit(eps, 'f32')})"
+        xv, mv, sv, *rest = [cast(a, v.ty, "f32") for a, v in zip(e, ins)]
+        out = f"({xv} - {mv}) * {scale(sv)}"
         if has_w:
             out = f"({out}) * {rest.pop(0)}"
         if has_b:
             out = f"{out} + {rest.pop(0)}"
         return out
-    y = Compute(meta.shape, meta.dtype, ins, emit, cost=2)
+    return Compute(meta.shape, meta.dtype, ins, emit, cost=2)
+
+
+@register("aten._native_batch_norm_legit_no_training.default", ALL_FLOAT, samples=_bn_samples, flops="norm")
+def batch_norm(pb, node, x, weight, bias, running_mean, running_var, momentum, eps):
+    meta = node.outputs[0]
+    y = normalize_channels(pb, x, meta, running_mean, running_var, weight, bias,
+                           lambda var: f"inverseSqrt({var} + {lit(eps, 'f32')})")
     empties = [BufferView.whole(pb.buffer("temp", m), m) for m in node.outputs[1:]]
     return [y] + empties
 

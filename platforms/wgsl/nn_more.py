@@ -12,7 +12,8 @@ from tapml.platforms.wgsl import views
 from tapml.platforms.wgsl.codegen import BufferView, Compute, Custom, cast, lit, round_low
 from tapml.platforms.wgsl.registry import (ALL, ALL_FLOAT, ALL_INT, edge_floats, edge_ints, rand, randbool, randint,
                                            register)
-from tapml.platforms.wgsl.nn import _int_window_mean, _moments, _window_sum, adaptive_avg_pool2d, avg_pool2d
+from tapml.platforms.wgsl.nn import (_int_window_mean, _moments, _window_sum, adaptive_avg_pool2d, avg_pool2d,
+                                     normalize_channels)
 # the prefix count of a mask's True elements, shared with masked_scatter
 from tapml.platforms.wgsl.scatter import _mask_positions
 
@@ -540,21 +541,7 @@ def batch_norm_no_stats(pb, node, x, weight, bias, training, momentum, eps):
     k.write(stats[1], "n", rstd, "f32")
     pb.add(k.finish(C))
 
-    def chan(v):
-        return views.expand_to(views.reshape(v, [C] + [1] * (len(x.shape) - 2)), y_meta.shape)
-    params = [p for p in (weight, bias) if p is not None]
-    ins = pb.fit([x, chan(mean_v), chan(rstd_v)] + [chan(p) for p in params], 1)
-    has_w, has_b = weight is not None, bias is not None
-
-    def emit(k, e, idx):
-        xv, mv, rv, *rest = [cast(a, v.ty, "f32") for a, v in zip(e, ins)]
-        out = f"({xv} - {mv}) * {rv}"
-        if has_w:
-            out = f"({out}) * {rest.pop(0)}"
-        if has_b:
-            out = f"{out} + {rest.pop(0)}"
-        return out
-    return [Compute(y_meta.shape, y_meta.dtype, ins, emit, cost=2), mean_v, rstd_v]
+    return [normalize_channels(pb, x, y_meta, mean_v, rstd_v, weight, bias, lambda rstd: rstd), mean_v, rstd_v]
 
 
 # --- nonzero -----------------------------------------------------------------------------

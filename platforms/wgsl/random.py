@@ -124,28 +124,19 @@ def _like_samples():
             [((rand(40, 50),), {"dtype": d}) for d in LOW])
 
 
-@register(["aten.rand.default"], ALL_FLOAT, samples=_sized_samples, check=_float_out, compare_values=False)
-def rand_(pb, node, size, **kwargs):
-    meta = node.outputs[0]
-    return [uniform(node, meta.shape, meta.dtype)]
+def _draws(values):
+    """A lowering whose output is ``values(node, shape, dtype)``: the shape and dtype of the node's output."""
+    def lower(pb, node, *args, **kwargs):
+        meta = node.outputs[0]
+        return [values(node, meta.shape, meta.dtype)]
+    return lower
 
 
-@register(["aten.rand_like.default"], ALL_FLOAT, samples=_like_samples, check=_float_out, compare_values=False)
-def rand_like(pb, node, x, **kwargs):
-    meta = node.outputs[0]
-    return [uniform(node, meta.shape, meta.dtype)]
-
-
-@register(["aten.randn.default"], ALL_FLOAT, samples=_sized_samples, check=_float_out, compare_values=False)
-def randn(pb, node, size, **kwargs):
-    meta = node.outputs[0]
-    return [normal(node, meta.shape, meta.dtype)]
-
-
-@register(["aten.randn_like.default"], ALL_FLOAT, samples=_like_samples, check=_float_out, compare_values=False)
-def randn_like(pb, node, x, **kwargs):
-    meta = node.outputs[0]
-    return [normal(node, meta.shape, meta.dtype)]
+for _op, _values, _samples in (("aten.rand.default", uniform, _sized_samples),
+                               ("aten.rand_like.default", uniform, _like_samples),
+                               ("aten.randn.default", normal, _sized_samples),
+                               ("aten.randn_like.default", normal, _like_samples)):
+    register(_op, ALL_FLOAT, samples=_samples, check=_float_out, compare_values=False)(_draws(_values))
 
 
 # --- bernoulli and dropout -----------------------------------------------------------------
