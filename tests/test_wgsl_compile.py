@@ -19,6 +19,7 @@ from tapml.platforms.base import KernelProgram
 from tapml.platforms.wgsl import compile_graph, load_lowerings, supports
 from tapml.platforms.wgsl.registry import case_graph, sample_cases
 from tapml.platforms.wgsl.tensors import from_device, to_device
+from support import INT_AND_BOOL, derived_dtype_cases, sampled_dtypes
 
 GOLDEN = Path(__file__).parent / "golden"
 LIMITS = {"max-storage-buffer-binding-size": 134217728, "max-storage-buffers-per-shader-stage": 8,
@@ -64,6 +65,17 @@ def test_every_lowering_compiles_for_vulkan_and_gl_caps(op):
         gl = compile_graph(graph, GL)  # no shader-f16: float16 is packed two per u32
         assert_well_formed(gl, GL)
         assert not any("enable f16" in k.wgsl for k in gl.kernels)
+
+
+@pytest.mark.parametrize("op", sorted(REGISTRY))
+def test_every_claimed_dtype_has_a_case(op):
+    """An entry's samples hold every dtype it claims (in an input or an output), or, for an
+    integer or bool dtype, its float samples turned into it give a case torch accepts (the device
+    tier runs those: tests/test_wgsl_ops.py)."""
+    seen = sampled_dtypes(op)
+    missing = [d for d in REGISTRY[op].dtypes
+               if d not in seen and not (d in INT_AND_BOOL and next(derived_dtype_cases(op, d), None))]
+    assert not missing, f"{op} claims {missing} but no sample holds them"
 
 
 def test_registry_covers_the_ops_transformer_and_cnn_models_use():

@@ -625,7 +625,15 @@ def where(pb, node, cond, a, b):
                         arg_types=("bool", t, t))]
 
 
-@register(["aten.where.ScalarSelf", "aten.where.ScalarOther", "aten.where.Scalar"], ALL,
+# where.Scalar (two Python numbers) makes float32, int64 or bool, as torch's promotion of scalars does.
+@register("aten.where.Scalar", ALL_FLOAT + ("int64", "bool"),
+          samples=lambda: [((randbool(3, 5), 0.5, -2.0), {}), ((randbool(3, 5), 3, -2), {}), ((randbool(4), True, False), {}),
+                           ((randbool(2, 3), math.inf, math.nan), {})])
+def where_two_scalars(pb, node, cond, a, b):
+    return where(pb, node, cond, a, b)
+
+
+@register(["aten.where.ScalarSelf", "aten.where.ScalarOther"], ALL,
           samples=lambda: [((randbool(3, 5), rand(3, 5), 0.5), {}), ((randbool(3, 5), 0.5, rand(3, 5)), {}),
                            ((randbool(3, 5), 0.5, -2.0), {}), ((randbool(5, 7), typed((5, 7), "float32"), math.nan), {}),
                            ((randbool(3, 5), randint(3, 5), 2), {}), ((randbool(3, 5), 3, randbool(3, 5)), {})] + [

@@ -251,13 +251,16 @@ def _randint_check(node: Node) -> str | None:
 def _randint_samples():
     ints = [(10, [7]), (3, [3, 5]), (1000, [2, 3, 33]), (2**31 - 1, [64, 64])]
     out = [((high, size), {}) for high, size in ints]  # randint.default
+    out += [((high, [40, 50]), {"dtype": getattr(torch, d)}) for high, d in (
+        (100, "float32"), (1000, "float16"), (100, "bfloat16"), (7, "int32"), (2**15, "int16"), (128, "int8"),
+        (256, "uint8"), (2, "bool"))]
     out += [((-5, 5, [3, 5]), {}), ((-2**31, 2**31, [40, 50]), {}), ((0, 7, [40, 50]), {"dtype": torch.int32}),
             ((-100, 100, [40, 50]), {"dtype": torch.float32}), ((0, 2, [64]), {"dtype": torch.bool})]  # .low
     out += [((lo, hi, [40, 50]), {"dtype": d}) for lo, hi, d in ((-2**15, 2**15, torch.int16), (-128, 128, torch.int8),
                                                                  (0, 256, torch.uint8), (-1000, 1000, torch.float16),
                                                                  (-100, 100, torch.bfloat16))]
     out += [((rand(40, 50), 0, 3), {}), ((typed((40, 50), "int64"), -7, 9), {}), ((randbool(64), 0, 2), {}),
-            ((rand(40, 50), 100), {}), ((typed((3, 5), "uint8"), 200), {}),
+            ((rand(40, 50), 100), {}), ((typed((3, 5), "uint8"), 200), {}), ((randbool(64), 2), {}),
             ((rand(40, 50).half(), 0, 1000), {}), ((rand(40, 50).bfloat16(), -50, 50), {})]  # randint_like
     out += [((typed((40, 50), d), -3, 4), {}) for d in ("int32", "int16", "int8")]
     return out

@@ -15,7 +15,7 @@ import torch
 from tapml.errors import Unsupported
 from tapml.graph import TensorMeta
 from tapml.platforms.wgsl.codegen import BufferView, Value, cast, contiguous_strides, ctype, index_sum, lit
-from tapml.platforms.wgsl.registry import (ALL, ALL_FLOAT, NUMERIC, edge_floats, edge_ints, rand, randbool, randint,
+from tapml.platforms.wgsl.registry import (ALL, ALL_FLOAT, ALL_INT, NUMERIC, edge_floats, edge_ints, rand, randbool, randint,
                                            register)
 from tapml.platforms.wgsl.views import norm_dim
 
@@ -212,7 +212,10 @@ def _any_like(is_any):
 def _any_samples():
     import torch
     return [((torch.rand(3, 5) > 0.8, 1), {}), ((torch.rand(2, 3, 4) > 0.9,), {}), ((randint(3, 4, lo=0, hi=2), 0, True), {}),
-            ((rand(4, 3).round(), [0, 1]), {})]
+            ((rand(4, 3).round(), [0, 1]), {}), ((rand(4, 3).round(), 1), {}), ((rand(5, 2).round(),), {}),
+            ((edge_floats(4, 6), 0), {}), ((edge_floats(4, 6) * 0,), {}), ((edge_ints(3, 5), 1), {}),
+            ((edge_ints(2, 4) * 0,), {})] + [
+        ((randint(4, 5, lo=0, hi=2, dtype=getattr(torch, d)), *dim), {}) for d in ALL_INT[1:] for dim in ((1,), ())]
 
 
 register(["aten.any.dim", "aten.any.dims", "aten.any.default"], ALL, samples=_any_samples, flops="reduce")(_any_like(True))

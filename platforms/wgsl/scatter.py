@@ -276,6 +276,7 @@ def _scatter_value_samples():
         ((edge_ints(6, 4), 0, _perm_index(5, 4, 6, 0), 2**31 - 1), {}),
         ((edge_ints(3, 8, dtype=torch.int32), -1, _perm_index(3, 6, 8, 1), -7), {}),
         ((randbool(4, 5), 1, _perm_index(4, 2, 5, 1), True), {}),
+        ((randint(4, 5, hi=256, dtype=torch.uint8), 1, _perm_index(4, 3, 5, 1), 255), {}),
     ]
 
 

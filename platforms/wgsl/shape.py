@@ -8,7 +8,7 @@ import math
 from tapml.errors import Unsupported
 from tapml.platforms.wgsl import views
 from tapml.platforms.wgsl.codegen import BufferView, Compute, Remap, Value, cast, ctype, index_sum, lit
-from tapml.platforms.wgsl.registry import ALL, ALL_INT, rand, randbool, randint, register
+from tapml.platforms.wgsl.registry import ALL, ALL_INT, NUMERIC, rand, randbool, randint, register
 
 
 def _x(*shape):
@@ -228,10 +228,18 @@ def _fill(meta, value):
     return Compute(meta.shape, meta.dtype, [], lambda k, e, idx: v, cost=0)
 
 
+def _in_every_dtype(args, dtypes=ALL_INT + ("bool",)):
+    """One sample of a creation op per dtype (its dtype is an argument, not an input's)."""
+    import torch
+    return [(args, {"dtype": getattr(torch, d)}) for d in dtypes]
+
+
 def _creation_samples():
     import torch
     return [(([3, 4], 1.5), {}), (([2, 2], 7), {"dtype": torch.int64}), (([5], True), {"dtype": torch.bool}),
-            (([], -3.4028234663852886e+38), {"dtype": torch.float32})]
+            (([], -3.4028234663852886e+38), {"dtype": torch.float32}), (([2, 3], 200), {"dtype": torch.uint8}),
+            (([4], -2.75), {"dtype": torch.int8}), (([3, 2], 2**31 - 1), {"dtype": torch.int32}),
+            (([2, 5], -2**15), {"dtype": torch.int16})]
 
 
 @register("aten.full.default", ALL, samples=_creation_samples)
@@ -240,7 +248,7 @@ def full(pb, node, size, fill_value, **kwargs):
 
 
 @register("aten.scalar_tensor.default", ALL, samples=lambda: [((2.5,), {}), ((-3.4028234663852886e+38,), {}),
-                                                              ((float("-inf"),), {})])
+                                                              ((float("-inf"),), {})] + _in_every_dtype((-7,)))
 def scalar_tensor(pb, node, value, **kwargs):
     return [_fill(node.outputs[0], value)]
 
@@ -253,22 +261,24 @@ def full_like(pb, node, x, *args, **kwargs):
 
 
 @register(["aten.zeros_like.default", "aten.new_zeros.default", "aten.zeros.default"], ALL,
-          samples=lambda: [((_x(3, 4),), {}), ((randint(2, 3),), {}), (([3, 4],), {}), ((_x(2), [3, 4]), {})])
+          samples=lambda: [((_x(3, 4),), {}), ((randint(2, 3),), {}), (([3, 4],), {}), ((_x(2), [3, 4]), {})] +
+          _in_every_dtype(([3, 4],)))
 def zeros(pb, node, *args, **kwargs):
     return [_fill(node.outputs[0], 0)]
 
 
 @register(["aten.empty_like.default", "aten.new_empty.default", "aten.empty.memory_format",
            "aten.empty_strided.default"], ALL,
-          samples=lambda: [((_x(3, 4),), {}), (([3, 4],), {}), ((_x(2), [3, 4]), {}), (([2, 3], [3, 1]), {})],
-          compare_values=False)
+          samples=lambda: [((_x(3, 4),), {}), (([3, 4],), {}), ((_x(2), [3, 4]), {}), (([2, 3], [3, 1]), {})] +
+          _in_every_dtype(([3, 4],)) + _in_every_dtype(([2, 3], [3, 1])), compare_values=False)
 def empty(pb, node, *args, **kwargs):
     """Uninitialized in torch; zeros here (any value is right, so tests check only metadata)."""
     return [_fill(node.outputs[0], 0)]
 
 
 @register(["aten.ones_like.default", "aten.new_ones.default", "aten.ones.default"], ALL,
-          samples=lambda: [((_x(3, 4),), {}), ((randint(2, 3),), {}), (([3, 4],), {}), ((_x(2), [3, 4]), {})])
+          samples=lambda: [((_x(3, 4),), {}), ((randint(2, 3),), {}), (([3, 4],), {}), ((_x(2), [3, 4]), {})] +
+          _in_every_dtype(([3, 4],)))
 def ones(pb, node, *args, **kwargs):
     return [_fill(node.outputs[0], 1)]
 
@@ -281,10 +291,12 @@ def fill(pb, node, x, value):
 def _arange_samples():
     import torch
     return [((10,), {}), ((2, 12), {}), ((1, 20, 3), {}), ((0.0, 2.0, 0.25), {}), ((5,), {"dtype": torch.float32}),
-            ((10, 0, -2), {})]
+            ((10, 0, -2), {}), ((0.5, 6.0), {})] + [
+        (args, {"dtype": getattr(torch, d)}) for d in NUMERIC for args in ((12,), (-5, 7), (100, 3, -7))]
 
 
-@register(["aten.arange.default", "aten.arange.start", "aten.arange.start_step"], ALL, samples=_arange_samples)
+# torch has no bool arange ("arange_cpu" not implemented for 'Bool')
+@register(["aten.arange.default", "aten.arange.start", "aten.arange.start_step"], NUMERIC, samples=_arange_samples)
 def arange(pb, node, *args, **kwargs):
     nums = [a for a in args if isinstance(a, (int, float))]
     if node.op == "aten.arange.default":
