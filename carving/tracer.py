@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from tapml.graph import Graph, TensorMeta, map_refs
+from tapml.graph import Graph, TensorMeta, map_refs, node_results
 from tapml.carving.store import CarveStoreWriter
 
 
@@ -43,7 +43,7 @@ class CarvingInterpreter(torch.fx.Interpreter):
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             tensors = [x for x in torch.utils._pytree.tree_leaves((list(args), list(kwargs.values())))
                        if isinstance(x, torch.Tensor)]
-            outputs = list(result) if node.multi else [result]
+            outputs = node_results(node, result)
             self._record(node, tensors, outputs)
             if self.on_node:
                 self.on_node(n.name)

@@ -505,6 +505,7 @@ def graph_from_fx(fx_graph: torch.fx.Graph, signature=None, real_values: dict[st
     refs: dict[torch.fx.Node, str] = {}
     constants: dict[torch.fx.Node, Any] = {}
     tokens: set[torch.fx.Node] = set()
+    kept: dict[torch.fx.Node, list[int]] = {}  # a masked op's results that are not None
     inputs, nodes, outputs = [], [], []
 
     def ref_of(n: torch.fx.Node) -> str:
@@ -544,7 +545,8 @@ def graph_from_fx(fx_graph: torch.fx.Graph, signature=None, real_values: dict[st
                 raise ValueError(f"node {source.name} calls {op_name(source.args[1])} with side effects "
                                  "(with_effects) and its result is used; tapml carves only functional ops")
             else:
-                refs[n] = f"{ref_of(source)}#{n.args[1]}"
+                index = n.args[1] if source not in kept else kept[source].index(n.args[1])
+                refs[n] = f"{ref_of(source)}#{index}"
         elif n.op == "call_function" and _is_with_effects(n):
             continue  # its token and results are handled where getitem reads them
         elif n.op == "call_function":
@@ -556,6 +558,8 @@ def graph_from_fx(fx_graph: torch.fx.Graph, signature=None, real_values: dict[st
                 metas = list(val), True
             else:
                 metas = _tensor_metas(val)
+            if metas is None and _masked_results(n, val):
+                metas = [TensorMeta.of(v) for v in val if v is not None], True
             if metas is None:
                 if isinstance(val, _CONSTANT_TYPES) and val is not None:
                     constants[n] = val  # a scalar (x.item(), a size): its consumers take the reference's value
@@ -564,12 +568,17 @@ def graph_from_fx(fx_graph: torch.fx.Graph, signature=None, real_values: dict[st
                                      f"({type(val).__name__}) that tapml cannot represent")
                 continue
             outs, multi = metas
+            if multi and _masked_results(n, val):
+                kept[n] = [i for i, v in enumerate(val) if v is not None]
             refs[n] = n.name
             module, module_type = module_of(n)
             try:
                 check_op(op_name(n.target))
-                args = encode_arg(list(folded(n.args)), ref_of)
-                kwargs = {k: encode_arg(v, ref_of) for k, v in folded(dict(n.kwargs)).items()}
+                call_args, call_kwargs = list(folded(n.args)), folded(dict(n.kwargs))
+                if n in kept:
+                    _set_output_mask(n.target, call_args, call_kwargs, [v is not None for v in val])
+                args = encode_arg(call_args, ref_of)
+                kwargs = {k: encode_arg(v, ref_of) for k, v in call_kwargs.items()}
             except ValueError as e:
                 raise ValueError(f"node {n.name}: {e}") from None
             nodes.append(Node(name=n.name, op=op_name(n.target), args=args, kwargs=kwargs,
@@ -601,11 +610,48 @@ def _state_from_signature(signature, ref_of_name: dict[str, str]) -> dict[str, s
     return state
 
 
+def _output_mask_index(op) -> int | None:
+    """Where an op (a backward op: convolution, layer/group/batch norm) takes its ``output_mask``."""
+    names = [a.name for a in op._schema.arguments]
+    return names.index("output_mask") if "output_mask" in names else None
+
+
+def _masked_results(n: torch.fx.Node, val: Any) -> bool:
+    """Whether ``val`` is the results of an op with an ``output_mask``, some of them None (the
+    gradients it was not asked for)."""
+    return (isinstance(val, (list, tuple)) and any(v is None for v in val)
+            and all(v is None or isinstance(v, torch.Tensor) for v in val)
+            and isinstance(n.target, torch._ops.OpOverload) and _output_mask_index(n.target) is not None)
+
+
+def _set_output_mask(op, args: list, kwargs: dict, mask: list[bool]) -> None:
+    """Make the call's ``output_mask`` the results the graph lists: torch's meta kernels and its
+    CPU kernels disagree on some (CPU convolution_backward adds grad_weight to a wanted grad_bias)."""
+    index = _output_mask_index(op)
+    if index < len(args):
+        args[index] = mask
+    else:
+        kwargs["output_mask"] = mask
+
+
+def node_results(node: Node, result: Any) -> list:
+    """What a torch call of ``node`` returned, as the node lists it: one result, all of several,
+    or, for an op with an ``output_mask`` whose node lists fewer, the ones its mask wants."""
+    if not node.multi:
+        return [result]
+    out = list(result)
+    if len(out) != len(node.outputs) and (index := _output_mask_index(resolve_op(node.op))) is not None:
+        mask = node.args[index] if index < len(node.args) else node.kwargs.get("output_mask")
+        if isinstance(mask, list) and len(mask) == len(out):
+            out = [o for o, m in zip(out, mask) if m]
+    return out
+
+
 def run_node(node: Node, value_of) -> list[torch.Tensor]:
     """Run one node eagerly with torch; returns its output tensors in ``output_refs`` order."""
     fn = resolve_op(node.op)
     out = fn(*decode_arg(node.args, value_of), **{k: decode_arg(v, value_of) for k, v in node.kwargs.items()})
-    return list(out) if node.multi else [out]
+    return node_results(node, out)
 
 
 def run_graph(graph: Graph, inputs: dict[str, torch.Tensor], run=run_node) -> dict[str, torch.Tensor]:
