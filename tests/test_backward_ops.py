@@ -3,7 +3,8 @@
 A real training step (a loss's gradients from ``torch.autograd.grad``, traced to ATen with the
 seven backward ops kept whole) is compiled as one graph and its gradients are checked against
 autograd; a model whose forward writes its backward out with those ops is carved and migrated;
-and a node that lists only the gradients its ``output_mask`` wants gets exactly those.
+and a node that lists only the gradients its ``output_mask`` wants gets exactly those, as in a
+training program from torch's own forward-and-backward export (carved and migrated on Vulkan and GL).
 """
 
 from __future__ import annotations
@@ -183,3 +184,47 @@ def test_a_node_whose_outputs_fit_no_output_mask_is_refused_with_the_reason():
                 [TensorMeta((3, 8), "float32"), TensorMeta((8,), "float32")], multi=True)
     reason = supports(node, {})
     assert reason is not None and "output_mask wants 1" in reason
+
+
+class FirstLayerStep(nn.Module):
+    """A loss whose first convolution's input needs no gradient (output_mask [False, True, True])
+    and whose second has no bias ([True, True, False])."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(3, 6, 3), nn.Conv2d(6, 4, 3, padding=1, bias=False)
+        self.ln, self.fc = nn.LayerNorm(4, elementwise_affine=False), nn.Linear(4, 5)
+
+    def forward(self, img, labels):
+        h = nn.functional.max_pool2d(torch.relu(self.c1(img)), 2)
+        h = self.ln(self.c2(h).mean((2, 3)))
+        return (nn.functional.cross_entropy(self.fc(h), labels),)
+
+
+@pytest.mark.parametrize("backend", ["vulkan", "gl"])
+def test_joint_training_graph_from_export_carves_and_migrates(backend, tmp_path):
+    """torch's own training export (forward and backward in one program) gives backward ops
+    whose unwanted gradients are None; they carve with the wanted ones and pass on the target."""
+    from torch.export.experimental import _export_forward_backward
+    from tapml.carving import CarveStore, carve
+    from tapml.migrate import Migration, exit_code
+    from tapml.platforms.wgpu_native import available_backends, shared_platform
+    if backend not in available_backends():
+        pytest.skip(f"no {backend} adapter here")
+    torch.manual_seed(0)
+    joint = _export_forward_backward(torch.export.export(FirstLayerStep(), (torch.randn(2, 3, 10, 10),
+                                                                            torch.tensor([1, 4]))))
+    masks = [n.args[-1] for n in joint.graph.nodes if n.target is aten.convolution_backward.default]
+    assert [False, True, True] in masks and [True, True, False] in masks, masks
+    torch.export.save(joint, tmp_path / "step.pt2")
+    carve(str(tmp_path / "step.pt2"), tmp_path / "store")
+    store = CarveStore(tmp_path / "store")
+    conv = [c for c in store.cases if c["op"] == "aten.convolution_backward.default"]
+    # each lists the gradients its mask wants, and its mask says so
+    assert sorted(len(c["output_meta"]) for c in conv) == [2, 2], [c["output_meta"] for c in conv]
+    assert sorted(c["args"][-1] for c in conv) == [[False, True, True], [True, True, False]]
+    state = Migration(store, shared_platform(backend), f"wgpu:{backend}", tmp_path / "s.json").run()
+    assert state["summary"]["pass"] == len(store.cases), [(c["op"], c["message"][:120]) for c in state["cases"]
+                                                           if c["status"] != "pass"]
+    assert state["placement"]["ops_on_target"] == state["placement"]["ops_total"], state["placement"]["ops_total"]
+    assert state["end_to_end"]["status"] == "pass" and exit_code(state) == 0
