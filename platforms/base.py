@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -317,6 +318,34 @@ class Platform:
             if type(value) is not int or value <= 0:
                 raise ValueError(f"device limit {name} must be a positive integer, not {value!r}")
         self.__dict__["forced_limits"] = dict(limits)
+
+    def float_model(self) -> dict:
+        """How the device's floats behave where the WGSL spec leaves it free, measured once by
+        running a probe: ``{"nan_inf": kept?, "subnormals": kept?}``. The spec lets an
+        implementation assume no NaN or Inf and flush subnormals (Chromium's Tint on SwiftShader
+        does both; lavapipe keeps them). An empty dict when the probe cannot run."""
+        if "_float_model" not in self.__dict__:
+            self.__dict__["_float_model"] = self._probe_float_model()
+        return self.__dict__["_float_model"]
+
+    def _probe_float_model(self) -> dict:
+        from tapml.errors import DeviceLost
+        x = torch.tensor([float("nan"), float("inf"), float("-inf"), 1e-40, -3e-39, 1.0])
+        one = torch.ones(6)
+        graph = Graph(inputs=[("x", TensorMeta.of(x)), ("one", TensorMeta.of(one))],
+                      nodes=[Node("product", "aten.mul.Tensor", [{"ref": "x"}, {"ref": "one"}], {},
+                                  [TensorMeta.of(x)]),
+                             Node("power", "aten.exp.default", [{"ref": "x"}], {}, [TensorMeta.of(x)])],
+                      outputs=["product", "power"])
+        try:
+            product, power = self.run(self.compile(graph), [x, one])
+        except DeviceLost:
+            raise
+        except (PlatformError, Unsupported):
+            return {}
+        nan_inf = (bool(torch.isnan(product[0]) and torch.isnan(power[0])) and product[1:3].tolist() == [math.inf, -math.inf]
+                   and power[1:3].tolist() == [math.inf, 0.0])
+        return {"nan_inf": nan_inf, "subnormals": product[3:5].tolist() == x[3:5].tolist()}
 
     def supports(self, node: Node) -> str | None:
         """None when the platform can run the node, else the reason it cannot."""

@@ -623,3 +623,23 @@ def _permutation(t: torch.Tensor, d: _Draws) -> None:
         pos = torch.arange(n, dtype=torch.float64)
         r = float(torch.corrcoef(torch.stack([pos, x]))[0, 1])
         d.near("position-value correlation", r, 0.0, SIGMAS / math.sqrt(n - 1))
+
+
+# --- the device's float model ----------------------------------------------------------------
+
+def float_model_note(model: dict, tensors: list[torch.Tensor]) -> str:
+    """Why a mismatch may be the device's float model rather than a wrong kernel: ``model`` is
+    :meth:`~tapml.platforms.base.Platform.float_model`'s, ``tensors`` the case's
+    inputs and reference outputs. The WGSL spec lets a device assume no NaN or Inf and flush
+    subnormals; "" when the device keeps what these tensors hold."""
+    floats = [t for t in tensors if t.is_floating_point() and t.numel()]
+    held = []
+    if model.get("nan_inf") is False and any(not bool(torch.isfinite(t).all()) for t in floats):
+        held.append("NaN or Inf")
+    if model.get("subnormals") is False and any(
+            bool(((t != 0) & (t.abs() < torch.finfo(t.dtype).tiny)).any()) for t in floats):
+        held.append("subnormal numbers")
+    if not held:
+        return ""
+    return (f"the case holds {' and '.join(held)}, which this device does not keep (the WGSL spec lets it "
+            "assume no NaN/Inf and flush subnormals: device float_model); the mismatch may be that, not the kernel")

@@ -121,6 +121,9 @@ class InjectedPlatform(Platform):
     def last_run_ms(self):
         return getattr(self.inner, "last_run_ms", None)
 
+    def float_model(self) -> dict:
+        return self.inner.float_model()  # the device's, not the injected faults'
+
     def enable_guards(self) -> bool:
         return self.inner.enable_guards()
 

@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from tapml.compare import Comparison, Tolerances, compare_anchored, compare_outputs, merge
+from tapml.compare import Comparison, Tolerances, compare_anchored, compare_outputs, float_model_note, merge
 from tapml.errors import DeviceLost, PlatformError, Unsupported
 from tapml.graph import dtype_name, run_graph
 from tapml.profile import measured
@@ -23,8 +23,17 @@ def device_info(platform) -> dict:
         raise
     except PlatformError as e:
         return {"adapter": "unknown", "backend": "unknown", "features": [], "limits": {}, "error": str(e)}
-    return {k: caps.get(k, default) for k, default in
+    info = {k: caps.get(k, default) for k, default in
             (("adapter", ""), ("backend", ""), ("features", []), ("limits", {}), ("low_precision", {}))}
+    if model := float_model(platform):
+        info["float_model"] = model
+    return info
+
+
+def float_model(platform) -> dict:
+    """The platform's measured float model (NaN/Inf and subnormals kept or not), {} when it has none."""
+    probe = getattr(platform, "float_model", None)
+    return probe() if callable(probe) else {}
 
 
 def _reference64(store, case) -> list[torch.Tensor]:
@@ -157,6 +166,9 @@ def replay_case(platform, store, case: dict, tolerances: Tolerances | None = Non
         with measured(clock, "compare"):
             result = judge_case(store, case, outputs, store.case_outputs(case), tolerances, anchored)
         outcome = outcome_verdict(result, time_ms)
+        if outcome.status == "mismatch":
+            note = float_model_note(float_model(platform), inputs + store.case_outputs(case))
+            outcome.message = "; ".join(m for m in (outcome.message, note) if m)
         if varied:
             outcome = flaky_verdict(outcome, varied)
         if profile:

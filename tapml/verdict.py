@@ -821,6 +821,12 @@ def _device(o: _Obj, required: bool = False) -> dict | None:
     paths = d.child("low_precision", "how float16 and bfloat16 are held on the device")
     if paths is not None:
         out["low_precision"] = {k: paths.string(k) for k in ("float16", "bfloat16") if k in paths.data}
+    model = d.child("float_model", "whether the device keeps NaN/Inf and subnormals")
+    if model is not None:
+        for k, v in model.data.items():
+            if k not in ("nan_inf", "subnormals") or not isinstance(v, bool):
+                model.fail(f"{k[:80]} is not nan_inf or subnormals with a true/false value")
+        out["float_model"] = dict(model.data)
     if "error" in d.data:
         out["error"] = d.string("error")
     return out

@@ -650,3 +650,38 @@ def test_no_leftover_chromium_processes(browser):
         except OSError:
             continue
         assert not any(p in cmdline for p in profiles), f"process {entry} still runs: {cmdline[:200]}"
+
+
+NON_FINITE_MODEL = '''
+import torch
+
+
+class Guarded(torch.nn.Module):
+    def forward(self, x):
+        return torch.exp(x) * torch.sign(x)
+
+
+def factory():
+    x = torch.tensor([[float("nan"), float("inf"), 1e-40, -2e-39, 0.5, -1.0]])
+    return Guarded(), (x,)
+'''
+
+
+def test_a_mismatch_on_data_the_device_does_not_keep_names_its_float_model(browser, tmp_path_factory):
+    """SwiftShader assumes no NaN/Inf and flushes subnormals (the WGSL spec allows both): the
+    device's float model is measured and in the verdict, and a case whose data holds such values
+    says so instead of leaving a bare mismatch; lavapipe keeps them, and the same cases pass."""
+    from support import store_from_source, vulkan_or_skip
+    from tapml.replay import replay
+    store = store_from_source(tmp_path_factory, "non_finite", NON_FINITE_MODEL)
+    on_browser = replay(store, browser, "browser")
+    assert on_browser["device"]["float_model"] == {"nan_inf": False, "subnormals": False}
+    mismatched = [v for v in on_browser["cases"] if v["status"] == "mismatch"]
+    assert mismatched, [(v["op"], v["status"]) for v in on_browser["cases"]]
+    for v in mismatched:
+        assert "which this device does not keep" in v["message"] and "float_model" in v["message"], v["message"]
+    vulkan_or_skip()
+    with _open_vulkan() as vulkan:
+        on_vulkan = replay(store, vulkan, "wgpu:vulkan")
+    assert on_vulkan["device"]["float_model"] == {"nan_inf": True, "subnormals": True}
+    assert all(v["status"] == "pass" for v in on_vulkan["cases"]), [(v["op"], v["message"]) for v in on_vulkan["cases"]]

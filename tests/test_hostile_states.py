@@ -130,6 +130,8 @@ def test_report_refuses_a_wrong_type_in_every_top_level_field(real, tmp_path):
     (("placement", "ops_share"), 7.5, "ops_share"),
     (("end_to_end", "status"), 5, "end_to_end is not an end-to-end verdict: status"),
     (("device", "limits"), {"x": {"y": 1}}, "device.limits"),
+    (("device", "float_model"), {"nan_inf": "yes"}, "device.float_model"),
+    (("device", "float_model"), {"<script>": True}, "device.float_model"),
     (("tolerances",), {"aten.mm.default": [1, -1]}, "tolerances"),
     (("summary",), {"pass": "all"}, "summary"),
 ])

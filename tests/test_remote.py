@@ -73,7 +73,9 @@ def test_replay_on_remote_reference_gives_in_process_verdicts(server, mlp):
         first = replay(mlp, platform, server.target)
         assert strip_timings(first) == strip_timings(local)
         assert first["summary"]["pass"] == len(mlp.cases)
-        assert platform.stats["calls"]["compile"] == len(mlp.cases)
+        # one compile per case, and one for the device's float-model probe (Platform.float_model)
+        assert platform.stats["calls"]["compile"] == len(mlp.cases) + 1
+        assert first["device"]["float_model"] == {"nan_inf": True, "subnormals": True}
         assert platform.stats["bytes_up"] > 0 and platform.stats["bytes_down"] > 0
 
         # A repeated case sends only its tensors: no compile or load, one run call per case.
