@@ -1,7 +1,8 @@
 """3-D and adaptive pooling, pairwise distances, embedding bags, batch norm from batch statistics
-and nonzero in model code: each family's small model is carved with ``tapml carve
-path.py:factory`` and every case replayed on lavapipe Vulkan (device tier). The FFTs are refused
-by design (complex tensors), which needs no device.
+(without running stats, and a CNN left in train() mode, also as a joint training graph) and
+nonzero in model code: each family's small model is carved with ``tapml carve path.py:factory``
+and every case replayed on lavapipe Vulkan (device tier). The FFTs are refused by design
+(complex tensors), which needs no device.
 """
 
 from __future__ import annotations
@@ -107,6 +108,44 @@ FACTORIES = textwrap.dedent('''
         return BatchStats().eval(), (torch.randn(4, 3, 7, 6),)
 
 
+    class TrainModeCNN(nn.Module):
+        """A CNN left in train() mode (no .eval()): 2-d batch norm after a convolution, 1-d batch
+        norm with another momentum on the flattened head; its export holds
+        _native_batch_norm_legit_functional (batch statistics and updated running ones)."""
+
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 6, 3, padding=1)
+            self.norm = nn.BatchNorm2d(6)
+            self.conv2 = nn.Conv2d(6, 4, 3, stride=2)
+            self.head_norm = nn.BatchNorm1d(4 * 3 * 3, momentum=0.3)
+
+        def forward(self, x):
+            h = torch.relu(self.norm(self.conv(x)))
+            return self.head_norm(self.conv2(h).flatten(1))
+
+
+    def train_mode_cnn():
+        torch.manual_seed(0)
+        return TrainModeCNN().train(), (torch.randn(4, 3, 8, 8),)
+
+
+    class TrainModeLoss(nn.Module):
+        """The same CNN under a scalar loss, for a joint forward-backward export."""
+
+        def __init__(self):
+            super().__init__()
+            self.net = TrainModeCNN()
+
+        def forward(self, x, target):
+            return (F.mse_loss(self.net(x), target),)
+
+
+    def train_mode_loss():
+        torch.manual_seed(0)
+        return TrainModeLoss().train(), (torch.randn(4, 3, 8, 8), torch.randn(4, 36))
+
+
     class Detections(nn.Module):
         """Where a score map passes a threshold: the coordinates of the kept cells."""
 
@@ -164,6 +203,69 @@ def test_family_carves_and_replays_on_vulkan(family, factories, tmp_path):
         assert ops & set(names), f"{family}: no case of {' or '.join(names)} in {sorted(ops)}"
 
 
+def _migrated_wholly(r, state_path):
+    """The migrate command's state: every case passes and every op is placed on the target."""
+    state = json.loads(state_path.read_text())
+    failing = [(c["op"], c["status"], c["message"][:200]) for c in state["cases"] if c["status"] != "pass"]
+    assert r.exit_code == 0 and not failing, failing or r.output
+    assert state["placement"]["ops_on_target"] == state["placement"]["ops_total"] > 0, state["placement"]
+    assert state["end_to_end"]["status"] == "pass", state["end_to_end"]
+    return state
+
+
+def _train_mode_pt2(factories, tmp_path, factory: str, joint: bool = False):
+    """The factory's model exported as it is, in train() mode (a ``file.py:factory`` spec would
+    put it in eval mode), optionally as torch's joint forward-backward graph, saved as a .pt2."""
+    import runpy
+    from torch.export.experimental import _export_forward_backward
+    model, inputs = runpy.run_path(str(factories))[factory]()
+    program = torch.export.export(model, inputs)
+    if joint:
+        program = _export_forward_backward(program)
+    torch.export.save(program, tmp_path / "model.pt2")
+    return tmp_path / "model.pt2"
+
+
+def _migrate_wholly(program, backend: str, tmp_path) -> dict:
+    """``tapml carve`` then ``tapml migrate --target wgpu:BACKEND``: exit 0, every case passes,
+    every op is placed on the target and the whole model passes; returns the state."""
+    store = tmp_path / "store"
+    r = tapml("carve", program, "-o", store)
+    assert r.exit_code == 0, r.output
+    r = tapml("migrate", store, "--target", f"wgpu:{backend}", "--state", tmp_path / "s.json", "-q")
+    state = json.loads((tmp_path / "s.json").read_text())
+    failing = [(c["op"], c["status"], c["message"][:200]) for c in state["cases"] if c["status"] != "pass"]
+    assert r.exit_code == 0 and not failing, failing or r.output
+    assert state["placement"]["ops_on_target"] == state["placement"]["ops_total"] > 0, state["placement"]
+    assert state["end_to_end"]["status"] == "pass", state["end_to_end"]
+    return state
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+@pytest.mark.parametrize("backend", ["vulkan", "gl"])
+def test_cnn_left_in_train_mode_migrates_wholly(backend, factories, tmp_path):
+    """A CNN exported without .eval() normalizes by its batch's statistics and updates its running
+    ones (_native_batch_norm_legit_functional): carved and migrated, every op passes on the target."""
+    from tapml.platforms.wgpu_native import available_backends
+    if backend not in available_backends():
+        pytest.skip(f"no wgpu {backend} adapter here (lavapipe and llvmpipe come with mesa)")
+    state = _migrate_wholly(_train_mode_pt2(factories, tmp_path, "train_mode_cnn"), backend, tmp_path)
+    norms = [c for c in state["cases"] if c["op"] == "aten._native_batch_norm_legit_functional.default"]
+    assert len(norms) == 2, sorted(c["op"] for c in state["cases"])
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+def test_joint_training_graph_with_batch_norm_migrates_wholly(factories, tmp_path):
+    """torch's joint forward-backward export of the train-mode CNN under a loss: carved and
+    migrated on Vulkan, every op (batch norm in training mode included) on the target."""
+    vulkan_or_skip()
+    state = _migrate_wholly(_train_mode_pt2(factories, tmp_path, "train_mode_loss", joint=True), "vulkan", tmp_path)
+    assert {"aten._native_batch_norm_legit_functional.default", "aten.convolution_backward.default"} <= \
+        {c["op"] for c in state["cases"]}
+
+
 def test_fft_is_refused_by_design():
     """The FFTs compute on complex tensors, which WGSL lacks: a reason by design, not 'no lowering',
     also where a node's metadata shows no complex dtype (c2r's output is real)."""
@@ -190,6 +292,12 @@ def test_variants_torch_cannot_run_are_refused_with_the_reason():
     assert supports(node, caps, [graph.meta["x0"]]) is None
     node.args[3] = False
     assert "without training" in supports(node, caps, [graph.meta["x0"]])
+    # torch itself crashes (segfaults) on native_batch_norm without training and without running stats
+    graph, _ = case_graph("aten.native_batch_norm.default", [torch.randn(4, 3), None, None, None, None, True, 0.1, 1e-5])
+    node = graph.nodes[0]
+    assert supports(node, caps, [graph.meta["x0"]]) is None
+    node.args[5] = False
+    assert "without running statistics" in supports(node, caps, [graph.meta["x0"]])
     graph, _ = case_graph("aten._cdist_forward.default", [torch.randn(3, 2), torch.randn(4, 2), 1.0, None])
     node = graph.nodes[0]
     assert supports(node, caps, [graph.meta["x0"], graph.meta["x1"]]) is None

@@ -123,6 +123,12 @@ def _affine(k, e: str, weight, bias, idx) -> str:
 def _moments(k, L: int, eps: float, read) -> tuple[str, str]:
     """Mean and 1/sqrt(biased variance + eps) over ``j`` in [0, L), two passes as torch does;
     ``read(k)`` emits the f32 value at index ``j``."""
+    mean, q = _mean_and_square_sum(k, L, read)
+    return mean, k.let(f"inverseSqrt({q} / {lit(L, 'f32')} + {lit(eps, 'f32')})", "f32")
+
+
+def _mean_and_square_sum(k, L: int, read) -> tuple[str, str]:
+    """Mean and sum of squared deviations from it over ``j`` in [0, L) (two passes, f32)."""
     s = k.var("f32", "0.0", "s")
     k.loop("j", L)
     k.emit(f"{s} = {s} + {read(k)};")
@@ -133,7 +139,7 @@ def _moments(k, L: int, eps: float, read) -> tuple[str, str]:
     d = k.let(f"{read(k)} - {mean}", "f32")
     k.emit(f"{q} = {q} + {d} * {d};")
     k.close()
-    return mean, k.let(f"inverseSqrt({q} / {lit(L, 'f32')} + {lit(eps, 'f32')})", "f32")
+    return mean, q
 
 
 @register("aten.native_group_norm.default", ALL_FLOAT,
@@ -203,13 +209,6 @@ def batch_norm(pb, node, x, weight, bias, running_mean, running_var, momentum, e
                            lambda var: f"inverseSqrt({var} + {lit(eps, 'f32')})")
     empties = [BufferView.whole(pb.buffer("temp", m), m) for m in node.outputs[1:]]
     return [y] + empties
-
-
-@register("aten.native_batch_norm.default", ALL_FLOAT,
-          samples=lambda: [((rand(2, 4, 5, 5), rand(4), rand(4), rand(4), rand(4, lo=0.5, hi=2), False, 0.1, 1e-5), {})],
-          check=lambda node: "native_batch_norm in training mode" if node.args[5] else None, flops="norm")
-def native_batch_norm(pb, node, x, weight, bias, running_mean, running_var, training, momentum, eps):
-    return batch_norm(pb, node, x, weight, bias, running_mean, running_var, momentum, eps)
 
 
 # --- convolution -------------------------------------------------------------------------

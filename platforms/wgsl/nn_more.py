@@ -1,5 +1,5 @@
 """More neural-network ops: 3-D and adaptive pooling, pairwise distances (cdist, pdist),
-embedding bags, col2im (fold), training-mode batch norm without running stats, nonzero."""
+embedding bags, col2im (fold), training-mode batch norm (with and without running stats), nonzero."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from tapml.platforms.wgsl import views
 from tapml.platforms.wgsl.codegen import BufferView, Compute, Custom, cast, lit, round_low
 from tapml.platforms.wgsl.registry import (ALL, ALL_FLOAT, ALL_INT, edge_floats, edge_ints, rand, randbool, randint,
                                            register)
-from tapml.platforms.wgsl.nn import (_int_window_mean, _moments, _window_sum, adaptive_avg_pool2d, avg_pool2d,
-                                     normalize_channels)
+from tapml.platforms.wgsl.nn import (_int_window_mean, _mean_and_square_sum, _window_sum, adaptive_avg_pool2d,
+                                     avg_pool2d, batch_norm, normalize_channels)
 # the prefix count of a mask's True elements, shared with masked_scatter
 from tapml.platforms.wgsl.scatter import _mask_positions
 
@@ -514,34 +514,122 @@ def _bn_stats_samples():
             ((edge_floats(3, 2, 4), rand(2), rand(2), True, 0.1, 1e-5), {})]
 
 
-@register("aten._native_batch_norm_legit.no_stats", ALL_FLOAT, samples=_bn_stats_samples,
-          check=lambda node: None if node.args[3] else
-          "_native_batch_norm_legit.no_stats without training: there are no statistics to normalize with",
-          flops="norm")
-def batch_norm_no_stats(pb, node, x, weight, bias, training, momentum, eps):
-    """Training-mode batch norm: each channel's mean and biased variance over the batch and
-    spatial dims (two passes, in f32, as torch's CPU kernel), then ``(x - mean) * invstd``
-    with the affine parameters; returns the output, the mean and the inverse std."""
-    y_meta, mean_meta, rstd_meta = node.outputs
+def _batch_statistics(pb, x, eps: float) -> tuple[BufferView, BufferView, BufferView]:
+    """Each channel's (dim 1) mean, 1/sqrt(biased variance + eps) and sum of squared deviations
+    from the mean, over the batch and spatial dims: three f32 buffers of shape (C,) written by
+    one kernel, a thread per channel making two passes over its values (as torch's CPU kernel)."""
     N, C = x.shape[0], x.shape[1]
     S = math.prod(x.shape[2:])
-    stats = [pb.buffer("temp", TensorMeta((C,), "float32")) for _ in range(2)]
-    mean_v, rstd_v = (BufferView.whole(b, b.meta) for b in stats)
-    if y_meta.numel == 0:
-        return [BufferView.whole(pb.buffer("temp", y_meta), y_meta), mean_v, rstd_v]
-    flat = views.reshape(x, (N, C, S))
-    (xf,) = pb.fit([flat], 2)
+    bufs = [pb.buffer("temp", TensorMeta((C,), "float32")) for _ in range(3)]
+    stats = tuple(BufferView.whole(b, b.meta) for b in bufs)
+    if N * C * S == 0:  # torch refuses an empty input
+        return stats
+    (xf,) = pb.fit([views.reshape(x, (N, C, S))], 3)
     k = pb.kernel("batch_stats")
     L = N * S
 
     def read(k):
         return cast(xf.read(k, [k.let(f"j / {S}", "i32"), "n", k.let(f"j % {S}", "i32")]), xf.ty, "f32")
-    mean, rstd = _moments(k, L, eps, read)
-    k.write(stats[0], "n", mean, "f32")
-    k.write(stats[1], "n", rstd, "f32")
+    mean, squares = _mean_and_square_sum(k, L, read)
+    rstd = k.let(f"inverseSqrt({squares} / {lit(L, 'f32')} + {lit(eps, 'f32')})", "f32")
+    for buf, e in zip(bufs, (mean, rstd, squares)):
+        k.write(buf, "n", e, "f32")
     pb.add(k.finish(C))
+    return stats
 
-    return [normalize_channels(pb, x, y_meta, mean_v, rstd_v, weight, bias, lambda rstd: rstd), mean_v, rstd_v]
+
+@register("aten._native_batch_norm_legit.no_stats", ALL_FLOAT, samples=_bn_stats_samples,
+          check=lambda node: None if node.args[3] else
+          "_native_batch_norm_legit.no_stats without training: there are no statistics to normalize with",
+          flops="norm")
+def batch_norm_no_stats(pb, node, x, weight, bias, training, momentum, eps):
+    """Training-mode batch norm without running statistics: ``(x - mean) * invstd`` with the
+    affine parameters, from each channel's batch statistics; returns the output, the mean and
+    the inverse std."""
+    return batch_norm_training(pb, node, x, weight, bias, None, None, momentum, eps)
+
+
+def batch_norm_training(pb, node, x, weight, bias, running_mean, running_var, momentum, eps) -> list:
+    """Batch norm by the batch's own statistics (training mode): the output, each channel's
+    mean and inverse std, then, when running statistics are given, torch's update of them:
+    ``(1 - momentum) * running + momentum * batch``, the batch variance unbiased (the sum of
+    squared deviations over L - 1, L the values per channel; NaN when L = 1, as torch)."""
+    mean, rstd, squares = _batch_statistics(pb, x, eps)
+    outs = [normalize_channels(pb, x, node.outputs[0], mean, rstd, weight, bias, lambda rstd: rstd), mean, rstd]
+    if running_mean is None or running_var is None:
+        return outs
+    L = x.numel // x.shape[1]
+    unbiased = Compute(squares.shape, "float32", [squares],
+                       lambda k, e, idx: f"{e[0]} / {lit(L - 1, 'f32')}" if L > 1 else lit(math.nan, "f32"))
+    return outs + [_running_update(running, batch, meta, momentum)
+                   for running, batch, meta in ((running_mean, mean, node.outputs[3]),
+                                                (running_var, unbiased, node.outputs[4]))]
+
+
+def _running_update(running, batch, meta, momentum: float) -> Compute:
+    """``momentum * batch + (1 - momentum) * running`` in f32, torch's order of operations."""
+    m = lit(momentum, "f32")
+    return Compute(meta.shape, meta.dtype, [running, batch],
+                   lambda k, e, idx: f"{m} * {cast(e[1], batch.ty, 'f32')} + "
+                                     f"(1.0 - {m}) * {cast(e[0], running.ty, 'f32')}")
+
+
+def batch_norm_running(pb, node, x, weight, bias, running_mean, running_var, momentum, eps) -> list:
+    """Batch norm by the running statistics (not training): the output, empty (0,) batch
+    statistics, and the running statistics as they are."""
+    y, *empties = batch_norm(pb, node, x, weight, bias, running_mean, running_var, momentum, eps)
+    return [y] + empties[:2] + [running_mean, running_var]
+
+
+def _bn_running_samples():
+    """(input, weight, bias, running_mean, running_var, training, momentum, eps): 2-d to 5-d,
+    affine parameters or none, momentum 0 to 1, edge values in one channel only (so that the
+    others show), a constant channel (zero variance), subnormal values, a large common offset
+    (the two passes matter), float16/bfloat16 inputs with float32 parameters, and not training."""
+    def stats(C):
+        return rand(C), rand(C, lo=0.5, hi=2)
+    odd = rand(4, 3, 6)
+    odd[:, 1] = 0.0
+    odd[1:, 1] = -0.0  # ±0 and no spread: 1/sqrt(eps)
+    odd[:, 2] = rand(4, 6) * 1e-39  # subnormal
+    return [((rand(4, 3, 5, 5), rand(3), rand(3), *stats(3), True, 0.1, 1e-5), {}),
+            ((rand(8, 6), None, None, *stats(6), True, 0.3, 1e-3), {}),
+            ((rand(2, 4, 3, 4, 5), rand(4), None, *stats(4), True, 0.0, 1e-5), {}),
+            ((rand(3, 5, 7, lo=-40, hi=60), None, rand(5), *stats(5), True, 1.0, 1e-5), {}),
+            ((rand(5, 2, 6, lo=100, hi=104), rand(2), rand(2), *stats(2), True, 0.1, 1e-5), {}),
+            ((edge_floats(2, 3, 8), rand(3), rand(3), *stats(3), True, 0.1, 1e-5), {}),
+            ((odd, rand(3), rand(3), *stats(3), True, 0.5, 1e-5), {}),
+            ((rand(1, 4), None, None, *stats(4), True, 0.1, 1e-5), {}),  # one value per channel
+            ((rand(4, 3, 5).half(), rand(3), rand(3), *stats(3), True, 0.1, 1e-5), {}),
+            ((rand(4, 3, 5).bfloat16(), None, None, *stats(3), True, 0.1, 1e-5), {}),
+            ((rand(2, 4, 5, 5), rand(4), rand(4), *stats(4), False, 0.1, 1e-5), {}),
+            ((edge_floats(3, 6), None, None, *stats(6), False, 0.1, 1e-3), {})]
+
+
+@register("aten._native_batch_norm_legit_functional.default", ALL_FLOAT, samples=_bn_running_samples, flops="norm")
+def batch_norm_functional(pb, node, x, weight, bias, running_mean, running_var, training, momentum, eps):
+    """What ``torch.export`` gives for batch norm in train() mode: training, the batch's
+    statistics and the updated running ones (:func:`batch_norm_training`); not training, the
+    running statistics (:func:`batch_norm_running`)."""
+    lower = batch_norm_training if training else batch_norm_running
+    return lower(pb, node, x, weight, bias, running_mean, running_var, momentum, eps)
+
+
+def _native_batch_norm_reason(node) -> str | None:
+    if not node.args[5] and (node.args[3] is None or node.args[4] is None):
+        return "native_batch_norm without training and without running statistics: nothing to normalize with"
+    return None
+
+
+@register("aten.native_batch_norm.default", ALL_FLOAT, check=_native_batch_norm_reason, flops="norm",
+          samples=lambda: _bn_running_samples() +
+          [((rand(4, 3, 5, 5), rand(3), rand(3), None, None, True, 0.1, 1e-5), {})])
+def native_batch_norm(pb, node, x, weight, bias, running_mean, running_var, training, momentum, eps):
+    """Batch norm as the eager op: training, by the batch's statistics (the running ones, which
+    eager torch updates in place, are not outputs of the op); else by the running statistics."""
+    if training:
+        return batch_norm_training(pb, node, x, weight, bias, None, None, momentum, eps)
+    return batch_norm(pb, node, x, weight, bias, running_mean, running_var, momentum, eps)
 
 
 # --- nonzero -----------------------------------------------------------------------------
@@ -590,7 +678,8 @@ def nonzero(pb, node, x):
 
 
 __all__ = ["max_pool3d", "avg_pool3d", "adaptive_avg_pool3d", "cdist_forward", "pdist_forward", "col2im",
-           "batch_norm_no_stats", "nonzero"]
+           "batch_norm_no_stats", "batch_norm_training", "batch_norm_running", "batch_norm_functional",
+           "native_batch_norm", "nonzero"]
 
 
 # --- 1-d average pools: the 2-d lowerings over a height of 1 -------------------------------
