@@ -362,13 +362,22 @@ def indices_pick_equal_values(x: torch.Tensor, dim: int, indices: torch.Tensor, 
 #: Op packets whose outputs are random draws (any overload): their values cannot be compared
 #: with the reference's, nor can anything computed from them.
 RANDOM_PACKETS = frozenset({"rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm",
-                            "bernoulli", "native_dropout", "dropout", "normal", "uniform", "exponential",
+                            "bernoulli", "native_dropout", "dropout", "normal", "normal_functional", "uniform", "exponential",
                             "multinomial", "poisson", "cauchy", "log_normal", "geometric", "random"})
 #: Random ops whose distribution :func:`compare_distribution` knows.
 RANDOM_OPS = frozenset({"aten.rand.default", "aten.rand_like.default", "aten.randn.default", "aten.randn_like.default",
                         "aten.bernoulli.p", "aten.bernoulli.default", "aten.native_dropout.default",
                         "aten.randint.default", "aten.randint.low", "aten.randint_like.default",
-                        "aten.randint_like.low_dtype", "aten.randperm.default"})
+                        "aten.randint_like.low_dtype", "aten.randperm.default", "aten.bernoulli.Tensor",
+                        "aten.normal.Tensor_float", "aten.normal.float_Tensor", "aten.normal.Tensor_Tensor",
+                        "aten.normal.float_float", "aten.normal_functional.default", "aten.uniform.default",
+                        "aten.exponential.default", "aten.multinomial.default"})
+#: Where each normal overload holds its mean and std: ``((index, keyword, default), ...)``.
+NORMAL_ARGUMENTS = {"aten.normal.Tensor_float": ((0, "mean", None), (1, "std", 1.0)),
+                    "aten.normal.float_Tensor": ((0, "mean", None), (1, "std", None)),
+                    "aten.normal.Tensor_Tensor": ((0, "mean", None), (1, "std", None)),
+                    "aten.normal.float_float": ((0, "mean", None), (1, "std", None)),
+                    "aten.normal_functional.default": ((1, "mean", 0.0), (2, "std", 1.0))}
 #: What a random op's verdict says first.
 RANDOM_NOTE = "random op: compared on shape, dtype and distribution, not values"
 #: Standard deviations a sample statistic may stray from its expectation, and the
@@ -454,10 +463,11 @@ def _bernoulli(t: torch.Tensor, p: torch.Tensor, d: _Draws) -> float | None:
     elements that break a certainty (p = 0 drawn 1, p = 1 drawn 0, a value not 0 or 1)."""
     x = t.reshape(-1).double()
     n = x.numel()
-    if p.numel() != 1 and tuple(p.shape) != tuple(t.shape):
+    try:
+        p = torch.broadcast_to(p.double(), tuple(t.shape)).reshape(-1)
+    except RuntimeError:
         d.check(False, "p's shape", f"p of shape {list(p.shape)} does not give the output's {list(t.shape)}")
         return None
-    p = p.double().reshape(-1).expand(n) if p.numel() == 1 else p.double().reshape(-1)
     binary = (x == 0) | (x == 1)
     if not d.check(bool(binary.all()), "all 0 or 1", f"{int((~binary).sum())} values are neither 0 nor 1"):
         return float((~binary).sum()) / n
@@ -510,7 +520,18 @@ def compare_distribution(op: str, targets: list[torch.Tensor], refs: list[torch.
     - ``native_dropout``: training: the output is ``x * mask / (1 - p)`` elementwise with the
       target's own mask, and the dropped fraction near p; evaluation: ``x`` and an all-True mask;
     - ``randint``: integers in [low, high), uniform (counts per value, or KS for wide ranges);
-    - ``randperm``: a permutation of ``range(n)``, not close to the identity or its reverse.
+    - ``randperm``: a permutation of ``range(n)``, not close to the identity or its reverse;
+    - ``normal`` (every overload): where mean and std are finite and std > 0, ``(x - mean) / std``
+      is standard normal (mean, variance, KS; elements the dtype's rounding cannot resolve are
+      left out); std 0 gives the mean, an infinite mean or std a value that is not finite (NaN
+      where either is NaN);
+    - ``uniform``: in [from, to) (``to`` only as often as rounding to the dtype makes it), with
+      the uniform's mean, variance and KS distance;
+    - ``exponential``: positive and finite (a zero only as often as the dtype rounds one), mean
+      ``1/lambd``, variance ``1/lambd**2``, KS distance to the exponential;
+    - ``multinomial``: indices in range, never a category of weight 0, distinct per row without
+      replacement, and every category's count near what the (conditional) probabilities expect,
+      with a chi-square bound over all of them.
 
     The message starts with :data:`RANDOM_NOTE` and gives the statistics. Example::
 
@@ -545,6 +566,14 @@ def compare_distribution(op: str, targets: list[torch.Tensor], refs: list[torch.
         return _dropout(targets, params["x"], params["p"], params["train"], d)
     elif packet == "randperm":
         _permutation(out, d)
+    elif packet in ("normal", "normal_functional"):
+        return d.result(n, _normal(out, params["mean"], params["std"], d))
+    elif packet == "uniform":
+        _uniform_range(out, params["from"], params["to"], d)
+    elif packet == "exponential":
+        _exponential(out, params["lambd"], d)
+    elif packet == "multinomial":
+        return d.result(n, _categorical(out, params["p"], params["replacement"], d))
     else:
         _uniform_ints(out, params["low"], params["high"], d)
     return d.result(n)
@@ -568,6 +597,43 @@ def _random_params(op: str, a: list, kwargs: dict) -> dict:
             raise TypeError(f"{type(v).__name__} is not a tensor")
         return v.detach().cpu()
 
+    def real(v) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"{v!r} is not a number")
+        return float(v)
+
+    def arg(i: int, name: str, default=None):
+        if len(a) > i:
+            return a[i]
+        if default is None:
+            return kwargs[name]
+        return kwargs.get(name, default)
+
+    if op in NORMAL_ARGUMENTS:
+        (mi, mname, mdef), (si, sname, sdef) = NORMAL_ARGUMENTS[op]
+        mean, std = arg(mi, mname, mdef), arg(si, sname, sdef)
+        mean = tensor(mean) if isinstance(mean, torch.Tensor) else real(mean)
+        std = tensor(std) if isinstance(std, torch.Tensor) else real(std)
+        if not isinstance(std, torch.Tensor) and not std >= 0:
+            raise ValueError(f"std={std!r} is not a standard deviation (>= 0)")
+        return {"mean": mean, "std": std}
+    if op == "aten.uniform.default":
+        low, high = real(arg(1, "from", 0.0)), real(arg(2, "to", 1.0))
+        if not (math.isfinite(low) and math.isfinite(high) and low <= high):
+            raise ValueError(f"[{low!r}, {high!r}) is not a range of finite numbers")
+        return {"from": low, "to": high}
+    if op == "aten.exponential.default":
+        lambd = real(arg(1, "lambd", 1.0))
+        if not (math.isfinite(lambd) and lambd > 0):
+            raise ValueError(f"lambd={lambd!r} is not a finite rate > 0")
+        return {"lambd": lambd}
+    if op == "aten.multinomial.default":
+        replacement = arg(2, "replacement", False)
+        if not isinstance(replacement, bool):
+            raise TypeError(f"replacement={replacement!r} is not a bool")
+        return {"p": tensor(a[0]), "num_samples": integer(arg(1, "num_samples")), "replacement": replacement}
+    if op == "aten.bernoulli.Tensor":
+        return {"p": tensor(arg(1, "p"))}
     if op == "aten.bernoulli.p":
         return {"p": torch.tensor(prob(a[1] if len(a) > 1 else kwargs.get("p", 0.5)))}
     if op == "aten.bernoulli.default":
@@ -585,6 +651,188 @@ def _random_params(op: str, a: list, kwargs: dict) -> dict:
             raise ValueError(f"[{low}, {high}) is an empty range")
         return {"low": low, "high": high}
     return {}
+
+
+def _rounding(dtype: torch.dtype) -> float:
+    """A bound on the relative error of rounding a value to ``dtype`` (one unit in the last place)."""
+    return 2.0 ** (1 - _SIGNIFICAND[dtype_name(dtype)])
+
+
+def _normal(t: torch.Tensor, mean, std, d: _Draws) -> float | None:
+    """Checks draws ``t`` of N(``mean``, ``std``) (numbers or tensors broadcast to ``t``); returns
+    the fraction of elements their parameters fix and that break it (None when none do)."""
+    try:
+        m = torch.broadcast_to(torch.as_tensor(mean, dtype=torch.float64), tuple(t.shape)).reshape(-1)
+        s = torch.broadcast_to(torch.as_tensor(std, dtype=torch.float64), tuple(t.shape)).reshape(-1)
+    except RuntimeError:
+        d.check(False, "mean and std shapes", f"mean and std do not broadcast to the output's {list(t.shape)}")
+        return None
+    x = t.reshape(-1).double()
+    n = x.numel()
+    if not d.check(not bool((s < 0).any() or s.isnan().any()), "std ≥ 0", "std has negative or NaN elements"):
+        return None
+    given = torch.isfinite(m) & torch.isfinite(s)
+    fixed = torch.zeros(n, dtype=torch.bool)
+    rounded_mean = m.to(t.dtype).double()
+    fixed |= ~given & torch.isfinite(x)  # an infinite mean or std draws no finite value
+    fixed |= (m.isnan() | s.isnan()) & ~x.isnan()
+    fixed |= given & (s == 0) & (x != rounded_mean)  # std 0: the mean itself
+    regular = given & (s > 0)
+    could_overflow = m.abs() + 10 * s > float(torch.finfo(t.dtype).max)
+    fixed |= regular & ~torch.isfinite(x) & ~could_overflow
+    if not d.check(not bool(fixed.any()), "std 0 and mean or std not finite as torch draws them",
+                   f"{int(fixed.sum())} elements are not what their mean and std fix (std 0: the mean; a mean or "
+                   "std that is not finite: a value that is not finite, NaN for NaN)"):
+        return float(fixed.sum()) / n
+    regular &= torch.isfinite(x)
+    z = (x[regular] - m[regular]) / s[regular]
+    # the dtype's rounding of x moves z by up to rel * max(|x|, |mean|) / std; an element is
+    # left out when its parameters alone (not its draw: no selection bias) make that coarse
+    rel = _rounding(t.dtype)
+    r = rel * torch.maximum(x[regular].abs(), m[regular].abs()) / s[regular]
+    resolved = rel * (m[regular].abs() / s[regular] + 1) <= 0.05
+    z, r = z[resolved], r[resolved]
+    k = z.numel()
+    d.check(True, f"{k} standardized")
+    if k == 0:
+        return None
+    d.near("mean of (x - mean) / std", float(z.mean()), 0.0, SIGMAS / math.sqrt(k) + float(r.mean()))
+    if k > 1:
+        d.near("variance of (x - mean) / std", float(z.var()), 1.0,
+               SIGMAS * math.sqrt(2 / k) + 2 * float((z.abs() * r).mean()) + float((r * r).mean()))
+    d.ks("the standard normal", z, torch.special.ndtr, 0.4 * float(r.max()))
+    return None
+
+
+def _uniform_range(t: torch.Tensor, low: float, high: float, d: _Draws) -> None:
+    x = t.reshape(-1).double()
+    n = x.numel()
+    if low == high:
+        at = float(torch.tensor(low, dtype=torch.float64).to(t.dtype))
+        d.check(bool((x == at).all()), f"all {at:g} (from = to)", f"{int((x != at).sum())} values are not from = to")
+        return
+    rel, span = _rounding(t.dtype), high - low
+    lo_b, hi_b = low - rel * abs(low), high + rel * abs(high)
+    inside = (x >= lo_b) & (x <= hi_b)
+    if not d.check(bool(inside.all()), f"all in [{low:g}, {high:g})",
+                   f"{int((~inside).sum())} values outside [{low:g}, {high:g})"):
+        return
+    at_high = float((x >= high).sum())
+    p_high = min(1.0, rel * abs(high) / span)  # the rounding of values just below `to` reaches it
+    limit = n * p_high + SIGMAS * math.sqrt(n * p_high) + 1
+    d.check(at_high <= limit, f"{at_high:.0f} at {high:g} ≤ {limit:.1f} (rounding)",
+            f"{at_high:.0f} values are {high:g} or more, rounding makes at most {limit:.1f}")
+    u = (x - low) / span
+    res = rel * max(abs(low), abs(high)) / span
+    d.near("mean of (x - from) / (to - from)", float(u.mean()), 0.5, SIGMAS * math.sqrt(1 / 12 / n) + res)
+    if n > 1:
+        d.near("its variance", float(u.var()), 1 / 12, SIGMAS * 0.0745 / math.sqrt(n) + 2 * res)
+    d.ks(f"uniform [{low:g}, {high:g})", u, lambda v: v, res)
+
+
+def _exponential(t: torch.Tensor, lambd: float, d: _Draws) -> None:
+    x = t.reshape(-1).double()
+    n = x.numel()
+    ok = torch.isfinite(x) & (x >= 0)
+    if not d.check(bool(ok.all()), "all finite and ≥ 0", f"{int((~ok).sum())} values are negative or not finite"):
+        return
+    # torch draws u = 0 with probability 2**-24; the dtype rounds values below its smallest normal
+    p_zero = 2.0 ** -24 + min(1.0, lambd * float(torch.finfo(t.dtype).tiny))
+    zeros = float((x == 0).sum())
+    limit = n * p_zero + SIGMAS * math.sqrt(n * p_zero) + 1
+    d.check(zeros <= limit, f"{zeros:.0f} zeros ≤ {limit:.1f}",
+            f"{zeros:.0f} values are 0, an exponential draw rounds to 0 at most {limit:.1f} times here")
+    v = x * lambd
+    res = _rounding(t.dtype)
+    d.near("mean of lambd * x", float(v.mean()), 1.0, SIGMAS / math.sqrt(n) + res)
+    if n > 1:  # the sample variance of Exp(1) has standard error sqrt(8 / n)
+        d.near("variance of lambd * x", float(v.var()), 1.0, SIGMAS * math.sqrt(8 / n) + 4 * res)
+    d.ks("the exponential", v, lambda w: -torch.expm1(-w), res)
+
+
+#: At most this many probabilities (rows x categories x draws) go into a multinomial check.
+_CATEGORICAL_WORK = 2 * 10 ** 7
+
+
+def _categorical(t: torch.Tensor, p: torch.Tensor, replacement: bool, d: _Draws) -> float | None:
+    """Checks indices ``t`` drawn by multinomial from weights ``p``; returns the fraction of
+    draws that are impossible (out of range, of weight 0, a repeat without replacement)."""
+    if p.dim() not in (1, 2) or t.dim() != p.dim() or tuple(t.shape[:-1]) != tuple(p.shape[:-1]):
+        d.check(False, "shapes", f"indices {list(t.shape)} are not multinomial's draws from weights {list(p.shape)}")
+        return None
+    cats = p.shape[-1]
+    w = p.double().reshape(-1, cats)
+    rows, draws = w.shape[0], t.shape[-1]
+    x = t.reshape(rows, draws).long()
+    total = w.sum(1)
+    if not d.check(bool(torch.isfinite(w).all() and (w >= 0).all() and (total > 0).all()), "weights a distribution",
+                   "the weights are not a distribution (finite, ≥ 0, a positive sum per row)"):
+        return None
+    inside = (x >= 0) & (x < cats)
+    if not d.check(bool(inside.all()), f"all in [0, {cats})", f"{int((~inside).sum())} indices outside [0, {cats})"):
+        return float((~inside).sum()) / x.numel()
+    weightless = w.gather(1, x) <= 0
+    if not d.check(not bool(weightless.any()), "never a category of weight 0",
+                   f"{int(weightless.sum())} draws picked a category of weight 0"):
+        return float(weightless.sum()) / x.numel()
+    if not replacement and draws > 1:
+        ordered = x.sort(1).values
+        repeats = int((ordered[:, 1:] == ordered[:, :-1]).sum())
+        if not d.check(repeats == 0, "distinct per row", f"{repeats} repeated indices without replacement"):
+            return repeats / x.numel()
+    observed, expected, variance = (torch.zeros(cats, dtype=torch.float64) for _ in range(3))
+    # the probability of the category each draw picks: its mean is sum(q**2) per row, which
+    # sees a draw that ignores its own row's weights even where rows average out over categories
+    picked = [0.0, 0.0, 0.0]  # sum, expected sum, variance
+
+    def weigh(q: torch.Tensor, drawn: torch.Tensor, times: int) -> None:
+        q2 = (q * q).sum(1)
+        picked[0] += float(q.gather(1, drawn).sum())
+        picked[1] += times * float(q2.sum())
+        picked[2] += times * float(((q * q * q).sum(1) - q2 * q2).clamp_min(0).sum())
+
+    if replacement:  # every draw of a row is Categorical(w / total)
+        q = w / total[:, None]
+        expected, variance = draws * q.sum(0), draws * (q * (1 - q)).sum(0)
+        observed = torch.bincount(x.reshape(-1), minlength=cats).double()
+        weigh(q, x, draws)
+        checked = draws
+    else:  # draw c is Categorical of the weights not drawn before it in its row
+        checked = max(1, min(draws, _CATEGORICAL_WORK // max(1, rows * cats)))
+        left = w.clone()
+        for c in range(checked):
+            q = left / left.sum(1, keepdim=True).clamp_min(1e-300)
+            expected += q.sum(0)
+            variance += (q * (1 - q)).sum(0)
+            observed += torch.bincount(x[:, c], minlength=cats).double()
+            weigh(q, x[:, c:c + 1], 1)
+            left[torch.arange(rows), x[:, c]] = 0.0
+    # Bernstein's (Freedman's) bound for sums of terms within [0, 1]: off by at most
+    # t/3 + sqrt(t**2/9 + 2 t var) with t = SIGMAS**2 / 2, a normal SIGMAS-sigma tail, which
+    # stays sound where the counts are small and skewed (a category expected 0.01 times)
+    t = SIGMAS ** 2 / 2
+    count = rows * checked
+    d.near("mean probability of the drawn category", picked[0] / count, picked[1] / count,
+           (t / 3 + math.sqrt(t * t / 9 + 2 * t * picked[2]) + 1e-6 * count) / count)
+    tol = t / 3 + (t * t / 9 + 2 * t * variance).sqrt()
+    off = (observed - expected).abs() - tol
+    worst = int(off.argmax())
+    d.check(float(off[worst]) <= 0, "every category's count within a Bernstein bound",
+            f"category {worst} is drawn {observed[worst]:.0f} times, expected {expected[worst]:.1f} ± "
+            f"{tol[worst]:.1f}")
+    # chi-square over categories expected 5 times or more (the rest pooled), against the
+    # Laurent-Massart bound df + 2 sqrt(df t) + 2t with t = 18 (a 1.5e-8 false alarm)
+    big = expected >= 5
+    e = torch.cat([expected[big], expected[~big].sum().reshape(1)])
+    o = torch.cat([observed[big], observed[~big].sum().reshape(1)])
+    keep = e >= 5
+    df = int(keep.sum()) - 1
+    if df >= 1:
+        chi2 = float(((o[keep] - e[keep]) ** 2 / e[keep]).sum())
+        bound = df + 2 * math.sqrt(18 * df) + 36
+        d.check(chi2 <= bound, f"chi-square {chi2:.1f} ≤ {bound:.1f} ({df} df, {checked} of {draws} draws a row)",
+                f"chi-square {chi2:.1f} > {bound:.1f} over {df + 1} categories: frequencies do not follow the weights")
+    return None
 
 
 def _dropout(targets: list[torch.Tensor], x: torch.Tensor, p: float, train, d: _Draws) -> Comparison:

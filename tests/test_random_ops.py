@@ -5,7 +5,9 @@ elements on lavapipe Vulkan and llvmpipe GL, judged by :func:`tapml.compare.comp
 generators that are wrong in the ways real bugs are (constant, shifted, too narrow, a mask that
 disagrees with the output) are mismatches, so the check is not vacuous; and a small model with
 nn.Dropout in training mode and a ``torch.rand_like(x) < 0.5`` mask is carved, replayed and
-migrated on wgpu:vulkan with pass verdicts that say how they were judged.
+migrated on wgpu:vulkan with pass verdicts that say how they were judged, as are a sampler
+(torch.multinomial on softmax probabilities, the Gumbel trick) and a noise-injecting model
+(torch.normal, normal_, uniform_).
 """
 
 from __future__ import annotations
@@ -50,6 +52,20 @@ def _x(dtype=torch.float32):
     return (torch.randn(*N) + 0.1).to(dtype)
 
 
+def _std(dtype=torch.float32):
+    torch.manual_seed(1)
+    return (torch.rand(*N) * 2 + 0.05).to(dtype)
+
+
+def _weights(rows, cats, zero_every=0):
+    """Category weights (torch takes them unnormalized), every ``zero_every``-th category 0."""
+    torch.manual_seed(2)
+    w = torch.rand(rows, cats) ** 2 + 0.01
+    if zero_every:
+        w[:, ::zero_every] = 0.0
+    return w
+
+
 #: (op, args, kwargs) drawn on the device, every claimed output dtype of each op at least once
 DRAWS = [
     ("aten.rand.default", lambda: ([N], {})),
@@ -72,6 +88,21 @@ DRAWS = [
     ("aten.randint_like.low_dtype", lambda: ([_x(), 0, 3], {})),
     ("aten.randint_like.default", lambda: ([_x(torch.float16), 100], {})),
     ("aten.randperm.default", lambda: ([65536], {})),
+    ("aten.normal.Tensor_float", lambda: ([_x(), 0.5], {})),
+    ("aten.normal.float_Tensor", lambda: ([2.0, _std()], {})),
+    ("aten.normal.Tensor_Tensor", lambda: ([_x(torch.float16), _std(torch.float16)], {})),
+    ("aten.normal.Tensor_Tensor", lambda: ([_x()[:, :1], _std()[0]], {})),  # broadcast
+    ("aten.normal.float_float", lambda: ([1.0, 3.0, N], {"dtype": torch.bfloat16})),
+    ("aten.normal_functional.default", lambda: ([_x(), -1.0, 0.25], {})),
+    ("aten.uniform.default", lambda: ([_x(), -2.0, 5.0], {})),
+    ("aten.uniform.default", lambda: ([_x(torch.bfloat16), 0.0, 1.0], {})),
+    ("aten.exponential.default", lambda: ([_x(), 2.5], {})),
+    ("aten.exponential.default", lambda: ([_x(torch.float16)], {})),
+    ("aten.bernoulli.Tensor", lambda: ([_x(), torch.rand(*N)], {})),
+    ("aten.bernoulli.Tensor", lambda: ([_x().to(torch.int32), torch.rand(N[-1]).half()], {})),
+    ("aten.multinomial.default", lambda: ([_weights(256, 50), 256, True], {})),  # 65536 draws
+    ("aten.multinomial.default", lambda: ([_weights(1024, 64, zero_every=4), 48], {})),  # 49152, no repeats
+    ("aten.multinomial.default", lambda: ([torch.softmax(torch.randn(2, 3000), -1).bfloat16(), 200], {})),
 ]
 
 
@@ -196,6 +227,10 @@ def _bad_cases():
     half = torch.rand(n) >= 0.5
     ident = torch.arange(n)
     uniform = torch.rand(n)
+    weights = torch.rand(500, 64) ** 3
+    weights[:, 0] = 0.0
+    weightless_pick = torch.multinomial(weights, 20, replacement=True)
+    weightless_pick[7, 3] = 0
     return [
         ("zeros", "aten.rand.default", [[n]], torch.zeros(n)),
         ("a constant", "aten.rand.default", [[n]], torch.full((n,), 0.5)),
@@ -218,6 +253,30 @@ def _bad_cases():
         ("identity", "aten.randperm.default", [n], ident),
         ("reversed", "aten.randperm.default", [n], ident.flip(0)),
         ("a repeat", "aten.randperm.default", [n], torch.cat([torch.randperm(n - 1), torch.tensor([0])])),
+        ("std ignored", "aten.normal.Tensor_float", [x, 2.0], x + torch.randn(n)),
+        ("mean ignored", "aten.normal.float_Tensor", [3.0, x.abs() + 0.1], torch.randn(n) * (x.abs() + 0.1)),
+        ("std 0 not the mean", "aten.normal.Tensor_float", [x, 0.0], x + 1e-3),
+        ("NaN mean drawn finite", "aten.normal.Tensor_Tensor", [torch.full((n,), math.nan), torch.ones(n)],
+         torch.randn(n)),
+        ("a constant normal", "aten.normal.float_float", [0.0, 1.0, [n]], torch.full((n,), 0.1)),
+        ("normal too wide", "aten.normal_functional.default", [x, 1.0, 2.0], 1.0 + 2.2 * torch.randn(n)),
+        ("unit range", "aten.uniform.default", [x, -2.0, 5.0], uniform),
+        ("past to", "aten.uniform.default", [x, -2.0, 5.0], uniform * 7.5 - 2.0),
+        ("a constant uniform", "aten.uniform.default", [x, -2.0, 5.0], torch.full((n,), 1.5)),
+        ("uniform squeezed", "aten.uniform.default", [x, 0.0, 1.0], uniform * 0.8 + 0.1),
+        ("wrong rate", "aten.exponential.default", [x, 2.5], -torch.log1p(-uniform)),
+        ("exponential zeros", "aten.exponential.default", [x, 1.0],
+         torch.where(half, 0.0, -torch.log1p(-uniform))),
+        ("negative exponential", "aten.exponential.default", [x, 1.0], torch.log1p(-uniform)),
+        ("uniform as exponential", "aten.exponential.default", [x, 2.0], uniform),
+        ("p ignored", "aten.bernoulli.Tensor", [x, torch.rand(n) ** 4], (torch.rand(n) < 0.5).float()),
+        ("weight 0 drawn", "aten.multinomial.default", [weights, 20, True], weightless_pick),
+        ("weights ignored", "aten.multinomial.default", [weights, 20, True], torch.randint(1, 64, (500, 20))),
+        ("always the heaviest", "aten.multinomial.default", [weights, 1], weights.argmax(1, keepdim=True)),
+        ("a repeat per row", "aten.multinomial.default", [weights, 2], weights.argmax(1, keepdim=True).repeat(1, 2)),
+        ("out of range", "aten.multinomial.default", [weights, 3, True], torch.full((500, 3), 64)),
+        ("without replacement by rank", "aten.multinomial.default", [weights, 40],
+         weights.argsort(1, descending=True)[:, :40]),
     ]
 
 
@@ -342,3 +401,70 @@ def test_a_wrong_random_op_in_a_model_is_found(noisy, tmp_path):
     bad = [c for c in json.loads((tmp_path / "r.json").read_text())["cases"] if c["status"] != "pass"]
     assert [c["op"] for c in bad] == ["aten.rand_like.default"] and bad[0]["status"] == "mismatch"
     assert bad[0]["message"].startswith(RANDOM_NOTE + ": ") and "outside [0, 1)" in bad[0]["message"]
+
+
+SAMPLING_MODEL = textwrap.dedent("""
+    import torch
+
+    class Sampler(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = torch.nn.Linear(16, 50)
+
+        def forward(self, x):
+            probs = torch.softmax(self.head(x), -1)
+            picks = torch.multinomial(probs, 4)  # token sampling without replacement
+            many = torch.multinomial(probs, 8, replacement=True)
+            # the Gumbel trick, on ones_like: empty_like exports as aten.empty_permuted, not lowered yet
+            gumbel = probs / torch.ones_like(probs).exponential_()
+            return picks, many, gumbel.argmax(-1)
+
+    def factory():
+        return Sampler(), (torch.randn(32, 16),)
+""")
+
+NOISE_MODEL = textwrap.dedent("""
+    import torch
+
+    class Noise(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = torch.nn.Linear(16, 64)
+            self.out = torch.nn.Linear(64, 8)
+
+        def forward(self, x):
+            h = self.inp(x)
+            h = torch.normal(h, 0.1)  # noise injection
+            h = h + torch.zeros_like(h).normal_(0.0, 0.05)
+            h = h + torch.normal(torch.zeros_like(h), h.abs() * 0.01 + 0.01)
+            h = h * torch.ones_like(h).uniform_(0.9, 1.1)
+            return self.out(torch.relu(h))
+
+    def factory():
+        return Noise(), (torch.randn(64, 16),)
+""")
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+@pytest.mark.skipif("vulkan" not in BACKENDS, reason="no wgpu Vulkan adapter (install mesa-vulkan-drivers)")
+@pytest.mark.parametrize("source,ops", [
+    (SAMPLING_MODEL, {"aten.multinomial.default", "aten.exponential.default"}),
+    (NOISE_MODEL, {"aten.normal.Tensor_float", "aten.normal_functional.default", "aten.normal.Tensor_Tensor",
+                   "aten.uniform.default"})], ids=["multinomial", "normal-noise"])
+def test_model_with_sampling_or_noise_migrates_on_vulkan(source, ops, tmp_path):
+    from tapml.carving import CarveStore
+    (tmp_path / "model.py").write_text(source)
+    r = _tapml("carve", f"{tmp_path / 'model.py'}:factory", "-o", tmp_path / "store")
+    assert r.exit_code == 0 and "Traceback" not in r.output, r.output[-3000:]
+    store = CarveStore(tmp_path / "store")
+    assert ops <= {c["op"] for c in store.cases}
+
+    r = _tapml("migrate", tmp_path / "store", "--target", "wgpu:vulkan", "--state", tmp_path / "s.json")
+    assert r.exit_code == 0 and "Traceback" not in r.output, r.output[-3000:]
+    state = json.loads((tmp_path / "s.json").read_text())
+    assert state["passed"] and state["culprits"] == [] and state["end_to_end"]["status"] == "pass"
+    random_cases = [c for c in state["cases"] if c["op"] in ops]
+    assert {c["op"] for c in random_cases} == ops
+    assert all(c["status"] == "pass" and c["message"].startswith(RANDOM_NOTE) for c in random_cases), random_cases
+    assert all(state["placement"]["nodes"][c["node"]] == "reference" for c in random_cases)

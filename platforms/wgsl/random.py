@@ -1,4 +1,5 @@
-"""Random ops: rand, randn, bernoulli, native_dropout, randint, randperm (and their ``_like``s).
+"""Random ops: rand, randn, bernoulli, native_dropout, randint, randperm (and their ``_like``s),
+normal (every overload), uniform, exponential and multinomial.
 
 Every element is drawn by a counter-based generator on the device: Philox-4x32-10 (the
 generator torch uses on CUDA) of the element's row-major index under a 64-bit key. The key is
@@ -14,19 +15,30 @@ never on values (``compare_values=False`` here; :func:`tapml.compare.compare_dis
 - bernoulli and dropout: a 24-bit uniform ``u``, ``u < p`` (bernoulli) or kept when ``u >= p``
   (dropout: output ``x * mask * 1/(1-p)``, 0 scale for p = 1, as torch computes it);
 - randint: ``low + r mod (high - low)`` of one 32-bit draw;
-- randperm: the stable sort of random keys (:func:`tapml.platforms.wgsl.sort.sorted_indices`).
+- randperm: the stable sort of random keys (:func:`tapml.platforms.wgsl.sort.sorted_indices`);
+- normal with a mean and a std: ``mean + std * z`` of the Box-Muller normal ``z``;
+- uniform on [a, b): ``a + (b - a) * u`` of a 24-bit uniform, rounded to the dtype (as torch does);
+- exponential: ``-log(u) / lambda`` with u in (0, 1), at least the smallest normal f32 (never 0,
+  which would make the Gumbel trick divide by zero);
+- multinomial with replacement: each draw inverts its row's cumulative sum with a 24-bit uniform;
+  without: the top ``num_samples`` of ``log(p) - log(E)`` per row, E exponential (the Gumbel-top-k
+  trick: the same law as drawing one by one without replacement, and what torch does on CPU).
 """
 
 from __future__ import annotations
 
+import math
 import zlib
 
 import torch
 
-from tapml.graph import Node
-from tapml.platforms.wgsl.codegen import Compute, contiguous_strides, index_sum, lit
+from tapml.compare import NORMAL_ARGUMENTS
+from tapml.errors import Unsupported
+from tapml.graph import Node, decode_arg
+from tapml.platforms.wgsl.codegen import Compute, Custom, Value, cast, contiguous_strides, index_sum, lit
 from tapml.platforms.wgsl.elementwise import typed
 from tapml.platforms.wgsl.registry import ALL, ALL_FLOAT, NUMERIC, edge_floats, rand, randbool, register
+from tapml.platforms.wgsl.views import expand_to
 
 # a*b's high 32 bits from 16-bit halves: WGSL has no widening multiply
 _PHILOX = """
@@ -100,13 +112,16 @@ def uniform(node: Node, shape, dtype: str) -> Compute:
     return _random(node, dtype, shape, lambda k, r, ex: f"(f32({r}.x >> {32 - bits}u) * {scale})")
 
 
+def _box_muller(k, r: str) -> str:
+    """A standard normal f32 expression from the random ``vec4<u32>`` ``r``."""
+    u1 = k.let(f"(f32(({r}.x >> 8u) + 1u) * 5.9604644775390625e-08)", "f32")  # (0, 1]: log stays finite
+    u2 = k.let(_uniform24(f"{r}.y"), "f32")
+    return f"(sqrt(-2.0 * log({u1})) * cos(6.283185307179586 * {u2}))"
+
+
 def normal(node: Node, shape, dtype: str) -> Compute:
     """Standard normal by Box-Muller, rounded to ``dtype``."""
-    def fn(k, r, ex):
-        u1 = k.let(f"(f32(({r}.x >> 8u) + 1u) * 5.9604644775390625e-08)", "f32")  # (0, 1]: log stays finite
-        u2 = k.let(_uniform24(f"{r}.y"), "f32")
-        return f"(sqrt(-2.0 * log({u1})) * cos(6.283185307179586 * {u2}))"
-    return _random(node, dtype, shape, fn)
+    return _random(node, dtype, shape, lambda k, r, ex: _box_muller(k, r))
 
 
 # --- samples -------------------------------------------------------------------------------
@@ -308,10 +323,220 @@ def randperm(pb, node, n, **kwargs):
     return [sorted_indices(pb, keys, 0, False, n)]
 
 
+# --- normal, uniform, exponential ----------------------------------------------------------
+
+def _scalar(node: Node, i: int, name: str, default):
+    """Argument ``i`` (keyword ``name``) of ``node`` decoded, tensors as None."""
+    v = node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+    return decode_arg(v, lambda ref: None)
+
+
+def _real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _normal_check(node: Node) -> str | None:
+    (mi, mname, mdef), (si, sname, sdef) = NORMAL_ARGUMENTS[node.op]
+    mean, std = _scalar(node, mi, mname, mdef), _scalar(node, si, sname, sdef)
+    if mean is not None and not _real(mean):
+        return f"{node.op}: mean={mean!r} is not a number"
+    if std is not None and not (_real(std) and std >= 0):
+        return f"{node.op}: std={std!r} is not a standard deviation (a number >= 0)"
+    return _float_out(node)
+
+
+def _lower_normal(pb, node, *args, **kwargs):
+    """``mean + std * z`` with ``z`` standard normal (Box-Muller); mean and std are tensors
+    (broadcast to the output) or numbers, as the overload takes them."""
+    meta = node.outputs[0]
+    (mi, mname, mdef), (si, sname, sdef) = NORMAL_ARGUMENTS[node.op]
+    mean = args[mi] if len(args) > mi else kwargs.get(mname, mdef)
+    std = args[si] if len(args) > si else kwargs.get(sname, sdef)
+    tensors = pb.fit([expand_to(v, meta.shape) for v in (mean, std) if isinstance(v, Value)], 1)
+
+    def fn(k, r, ex):
+        ex = iter(ex)
+        m, s = (cast(next(ex), v.ty, "f32") if isinstance(v, Value) else lit(float(v), "f32") for v in (mean, std))
+        return f"({m} + {s} * {_box_muller(k, r)})"
+    return [_random(node, meta.dtype, meta.shape, fn, tensors)]
+
+
+def _stds(*shape) -> torch.Tensor:
+    """Standard deviations in [0.1, 2) with 0, -0.0, +inf and a subnormal in the first elements."""
+    t = rand(*shape, lo=0.1, hi=2.0).reshape(-1)
+    edges = torch.tensor([0.0, -0.0, math.inf, 1e-40])[:t.numel()]
+    t[:len(edges)] = edges
+    return t.reshape(shape)
+
+
+def _normal_samples(op: str):
+    means = (0.0, 1.5, -3.0, 10.0)
+    if op == "aten.normal.Tensor_float":
+        out = [((rand(*s), std), {}) for s, std in zip(SHAPES, (1.0, 0.5, 2.0, 0.1))]
+        out += [((edge_floats(5, 7), 0.5), {}), ((rand(3, 5), 0.0), {}), ((rand(40, 50, lo=-100, hi=100), 3.0), {})]
+        return out + [((rand(40, 50).to(d), 2.0), {}) for d in LOW] + [((torch.tensor(1.5),), {})]
+    if op == "aten.normal.float_Tensor":
+        out = [((m, rand(*s, lo=0.1, hi=2.0)), {}) for s, m in zip(SHAPES, means)]
+        return out + [((0.5, _stds(5, 7)), {})] + [((-1.0, rand(40, 50, lo=0.1, hi=3.0).to(d)), {}) for d in LOW]
+    if op == "aten.normal.Tensor_Tensor":
+        out = [((rand(*s), rand(*s, lo=0.1, hi=2.0)), {}) for s in SHAPES]
+        out += [((rand(3, 1), _stds(6)), {}), ((edge_floats(5, 7), _stds(5, 7)), {}),
+                ((rand(40, 50), rand(50, lo=0.1, hi=1.0).half()), {})]  # float32 and float16: float32 out
+        return out + [((rand(40, 50).to(d), rand(40, 50, lo=0.1, hi=3.0).to(d)), {}) for d in LOW]
+    if op == "aten.normal.float_float":
+        out = [((m, std, s), {}) for s, m, std in zip(SHAPES, means, (1.0, 0.5, 3.0, 0.1))]
+        out += [((1.0, 0.0, [3, 5]), {}), ((0.0, 1.0, []), {})]
+        return out + [((-2.0, 4.0, [40, 50]), {"dtype": d}) for d in LOW]
+    out = [((rand(*s),), {}) for s in SHAPES]  # normal_functional: self gives the shape and dtype
+    out += [((edge_floats(64, 64), 2.0, 3.0), {}), ((rand(3, 5), 1.0, 0.0), {}), ((rand(5, 7), -4.0, 0.25), {})]
+    return out + [((rand(40, 50).to(d), 1.0, 2.0), {}) for d in LOW]
+
+
+for _op in NORMAL_ARGUMENTS:
+    register(_op, ALL_FLOAT, samples=lambda op=_op: _normal_samples(op), check=_normal_check,
+             compare_values=False)(_lower_normal)
+
+
+def _uniform_check(node: Node) -> str | None:
+    low, high = _scalar(node, 1, "from", 0.0), _scalar(node, 2, "to", 1.0)
+    if not (_real(low) and _real(high) and math.isfinite(low) and math.isfinite(high) and low <= high):
+        return f"uniform: [{low!r}, {high!r}) is not a range of finite numbers with from <= to"
+    reason = _float_out(node)
+    if reason is None and high - low > torch.finfo(getattr(torch, node.outputs[0].dtype)).max:
+        return f"uniform: to - from = {high - low:g} overflows {node.outputs[0].dtype}"
+    return reason
+
+
+@register(["aten.uniform.default"], ALL_FLOAT, check=_uniform_check, compare_values=False,
+          samples=lambda: [((rand(*s), a, b), {}) for s, (a, b) in zip(SHAPES, ((0.0, 1.0), (-1.0, 2.0), (5.0, 6.5),
+                                                                                  (-100.0, 100.0)))] +
+          [((edge_floats(64, 64), -0.5, 0.5), {}), ((rand(3, 5),), {}), ((rand(3, 5), 2.0, 2.0), {})] +
+          [((rand(40, 50).to(d), -1.0, 3.0), {}) for d in LOW])
+def uniform_range(pb, node, x, low=0.0, high=1.0, **kwargs):
+    """``x.uniform_(from, to)`` functionalized: ``from + (to - from) * u``, u a 24-bit uniform in
+    [0, 1), rounded to the dtype (so, as in torch, ``to`` itself only by that rounding)."""
+    meta = node.outputs[0]
+    low, high = kwargs.get("from", low), kwargs.get("to", high)  # keywords Python cannot name
+    a, span = lit(float(low), "f32"), lit(float(high) - float(low), "f32")
+    return [_random(node, meta.dtype, meta.shape, lambda k, r, ex: f"({a} + {span} * {_uniform24(f'{r}.x')})")]
+
+
+def _exponential_check(node: Node) -> str | None:
+    lambd = _scalar(node, 1, "lambd", 1.0)
+    if not (_real(lambd) and math.isfinite(lambd) and lambd > 0):
+        return f"exponential: lambd={lambd!r} is not a finite rate > 0"
+    return _float_out(node)
+
+
+@register(["aten.exponential.default"], ALL_FLOAT, check=_exponential_check, compare_values=False,
+          samples=lambda: [((rand(*s), lam), {}) for s, lam in zip(SHAPES, (1.0, 0.5, 2.0, 10.0))] +
+          [((edge_floats(64, 64), 3.0), {}), ((rand(3, 5),), {}), ((rand(40, 50), 1e-3), {})] +
+          [((rand(40, 50).to(d), 1.0), {}) for d in LOW])
+def exponential(pb, node, x, lambd=1.0, **kwargs):
+    """``x.exponential_(lambd)`` functionalized: ``-log(u) / lambd``, u in (0, 1)."""
+    meta = node.outputs[0]
+    rate = lit(float(lambd), "f32")
+
+    def fn(k, r, ex):
+        u = k.let(f"((f32({r}.x >> 8u) + 0.5) * 5.9604644775390625e-08)", "f32")
+        return f"max(-log({u}) / {rate}, 1.1754943508222875e-38)"
+    return [_random(node, meta.dtype, meta.shape, fn)]
+
+
+# --- bernoulli with a tensor p, multinomial ------------------------------------------------
+
+@register(["aten.bernoulli.Tensor"], ALL, compare_values=False,
+          samples=lambda: [((rand(*s), _probabilities(*s)), {}) for s in SHAPES] +
+          [((rand(3, 5), _probabilities(5)), {}), ((edge_floats(5, 7), _probabilities(5, 7)), {})] +
+          [((typed((40, 50), d), _probabilities(40, 50)), {}) for d in ("int64", "int32", "int16", "int8", "uint8",
+                                                                        "bool")] +
+          [((rand(40, 50).to(d), _probabilities(40, 50).to(d)), {}) for d in LOW])
+def bernoulli_tensor(pb, node, x, p, **kwargs):
+    """``x.bernoulli_(p)`` functionalized: 1 where a 24-bit uniform is below ``p`` (broadcast to
+    ``x``), in ``x``'s dtype."""
+    meta = node.outputs[0]
+    (p,) = pb.fit([expand_to(p, meta.shape)], 1)
+    return [_random(node, meta.dtype, meta.shape, lambda k, r, ex: _cast_bool(
+        f"({_uniform24(f'{r}.x')} < {cast(ex[0], p.ty, 'f32')})", meta.dtype), [p])]
+
+
+def _multinomial_check(node: Node) -> str | None:
+    n, replacement = _scalar(node, 1, "num_samples", None), _scalar(node, 2, "replacement", False)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        return f"multinomial: num_samples={n!r} is not a count >= 1"
+    if not isinstance(replacement, bool):
+        return f"multinomial: replacement={replacement!r} is not a bool"
+    if len(node.outputs[0].shape) not in (1, 2):
+        return "multinomial: the probabilities must be one row or a matrix of rows"
+    return None
+
+
+def _weights(rows: int, k: int, zeros: int = 0) -> torch.Tensor:
+    """Unnormalized category weights (torch takes any), every ``zeros``-th category weightless."""
+    w = torch.rand(rows, k) + 0.05
+    if zeros:
+        w[:, ::zeros] = 0.0
+    return w
+
+
+def _multinomial_samples():
+    return [((torch.softmax(torch.randn(4, 10), -1), 1), {}), ((_weights(8, 16, 3), 5, True), {}),
+            ((_weights(1, 100)[0], 20), {}), ((_weights(1, 1000, 2)[0], 3, True), {}),
+            ((_weights(64, 64, 4), 48), {}), ((torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]), 1), {}),
+            ((torch.tensor([0.0, 1.0, 2.0]), 2), {}), ((torch.softmax(torch.randn(1, 5000), -1), 1), {}),
+            ((torch.softmax(torch.randn(1, 5000), -1), 4, True), {}), ((_weights(0, 5), 2), {})] + \
+        [((torch.softmax(torch.randn(6, 30), -1).to(d), 3, r), {}) for d, r in zip(LOW, (False, True))]
+
+
+@register(["aten.multinomial.default"], ALL_FLOAT, samples=_multinomial_samples, check=_multinomial_check,
+          flops="reduce", compare_values=False)
+def multinomial(pb, node, p, num_samples, replacement=False, **kwargs):
+    """int64 indices of categories drawn from each row of weights ``p`` (torch's conditions on
+    ``p`` -- finite, >= 0, a positive sum -- are torch's to enforce; weights that are not > 0 are
+    never drawn). With replacement, each draw walks its row's cumulative sum to a uniform point
+    of it; without, the row's categories are sorted by a Gumbel key ``log(p) - log(E)``."""
+    meta = node.outputs[0]
+    count = p.shape[-1]
+    if not replacement:
+        from tapml.platforms.wgsl.sort import sorted_indices
+        if num_samples > count:
+            raise Unsupported(f"multinomial: {num_samples} samples without replacement from {count} categories")
+
+        def key(k, r, ex):
+            u = k.let(f"((f32({r}.x >> 8u) + 0.5) * 5.9604644775390625e-08)", "f32")
+            w = cast(ex[0], p.ty, "f32")
+            return f"select(-1e30, log({w}) - log(-log({u})), {w} > 0.0)"  # keys lie in [-110, 110]
+        keys = _random(node, "float32", p.shape, key, pb.fit([p], 0))
+        return [sorted_indices(pb, keys, len(p.shape) - 1, True, num_samples)]
+    p = pb.plain(p)  # every draw reads its whole row: computed once
+
+    def draw(k, idx):
+        row = list(idx[:-1])
+        total, last = k.var("f32", "0.0", "total"), k.var("i32", "0", "last")
+        j = k.fresh("j")
+        k.loop(j, count)
+        w = k.let(cast(p.read(k, row + [j]), p.ty, "f32"), "f32")
+        k.emit(f"if ({w} > 0.0) {{ {total} = {total} + {w}; {last} = {j}; }}")
+        k.close()
+        point = k.let(f"({_uniform24(f'{_bits(k, node, idx, meta.shape)}.x')} * {total})", "f32")
+        acc, pick = k.var("f32", "0.0", "acc"), k.var("i32", last, "pick")  # past the sum by rounding: the last
+        j = k.fresh("j")
+        k.loop(j, count)
+        w = k.let(cast(p.read(k, row + [j]), p.ty, "f32"), "f32")
+        k.open(f"if ({w} > 0.0)")
+        k.emit(f"{acc} = {acc} + {w};")
+        k.emit(f"if ({acc} > {point}) {{ {pick} = {j}; break; }}")
+        k.close()
+        k.close()
+        return pick
+    return [Custom(meta.shape, meta.dtype, [p], draw, cost=8)]
+
+
 #: Every op this module lowers (their values are random: judged by distribution).
 RANDOM_LOWERINGS = ("aten.rand.default", "aten.rand_like.default", "aten.randn.default", "aten.randn_like.default",
-                    "aten.bernoulli.p", "aten.bernoulli.default", "aten.native_dropout.default",
-                    "aten.randint.default", "aten.randint.low", "aten.randint_like.default",
-                    "aten.randint_like.low_dtype", "aten.randperm.default")
+                    "aten.bernoulli.p", "aten.bernoulli.default", "aten.bernoulli.Tensor",
+                    "aten.native_dropout.default", "aten.randint.default", "aten.randint.low",
+                    "aten.randint_like.default", "aten.randint_like.low_dtype", "aten.randperm.default",
+                    *NORMAL_ARGUMENTS, "aten.uniform.default", "aten.exponential.default", "aten.multinomial.default")
 
 __all__ = ["node_key", "uniform", "normal", "RANDOM_LOWERINGS"]
