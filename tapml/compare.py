@@ -396,6 +396,31 @@ def is_random_op(op: str) -> bool:
     return len(parts) == 3 and parts[0] == "aten" and parts[1] in RANDOM_PACKETS
 
 
+#: Op packets whose result is uninitialized memory in torch (``torch.empty*``): any value is
+#: right, so only shapes and dtypes are compared, and nothing reads the reference's values.
+UNINITIALIZED_PACKETS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+                                   "empty_permuted"})
+UNINITIALIZED_NOTE = "uninitialized memory (torch.empty): compared on shape and dtype, any value is right"
+
+
+def is_uninitialized_op(op: str) -> bool:
+    """Whether ``op`` (an aten overload name) returns uninitialized memory (:data:`UNINITIALIZED_PACKETS`)."""
+    parts = op.split(".") if isinstance(op, str) else []
+    return len(parts) == 3 and parts[0] == "aten" and parts[1] in UNINITIALIZED_PACKETS
+
+
+def compare_metadata(targets: list[torch.Tensor], refs: list[torch.Tensor]) -> Comparison:
+    """Shapes and dtypes of ``targets`` against the reference's ``refs``, never their values
+    (for :func:`is_uninitialized_op` outputs)."""
+    if len(targets) != len(refs):
+        return Comparison(False, message=f"{len(targets)} outputs, the reference has {len(refs)}")
+    for i, (t, r) in enumerate(zip(targets, refs)):
+        if tuple(t.shape) != tuple(r.shape) or t.dtype != r.dtype:
+            return Comparison(False, message=f"output {i} is {dtype_name(t.dtype)}{list(t.shape)}, "
+                                             f"the reference {dtype_name(r.dtype)}{list(r.shape)}")
+    return Comparison(True, 0.0, 0.0, 0.0, message=UNINITIALIZED_NOTE)
+
+
 class _Draws:
     """The checks of one random output: each adds a stat to the message; the first failed one
     is the reason."""

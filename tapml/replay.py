@@ -92,11 +92,14 @@ def judge_case(store, case: dict, outputs: list[torch.Tensor], expected: list[to
     every float output fp64-anchored; ``False``: the tolerances; None (default): fp64-anchored
     for float16/bfloat16 outputs of a low-precision store (the reference's own rounding is the
     yardstick) and the tolerances for the rest (a float32 op is judged as in a float32 store).
-    A random op (:data:`~tapml.compare.RANDOM_OPS`) is judged by distribution instead."""
-    from tapml.compare import RANDOM_OPS
+    A random op (:data:`~tapml.compare.RANDOM_OPS`) is judged by distribution instead, and one
+    that returns uninitialized memory (``torch.empty``) on shapes and dtypes only."""
+    from tapml.compare import RANDOM_OPS, compare_metadata, is_uninitialized_op
     from tapml.dtypes import LOW_FLOATS
     if case["op"] in RANDOM_OPS:
         return _judge_random(store, case, outputs, expected)
+    if is_uninitialized_op(case["op"]):
+        return compare_metadata(outputs, expected)
     if anchored is None:
         default = anchored_by_default(store)
         anchor = [default and dtype_name(e.dtype) in LOW_FLOATS for e in expected]

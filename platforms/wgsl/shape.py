@@ -268,9 +268,11 @@ def zeros(pb, node, *args, **kwargs):
 
 
 @register(["aten.empty_like.default", "aten.new_empty.default", "aten.empty.memory_format",
-           "aten.empty_strided.default"], ALL,
-          samples=lambda: [((_x(3, 4),), {}), (([3, 4],), {}), ((_x(2), [3, 4]), {}), (([2, 3], [3, 1]), {})] +
-          _in_every_dtype(([3, 4],)) + _in_every_dtype(([2, 3], [3, 1])), compare_values=False)
+           "aten.empty_strided.default", "aten.empty_permuted.default"], ALL,
+          samples=lambda: [((_x(3, 4),), {}), (([3, 4],), {}), ((_x(2), [3, 4]), {}), (([2, 3], [3, 1]), {}),
+                           (([2, 3, 4], [0, 2, 1]), {})] +
+          _in_every_dtype(([3, 4],)) + _in_every_dtype(([2, 3], [3, 1])) + _in_every_dtype(([3, 4], [1, 0])),
+          compare_values=False)
 def empty(pb, node, *args, **kwargs):
     """Uninitialized in torch; zeros here (any value is right, so tests check only metadata)."""
     return [_fill(node.outputs[0], 0)]
