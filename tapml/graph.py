@@ -530,6 +530,7 @@ def graph_from_fx(fx_graph: torch.fx.Graph, signature=None, real_values: dict[st
             elif isinstance(val, torch.Tensor):
                 refs[n] = n.name
                 inputs.append((n.name, real(n) if _is_data_dependent(val) else TensorMeta.of(val)))
+                _check_carvable(n, [inputs[-1][1]], val)
             elif isinstance(val, _CONSTANT_TYPES):
                 constants[n] = val
             else:
@@ -568,6 +569,7 @@ def graph_from_fx(fx_graph: torch.fx.Graph, signature=None, real_values: dict[st
                                      f"({type(val).__name__}) that tapml cannot represent")
                 continue
             outs, multi = metas
+            _check_carvable(n, outs, val)
             if multi and _masked_results(n, val):
                 kept[n] = [i for i, v in enumerate(val) if v is not None]
             refs[n] = n.name
@@ -608,6 +610,24 @@ def _state_from_signature(signature, ref_of_name: dict[str, str]) -> dict[str, s
                 raise ValueError(f"mutated buffer {spec.target!r} is no graph input or its value no graph output")
             state[buffer_input[spec.target]] = ref_of_name[spec.arg.name]
     return state
+
+
+#: The dtypes a carve can hold (a store's tensors; the WGSL platforms refuse float64 and complex64).
+CARVABLE_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "complex64", "int64", "int32", "int16",
+                             "int8", "uint8", "bool"})
+
+
+def _check_carvable(n: torch.fx.Node, metas: list[TensorMeta], val: Any) -> None:
+    """ValueError naming the node for a tensor no store can hold: a dtype outside
+    :data:`CARVABLE_DTYPES` (complex128, complex32, uint16-64, float8) or a sparse layout."""
+    what = f"input {n.name}" if n.op == "placeholder" else f"node {n.name} ({op_name(n.target)})"
+    for m in metas:
+        if m.dtype not in CARVABLE_DTYPES:
+            raise ValueError(f"{what} makes a {m.dtype} tensor, which tapml cannot carve (it holds "
+                             f"{', '.join(sorted(CARVABLE_DTYPES))})")
+    values = val if isinstance(val, (list, tuple)) else [val]
+    if any(isinstance(v, torch.Tensor) and v.layout != torch.strided for v in values):
+        raise ValueError(f"{what} makes a sparse tensor, which tapml cannot carve (dense tensors only)")
 
 
 def _output_mask_index(op) -> int | None:

@@ -133,3 +133,54 @@ def test_hf_config_overrides_apply(tmp_path):
     assert model.config.num_hidden_layers == 1 and model.config.hidden_act == "gelu"
     with pytest.raises(TapmlError, match="only applies to hf"):
         load_model("zoo:mlp", hf_config={"a": 1})
+
+
+UNCARVABLE = textwrap.dedent('''
+    import torch
+
+
+    class Wide(torch.nn.Module):
+        def forward(self, x):
+            return x.to(torch.complex128).abs().float() + 1
+
+
+    class Hashing(torch.nn.Module):
+        def forward(self, x):
+            return torch.ops.aten.hash_tensor.default(x).to(torch.int64)
+
+
+    class Sparse(torch.nn.Module):
+        def forward(self, a, b):
+            return torch.sparse.mm(a, b)
+
+
+    def wide():
+        return Wide(), (torch.randn(3, 4),)
+
+
+    def hashing():
+        return Hashing(), (torch.randn(3, 4),)
+
+
+    def sparse():
+        return Sparse(), (torch.randn(4, 4).relu().to_sparse(), torch.randn(4, 2))
+''')
+
+
+@pytest.mark.parametrize("factory,expect", [("wide", "makes a complex128 tensor"), ("hashing", "makes a uint64 tensor"),
+                                            ("sparse", "sparse tensor")])
+def test_a_tensor_no_store_can_hold_is_exit_2_naming_the_node(tmp_path, factory, expect):
+    """complex128, uint64 or sparse tensors (a store holds dense float, complex64, int and bool
+    ones) are refused at carve with the node that makes them, never an internal error."""
+    from typer.testing import CliRunner
+    from tapml.cli import app
+    (tmp_path / "m.py").write_text(UNCARVABLE)
+    r = CliRunner().invoke(app, ["carve", f"{tmp_path / 'm.py'}:{factory}", "-o", str(tmp_path / "store")])
+    assert r.exit_code == 2 and expect in r.output and "Traceback" not in r.output, r.output
+    assert not (tmp_path / "store").exists()
+
+
+def test_the_carvable_dtypes_are_the_store_s():
+    from tapml.carving.store import _ST_DTYPES
+    from tapml.graph import CARVABLE_DTYPES
+    assert set(_ST_DTYPES) == CARVABLE_DTYPES
