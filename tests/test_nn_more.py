@@ -316,3 +316,63 @@ def test_nonzero_takes_its_row_count_from_the_recorded_shape():
     program = compile_graph(graph, {"features": [], "limits": {}})
     assert [k.name.rsplit("_", 1)[0] for k in program.kernels] == ["mask_count", "mask_starts", "mask_positions",
                                                                     "nonzero"]
+
+
+LAYERS_WITH_INTERNALS = textwrap.dedent('''
+    import torch
+
+
+    class Pairwise(torch.nn.Module):
+        """nn.Bilinear exports as aten._trilinear; torch.linalg.svd as aten._linalg_svd."""
+
+        def __init__(self):
+            super().__init__()
+            self.pair = torch.nn.Bilinear(6, 5, 4)
+
+        def forward(self, x, y):
+            return torch.tanh(self.pair(x, y))
+
+
+    class Spectrum(torch.nn.Module):
+        def forward(self, m):
+            return torch.linalg.svdvals(m).sum(-1) + m.mean()
+
+
+    def pairwise():
+        torch.manual_seed(0)
+        return Pairwise(), (torch.randn(8, 6), torch.randn(8, 5))
+
+
+    def spectrum():
+        return Spectrum(), (torch.randn(3, 5, 4),)
+''')
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("backend", ["vulkan", "gl"])
+def test_bilinear_layer_migrates_wholly(tmp_path, backend):
+    from tapml.platforms.wgpu_native import available_backends
+    if backend not in available_backends():
+        pytest.skip(f"no {backend} adapter here")
+    (tmp_path / "m.py").write_text(LAYERS_WITH_INTERNALS)
+    r = tapml("migrate", f"{tmp_path / 'm.py'}:pairwise", "--target", f"wgpu:{backend}", "--state", tmp_path / "s.json")
+    assert r.exit_code == 0, r.output
+    state = json.loads((tmp_path / "s.json").read_text())
+    assert "aten._trilinear.default" in {c["op"] for c in state["cases"]}
+    assert state["placement"]["ops_on_target"] == state["placement"]["ops_total"]
+
+
+def test_an_exported_torch_internal_without_a_lowering_carves_and_is_unsupported(tmp_path):
+    """torch.linalg.svdvals exports as aten._linalg_svd: it carves and replays on the
+    reference; on a target without its lowering it is an unsupported verdict, not a refusal."""
+    (tmp_path / "m.py").write_text(LAYERS_WITH_INTERNALS)
+    r = tapml("carve", f"{tmp_path / 'm.py'}:spectrum", "-o", tmp_path / "store")
+    assert r.exit_code == 0, r.output
+    r = tapml("replay", tmp_path / "store", "--target", "reference", "--json", tmp_path / "v.json")
+    assert r.exit_code == 0, r.output
+    ops = {c["op"] for c in json.loads((tmp_path / "v.json").read_text())["cases"]}
+    assert "aten._linalg_svd.default" in ops
+    from tapml.carving import CarveStore
+    from tapml.platforms.wgsl import supports
+    svd = next(n for n in CarveStore(tmp_path / "store").graph.nodes if n.op == "aten._linalg_svd.default")
+    assert "no WGSL lowering for aten._linalg_svd.default" in supports(svd, {})
