@@ -1,7 +1,8 @@
 """``hf:MODEL_TYPE`` beyond flat transformers: configs with per-stage lists (Swin, SegFormer),
 derived constraints (GPT-J's rotary_dim), several inputs (CLIP's token ids and pixels, Whisper's
 features and decoder prompt), task-only configs (vision-encoder-decoder); and the group_norm
-that torch's decomposition leaves on a channels-last tensor (diffusers' UNet and VAE)."""
+that torch's decomposition leaves on a channels-last tensor (diffusers' UNet and VAE). Each
+carves, replays on the reference and migrates whole on lavapipe Vulkan and llvmpipe GL."""
 
 from __future__ import annotations
 
@@ -41,8 +42,28 @@ def arch_store(tmp_path_factory):
         return stores[model_type]
     return get
 
-# Migrate end to end on wgpu:vulkan today.
-VULKAN_ARCHS = ["segformer", "levit", "bit", "mixtral"]
+WGPU_BACKENDS = ["vulkan", "gl"]
+
+
+def _wgpu_target(backend: str) -> str:
+    """``wgpu:BACKEND``, or skip the calling test where this machine has no such adapter."""
+    from tapml.platforms.wgpu_native import available_backends
+    if backend not in available_backends():
+        pytest.skip(f"no wgpu {backend} adapter (mesa-vulkan-drivers gives lavapipe, libegl-mesa0 llvmpipe)")
+    return f"wgpu:{backend}"
+
+
+def _migrates_fully(store, backend: str, state_path):
+    """Migrate ``store`` on wgpu:BACKEND and assert every case passes, every op is offloaded and
+    the whole model passes end to end."""
+    from tapml.migrate import Migration
+    from tapml.targets import open_target
+    target = _wgpu_target(backend)
+    with open_target(target) as platform:
+        state = Migration(store, platform, target, state_path).run()
+    failed = [f"{c['id']} {c['op']}: {c['status']}: {c['message'][:200]}" for c in state["cases"] if c["status"] != "pass"]
+    assert not failed, failed
+    assert state["passed"] and state["end_to_end"]["status"] == "pass" and state["placement"]["ops_share"] == 1.0
 
 
 def _replay_on_reference(store):
@@ -160,35 +181,74 @@ def test_group_norm_model_carves_and_replays(tmp_path, carved):
     assert result["summary"]["pass"] == len(store.cases)
 
 
-def test_diffusers_unet_and_vae_export():
-    diffusers = pytest.importorskip("diffusers")
-    torch.manual_seed(0)
-    unet = diffusers.UNet2DModel(sample_size=8, in_channels=3, out_channels=3, layers_per_block=1,
-                                 block_out_channels=(16, 32), norm_num_groups=8,
-                                 down_block_types=("DownBlock2D", "AttnDownBlock2D"),
-                                 up_block_types=("AttnUpBlock2D", "UpBlock2D")).eval()
-    vae = diffusers.AutoencoderKL(block_out_channels=(16,), norm_num_groups=8, latent_channels=4).eval()
-    for model, example in ((unet, (torch.randn(1, 3, 8, 8), torch.tensor([10]))), (vae, (torch.randn(1, 3, 8, 8),))):
-        ep = export(model, example)
-        with torch.no_grad():
-            torch.testing.assert_close(ep.module()(*example)[0], model(*example)[0])
+DIFFUSERS_MODELS = textwrap.dedent("""
+    import diffusers
+    import torch
+
+
+    def unet():
+        torch.manual_seed(0)
+        model = diffusers.UNet2DModel(sample_size=8, in_channels=3, out_channels=3, layers_per_block=1,
+                                      block_out_channels=(16, 32), norm_num_groups=8,
+                                      down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+                                      up_block_types=("AttnUpBlock2D", "UpBlock2D")).eval()
+        return model, (torch.randn(1, 3, 8, 8), torch.tensor([10]))
+
+
+    def vae():
+        torch.manual_seed(0)
+        model = diffusers.AutoencoderKL(block_out_channels=(16,), norm_num_groups=8, latent_channels=4).eval()
+        return model, (torch.randn(1, 3, 8, 8),)
+""")
+
+
+@pytest.fixture(scope="module")
+def diffusers_models(tmp_path_factory):
+    """Path of a file whose ``unet`` and ``vae`` factories build small diffusers models."""
+    pytest.importorskip("diffusers")
+    path = tmp_path_factory.mktemp("diffusers") / "diffusers_models.py"
+    path.write_text(DIFFUSERS_MODELS)
+    return path
+
+
+@pytest.fixture(scope="module")
+def diffusers_store(diffusers_models, tmp_path_factory):
+    """``diffusers_store("unet")`` -> the CarveStore of that factory, carved once."""
+    from tapml.carving import CarveStore, carve
+    stores = {}
+
+    def get(name: str):
+        if name not in stores:
+            path = tmp_path_factory.mktemp(name) / "store"
+            carve(f"{diffusers_models}:{name}", path)
+            stores[name] = CarveStore(path)
+        return stores[name]
+    return get
+
+
+@pytest.mark.parametrize("name", ["unet", "vae"])
+def test_diffusers_unet_and_vae_export(diffusers_models, name):
+    model, example = load_model(f"{diffusers_models}:{name}")
+    ep = export(model, example)
+    with torch.no_grad():
+        torch.testing.assert_close(ep.module()(*example)[0], model(*example)[0])
 
 
 @pytest.mark.device
-@pytest.mark.parametrize("model_type", VULKAN_ARCHS)
-def test_architecture_migrates_to_vulkan(arch_store, tmp_path, model_type):
-    """Ops, regions and the whole model on lavapipe: everything offloaded and passing."""
-    from tapml.migrate import Migration
-    from tapml.platforms.wgpu_native import available_backends
-    from tapml.targets import open_target
-    if "vulkan" not in available_backends():
-        pytest.skip("no wgpu Vulkan adapter (install mesa-vulkan-drivers for lavapipe)")
-    store = arch_store(model_type)
-    with open_target("wgpu:vulkan") as platform:
-        state = Migration(store, platform, "wgpu:vulkan", tmp_path / "state.json").run()
-    failed = [f"{c['id']} {c['op']}: {c['status']}: {c['message'][:200]}" for c in state["cases"] if c["status"] != "pass"]
-    assert not failed, failed
-    assert state["passed"] and state["end_to_end"]["status"] == "pass" and state["placement"]["ops_share"] == 1.0
+@pytest.mark.parametrize("backend", WGPU_BACKENDS)
+@pytest.mark.parametrize("model_type", list(ARCHS))
+def test_architecture_migrates_on_wgpu(arch_store, tmp_path, model_type, backend):
+    """Ops, regions and the whole model on lavapipe Vulkan and llvmpipe GL: everything offloaded and passing."""
+    _migrates_fully(arch_store(model_type), backend, tmp_path / "state.json")
+
+
+@pytest.mark.device
+@pytest.mark.parametrize("backend", WGPU_BACKENDS)
+@pytest.mark.parametrize("name", ["unet", "vae"])
+def test_diffusers_unet_and_vae_migrate_on_wgpu(diffusers_store, tmp_path, name, backend):
+    """The channels-last group norms, attention and up/down sampling of diffusers' UNet and VAE,
+    offloaded whole on lavapipe Vulkan and llvmpipe GL."""
+    _migrates_fully(diffusers_store(name), backend, tmp_path / "state.json")
 
 
 @pytest.mark.parametrize("model_type,overrides", [

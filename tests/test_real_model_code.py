@@ -1,6 +1,6 @@
 """Model code as people write it carves: non-tensor inputs, data-dependent shapes, ``x.item()``
 in arithmetic and effect tokens, each through ``tapml carve`` on a ``path/file.py:factory`` spec,
-then replayed on the reference and, where the ops have lowerings, on Vulkan (lavapipe)."""
+then replayed on the reference and, where the ops have lowerings, on lavapipe Vulkan and llvmpipe GL."""
 
 import json
 import subprocess
@@ -208,11 +208,20 @@ def test_an_unrepresentable_node_exits_2_naming_it(factories, tmp_path):
     assert not (tmp_path / "s").exists()
 
 
+def _wgpu_target(backend: str) -> str:
+    """``wgpu:BACKEND``, or skip the calling test where this machine has no such adapter."""
+    from tapml.platforms.wgpu_native import available_backends
+    if backend not in available_backends():
+        pytest.skip(f"no wgpu {backend} adapter (mesa-vulkan-drivers gives lavapipe, libegl-mesa0 llvmpipe)")
+    return f"wgpu:{backend}"
+
+
 @pytest.mark.device
+@pytest.mark.parametrize("backend", ["vulkan", "gl"])
 @pytest.mark.parametrize("name", ["flags", "masks", "item"])
-def test_replays_on_vulkan(carved, name, tmp_path):
+def test_replays_on_wgpu(carved, name, backend, tmp_path):
     store = carved(name)
-    r, verdicts = _replay(store, "wgpu:vulkan", tmp_path)
+    r, verdicts = _replay(store, _wgpu_target(backend), tmp_path)
     assert r.exit_code == (1 if verdicts["summary"]["unsupported"] else 0), r.output  # a finding, not a crash
     statuses = {c["op"]: c["status"] for c in verdicts["cases"]}
     assert set(statuses.values()) <= {"pass", "unsupported"}
@@ -223,8 +232,9 @@ def test_replays_on_vulkan(carved, name, tmp_path):
 
 
 @pytest.mark.device
-def test_item_model_migrates_on_vulkan(carved, tmp_path):
+@pytest.mark.parametrize("backend", ["vulkan", "gl"])
+def test_item_model_migrates_on_wgpu(carved, backend, tmp_path):
     store = carved("item")
-    r = tapml("migrate", store.path, "--target", "wgpu:vulkan", "--state", tmp_path / "state.json")
+    r = tapml("migrate", store.path, "--target", _wgpu_target(backend), "--state", tmp_path / "state.json")
     assert r.exit_code == 0, r.output
     assert "end to end: pass" in r.output
