@@ -226,8 +226,11 @@ def test_replays_on_wgpu(carved, name, backend, tmp_path):
     statuses = {c["op"]: c["status"] for c in verdicts["cases"]}
     assert set(statuses.values()) <= {"pass", "unsupported"}
     lowered = {"aten.addmm.default", "aten.mul.Tensor", "aten.add.Tensor", "aten.relu.default",
-               "aten.clone.default", "aten.eq.Scalar", "aten.gt.Scalar", "aten.sum.dim_IntList"}
-    assert all(statuses[op] == "pass" for op in lowered & set(statuses))
+               "aten.clone.default", "aten.eq.Scalar", "aten.gt.Scalar", "aten.sum.dim_IntList",
+               # data-dependent sizes, run with the sizes the carve recorded
+               "aten.index.Tensor", "aten.index_put.default", "aten.nonzero.default", "aten.masked_select.default",
+               "aten.bincount.default"}
+    assert all(statuses[op] == "pass" for op in lowered & set(statuses)), statuses
     assert verdicts["summary"]["pass"] >= (len(store.cases) if name != "masks" else 5)
 
 

@@ -10,7 +10,7 @@ import torch
 from tapml.errors import Unsupported
 from tapml.platforms.wgsl import views
 from tapml.platforms.wgsl.codegen import Custom, cast
-from tapml.platforms.wgsl.registry import ALL, ALL_INT, edge_floats, edge_ints, rand, randint, register
+from tapml.platforms.wgsl.registry import ALL, ALL_INT, edge_floats, edge_ints, rand, randbool, randint, register
 
 
 def wrapped_index(k, v, idx, size, wrap=True):
@@ -80,8 +80,8 @@ def index_select(pb, node, x, dim, index):
 def advanced_layout(shape, indices, op: str):
     """Where ``x[indices]``'s index dims go (torch's advanced indexing): ``(indices`` padded with
     None to ``len(shape)``, the positions that hold an index tensor, their broadcast shape, whether
-    they are adjacent, the first result dim they fill, the dims left as they are)``. Unsupported
-    for boolean masks: their result shape depends on the data."""
+    they are adjacent, the first result dim they fill, the dims left as they are)``. Boolean masks
+    are :func:`tapml.platforms.wgsl.scatter.boolean_mask`'s."""
     nd = len(shape)
     indices = list(indices) + [None] * (nd - len(indices))
     pos = [d for d, i in enumerate(indices) if i is not None]
@@ -89,7 +89,7 @@ def advanced_layout(shape, indices, op: str):
         raise Unsupported(f"{op} without any index tensor")
     for d in pos:
         if indices[d].dtype not in ALL_INT:
-            raise Unsupported(f"{op} with boolean masks has a data-dependent shape")
+            raise Unsupported(f"{op} with a boolean mask beside other index tensors")
     bshape = tuple(torch.broadcast_shapes(*[tuple(indices[d].shape) for d in pos]))
     adjacent = pos == list(range(pos[0], pos[-1] + 1))
     return indices, pos, bshape, adjacent, pos[0] if adjacent else 0, [d for d in range(nd) if d not in pos]
@@ -99,12 +99,19 @@ def _index_samples():
     return [((rand(5, 4), [randint(3, hi=5)]), {}), ((rand(3, 5, 4), [None, randint(2, 2, hi=5)]), {}),
             ((rand(4, 5, 6), [randint(3, hi=4), None, randint(3, lo=-6, hi=6)]), {}),
             ((rand(4, 5, 6), [randint(2, 1, hi=4), randint(3, hi=5)]), {}),
-            ((randint(6, 2), [randint(4, hi=6)]), {})]
+            ((randint(6, 2), [randint(4, hi=6)]), {}),
+            # boolean masks: x[mask] has as many rows as the mask has Trues (the recorded shape)
+            ((rand(6, 4), [torch.tensor([True, False, True, True, False, True])]), {}),
+            ((rand(3, 5, 2), [None, randbool(3, 5)[1]]), {}), ((edge_floats(4, 3), [randbool(4, 3)]), {}),
+            ((randint(5, 6, dtype=torch.int16), [randbool(5, 6)]), {}), ((rand(4, 2), [torch.zeros(4, dtype=torch.bool)]), {})]
 
 
 @register("aten.index.Tensor", ALL, samples=_index_samples)
 def index_tensor(pb, node, x, indices):
     meta = node.outputs[0]
+    from tapml.platforms.wgsl.scatter import boolean_mask, masked_gather  # scatter builds on this module
+    if (mask := boolean_mask(indices, "index.Tensor")) is not None:
+        return [masked_gather(pb, meta, x, *mask)]
     nd = len(x.shape)
     indices, pos, bshape, adjacent, start, rest = advanced_layout(x.shape, indices, "index.Tensor")
     idx_vals = pb.fit([x] + [views.expand_to(indices[d], bshape) for d in pos], 1)

@@ -14,8 +14,8 @@ from tapml.platforms.wgsl.registry import (ALL, ALL_FLOAT, ALL_INT, edge_floats,
                                            register)
 from tapml.platforms.wgsl.nn import (_int_window_mean, _mean_and_square_sum, _window_sum, adaptive_avg_pool2d,
                                      avg_pool2d, batch_norm, normalize_channels)
-# the prefix count of a mask's True elements, shared with masked_scatter
-from tapml.platforms.wgsl.scatter import _mask_positions
+# the coordinates of a mask's True elements, shared with x[mask]
+from tapml.platforms.wgsl.scatter import mask_coordinates
 
 
 def _tuple(v, n: int) -> list[int]:
@@ -656,25 +656,8 @@ def nonzero(pb, node, x):
     How many there are is data-dependent: the node's recorded output shape says it (a carve
     records the concrete shape). A prefix count over the elements (no atomics) gives each
     nonzero element its row; rows past the recorded count are not written."""
-    meta = node.outputs[0]
-    out = pb.buffer("temp", meta)
-    result = BufferView.whole(out, meta)
-    count, nd = meta.shape
-    if meta.numel == 0:
-        return [result]
-    shape = tuple(x.shape)
-    mask = Compute(shape, "bool", [x], lambda k, e, idx: cast(e[0], x.ty, "bool"))
-    positions = _mask_positions(pb, mask, shape)
-    x, positions = pb.fit([x, positions], 1)
-    k = pb.kernel("nonzero")
-    idx = k.unravel("n", shape)
-    row = k.let(positions.read(k, list(idx)), "i32")
-    k.open(f"if ({cast(x.read(k, list(idx)), x.ty, 'bool')} && {row} < {count})")
-    for d in range(nd):
-        k.write(out, f"{row} * {nd} + {d}", idx[d], "i32")
-    k.close()
-    pb.add(k.finish(math.prod(shape)))
-    return [result]
+    mask = Compute(tuple(x.shape), "bool", [x], lambda k, e, idx: cast(e[0], x.ty, "bool"))
+    return [mask_coordinates(pb, mask, node.outputs[0])]
 
 
 __all__ = ["max_pool3d", "avg_pool3d", "adaptive_avg_pool3d", "cdist_forward", "pdist_forward", "col2im",

@@ -1,5 +1,5 @@
 """Reductions (sum, mean, prod, amax/amin, max/min with indices, argmax/argmin, any/all,
-var, vector norm) and scans (cumsum, cumprod).
+var, vector norm, bincount) and scans (cumsum, cumprod).
 
 One thread per output element loops over the reduced elements: no workgroup barriers,
 which are expensive on CPU adapters (lavapipe); the input may be a fused expression.
@@ -12,9 +12,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from tapml.errors import Unsupported
 from tapml.graph import TensorMeta
-from tapml.platforms.wgsl.codegen import BufferView, Value, cast, contiguous_strides, ctype, index_sum, lit
+from tapml.platforms.wgsl.codegen import BufferView, Custom, Value, cast, contiguous_strides, ctype, index_sum, lit
 from tapml.platforms.wgsl.registry import (ALL, ALL_FLOAT, ALL_INT, NUMERIC, edge_floats, edge_ints, rand, randbool, randint,
                                            register)
 from tapml.platforms.wgsl.views import norm_dim
@@ -263,25 +262,44 @@ def _var(pb, node, x, dim, correction, keepdim):
     return reduction(pb, "var", x, dims, node.outputs, init, [p1, p2], final)
 
 
-@register("aten.linalg_vector_norm.default", ALL_FLOAT,
-          samples=lambda: [((rand(3, 5),), {}), ((rand(3, 5), 2, [1], True), {}), ((rand(4, 6), 1, [0]), {})], flops="reduce")
+def _vector_norm_samples():
+    return [((rand(3, 5),), {}), ((rand(3, 5), 2, [1], True), {}), ((rand(4, 6), 1, [0]), {}),
+            ((edge_floats(4, 6), math.inf, [1]), {}), ((rand(3, 5), -math.inf), {}),
+            ((edge_floats(4, 6), -math.inf, [1]), {}), ((rand(2, 3, 4), -math.inf, [0, 2], True), {}),
+            ((edge_floats(3, 7), 0, [1]), {}), ((rand(5, 4) * randbool(5, 4), 0), {}),
+            ((rand(4, 6), 3, [1]), {}), ((edge_floats(4, 6), 0.5, [0]), {}), ((rand(3, 5), -1.5, [1]), {}),
+            ((edge_floats(2, 5), 2, [1]), {}), ((rand(0, 3), 2, [0]), {})]
+
+
+@register("aten.linalg_vector_norm.default", ALL_FLOAT, samples=_vector_norm_samples, flops="reduce")
 def vector_norm(pb, node, x, ord=2, dim=None, keepdim=False, dtype=None):
+    """torch.linalg.vector_norm: ``ord`` inf/-inf is the largest/smallest |x| (NaN propagates),
+    0 counts the nonzero elements, any other p is (sum |x|^p)^(1/p), accumulated in f32."""
     dims = norm_dims(dim, len(x.shape))
-    if ord not in (1, 2, math.inf):
-        raise Unsupported(f"linalg_vector_norm with ord={ord}")
+    p = float(ord)
 
     def init(k):
-        return k.var("f32", "0.0", "acc")
+        return k.var("f32", lit(math.inf, "f32") if p == -math.inf else "0.0", "acc")
 
     def step(k, acc, v, r):
-        if ord == 2:
+        if p == 2:
             k.emit(f"{acc} = {acc} + {v} * {v};")
-        elif ord == 1:
+        elif p == 1:
             k.emit(f"{acc} = {acc} + abs({v});")
+        elif p in (math.inf, -math.inf):
+            k.emit(f"{acc} = {k.need('tap_max' if p > 0 else 'tap_min')}({acc}, abs({v}));")
+        elif p == 0:
+            k.emit(f"{acc} = {acc} + select(0.0, 1.0, {cast(v, 'f32', 'bool')});")
         else:
-            k.emit(f"{acc} = max({acc}, abs({v}));")
-    return reduction(pb, "norm", x, dims, node.outputs, init, [step],
-                     lambda k, a: [(f"sqrt({a})" if ord == 2 else a, "f32")])
+            k.emit(f"{acc} = {acc} + {k.need('tap_pow')}(abs({v}), {lit(p, 'f32')});")
+
+    def final(k, acc):
+        if p == 2:
+            return [(f"sqrt({acc})", "f32")]
+        if p in (1, 0, math.inf, -math.inf):
+            return [(acc, "f32")]
+        return [(f"{k.need('tap_pow')}({acc}, {lit(1 / p, 'f32')})", "f32")]
+    return reduction(pb, "norm", x, dims, node.outputs, init, [step], final)
 
 
 # --- scans -------------------------------------------------------------------------------
@@ -323,3 +341,34 @@ register("aten.cumprod.default", ALL, samples=lambda: [((rand(3, 5, lo=0.5, hi=1
                                                                         [1, -1, 1, 1, 1]], dtype=torch.int32), 0), {})],
          flops="reduce")(
     _scan("cumprod"))
+
+
+# --- bincount ----------------------------------------------------------------------------
+
+def _bincount_samples():
+    return [((torch.tensor([0, 3, 1, 3, 7, 3]),), {}), ((randint(50, hi=9),), {"minlength": 12}),
+            ((randint(40, hi=6, dtype=torch.uint8), rand(40)), {}), ((randint(30, hi=5, dtype=torch.int32),), {}),
+            ((randint(30, hi=5, dtype=torch.int16), edge_floats(30)), {}), ((randint(20, hi=4, dtype=torch.int8),), {}),
+            ((torch.zeros(0, dtype=torch.int64),), {"minlength": 3})]
+
+
+@register("aten.bincount.default", ALL_INT + ("float32",), samples=_bincount_samples, flops="reduce")
+def bincount(pb, node, x, weights=None, minlength=0):
+    """How often each value occurs in ``x`` (the sum of its ``weights``), one bin per value up to
+    the largest: the number of bins is data-dependent, so it is the node's recorded shape. Each
+    bin loops over ``x`` in order (no atomics), summing weights in f32 as torch does."""
+    meta = node.outputs[0]
+    n = x.shape[0]
+    ty = "f32" if weights is not None else "i32"
+    ins = pb.fit([x] + ([weights] if weights is not None else []), 1)
+
+    def fn(k, idx):
+        acc = k.var(ty, lit(0, ty), "bin")
+        if n:
+            k.loop("i", n)
+            hit = f"{cast(ins[0].read(k, ['i']), ins[0].ty, 'i32')} == {idx[0]}"
+            add = cast(ins[1].read(k, ["i"]), ins[1].ty, "f32") if weights is not None else "1"
+            k.emit(f"if ({hit}) {{ {acc} = {acc} + {add}; }}")
+            k.close()
+        return acc
+    return [Custom(meta.shape, meta.dtype, ins, fn, cost=9)]

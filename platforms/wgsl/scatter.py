@@ -16,7 +16,8 @@ import torch
 
 from tapml.errors import Unsupported
 from tapml.platforms.wgsl import views
-from tapml.platforms.wgsl.codegen import BufferView, Custom, Value, cast, lit, round_low
+from tapml.graph import TensorMeta
+from tapml.platforms.wgsl.codegen import BufferView, Compute, Custom, Value, cast, lit, round_low
 from tapml.platforms.wgsl.index import advanced_layout, wrapped_index
 from tapml.platforms.wgsl.registry import ALL, edge_floats, edge_ints, rand, randbool, randint, register
 
@@ -80,9 +81,110 @@ def _index_put_samples():
     ]
 
 
-@register("aten.index_put.default", ALL, samples=_index_put_samples)
+@register("aten.index_put.default", ALL, samples=lambda: _index_put_samples() + _masked_put_samples())
 def index_put(pb, node, x, indices, values, accumulate=False):
+    if (mask := boolean_mask(indices, "index_put")) is not None:
+        return [_masked_put(pb, node.outputs[0], x, *mask, values, bool(accumulate))]
     return [_scatter(pb, node.outputs[0], x, indices, values, bool(accumulate))]
+
+
+# --- boolean masks: x[mask], x[mask] = v ----------------------------------------------------
+
+def _masked_put_samples():
+    x = rand(6, 4)
+    return [((x, [x[:, 0] > 0], rand(4)), {}),  # x[x[:, 0] > 0] = row (SAM's prompt encoder writes so)
+            ((x, [x[:, 0] > 0], torch.tensor(2.5), True), {}),
+            ((x, [x[:, 0] > 0], rand(int((x[:, 0] > 0).sum()), 4), True), {}),
+            ((rand(3, 5, 2), [None, randbool(3, 5)[0]], rand(1), False), {}),
+            ((edge_floats(4, 3), [randbool(4, 3)], edge_floats(1)), {}),
+            ((randint(5, 6, dtype=torch.int32), [randbool(5, 6)], torch.tensor(-7, dtype=torch.int32), True), {})]
+
+
+def boolean_mask(indices, op: str):
+    """``(d, mask)`` when ``indices`` index with one boolean mask (its dims are x's from ``d``),
+    None when they hold no mask; Unsupported for a mask beside other index tensors."""
+    tensors = [(d, i) for d, i in enumerate(indices) if i is not None]
+    masks = [(d, i) for d, i in tensors if i.dtype in ("bool", "uint8")]
+    if not masks:
+        return None
+    if len(tensors) > 1:
+        raise Unsupported(f"{op} with a boolean mask beside other index tensors")
+    return masks[0]
+
+
+def _truth(v):
+    return Compute(tuple(v.shape), "bool", [v], lambda k, e, idx: cast(e[0], v.ty, "bool"))
+
+
+def mask_coordinates(pb, truth, meta: TensorMeta) -> BufferView:
+    """A ``meta``-shaped ``(count, ndim)`` integer tensor: the coordinates of ``truth``'s first
+    ``count`` True elements in row-major order (``nonzero``); count is data-dependent, so it is
+    the node's recorded shape, and rows past the Trues there are are not written."""
+    out = pb.buffer("temp", meta)
+    result = BufferView.whole(out, meta)
+    count, nd = meta.shape
+    if meta.numel == 0:
+        return result
+    shape = tuple(truth.shape)
+    positions = _mask_positions(pb, truth, shape)
+    truth, positions = pb.fit([truth, positions], 1)
+    k = pb.kernel("nonzero")
+    idx = k.unravel("n", shape)
+    row = k.let(positions.read(k, list(idx)), "i32")
+    k.open(f"if ({cast(truth.read(k, list(idx)), truth.ty, 'bool')} && {row} < {count})")
+    for d in range(nd):
+        k.write(out, f"{row} * {nd} + {d}", idx[d], "i32")
+    k.close()
+    pb.add(k.finish(math.prod(shape)))
+    return result
+
+
+def masked_gather(pb, meta, x, d: int, mask):
+    """``x[mask]`` for a mask over x's dims from ``d``: how many Trues there are is the node's
+    recorded output shape (``meta.shape[d]``)."""
+    nm = len(mask.shape)
+    coords = mask_coordinates(pb, _truth(mask), TensorMeta((meta.shape[d], nm), "int32"))
+    x, coords = pb.fit([x, coords], 1)
+
+    def fn(k, idx):
+        row = idx[d]
+        at = [k.let(coords.read(k, [row, str(j)]), "i32") for j in range(nm)]
+        return x.read(k, list(idx[:d]) + at + list(idx[d + 1:]))
+    return Custom(meta.shape, meta.dtype, [x, coords], fn)
+
+
+def _masked_put(pb, meta, x, d: int, mask, values, accumulate: bool):
+    """``x[mask] = values`` (``+=`` with ``accumulate``): each masked element takes the values'
+    row of its rank among the Trues (a prefix count, as masked_scatter), or their broadcast."""
+    nm, nd = len(mask.shape), len(x.shape)
+    truth = _truth(mask)
+    ranks = _mask_positions(pb, truth, tuple(mask.shape))
+    indexed = d + 1 + nd - d - nm  # values broadcast to x.shape[:d] + [count] + x.shape[d + nm:]
+    vshape = list(values.shape)
+    if len(vshape) > indexed:
+        raise Unsupported(f"index_put: values of {len(vshape)} dims for a masked index of {indexed}")
+    x, truth, ranks, values = pb.fit([x, truth, ranks, values], 1)
+    ty = x.ty
+
+    def fn(k, idx):
+        acc = k.var(ty, x.read(k, list(idx)), "put")
+        at = list(idx[d:d + nm])
+        k.open(f"if ({cast(truth.read(k, at), truth.ty, 'bool')})")
+        rank = k.let(ranks.read(k, at), "i32")
+        full = list(idx[:d]) + [rank] + list(idx[d + nm:])
+        pad = indexed - len(vshape)
+        # a values tensor of fewer rows than Trues (a stranger's store) is read clamped, never past its end
+        vidx = ["0" if size == 1 else f"min({full[pad + j]}, {size - 1})" for j, size in enumerate(vshape)]
+        v = cast(values.read(k, vidx), values.ty, ty)
+        if not accumulate:
+            k.emit(f"{acc} = {v};")
+        elif ty == "bool":
+            k.emit(f"{acc} = {acc} || {v};")
+        else:
+            k.emit(f"{acc} = {round_low(k, f'({acc} + {v})', meta.dtype)};")
+        k.close()
+        return acc
+    return Custom(meta.shape, meta.dtype, [x, truth, ranks, values], fn)
 
 
 @register("aten.index_copy.default", ALL,
