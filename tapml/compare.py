@@ -326,8 +326,10 @@ def compare_anchored(targets: list[torch.Tensor], refs32: list[torch.Tensor], re
 
 #: Ops whose index output may order equal values any way (torch leaves the order of ties
 #: unspecified): ``op -> (position of dim in args, its default)``. ``sort.stable`` with
-#: ``stable=True`` is not one of them: its ties must come in input order.
-TIE_ORDERED = {"aten.sort.default": (1, -1), "aten.sort.stable": (None, -1), "aten.topk.default": (2, -1)}
+#: ``stable=True`` is not one of them: its ties must come in input order. kthvalue (a quickselect),
+#: mode (an unstable sort) and nanmedian (of an all-NaN row) pick any index of equal values.
+TIE_ORDERED = {"aten.sort.default": (1, -1), "aten.sort.stable": (None, -1), "aten.topk.default": (2, -1),
+               "aten.kthvalue.default": (2, -1), "aten.mode.default": (1, -1), "aten.nanmedian.dim": (1, -1)}
 
 
 def tie_dim(op: str, args: list, kwargs: dict) -> int | None:
@@ -345,6 +347,9 @@ def indices_pick_equal_values(x: torch.Tensor, dim: int, indices: torch.Tensor, 
     index output that differs from the reference only in the order of equal values passes."""
     if indices.shape != values.shape or indices.dtype not in (torch.int64, torch.int32) or x.dim() == 0:
         return False
+    if indices.dim() == x.dim() - 1:  # a reduction without keepdim: one index per row
+        dim = dim % x.dim()
+        indices, values = indices.unsqueeze(dim), values.unsqueeze(dim)
     size = x.shape[dim]
     if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= size):
         return False

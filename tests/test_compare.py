@@ -132,3 +132,15 @@ def test_sort_indices_that_only_reorder_ties_pick_the_same_values():
     assert tie_dim("aten.sort.default", [{"ref": "x"}], {}) == -1
     assert tie_dim("aten.sort.stable", [{"ref": "x"}], {"stable": True, "dim": 0}) is None  # ties in input order
     assert tie_dim("aten.add.Tensor", [{"ref": "x"}], {}) is None
+
+
+def test_reduction_indices_of_equal_values_pass_without_keepdim():
+    from tapml.compare import indices_pick_equal_values, tie_dim
+    x = torch.tensor([[2.0, 1.0, 2.0, 1.0], [float("nan"), 5.0, float("nan"), 0.0]])
+    values = torch.tensor([2.0, float("nan")])  # kthvalue(x, 3, 1): any index of the equal values
+    assert indices_pick_equal_values(x, 1, torch.tensor([2, 0]), values)
+    assert indices_pick_equal_values(x, -1, torch.tensor([0, 2]), values)
+    assert not indices_pick_equal_values(x, 1, torch.tensor([1, 0]), values)  # x[0, 1] is 1, not 2
+    assert tie_dim("aten.kthvalue.default", [{"ref": "x"}, 3, 1], {}) == 1
+    assert tie_dim("aten.mode.default", [{"ref": "x"}], {}) == -1
+    assert tie_dim("aten.median.dim", [{"ref": "x"}, 0], {}) is None  # torch's median takes the stable sort's
