@@ -39,6 +39,9 @@ SWEEPS = {
     "i0e": ("aten.special_i0e.default", (), torch.cat([torch.linspace(-90, 90, 40001), _POS]), torch.special.i0e, 8),
     "i1": ("aten.special_i1.default", (), torch.linspace(-88, 88, 40001), torch.special.i1, 8),
     "i1e": ("aten.special_i1e.default", (), torch.cat([torch.linspace(-90, 90, 40001), _POS]), torch.special.i1e, 8),
+    # near 0 these are relative, not absolute, accuracy (log(1 + x) and exp(x) - 1 of the drivers lose every digit)
+    "log1p": ("aten.log1p.default", (), torch.cat([_POS[_POS < 1e30], -_POS[_POS < 0.99]]), torch.log1p, 4),
+    "expm1": ("aten.expm1.default", (), torch.cat([_POS[_POS < 2], -_POS[_POS < 80]]), torch.expm1, 8),
 }
 
 

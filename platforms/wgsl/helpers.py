@@ -75,22 +75,29 @@ fn tap_sigmoid(x: f32) -> f32 {
   let e = exp(x);
   return e / (1.0 + e);
 }"""),
+    # log1p and expm1 near 0 as series: the drivers' log and exp are accurate only in absolute
+    # terms near 1 and 0, which is no relative accuracy for log(1 + x) or exp(x) - 1 of a small x
     "tap_log1p": (("tap_bits_f32",), """
 fn tap_log1p(x: f32) -> f32 {
+  if (abs(x) <= 0.5) {
+    let s = x / (2.0 + x);
+    let q = s * s;
+    return 2.0 * s * (1.0 + q * (0.33333333 + q * (0.2 + q * (0.14285714 + q * (0.11111111 + q * (0.09090909
+      + q * (0.07692308 + q * (0.06666667 + q * 0.05882353))))))));
+  }
   let u = 1.0 + x;
   if (u < 0.0) { return tap_bits_f32(0x7fc00000u); }
   if (u == 0.0) { return tap_bits_f32(0xff800000u); }
-  if (u == 1.0) { return x; }
-  if (abs(x) > 0.5 || u == u + 1.0) { return log(u); }
-  return log(u) * x / (u - 1.0);
+  return log(u);
 }"""),
     "tap_expm1": ((), """
 fn tap_expm1(x: f32) -> f32 {
-  if (abs(x) < 1e-5) { return x + 0.5 * x * x; }
+  if (abs(x) <= 0.5) {
+    return x * (1.0 + x / 2.0 * (1.0 + x / 3.0 * (1.0 + x / 4.0 * (1.0 + x / 5.0 * (1.0 + x / 6.0 * (1.0 + x / 7.0
+      * (1.0 + x / 8.0 * (1.0 + x / 9.0 * (1.0 + x / 10.0)))))))));
+  }
   return exp(x) - 1.0;
 }"""),
-    # asinh, acosh, atanh through log1p: log(x + sqrt(x*x + 1)) loses every digit for small or
-    # negative x and overflows for large x; past 2**28, sqrt(x*x + 1) is x to f32 precision.
     "tap_asinh": (("tap_log1p",), """
 fn tap_asinh(x: f32) -> f32 {
   let a = abs(x);

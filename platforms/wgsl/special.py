@@ -149,19 +149,12 @@ fn tap_erfinv(x: f32) -> f32 {{
   }}
   return p * x;
 }}"""),
-    # log1p(z) for |z| <= 0.5 as 2 atanh(z / (2 + z)): the driver's log near 1 is accurate only in absolute terms
-    "tap_log1p_half": ((), f"""
-fn tap_log1p_half(z: f32) -> f32 {{
-  let s = z / (2.0 + z);
-  let s2 = s * s;
-  return 2.0 * s * {_horner("s2", tuple(1.0 / (2 * k + 1) for k in range(9)))};
-}}"""),
     # lgamma(2 + z) for |z| <= 0.5
     "tap_lgamma2": ((), f"""
 fn tap_lgamma2(z: f32) -> f32 {{
   return z * {_horner("z", _LGAMMA2)};
 }}"""),
-    "tap_lgamma_pos": (("tap_lgamma2", "tap_log1p_half", "tap_log"), """
+    "tap_lgamma_pos": (("tap_lgamma2", "tap_log1p", "tap_log"), """
 fn tap_lgamma_pos(x: f32) -> f32 {
   if (x >= 8.0) {
     let l = log(x);
@@ -183,9 +176,9 @@ fn tap_lgamma_pos(x: f32) -> f32 {
   if (x >= 1.5) { return tap_lgamma2(x - 2.0); }
   if (x >= 0.5) {
     let z = x - 1.0;
-    return tap_lgamma2(z) - tap_log1p_half(z);
+    return tap_lgamma2(z) - tap_log1p(z);
   }
-  return tap_lgamma2(x) - tap_log1p_half(x) - tap_log(x);
+  return tap_lgamma2(x) - tap_log1p(x) - tap_log(x);
 }"""),
     "tap_lgamma": (("tap_lgamma_pos", "tap_sinpi_half", "tap_isnan", "tap_bits_f32", "tap_log"), f"""
 fn tap_lgamma(x: f32) -> f32 {{
