@@ -12,6 +12,19 @@ from tapml.graph import Graph, TensorMeta, map_refs, node_results
 from tapml.carving.store import CarveStoreWriter
 
 
+#: torch.export's runtime checks (op packets). They compute nothing, and the graph drops them;
+#: the carve is specialized to the reference run's real values, so a check that torch got wrong
+#: for the model's own example inputs (masked_select bounds its size by the input, not the
+#: broadcast of input and mask) does not stop it.
+RUNTIME_CHECKS = frozenset({"aten._assert_scalar", "aten._assert_async", "aten._assert_tensor_metadata",
+                            "aten.sym_constrain_range", "aten.sym_constrain_range_for_size"})
+
+
+def is_runtime_check(n: torch.fx.Node) -> bool:
+    """Whether fx node ``n`` is one of torch.export's :data:`RUNTIME_CHECKS`."""
+    return n.op == "call_function" and str(n.target).rsplit(".", 1)[0] in RUNTIME_CHECKS
+
+
 class CarvingInterpreter(torch.fx.Interpreter):
     """An fx Interpreter that records each ``call_function`` node's real inputs and outputs.
 
@@ -37,6 +50,8 @@ class CarvingInterpreter(torch.fx.Interpreter):
         self.step = 0
 
     def run_node(self, n: torch.fx.Node):
+        if is_runtime_check(n):
+            return None
         result = super().run_node(n)
         node = self.ir.get(n.name)
         if n.op == "call_function" and n.target is not operator.getitem and node is not None:
@@ -102,6 +117,8 @@ class RealValueRecorder(torch.fx.Interpreter):
         return self.values
 
     def run_node(self, n: torch.fx.Node):
+        if is_runtime_check(n):
+            return None
         result = super().run_node(n)
         if isinstance(result, torch.Tensor):
             self.values[n.name] = TensorMeta.of(result)
