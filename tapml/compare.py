@@ -414,15 +414,22 @@ def is_uninitialized_op(op: str) -> bool:
     return len(parts) == 3 and parts[0] == "aten" and parts[1] in UNINITIALIZED_PACKETS
 
 
+def metadata_mismatch(targets: list[torch.Tensor], refs: list[torch.Tensor]) -> str:
+    """How the shapes and dtypes of ``targets`` differ from the reference's ``refs`` ("" if not)."""
+    if len(targets) != len(refs):
+        return f"{len(targets)} outputs, the reference has {len(refs)}"
+    for i, (t, r) in enumerate(zip(targets, refs)):
+        if tuple(t.shape) != tuple(r.shape) or t.dtype != r.dtype:
+            return (f"output {i} is {dtype_name(t.dtype)}{list(t.shape)}, "
+                    f"the reference {dtype_name(r.dtype)}{list(r.shape)}")
+    return ""
+
+
 def compare_metadata(targets: list[torch.Tensor], refs: list[torch.Tensor]) -> Comparison:
     """Shapes and dtypes of ``targets`` against the reference's ``refs``, never their values
     (for :func:`is_uninitialized_op` outputs)."""
-    if len(targets) != len(refs):
-        return Comparison(False, message=f"{len(targets)} outputs, the reference has {len(refs)}")
-    for i, (t, r) in enumerate(zip(targets, refs)):
-        if tuple(t.shape) != tuple(r.shape) or t.dtype != r.dtype:
-            return Comparison(False, message=f"output {i} is {dtype_name(t.dtype)}{list(t.shape)}, "
-                                             f"the reference {dtype_name(r.dtype)}{list(r.shape)}")
+    if why := metadata_mismatch(targets, refs):
+        return Comparison(False, message=f"{UNINITIALIZED_NOTE}: {why}")
     return Comparison(True, 0.0, 0.0, 0.0, message=UNINITIALIZED_NOTE)
 
 
@@ -568,12 +575,8 @@ def compare_distribution(op: str, targets: list[torch.Tensor], refs: list[torch.
         compare_distribution("aten.rand.default", [t], [torch.rand(4096)], [[4096]]).passed
     """
     kwargs = kwargs or {}
-    if len(targets) != len(refs):
-        return Comparison(False, message=f"{RANDOM_NOTE}: {len(targets)} outputs != reference {len(refs)}")
-    for i, (t, r) in enumerate(zip(targets, refs)):
-        if tuple(t.shape) != tuple(r.shape) or t.dtype != r.dtype:
-            return Comparison(False, message=f"{RANDOM_NOTE}: output {i} is {dtype_name(t.dtype)}{list(t.shape)}, "
-                                             f"the reference {dtype_name(r.dtype)}{list(r.shape)}")
+    if why := metadata_mismatch(targets, refs):
+        return Comparison(False, message=f"{RANDOM_NOTE}: {why}")
     if op not in RANDOM_OPS:
         return Comparison(False, message=f"{RANDOM_NOTE}: no distribution is known for {op}")
     out = targets[0].detach().cpu()

@@ -195,15 +195,21 @@ def _pick(pb, node, x: Value, dim: int, keepdim: bool, name: str, choose):
     return res
 
 
-def _first_nan(k, key, n: int) -> str:
-    """Emit a binary search for the first sorted position holding NaN (``n`` when none): NaN sorts last."""
+def _first_where(k, n: int, holds) -> str:
+    """Emit a binary search for the first position in [0, n) where ``holds(k, mid)`` (a WGSL
+    bool, false then true along the positions) is true; ``n`` when none."""
     lo, hi = k.var("i32", "0", "lo"), k.var("i32", str(n), "hi")
     k.open("loop")
     k.emit(f"if ({lo} >= {hi}) {{ break; }}")
     mid = k.let(f"({lo} + {hi}) / 2", "i32")
-    k.emit(f"if ({_isnan(k, key(mid), 'f32')}) {{ {hi} = {mid}; }} else {{ {lo} = {mid} + 1; }}")
+    k.emit(f"if ({holds(k, mid)}) {{ {hi} = {mid}; }} else {{ {lo} = {mid} + 1; }}")
     k.close()
     return lo
+
+
+def _first_nan(k, key, n: int) -> str:
+    """The first sorted position holding NaN (``n`` when none): NaN sorts last."""
+    return _first_where(k, n, lambda k, mid: _isnan(k, key(mid), "f32"))
 
 
 def _median_choose(ignore_nan: bool):
@@ -493,13 +499,7 @@ def histc(pb, node, x, bins=100, min=0, max=0):
     sorted_bins = gathered(pb, TensorMeta((n,), "int32"), bin_values, 0, sidx)
 
     def lower_bound(k, target: str) -> str:
-        lo, hi = k.var("i32", "0", "lo"), k.var("i32", str(n), "hi")
-        k.open("loop")
-        k.emit(f"if ({lo} >= {hi}) {{ break; }}")
-        mid = k.let(f"({lo} + {hi}) / 2", "i32")
-        k.emit(f"if ({sorted_bins.read(k, [mid])} >= {target}) {{ {hi} = {mid}; }} else {{ {lo} = {mid} + 1; }}")
-        k.close()
-        return lo
+        return _first_where(k, n, lambda k, mid: f"{sorted_bins.read(k, [mid])} >= {target}")
 
     (sorted_bins,) = pb.fit([sorted_bins], 1)
     k = pb.kernel("histc_count")

@@ -72,6 +72,23 @@ _ZETA_A = (12.0, -720.0, 30240.0, -1209600.0, 47900160.0, -1.8924375803183791606
 
 _INF, _NAN = "tap_bits_f32(0x7f800000u)", "tap_bits_f32(0x7fc00000u)"
 
+
+def _nextafter_bits(name: str, step: int) -> str:
+    """WGSL of ``name(a, b)``: the f32 whose bits are ``step`` from a's towards b (1 for float32;
+    2**16 for bfloat16, whose values are the high halves of f32s)."""
+    return f"""
+fn {name}(a: f32, b: f32) -> f32 {{
+  if (tap_isnan(a) || tap_isnan(b)) {{ return a + b; }}
+  let ua = bitcast<u32>(a);
+  let ub = bitcast<u32>(b);
+  let ka = select(i32(ua), -i32(ua & 0x7fffffffu), (ua >> 31u) == 1u);
+  let kb = select(i32(ub), -i32(ub & 0x7fffffffu), (ub >> 31u) == 1u);
+  if (ka == kb) {{ return b; }}
+  if ((ua & 0x7fffffffu) == 0u) {{ return bitcast<f32>(select({step}u, {0x80000000 + step}u, kb < ka)); }}
+  return bitcast<f32>(select(ua - {step}u, ua + {step}u, (ka < kb) == ((ua >> 31u) == 0u)));
+}}"""
+
+
 _SPECIAL_HELPERS = {
     # exp with Cody-Waite reduction: the driver's exp loses |x|·2^-24 of relative accuracy for large |x|
     "tap_exp_acc": (("tap_bits_f32", "tap_isnan"), f"""
@@ -290,29 +307,9 @@ fn tap_i1_small(x: f32) -> f32 {{
   let y = 0.25 * x * x;
   return 0.5 * x * {_horner("y", _I1_SMALL)};
 }}"""),
-    "tap_nextafter_f32": (("tap_isnan",), """
-fn tap_nextafter_f32(a: f32, b: f32) -> f32 {
-  if (tap_isnan(a) || tap_isnan(b)) { return a + b; }
-  let ua = bitcast<u32>(a);
-  let ub = bitcast<u32>(b);
-  let ka = select(i32(ua), -i32(ua & 0x7fffffffu), (ua >> 31u) == 1u);
-  let kb = select(i32(ub), -i32(ub & 0x7fffffffu), (ub >> 31u) == 1u);
-  if (ka == kb) { return b; }
-  if ((ua & 0x7fffffffu) == 0u) { return bitcast<f32>(select(1u, 0x80000001u, kb < ka)); }
-  return bitcast<f32>(select(ua - 1u, ua + 1u, (ka < kb) == ((ua >> 31u) == 0u)));
-}"""),
+    "tap_nextafter_f32": (("tap_isnan",), _nextafter_bits("tap_nextafter_f32", 1)),
     # bfloat16 is the high half of an f32: its neighbours are 2^16 apart in the f32's bits
-    "tap_nextafter_bf16": (("tap_isnan",), """
-fn tap_nextafter_bf16(a: f32, b: f32) -> f32 {
-  if (tap_isnan(a) || tap_isnan(b)) { return a + b; }
-  let ua = bitcast<u32>(a);
-  let ub = bitcast<u32>(b);
-  let ka = select(i32(ua), -i32(ua & 0x7fffffffu), (ua >> 31u) == 1u);
-  let kb = select(i32(ub), -i32(ub & 0x7fffffffu), (ub >> 31u) == 1u);
-  if (ka == kb) { return b; }
-  if ((ua & 0x7fffffffu) == 0u) { return bitcast<f32>(select(0x10000u, 0x80010000u, kb < ka)); }
-  return bitcast<f32>(select(ua - 0x10000u, ua + 0x10000u, (ka < kb) == ((ua >> 31u) == 0u)));
-}"""),
+    "tap_nextafter_bf16": (("tap_isnan",), _nextafter_bits("tap_nextafter_bf16", 0x10000)),
     # float16 neighbours: step the half's bits (a, b are exact halves), then widen them in software
     # (a driver may flush half subnormals)
     "tap_nextafter_f16": (("tap_isnan", "tap_f16_bits"), """
