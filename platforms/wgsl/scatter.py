@@ -163,14 +163,17 @@ def _masked_put(pb, meta, x, d: int, mask, values, accumulate: bool):
     vshape = list(values.shape)
     if len(vshape) > indexed:
         raise Unsupported(f"index_put: values of {len(vshape)} dims for a masked index of {indexed}")
-    x, truth, ranks, values = pb.fit([x, truth, ranks, values], 1)
+    # each masked element's rank, -1 where the mask is False: one buffer for the put to read
+    ranked = Compute(tuple(mask.shape), "int32", [truth, ranks],
+                     lambda k, e, idx: f"select(-1, {e[1]}, {cast(e[0], truth.ty, 'bool')})")
+    x, ranked, values = pb.fit([x, ranked, values], len(pb.windows(meta.nbytes)))  # the output, in windows too
     ty = x.ty
 
     def fn(k, idx):
         acc = k.var(ty, x.read(k, list(idx)), "put")
         at = list(idx[d:d + nm])
-        k.open(f"if ({cast(truth.read(k, at), truth.ty, 'bool')})")
-        rank = k.let(ranks.read(k, at), "i32")
+        rank = k.let(ranked.read(k, at), "i32")
+        k.open(f"if ({rank} >= 0)")
         full = list(idx[:d]) + [rank] + list(idx[d + nm:])
         pad = indexed - len(vshape)
         # a values tensor of fewer rows than Trues (a stranger's store) is read clamped, never past its end
@@ -184,7 +187,7 @@ def _masked_put(pb, meta, x, d: int, mask, values, accumulate: bool):
             k.emit(f"{acc} = {round_low(k, f'({acc} + {v})', meta.dtype)};")
         k.close()
         return acc
-    return Custom(meta.shape, meta.dtype, [x, truth, ranks, values], fn)
+    return Custom(meta.shape, meta.dtype, [x, ranked, values], fn)
 
 
 @register("aten.index_copy.default", ALL,
