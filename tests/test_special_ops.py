@@ -1,5 +1,5 @@
-"""Device tier: accuracy of the special-function lowerings (platforms/wgsl/special.py) over their
-whole domain, in f32 ulps against torch's float64 result, on lavapipe Vulkan and llvmpipe GL.
+"""Device tier: accuracy of the special-function lowerings (platforms/wgsl/special.py) and of the
+elementwise transcendentals (platforms/wgsl/elementwise.py) over their whole domain, in f32 ulps against torch's float64 result, on lavapipe Vulkan and llvmpipe GL.
 
 The registry's generated tests check the default tolerances on a few samples; these sweep dense
 grids (tiny to huge arguments, the regions around zeros and poles) and hold each function to the
@@ -23,6 +23,10 @@ pytestmark = [pytest.mark.device,
 
 _POS = torch.logspace(-30, 38, 20000).float()
 _WIDE = torch.cat([_POS, -_POS, torch.linspace(-12, 12, 20001)])
+_HYP = _POS[_POS < 89.4]
+_UNIT = torch.cat([_POS[_POS <= 1], -_POS[_POS <= 1], torch.linspace(-1, 1, 40001), 1 - torch.logspace(-7.2, -1, 2000)])
+#: positive normals and denormals, and [0.5, 2] where the drivers' log is accurate only in absolute terms
+_LOG = torch.cat([_POS, torch.logspace(-45, -38, 2000), torch.linspace(0.5, 2, 40001)])
 
 # op, extra leading args, arguments, float64 reference, ulp bound
 SWEEPS = {
@@ -42,6 +46,17 @@ SWEEPS = {
     # near 0 these are relative, not absolute, accuracy (log(1 + x) and exp(x) - 1 of the drivers lose every digit)
     "log1p": ("aten.log1p.default", (), torch.cat([_POS[_POS < 1e30], -_POS[_POS < 0.99]]), torch.log1p, 4),
     "expm1": ("aten.expm1.default", (), torch.cat([_POS[_POS < 2], -_POS[_POS < 80]]), torch.expm1, 8),
+    # the elementwise transcendentals: relative accuracy for tiny arguments and near 1 (log), no
+    # premature overflow (sinh and cosh up to 89.4), the half-angle and octant reductions' seams
+    "sinh": ("aten.sinh.default", (), torch.cat([_HYP, -_HYP, torch.linspace(-89.4, 89.4, 40001)]), torch.sinh, 8),
+    "cosh": ("aten.cosh.default", (), torch.cat([_HYP, -_HYP, torch.linspace(-89.4, 89.4, 40001)]), torch.cosh, 8),
+    "tanh": ("aten.tanh.default", (), _WIDE, torch.tanh, 6),
+    "atan": ("aten.atan.default", (), torch.cat([_WIDE, torch.linspace(-3, 3, 40001)]), torch.atan, 4),
+    "asin": ("aten.asin.default", (), _UNIT, torch.asin, 4),
+    "acos": ("aten.acos.default", (), torch.cat([_UNIT, -1 + torch.logspace(-7.2, -1, 2000)]), torch.acos, 4),
+    "log": ("aten.log.default", (), _LOG, torch.log, 4),
+    "log2": ("aten.log2.default", (), _LOG, torch.log2, 4),
+    "log10": ("aten.log10.default", (), _LOG, torch.log10, 4),
 }
 
 

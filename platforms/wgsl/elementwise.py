@@ -114,8 +114,9 @@ UNARY_FLOAT = {  # op -> (expression, helpers, sample range); int and bool input
     "tanh": ("tap_tanh({x})", ("tap_tanh",), (-8, 8)), "sigmoid": ("tap_sigmoid({x})", ("tap_sigmoid",), (-8, 8)),
     "erf": ("tap_erf({x})", ("tap_erf",), (-3, 3)), "log1p": ("tap_log1p({x})", ("tap_log1p",), (-0.9, 4)),
     "expm1": ("tap_expm1({x})", ("tap_expm1",), (-3, 3)),
-    "asin": ("asin({x})", (), (-0.95, 0.95)), "acos": ("acos({x})", (), (-0.95, 0.95)), "atan": ("tap_atan({x})", ("tap_atan",), (-5, 5)),
-    "sinh": ("sinh({x})", (), (-3, 3)), "cosh": ("cosh({x})", (), (-3, 3)),
+    "asin": ("tap_asin({x})", ("tap_asin",), (-0.95, 0.95)), "acos": ("tap_acos({x})", ("tap_acos",), (-0.95, 0.95)),
+    "atan": ("tap_atan({x})", ("tap_atan",), (-5, 5)),
+    "sinh": ("tap_sinh({x})", ("tap_sinh",), (-3, 3)), "cosh": ("tap_cosh({x})", ("tap_cosh",), (-3, 3)),
     "asinh": ("tap_asinh({x})", ("tap_asinh",), (-6, 6)), "acosh": ("tap_acosh({x})", ("tap_acosh",), (1.0, 8)),
     "atanh": ("tap_atanh({x})", ("tap_atanh",), (-0.95, 0.95)),
 }
@@ -182,14 +183,16 @@ _GELU_EDGES = tuple(v for v in FLOAT_EDGES if not math.isinf(v))
 
 @register("aten.gelu.default", ALL_FLOAT, samples=_gelu_samples)
 def gelu(pb, node, x, approximate="none"):
+    # 1 + tanh(u) = 2 sigmoid(2u) and 1 + erf(u) = erfc(-u): the sums cancel for very negative x
+    # (torch's float32 gelu(-5) is 1.19e-6, not 1.43e-6), these do not
     if approximate == "tanh":
         def fn(k, a):
-            k.need("tap_tanh")
-            return f"(0.5 * {a} * (1.0 + tap_tanh(0.7978845608028654 * ({a} + 0.044715 * {a} * {a} * {a}))))"
+            k.need("tap_sigmoid")
+            return f"({a} * tap_sigmoid(1.5957691216057308 * ({a} + 0.044715 * {a} * {a} * {a})))"
     else:
         def fn(k, a):
-            k.need("tap_erf")
-            return f"(0.5 * {a} * (1.0 + tap_erf({a} * 0.7071067811865476)))"
+            k.need("tap_erfc")  # special.py's, which load_lowerings() always imports
+            return f"(0.5 * {a} * tap_erfc({a} * -0.7071067811865476))"
     return [elementwise(pb, node, [x], fn, compute="f32", cost=3)]
 
 

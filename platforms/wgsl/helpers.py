@@ -58,16 +58,56 @@ fn tap_erf(x: f32) -> f32 {
   let y = 1.0 - (((((1.061405429 * t - 1.453152027) * t) + 1.421413741) * t - 0.284496736) * t + 0.254829592) * t * exp(-a * a);
   return select(y, -y, x < 0.0);
 }"""),
-    # Some drivers compute tanh through exp and return NaN for large |x|.
-    "tap_tanh": ((), """
+    # tanh = -t / (2 + t) with t = expm1(-2|x|): the drivers' tanh (and (1 - e) / (1 + e)) cancel for
+    # small |x| and some return NaN for large |x|
+    "tap_tanh": (("tap_expm1", "tap_isnan"), """
 fn tap_tanh(x: f32) -> f32 {
-  if (x != x) { return x; }
+  if (tap_isnan(x)) { return x; }
   let a = abs(x);
-  if (a < 0.0005) { return x; }
-  if (a > 15.0) { return sign(x); }
-  let e = exp(-2.0 * a);
-  let y = (1.0 - e) / (1.0 + e);
+  if (a < 0.000244140625) { return x; }
+  if (a > 9.5) { return sign(x); }
+  let t = tap_expm1(-2.0 * a);
+  let y = -t / (2.0 + t);
   return select(y, -y, x < 0.0);
+}"""),
+    # exp(a) / 2 for a >= 0 with the argument reduced to [-ln2/2, ln2/2] (the drivers' exp may be off
+    # by 3 + 2|x| ulp) and the power of two applied in two halves, so that it overflows only where
+    # exp(a) / 2 does (a > 89.4), not at exp(a)'s 88.7
+    "tap_exp_half": (("tap_bits_f32",), """
+fn tap_exp_half(a: f32) -> f32 {
+  if (a > 89.5) { return tap_bits_f32(0x7f800000u); }
+  let n = round(a * 1.4426950408889634);
+  let r = (a - n * 0.693359375) + n * 2.12194440e-4;
+  let k = i32(n) - 1;
+  let k1 = k / 2;
+  return exp(r) * bitcast<f32>(u32(k1 + 127) << 23u) * bitcast<f32>(u32(k - k1 + 127) << 23u);
+}"""),
+    # sinh and cosh through expm1 for |x| < 1 (the driver's sinh is garbage for tiny x)
+    "tap_sinh": (("tap_expm1", "tap_exp_half", "tap_isnan"), """
+fn tap_sinh(x: f32) -> f32 {
+  if (tap_isnan(x)) { return x; }
+  let a = abs(x);
+  if (a < 0.000244140625) { return x; }
+  var r: f32;
+  if (a < 1.0) {
+    let t = tap_expm1(a);
+    r = 0.5 * (t + t / (t + 1.0));
+  } else {
+    let h = tap_exp_half(a);
+    r = h - 0.25 / h;
+  }
+  return select(r, -r, x < 0.0);
+}"""),
+    "tap_cosh": (("tap_expm1", "tap_exp_half", "tap_isnan"), """
+fn tap_cosh(x: f32) -> f32 {
+  if (tap_isnan(x)) { return x; }
+  let a = abs(x);
+  if (a < 1.0) {
+    let t = tap_expm1(a);
+    return 1.0 + t * t / (2.0 * (t + 1.0));
+  }
+  let h = tap_exp_half(a);
+  return h + 0.25 / h;
 }"""),
     "tap_sigmoid": ((), """
 fn tap_sigmoid(x: f32) -> f32 {
@@ -243,22 +283,51 @@ fn tap_floordiv_f(a: f32, b: f32) -> f32 {
   if (d - f > 0.5) { f = f + 1.0; }
   return f;
 }"""),
-    # log and log2 of a denormal read its mantissa bits: drivers' log treats denormals as the
-    # smallest normal (lavapipe gave log(1e-40) = -88.0, not -92.1); WGSL leaves log of 0 and of a
-    # negative number undefined (SwiftShader gave -88.0 and log|x|): -Inf and NaN as in torch
-    "tap_log2": (("tap_bits_f32",), """
-fn tap_log2(x: f32) -> f32 {
-  if (x == 0.0) { return tap_bits_f32(0xff800000u); }
-  if (x < 0.0) { return tap_bits_f32(0x7fc00000u); }
-  if (x < 1.17549435e-38) { return log2(f32(bitcast<u32>(x) & 0x7fffffu)) - 149.0; }
-  return log2(x);
+    # log and log2 of our own (FreeBSD's logf): x = 2^k m with m in [sqrt(1/2), sqrt(2)), and log(m) as a
+    # polynomial in s = (m - 1) / (m + 1). The drivers' log is accurate only in absolute terms near 1
+    # and treats denormals as the smallest normal (lavapipe gave log(1e-40) = -88.0, not -92.1), so a
+    # denormal's mantissa bits are read as an integer. Returns (k, log(m)) for a finite x > 0.
+    "tap_log_parts": ((), """
+fn tap_log_parts(x: f32) -> vec2<f32> {
+  var b = bitcast<u32>(x);
+  var k = 0;
+  if (b < 0x00800000u) {
+    b = bitcast<u32>(f32(b));
+    k = -149;
+  }
+  k = k + i32(b >> 23u) - 127;
+  var m = bitcast<f32>((b & 0x7fffffu) | 0x3f800000u);
+  if (m > 1.41421356) {
+    m = 0.5 * m;
+    k = k + 1;
+  }
+  let f = m - 1.0;
+  let s = f / (2.0 + f);
+  let z = s * s;
+  let w = z * z;
+  let r = w * (0.40000972152 + w * 0.24279078841) + z * (0.66666662693 + w * 0.28498786688);
+  let hfsq = 0.5 * f * f;
+  return vec2<f32>(f32(k), f - (hfsq - s * (hfsq + r)));
 }"""),
-    "tap_log": (("tap_bits_f32",), """
+    # WGSL leaves log of 0 and of a negative number undefined (SwiftShader gave -88.0 and log|x|):
+    # -Inf and NaN as in torch
+    "tap_log2": (("tap_bits_f32", "tap_log_parts"), """
+fn tap_log2(x: f32) -> f32 {
+  let b = bitcast<u32>(x);
+  if ((b & 0x7fffffffu) == 0u) { return tap_bits_f32(0xff800000u); }
+  if (b > 0x80000000u) { return tap_bits_f32(0x7fc00000u); }
+  if (b >= 0x7f800000u) { return x; }
+  let p = tap_log_parts(x);
+  return p.x + p.y * 1.4426950408889634;
+}"""),
+    "tap_log": (("tap_bits_f32", "tap_log_parts"), """
 fn tap_log(x: f32) -> f32 {
-  if (x == 0.0) { return tap_bits_f32(0xff800000u); }
-  if (x < 0.0) { return tap_bits_f32(0x7fc00000u); }
-  if (x < 1.17549435e-38) { return log(f32(bitcast<u32>(x) & 0x7fffffu)) - 103.27892990343184; }
-  return log(x);
+  let b = bitcast<u32>(x);
+  if ((b & 0x7fffffffu) == 0u) { return tap_bits_f32(0xff800000u); }
+  if (b > 0x80000000u) { return tap_bits_f32(0x7fc00000u); }
+  if (b >= 0x7f800000u) { return x; }
+  let p = tap_log_parts(x);
+  return p.x * 0.693138122558593750 + (p.y + p.x * 9.05800061445916e-06);
 }"""),
     # sin, cos, tan of an infinity are NaN (drivers return anything)
     "tap_sin": (("tap_bits_f32",), """
@@ -276,9 +345,53 @@ fn tap_tan(x: f32) -> f32 {
   if (abs(x) > 3.4028234e38) { return tap_bits_f32(0x7fc00000u); }
   return tan(x);
 }"""),
+    # atan, asin, acos of our own (Cephes' atanf, asinf): WGSL allows the drivers' 4096 ulp. pi/2 and
+    # pi are each an f32 plus a correction, so that results near them lose nothing to the constant.
     "tap_atan": (("tap_isnan",), """
 fn tap_atan(x: f32) -> f32 {
   if (tap_isnan(x)) { return x; }
-  return atan(x);
+  let a = abs(x);
+  if (a < 0.000244140625) { return x; }
+  var hi = 0.0;
+  var lo = 0.0;
+  var t = a;
+  if (a > 2.414213562373095) {
+    hi = 1.5707963705062866;
+    lo = -4.371139006309477e-08;
+    t = -1.0 / a;
+  } else if (a > 0.41421356237309503) {
+    hi = 0.7853981852531433;
+    lo = -2.1855695031547384e-08;
+    t = (a - 1.0) / (a + 1.0);
+  }
+  let z = t * t;
+  let r = hi + ((((0.0805374449538 * z - 0.138776856032) * z + 0.199777106478) * z - 0.333329491539) * z * t + t + lo);
+  return select(r, -r, x < 0.0);
+}"""),
+    # asin(x) for |x| <= 0.5
+    "tap_asin_small": ((), """
+fn tap_asin_small(x: f32) -> f32 {
+  let z = x * x;
+  return x + x * z * ((((0.042163199048 * z + 0.024181311049) * z + 0.045470025998) * z + 0.074953002686) * z
+    + 0.16666752422);
+}"""),
+    # |x| > 0.5 through the half angle: asin(a) = pi/2 - 2 asin(sqrt((1 - a) / 2))
+    "tap_asin": (("tap_asin_small", "tap_isnan", "tap_bits_f32"), """
+fn tap_asin(x: f32) -> f32 {
+  if (tap_isnan(x)) { return x; }
+  let a = abs(x);
+  if (a > 1.0) { return tap_bits_f32(0x7fc00000u); }
+  if (a < 0.000244140625) { return x; }
+  if (a <= 0.5) { return tap_asin_small(x); }
+  let r = 1.5707963705062866 - (2.0 * tap_asin_small(sqrt(0.5 * (1.0 - a))) + 4.371139006309477e-08);
+  return select(r, -r, x < 0.0);
+}"""),
+    "tap_acos": (("tap_asin_small", "tap_isnan", "tap_bits_f32"), """
+fn tap_acos(x: f32) -> f32 {
+  if (tap_isnan(x)) { return x; }
+  if (abs(x) > 1.0) { return tap_bits_f32(0x7fc00000u); }
+  if (x > 0.5) { return 2.0 * tap_asin_small(sqrt(0.5 * (1.0 - x))); }
+  if (x < -0.5) { return 3.1415927410125732 - (2.0 * tap_asin_small(sqrt(0.5 * (1.0 + x))) + 8.742278012618954e-08); }
+  return 1.5707963705062866 - (tap_asin_small(x) + 4.371139006309477e-08);
 }"""),
 }
