@@ -41,7 +41,8 @@ EXPORTED_INTERNALS = frozenset({
     # found by a conformance run of torch's OpInfo samples through torch.export (nn.Bilinear,
     # torch.linalg, complex conjugates, histogramdd, batch norm with its running-stat update)
     "_trilinear", "_linalg_svd", "_linalg_slogdet", "_linalg_det", "_linalg_eigh", "_linalg_solve_ex",
-    "_conj", "_conj_physical", "_histogramdd_bin_edges", "_batch_norm_with_update_functional",
+    "_conj", "_conj_physical", "_histogramdd_bin_edges", "_histogramdd_from_bin_cts",
+    "_batch_norm_with_update_functional",
 })
 
 #: Ops that reach the world outside their tensors (files, stdout, RNG or grad state, storages,

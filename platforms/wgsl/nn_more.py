@@ -3,6 +3,7 @@ embedding bags, col2im (fold), training-mode batch norm (with and without runnin
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -632,6 +633,21 @@ def native_batch_norm(pb, node, x, weight, bias, running_mean, running_var, trai
     return batch_norm(pb, node, x, weight, bias, running_mean, running_var, momentum, eps)
 
 
+def _with_update_samples():
+    return [(args[:5] + args[6:], kwargs) for args, kwargs in _bn_running_samples() if args[5]]
+
+
+@register("aten._batch_norm_with_update_functional.default", ALL_FLOAT, samples=_with_update_samples, flops="norm")
+def batch_norm_with_update(pb, node, x, weight, bias, running_mean, running_var, momentum, eps):
+    """torch's training batch norm before its decomposition: :func:`batch_norm_training`'s
+    results with an empty ``reserve`` (uint8, for cuDNN) before the running statistics."""
+    out, save_mean, save_rstd, reserve, mean_out, var_out = node.outputs
+    shifted = dataclasses.replace(node, outputs=[out, save_mean, save_rstd, mean_out, var_out])
+    y, mean, rstd, running_mean, running_var = batch_norm_training(pb, shifted, x, weight, bias, running_mean,
+                                                                   running_var, momentum, eps)
+    return [y, mean, rstd, BufferView.whole(pb.buffer("temp", reserve), reserve), running_mean, running_var]
+
+
 # --- nonzero -----------------------------------------------------------------------------
 
 def _nonzero_samples():
@@ -660,9 +676,18 @@ def nonzero(pb, node, x):
     return [mask_coordinates(pb, mask, node.outputs[0])]
 
 
+@register("aten.nonzero_static.default", ALL,
+          samples=lambda: [((args[0],), {"size": size, "fill_value": fill}) for args, _ in _nonzero_samples()[:6]
+                           for size, fill in ((3, -1), (40, -7))] + [((rand(3, 4),), {"size": 0})])
+def nonzero_static(pb, node, x, size, fill_value=-1):
+    """``nonzero`` padded (or cut) to ``size`` rows, the rows past the nonzero elements ``fill_value``."""
+    mask = Compute(tuple(x.shape), "bool", [x], lambda k, e, idx: cast(e[0], x.ty, "bool"))
+    return [mask_coordinates(pb, mask, node.outputs[0], fill=fill_value)]
+
+
 __all__ = ["max_pool3d", "avg_pool3d", "adaptive_avg_pool3d", "cdist_forward", "pdist_forward", "col2im",
            "batch_norm_no_stats", "batch_norm_training", "batch_norm_running", "batch_norm_functional",
-           "native_batch_norm", "nonzero"]
+           "native_batch_norm", "batch_norm_with_update", "nonzero", "nonzero_static"]
 
 
 # --- 1-d average pools: the 2-d lowerings over a height of 1 -------------------------------

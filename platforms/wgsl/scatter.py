@@ -116,15 +116,20 @@ def _truth(v):
     return Compute(tuple(v.shape), "bool", [v], lambda k, e, idx: cast(e[0], v.ty, "bool"))
 
 
-def mask_coordinates(pb, truth, meta: TensorMeta) -> BufferView:
+def mask_coordinates(pb, truth, meta: TensorMeta, fill: int | None = None) -> BufferView:
     """A ``meta``-shaped ``(count, ndim)`` integer tensor: the coordinates of ``truth``'s first
     ``count`` True elements in row-major order (``nonzero``); count is data-dependent, so it is
-    the node's recorded shape, and rows past the Trues there are are not written."""
+    the node's recorded shape, and rows past the Trues there are hold ``fill`` (not written
+    when None)."""
     out = pb.buffer("temp", meta)
     result = BufferView.whole(out, meta)
     count, nd = meta.shape
     if meta.numel == 0:
         return result
+    if fill is not None:
+        k = pb.kernel("fill")
+        k.write(out, "n", str(int(fill)), "i32")
+        pb.add(k.finish(meta.numel))
     shape = tuple(truth.shape)
     positions = _mask_positions(pb, truth, shape)
     truth, positions = pb.fit([truth, positions], 1)
