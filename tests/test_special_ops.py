@@ -42,6 +42,14 @@ SWEEPS = {
     "i0": ("aten.i0.default", (), torch.linspace(-88, 88, 40001), torch.i0, 8),
     "i0e": ("aten.special_i0e.default", (), torch.cat([torch.linspace(-90, 90, 40001), _POS]), torch.special.i0e, 8),
     "i1": ("aten.special_i1.default", (), torch.linspace(-88, 88, 40001), torch.special.i1, 8),
+    "modified_bessel_i0": ("aten.special_modified_bessel_i0.default", (), torch.linspace(-88, 88, 40001),
+                           torch.special.modified_bessel_i0, 8),
+    "modified_bessel_i1": ("aten.special_modified_bessel_i1.default", (), torch.linspace(-88, 88, 40001),
+                           torch.special.modified_bessel_i1, 8),
+    # tiny p (down to the denormals) keep their relative accuracy: no 2p - 1 rounding to -1
+    "ndtri": ("aten.special_ndtri.default", (), torch.cat([torch.logspace(-45, -0.31, 20000), torch.linspace(0, 1, 40001)[1:-1],
+                                                           1 - torch.logspace(-7.2, -0.31, 2000)]), torch.special.ndtri, 6),
+    "angle": ("aten.angle.default", (), _WIDE, torch.angle, 1),
     "i1e": ("aten.special_i1e.default", (), torch.cat([torch.linspace(-90, 90, 40001), _POS]), torch.special.i1e, 8),
     # near 0 these are relative, not absolute, accuracy (log(1 + x) and exp(x) - 1 of the drivers lose every digit)
     "log1p": ("aten.log1p.default", (), torch.cat([_POS[_POS < 1e30], -_POS[_POS < 0.99]]), torch.log1p, 4),
@@ -79,3 +87,34 @@ def test_special_function_is_accurate_to_a_few_ulp(backend, name):
     op, lead, x, reference, bound = SWEEPS[name]
     err, where = _ulp_error(shared_platform(backend), op, lead, x, reference)
     assert err <= bound, f"{name} on {backend}: {err:.1f} ulp at x={where!r} (bound {bound})"
+
+
+# op, x grid, orders n, float64 reference, bound on the error relative to the largest |p_n(x)| of each order
+# over the grid (the f32 recurrence's own cancellation near the zeros is of that size)
+POLYNOMIALS = {
+    "hermite_h": ("aten.special_hermite_polynomial_h.default", torch.linspace(-6, 6, 2001), range(0, 41),
+                  torch.special.hermite_polynomial_h, 1e-5),
+    "hermite_he": ("aten.special_hermite_polynomial_he.default", torch.linspace(-6, 6, 2001), range(0, 41),
+                   torch.special.hermite_polynomial_he, 1e-5),
+    "laguerre_l": ("aten.special_laguerre_polynomial_l.default", torch.linspace(-4, 30, 2001), range(0, 31),
+                   torch.special.laguerre_polynomial_l, 1e-5),
+    "legendre_p": ("aten.special_legendre_polynomial_p.default", torch.linspace(-1, 1, 2001), range(0, 61),
+                   torch.special.legendre_polynomial_p, 1e-5),
+}
+
+
+@pytest.mark.parametrize("backend", ["vulkan", "gl"])
+@pytest.mark.parametrize("name", sorted(POLYNOMIALS))
+def test_orthogonal_polynomial_is_accurate(backend, name):
+    if backend not in BACKENDS:
+        pytest.skip(f"no {backend} adapter here (have: {', '.join(BACKENDS)})")
+    op, x, orders, reference, bound = POLYNOMIALS[name]
+    n = torch.tensor(list(orders), dtype=torch.float32)[:, None]
+    graph, inputs = case_graph(op, [x[None, :], n])
+    platform = shared_platform(backend)
+    out = platform.run(platform.compile(graph), inputs)[0].double()
+    ref = reference(x.double()[None, :], n.double())
+    scale = ref.abs().amax(dim=1, keepdim=True)
+    err = ((out - ref).abs() / scale).max(dim=1).values
+    worst = int(err.argmax())
+    assert float(err[worst]) <= bound, f"{name} on {backend}: error {float(err[worst]):.2e} of max|p| at n={worst} (bound {bound})"

@@ -1,6 +1,7 @@
 """Special functions and float bit-level ops torch.export leaves in graphs (no core-ATen
 decomposition): erfc, erfcx, erfinv, lgamma, digamma, polygamma, the modified Bessel functions
-i0/i0e/i1/i1e, copysign, fmax/fmin, hypot, signbit, nextafter, ldexp, frexp, round(decimals).
+i0/i0e/i1/i1e (and torch.special's modified_bessel_i0/i1), ndtri, angle, the Hermite, Laguerre and
+Legendre polynomials, copysign, fmax/fmin, hypot, signbit, nextafter, ldexp, frexp, round(decimals).
 
 Everything computes in f32 with algorithms accurate to a few ulp over the whole domain: erfc
 and erfcx through ``(1 + 2x)·erfcx(x)`` as a polynomial in ``(x - 2)/(x + 2)`` (no cancellation
@@ -69,6 +70,11 @@ _I0_SMALL = tuple(1.0 / math.factorial(k) ** 2 for k in range(17))
 _I1_SMALL = tuple(1.0 / (math.factorial(k) * math.factorial(k + 1)) for k in range(17))
 # (2j)! / B_2j: the Euler-Maclaurin tail of the Hurwitz zeta function (as in Cephes' zeta)
 _ZETA_A = (12.0, -720.0, 30240.0, -1209600.0, 47900160.0, -1.8924375803183791606e9)
+
+# erfinv(y)/y / sqrt(w) as a polynomial in u = 1/sqrt(w) - 1/4, w = -log(1 - y²) in [5, 104]
+_NDTRI_TAIL = (0.9599459171295166, -0.19818830490112305, 0.08065272122621536, 0.56620192527771, -0.5827299952507019,
+               5.758723258972168, 39.386322021484375, 79.04246520996094, -1072.910888671875, -3419.599365234375,
+               17646.263671875, 40504.875, -165742.953125)
 
 _INF, _NAN = "tap_bits_f32(0x7f800000u)", "tap_bits_f32(0x7fc00000u)"
 
@@ -399,6 +405,27 @@ fn tap_frexp_mant(x: f32) -> f32 {
   if ((u >> 23u) == 0u) { m = (u << (countLeadingZeros(u) - 8u)) & 0x7fffffu; }
   return bitcast<f32>((b & 0x80000000u) | (126u << 23u) | m);
 }"""),
+    # the inverse normal CDF through erfinv's w = -log(1 - y²) with y = 1 - 2q and q = min(p, 1 - p), taken as
+    # -log(q) - log(4(1 - q)) so that tiny (denormal) q keep their accuracy: Giles' fit for w < 5, beyond it
+    # erfinv(y)/y = sqrt(w)·P(1/sqrt(w)) (fitted against mpmath up to q = 2^-149)
+    "tap_ndtri": (("tap_isnan", "tap_log", "tap_bits_f32"), f"""
+fn tap_ndtri(p: f32) -> f32 {{
+  let b = bitcast<u32>(p);
+  if (tap_isnan(p) || b > 0x80000000u || p > 1.0) {{ return {_NAN}; }}
+  if ((b & 0x7fffffffu) == 0u) {{ return -{_INF}; }}
+  if (p == 1.0) {{ return {_INF}; }}
+  let q = select(p, 1.0 - p, p > 0.5);
+  let y = select(2.0 * q - 1.0, 1.0 - 2.0 * q, p > 0.5);
+  let w = -tap_log(q) - tap_log(4.0 * (1.0 - q));
+  if (w < 5.0) {{
+    let v = w - 2.5;
+    return 1.41421356 * y * {_horner("v", (1.50140941, 0.246640727, -0.00417768164, -0.00125372503, 0.00021858087,
+                                           -4.39150654e-06, -3.5233877e-06, 3.43273939e-07, 2.81022636e-08))};
+  }}
+  let s = sqrt(w);
+  let u = 1.0 / s - 0.25;
+  return 1.41421356 * y * s * {_horner("u", _NDTRI_TAIL)};
+}}"""),
 }
 for _name in _SPECIAL_HELPERS:
     if _name in HELPERS:
@@ -437,6 +464,9 @@ _UNARY = {  # op -> (helper, dtypes, sample range, edge values, extra ranges)
     "aten.lgamma.default": ("tap_lgamma", ALL, (-8, 12),
                             (1.0, 2.0, -1.0, -2.0, -3.5, 1.0000001, 0.99999994, 2.0000002, 1.9999999, 1e30, -1e30,
                              3e38, 4.2e36, 1e-30, -1e-30, -2.4570247, 1.4616321), ((0, 3), (-4, 0), (10, 1e4))),
+    "aten.special_ndtri.default": ("tap_ndtri", F32_INT_BOOL, (0, 1),
+                                   (1.0, 0.5, 1e-30, 1e-45, 1e-38, 0.9999999, 0.99999994, 0.25, 0.75, -0.5, 1.5, 1e30, 0.02,
+                                    0.0067, 0.9933), ((0, 1e-6), (0.999, 1.0), (0.4, 0.6))),
     "aten.digamma.default": ("tap_digamma", ALL, (-8, 12),
                              (1.0, 2.0, -1.0, -2.0, -3.5, 1.4616321, 1.4616322, 1e30, -1e30, 3e38, 1e-30, -1e-30,
                               -0.5, 0.5), ((0, 3), (-4, 0), (10, 1e4))),
@@ -472,14 +502,27 @@ _BESSEL_EDGES = (8.0, -8.0, 7.9999995, 8.000001, 88.0, 91.0, 92.0, -92.0, 1e30, 
 for _op, (_helper, _dtypes, (_lo, _hi), _edges, _extra) in _UNARY.items():
     register(_op, _dtypes, samples=_unary(_lo, _hi, _edges, _dtypes, _extra))(_unary_op(_helper))
 
-for _op, _expr in _BESSEL.items():
+# torch.special's modified_bessel_i0/i1 (float32 and integer inputs only) agree with i0/i1, Inf and NaN included
+_MODIFIED_BESSEL = {"aten.special_modified_bessel_i0.default": _i0, "aten.special_modified_bessel_i1.default": _i1}
+
+for _op, _expr in {**_BESSEL, **_MODIFIED_BESSEL}.items():
     def _lower_bessel(pb, node, x, _expr=_expr):
         def fn(k, a):
             for h in ("tap_exp_acc", "tap_i0e_large", "tap_i1e_large", "tap_i0_small", "tap_i1_small", "tap_bits_f32"):
                 k.need(h)
             return _expr(k, a)
         return [elementwise(pb, node, [x], fn, compute="f32", cost=12)]
-    register(_op, ALL, samples=_unary(-12, 12, _BESSEL_EDGES, ALL, ((-100, 100), (-1, 1))))(_lower_bessel)
+    _dtypes = ALL if _op in _BESSEL else F32_INT_BOOL
+    register(_op, _dtypes, samples=_unary(-12, 12, _BESSEL_EDGES, _dtypes, ((-100, 100), (-1, 1))))(_lower_bessel)
+
+
+def _angle(k, a):
+    # pi for every negative x (-0 excepted: its bits are exactly 0x80000000), NaN kept
+    return f"select(select(0.0, 3.14159265, bitcast<u32>({a}) > 0x80000000u), {a}, {k.need('tap_isnan')}({a}))"
+
+
+register("aten.angle.default", ALL, samples=_unary(-3, 3, (1e30, -1e30, 1.0, -1.0), ALL))(
+    lambda pb, node, x: [elementwise(pb, node, [x], _angle, compute="f32")])
 
 
 # --- polygamma ---------------------------------------------------------------------------
@@ -667,3 +710,111 @@ def round_decimals(pb, node, x, decimals=0):
     if decimals < 0:
         return [elementwise(pb, node, [x], lambda k, a: f"(round({a} / {p}) * {p})", compute="f32")]
     return [elementwise(pb, node, [x], lambda k, a: f"(round({a} * {p}) / {p})", compute="f32")]
+
+
+# --- orthogonal polynomials --------------------------------------------------------------
+
+# torch's recurrences (ATen/native/Math.h), operation for operation: n is truncated to an integer as
+# static_cast<int64_t> does (NaN, +-Inf and |n| >= 2^63 give INT64_MIN on x86, hermite_h's -1: both 0 here);
+# the f32 count k stays exact below 2^24, so the unbounded recurrences stop at _POLY_MAX_TERMS terms: NaN
+# beyond (torch would take minutes per element there)
+_POLY_MAX_TERMS = 1 << 20
+_POLY_PRELUDE = f"""
+  if (tap_isnan(n0) || abs(n0) >= 9.223372e18) {{ return 0.0; }}
+  let n = trunc(n0);
+  if (n < 0.0) {{ return 0.0; }}"""
+_POLY_BODIES = {
+    "aten.special_hermite_polynomial_h.default": ("tap_hermite_h", f"""
+  if (n == 0.0) {{ return 1.0; }}
+  if (n == 1.0) {{ return x + x; }}
+  if (n > 128.0) {{ return {_NAN}; }}
+  var p = 1.0;
+  var q = x + x;
+  var r = 0.0;
+  var k = 2.0;
+  loop {{
+    if (k >= n + n) {{ break; }}
+    r = (x + x) * q - k * p;
+    p = q;
+    q = r;
+    k = k + 2.0;
+  }}
+  return r;"""),
+    "aten.special_hermite_polynomial_he.default": ("tap_hermite_he", f"""
+  if (n == 0.0) {{ return 1.0; }}
+  if (n == 1.0) {{ return x; }}
+  if (n > 128.0) {{ return {_NAN}; }}
+  var p = 1.0;
+  var q = x;
+  var r = 0.0;
+  var k = 1.0;
+  loop {{
+    if (k >= n) {{ break; }}
+    r = x * q - k * p;
+    p = q;
+    q = r;
+    k = k + 1.0;
+  }}
+  return r;"""),
+    "aten.special_laguerre_polynomial_l.default": ("tap_laguerre_l", f"""
+  if ((bitcast<u32>(x) & 0x7fffffffu) == 0u) {{ return 1.0; }}
+  if (n == 0.0) {{ return 1.0; }}
+  if (n == 1.0) {{ return 1.0 - x; }}
+  var p = 1.0;
+  var q = 1.0 - x;
+  var r = q;
+  var k = 1.0;
+  loop {{
+    if (k >= n || tap_isnan(q)) {{ break; }}
+    if (k >= {float(_POLY_MAX_TERMS)!r}) {{ return {_NAN}; }}
+    r = ((k + k + (1.0 - x)) * q - k * p) / (k + 1.0);
+    p = q;
+    q = r;
+    k = k + 1.0;
+  }}
+  return r;"""),
+    "aten.special_legendre_polynomial_p.default": ("tap_legendre_p", f"""
+  if (abs(x) == 1.0) {{ return select(-1.0, 1.0, x > 0.0 || n - 2.0 * floor(0.5 * n) == 0.0); }}
+  if (n == 0.0) {{ return 1.0; }}
+  if (n == 1.0) {{ return x; }}
+  var p = 1.0;
+  var q = x;
+  var r = q;
+  var k = 1.0;
+  loop {{
+    if (k >= n || tap_isnan(q)) {{ break; }}
+    if (k >= {float(_POLY_MAX_TERMS)!r}) {{ return {_NAN}; }}
+    r = ((k + k + 1.0) * x * q - k * p) / (k + 1.0);
+    p = q;
+    q = r;
+    k = k + 1.0;
+  }}
+  return r;"""),
+}
+for _op, (_name, _body) in _POLY_BODIES.items():
+    if _name in HELPERS:
+        raise ValueError(f"WGSL helper {_name} is defined twice")
+    HELPERS[_name] = (("tap_isnan", "tap_bits_f32"), f"\nfn {_name}(x: f32, n0: f32) -> f32 {{{_POLY_PRELUDE}{_body}\n}}")
+
+
+def _polynomial_samples(x_lo, x_hi):
+    """Samples of a polynomial op p(x, n): float32 x of several shapes against small orders n, x's edge
+    values against every n edge (negative, fractional, NaN, +-Inf, past hermite's limit of 128), and
+    each integer and bool dtype."""
+    def samples():
+        n_small = torch.arange(0, 12, dtype=torch.float32)
+        n_edges = torch.tensor([-1.0, -0.5, 0.0, 1.0, 2.7, 5.0, 6.0, 7.0, 9.0, 13.0, 25.0, 60.0, 128.0, 129.0, 300.0,
+                                math.nan, math.inf, -math.inf, 1e30, -1e30], dtype=torch.float32)
+        x_edges = typed((len(FLOAT_EDGES) + 9, 1), "float32", x_lo, x_hi, FLOAT_EDGES + (1.0, -1.0, 0.5, -0.5, 3e38))
+        out = [((rand(*s, lo=x_lo, hi=x_hi), torch.randint(0, 12, s[-1:]).float()), {}) for s in SHAPES]
+        out += [((rand(len(n_small), lo=x_lo, hi=x_hi), n_small), {}), ((x_edges, n_edges), {})]
+        out += [((typed((4, 5), d, -3, 4), typed((5,), d, -2, 9, edges=False)), {}) for d in ALL_INT + ("bool",)]
+        return out
+    return samples
+
+
+for _op, (_name, _body) in _POLY_BODIES.items():
+    def _lower_polynomial(pb, node, x, n, _name=_name):
+        return [elementwise(pb, node, [x, n], lambda k, a, b: f"{k.need(_name)}({a}, {b})", compute="f32", cost=32)]
+    register(_op, F32_INT_BOOL, samples=_polynomial_samples(-4, 4) if "laguerre" not in _op else _polynomial_samples(-3, 12))(
+        _lower_polynomial)
