@@ -180,6 +180,9 @@ def build_hf(model_type: str, overrides: dict | None = None):
     if auto is None:
         raise TapmlError(f"hf:{model_type}: transformers has no AutoModel class for this config")
     try:
+        classes = auto._model_mapping[type(config)]
+        if isinstance(classes, (list, tuple)) and not getattr(config, "architectures", None):
+            config.architectures = [classes[0].__name__]  # several (Funnel's full and base): the first
         model = auto.from_config(config)
     except Exception as e:  # noqa: BLE001 - a config that builds no model is bad input
         raise TapmlError(f"hf:{model_type}: cannot build the model from its config: {type(e).__name__}: {e}") from None
@@ -335,6 +338,13 @@ def _shrunk_fields(config) -> dict:
         changes["image_size"] = _IMAGE_SIZE
     if "num_groups" in fields and isinstance(present.get("num_groups"), int) and present["num_groups"] > 8:
         changes["num_groups"] = 8  # group norms (BiT's) must divide the quartered widths
+    # a size the full config makes equal to the hidden size follows it (SqueezeBERT's embedding_size)
+    hidden_key = next((k for k in ("hidden_size", "n_embd", "d_model") if k in changes and type(present.get(k)) is int), None)
+    if hidden_key:
+        for key in fields & present.keys():
+            if key not in changes and key.endswith(("_size", "_dim")) and type(present[key]) is int \
+                    and present[key] == present[hidden_key]:
+                changes[key] = changes[hidden_key]
     after = {**present, **changes}
     # Attention windows must fit the last stage of the smaller image (Swin's 7 against 64 / 4 / 2**3).
     if "image_size" in changes and "window_size" in fields and isinstance(after.get("window_size"), int) \

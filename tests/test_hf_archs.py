@@ -25,6 +25,8 @@ ARCHS = {
     "levit": {},
     "mixtral": {},
     "bit": {},
+    "squeezebert": {},  # embedding_size must follow the small hidden size
+    "funnel": {},  # two model classes for one config (full and base)
 }
 
 
