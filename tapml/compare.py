@@ -368,7 +368,8 @@ def indices_pick_equal_values(x: torch.Tensor, dim: int, indices: torch.Tensor, 
 #: with the reference's, nor can anything computed from them.
 RANDOM_PACKETS = frozenset({"rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm",
                             "bernoulli", "native_dropout", "dropout", "normal", "normal_functional", "uniform", "exponential",
-                            "multinomial", "poisson", "cauchy", "log_normal", "geometric", "random"})
+                            "multinomial", "poisson", "cauchy", "log_normal", "geometric", "random",
+                            "rrelu_with_noise", "rrelu_with_noise_functional"})
 #: Random ops whose distribution :func:`compare_distribution` knows.
 RANDOM_OPS = frozenset({"aten.rand.default", "aten.rand_like.default", "aten.randn.default", "aten.randn_like.default",
                         "aten.bernoulli.p", "aten.bernoulli.default", "aten.native_dropout.default",
@@ -376,7 +377,9 @@ RANDOM_OPS = frozenset({"aten.rand.default", "aten.rand_like.default", "aten.ran
                         "aten.randint_like.low_dtype", "aten.randperm.default", "aten.bernoulli.Tensor",
                         "aten.normal.Tensor_float", "aten.normal.float_Tensor", "aten.normal.Tensor_Tensor",
                         "aten.normal.float_float", "aten.normal_functional.default", "aten.uniform.default",
-                        "aten.exponential.default", "aten.multinomial.default"})
+                        "aten.exponential.default", "aten.multinomial.default", "aten.cauchy.default",
+                        "aten.log_normal.default", "aten.geometric.default",
+                        "aten.rrelu_with_noise_functional.default"})
 #: Where each normal overload holds its mean and std: ``((index, keyword, default), ...)``.
 NORMAL_ARGUMENTS = {"aten.normal.Tensor_float": ((0, "mean", None), (1, "std", 1.0)),
                     "aten.normal.float_Tensor": ((0, "mean", None), (1, "std", None)),
@@ -452,12 +455,15 @@ class _Draws:
         return self.check(ok, f"{name} {value:.4g} (expected {expected:.4g} ± {tol:.2g})",
                           f"{name} {value:.4g} is not within {tol:.2g} of {expected:.4g}")
 
-    def ks(self, name: str, sample: torch.Tensor, cdf, resolution: float = 0.0) -> bool:
+    def ks(self, name: str, sample: torch.Tensor, cdf, resolution: float = 0.0, below=None) -> bool:
+        """Kolmogorov-Smirnov distance of ``sample`` to ``cdf``; for a discrete law, ``below(x)``
+        is its probability below ``x`` (``cdf`` just left of ``x``), where the sample's own
+        distribution function jumps."""
         n = sample.numel()
         x = sample.double().sort().values
         f = cdf(x)
         i = torch.arange(1, n + 1, dtype=torch.float64)
-        d = float(torch.maximum(i / n - f, f - (i - 1) / n).max())
+        d = float(torch.maximum(i / n - f, (f if below is None else below(x)) - (i - 1) / n).max())
         bound = KS_CONSTANT / math.sqrt(n) + resolution
         return self.check(d <= bound, f"KS distance to {name} {d:.4f} ≤ {bound:.4f}",
                           f"Kolmogorov-Smirnov distance to {name} {d:.4f} > {bound:.4f}")
@@ -568,7 +574,16 @@ def compare_distribution(op: str, targets: list[torch.Tensor], refs: list[torch.
       ``1/lambd``, variance ``1/lambd**2``, KS distance to the exponential;
     - ``multinomial``: indices in range, never a category of weight 0, distinct per row without
       replacement, and every category's count near what the (conditional) probabilities expect,
-      with a chi-square bound over all of them.
+      with a chi-square bound over all of them;
+    - ``cauchy``: no NaN, half the values below the median and half within ``median ± sigma``
+      (its quartiles; the mean does not exist), KS distance to the Cauchy law;
+    - ``log_normal``: ≥ 0, ``(log(x) - mean) / std`` standard normal (mean, variance, KS);
+    - ``geometric``: integers ≥ 1, mean ``1/p``, KS distance to ``1 - (1-p)**k`` and a
+      chi-square over the counts of each value;
+    - ``rrelu_with_noise_functional``: training: where ``x > 0`` (or NaN) the output is ``x``
+      and the noise 1, where ``x <= 0`` the noise is uniform in [lower, upper] (KS) and the
+      output ``x * noise``; evaluation: ``leaky_relu(x, (lower + upper) / 2)`` and the noise
+      input, compared by value.
 
     The message starts with :data:`RANDOM_NOTE` and gives the statistics. Example::
 
@@ -607,6 +622,14 @@ def compare_distribution(op: str, targets: list[torch.Tensor], refs: list[torch.
         _exponential(out, params["lambd"], d)
     elif packet == "multinomial":
         return d.result(n, _categorical(out, params["p"], params["replacement"], d))
+    elif packet == "cauchy":
+        _cauchy(out, params["median"], params["sigma"], d)
+    elif packet == "log_normal":
+        _log_normal(out, params["mean"], params["std"], d)
+    elif packet == "geometric":
+        _geometric(out, params["p"], d)
+    elif packet == "rrelu_with_noise_functional":
+        return _rrelu(targets, refs, params, d)
     else:
         _uniform_ints(out, params["low"], params["high"], d)
     return d.result(n)
@@ -665,6 +688,27 @@ def _random_params(op: str, a: list, kwargs: dict) -> dict:
         if not isinstance(replacement, bool):
             raise TypeError(f"replacement={replacement!r} is not a bool")
         return {"p": tensor(a[0]), "num_samples": integer(arg(1, "num_samples")), "replacement": replacement}
+    if op in ("aten.cauchy.default", "aten.log_normal.default"):
+        (where, wdef), (scale, sdef) = (("median", 0.0), ("sigma", 1.0)) if "cauchy" in op else (("mean", 1.0),
+                                                                                                ("std", 2.0))
+        loc, spread = real(arg(1, where, wdef)), real(arg(2, scale, sdef))
+        if not (math.isfinite(loc) and math.isfinite(spread) and spread > 0):
+            raise ValueError(f"{where}={loc!r}, {scale}={spread!r}: not finite with {scale} > 0")
+        return {where: loc, scale: spread}
+    if op == "aten.geometric.default":
+        p = real(arg(1, "p"))
+        if not 0 < p < 1:
+            raise ValueError(f"p={p!r} is not a probability in (0, 1)")
+        return {"p": p}
+    if op == "aten.rrelu_with_noise_functional.default":
+        lower, upper = real(arg(2, "lower", 0.125)), real(arg(3, "upper", 1 / 3))
+        training = arg(4, "training", False)
+        if not (math.isfinite(lower) and math.isfinite(upper) and lower <= upper):
+            raise ValueError(f"[{lower!r}, {upper!r}] is not a range of finite numbers")
+        if not isinstance(training, bool):
+            raise TypeError(f"training={training!r} is not a bool")
+        return {"x": tensor(a[0]), "noise": tensor(arg(1, "noise")), "lower": lower, "upper": upper,
+                "training": training}
     if op == "aten.bernoulli.Tensor":
         return {"p": tensor(arg(1, "p"))}
     if op == "aten.bernoulli.p":
@@ -889,6 +933,110 @@ def _dropout(targets: list[torch.Tensor], x: torch.Tensor, p: float, train, d: _
         return d.result(n, same.mismatch_fraction)
     dropped = float((~mask).sum())
     d.near("dropped", dropped, n * p, SIGMAS * math.sqrt(n * p * (1 - p)) + 1)
+    return d.result(n)
+
+
+def _cauchy(t: torch.Tensor, median: float, sigma: float, d: _Draws) -> None:
+    x = t.reshape(-1).double()
+    n = x.numel()
+    if not d.check(not bool(x.isnan().any()), "no NaN", f"{int(x.isnan().sum())} values are NaN"):
+        return
+    v = (x - median) / sigma
+    # rounding x to the dtype moves the law's distribution function by at most its density
+    # (1/pi at most) times the move: rel * (|v| + |median| / sigma), and |v| / (pi (1 + v**2)) <= 1/(2 pi)
+    rel = _rounding(t.dtype) if t.dtype != torch.float32 else 0.0
+    res = rel * (0.5 + abs(median) / sigma) / math.pi
+    spread = SIGMAS * math.sqrt(n / 4) + n * res + 1
+    d.near("values below the median", float((v < 0).sum()), n / 2, spread)
+    d.near("values within median ± sigma", float((v.abs() <= 1).sum()), n / 2, spread)
+    d.ks("the Cauchy law", v, lambda w: 0.5 + torch.atan(w) / math.pi, res)
+
+
+def _log_normal(t: torch.Tensor, mean: float, std: float, d: _Draws) -> None:
+    x = t.reshape(-1).double()
+    n = x.numel()
+    if not d.check(bool((x >= 0).all()), "all ≥ 0", f"{int((~(x >= 0)).sum())} values are negative or NaN"):
+        return
+    z = (x.log() - mean) / std  # 0 and Inf (the dtype's underflow and overflow) give -Inf and Inf
+    rel = _rounding(t.dtype) if t.dtype != torch.float32 else 0.0
+    res = rel / std
+    finite = torch.isfinite(z)
+    if bool(finite.all()):
+        d.near("mean of (log(x) - mean) / std", float(z.mean()), 0.0, SIGMAS / math.sqrt(n) + res)
+        if n > 1:
+            d.near("variance of (log(x) - mean) / std", float(z.var()), 1.0, SIGMAS * math.sqrt(2 / n) + 4 * res)
+    d.ks("the standard normal, of (log(x) - mean) / std", z, torch.special.ndtr, 0.4 * res)
+
+
+def _geometric(t: torch.Tensor, p: float, d: _Draws) -> None:
+    x = t.reshape(-1).double()
+    n = x.numel()
+    ok = (x >= 1) & (x == x.floor())
+    if not d.check(bool(ok.all()), "all integers ≥ 1", f"{int((~ok).sum())} values are not integers ≥ 1"):
+        return
+    q = math.log1p(-p)
+    # a float dtype rounds integers past 2**significand: only values that far off may move
+    exact = 2 ** _SIGNIFICAND[dtype_name(t.dtype)] if t.dtype.is_floating_point else math.inf
+    res = min(1.0, math.exp(q * exact)) if math.isfinite(exact) else 0.0
+    if bool(torch.isfinite(x).all()):
+        sd = math.sqrt(1 - p) / p
+        d.near("mean", float(x.mean()), 1 / p, SIGMAS * sd / math.sqrt(n) + (res * float(x.max()) if res else 0.0))
+    d.ks("the geometric law", x, lambda k: -torch.expm1(k * q), res, below=lambda k: -torch.expm1((k - 1) * q))
+    # chi-square over the values expected 5 times or more (the tail pooled), bound as multinomial's
+    top = int(math.log(5 / (n * p)) / q) + 1 if n * p > 5 else 0
+    if top >= 2 and res <= 1e-9:
+        values = torch.arange(1, top + 1, dtype=torch.float64)
+        expected = torch.cat([n * p * torch.exp((values - 1) * q), torch.tensor([n * math.exp(top * q)])])
+        observed = torch.cat([torch.bincount(x.clamp(max=top + 1).long(), minlength=top + 2)[1:top + 1].double(),
+                              (x > top).sum().reshape(1).double()])
+        keep = expected >= 5
+        df = int(keep.sum()) - 1
+        chi2 = float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+        bound = df + 2 * math.sqrt(18 * df) + 36
+        d.check(chi2 <= bound, f"chi-square {chi2:.1f} ≤ {bound:.1f} ({df} df)",
+                f"chi-square {chi2:.1f} > {bound:.1f} over {df + 1} values: counts do not follow (1-p)**(k-1) p")
+
+
+def _rrelu(targets: list[torch.Tensor], refs: list[torch.Tensor], params: dict, d: _Draws) -> Comparison:
+    out, noise = (t.detach().cpu() for t in targets)
+    x = params["x"]
+    n = out.numel()
+    if x.shape != out.shape or params["noise"].shape != noise.shape:
+        d.check(False, "shapes", f"the input {list(x.shape)} and noise {list(params['noise'].shape)} are not "
+                f"the outputs' {list(out.shape)}")
+        return d.result(n)
+    if not params["training"]:  # no draw: compared by value
+        same = [compare_tensor(t, r.detach().cpu()) for t, r in zip(targets, refs)]
+        d.check(same[0].passed, "evaluation: the output is leaky_relu(x, (lower + upper) / 2)",
+                f"evaluation: the output is not leaky_relu(x, (lower + upper) / 2) ({same[0].message})")
+        d.check(same[1].passed, "evaluation: the noise is the input's",
+                f"evaluation: the noise output is not the noise input ({same[1].message})")
+        bad = [s.mismatch_fraction for s in same if not s.passed]
+        return d.result(n, bad[0] if bad else None)
+    xs, o, r = x.reshape(-1), out.reshape(-1), noise.reshape(-1)
+    neg = xs <= 0
+    kept = compare_tensor(o[~neg], xs[~neg])
+    if not d.check(kept.passed and bool((r[~neg] == 1).all()), "x > 0: the output x and the noise 1",
+                   f"where x > 0 (or NaN) the output is not x or the noise is not 1 ({kept.message})"):
+        return d.result(n, kept.mismatch_fraction)
+    lower, upper = params["lower"], params["upper"]
+    rel = _rounding(noise.dtype)
+    slope = r[neg].double()
+    inside = (slope >= lower - rel * abs(lower)) & (slope <= upper + rel * abs(upper))
+    if not d.check(bool(inside.all()), f"x <= 0: the noise in [{lower:g}, {upper:g}]",
+                   f"{int((~inside).sum())} noise values where x <= 0 are outside [{lower:g}, {upper:g}]"):
+        return d.result(n, float((~inside).sum()) / n)
+    # torch multiplies by the slope before rounding it into the noise: compared with rounding
+    scaled = compare_tensor(o[neg], (xs[neg].double() * slope).to(out.dtype))
+    if not d.check(scaled.passed, "x <= 0: the output x * noise",
+                   f"where x <= 0 the output is not x * noise with its own noise ({scaled.message})"):
+        return d.result(n, scaled.mismatch_fraction)
+    k = slope.numel()
+    if k and upper > lower:
+        res = rel * max(abs(lower), abs(upper)) / (upper - lower)
+        u = (slope - lower) / (upper - lower)
+        d.near("mean of the slope in [0, 1]", float(u.mean()), 0.5, SIGMAS * math.sqrt(1 / 12 / k) + res)
+        d.ks(f"uniform [{lower:g}, {upper:g}]", u, lambda v: v.clamp(0, 1), res)
     return d.result(n)
 
 

@@ -103,6 +103,22 @@ DRAWS = [
     ("aten.multinomial.default", lambda: ([_weights(256, 50), 256, True], {})),  # 65536 draws
     ("aten.multinomial.default", lambda: ([_weights(1024, 64, zero_every=4), 48], {})),  # 49152, no repeats
     ("aten.multinomial.default", lambda: ([torch.softmax(torch.randn(2, 3000), -1).bfloat16(), 200], {})),
+    ("aten.cauchy.default", lambda: ([_x(), 1.5, 0.5], {})),
+    ("aten.cauchy.default", lambda: ([_x(torch.float16)], {})),
+    ("aten.cauchy.default", lambda: ([_x(torch.bfloat16), -2.0, 3.0], {})),
+    ("aten.log_normal.default", lambda: ([_x(), 0.5, 0.75], {})),
+    ("aten.log_normal.default", lambda: ([_x(torch.float16), -1.0, 0.5], {})),
+    ("aten.log_normal.default", lambda: ([_x(torch.bfloat16)], {})),
+    ("aten.geometric.default", lambda: ([_x(), 0.3], {})),
+    ("aten.geometric.default", lambda: ([_x(), 0.002], {})),
+    ("aten.geometric.default", lambda: ([_x(torch.float16), 0.05], {})),
+    ("aten.geometric.default", lambda: ([_x(torch.bfloat16), 0.6], {})),
+    ("aten.geometric.default", lambda: ([_x().to(torch.int32), 0.1], {})),
+    ("aten.geometric.default", lambda: ([_x().to(torch.uint8), 0.5], {})),
+    ("aten.rrelu_with_noise_functional.default", lambda: ([_x(), torch.zeros(*N), 0.1, 0.3, True], {})),
+    ("aten.rrelu_with_noise_functional.default", lambda: ([_x(torch.bfloat16), torch.zeros(*N).bfloat16(), -1.0, 2.0,
+                                                          True], {})),
+    ("aten.rrelu_with_noise_functional.default", lambda: ([_x(), _std(), 0.2, 0.4, False], {})),
 ]
 
 
@@ -231,7 +247,37 @@ def _bad_cases():
     weights[:, 0] = 0.0
     weightless_pick = torch.multinomial(weights, 20, replacement=True)
     weightless_pick[7, 3] = 0
+    cauchy = torch.tan(math.pi * (uniform.double() - 0.5)).float()
+    geometric = torch.ceil(torch.log(uniform.clamp_min(1e-7)) / math.log1p(-0.3)).clamp_min(1)
+    neg = x <= 0
+    slope = 0.1 + 0.2 * uniform
+    noise = torch.where(neg, slope, torch.ones(n))
     return [
+        ("normal as cauchy", "aten.cauchy.default", [x, 0.0, 1.0], torch.randn(n)),
+        ("cauchy off median", "aten.cauchy.default", [x, 1.0, 1.0], cauchy),
+        ("cauchy too wide", "aten.cauchy.default", [x, 0.0, 1.0], 1.3 * cauchy),
+        ("cauchy NaN", "aten.cauchy.default", [x, 0.0, 1.0], torch.where(half, math.nan, cauchy)),
+        ("normal as log_normal", "aten.log_normal.default", [x, 0.0, 1.0], torch.randn(n)),
+        ("log_normal ignores std", "aten.log_normal.default", [x, 0.0, 2.0], torch.exp(torch.randn(n))),
+        ("log_normal ignores mean", "aten.log_normal.default", [x, 0.5, 1.0], torch.exp(torch.randn(n))),
+        ("exponential as geometric", "aten.geometric.default", [x, 0.3], -torch.log1p(-uniform) / 0.3),
+        ("geometric from 0", "aten.geometric.default", [x, 0.3], geometric - 1),
+        ("geometric wrong p", "aten.geometric.default", [x, 0.3],
+         torch.ceil(torch.log(uniform.clamp_min(1e-7)) / math.log1p(-0.35)).clamp_min(1)),
+        ("geometric rounded", "aten.geometric.default", [x, 0.3],
+         torch.round(torch.log(uniform.clamp_min(1e-7)) / math.log1p(-0.3)).clamp_min(1)),
+        ("rrelu scales positives", "aten.rrelu_with_noise_functional.default", [x, torch.zeros(n), 0.1, 0.3, True],
+         (x * slope, slope)),
+        ("rrelu noise disagrees", "aten.rrelu_with_noise_functional.default", [x, torch.zeros(n), 0.1, 0.3, True],
+         (x * torch.where(neg, 0.2, 1.0), noise)),
+        ("rrelu slope past upper", "aten.rrelu_with_noise_functional.default", [x, torch.zeros(n), 0.1, 0.3, True],
+         (x * torch.where(neg, slope * 1.2, 1.0), torch.where(neg, slope * 1.2, 1.0))),
+        ("rrelu constant slope", "aten.rrelu_with_noise_functional.default", [x, torch.zeros(n), 0.1, 0.3, True],
+         (x * torch.where(neg, 0.2, 1.0), torch.where(neg, 0.2, 1.0))),
+        ("rrelu slopes piled low", "aten.rrelu_with_noise_functional.default", [x, torch.zeros(n), 0.1, 0.3, True],
+         (x * torch.where(neg, 0.1 + 0.2 * uniform ** 2, 1.0), torch.where(neg, 0.1 + 0.2 * uniform ** 2, 1.0))),
+        ("rrelu eval draws", "aten.rrelu_with_noise_functional.default", [x, torch.zeros(n), 0.1, 0.3, False],
+         (x * noise, noise)),
         ("zeros", "aten.rand.default", [[n]], torch.zeros(n)),
         ("a constant", "aten.rand.default", [[n]], torch.full((n,), 0.5)),
         ("too narrow", "aten.rand.default", [[n]], uniform * 0.9),

@@ -1,5 +1,6 @@
 """Random ops: rand, randn, bernoulli, native_dropout, randint, randperm (and their ``_like``s),
-normal (every overload), uniform, exponential and multinomial.
+normal (every overload), uniform, exponential, multinomial, cauchy, log_normal, geometric and
+rrelu_with_noise_functional.
 
 Every element is drawn by a counter-based generator on the device: Philox-4x32-10 (the
 generator torch uses on CUDA) of the element's row-major index under a 64-bit key. The key is
@@ -22,7 +23,10 @@ never on values (``compare_values=False`` here; :func:`tapml.compare.compare_dis
   which would make the Gumbel trick divide by zero);
 - multinomial with replacement: each draw inverts its row's cumulative sum with a 24-bit uniform;
   without: the top ``num_samples`` of ``log(p) - log(E)`` per row, E exponential (the Gumbel-top-k
-  trick: the same law as drawing one by one without replacement, and what torch does on CPU).
+  trick: the same law as drawing one by one without replacement, and what torch does on CPU);
+- cauchy: ``median + sigma * tan(pi * (u - 0.5))``, log_normal: ``exp(mean + std * z)``,
+  geometric: ``ceil(log(u) / log1p(-p))`` (u in (0, 1), as torch draws them);
+- rrelu in training: a slope uniform in [lower, upper) for each element ``<= 0`` (as torch).
 """
 
 from __future__ import annotations
@@ -532,11 +536,140 @@ def multinomial(pb, node, p, num_samples, replacement=False, **kwargs):
     return [Custom(meta.shape, meta.dtype, [p], draw, cost=8)]
 
 
+# --- cauchy, log_normal, geometric, rrelu -------------------------------------------------
+
+def _open_uniform(k, r: str) -> str:
+    """A 24-bit uniform in (0, 1) (never 0 nor 1: the logs and tangents below stay finite)."""
+    return k.let(f"((f32({r}.x >> 8u) + 0.5) * 5.9604644775390625e-08)", "f32")
+
+
+def _positive_check(name: str, i: int, keyword: str, default):
+    def check(node: Node) -> str | None:
+        v = _scalar(node, i, keyword, default)
+        if not (_real(v) and math.isfinite(v) and v > 0):
+            return f"{node.op}: {keyword}={v!r} is not a finite number > 0"
+        if not _real(_scalar(node, 1, name, 0.0)) or not math.isfinite(_scalar(node, 1, name, 0.0)):
+            return f"{node.op}: {name} is not a finite number"
+        return _float_out(node)
+    return check
+
+
+def _located_samples(a: float, b: float):
+    return ([((rand(*s), a + i, b * (i + 1)), {}) for i, s in enumerate(SHAPES)] +
+            [((edge_floats(64, 64),), {}), ((rand(3, 5), -2.0, 0.01), {})] +
+            [((rand(40, 50).to(d), a, b), {}) for d in LOW])
+
+
+@register(["aten.cauchy.default"], ALL_FLOAT, check=_positive_check("median", 2, "sigma", 1.0),
+          compare_values=False, samples=lambda: _located_samples(0.0, 1.0))
+def cauchy(pb, node, x, median=0.0, sigma=1.0, **kwargs):
+    """``x.cauchy_(median, sigma)`` functionalized: ``median + sigma * tan(pi * (u - 0.5))``, u in (0, 1)."""
+    meta = node.outputs[0]
+    m, s = lit(float(median), "f32"), lit(float(sigma), "f32")
+    return [_random(node, meta.dtype, meta.shape,
+                    lambda k, r, ex: f"({m} + {s} * tan(3.141592653589793 * ({_open_uniform(k, r)} - 0.5)))")]
+
+
+@register(["aten.log_normal.default"], ALL_FLOAT, check=_positive_check("mean", 2, "std", 2.0),
+          compare_values=False, samples=lambda: _located_samples(-1.0, 0.5))
+def log_normal(pb, node, x, mean=1.0, std=2.0, **kwargs):
+    """``x.log_normal_(mean, std)`` functionalized: ``exp(mean + std * z)``, z standard normal (Box-Muller)."""
+    meta = node.outputs[0]
+    m, s = lit(float(mean), "f32"), lit(float(std), "f32")
+    return [_random(node, meta.dtype, meta.shape, lambda k, r, ex: f"exp({m} + {s} * {_box_muller(k, r)})")]
+
+
+#: -log of the smallest open uniform drawn, 2**-25: no geometric draw is above this / -log1p(-p)
+_MAX_NEG_LOG_U = 25 * math.log(2)
+
+
+def _geometric_check(node: Node) -> str | None:
+    p = _scalar(node, 1, "p", None)
+    if not (_real(p) and 0 < p < 1):
+        return f"geometric: p={p!r} is not a probability in (0, 1)"
+    dtype = node.outputs[0].dtype
+    if dtype == "bool" or dtype == "float64":
+        return f"geometric draws float32, float16, bfloat16 or integer values, not {dtype}"
+    if dtype in NUMERIC and dtype not in ALL_FLOAT:
+        largest = torch.iinfo(getattr(torch, dtype)).max
+        if math.ceil(_MAX_NEG_LOG_U / -math.log1p(-p)) > min(largest, 2**31 - 1):
+            return f"geometric: p={p:g} draws values past {dtype}'s range (torch wraps them around)"
+    return None
+
+
+@register(["aten.geometric.default"], NUMERIC, check=_geometric_check, compare_values=False,
+          samples=lambda: [((rand(*s), p), {}) for s, p in zip(SHAPES, (0.5, 0.2, 0.9, 0.05))] +
+          [((edge_floats(64, 64), 0.3), {}), ((rand(40, 50), 1e-4), {})] +
+          [((rand(40, 50).to(d), 0.1), {}) for d in LOW] +
+          [((typed((40, 50), d), p), {}) for d, p in (("int64", 0.01), ("int32", 0.3), ("int16", 0.05),
+                                                      ("int8", 0.5), ("uint8", 0.4))])
+def geometric(pb, node, x, p, **kwargs):
+    """``x.geometric_(p)`` functionalized: ``ceil(log(u) / log1p(-p))`` (at least 1), u in (0, 1);
+    ``log1p(-p)`` is computed here, in double precision."""
+    meta = node.outputs[0]
+    rate = lit(math.log1p(-float(p)), "f32")
+
+    def fn(k, r, ex):
+        v = f"max(ceil(log({_open_uniform(k, r)}) / {rate}), 1.0)"
+        return v if meta.dtype in ALL_FLOAT else f"i32({v})"
+    return [_random(node, meta.dtype, meta.shape, fn)]
+
+
+def _rrelu_check(node: Node) -> str | None:
+    lower, upper = _scalar(node, 2, "lower", 0.125), _scalar(node, 3, "upper", 1 / 3)
+    if not (_real(lower) and _real(upper) and math.isfinite(lower) and math.isfinite(upper) and lower <= upper):
+        return f"rrelu: [{lower!r}, {upper!r}] is not a range of finite numbers with lower <= upper"
+    training = _scalar(node, 4, "training", False)
+    if not isinstance(training, bool):
+        return f"rrelu: training={training!r} is not a bool"
+    return _float_out(node)
+
+
+def _rrelu_samples():
+    out = [((rand(*s), torch.zeros(s), lo, hi, True), {}) for s, (lo, hi) in zip(
+        SHAPES, ((0.125, 1 / 3), (0.1, 0.3), (0.0, 1.0), (-0.5, 2.0)))]
+    out += [((edge_floats(64, 64), rand(64, 64), 0.2, 0.4, True), {}), ((rand(3, 5), rand(3, 5), 0.25, 0.25, True), {}),
+            ((edge_floats(5, 7), rand(5, 7), 0.1, 0.3, False), {}), ((rand(3, 5), rand(3, 5)), {})]
+    return out + [((rand(40, 50).bfloat16(), torch.zeros(40, 50).bfloat16(), 0.1, 0.5, True), {}),
+                  ((rand(40, 50).bfloat16(), rand(40, 50).bfloat16(), 0.1, 0.5, False), {}),
+                  ((edge_floats(40, 50).half(), rand(40, 50).half(), 0.2, 0.3, False), {})]  # torch: no f16 training
+
+
+@register(["aten.rrelu_with_noise_functional.default"], ALL_FLOAT, check=_rrelu_check, compare_values=False,
+          samples=_rrelu_samples)
+def rrelu_with_noise(pb, node, x, noise, lower=0.125, upper=1 / 3, training=False, generator=None):
+    """Training: where ``x <= 0`` a slope ``r`` uniform in [lower, upper) draws ``x * r`` (r in
+    f32, as torch multiplies before rounding) and the noise output holds ``r``; elsewhere ``x``
+    and 1. Evaluation: ``leaky_relu(x, (lower + upper) / 2)`` and the noise unchanged."""
+    out_meta, noise_meta = node.outputs
+    (x,) = pb.fit([x], 1)
+    if not training:
+        slope = lit((float(lower) + float(upper)) / 2, "f32")
+        return [Compute(out_meta.shape, out_meta.dtype, [x], lambda k, e, idx: (
+            f"select({cast(e[0], x.ty, 'f32')} * {slope}, {cast(e[0], x.ty, 'f32')}, {cast(e[0], x.ty, 'f32')} > 0.0)")),
+            noise]
+    a, span = lit(float(lower), "f32"), lit(float(upper) - float(lower), "f32")
+
+    def slope(k, r):
+        return k.let(f"({a} + {span} * {_uniform24(f'{r}.x')})", "f32")
+
+    def out(k, r, ex):
+        v = k.let(cast(ex[0], x.ty, "f32"), "f32")
+        return f"select({v}, {v} * {slope(k, r)}, {v} <= 0.0)"
+
+    def drawn(k, r, ex):
+        return f"select(1.0, {slope(k, r)}, {cast(ex[0], x.ty, 'f32')} <= 0.0)"
+    return [_random(node, out_meta.dtype, out_meta.shape, out, [x]),
+            _random(node, noise_meta.dtype, noise_meta.shape, drawn, [x])]
+
+
 #: Every op this module lowers (their values are random: judged by distribution).
 RANDOM_LOWERINGS = ("aten.rand.default", "aten.rand_like.default", "aten.randn.default", "aten.randn_like.default",
                     "aten.bernoulli.p", "aten.bernoulli.default", "aten.bernoulli.Tensor",
                     "aten.native_dropout.default", "aten.randint.default", "aten.randint.low",
                     "aten.randint_like.default", "aten.randint_like.low_dtype", "aten.randperm.default",
-                    *NORMAL_ARGUMENTS, "aten.uniform.default", "aten.exponential.default", "aten.multinomial.default")
+                    *NORMAL_ARGUMENTS, "aten.uniform.default", "aten.exponential.default", "aten.multinomial.default",
+                    "aten.cauchy.default", "aten.log_normal.default", "aten.geometric.default",
+                    "aten.rrelu_with_noise_functional.default")
 
 __all__ = ["node_key", "uniform", "normal", "RANDOM_LOWERINGS"]
