@@ -68,6 +68,12 @@ SWEEPS = {
 }
 
 
+def _platform(backend):
+    if backend not in BACKENDS:
+        pytest.skip(f"no {backend} adapter here (have: {', '.join(BACKENDS)})")
+    return shared_platform(backend)
+
+
 def _ulp_error(platform, op, lead, x, reference):
     graph, inputs = case_graph(op, [*lead, x])
     out = platform.run(platform.compile(graph), inputs)[0].double()
@@ -82,10 +88,8 @@ def _ulp_error(platform, op, lead, x, reference):
 @pytest.mark.parametrize("backend", ["vulkan", "gl"])
 @pytest.mark.parametrize("name", sorted(SWEEPS))
 def test_special_function_is_accurate_to_a_few_ulp(backend, name):
-    if backend not in BACKENDS:
-        pytest.skip(f"no {backend} adapter here (have: {', '.join(BACKENDS)})")
     op, lead, x, reference, bound = SWEEPS[name]
-    err, where = _ulp_error(shared_platform(backend), op, lead, x, reference)
+    err, where = _ulp_error(_platform(backend), op, lead, x, reference)
     assert err <= bound, f"{name} on {backend}: {err:.1f} ulp at x={where!r} (bound {bound})"
 
 
@@ -106,12 +110,10 @@ POLYNOMIALS = {
 @pytest.mark.parametrize("backend", ["vulkan", "gl"])
 @pytest.mark.parametrize("name", sorted(POLYNOMIALS))
 def test_orthogonal_polynomial_is_accurate(backend, name):
-    if backend not in BACKENDS:
-        pytest.skip(f"no {backend} adapter here (have: {', '.join(BACKENDS)})")
+    platform = _platform(backend)
     op, x, orders, reference, bound = POLYNOMIALS[name]
     n = torch.tensor(list(orders), dtype=torch.float32)[:, None]
     graph, inputs = case_graph(op, [x[None, :], n])
-    platform = shared_platform(backend)
     out = platform.run(platform.compile(graph), inputs)[0].double()
     ref = reference(x.double()[None, :], n.double())
     scale = ref.abs().amax(dim=1, keepdim=True)
