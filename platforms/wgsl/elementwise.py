@@ -191,7 +191,7 @@ def gelu(pb, node, x, approximate="none"):
             return f"({a} * tap_sigmoid(1.5957691216057308 * ({a} + 0.044715 * {a} * {a} * {a})))"
     else:
         def fn(k, a):
-            k.need("tap_erfc")  # special.py's, which load_lowerings() always imports
+            k.need("tap_erfc")
             return f"(0.5 * {a} * tap_erfc({a} * -0.7071067811865476))"
     return [elementwise(pb, node, [x], fn, compute="f32", cost=3)]
 

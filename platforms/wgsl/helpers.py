@@ -4,6 +4,21 @@ WGSL lacks erf, a NaN-propagating min/max, a pow defined for negative bases, flo
 division and modulo with Python's sign rules; these supply them with torch's semantics.
 """
 
+def horner(var: str, coeffs) -> str:
+    """A WGSL Horner expression of the polynomial ``sum(c[i] * var**i)``."""
+    e = repr(float(coeffs[-1]))
+    for c in reversed(coeffs[:-1]):
+        e = f"({e} * {var} + {float(c)!r})"
+    return e
+
+
+# (1 + 2x) erfcx(x) as a polynomial in t = (x - 2) / (x + 2), x in [0, inf)
+_ERFCX = (1.2769783735275269, -0.09276382625102997, -0.1660303771495819, 0.1640511453151703, -0.05422035604715347,
+          -0.008032540790736675, 0.00872514396905899, 0.0012639800552278757, -0.0014656001003459096,
+          -0.00043556716991588473, 0.00022381386952474713, 0.0001255138049600646, -2.1888392438995652e-05,
+          -1.9130142391077243e-05, 4.6739495473957504e-07)
+
+
 HELPERS: dict[str, tuple[tuple[str, ...], str]] = {
     "tap_bits_f32": ((), """
 fn tap_bits_f32(u: u32) -> f32 {
@@ -393,5 +408,42 @@ fn tap_acos(x: f32) -> f32 {
   if (x > 0.5) { return 2.0 * tap_asin_small(sqrt(0.5 * (1.0 - x))); }
   if (x < -0.5) { return 3.1415927410125732 - (2.0 * tap_asin_small(sqrt(0.5 * (1.0 + x))) + 8.742278012618954e-08); }
   return 1.5707963705062866 - (tap_asin_small(x) + 4.371139006309477e-08);
+}"""),
+    # exp with Cody-Waite reduction: the driver's exp loses |x|·2^-24 of relative accuracy for large |x|
+    "tap_exp_acc": (("tap_bits_f32", "tap_isnan"), f"""
+fn tap_exp_acc(x: f32) -> f32 {{
+  if (tap_isnan(x)) {{ return x; }}
+  if (x > 88.72284) {{ return tap_bits_f32(0x7f800000u); }}
+  if (x < -103.98) {{ return 0.0; }}
+  let n = round(x * 1.44269504);
+  let r = (x - n * 0.693359375) + n * 2.12194440e-4;
+  let k = i32(n);
+  let k1 = k / 2;
+  let s1 = bitcast<f32>(u32(k1 + 127) << 23u);
+  let s2 = bitcast<f32>(u32(k - k1 + 127) << 23u);
+  return exp(r) * s1 * s2;
+}}"""),
+    # exp(-x²) with x split into 12 high bits (whose square is exact) and the rest
+    "tap_exp_mx2": (("tap_exp_acc",), """
+fn tap_exp_mx2(x: f32) -> f32 {
+  let a = abs(x);
+  if (a > 11.0) { return 0.0; }
+  let h = bitcast<f32>(bitcast<u32>(a) & 0xfffff000u);
+  let l = a - h;
+  return tap_exp_acc(-h * h) * tap_exp_acc(-l * (a + h));
+}"""),
+    # erfcx for a >= 0 (a = +inf gives 0)
+    "tap_erfcx_pos": ((), f"""
+fn tap_erfcx_pos(a: f32) -> f32 {{
+  if (a > 1e10) {{ return 0.5641895835 / a; }}
+  let t = (a - 2.0) / (a + 2.0);
+  return {horner("t", _ERFCX)} / (1.0 + 2.0 * a);
+}}"""),
+    "tap_erfc": (("tap_erfcx_pos", "tap_exp_mx2", "tap_erf", "tap_isnan"), """
+fn tap_erfc(x: f32) -> f32 {
+  if (tap_isnan(x)) { return x; }
+  if (abs(x) < 0.5) { return 1.0 - tap_erf(x); }
+  let r = tap_erfcx_pos(abs(x)) * tap_exp_mx2(x);
+  return select(r, 2.0 - r, x < 0.0);
 }"""),
 }

@@ -23,19 +23,11 @@ import torch
 
 from tapml.platforms.wgsl.codegen import Value, ctype, lit, round_low
 from tapml.platforms.wgsl.elementwise import FLOAT_EDGES, SHAPES, elementwise, typed
-from tapml.platforms.wgsl.helpers import HELPERS
+from tapml.platforms.wgsl.helpers import HELPERS, horner as _horner
 from tapml.platforms.wgsl.registry import ALL, ALL_FLOAT, ALL_INT, rand, randbool, randint, register
 
 #: float32 and the integer and bool dtypes (computed in f32), without float16/bfloat16
 F32_INT_BOOL = ("float32",) + ALL_INT + ("bool",)
-
-
-def _horner(var: str, coeffs) -> str:
-    """A WGSL Horner expression of the polynomial ``sum(c[i] * var**i)``."""
-    e = repr(float(coeffs[-1]))
-    for c in reversed(coeffs[:-1]):
-        e = f"({e} * {var} + {float(c)!r})"
-    return e
 
 
 # lgamma(2 + z) / z on [-0.5, 0.5]
@@ -46,11 +38,6 @@ _LGAMMA2 = (0.42278432846069336, 0.32246702909469604, -0.0673523023724556, 0.020
 # sin(pi t) / t as a polynomial in t² on t in [0, 0.5]
 _SINPI = (3.1415927410125732, -5.167712688446045, 2.5501632690429688, -0.5992512106895447, 0.08204660564661026,
           -0.007023140788078308)
-# (1 + 2x) erfcx(x) as a polynomial in t = (x - 2) / (x + 2), x in [0, inf)
-_ERFCX = (1.2769783735275269, -0.09276382625102997, -0.1660303771495819, 0.1640511453151703, -0.05422035604715347,
-          -0.008032540790736675, 0.00872514396905899, 0.0012639800552278757, -0.0014656001003459096,
-          -0.00043556716991588473, 0.00022381386952474713, 0.0001255138049600646, -2.1888392438995652e-05,
-          -1.9130142391077243e-05, 4.6739495473957504e-07)
 # (digamma(1.5 + u) - digamma(A)) / (1.5 + u - A) on u in [-0.5, 0.5]; A the f32 nearest the positive zero of
 # digamma. digamma(x) = (x - A)·Q + digamma(A): x - A is exact near the zero, and no second constant is
 # subtracted from it (a driver may fold (x - hi) - lo into x - (hi + lo)).
@@ -96,29 +83,6 @@ fn {name}(a: f32, b: f32) -> f32 {{
 
 
 _SPECIAL_HELPERS = {
-    # exp with Cody-Waite reduction: the driver's exp loses |x|·2^-24 of relative accuracy for large |x|
-    "tap_exp_acc": (("tap_bits_f32", "tap_isnan"), f"""
-fn tap_exp_acc(x: f32) -> f32 {{
-  if (tap_isnan(x)) {{ return x; }}
-  if (x > 88.72284) {{ return {_INF}; }}
-  if (x < -103.98) {{ return 0.0; }}
-  let n = round(x * 1.44269504);
-  let r = (x - n * 0.693359375) + n * 2.12194440e-4;
-  let k = i32(n);
-  let k1 = k / 2;
-  let s1 = bitcast<f32>(u32(k1 + 127) << 23u);
-  let s2 = bitcast<f32>(u32(k - k1 + 127) << 23u);
-  return exp(r) * s1 * s2;
-}}"""),
-    # exp(-x²) with x split into 12 high bits (whose square is exact) and the rest
-    "tap_exp_mx2": (("tap_exp_acc",), """
-fn tap_exp_mx2(x: f32) -> f32 {
-  let a = abs(x);
-  if (a > 11.0) { return 0.0; }
-  let h = bitcast<f32>(bitcast<u32>(a) & 0xfffff000u);
-  let l = a - h;
-  return tap_exp_acc(-h * h) * tap_exp_acc(-l * (a + h));
-}"""),
     "tap_exp_x2": (("tap_exp_acc", "tap_bits_f32"), f"""
 fn tap_exp_x2(x: f32) -> f32 {{
   let a = abs(x);
@@ -133,25 +97,11 @@ fn tap_sinpi_half(t: f32) -> f32 {{
   let s = t * t;
   return t * {_horner("s", _SINPI)};
 }}"""),
-    # erfcx for a >= 0 (a = +inf gives 0)
-    "tap_erfcx_pos": ((), f"""
-fn tap_erfcx_pos(a: f32) -> f32 {{
-  if (a > 1e10) {{ return 0.5641895835 / a; }}
-  let t = (a - 2.0) / (a + 2.0);
-  return {_horner("t", _ERFCX)} / (1.0 + 2.0 * a);
-}}"""),
     "tap_erfcx": (("tap_erfcx_pos", "tap_exp_x2", "tap_isnan"), """
 fn tap_erfcx(x: f32) -> f32 {
   if (tap_isnan(x)) { return x; }
   if (x >= 0.0) { return tap_erfcx_pos(x); }
   return 2.0 * tap_exp_x2(x) - tap_erfcx_pos(-x);
-}"""),
-    "tap_erfc": (("tap_erfcx_pos", "tap_exp_mx2", "tap_erf", "tap_isnan"), """
-fn tap_erfc(x: f32) -> f32 {
-  if (tap_isnan(x)) { return x; }
-  if (abs(x) < 0.5) { return 1.0 - tap_erf(x); }
-  let r = tap_erfcx_pos(abs(x)) * tap_exp_mx2(x);
-  return select(r, 2.0 - r, x < 0.0);
 }"""),
     # M. Giles, "Approximating the erfinv function" (GPU Computing Gems, 2011), single precision
     "tap_erfinv": (("tap_bits_f32", "tap_isnan", "tap_log"), f"""
