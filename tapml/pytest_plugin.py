@@ -251,7 +251,7 @@ class PoolSeat:
         self.platform = platform
         from tapml.errors import DeviceLost
         try:
-            self.adapter = device_info(platform).get("adapter") or ""
+            self.adapter = device_info(platform, probe=False).get("adapter") or ""
         except DeviceLost:  # met again, and handled, by the first case that runs
             self.adapter = ""
 
@@ -317,7 +317,7 @@ def _device_properties(platform, target: str) -> list[tuple[str, str]]:
         from tapml.errors import DeviceLost
         from tapml.replay import device_info
         try:
-            _ADAPTERS[id(platform)] = device_info(platform).get("adapter") or ""
+            _ADAPTERS[id(platform)] = device_info(platform, probe=False).get("adapter") or ""
         except DeviceLost:
             return [("tapml_device", target), ("tapml_adapter", "")]
     return [("tapml_device", target), ("tapml_adapter", _ADAPTERS[id(platform)])]

@@ -14,9 +14,10 @@ from tapml.profile import measured
 from tapml.verdict import STATUSES, CaseVerdict, Verdict, VerdictDocument, outcome_verdict, summary  # noqa: F401 - re-exported
 
 
-def device_info(platform) -> dict:
+def device_info(platform, probe: bool = True) -> dict:
     """``{adapter, backend, features, limits}`` of a platform, for verdict files (with
-    ``error`` when the platform cannot say); DeviceLost is raised."""
+    ``error`` when the platform cannot say), and with ``probe`` its measured ``float_model``
+    (a run on the device, once per platform); DeviceLost is raised."""
     try:
         caps = platform.caps()
     except DeviceLost:
@@ -25,7 +26,7 @@ def device_info(platform) -> dict:
         return {"adapter": "unknown", "backend": "unknown", "features": [], "limits": {}, "error": str(e)}
     info = {k: caps.get(k, default) for k, default in
             (("adapter", ""), ("backend", ""), ("features", []), ("limits", {}), ("low_precision", {}))}
-    if model := float_model(platform):
+    if probe and (model := float_model(platform)):
         info["float_model"] = model
     return info
 
@@ -166,11 +167,12 @@ def replay_case(platform, store, case: dict, tolerances: Tolerances | None = Non
         outcome = outcome_verdict(e)
     else:
         time_ms = round(first_ms if first_ms is not None else (time.perf_counter() - start) * 1e3, 4)
+        expected = store.case_outputs(case)
         with measured(clock, "compare"):
-            result = judge_case(store, case, outputs, store.case_outputs(case), tolerances, anchored)
+            result = judge_case(store, case, outputs, expected, tolerances, anchored)
         outcome = outcome_verdict(result, time_ms)
         if outcome.status == "mismatch":
-            note = float_model_note(float_model(platform), inputs + store.case_outputs(case))
+            note = float_model_note(float_model(platform), inputs + expected)
             outcome.message = "; ".join(m for m in (outcome.message, note) if m)
         if varied:
             outcome = flaky_verdict(outcome, varied)

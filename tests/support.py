@@ -1,5 +1,6 @@
 """Helpers shared by test modules (importable because pytest puts tests/ on sys.path)."""
 
+import functools
 import os
 import shutil
 
@@ -164,14 +165,15 @@ def run_low_precision_samples(platform, op: str, edges: bool = True) -> int:
 INT_AND_BOOL = ("int64", "int32", "int16", "int8", "uint8", "bool")
 
 
-def sampled_dtypes(op: str) -> set[str]:
+@functools.cache
+def sampled_dtypes(op: str) -> frozenset[str]:
     """The dtypes the registry's samples of ``op`` hold in an input or output (float32 stands for
     float16 and bfloat16 too: the low-precision tests cast it)."""
     torch.manual_seed(0)
     seen = set()
     for graph, inputs in sample_cases(op):
         seen |= {str(t.dtype).removeprefix("torch.") for t in inputs} | {m.dtype for m in graph.nodes[0].outputs}
-    return seen | ({"float16", "bfloat16"} if "float32" in seen else set())
+    return frozenset(seen | ({"float16", "bfloat16"} if "float32" in seen else set()))
 
 
 def _as_dtype(t: torch.Tensor, dtype: str) -> torch.Tensor:

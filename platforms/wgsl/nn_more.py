@@ -16,7 +16,7 @@ from tapml.platforms.wgsl.registry import (ALL, ALL_FLOAT, ALL_INT, edge_floats,
 from tapml.platforms.wgsl.nn import (_int_window_mean, _mean_and_square_sum, _window_sum, adaptive_avg_pool2d,
                                      avg_pool2d, batch_norm, normalize_channels)
 # the coordinates of a mask's True elements, shared with x[mask]
-from tapml.platforms.wgsl.scatter import mask_coordinates
+from tapml.platforms.wgsl.scatter import mask_coordinates, truth_of
 
 
 def _tuple(v, n: int) -> list[int]:
@@ -672,8 +672,7 @@ def nonzero(pb, node, x):
     How many there are is data-dependent: the node's recorded output shape says it (a carve
     records the concrete shape). A prefix count over the elements (no atomics) gives each
     nonzero element its row; rows past the recorded count are not written."""
-    mask = Compute(tuple(x.shape), "bool", [x], lambda k, e, idx: cast(e[0], x.ty, "bool"))
-    return [mask_coordinates(pb, mask, node.outputs[0])]
+    return [mask_coordinates(pb, truth_of(x), node.outputs[0])]
 
 
 @register("aten.nonzero_static.default", ALL,
@@ -681,8 +680,7 @@ def nonzero(pb, node, x):
                            for size, fill in ((3, -1), (40, -7))] + [((rand(3, 4),), {"size": 0})])
 def nonzero_static(pb, node, x, size, fill_value=-1):
     """``nonzero`` padded (or cut) to ``size`` rows, the rows past the nonzero elements ``fill_value``."""
-    mask = Compute(tuple(x.shape), "bool", [x], lambda k, e, idx: cast(e[0], x.ty, "bool"))
-    return [mask_coordinates(pb, mask, node.outputs[0], fill=fill_value)]
+    return [mask_coordinates(pb, truth_of(x), node.outputs[0], fill=fill_value)]
 
 
 __all__ = ["max_pool3d", "avg_pool3d", "adaptive_avg_pool3d", "cdist_forward", "pdist_forward", "col2im",

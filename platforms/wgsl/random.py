@@ -664,12 +664,5 @@ def rrelu_with_noise(pb, node, x, noise, lower=0.125, upper=1 / 3, training=Fals
 
 
 #: Every op this module lowers (their values are random: judged by distribution).
-RANDOM_LOWERINGS = ("aten.rand.default", "aten.rand_like.default", "aten.randn.default", "aten.randn_like.default",
-                    "aten.bernoulli.p", "aten.bernoulli.default", "aten.bernoulli.Tensor",
-                    "aten.native_dropout.default", "aten.randint.default", "aten.randint.low",
-                    "aten.randint_like.default", "aten.randint_like.low_dtype", "aten.randperm.default",
-                    *NORMAL_ARGUMENTS, "aten.uniform.default", "aten.exponential.default", "aten.multinomial.default",
-                    "aten.cauchy.default", "aten.log_normal.default", "aten.geometric.default",
-                    "aten.rrelu_with_noise_functional.default")
 
-__all__ = ["node_key", "uniform", "normal", "RANDOM_LOWERINGS"]
+__all__ = ["node_key", "uniform", "normal"]

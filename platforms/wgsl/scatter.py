@@ -112,7 +112,8 @@ def boolean_mask(indices, op: str):
     return masks[0]
 
 
-def _truth(v):
+def truth_of(v):
+    """``v`` as booleans (nonzero, NaN included, is True), computed where it is read."""
     return Compute(tuple(v.shape), "bool", [v], lambda k, e, idx: cast(e[0], v.ty, "bool"))
 
 
@@ -128,7 +129,7 @@ def mask_coordinates(pb, truth, meta: TensorMeta, fill: int | None = None) -> Bu
         return result
     if fill is not None:
         k = pb.kernel("fill")
-        k.write(out, "n", str(int(fill)), "i32")
+        k.write(out, "n", lit(int(fill), "i32"), "i32")  # Unsupported, with the reason, outside i32
         pb.add(k.finish(meta.numel))
     shape = tuple(truth.shape)
     positions = _mask_positions(pb, truth, shape)
@@ -148,7 +149,7 @@ def masked_gather(pb, meta, x, d: int, mask):
     """``x[mask]`` for a mask over x's dims from ``d``: how many Trues there are is the node's
     recorded output shape (``meta.shape[d]``)."""
     nm = len(mask.shape)
-    coords = mask_coordinates(pb, _truth(mask), TensorMeta((meta.shape[d], nm), "int32"))
+    coords = mask_coordinates(pb, truth_of(mask), TensorMeta((meta.shape[d], nm), "int32"))
     x, coords = pb.fit([x, coords], 1)
 
     def fn(k, idx):
@@ -162,15 +163,15 @@ def _masked_put(pb, meta, x, d: int, mask, values, accumulate: bool):
     """``x[mask] = values`` (``+=`` with ``accumulate``): each masked element takes the values'
     row of its rank among the Trues (a prefix count, as masked_scatter), or their broadcast."""
     nm, nd = len(mask.shape), len(x.shape)
-    truth = _truth(mask)
-    ranks = _mask_positions(pb, truth, tuple(mask.shape))
-    indexed = d + 1 + nd - d - nm  # values broadcast to x.shape[:d] + [count] + x.shape[d + nm:]
+    held = truth_of(mask)
+    ranks = _mask_positions(pb, held, tuple(mask.shape))
+    indexed = nd - nm + 1  # values broadcast to x.shape[:d] + [count] + x.shape[d + nm:]
     vshape = list(values.shape)
     if len(vshape) > indexed:
         raise Unsupported(f"index_put: values of {len(vshape)} dims for a masked index of {indexed}")
     # each masked element's rank, -1 where the mask is False: one buffer for the put to read
-    ranked = Compute(tuple(mask.shape), "int32", [truth, ranks],
-                     lambda k, e, idx: f"select(-1, {e[1]}, {cast(e[0], truth.ty, 'bool')})")
+    ranked = Compute(tuple(mask.shape), "int32", [held, ranks],
+                     lambda k, e, idx: f"select(-1, {e[1]}, {cast(e[0], held.ty, 'bool')})")
     x, ranked, values = pb.fit([x, ranked, values], len(pb.windows(meta.nbytes)))  # the output, in windows too
     ty = x.ty
 
