@@ -244,6 +244,8 @@ def _check_tensor_index(index) -> dict[str, dict]:
                 raise ValueError(f"{where}: a tensor has a 'shard' or an 'alias', not both")
         elif not (isinstance(info, dict) and isinstance(info.get("shard"), str) and 0 < len(info["shard"]) <= 4096):
             raise ValueError(f"{where}: field 'shard' must be a path inside the store")
+        else:
+            _check_shard_path(info["shard"], where)
         try:
             TensorMeta.from_json(info)
         except (TypeError, ValueError) as e:
@@ -254,6 +256,18 @@ def _check_tensor_index(index) -> dict[str, dict]:
         if "alias" in info:
             _check_alias(name, info, index)
     return index
+
+
+def _check_shard_path(shard: str, where: str) -> None:
+    """A shard is named by a plain relative path: parts separated by ``/``, none empty, ``.`` or
+    ``..``, no backslash, no control character (what the writer writes: ``shards/tensors-00000.safetensors``)."""
+    parts = shard.split("/")
+    if any(p in ("..", ".") for p in parts):
+        raise ValueError(f"{where}: shard {shard[:80]!r} leads outside the store or through '.'; a shard path is "
+                         "relative to the store, as shards/tensors-00000.safetensors")
+    if "\\" in shard or not shard.isprintable() or not all(parts):
+        raise ValueError(f"{where}: shard {shard[:80]!r} is not a plain relative path inside the store (as "
+                         "shards/tensors-00000.safetensors)")
 
 
 def _check_alias(name: str, info: dict, index: dict) -> None:
@@ -575,6 +589,10 @@ class CarveStore:
         """The dtype the model was carved in (``--dtype``): ``float32`` (also for stores older
         than the ``dtype`` field), ``float16`` or ``bfloat16``."""
         return self.manifest.get("dtype", "float32")
+
+    def shard_files(self) -> dict[str, Path]:
+        """Every shard the index names -> the file it was opened from (inside the store)."""
+        return dict(self._shards_path)
 
     def case(self, case_id: str) -> dict:
         return self._by_id[case_id]

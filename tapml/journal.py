@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 from tapml.errors import TapmlError
-from tapml.io import MAX_JSON_BYTES, JsonSyntaxError, parse_json, write_text_atomic
+from tapml.io import MAX_JSON_BYTES, JsonSyntaxError, parse_json, read_regular_file, write_text_atomic
 from tapml.verdict import check_depth, journal_record
 
 #: What a refused journal's message tells the user to do.
@@ -64,28 +64,25 @@ class Journal:
     def __init__(self, path: Path, header: dict, resume: bool):
         self.path = Path(path)
         self.records: dict[str, object] = {}
-        if resume and self.path.exists():
+        if resume and os.path.lexists(self.path):
             old_header, self.records = self.read(self.path)
             if old_header is not None and old_header != header:
                 raise TapmlError(_option_mismatch(old_header, header, self.path))
         # A fresh file, or the old records without a torn tail, so that appends start on a new line.
         write_text_atomic(self.path, journal_text(header, self.records))
-        self._file = open(self.path, "a")
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        self._file = os.fdopen(fd, "a")
 
     @staticmethod
     def read(path: Path) -> tuple[dict | None, dict[str, object]]:
         """``(header, {key: typed record})`` of a journal file; TapmlError when a line other than
         the last is not JSON, or any line does not fit its schema."""
         header, records = None, {}
+        raw = read_regular_file(path, f"journal {path}", START_OVER, MAX_JSON_BYTES, follow_links=False)
         try:
-            if path.stat().st_size > MAX_JSON_BYTES:
-                raise TapmlError(f"journal {path} is larger than {MAX_JSON_BYTES >> 20} MiB; {START_OVER}")
-            with open(path, "rb") as f:
-                text = f.read().decode("utf-8")
+            text = raw.decode("utf-8")
         except UnicodeDecodeError:
             raise TapmlError(f"journal {path} is not a text file; {START_OVER}") from None
-        except OSError as e:
-            raise TapmlError(f"cannot read journal {path}: {e.strerror}") from None
         lines = text.split("\n")
         for i, line in enumerate(lines):
             if not line.strip():
