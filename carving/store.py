@@ -26,7 +26,7 @@ import torch
 from tapml.dtypes import LOW_FLOATS, MODEL_DTYPES
 from tapml.errors import TapmlError
 from tapml.graph import Graph, Node, TensorMeta, arg_refs, check_arg, check_state, torch_dtype
-from tapml.io import read_json_file, write_json_atomic
+from tapml.io import parse_json, read_regular_file, write_json_atomic
 from tapml.ops import check_op
 
 FORMAT_VERSION = 1
@@ -525,7 +525,10 @@ class CarveStore:
         if not os.path.lexists(manifest_path):
             raise TapmlError(f"{path} is not a carve store (no {MANIFEST}); create it with `tapml carve`")
         root = self.path.resolve()
-        self.manifest = read_json_file(manifest_path, str(manifest_path), "carve the model again", follow_links=False)
+        raw = read_regular_file(manifest_path, str(manifest_path), "carve the model again", follow_links=False)
+        #: sha256 of the manifest's bytes: what a migration records to prove which store it used.
+        self.manifest_sha256 = hashlib.sha256(raw).hexdigest()
+        self.manifest = parse_json(raw, str(manifest_path), "carve the model again")
         if not isinstance(self.manifest, dict):
             raise TapmlError(f"{manifest_path} is not a JSON object; carve the model again")
         missing = [k for k in _REQUIRED if k not in self.manifest]

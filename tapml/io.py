@@ -218,10 +218,12 @@ class FileHeld(TapmlError):
 
 
 class ExclusiveLock:
-    """An exclusive lock on ``PATH.lock`` (an advisory ``flock``/``LockFileEx`` lock that the
-    kernel drops when its holder dies, so a killed run never leaves a stale lock), holding the
-    holder's pid. ``acquire()`` raises :class:`FileHeld` (exit 2) naming ``what`` and the pid of
-    the holder when another process has it. Use as a context manager.
+    """An exclusive lock on ``PATH.lock`` for one writer of ``PATH`` (and what goes with it, as a
+    state's journal): an advisory ``flock`` (``msvcrt.locking`` on Windows) that the kernel drops
+    when its holder dies, so a killed run never leaves a stale lock. The lock file holds the
+    holder's pid and is removed on release. ``acquire()`` raises :class:`FileHeld` (exit 2) naming
+    ``what`` and the holder's pid when another process has it; acquiring again in the same
+    process shares the first lock. Use as a context manager.
 
     Example::
 
@@ -229,32 +231,62 @@ class ExclusiveLock:
             ...  # one writer of s.json and its journal
     """
 
+    #: Locks this process holds: lock path -> [fd, how many holders]; a second acquire in the
+    #: same process (the CLI around a carve, then the migration itself) shares the first.
+    _held: dict[str, list] = {}
+
     def __init__(self, path: str | Path, what: str):
         self.path = Path(str(path) + ".lock")
         self.what = what
-        self._fd: int | None = None
+        self._key: str | None = None
 
     def acquire(self) -> "ExclusiveLock":
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0),
-                     0o644)
-        try:
-            if not _try_lock(fd):
-                holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() if hasattr(os, "pread") else ""
-                who = f"process {holder}" if holder.isdigit() else "another process"
-                raise FileHeld(f"{self.what} is in use by {who} (lock {self.path}); wait for that run to end, "
-                               "or use another state file")
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        except BaseException:
+        key = os.path.realpath(self.path)
+        if key in self._held:
+            self._held[key][1] += 1
+            self._key = key
+            return self
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+                             | getattr(os, "O_CLOEXEC", 0), 0o644)
+            except OSError as e:
+                raise TapmlError(f"cannot lock {self.what} ({self.path}): {e.strerror}") from None
+            try:
+                if not _try_lock(fd):
+                    holder = os.read(fd, 32).decode("ascii", "replace").strip()
+                    who = f"process {holder}" if holder.isdigit() else "another process"
+                    raise FileHeld(f"{self.what} is in use by {who} (lock {self.path}); wait for that run to end, "
+                                   "or use another state file")
+                try:  # the holder before us may have removed the file between our open and our lock
+                    same = os.path.samestat(os.fstat(fd), os.lstat(self.path))
+                except FileNotFoundError:
+                    same = False
+                if same:
+                    os.ftruncate(fd, 0)
+                    os.write(fd, f"{os.getpid()}\n".encode())
+                    break
+            except BaseException:
+                os.close(fd)
+                raise
             os.close(fd)
-            raise
-        self._fd = fd
+        self._held[key] = [fd, 1]
+        self._key = key
         return self
 
     def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing drops the lock; the file stays, so no two processes lock two inodes
-            self._fd = None
+        if self._key is None:
+            return
+        held = self._held[self._key]
+        held[1] -= 1
+        if not held[1]:
+            del self._held[self._key]
+            try:
+                os.unlink(self.path)  # while still holding it: a waiter that opened it retries
+            except OSError:
+                pass
+            os.close(held[0])
+        self._key = None
 
     def __enter__(self) -> "ExclusiveLock":
         return self.acquire()

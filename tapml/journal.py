@@ -51,6 +51,22 @@ def _option_mismatch(old: dict, new: dict, path: Path) -> str:
             "rerun with the same options, or without --resume to start over")
 
 
+def recorded_store(state_path: str | Path) -> str | None:
+    """The ``store_manifest_sha256`` that the journal beside ``state_path`` recorded (the store a
+    migration with this state carved or used), or None when there is no such journal, it is not
+    this user's regular file, or its header names no store. Never raises: it is a proof, or none."""
+    path = journal_path(state_path)
+    try:
+        if hasattr(os, "geteuid") and os.lstat(path).st_uid != os.geteuid():
+            return None
+        raw = read_regular_file(path, max_bytes=MAX_JSON_BYTES, follow_links=False)
+        header = parse_json(raw.split(b"\n", 1)[0], str(path)).get("header")
+        digest = header.get("store_manifest_sha256") if isinstance(header, dict) else None
+    except (OSError, TapmlError, AttributeError):
+        return None
+    return digest if isinstance(digest, str) and len(digest) == 64 else None
+
+
 class Journal:
     """An append-only JSON-lines file of ``{"key", "record"}`` lines, each flushed and fsynced.
 
@@ -121,4 +137,4 @@ class Journal:
             self._file.close()
 
 
-__all__ = ["Journal", "journal_path", "journal_text", "START_OVER"]
+__all__ = ["Journal", "journal_path", "journal_text", "recorded_store", "START_OVER"]

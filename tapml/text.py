@@ -17,8 +17,9 @@ from __future__ import annotations
 import re
 
 # C0 controls but tab, DEL, C1 controls, line/paragraph separators, bidi overrides and
-# isolates (which reorder what follows them), and lone surrogates.
+# isolates (which reorder what follows them), and lone surrogates; _UNSHOWABLE_IN_LINES keeps "\n".
 _UNSHOWABLE = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+_UNSHOWABLE_IN_LINES = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
 
 
 def _visible(match: re.Match) -> str:
@@ -33,11 +34,17 @@ def plain(value) -> str:
     return _UNSHOWABLE.sub(_visible, str(value))
 
 
-def shown(value) -> str:
-    """:func:`plain` with rich markup escaped: a string from a file or a peer, ready to be put
-    into a rich markup string or a table cell. Example: ``shown("[/]x")`` -> ``'\\\\[/]x'``."""
+def plain_lines(value) -> str:
+    """:func:`plain` that keeps line breaks (``\\n``): for text of several lines."""
+    return _UNSHOWABLE_IN_LINES.sub(_visible, str(value))
+
+
+def shown(value, lines: bool = False) -> str:
+    """:func:`plain` (:func:`plain_lines` when ``lines``) with rich markup escaped: a string from
+    a file or a peer, ready to be put into a rich markup string or a table cell.
+    Example: ``shown("[/]x")`` -> ``'\\\\[/]x'``."""
     from rich.markup import escape
-    return escape(plain(value))
+    return escape(plain_lines(value) if lines else plain(value))
 
 
-__all__ = ["plain", "shown"]
+__all__ = ["plain", "plain_lines", "shown"]
