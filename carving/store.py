@@ -553,8 +553,8 @@ class CarveStore:
         if len(by_shard) > MAX_SHARDS:
             raise TapmlError(f"{manifest_path} names {len(by_shard)} shards, more than the {MAX_SHARDS} tapml reads; "
                              "the store is corrupt")
-        header_bytes = 0
-        for shard in sorted(by_shard):
+        header_bytes, paths = 0, {}
+        for shard in sorted(by_shard):  # every header bounded before any is parsed
             shown_shard = repr(shard[:80])
             try:
                 shard_path = (self.path / shard).resolve()
@@ -569,6 +569,9 @@ class CarveStore:
             if header_bytes > MAX_STORE_HEADER_BYTES:
                 raise TapmlError(f"the shard headers of {path} pass {MAX_STORE_HEADER_BYTES >> 20} MiB in all, more "
                                  "than tapml reads; the store is corrupt")
+            paths[shard] = shard_path
+        for shard, shard_path in paths.items():
+            shown_shard = repr(shard[:80])
             shard_file = _open_shard(shard_path, f"{shown_shard} of {path}")
             names = by_shard[shard]
             if set(shard_file.keys()) != set(names):
