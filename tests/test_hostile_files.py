@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import KINDS, make_kind, no_hang
 from typer.testing import CliRunner
 
 TAPML = [sys.executable, "-m", "tapml.cli"]
@@ -471,63 +472,22 @@ def test_all_shard_headers_together_are_bounded(clean_store, tmp_path, monkeypat
 
 # --- files that are not what they say: links, FIFOs, devices, folders, huge files ----------
 
-@pytest.fixture
-def no_hang():
-    """Fail (instead of hanging the suite) when a command blocks for 20 s."""
-    import signal
-
-    def alarm(signum, frame):
-        raise TimeoutError("the command hung")
-    previous = signal.signal(signal.SIGALRM, alarm)
-    signal.alarm(20)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
-
-
-def make_kind(path: Path, kind: str, outside: Path, valid: Path | None = None) -> None:
-    """Put a ``kind`` thing at ``path`` (replacing what is there): ``fifo``, ``dev-zero`` (a link to
-    /dev/zero), ``folder``, ``huge`` (a sparse 300 MiB file), ``link-outside`` (a link to a copy of
-    ``valid`` outside the folder)."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif os.path.lexists(path):
-        path.unlink()
-    if kind == "fifo":
-        os.mkfifo(path)
-    elif kind == "dev-zero":
-        path.symlink_to("/dev/zero")
-    elif kind == "folder":
-        path.mkdir()
-    elif kind == "huge":
-        with open(path, "wb") as f:
-            f.truncate(300 << 20)
-    elif kind == "link-outside":
-        copy = outside / f"copy-of-{path.name}"
-        shutil.copy(valid, copy)
-        path.symlink_to(copy)
-    else:
-        raise ValueError(kind)
-
-
-KINDS = ("fifo", "dev-zero", "folder", "huge", "link-outside")
-
-
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("part", ["manifest", "shard"])
-def test_store_files_that_are_not_regular_files_are_refused(clean_store, tmp_path, part, kind, no_hang):
+def test_store_files_that_are_not_regular_files_are_refused(clean_store, tmp_path, part, kind):
     store, outside = tmp_path / "store", tmp_path / "outside"
     shutil.copytree(clean_store, store)
     outside.mkdir()
     manifest = json.loads((store / "manifest.json").read_text())
     target = store / ("manifest.json" if part == "manifest" else _first_shard(manifest))
     make_kind(target, kind, outside, valid=clean_store / target.relative_to(store))
-    for args in (["inspect", store], ["replay", store, "--json", tmp_path / "v.json"],
-                 ["migrate", store, "--state", tmp_path / "s.json"], ["gen-tests", store, "-o", tmp_path / "suite"]):
-        r = tapml(*args)
-        assert r.exit_code == 2 and "Traceback" not in r.output, (args[0], r.output)
-        text = " ".join(r.output.split())
-        assert target.name in text, (args[0], text)
+    with no_hang():
+        results = [(args[0], tapml(*args)) for args in (["inspect", store], ["replay", store, "--json", tmp_path / "v.json"],
+                                                    ["migrate", store, "--state", tmp_path / "s.json"],
+                                                    ["gen-tests", store, "-o", tmp_path / "suite"])]
+    for command, r in results:
+        assert r.exit_code == 2 and "Traceback" not in r.output, (command, r.output)
+        assert target.name in " ".join(r.output.split()), (command, r.output)
     assert not (tmp_path / "v.json").exists() and not (tmp_path / "s.json").exists()
 
 

@@ -7,6 +7,7 @@ import os
 import shutil
 
 import pytest
+from support import KINDS, make_kind, no_hang
 from typer.testing import CliRunner
 
 from tapml.errors import DeviceLost, PlatformError, TapmlError, Unsupported
@@ -323,3 +324,131 @@ def test_resume_from_a_crafted_state_without_journal_is_refused(real, resumable,
     r = _resume(real, state)
     refused(r, f"--state {state}", expect, "without --resume")
     assert state.read_bytes() == before and not journal_path(state).exists()
+
+
+
+# --- every other file a command reads: links, FIFOs, devices, folders, huge files ----------
+
+def _precision_doc() -> dict:
+    return {"format_version": 1, "kind": "precision", "model": "zoo:mlp", "dtype": "float16", "target": "reference",
+            "device": None, "ops": [], "keep_float32": [], "keep_float32_modules": [], "rounds": 0,
+            "end_to_end": {"before": {"status": "pass"}, "after": {"status": "pass"}}}
+
+
+#: role -> (file name, how to make the valid file, the command that reads it, given the file)
+FILE_ROLES = {
+    "state (report)": ("s.json", lambda real, p: shutil.copy(real["work"] / "fault.json", p),
+                       lambda real, p, tmp: ["report", p, "-o", tmp / "r.html"]),
+    "precision document (report)": ("p.json", lambda real, p: p.write_text(json.dumps(_precision_doc())),
+                                    lambda real, p, tmp: ["report", p, "-o", tmp / "r.html"]),
+    "state (resume)": ("s.json", lambda real, p: shutil.copy(real["work"] / "clean.json", p),
+                       lambda real, p, tmp: ["migrate", real["store"], "--state", p, "--resume"]),
+    "journal (resume)": ("s.json.journal",
+                         lambda real, p: shutil.copy(journal_path(real["work"] / "clean.json"), p),
+                         lambda real, p, tmp: ["migrate", real["store"], "--state", tmp / "s.json", "--resume"]),
+    "baseline": ("b.json", lambda real, p: shutil.copy(real["work"] / "replay.json", p),
+                 lambda real, p, tmp: ["replay", real["store"], "--baseline", p]),
+    "keep-float32 precision JSON": ("k.json", lambda real, p: p.write_text(json.dumps(_precision_doc())),
+                                    lambda real, p, tmp: ["migrate", real["store"], "--state", tmp / "m.json",
+                                                          "--keep-float32", p]),
+    "token file": ("token", lambda real, p: p.write_text("secret"),
+                   lambda real, p, tmp: ["replay", real["store"], "--target", "remote://127.0.0.1:9", "--token-file", p]),
+    "token map": ("tokens.json", lambda real, p: p.write_text('{"*": "secret"}'),
+                  lambda real, p, tmp: ["replay", real["store"], "--target", "registry://127.0.0.1:9",
+                                        "--token-map", p]),
+    ".pt2 archive": ("m.pt2", lambda real, p: p.write_bytes(b"PK"),
+                     lambda real, p, tmp: ["carve", p, "-o", tmp / "out"]),
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("role", sorted(FILE_ROLES))
+def test_every_file_a_command_reads_must_be_a_regular_file_of_bounded_size(real, tmp_path, role, kind):
+    """A FIFO (which would block a reader), a link to /dev/zero (endless), a folder or a 300 MiB
+    file in place of each file a command reads: exit 2 naming the file, at once. A journal lives
+    beside its state, so a link there is refused too; the other files are named by the user and
+    a link to a regular file is followed."""
+    name, make, command = FILE_ROLES[role]
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    if role == "journal (resume)":
+        shutil.copy(real["work"] / "clean.json", tmp_path / "s.json")
+    path = tmp_path / name
+    valid = outside / f"valid-{name}"
+    make(real, valid)
+    if kind == "huge" and role == ".pt2 archive":
+        pytest.skip("a .pt2 is read whole whatever its size (it holds the weights); a huge one is not refused")
+    make_kind(path, kind, outside, valid=valid)
+    with no_hang():
+        r = tapml(*command(real, path, tmp_path))
+    if kind == "link-outside" and role != "journal (resume)":
+        assert r.exit_code != 3 and "Traceback" not in r.output, r.output  # followed: the file is valid
+        return
+    refused(r, name)
+    assert "internal error" not in r.output
+
+
+def test_stale_chromium_profiles_only_this_users_and_pid_files_that_are_small_regular_files(tmp_path, monkeypatch):
+    """Profiles left by killed tapml processes are removed; a pid file that is a FIFO or a link to
+    /dev/zero neither blocks nor is read without bound, a profile that is a link (to a folder of
+    the victim's) or another user's folder is left alone."""
+    import tempfile
+
+    from tapml.platforms import chromium
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess_pid_that_exited()
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "tapml.pid").write_text(str(dead))
+    (victim / "precious").write_text("keep")
+    profiles = {}
+    for name in ("stale", "fifo", "dev-zero", "garbage", "link", "foreign"):
+        profiles[name] = tmp_path / f"{chromium.PROFILE_PREFIX}{name}"
+    for name in ("stale", "fifo", "dev-zero", "garbage", "foreign"):
+        profiles[name].mkdir()
+    (profiles["stale"] / "tapml.pid").write_text(str(dead))
+    os.mkfifo(profiles["fifo"] / "tapml.pid")
+    (profiles["dev-zero"] / "tapml.pid").symlink_to("/dev/zero")
+    (profiles["garbage"] / "tapml.pid").write_text("9" * 100)
+    profiles["link"].symlink_to(victim, target_is_directory=True)
+    (profiles["foreign"] / "tapml.pid").write_text(str(dead))
+    if os.geteuid() == 0:
+        os.chown(profiles["foreign"], 65534, 65534)
+    with no_hang(10):
+        chromium._remove_stale_profiles()
+    assert not profiles["stale"].exists()
+    for name in ("fifo", "dev-zero", "garbage", "link"):
+        assert os.path.lexists(profiles[name]), name
+    assert (victim / "precious").read_text() == "keep"
+    assert profiles["foreign"].exists() == (os.geteuid() == 0)
+
+
+def subprocess_pid_that_exited() -> int:
+    import subprocess
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+# --- crafted documents that must be exit 2 (not 3) -----------------------------------------
+
+@pytest.mark.parametrize("doc, edit", [
+    ("fault", lambda d: d.update(target=None)),
+    ("replay", lambda d: d.update(target=None)),
+    ("precision", lambda d: d.update(end_to_end=None)),
+    ("precision", lambda d: d["end_to_end"].update(before=None)),
+    ("precision", lambda d: d["end_to_end"].update(after=None)),
+    ("precision", lambda d: d["end_to_end"]["before"].update(status=None)),
+])
+def test_crafted_documents_with_nulls_exit_2(real, tmp_path, doc, edit):
+    data = _precision_doc() if doc == "precision" else json.loads(json.dumps(real[doc]))
+    edit(data)
+    path = _write(tmp_path, data)
+    refused(tapml("report", path, "-o", tmp_path / "r.html"), str(path))
+    if doc == "precision":
+        refused(tapml("migrate", real["store"], "--state", tmp_path / "m.json", "--keep-float32", path), str(path))
+    elif doc == "replay":
+        refused(tapml("replay", real["store"], "--baseline", path), str(path))
+    else:
+        shutil.copy(path, tmp_path / "r.json")
+        refused(tapml("migrate", real["store"], "--state", tmp_path / "r.json", "--resume"), "r.json")
