@@ -5,6 +5,7 @@ fit its schema is never trusted, and real documents survive a typed round trip u
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 from support import KINDS, make_kind, no_hang
@@ -452,3 +453,154 @@ def test_crafted_documents_with_nulls_exit_2(real, tmp_path, doc, edit):
     else:
         shutil.copy(path, tmp_path / "r.json")
         refused(tapml("migrate", real["store"], "--state", tmp_path / "r.json", "--resume"), "r.json")
+
+
+# --- one writer per state -------------------------------------------------------------------
+
+def _migrate_process(store, state):
+    import subprocess
+    import sys
+    env = {**os.environ, "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR", "/tmp")}
+    return subprocess.Popen([sys.executable, "-m", "tapml.cli", "migrate", str(store), "--target", "reference",
+                             "--state", str(state), "-q"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+
+
+def _holder_pid(lock, proc, timeout: float = 120.0) -> int | None:
+    """The pid in ``lock`` once ``proc`` holds it (None when ``proc`` ended first)."""
+    import time
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            text = lock.read_text().strip()
+        except OSError:
+            text = ""
+        if text.isdigit():
+            return int(text)
+        time.sleep(0.002)
+    return None
+
+
+def test_a_second_migration_of_a_held_state_exits_2_naming_the_holders_pid(mlp, tmp_path):
+    """Two real `tapml migrate` processes on one state: the first holds the lock (frozen with
+    SIGSTOP while it does, so the second surely meets it); the second exits 2 naming the first's
+    pid and writes nothing; the first then finishes its own state, and the lock goes with it."""
+    import signal
+    import subprocess
+    import sys
+    for attempt in range(3):  # the first may finish before it is seen holding the lock
+        state = tmp_path / f"s{attempt}.json"
+        first = _migrate_process(mlp.path, state)
+        pid = _holder_pid(Path(f"{state}.lock"), first)
+        if pid is not None:
+            break
+        first.communicate()
+    assert pid == first.pid
+    first.send_signal(signal.SIGSTOP)
+    try:
+        env = {**os.environ, "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR", "/tmp")}
+        second = subprocess.run([sys.executable, "-m", "tapml.cli", "migrate", str(mlp.path), "--target", "reference",
+                                 "--state", str(state), "--inject", "aten.relu.default=nan", "-q"],
+                                capture_output=True, text=True, timeout=300, env=env)
+    finally:
+        first.send_signal(signal.SIGCONT)
+    assert second.returncode == 2, second.stderr
+    assert f"in use by process {first.pid}" in " ".join(second.stderr.split()) and "Traceback" not in second.stderr
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err
+    written = json.loads(state.read_text())
+    assert written["passed"] and written["inject"] == []  # the first's state, not a mix with the second's
+    assert not Path(f"{state}.lock").exists()
+
+
+def test_the_lock_is_shared_within_a_process_and_dropped_with_its_holder(tmp_path):
+    from tapml.io import ExclusiveLock, FileHeld
+    state = tmp_path / "s.json"
+    with ExclusiveLock(state, "--state s.json"):
+        with ExclusiveLock(state, "--state s.json"):  # the CLI around a carve, then the migration
+            assert Path(f"{state}.lock").read_text().strip() == str(os.getpid())
+        assert Path(f"{state}.lock").exists()
+    assert not Path(f"{state}.lock").exists()
+    import subprocess
+    import sys
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from tapml.io import ExclusiveLock; "
+                               f"ExclusiveLock({str(state)!r}, 'x').acquire(); print('held', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(FileHeld, match=f"--state s.json is in use by process {holder.pid}"):
+            ExclusiveLock(state, "--state s.json").acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    with ExclusiveLock(state, "--state s.json"):  # the kernel dropped the dead holder's lock
+        pass
+
+
+def test_the_atomic_writer_uses_a_unique_exclusive_temp_file_and_syncs_the_folder(tmp_path, monkeypatch):
+    import secrets
+    import stat
+    import threading
+
+    from tapml import io
+    target, victim = tmp_path / "s.json", tmp_path / "victim"
+    victim.write_text("keep")
+    monkeypatch.setattr(secrets, "token_hex", lambda n: "ab" * n)
+    planted = tmp_path / f".s.json.{'ab' * 8}.tmp"
+    planted.symlink_to(victim)  # a temp name someone guessed: never written through, never replaced
+    with pytest.raises(FileExistsError):
+        io.write_text_atomic(target, "mine")
+    assert victim.read_text() == "keep" and planted.is_symlink() and not target.exists()
+    monkeypatch.undo()
+    planted.unlink()
+    temps, synced, real_replace, real_fsync = [], [], os.replace, os.fsync
+
+    def replace(src, dst):
+        temps.append(os.path.basename(src))
+        return real_replace(src, dst)
+
+    def fsync(fd):
+        synced.append(stat.S_ISDIR(os.fstat(fd).st_mode))
+        return real_fsync(fd)
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(os, "fsync", fsync)
+    writers = [threading.Thread(target=lambda i=i: [io.write_text_atomic(target, f"{i}:{k}") for k in range(20)])
+               for i in range(4)]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join()
+    assert len(temps) == len(set(temps)) == 80  # every write its own temp file
+    assert target.read_text() in {f"{i}:19" for i in range(4)}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json", "victim"]  # no temp file left
+    assert synced.count(True) == 80 and synced.count(False) == 80  # the file, then its folder, each time
+
+
+# --- a store beside the state is reused only when this run can prove it carved it -----------
+
+def test_a_strangers_store_beside_the_state_is_not_reused(mlp, tmp_path):
+    state, beside = tmp_path / "s.json", tmp_path / "s.store"
+    shutil.copytree(mlp.path, beside)  # a store of the very model named, put there by someone else
+    m = json.loads((beside / "manifest.json").read_text())
+    m["cases"][0]["module"] = "planted"
+    (beside / "manifest.json").write_text(json.dumps(m))
+    refused(tapml("migrate", "zoo:mlp", "--state", state), str(beside), "cannot prove",
+            "no journal beside the state records a store")
+    assert not state.exists()
+    shutil.rmtree(beside)
+    r = tapml("migrate", "zoo:mlp", "--state", state, "-q")  # carves it: the journal records it
+    assert r.exit_code == 0, r.output
+    manifest = beside / "manifest.json"
+    carved_at = manifest.stat().st_mtime_ns
+    r = tapml("migrate", "zoo:mlp", "--state", state, "-q")  # proven: reused, not carved again
+    assert r.exit_code == 0, r.output
+    assert manifest.stat().st_mtime_ns == carved_at
+    recorded = manifest.read_bytes()
+    swapped = json.loads(recorded)
+    swapped["cases"][0]["module"] = "planted"
+    manifest.write_text(json.dumps(swapped))  # a stranger's manifest of the same model in its place
+    refused(tapml("migrate", "zoo:mlp", "--state", state, "--resume"), "not the one the journal recorded")
+    if os.geteuid() == 0:  # a folder of another user, even holding the recorded manifest
+        manifest.write_bytes(recorded)
+        os.chown(beside, 65534, 65534)
+        refused(tapml("migrate", "zoo:mlp", "--state", state), "belongs to another user")
