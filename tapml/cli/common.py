@@ -240,7 +240,8 @@ def write_crash_report(error: BaseException) -> Optional[str]:
 def write_json(data, path: str) -> None:
     """Write JSON to a file atomically, or to stdout when path is '-'."""
     if path == "-":
-        out.print_json(json.dumps(data, allow_nan=False))
+        # ASCII only: a control character from a file stays a \u escape, never reaches the terminal
+        out.print_json(json.dumps(data, allow_nan=False), ensure_ascii=True)
         return
     from tapml.io import write_json_atomic
     target = Path(path)

@@ -181,9 +181,12 @@ def _probe(host: str, port: int, announced: dict, token: str | None, timeout: fl
     lets us in; ``status`` says why not otherwise."""
     from tapml.errors import TapmlError
     from tapml.remote.client import RemotePlatform
-    row = {"target": f"remote://{host}:{port}", "platform": announced.get("platform", "?"),
-           "adapter": announced.get("adapter") or "", "backend": announced.get("backend") or "",
-           "features": list(announced.get("features") or []), "limits": {}, "dtypes": [], "status": "ok"}
+    # what a registry announces is anyone's word: text as text, features as a list of text
+    features = announced.get("features")
+    row = {"target": f"remote://{host}:{port}", "platform": str(announced.get("platform", "?")),
+           "adapter": str(announced.get("adapter") or ""), "backend": str(announced.get("backend") or ""),
+           "features": [str(f) for f in features] if isinstance(features, list) else [], "limits": {}, "dtypes": [],
+           "status": "ok"}
     try:
         with RemotePlatform(host, port, token=token, timeout=timeout, connect_timeout=timeout) as device:
             caps = device.caps()
