@@ -220,7 +220,8 @@ def _open_shard(path: Path, where: str):
         return safe_open(str(path), framework="pt", device="cpu")
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         reason = " ".join(str(e).split())[:200]
-        raise TapmlError(f"shard {where} is not a valid safetensors file ({reason}); the store is corrupt") from None
+        raise TapmlError(f"shard {where} is not a valid safetensors file ({reason}): it is truncated or corrupt; "
+                         "carve the model again") from None
 
 
 _DTYPE_OF_CODE = {v: k for k, v in _ST_DTYPES.items()}

@@ -199,6 +199,8 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
         fail("--keep-float32 needs a float16/bfloat16 carve: add --dtype float16")
     if Path(state).is_dir():
         fail(f"--state {state} is a directory; give a file name such as {Path(state) / 'state.json'}")
+    if not Path(state).parent.is_dir():
+        fail(f"cannot write --state {state}: directory {Path(state).parent} does not exist")
     from tapml.io import ExclusiveLock
     from tapml.journal import recorded_store
     from tapml.models import parse_hf_overrides
