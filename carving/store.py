@@ -26,7 +26,7 @@ import torch
 from tapml.dtypes import LOW_FLOATS, MODEL_DTYPES
 from tapml.errors import TapmlError
 from tapml.graph import Graph, Node, TensorMeta, arg_refs, check_arg, check_state, torch_dtype
-from tapml.io import parse_json, read_regular_file, write_json_atomic
+from tapml.io import open_regular, parse_json, read_regular_file, write_json_atomic
 from tapml.ops import check_op
 
 FORMAT_VERSION = 1
@@ -48,7 +48,7 @@ MMAP_MIN_BYTES = 1 << 20
 #: shard's header (tapml writes :data:`HEADER_RESERVE`), all headers together, and shards.
 MAX_SHARD_HEADER_BYTES = 1 << 20
 MAX_STORE_HEADER_BYTES = 512 << 20
-MAX_SHARDS = 1 << 16
+MAX_SHARDS = 1 << 14  # each open shard is one mapping; Linux allows 65530 per process
 
 
 class CarveStoreWriter:
@@ -190,24 +190,16 @@ def _shard_header_bytes(path: Path, where: str) -> int:
     """The header length a shard declares, read from its first 8 bytes before anything parses
     it: a regular file (not a link, FIFO or device) whose header is at most
     :data:`MAX_SHARD_HEADER_BYTES` and lies inside the file."""
-    import stat
+    fd, size = open_regular(path, f"shard {where}", "carve the model again", follow_links=False)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-                     | getattr(os, "O_CLOEXEC", 0))
-    except OSError as e:
-        raise TapmlError(f"cannot read shard {where}: {e.strerror}; carve the model again") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise TapmlError(f"shard {where} is not a regular file; the store is corrupt")
-        head = os.pread(fd, 8, 0)
+        head = os.read(fd, 8)
     finally:
         os.close(fd)
     if len(head) < 8:
         raise TapmlError(f"shard {where} is truncated (no header); carve the model again")
     (n,) = struct.unpack("<Q", head)
-    if n > MAX_SHARD_HEADER_BYTES or 8 + n > st.st_size:
-        raise TapmlError(f"shard {where} declares a {n}-byte header in a {st.st_size}-byte file (tapml reads "
+    if n > MAX_SHARD_HEADER_BYTES or 8 + n > size:
+        raise TapmlError(f"shard {where} declares a {n}-byte header in a {size}-byte file (tapml reads "
                          f"headers of at most {MAX_SHARD_HEADER_BYTES >> 10} KiB); the store is corrupt")
     return n
 

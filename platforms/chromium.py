@@ -72,14 +72,12 @@ def _remove_stale_profiles() -> None:
 def _read_pid(path: Path) -> int | None:
     """The pid in a profile's pid file, or None unless it is a small regular file (not a link,
     FIFO or device) holding a positive number."""
-    import stat
+    from tapml.io import open_regular
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
+        fd, _ = open_regular(path, follow_links=False)
+    except TapmlError:
         return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
         text = os.read(fd, 32).decode("ascii", "replace").strip()
     except OSError:
         return None

@@ -148,41 +148,49 @@ def parse_json(text: str | bytes, where: str, hint: str = ""):
     return data
 
 
-def read_regular_file(path: str | Path, where: str | None = None, hint: str = "",
-                      max_bytes: int = MAX_JSON_BYTES, follow_links: bool = True) -> bytes:
-    """The bytes of the file at ``path`` when it is a regular file of at most ``max_bytes``.
-
-    Files may come from anyone, so nothing here can hang or exhaust memory: the file is opened
-    without blocking (a FIFO never waits for a writer) and refused unless ``fstat`` says it is a
-    regular file (a FIFO, ``/dev/zero``, a socket or a folder is refused, also behind a link);
-    the read stops at ``max_bytes`` whatever the size said. ``follow_links=False`` (for a file
-    that lives inside a folder, as a store's manifest or a state's journal) refuses a link
-    itself. ``where`` names the file in messages (default: the path); TapmlError (exit 2) for
-    everything refused."""
+def open_regular(path: str | Path, where: str | None = None, hint: str = "", follow_links: bool = True):
+    """Open the file at ``path`` for reading when it is a regular file; returns ``(fd, size)``
+    (the caller closes ``fd``). The file is opened without blocking (a FIFO never waits for a
+    writer) and refused unless ``fstat`` says it is a regular file (a FIFO, ``/dev/zero``, a
+    socket or a folder is refused, also behind a link); ``follow_links=False`` (for a file that
+    lives inside a folder, as a store's manifest or a state's journal) refuses a link itself.
+    ``where`` names the file in messages (default: the path); TapmlError (exit 2) otherwise."""
     import stat
     where = str(path) if where is None else where
     tail = f"; {hint}" if hint else ""
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+    link = f"{where} is a link; tapml reads this file only as a regular file in its folder{tail}"
     if not follow_links:
         flags |= getattr(os, "O_NOFOLLOW", 0)
         if os.path.islink(path):  # also where O_NOFOLLOW does not exist
-            raise TapmlError(f"{where} is a link; tapml reads this file only as a regular file in its folder{tail}")
+            raise TapmlError(link)
     try:
         fd = os.open(path, flags)
     except OSError as e:
         if not follow_links and os.path.islink(path):
-            raise TapmlError(f"{where} is a link; tapml reads this file only as a regular file in its folder"
-                             f"{tail}") from None
+            raise TapmlError(link) from None
         raise TapmlError(f"cannot read {where}: {e.strerror}{tail}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        kind = ("a folder" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
+                else "a socket" if stat.S_ISSOCK(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode)
+                or stat.S_ISBLK(st.st_mode) else "not a regular file")
+        raise TapmlError(f"{where} is {kind}, not a regular file{tail}")
+    return fd, st.st_size
+
+
+def read_regular_file(path: str | Path, where: str | None = None, hint: str = "",
+                      max_bytes: int = MAX_JSON_BYTES, follow_links: bool = True) -> bytes:
+    """The bytes of the file at ``path`` when it is a regular file (:func:`open_regular`) of at
+    most ``max_bytes``: the read stops there whatever the size said, so nothing here can hang or
+    exhaust memory. TapmlError (exit 2) for everything refused."""
+    where = str(path) if where is None else where
+    tail = f"; {hint}" if hint else ""
+    fd, size = open_regular(path, where, hint, follow_links)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            kind = ("a folder" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode)
-                    else "a socket" if stat.S_ISSOCK(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode)
-                    or stat.S_ISBLK(st.st_mode) else "not a regular file")
-            raise TapmlError(f"{where} is {kind}, not a regular file{tail}")
-        if st.st_size > max_bytes:
-            raise TapmlError(f"{where} is {_size(st.st_size)}, more than the {_size(max_bytes)} tapml reads "
+        if size > max_bytes:
+            raise TapmlError(f"{where} is {_size(size)}, more than the {_size(max_bytes)} tapml reads "
                              f"from such a file{tail}")
         chunks, total = [], 0
         while True:
@@ -312,5 +320,5 @@ def _try_lock(fd: int) -> bool:
         return False
 
 
-__all__ = ["ExclusiveLock", "FileHeld", "JsonSyntaxError", "MAX_JSON_BYTES", "parse_json", "read_json_file",
-           "read_regular_file", "sync_folder", "write_json_atomic", "write_text_atomic"]
+__all__ = ["ExclusiveLock", "FileHeld", "JsonSyntaxError", "MAX_JSON_BYTES", "open_regular", "parse_json",
+           "read_json_file", "read_regular_file", "sync_folder", "write_json_atomic", "write_text_atomic"]
