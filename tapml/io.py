@@ -261,6 +261,9 @@ class ExclusiveLock:
             except OSError as e:
                 raise TapmlError(f"cannot lock {self.what} ({self.path}): {e.strerror}") from None
             try:
+                import stat
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise TapmlError(f"cannot lock {self.what}: {self.path} is not a regular file; remove it")
                 if not _try_lock(fd):
                     holder = os.read(fd, 32).decode("ascii", "replace").strip()
                     who = f"process {holder}" if holder.isdigit() else "another process"

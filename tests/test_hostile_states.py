@@ -535,6 +535,11 @@ def test_the_lock_is_shared_within_a_process_and_dropped_with_its_holder(tmp_pat
         holder.wait()
     with ExclusiveLock(state, "--state s.json"):  # the kernel dropped the dead holder's lock
         pass
+    lock = Path(f"{state}.lock")
+    for kind in ("fifo", "dev-zero", "folder"):  # planted where the lock goes: refused, never written
+        make_kind(lock, kind, tmp_path)
+        with no_hang(), pytest.raises(TapmlError, match="cannot lock --state s.json"):
+            ExclusiveLock(state, "--state s.json").acquire()
 
 
 def test_the_atomic_writer_uses_a_unique_exclusive_temp_file_and_syncs_the_folder(tmp_path, monkeypatch):
