@@ -357,6 +357,9 @@ def test_store_fields_reach_the_terminal_as_text(terminal_store, tmp_path):
     assert "\\x1b" in out
     clean_terminal(tapml("report", state, "-o", tmp_path / "r.html"), 1)
     clean_terminal(tapml("gen-tests", terminal_store, "-o", tmp_path / "suite", "--state", state), 0)
+    script = "offload all\nstatus\ncheck ops\ncheck\nbisect\ndiff addmm\nquit\n"
+    out = clean_terminal(CliRunner().invoke(app, ["session", str(terminal_store), *fault], input=script), 0)
+    assert "\\x1b" in out
     # a journal whose verdicts' messages hold markup and escapes, resumed
     journal = journal_of(state)
     lines = [json.loads(line) for line in journal.read_text().splitlines()]
@@ -387,7 +390,7 @@ def test_states_and_verdicts_from_strangers_reach_the_terminal_as_text(hostile_f
 
 
 @pytest.mark.parametrize("spec", [f"zoo:x{TERMINAL}", f"hf:{TERMINAL}", f"m.py:{TERMINAL}", f"{TERMINAL}.pt2",
-                                  "zoo:[/]", "[bold]x[/]"])
+                                  "zoo:[/]", "[bold]x[/]"], ids=["zoo", "hf", "factory", "pt2", "zoo-markup", "markup"])
 def test_model_specs_reach_the_terminal_as_text(tmp_path, spec):
     clean_terminal(tapml("carve", spec, "-o", tmp_path / "out"), 2)
     clean_terminal(tapml("migrate", spec, "--state", tmp_path / "s.json"), 2)

@@ -45,15 +45,16 @@ class _Showable:
             yield segment if segment.control else Segment(plain_lines(segment.text), segment.style)
 
 
-def _console(**kwargs) -> Console:
-    # No emoji codes: user text such as `file.py:boom` must print as it is.
+def make_console(**kwargs) -> Console:
+    """A rich Console for tapml's output: no emoji codes (user text such as `file.py:boom` must
+    print as it is), and control characters in any text written as visible escapes."""
     made = Console(emoji=False, **kwargs)
     made.push_render_hook(_ShowableSegments())
     return made
 
 
-console = _console(stderr=True)
-out = _console()
+console = make_console(stderr=True)
+out = make_console()
 
 EXIT_OK, EXIT_FINDING, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 
@@ -310,6 +311,6 @@ def progress_bar(quiet: bool = False):
                     console=console, transient=True, disable=quiet or not console.is_terminal)
 
 
-__all__ = ["app", "console", "out", "EXIT_OK", "EXIT_FINDING", "EXIT_USAGE", "EXIT_INTERNAL", "TargetOpt", "TolOpt",
+__all__ = ["app", "console", "out", "make_console", "EXIT_OK", "EXIT_FINDING", "EXIT_USAGE", "EXIT_INTERNAL", "TargetOpt", "TolOpt",
            "InjectOpt", "TokenFileOpt", "JsonOpt", "DeviceLimitOpt", "parse_device_limits", "QuietOpt", "DtypeOpt", "KeepFloat32Opt", "check_dtype", "fail", "command", "write_crash_report", "write_json",
            "open_store", "progress_bar"]

@@ -203,47 +203,44 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
         fail(f"cannot write --state {state}: directory {Path(state).parent} does not exist")
     from tapml.io import ExclusiveLock
     from tapml.journal import recorded_store
-    from tapml.models import parse_hf_overrides
-    # One writer of this state, its journal and the store carved beside it, for the whole command.
-    with ExclusiveLock(state, f"--state {state}"):
-        _migrate(model, targets, state, resume, inject, tolerances, token, limits, keep, quiet, json_out,
-                 store_and_path=lambda: open_or_carve(
-                     model, state, on_carve=lambda spec, path: None if quiet else console.print(
-                         f"carving {shown(spec)} into {shown(path)}", highlight=False),
-                     hf_config=parse_hf_overrides(hf_config), dtype=check_dtype(dtype), recorded=recorded_store(state)))
-
-
-def _migrate(model, targets, state, resume, inject, tolerances, token, limits, keep, quiet, json_out, store_and_path):
     from tapml.migrate import Migration, check_faults, exit_code
+    from tapml.models import parse_hf_overrides
     from tapml.precision import resolve_keep_float32
     from tapml.replay import injects_into
     from tapml.targets import open_target
-    store, store_path = store_and_path()
-    check_faults(store.graph, inject)
-    resolve_keep_float32({"model": store.graph, **({"decode": store.step_graph("decode")}
-                                                   if store.is_generation else {})}, keep)
-    if len(targets) > 1:
-        paths = {t: state_for_target(state, t) for t in targets}
-        results = {}
-        for t in targets:
-            faults = inject if injects_into(t) else None
-            with open_target(t, token=token, inject=faults, limits=limits_for(t, limits)) as platform:
-                run_preflight(store, platform, t, quiet=quiet)
-                with MigrationDisplay(f"migrating {plain(store.model)} to {plain(t)} ({plain(paths[t])})", quiet) as display:
-                    results[t] = Migration(store, platform, t, paths[t], tolerances=tolerances, inject=faults,
-                                           resume=resume, on_event=display.event, store_path=str(store_path),
-                                           keep_float32=keep).run()
-        def render_target(doc: dict) -> None:
-            out.print(f"[bold]{shown(doc['target'])}[/] ({shown(paths[doc['target']])})", highlight=False)
-            render_state(doc, quiet)
+    # One writer of this state, its journal and the store carved beside it, for the whole command.
+    with ExclusiveLock(state, f"--state {state}"):
+        store, store_path = open_or_carve(model, state, on_carve=lambda spec, path: None if quiet else console.print(
+            f"carving {shown(spec)} into {shown(path)}", highlight=False), hf_config=parse_hf_overrides(hf_config),
+            dtype=check_dtype(dtype), recorded=recorded_store(state))
+        check_faults(store.graph, inject)
+        resolve_keep_float32({"model": store.graph, **({"decode": store.step_graph("decode")}
+                                                       if store.is_generation else {})}, keep)
+        if len(targets) > 1:
+            paths = {t: state_for_target(state, t) for t in targets}
+            results = {}
+            for t in targets:
+                faults = inject if injects_into(t) else None
+                with open_target(t, token=token, inject=faults, limits=limits_for(t, limits)) as platform:
+                    run_preflight(store, platform, t, quiet=quiet)
+                    with MigrationDisplay(f"migrating {plain(store.model)} to {plain(t)} ({plain(paths[t])})",
+                                          quiet) as display:
+                        results[t] = Migration(store, platform, t, paths[t], tolerances=tolerances, inject=faults,
+                                               resume=resume, on_event=display.event, store_path=str(store_path),
+                                               keep_float32=keep).run()
 
-        raise typer.Exit(render_matrix_run(results, False, False, quiet, json_out, render_target))
-    target = targets[0]
-    with open_target(target, token=token, inject=inject, limits=limits_for(target, limits)) as platform:
-        run_preflight(store, platform, target, quiet=quiet)
-        with MigrationDisplay(f"migrating {plain(store.model)} to {plain(target)}", quiet) as display:
-            result = Migration(store, platform, target, state, tolerances=tolerances, inject=inject, resume=resume,
-                               on_event=display.event, store_path=str(store_path), keep_float32=keep).run()
+            def render_target(doc: dict) -> None:
+                out.print(f"[bold]{shown(doc['target'])}[/] ({shown(paths[doc['target']])})", highlight=False)
+                render_state(doc, quiet)
+
+            raise typer.Exit(render_matrix_run(results, False, False, quiet, json_out, render_target))
+        target = targets[0]
+        with open_target(target, token=token, inject=inject, limits=limits_for(target, limits)) as platform:
+            run_preflight(store, platform, target, quiet=quiet)
+            with MigrationDisplay(f"migrating {plain(store.model)} to {plain(target)}", quiet) as display:
+                result = Migration(store, platform, target, state, tolerances=tolerances, inject=inject,
+                                   resume=resume, on_event=display.event, store_path=str(store_path),
+                                   keep_float32=keep).run()
     if json_out:
         write_json(result, json_out)
     if json_out != "-":

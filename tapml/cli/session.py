@@ -13,7 +13,8 @@ from typing import List, Optional
 
 import typer
 
-from tapml.cli.common import DtypeOpt, InjectOpt, TargetOpt, TokenFileOpt, TolOpt, app, check_dtype, command, fail
+from tapml.cli.common import (DtypeOpt, InjectOpt, TargetOpt, TokenFileOpt, TolOpt, app, check_dtype, command, fail,
+                              make_console)
 from tapml.cli.migrate import HfConfigOpt, ModelArg
 from tapml.errors import TapmlError
 from tapml.render import fmt_err
@@ -50,9 +51,8 @@ class SessionShell(cmd.Cmd):
 
     def __init__(self, session, console=None, stdin=None):
         super().__init__(stdin=stdin)
-        from rich.console import Console
         self.s = session
-        self.console = console or Console(highlight=False, emoji=False)
+        self.console = console or make_console(highlight=False)
         self.interactive = stdin is None and os.isatty(0)
         self.use_rawinput = stdin is None
         self.prompt = "tapml> " if self.interactive else ""
