@@ -510,3 +510,33 @@ def test_a_shard_link_inside_the_store_is_copied_as_a_real_file_by_gen_tests(cle
     assert all(p.is_file() and not p.is_symlink() for p in copied.iterdir())
     from tapml.carving import CarveStore
     assert len(CarveStore(tmp_path / "suite" / "data").cases) == len(m["cases"])
+
+
+def test_the_audits_header_bomb_costs_inspect_no_memory(clean_store, tmp_path):
+    """The audit's archive: three shards whose headers are 32 MiB of nested empty lists each
+    (the audit's were 95 MiB, and drove `tapml inspect` to 5.6 GiB and a MemoryError). A real
+    `tapml inspect` process refuses it with exit 2, its peak memory that of a bare start."""
+    store = tmp_path / "store"
+    shutil.copytree(clean_store, store)
+    m = json.loads((store / "manifest.json").read_text())
+    stored = [info for info in m["tensors"].values() if "shard" in info]
+    bomb = _nested_lists(32 << 20)
+    for i in range(3):
+        _write_shard(store / f"shards/bomb-{i}.safetensors", bomb, b"")
+    for i, info in enumerate(stored):
+        info["shard"] = f"shards/bomb-{i % 3}.safetensors"
+    (store / "manifest.json").write_text(json.dumps(m))
+    del bomb
+    env = {**os.environ, "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR", "/tmp")}
+    # the peak of the tapml process's own memory (VmHWM; ru_maxrss would count this process's,
+    # inherited through fork and exec)
+    measured = ("import re, runpy, sys\nsys.argv = ['tapml', 'inspect', sys.argv[1]]\ntry:\n"
+                "    runpy.run_module('tapml.cli', run_name='__main__')\nexcept SystemExit:\n"
+                "    kib = re.search(r'VmHWM:\\s*(\\d+)', open('/proc/self/status').read()).group(1)\n"
+                "    print('peak', int(kib) >> 10, file=sys.stderr)\n"
+                "    raise\n")
+    r = subprocess.run([sys.executable, "-c", measured, str(store)], capture_output=True, text=True, timeout=300,
+                       env=env)
+    assert r.returncode == 2 and "bomb-0.safetensors" in r.stderr and "header" in r.stderr, r.stderr
+    peak_mib = int(re.search(r"peak (\d+)", r.stderr).group(1))
+    assert peak_mib < 600, peak_mib  # torch's import and the store (about 240 MiB); not the headers
