@@ -347,6 +347,8 @@ FILE_ROLES = {
     "journal (resume)": ("s.json.journal",
                          lambda real, p: shutil.copy(journal_path(real["work"] / "clean.json"), p),
                          lambda real, p, tmp: ["migrate", real["store"], "--state", tmp / "s.json", "--resume"]),
+    "state (gen-tests)": ("g.json", lambda real, p: shutil.copy(real["work"] / "fault.json", p),
+                          lambda real, p, tmp: ["gen-tests", real["store"], "-o", tmp / "suite", "--state", p]),
     "baseline": ("b.json", lambda real, p: shutil.copy(real["work"] / "replay.json", p),
                  lambda real, p, tmp: ["replay", real["store"], "--baseline", p]),
     "keep-float32 precision JSON": ("k.json", lambda real, p: p.write_text(json.dumps(_precision_doc())),
