@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 from tapml.errors import TapmlError
-from tapml.io import MAX_JSON_BYTES, JsonSyntaxError, parse_json, read_regular_file, write_text_atomic
+from tapml.io import MAX_JSON_BYTES, JsonSyntaxError, open_regular, parse_json, read_regular_file, write_text_atomic
 from tapml.verdict import check_depth, journal_record
 
 #: What a refused journal's message tells the user to do.
@@ -59,8 +59,12 @@ def recorded_store(state_path: str | Path) -> str | None:
     try:
         if hasattr(os, "geteuid") and os.lstat(path).st_uid != os.geteuid():
             return None
-        raw = read_regular_file(path, max_bytes=MAX_JSON_BYTES, follow_links=False)
-        header = parse_json(raw.split(b"\n", 1)[0], str(path)).get("header")
+        fd, _ = open_regular(path, follow_links=False)
+        try:
+            head = os.read(fd, 1 << 20)  # the header line; the records after it do not matter here
+        finally:
+            os.close(fd)
+        header = parse_json(head.split(b"\n", 1)[0], str(path)).get("header")
         digest = header.get("store_manifest_sha256") if isinstance(header, dict) else None
     except (OSError, TapmlError, AttributeError):
         return None
