@@ -71,6 +71,15 @@ def recorded_store(state_path: str | Path) -> str | None:
     return digest if isinstance(digest, str) and len(digest) == 64 else None
 
 
+#: Header keys that journals written by an older tapml lack; such a journal still resumes.
+NEWER_HEADER_KEYS = ("store_manifest_sha256",)
+
+
+def _as_old(header: dict, old: dict) -> dict:
+    """``header`` without the :data:`NEWER_HEADER_KEYS` that ``old`` lacks."""
+    return {k: v for k, v in header.items() if k in old or k not in NEWER_HEADER_KEYS}
+
+
 class Journal:
     """An append-only JSON-lines file of ``{"key", "record"}`` lines, each flushed and fsynced.
 
@@ -86,7 +95,7 @@ class Journal:
         self.records: dict[str, object] = {}
         if resume and os.path.lexists(self.path):
             old_header, self.records = self.read(self.path)
-            if old_header is not None and old_header != header:
+            if old_header is not None and old_header != _as_old(header, old_header):
                 raise TapmlError(_option_mismatch(old_header, header, self.path))
         # A fresh file, or the old records without a torn tail, so that appends start on a new line.
         write_text_atomic(self.path, journal_text(header, self.records))

@@ -611,3 +611,16 @@ def test_a_strangers_store_beside_the_state_is_not_reused(mlp, tmp_path):
         manifest.write_bytes(recorded)
         os.chown(beside, 65534, 65534)
         refused(tapml("migrate", "zoo:mlp", "--state", state), "belongs to another user")
+
+
+def test_a_journal_resumes_only_on_the_store_it_recorded(tmp_path):
+    """A journal's header records the store's manifest digest: another store is refused; a
+    journal from before the digest existed still resumes (and records it from then on)."""
+    from tapml.journal import Journal, recorded_store
+    path = journal_path(tmp_path / "s.json")
+    Journal(path, {"format": "f", "target": "reference"}, resume=False).close()
+    assert recorded_store(tmp_path / "s.json") is None
+    Journal(path, {"format": "f", "target": "reference", "store_manifest_sha256": "a" * 64}, resume=True).close()
+    assert recorded_store(tmp_path / "s.json") == "a" * 64
+    with pytest.raises(TapmlError, match="store_manifest_sha256: journal has 'a+', now 'b+'"):
+        Journal(path, {"format": "f", "target": "reference", "store_manifest_sha256": "b" * 64}, resume=True)
