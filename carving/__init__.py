@@ -65,14 +65,20 @@ def write_store_atomically(out: str | Path, fill: Callable[[Path], dict]) -> dic
 
 def open_or_carve(model_or_store: str, state_path: str | Path | None = None,
                   on_carve: Callable[[str, Path], None] | None = None,
-                  hf_config: dict | None = None, dtype: str | None = None) -> tuple[CarveStore, Path]:
+                  hf_config: dict | None = None, dtype: str | None = None,
+                  recorded: str | None = None) -> tuple[CarveStore, Path]:
     """A CarveStore for MODEL|STORE: an existing store directory is opened as it is; a model
     spec is carved (:func:`carve`) into ``STATE.store/`` beside the state file, reused when it
     already holds that model, or into a new temporary folder without a state file.
     ``on_carve(spec, path)`` is called before carving; ``hf_config`` overrides an ``hf:`` model's
     config and ``dtype`` is the ``--dtype`` to carve in (None: float32, or the dtype a ``.pt2``
     or factory model has); a reused store must have been carved with the same. A STORE given
-    with a ``dtype`` other than its own is refused. Returns ``(store, path)``."""
+    with a ``dtype`` other than its own is refused. Returns ``(store, path)``.
+
+    ``STATE.store/`` may have been put there by someone else, so it is reused only when this run
+    can prove a run of its own made it: ``recorded`` is the manifest digest that the state's
+    journal recorded (:func:`tapml.journal.recorded_store`), and the folder must be this user's
+    and hold that very manifest; otherwise TapmlError (exit 2) says to remove it."""
     path = Path(model_or_store)
     if dtype is not None:
         from tapml.dtypes import check_model_dtype
@@ -95,8 +101,11 @@ def open_or_carve(model_or_store: str, state_path: str | Path | None = None,
         if not state_path.parent.is_dir():
             raise TapmlError(f"cannot write --state {state_path}: directory {state_path.parent} does not exist")
         out = state_path.with_name(state_path.stem + ".store")
-    if out.is_dir():
+    if os.path.lexists(out):
+        _check_recorded(out, recorded, state_path)
         store = CarveStore(out)
+        if store.manifest_sha256 != recorded:
+            raise TapmlError(_not_proven(out, state_path, "its manifest is not the one the journal recorded"))
         # zoo: and hf: models are float32 unless asked; a .pt2 or factory model may come in its own dtype.
         wanted = dtype or ("float32" if model_or_store.startswith(("zoo:", "hf:")) else store.dtype)
         if store.model != model_or_store or store.manifest.get("hf_config", {}) != (hf_config or {}) \
@@ -110,6 +119,24 @@ def open_or_carve(model_or_store: str, state_path: str | Path | None = None,
         on_carve(model_or_store, out)
     carve(model_or_store, out, hf_config=hf_config, dtype=dtype or "float32")
     return CarveStore(out), out
+
+
+def _not_proven(out: Path, state_path, why: str) -> str:
+    return (f"{out} exists, but this migration cannot prove it carved it ({why}); tapml reuses only a store its "
+            f"own run recorded in --state {state_path}'s journal: remove {out}, pass it as MODEL if you trust it, "
+            "or use another --state")
+
+
+def _check_recorded(out: Path, recorded: str | None, state_path) -> None:
+    """TapmlError unless ``out`` is a folder of this user (not a link) and a journal recorded a store."""
+    import stat
+    st = os.lstat(out)
+    if not stat.S_ISDIR(st.st_mode):
+        raise TapmlError(_not_proven(out, state_path, "it is not a folder"))
+    if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+        raise TapmlError(_not_proven(out, state_path, "it belongs to another user"))
+    if recorded is None:
+        raise TapmlError(_not_proven(out, state_path, "no journal beside the state records a store"))
 
 
 def check_store_dtype(store: CarveStore, dtype: str | None) -> None:

@@ -176,8 +176,9 @@ def _reason(verdict: dict, target: str | None) -> str:
     return reason if len(reason) <= _MAX_REASON else reason[:_MAX_REASON - 3] + "..."
 
 
-def _manifest_sha256(store_path: Path) -> str:
-    return hashlib.sha256((store_path / "manifest.json").read_bytes()).hexdigest()
+def _manifest_bytes(store_path: Path) -> bytes:
+    from tapml.io import read_regular_file
+    return read_regular_file(store_path / "manifest.json", hint="carve the model again", follow_links=False)
 
 
 def _check_output_dir(out: Path) -> None:
@@ -280,8 +281,9 @@ def generate_suite(store_path: str | Path, out_dir: str | Path, *, state: str | 
     out.mkdir(parents=True, exist_ok=True)
     for p in out.glob("*.py"):
         p.unlink()  # only generated files are left here (checked above)
+    manifest = _manifest_bytes(src)
     if copy_data:
-        _copy_store(store, src, data)
+        _copy_store(store, manifest, data)
         store_expr = 'Path(__file__).parent / "data"'
         data_note = "a copy of the store in data/ (the suite moves freely)."
     else:
@@ -309,7 +311,7 @@ def generate_suite(store_path: str | Path, out_dir: str | Path, *, state: str | 
         n_cases=len(store.cases), n_ops=len(by_op), suite_dir=str(out), data_note=data_note, state=state,
         known_failures=known_failures, n_known=len(failures), state_target=(info or {}).get("target") or "its target",
         state_inject=" ".join(f"--tapml-inject {x}" for x in (info or {}).get("inject", [])),
-        default_target=default_target, store_expr=store_expr, manifest_sha256=_manifest_sha256(src), **common))
+        default_target=default_target, store_expr=store_expr, manifest_sha256=hashlib.sha256(manifest).hexdigest(), **common))
     for op, cases in sorted(by_op.items()):
         rows = [{"id": c["id"], "test_id": test_id, "tol": case_tolerance(c, tols),
                  "known": failures.get(c["id"])} for c, test_id in cases]
@@ -324,14 +326,23 @@ def generate_suite(store_path: str | Path, out_dir: str | Path, *, state: str | 
             "default_target": default_target}
 
 
-def _copy_store(store, src: Path, data: Path) -> None:
-    """Copy what the cases need (manifest and shards) into ``data``."""
-    if data.exists():
+def _copy_store(store, manifest: bytes, data: Path) -> None:
+    """Copy what the cases need (``manifest``, the bytes of the store's manifest, and the
+    shards, from the files the store opened) into ``data``: real files and folders only, each
+    under ``data``, whatever links the store held."""
+    if data.is_symlink() or data.is_file():
+        data.unlink()
+    elif data.exists():
         shutil.rmtree(data)
     (data / "shards").mkdir(parents=True)
-    for shard in sorted({i["shard"] for i in store.tensor_index.values() if "shard" in i}):
-        shutil.copy2(src / shard, data / shard)
-    shutil.copy2(src / "manifest.json", data / "manifest.json")
+    root = data.resolve()
+    for shard, source in sorted(store.shard_files().items()):
+        dest = data / shard
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if root not in dest.parent.resolve().parents and dest.parent.resolve() != root:
+            raise TapmlError(f"shard path {shard[:80]!r} leads outside {data}; the store is corrupt")
+        shutil.copyfile(source, dest, follow_symlinks=False)
+    write_text_atomic(data / "manifest.json", manifest)
 
 
 __all__ = ["KNOWN_FAILURE_MODES", "ascii_text", "case_test_id", "case_tolerance", "docstring_text", "generate_suite",

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import mmap
 import os
 import struct
 import weakref
@@ -27,7 +26,7 @@ import torch
 from tapml.dtypes import LOW_FLOATS, MODEL_DTYPES
 from tapml.errors import TapmlError
 from tapml.graph import Graph, Node, TensorMeta, arg_refs, check_arg, check_state, torch_dtype
-from tapml.io import read_json_file, write_json_atomic
+from tapml.io import open_regular, parse_json, read_regular_file, write_json_atomic
 from tapml.ops import check_op
 
 FORMAT_VERSION = 1
@@ -45,6 +44,11 @@ HEADER_RESERVE = 64 << 10
 CONTENT_DEDUP_BYTES = 1 << 20
 #: Tensors of at least this many bytes are read memory-mapped (copy-on-write), smaller ones copied.
 MMAP_MIN_BYTES = 1 << 20
+#: Bounds on the shards of a store read from anyone, checked before any header is parsed: a
+#: shard's header (tapml writes :data:`HEADER_RESERVE`), all headers together, and shards.
+MAX_SHARD_HEADER_BYTES = 1 << 20
+MAX_STORE_HEADER_BYTES = 512 << 20
+MAX_SHARDS = 1 << 14  # each open shard is one mapping; Linux allows 65530 per process
 
 
 class CarveStoreWriter:
@@ -182,56 +186,34 @@ class CarveStoreWriter:
                                                  "tensors": self.tensors})
 
 
-def _check_shard(path: Path) -> tuple[dict, int]:
-    """Parse a safetensors header and check the file holds every byte it declares, each entry
-    exactly as many bytes as its dtype and shape need. Returns the header and where the data starts."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise TapmlError(f"shard {path} is truncated (no header); carve the model again")
-        (n,) = struct.unpack("<Q", head)
-        if n > min(size, 100 << 20):
-            raise TapmlError(f"shard {path} declares a {n}-byte header in a {size}-byte file; it is corrupt")
-        try:
-            header = json.loads(f.read(n))
-        except (ValueError, RecursionError):
-            raise TapmlError(f"shard {path} has an unreadable header; it is corrupt") from None
-    if not isinstance(header, dict):
-        raise TapmlError(f"shard {path} has an unreadable header; it is corrupt")
-    end = 0
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        try:
-            start, stop = info["data_offsets"]
-            shape, code = info["shape"], info["dtype"]
-            itemsize = torch_dtype(_DTYPE_OF_CODE[code]).itemsize
-            if not (type(start) is int and type(stop) is int and 0 <= start <= stop
-                    and isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
-                    and stop - start == math.prod(shape) * itemsize):
-                raise ValueError
-        except (TypeError, KeyError, IndexError, ValueError):
-            raise TapmlError(f"shard {path}: entry {str(key)[:60]!r} has no valid dtype, shape and data_offsets; "
-                             "it is corrupt") from None
-        end = max(end, stop)
-    if 8 + n + end != size:
-        raise TapmlError(f"shard {path} is {size} bytes but its header needs {8 + n + end}; "
-                         "it is truncated or corrupt — carve the model again")
-    return header, 8 + n
+def _shard_header_bytes(path: Path, where: str) -> int:
+    """The header length a shard declares, read from its first 8 bytes before anything parses
+    it: a regular file (not a link, FIFO or device) whose header is at most
+    :data:`MAX_SHARD_HEADER_BYTES` and lies inside the file."""
+    fd, size = open_regular(path, f"shard {where}", "carve the model again", follow_links=False)
+    try:
+        head = os.read(fd, 8)
+    finally:
+        os.close(fd)
+    if len(head) < 8:
+        raise TapmlError(f"shard {where} is truncated (no header); carve the model again")
+    (n,) = struct.unpack("<Q", head)
+    if n > MAX_SHARD_HEADER_BYTES or 8 + n > size:
+        raise TapmlError(f"shard {where} declares a {n}-byte header in a {size}-byte file (tapml reads "
+                         f"headers of at most {MAX_SHARD_HEADER_BYTES >> 10} KiB); the store is corrupt")
+    return n
 
 
-def _read_at(fd: int, pos: int, nbytes: int) -> bytearray:
-    """``nbytes`` bytes of the open file ``fd`` from ``pos`` into a new buffer."""
-    buf = bytearray(nbytes)
-    view, done = memoryview(buf), 0
-    os.lseek(fd, pos, os.SEEK_SET)
-    while done < nbytes:
-        n = os.readv(fd, [view[done:]])
-        if n <= 0:
-            raise OSError("the shard is shorter than its header says")
-        done += n
-    return buf
+def _open_shard(path: Path, where: str):
+    """The shard opened with ``safetensors.safe_open`` (which refuses a header that is not
+    JSON of its schema, and data offsets that overlap, leave gaps or pass the end of the file)."""
+    from safetensors import SafetensorError, safe_open
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        reason = " ".join(str(e).split())[:200]
+        raise TapmlError(f"shard {where} is not a valid safetensors file ({reason}): it is truncated or corrupt; "
+                         "carve the model again") from None
 
 
 _DTYPE_OF_CODE = {v: k for k, v in _ST_DTYPES.items()}
@@ -255,6 +237,8 @@ def _check_tensor_index(index) -> dict[str, dict]:
                 raise ValueError(f"{where}: a tensor has a 'shard' or an 'alias', not both")
         elif not (isinstance(info, dict) and isinstance(info.get("shard"), str) and 0 < len(info["shard"]) <= 4096):
             raise ValueError(f"{where}: field 'shard' must be a path inside the store")
+        else:
+            _check_shard_path(info["shard"], where)
         try:
             TensorMeta.from_json(info)
         except (TypeError, ValueError) as e:
@@ -265,6 +249,18 @@ def _check_tensor_index(index) -> dict[str, dict]:
         if "alias" in info:
             _check_alias(name, info, index)
     return index
+
+
+def _check_shard_path(shard: str, where: str) -> None:
+    """A shard is named by a plain relative path: parts separated by ``/``, none empty, ``.`` or
+    ``..``, no backslash, no control character (what the writer writes: ``shards/tensors-00000.safetensors``)."""
+    parts = shard.split("/")
+    if any(p in ("..", ".") for p in parts):
+        raise ValueError(f"{where}: shard {shard[:80]!r} leads outside the store or through '.'; a shard path is "
+                         "relative to the store, as shards/tensors-00000.safetensors")
+    if "\\" in shard or not shard.isprintable() or not all(parts):
+        raise ValueError(f"{where}: shard {shard[:80]!r} is not a plain relative path inside the store (as "
+                         "shards/tensors-00000.safetensors)")
 
 
 def _check_alias(name: str, info: dict, index: dict) -> None:
@@ -519,12 +515,13 @@ class CarveStore:
         manifest_path = self.path / MANIFEST
         if not self.path.is_dir():
             raise TapmlError(f"store {str(path)!r} does not exist; create it with `tapml carve MODEL -o {path}`")
-        if not manifest_path.is_file():
+        if not os.path.lexists(manifest_path):
             raise TapmlError(f"{path} is not a carve store (no {MANIFEST}); create it with `tapml carve`")
         root = self.path.resolve()
-        if manifest_path.resolve().parent != root:
-            raise TapmlError(f"{manifest_path} is a link to a file outside the store; carve the model again")
-        self.manifest = read_json_file(manifest_path, str(manifest_path), "carve the model again")
+        raw = read_regular_file(manifest_path, str(manifest_path), "carve the model again", follow_links=False)
+        #: sha256 of the manifest's bytes: what a migration records to prove which store it used.
+        self.manifest_sha256 = hashlib.sha256(raw).hexdigest()
+        self.manifest = parse_json(raw, str(manifest_path), "carve the model again")
         if not isinstance(self.manifest, dict):
             raise TapmlError(f"{manifest_path} is not a JSON object; carve the model again")
         missing = [k for k in _REQUIRED if k not in self.manifest]
@@ -541,27 +538,46 @@ class CarveStore:
         self.graph = Graph(inputs=graphs["prefill"].inputs, nodes=graphs["prefill"].nodes,
                            outputs=graphs["prefill"].outputs)
         self._by_id = {c["id"]: c for c in self.cases}
-        self._headers, self._shard_paths, self._data_start = {}, {}, {}
-        for shard in sorted({info["shard"] for info in self.tensor_index.values() if "shard" in info}):
+        self._shards, self._shards_path = {}, {}
+        by_shard: dict[str, dict[str, dict]] = {}
+        for name, info in self.tensor_index.items():
+            if "shard" in info:
+                by_shard.setdefault(info["shard"], {})[name] = info
+        if len(by_shard) > MAX_SHARDS:
+            raise TapmlError(f"{manifest_path} names {len(by_shard)} shards, more than the {MAX_SHARDS} tapml reads; "
+                             "the store is corrupt")
+        header_bytes, paths = 0, {}
+        for shard in sorted(by_shard):  # every header bounded before any is parsed
+            shown_shard = repr(shard[:80])
             try:
                 shard_path = (self.path / shard).resolve()
             except (OSError, RuntimeError, ValueError):
-                raise TapmlError(f"{manifest_path}: shard path {shard[:80]!r} cannot be resolved") from None
+                raise TapmlError(f"{manifest_path}: shard path {shown_shard} cannot be resolved") from None
             if root not in shard_path.parents:
-                raise TapmlError(f"{manifest_path} points outside the store: shard {shard[:80]!r} "
+                raise TapmlError(f"{manifest_path} points outside the store: shard {shown_shard} "
                                  f"resolves to {shard_path} (links included); refusing to read it")
-            if not shard_path.is_file():
-                raise TapmlError(f"store {path} is missing shard {shard[:80]}; carve the model again")
-            self._headers[shard], self._data_start[shard] = _check_shard(shard_path)
-            self._shard_paths[shard] = shard_path
-        for name, info in self.tensor_index.items():
-            if "alias" in info:
-                continue
-            entry = self._headers[info["shard"]].get(name)
-            if (not isinstance(entry, dict) or list(entry.get("shape", [])) != list(info["shape"])
-                    or entry.get("dtype") != _ST_DTYPES[info["dtype"]]):
-                raise TapmlError(f"tensor {name[:60]!r} is missing from {info['shard'][:80]} or has another shape "
-                                 "or dtype; the store is corrupt")
+            if not shard_path.exists():
+                raise TapmlError(f"store {path} is missing shard {shown_shard}; carve the model again")
+            header_bytes += _shard_header_bytes(shard_path, f"{shown_shard} of {path}")
+            if header_bytes > MAX_STORE_HEADER_BYTES:
+                raise TapmlError(f"the shard headers of {path} pass {MAX_STORE_HEADER_BYTES >> 20} MiB in all, more "
+                                 "than tapml reads; the store is corrupt")
+            paths[shard] = shard_path
+        for shard, shard_path in paths.items():
+            shown_shard = repr(shard[:80])
+            shard_file = _open_shard(shard_path, f"{shown_shard} of {path}")
+            names = by_shard[shard]
+            if set(shard_file.keys()) != set(names):
+                extra = sorted(set(shard_file.keys()) - set(names))
+                what = f"holds tensor {extra[0][:60]!r}, which the index puts elsewhere" if extra else \
+                    f"lacks tensor {sorted(set(names) - set(shard_file.keys()))[0][:60]!r}"
+                raise TapmlError(f"shard {shown_shard} {what}; the store is corrupt")
+            for name, info in names.items():
+                entry = shard_file.get_slice(name)
+                if list(entry.get_shape()) != list(info["shape"]) or entry.get_dtype() != _ST_DTYPES[info["dtype"]]:
+                    raise TapmlError(f"tensor {name[:60]!r} has another shape or dtype in {shown_shard} than in the "
+                                     "index; the store is corrupt")
+            self._shards[shard], self._shards_path[shard] = shard_file, shard_path
 
     @property
     def model(self) -> str:
@@ -572,6 +588,10 @@ class CarveStore:
         """The dtype the model was carved in (``--dtype``): ``float32`` (also for stores older
         than the ``dtype`` field), ``float16`` or ``bfloat16``."""
         return self.manifest.get("dtype", "float32")
+
+    def shard_files(self) -> dict[str, Path]:
+        """Every shard the index names -> the file it was opened from (inside the store)."""
+        return dict(self._shards_path)
 
     def case(self, case_id: str) -> dict:
         return self._by_id[case_id]
@@ -592,25 +612,17 @@ class CarveStore:
         return torch.as_strided(base, info["shape"], view["stride"], base.storage_offset() + view["offset"]).contiguous()
 
     def _stored(self, name: str, info: dict) -> torch.Tensor:
+        from safetensors import SafetensorError
         shard = info["shard"]
-        start, stop = self._headers[shard][name]["data_offsets"]
-        dtype, shape = torch_dtype(info["dtype"]), info["shape"]
-        if stop == start:
-            return torch.empty(shape, dtype=dtype)
-        pos, nbytes = self._data_start[shard] + start, stop - start
         try:
-            fd = os.open(self._shard_paths[shard], os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-            try:
-                if nbytes >= MMAP_MIN_BYTES and pos % dtype.itemsize == 0:
-                    lead = pos % mmap.ALLOCATIONGRANULARITY
-                    buf = mmap.mmap(fd, lead + nbytes, offset=pos - lead, access=mmap.ACCESS_COPY)
-                else:
-                    lead, buf = 0, _read_at(fd, pos, nbytes)
-            finally:
-                os.close(fd)
-            return torch.frombuffer(buf, dtype=dtype, offset=lead, count=math.prod(shape)).reshape(shape)
-        except (OSError, ValueError, RuntimeError) as e:
-            raise TapmlError(f"reading {name!r} from {shard} failed ({e}); the store is corrupt") from None
+            if TensorMeta.from_json(info).nbytes < MMAP_MIN_BYTES:
+                return self._shards[shard].get_tensor(name).clone()
+            # A handle of its own: tensors of one handle share its copy-on-write mapping, so a
+            # change to one read would show in the next read of the same tensor.
+            return _open_shard(self._shards_path[shard], repr(shard[:80])).get_tensor(name)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise TapmlError(f"reading {name[:60]!r} from {shard[:80]} failed ({str(e)[:200]}); "
+                             "the store is corrupt") from None
 
     def case_graph(self, case: dict) -> Graph:
         """The one-node graph of a case; its inputs are the case's stored input tensors."""

@@ -53,14 +53,37 @@ PROFILE_PREFIX = "tapml-chromium-"
 
 def _remove_stale_profiles() -> None:
     """Remove profiles left by tapml processes that were killed (SIGKILL skips cleanup)."""
+    import stat
     for profile in Path(tempfile.gettempdir()).glob(PROFILE_PREFIX + "*"):
         try:
-            owner = int((profile / "tapml.pid").read_text())
+            st = profile.lstat()
+            if not stat.S_ISDIR(st.st_mode) or (hasattr(os, "geteuid") and st.st_uid != os.geteuid()):
+                continue  # a link, a file, or another user's: not ours to judge
+            owner = _read_pid(profile / "tapml.pid")
+            if owner is None:
+                continue  # no pid file yet, or not one tapml wrote
             os.kill(owner, 0)
         except ProcessLookupError:
             shutil.rmtree(profile, ignore_errors=True)
-        except (OSError, ValueError):
-            pass  # not ours to judge (no pid file yet, or another user's)
+        except OSError:
+            pass
+
+
+def _read_pid(path: Path) -> int | None:
+    """The pid in a profile's pid file, or None unless it is a small regular file (not a link,
+    FIFO or device) holding a positive number."""
+    from tapml.io import open_regular
+    try:
+        fd, _ = open_regular(path, follow_links=False)
+    except TapmlError:
+        return None
+    try:
+        text = os.read(fd, 32).decode("ascii", "replace").strip()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return int(text) if text.isdigit() and 0 < int(text) < 1 << 22 else None
 
 
 def _write_start_file(profile: str, url: str) -> str:

@@ -31,7 +31,6 @@ import json
 import socket
 import threading
 import time
-from pathlib import Path
 from typing import Callable
 
 from tapml.errors import DeviceLost, TapmlError
@@ -61,13 +60,9 @@ def read_token_map(path: str) -> dict[str, str]:
         {"10.0.0.5:18861": "phone-secret", "*": "lab-secret"}
     """
     import re
-    try:
-        raw = Path(path).read_bytes()[:MAX_TOKEN_MAP_BYTES + 1]
-    except OSError as e:
-        raise TapmlError(f"cannot read --token-map {path}: {e.strerror or e}") from None
+    from tapml.io import read_regular_file
     fix = 'write a JSON object such as {"127.0.0.1:18861": "token", "*": "token for any other server"}'
-    if len(raw) > MAX_TOKEN_MAP_BYTES:
-        raise TapmlError(f"--token-map {path} is larger than 1 MiB; {fix}")
+    raw = read_regular_file(path, f"--token-map {path}", fix, max_bytes=MAX_TOKEN_MAP_BYTES)
     try:
         data = json.loads(raw.decode(), parse_constant=lambda c: None)
     except (UnicodeDecodeError, ValueError) as e:

@@ -307,7 +307,7 @@ def _reference_info(store: str | None, path: Path) -> dict:
     if store:
         manifest = (path.parent / store if not Path(store).is_absolute() else Path(store)) / "manifest.json"
         try:
-            m = read_json_file(manifest, str(manifest))
+            m = read_json_file(manifest, str(manifest), follow_links=False)
         except (TapmlError, OSError, ValueError):
             return info
         if isinstance(m, dict):

@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 
 from tapml.errors import TapmlError
-from tapml.io import MAX_JSON_BYTES, JsonSyntaxError, parse_json, write_text_atomic
+from tapml.io import MAX_JSON_BYTES, JsonSyntaxError, open_regular, parse_json, read_regular_file, write_text_atomic
 from tapml.verdict import check_depth, journal_record
 
 #: What a refused journal's message tells the user to do.
@@ -51,6 +51,35 @@ def _option_mismatch(old: dict, new: dict, path: Path) -> str:
             "rerun with the same options, or without --resume to start over")
 
 
+def recorded_store(state_path: str | Path) -> str | None:
+    """The ``store_manifest_sha256`` that the journal beside ``state_path`` recorded (the store a
+    migration with this state carved or used), or None when there is no such journal, it is not
+    this user's regular file, or its header names no store. Never raises: it is a proof, or none."""
+    path = journal_path(state_path)
+    try:
+        if hasattr(os, "geteuid") and os.lstat(path).st_uid != os.geteuid():
+            return None
+        fd, _ = open_regular(path, follow_links=False)
+        try:
+            head = os.read(fd, 1 << 20)  # the header line; the records after it do not matter here
+        finally:
+            os.close(fd)
+        header = parse_json(head.split(b"\n", 1)[0], str(path)).get("header")
+        digest = header.get("store_manifest_sha256") if isinstance(header, dict) else None
+    except (OSError, TapmlError, AttributeError):
+        return None
+    return digest if isinstance(digest, str) and len(digest) == 64 else None
+
+
+#: Header keys that journals written by an older tapml lack; such a journal still resumes.
+NEWER_HEADER_KEYS = ("store_manifest_sha256",)
+
+
+def _as_old(header: dict, old: dict) -> dict:
+    """``header`` without the :data:`NEWER_HEADER_KEYS` that ``old`` lacks."""
+    return {k: v for k, v in header.items() if k in old or k not in NEWER_HEADER_KEYS}
+
+
 class Journal:
     """An append-only JSON-lines file of ``{"key", "record"}`` lines, each flushed and fsynced.
 
@@ -64,28 +93,25 @@ class Journal:
     def __init__(self, path: Path, header: dict, resume: bool):
         self.path = Path(path)
         self.records: dict[str, object] = {}
-        if resume and self.path.exists():
+        if resume and os.path.lexists(self.path):
             old_header, self.records = self.read(self.path)
-            if old_header is not None and old_header != header:
+            if old_header is not None and old_header != _as_old(header, old_header):
                 raise TapmlError(_option_mismatch(old_header, header, self.path))
         # A fresh file, or the old records without a torn tail, so that appends start on a new line.
         write_text_atomic(self.path, journal_text(header, self.records))
-        self._file = open(self.path, "a")
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        self._file = os.fdopen(fd, "a")
 
     @staticmethod
     def read(path: Path) -> tuple[dict | None, dict[str, object]]:
         """``(header, {key: typed record})`` of a journal file; TapmlError when a line other than
         the last is not JSON, or any line does not fit its schema."""
         header, records = None, {}
+        raw = read_regular_file(path, f"journal {path}", START_OVER, MAX_JSON_BYTES, follow_links=False)
         try:
-            if path.stat().st_size > MAX_JSON_BYTES:
-                raise TapmlError(f"journal {path} is larger than {MAX_JSON_BYTES >> 20} MiB; {START_OVER}")
-            with open(path, "rb") as f:
-                text = f.read().decode("utf-8")
+            text = raw.decode("utf-8")
         except UnicodeDecodeError:
             raise TapmlError(f"journal {path} is not a text file; {START_OVER}") from None
-        except OSError as e:
-            raise TapmlError(f"cannot read journal {path}: {e.strerror}") from None
         lines = text.split("\n")
         for i, line in enumerate(lines):
             if not line.strip():
@@ -124,4 +150,4 @@ class Journal:
             self._file.close()
 
 
-__all__ = ["Journal", "journal_path", "journal_text", "START_OVER"]
+__all__ = ["Journal", "journal_path", "journal_text", "recorded_store", "START_OVER"]

@@ -55,7 +55,7 @@ from tapml.dtypes import cast_nodes, keep_float32 as keep_float32_graph
 from tapml.errors import DeviceLost, TapmlError
 from tapml.graph import Graph
 from tapml.hybrid import REFERENCE, TARGET, HybridRunner, placement_shares
-from tapml.io import write_json_atomic, write_text_atomic
+from tapml.io import ExclusiveLock, write_json_atomic, write_text_atomic
 from tapml.journal import START_OVER, Journal, journal_path, journal_text
 from tapml.precision import resolve_keep_float32
 from tapml.regions import (CHECKED_STEP, RegionChecker, bisect, common_module, decode_step_inputs, low_dtype,
@@ -135,6 +135,8 @@ class Migration:
                        "tolerances": self.tolerances.to_json(), "inject": self.inject,
                        "nodes": len(self.graph.nodes), "cases": len(store.cases)}
         self.header |= keep_float32_header(self._precision_json())
+        if getattr(store, "manifest_sha256", None):  # which store this state's verdicts are of (and carved)
+            self.header["store_manifest_sha256"] = store.manifest_sha256
         self.store_path = str(store_path or store.path)
         if not self.state_path.parent.is_dir():
             raise TapmlError(f"cannot write --state {state_path}: directory {self.state_path.parent} does not exist")
@@ -225,7 +227,13 @@ class Migration:
 
     # stages --------------------------------------------------------------------------------
     def run(self) -> dict:
-        """Run (or resume) every stage; returns the final state."""
+        """Run (or resume) every stage; returns the final state. Holds the state's lock
+        (:class:`~tapml.io.ExclusiveLock`) throughout: a second writer of the same state and
+        journal is refused (TapmlError naming the holder's pid)."""
+        with ExclusiveLock(self.state_path, f"--state {self.state_path}"):
+            return self._run()
+
+    def _run(self) -> dict:
         from tapml.replay import device_info
         if self.resume and not journal_path(self.state_path).exists() and self.state_path.exists():
             self._journal_from_state()
@@ -256,8 +264,8 @@ class Migration:
         if not isinstance(state, MigrationState):
             raise TapmlError(f"--state {self.state_path} is not a migration state; {hint}")
         # The state's "cases" is the verdict list, not the header's case count; the count is the
-        # store's, which "model" and "nodes" already vouch for.
-        header = state.header() | {"cases": self.header["cases"]}
+        # store's, which "model" and "nodes" already vouch for (and so for the store's digest).
+        header = state.header() | {k: self.header[k] for k in ("cases", "store_manifest_sha256") if k in self.header}
         records: dict[str, object] = {} if state.device is None else {"device": state.device}
         records |= {f"case:{c.id}": c for c in state.cases}
         records |= {f"unit:{u.id}": u for u in state.units}

@@ -45,6 +45,8 @@ _FIXED_ENTRIES = {"archive_format", "archive_version", "byteorder", ".data/versi
                   "models/model.json", "data/weights/model_weights_config.json",
                   "data/constants/model_constants_config.json"}
 SAMPLE_INPUTS = "data/sample_inputs/model.pt"
+#: Largest archive read (it is read whole; a FIFO or device is refused before reading).
+MAX_PT2_BYTES = 1 << 40
 _WEIGHT_RECORD = re.compile(r"weight_[0-9]{1,9}")
 _CONSTANT_RECORD = re.compile(r"tensor_[0-9]{1,9}")
 _EXTRA = re.compile(r"extra/[A-Za-z0-9_.-]{1,200}")
@@ -104,10 +106,8 @@ def load_pt2(path: str | Path):
     import torch
 
     name = str(path)
-    try:
-        data = Path(path).read_bytes()
-    except OSError as e:
-        raise TapmlError(f"cannot read {name}: {e.strerror or e}") from None
+    from tapml.io import read_regular_file
+    data = read_regular_file(path, name, max_bytes=MAX_PT2_BYTES)
     entries = _read_zip(data, name, "archive")
     if "version" in entries or any(k.startswith("serialized_") for k in entries):
         raise TapmlError(f"{name} uses the old torch.export zip layout, whose weights and inputs are pickles; "

@@ -348,12 +348,19 @@ def open_store(path: str | os.PathLike):
 def open_suite_store(path: str | os.PathLike, manifest_sha256: str):
     """The store of a generated suite, checked to be the one the suite was generated from."""
     import hashlib
+
+    from tapml.errors import TapmlError
+    from tapml.io import read_regular_file
     manifest = Path(path) / "manifest.json"
-    if not manifest.is_file():
+    if not os.path.lexists(manifest):
         pytest.fail(f"this suite's carve store {path} is gone; restore it, or carve again and regenerate "
                     "the suite with `tapml gen-tests STORE -o DIR` (--copy-data keeps a copy in the suite)",
                     pytrace=False)
-    if hashlib.sha256(manifest.read_bytes()).hexdigest() != manifest_sha256:
+    try:
+        raw = read_regular_file(manifest, hint="regenerate the suite with `tapml gen-tests`", follow_links=False)
+    except TapmlError as e:
+        pytest.fail(str(e), pytrace=False)
+    if hashlib.sha256(raw).hexdigest() != manifest_sha256:
         pytest.fail(f"the carve store {path} changed since this suite was generated (its manifest differs); "
                     "regenerate the suite with `tapml gen-tests`", pytrace=False)
     return open_store(path)

@@ -6,6 +6,8 @@ state, for scripts that read the exit code (and ``--json`` for the data itself).
 
 from __future__ import annotations
 
+from tapml.text import shown
+
 STATUS_STYLE = {"pass": "green", "mismatch": "red", "error": "bold red", "unsupported": "yellow", "flaky": "magenta"}
 
 
@@ -28,7 +30,6 @@ def render_matrix(matrix: dict, console, all_rows: bool = False, max_rows: int |
     target and fail on another come first, then rows failing everywhere; rows passing everywhere
     are one count line unless ``all_rows`` (naming ``all_option``, the option that lists them, when
     there is one). ``max_rows`` caps the rows of each group (None: no cap)."""
-    from rich.markup import escape
     from rich.table import Table
     rows, groups = matrix["rows"], matrix["groups"]
     by_case = any("case" in r for r in rows)
@@ -39,13 +40,13 @@ def render_matrix(matrix: dict, console, all_rows: bool = False, max_rows: int |
                   highlight=False)
     for label, col in zip(matrix["labels"], matrix["columns"]):
         backend = f" [{col['backend']}]" if col["backend"] else ""
-        console.print(f"  {escape(label)}: {escape((col['adapter'] or '?') + backend)}", highlight=False, soft_wrap=True)
+        console.print(f"  {shown(label)}: {shown((col['adapter'] or '?') + backend)}", highlight=False, soft_wrap=True)
     table = Table()
     table.add_column(row_name, no_wrap=True)
     if by_case:
         table.add_column("case")
     for label in matrix["labels"]:
-        table.add_column(escape(label), justify="center", overflow="fold")
+        table.add_column(shown(label), justify="center", overflow="fold")
     blank = [""] * (by_case + len(matrix["columns"]))
     for group in ("differs", "fails") + (("passes",) if all_rows else ()):
         members = [r for r in rows if r["group"] == group]
@@ -54,7 +55,7 @@ def render_matrix(matrix: dict, console, all_rows: bool = False, max_rows: int |
         table.add_row(f"[bold]{GROUP_TITLES[group]}[/]", *blank)
         shown = members if max_rows is None else members[:max_rows]
         for r in shown:
-            table.add_row(escape(r["op"]), *([escape(r["case"])] if by_case else []), *map(_matrix_cell, r["cells"]))
+            table.add_row(shown(r["op"]), *([shown(r["case"])] if by_case else []), *map(_matrix_cell, r["cells"]))
         if len(shown) < len(members):
             table.add_row(f"[dim]... and {len(members) - len(shown)} more[/]", *blank)
         table.add_section()
@@ -69,32 +70,30 @@ def render_matrix(matrix: dict, console, all_rows: bool = False, max_rows: int |
 def _matrix_cell(cell: dict | None) -> str:
     if cell is None:
         return "[dim]not run[/]"
-    from rich.markup import escape
     style = STATUS_STYLE.get(cell["status"], "magenta")
     err = "" if cell["status"] == "pass" or cell["max_abs_err"] is None else f" {fmt_err(cell['max_abs_err'])}"
-    return f"[{style}]{escape(cell['status'])} {cell['pass']}/{cell['total']}{err}[/]"
+    return f"[{style}]{shown(cell['status'])} {cell['pass']}/{cell['total']}{err}[/]"
 
 
 def render_states(states, console, quiet: bool = False, max_rows: int = 30) -> None:
     """Print each :class:`~tapml.reports.data.StateReport`: its findings as a table (culprits
     first, marked), an op-coverage table when several states are given, and one summary line
     per state."""
-    from rich.markup import escape
     from rich.table import Table
     if not quiet:
         for s in states:
             failures = s.failures
             if not failures:
                 continue
-            table = Table(title=f"findings: {escape(s.model)} on {escape(s.label)}", title_justify="left")
+            table = Table(title=f"findings: {shown(s.model)} on {shown(s.label)}", title_justify="left")
             for col in ("", "kind", "op", "node", "module", "status", "max_abs_err", "mismatch"):
                 table.add_column(col, overflow="fold")
             for f in failures[:max_rows]:
                 frac = "-" if f["mismatch_fraction"] is None else f"{f['mismatch_fraction']:.1%}"
                 style = STATUS_STYLE.get(f["status"], "")
-                table.add_row("[bold red]culprit[/]" if f["culprit"] else "", escape(f["kind"]), escape(f["op"]),
-                              escape(f["node"]), escape(f["module"] or "<root>"),
-                              f"[{style}]{escape(f['status'])}[/]", fmt_err(f["max_abs_err"]), frac)
+                table.add_row("[bold red]culprit[/]" if f["culprit"] else "", shown(f["kind"]), shown(f["op"]),
+                              shown(f["node"]), shown(f["module"] or "<root>"),
+                              f"[{style}]{shown(f['status'])}[/]", fmt_err(f["max_abs_err"]), frac)
             console.print(table)
             if len(failures) > max_rows:
                 console.print(f"... and {len(failures) - max_rows} more (see the HTML report)")
@@ -105,7 +104,7 @@ def render_states(states, console, quiet: bool = False, max_rows: int = 30) -> N
         if s.generation is not None:
             g = s.generation["summary"]
             color = "green" if s.passed else "red"
-            console.print(f"[{color}]{escape(s.model)} on {escape(s.label)}: {g['pass']}/{g['steps']} steps pass[/], "
+            console.print(f"[{color}]{shown(s.model)} on {shown(s.label)}: {g['pass']}/{g['steps']} steps pass[/], "
                           f"{g['near_tie']} near-tie, {g['mismatch']} mismatch, {g['error']} error"
                           + ("" if g.get("first_failure") is None else f"; first failure at step {g['first_failure']}"),
                           highlight=False)
@@ -113,14 +112,14 @@ def render_states(states, console, quiet: bool = False, max_rows: int = 30) -> N
         summary, shares, e2e = s.summary, s.shares, s.end_to_end
         total = sum(summary.values())
         color = "green" if s.passed else "red"
-        line = (f"[{color}]{escape(s.model)} on {escape(s.label)}: {summary['pass']}/{total} cases pass[/]"
+        line = (f"[{color}]{shown(s.model)} on {shown(s.label)}: {summary['pass']}/{total} cases pass[/]"
                 f", {summary['mismatch']} mismatch, {summary['unsupported']} unsupported, {summary['error']} error"
                 + (f", {summary['flaky']} flaky" if summary.get("flaky") else ""))
         if shares["basis"] == "placement" and shares["ops_share"] is not None:
             flops = "" if shares["flops_share"] is None else f", {shares['flops_share']:.1%} of FLOPs"
             line += f"; {shares['ops_share']:.1%} of ops{flops} on the target"
         if e2e is not None:
-            line += (f"; end to end [{STATUS_STYLE.get(e2e['status'], '')}]{e2e['status']}[/] "
+            line += (f"; end to end [{STATUS_STYLE.get(e2e['status'], '')}]{shown(e2e['status'])}[/] "
                      f"(max abs err {fmt_err(e2e['max_abs_err'])})")
         console.print(line, highlight=False)
 

@@ -63,7 +63,9 @@ class Session:
         self.inject = list(inject or [])
         self.target = target
         self.state_path = Path(state) if state else None
-        self.store, self.store_path = open_or_carve(str(model), state, hf_config=hf_config, dtype=dtype)
+        from tapml.journal import recorded_store
+        self.store, self.store_path = open_or_carve(str(model), state, hf_config=hf_config, dtype=dtype,
+                                                    recorded=recorded_store(state) if state else None)
         # A model carved without --state lives in a scratch folder, removed at close unless saved.
         self._scratch = self.store_path.parent if state is None and not Path(str(model)).is_dir() else None
         if graph == "decode" and not self.store.is_generation:

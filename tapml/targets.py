@@ -6,7 +6,6 @@ target asked for."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from tapml.errors import TapmlError
 from tapml.platforms.targets import (TARGET_HELP, TARGETS, WGPU_BACKENDS, RegistryTarget, TargetKind, check_target,
@@ -16,13 +15,17 @@ __all__ = ["TARGETS", "TARGET_HELP", "WGPU_BACKENDS", "RegistryTarget", "TargetK
            "open_target", "parse_registry_target", "parse_remote", "read_token", "read_tokens", "spread", "token_for"]
 
 
+#: Largest token file read (a token is at most 4096 characters).
+MAX_TOKEN_FILE_BYTES = 64 << 10
+
+
 def read_token(token_file: str | None = None) -> str | None:
     """The shared device-server token: from ``token_file``, else ``$TAPML_TOKEN``, else None."""
     if token_file:
+        from tapml.io import read_regular_file
         try:
-            token = Path(token_file).read_text().strip()
-        except OSError as e:
-            raise TapmlError(f"cannot read --token-file {token_file}: {e.strerror or e}") from None
+            token = read_regular_file(token_file, f"--token-file {token_file}", max_bytes=MAX_TOKEN_FILE_BYTES
+                                      ).decode("utf-8").strip()
         except UnicodeDecodeError:
             raise TapmlError(f"--token-file {token_file} is not a text file holding the token") from None
         if not token:

@@ -394,7 +394,9 @@ class VerdictDocument:
             o.fail(f"format_version {version} is newer than this tapml reads ({FORMAT_VERSION}); upgrade tapml")
         migration = cls is MigrationState or (cls is VerdictDocument and any(
             k in o.data for k in ("format", "units", "culprits", "placement", "end_to_end")))
-        common = dict(target=o.string("target", None, required="target" in required),
+        # a required target is a string: null is no target (reports and resumes name it)
+        target = o.string("target", required=True) if "target" in required else o.string("target", None)
+        common = dict(target=target,
                       cases=o.objects("cases", CaseVerdict, "a verdict", required="cases" in required),
                       device=_device(o), model=o.string("model", None, required=strict and migration),
                       tolerances=_tolerances(o, required=strict and migration),
@@ -780,6 +782,8 @@ class _Obj:
 
     def child(self, key: str, what: str, required: bool = False) -> "_Obj | None":
         v = self._get(key, None, required)
+        if v is None and required:
+            self._bad(key, v, what)
         if v is _MISSING or v is None:
             return None
         prefix = f"{self.path}." if self.path else ""

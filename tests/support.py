@@ -1,8 +1,10 @@
 """Helpers shared by test modules (importable because pytest puts tests/ on sys.path)."""
 
+import contextlib
 import functools
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -314,3 +316,51 @@ def run_split_families(platform, dtype=None, parts: bool = False) -> dict[str, b
     from tapml.platforms.wgsl.registry import case_graph
     return {family: run_split(platform, *case_graph(op, args, kwargs), dtype, parts=parts)
             for family, (op, args, kwargs) in SPLIT_FAMILIES.items()}
+
+
+# --- files that are not what they say ---------------------------------------------------------
+
+#: What :func:`make_kind` puts where a file should be.
+KINDS = ("fifo", "dev-zero", "folder", "huge", "link-outside")
+
+
+def make_kind(path: Path, kind: str, outside: Path, valid: Path | None = None) -> None:
+    """Put a ``kind`` thing at ``path`` (replacing what is there): ``fifo``, ``dev-zero`` (a link to
+    /dev/zero), ``folder``, ``huge`` (a sparse 300 MiB file), ``link-outside`` (a link to a copy of
+    ``valid`` in the folder ``outside``)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "dev-zero":
+        path.symlink_to("/dev/zero")
+    elif kind == "folder":
+        path.mkdir()
+    elif kind == "huge":
+        with open(path, "wb") as f:
+            f.truncate(300 << 20)
+    elif kind == "link-outside":
+        copy = outside / f"copy-of-{path.name}"
+        shutil.copy(valid, copy)
+        path.symlink_to(copy)
+    else:
+        raise ValueError(kind)
+
+
+@contextlib.contextmanager
+def no_hang(seconds: int = 20):
+    """Raise TimeoutError in the block (instead of hanging the suite) after ``seconds``; a FIFO
+    opened for reading blocks until a writer comes, so this is how a test proves nothing waits."""
+    import signal
+
+    def alarm(signum, frame):
+        raise TimeoutError(f"blocked for {seconds} s")
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

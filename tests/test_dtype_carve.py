@@ -204,9 +204,11 @@ def test_reused_state_store_must_have_the_same_dtype(tmp_path):
     from tapml.carving import open_or_carve
     store, path = open_or_carve("zoo:mlp", tmp_path / "s.json", dtype="float16")
     assert store.dtype == "float16" and path == tmp_path / "s.store"
-    assert open_or_carve("zoo:mlp", tmp_path / "s.json", dtype="float16")[0].dtype == "float16"
+    # reused when a migration's journal recorded it (tests/test_hostile_states.py: only then)
+    recorded = store.manifest_sha256
+    assert open_or_carve("zoo:mlp", tmp_path / "s.json", dtype="float16", recorded=recorded)[0].dtype == "float16"
     with pytest.raises(TapmlError, match="--dtype float16.*--dtype float32"):
-        open_or_carve("zoo:mlp", tmp_path / "s.json")
+        open_or_carve("zoo:mlp", tmp_path / "s.json", recorded=recorded)
 
 
 def test_a_store_without_dtype_opens_as_float32_and_a_bad_dtype_is_refused(carved, tmp_path):

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import KINDS, make_kind, no_hang
 from typer.testing import CliRunner
 
 TAPML = [sys.executable, "-m", "tapml.cli"]
@@ -194,14 +195,15 @@ def snapshot(root: Path) -> dict:
     return seen
 
 
-def hostile(clean_store, tmp_path, name) -> dict:
-    """A copy of the clean store edited by attack ``name``; returns the paths of the scene."""
+def hostile(clean_store, tmp_path, name, attacks=None) -> dict:
+    """A copy of the clean store edited by attack ``name`` (of ``attacks``, default ATTACKS);
+    returns the paths of the scene."""
     store, outside = tmp_path / "store", tmp_path / "outside"
     shutil.copytree(clean_store, store)
     outside.mkdir()
     (outside / "precious.txt").write_text("do not touch")
     ctx = {"store": store, "outside": outside, "marker": outside / "marker"}
-    attack, expected = ATTACKS[name]
+    attack, expected = (ATTACKS if attacks is None else attacks)[name]
     edited = attack(json.loads((store / "manifest.json").read_text()), ctx)
     (store / "manifest.json").write_text(edited if isinstance(edited, str) else json.dumps(edited))
     return {**ctx, "expected": expected, "before": snapshot(tmp_path)}
@@ -330,3 +332,211 @@ def test_reference_platform_refuses_a_graph_sent_with_a_foreign_op(tmp_path):
     with pytest.raises(ValueError, match="aten.from_file.default"):
         Graph.from_json(graph)
     assert not marker.exists()
+
+
+# --- shards through safetensors, and header bombs ------------------------------------------
+
+def test_safetensors_reads_a_carved_shard_and_the_store_reads_through_safe_open(clean_store, monkeypatch):
+    """The library reads every shard tapml wrote, tensor for tensor as the store does; and the
+    store opens its shards with ``safetensors.safe_open`` (a spy counts the calls it passes on)."""
+    import safetensors
+    import torch
+    from safetensors.torch import load_file
+
+    from tapml.carving import CarveStore
+    manifest = json.loads((clean_store / "manifest.json").read_text())
+    stored = {n: i for n, i in manifest["tensors"].items() if "shard" in i}
+    opened = []
+    real = safetensors.safe_open
+
+    def spy(path, *args, **kwargs):
+        opened.append(Path(path).name)
+        return real(path, *args, **kwargs)
+    monkeypatch.setattr(safetensors, "safe_open", spy)
+    store = CarveStore(clean_store)
+    shards = sorted({i["shard"] for i in stored.values()})
+    assert sorted(opened) == sorted(Path(s).name for s in shards)
+    for shard in shards:
+        tensors = load_file(clean_store / shard)
+        assert set(tensors) == {n for n, i in stored.items() if i["shard"] == shard}
+        for name, t in tensors.items():
+            assert list(t.shape) == stored[name]["shape"] and torch.equal(store.tensor(name), t)
+
+
+def _shard_parts(path: Path) -> tuple[dict, bytes]:
+    """(header, data) of a safetensors file."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8:8 + n]), raw[8 + n:]
+
+
+def _write_shard(path: Path, header, data: bytes, length: int | None = None) -> None:
+    head = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes((len(head) if length is None else length).to_bytes(8, "little") + head + data)
+
+
+def _rewrite_first_shard(edit):
+    """An attack that rewrites the first shard: ``edit(header, data, path)`` writes it anew."""
+    def attack(m, ctx):
+        path = ctx["store"] / _first_shard(m)
+        header, data = _shard_parts(path)
+        edit(header, data, path)
+        return m
+    return attack
+
+
+def _nested_lists(size: int) -> bytes:
+    return b'{"__metadata__": [' + b",".join([b"[]"] * (size // 3)) + b"]}"
+
+
+def _entries(header):
+    return sorted(((k, v) for k, v in header.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"][0])
+
+
+def _overlap(header, data, path):
+    (_, a), (_, b) = _entries(header)[:2]
+    b["data_offsets"] = [a["data_offsets"][0], a["data_offsets"][0] + b["data_offsets"][1] - b["data_offsets"][0]]
+    _write_shard(path, header, data)
+
+
+def _gap(header, data, path):
+    for _, e in _entries(header)[1:]:
+        e["data_offsets"] = [e["data_offsets"][0] + 4, e["data_offsets"][1] + 4]
+    _write_shard(path, header, data + b"\0" * 4)
+
+
+def _past_end(header, data, path):
+    _, last = _entries(header)[-1]
+    last["data_offsets"][1] += 4
+    _write_shard(path, header, data)
+
+
+def _many_shards(m, ctx):
+    for i, info in enumerate(v for v in m["tensors"].values() if "shard" in v):
+        info["shard"] = f"shards/t{i}.safetensors"
+    return m
+
+
+HEADER_BOMBS = {
+    # the audit's bomb: megabytes of nested empty lists, declared honestly
+    "nested-lists-8MiB": _rewrite_first_shard(lambda h, d, p: _write_shard(p, _nested_lists(8 << 20), d)),
+    # within the length bound, so the parser sees it: not the safetensors schema
+    "nested-lists-512KiB": _rewrite_first_shard(lambda h, d, p: _write_shard(p, _nested_lists(512 << 10), d)),
+    "length-2**63": _rewrite_first_shard(lambda h, d, p: _write_shard(p, h, d, length=2 ** 63)),
+    "length-past-the-file": _rewrite_first_shard(lambda h, d, p: _write_shard(p, h, d, length=len(d) + 4096)),
+    "length-zero": _rewrite_first_shard(lambda h, d, p: _write_shard(p, b"", d, length=0)),
+    "not-json": _rewrite_first_shard(lambda h, d, p: _write_shard(p, b"{" * 1000, d)),
+    "overlapping-offsets": _rewrite_first_shard(_overlap),
+    "gapped-offsets": _rewrite_first_shard(_gap),
+    "offsets-past-the-end": _rewrite_first_shard(_past_end),
+    "unknown-dtype": _rewrite_first_shard(lambda h, d, p: (_entries(h)[0][1].update(dtype="X64"), _write_shard(p, h, d))),
+    "extra-entry": _rewrite_first_shard(lambda h, d, p: (h.update(stray={"dtype": "U8", "shape": [0],
+                                                                          "data_offsets": [len(d), len(d)]}),
+                                                          _write_shard(p, h, d))),
+    "many-shards": _many_shards,
+}
+
+
+@pytest.mark.parametrize("name", sorted(HEADER_BOMBS))
+def test_header_bombs_are_refused_by_every_command(clean_store, tmp_path, name, monkeypatch):
+    """Each crafted shard header is refused before it costs memory, with exit 2 naming the shard
+    (or the bound), by inspect, replay, migrate and gen-tests; the many-shards case lowers the
+    shard bound to the store's own count so that it need not write 65537 files."""
+    import resource
+
+    import tapml.carving.store as store_module
+    scene = hostile(clean_store, tmp_path, name, {name: (HEADER_BOMBS[name], "")})
+    if name == "many-shards":
+        monkeypatch.setattr(store_module, "MAX_SHARDS", 4)
+    scene["expected"] = "more than the 4 tapml reads" if name == "many-shards" else "shards/tensors-00000.safetensors"
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    store = scene["store"]
+    assert_refused(tapml("inspect", store), scene)
+    assert_refused(tapml("replay", store, "--target", "reference", "--json", tmp_path / "out.json"), scene)
+    assert_refused(tapml("migrate", store, "--target", "reference", "--state", tmp_path / "state.json"), scene)
+    assert_refused(tapml("gen-tests", store, "-o", tmp_path / "suite"), scene)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 256 << 10  # KiB: no blow-up
+    assert_untouched(scene, tmp_path)
+
+
+def test_all_shard_headers_together_are_bounded(clean_store, tmp_path, monkeypatch):
+    import tapml.carving.store as store_module
+    from tapml.carving import CarveStore
+    from tapml.errors import TapmlError
+    store = tmp_path / "store"
+    shutil.copytree(clean_store, store)
+    monkeypatch.setattr(store_module, "MAX_STORE_HEADER_BYTES", store_module.HEADER_RESERVE - 1)
+    with pytest.raises(TapmlError, match="shard headers of .* pass 0 MiB in all"):
+        CarveStore(store)
+
+
+# --- files that are not what they say: links, FIFOs, devices, folders, huge files ----------
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("part", ["manifest", "shard"])
+def test_store_files_that_are_not_regular_files_are_refused(clean_store, tmp_path, part, kind):
+    store, outside = tmp_path / "store", tmp_path / "outside"
+    shutil.copytree(clean_store, store)
+    outside.mkdir()
+    manifest = json.loads((store / "manifest.json").read_text())
+    target = store / ("manifest.json" if part == "manifest" else _first_shard(manifest))
+    make_kind(target, kind, outside, valid=clean_store / target.relative_to(store))
+    with no_hang():
+        results = [(args[0], tapml(*args)) for args in (["inspect", store], ["replay", store, "--json", tmp_path / "v.json"],
+                                                    ["migrate", store, "--state", tmp_path / "s.json"],
+                                                    ["gen-tests", store, "-o", tmp_path / "suite"])]
+    for command, r in results:
+        assert r.exit_code == 2 and "Traceback" not in r.output, (command, r.output)
+        assert target.name in " ".join(r.output.split()), (command, r.output)
+    assert not (tmp_path / "v.json").exists() and not (tmp_path / "s.json").exists()
+
+
+def test_a_shard_link_inside_the_store_is_copied_as_a_real_file_by_gen_tests(clean_store, tmp_path):
+    """A shard named through a folder link inside the store: the store reads it (it resolves
+    inside), and `gen-tests --copy-data` writes real folders and files under data/, not a link
+    and not a crash."""
+    store = tmp_path / "store"
+    shutil.copytree(clean_store, store)
+    (store / "via").symlink_to("shards", target_is_directory=True)
+    m = json.loads((store / "manifest.json").read_text())
+    for info in m["tensors"].values():
+        if "shard" in info:
+            info["shard"] = "via/" + info["shard"].split("/", 1)[1]
+    (store / "manifest.json").write_text(json.dumps(m))
+    r = tapml("gen-tests", store, "-o", tmp_path / "suite", "--copy-data")
+    assert r.exit_code == 0, r.output
+    copied = tmp_path / "suite" / "data" / "via"
+    assert copied.is_dir() and not copied.is_symlink()
+    assert all(p.is_file() and not p.is_symlink() for p in copied.iterdir())
+    from tapml.carving import CarveStore
+    assert len(CarveStore(tmp_path / "suite" / "data").cases) == len(m["cases"])
+
+
+def test_the_audits_header_bomb_costs_inspect_no_memory(clean_store, tmp_path):
+    """The audit's archive: three shards whose headers are 32 MiB of nested empty lists each
+    (the audit's were 95 MiB, and drove `tapml inspect` to 5.6 GiB and a MemoryError). A real
+    `tapml inspect` process refuses it with exit 2, its peak memory that of a bare start."""
+    store = tmp_path / "store"
+    shutil.copytree(clean_store, store)
+    m = json.loads((store / "manifest.json").read_text())
+    stored = [info for info in m["tensors"].values() if "shard" in info]
+    bomb = _nested_lists(32 << 20)
+    for i in range(3):
+        _write_shard(store / f"shards/bomb-{i}.safetensors", bomb, b"")
+    for i, info in enumerate(stored):
+        info["shard"] = f"shards/bomb-{i % 3}.safetensors"
+    (store / "manifest.json").write_text(json.dumps(m))
+    del bomb
+    env = {**os.environ, "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR", "/tmp")}
+    # the peak of the tapml process's own memory (VmHWM; ru_maxrss would count this process's,
+    # inherited through fork and exec)
+    measured = ("import re, runpy, sys\nsys.argv = ['tapml', 'inspect', sys.argv[1]]\ntry:\n"
+                "    runpy.run_module('tapml.cli', run_name='__main__')\nexcept SystemExit:\n"
+                "    kib = re.search(r'VmHWM:\\s*(\\d+)', open('/proc/self/status').read()).group(1)\n"
+                "    print('peak', int(kib) >> 10, file=sys.stderr)\n"
+                "    raise\n")
+    r = subprocess.run([sys.executable, "-c", measured, str(store)], capture_output=True, text=True, timeout=300,
+                       env=env)
+    assert r.returncode == 2 and "bomb-0.safetensors" in r.stderr and "header" in r.stderr, r.stderr
+    peak_mib = int(re.search(r"peak (\d+)", r.stderr).group(1))
+    assert peak_mib < 600, peak_mib  # torch's import and the store (about 240 MiB); not the headers

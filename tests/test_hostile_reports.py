@@ -309,3 +309,121 @@ def test_a_store_with_op_names_outside_the_vocabulary_is_refused(carved, tmp_pat
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "aten.permute-default" in r.stdout + r.stderr, r.stdout + r.stderr
     assert not (tmp_path / "gen").exists()
+
+
+# --- the terminal: escape sequences and rich markup in every printed field ------------------
+
+#: An OSC title change, a colour, rich markup that would close no tag, C1 controls (CSI, NEL),
+#: a bidi override.
+TERMINAL = "\x1b]0;pwned\x07\x1b[31m[/][bold]b[/bold][/]\x9b2J\x85\u202e"
+DRIVES_A_TERMINAL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def clean_terminal(r, *codes) -> str:
+    """The output of a command that met hostile text: an expected exit code, no byte that drives
+    a terminal, no markup error, no internal error."""
+    assert r.exit_code in codes, (r.exit_code, r.output)
+    assert not DRIVES_A_TERMINAL.search(r.output), repr(r.output[:2000])
+    assert "MarkupError" not in r.output and "internal error" not in r.output, r.output
+    return r.output
+
+
+@pytest.fixture(scope="module")
+def terminal_store(carved, tmp_path_factory):
+    """zoo:mlp's store with hostile case ids and module paths, and markup in its model spec (a
+    spec must be printable)."""
+    store = tmp_path_factory.mktemp("terminal") / "store"
+    shutil.copytree(carved("zoo:mlp"), store)
+    m = json.loads((store / "manifest.json").read_text())
+    m["model"] = "zoo:mlp[/][bold]x[/bold]"
+    renamed = {c["id"]: f"{c['id']}{TERMINAL}" for c in m["cases"]}
+    for item in m["cases"] + m["nodes"]:
+        item["module"] = f"mod{TERMINAL}"
+        if item.get("case") in renamed:
+            item["case"] = renamed[item["case"]]
+        if "id" in item:
+            item["id"] = renamed[item["id"]]
+    (store / "manifest.json").write_text(json.dumps(m))
+    return store
+
+
+def test_store_fields_reach_the_terminal_as_text(terminal_store, tmp_path):
+    fault = ["--inject", "aten.relu.default=nan"]
+    assert "zoo:mlp[/][bold]x[/bold]" in clean_terminal(tapml("inspect", terminal_store), 0)
+    out = clean_terminal(tapml("replay", terminal_store, *fault), 1)
+    assert "\\x1b" in out and "pwned" in out  # shown, as visible escapes (the table may fold it)
+    state = tmp_path / "s.json"
+    out = clean_terminal(tapml("migrate", terminal_store, "--state", state, *fault), 1)
+    assert "\\x1b" in out
+    clean_terminal(tapml("report", state, "-o", tmp_path / "r.html"), 1)
+    clean_terminal(tapml("gen-tests", terminal_store, "-o", tmp_path / "suite", "--state", state), 0)
+    script = "offload all\nstatus\ncheck ops\ncheck\nbisect\ndiff addmm\nquit\n"
+    out = clean_terminal(CliRunner().invoke(app, ["session", str(terminal_store), *fault], input=script), 0)
+    assert "\\x1b" in out
+    # a journal whose verdicts' messages hold markup and escapes, resumed
+    journal = journal_of(state)
+    lines = [json.loads(line) for line in journal.read_text().splitlines()]
+    for line in lines:
+        record = line.get("record")
+        if isinstance(record, dict) and "message" in record:
+            record["message"] = f"msg{TERMINAL}"
+    journal.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    state.unlink()
+    clean_terminal(tapml("migrate", terminal_store, "--state", state, "--resume", *fault), 1)
+
+
+def journal_of(state: Path) -> Path:
+    from tapml.journal import journal_path
+    return journal_path(state)
+
+
+def test_states_and_verdicts_from_strangers_reach_the_terminal_as_text(hostile_files, tmp_path):
+    state = hostile_state("T")
+    for case in state["cases"]:
+        case["id"] += TERMINAL
+        case["op"] = case["op"] + TERMINAL
+    state["model"] = f"zoo:{TERMINAL}"
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps(state))
+    clean_terminal(tapml("report", path, *hostile_files, "-o", tmp_path / "r.html"), 1)
+    clean_terminal(tapml("report", path, "-o", tmp_path / "r.md"), 1)
+
+
+@pytest.mark.parametrize("spec", [f"zoo:x{TERMINAL}", f"hf:{TERMINAL}", f"m.py:{TERMINAL}", f"{TERMINAL}.pt2",
+                                  "zoo:[/]", "[bold]x[/]"], ids=["zoo", "hf", "factory", "pt2", "zoo-markup", "markup"])
+def test_model_specs_reach_the_terminal_as_text(tmp_path, spec):
+    clean_terminal(tapml("carve", spec, "-o", tmp_path / "out"), 2)
+    clean_terminal(tapml("migrate", spec, "--state", tmp_path / "s.json"), 2)
+    clean_terminal(tapml("inspect", spec), 2)
+
+
+def test_a_registrys_announcements_reach_the_terminal_as_text(tmp_path):
+    """A real `tapml registry` told of a device whose announcement holds escapes, markup and a
+    number where a list of features belongs: `tapml devices` lists it as text."""
+    import base64
+    import socket
+
+    from tapml.remote.server import SERVICE_NAME, registry_client
+    registry = subprocess.Popen([sys.executable, "-m", "tapml.cli", "registry", "--port", "0"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        m = re.search(r"listening on udp://(\S+):(\d+)", registry.stdout.readline())
+        assert m, registry.stderr.read()
+        spec = f"udp://127.0.0.1:{m.group(2)}"
+        with socket.socket() as s:  # a port where nothing listens: the probe fails, the row stays
+            s.bind(("127.0.0.1", 0))
+            dead_port = s.getsockname()[1]
+        for info in ({"platform": f"wgpu{TERMINAL}", "adapter": f"a{TERMINAL}", "backend": TERMINAL,
+                      "features": [TERMINAL]},
+                     {"platform": "[/]", "adapter": 7, "features": 5}):
+            text = json.dumps(info, separators=(",", ":"))
+            alias = f"{SERVICE_NAME}-" + base64.b32encode(text.encode()).decode()
+            assert registry_client(spec).register((SERVICE_NAME, alias), dead_port)
+            clean_terminal(tapml("devices", "--registry", spec, "--timeout", "1"), 0)
+            rows = json.loads(tapml("devices", "--registry", spec, "--timeout", "1", "--json", "-").stdout)
+            row = next(r for r in rows if r["target"] == f"remote://127.0.0.1:{dead_port}")
+            assert row["platform"] == info["platform"] and row["status"] != "ok"
+            registry_client(spec).unregister(dead_port)
+    finally:
+        registry.terminate()
+        registry.wait(10)

@@ -5,8 +5,10 @@ fit its schema is never trusted, and real documents survive a typed round trip u
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
+from support import KINDS, make_kind, no_hang
 from typer.testing import CliRunner
 
 from tapml.errors import DeviceLost, PlatformError, TapmlError, Unsupported
@@ -323,3 +325,302 @@ def test_resume_from_a_crafted_state_without_journal_is_refused(real, resumable,
     r = _resume(real, state)
     refused(r, f"--state {state}", expect, "without --resume")
     assert state.read_bytes() == before and not journal_path(state).exists()
+
+
+
+# --- every other file a command reads: links, FIFOs, devices, folders, huge files ----------
+
+def _precision_doc() -> dict:
+    return {"format_version": 1, "kind": "precision", "model": "zoo:mlp", "dtype": "float16", "target": "reference",
+            "device": None, "ops": [], "keep_float32": [], "keep_float32_modules": [], "rounds": 0,
+            "end_to_end": {"before": {"status": "pass"}, "after": {"status": "pass"}}}
+
+
+#: role -> (file name, how to make the valid file, the command that reads it, given the file)
+FILE_ROLES = {
+    "state (report)": ("s.json", lambda real, p: shutil.copy(real["work"] / "fault.json", p),
+                       lambda real, p, tmp: ["report", p, "-o", tmp / "r.html"]),
+    "precision document (report)": ("p.json", lambda real, p: p.write_text(json.dumps(_precision_doc())),
+                                    lambda real, p, tmp: ["report", p, "-o", tmp / "r.html"]),
+    "state (resume)": ("s.json", lambda real, p: shutil.copy(real["work"] / "clean.json", p),
+                       lambda real, p, tmp: ["migrate", real["store"], "--state", p, "--resume"]),
+    "journal (resume)": ("s.json.journal",
+                         lambda real, p: shutil.copy(journal_path(real["work"] / "clean.json"), p),
+                         lambda real, p, tmp: ["migrate", real["store"], "--state", tmp / "s.json", "--resume"]),
+    "state (gen-tests)": ("g.json", lambda real, p: shutil.copy(real["work"] / "fault.json", p),
+                          lambda real, p, tmp: ["gen-tests", real["store"], "-o", tmp / "suite", "--state", p]),
+    "baseline": ("b.json", lambda real, p: shutil.copy(real["work"] / "replay.json", p),
+                 lambda real, p, tmp: ["replay", real["store"], "--baseline", p]),
+    "keep-float32 precision JSON": ("k.json", lambda real, p: p.write_text(json.dumps(_precision_doc())),
+                                    lambda real, p, tmp: ["migrate", real["store"], "--state", tmp / "m.json",
+                                                          "--keep-float32", p]),
+    "token file": ("token", lambda real, p: p.write_text("secret"),
+                   lambda real, p, tmp: ["replay", real["store"], "--target", "remote://127.0.0.1:9", "--token-file", p]),
+    "token map": ("tokens.json", lambda real, p: p.write_text('{"*": "secret"}'),
+                  lambda real, p, tmp: ["replay", real["store"], "--target", "registry://127.0.0.1:9",
+                                        "--token-map", p]),
+    ".pt2 archive": ("m.pt2", lambda real, p: p.write_bytes(b"PK"),
+                     lambda real, p, tmp: ["carve", p, "-o", tmp / "out"]),
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("role", sorted(FILE_ROLES))
+def test_every_file_a_command_reads_must_be_a_regular_file_of_bounded_size(real, tmp_path, role, kind):
+    """A FIFO (which would block a reader), a link to /dev/zero (endless), a folder or a 300 MiB
+    file in place of each file a command reads: exit 2 naming the file, at once. A journal lives
+    beside its state, so a link there is refused too; the other files are named by the user and
+    a link to a regular file is followed."""
+    name, make, command = FILE_ROLES[role]
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    if role == "journal (resume)":
+        shutil.copy(real["work"] / "clean.json", tmp_path / "s.json")
+    path = tmp_path / name
+    valid = outside / f"valid-{name}"
+    make(real, valid)
+    if kind == "huge" and role == ".pt2 archive":
+        pytest.skip("a .pt2 is read whole whatever its size (it holds the weights); a huge one is not refused")
+    make_kind(path, kind, outside, valid=valid)
+    with no_hang():
+        r = tapml(*command(real, path, tmp_path))
+    if kind == "link-outside" and role != "journal (resume)":
+        assert r.exit_code != 3 and "Traceback" not in r.output, r.output  # followed: the file is valid
+        return
+    refused(r, name)
+    assert "internal error" not in r.output
+
+
+def test_stale_chromium_profiles_only_this_users_and_pid_files_that_are_small_regular_files(tmp_path, monkeypatch):
+    """Profiles left by killed tapml processes are removed; a pid file that is a FIFO or a link to
+    /dev/zero neither blocks nor is read without bound, a profile that is a link (to a folder of
+    the victim's) or another user's folder is left alone."""
+    import tempfile
+
+    from tapml.platforms import chromium
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess_pid_that_exited()
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "tapml.pid").write_text(str(dead))
+    (victim / "precious").write_text("keep")
+    profiles = {}
+    for name in ("stale", "fifo", "dev-zero", "garbage", "link", "foreign"):
+        profiles[name] = tmp_path / f"{chromium.PROFILE_PREFIX}{name}"
+    for name in ("stale", "fifo", "dev-zero", "garbage", "foreign"):
+        profiles[name].mkdir()
+    (profiles["stale"] / "tapml.pid").write_text(str(dead))
+    os.mkfifo(profiles["fifo"] / "tapml.pid")
+    (profiles["dev-zero"] / "tapml.pid").symlink_to("/dev/zero")
+    (profiles["garbage"] / "tapml.pid").write_text("9" * 100)
+    profiles["link"].symlink_to(victim, target_is_directory=True)
+    (profiles["foreign"] / "tapml.pid").write_text(str(dead))
+    if os.geteuid() == 0:
+        os.chown(profiles["foreign"], 65534, 65534)
+    with no_hang(10):
+        chromium._remove_stale_profiles()
+    assert not profiles["stale"].exists()
+    for name in ("fifo", "dev-zero", "garbage", "link"):
+        assert os.path.lexists(profiles[name]), name
+    assert (victim / "precious").read_text() == "keep"
+    assert profiles["foreign"].exists() == (os.geteuid() == 0)
+
+
+def subprocess_pid_that_exited() -> int:
+    import subprocess
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+# --- crafted documents that must be exit 2 (not 3) -----------------------------------------
+
+@pytest.mark.parametrize("doc, edit", [
+    ("fault", lambda d: d.update(target=None)),
+    ("replay", lambda d: d.update(target=None)),
+    ("precision", lambda d: d.update(end_to_end=None)),
+    ("precision", lambda d: d["end_to_end"].update(before=None)),
+    ("precision", lambda d: d["end_to_end"].update(after=None)),
+    ("precision", lambda d: d["end_to_end"]["before"].update(status=None)),
+])
+def test_crafted_documents_with_nulls_exit_2(real, tmp_path, doc, edit):
+    data = _precision_doc() if doc == "precision" else json.loads(json.dumps(real[doc]))
+    edit(data)
+    path = _write(tmp_path, data)
+    refused(tapml("report", path, "-o", tmp_path / "r.html"), str(path))
+    if doc == "precision":
+        refused(tapml("migrate", real["store"], "--state", tmp_path / "m.json", "--keep-float32", path), str(path))
+    elif doc == "replay":
+        refused(tapml("replay", real["store"], "--baseline", path), str(path))
+    else:
+        shutil.copy(path, tmp_path / "r.json")
+        refused(tapml("migrate", real["store"], "--state", tmp_path / "r.json", "--resume"), "r.json")
+
+
+# --- one writer per state -------------------------------------------------------------------
+
+def _migrate_process(store, state):
+    import subprocess
+    import sys
+    env = {**os.environ, "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR", "/tmp")}
+    return subprocess.Popen([sys.executable, "-m", "tapml.cli", "migrate", str(store), "--target", "reference",
+                             "--state", str(state), "-q"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+
+
+def _holder_pid(lock, proc, timeout: float = 120.0) -> int | None:
+    """The pid in ``lock`` once ``proc`` holds it (None when ``proc`` ended first)."""
+    import time
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            text = lock.read_text().strip()
+        except OSError:
+            text = ""
+        if text.isdigit():
+            return int(text)
+        time.sleep(0.002)
+    return None
+
+
+def test_a_second_migration_of_a_held_state_exits_2_naming_the_holders_pid(mlp, tmp_path):
+    """Two real `tapml migrate` processes on one state: the first holds the lock (frozen with
+    SIGSTOP while it does, so the second surely meets it); the second exits 2 naming the first's
+    pid and writes nothing; the first then finishes its own state, and the lock goes with it."""
+    import signal
+    import subprocess
+    import sys
+    for attempt in range(3):  # the first may finish before it is seen holding the lock
+        state = tmp_path / f"s{attempt}.json"
+        first = _migrate_process(mlp.path, state)
+        pid = _holder_pid(Path(f"{state}.lock"), first)
+        if pid is not None:
+            break
+        first.communicate()
+    assert pid == first.pid
+    first.send_signal(signal.SIGSTOP)
+    try:
+        env = {**os.environ, "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR", "/tmp")}
+        second = subprocess.run([sys.executable, "-m", "tapml.cli", "migrate", str(mlp.path), "--target", "reference",
+                                 "--state", str(state), "--inject", "aten.relu.default=nan", "-q"],
+                                capture_output=True, text=True, timeout=300, env=env)
+    finally:
+        first.send_signal(signal.SIGCONT)
+    assert second.returncode == 2, second.stderr
+    assert f"in use by process {first.pid}" in " ".join(second.stderr.split()) and "Traceback" not in second.stderr
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err
+    written = json.loads(state.read_text())
+    assert written["passed"] and written["inject"] == []  # the first's state, not a mix with the second's
+    assert not Path(f"{state}.lock").exists()
+
+
+def test_the_lock_is_shared_within_a_process_and_dropped_with_its_holder(tmp_path):
+    from tapml.io import ExclusiveLock, FileHeld
+    state = tmp_path / "s.json"
+    with ExclusiveLock(state, "--state s.json"):
+        with ExclusiveLock(state, "--state s.json"):  # the CLI around a carve, then the migration
+            assert Path(f"{state}.lock").read_text().strip() == str(os.getpid())
+        assert Path(f"{state}.lock").exists()
+    assert not Path(f"{state}.lock").exists()
+    import subprocess
+    import sys
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from tapml.io import ExclusiveLock; "
+                               f"ExclusiveLock({str(state)!r}, 'x').acquire(); print('held', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(FileHeld, match=f"--state s.json is in use by process {holder.pid}"):
+            ExclusiveLock(state, "--state s.json").acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    with ExclusiveLock(state, "--state s.json"):  # the kernel dropped the dead holder's lock
+        pass
+    lock = Path(f"{state}.lock")
+    for kind in ("fifo", "dev-zero", "folder"):  # planted where the lock goes: refused, never written
+        make_kind(lock, kind, tmp_path)
+        with no_hang(), pytest.raises(TapmlError, match="cannot lock --state s.json"):
+            ExclusiveLock(state, "--state s.json").acquire()
+
+
+def test_the_atomic_writer_uses_a_unique_exclusive_temp_file_and_syncs_the_folder(tmp_path, monkeypatch):
+    import secrets
+    import stat
+    import threading
+
+    from tapml import io
+    target, victim = tmp_path / "s.json", tmp_path / "victim"
+    victim.write_text("keep")
+    monkeypatch.setattr(secrets, "token_hex", lambda n: "ab" * n)
+    planted = tmp_path / f".s.json.{'ab' * 8}.tmp"
+    planted.symlink_to(victim)  # a temp name someone guessed: never written through, never replaced
+    with pytest.raises(FileExistsError):
+        io.write_text_atomic(target, "mine")
+    assert victim.read_text() == "keep" and planted.is_symlink() and not target.exists()
+    monkeypatch.undo()
+    planted.unlink()
+    temps, synced, real_replace, real_fsync = [], [], os.replace, os.fsync
+
+    def replace(src, dst):
+        temps.append(os.path.basename(src))
+        return real_replace(src, dst)
+
+    def fsync(fd):
+        synced.append(stat.S_ISDIR(os.fstat(fd).st_mode))
+        return real_fsync(fd)
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(os, "fsync", fsync)
+    writers = [threading.Thread(target=lambda i=i: [io.write_text_atomic(target, f"{i}:{k}") for k in range(20)])
+               for i in range(4)]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join()
+    assert len(temps) == len(set(temps)) == 80  # every write its own temp file
+    assert target.read_text() in {f"{i}:19" for i in range(4)}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.json", "victim"]  # no temp file left
+    assert synced.count(True) == 80 and synced.count(False) == 80  # the file, then its folder, each time
+
+
+# --- a store beside the state is reused only when this run can prove it carved it -----------
+
+def test_a_strangers_store_beside_the_state_is_not_reused(mlp, tmp_path):
+    state, beside = tmp_path / "s.json", tmp_path / "s.store"
+    shutil.copytree(mlp.path, beside)  # a store of the very model named, put there by someone else
+    m = json.loads((beside / "manifest.json").read_text())
+    m["cases"][0]["module"] = "planted"
+    (beside / "manifest.json").write_text(json.dumps(m))
+    refused(tapml("migrate", "zoo:mlp", "--state", state), str(beside), "cannot prove",
+            "no journal beside the state records a store")
+    assert not state.exists()
+    shutil.rmtree(beside)
+    r = tapml("migrate", "zoo:mlp", "--state", state, "-q")  # carves it: the journal records it
+    assert r.exit_code == 0, r.output
+    manifest = beside / "manifest.json"
+    carved_at = manifest.stat().st_mtime_ns
+    r = tapml("migrate", "zoo:mlp", "--state", state, "-q")  # proven: reused, not carved again
+    assert r.exit_code == 0, r.output
+    assert manifest.stat().st_mtime_ns == carved_at
+    recorded = manifest.read_bytes()
+    swapped = json.loads(recorded)
+    swapped["cases"][0]["module"] = "planted"
+    manifest.write_text(json.dumps(swapped))  # a stranger's manifest of the same model in its place
+    refused(tapml("migrate", "zoo:mlp", "--state", state, "--resume"), "not the one the journal recorded")
+    if os.geteuid() == 0:  # a folder of another user, even holding the recorded manifest
+        manifest.write_bytes(recorded)
+        os.chown(beside, 65534, 65534)
+        refused(tapml("migrate", "zoo:mlp", "--state", state), "belongs to another user")
+
+
+def test_a_journal_resumes_only_on_the_store_it_recorded(tmp_path):
+    """A journal's header records the store's manifest digest: another store is refused; a
+    journal from before the digest existed still resumes (and records it from then on)."""
+    from tapml.journal import Journal, recorded_store
+    path = journal_path(tmp_path / "s.json")
+    Journal(path, {"format": "f", "target": "reference"}, resume=False).close()
+    assert recorded_store(tmp_path / "s.json") is None
+    Journal(path, {"format": "f", "target": "reference", "store_manifest_sha256": "a" * 64}, resume=True).close()
+    assert recorded_store(tmp_path / "s.json") == "a" * 64
+    with pytest.raises(TapmlError, match="store_manifest_sha256: journal has 'a+', now 'b+'"):
+        Journal(path, {"format": "f", "target": "reference", "store_manifest_sha256": "b" * 64}, resume=True)

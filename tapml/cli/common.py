@@ -22,9 +22,39 @@ from rich.console import Console
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Port PyTorch models to WebGPU, Vulkan, Metal and OpenGL: carve, migrate, verify.")
-# No emoji codes: user text such as `file.py:boom` must print as it is.
-console = Console(stderr=True, emoji=False)
-out = Console(emoji=False)
+class _ShowableSegments:
+    """A rich render hook: the text of every segment rich is about to write has its control
+    characters (ESC, C1, ...) written as visible escapes (:func:`tapml.text.plain`), line breaks
+    and tabs kept. Rich's own styles and cursor moves are not text and pass unchanged. This is
+    the backstop behind :func:`tapml.text.shown`, which every string from a file or a peer
+    goes through before it is put into markup."""
+
+    def process_renderables(self, renderables):
+        return [_Showable(r) for r in renderables]
+
+
+class _Showable:
+    def __init__(self, renderable):
+        self.renderable = renderable
+
+    def __rich_console__(self, console, options):
+        from rich.segment import Segment
+
+        from tapml.text import plain_lines
+        for segment in console.render(self.renderable, options):
+            yield segment if segment.control else Segment(plain_lines(segment.text), segment.style)
+
+
+def make_console(**kwargs) -> Console:
+    """A rich Console for tapml's output: no emoji codes (user text such as `file.py:boom` must
+    print as it is), and control characters in any text written as visible escapes."""
+    made = Console(emoji=False, **kwargs)
+    made.push_render_hook(_ShowableSegments())
+    return made
+
+
+console = make_console(stderr=True)
+out = make_console()
 
 EXIT_OK, EXIT_FINDING, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 
@@ -78,8 +108,8 @@ def parse_device_limits(items: Optional[list[str]]) -> dict[str, int]:
 
 def fail(message: str, code: int = EXIT_USAGE):
     """Print ``message`` as one error line on stderr and exit with ``code`` (default 2, bad usage)."""
-    from rich.markup import escape
-    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    from tapml.text import shown
+    console.print(f"[bold red]error:[/] {shown(message, lines=True)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -115,12 +145,12 @@ def command(fn):
         except Exception as e:  # noqa: BLE001 - the one place that turns a bug into exit 3
             if interrupted():  # native code (safetensors, wgpu) turns a Ctrl-C into its own error
                 _interrupted()
-            from rich.markup import escape
+            from tapml.text import shown
             lines = str(e).strip().splitlines()
             summary = type(e).__name__ + (f": {lines[0][:300]}" if lines else "")
             report = write_crash_report(e)
             where = f"details in {report}" if report else "no details file could be written"
-            console.print(f"[bold red]internal error:[/] {escape(summary)} — {escape(where)}",
+            console.print(f"[bold red]internal error:[/] {shown(summary)} — {shown(where)}",
                           highlight=False, soft_wrap=True)
             raise typer.Exit(EXIT_INTERNAL)
         else:
@@ -211,7 +241,8 @@ def write_crash_report(error: BaseException) -> Optional[str]:
 def write_json(data, path: str) -> None:
     """Write JSON to a file atomically, or to stdout when path is '-'."""
     if path == "-":
-        out.print_json(json.dumps(data, allow_nan=False))
+        # ASCII only: a control character from a file stays a \u escape, never reaches the terminal
+        out.print_json(json.dumps(data, allow_nan=False), ensure_ascii=True)
         return
     from tapml.io import write_json_atomic
     target = Path(path)
@@ -280,6 +311,6 @@ def progress_bar(quiet: bool = False):
                     console=console, transient=True, disable=quiet or not console.is_terminal)
 
 
-__all__ = ["app", "console", "out", "EXIT_OK", "EXIT_FINDING", "EXIT_USAGE", "EXIT_INTERNAL", "TargetOpt", "TolOpt",
+__all__ = ["app", "console", "out", "make_console", "EXIT_OK", "EXIT_FINDING", "EXIT_USAGE", "EXIT_INTERNAL", "TargetOpt", "TolOpt",
            "InjectOpt", "TokenFileOpt", "JsonOpt", "DeviceLimitOpt", "parse_device_limits", "QuietOpt", "DtypeOpt", "KeepFloat32Opt", "check_dtype", "fail", "command", "write_crash_report", "write_json",
            "open_store", "progress_bar"]

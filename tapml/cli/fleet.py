@@ -9,6 +9,7 @@ import typer
 
 from tapml.cli.common import (EXIT_FINDING, EXIT_OK, JsonOpt, QuietOpt, TokenFileOpt, TokenMapOpt, TolOpt, app,
                               command, console, fail, out, progress_bar, write_json)
+from tapml.text import shown
 
 
 @app.command(short_help="Run each model's cases on every device of a registry:// pool; a models x devices matrix.")
@@ -56,7 +57,7 @@ def fleet(models: List[str] = typer.Argument(..., metavar="STORE_OR_MODEL...", h
                 stores.append((m, CarveStore(m)))
                 continue
             if not quiet:
-                console.print(f"carving {m} ...", highlight=False)
+                console.print(f"carving {shown(m)} ...", highlight=False)
             carve(m, Path(scratch) / f"store{i}")
             stores.append((m, CarveStore(Path(scratch) / f"store{i}")))
         total = sum(len(s.cases) for _, s in stores) * len(pool.devices)
@@ -82,7 +83,6 @@ def fleet_passed(doc: dict) -> bool:
 def render_fleet(doc: dict, *, by_op: bool, all_rows: bool, quiet: bool) -> None:
     """The matrix (rows: models, or ops with ``by_op``; columns: devices), then a line per
     device (cases served, dropped out and why) and the summary line."""
-    from rich.markup import escape
 
     from tapml.reports.data import coverage_matrix, fleet_states
     from tapml.render import render_matrix
@@ -91,11 +91,11 @@ def render_fleet(doc: dict, *, by_op: bool, all_rows: bool, quiet: bool) -> None
         render_matrix(coverage_matrix(states, by_model=not by_op), out, all_rows=all_rows, all_option="--all")
     for d in doc["devices"]:
         if d["status"] != "ok":
-            out.print(f"[red]{escape(d['target'])} dropped out:[/] {escape(d['status'])}", highlight=False, soft_wrap=True)
+            out.print(f"[red]{shown(d['target'])} dropped out:[/] {shown(d['status'])}", highlight=False, soft_wrap=True)
         elif not quiet:
-            out.print(f"{escape(d['target'])} ({escape(d['adapter'] or '?')}): {d['served']} cases", highlight=False)
+            out.print(f"{shown(d['target'])} ({shown(d['adapter'] or '?')}): {d['served']} cases", highlight=False)
     for target, reason in doc.get("left_out", {}).items():
-        out.print(f"[yellow]{escape(target)} left out[/] (announced, not live when the run began): {escape(reason)}",
+        out.print(f"[yellow]{shown(target)} left out[/] (announced, not live when the run began): {shown(reason)}",
                   highlight=False, soft_wrap=True)
     cells = [v for per_device in doc["runs"].values() for v in per_device.values()]
     green = sum(v["summary"]["pass"] == len(v["cases"]) for v in cells)

@@ -13,6 +13,7 @@ from tapml.cli.common import (EXIT_FINDING, EXIT_OK, DtypeOpt, InjectOpt, JsonOp
                               console, fail, model_store, out, write_json)
 from tapml.cli.migrate import HfConfigOpt
 from tapml.render import fmt_err
+from tapml.text import shown
 
 #: Defaults when a MODEL is carved on the fly.
 DEFAULT_TOKENS, DEFAULT_PROMPT_LEN = 8, 8
@@ -91,7 +92,7 @@ def _carve(model: str, out_dir, *, tokens: int, prompt_len: int, seed: int, hf_c
     from tapml.carving.store import CarveStore
     if not quiet:
         in_dtype = "" if dtype == "float32" else f" in {dtype}"
-        console.print(f"carving a generation of {model}{in_dtype}: prompt {prompt_len} tokens, {tokens} decode steps",
+        console.print(f"carving a generation of {shown(model)}{in_dtype}: prompt {prompt_len} tokens, {tokens} decode steps",
                       highlight=False)
     carve_generation(model, out_dir, tokens=tokens, prompt_len=prompt_len, seed=seed, hf_config=hf_config or None,
                      dtype=dtype)
@@ -120,7 +121,7 @@ def _progress(quiet: bool):
         return None
 
     def show(row: dict) -> None:
-        console.print(f"  step {row['step']} {row['kind']}: {row['status']}", highlight=False)
+        console.print(f"  step {row['step']} {shown(row['kind'])}: {shown(row['status'])}", highlight=False)
     return show
 
 
@@ -129,12 +130,11 @@ STEP_STYLE = {"pass": "green", "near-tie": "yellow", "mismatch": "red", "error":
 
 def render_generation(doc: dict, quiet: bool = False) -> None:
     """The two token streams side by side, a row per step, the culprit table, then the summary."""
-    from rich.markup import escape
     from rich.table import Table
     s = doc["summary"]
     if not quiet:
-        out.print(f"[bold]{escape(doc['model'])}[/] on [bold]{escape(doc['target'])}[/] "
-                  f"({escape(str(doc['device'].get('adapter', '')))}): {doc['mode']}, prompt {doc['prompt_len']} "
+        out.print(f"[bold]{shown(doc['model'])}[/] on [bold]{shown(doc['target'])}[/] "
+                  f"({shown(str(doc['device'].get('adapter', '')))}): {doc['mode']}, prompt {doc['prompt_len']} "
                   f"tokens, {doc['tokens']} decode steps", highlight=False)
         ref = doc["reference_tokens"]
         got = doc["target_tokens"]
@@ -144,22 +144,22 @@ def render_generation(doc: dict, quiet: bool = False) -> None:
                              for i, t in enumerate(got))
         out.print(f"reference: {cells_ref}", highlight=False)
         out.print(f"target:    {cells_got}", highlight=False)
-        out.print(f"[dim]({escape(doc['tokenizer_note'])})[/]", highlight=False)
+        out.print(f"[dim]({shown(doc['tokenizer_note'])})[/]", highlight=False)
         table = Table(title="steps")
         for col in ("step", "kind", "ref token", "target token", "max_abs_err", "status", "message"):
             table.add_column(col, justify="right" if col in ("step", "ref token", "target token") else "left",
                              overflow="fold")
         for r in doc["steps"]:
-            table.add_row(str(r["step"]), r["kind"], str(r["reference_token"]),
+            table.add_row(str(r["step"]), shown(r["kind"]), str(r["reference_token"]),
                           "-" if r["target_token"] is None else str(r["target_token"]), fmt_err(r["max_abs_err"]),
-                          f"[{STEP_STYLE[r['status']]}]{r['status']}[/]", escape((r["message"] or "")[:120]))
+                          f"[{STEP_STYLE[r['status']]}]{shown(r['status'])}[/]", shown((r["message"] or "")[:120]))
         out.print(table)
     if doc["culprits"] and not quiet:
         table = Table(title=f"culprits of step {s['first_failure']}")
         for col in ("op", "node", "module", "kind", "step", "max_abs_err"):
             table.add_column(col, overflow="fold")
         for c in doc["culprits"]:
-            table.add_row(c["op"], c["node"], c["module"] or "<root>", c["kind"], str(c["step"]),
+            table.add_row(*map(shown, (c["op"], c["node"], c["module"] or "<root>", c["kind"])), str(c["step"]),
                           fmt_err(c["max_abs_err"]))
         out.print(table)
     if not quiet:

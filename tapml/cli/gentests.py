@@ -7,6 +7,7 @@ from typing import List, Optional
 import typer
 
 from tapml.cli.common import TolOpt, app, command, console
+from tapml.text import shown
 
 
 @app.command("gen-tests")
@@ -27,6 +28,6 @@ def gen_tests(store: str = typer.Argument(..., help="Carve store directory"),
     info = generate_suite(store, output, state=state, known_failures=known_failures, copy_data=copy_data,
                           tolerances=Tolerances.parse(tol), check_target=check_target)
     known = (f", {info['known_failures']} known failure(s) marked {known_failures}" if state else "")
-    console.print(f"wrote {len(info['files'])} files to {info['dir']}: {info['cases']} tests for "
-                  f"{info['ops']} ops{known}, data {info['data']}; run: pytest {info['dir']} "
-                  f"--tapml-target {info['default_target']}", highlight=False)
+    console.print(f"wrote {len(info['files'])} files to {shown(info['dir'])}: {info['cases']} tests for "
+                  f"{info['ops']} ops{known}, data {info['data']}; run: pytest {shown(info['dir'])} "
+                  f"--tapml-target {shown(info['default_target'])}", highlight=False)

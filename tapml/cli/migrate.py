@@ -10,6 +10,7 @@ from tapml.cli.common import (DeviceLimitOpt, DtypeOpt, InjectOpt, JsonOpt, Keep
                               TokenMapOpt, TolOpt, app, check_dtype, command, console, fail, out, write_json)
 from tapml.cli.store import check_device_limits, check_targets, limits_for, render_matrix_run, run_preflight
 from tapml.render import fmt_err
+from tapml.text import plain, shown
 
 HfConfigOpt = typer.Option(None, "--hf-config", help="KEY=VALUE config override when MODEL is an hf: spec to carve "
                                                     "(repeatable)")
@@ -53,7 +54,7 @@ class MigrationDisplay:
             for col in ("kind", "op", "node", "module", "max_abs_err"):
                 table.add_column(col, overflow="fold")
             for f in self.findings[-8:]:
-                table.add_row(f["kind"], f["op"], f["node"], f["module"], fmt_err(f["max_abs_err"]))
+                table.add_row(*map(shown, (f["kind"], f["op"], f["node"], f["module"])), fmt_err(f["max_abs_err"]))
             parts.append(table)
         return Group(*parts)
 
@@ -62,18 +63,19 @@ class MigrationDisplay:
         if kind == "stage":
             if self.task is not None:
                 self.progress.update(self.task, visible=False)
-            self.task = self.progress.add_task(f"{data['stage']} stage", total=data["total"], label="")
+            self.task = self.progress.add_task(f"{shown(data['stage'])} stage", total=data["total"], label="")
             if not self.live_mode and not self.quiet:
                 console.print(f"{data['stage']} stage: {data['total']} to check", highlight=False)
         elif kind == "step":
             if data["stage"] == "bisect":
-                self.progress.update(self.task, label=f"bisect {data['label']}")
+                self.progress.update(self.task, label=f"bisect {shown(data['label'])}")
             else:
-                self.progress.update(self.task, advance=1, label=data["label"])
+                self.progress.update(self.task, advance=1, label=shown(data["label"]))
         elif kind == "finding":
             self.findings.append(data)
             if not self.live_mode and not self.quiet:
-                console.print(f"  finding: {data['kind']} {data['op']} at {data['node']} ({data['module'] or '<root>'}) "
+                console.print(f"  finding: {shown(data['kind'])} {shown(data['op'])} at {shown(data['node'])} "
+                              f"({shown(data['module'] or '<root>')}) "
                               f"max_abs_err {fmt_err(data['max_abs_err'])}", highlight=False)
         if self.live is not None:
             self.live.update(self._render())
@@ -85,7 +87,7 @@ def render_state(state: dict, quiet: bool = False) -> None:
     p = state["placement"]
     culprits = state["culprits"]
     if culprits and not quiet:
-        table = Table(title=f"failures on {state['target']} and their culprits")
+        table = Table(title=f"failures on {shown(state['target'])} and their culprits")
         wide = out.width >= 140  # messages stay in the state file on narrow terminals
         graphs = any(c.get("graph") for c in culprits)
         for col in (("graph",) if graphs else ()) + ("kind", "op", "node", "module", "max_abs_err", "max_rel_err",
@@ -99,10 +101,11 @@ def render_state(state: dict, quiet: bool = False) -> None:
                 nodes = ", ".join(c["nodes"])
             else:
                 nodes = f"{c['nodes'][0]} (+{len(c['nodes']) - 1})"
-            where = (f"{c.get('graph') or '-'}" + (f" step {c['step']}" if c.get("step") is not None else ""),) \
+            where = (shown(f"{c.get('graph') or '-'}" + (f" step {c['step']}" if c.get("step") is not None else "")),) \
                 if graphs else ()
-            table.add_row(*where, c["kind"], c["op"], nodes, c["module"] or "<root>", fmt_err(c["max_abs_err"]),
-                          fmt_err(c["max_rel_err"]), frac, *(((c["message"] or "")[:120],) if wide else ()))
+            table.add_row(*where, shown(c["kind"]), shown(c["op"]), shown(nodes), shown(c["module"] or "<root>"),
+                          fmt_err(c["max_abs_err"]), fmt_err(c["max_rel_err"]), frac,
+                          *((shown((c["message"] or "")[:120]),) if wide else ()))
         out.print(table)
     s = state["summary"]
     total = sum(s.values())
@@ -113,22 +116,23 @@ def render_state(state: dict, quiet: bool = False) -> None:
     out.print(f"region stage: {len(modules)} regions, {sum(u['status'] != 'pass' for u in modules)} failed, "
               f"{len(regions) - len(modules)} bisection runs", highlight=False)
     out.print(f"placement: {p['ops_on_target']}/{p['ops_total']} ops ({p['ops_share']:.1%}) and "
-              f"{p['flops_share']:.1%} of FLOPs on {state['target']}", highlight=False)
+              f"{p['flops_share']:.1%} of FLOPs on {shown(state['target'])}", highlight=False)
     line = dtype_placement_line(state.get("precision"))
     if line:
         out.print(line, highlight=False)
     e = state["end_to_end"] or {"status": "not run", "max_abs_err": None, "max_rel_err": None, "message": ""}
     color = "green" if e["status"] == "pass" else "red"
-    out.print(f"end to end: [{color}]{e['status']}[/] max_abs_err {fmt_err(e['max_abs_err'])} "
-              f"max_rel_err {fmt_err(e['max_rel_err'])}" + (f" ({e['message']})" if e.get("message") else ""),
+    out.print(f"end to end: [{color}]{shown(e['status'])}[/] max_abs_err {fmt_err(e['max_abs_err'])} "
+              f"max_rel_err {fmt_err(e['max_rel_err'])}" + (f" ({shown(e['message'])})" if e.get("message") else ""),
               highlight=False)
     decode = next((u for u in state["units"] if u["kind"] == "model" and u.get("graph") == "decode"), None)
     if decode is not None:  # a generation store: its decode graph was a second pass
         d = p.get("decode") or {}
         color = "green" if decode["status"] == "pass" else "red"
-        out.print(f"decode graph: {d.get('ops_on_target', '?')}/{d.get('ops_total', '?')} ops on {state['target']}; "
-                  f"decode step end to end: [{color}]{decode['status']}[/] max_abs_err {fmt_err(decode['max_abs_err'])}"
-                  + (f" ({decode['message']})" if decode.get("message") else ""), highlight=False)
+        out.print(f"decode graph: {d.get('ops_on_target', '?')}/{d.get('ops_total', '?')} ops on {shown(state['target'])}; "
+                  f"decode step end to end: [{color}]{shown(decode['status'])}[/] max_abs_err "
+                  f"{fmt_err(decode['max_abs_err'])}" + (f" ({shown(decode['message'])})" if decode.get("message") else ""),
+                  highlight=False)
     matches = e["status"] == "pass" and (decode is None or decode["status"] == "pass")
     verdict = "[green]migrated: everything passed[/]" if state["passed"] else \
         f"[red]{len(culprits)} finding(s)[/]" + ("" if matches else "; the model does not match end to end")
@@ -183,10 +187,8 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
     from tapml.compare import Tolerances
     from tapml.inject import parse_faults
     from tapml.carving import open_or_carve
-    from tapml.migrate import Migration, check_faults, exit_code
-    from tapml.precision import read_keep_items, resolve_keep_float32
-    from tapml.replay import injects_into
-    from tapml.targets import open_target, read_tokens
+    from tapml.precision import read_keep_items
+    from tapml.targets import read_tokens
     targets = check_targets(target)
     limits = check_device_limits(device_limit, targets)
     tolerances = Tolerances.parse(tol)
@@ -197,36 +199,48 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
         fail("--keep-float32 needs a float16/bfloat16 carve: add --dtype float16")
     if Path(state).is_dir():
         fail(f"--state {state} is a directory; give a file name such as {Path(state) / 'state.json'}")
+    if not Path(state).parent.is_dir():
+        fail(f"cannot write --state {state}: directory {Path(state).parent} does not exist")
+    from tapml.io import ExclusiveLock
+    from tapml.journal import recorded_store
+    from tapml.migrate import Migration, check_faults, exit_code
     from tapml.models import parse_hf_overrides
-    store, store_path = open_or_carve(model, state, on_carve=lambda spec, path: None if quiet else console.print(
-        f"carving {spec} into {path}", highlight=False), hf_config=parse_hf_overrides(hf_config),
-        dtype=check_dtype(dtype))
-    check_faults(store.graph, inject)
-    resolve_keep_float32({"model": store.graph, **({"decode": store.step_graph("decode")}
-                                                   if store.is_generation else {})}, keep)
-    if len(targets) > 1:
-        paths = {t: state_for_target(state, t) for t in targets}
-        results = {}
-        for t in targets:
-            faults = inject if injects_into(t) else None
-            with open_target(t, token=token, inject=faults, limits=limits_for(t, limits)) as platform:
-                run_preflight(store, platform, t, quiet=quiet)
-                with MigrationDisplay(f"migrating {store.model} to {t} ({paths[t]})", quiet) as display:
-                    results[t] = Migration(store, platform, t, paths[t], tolerances=tolerances, inject=faults,
-                                           resume=resume, on_event=display.event, store_path=str(store_path),
-                                           keep_float32=keep).run()
-        def render_target(doc: dict) -> None:
-            from rich.markup import escape
-            out.print(f"[bold]{escape(doc['target'])}[/] ({escape(paths[doc['target']])})", highlight=False)
-            render_state(doc, quiet)
+    from tapml.precision import resolve_keep_float32
+    from tapml.replay import injects_into
+    from tapml.targets import open_target
+    # One writer of this state, its journal and the store carved beside it, for the whole command.
+    with ExclusiveLock(state, f"--state {state}"):
+        store, store_path = open_or_carve(model, state, on_carve=lambda spec, path: None if quiet else console.print(
+            f"carving {shown(spec)} into {shown(path)}", highlight=False), hf_config=parse_hf_overrides(hf_config),
+            dtype=check_dtype(dtype), recorded=recorded_store(state))
+        check_faults(store.graph, inject)
+        resolve_keep_float32({"model": store.graph, **({"decode": store.step_graph("decode")}
+                                                       if store.is_generation else {})}, keep)
+        if len(targets) > 1:
+            paths = {t: state_for_target(state, t) for t in targets}
+            results = {}
+            for t in targets:
+                faults = inject if injects_into(t) else None
+                with open_target(t, token=token, inject=faults, limits=limits_for(t, limits)) as platform:
+                    run_preflight(store, platform, t, quiet=quiet)
+                    with MigrationDisplay(f"migrating {plain(store.model)} to {plain(t)} ({plain(paths[t])})",
+                                          quiet) as display:
+                        results[t] = Migration(store, platform, t, paths[t], tolerances=tolerances, inject=faults,
+                                               resume=resume, on_event=display.event, store_path=str(store_path),
+                                               keep_float32=keep).run()
 
-        raise typer.Exit(render_matrix_run(results, False, False, quiet, json_out, render_target))
-    target = targets[0]
-    with open_target(target, token=token, inject=inject, limits=limits_for(target, limits)) as platform:
-        run_preflight(store, platform, target, quiet=quiet)
-        with MigrationDisplay(f"migrating {store.model} to {target}", quiet) as display:
-            result = Migration(store, platform, target, state, tolerances=tolerances, inject=inject, resume=resume,
-                               on_event=display.event, store_path=str(store_path), keep_float32=keep).run()
+            def render_target(doc: dict) -> None:
+                out.print(f"[bold]{shown(doc['target'])}[/] ({shown(paths[doc['target']])})", highlight=False)
+                render_state(doc, quiet)
+
+            raise typer.Exit(render_matrix_run(results, False, False, quiet, json_out, render_target))
+        target = targets[0]
+        with open_target(target, token=token, inject=inject, limits=limits_for(target, limits)) as platform:
+            run_preflight(store, platform, target, quiet=quiet)
+            with MigrationDisplay(f"migrating {plain(store.model)} to {plain(target)}", quiet) as display:
+                result = Migration(store, platform, target, state, tolerances=tolerances, inject=inject,
+                                   resume=resume, on_event=display.event, store_path=str(store_path),
+                                   keep_float32=keep).run()
     if json_out:
         write_json(result, json_out)
     if json_out != "-":

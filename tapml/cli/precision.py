@@ -12,6 +12,7 @@ from tapml.cli.common import (EXIT_FINDING, EXIT_OK, JsonOpt, QuietOpt, StoreDir
                               app, command, console, fail, model_store, out, write_json)
 from tapml.cli.migrate import HfConfigOpt
 from tapml.render import STATUS_STYLE, fmt_err
+from tapml.text import shown
 
 #: The dtype a MODEL is carved in when --dtype is not given.
 DEFAULT_DTYPE = "float16"
@@ -61,7 +62,7 @@ def precision(model: str = typer.Argument(..., help="A store carved in float16/b
 def _carve(model: str, out_dir, *, dtype: str, seed: int, hf_config: dict, quiet: bool):
     from tapml.carving import CarveStore, carve
     if not quiet:
-        console.print(f"carving {model} in {dtype}", highlight=False)
+        console.print(f"carving {shown(model)} in {dtype}", highlight=False)
     carve(model, out_dir, seed=seed, hf_config=hf_config or None, dtype=dtype)
     return CarveStore(out_dir)
 
@@ -75,13 +76,12 @@ def render_precision(doc: dict, console, quiet: bool = False, max_rows: int = 60
     :func:`tapml.verdict.read_precision_document`): a table by module along the depth of the model
     (ops, largest activation, headroom, overflows, absorbed overflows, error against float64), the
     keep_float32 list, and one line per end-to-end run. ``quiet`` prints only the last line."""
-    from rich.markup import escape
     from rich.table import Table
 
     from tapml.reports.data import precision_modules
     dtype, e2e = doc["dtype"], doc["end_to_end"]
     if not quiet:
-        table = Table(title=f"{escape(doc.get('model') or '?')} in {dtype} on {escape(doc['target'])}, by module "
+        table = Table(title=f"{shown(doc.get('model') or '?')} in {dtype} on {shown(doc['target'])}, by module "
                             "along the depth", title_justify="left")
         for col, justify in (("module", "left"), ("ops", "right"), ("max |x|", "right"), ("headroom", "right"),
                              ("overflow", "right"), ("absorbed", "right"), ("kept", "right"),
@@ -91,7 +91,7 @@ def render_precision(doc: dict, console, quiet: bool = False, max_rows: int = 60
         for r in rows[:max_rows]:
             bad = r["overflow"] > 0
             headroom = "-" if r["headroom"] is None else f"{r['headroom']:.3g}"
-            table.add_row(escape(r["module"] or "<root>"), str(r["ops"]), fmt_err(r["max_abs"]),
+            table.add_row(shown(r["module"] or "<root>"), str(r["ops"]), fmt_err(r["max_abs"]),
                           f"[red]{headroom}[/]" if r["headroom"] is not None and r["headroom"] < 1 else headroom,
                           f"[red]{r['overflow']}[/]" if bad else "0",
                           f"[yellow]{r['absorbed']}[/]" if r["absorbed"] else "0", str(r["kept"]),
@@ -100,14 +100,14 @@ def render_precision(doc: dict, console, quiet: bool = False, max_rows: int = 60
         if len(rows) > max_rows:
             console.print(f"... and {len(rows) - max_rows} more modules (--json, or tapml report, has them all)")
         keep = doc["keep_float32"]
-        console.print(f"keep_float32 ({len(keep)}): " + (escape(", ".join(keep)) if keep else f"none, every op fits {dtype}"),
+        console.print(f"keep_float32 ({len(keep)}): " + (shown(", ".join(keep)) if keep else f"none, every op fits {dtype}"),
                       highlight=False, soft_wrap=True)
         if doc.get("keep_float32_modules"):
-            console.print("whole modules: " + escape(", ".join(m or "<root>" for m in doc["keep_float32_modules"])),
+            console.print("whole modules: " + shown(", ".join(m or "<root>" for m in doc["keep_float32_modules"])),
                           highlight=False, soft_wrap=True)
     for label, run in ((f"end to end in {dtype}", e2e["before"]), ("with keep_float32 in float32", e2e["after"])):
         style = STATUS_STYLE.get(run["status"], "")
-        line = f"{label}: [{style}]{run['status']}[/] (max abs err {fmt_err(run['max_abs_err'])})"
+        line = f"{label}: [{style}]{shown(run['status'])}[/] (max abs err {fmt_err(run['max_abs_err'])})"
         if run["status"] != "pass" and run["message"] and not quiet:
-            line += f": {escape(run['message'][:200])}"
+            line += f": {shown(run['message'][:200])}"
         console.print(line, highlight=False, soft_wrap=True)

@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 
 from tapml.cli.common import EXIT_OK, JsonOpt, TokenFileOpt, app, command, console, fail, out, write_json
+from tapml.text import shown
 
 SERVE_PLATFORMS = "wgpu, wgpu:vulkan, wgpu:gl, wgpu:metal, wgpu:dx12, browser, reference"
 
@@ -161,16 +162,17 @@ def devices(registry_spec: str = typer.Option("udp://255.255.255.255:18811", "--
         if json_out == "-":
             return
     if not rows:
-        out.print(f"no devices registered at {registry_spec}")
+        out.print(f"no devices registered at {shown(registry_spec)}")
         raise typer.Exit(EXIT_OK)
     from rich.table import Table
-    table = Table(title=f"devices at {registry_spec}")
+    table = Table(title=f"devices at {shown(registry_spec)}")
     for col in ("target", "platform", "adapter", "backend", "features", "max storage buffer", "status"):
         table.add_column(col, overflow="fold")
     for r in rows:
         limit = r["limits"].get("maxStorageBufferBindingSize") or r["limits"].get("max-storage-buffer-binding-size")
-        table.add_row(r["target"], r["platform"], r["adapter"], r["backend"], ", ".join(r["features"]),
-                      f"{limit / 2**20:.0f} MiB" if isinstance(limit, (int, float)) else "", r["status"])
+        features = r["features"] if isinstance(r["features"], list) else [r["features"]]
+        table.add_row(*map(shown, (r["target"], r["platform"], r["adapter"], r["backend"], ", ".join(map(str, features)))),
+                      f"{limit / 2**20:.0f} MiB" if isinstance(limit, (int, float)) else "", shown(r["status"]))
     out.print(table)
 
 
@@ -179,9 +181,12 @@ def _probe(host: str, port: int, announced: dict, token: str | None, timeout: fl
     lets us in; ``status`` says why not otherwise."""
     from tapml.errors import TapmlError
     from tapml.remote.client import RemotePlatform
-    row = {"target": f"remote://{host}:{port}", "platform": announced.get("platform", "?"),
-           "adapter": announced.get("adapter") or "", "backend": announced.get("backend") or "",
-           "features": list(announced.get("features") or []), "limits": {}, "dtypes": [], "status": "ok"}
+    # what a registry announces is anyone's word: text as text, features as a list of text
+    features = announced.get("features")
+    row = {"target": f"remote://{host}:{port}", "platform": str(announced.get("platform", "?")),
+           "adapter": str(announced.get("adapter") or ""), "backend": str(announced.get("backend") or ""),
+           "features": [str(f) for f in features] if isinstance(features, list) else [], "limits": {}, "dtypes": [],
+           "status": "ok"}
     try:
         with RemotePlatform(host, port, token=token, timeout=timeout, connect_timeout=timeout) as device:
             caps = device.caps()

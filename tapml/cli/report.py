@@ -8,6 +8,7 @@ from typing import List, Optional
 import typer
 
 from tapml.cli.common import EXIT_FINDING, EXIT_OK, JsonOpt, QuietOpt, app, command, console, fail, out, write_json
+from tapml.text import shown
 
 
 @app.command(name="report", short_help="Render verdicts, states, generations or fleets as HTML, Markdown or JUnit.")
@@ -35,7 +36,7 @@ def report(states: List[str] = typer.Argument(..., help="Verdict JSON (`replay -
         path = write_report(loaded, output, format=fmt, title=title)
         if not quiet:
             culprits = sum(1 for s in loaded for f in s.failures if f["culprit"])
-            console.print(f"wrote {fmt} report of {len(loaded)} state(s), {culprits} culprit(s) -> {path}",
+            console.print(f"wrote {fmt} report of {len(loaded)} state(s), {culprits} culprit(s) -> {shown(path)}",
                           highlight=False)
         _render_terminal(loaded, console, quiet=True)
     elif output == "-" or format:

@@ -8,6 +8,7 @@ import typer
 
 from tapml.cli.common import (EXIT_OK, InjectOpt, JsonOpt, QuietOpt, TokenFileOpt, TolOpt, app, command, console,
                               open_store, out, write_json)
+from tapml.text import shown
 
 
 @app.command(short_help="Write a folder that reproduces one case or region without tapml (WGSL, run.py, a WebGPU page).")
@@ -50,9 +51,9 @@ def repro(store: str = typer.Argument(..., help="Carve store directory"),
     stats = "" if seen["max_abs_err"] is None else (f", max_abs_err {seen['max_abs_err']:.3g}, "
                                                     f"mismatch_fraction {seen['mismatch_fraction']:.3g}")
     if not quiet:
-        console.print(f"wrote {output}: {subject.kind} {subject.label}, {info['kernels']} kernel(s) for "
-                      f"{info['device']} ({info['backend']})", highlight=False, soft_wrap=True)
+        console.print(f"wrote {shown(output)}: {shown(subject.kind)} {shown(subject.label)}, {info['kernels']} kernel(s) "
+                      f"for {shown(info['device'])} ({shown(info['backend'])})", highlight=False, soft_wrap=True)
     if json_out != "-":
-        out.print(f"{target} gives {seen['status']}{stats}; reproduce it: cd {output} && python run.py",
+        out.print(f"{shown(target)} gives {shown(seen['status'])}{stats}; reproduce it: cd {shown(output)} && python run.py",
                   highlight=False, soft_wrap=True)
     raise typer.Exit(EXIT_OK)

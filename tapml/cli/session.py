@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
-from rich.markup import escape
 
-from tapml.cli.common import DtypeOpt, InjectOpt, TargetOpt, TokenFileOpt, TolOpt, app, check_dtype, command, fail
+from tapml.cli.common import (DtypeOpt, InjectOpt, TargetOpt, TokenFileOpt, TolOpt, app, check_dtype, command, fail,
+                              make_console)
 from tapml.cli.migrate import HfConfigOpt, ModelArg
 from tapml.errors import TapmlError
 from tapml.render import fmt_err
+from tapml.text import shown
 
 
 @app.command(name="session")
@@ -50,9 +51,8 @@ class SessionShell(cmd.Cmd):
 
     def __init__(self, session, console=None, stdin=None):
         super().__init__(stdin=stdin)
-        from rich.console import Console
         self.s = session
-        self.console = console or Console(highlight=False, emoji=False)
+        self.console = console or make_console(highlight=False)
         self.interactive = stdin is None and os.isatty(0)
         self.use_rawinput = stdin is None
         self.prompt = "tapml> " if self.interactive else ""
@@ -75,10 +75,10 @@ class SessionShell(cmd.Cmd):
                     pass
             self.console.print(self.intro_text)
         graph = f" ({self.s.graph_kind} graph)" if self.s.graph_kind else ""
-        self.console.print(f"{self.s.store.model}{graph}: {len(self.s.graph.nodes)} nodes, target {self.s.target}; "
+        self.console.print(f"{shown(self.s.store.model)}{graph}: {len(self.s.graph.nodes)} nodes, target {shown(self.s.target)}; "
                            "everything starts on the reference")
         if self.s.scope_note:
-            self.console.print(self.s.scope_note, highlight=False)
+            self.console.print(shown(self.s.scope_note), highlight=False)
 
     def postloop(self) -> None:
         if self._history is not None:
@@ -90,7 +90,7 @@ class SessionShell(cmd.Cmd):
 
     def precmd(self, line: str) -> str:
         if not self.interactive and line.strip() and line != "EOF":
-            self.console.print(f"[dim]> {escape(line.strip())}[/]")
+            self.console.print(f"[dim]> {shown(line.strip())}[/]")
         return line
 
     def onecmd(self, line: str) -> bool:
@@ -98,10 +98,10 @@ class SessionShell(cmd.Cmd):
             return super().onecmd(line)
         except TapmlError as e:
             self.errors += 1
-            self.console.print(f"[bold red]error:[/] {escape(str(e))}")
+            self.console.print(f"[bold red]error:[/] {shown(str(e))}")
         except Exception as e:  # noqa: BLE001 - one failing command must not end the session
             self.errors += 1
-            self.console.print(f"[bold red]error:[/] {type(e).__name__}: {escape(str(e))}")
+            self.console.print(f"[bold red]error:[/] {type(e).__name__}: {shown(str(e))}")
         return False
 
     def emptyline(self) -> bool:
@@ -109,7 +109,7 @@ class SessionShell(cmd.Cmd):
 
     def default(self, line: str) -> None:
         self.errors += 1
-        self.console.print(f"[bold red]error:[/] unknown command {escape(repr(line.split()[0]))}; `help` lists commands")
+        self.console.print(f"[bold red]error:[/] unknown command {shown(repr(line.split()[0]))}; `help` lists commands")
 
     def _complete_names(self, text: str) -> list[str]:
         return [n for n in self.s.names() if n.startswith(text)]
@@ -125,20 +125,20 @@ class SessionShell(cmd.Cmd):
         from rich.table import Table
         st = self.s.status()
         p = st["placement"]
-        self.console.print(f"{st['model']} on {st['target']}: {p['ops_on_target']}/{p['ops_total']} ops "
+        self.console.print(f"{shown(st['model'])} on {shown(st['target'])}: {p['ops_on_target']}/{p['ops_total']} ops "
                            f"({p['ops_share']:.1%}), {p['flops_share']:.1%} of FLOPs on the target, "
                            f"{len(st['regions'])} target region(s)")
         table = Table(title="modules")
         for col in ("module", "nodes", "on target"):
             table.add_column(col)
         for m in st["modules"]:
-            table.add_row(m["module"], str(m["nodes"]), str(m["on_target"]))
+            table.add_row(shown(m["module"]), str(m["nodes"]), str(m["on_target"]))
         self.console.print(table)
         if st["last_check"]:
             c = st["last_check"]
-            self.console.print(f"last check: {c['status']} max_abs_err {fmt_err(c['max_abs_err'])}")
+            self.console.print(f"last check: {shown(c['status'])} max_abs_err {fmt_err(c['max_abs_err'])}")
         for c in st["culprits"]:
-            self.console.print(f"culprit: {c['kind']} {c['op']} at {c['node']} ({c['module']}) "
+            self.console.print(f"culprit: {shown(c['kind'])} {shown(c['op'])} at {shown(c['node'])} ({shown(c['module'])}) "
                                f"max_abs_err {fmt_err(c['max_abs_err'])}")
 
     def do_offload(self, arg):
@@ -163,22 +163,22 @@ class SessionShell(cmd.Cmd):
                                f"{s['unsupported']} unsupported, {s['error']} error")
             for v in r["cases"]:
                 if v["status"] != "pass":
-                    self.console.print(f"  {v['id']} {v['op']} ({v['node']}): {v['status']} "
-                                       f"{escape(v['message'][:120])}")
+                    self.console.print(f"  {shown(v['id'])} {shown(v['op'])} ({shown(v['node'])}): {shown(v['status'])} "
+                                       f"{shown(v['message'][:120])}")
             return
         if arg.strip():
             raise TapmlError("check takes no argument, or `ops`")
         start = time.perf_counter()
         v = self.s.compare_model()
         color = "green" if v["status"] == "pass" else "red"
-        self.console.print(f"end to end: [{color}]{v['status']}[/] max_abs_err {fmt_err(v['max_abs_err'])} "
+        self.console.print(f"end to end: [{color}]{shown(v['status'])}[/] max_abs_err {fmt_err(v['max_abs_err'])} "
                            f"max_rel_err {fmt_err(v['max_rel_err'])} ({time.perf_counter() - start:.2f}s)")
         if v["message"]:
-            self.console.print(f"  {escape(v['message'][:300])}")
+            self.console.print(f"  {shown(v['message'][:300])}")
         for r in v["region_checks"]:
             if r["status"] != "pass":
-                self.console.print(f"  region {r['first']}..{r['last']} ({r['nodes']} nodes): first differs at "
-                                   f"{r['worst_output']} max_abs_err {fmt_err(r['max_abs_err'])}")
+                self.console.print(f"  region {shown(r['first'])}..{shown(r['last'])} ({r['nodes']} nodes): first differs at "
+                                   f"{shown(r['worst_output'])} max_abs_err {fmt_err(r['max_abs_err'])}")
 
     def do_bisect(self, arg):
         """bisect: find the smallest failing sub-region of the nodes on the target."""
@@ -186,8 +186,8 @@ class SessionShell(cmd.Cmd):
         if c is None:
             self.console.print("[green]the nodes on the target pass with reference inputs[/]; nothing to bisect")
             return
-        self.console.print(f"culprit ({c['probes']} runs): {c['kind']} {c['op']} at {c['node']} ({c['module']}) "
-                           f"max_abs_err {fmt_err(c['max_abs_err'])}; `fallback {' '.join(c['nodes'][:8])}` "
+        self.console.print(f"culprit ({c['probes']} runs): {shown(c['kind'])} {shown(c['op'])} at {shown(c['node'])} ({shown(c['module'])}) "
+                           f"max_abs_err {fmt_err(c['max_abs_err'])}; `fallback {shown(' '.join(c['nodes'][:8]))}` "
                            "places it on the reference")
 
     def do_diff(self, arg):
@@ -197,10 +197,10 @@ class SessionShell(cmd.Cmd):
         if len(args) != 1:
             raise TapmlError("diff takes one node name")
         d = self.s.diff(args[0])
-        self.console.print(f"{d['node']} ({d['op']}, {d['module'] or '<root>'}) on the {d['placed']}")
+        self.console.print(f"{shown(d['node'])} ({shown(d['op'])}, {shown(d['module'] or '<root>')}) on the {shown(d['placed'])}")
         for o in d["outputs"]:
             state = "[green]pass[/]" if o["passed"] else "[red]mismatch[/]"
-            self.console.print(f"  {o['ref']} {o['dtype']}{o['shape']}: {state} max_abs_err {fmt_err(o['max_abs_err'])} "
+            self.console.print(f"  {shown(o['ref'])} {shown(o['dtype'])}{o['shape']}: {state} max_abs_err {fmt_err(o['max_abs_err'])} "
                                f"max_rel_err {fmt_err(o['max_rel_err'])} mismatch {fmt_err(o['mismatch_fraction'])}")
             if o["worst"]:
                 table = Table(title="worst elements")
@@ -222,14 +222,14 @@ class SessionShell(cmd.Cmd):
         for col in ("first", "last", "nodes", "run_ms", "compile_ms", "bytes_in", "bytes_out"):
             table.add_column(col)
         for r in p["regions"]:
-            table.add_row(r["first"], r["last"], str(r["nodes"]), f"{r['run_ms']:.3f}", f"{r['compile_ms']:.1f}",
+            table.add_row(shown(r["first"]), shown(r["last"]), str(r["nodes"]), f"{r['run_ms']:.3f}", f"{r['compile_ms']:.1f}",
                           str(r["bytes_in"]), str(r["bytes_out"]))
         self.console.print(table)
 
     def do_save(self, arg):
         """save [FILE]: write the session state (migration state JSON)."""
         path = self.s.save(arg.strip() or None)
-        self.console.print(f"saved {path}")
+        self.console.print(f"saved {shown(path)}")
 
     def do_report(self, arg):
         """report [FILE]: write a report (HTML, Markdown or JUnit XML by suffix) and print a summary.
@@ -240,9 +240,9 @@ class SessionShell(cmd.Cmd):
         from tapml.reports import write_report
         path = Path(arg.strip()) if arg.strip() else \
             self.s.state_path.with_suffix(".html") if self.s.state_path else Path("tapml-session.html")
-        self.console.print(f"report written to {write_report(self.s.state(), path)}")
+        self.console.print(f"report written to {shown(write_report(self.s.state(), path))}")
         st = self.s.state()
-        table = Table(title=f"{st['model']} on {st['target']}")
+        table = Table(title=f"{shown(st['model'])} on {shown(st['target'])}")
         table.add_column("item")
         table.add_column("value")
         p = st["placement"]
@@ -252,9 +252,9 @@ class SessionShell(cmd.Cmd):
         table.add_row("cases checked", f"{sum(s.values())} ({s['pass']} pass)")
         table.add_row("checks run", str(len(st["units"])))
         e = st["end_to_end"]
-        table.add_row("end to end", "not checked" if e is None else f"{e['status']} max_abs_err {fmt_err(e['max_abs_err'])}")
+        table.add_row("end to end", "not checked" if e is None else f"{shown(e['status'])} max_abs_err {fmt_err(e['max_abs_err'])}")
         for c in st["culprits"]:
-            table.add_row("culprit", f"{c['kind']} {c['op']} at {c['node']} ({c['module']})")
+            table.add_row("culprit", f"{shown(c['kind'])} {shown(c['op'])} at {shown(c['node'])} ({shown(c['module'])})")
         self.console.print(table)
 
     def do_quit(self, arg):
@@ -272,11 +272,11 @@ class SessionShell(cmd.Cmd):
         """help [COMMAND]: list commands, or describe one."""
         if arg:
             doc = getattr(getattr(self, f"do_{arg}", None), "__doc__", None)
-            self.console.print(escape(doc or f"no command {arg!r}"))
+            self.console.print(shown(doc or f"no command {arg!r}"))
             return
         for name in ("status", "offload", "fallback", "check", "bisect", "diff", "profile", "save", "report", "help",
                      "quit"):
-            self.console.print("  " + escape(getattr(self, f"do_{name}").__doc__.splitlines()[0]))
+            self.console.print("  " + shown(getattr(self, f"do_{name}").__doc__.splitlines()[0]))
 
 
 __all__ = ["SessionShell"]

@@ -10,6 +10,7 @@ import typer
 from tapml.cli.common import (EXIT_FINDING, EXIT_OK, DeviceLimitOpt, DtypeOpt, InjectOpt, JsonOpt, QuietOpt,
                               TokenFileOpt, TokenMapOpt, TolOpt, app, check_dtype, command, console, fail, open_store,
                               out, parse_device_limits, progress_bar, write_json)
+from tapml.text import shown
 
 
 @app.command(short_help="Run MODEL on the reference and record every operator call as a test case (--generate N: a generation).")
@@ -39,13 +40,13 @@ def carve(model: str = typer.Argument(..., help="zoo:NAME, hf:MODEL_TYPE, path/f
                                  hf_config=overrides, quiet=quiet, json_out=json_out, dtype=dtype)
         return
     with progress_bar(quiet) as bar:  # carve() leaves no half store behind
-        task = bar.add_task(f"carving {model}", total=None)
+        task = bar.add_task(f"carving {shown(model)}", total=None)
         info = carve_model(model, output, seed=seed, device=device, hf_config=overrides, dtype=dtype,
                            on_start=lambda n: bar.update(task, total=n), on_node=lambda _: bar.advance(task))
     if json_out:
         write_json({"model": model, "store": str(Path(output).resolve()), "dtype": dtype, **info}, json_out)
     in_dtype = "" if dtype == "float32" else f" in {dtype}"
-    console.print(f"carved [bold]{model}[/]{in_dtype} -> {output}: {info['nodes']} nodes, {info['cases']} cases, "
+    console.print(f"carved [bold]{shown(model)}[/]{in_dtype} -> {shown(output)}: {info['nodes']} nodes, {info['cases']} cases, "
                   f"{info['ops']} ops, {info['bytes'] / 1e6:.1f} MB "
                   f"(export {info['export_s']:.1f}s, carve {info['carve_s']:.1f}s)", highlight=False)
 
@@ -59,13 +60,13 @@ def carve_generation_command(model: str, output: str, *, tokens: int, prompt_len
         fail(f"--generate {tokens} --prompt-len {prompt_len}: both must be 1 or more (N decode steps after an "
              "L-token prompt)")
     with progress_bar(quiet) as bar:  # carve_generation() leaves no half store behind
-        task = bar.add_task(f"carving a generation of {model}", total=tokens + 1)
+        task = bar.add_task(f"carving a generation of {shown(model)}", total=tokens + 1)
         info = carve_generation(model, output, tokens=tokens, prompt_len=prompt_len, seed=seed, device=device,
                                 hf_config=hf_config or None, on_step=lambda _: bar.advance(task), dtype=dtype)
     if json_out:
         write_json({"model": model, "store": str(Path(output).resolve()), "dtype": dtype, **info}, json_out)
     in_dtype = "" if dtype == "float32" else f" in {dtype}"
-    console.print(f"carved a generation of [bold]{model}[/]{in_dtype} -> {output}: {info['steps']} steps (prefill + {tokens} "
+    console.print(f"carved a generation of [bold]{shown(model)}[/]{in_dtype} -> {shown(output)}: {info['steps']} steps (prefill + {tokens} "
                   f"decode), {info['nodes']} prefill and {info['decode_nodes']} decode nodes, {info['cases']} cases, "
                   f"{info['bytes'] / 1e6:.1f} MB (export {info['export_s']:.1f}s, carve {info['carve_s']:.1f}s)",
                   highlight=False)
@@ -103,7 +104,7 @@ def inspect(store: str = typer.Argument(..., help="Carve store directory"), json
     if json_out:
         write_json([{**r, "dtypes": sorted(r["dtypes"])} for r in rows], json_out)
         return
-    title = f"{s.model}: {len(rows)} ops, {len(s.cases)} cases, {len(s.graph.nodes)} nodes"
+    title = f"{shown(s.model)}: {len(rows)} ops, {len(s.cases)} cases, {len(s.graph.nodes)} nodes"
     if quiet:
         out.print(title, highlight=False)
         return
@@ -112,7 +113,7 @@ def inspect(store: str = typer.Argument(..., help="Carve store directory"), json
         table.add_column(col, justify="right" if col in ("cases", "instances") else "left")
     for r in rows:
         shapes = "; ".join(r["shapes"][:3]) + (f" (+{len(r['shapes']) - 3})" if len(r["shapes"]) > 3 else "")
-        table.add_row(r["op"], str(r["cases"]), str(r["instances"]), shapes, ",".join(sorted(r["dtypes"])))
+        table.add_row(shown(r["op"]), str(r["cases"]), str(r["instances"]), shapes, ",".join(sorted(r["dtypes"])))
     out.print(table)
 
 
@@ -138,7 +139,8 @@ def show_preflight(report, quiet: bool = False, with_target: bool = False) -> No
     several run, when something was split or is over a limit."""
     line = report.summary_line()
     if line and not quiet:
-        console.print(f"{report.target} {line}" if with_target else line, highlight=False, soft_wrap=True)
+        console.print(f"{shown(report.target)} {shown(line)}" if with_target else shown(line), highlight=False,
+                      soft_wrap=True)
 
 
 def run_preflight(store, platform, target: str, quiet: bool = False) -> None:
@@ -152,7 +154,6 @@ def run_preflight(store, platform, target: str, quiet: bool = False) -> None:
 
 def inspect_target(s, store: str, target: str, *, limits: dict, token_file, token_map, json_out, quiet) -> int:
     """``tapml inspect STORE --target T``: the limits preflight per op; returns the exit code."""
-    from rich.markup import escape
     from rich.table import Table
 
     from tapml.preflight import checks_limits, format_bytes, format_limit, preflight_store
@@ -166,7 +167,7 @@ def inspect_target(s, store: str, target: str, *, limits: dict, token_file, toke
     with open_target(target, token=token, limits=limits) as platform, progress_bar(quiet) as bar:
         if not checks_limits(platform):
             fail(f"{target} reports no device limits to check; give a WGSL target (wgpu, browser, remote://...)")
-        task = bar.add_task(f"compiling on {target}", total=len(s.cases))
+        task = bar.add_task(f"compiling on {shown(target)}", total=len(s.cases))
         report = preflight_store(s, platform, target, on_case=lambda c: bar.advance(task))
         device = device_info(platform)
     doc = {"store": str(Path(store).resolve()), "model": s.model, "device": device, **report.to_json()}
@@ -180,7 +181,7 @@ def inspect_target(s, store: str, target: str, *, limits: dict, token_file, toke
     title = (f"preflight of {s.model} on {target} ({device.get('adapter', '')}): {len(report.ops)} ops, "
              f"{len(s.cases)} cases" + (f"; --device-limit {forced}" if forced else ""))
     if not quiet:
-        table = Table(title=escape(title))
+        table = Table(title=shown(title))
         largest = "largest binding" + (f" (limit {format_limit(binding)})" if binding else "")
         split_col = any(o.splits for o in report.ops)
         problem_col = not report.fits
@@ -189,22 +190,22 @@ def inspect_target(s, store: str, target: str, *, limits: dict, token_file, toke
             table.add_column(col, justify="right" if col in ("cases", "kernels", largest) else "left", overflow="fold")
         for o in report.ops:
             j = o.to_json()
-            cells = [escape(o.op), str(o.cases), str(o.kernels), format_bytes(j["largest_binding"])]
+            cells = [shown(o.op), str(o.cases), str(o.kernels), format_bytes(j["largest_binding"])]
             if split_col:
-                cells.append(escape("; ".join(x["message"] + (f" ({x['cases']} cases)" if x["cases"] > 1 else "")
+                cells.append(shown("; ".join(x["message"] + (f" ({x['cases']} cases)" if x["cases"] > 1 else "")
                                               for x in j["splits"][:3])
                                     + (f" (+{len(j['splits']) - 3})" if len(j["splits"]) > 3 else "")))
             if problem_col:
-                cells.append("\n".join([f"[red]{escape(v['message'])}[/]" for v in j["violations"][:3]] +
-                                       [f"[yellow]unsupported:[/] {escape(u['reason'])}" for u in j["unsupported"][:2]] +
-                                       [f"[red]error:[/] {escape(e['reason'][:160])}" for e in j["errors"][:2]]))
+                cells.append("\n".join([f"[red]{shown(v['message'])}[/]" for v in j["violations"][:3]] +
+                                       [f"[yellow]unsupported:[/] {shown(u['reason'])}" for u in j["unsupported"][:2]] +
+                                       [f"[red]error:[/] {shown(e['reason'][:160])}" for e in j["errors"][:2]]))
             table.add_row(*cells)
         out.print(table)
     summary = report.summary()
     line = report.summary_line() or "preflight: nothing split, nothing over a device limit"
     color = "green" if report.fits else "red"
-    out.print(f"{escape(line)}\n[{color}]{len(report.ops) - sum(not o.fits for o in report.ops)}/{len(report.ops)} "
-              f"ops fit {escape(target)}[/]" + (f", {summary['ops_unsupported']} with unsupported cases"
+    out.print(f"{shown(line)}\n[{color}]{len(report.ops) - sum(not o.fits for o in report.ops)}/{len(report.ops)} "
+              f"ops fit {shown(target)}[/]" + (f", {summary['ops_unsupported']} with unsupported cases"
                                                  if summary["ops_unsupported"] else "")
               + (f", {summary['ops_error']} failing to compile" if summary["ops_error"] else ""), highlight=False)
     return code
@@ -215,14 +216,15 @@ def render_verdicts(result: dict, quiet: bool = False) -> None:
     from rich.table import Table
     bad = [v for v in result["cases"] if v["status"] != "pass"]
     if bad and not quiet:
-        table = Table(title=f"cases that did not pass on {result['target']}")
+        table = Table(title=f"cases that did not pass on {shown(result['target'])}")
         for col in ("id", "op", "node", "module", "status", "max_abs_err", "message"):
             table.add_column(col, overflow="fold")
         style = {"mismatch": "red", "error": "bold red", "unsupported": "yellow", "flaky": "magenta"}
         for v in bad[:50]:
             err = "" if v["max_abs_err"] is None else f"{v['max_abs_err']:.3g}"
-            table.add_row(v["id"], v["op"], v["node"], v["module"], f"[{style.get(v['status'], 'magenta')}]{v['status']}[/]",
-                          err, v["message"].split("\n")[0][:160])
+            table.add_row(shown(v["id"]), shown(v["op"]), shown(v["node"]), shown(v["module"]),
+                          f"[{style.get(v['status'], 'magenta')}]{shown(v['status'])}[/]", err,
+                          shown(v["message"].split("\n")[0][:160]))
         out.print(table)
         if len(bad) > 50:
             out.print(f"... and {len(bad) - 50} more (see --json)")
@@ -232,20 +234,19 @@ def render_verdicts(result: dict, quiet: bool = False) -> None:
     color = "green" if s["pass"] == total else "red"
     out.print(f"[{color}]{s['pass']}/{total} pass[/], {s['mismatch']} mismatch, {s['unsupported']} unsupported, "
               f"{s['error']} error" + (f", {s['flaky']} flaky" if s.get("flaky") else "") +
-              f" on {result['target']} ({result['device'].get('adapter', '')})", highlight=False)
+              f" on {shown(result['target'])} ({shown(result['device'].get('adapter', ''))})", highlight=False)
     dtype = result.get("dtype", "float32")
     if dtype != "float32":
         how = (result.get("device") or {}).get("low_precision", {}).get(dtype)
         out.print(f"{dtype} cases judged {'fp64-anchored' if result.get('anchored') else 'against the reference'}"
-                  + (f"; the device holds {dtype} as {how}" if how else ""), highlight=False)
+                  + (f"; the device holds {dtype} as {shown(how)}" if how else ""), highlight=False)
 
 
 def render_flaky(flaky: list[dict], most: int = 5) -> None:
     """Each flaky case's report: how many runs differed, the pattern and map of what varied."""
-    from rich.markup import escape
     for v in flaky[:most]:
-        out.print(f"[magenta]flaky[/] {escape(v['id'])} {escape(v['op'])} at {escape(v['node'])}:", highlight=False)
-        out.print(escape(v["message"]), highlight=False, soft_wrap=True)
+        out.print(f"[magenta]flaky[/] {shown(v['id'])} {shown(v['op'])} at {shown(v['node'])}:", highlight=False)
+        out.print(shown(v["message"]), highlight=False, soft_wrap=True)
     if len(flaky) > most:
         out.print(f"... and {len(flaky) - most} more flaky cases (see --json)")
 
@@ -294,7 +295,7 @@ def replay_matrix(store, targets: list[str], *, token, inject, json_out, quiet, 
     """``tapml replay`` with several --target: each target in turn, then one matrix; exits."""
     from tapml.replay import replay_targets
     with progress_bar(quiet) as bar:
-        tasks = [bar.add_task(f"replay on {t}", total=len(cases), visible=False) for t in targets]
+        tasks = [bar.add_task(f"replay on {shown(t)}", total=len(cases), visible=False) for t in targets]
         current = {}
 
         def start(target, i):
@@ -368,17 +369,18 @@ def replay(store: str = typer.Argument(..., help="Carve store directory"),
     target = targets[0]
     with open_target(target, token=token, inject=inject, limits=limits_for(target, limits)) as platform, \
             progress_bar(quiet) as bar:
-        task = bar.add_task(f"replay on {target}", total=len(cases))
+        task = bar.add_task(f"replay on {shown(target)}", total=len(cases))
         result = replay_store(s, platform, target, tolerances, anchored=anchored, cases=cases,
                               on_case=lambda v: bar.advance(task), profile=runs, repeat=repeat, guards=guards,
                               preflight=lambda report: show_preflight(report, quiet))
         if old is not None and old.target != target:
-            console.print(f"[yellow]note:[/] the baseline ran on {old.target}, this replay on {target}", highlight=False)
+            console.print(f"[yellow]note:[/] the baseline ran on {shown(old.target)}, this replay on {shown(target)}",
+                          highlight=False)
         slower = compare_with_baseline(s, platform, result, old, slower_than) if old is not None else []
         missing = unmatched_cases(result, old) if old is not None else 0
         if missing:
             console.print(f"[yellow]note:[/] {missing} profiled case(s) have no case of the same id, op and shapes "
-                          f"in {baseline}: not compared", highlight=False)
+                          f"in {shown(baseline)}: not compared", highlight=False)
     if old is not None:
         result["slower"] = slower
     if json_out:
@@ -394,28 +396,27 @@ def replay(store: str = typer.Argument(..., help="Carve store directory"),
 def render_speed(result: dict, slower: list[dict], baseline: Optional[str], slower_than: float, quiet: bool) -> None:
     """Per-op device time, GFLOP/s and GB/s (against the baseline when there is one), then the
     cases that got slower."""
-    from rich.markup import escape
     from rich.table import Table
 
     from tapml.reports.data import op_speeds
     rows = op_speeds(result["cases"])
     if rows and not quiet:
         timing = ", ".join(sorted({c["timing"] for c in result["cases"] if c.get("timing")}))
-        table = Table(title=f"device time per op on {escape(result['target'])} ({timing}; median of each case's runs)")
+        table = Table(title=f"device time per op on {shown(result['target'])} ({timing}; median of each case's runs)")
         for col in ("op", "cases", "device ms", "GFLOP/s", "GB/s") + (("baseline ms", "ratio") if baseline else ()):
             table.add_column(col, justify="left" if col == "op" else "right")
         for r in rows:
-            cells = [r["op"], str(r["cases"]), f"{r['device_ms']:.4f}", _num(r["gflops"]), _num(r["gbps"])]
+            cells = [shown(r["op"]), str(r["cases"]), f"{r['device_ms']:.4f}", _num(r["gflops"]), _num(r["gbps"])]
             if baseline:
                 cells += [_num(r["baseline_ms"], ".4f"), _num(r["ratio"], ".2f")]
             table.add_row(*cells)
         out.print(table)
     if slower and not quiet:
-        table = Table(title=f"cases more than {slower_than:g}% slower than {escape(baseline or '')}")
+        table = Table(title=f"cases more than {slower_than:g}% slower than {shown(baseline or '')}")
         for col in ("id", "op", "baseline ms", "device ms", "ratio"):
             table.add_column(col, justify="left" if col in ("id", "op") else "right")
         for f in slower[:50]:
-            table.add_row(f["id"], f["op"], f"{f['baseline_ms']:.4f}", f"{f['device_ms']:.4f}", f"[red]{f['ratio']:.2f}x[/]")
+            table.add_row(shown(f["id"]), shown(f["op"]), f"{f['baseline_ms']:.4f}", f"{f['device_ms']:.4f}", f"[red]{f['ratio']:.2f}x[/]")
         out.print(table)
     if baseline:
         color = "red" if slower else "green"
