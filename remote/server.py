@@ -36,7 +36,7 @@ from tapml.remote import protocol as P
 from tapml.remote.limits import (LimitExceeded, ServerLimits, check_graph, check_node, check_ops_json,
                                  check_program)
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = P.PROTOCOL_VERSION
 DEFAULT_PORT = 18861
 DEFAULT_MAX_MESSAGE = 1 << 30
 SERVICE_NAME = "TAPML"
@@ -228,7 +228,7 @@ class Device:
         self.programs = ProgramCache(on_evict=self._forget_graphs)
         self.graph_keys: dict[str, str] = {}  # graph JSON hash -> key of the program compiled from it
         self.sessions: dict[bytes, ConnectionState] = {}
-        self.server_id = os.urandom(8).hex()
+        self.server_id = os.urandom(P.SERVER_ID).hex()  # stated in every handshake
         self._caps: dict | None = None
         self.compiled = 0
         self.runs = 0
@@ -508,51 +508,52 @@ def make_service(device: Device):
     return DeviceService
 
 
-def serve_bulk(device: Device, sock: socket.socket, peer) -> None:
+def serve_bulk(device: Device, link: P.Link, peer) -> None:
     """Serve one authenticated bulk connection until it closes."""
-    kind, _, _, _, n = P.recv_header(sock, 64)
-    session = device.sessions.get(bytes(P.recv_payload(sock, n))) if kind == P.SESS else None
+    kind, _, _, _, payload = link.recv(64)
+    session = device.sessions.get(bytes(payload)) if kind == P.SESS else None
     if session is None:
-        P.send_error(sock, "unknown session: open the control connection first")
+        link.send_error("unknown session: open the control connection first")
         return
-    session.sockets.append(sock)
-    P.send_message(sock, P.ACK)
+    session.sockets.append(link.sock)
+    link.send(P.ACK)
     try:
         while True:
             try:
-                kind, slot, dtype, shape, nbytes = P.recv_header(sock, device.max_message)
+                kind, slot, dtype, shape, nbytes = link.recv_header(device.max_message)
             except P.ProtocolError as e:
                 log.warning("%s: %s", peer, e)
                 session.fail(str(e))
-                P.send_error(sock, str(e))
+                link.send_error(str(e))
                 return
             if kind in (P.PUT, P.PUTA):
-                payload = P.recv_payload(sock, nbytes)
+                payload = link.recv_payload(nbytes)
                 try:
                     tensor = P.tensor_from(dtype, shape, payload)
                 except P.ProtocolError as e:
                     session.fail(str(e))
-                    P.send_error(sock, str(e), slot)
+                    link.send_error(str(e), slot)
                     return
                 if slot >= OUTPUT_SLOTS:
-                    P.send_error(sock, f"slot {slot} is reserved for outputs", slot)
+                    link.send_error(f"slot {slot} is reserved for outputs", slot)
                     return
                 session.put(slot, tensor)
                 if kind == P.PUTA:
-                    P.send_message(sock, P.ACK, slot)
+                    link.send(P.ACK, slot)
             elif kind in (P.GET, P.GETK):
+                link.recv_payload(nbytes)
                 with session.cond:
                     tensor = session.slots.get(slot) if kind == P.GETK else session.slots.pop(slot, None)
                 if tensor is None:
-                    P.send_error(sock, f"no tensor in slot {slot}", slot)
+                    link.send_error(f"no tensor in slot {slot}", slot)
                 else:
-                    P.send_tensor(sock, P.TENSOR, slot, tensor)
+                    link.send_tensor(P.TENSOR, slot, tensor)
             else:
-                P.send_error(sock, f"unknown message kind {kind!r}")
+                link.send_error(f"unknown message kind {kind!r}")
                 return
     finally:
-        if sock in session.sockets:
-            session.sockets.remove(sock)
+        if link.sock in session.sockets:
+            session.sockets.remove(link.sock)
 
 
 def serve_raw(device: Device, sock: socket.socket) -> None:
@@ -647,13 +648,14 @@ def make_server(device: Device, host: str, port: int, token: str | None, registr
             P.refuse(sock, busy)
             raise AuthenticationError(busy)
         try:
-            role = P.server_handshake(sock, token, auth_timeout, pace=lambda ok: gate.pace(host, ok))
+            auth = P.server_handshake(sock, token, auth_timeout, pace=lambda ok: gate.pace(host, ok),
+                                      server_id=bytes.fromhex(device.server_id))
         except P.AuthError as e:
             log.warning("refused %s: %s", peer, e)
             raise AuthenticationError(str(e)) from None
         finally:
             gate.leave(host)
-        return sock, role
+        return sock, auth
 
     class DeviceServer(ThreadedServer):
         def accept(self):
@@ -667,17 +669,17 @@ def make_server(device: Device, host: str, port: int, token: str | None, registr
                 log.warning("accept failed (too many connections?); retrying")
                 time.sleep(0.1)
 
-        def _serve_client(self, sock, role):
+        def _serve_client(self, sock, auth):
             peer = _peer(sock)
             try:
-                if role == "bulk":
-                    serve_bulk(device, sock, peer)
-                elif role == "raw":
+                if auth.role == "bulk":
+                    serve_bulk(device, P.Link(sock, auth), peer)
+                elif auth.role == "raw":
                     serve_raw(device, sock)
                 else:
                     config = dict(self.protocol_config, credentials=None, logger=self.logger,
                                   endpoints=(sock.getsockname(), sock.getpeername()))
-                    channel = P.limited_channel(SocketStream(sock), device.max_message,
+                    channel = P.limited_channel(SocketStream(sock), device.max_message, auth,
                                                 on_refuse=lambda reason: log.warning("%s: %s", peer, reason))
                     self.service._connect(channel, config).serve_all()
             except (EOFError, OSError, P.ProtocolError) as e:
