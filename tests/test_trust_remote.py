@@ -1,0 +1,265 @@
+"""Who the client talks to, and what a peer may cost the server (issue 26, items 2, 3, 5, 9, 11, 12).
+
+Real processes on loopback: impostor servers and token-less relays are separate Python processes
+speaking TCP (this file's IMPOSTOR and RELAY scripts); servers are real `tapml serve` processes.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tapml.errors import TapmlError
+
+TOKEN = "trust remote token"
+
+# An impostor device server: it speaks the handshake without holding TOKEN and records whether a
+# client went on to send anything after it (a client that accepted it would send its hello call).
+IMPOSTOR = r"""
+import os, socket, struct, sys, time
+from tapml.remote import protocol as P
+mode, real_port = sys.argv[1], int(sys.argv[2])
+srv = socket.create_server(("127.0.0.1", 0))
+print(srv.getsockname()[1], flush=True)
+captured = None
+while True:
+    conn, _ = srv.accept()
+    flag = 0 if mode == "no-token" else 1
+    if mode == "replayed" and captured is None:
+        # learn a genuine server proof: relay one handshake to the real server, keep its answer
+        real = socket.create_connection(("127.0.0.1", real_port))
+        hello = P.recv_exact(real, P.HELLO)
+        conn.sendall(hello)
+        real.sendall(P.recv_exact(conn, 1 + P.NONCE + P.MAC))
+        captured = hello, P.recv_exact(real, 2 + P.MAC)
+        conn.sendall(captured[1])
+        conn.close(); real.close()
+        continue
+    if mode == "replayed":
+        conn.sendall(captured[0])  # the same hello, so the same server nonce and id
+        P.recv_exact(conn, 1 + P.NONCE + P.MAC)
+        conn.sendall(captured[1])  # the proof of the other session
+    else:
+        conn.sendall(P.MAGIC + bytes([flag]) + os.urandom(P.NONCE + P.SERVER_ID))
+        P.recv_exact(conn, 1 + P.NONCE + P.MAC)
+        proof = {"no-token": bytes(P.MAC), "wrong": os.urandom(P.MAC), "truncated": bytes(10)}[mode]
+        conn.sendall(b"OK" + proof)
+        if mode == "truncated":
+            conn.shutdown(socket.SHUT_WR)
+    conn.settimeout(2)
+    try:
+        after = conn.recv(1)
+    except OSError:
+        after = b""
+    print("SENT-AFTER-HANDSHAKE" if after else "nothing", flush=True)
+    conn.close()
+"""
+
+# A relay without the token: it forwards connections to the real server and, by mode, flips a
+# byte of the first tensor the server sends on a bulk connection (tamper), sends its own frame to
+# the server right after the handshake (inject), or sends bulk connections to a second server
+# (splice). Each connection's role is the first byte the client sends.
+RELAY = r"""
+import socket, struct, sys, threading
+from tapml.remote import protocol as P
+mode, port_a, port_b = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+srv = socket.create_server(("127.0.0.1", 0))
+print(srv.getsockname()[1], flush=True)
+
+def pipe(src, dst, tamper_at=None):
+    seen = 0
+    try:
+        while True:
+            data = src.recv(1 << 16)
+            if not data:
+                break
+            if tamper_at is not None and seen <= tamper_at < seen + len(data):
+                i = tamper_at - seen
+                data = data[:i] + bytes([data[i] ^ 1]) + data[i + 1:]
+            seen += len(data)
+            dst.sendall(data)
+    except OSError:
+        pass
+    for s in (src, dst):
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+count = 0
+
+def handle(conn):
+    global count
+    count += 1
+    # splice: the first connection (control) to server A, the later ones (bulk) to server B
+    up = socket.create_connection(("127.0.0.1", port_b if mode == "splice" and count > 1 else port_a))
+    hello = P.recv_exact(up, P.HELLO)
+    conn.sendall(hello)
+    answer = P.recv_exact(conn, 1 + P.NONCE + P.MAC)
+    role = answer[:1]
+    up.sendall(answer)
+    conn.sendall(P.recv_exact(up, 2))
+    if mode == "inject" and role == b"C":
+        up.sendall(struct.pack("!LB", 5, 0) + b"hello" + bytes(P.MAC) + b"\n")
+    # bulk, server -> client after the proof: ACK (22-byte header + 32-byte tag), then the first
+    # tensor's header, shape and payload: flip a byte 30 bytes into it
+    tamper = P.MAC + 54 + 30 if mode == "tamper" and role == b"B" else None
+    threading.Thread(target=pipe, args=(conn, up), daemon=True).start()
+    pipe(up, conn, tamper)
+
+while True:
+    c, _ = srv.accept()
+    threading.Thread(target=handle, args=(c,), daemon=True).start()
+"""
+
+
+def start(script: str, *args) -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen([sys.executable, "-c", script, *map(str, args)], stdout=subprocess.PIPE, text=True)
+    return proc, int(proc.stdout.readline())
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def server():
+    from tapml.remote.launcher import ServerProcess
+    srv = ServerProcess(platform="reference", token=TOKEN)
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def mlp(carved):
+    from tapml.carving.store import CarveStore
+    return CarveStore(carved("zoo:mlp"))
+
+
+def remote(port, token=TOKEN, host="127.0.0.1", **kwargs):
+    from tapml.remote.client import RemotePlatform
+    return RemotePlatform(host, port, token=token, connect_timeout=10, timeout=30, **kwargs)
+
+
+# --- item 2: a client that holds a token trusts only a server that proves it ---------------
+
+@pytest.mark.parametrize("mode", ["no-token", "wrong", "truncated", "replayed"])
+def test_client_refuses_an_impostor_that_cannot_prove_the_token(server, mode):
+    proc, port = start(IMPOSTOR, mode, server.port)
+    try:
+        if mode == "replayed":  # first connection: the impostor learns a real proof of another session
+            with pytest.raises(TapmlError):
+                remote(port)
+        with pytest.raises(TapmlError) as refused:
+            remote(port)
+        message = str(refused.value)
+        if mode == "truncated":
+            assert "handshake failed" in message
+        else:
+            assert "could not prove it holds your token" in message
+        if mode == "no-token":
+            assert "it says it needs no token" in message
+        # the client sent nothing past the handshake: no call, no tensor reached the impostor
+        assert proc.stdout.readline().strip() == "nothing"
+    finally:
+        stop(proc)
+
+
+def test_a_client_without_a_token_still_reaches_a_token_less_server():
+    from tapml.remote.launcher import ServerProcess
+    srv = ServerProcess(platform="reference", token=None)
+    try:
+        with remote(srv.port, token=None) as p:
+            assert p.info["platform"] == "reference"
+        # ...but a client holding a token refuses it: it cannot prove the client's token
+        with pytest.raises(TapmlError, match="says it needs no token"):
+            remote(srv.port)
+    finally:
+        assert srv.stop() == 0
+
+
+# --- item 3: a relay without the token gets no session of its own ---------------------------
+
+def test_relay_that_alters_a_tensor_is_caught_and_no_verdict_is_made_from_it(server, mlp):
+    from tapml.replay import replay
+    proc, port = start(RELAY, "tamper", server.port, server.port)
+    try:
+        with remote(port) as platform:
+            result = replay(mlp, platform, f"remote://127.0.0.1:{port}")
+        statuses = {c["status"] for c in result["cases"]}
+        assert statuses == {"error"}, statuses  # never a mismatch (or pass) made from altered bytes
+        assert all("authentication check" in c["message"] for c in result["cases"])
+    finally:
+        stop(proc)
+    # the server is unharmed; through a faithful path the same store passes
+    with remote(server.port) as platform:
+        assert replay(mlp, platform, server.target)["summary"]["pass"] == len(mlp.cases)
+
+
+def test_relay_that_injects_a_frame_is_refused_by_the_server(server):
+    proc, port = start(RELAY, "inject", server.port, server.port)
+    try:
+        with pytest.raises(TapmlError):
+            remote(port)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not any("authentication check" in line for line in server.stderr_lines):
+            time.sleep(0.05)
+        assert any("authentication check" in line for line in server.stderr_lines)
+    finally:
+        stop(proc)
+
+
+def test_relay_cannot_splice_connections_to_another_server_with_the_same_token(server):
+    from tapml.remote.launcher import ServerProcess
+    other = ServerProcess(platform="reference", token=TOKEN)
+    proc, port = start(RELAY, "splice", server.port, other.port)
+    try:
+        with pytest.raises(TapmlError, match="reached another server"):
+            remote(port)
+    finally:
+        stop(proc)
+        assert other.stop() == 0
+
+
+def test_a_faithful_relay_is_only_a_path(server, mlp):
+    """Forwarding bytes unchanged is what every router does: the session works end to end."""
+    from tapml.replay import replay
+    proc, port = start(RELAY, "forward", server.port, server.port)
+    try:
+        with remote(port) as platform:
+            assert replay(mlp, platform, f"remote://127.0.0.1:{port}")["summary"]["pass"] == len(mlp.cases)
+    finally:
+        stop(proc)
+
+
+def test_tampered_frames_fail_their_check():
+    from tapml.remote import protocol as P
+    a, b = socket.socketpair()
+    result = {}
+
+    def serve():
+        result["auth"] = P.server_handshake(b, TOKEN)
+
+    t = threading.Thread(target=serve)
+    t.start()
+    client = P.client_handshake(a, TOKEN, "bulk")
+    t.join(10)
+    server = P.Link(b, result["auth"])
+    link = P.Link(a, client)
+    link.send(P.PUT, 3, b"\x00" * 8, 0, (2,))
+    assert server.recv(1 << 20)[4] == b"\x00" * 8
+    # a frame replayed byte for byte: the counter has moved on
+    head = P.HEADER.pack(P.PUT, 3, 0, 1, 8) + (2).to_bytes(8, "big")
+    replayed_tag = P.FrameMac(b"x" * 32).tag(head, b"\x00" * 8)
+    a.sendall(head + b"\x00" * 8 + replayed_tag)
+    with pytest.raises(P.ProtocolError, match="authentication check"):
+        server.recv(1 << 20)
+    a.close()
+    b.close()
