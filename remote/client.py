@@ -248,7 +248,10 @@ class RemotePlatform(RuntimePlatform):
         key = json.dumps(node.to_json(), sort_keys=True)
         reason = self._support_cache.get(key)
         if reason is None:
-            reason = self._call("supports", key) or ""
+            reply = json.loads(self._call("supports", key))
+            if "error" in reply:  # the device failed to answer: a fault, not a property of the op
+                self._raise(reply["error"])
+            reason = reply.get("reason") or ""
             self._support_cache.put(key, reason)
         return reason or None
 
@@ -267,9 +270,9 @@ class RemotePlatform(RuntimePlatform):
             program = self._compiled.get(ghash)
             if program is not None and program.key in self.programs:
                 return program
-            if len(text) > self.info.get("max_message", CLIENT_MAX_MESSAGE):
-                raise PlatformError(f"graph JSON of {len(text)} bytes exceeds the server's message limit; "
-                                    "start it with a larger --max-message-mib")
+            if len(text) > self.info.get("max_request", CLIENT_MAX_MESSAGE):
+                raise Unsupported(f"graph JSON of {len(text)} bytes exceeds the server's request limit of "
+                                  f"{self.info.get('max_request')}; start it with a larger --max-request-mib")
             reply = json.loads(self._call("compile", text))
             if "error" in reply:
                 self._raise(reply["error"])

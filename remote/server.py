@@ -33,8 +33,8 @@ import time
 
 from tapml.errors import DeviceLost, PlatformError, TapmlError, Unsupported
 from tapml.remote import protocol as P
-from tapml.remote.limits import (LimitExceeded, ServerLimits, check_graph, check_node, check_ops_json,
-                                 check_program)
+from tapml.remote.limits import (MAX_SLOTS, LimitExceeded, ServerLimits, check_graph, check_node, check_ops_json,
+                                 check_program, parse_request)
 
 PROTOCOL_VERSION = P.PROTOCOL_VERSION
 DEFAULT_PORT = 18861
@@ -101,9 +101,33 @@ class ConnectionState:
         self.sockets: list[socket.socket] = []
         self._out = itertools.count(OUTPUT_SLOTS)
         self.closed = False
+        self.slot_bytes = 0  # bytes of the tensors in slots, and of uploads admitted but still arriving
+
+    def reserve(self, nbytes: int, what: str = "an upload") -> None:
+        """Admit ``nbytes`` more into this connection's slots, before they are read or made;
+        LimitExceeded past ``max_bytes`` or :data:`MAX_SLOTS` tensors."""
+        with self.cond:
+            if len(self.slots) >= MAX_SLOTS or self.slot_bytes + nbytes > self.max_bytes:
+                raise LimitExceeded(f"{what} of {nbytes} bytes: this connection already holds {len(self.slots)} tensors "
+                                    f"({self.slot_bytes} bytes) that were not run or downloaded; this server allows "
+                                    f"{MAX_SLOTS} and {self.max_bytes} bytes per connection (tapml serve --max-buffer-mib)")
+            self.slot_bytes += nbytes
+
+    def release(self, nbytes: int) -> None:
+        with self.cond:
+            self.slot_bytes -= nbytes
+
+    def pop(self, slot: int):
+        """Remove and return the tensor of ``slot`` (None when empty); the caller holds ``cond``."""
+        tensor = self.slots.pop(slot, None)
+        if tensor is not None:
+            self.slot_bytes -= tensor.numel() * tensor.element_size()
+        return tensor
 
     def put(self, slot: int, tensor) -> None:
+        """Fill ``slot`` with an upload whose bytes were :meth:`reserve`d."""
         with self.cond:
+            self.pop(slot)
             self.slots[slot] = tensor
             self.cond.notify_all()
 
@@ -119,9 +143,13 @@ class ConnectionState:
                     missing = [s for s in slots if s not in self.slots]
                     raise PlatformError(f"inputs {missing} did not arrive within {timeout:g}s")
                 self.cond.wait(left)
-            return [self.slots.pop(s) for s in slots]
+            return [self.pop(s) for s in slots]
 
-    def store(self, tensor) -> int:
+    def store(self, tensor, what: str = "an output", reserved: bool = False) -> int:
+        """Put a tensor made on the server in a fresh slot; LimitExceeded when this connection
+        holds too much already (:meth:`reserve`; ``reserved``: its bytes were reserved before it was made)."""
+        if not reserved:
+            self.reserve(tensor.numel() * tensor.element_size(), what)
         slot = next(self._out)
         with self.cond:
             self.slots[slot] = tensor
@@ -194,6 +222,7 @@ class ConnectionState:
         with self.cond:
             self.closed = True
             self.slots.clear()
+            self.slot_bytes = 0
             self.cond.notify_all()
         self.held.clear()
         self.resident.clear()
@@ -256,9 +285,12 @@ class Device:
 
     def info(self, session: ConnectionState) -> dict:
         return {"protocol": PROTOCOL_VERSION, "platform": self.spec, "caps": self.caps,
-                "max_message": self.max_message, "session": session.id.hex(), "server_id": self.server_id,
+                "max_message": self.max_message, "max_request": self.limits.max_request_bytes,
+                "session": session.id.hex(), "server_id": self.server_id,
                 "limits": {"max_invocations": self.limits.max_invocations,
-                           "max_buffer_bytes": self.limits.max_buffer_bytes, "run_timeout": self.limits.run_timeout}}
+                           "max_buffer_bytes": self.limits.max_buffer_bytes, "run_timeout": self.limits.run_timeout,
+                           "max_request_bytes": self.limits.max_request_bytes,
+                           "max_request_elements": self.limits.max_request_elements}}
 
     def program(self, key: str | None = None, graph_hash: str | None = None):
         """The cached program of ``key`` (or of the graph whose JSON hashes to ``graph_hash``),
@@ -373,20 +405,24 @@ def make_service(device: Device):
             """Nothing: measures the round trip."""
 
         def exposed_supports(self, node_json) -> str:
-            """'' when the platform can run the node (JSON), else the reason it cannot."""
+            """Whether the platform can run the node (JSON): ``{"reason": null}`` when it can,
+            ``{"reason": why}`` when it cannot, ``{"error": {kind, message}}`` when the device
+            failed to answer (a fault, such as a worker that died: never a reason)."""
             try:
-                raw = json.loads(_str(node_json, "node_json"))
+                raw = parse_request(_str(node_json, "node_json"), device.limits)
                 check_node(raw if isinstance(raw, dict) else {})
                 node = Node.from_json(raw)
             except (TypeError, ValueError, KeyError) as e:
-                return f"malformed node: {e}"
+                return json.dumps({"reason": f"malformed node: {e}"})
             except Unsupported as e:
-                return str(e)
+                return json.dumps({"reason": str(e)})
             try:
                 with device.exclusive():
-                    return device.platform.supports(node) or ""
-            except Exception as e:  # noqa: BLE001 - a reason, not a crash
-                return f"{type(e).__name__}: {e}"
+                    return json.dumps({"reason": device.platform.supports(node) or None})
+            except Unsupported as e:
+                return json.dumps({"reason": str(e)})
+            except Exception as e:  # noqa: BLE001 - the client reports it as an error, not a reason
+                return _error_of(e)
 
         def exposed_compile(self, graph_json) -> str:
             """Compile a graph (JSON); returns ``{"key", "program"}`` or ``{"error": {kind, message}}``."""
@@ -396,7 +432,7 @@ def make_service(device: Device):
                 program = device.program(graph_hash=ghash)
                 if program is not None:
                     return json.dumps({"key": program.key, "program": program.to_json()})
-                raw = json.loads(text)
+                raw = parse_request(text, device.limits)
                 check_ops_json(raw)
                 graph = Graph.from_json(raw)
                 check_graph(graph, device.limits)
@@ -414,7 +450,7 @@ def make_service(device: Device):
         def exposed_load(self, program_json) -> str:
             """Cache a program compiled elsewhere (JSON); returns ``{"key"}`` or an error."""
             try:
-                raw = json.loads(_str(program_json, "program_json"))
+                raw = parse_request(_str(program_json, "program_json"), device.limits)
                 check_ops_json(raw.get("graph") if isinstance(raw, dict) else None)
                 program = KernelProgram.from_json(raw)
                 check_program(program, device.limits, device.program_kind)
@@ -435,8 +471,8 @@ def make_service(device: Device):
             from tapml.platforms.base import ResidentTensor
             try:
                 key = _str(key, "key")
-                items, keep = parse_run_request(json.loads(_str(slots_json, "slots_json")))
-            except (TypeError, ValueError) as e:
+                items, keep = parse_run_request(parse_request(_str(slots_json, "slots_json"), device.limits))
+            except (TypeError, ValueError, LimitExceeded) as e:
                 return _error("usage", str(e))
             session = self.session
             try:
@@ -470,10 +506,17 @@ def make_service(device: Device):
                 session.forget_kept(key, len(program.outputs))
                 return _error("platform", str(e)) if isinstance(e, ValueError) else _error_of(e)
             ids = session.after_run(program, args, keep, outputs)
-            return json.dumps({"outputs": [[None, program.output_meta[i].to_json()] if i in keep else
-                                           [session.store(t), TensorMeta.of(t).to_json()]
-                                           for i, t in enumerate(outputs)],
-                               "resident": ids, "device_ms": ms})
+            stored = []
+            try:
+                reply = [[None, program.output_meta[i].to_json()] if i in keep else
+                         [stored.append(session.store(t)) or stored[-1], TensorMeta.of(t).to_json()]
+                         for i, t in enumerate(outputs)]
+            except LimitExceeded as e:
+                with session.cond:
+                    for slot in stored:
+                        session.pop(slot)
+                return _error_of(e)
+            return json.dumps({"outputs": reply, "resident": ids, "device_ms": ms})
 
         def exposed_read(self, resident_id) -> str:
             """Download a resident tensor (by the id a run gave it): ``{"outputs": [[slot, meta]]}``
@@ -488,22 +531,31 @@ def make_service(device: Device):
                     t = device.platform.read(handle)
             except Exception as e:  # noqa: BLE001 - the client reports it
                 return _error_of(e)
-            return json.dumps({"outputs": [[self.session.store(t), TensorMeta.of(t).to_json()]]})
+            try:
+                return json.dumps({"outputs": [[self.session.store(t), TensorMeta.of(t).to_json()]]})
+            except LimitExceeded as e:
+                return _error_of(e)
 
         def exposed_free(self, slots_json) -> None:
             """Drop tensors the client will not download."""
-            slots = json.loads(_str(slots_json, "slots_json"))
+            slots = parse_request(_str(slots_json, "slots_json"), device.limits)
             with self.session.cond:
                 for s in slots if isinstance(slots, list) else []:
                     if type(s) is int:
-                        self.session.slots.pop(s, None)
+                        self.session.pop(s)
 
         def exposed_bench_tensor(self, nbytes) -> int:
             """Create a float32 tensor of ``nbytes`` in a slot, for download benchmarks."""
             import torch
             if type(nbytes) is not int or not 0 < nbytes <= device.max_message or nbytes % 4:
                 raise ValueError("nbytes must be a positive multiple of 4 within the message limit")
-            return self.session.store(torch.ones(nbytes // 4, dtype=torch.float32))
+            self.session.reserve(nbytes, "a benchmark tensor")  # refused before it is made
+            try:
+                tensor = torch.ones(nbytes // 4, dtype=torch.float32)
+            except BaseException:
+                self.session.release(nbytes)
+                raise
+            return self.session.store(tensor, reserved=True)
 
     return DeviceService
 
@@ -527,14 +579,25 @@ def serve_bulk(device: Device, link: P.Link, peer) -> None:
                 link.send_error(str(e))
                 return
             if kind in (P.PUT, P.PUTA):
-                payload = link.recv_payload(nbytes)
                 try:
-                    tensor = P.tensor_from(dtype, shape, payload)
-                except P.ProtocolError as e:
+                    session.reserve(nbytes)  # before a byte of the payload is read
+                except LimitExceeded as e:
+                    log.warning("%s: %s", peer, e)
                     session.fail(str(e))
                     link.send_error(str(e), slot)
                     return
+                try:
+                    tensor = P.tensor_from(dtype, shape, link.recv_payload(nbytes))
+                except P.ProtocolError as e:
+                    session.release(nbytes)
+                    session.fail(str(e))
+                    link.send_error(str(e), slot)
+                    return
+                except BaseException:
+                    session.release(nbytes)
+                    raise
                 if slot >= OUTPUT_SLOTS:
+                    session.release(nbytes)
                     link.send_error(f"slot {slot} is reserved for outputs", slot)
                     return
                 session.put(slot, tensor)
@@ -543,7 +606,7 @@ def serve_bulk(device: Device, link: P.Link, peer) -> None:
             elif kind in (P.GET, P.GETK):
                 link.recv_payload(nbytes)
                 with session.cond:
-                    tensor = session.slots.get(slot) if kind == P.GETK else session.slots.pop(slot, None)
+                    tensor = session.slots.get(slot) if kind == P.GETK else session.pop(slot)
                 if tensor is None:
                     link.send_error(f"no tensor in slot {slot}", slot)
                 else:
@@ -556,18 +619,26 @@ def serve_bulk(device: Device, link: P.Link, peer) -> None:
             session.sockets.remove(link.sock)
 
 
+RAW_CHUNK = 1 << 20
+
+
 def serve_raw(device: Device, sock: socket.socket) -> None:
-    """The benchmark's baseline: a plain socket that sinks or sources bytes, nothing else."""
-    scratch = b""
+    """The benchmark's baseline: a plain socket that sinks or sources bytes, nothing else. It
+    holds one chunk of memory whatever sizes are asked for."""
+    chunk = memoryview(bytearray(RAW_CHUNK))
     while True:
         kind, _, _, _, n = P.recv_header(sock, device.max_message)
         if kind == P.SINK:
-            P.recv_payload(sock, n)
+            while n:
+                k = min(n, RAW_CHUNK)
+                P.recv_into_exact(sock, chunk[:k])
+                n -= k
             sock.sendall(b"k")
         elif kind == P.SOURCE:
-            if len(scratch) != n:
-                scratch = bytes(n)
-            sock.sendall(scratch)
+            while n:
+                k = min(n, RAW_CHUNK)
+                sock.sendall(chunk[:k])
+                n -= k
         elif kind == P.PING:
             sock.sendall(b"k")
         else:
@@ -679,7 +750,7 @@ def make_server(device: Device, host: str, port: int, token: str | None, registr
                 else:
                     config = dict(self.protocol_config, credentials=None, logger=self.logger,
                                   endpoints=(sock.getsockname(), sock.getpeername()))
-                    channel = P.limited_channel(SocketStream(sock), device.max_message, auth,
+                    channel = P.limited_channel(SocketStream(sock), device.limits.max_request_bytes, auth,
                                                 on_refuse=lambda reason: log.warning("%s: %s", peer, reason))
                     self.service._connect(channel, config).serve_all()
             except (EOFError, OSError, P.ProtocolError) as e:

@@ -36,10 +36,10 @@ def strip_timings(result: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def server():
-    """A reference device server that requires TOKEN, refuses messages over 1 MiB and drops
+    """A reference device server that requires TOKEN, refuses tensors and requests over 1 MiB and drops
     connections that have not authenticated within 2 s."""
     from tapml.remote.launcher import ServerProcess
-    srv = ServerProcess(platform="reference", token=TOKEN, args=("--max-message-mib", "1", "--auth-timeout", "2"))
+    srv = ServerProcess(platform="reference", token=TOKEN, args=("--max-message-mib", "1", "--max-request-mib", "1", "--auth-timeout", "2"))
     yield srv
     assert srv.stop() == 0
 

@@ -30,7 +30,11 @@ def serve(platform: str = typer.Option("wgpu", "--platform", "-p", help=SERVE_PL
           port: int = typer.Option(18861, "--port", help="TCP port; 0 picks a free one (printed)"),
           token_file: Optional[str] = TokenFileOpt,
           register: Optional[str] = typer.Option(None, "--register", help="Announce to an rpyc registry: [udp://|tcp://]HOST[:PORT]"),
-          max_message_mib: int = typer.Option(1024, "--max-message-mib", help="Refuse messages (tensors, JSON) larger than this"),
+          max_message_mib: int = typer.Option(1024, "--max-message-mib", help="Refuse tensor messages larger than this"),
+          max_request_mib: int = typer.Option(64, "--max-request-mib",
+                                              help="Refuse control messages (JSON requests: graphs, programs) larger than this"),
+          max_request_elements: int = typer.Option(1 << 21, "--max-request-elements",
+                                                   help="Refuse JSON requests holding more values than this (counted before parsing)"),
           timeout: float = typer.Option(300.0, "--timeout", help="Seconds a run may wait for its input tensors"),
           auth_timeout: float = typer.Option(10.0, "--auth-timeout", help="Seconds a new connection has to authenticate"),
           max_invocations: int = typer.Option(1 << 32, "--max-invocations",
@@ -55,8 +59,8 @@ def serve(platform: str = typer.Option("wgpu", "--platform", "-p", help=SERVE_PL
         fail("--no-launch only applies to --platform browser")
     if not 0 <= port < 65536:
         fail(f"--port {port} is out of range (0-65535; 0 picks a free port)")
-    if max_message_mib < 1:
-        fail("--max-message-mib must be at least 1")
+    if max_message_mib < 1 or max_request_mib < 1 or max_request_elements < 1:
+        fail("--max-message-mib, --max-request-mib and --max-request-elements must be at least 1")
     if timeout <= 0 or auth_timeout <= 0:
         fail("--timeout and --auth-timeout must be positive")
     if max_invocations < 1 or max_buffer_mib < 1 or not 0 < run_timeout < 1e6:
@@ -64,6 +68,7 @@ def serve(platform: str = typer.Option("wgpu", "--platform", "-p", help=SERVE_PL
     if register:
         parse_registry(register)
     token = read_token(token_file)
+    limits = ServerLimits(max_invocations, max_buffer_mib << 20, run_timeout, max_request_mib << 20, max_request_elements)
     if not is_loopback(host) and not token:
         console.print(f"[bold yellow]warning:[/] serving on {host} without a token: anyone who can reach this "
                       "port can run programs on this device; pass --token-file or set TAPML_TOKEN", highlight=False)
@@ -79,7 +84,8 @@ def serve(platform: str = typer.Option("wgpu", "--platform", "-p", help=SERVE_PL
         device = open_target(platform)
     else:
         from tapml.remote.device_worker import WorkerPlatform
-        device = WorkerPlatform(platform, timeout=run_timeout)  # killable when a run passes --run-timeout
+        # killable when a run passes --run-timeout; its address space bounded by the limits
+        device = WorkerPlatform(platform, timeout=run_timeout, address_space=limits.worker_address_space())
 
     def announce(bound_host: str, bound_port: int) -> None:
         adapter = "adapter: the page that opens the URL" if no_launch else device.caps().get("adapter", "?")
@@ -91,7 +97,7 @@ def serve(platform: str = typer.Option("wgpu", "--platform", "-p", help=SERVE_PL
         run_server(device, platform, host=host, port=port, token=token, max_message=max_message_mib << 20,
                    register=register, timeout=timeout, on_listen=announce,
                    lazy_caps=no_launch, auth_timeout=auth_timeout, on_stop=device.close,
-                   limits=ServerLimits(max_invocations, max_buffer_mib << 20, run_timeout))
+                   limits=limits)
     finally:
         device.close()
     print("tapml serve: stopped", flush=True)
