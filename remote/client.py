@@ -457,7 +457,12 @@ class RemotePlatform(RuntimePlatform):
 
     def bench_tensor(self, nbytes: int) -> int:
         """A float32 tensor of ``nbytes`` made on the server; returns its slot."""
-        return self._call("bench_tensor", int(nbytes))
+        try:
+            return self._call("bench_tensor", int(nbytes))
+        except DeviceLost:
+            raise
+        except Exception as e:  # noqa: BLE001 - the server's refusal (rpyc re-raises it here)
+            raise PlatformError(f"device server: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
     def raw_socket(self) -> socket.socket:
         """An authenticated plain socket to the server's baseline endpoint (SINK/SOURCE/PING)."""

@@ -585,6 +585,7 @@ def serve_bulk(device: Device, link: P.Link, peer) -> None:
                     log.warning("%s: %s", peer, e)
                     session.fail(str(e))
                     link.send_error(str(e), slot)
+                    _drain(link.sock, nbytes + P.MAC)  # so the client reads the reason, not a reset
                     return
                 try:
                     tensor = P.tensor_from(dtype, shape, link.recv_payload(nbytes))
@@ -620,6 +621,23 @@ def serve_bulk(device: Device, link: P.Link, peer) -> None:
 
 
 RAW_CHUNK = 1 << 20
+
+
+def _drain(sock: socket.socket, nbytes: int, linger: float = 2.0) -> None:
+    """Read and drop up to ``nbytes`` the peer is still sending (at most ``linger`` seconds), after
+    an answer that refuses them: closing with them unread would reset the connection and lose it."""
+    try:
+        sock.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + linger
+        scratch = bytearray(RAW_CHUNK)
+        while nbytes > 0 and time.monotonic() < deadline:
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            got = sock.recv_into(scratch, min(nbytes, RAW_CHUNK))
+            if not got:
+                break
+            nbytes -= got
+    except OSError:
+        pass
 
 
 def serve_raw(device: Device, sock: socket.socket) -> None:

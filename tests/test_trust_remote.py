@@ -263,3 +263,208 @@ def test_tampered_frames_fail_their_check():
         server.recv(1 << 20)
     a.close()
     b.close()
+
+
+# --- item 5: what one session may hold on the server -----------------------------------------
+
+def tree_rss_mib(pid: int) -> float:
+    """Resident memory of a process and all its descendants, in MiB."""
+    from support import rss_mib
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            total += rss_mib(p)
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except (FileNotFoundError, ProcessLookupError, StopIteration):
+            pass
+    return total
+
+
+@pytest.fixture(scope="module")
+def small_server():
+    from tapml.remote.launcher import ServerProcess
+    srv = ServerProcess(platform="reference", token=TOKEN, args=("--max-buffer-mib", "16"))
+    yield srv
+    assert srv.stop() == 0
+
+
+def test_a_session_cannot_pile_up_tensors_on_the_server(small_server, mlp):
+    import torch
+
+    from tapml.errors import PlatformError
+    from tapml.replay import replay
+    before = tree_rss_mib(small_server.proc.pid)
+    four = torch.ones(1 << 20)  # 4 MiB
+    with remote(small_server.port) as p:
+        slots = [p.upload(four) for _ in range(4)]  # 16 MiB held, never run
+        with pytest.raises(PlatformError, match="not run or downloaded.*--max-buffer-mib"):
+            p.upload(four)
+    with remote(small_server.port) as p:  # a fresh session starts empty; benchmark tensors count too
+        held = [p.bench_tensor(8 << 20) for _ in range(2)]
+        with pytest.raises(PlatformError, match="benchmark tensor"):
+            p.bench_tensor(8 << 20)
+        p.free(held)  # freed tensors make room again
+        p.free([p.bench_tensor(8 << 20)])
+    assert slots and tree_rss_mib(small_server.proc.pid) - before < 150
+    with remote(small_server.port) as p:  # the server still serves
+        assert replay(mlp, p, small_server.target)["summary"]["pass"] == len(mlp.cases)
+
+
+def test_huge_json_requests_are_refused_before_they_are_parsed(small_server):
+    from tapml.errors import PlatformError
+    before = tree_rss_mib(small_server.proc.pid)
+    nested = "[" + "[]," * 4_000_000 + "[]]"  # 12 MB of JSON, 4 million values
+    with remote(small_server.port) as p:
+        reply = json.loads(p._call("compile", nested))
+        assert reply["error"]["kind"] == "unsupported" and "--max-request-elements" in reply["error"]["message"]
+        reply = json.loads(p._call("load", nested))
+        assert "error" in reply and "--max-request-elements" in reply["error"]["message"]
+        peak = tree_rss_mib(small_server.proc.pid)
+        with pytest.raises(PlatformError):  # over --max-request-mib (64): the frame is refused unread
+            p._call("compile", "[" + " " * (65 << 20) + "]")
+    assert peak - before < 200, f"a 12 MB request grew the server by {peak - before:.0f} MiB"
+    assert any("exceeds the limit" in line for line in small_server.stderr_lines)
+
+
+def test_raw_endpoint_holds_one_chunk_whatever_it_is_asked(small_server):
+    from tapml.remote import protocol as P
+    before = tree_rss_mib(small_server.proc.pid)
+    with remote(small_server.port) as p:
+        raw = p.raw_socket()
+        P.send_header(raw, P.SOURCE, 512 << 20)
+        got = 0
+        while got < 512 << 20:
+            got += len(raw.recv(1 << 20))
+        P.send_header(raw, P.PING)
+        assert P.recv_exact(raw, 1) == b"k"
+        raw.close()
+    assert tree_rss_mib(small_server.proc.pid) - before < 100
+
+
+def test_device_worker_runs_under_an_address_space_limit():
+    from tapml.remote.device_worker import WorkerPlatform
+    with WorkerPlatform("reference", address_space=6 << 30) as p:
+        with open(f"/proc/{p._proc.pid}/limits") as f:
+            line = next(line for line in f if line.startswith("Max address space"))
+        assert line.split()[3] == str(6 << 30)
+
+
+# --- item 11: wrong-token pacing per server, not only per address ---------------------------
+
+def test_wrong_tokens_from_many_loopback_addresses_are_paced_together(server):
+    from tapml.remote import protocol as P
+    done = []
+
+    def guess(i):
+        sock = socket.socket()
+        sock.bind((f"127.0.{i // 250}.{2 + i % 250}", 0))  # one address per guess
+        sock.settimeout(60)
+        sock.connect(("127.0.0.1", server.port))
+        try:
+            P.client_handshake(sock, f"guess-{i}", "control", timeout=60)
+        except P.AuthError:
+            done.append(time.monotonic())
+        sock.close()
+
+    start = time.monotonic()
+    threads = [threading.Thread(target=guess, args=(i,)) for i in range(24)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    # the right token is never delayed, whatever the flood
+    ok = time.monotonic()
+    with remote(server.port) as p:
+        assert p.info["platform"] == "reference"
+    assert time.monotonic() - ok < 3
+    for t in threads:
+        t.join(60)
+    assert len(done) == 24
+    # per address, each first guess would be answered after 0.05 s; per server they queue up
+    assert max(done) - start > 2.0, f"24 guesses from 24 addresses answered within {max(done) - start:.2f} s"
+
+
+# --- item 12: a lost worker or connection is an error, never a verdict about the op ----------
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out += [int(c) for c in f.read().split()]
+    return out
+
+
+def _verdict_with_worker_killed(platform, store, case, worker_pid: int) -> dict:
+    """The verdict of ``case`` when the device worker is stopped as the request reaches it and
+    then killed with SIGKILL (so the call is in flight when it dies)."""
+    from tapml.replay import replay_case
+    os.kill(worker_pid, signal.SIGSTOP)
+    result = {}
+    t = threading.Thread(target=lambda: result.update(v=replay_case(platform, store, case).to_json()))
+    t.start()
+    time.sleep(1.0)
+    os.kill(worker_pid, signal.SIGKILL)
+    t.join(60)
+    return result["v"]
+
+
+def _kill_worker_during_compile_and_run(platform, store, worker_pid, run_call="run"):
+    case = store.cases[0]
+    during_compile = _verdict_with_worker_killed(platform, store, case, worker_pid())
+    assert during_compile["status"] == "error", during_compile
+    assert "device worker died" in during_compile["message"]
+    platform.compile(store.case_graph(case))  # on the restarted worker: now only the run is left
+    during_run = _verdict_with_worker_killed(platform, store, case, worker_pid())
+    assert during_run["status"] == "error", during_run
+    assert f"device worker died during the {run_call}" in during_run["message"]
+    from tapml.replay import replay_case
+    assert replay_case(platform, store, case).status == "pass"  # and the next request is served
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+def test_killed_device_worker_of_a_vulkan_server_gives_error_verdicts(mlp):
+    from support import vulkan_or_skip
+    vulkan_or_skip()
+    from tapml.remote.launcher import ServerProcess
+    srv = ServerProcess(platform="wgpu:vulkan", token=TOKEN)
+    try:
+        with remote(srv.port) as platform:
+            platform.caps()
+            _kill_worker_during_compile_and_run(platform, mlp, lambda: _children(srv.proc.pid)[0])
+    finally:
+        assert srv.stop() == 0
+
+
+def test_killed_device_worker_of_a_local_worker_platform_gives_error_verdicts(mlp):
+    from tapml.remote.device_worker import WorkerPlatform
+    with WorkerPlatform("reference") as platform:
+        def pid():
+            platform._ensure_worker()
+            return platform._proc.pid
+        # a local worker platform compiles again for every case (no cache by graph): its second
+        # kill lands in that compile; the remote test above hits the run
+        _kill_worker_during_compile_and_run(platform, mlp, pid, run_call="compile")
+
+
+def test_lost_connection_gives_error_verdicts_and_the_replay_goes_on(server, mlp):
+    from tapml.replay import replay
+    proc, port = start(RELAY, "forward", server.port, server.port)
+    seen = []
+
+    def on_case(v):
+        seen.append(v)
+        if len(seen) == 1:
+            stop(proc)  # the path to the server dies between cases
+
+    try:
+        with remote(port) as platform:
+            result = replay(mlp, platform, f"remote://127.0.0.1:{port}", on_case=on_case)
+    finally:
+        if proc.poll() is None:
+            stop(proc)
+    assert result["cases"][0]["status"] == "pass"
+    later = result["cases"][1:]
+    assert later and all(v["status"] == "error" and "device lost" in v["message"] for v in later)
