@@ -464,10 +464,11 @@ class RemotePlatform(RuntimePlatform):
         except Exception as e:  # noqa: BLE001 - the server's refusal (rpyc re-raises it here)
             raise PlatformError(f"device server: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
-    def raw_socket(self) -> socket.socket:
-        """An authenticated plain socket to the server's baseline endpoint (SINK/SOURCE/PING)."""
+    def raw_socket(self) -> P.Link:
+        """An authenticated connection to the server's baseline endpoint (SINK/SOURCE/PING,
+        framed and tagged as bulk messages)."""
         try:
-            return self._socket("raw")[0]
+            return P.Link(*self._socket("raw"))
         except (P.AuthError, OSError, EOFError) as e:
             raise DeviceLost(f"{self.name}: {e}") from None
 

@@ -5,7 +5,7 @@ after it depends on the *role* the client proved the token for:
 
 ``control``  an rpyc connection (JSON strings and small plain values; no pickle);
 ``bulk``     tensors as raw bytes with a small binary header, bound to one control session;
-``raw``      a plain socket for the transport benchmark's baseline (zeros and byte counts only).
+``raw``      the transport benchmark's baseline: bytes framed and tagged as bulk messages, no tensors.
 
 Handshake (the token never travels; both sides prove they hold it, whatever the server says)::
 
@@ -112,6 +112,10 @@ def recv_into_exact(sock: socket.socket, view: memoryview, deadline: float | Non
         got += k
 
 
+TAG_FAILED = ("a frame failed its authentication check (altered, injected or replayed on the way, or the peer "
+              "does not hold the session key); the connection is closed")
+
+
 class FrameMac:
     """Tags of one direction of a connection: ``HMAC(key, counter | frame)``, the counter going up
     by one per frame, so a frame cannot be altered, replayed, dropped silently or reordered."""
@@ -121,19 +125,23 @@ class FrameMac:
     def __init__(self, key: bytes):
         self._key, self._count = key, 0
 
-    def tag(self, *parts) -> bytes:
-        """The tag of the next frame, made of ``parts`` (bytes-like, hashed without copying)."""
+    def begin(self, *parts):
+        """An HMAC object for the next frame, fed ``parts`` so far; the caller feeds the rest
+        (a payload streamed in chunks) and takes its ``digest()``."""
         h = hmac.new(self._key, struct.pack("!Q", self._count), hashlib.sha256)
         for part in parts:
             h.update(part)
         self._count += 1
-        return h.digest()
+        return h
+
+    def tag(self, *parts) -> bytes:
+        """The tag of the next frame, made of ``parts`` (bytes-like, hashed without copying)."""
+        return self.begin(*parts).digest()
 
     def check(self, tag: bytes, *parts) -> None:
         """ProtocolError unless ``tag`` is the next frame's tag over ``parts``."""
         if not hmac.compare_digest(tag, self.tag(*parts)):
-            raise ProtocolError("a frame failed its authentication check (altered, injected or replayed on the "
-                                "way, or the peer does not hold the session key); the connection is closed")
+            raise ProtocolError(TAG_FAILED)
 
 
 class Handshake:
@@ -324,7 +332,7 @@ class Link:
         import threading
         self.sock, self.auth = sock, auth
         self._send_lock = threading.Lock()
-        self._head = b""
+        self.head = b""  # the last header read: the start of what its tag covers
 
     def send(self, kind: bytes, slot: int = 0, payload=b"", dtype: int = 0, shape: tuple[int, ...] = ()) -> None:
         """Send one message; ``payload`` is any bytes-like object (sent without copying)."""
@@ -361,7 +369,7 @@ class Link:
         if nbytes > max_bytes:
             raise ProtocolError(f"message of {nbytes} bytes exceeds the server's limit of {max_bytes} bytes "
                                 "(tapml serve --max-message-mib)")
-        self._head = head + dims
+        self.head = head + dims
         return kind, slot, dtype, struct.unpack(f"!{ndim}Q", dims) if ndim else (), nbytes
 
     def recv_payload(self, nbytes: int):
@@ -369,7 +377,7 @@ class Link:
         (ProtocolError otherwise); large payloads as :func:`recv_payload` receives them."""
         buf = recv_payload(self.sock, nbytes)
         tag = recv_exact(self.sock, MAC)
-        self.auth.recv.check(tag, self._head, memoryview(buf))
+        self.auth.recv.check(tag, self.head, memoryview(buf))
         return buf
 
     def recv(self, max_bytes: int):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import itertools
 import json
 import logging
@@ -640,25 +641,39 @@ def _drain(sock: socket.socket, nbytes: int, linger: float = 2.0) -> None:
         pass
 
 
-def serve_raw(device: Device, sock: socket.socket) -> None:
-    """The benchmark's baseline: a plain socket that sinks or sources bytes, nothing else. It
-    holds one chunk of memory whatever sizes are asked for."""
-    chunk = memoryview(bytearray(RAW_CHUNK))
+def serve_raw(device: Device, link: P.Link) -> None:
+    """The benchmark's baseline: an authenticated socket that sinks or sources bytes, framed and
+    tagged as bulk messages are, and nothing else. It holds one chunk of memory whatever sizes
+    are asked for: ``SINK`` (payload: n bytes, hashed as they arrive) is answered ``ACK``;
+    ``SOURCE`` (slot: n) is answered with n zero bytes."""
+    sock, chunk = link.sock, memoryview(bytearray(RAW_CHUNK))
     while True:
-        kind, _, _, _, n = P.recv_header(sock, device.max_message)
+        kind, n, _, _, nbytes = link.recv_header(device.max_message)
         if kind == P.SINK:
-            while n:
-                k = min(n, RAW_CHUNK)
+            h = link.auth.recv.begin(link.head)
+            while nbytes:
+                k = min(nbytes, RAW_CHUNK)
                 P.recv_into_exact(sock, chunk[:k])
-                n -= k
-            sock.sendall(b"k")
-        elif kind == P.SOURCE:
+                h.update(chunk[:k])
+                nbytes -= k
+            if not hmac.compare_digest(P.recv_exact(sock, P.MAC), h.digest()):
+                raise P.ProtocolError(P.TAG_FAILED)
+            link.send(P.ACK)
+        elif kind in (P.SOURCE, P.PING):
+            link.recv_payload(nbytes)
+            if kind == P.PING or n > device.max_message:
+                link.send(P.ACK)
+                continue
+            head = P.HEADER.pack(P.TENSOR, 0, 0, 0, n)
+            h = link.auth.send.begin(head)
+            sock.sendall(head)
+            chunk[:] = bytes(RAW_CHUNK)
             while n:
                 k = min(n, RAW_CHUNK)
+                h.update(chunk[:k])
                 sock.sendall(chunk[:k])
                 n -= k
-        elif kind == P.PING:
-            sock.sendall(b"k")
+            sock.sendall(h.digest())
         else:
             return
 
@@ -764,7 +779,7 @@ def make_server(device: Device, host: str, port: int, token: str | None, registr
                 if auth.role == "bulk":
                     serve_bulk(device, P.Link(sock, auth), peer)
                 elif auth.role == "raw":
-                    serve_raw(device, sock)
+                    serve_raw(device, P.Link(sock, auth))
                 else:
                     config = dict(self.protocol_config, credentials=None, logger=self.logger,
                                   endpoints=(sock.getsockname(), sock.getpeername()))

@@ -265,9 +265,10 @@ def test_random_raw_headers_after_authentication(server, mlp, figure):
     def check(kind, nbytes):
         nonlocal tried
         tried += 1
-        sock, _ = authenticated(server, "raw")
+        sock, auth = authenticated(server, "raw")
         with sock:
-            sock.sendall(P.HEADER.pack(kind, 0, 0, 0, nbytes))
+            head = P.HEADER.pack(kind, nbytes if kind == P.SOURCE else 0, 0, 0, 0 if kind == P.SOURCE else nbytes)
+            sock.sendall(head + auth.send.tag(head))  # signed, as a holder of the token would
             sock.shutdown(socket.SHUT_WR)  # a SINK waiting for bytes that never come ends at EOF
             read_until_closed(sock, timeout=1.0, limit=1 << 17)
 
