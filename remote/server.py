@@ -685,17 +685,21 @@ class AuthGate:
     once; more are refused at once, before their answer is read. A handshake that fails holds
     its place until the address's next free turn: turns are ``delay`` apart, doubling with each
     recent failure up to ``max_delay``, so guesses from one address come at most
-    ``1/max_delay`` per second however many connections carry them. A correct answer is never
+    ``1/max_delay`` per second however many connections carry them. Failures also take turns of
+    the whole server (``server_delay`` doubling up to ``server_max_delay``), so guesses from many
+    addresses come at most ``1/server_max_delay`` per second in all. A correct answer is never
     delayed. Failures are forgotten ``forget`` seconds after the last one.
     """
 
     def __init__(self, per_host: int = 32, total: int = 256, delay: float = 0.05, max_delay: float = 1.0,
-                 forget: float = 60.0):
+                 forget: float = 60.0, server_delay: float = 0.01, server_max_delay: float = 0.25):
         self.per_host, self.total = per_host, total
         self.delay, self.max_delay, self.forget = delay, max_delay, forget
+        self.server_delay, self.server_max_delay = server_delay, server_max_delay
         self._lock = threading.Lock()
         self._pending: dict[str, int] = {}
         self._failures: dict[str, tuple[int, float, float]] = {}  # host -> (count, last failure, next turn)
+        self._server = (0, 0.0, 0.0)  # the same over every address: loopback alone offers 2**24 of them
 
     def enter(self, host: str) -> str | None:
         """Take a place for a handshake from ``host``; the refusal reason when there is none."""
@@ -727,6 +731,13 @@ class AuthGate:
             count += 1
             turn = max(turn, now) + min(self.delay * 2 ** (count - 1), self.max_delay)
             self._failures[host] = (count, now, turn)
+            every, last_any, turn_any = self._server
+            if now - last_any > self.forget:
+                every, turn_any = 0, now
+            every += 1
+            turn_any = max(turn_any, now) + min(self.server_delay * 2 ** min(every - 1, 60), self.server_max_delay)
+            self._server = (every, now, turn_any)
+            turn = max(turn, turn_any)
             if len(self._failures) > 4096:  # forget the oldest addresses first
                 for old in sorted(self._failures, key=lambda h: self._failures[h][1])[:1024]:
                     del self._failures[old]
