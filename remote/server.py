@@ -359,7 +359,8 @@ def announcement(device: Device) -> list[str]:
 
 
 def parse_announcement(name: str) -> dict | None:
-    """Inverse of :func:`announcement` for one alias; None when it is not one."""
+    """Inverse of :func:`announcement` for one alias; None when it is not one, or when a field
+    has the wrong type (:func:`~tapml.remote.announcement.check_announcement`)."""
     import base64
     if not name.upper().startswith(f"{SERVICE_NAME}-"):
         return None
@@ -367,7 +368,8 @@ def parse_announcement(name: str) -> dict | None:
         info = json.loads(base64.b32decode(name[len(SERVICE_NAME) + 1:].upper()).decode())
     except (ValueError, UnicodeDecodeError):
         return None
-    return info if isinstance(info, dict) else None
+    from tapml.remote.announcement import check_announcement
+    return check_announcement(info)
 
 
 def make_service(device: Device):

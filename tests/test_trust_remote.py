@@ -473,3 +473,53 @@ def test_lost_connection_gives_error_verdicts_and_the_replay_goes_on(server, mlp
     assert result["cases"][0]["status"] == "pass"
     later = result["cases"][1:]
     assert later and all(v["status"] == "error" and "device lost" in v["message"] for v in later)
+
+
+# --- item 9 (announcements): a registry announcement is type-checked, never trusted ----------
+
+BAD_ANNOUNCEMENTS = [{"platform": "wgpu", "features": 5}, {"platform": 7}, {"platform": "x", "adapter": ["a"]},
+                     {"platform": "x", "features": [1, 2]}, {"platform": "x", "features": ["f"] * 1000},
+                     {"platform": "x" * 500}, ["not", "an", "object"]]
+
+
+def test_announcement_fields_are_type_checked():
+    from tapml.remote.announcement import check_announcement
+    assert check_announcement({"platform": "wgpu", "adapter": "a", "features": ["shader-f16"], "extra": {}}) == \
+        {"platform": "wgpu", "adapter": "a", "features": ["shader-f16"]}
+    for bad in BAD_ANNOUNCEMENTS:
+        assert check_announcement(bad) is None, bad
+
+
+def test_devices_survives_malformed_announcements():
+    import base64
+
+    from tapml.remote.server import SERVICE_NAME, registry_client
+    reg = subprocess.Popen([sys.executable, "-m", "tapml.cli", "registry", "--port", "0"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    listeners = []
+    try:
+        import re
+        registry = re.search(r"listening on (udp://\S+)", reg.stdout.readline()).group(1)
+        client = registry_client(registry)
+        announced = [a for a in BAD_ANNOUNCEMENTS if len(json.dumps(a)) < 600]  # one datagram each
+        for info in announced:
+            listeners.append(socket.create_server(("127.0.0.1", 0)))  # a port nothing answers the protocol on
+            alias = f"{SERVICE_NAME}-" + base64.b32encode(json.dumps(info).encode()).decode()
+            assert client.register((SERVICE_NAME, alias), listeners[-1].getsockname()[1], interface="127.0.0.1")
+        rows = []
+        deadline = time.monotonic() + 20
+        while len(rows) < len(announced) and time.monotonic() < deadline:
+            r = subprocess.run([sys.executable, "-m", "tapml.cli", "devices", "--registry", registry, "--json", "-",
+                                "--timeout", "1"], capture_output=True, text=True, timeout=120)
+            assert r.returncode == 0, r.stderr  # not exit 3 (TypeError on features: 5)
+            rows = json.loads(r.stdout)
+        assert len(rows) == len(announced)
+        assert all(row["platform"] == "?" and row["features"] == [] for row in rows), rows
+        r = subprocess.run([sys.executable, "-m", "tapml.cli", "devices", "--registry", registry, "--timeout", "1"],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+    finally:
+        for s in listeners:
+            s.close()
+        reg.send_signal(signal.SIGTERM)
+        reg.wait(10)

@@ -184,6 +184,7 @@ def _probe(host: str, port: int, announced: dict, token: str | None, timeout: fl
     """What the registry announced for one device, updated with its live caps when the token
     lets us in; ``status`` says why not otherwise."""
     from tapml.errors import TapmlError
+    from tapml.remote.announcement import check_announcement
     from tapml.remote.client import RemotePlatform
     row = {"target": f"remote://{host}:{port}", "platform": announced.get("platform", "?"),
            "adapter": announced.get("adapter") or "", "backend": announced.get("backend") or "",
@@ -191,9 +192,16 @@ def _probe(host: str, port: int, announced: dict, token: str | None, timeout: fl
     try:
         with RemotePlatform(host, port, token=token, timeout=timeout, connect_timeout=timeout) as device:
             caps = device.caps()
-            row.update(platform=device.info.get("platform", row["platform"]), adapter=caps.get("adapter", ""),
-                       backend=caps.get("backend", ""), features=list(caps.get("features", [])),
-                       limits=dict(caps.get("limits", {})), dtypes=list(caps.get("dtypes", [])))
+            # the device's own word: held to the same types as an announcement
+            shown = check_announcement({"platform": device.info.get("platform", row["platform"]),
+                                        **{k: caps.get(k) for k in ("adapter", "backend", "features")}})
+            limits, dtypes = caps.get("limits", {}), caps.get("dtypes", [])
+            if shown is None or not isinstance(limits, dict) or type(dtypes) is not list:
+                row["status"] = "the device's caps are malformed (a field of the wrong type)"
+            else:
+                row.update(platform=shown.get("platform", row["platform"]), adapter=shown.get("adapter", ""),
+                           backend=shown.get("backend", ""), features=shown.get("features", []),
+                           limits=dict(limits), dtypes=[str(d) for d in dtypes])
     except TapmlError as e:
         row["status"] = str(e)
     return row
