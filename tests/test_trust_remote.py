@@ -503,9 +503,11 @@ def test_devices_survives_malformed_announcements():
         client = registry_client(registry)
         announced = [a for a in BAD_ANNOUNCEMENTS if len(json.dumps(a)) < 600]  # one datagram each
         for info in announced:
-            listeners.append(socket.create_server(("127.0.0.1", 0)))  # a port nothing answers the protocol on
+            listeners.append(socket.create_server(("127.0.0.1", 0)))  # closed below: nothing listens there
             alias = f"{SERVICE_NAME}-" + base64.b32encode(json.dumps(info).encode()).decode()
             assert client.register((SERVICE_NAME, alias), listeners[-1].getsockname()[1], interface="127.0.0.1")
+        for s in listeners:
+            s.close()
         rows = []
         deadline = time.monotonic() + 20
         while len(rows) < len(announced) and time.monotonic() < deadline:
@@ -515,9 +517,6 @@ def test_devices_survives_malformed_announcements():
             rows = json.loads(r.stdout)
         assert len(rows) == len(announced)
         assert all(row["platform"] == "?" and row["features"] == [] for row in rows), rows
-        r = subprocess.run([sys.executable, "-m", "tapml.cli", "devices", "--registry", registry, "--timeout", "1"],
-                           capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0, r.stderr
     finally:
         for s in listeners:
             s.close()
