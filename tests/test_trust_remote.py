@@ -522,3 +522,46 @@ def test_devices_survives_malformed_announcements():
             s.close()
         reg.send_signal(signal.SIGTERM)
         reg.wait(10)
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        try:
+            kids = _children(todo.pop())
+        except FileNotFoundError:
+            continue
+        out += kids
+        todo += kids
+    return out
+
+
+@pytest.mark.browser
+@pytest.mark.xdist_group("browser")
+def test_killed_browser_behind_a_server_gives_error_verdicts(mlp):
+    """`tapml serve --platform browser`: Chromium killed between cases of a remote replay. The
+    cases after it are `error` (device lost), never `unsupported` or `mismatch`."""
+    import shutil
+    if shutil.which("chromium") is None and not os.environ.get("TAPML_CHROMIUM"):
+        pytest.skip("no chromium on PATH (apt-get install chromium)")
+    from tapml.remote.launcher import ServerProcess
+    from tapml.replay import replay
+    srv = ServerProcess(platform="browser", token=TOKEN)
+    seen = []
+
+    def on_case(v):
+        seen.append(v)
+        if len(seen) == 1:
+            for pid in _descendants(srv.proc.pid):
+                with open(f"/proc/{pid}/comm") as f:
+                    if "chrom" in f.read():
+                        os.kill(pid, signal.SIGKILL)
+
+    try:
+        with remote(srv.port) as platform:
+            result = replay(mlp, platform, srv.target, on_case=on_case)
+    finally:
+        srv.stop()
+    assert result["cases"][0]["status"] == "pass"
+    later = result["cases"][1:]
+    assert later and all(v["status"] == "error" and "device lost" in v["message"] for v in later), later
