@@ -380,6 +380,32 @@ class Link:
         self.auth.recv.check(tag, self.head, memoryview(buf))
         return buf
 
+    def recv_through(self, nbytes: int, chunk: memoryview) -> None:
+        """Receive the payload of the message whose header was just read through ``chunk``,
+        keeping none of it, and check its tag (ProtocolError otherwise)."""
+        h = self.auth.recv.begin(self.head)
+        while nbytes:
+            k = min(nbytes, len(chunk))
+            recv_into_exact(self.sock, chunk[:k])
+            h.update(chunk[:k])
+            nbytes -= k
+        if not hmac.compare_digest(recv_exact(self.sock, MAC), h.digest()):
+            raise ProtocolError(TAG_FAILED)
+
+    def send_repeated(self, kind: bytes, nbytes: int, chunk: memoryview) -> None:
+        """Send a message of ``nbytes`` made of ``chunk`` over and over (benchmark payloads of
+        any size from one buffer)."""
+        head = HEADER.pack(kind, 0, 0, 0, nbytes)
+        with self._send_lock:
+            h = self.auth.send.begin(head)
+            self.sock.sendall(head)
+            while nbytes:
+                k = min(nbytes, len(chunk))
+                h.update(chunk[:k])
+                self.sock.sendall(chunk[:k])
+                nbytes -= k
+            self.sock.sendall(h.digest())
+
     def recv(self, max_bytes: int):
         """One whole message: ``(kind, slot, dtype, shape, payload)``."""
         kind, slot, dtype, shape, nbytes = self.recv_header(max_bytes)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import hmac
 import itertools
 import json
 import logging
@@ -509,15 +508,16 @@ def make_service(device: Device):
                 session.forget_kept(key, len(program.outputs))
                 return _error("platform", str(e)) if isinstance(e, ValueError) else _error_of(e)
             ids = session.after_run(program, args, keep, outputs)
-            stored = []
+            reply = []
             try:
-                reply = [[None, program.output_meta[i].to_json()] if i in keep else
-                         [stored.append(session.store(t)) or stored[-1], TensorMeta.of(t).to_json()]
-                         for i, t in enumerate(outputs)]
-            except LimitExceeded as e:
+                for i, t in enumerate(outputs):
+                    reply.append([None, program.output_meta[i].to_json()] if i in keep else
+                                 [session.store(t), TensorMeta.of(t).to_json()])
+            except LimitExceeded as e:  # the outputs stored so far go too: the client gets none of them
                 with session.cond:
-                    for slot in stored:
-                        session.pop(slot)
+                    for slot, _ in reply:
+                        if slot is not None:
+                            session.pop(slot)
                 return _error_of(e)
             return json.dumps({"outputs": reply, "resident": ids, "device_ms": ms})
 
@@ -646,36 +646,22 @@ def _drain(sock: socket.socket, nbytes: int, linger: float = 2.0) -> None:
 def serve_raw(device: Device, link: P.Link) -> None:
     """The benchmark's baseline: an authenticated socket that sinks or sources bytes, framed and
     tagged as bulk messages are, and nothing else. It holds one chunk of memory whatever sizes
-    are asked for: ``SINK`` (payload: n bytes, hashed as they arrive) is answered ``ACK``;
-    ``SOURCE`` (slot: n) is answered with n zero bytes."""
-    sock, chunk = link.sock, memoryview(bytearray(RAW_CHUNK))
+    are asked for: ``SINK`` (payload: n bytes) is answered ``ACK``, ``SOURCE`` (slot: n) with a
+    message of n zero bytes, ``PING`` with ``ACK``."""
+    chunk = memoryview(bytearray(RAW_CHUNK))
     while True:
         kind, n, _, _, nbytes = link.recv_header(device.max_message)
         if kind == P.SINK:
-            h = link.auth.recv.begin(link.head)
-            while nbytes:
-                k = min(nbytes, RAW_CHUNK)
-                P.recv_into_exact(sock, chunk[:k])
-                h.update(chunk[:k])
-                nbytes -= k
-            if not hmac.compare_digest(P.recv_exact(sock, P.MAC), h.digest()):
-                raise P.ProtocolError(P.TAG_FAILED)
+            link.recv_through(nbytes, chunk)
             link.send(P.ACK)
         elif kind in (P.SOURCE, P.PING):
             link.recv_payload(nbytes)
-            if kind == P.PING or n > device.max_message:
+            if kind == P.PING:
                 link.send(P.ACK)
-                continue
-            head = P.HEADER.pack(P.TENSOR, 0, 0, 0, n)
-            h = link.auth.send.begin(head)
-            sock.sendall(head)
-            chunk[:] = bytes(RAW_CHUNK)
-            while n:
-                k = min(n, RAW_CHUNK)
-                h.update(chunk[:k])
-                sock.sendall(chunk[:k])
-                n -= k
-            sock.sendall(h.digest())
+            elif n > device.max_message:
+                link.send_error(f"{n} bytes exceed the message limit of {device.max_message}")
+            else:
+                link.send_repeated(P.TENSOR, n, chunk)
         else:
             return
 
