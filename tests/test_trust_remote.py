@@ -422,6 +422,7 @@ def _kill_worker_during_compile_and_run(platform, store, worker_pid, run_call="r
     assert replay_case(platform, store, case).status == "pass"  # and the next request is served
 
 
+@pytest.mark.slow
 @pytest.mark.device
 @pytest.mark.xdist_group("wgpu")
 def test_killed_device_worker_of_a_vulkan_server_gives_error_verdicts(mlp):
@@ -437,6 +438,7 @@ def test_killed_device_worker_of_a_vulkan_server_gives_error_verdicts(mlp):
         assert srv.stop() == 0
 
 
+@pytest.mark.slow
 def test_killed_device_worker_of_a_local_worker_platform_gives_error_verdicts(mlp):
     from tapml.remote.device_worker import WorkerPlatform
     with WorkerPlatform("reference") as platform:
@@ -484,6 +486,7 @@ def test_announcement_fields_are_type_checked():
         assert check_announcement(bad) is None, bad
 
 
+@pytest.mark.slow
 def test_devices_survives_malformed_announcements():
     import base64
 
@@ -530,6 +533,7 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.browser
 @pytest.mark.xdist_group("browser")
 def test_killed_browser_behind_a_server_gives_error_verdicts(mlp):
