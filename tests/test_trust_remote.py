@@ -351,6 +351,32 @@ def test_device_worker_runs_under_an_address_space_limit():
         assert line.split()[3] == str(6 << 30)
 
 
+def test_an_allocation_past_the_workers_address_space_is_an_error_not_the_machines_memory():
+    """An 8 GiB tensor (declared honestly) in a worker limited to 3 GiB of address space: the
+    allocation fails inside the worker and the run is an `error` verdict; the worker serves on."""
+    import torch
+
+    from tapml.graph import Graph, Node, TensorMeta
+    from tapml.remote.device_worker import WorkerPlatform
+    from tapml.verdict import outcome_verdict
+    huge = TensorMeta((1 << 31,), "float32")
+    graph = Graph(inputs=[], outputs=["e"], nodes=[Node(name="e", op="aten.empty.memory_format", args=[[1 << 31]],
+                                                        kwargs={"dtype": {"dtype": "float32"}}, outputs=[huge])])
+    with WorkerPlatform("reference", address_space=3 << 30) as p:
+        try:
+            p.run(p.compile(graph), [])
+        except Exception as e:  # noqa: BLE001 - judged below
+            verdict = outcome_verdict(e)
+        else:
+            pytest.fail("an 8 GiB tensor was made under a 3 GiB address-space limit")
+        assert verdict.status == "error", verdict
+        assert "alloc" in verdict.message.lower() or "memory" in verdict.message.lower(), verdict.message
+        small = Graph(inputs=[("x", TensorMeta((2,), "float32"))], outputs=["r"],
+                      nodes=[Node(name="r", op="aten.relu.default", args=[{"ref": "x"}], kwargs={},
+                                  outputs=[TensorMeta((2,), "float32")])])
+        assert p.run(p.compile(small), [torch.tensor([-1.0, 2.0])])[0].tolist() == [0.0, 2.0]
+
+
 # --- item 11: wrong-token pacing per server, not only per address ---------------------------
 
 def test_wrong_tokens_from_many_loopback_addresses_are_paced_together(server):
