@@ -589,3 +589,48 @@ def test_killed_browser_behind_a_server_gives_error_verdicts(mlp):
     assert result["cases"][0]["status"] == "pass"
     later = result["cases"][1:]
     assert later and all(v["status"] == "error" and "device lost" in v["message"] for v in later), later
+
+
+@pytest.mark.slow
+def test_killed_device_worker_in_a_registry_pool_gives_error_verdicts(mlp):
+    """registry://: a pool device whose worker dies under a case gives that case `error` (naming the
+    dead worker), never `unsupported` or `mismatch`; the other cases pass."""
+    import re
+
+    from tapml.remote.launcher import ServerProcess
+    from tapml.replay import replay
+    from tapml.targets import open_target
+    reg = subprocess.Popen([sys.executable, "-m", "tapml.cli", "registry", "--port", "0"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    udp = re.search(r"listening on (udp://\S+)", reg.stdout.readline()).group(1)
+    srv = ServerProcess(platform="reference", token=TOKEN, args=("--register", udp))
+    seen = []
+
+    def on_case(v):
+        seen.append(v)
+        if len(seen) == 1:  # the next case's request finds the worker stopped, then killed
+            worker = _children(srv.proc.pid)[0]
+            os.kill(worker, signal.SIGSTOP)
+            threading.Timer(1.0, os.kill, (worker, signal.SIGKILL)).start()
+
+    try:
+        target = "registry://" + udp.removeprefix("udp://")
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                platform = open_target(target, token=TOKEN)
+                break
+            except TapmlError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.3)
+        with platform:
+            result = replay(mlp, platform, target, on_case=on_case)
+    finally:
+        srv.stop()
+        reg.send_signal(signal.SIGTERM)
+        reg.wait(10)
+    statuses = [c["status"] for c in result["cases"]]
+    assert set(statuses) <= {"pass", "error"}, statuses
+    errors = [c for c in result["cases"] if c["status"] == "error"]
+    assert errors and all("device worker died" in c["message"] for c in errors), errors
