@@ -1,9 +1,10 @@
 """Transport benchmark: tensor upload/download and empty-call latency of a device server,
 next to a plain socket to the same server measured in the same run.
 
-The baseline is the server's ``raw`` endpoint: after the handshake it is a bare TCP socket
-that receives n bytes into a fresh buffer (then answers one byte) or sends n bytes, with the
-same socket options as the tensor path. Both paths are measured alternately, best of
+The baseline is the server's ``raw`` endpoint: after the handshake it is a TCP socket that
+receives n bytes (then answers) or sends n bytes, framed and tagged (HMAC-SHA256 under the
+session key) as tensors are, with the same socket options as the tensor path: the floor of an
+authenticated transfer, so the ratios measure what tensors, slots and rpyc add to it. Both paths are measured alternately, best of
 ``repeat``, so load from other processes hits them alike.
 """
 
@@ -48,17 +49,16 @@ def measure_transport(platform, size_bytes: int = 64 << 20, repeat: int = 10, ca
     raw = platform.raw_socket()
     try:
         def raw_up():
-            P.send_header(raw, P.SINK, size_bytes)
-            raw.sendall(payload)
-            P.recv_exact(raw, 1)
+            raw.send(P.SINK, 0, payload)
+            raw.recv(64)
 
         def raw_down():
-            P.send_header(raw, P.SOURCE, size_bytes)
-            P.recv_payload(raw, size_bytes)
+            raw.send(P.SOURCE, size_bytes)
+            raw.recv(size_bytes)
 
         def raw_ping():
-            P.send_header(raw, P.PING)
-            P.recv_exact(raw, 1)
+            raw.send(P.PING)
+            raw.recv(64)
 
         down_slot = platform.bench_tensor(size_bytes)
         times = {k: [] for k in ("socket_up", "socket_down", "tensor_up", "tensor_down", "socket_rtt", "call")}

@@ -100,7 +100,7 @@ class RemotePlatform(RuntimePlatform):
         super().__init__()  # self.programs: keys of the programs the server holds for us
         self.info: dict = {}
         self._conn = None
-        self._bulk: socket.socket | None = None
+        self._bulk: P.Link | None = None
         self._calls: dict = {}
         self._compiled = ProgramCache()  # graph JSON hash -> the program the server compiled from it
         self._support_cache = ProgramCache()  # node JSON -> the server's reason ('' when supported)
@@ -127,25 +127,25 @@ class RemotePlatform(RuntimePlatform):
                     f"`tapml serve --port {self.port}` or fix the address")
         return f"cannot reach the device server at {self.host}:{self.port}: {e}"
 
-    def _socket(self, role: str) -> socket.socket:
+    def _socket(self, role: str) -> tuple[socket.socket, P.Handshake]:
         sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout)
         try:
             P.tune(sock)
-            P.client_handshake(sock, self.token, role, timeout=self.connect_timeout)
+            auth = P.client_handshake(sock, self.token, role, timeout=self.connect_timeout)
             sock.settimeout(self.timeout)
         except BaseException:
             sock.close()
             raise
-        return sock
+        return sock, auth
 
     def _connect(self) -> None:
         import rpyc
         from rpyc.core.stream import SocketStream
-        sock = self._socket("control")
+        sock, auth = self._socket("control")
         config = {"allow_pickle": False, "allow_public_attrs": False, "allow_all_attrs": False,
                   "include_local_traceback": False, "include_local_version": False,
                   "sync_request_timeout": self.timeout}
-        conn = rpyc.connect_channel(P.limited_channel(SocketStream(sock), CLIENT_MAX_MESSAGE),
+        conn = rpyc.connect_channel(P.limited_channel(SocketStream(sock), CLIENT_MAX_MESSAGE, auth),
                                     service=rpyc.VoidService, config=config)
         try:
             root = conn.root
@@ -154,15 +154,21 @@ class RemotePlatform(RuntimePlatform):
             info = json.loads(calls["hello"]())
             if "error" in info:
                 raise P.AuthError(f"the device server cannot open its device: {info['error']['message']}")
-            if info.get("protocol") != 1:
-                raise P.AuthError(f"the server speaks protocol {info.get('protocol')}, this tapml speaks 1; "
+            if info.get("protocol") != P.PROTOCOL_VERSION:
+                raise P.AuthError(f"the server speaks protocol {info.get('protocol')}, this tapml speaks {P.PROTOCOL_VERSION}; "
                                   "use the same tapml version on both sides")
-            bulk = self._socket("bulk")
+            if info.get("server_id") != auth.server_id.hex():
+                raise P.AuthError("the server's hello names another server than its handshake did")
+            sock_b, auth_b = self._socket("bulk")
+            bulk = P.Link(sock_b, auth_b)
             try:
-                P.send_message(bulk, P.SESS, 0, bytes.fromhex(info["session"]))
-                kind, _, _, _, n = P.recv_header(bulk, 4096)
+                if auth_b.server_id != auth.server_id:  # both connections must reach the same server
+                    raise P.AuthError("the bulk connection reached another server than the control connection "
+                                      "(something between this client and the server relays connections)")
+                bulk.send(P.SESS, 0, bytes.fromhex(info["session"]))
+                kind, _, _, _, payload = bulk.recv(4096)
                 if kind != P.ACK:
-                    raise P.AuthError(P.recv_payload(bulk, n).decode(errors="replace"))
+                    raise P.AuthError(payload.decode(errors="replace"))
             except BaseException:
                 bulk.close()
                 raise
@@ -242,7 +248,10 @@ class RemotePlatform(RuntimePlatform):
         key = json.dumps(node.to_json(), sort_keys=True)
         reason = self._support_cache.get(key)
         if reason is None:
-            reason = self._call("supports", key) or ""
+            reply = json.loads(self._call("supports", key))
+            if "error" in reply:  # the device failed to answer: a fault, not a property of the op
+                self._raise(reply["error"])
+            reason = reply.get("reason") or ""
             self._support_cache.put(key, reason)
         return reason or None
 
@@ -261,9 +270,9 @@ class RemotePlatform(RuntimePlatform):
             program = self._compiled.get(ghash)
             if program is not None and program.key in self.programs:
                 return program
-            if len(text) > self.info.get("max_message", CLIENT_MAX_MESSAGE):
-                raise PlatformError(f"graph JSON of {len(text)} bytes exceeds the server's message limit; "
-                                    "start it with a larger --max-message-mib")
+            if len(text) > self.info.get("max_request", CLIENT_MAX_MESSAGE):
+                raise Unsupported(f"graph JSON of {len(text)} bytes exceeds the server's request limit of "
+                                  f"{self.info.get('max_request')}; start it with a larger --max-request-mib")
             reply = json.loads(self._call("compile", text))
             if "error" in reply:
                 self._raise(reply["error"])
@@ -345,7 +354,7 @@ class RemotePlatform(RuntimePlatform):
         slots = [slot for _, slot, _ in send]
         try:
             for _, slot, t in send:
-                P.send_tensor(self._bulk, P.PUT, slot, t)
+                self._bulk.send_tensor(P.PUT, slot, t)
                 self.stats["bytes_up"] += t.numel() * t.element_size()
                 self.upload_bytes += t.numel() * t.element_size()
         except (OSError, EOFError) as e:
@@ -384,11 +393,11 @@ class RemotePlatform(RuntimePlatform):
         """Download the tensors of output slots ``[[slot, meta], ...]`` (freeing them there)."""
         try:
             for slot, _ in outputs:
-                P.send_message(self._bulk, P.GET, slot)
+                self._bulk.send(P.GET, slot)
             results, errors = [], []
             for slot, meta in outputs:
-                kind, got, dtype, shape, nbytes = P.recv_header(self._bulk, CLIENT_MAX_MESSAGE)
-                payload = P.recv_payload(self._bulk, nbytes)
+                kind, got, dtype, shape, nbytes = self._bulk.recv_header(CLIENT_MAX_MESSAGE)
+                payload = self._bulk.recv_payload(nbytes)
                 if kind == P.ERR:
                     errors.append(payload.decode(errors="replace"))
                     continue
@@ -416,9 +425,8 @@ class RemotePlatform(RuntimePlatform):
             self._ensure()
             slot = next(self._slots)
             try:
-                P.send_tensor(self._bulk, P.PUTA, slot, tensor)
-                kind, _, _, _, n = P.recv_header(self._bulk, 1 << 20)
-                payload = P.recv_payload(self._bulk, n)
+                self._bulk.send_tensor(P.PUTA, slot, tensor)
+                kind, _, _, _, payload = self._bulk.recv(1 << 20)
             except (OSError, EOFError, P.ProtocolError) as e:
                 raise self._lost(e) from None
             if kind != P.ACK:
@@ -430,9 +438,8 @@ class RemotePlatform(RuntimePlatform):
         with self._lock:
             self._ensure()
             try:
-                P.send_message(self._bulk, P.GETK if keep else P.GET, slot)
-                kind, _, dtype, shape, nbytes = P.recv_header(self._bulk, CLIENT_MAX_MESSAGE)
-                payload = P.recv_payload(self._bulk, nbytes)
+                self._bulk.send(P.GETK if keep else P.GET, slot)
+                kind, _, dtype, shape, payload = self._bulk.recv(CLIENT_MAX_MESSAGE)
             except (OSError, EOFError, P.ProtocolError) as e:
                 raise self._lost(e) from None
             if kind != P.TENSOR:
@@ -450,12 +457,18 @@ class RemotePlatform(RuntimePlatform):
 
     def bench_tensor(self, nbytes: int) -> int:
         """A float32 tensor of ``nbytes`` made on the server; returns its slot."""
-        return self._call("bench_tensor", int(nbytes))
-
-    def raw_socket(self) -> socket.socket:
-        """An authenticated plain socket to the server's baseline endpoint (SINK/SOURCE/PING)."""
         try:
-            return self._socket("raw")
+            return self._call("bench_tensor", int(nbytes))
+        except DeviceLost:
+            raise
+        except Exception as e:  # noqa: BLE001 - the server's refusal (rpyc re-raises it here)
+            raise PlatformError(f"device server: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+
+    def raw_socket(self) -> P.Link:
+        """An authenticated connection to the server's baseline endpoint (SINK/SOURCE/PING,
+        framed and tagged as bulk messages)."""
+        try:
+            return P.Link(*self._socket("raw"))
         except (P.AuthError, OSError, EOFError) as e:
             raise DeviceLost(f"{self.name}: {e}") from None
 

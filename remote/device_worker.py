@@ -101,9 +101,10 @@ class WorkerPlatform(RuntimePlatform):
 
     program_kinds = ("wgsl", "graph")
 
-    def __init__(self, spec: str, timeout: float = 120.0):
+    def __init__(self, spec: str, timeout: float = 120.0, address_space: int | None = None):
         self.spec = self.name = spec
         self.timeout = timeout
+        self.address_space = address_space
         super().__init__()  # self.programs: keys of the programs the current worker holds
         self._proc: subprocess.Popen | None = None
         self._sock: socket.socket | None = None
@@ -124,7 +125,8 @@ class WorkerPlatform(RuntimePlatform):
         parent, child = socket.socketpair()
         try:
             self._proc = subprocess.Popen([sys.executable, "-m", "tapml.remote.device_worker", str(child.fileno()),
-                                           self.spec], pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
+                                           self.spec, str(self.address_space or 0)], pass_fds=(child.fileno(),),
+                                          stdin=subprocess.DEVNULL)
         finally:
             child.close()
         self._sock = parent
@@ -340,9 +342,19 @@ def _error(kind: str, e: BaseException) -> dict:
                       else f"{type(e).__name__}: {e}"}}
 
 
-def worker_main(fd: int, spec: str) -> None:
-    """Open ``spec`` and answer the parent on socket ``fd`` until it closes."""
+def _limit_address_space(nbytes: int) -> None:
+    """RLIMIT_AS of this process: an allocation past it fails (MemoryError, a torch or driver
+    error: the request's error) instead of growing the machine's memory without bound."""
+    import resource
+    if nbytes > 0:
+        resource.setrlimit(resource.RLIMIT_AS, (nbytes, nbytes))
+
+
+def worker_main(fd: int, spec: str, address_space: int = 0) -> None:
+    """Open ``spec`` and answer the parent on socket ``fd`` until it closes; ``address_space``:
+    the worker's RLIMIT_AS in bytes (0: none)."""
     _die_with_parent()
+    _limit_address_space(address_space)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent decides
     sock = socket.socket(fileno=fd)
     from tapml.graph import Graph, Node
@@ -464,4 +476,4 @@ def _run_args(req: dict, inputs: list, held: list, kept: dict) -> tuple[list, li
 
 
 if __name__ == "__main__":
-    worker_main(int(sys.argv[1]), sys.argv[2])
+    worker_main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 0)

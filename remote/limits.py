@@ -19,6 +19,10 @@ from tapml.errors import Unsupported
 DEFAULT_MAX_INVOCATIONS = 1 << 32
 DEFAULT_MAX_BUFFER_BYTES = 4096 << 20
 DEFAULT_RUN_TIMEOUT_S = 120.0
+DEFAULT_MAX_REQUEST_BYTES = 64 << 20
+DEFAULT_MAX_REQUEST_ELEMENTS = 1 << 21
+MAX_SLOTS = 16384  # tensors one connection may hold in slots (uploads, outputs not downloaded yet)
+WORKER_BASE_BYTES = 8 << 30  # address space of a device worker besides its buffers (torch, drivers, JIT)
 MAX_KERNELS = 65536
 MAX_BUFFERS = 65536
 MAX_NODES = 1 << 20
@@ -40,13 +44,50 @@ class ServerLimits:
 
     ``max_invocations`` [--max-invocations]: shader invocations one program may dispatch;
     ``max_buffer_bytes`` [--max-buffer-mib]: bytes of device buffers (or tensors, for graph
-    programs) one program may declare; ``run_timeout`` [--run-timeout]: seconds one compile or run
-    may take on the device, and how long a request waits for a device another client holds.
+    programs) one program may declare, and what one connection may hold in each of: tensors in
+    slots (uploads not run yet, outputs not downloaded yet, benchmark tensors), inputs kept for
+    the next run, outputs kept on the device; ``run_timeout`` [--run-timeout]: seconds one compile or run
+    may take on the device, and how long a request waits for a device another client holds;
+    ``max_request_bytes`` [--max-request-mib]: bytes of one control message (a JSON request);
+    ``max_request_elements`` [--max-request-elements]: JSON values (numbers, strings, lists,
+    objects, ...) one request may hold, counted before it is parsed.
     """
 
     max_invocations: int = DEFAULT_MAX_INVOCATIONS
     max_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES
     run_timeout: float = DEFAULT_RUN_TIMEOUT_S
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_request_elements: int = DEFAULT_MAX_REQUEST_ELEMENTS
+
+    def worker_address_space(self) -> int:
+        """The address-space limit (RLIMIT_AS) of a device worker: :data:`WORKER_BASE_BYTES` for
+        the runtime itself plus four times ``max_buffer_bytes`` (a program's buffers, its inputs
+        held for the next run, outputs on their way back, and the tensors of one request)."""
+        return WORKER_BASE_BYTES + 4 * self.max_buffer_bytes
+
+
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+def parse_request(text: str, limits: ServerLimits):
+    """A client's JSON request, parsed once it is known to fit ``limits``: at most
+    ``max_request_bytes`` characters and ``max_request_elements`` values (an upper bound counted
+    from the separators outside strings, before anything is built). Raises :class:`LimitExceeded`
+    past a limit and ValueError for text that is not JSON."""
+    import json
+    if len(text) > limits.max_request_bytes:
+        raise LimitExceeded(f"request of {len(text)} bytes; this server takes at most {limits.max_request_bytes} "
+                            "(tapml serve --max-request-mib)")
+    bare = _JSON_STRING.sub("", text)
+    elements = 1 + bare.count(",") + bare.count("[") + bare.count("{")
+    del bare
+    if elements > limits.max_request_elements:
+        raise LimitExceeded(f"request of about {elements} JSON values; this server takes at most "
+                            f"{limits.max_request_elements} (tapml serve --max-request-elements)")
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("request nests too deeply") from None
 
 
 def check_ops(graph) -> None:
@@ -294,5 +335,5 @@ def check_program(program, limits: ServerLimits, kind: str) -> dict:
     return {"invocations": invocations, "buffer_bytes": nbytes}
 
 
-__all__ = ["ServerLimits", "LimitExceeded", "check_ops", "check_ops_json", "check_node", "check_graph", "check_program",
+__all__ = ["ServerLimits", "LimitExceeded", "parse_request", "MAX_SLOTS", "check_ops", "check_ops_json", "check_node", "check_graph", "check_program",
            "workgroup_size", "DEFAULT_MAX_INVOCATIONS", "DEFAULT_MAX_BUFFER_BYTES", "DEFAULT_RUN_TIMEOUT_S"]

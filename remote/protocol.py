@@ -1,22 +1,32 @@
-"""Wire protocol of the device server: authentication, size-limited framing, tensor transport.
+"""Wire protocol of the device server: authentication, authenticated size-limited framing, tensor transport.
 
 Every TCP connection to ``tapml serve`` starts with a challenge-response handshake; what runs
 after it depends on the *role* the client proved the token for:
 
 ``control``  an rpyc connection (JSON strings and small plain values; no pickle);
 ``bulk``     tensors as raw bytes with a small binary header, bound to one control session;
-``raw``      a plain socket for the transport benchmark's baseline.
+``raw``      the transport benchmark's baseline: bytes framed and tagged as bulk messages, no tensors.
 
-Handshake (the token never travels; both sides prove they hold it)::
+Handshake (the token never travels; both sides prove they hold it, whatever the server says)::
 
-    server -> client   MAGIC | flags (1: token required) | server nonce (32)
-    client -> server   role (1) | client nonce (32) | HMAC(token, "client" | role | ns | nc)
-    server -> client   "OK" | HMAC(token, "server" | role | nc | ns)
+    server -> client   MAGIC | flags (1: token required) | server nonce ns (32) | server id (16)
+    client -> server   role (1) | client nonce nc (32) | HMAC(token, "client" | T)
+    server -> client   "OK" | HMAC(token, "server" | T)
                    or  "NO" | u16 length | reason (utf-8), then close
+
+    T = MAGIC | flags | ns | server id | role | nc       (the whole transcript)
+
+A client that holds a token checks the server's proof always, not only when the server says it
+needs one. Both sides then derive one key per direction from the token and the transcript
+(``HMAC(HMAC(token, "keys" | T), "c2s" / "s2c")``), and every frame after the handshake, on the
+control and the bulk connection, carries ``HMAC(key, counter | frame)`` with a per-direction
+counter: a frame that is altered, injected, replayed, reordered or moved to another connection
+fails its check and ends the connection. The server id is random per server process; a client
+holds its control and bulk connections to the same one.
 
 Bulk messages (both directions)::
 
-    kind (4) | slot (u64) | dtype code (u8) | ndim (u8) | nbytes (u64) | shape (ndim x u64) | payload
+    kind (4) | slot (u64) | dtype code (u8) | ndim (u8) | nbytes (u64) | shape (ndim x u64) | payload | tag (32)
 """
 
 from __future__ import annotations
@@ -30,9 +40,13 @@ import socket
 import struct
 import time
 
-MAGIC = b"TAPML/1\n"
+MAGIC = b"TAPML/2\n"
+PROTOCOL_VERSION = 2  # what `hello` reports; bump with MAGIC when the wire changes
+MAGICS_BEFORE = (b"TAPML/1\n",)  # older protocols, named in the refusal
 NONCE = 32
 MAC = 32
+SERVER_ID = 16
+HELLO = len(MAGIC) + 1 + NONCE + SERVER_ID
 ROLES = {b"C": "control", b"B": "bulk", b"R": "raw"}
 ROLE_OF = {v: k for k, v in ROLES.items()}
 AUTH_TIMEOUT_S = 10.0
@@ -98,33 +112,92 @@ def recv_into_exact(sock: socket.socket, view: memoryview, deadline: float | Non
         got += k
 
 
-def _mac(token: str, label: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
-    return hmac.new(token.encode(), label + b"|" + role + b"|" + first + second, hashlib.sha256).digest()
+TAG_FAILED = ("a frame failed its authentication check (altered, injected or replayed on the way, or the peer "
+              "does not hold the session key); the connection is closed")
 
 
-def server_handshake(sock: socket.socket, token: str | None, timeout: float = AUTH_TIMEOUT_S, pace=None) -> str:
-    """Run the server side of the handshake; returns the role the client proved.
+class FrameMac:
+    """Tags of one direction of a connection: ``HMAC(key, counter | frame)``, the counter going up
+    by one per frame, so a frame cannot be altered, replayed, dropped silently or reordered."""
+
+    __slots__ = ("_key", "_count")
+
+    def __init__(self, key: bytes):
+        self._key, self._count = key, 0
+
+    def begin(self, *parts):
+        """An HMAC object for the next frame, fed ``parts`` so far; the caller feeds the rest
+        (a payload streamed in chunks) and takes its ``digest()``."""
+        h = hmac.new(self._key, struct.pack("!Q", self._count), hashlib.sha256)
+        for part in parts:
+            h.update(part)
+        self._count += 1
+        return h
+
+    def tag(self, *parts) -> bytes:
+        """The tag of the next frame, made of ``parts`` (bytes-like, hashed without copying)."""
+        return self.begin(*parts).digest()
+
+    def check(self, tag: bytes, *parts) -> None:
+        """ProtocolError unless ``tag`` is the next frame's tag over ``parts``."""
+        if not hmac.compare_digest(tag, self.tag(*parts)):
+            raise ProtocolError(TAG_FAILED)
+
+
+class Handshake:
+    """What a finished handshake established: the ``role`` the client proved, the ``server_id``
+    the server stated in its hello (covered by both proofs), and the two directions' frame tags
+    (``send``, ``recv``: :class:`FrameMac`) under keys only holders of the token can derive."""
+
+    def __init__(self, role: str, server_id: bytes, send: FrameMac, recv: FrameMac):
+        self.role, self.server_id, self.send, self.recv = role, server_id, send, recv
+
+
+def _key(token: str | None) -> bytes:
+    return (token or "").encode()
+
+
+def _proof(token: str | None, label: bytes, transcript: bytes) -> bytes:
+    return hmac.new(_key(token), label + b"|" + transcript, hashlib.sha256).digest()
+
+
+def _session(token: str | None, role: str, transcript: bytes, server_id: bytes, client: bool) -> Handshake:
+    master = hmac.new(_key(token), b"keys|" + transcript, hashlib.sha256).digest()
+    c2s = FrameMac(hmac.new(master, b"c2s", hashlib.sha256).digest())
+    s2c = FrameMac(hmac.new(master, b"s2c", hashlib.sha256).digest())
+    return Handshake(role, server_id, *((c2s, s2c) if client else (s2c, c2s)))
+
+
+def server_handshake(sock: socket.socket, token: str | None, timeout: float = AUTH_TIMEOUT_S, pace=None,
+                     server_id: bytes | None = None) -> Handshake:
+    """Run the server side of the handshake; returns the :class:`Handshake` (role the client
+    proved, frame keys).
 
     Raises :class:`AuthError` (after telling the client why) when the client does not prove
     ``token``. With ``token=None`` any client that speaks the protocol is accepted. The whole
     handshake must finish within ``timeout`` seconds. ``pace(ok)``, when given, is called once
     the answer is checked and before the verdict is sent (the server slows down guessing there).
+    ``server_id`` (16 bytes, random per server process) is stated in the hello and bound into
+    both proofs and the session keys.
     """
     deadline = time.monotonic() + timeout
     sock.settimeout(timeout)
     nonce_s = os.urandom(NONCE)
+    server_id = server_id if server_id is not None else os.urandom(SERVER_ID)
+    hello = MAGIC + bytes([1 if token else 0]) + nonce_s + server_id
     try:
-        sock.sendall(MAGIC + bytes([1 if token else 0]) + nonce_s)
+        sock.sendall(hello)
         reply = recv_exact(sock, 1 + NONCE + MAC, deadline)
     except (OSError, EOFError) as e:
         if pace:
             pace(False)
         raise AuthError(f"handshake failed: {e}") from None
     role, nonce_c, mac = reply[:1], reply[1:1 + NONCE], reply[1 + NONCE:]
+    transcript = hello + role + nonce_c
     reason = None
     if role not in ROLES:
         reason = "not a tapml client (unknown role)"
-    elif token and not hmac.compare_digest(mac, _mac(token, b"client", role, nonce_s, nonce_c)):
+    elif token and not hmac.compare_digest(mac, _proof(token, b"client", transcript)):
         reason = "token does not match"
     if pace:
         pace(reason is None)
@@ -135,35 +208,41 @@ def server_handshake(sock: socket.socket, token: str | None, timeout: float = AU
         except OSError:
             pass
         raise AuthError(reason)
-    proof = _mac(token, b"server", role, nonce_c, nonce_s) if token else bytes(MAC)
+    proof = _proof(token, b"server", transcript) if token else bytes(MAC)
     try:
         sock.sendall(b"OK" + proof)
     except OSError as e:
         raise AuthError(f"handshake failed: {e}") from None
     sock.settimeout(None)
-    return ROLES[role]
+    return _session(token, ROLES[role], transcript, server_id, client=False)
 
 
-def client_handshake(sock: socket.socket, token: str | None, role: str, timeout: float = AUTH_TIMEOUT_S) -> None:
-    """Run the client side of the handshake for ``role``.
+def client_handshake(sock: socket.socket, token: str | None, role: str, timeout: float = AUTH_TIMEOUT_S) -> Handshake:
+    """Run the client side of the handshake for ``role``; returns the :class:`Handshake`.
 
-    Raises :class:`AuthError` with a message that says what to fix when the server refuses,
-    needs a token the client lacks, or cannot prove it holds the same token. The whole
-    handshake must finish within ``timeout`` seconds.
+    A client that holds ``token`` accepts only a server that proves it holds the same token,
+    whatever the server says it needs. Raises :class:`AuthError` with a message that says what
+    to fix when the server refuses, needs a token the client lacks, or cannot prove it holds
+    the client's token. The whole handshake must finish within ``timeout`` seconds.
     """
     code = ROLE_OF[role]
     old = sock.gettimeout()
     deadline = time.monotonic() + timeout
     sock.settimeout(timeout)
     try:
-        hello = recv_exact(sock, len(MAGIC) + 1 + NONCE, deadline)
-        if hello[:len(MAGIC)] != MAGIC:
+        hello = recv_exact(sock, len(MAGIC), deadline)
+        if hello in MAGICS_BEFORE:
+            raise AuthError("the server speaks an older tapml protocol; use the same tapml version on both sides")
+        if hello != MAGIC:
             raise AuthError("the server does not speak the tapml protocol (is it a `tapml serve`?)")
-        needs_token, nonce_s = hello[len(MAGIC)], hello[len(MAGIC) + 1:]
+        hello += recv_exact(sock, HELLO - len(MAGIC), deadline)
+        needs_token = hello[len(MAGIC)]
+        server_id = hello[len(MAGIC) + 1 + NONCE:]
         if needs_token and not token:
             raise AuthError("the server requires a token; pass --token-file or set TAPML_TOKEN")
         nonce_c = os.urandom(NONCE)
-        mac = _mac(token, b"client", code, nonce_s, nonce_c) if token else bytes(MAC)
+        transcript = hello + code + nonce_c
+        mac = _proof(token, b"client", transcript) if token else bytes(MAC)
         sock.sendall(code + nonce_c + mac)
         status = recv_exact(sock, 2, deadline)
         if status == b"NO":
@@ -174,8 +253,10 @@ def client_handshake(sock: socket.socket, token: str | None, role: str, timeout:
         if status != b"OK":
             raise AuthError("the server sent a malformed handshake reply")
         proof = recv_exact(sock, MAC, deadline)
-        if needs_token and not hmac.compare_digest(proof, _mac(token, b"server", code, nonce_c, nonce_s)):
-            raise AuthError("the server could not prove it holds the token; it is not the server you meant")
+        if token and not hmac.compare_digest(proof, _proof(token, b"server", transcript)):
+            said = "" if needs_token else " (it says it needs no token)"
+            raise AuthError(f"the server could not prove it holds your token{said}; it is not the server you meant, "
+                            "or it was started with another token or none")
     except (OSError, EOFError) as e:
         raise AuthError(f"handshake failed: {e}") from None
     finally:
@@ -183,6 +264,7 @@ def client_handshake(sock: socket.socket, token: str | None, role: str, timeout:
             sock.settimeout(old)
         except OSError:
             pass
+    return _session(token, role, transcript, server_id, client=True)
 
 
 # --- bulk messages -----------------------------------------------------------------------
@@ -238,6 +320,101 @@ class _LazyBuffer(mmap.mmap):
         return bytes(self).decode(*args, **kwargs)
 
 
+class Link:
+    """A bulk connection after its handshake: messages as :func:`send_message` writes them, each
+    followed by its :class:`FrameMac` tag, checked before a received message is acted on.
+
+    :meth:`recv_header` and then :meth:`recv_payload` (always, even for an empty payload: it
+    checks the tag) read one message. ``max_bytes`` is checked from the header, before a byte of
+    the payload is read. Sending is serialized by a lock; receiving is for one thread."""
+
+    def __init__(self, sock: socket.socket, auth: Handshake):
+        import threading
+        self.sock, self.auth = sock, auth
+        self._send_lock = threading.Lock()
+        self.head = b""  # the last header read: the start of what its tag covers
+
+    def send(self, kind: bytes, slot: int = 0, payload=b"", dtype: int = 0, shape: tuple[int, ...] = ()) -> None:
+        """Send one message; ``payload`` is any bytes-like object (sent without copying)."""
+        view = memoryview(payload).cast("B") if len(payload) else memoryview(b"")
+        head = HEADER.pack(kind, slot, dtype, len(shape), len(view)) + struct.pack(f"!{len(shape)}Q", *shape)
+        with self._send_lock:
+            tag = self.auth.send.tag(head, view)
+            if len(view) <= 65536:
+                self.sock.sendall(head + bytes(view) + tag)
+            else:
+                self.sock.sendall(head)
+                self.sock.sendall(view)
+                self.sock.sendall(tag)
+
+    def send_tensor(self, kind: bytes, slot: int, tensor) -> None:
+        """Send ``tensor`` as one message of ``kind`` for ``slot``."""
+        dtype, shape, payload = tensor_bytes(tensor)
+        self.send(kind, slot, payload, dtype, shape)
+
+    def send_error(self, message: str, slot: int = 0) -> None:
+        """Tell the peer why its message was refused; a peer that is already gone is ignored."""
+        try:
+            self.send(ERR, slot, message.encode())
+        except OSError:
+            pass
+
+    def recv_header(self, max_bytes: int) -> tuple[bytes, int, int, tuple[int, ...], int]:
+        """:func:`recv_header` of the next message (its tag is checked by :meth:`recv_payload`)."""
+        head = recv_exact(self.sock, HEADER.size)
+        kind, slot, dtype, ndim, nbytes = HEADER.unpack(head)
+        if ndim > MAX_NDIM:
+            raise ProtocolError(f"tensor header has {ndim} dimensions (limit {MAX_NDIM})")
+        dims = recv_exact(self.sock, 8 * ndim) if ndim else b""
+        if nbytes > max_bytes:
+            raise ProtocolError(f"message of {nbytes} bytes exceeds the server's limit of {max_bytes} bytes "
+                                "(tapml serve --max-message-mib)")
+        self.head = head + dims
+        return kind, slot, dtype, struct.unpack(f"!{ndim}Q", dims) if ndim else (), nbytes
+
+    def recv_payload(self, nbytes: int):
+        """The payload of the message whose header was just read, once its tag checks out
+        (ProtocolError otherwise); large payloads as :func:`recv_payload` receives them."""
+        buf = recv_payload(self.sock, nbytes)
+        tag = recv_exact(self.sock, MAC)
+        self.auth.recv.check(tag, self.head, memoryview(buf))
+        return buf
+
+    def recv_through(self, nbytes: int, chunk: memoryview) -> None:
+        """Receive the payload of the message whose header was just read through ``chunk``,
+        keeping none of it, and check its tag (ProtocolError otherwise)."""
+        h = self.auth.recv.begin(self.head)
+        while nbytes:
+            k = min(nbytes, len(chunk))
+            recv_into_exact(self.sock, chunk[:k])
+            h.update(chunk[:k])
+            nbytes -= k
+        if not hmac.compare_digest(recv_exact(self.sock, MAC), h.digest()):
+            raise ProtocolError(TAG_FAILED)
+
+    def send_repeated(self, kind: bytes, nbytes: int, chunk: memoryview) -> None:
+        """Send a message of ``nbytes`` made of ``chunk`` over and over (benchmark payloads of
+        any size from one buffer)."""
+        head = HEADER.pack(kind, 0, 0, 0, nbytes)
+        with self._send_lock:
+            h = self.auth.send.begin(head)
+            self.sock.sendall(head)
+            while nbytes:
+                k = min(nbytes, len(chunk))
+                h.update(chunk[:k])
+                self.sock.sendall(chunk[:k])
+                nbytes -= k
+            self.sock.sendall(h.digest())
+
+    def recv(self, max_bytes: int):
+        """One whole message: ``(kind, slot, dtype, shape, payload)``."""
+        kind, slot, dtype, shape, nbytes = self.recv_header(max_bytes)
+        return kind, slot, dtype, shape, self.recv_payload(nbytes)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 def refuse(sock: socket.socket, reason: str, linger: float = 1.0) -> None:
     """Refuse a connection before its handshake: hello, then ``NO`` and ``reason``, then close
     once the client has read it (closing with its answer unread would reset the connection and
@@ -245,7 +422,7 @@ def refuse(sock: socket.socket, reason: str, linger: float = 1.0) -> None:
     msg = reason.encode()
     try:
         sock.settimeout(linger)
-        sock.sendall(MAGIC + b"\x01" + bytes(NONCE) + b"NO" + struct.pack("!H", len(msg)) + msg)
+        sock.sendall(MAGIC + b"\x01" + bytes(NONCE + SERVER_ID) + b"NO" + struct.pack("!H", len(msg)) + msg)
         sock.shutdown(socket.SHUT_WR)
         deadline = time.monotonic() + linger
         while time.monotonic() < deadline and sock.recv(4096):
@@ -302,17 +479,21 @@ def send_error(sock: socket.socket, message: str, slot: int = 0) -> None:
 
 # --- rpyc control channel with a size limit ----------------------------------------------
 
-def limited_channel(stream, max_bytes: int, on_refuse=None):
-    """An rpyc Channel over ``stream`` that refuses frames over ``max_bytes`` before reading them
-    (calling ``on_refuse(message)``, then closing), and never compresses (zlib on large frames is
-    what makes rpyc's defaults slow)."""
+def limited_channel(stream, max_bytes: int, auth: Handshake, on_refuse=None):
+    """An rpyc Channel over ``stream`` whose frames carry ``auth``'s tags (checked before a frame
+    is handed to rpyc), that refuses frames over ``max_bytes`` before reading them (calling
+    ``on_refuse(message)``, then closing), and never compresses (zlib on large frames is what
+    makes rpyc's defaults slow).
+
+    Frame: rpyc's header (u32 length, u8 compressed = 0) | data | tag (32) | rpyc's flusher."""
     from rpyc.core.channel import Channel
 
-    class LimitedChannel(Channel):
+    class AuthenticatedChannel(Channel):
         __slots__ = ()
 
         def recv(self):
-            length, compressed = self.FRAME_HEADER.unpack(self.stream.read(self.FRAME_HEADER.size))
+            head = self.stream.read(self.FRAME_HEADER.size)
+            length, compressed = self.FRAME_HEADER.unpack(head)
             reason = None
             if length > max_bytes:
                 reason = f"control message of {length} bytes exceeds the limit of {max_bytes}"
@@ -323,9 +504,32 @@ def limited_channel(stream, max_bytes: int, on_refuse=None):
                     on_refuse(reason)
                 self.stream.close()
                 raise MessageTooLarge(reason)
-            return self.stream.read(length + len(self.FLUSHER))[:-len(self.FLUSHER)]
+            body = self.stream.read(length + MAC + len(self.FLUSHER))
+            data, tag = body[:length], body[length:length + MAC]
+            try:
+                auth.recv.check(tag, head, data)
+            except ProtocolError as e:
+                if on_refuse:
+                    on_refuse(str(e))
+                self.stream.close()
+                raise FrameRejected(str(e)) from None
+            return data
 
-    return LimitedChannel(stream, compress=False)
+        def send(self, data):
+            head = self.FRAME_HEADER.pack(len(data), 0)
+            tag = auth.send.tag(head, data)
+            if len(data) <= 65536:
+                self.stream.write(head + data + tag + self.FLUSHER)
+            else:
+                self.stream.write(head)
+                self.stream.write(data)
+                self.stream.write(tag + self.FLUSHER)
+
+    return AuthenticatedChannel(stream, compress=False)
+
+
+class FrameRejected(EOFError):
+    """A control frame that failed its tag check: the connection is closed (EOFError ends rpyc's loop)."""
 
 
 class MessageTooLarge(EOFError):

@@ -33,10 +33,10 @@ import time
 
 from tapml.errors import DeviceLost, PlatformError, TapmlError, Unsupported
 from tapml.remote import protocol as P
-from tapml.remote.limits import (LimitExceeded, ServerLimits, check_graph, check_node, check_ops_json,
-                                 check_program)
+from tapml.remote.limits import (MAX_SLOTS, LimitExceeded, ServerLimits, check_graph, check_node, check_ops_json,
+                                 check_program, parse_request)
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = P.PROTOCOL_VERSION
 DEFAULT_PORT = 18861
 DEFAULT_MAX_MESSAGE = 1 << 30
 SERVICE_NAME = "TAPML"
@@ -101,9 +101,33 @@ class ConnectionState:
         self.sockets: list[socket.socket] = []
         self._out = itertools.count(OUTPUT_SLOTS)
         self.closed = False
+        self.slot_bytes = 0  # bytes of the tensors in slots, and of uploads admitted but still arriving
+
+    def reserve(self, nbytes: int, what: str = "an upload") -> None:
+        """Admit ``nbytes`` more into this connection's slots, before they are read or made;
+        LimitExceeded past ``max_bytes`` or :data:`MAX_SLOTS` tensors."""
+        with self.cond:
+            if len(self.slots) >= MAX_SLOTS or self.slot_bytes + nbytes > self.max_bytes:
+                raise LimitExceeded(f"{what} of {nbytes} bytes: this connection already holds {len(self.slots)} tensors "
+                                    f"({self.slot_bytes} bytes) that were not run or downloaded; this server allows "
+                                    f"{MAX_SLOTS} and {self.max_bytes} bytes per connection (tapml serve --max-buffer-mib)")
+            self.slot_bytes += nbytes
+
+    def release(self, nbytes: int) -> None:
+        with self.cond:
+            self.slot_bytes -= nbytes
+
+    def pop(self, slot: int):
+        """Remove and return the tensor of ``slot`` (None when empty); the caller holds ``cond``."""
+        tensor = self.slots.pop(slot, None)
+        if tensor is not None:
+            self.slot_bytes -= tensor.numel() * tensor.element_size()
+        return tensor
 
     def put(self, slot: int, tensor) -> None:
+        """Fill ``slot`` with an upload whose bytes were :meth:`reserve`d."""
         with self.cond:
+            self.pop(slot)
             self.slots[slot] = tensor
             self.cond.notify_all()
 
@@ -119,9 +143,13 @@ class ConnectionState:
                     missing = [s for s in slots if s not in self.slots]
                     raise PlatformError(f"inputs {missing} did not arrive within {timeout:g}s")
                 self.cond.wait(left)
-            return [self.slots.pop(s) for s in slots]
+            return [self.pop(s) for s in slots]
 
-    def store(self, tensor) -> int:
+    def store(self, tensor, what: str = "an output", reserved: bool = False) -> int:
+        """Put a tensor made on the server in a fresh slot; LimitExceeded when this connection
+        holds too much already (:meth:`reserve`; ``reserved``: its bytes were reserved before it was made)."""
+        if not reserved:
+            self.reserve(tensor.numel() * tensor.element_size(), what)
         slot = next(self._out)
         with self.cond:
             self.slots[slot] = tensor
@@ -194,6 +222,7 @@ class ConnectionState:
         with self.cond:
             self.closed = True
             self.slots.clear()
+            self.slot_bytes = 0
             self.cond.notify_all()
         self.held.clear()
         self.resident.clear()
@@ -228,7 +257,7 @@ class Device:
         self.programs = ProgramCache(on_evict=self._forget_graphs)
         self.graph_keys: dict[str, str] = {}  # graph JSON hash -> key of the program compiled from it
         self.sessions: dict[bytes, ConnectionState] = {}
-        self.server_id = os.urandom(8).hex()
+        self.server_id = os.urandom(P.SERVER_ID).hex()  # stated in every handshake
         self._caps: dict | None = None
         self.compiled = 0
         self.runs = 0
@@ -256,9 +285,12 @@ class Device:
 
     def info(self, session: ConnectionState) -> dict:
         return {"protocol": PROTOCOL_VERSION, "platform": self.spec, "caps": self.caps,
-                "max_message": self.max_message, "session": session.id.hex(), "server_id": self.server_id,
+                "max_message": self.max_message, "max_request": self.limits.max_request_bytes,
+                "session": session.id.hex(), "server_id": self.server_id,
                 "limits": {"max_invocations": self.limits.max_invocations,
-                           "max_buffer_bytes": self.limits.max_buffer_bytes, "run_timeout": self.limits.run_timeout}}
+                           "max_buffer_bytes": self.limits.max_buffer_bytes, "run_timeout": self.limits.run_timeout,
+                           "max_request_bytes": self.limits.max_request_bytes,
+                           "max_request_elements": self.limits.max_request_elements}}
 
     def program(self, key: str | None = None, graph_hash: str | None = None):
         """The cached program of ``key`` (or of the graph whose JSON hashes to ``graph_hash``),
@@ -326,7 +358,8 @@ def announcement(device: Device) -> list[str]:
 
 
 def parse_announcement(name: str) -> dict | None:
-    """Inverse of :func:`announcement` for one alias; None when it is not one."""
+    """Inverse of :func:`announcement` for one alias; None when it is not one, or when a field
+    has the wrong type (:func:`~tapml.remote.announcement.check_announcement`)."""
     import base64
     if not name.upper().startswith(f"{SERVICE_NAME}-"):
         return None
@@ -334,7 +367,8 @@ def parse_announcement(name: str) -> dict | None:
         info = json.loads(base64.b32decode(name[len(SERVICE_NAME) + 1:].upper()).decode())
     except (ValueError, UnicodeDecodeError):
         return None
-    return info if isinstance(info, dict) else None
+    from tapml.remote.announcement import check_announcement
+    return check_announcement(info)
 
 
 def make_service(device: Device):
@@ -373,20 +407,24 @@ def make_service(device: Device):
             """Nothing: measures the round trip."""
 
         def exposed_supports(self, node_json) -> str:
-            """'' when the platform can run the node (JSON), else the reason it cannot."""
+            """Whether the platform can run the node (JSON): ``{"reason": null}`` when it can,
+            ``{"reason": why}`` when it cannot, ``{"error": {kind, message}}`` when the device
+            failed to answer (a fault, such as a worker that died: never a reason)."""
             try:
-                raw = json.loads(_str(node_json, "node_json"))
+                raw = parse_request(_str(node_json, "node_json"), device.limits)
                 check_node(raw if isinstance(raw, dict) else {})
                 node = Node.from_json(raw)
             except (TypeError, ValueError, KeyError) as e:
-                return f"malformed node: {e}"
+                return json.dumps({"reason": f"malformed node: {e}"})
             except Unsupported as e:
-                return str(e)
+                return json.dumps({"reason": str(e)})
             try:
                 with device.exclusive():
-                    return device.platform.supports(node) or ""
-            except Exception as e:  # noqa: BLE001 - a reason, not a crash
-                return f"{type(e).__name__}: {e}"
+                    return json.dumps({"reason": device.platform.supports(node) or None})
+            except Unsupported as e:
+                return json.dumps({"reason": str(e)})
+            except Exception as e:  # noqa: BLE001 - the client reports it as an error, not a reason
+                return _error_of(e)
 
         def exposed_compile(self, graph_json) -> str:
             """Compile a graph (JSON); returns ``{"key", "program"}`` or ``{"error": {kind, message}}``."""
@@ -396,7 +434,7 @@ def make_service(device: Device):
                 program = device.program(graph_hash=ghash)
                 if program is not None:
                     return json.dumps({"key": program.key, "program": program.to_json()})
-                raw = json.loads(text)
+                raw = parse_request(text, device.limits)
                 check_ops_json(raw)
                 graph = Graph.from_json(raw)
                 check_graph(graph, device.limits)
@@ -414,7 +452,7 @@ def make_service(device: Device):
         def exposed_load(self, program_json) -> str:
             """Cache a program compiled elsewhere (JSON); returns ``{"key"}`` or an error."""
             try:
-                raw = json.loads(_str(program_json, "program_json"))
+                raw = parse_request(_str(program_json, "program_json"), device.limits)
                 check_ops_json(raw.get("graph") if isinstance(raw, dict) else None)
                 program = KernelProgram.from_json(raw)
                 check_program(program, device.limits, device.program_kind)
@@ -435,8 +473,8 @@ def make_service(device: Device):
             from tapml.platforms.base import ResidentTensor
             try:
                 key = _str(key, "key")
-                items, keep = parse_run_request(json.loads(_str(slots_json, "slots_json")))
-            except (TypeError, ValueError) as e:
+                items, keep = parse_run_request(parse_request(_str(slots_json, "slots_json"), device.limits))
+            except (TypeError, ValueError, LimitExceeded) as e:
                 return _error("usage", str(e))
             session = self.session
             try:
@@ -470,10 +508,18 @@ def make_service(device: Device):
                 session.forget_kept(key, len(program.outputs))
                 return _error("platform", str(e)) if isinstance(e, ValueError) else _error_of(e)
             ids = session.after_run(program, args, keep, outputs)
-            return json.dumps({"outputs": [[None, program.output_meta[i].to_json()] if i in keep else
-                                           [session.store(t), TensorMeta.of(t).to_json()]
-                                           for i, t in enumerate(outputs)],
-                               "resident": ids, "device_ms": ms})
+            reply = []
+            try:
+                for i, t in enumerate(outputs):
+                    reply.append([None, program.output_meta[i].to_json()] if i in keep else
+                                 [session.store(t), TensorMeta.of(t).to_json()])
+            except LimitExceeded as e:  # the outputs stored so far go too: the client gets none of them
+                with session.cond:
+                    for slot, _ in reply:
+                        if slot is not None:
+                            session.pop(slot)
+                return _error_of(e)
+            return json.dumps({"outputs": reply, "resident": ids, "device_ms": ms})
 
         def exposed_read(self, resident_id) -> str:
             """Download a resident tensor (by the id a run gave it): ``{"outputs": [[slot, meta]]}``
@@ -488,87 +534,134 @@ def make_service(device: Device):
                     t = device.platform.read(handle)
             except Exception as e:  # noqa: BLE001 - the client reports it
                 return _error_of(e)
-            return json.dumps({"outputs": [[self.session.store(t), TensorMeta.of(t).to_json()]]})
+            try:
+                return json.dumps({"outputs": [[self.session.store(t), TensorMeta.of(t).to_json()]]})
+            except LimitExceeded as e:
+                return _error_of(e)
 
         def exposed_free(self, slots_json) -> None:
             """Drop tensors the client will not download."""
-            slots = json.loads(_str(slots_json, "slots_json"))
+            slots = parse_request(_str(slots_json, "slots_json"), device.limits)
             with self.session.cond:
                 for s in slots if isinstance(slots, list) else []:
                     if type(s) is int:
-                        self.session.slots.pop(s, None)
+                        self.session.pop(s)
 
         def exposed_bench_tensor(self, nbytes) -> int:
             """Create a float32 tensor of ``nbytes`` in a slot, for download benchmarks."""
             import torch
             if type(nbytes) is not int or not 0 < nbytes <= device.max_message or nbytes % 4:
                 raise ValueError("nbytes must be a positive multiple of 4 within the message limit")
-            return self.session.store(torch.ones(nbytes // 4, dtype=torch.float32))
+            self.session.reserve(nbytes, "a benchmark tensor")  # refused before it is made
+            try:
+                tensor = torch.ones(nbytes // 4, dtype=torch.float32)
+            except BaseException:
+                self.session.release(nbytes)
+                raise
+            return self.session.store(tensor, reserved=True)
 
     return DeviceService
 
 
-def serve_bulk(device: Device, sock: socket.socket, peer) -> None:
+def serve_bulk(device: Device, link: P.Link, peer) -> None:
     """Serve one authenticated bulk connection until it closes."""
-    kind, _, _, _, n = P.recv_header(sock, 64)
-    session = device.sessions.get(bytes(P.recv_payload(sock, n))) if kind == P.SESS else None
+    kind, _, _, _, payload = link.recv(64)
+    session = device.sessions.get(bytes(payload)) if kind == P.SESS else None
     if session is None:
-        P.send_error(sock, "unknown session: open the control connection first")
+        link.send_error("unknown session: open the control connection first")
         return
-    session.sockets.append(sock)
-    P.send_message(sock, P.ACK)
+    session.sockets.append(link.sock)
+    link.send(P.ACK)
     try:
         while True:
             try:
-                kind, slot, dtype, shape, nbytes = P.recv_header(sock, device.max_message)
+                kind, slot, dtype, shape, nbytes = link.recv_header(device.max_message)
             except P.ProtocolError as e:
                 log.warning("%s: %s", peer, e)
                 session.fail(str(e))
-                P.send_error(sock, str(e))
+                link.send_error(str(e))
                 return
             if kind in (P.PUT, P.PUTA):
-                payload = P.recv_payload(sock, nbytes)
                 try:
-                    tensor = P.tensor_from(dtype, shape, payload)
-                except P.ProtocolError as e:
+                    session.reserve(nbytes)  # before a byte of the payload is read
+                except LimitExceeded as e:
+                    log.warning("%s: %s", peer, e)
                     session.fail(str(e))
-                    P.send_error(sock, str(e), slot)
+                    link.send_error(str(e), slot)
+                    _drain(link.sock, nbytes + P.MAC)  # so the client reads the reason, not a reset
                     return
+                try:
+                    tensor = P.tensor_from(dtype, shape, link.recv_payload(nbytes))
+                except P.ProtocolError as e:
+                    session.release(nbytes)
+                    session.fail(str(e))
+                    link.send_error(str(e), slot)
+                    return
+                except BaseException:
+                    session.release(nbytes)
+                    raise
                 if slot >= OUTPUT_SLOTS:
-                    P.send_error(sock, f"slot {slot} is reserved for outputs", slot)
+                    session.release(nbytes)
+                    link.send_error(f"slot {slot} is reserved for outputs", slot)
                     return
                 session.put(slot, tensor)
                 if kind == P.PUTA:
-                    P.send_message(sock, P.ACK, slot)
+                    link.send(P.ACK, slot)
             elif kind in (P.GET, P.GETK):
+                link.recv_payload(nbytes)
                 with session.cond:
-                    tensor = session.slots.get(slot) if kind == P.GETK else session.slots.pop(slot, None)
+                    tensor = session.slots.get(slot) if kind == P.GETK else session.pop(slot)
                 if tensor is None:
-                    P.send_error(sock, f"no tensor in slot {slot}", slot)
+                    link.send_error(f"no tensor in slot {slot}", slot)
                 else:
-                    P.send_tensor(sock, P.TENSOR, slot, tensor)
+                    link.send_tensor(P.TENSOR, slot, tensor)
             else:
-                P.send_error(sock, f"unknown message kind {kind!r}")
+                link.send_error(f"unknown message kind {kind!r}")
                 return
     finally:
-        if sock in session.sockets:
-            session.sockets.remove(sock)
+        if link.sock in session.sockets:
+            session.sockets.remove(link.sock)
 
 
-def serve_raw(device: Device, sock: socket.socket) -> None:
-    """The benchmark's baseline: a plain socket that sinks or sources bytes, nothing else."""
-    scratch = b""
+RAW_CHUNK = 1 << 20
+
+
+def _drain(sock: socket.socket, nbytes: int, linger: float = 2.0) -> None:
+    """Read and drop up to ``nbytes`` the peer is still sending (at most ``linger`` seconds), after
+    an answer that refuses them: closing with them unread would reset the connection and lose it."""
+    try:
+        sock.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + linger
+        scratch = bytearray(RAW_CHUNK)
+        while nbytes > 0 and time.monotonic() < deadline:
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            got = sock.recv_into(scratch, min(nbytes, RAW_CHUNK))
+            if not got:
+                break
+            nbytes -= got
+    except OSError:
+        pass
+
+
+def serve_raw(device: Device, link: P.Link) -> None:
+    """The benchmark's baseline: an authenticated socket that sinks or sources bytes, framed and
+    tagged as bulk messages are, and nothing else. It holds one chunk of memory whatever sizes
+    are asked for: ``SINK`` (payload: n bytes) is answered ``ACK``, ``SOURCE`` (slot: n) with a
+    message of n zero bytes, ``PING`` with ``ACK``."""
+    chunk = memoryview(bytearray(RAW_CHUNK))
     while True:
-        kind, _, _, _, n = P.recv_header(sock, device.max_message)
+        kind, n, _, _, nbytes = link.recv_header(device.max_message)
         if kind == P.SINK:
-            P.recv_payload(sock, n)
-            sock.sendall(b"k")
-        elif kind == P.SOURCE:
-            if len(scratch) != n:
-                scratch = bytes(n)
-            sock.sendall(scratch)
-        elif kind == P.PING:
-            sock.sendall(b"k")
+            link.recv_through(nbytes, chunk)
+            link.send(P.ACK)
+        elif kind in (P.SOURCE, P.PING):
+            link.recv_payload(nbytes)
+            if kind == P.PING:
+                link.send(P.ACK)
+            elif n > device.max_message:
+                link.send_error(f"{n} bytes exceed the message limit of {device.max_message}")
+            else:
+                link.send_repeated(P.TENSOR, n, chunk)
         else:
             return
 
@@ -580,17 +673,21 @@ class AuthGate:
     once; more are refused at once, before their answer is read. A handshake that fails holds
     its place until the address's next free turn: turns are ``delay`` apart, doubling with each
     recent failure up to ``max_delay``, so guesses from one address come at most
-    ``1/max_delay`` per second however many connections carry them. A correct answer is never
+    ``1/max_delay`` per second however many connections carry them. Failures also take turns of
+    the whole server (``server_delay`` doubling up to ``server_max_delay``), so guesses from many
+    addresses come at most ``1/server_max_delay`` per second in all. A correct answer is never
     delayed. Failures are forgotten ``forget`` seconds after the last one.
     """
 
     def __init__(self, per_host: int = 32, total: int = 256, delay: float = 0.05, max_delay: float = 1.0,
-                 forget: float = 60.0):
+                 forget: float = 60.0, server_delay: float = 0.01, server_max_delay: float = 0.25):
         self.per_host, self.total = per_host, total
         self.delay, self.max_delay, self.forget = delay, max_delay, forget
+        self.server_delay, self.server_max_delay = server_delay, server_max_delay
         self._lock = threading.Lock()
         self._pending: dict[str, int] = {}
         self._failures: dict[str, tuple[int, float, float]] = {}  # host -> (count, last failure, next turn)
+        self._server = (0, 0.0, 0.0)  # the same over every address: loopback alone offers 2**24 of them
 
     def enter(self, host: str) -> str | None:
         """Take a place for a handshake from ``host``; the refusal reason when there is none."""
@@ -622,6 +719,13 @@ class AuthGate:
             count += 1
             turn = max(turn, now) + min(self.delay * 2 ** (count - 1), self.max_delay)
             self._failures[host] = (count, now, turn)
+            every, last_any, turn_any = self._server
+            if now - last_any > self.forget:
+                every, turn_any = 0, now
+            every += 1
+            turn_any = max(turn_any, now) + min(self.server_delay * 2 ** min(every - 1, 60), self.server_max_delay)
+            self._server = (every, now, turn_any)
+            turn = max(turn, turn_any)
             if len(self._failures) > 4096:  # forget the oldest addresses first
                 for old in sorted(self._failures, key=lambda h: self._failures[h][1])[:1024]:
                     del self._failures[old]
@@ -647,13 +751,14 @@ def make_server(device: Device, host: str, port: int, token: str | None, registr
             P.refuse(sock, busy)
             raise AuthenticationError(busy)
         try:
-            role = P.server_handshake(sock, token, auth_timeout, pace=lambda ok: gate.pace(host, ok))
+            auth = P.server_handshake(sock, token, auth_timeout, pace=lambda ok: gate.pace(host, ok),
+                                      server_id=bytes.fromhex(device.server_id))
         except P.AuthError as e:
             log.warning("refused %s: %s", peer, e)
             raise AuthenticationError(str(e)) from None
         finally:
             gate.leave(host)
-        return sock, role
+        return sock, auth
 
     class DeviceServer(ThreadedServer):
         def accept(self):
@@ -667,17 +772,17 @@ def make_server(device: Device, host: str, port: int, token: str | None, registr
                 log.warning("accept failed (too many connections?); retrying")
                 time.sleep(0.1)
 
-        def _serve_client(self, sock, role):
+        def _serve_client(self, sock, auth):
             peer = _peer(sock)
             try:
-                if role == "bulk":
-                    serve_bulk(device, sock, peer)
-                elif role == "raw":
-                    serve_raw(device, sock)
+                if auth.role == "bulk":
+                    serve_bulk(device, P.Link(sock, auth), peer)
+                elif auth.role == "raw":
+                    serve_raw(device, P.Link(sock, auth))
                 else:
                     config = dict(self.protocol_config, credentials=None, logger=self.logger,
                                   endpoints=(sock.getsockname(), sock.getpeername()))
-                    channel = P.limited_channel(SocketStream(sock), device.max_message,
+                    channel = P.limited_channel(SocketStream(sock), device.limits.max_request_bytes, auth,
                                                 on_refuse=lambda reason: log.warning("%s: %s", peer, reason))
                     self.service._connect(channel, config).serve_all()
             except (EOFError, OSError, P.ProtocolError) as e:

@@ -81,11 +81,13 @@ def read_until_closed(sock: socket.socket, timeout: float = REPLY_TIMEOUT_S, lim
     return data
 
 
-def authenticated(srv, role: str) -> socket.socket:
+def authenticated(srv, role: str) -> tuple[socket.socket, "P.Handshake"]:
+    """A socket past the handshake and its session keys (a fuzzer that holds the token signs its
+    frames, so they reach the parsers behind the frame check)."""
     sock = connect(srv)
-    P.client_handshake(sock, TOKEN, role)
+    auth = P.client_handshake(sock, TOKEN, role)
     sock.settimeout(REPLY_TIMEOUT_S)
-    return sock
+    return sock, auth
 
 
 # --- before authentication ------------------------------------------------------------------
@@ -107,7 +109,7 @@ def test_random_bytes_before_authentication_are_refused(server, mlp, figure):
     def check(reply, read_hello_first):
         with connect(server, next(_sources)) as sock:
             if read_hello_first:
-                hello = P.recv_exact(sock, len(P.MAGIC) + 1 + P.NONCE)
+                hello = P.recv_exact(sock, P.HELLO)
                 assert hello.startswith(P.MAGIC) and hello[len(P.MAGIC)] == 1
             sock.sendall(reply)
             try:
@@ -115,7 +117,7 @@ def test_random_bytes_before_authentication_are_refused(server, mlp, figure):
             except OSError:
                 pass
             data = read_until_closed(sock)
-        answer = data[len(P.MAGIC) + 1 + P.NONCE:] if not read_hello_first else data
+        answer = data[P.HELLO:] if not read_hello_first else data
         assert not answer.startswith(b"OK"), "the server accepted a random answer"
         if answer.startswith(b"NO"):
             (n,) = struct.unpack("!H", answer[2:4])
@@ -135,8 +137,15 @@ def test_random_bytes_before_authentication_are_refused(server, mlp, figure):
 
 # --- after authentication: the rpyc control channel -----------------------------------------
 
-def rpyc_frame(payload: bytes, length: int | None = None, compressed: int = 0) -> bytes:
-    return struct.pack("!LB", len(payload) if length is None else length, compressed) + payload
+def rpyc_frame(payload: bytes, length: int | None = None, compressed: int = 0) -> tuple[bytes, bytes]:
+    """(header, payload) of an rpyc frame, signed when sent (:func:`signed`)."""
+    return struct.pack("!LB", len(payload) if length is None else length, compressed), payload
+
+
+def signed(auth, frame: tuple[bytes, bytes]) -> bytes:
+    """An rpyc frame with the tag of the next frame of this session (protocol.limited_channel)."""
+    head, payload = frame
+    return head + payload + auth.send.tag(head, payload) + b"\n"
 
 
 def brine_values():
@@ -172,16 +181,17 @@ def test_random_control_frames_after_authentication(server, mlp, figure):
     @given(control_messages)
     def check(message):
         nonlocal tried
-        if isinstance(message, tuple):
+        if len(message) == 4:  # a brine request to encode (frames are (header, payload) pairs)
             msg, seq, handler, args = message
             try:
                 message = rpyc_frame(brine.I1.pack(msg) + brine.dump((seq, (handler, args))))
             except (ValueError, TypeError, struct.error):
                 return
         tried += 1
-        with authenticated(server, "control") as sock:
+        sock, auth = authenticated(server, "control")
+        with sock:
             try:
-                sock.sendall(message)
+                sock.sendall(signed(auth, message))
                 sock.shutdown(socket.SHUT_WR)  # the server answers what it got, then sees the end
             except OSError:
                 pass  # closed by the server part-way: a refusal
@@ -216,15 +226,17 @@ def test_random_bulk_messages_after_authentication(server, mlp, figure):
     @FUZZ
     @given(st.lists(bulk_headers, min_size=1, max_size=3), st.booleans())
     def check(messages, bind):
-        with authenticated(server, "bulk") as sock:
+        sock, auth = authenticated(server, "bulk")
+        with sock:
+            link = P.Link(sock, auth)
             if bind:  # bound to a live session, as a real client's bulk socket is
-                P.send_message(sock, P.SESS, 0, session)
-                assert P.recv_header(sock, 4096)[0] == P.ACK
-                P.recv_payload(sock, 0)
+                link.send(P.SESS, 0, session)
+                assert link.recv(4096)[0] == P.ACK
             try:
                 for kind, slot, dtype, shape, nbytes, body in messages:
-                    sock.sendall(P.HEADER.pack(kind, slot, dtype, len(shape) % 256, nbytes)
-                                 + struct.pack(f"!{len(shape)}Q", *shape) + body[:nbytes])
+                    head = P.HEADER.pack(kind, slot, dtype, len(shape) % 256, nbytes) + struct.pack(f"!{len(shape)}Q", *shape)
+                    # signed as a holder of the token would: the message reaches the server's parser
+                    sock.sendall(head + body[:nbytes] + (auth.send.tag(head, body[:nbytes]) if len(body) >= nbytes else b""))
             except OSError:
                 pass
             data = read_until_closed(sock, timeout=0.5)
@@ -253,9 +265,14 @@ def test_random_raw_headers_after_authentication(server, mlp, figure):
     def check(kind, nbytes):
         nonlocal tried
         tried += 1
-        with authenticated(server, "raw") as sock:
-            sock.sendall(P.HEADER.pack(kind, 0, 0, 0, nbytes))
-            sock.shutdown(socket.SHUT_WR)  # a SINK waiting for bytes that never come ends at EOF
+        sock, auth = authenticated(server, "raw")
+        with sock:
+            head = P.HEADER.pack(kind, nbytes if kind == P.SOURCE else 0, 0, 0, 0 if kind == P.SOURCE else nbytes)
+            try:
+                sock.sendall(head + auth.send.tag(head))  # signed, as a holder of the token would
+                sock.shutdown(socket.SHUT_WR)  # a SINK waiting for bytes that never come ends at EOF
+            except OSError:
+                pass  # an unknown kind: the server closed at once
             read_until_closed(sock, timeout=1.0, limit=1 << 17)
 
     check()

@@ -113,18 +113,18 @@ def test_ten_gib_size_header_after_authentication(server, mlp, figure):
 
         def bulk():
             sock = socket.create_connection((server.host, server.port), timeout=30)
-            P.client_handshake(sock, TOKEN, "bulk")
-            P.send_message(sock, P.SESS, 0, session)
-            assert P.recv_header(sock, 4096)[0] == P.ACK
-            return sock
+            link = P.Link(sock, P.client_handshake(sock, TOKEN, "bulk"))
+            link.send(P.SESS, 0, session)
+            assert link.recv(4096)[0] == P.ACK
+            return link
 
         # 10 GiB announced on the bulk socket: refused from its header, before a byte is read.
-        sock = bulk()
-        sock.sendall(P.HEADER.pack(P.PUT, 1, 0, 1, 10 << 30) + struct.pack("!Q", (10 << 30) // 4))
-        kind, _, _, _, n = P.recv_header(sock, 4096)
-        assert kind == P.ERR and b"exceeds the server's limit" in P.recv_payload(sock, n)
-        assert closed_within(sock, 10)
-        sock.close()
+        link = bulk()
+        link.sock.sendall(P.HEADER.pack(P.PUT, 1, 0, 1, 10 << 30) + struct.pack("!Q", (10 << 30) // 4))
+        kind, _, _, _, payload = link.recv(4096)
+        assert kind == P.ERR and b"exceeds the server's limit" in payload
+        assert closed_within(link.sock, 10)
+        link.close()
 
         # 10 GiB announced in an rpyc frame on a control connection: the connection is dropped.
         control = socket.create_connection((server.host, server.port), timeout=30)
@@ -135,7 +135,7 @@ def test_ten_gib_size_header_after_authentication(server, mlp, figure):
 
         # 900 MiB announced (under the limit), 1 MiB sent, then silence: the server holds only
         # what it was sent, not what was announced.
-        held = [bulk() for _ in range(3)]
+        held = [bulk().sock for _ in range(3)]
         for sock in held:
             sock.sendall(P.HEADER.pack(P.PUT, 2, 0, 1, 900 << 20) + struct.pack("!Q", (900 << 20) // 4))
             sock.sendall(bytes(1 << 20))
@@ -234,7 +234,7 @@ def test_token_comparisons_are_constant_time(monkeypatch):
         t = threading.Thread(target=client)
         t.start()
         try:
-            assert P.server_handshake(b, "secret-token") == "bulk"
+            assert P.server_handshake(b, "secret-token").role == "bulk"
         except P.AuthError as e:
             assert "token does not match" in str(e)
         t.join(10)

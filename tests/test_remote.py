@@ -36,10 +36,10 @@ def strip_timings(result: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def server():
-    """A reference device server that requires TOKEN, refuses messages over 1 MiB and drops
+    """A reference device server that requires TOKEN, refuses tensors and requests over 1 MiB and drops
     connections that have not authenticated within 2 s."""
     from tapml.remote.launcher import ServerProcess
-    srv = ServerProcess(platform="reference", token=TOKEN, args=("--max-message-mib", "1", "--auth-timeout", "2"))
+    srv = ServerProcess(platform="reference", token=TOKEN, args=("--max-message-mib", "1", "--max-request-mib", "1", "--auth-timeout", "2"))
     yield srv
     assert srv.stop() == 0
 
@@ -56,11 +56,11 @@ def remote(srv, token=TOKEN, **kwargs):
 
 
 def handshake(srv, role, token=TOKEN):
-    """An authenticated plain socket of ``role`` (control/bulk/raw), for speaking the protocol by hand."""
+    """An authenticated plain socket of ``role`` (control/bulk/raw) and its session keys, for
+    speaking the protocol by hand."""
     from tapml.remote import protocol as P
     sock = socket.create_connection((srv.host, srv.port), timeout=10)
-    P.client_handshake(sock, token, role)
-    return sock
+    return sock, P.client_handshake(sock, token, role)
 
 
 # --- parity and caching ---------------------------------------------------------------------
@@ -147,7 +147,7 @@ def test_unauthenticated_clients_cannot_call_anything(server):
     # Bytes that are not the protocol get a refusal, not a service.
     with socket.create_connection((server.host, server.port), timeout=10) as sock:
         from tapml.remote import protocol as P
-        P.recv_exact(sock, len(P.MAGIC) + 1 + P.NONCE)
+        P.recv_exact(sock, P.HELLO)
         sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(64))
         assert sock.recv(2) == b"NO"
     stats_after = _server_stats(server)
@@ -178,7 +178,7 @@ def test_handshake_never_sends_the_token_and_resists_replay(server):
 
     def fake_server():
         conn, _ = listener.accept()
-        conn.sendall(P.MAGIC + b"\x01" + nonce)
+        conn.sendall(P.MAGIC + b"\x01" + nonce + os.urandom(P.SERVER_ID))
         captured["reply"] = P.recv_exact(conn, 1 + P.NONCE + P.MAC)
         conn.close()
 
@@ -193,7 +193,7 @@ def test_handshake_never_sends_the_token_and_resists_replay(server):
     assert TOKEN.encode() not in captured["reply"]
     # Replaying the captured answer to the real server (which sends a fresh nonce) is refused.
     with socket.create_connection((server.host, server.port), timeout=10) as sock:
-        P.recv_exact(sock, len(P.MAGIC) + 1 + P.NONCE)
+        P.recv_exact(sock, P.HELLO)
         sock.sendall(captured["reply"])
         assert P.recv_exact(sock, 2) == b"NO"
 
@@ -207,7 +207,7 @@ def test_client_refuses_a_server_that_does_not_know_the_token(server):
 
     def impostor():
         conn, _ = listener.accept()
-        conn.sendall(P.MAGIC + b"\x01" + os.urandom(P.NONCE))
+        conn.sendall(P.MAGIC + b"\x01" + os.urandom(P.NONCE + P.SERVER_ID))
         P.recv_exact(conn, 1 + P.NONCE + P.MAC)
         conn.sendall(b"OK" + os.urandom(P.MAC))
         conn.close()
@@ -238,16 +238,16 @@ def test_oversize_messages_are_refused(server, mlp):
             platform.run(program, [torch.ones(512, 1024)])
 
         # A client that ignores the limit: the bulk header is refused before its payload is read.
-        bulk = handshake(server, "bulk")
-        P.send_message(bulk, P.SESS, 0, bytes.fromhex(platform.info["session"]))
-        assert P.recv_header(bulk, 4096)[0] == P.ACK
-        bulk.sendall(P.HEADER.pack(P.PUT, 1, 0, 1, 2 << 20) + struct.pack("!Q", 512 << 10))
-        kind, _, _, _, n = P.recv_header(bulk, 4096)
-        assert kind == P.ERR and b"exceeds" in P.recv_payload(bulk, n)
+        bulk = P.Link(*handshake(server, "bulk"))
+        bulk.send(P.SESS, 0, bytes.fromhex(platform.info["session"]))
+        assert bulk.recv(4096)[0] == P.ACK
+        bulk.sock.sendall(P.HEADER.pack(P.PUT, 1, 0, 1, 2 << 20) + struct.pack("!Q", 512 << 10))
+        kind, _, _, _, payload = bulk.recv(4096)
+        assert kind == P.ERR and b"exceeds" in payload
         bulk.close()
 
     # An rpyc frame announcing 2 MiB on the control connection: dropped before it is read.
-    control = handshake(server, "control")
+    control, _ = handshake(server, "control")
     control.sendall(struct.pack("!LB", 2 << 20, 0) + bytes(1024))
     control.settimeout(10)
     assert control.recv(1) == b""
@@ -265,7 +265,7 @@ import socket, struct, sys, time
 from tapml.remote import protocol as P
 from tapml.remote.client import RemotePlatform
 p = RemotePlatform(sys.argv[1], int(sys.argv[2]), token=sys.argv[3])
-bulk = p._bulk
+bulk = p._bulk.sock
 bulk.sendall(P.HEADER.pack(P.PUT, 7, 0, 1, 1 << 20) + struct.pack("!Q", 1 << 18))
 bulk.sendall(bytes(300_000))
 print("sent", flush=True)

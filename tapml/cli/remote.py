@@ -31,7 +31,11 @@ def serve(platform: str = typer.Option("wgpu", "--platform", "-p", help=SERVE_PL
           port: int = typer.Option(18861, "--port", help="TCP port; 0 picks a free one (printed)"),
           token_file: Optional[str] = TokenFileOpt,
           register: Optional[str] = typer.Option(None, "--register", help="Announce to an rpyc registry: [udp://|tcp://]HOST[:PORT]"),
-          max_message_mib: int = typer.Option(1024, "--max-message-mib", help="Refuse messages (tensors, JSON) larger than this"),
+          max_message_mib: int = typer.Option(1024, "--max-message-mib", help="Refuse tensor messages larger than this"),
+          max_request_mib: int = typer.Option(64, "--max-request-mib",
+                                              help="Refuse control messages (JSON requests: graphs, programs) larger than this"),
+          max_request_elements: int = typer.Option(1 << 21, "--max-request-elements",
+                                                   help="Refuse JSON requests holding more values than this (counted before parsing)"),
           timeout: float = typer.Option(300.0, "--timeout", help="Seconds a run may wait for its input tensors"),
           auth_timeout: float = typer.Option(10.0, "--auth-timeout", help="Seconds a new connection has to authenticate"),
           max_invocations: int = typer.Option(1 << 32, "--max-invocations",
@@ -56,8 +60,8 @@ def serve(platform: str = typer.Option("wgpu", "--platform", "-p", help=SERVE_PL
         fail("--no-launch only applies to --platform browser")
     if not 0 <= port < 65536:
         fail(f"--port {port} is out of range (0-65535; 0 picks a free port)")
-    if max_message_mib < 1:
-        fail("--max-message-mib must be at least 1")
+    if max_message_mib < 1 or max_request_mib < 1 or max_request_elements < 1:
+        fail("--max-message-mib, --max-request-mib and --max-request-elements must be at least 1")
     if timeout <= 0 or auth_timeout <= 0:
         fail("--timeout and --auth-timeout must be positive")
     if max_invocations < 1 or max_buffer_mib < 1 or not 0 < run_timeout < 1e6:
@@ -65,6 +69,7 @@ def serve(platform: str = typer.Option("wgpu", "--platform", "-p", help=SERVE_PL
     if register:
         parse_registry(register)
     token = read_token(token_file)
+    limits = ServerLimits(max_invocations, max_buffer_mib << 20, run_timeout, max_request_mib << 20, max_request_elements)
     if not is_loopback(host) and not token:
         console.print(f"[bold yellow]warning:[/] serving on {host} without a token: anyone who can reach this "
                       "port can run programs on this device; pass --token-file or set TAPML_TOKEN", highlight=False)
@@ -80,7 +85,8 @@ def serve(platform: str = typer.Option("wgpu", "--platform", "-p", help=SERVE_PL
         device = open_target(platform)
     else:
         from tapml.remote.device_worker import WorkerPlatform
-        device = WorkerPlatform(platform, timeout=run_timeout)  # killable when a run passes --run-timeout
+        # killable when a run passes --run-timeout; its address space bounded by the limits
+        device = WorkerPlatform(platform, timeout=run_timeout, address_space=limits.worker_address_space())
 
     def announce(bound_host: str, bound_port: int) -> None:
         adapter = "adapter: the page that opens the URL" if no_launch else device.caps().get("adapter", "?")
@@ -92,7 +98,7 @@ def serve(platform: str = typer.Option("wgpu", "--platform", "-p", help=SERVE_PL
         run_server(device, platform, host=host, port=port, token=token, max_message=max_message_mib << 20,
                    register=register, timeout=timeout, on_listen=announce,
                    lazy_caps=no_launch, auth_timeout=auth_timeout, on_stop=device.close,
-                   limits=ServerLimits(max_invocations, max_buffer_mib << 20, run_timeout))
+                   limits=limits)
     finally:
         device.close()
     print("tapml serve: stopped", flush=True)
@@ -180,6 +186,7 @@ def _probe(host: str, port: int, announced: dict, token: str | None, timeout: fl
     """What the registry announced for one device, updated with its live caps when the token
     lets us in; ``status`` says why not otherwise."""
     from tapml.errors import TapmlError
+    from tapml.remote.announcement import check_announcement
     from tapml.remote.client import RemotePlatform
     # what a registry announces is anyone's word: text as text, features as a list of text
     features = announced.get("features")
@@ -190,9 +197,16 @@ def _probe(host: str, port: int, announced: dict, token: str | None, timeout: fl
     try:
         with RemotePlatform(host, port, token=token, timeout=timeout, connect_timeout=timeout) as device:
             caps = device.caps()
-            row.update(platform=device.info.get("platform", row["platform"]), adapter=caps.get("adapter", ""),
-                       backend=caps.get("backend", ""), features=list(caps.get("features", [])),
-                       limits=dict(caps.get("limits", {})), dtypes=list(caps.get("dtypes", [])))
+            # the device's own word: held to the same types as an announcement
+            shown = check_announcement({"platform": device.info.get("platform", row["platform"]),
+                                        **{k: caps.get(k) for k in ("adapter", "backend", "features")}})
+            limits, dtypes = caps.get("limits", {}), caps.get("dtypes", [])
+            if shown is None or not isinstance(limits, dict) or type(dtypes) is not list:
+                row["status"] = "the device's caps are malformed (a field of the wrong type)"
+            else:
+                row.update(platform=shown.get("platform", row["platform"]), adapter=shown.get("adapter", ""),
+                           backend=shown.get("backend", ""), features=shown.get("features", []),
+                           limits=dict(limits), dtypes=[str(d) for d in dtypes])
     except TapmlError as e:
         row["status"] = str(e)
     return row
