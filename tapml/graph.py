@@ -668,10 +668,15 @@ def node_results(node: Node, result: Any) -> list:
 
 
 def run_node(node: Node, value_of) -> list[torch.Tensor]:
-    """Run one node eagerly with torch; returns its output tensors in ``output_refs`` order."""
+    """Run one node eagerly with torch; returns its output tensors in ``output_refs`` order.
+    Its data-dependent arguments and output sizes are checked first (:func:`tapml.meta_sizes.guard_call`:
+    :class:`tapml.op_bounds.OutOfBounds`, a ValueError, instead of an out-of-bounds kernel)."""
+    from tapml.meta_sizes import guard_call
     fn = resolve_op(node.op)
-    out = fn(*decode_arg(node.args, value_of), **{k: decode_arg(v, value_of) for k, v in node.kwargs.items()})
-    return node_results(node, out)
+    args = decode_arg(node.args, value_of)
+    kwargs = {k: decode_arg(v, value_of) for k, v in node.kwargs.items()}
+    guard_call(node.op, args, kwargs)
+    return node_results(node, fn(*args, **kwargs))
 
 
 def run_graph(graph: Graph, inputs: dict[str, torch.Tensor], run=run_node) -> dict[str, torch.Tensor]:
