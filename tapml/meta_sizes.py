@@ -90,8 +90,10 @@ def meta_results(op_name: str, args, kwargs) -> list | None:
     except NotImplementedError:
         return None
     except Exception as e:  # noqa: BLE001 - torch raises many kinds for data-dependent ops on meta
+        # an op whose result needs the values (repeat_interleave, narrow with a tensor start) says "meta"
         if type(e).__name__ in ("DataDependentOutputException", "DynamicOutputShapeException",
-                                "GuardOnDataDependentSymNode", "UnsupportedOperatorException"):
+                                "GuardOnDataDependentSymNode", "UnsupportedOperatorException") \
+                or (isinstance(e, RuntimeError) and "meta" in str(e).lower()):
             return None
         raise
     return list(out) if isinstance(out, (list, tuple)) else [out]
@@ -117,8 +119,8 @@ def guard_call(op_name: str, args, kwargs, budget: int | None = None) -> None:
     budget = memory_budget() if budget is None else budget
     try:
         results = meta_results(op_name, args, kwargs)
-    except Exception as e:  # noqa: BLE001 - the op's own refusal of its arguments
-        raise OutOfBounds(f"{op_name}: its arguments do not fit the op ({type(e).__name__}: {str(e)[:300]})") from None
+    except Exception:  # noqa: BLE001 - the op refuses its arguments itself when it runs: an error verdict
+        return
     for i, t in enumerate(results or ()):
         if t is not None and hasattr(t, "shape"):
             _check_budget(f"{op_name}: output {i}", t.shape, t.dtype, budget)

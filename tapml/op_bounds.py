@@ -446,35 +446,27 @@ def _one_hot(b: dict) -> None:
 
 
 def _repeats(b: dict) -> None:
-    repeats = _ints(b, "repeats" if "repeats" in b else "self")
+    """repeat_interleave: repeats >= 0, one per element (or one for all), and the repeated length
+    (what ``output_size`` must say when given) within the budget."""
+    repeats = _ints(b, "repeats")
     if repeats.dim() > 1:
         raise OutOfBounds(f"repeats must be 0-d or 1-d, not {repeats.dim()}-d")
-    self = b.get("self") if "repeats" in b else None
-    if _tensor(self):
+    ext = _extremes(repeats)
+    if ext is not None and ext[0] < 0:
+        raise OutOfBounds(f"repeats holds {ext[0]}; repeats must be >= 0")
+    self, size = b.get("self"), b.get("output_size")
+    if self is None:  # repeat_interleave(repeats): the indices, repeated
+        length, row = int(repeats.sum()), 8
+    else:
         dim = b.get("dim")
         n = self.numel() if dim is None else _size(self, _dim(dim, self.dim()))
         if repeats.numel() not in (1, n):
             raise OutOfBounds(f"repeats has {repeats.numel()} entries for {n} elements")
-    ext = _extremes(repeats)
-    if ext is not None and ext[0] < 0:
-        raise OutOfBounds(f"repeats holds {ext[0]}; repeats must be >= 0")
-    total = int(repeats.sum()) if repeats.numel() else 0
-    if _tensor(self):
-        dim = b.get("dim")
-        n = self.numel() if dim is None else _size(self, _dim(dim, self.dim()))
-        per = self.numel() // max(n, 1) if dim is not None else 1
-        total = (total * n if repeats.numel() == 1 else total) * per
-        _budget_elements(total, self.element_size(), "repeat_interleave's output")
-    else:
-        _budget_elements(total, 8, "repeat_interleave's output")
-    size = b.get("output_size")
-    if size is not None and "repeats" not in b and size != int(repeats.sum()):
-        raise OutOfBounds(f"output_size {size!r} is not the sum of repeats, {int(repeats.sum())}")
-    if size is not None and "repeats" in b and _tensor(self):
-        n = self.numel() if b.get("dim") is None else _size(self, _dim(b.get("dim"), self.dim()))
-        want = int(repeats.sum()) * (n if repeats.numel() == 1 else 1)
-        if size != want:
-            raise OutOfBounds(f"output_size {size!r} is not the repeated length, {want}")
+        length = int(repeats.sum()) * (n if repeats.numel() == 1 else 1)
+        row = self.element_size() * (self.numel() // max(n, 1) if dim is not None else 1)
+    if size is not None and size != length:
+        raise OutOfBounds(f"output_size {size!r} is not the repeated length, {length}")
+    _budget_elements(length, row, "repeat_interleave's output")
 
 
 def _split_points(b: dict) -> None:
