@@ -18,6 +18,7 @@ sides keep them in a :class:`~tapml.platforms.program_cache.ProgramCache` of the
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import struct
@@ -90,7 +91,10 @@ class WorkerPlatform(RuntimePlatform):
     """A platform spec (``reference``, ``wgpu:vulkan``, ...) opened in a killable child process.
 
     ``timeout`` bounds every compile and run in seconds: past it the worker is killed and the
-    call raises :class:`RunTimeout`; the next call starts a fresh worker. Raises TapmlError
+    call raises :class:`RunTimeout`; the next call starts a fresh worker. ``memory_headroom``
+    (bytes): the worker's address space may grow by at most this much past what it maps once its
+    device is open (``RLIMIT_AS``), so an allocation past it fails in the worker (an error for that
+    call) instead of taking the machine's memory. Raises TapmlError
     when the worker cannot open the device (the message says why).
 
     Example::
@@ -101,9 +105,10 @@ class WorkerPlatform(RuntimePlatform):
 
     program_kinds = ("wgsl", "graph")
 
-    def __init__(self, spec: str, timeout: float = 120.0):
+    def __init__(self, spec: str, timeout: float = 120.0, memory_headroom: int | None = None):
         self.spec = self.name = spec
         self.timeout = timeout
+        self.memory_headroom = memory_headroom
         super().__init__()  # self.programs: keys of the programs the current worker holds
         self._proc: subprocess.Popen | None = None
         self._sock: socket.socket | None = None
@@ -123,8 +128,9 @@ class WorkerPlatform(RuntimePlatform):
     def _start(self) -> None:
         parent, child = socket.socketpair()
         try:
+            limit = [] if self.memory_headroom is None else [str(int(self.memory_headroom))]
             self._proc = subprocess.Popen([sys.executable, "-m", "tapml.remote.device_worker", str(child.fileno()),
-                                           self.spec], pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
+                                           self.spec, *limit], pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
         finally:
             child.close()
         self._sock = parent
@@ -340,8 +346,20 @@ def _error(kind: str, e: BaseException) -> dict:
                       else f"{type(e).__name__}: {e}"}}
 
 
-def worker_main(fd: int, spec: str) -> None:
-    """Open ``spec`` and answer the parent on socket ``fd`` until it closes."""
+def _limit_address_space(headroom: int) -> None:
+    """RLIMIT_AS = what this process maps now + ``headroom`` bytes."""
+    import resource
+    try:
+        with open("/proc/self/statm") as f:
+            mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + headroom, mapped + headroom))
+
+
+def worker_main(fd: int, spec: str, memory_headroom: int | None = None) -> None:
+    """Open ``spec`` and answer the parent on socket ``fd`` until it closes; with
+    ``memory_headroom``, its address space then grows by at most that many bytes."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent decides
     sock = socket.socket(fileno=fd)
@@ -356,6 +374,8 @@ def worker_main(fd: int, spec: str) -> None:
     except Exception as e:  # noqa: BLE001 - the parent reports it
         _send(sock, _error("platform", e))
         return
+    if memory_headroom is not None:
+        _limit_address_space(memory_headroom)
     _send(sock, {"caps": caps})
     held = ProgramCache()  # program key -> the tensors of its last run's inputs (what "held" names)
     kept: dict[tuple[str, int], object] = {}  # (program key, output) -> the platform's ResidentTensor
@@ -464,4 +484,4 @@ def _run_args(req: dict, inputs: list, held: list, kept: dict) -> tuple[list, li
 
 
 if __name__ == "__main__":
-    worker_main(int(sys.argv[1]), sys.argv[2])
+    worker_main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else None)

@@ -370,7 +370,7 @@ def test_reference_platform_refuses_before_the_kernel_runs():
         platform.run(program, [grad, img, bad])
 
 
-def test_declared_sizes_are_held_to_what_the_op_computes():
+def test_declared_sizes_are_held_to_what_the_op_computes(monkeypatch):
     from tapml.graph import Graph, Node, TensorMeta
     node = Node("full", "aten.full.default", [[1 << 29], 1.0], {"dtype": {"dtype": "float32"}, "device": {"device": "cpu"}},
                 [TensorMeta((1,), "float32")])
@@ -379,6 +379,10 @@ def test_declared_sizes_are_held_to_what_the_op_computes():
     with pytest.raises(ValueError, match="memory budget"):
         check_graph_sizes(Graph([], [Node("full", "aten.full.default", [[1 << 29], 1.0], {},
                                           [TensorMeta((1 << 29,), "float32")])], ["full"]), budget=1 << 20)
+    monkeypatch.delenv("TAPML_MEMORY_BUDGET_MIB")  # the default: half of this machine's memory, far below 4 TiB
+    with pytest.raises(ValueError, match="memory budget"):
+        check_graph_sizes(Graph([], [Node("full", "aten.full.default", [[1 << 40], 1.0], {},
+                                          [TensorMeta((1 << 40,), "float32")])], ["full"]))
     ok = Node("full", "aten.full.default", [[4], 1.0], {}, [TensorMeta((4,), "float32")])
     assert check_graph_sizes(Graph([], [ok], ["full"])) == 16
 
