@@ -669,13 +669,15 @@ def node_results(node: Node, result: Any) -> list:
 
 def run_node(node: Node, value_of) -> list[torch.Tensor]:
     """Run one node eagerly with torch; returns its output tensors in ``output_refs`` order.
-    Its data-dependent arguments and output sizes are checked first (:func:`tapml.meta_sizes.guard_call`:
-    :class:`tapml.op_bounds.OutOfBounds`, a ValueError, instead of an out-of-bounds kernel)."""
-    from tapml.meta_sizes import guard_call
+    Its data-dependent arguments (indices, offsets, lengths, data-sized outputs) are checked first
+    (:func:`tapml.op_bounds.check_call`: :class:`~tapml.op_bounds.OutOfBounds`, a ValueError, instead
+    of an out-of-bounds kernel); its output sizes were checked when the graph was read
+    (:func:`tapml.meta_sizes.check_graph_sizes`)."""
+    from tapml.op_bounds import check_call
     fn = resolve_op(node.op)
     args = decode_arg(node.args, value_of)
     kwargs = {k: decode_arg(v, value_of) for k, v in node.kwargs.items()}
-    guard_call(node.op, args, kwargs)
+    check_call(node.op, args, kwargs)
     return node_results(node, fn(*args, **kwargs))
 
 
