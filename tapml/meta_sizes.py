@@ -25,12 +25,9 @@ Example::
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-from tapml.op_bounds import OutOfBounds, check_call
-
-BUDGET_ENV = "TAPML_MEMORY_BUDGET_MIB"
+from tapml.op_bounds import BUDGET_ENV, OutOfBounds, check_call, memory_budget
 #: torch's meta kernels and its CPU kernels disagree on a few small auxiliary outputs (the saved
 #: statistics of ``_native_batch_norm_legit_no_training`` are [C] on meta, [0] on the CPU): an
 #: output computed on meta that differs from its declared metadata is refused only when it is
@@ -40,24 +37,6 @@ SMALL_OUTPUT_BYTES = 64 << 10
 
 class OverBudget(OutOfBounds):
     """A node's output is larger than the memory budget, or larger than the node declares."""
-
-
-def memory_budget() -> int:
-    """Bytes one tensor a reference op computes may take: ``$TAPML_MEMORY_BUDGET_MIB`` MiB, or half of
-    the machine's physical memory. ValueError for a value that is not a positive number of MiB."""
-    text = os.environ.get(BUDGET_ENV)
-    if text:
-        try:
-            mib = int(text)
-        except ValueError:
-            mib = 0
-        if mib <= 0:
-            raise ValueError(f"{BUDGET_ENV}={text[:40]!r}: give a positive number of MiB")
-        return mib << 20
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
-    except (ValueError, OSError):
-        return 8 << 30
 
 
 def _to_meta(value: Any) -> Any:

@@ -15,7 +15,7 @@ Which tensor arguments hold such values is decided by name over the whole vocabu
 name is in neither set, or an op takes an index argument and has no entry in :data:`BOUNDS`.
 
 Ops whose output size depends on the data (``bincount``, ``one_hot``, ``repeat_interleave``) are
-held to a byte budget too (:func:`tapml.meta_sizes.memory_budget`).
+held to a byte budget too (:func:`memory_budget`).
 
 Example::
 
@@ -127,8 +127,30 @@ def _size(t, dim: int) -> int:
     return t.shape[dim] if t.dim() else 1
 
 
+#: env: the memory budget in MiB (:func:`memory_budget`)
+BUDGET_ENV = "TAPML_MEMORY_BUDGET_MIB"
+
+
+def memory_budget() -> int:
+    """Bytes one tensor a reference op computes may take: ``$TAPML_MEMORY_BUDGET_MIB`` MiB, or half of
+    the machine's physical memory. ValueError for a value that is not a positive number of MiB."""
+    import os
+    text = os.environ.get(BUDGET_ENV)
+    if text:
+        try:
+            mib = int(text)
+        except ValueError:
+            mib = 0
+        if mib <= 0:
+            raise ValueError(f"{BUDGET_ENV}={text[:40]!r}: give a positive number of MiB")
+        return mib << 20
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (ValueError, OSError):
+        return 8 << 30
+
+
 def _budget_elements(count: int, itemsize: int, what: str) -> None:
-    from tapml.meta_sizes import memory_budget
     budget = memory_budget()
     if count < 0 or count * itemsize > budget:
         raise OutOfBounds(f"{what} would be {count} elements ({count * itemsize} bytes), over the memory budget of "
@@ -394,7 +416,7 @@ def _ctc(b: dict) -> None:
             raise OutOfBounds(f"input_lengths holds {v}, outside [0, {steps}] (log_probs has {steps} steps)")
     if any(v < 0 for v in target_lengths):
         raise OutOfBounds(f"target_lengths holds {min(target_lengths)}, below 0")
-    if targets.dim() == 2 or (targets.dim() == 1 and log_probs.dim() == 2 and batch == 1 and False):
+    if targets.dim() == 2:
         if targets.shape[0] < batch or any(v > targets.shape[1] for v in target_lengths):
             raise OutOfBounds(f"targets of shape {list(targets.shape)} hold fewer than target_lengths "
                               f"{target_lengths[:8]} for a batch of {batch}")
@@ -505,28 +527,30 @@ def _pivots(key: str, lu_key: str, signed: bool = False) -> Callable[[dict], Non
     return check
 
 
-def _strided(storage_of: str = "self") -> Callable[[dict], None]:
-    """as_strided family: sizes, strides and offset must stay inside ``self``'s storage."""
+def _strided(scatter: bool = False) -> Callable[[dict], None]:
+    """as_strided family: sizes, strides and offset must stay inside ``self``'s storage (for
+    ``as_strided_scatter``, inside the fresh copy of ``self`` it writes into)."""
     def check(b: dict) -> None:
-        self, size, stride = b.get(storage_of), b.get("size"), b.get("stride")
+        self, size, stride = b.get("self"), b.get("size"), b.get("stride")
         offset = b.get("storage_offset")
         if not _tensor(self):
-            raise OutOfBounds(f"{storage_of} must be a tensor")
+            raise OutOfBounds("self must be a tensor")
         if not isinstance(size, (list, tuple)) or not isinstance(stride, (list, tuple)) or len(size) != len(stride) \
                 or not all(type(s) is int and s >= 0 for s in (*size, *stride)):
             raise OutOfBounds("size and stride must be lists of the same length of integers >= 0")
-        base = self.storage_offset() if offset is None else offset
+        base = (0 if scatter else self.storage_offset()) if offset is None else offset
         if type(base) is not int or base < 0:
             raise OutOfBounds(f"storage_offset {offset!r} must be >= 0")
         if 0 in size:
             return
         last = base + sum((s - 1) * st for s, st in zip(size, stride))
-        elements = self.untyped_storage().nbytes() // self.element_size() if self.device.type != "meta" else None
-        if storage_of != "self" or elements is None:
-            elements = self.numel() + (self.storage_offset() if storage_of == "self" else 0)
+        if scatter or self.device.type == "meta":
+            elements = self.numel() + (0 if scatter else self.storage_offset())
+        else:
+            elements = self.untyped_storage().nbytes() // self.element_size()
         if last >= elements:
             raise OutOfBounds(f"size {list(size)} with stride {list(stride)} from offset {base} reaches element "
-                              f"{last}; {storage_of} holds {elements}")
+                              f"{last}; {'the copy of self' if scatter else 'the storage of self'} holds {elements}")
     return check
 
 
@@ -606,7 +630,7 @@ BOUNDS: dict[str, Callable[[dict], None]] = {
     "aten.narrow": _narrow_start,
     "aten.lu_unpack": _pivots("LU_pivots", "LU_data"), "aten.lu_solve": _pivots("LU_pivots", "LU_data"),
     "aten.linalg_lu_solve": _pivots("pivots", "LU"), "aten.linalg_ldl_solve": _pivots("pivots", "LD", signed=True),
-    "aten.as_strided": _strided(), "aten.as_strided_copy": _strided(), "aten.as_strided_scatter": _strided(),
+    "aten.as_strided": _strided(), "aten.as_strided_copy": _strided(), "aten.as_strided_scatter": _strided(scatter=True),
     "aten.segment_reduce": _segments,
     **{f"aten.{n}": _grid for n in ("grid_sampler", "grid_sampler_2d", "grid_sampler_3d", "grid_sampler_2d_backward",
                                     "grid_sampler_3d_backward")},
@@ -647,4 +671,4 @@ def check_call(op_name: str, args, kwargs) -> None:
         raise OutOfBounds(f"{op_name}: its arguments do not fit the op ({type(e).__name__}: {str(e)[:200]})") from None
 
 
-__all__ = ["BOUNDS", "INDEX_ARGUMENTS", "VALUE_ARGUMENTS", "OTHER_INDEX_OPS", "VALUE_TARGET_OPS", "OutOfBounds", "bind", "check_call"]
+__all__ = ["BUDGET_ENV", "memory_budget", "BOUNDS", "INDEX_ARGUMENTS", "VALUE_ARGUMENTS", "OTHER_INDEX_OPS", "VALUE_TARGET_OPS", "OutOfBounds", "bind", "check_call"]

@@ -278,6 +278,11 @@ def test_as_strided_scatter_beyond_self_is_refused():
     name, args, *_ = _sample("aten.as_strided_scatter.default")
     with pytest.raises(OutOfBounds, match="reaches element"):
         guard_call(name, [args[0], torch.zeros(4, 4), [4, 4], [4, 1], 0], {})
+    # a view's storage is larger than the copy the op writes into: the copy is what counts
+    view = torch.zeros(8, 4)[4:]
+    with pytest.raises(OutOfBounds, match="the copy of self holds 16"):
+        guard_call(name, [view, torch.zeros(5, 4), [5, 4], [4, 1]], {})
+    guard_call(name, [view, torch.zeros(4, 4), [4, 4], [4, 1]], {})
 
 
 @pytest.mark.parametrize("name", ["aten.fractional_max_pool2d.default", "aten.fractional_max_pool3d.default"])
