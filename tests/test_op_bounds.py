@@ -404,3 +404,21 @@ def test_arguments_outside_the_schema_name_the_node(args, kwargs):
     node = Node("add_1", "aten.add.Tensor", args, kwargs, [TensorMeta((3,), "float32")])
     with pytest.raises(ValueError, match="node 'add_1' \\(aten.add.Tensor\\): its arguments do not fit"):
         check_graph_sizes(Graph([("x", TensorMeta((3,), "float32"))], [node], ["add_1"]))
+
+
+@pytest.mark.slow
+def test_the_registry_samples_of_checked_ops_pass_their_checks():
+    """Every sample the WGSL registry has for an op with a check (real inputs of the device tests)
+    passes it and the meta-device size check: the checks refuse only what the ops refuse."""
+    from tapml.graph import run_graph
+    from tapml.platforms.wgsl import load_lowerings
+    from tapml.platforms.wgsl.registry import sample_cases
+    checked = [op for op in load_lowerings() if op.rsplit(".", 1)[0] in BOUNDS]
+    assert len(checked) >= 25
+    ran = 0
+    for op in checked:
+        for graph, inputs in sample_cases(op):
+            check_graph_sizes(graph)
+            run_graph(graph, {r: t for (r, _), t in zip(graph.inputs, inputs)})
+            ran += 1
+    assert ran > 100
