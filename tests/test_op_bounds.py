@@ -242,6 +242,14 @@ def test_valid_call_passes_and_out_of_range_values_are_refused(sample, figure):
     if where is None:
         return
     base = _current(args, kwargs, op, where)
+    # the same call as a one-node graph on the reference platform, the way replay runs a case
+    from tapml.errors import PlatformError
+    from tapml.platforms.reference import ReferencePlatform
+    from tapml.platforms.wgsl.registry import case_graph
+    graph, inputs = case_graph(name, args, kwargs)
+    slot = next(i for i, t in enumerate(inputs) if t is base)
+    platform = ReferencePlatform()
+    program = platform.compile(graph)
     tried = 0
     for bad in (lo - 1, hi, HUGE, -HUGE):
         if bad is None:
@@ -252,8 +260,11 @@ def test_valid_call_passes_and_out_of_range_values_are_refused(sample, figure):
             a, k = _set(args, kwargs, op, where, t)
             with pytest.raises(OutOfBounds, match=name.replace(".", r"\.")):
                 guard_call(name, a, k)
+            # refused before the kernel (just shown): safe to hand to the platform, an error verdict
+            with pytest.raises(PlatformError, match=name.replace(".", r"\.")):
+                platform.run(program, [t if i == slot else x for i, x in enumerate(inputs)])
             tried += 1
-    figure(f"out-of-range values refused ({name})", tried)
+    figure(f"out-of-range values refused, also as a reference case ({name})", tried)
 
 
 def _sample(name):
