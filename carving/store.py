@@ -567,7 +567,11 @@ class CarveStore:
     def _check_sizes(self, graphs: dict, manifest_path: Path) -> None:
         """Every graph and case computed on the meta device must give the outputs it declares, within
         the memory budget (:func:`tapml.meta_sizes.check_graph_sizes`); TapmlError naming the node or case."""
-        from tapml.meta_sizes import check_graph_sizes
+        from tapml.meta_sizes import check_graph_sizes, memory_budget
+        try:
+            memory_budget()
+        except ValueError as e:
+            raise TapmlError(str(e)) from None
         for what, graph in [*((f"{kind} graph", g) for kind, g in graphs.items()),
                             *((f"case {c['id'][:60]!r}", self.case_graph(c)) for c in self.cases)]:
             try:

@@ -82,9 +82,9 @@ def open_reference(spec: str):
     try:
         headroom = (int(text) << 20) if text else 2 * memory_budget()
     except ValueError as e:
-        raise TapmlError(str(e)) from None
+        headroom, why = 0, str(e)
     if headroom <= 0:
-        raise TapmlError(f"{REFERENCE_MEMORY_ENV}={text!r}: give a positive number of MiB")
+        raise TapmlError(why if not text else f"{REFERENCE_MEMORY_ENV}={text[:40]!r}: give a positive number of MiB")
     return WorkerPlatform(spec, timeout=REFERENCE_TIMEOUT_S, memory_headroom=None if spec.endswith("cuda") else headroom)
 
 

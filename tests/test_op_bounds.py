@@ -433,3 +433,13 @@ def test_the_registry_samples_of_checked_ops_pass_their_checks():
             run_graph(graph, {r: t for (r, _), t in zip(graph.inputs, inputs)})
             ran += 1
     assert ran > 100
+
+
+@pytest.mark.parametrize("env, value", [("TAPML_MEMORY_BUDGET_MIB", "x"), ("TAPML_MEMORY_BUDGET_MIB", "0"),
+                                        ("TAPML_REFERENCE_MEMORY_MIB", "abc"), ("TAPML_REFERENCE_MEMORY_MIB", "-3")])
+def test_bad_budget_settings_say_what_to_fix(monkeypatch, env, value):
+    from tapml.errors import TapmlError
+    from tapml.targets import open_reference
+    monkeypatch.setenv(env, value)
+    with pytest.raises(TapmlError, match=f"{env}=.*give a positive number of MiB"):
+        open_reference("reference")
