@@ -179,7 +179,8 @@ def _along_dim(b: dict) -> None:
 
 
 def _gather_backward(b: dict) -> None:
-    _along_dim({**b, "self": b.get("self")})
+    """gather_backward scatters ``grad`` into a tensor like ``self`` along ``index``."""
+    _along_dim({**b, "src": b.get("grad")})
 
 
 def _index_1d(negative: bool, self_key: str = "self") -> Callable[[dict], None]:
