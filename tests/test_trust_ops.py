@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support import store_from_source
+from support import store_from_source
 
 SOURCE = '''
 import torch
