@@ -156,6 +156,7 @@ def _carve_into(spec: str, out: Path, *, seed: int, device: str, hf_config: dict
     from tapml.carving.tracer import CarvingInterpreter, RealValueRecorder
     from tapml.dtypes import graph_dtype
     from tapml.graph import Graph, graph_from_fx, needs_real_values
+    from tapml.meta_sizes import check_graph_sizes
     from tapml.models import load_model
 
     if device not in ("cpu", "cuda"):
@@ -176,6 +177,10 @@ def _carve_into(spec: str, out: Path, *, seed: int, device: str, hf_config: dict
         graph = graph_from_fx(ep.graph, real_values=real_values)
     except ValueError as e:
         raise TapmlError(f"the exported graph cannot be represented: {e}") from None
+    try:  # what each node really allocates, before the first op runs
+        check_graph_sizes(graph)
+    except ValueError as e:
+        raise TapmlError(f"{spec}: {e}") from None
     t1 = time.perf_counter()
 
     writer = CarveStoreWriter(out, shard_bytes=shard_bytes)

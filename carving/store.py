@@ -534,6 +534,7 @@ class CarveStore:
             graphs, self.cases, self.tensor_index = _check_manifest(self.manifest)
         except (TypeError, ValueError) as e:
             raise TapmlError(f"{manifest_path} is malformed: {e}; carve the model again") from None
+        self._check_sizes(graphs, manifest_path)
         self._step_graphs = graphs
         self.graph = Graph(inputs=graphs["prefill"].inputs, nodes=graphs["prefill"].nodes,
                            outputs=graphs["prefill"].outputs)
@@ -578,6 +579,21 @@ class CarveStore:
                     raise TapmlError(f"tensor {name[:60]!r} has another shape or dtype in {shown_shard} than in the "
                                      "index; the store is corrupt")
             self._shards[shard], self._shards_path[shard] = shard_file, shard_path
+
+    def _check_sizes(self, graphs: dict, manifest_path: Path) -> None:
+        """Every graph and case computed on the meta device must give the outputs it declares, within
+        the memory budget (:func:`tapml.meta_sizes.check_graph_sizes`); TapmlError naming the node or case."""
+        from tapml.meta_sizes import check_graph_sizes, memory_budget
+        try:
+            memory_budget()
+        except ValueError as e:
+            raise TapmlError(str(e)) from None
+        for what, graph in [*((f"{kind} graph", g) for kind, g in graphs.items()),
+                            *((f"case {c['id'][:60]!r}", self.case_graph(c)) for c in self.cases)]:
+            try:
+                check_graph_sizes(graph)
+            except ValueError as e:
+                raise TapmlError(f"{manifest_path}: {what}: {e}; carve the model again") from None
 
     @property
     def model(self) -> str:

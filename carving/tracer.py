@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from tapml.graph import Graph, TensorMeta, map_refs, node_results
+from tapml.graph import Graph, TensorMeta, map_refs, node_results, op_name
 from tapml.carving.store import CarveStoreWriter
 
 
@@ -23,6 +23,22 @@ RUNTIME_CHECKS = frozenset({"aten._assert_scalar", "aten._assert_async", "aten._
 def is_runtime_check(n: torch.fx.Node) -> bool:
     """Whether fx node ``n`` is one of torch.export's :data:`RUNTIME_CHECKS`."""
     return n.op == "call_function" and str(n.target).rsplit(".", 1)[0] in RUNTIME_CHECKS
+
+
+def guard_node(interpreter: torch.fx.Interpreter, n: torch.fx.Node) -> None:
+    """Before an aten op of the program runs on the reference: its data-dependent arguments within
+    bounds and its outputs within the memory budget (:func:`tapml.meta_sizes.guard_call`);
+    TapmlError (exit 2) naming the node otherwise."""
+    if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
+        return
+    from tapml.errors import TapmlError
+    from tapml.meta_sizes import guard_call
+    from tapml.op_bounds import OutOfBounds
+    args, kwargs = interpreter.fetch_args_kwargs_from_env(n)
+    try:
+        guard_call(op_name(n.target), args, kwargs)
+    except (OutOfBounds, ValueError) as e:
+        raise TapmlError(f"the program's node {n.name[:60]!r} is refused before it runs: {e}") from None
 
 
 class CarvingInterpreter(torch.fx.Interpreter):
@@ -52,6 +68,7 @@ class CarvingInterpreter(torch.fx.Interpreter):
     def run_node(self, n: torch.fx.Node):
         if is_runtime_check(n):
             return None
+        guard_node(self, n)
         result = super().run_node(n)
         node = self.ir.get(n.name)
         if n.op == "call_function" and n.target is not operator.getitem and node is not None:
@@ -119,6 +136,7 @@ class RealValueRecorder(torch.fx.Interpreter):
     def run_node(self, n: torch.fx.Node):
         if is_runtime_check(n):
             return None
+        guard_node(self, n)
         result = super().run_node(n)
         if isinstance(result, torch.Tensor):
             self.values[n.name] = TensorMeta.of(result)

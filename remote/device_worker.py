@@ -18,6 +18,7 @@ sides keep them in a :class:`~tapml.platforms.program_cache.ProgramCache` of the
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import struct
@@ -90,7 +91,10 @@ class WorkerPlatform(RuntimePlatform):
     """A platform spec (``reference``, ``wgpu:vulkan``, ...) opened in a killable child process.
 
     ``timeout`` bounds every compile and run in seconds: past it the worker is killed and the
-    call raises :class:`RunTimeout`; the next call starts a fresh worker. Raises TapmlError
+    call raises :class:`RunTimeout`; the next call starts a fresh worker. ``memory_headroom``
+    (bytes): the worker's address space may grow by at most this much past what it maps once its
+    device is open (``RLIMIT_AS``), so an allocation past it fails in the worker (an error for that
+    call) instead of taking the machine's memory. Raises TapmlError
     when the worker cannot open the device (the message says why).
 
     Example::
@@ -101,10 +105,12 @@ class WorkerPlatform(RuntimePlatform):
 
     program_kinds = ("wgsl", "graph")
 
-    def __init__(self, spec: str, timeout: float = 120.0, address_space: int | None = None):
+    def __init__(self, spec: str, timeout: float = 120.0, address_space: int | None = None,
+                 memory_headroom: int | None = None):
         self.spec = self.name = spec
         self.timeout = timeout
         self.address_space = address_space
+        self.memory_headroom = memory_headroom
         super().__init__()  # self.programs: keys of the programs the current worker holds
         self._proc: subprocess.Popen | None = None
         self._sock: socket.socket | None = None
@@ -125,8 +131,9 @@ class WorkerPlatform(RuntimePlatform):
         parent, child = socket.socketpair()
         try:
             self._proc = subprocess.Popen([sys.executable, "-m", "tapml.remote.device_worker", str(child.fileno()),
-                                           self.spec, str(self.address_space or 0)], pass_fds=(child.fileno(),),
-                                          stdin=subprocess.DEVNULL)
+                                           self.spec, str(int(self.address_space or 0)),
+                                           str(int(self.memory_headroom or 0))],
+                                          pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL)
         finally:
             child.close()
         self._sock = parent
@@ -342,19 +349,28 @@ def _error(kind: str, e: BaseException) -> dict:
                       else f"{type(e).__name__}: {e}"}}
 
 
-def _limit_address_space(nbytes: int) -> None:
-    """RLIMIT_AS of this process: an allocation past it fails (MemoryError, a torch or driver
+def _limit_address_space(address_space: int, headroom: int) -> None:
+    """RLIMIT_AS of this process: at most ``address_space`` bytes, and at most what it maps now plus
+    ``headroom`` bytes (0: no such bound). An allocation past it fails (MemoryError, a torch or driver
     error: the request's error) instead of growing the machine's memory without bound."""
     import resource
-    if nbytes > 0:
-        resource.setrlimit(resource.RLIMIT_AS, (nbytes, nbytes))
+    limits = [address_space] if address_space > 0 else []
+    if headroom > 0:
+        try:
+            with open("/proc/self/statm") as f:
+                limits.append(int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE") + headroom)
+        except (OSError, ValueError, IndexError):
+            pass
+    if limits:
+        resource.setrlimit(resource.RLIMIT_AS, (min(limits), min(limits)))
 
 
-def worker_main(fd: int, spec: str, address_space: int = 0) -> None:
+def worker_main(fd: int, spec: str, address_space: int = 0, memory_headroom: int = 0) -> None:
     """Open ``spec`` and answer the parent on socket ``fd`` until it closes; ``address_space``:
-    the worker's RLIMIT_AS in bytes (0: none)."""
+    the worker's RLIMIT_AS in bytes, ``memory_headroom``: how far its address space may grow past
+    what it maps at start (0: no bound)."""
     _die_with_parent()
-    _limit_address_space(address_space)
+    _limit_address_space(address_space, memory_headroom)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent decides
     sock = socket.socket(fileno=fd)
     from tapml.graph import Graph, Node
@@ -368,6 +384,8 @@ def worker_main(fd: int, spec: str, address_space: int = 0) -> None:
     except Exception as e:  # noqa: BLE001 - the parent reports it
         _send(sock, _error("platform", e))
         return
+    if memory_headroom is not None:
+        _limit_address_space(memory_headroom)
     _send(sock, {"caps": caps})
     held = ProgramCache()  # program key -> the tensors of its last run's inputs (what "held" names)
     kept: dict[tuple[str, int], object] = {}  # (program key, output) -> the platform's ResidentTensor
@@ -476,4 +494,4 @@ def _run_args(req: dict, inputs: list, held: list, kept: dict) -> tuple[list, li
 
 
 if __name__ == "__main__":
-    worker_main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 0)
+    worker_main(int(sys.argv[1]), sys.argv[2], *(int(a) for a in sys.argv[3:5]))

@@ -138,9 +138,21 @@ def graph_bytes(graph) -> int:
 
 
 def check_graph(graph, limits: ServerLimits) -> None:
-    """Vocabulary and size checks of a graph a client sends to ``compile``."""
+    """Vocabulary and size checks of a graph a client sends to ``compile``: every node's outputs
+    computed on the meta device must be what it declares, each within the buffer cap (and the
+    machine's memory budget), before the declared bytes are held to the cap."""
     check_ops(graph)
+    check_real_sizes(graph, limits)
     _check_bytes(graph_bytes(graph), limits, "graph")
+
+
+def check_real_sizes(graph, limits: ServerLimits) -> None:
+    """:func:`tapml.meta_sizes.check_graph_sizes` with this server's cap: LimitExceeded naming the node."""
+    from tapml.meta_sizes import check_graph_sizes, memory_budget
+    try:
+        check_graph_sizes(graph, min(limits.max_buffer_bytes, memory_budget()))
+    except ValueError as e:
+        raise LimitExceeded(f"{e} (tapml serve --max-buffer-mib {limits.max_buffer_bytes >> 20})") from None
 
 
 def _check_bytes(nbytes: int, limits: ServerLimits, what: str) -> None:
@@ -271,6 +283,7 @@ def check_program(program, limits: ServerLimits, kind: str) -> dict:
             raise ValueError("a graph program needs its graph")
         graph = Graph.from_json(program.graph)
         check_ops(graph)
+        check_real_sizes(graph, limits)
         nbytes = graph_bytes(graph)
         _check_bytes(nbytes, limits, "program")
         return {"invocations": 0, "buffer_bytes": nbytes}
@@ -335,5 +348,6 @@ def check_program(program, limits: ServerLimits, kind: str) -> dict:
     return {"invocations": invocations, "buffer_bytes": nbytes}
 
 
-__all__ = ["ServerLimits", "LimitExceeded", "parse_request", "MAX_SLOTS", "check_ops", "check_ops_json", "check_node", "check_graph", "check_program",
+__all__ = ["ServerLimits", "LimitExceeded", "parse_request", "MAX_SLOTS", "check_ops", "check_ops_json", "check_node", "check_graph",
+           "check_program", "check_real_sizes",
            "workgroup_size", "DEFAULT_MAX_INVOCATIONS", "DEFAULT_MAX_BUFFER_BYTES", "DEFAULT_RUN_TIMEOUT_S"]

@@ -668,10 +668,17 @@ def node_results(node: Node, result: Any) -> list:
 
 
 def run_node(node: Node, value_of) -> list[torch.Tensor]:
-    """Run one node eagerly with torch; returns its output tensors in ``output_refs`` order."""
+    """Run one node eagerly with torch; returns its output tensors in ``output_refs`` order.
+    Its data-dependent arguments (indices, offsets, lengths, data-sized outputs) are checked first
+    (:func:`tapml.op_bounds.check_call`: :class:`~tapml.op_bounds.OutOfBounds`, a ValueError, instead
+    of an out-of-bounds kernel); its output sizes were checked when the graph was read
+    (:func:`tapml.meta_sizes.check_graph_sizes`)."""
+    from tapml.op_bounds import check_call
     fn = resolve_op(node.op)
-    out = fn(*decode_arg(node.args, value_of), **{k: decode_arg(v, value_of) for k, v in node.kwargs.items()})
-    return node_results(node, out)
+    args = decode_arg(node.args, value_of)
+    kwargs = {k: decode_arg(v, value_of) for k, v in node.kwargs.items()}
+    check_call(node.op, args, kwargs)
+    return node_results(node, fn(*args, **kwargs))
 
 
 def run_graph(graph: Graph, inputs: dict[str, torch.Tensor], run=run_node) -> dict[str, torch.Tensor]:

@@ -9,6 +9,8 @@ never followed as an attribute chain. A name is accepted only when
 - it returns tensors and only tensors (what a graph node is);
 - it does not reach outside tensors: no files (``from_file``, ``save``), printing, RNG or
   grad state, storages, futures or RPC references;
+- its kernel's data-dependent arguments can be checked (:mod:`tapml.op_bounds`): no sparse,
+  quantized, packed-weight, backend-specific or packed-sequence ops;
 - a leading-underscore internal is core ATen (``torch.Tag.core``) or in
   :data:`EXPORTED_INTERNALS` (every op with a WGSL lowering passes; tests/test_layers.py
   checks it, so that this foundation module needs nothing from the platforms above it).
@@ -50,6 +52,13 @@ EXPORTED_INTERNALS = frozenset({
 _WORLD = re.compile(r"file|save|load|mmap|shared|share_memory|print|warn|seed|storage|rref|owner|to_here"
                     r"|wait|socket|environ|librar|grad_enabled|autocast|record_stream|profil|pin_memory")
 _WORLD_TYPES = re.compile(r"Storage|Future|RRef|Await|Capsule|Object|\bAny\b")
+#: Ops whose kernels trust indices or pointers in their data that tapml.op_bounds cannot check:
+#: sparse layouts (index arrays taken unchecked), quantized and packed-weight ops (a tensor read as a
+#: packed structure), backend-specific kernels (mkldnn, cudnn, miopen, mps), nested tensors; and the
+#: packed-sequence overloads of the RNN ops (``batch_sizes``).
+_UNCHECKED = re.compile(r"sparse|csr|csc|bsr|bsc|coo|quantiz|fbgemm|mkldnn|miopen|cudnn|(^|_)mps(_|$)|nested"
+                        r"|batch_norm_gather_stats")
+_UNCHECKED_OVERLOADS = frozenset({"data", "data_legacy", "input_legacy"})
 
 
 def check_op(name) -> None:
@@ -101,6 +110,10 @@ def _resolve(name: str):
                             "(in-place or out= variant); only functional ops are accepted")
     if _WORLD.search(op_name) or any(_WORLD_TYPES.search(str(a.type)) for a in schema.arguments):
         raise _refuse(name, "it reaches outside tensors (files, printing, RNG or grad state, storages, RPC)")
+    if _UNCHECKED.search(op_name) or (overload in _UNCHECKED_OVERLOADS and "batch_sizes" in
+                                        {a.name for a in schema.arguments}) or op_name.startswith("quantized_"):
+        raise _refuse(name, "its kernel trusts indices or packed data that tapml cannot check (sparse, quantized, "
+                            "packed-weight, backend-specific or packed-sequence op; see tapml/op_bounds.py)")
     if not schema.returns or not all(_is_tensor_type(r.type) for r in schema.returns):
         raise _refuse(name, "it does not return tensors, so it is no graph node")
     if op_name.startswith("_") and not (torch.Tag.core in op.tags or op_name in EXPORTED_INTERNALS):

@@ -12,7 +12,7 @@ from tapml.platforms.targets import (TARGET_HELP, TARGETS, WGPU_BACKENDS, Regist
                                      open_platform, parse_registry_target, parse_remote, token_for)
 
 __all__ = ["TARGETS", "TARGET_HELP", "WGPU_BACKENDS", "RegistryTarget", "TargetKind", "check_target", "open_platform",
-           "open_target", "parse_registry_target", "parse_remote", "read_token", "read_tokens", "spread", "token_for"]
+           "open_reference", "open_target", "parse_registry_target", "parse_remote", "read_token", "read_tokens", "spread", "token_for"]
 
 
 #: Largest token file read (a token is at most 4096 characters).
@@ -63,6 +63,34 @@ def spread(platform, items: list, work, **options) -> list | None:
     return pool.pool.map(items, work, **options)
 
 
+#: env: how many MiB the reference worker's address space may grow past what it maps at start
+REFERENCE_MEMORY_ENV = "TAPML_REFERENCE_MEMORY_MIB"
+#: a local reference op has no wall-clock limit of its own; this only ends a worker that hangs
+REFERENCE_TIMEOUT_S = 24 * 3600.0
+
+
+def open_reference(spec: str):
+    """The ``reference`` target run the way a device server runs it: torch in a worker process
+    (:class:`tapml.remote.device_worker.WorkerPlatform`) whose address space may grow by at most
+    ``$TAPML_REFERENCE_MEMORY_MIB`` MiB (default: twice the memory budget of
+    :func:`tapml.meta_sizes.memory_budget`, i.e. the machine's physical memory), so that an op that
+    crashes or runs out of memory is an ``error`` verdict for its case, not the end of the command.
+    ``reference:cuda`` runs in a worker too, without the address-space limit (CUDA maps more address
+    space than it uses). TapmlError for a bad ``$TAPML_REFERENCE_MEMORY_MIB``."""
+    import os
+
+    from tapml.meta_sizes import memory_budget
+    from tapml.remote.device_worker import WorkerPlatform
+    text = os.environ.get(REFERENCE_MEMORY_ENV)
+    try:
+        headroom = (int(text) << 20) if text else 2 * memory_budget()
+    except ValueError as e:
+        headroom, why = 0, str(e)
+    if headroom <= 0:
+        raise TapmlError(why if not text else f"{REFERENCE_MEMORY_ENV}={text[:40]!r}: give a positive number of MiB")
+    return WorkerPlatform(spec, timeout=REFERENCE_TIMEOUT_S, memory_headroom=None if spec.endswith("cuda") else headroom)
+
+
 def open_target(spec: str, *, token: str | None = None, inject: list[str] | None = None,
                 limits: dict[str, int] | None = None):
     """Open the platform a TARGET spec names, wrapped with fault injection when asked.
@@ -79,7 +107,7 @@ def open_target(spec: str, *, token: str | None = None, inject: list[str] | None
     if inject:
         from tapml.inject import parse_faults
         faults = parse_faults(inject)  # validate before opening a device
-    platform = open_platform(spec, token)
+    platform = open_reference(spec) if spec.startswith("reference") else open_platform(spec, token)
     if limits:
         force = getattr(platform, "force_limits", None)
         try:
