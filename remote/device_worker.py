@@ -361,6 +361,9 @@ def _limit_address_space(address_space: int, headroom: int) -> None:
                 limits.append(int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE") + headroom)
         except (OSError, ValueError, IndexError):
             pass
+    hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+    if limits and hard != resource.RLIM_INFINITY:
+        limits.append(hard)  # never above a limit already set: that would raise the hard limit
     if limits:
         resource.setrlimit(resource.RLIMIT_AS, (min(limits), min(limits)))
 
@@ -368,9 +371,9 @@ def _limit_address_space(address_space: int, headroom: int) -> None:
 def worker_main(fd: int, spec: str, address_space: int = 0, memory_headroom: int = 0) -> None:
     """Open ``spec`` and answer the parent on socket ``fd`` until it closes; ``address_space``:
     the worker's RLIMIT_AS in bytes, ``memory_headroom``: how far its address space may grow past
-    what it maps at start (0: no bound)."""
+    what it maps once the platform is open (0: no bound)."""
     _die_with_parent()
-    _limit_address_space(address_space, memory_headroom)
+    _limit_address_space(address_space, 0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent decides
     sock = socket.socket(fileno=fd)
     from tapml.graph import Graph, Node
@@ -384,8 +387,7 @@ def worker_main(fd: int, spec: str, address_space: int = 0, memory_headroom: int
     except Exception as e:  # noqa: BLE001 - the parent reports it
         _send(sock, _error("platform", e))
         return
-    if memory_headroom is not None:
-        _limit_address_space(memory_headroom)
+    _limit_address_space(0, memory_headroom)  # past what the opened platform maps
     _send(sock, {"caps": caps})
     held = ProgramCache()  # program key -> the tensors of its last run's inputs (what "held" names)
     kept: dict[tuple[str, int], object] = {}  # (program key, output) -> the platform's ResidentTensor
