@@ -71,23 +71,34 @@ class Kernel:
     """One compute dispatch: WGSL source, entry point, the buffers bound at group 0 in binding
     order, and the workgroup counts. A binding is ``(buffer, access)`` (``read`` or
     ``read_write``), the whole buffer, or ``(buffer, access, offset, size)``: that byte window of
-    it (a buffer over the device's binding limit is bound through several windows)."""
+    it (a buffer over the device's binding limit is bound through several windows).
+    ``loop_iterations`` is how many loop iterations one invocation runs at most, all loops
+    together (nested ones multiplied), as the compiler counted them; None when it could not
+    (a loop whose trip count it does not know). Devices may end an invocation's loops past a
+    budget (lavapipe: 65 535): the preflight holds this count to the measured one."""
 
     name: str
     wgsl: str
     bindings: list[tuple]
     workgroups: tuple[int, int, int]
     entry: str = "main"
+    loop_iterations: int | None = None
 
     def to_json(self) -> dict:
-        return {"name": self.name, "wgsl": self.wgsl, "entry": self.entry,
-                "bindings": [list(b) for b in self.bindings], "workgroups": list(self.workgroups)}
+        d = {"name": self.name, "wgsl": self.wgsl, "entry": self.entry,
+             "bindings": [list(b) for b in self.bindings], "workgroups": list(self.workgroups)}
+        if self.loop_iterations is not None:
+            d["loop_iterations"] = self.loop_iterations
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> "Kernel":
+        iterations = d.get("loop_iterations")
+        if iterations is not None and (type(iterations) is not int or not 0 <= iterations < 2 ** 63):
+            raise ValueError(f"kernel loop_iterations must be a non-negative integer, not {iterations!r}")
         return cls(name=d["name"], wgsl=d["wgsl"], entry=d.get("entry", "main"),
                    bindings=[(str(b[0]), str(b[1]), *(int(x) for x in b[2:4])) for b in d["bindings"]],
-                   workgroups=tuple(int(x) for x in d["workgroups"]))
+                   workgroups=tuple(int(x) for x in d["workgroups"]), loop_iterations=iterations)
 
 
 @dataclass
