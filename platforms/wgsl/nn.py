@@ -1,11 +1,20 @@
-"""Neural-network ops: softmax, layer/group/batch norm, convolution, pooling."""
+"""Neural-network ops: softmax, layer/group/batch norm, convolution, pooling.
+
+Softmax and the norms loop over a row in one thread while it is short; past LOOP_BUDGET they
+are row statistics folded across invocations (platforms/wgsl/folds.py) and one elementwise
+pass. A convolution whose sum has more than LOOP_BUDGET terms is summed in chunks, then the
+chunks' partial sums are folded.
+"""
 
 from __future__ import annotations
 
 import math
 
 from tapml.platforms.wgsl import views
-from tapml.platforms.wgsl.codegen import BufferView, Compute, Custom, Value, cast, contiguous_strides, index_sum, lit
+from tapml.graph import TensorMeta
+from tapml.platforms.wgsl.codegen import (CHUNK, LOOP_BUDGET, BufferView, Compute, Custom, Value, cast, contiguous_strides,
+                                          index_sum, lit)
+from tapml.platforms.wgsl.folds import Fold, fold_rows
 from tapml.platforms.wgsl.matmul import wrap_int
 from tapml.platforms.wgsl.registry import ALL_FLOAT, ALL_INT, NUMERIC, edge_floats, edge_ints, rand, randint, register
 
@@ -38,8 +47,46 @@ def _rows(pb, name, x, dim, meta, body):
     return view
 
 
+def _sum_fold(final=lambda k, s: s) -> Fold:
+    """A float sum: ``final(k, sum)`` is its output expression."""
+    return Fold([("acc", "f32", "0.0")], lambda k, v, r: [v], lambda k, st, o, empty: k.emit(f"{st[0]} = {st[0]} + {o[0]};"),
+                lambda k, st: [(final(k, st[0]), "f32")])
+
+
+def _max_fold() -> Fold:
+    """The largest of floats; NaN when one is NaN (max() may drop it)."""
+    def absorb(k, st, o, empty):
+        k.emit(f"if ({o[0]} > {st[0]} || {o[0]} != {o[0]}) {{ {st[0]} = {o[0]}; }}")
+    return Fold([("mx", "f32", lit(-math.inf, "f32"))], lambda k, v, r: [v], absorb, lambda k, st: [(st[0], "f32")])
+
+
+def row_statistic(pb, name: str, x: Value, dims, fold: Fold) -> tuple[Value, Value]:
+    """``fold`` of ``x`` (read as f32) over ``dims``: the float32 statistic (``dims`` kept as 1)
+    and the same broadcast back to ``x``'s shape."""
+    xf = x if x.ty == "f32" else Compute(x.shape, "float32", [x], lambda k, e, idx: cast(e[0], x.ty, "f32"), cost=0)
+    kept = [1 if d in dims else s for d, s in enumerate(x.shape)]
+    (stat,) = fold_rows(pb, name, xf, dims, [TensorMeta(tuple(kept), "float32")], fold)
+    return stat, views.expand_to(stat, x.shape)
+
+
+def _long_softmax(pb, x, dim, meta, log: bool) -> Value:
+    """Softmax over a row past LOOP_BUDGET: its max and sum of exponentials folded across
+    invocations, then one elementwise pass."""
+    _, m = row_statistic(pb, "softmax_max", x, [dim], _max_fold())
+    shifted = Compute(x.shape, "float32", [x, m], lambda k, e, idx: f"({cast(e[0], x.ty, 'f32')} - {e[1]})")
+    exps = Compute(x.shape, "float32", [shifted], lambda k, e, idx: f"exp({e[0]})")
+    _, s = row_statistic(pb, "softmax_sum", exps, [dim], _sum_fold())
+    if log:
+        return Compute(meta.shape, meta.dtype, [shifted, s], lambda k, e, idx: f"({e[0]} - log({e[1]}))")
+    return Compute(meta.shape, meta.dtype, [shifted, s], lambda k, e, idx: f"(exp({e[0]}) / {e[1]})")
+
+
 def _softmax(log):
     def lower(pb, node, x, dim, half_to_float=False):
+        nd = len(x.shape)
+        if nd and x.shape[views.norm_dim(dim, nd)] * 3 > LOOP_BUDGET:
+            return [_long_softmax(pb, x, views.norm_dim(dim, nd), node.outputs[0], log)]
+
         def body(k, read, write, L):
             m = k.var("f32", lit(-math.inf, "f32"), "mx")
             k.loop("j", L)
@@ -79,6 +126,12 @@ def native_layer_norm(pb, node, x, normalized_shape, weight, bias, eps):
     rows_shape, norm_shape = list(x.shape[:axis]), list(x.shape[axis:])
     L = math.prod(norm_shape)
     metas = node.outputs
+    if L * 3 > LOOP_BUDGET and math.prod(rows_shape):
+        xr = views.reshape(x, rows_shape + [L])
+        w = views.reshape(weight, [L]) if weight is not None else None
+        b = views.reshape(bias, [L]) if bias is not None else None
+        y, mean, rstd = _long_norm(pb, "layer_norm", xr, [len(rows_shape)], eps, w, b, [len(rows_shape)])
+        return [views.reshape(y, metas[0].shape), _as(mean, metas[1]), _as(rstd, metas[2])]
     bufs = [pb.buffer("temp", m) for m in metas]
     result = [BufferView.whole(b, m) for b, m in zip(bufs, metas)]
     if math.prod(rows_shape) * L == 0:
@@ -100,6 +153,40 @@ def native_layer_norm(pb, node, x, normalized_shape, weight, bias, eps):
     k.write(bufs[2], "n", rstd, "f32")
     pb.add(k.finish(math.prod(rows_shape)))
     return result
+
+
+def _as(stat: Value, meta) -> Value:
+    """A row statistic (float32, one per row) as an output of ``meta``: its shape and dtype."""
+    v = views.reshape(stat, meta.shape)
+    return v if meta.dtype == "float32" else Compute(meta.shape, meta.dtype, [v], lambda k, e, idx: e[0], cost=0)
+
+
+def _long_norm(pb, name: str, x: Value, dims, eps: float, weight, bias, param_dims) -> tuple[Value, Value, Value]:
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` with mean and biased variance over
+    ``dims`` folded across invocations (two passes, as torch), ``weight``/``bias`` indexed
+    by ``x``'s ``param_dims``. Returns the normalized value and the mean and rstd (float32, ``dims`` kept as 1)."""
+    count = math.prod(x.shape[d] for d in dims)
+    mean_stat, mean = row_statistic(pb, f"{name}_mean", x, dims, _sum_fold(lambda k, s: f"({s} / {lit(count, 'f32')})"))
+    dev = Compute(x.shape, "float32", [x, mean], lambda k, e, idx: f"({cast(e[0], x.ty, 'f32')} - {e[1]})")
+    sq = Compute(x.shape, "float32", [dev], lambda k, e, idx: f"({e[0]} * {e[0]})")
+    rstd_stat, rstd = row_statistic(pb, f"{name}_rstd", sq, dims, _sum_fold(
+        lambda k, s: f"inverseSqrt({s} / {lit(count, 'f32')} + {lit(eps, 'f32')})"))
+    params = [p for p in (weight, bias) if p is not None]
+
+    def spread(p):
+        shape = [x.shape[d] if d in param_dims else 1 for d in range(len(x.shape))]
+        return views.expand_to(views.reshape(p, shape), x.shape)
+
+    def emit(k, e, idx):
+        out = f"{e[0]} * {e[1]}"
+        rest = list(e[2:])
+        if weight is not None:
+            out = f"({out}) * {cast(rest.pop(0), weight.ty, 'f32')}"
+        if bias is not None:
+            out = f"{out} + {cast(rest.pop(0), bias.ty, 'f32')}"
+        return out
+    y = Compute(x.shape, x.dtype, [dev, rstd] + [spread(p) for p in params], emit, cost=2)
+    return y, mean_stat, rstd_stat
 
 
 def _fit_affine(pb, x, weight, bias):
@@ -148,6 +235,11 @@ def _mean_and_square_sum(k, L: int, read) -> tuple[str, str]:
                            ((edge_floats(2, 4, 6), rand(4), rand(4), 2, 4, 6, 2, 1e-5), {})], flops="norm")
 def native_group_norm(pb, node, x, weight, bias, N, C, HxW, group, eps):
     metas = node.outputs
+    if C // group * HxW * 3 > LOOP_BUDGET and N * C * HxW:
+        xg = views.reshape(x, (N, group, C // group, HxW))
+        params = [views.reshape(p, (group, C // group)) if p is not None else None for p in (weight, bias)]
+        y, mean, rstd = _long_norm(pb, "group_norm", xg, [2, 3], eps, *params, [1, 2])
+        return [views.reshape(y, metas[0].shape), _as(mean, metas[1]), _as(rstd, metas[2])]
     bufs = [pb.buffer("temp", m) for m in metas]
     result = [BufferView.whole(b, m) for b, m in zip(bufs, metas)]
     if N * C * HxW == 0:
