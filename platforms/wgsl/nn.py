@@ -339,7 +339,9 @@ def _conv_samples():
 def convolution(pb, node, x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
     """Direct convolution, one thread per output element. Transposed, each output gathers the
     inputs that scatter onto it: ``o = i * stride - padding + k * dilation`` solved for ``i``.
-    Integers accumulate in i32 wrapping as torch's integer arithmetic does."""
+    Integers accumulate in i32 wrapping as torch's integer arithmetic does. A sum of more than
+    LOOP_BUDGET terms (Cin/groups x kernel taps) is split: CHUNK terms per invocation, then
+    the partial sums folded (platforms/wgsl/folds.py) and the bias added."""
     meta = node.outputs[0]
     acc_ty = "i32" if meta.dtype in ALL_INT else "f32"
     x, w = pb.plain(x), pb.plain(w)
@@ -354,22 +356,36 @@ def convolution(pb, node, x, w, bias, stride, padding, dilation, transposed, out
     cig, cog = Cin // groups, Cout // groups
     ksz = list(w.shape[2:])
     isz = list(x.shape[2:])
-    out = pb.buffer("temp", meta)
-    result = BufferView.whole(out, meta)
+    name = "conv_transpose" if transposed else "conv"
+    terms = cig * math.prod(ksz)
+    chunks = 1 if terms <= LOOP_BUDGET else -(-terms // CHUNK)
+    if chunks == 1 or meta.numel == 0:
+        out = pb.buffer("temp", meta)
+        result = BufferView.whole(out, meta)
     if meta.numel == 0:
         return [result]
-    k = pb.kernel("conv_transpose" if transposed else "conv")
-    idx = k.unravel("n", meta.shape)
+    per = -(-terms // chunks)
+    k = pb.kernel(name)
+    if chunks > 1:
+        k.emit(f"let o: i32 = n / {chunks};")
+        k.emit(f"let part: i32 = n % {chunks};")
+    idx = k.unravel("o" if chunks > 1 else "n", meta.shape)
     b, oc, osp = idx[0], idx[1], idx[2:]
     k.emit(f"let g: i32 = {oc} / {cog};" if groups > 1 else "let g: i32 = 0;")
     acc = k.var(acc_ty, lit(0, acc_ty), "acc")
-    k.loop("ci", cig)
+    if chunks == 1:
+        k.loop("ci", cig)
+        for d in range(nsp):
+            k.loop(f"k{d}", ksz[d])
+    else:  # this invocation's share of the (ci, k...) terms; the partial sums are folded below
+        k.loop("j", per)
+        k.emit(f"let r: i32 = part * {per} + j;")
+        k.open(f"if (r < {terms})")
+        for name_, i in zip(["ci"] + [f"k{d}" for d in range(nsp)], k.unravel("r", [cig] + ksz)):
+            k.emit(f"let {name_}: i32 = {i};")
     k.emit(f"let c: i32 = g * {cig} + ci;")
-    kv = []
     conds = []
     for d in range(nsp):
-        k.loop(f"k{d}", ksz[d])
-        kv.append(f"k{d}")
         if transposed:
             k.emit(f"let tp{d}: i32 = {osp[d]} + {padding[d]} - k{d} * {dilation[d]};")
             # tp < 0 is tested first: WGSL's % of a negative operand becomes GLSL's, which is undefined
@@ -386,18 +402,30 @@ def convolution(pb, node, x, w, bias, stride, padding, dilation, transposed, out
     else:
         widx = [oc, "ci"]
     xv = cast(x.read(k, [b, "c"] + [f"i{d}" for d in range(nsp)]), x.ty, acc_ty)
-    wv = cast(w.read(k, widx + kv), w.ty, acc_ty)
+    wv = cast(w.read(k, widx + [f"k{d}" for d in range(nsp)]), w.ty, acc_ty)
     k.emit(f"{acc} = {acc} + {xv} * {wv};")
     k.close()
-    for _ in range(nsp):
+    for _ in range(nsp + 1 if chunks == 1 else 2):
         k.close()
-    k.close()
-    e = acc
-    if bias is not None:
-        e = f"{acc} + {cast(bias.read(k, [oc]), bias.ty, acc_ty)}"
-    k.write(out, "n", wrap_int(e, meta.dtype), acc_ty)
-    pb.add(k.finish(meta.numel))
-    return [result]
+    if chunks == 1:
+        e = acc
+        if bias is not None:
+            e = f"{acc} + {cast(bias.read(k, [oc]), bias.ty, acc_ty)}"
+        k.write(out, "n", wrap_int(e, meta.dtype), acc_ty)
+        pb.add(k.finish(meta.numel))
+        return [result]
+    acc_dtype = "int32" if acc_ty == "i32" else "float32"
+    partial = pb.buffer("temp", TensorMeta((meta.numel * chunks,), acc_dtype))
+    k.write(partial, "n", acc, acc_ty)
+    pb.add(k.finish(meta.numel * chunks))
+    sums = BufferView(partial, (meta.numel, chunks), (chunks, 1), 0, acc_dtype)
+    fold = Fold([("acc", acc_ty, lit(0, acc_ty))], lambda k, v, r: [v],
+                lambda k, st, o, empty: k.emit(f"{st[0]} = {st[0]} + {o[0]};"), lambda k, st: [(st[0], acc_ty)])
+    (total,) = fold_rows(pb, f"{name}_sum", sums, [1], [TensorMeta(tuple(meta.shape), acc_dtype)], fold)
+    ins = [total] + ([views.expand_to(views.reshape(bias, [meta.shape[1]] + [1] * nsp), meta.shape)]
+                     if bias is not None else [])
+    return [Compute(meta.shape, meta.dtype, ins,
+                    lambda k, e, idx: wrap_int(" + ".join(cast(v, i.ty, acc_ty) for v, i in zip(e, ins)), meta.dtype))]
 
 
 # --- pooling -----------------------------------------------------------------------------
