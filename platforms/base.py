@@ -101,6 +101,11 @@ class Kernel:
                    workgroups=tuple(int(x) for x in d["workgroups"]), loop_iterations=iterations)
 
 
+#: Loop iterations the loop-cap probe asks one invocation for (:meth:`Platform.loop_limits`): past
+#: any cap a device is known to have, and still quick where there is none.
+LOOP_PROBE_ITERATIONS = 1 << 20
+
+
 @dataclass
 class SplitTensor:
     """A tensor over the device's ``max-buffer-size``, held in several device buffers (*parts*).
@@ -358,6 +363,39 @@ class Platform:
                    and power[1:3].tolist() == [math.inf, 0.0])
         return {"nan_inf": nan_inf, "subnormals": product[3:5].tolist() == x[3:5].tolist()}
 
+    def loop_limits(self) -> dict:
+        """How many loop iterations the device runs in one invocation, measured once by running a
+        probe that asks for :data:`LOOP_PROBE_ITERATIONS`: ``{"loop_cap": N}`` when the device
+        stopped the loop after N (lavapipe and llvmpipe end an invocation's loops after 65 535
+        iterations, all loops together, without an error), ``{"loop_cap": None}`` when it ran them
+        all; an empty dict when the probe cannot run (a platform that runs no kernels)."""
+        if "_loop_limits" not in self.__dict__:
+            self.__dict__["_loop_limits"] = self._probe_loop_cap()
+        return self.__dict__["_loop_limits"]
+
+    def _probe_loop_cap(self) -> dict:
+        from tapml.errors import DeviceLost
+        i32 = lambda shape: TensorMeta(shape, "int32")  # noqa: E731
+        # the bound and the step are data, so no compiler can fold the loop away
+        wgsl = ("@group(0) @binding(0) var<storage, read> probe: array<i32>;\n"
+                "@group(0) @binding(1) var<storage, read_write> count: array<i32>;\n\n"
+                "@compute @workgroup_size(1)\nfn main() {\n  var c: i32 = 0;\n"
+                "  for (var i: i32 = 0; i < probe[0]; i = i + 1) { c = c + probe[1]; }\n  count[0] = c;\n}\n")
+        program = KernelProgram(
+            kind="wgsl", inputs=["probe"], outputs=["count"],
+            buffers=[BufferSpec("probe", "i32", 8, "input", i32((2,))), BufferSpec("count", "i32", 4, "output", i32((1,)))],
+            kernels=[Kernel("loop_cap", wgsl, [("probe", "read"), ("count", "read_write")], (1, 1, 1),
+                            loop_iterations=LOOP_PROBE_ITERATIONS)],
+            input_meta=[i32((2,))], output_meta=[i32((1,))])
+        try:
+            (count,) = self.run(program, [torch.tensor([LOOP_PROBE_ITERATIONS, 1], dtype=torch.int32)])
+        except DeviceLost:
+            raise
+        except (PlatformError, Unsupported, ValueError, TypeError):
+            return {}
+        ran = int(count.reshape(-1)[0])
+        return {"loop_cap": ran if 0 <= ran < LOOP_PROBE_ITERATIONS else None}
+
     def supports(self, node: Node) -> str | None:
         """None when the platform can run the node, else the reason it cannot."""
         return self._supports(node)
@@ -578,5 +616,5 @@ def wrap_errors(fn, *args):
         raise PlatformError(f"{type(e).__name__}: {e}") from e
 
 
-__all__ = ["LIMIT_NAMES", "MAX_OFFSET_ALIGNMENT", "BufferSpec", "Kernel", "KernelProgram", "Platform", "ResidentTensor", "RuntimePlatform",
+__all__ = ["LIMIT_NAMES", "LOOP_PROBE_ITERATIONS", "MAX_OFFSET_ALIGNMENT", "BufferSpec", "Kernel", "KernelProgram", "Platform", "ResidentTensor", "RuntimePlatform",
            "SplitTensor", "check_workgroups", "graph_program", "wrap_errors"]

@@ -17,7 +17,8 @@ from tapml.verdict import STATUSES, CaseVerdict, Verdict, VerdictDocument, outco
 def device_info(platform, probe: bool = True) -> dict:
     """``{adapter, backend, features, limits}`` of a platform, for verdict files (with
     ``error`` when the platform cannot say), and with ``probe`` its measured ``float_model``
-    (a run on the device, once per platform); DeviceLost is raised."""
+    (a run on the device, once per platform) and ``loop_cap``: the loop iterations one invocation
+    runs before the device stops it, null when it did not (Platform.loop_limits); DeviceLost is raised."""
     try:
         caps = platform.caps()
     except DeviceLost:
@@ -28,7 +29,15 @@ def device_info(platform, probe: bool = True) -> dict:
             (("adapter", ""), ("backend", ""), ("features", []), ("limits", {}), ("low_precision", {}))}
     if probe and (model := float_model(platform)):
         info["float_model"] = model
+    if probe:
+        info.update(loop_limits(platform))
     return info
+
+
+def loop_limits(platform) -> dict:
+    """``{"loop_cap": N or None}`` as the platform measured it (Platform.loop_limits), {} when it cannot."""
+    probe = getattr(platform, "loop_limits", None)
+    return probe() if callable(probe) else {}
 
 
 def float_model(platform) -> dict:
