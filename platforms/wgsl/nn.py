@@ -56,7 +56,7 @@ def _sum_fold(final=lambda k, s: s) -> Fold:
 def _max_fold() -> Fold:
     """The largest of floats; NaN when one is NaN (max() may drop it)."""
     def absorb(k, st, o, empty):
-        k.emit(f"if ({o[0]} > {st[0]} || {o[0]} != {o[0]}) {{ {st[0]} = {o[0]}; }}")
+        k.emit(f"if ({o[0]} > {st[0]} || (bitcast<u32>({o[0]}) & 0x7fffffffu) > 0x7f800000u) {{ {st[0]} = {o[0]}; }}")
     return Fold([("mx", "f32", lit(-math.inf, "f32"))], lambda k, v, r: [v], absorb, lambda k, st: [(st[0], "f32")])
 
 

@@ -133,13 +133,19 @@ register(["aten.prod.dim_int", "aten.prod.default"], ALL,
     ((randint(3, 4, lo=1, hi=3, dtype=torch.uint8), 0), {})], flops="reduce")(_sum_like("prod"))
 
 
+def _isnan(e: str) -> str:
+    """A WGSL bool: f32 ``e`` is NaN, tested on its bits."""
+    return f"((bitcast<u32>({e}) & 0x7fffffffu) > 0x7f800000u)"
+
+
 def _extreme(t, is_max):
     """(identity literal, better(v, best) predicate) for max/min over type t."""
     if t == "f32":
         ident = lit(-math.inf if is_max else math.inf, "f32")
         cmp = ">" if is_max else "<"
-        # NaN wins (torch propagates it); first occurrence wins ties
-        return ident, lambda v, b: f"({v} {cmp} {b} || ({v} != {v} && {b} == {b}))"
+        # NaN wins (torch propagates it); first occurrence wins ties. NaN is tested on the bits:
+        # drivers may fold x != x to false (lavapipe did, on values read back from a pass)
+        return ident, lambda v, b: f"({v} {cmp} {b} || ({_isnan(v)} && !{_isnan(b)}))"
     if t == "bool":
         return ("false" if is_max else "true"), lambda v, b: (f"({v} && !{b})" if is_max else f"(!{v} && {b})")
     ident = "i32(-2147483647 - 1)" if is_max else "2147483647"
@@ -190,7 +196,7 @@ def _arg_like(is_max, values):
             # a later part wins only with a better value, or an equal one (NaN equals NaN here)
             # at a smaller index: the first occurrence, as torch picks
             best, arg = st
-            tie = f"({o[0]} == {best} || ({o[0]} != {o[0]} && {best} != {best}))" if t == "f32" else f"({o[0]} == {best})"
+            tie = f"({o[0]} == {best} || ({_isnan(o[0])} && {_isnan(best)}))" if t == "f32" else f"({o[0]} == {best})"
             k.emit(f"if ({o[1]} >= 0 && ({arg} < 0 || {better(o[0], best)} || ({tie} && {o[1]} < {arg}))) "
                    f"{{ {best} = {o[0]}; {arg} = {o[1]}; }}")
         fold = Fold([("best", t, ident), ("arg", "i32", "-1")], lambda k, v, r: [v, r], absorb, final)
