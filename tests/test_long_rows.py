@@ -50,6 +50,15 @@ def _finite(n: int = L) -> torch.Tensor:
     return torch.randn(2, n, generator=g)
 
 
+def _masked(n: int = L) -> torch.Tensor:
+    """Two rows of scores with -inf where an attention mask hides them: leading, and scattered."""
+    g = torch.Generator().manual_seed(n + 3)
+    x = torch.randn(2, n, generator=g) * 4
+    x[0, :5000] = -math.inf
+    x[1, torch.randperm(n, generator=g)[:n // 3]] = -math.inf
+    return x
+
+
 def _conv(cin: int, transposed: bool = False, groups: int = 1, dtype=torch.float32):
     g = torch.Generator().manual_seed(cin)
     if transposed:  # weight (Cin, Cout/groups, k): each output sums Cin/groups x k terms
@@ -94,7 +103,9 @@ LONG = [
     ("logcumsumexp", "aten.logcumsumexp.default", lambda: [_finite(), 1]),
     ("softmax", "aten._softmax.default", lambda: [_rows() * 4, 1, False]),
     ("softmax-dim0", "aten._softmax.default", lambda: [_finite().T.contiguous(), 0, False]),
+    ("softmax-masked", "aten._softmax.default", lambda: [_masked(), 1, False]),
     ("log-softmax", "aten._log_softmax.default", lambda: [_rows() * 4, 1, False]),
+    ("log-softmax-masked", "aten._log_softmax.default", lambda: [_masked(), 1, False]),
     ("layer-norm", "aten.native_layer_norm.default", lambda: [_finite() * 3 + 1, [L], torch.randn(L), torch.randn(L), 1e-5]),
     ("layer-norm-2d", "aten.native_layer_norm.default", lambda: [_finite().reshape(2, 7, L // 7), [7, L // 7], None, None, 1e-5]),
     ("group-norm", "aten.native_group_norm.default",
@@ -188,6 +199,11 @@ def test_long_rows_match_torch(backend, name, op, args):
     if case is None:
         return
     g, low, ref16, ref64 = case
+    for r16, r64 in zip(ref16, ref64):
+        # torch's own float16 CPU convolution returns NaN now and then where float64 is finite
+        # (seen run to run on the same inputs): the float64 result, rounded, stands in there
+        bad = torch.isnan(r16) & ~torch.isnan(r64)
+        r16[bad] = r64[bad].to(r16.dtype)
     out = platform.run(platform.compile(g), low)
     res = compare_anchored(out, ref16, ref64, floor=LOW_FLOORS[torch.float16])
     assert res.passed, f"{name} float16 on {backend}: {res.message}; worst {res.worst}"

@@ -50,6 +50,38 @@ class Fold:
     outputs: Callable
 
 
+def moments_fold(value: Callable, outputs: Callable) -> Fold:
+    """Count, mean and sum of squared deviations from it (``M2``) of ``value(k, v)`` (an f32
+    expression of the element), merged as Chan et al. do (Welford's update when one side is one
+    element): one pass, stable where a sum of squares is not. ``outputs(k, (n, mean, m2))``."""
+    def absorb(k, st, o, empty):
+        n, mu, m2 = st
+        k.emit(f"let nn: f32 = {n} + {o[0]};")
+        k.emit(f"let d: f32 = {o[1]} - {mu};")
+        k.emit(f"{mu} = {mu} + d * ({o[0]} / nn);")
+        k.emit(f"{m2} = {m2} + {o[2]} + d * d * ({n} * {o[0]} / nn);")
+        k.emit(f"{n} = nn;")
+    return Fold([("n", "f32", "0.0"), ("mu", "f32", "0.0"), ("m2", "f32", "0.0")],
+                lambda k, v, r: ["1.0", value(k, v), "0.0"], absorb, outputs)
+
+
+def softmax_fold(outputs: Callable) -> Fold:
+    """The largest element ``m`` and the sum of ``exp(v - m)`` in one pass ("online softmax"): a
+    state absorbing a larger maximum rescales its sum. A NaN makes ``m`` NaN; -inf elements while
+    the maximum is -inf count ``exp(0)`` and vanish once a finite maximum comes, so a row of -inf
+    gives NaN and +inf gives NaN, as torch's softmax does. ``outputs(k, (m, s))``."""
+    def absorb(k, st, o, empty):
+        m, s = st
+        nan = "((bitcast<u32>({}) & 0x7fffffffu) > 0x7f800000u)"
+        k.emit(f"let mn: f32 = select(select(max({m}, {o[0]}), {o[0]}, {nan.format(o[0])}), {m}, {nan.format(m)});")
+        # exp(a - mn) with a == mn == -inf is 1 (not NaN): such terms vanish once a finite maximum
+        # comes; +inf - +inf stays NaN, as in torch
+        k.emit(f"{s} = select({s} * select(exp({m} - mn), 1.0, {m} == mn && mn < 0.0) + {o[1]} * "
+               f"select(exp({o[0]} - mn), 1.0, {o[0]} == mn && mn < 0.0), {o[1]}, {empty});")
+        k.emit(f"{m} = select(mn, {o[0]}, {empty});")
+    return Fold([("m", "f32", "0.0"), ("s", "f32", "0.0")], lambda k, v, r: [v, "1.0"], absorb, outputs)
+
+
 def _declare(k, fold: Fold) -> list[str]:
     return [k.var(ty, init, prefix) for prefix, ty, init in fold.state]
 

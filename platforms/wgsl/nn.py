@@ -14,7 +14,7 @@ from tapml.platforms.wgsl import views
 from tapml.graph import TensorMeta
 from tapml.platforms.wgsl.codegen import (CHUNK, LOOP_BUDGET, BufferView, Compute, Custom, Value, cast, contiguous_strides,
                                           index_sum, lit)
-from tapml.platforms.wgsl.folds import Fold, fold_rows
+from tapml.platforms.wgsl.folds import Fold, fold_rows, moments_fold, softmax_fold
 from tapml.platforms.wgsl.matmul import wrap_int
 from tapml.platforms.wgsl.registry import ALL_FLOAT, ALL_INT, NUMERIC, edge_floats, edge_ints, rand, randint, register
 
@@ -47,35 +47,20 @@ def _rows(pb, name, x, dim, meta, body):
     return view
 
 
-def _sum_fold(final=lambda k, s: s) -> Fold:
-    """A float sum: ``final(k, sum)`` is its output expression."""
-    return Fold([("acc", "f32", "0.0")], lambda k, v, r: [v], lambda k, st, o, empty: k.emit(f"{st[0]} = {st[0]} + {o[0]};"),
-                lambda k, st: [(final(k, st[0]), "f32")])
-
-
-def _max_fold() -> Fold:
-    """The largest of floats; NaN when one is NaN (max() may drop it)."""
-    def absorb(k, st, o, empty):
-        k.emit(f"if ({o[0]} > {st[0]} || (bitcast<u32>({o[0]}) & 0x7fffffffu) > 0x7f800000u) {{ {st[0]} = {o[0]}; }}")
-    return Fold([("mx", "f32", lit(-math.inf, "f32"))], lambda k, v, r: [v], absorb, lambda k, st: [(st[0], "f32")])
-
-
-def row_statistic(pb, name: str, x: Value, dims, fold: Fold) -> tuple[Value, Value]:
-    """``fold`` of ``x`` (read as f32) over ``dims``: the float32 statistic (``dims`` kept as 1)
-    and the same broadcast back to ``x``'s shape."""
+def row_statistics(pb, name: str, x: Value, dims, fold: Fold, outputs: int) -> list[tuple[Value, Value]]:
+    """``fold`` of ``x`` (read as f32) over ``dims``: per output of the fold (it has ``outputs``),
+    the float32 statistic (``dims`` kept as 1) and the same broadcast back to ``x``'s shape."""
     xf = x if x.ty == "f32" else Compute(x.shape, "float32", [x], lambda k, e, idx: cast(e[0], x.ty, "f32"), cost=0)
-    kept = [1 if d in dims else s for d, s in enumerate(x.shape)]
-    (stat,) = fold_rows(pb, name, xf, dims, [TensorMeta(tuple(kept), "float32")], fold)
-    return stat, views.expand_to(stat, x.shape)
+    kept = TensorMeta(tuple(1 if d in dims else s for d, s in enumerate(x.shape)), "float32")
+    stats = fold_rows(pb, name, xf, dims, [kept] * outputs, fold)
+    return [(stat, views.expand_to(stat, x.shape)) for stat in stats]
 
 
 def _long_softmax(pb, x, dim, meta, log: bool) -> Value:
-    """Softmax over a row past LOOP_BUDGET: its max and sum of exponentials folded across
-    invocations, then one elementwise pass."""
-    _, m = row_statistic(pb, "softmax_max", x, [dim], _max_fold())
+    """Softmax over a row past LOOP_BUDGET: its max and sum of exponentials in one fold across
+    invocations (:func:`~tapml.platforms.wgsl.folds.softmax_fold`), then one elementwise pass."""
+    (_, m), (_, s) = row_statistics(pb, "softmax", x, [dim], softmax_fold(lambda k, st: [(st[0], "f32"), (st[1], "f32")]), 2)
     shifted = Compute(x.shape, "float32", [x, m], lambda k, e, idx: f"({cast(e[0], x.ty, 'f32')} - {e[1]})")
-    exps = Compute(x.shape, "float32", [shifted], lambda k, e, idx: f"exp({e[0]})")
-    _, s = row_statistic(pb, "softmax_sum", exps, [dim], _sum_fold())
     if log:
         return Compute(meta.shape, meta.dtype, [shifted, s], lambda k, e, idx: f"({e[0]} - log({e[1]}))")
     return Compute(meta.shape, meta.dtype, [shifted, s], lambda k, e, idx: f"(exp({e[0]}) / {e[1]})")
@@ -162,15 +147,13 @@ def _as(stat: Value, meta) -> Value:
 
 
 def _long_norm(pb, name: str, x: Value, dims, eps: float, weight, bias, param_dims) -> tuple[Value, Value, Value]:
-    """``(x - mean) / sqrt(var + eps) * weight + bias`` with mean and biased variance over
-    ``dims`` folded across invocations (two passes, as torch), ``weight``/``bias`` indexed
-    by ``x``'s ``param_dims``. Returns the normalized value and the mean and rstd (float32, ``dims`` kept as 1)."""
-    count = math.prod(x.shape[d] for d in dims)
-    mean_stat, mean = row_statistic(pb, f"{name}_mean", x, dims, _sum_fold(lambda k, s: f"({s} / {lit(count, 'f32')})"))
-    dev = Compute(x.shape, "float32", [x, mean], lambda k, e, idx: f"({cast(e[0], x.ty, 'f32')} - {e[1]})")
-    sq = Compute(x.shape, "float32", [dev], lambda k, e, idx: f"({e[0]} * {e[0]})")
-    rstd_stat, rstd = row_statistic(pb, f"{name}_rstd", sq, dims, _sum_fold(
-        lambda k, s: f"inverseSqrt({s} / {lit(count, 'f32')} + {lit(eps, 'f32')})"))
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` with the mean and biased variance over
+    ``dims`` folded across invocations in one pass (:func:`~tapml.platforms.wgsl.folds.moments_fold`),
+    ``weight``/``bias`` indexed by ``x``'s ``param_dims``. Returns the normalized value and the
+    mean and rstd (float32, ``dims`` kept as 1)."""
+    fold = moments_fold(lambda k, v: v, lambda k, st: [
+        (st[1], "f32"), (f"inverseSqrt({st[2]} / {st[0]} + {lit(eps, 'f32')})", "f32")])
+    (mean_stat, mean), (rstd_stat, rstd) = row_statistics(pb, name, x, dims, fold, 2)
     params = [p for p in (weight, bias) if p is not None]
 
     def spread(p):
@@ -178,14 +161,14 @@ def _long_norm(pb, name: str, x: Value, dims, eps: float, weight, bias, param_di
         return views.expand_to(views.reshape(p, shape), x.shape)
 
     def emit(k, e, idx):
-        out = f"{e[0]} * {e[1]}"
-        rest = list(e[2:])
+        out = f"({cast(e[0], x.ty, 'f32')} - {e[1]}) * {e[2]}"
+        rest = list(e[3:])
         if weight is not None:
             out = f"({out}) * {cast(rest.pop(0), weight.ty, 'f32')}"
         if bias is not None:
             out = f"{out} + {cast(rest.pop(0), bias.ty, 'f32')}"
         return out
-    y = Compute(x.shape, x.dtype, [dev, rstd] + [spread(p) for p in params], emit, cost=2)
+    y = Compute(x.shape, x.dtype, [x, mean, rstd] + [spread(p) for p in params], emit, cost=2)
     return y, mean_stat, rstd_stat
 
 

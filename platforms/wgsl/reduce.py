@@ -16,7 +16,7 @@ import torch
 
 from tapml.graph import TensorMeta
 from tapml.platforms.wgsl.codegen import LOOP_BUDGET, BufferView, Custom, Value, cast, ctype, lit
-from tapml.platforms.wgsl.folds import Fold, fold_rows, scan_lines
+from tapml.platforms.wgsl.folds import Fold, fold_rows, moments_fold, scan_lines
 from tapml.platforms.wgsl.registry import (ALL, ALL_FLOAT, ALL_INT, NUMERIC, edge_floats, edge_ints, rand, randbool, randint,
                                            register)
 from tapml.platforms.wgsl.views import norm_dim
@@ -289,21 +289,10 @@ def _var(pb, node, x, dim, correction, keepdim):
         out = [(divide(st[1], max(count - corr, 0)), "f32")]
         return out + ([(divide(st[0], count), "f32")] if with_mean else [])
 
-    def absorb(k, st, o, empty):
-        # Chan et al.'s merge of (count, mean, sum of squared deviations): Welford's update when
-        # ``o`` is one element; stable where a one-pass sum of squares is not
-        n, mu, m2 = st
-        k.emit(f"let nn: f32 = {n} + {o[0]};")
-        k.emit(f"let d: f32 = {o[1]} - {mu};")
-        k.emit(f"{mu} = {mu} + d * ({o[0]} / nn);")
-        k.emit(f"{m2} = {m2} + {o[2]} + d * d * ({n} * {o[0]} / nn);")
-        k.emit(f"{n} = nn;")
-
     def fold_final(k, st):
         out = [(divide(st[2], max(count - corr, 0)), "f32")]
         return out + ([(st[1], "f32")] if with_mean else [])
-    fold = Fold([("n", "f32", "0.0"), ("mu", "f32", "0.0"), ("m2", "f32", "0.0")],
-                lambda k, v, r: ["1.0", cast(v, x.ty, "f32"), "0.0"], absorb, fold_final)
+    fold = moments_fold(lambda k, v: cast(v, x.ty, "f32"), fold_final)
     return reduction(pb, "var", x, dims, node.outputs, init, [p1, p2], final, fold)
 
 
