@@ -10,8 +10,8 @@ compiler counted them) against the device's measured ``loop_cap`` (limit ``loop-
 :meth:`~tapml.platforms.base.Platform.loop_limits` runs one tiny probe); and it lists the buffers the compiler bound through
 several windows (a tensor *split* past the binding limit) and the tensors it held in several
 buffers (past ``max-buffer-size``: ``KernelProgram.parts``), and why. :func:`preflight_store`
-compiles every case of a carve store on a platform (compiles only, runs nothing) and sums that
-up per op. Everything returned is plain data with ``to_json``.
+compiles every case of a carve store on a platform (compiles only; the one kernel it runs is the
+device's loop-cap probe, once per platform) and sums that up per op. Everything returned is plain data with ``to_json``.
 
 Example::
 
@@ -369,11 +369,12 @@ def preflight_before_run(store, platform, target: str, cases: list[dict] | None 
 def preflight_store(store, platform, target: str = "", cases: list[dict] | None = None,
                     on_case: Callable[[dict], None] | None = None) -> StorePreflight:
     """Compile each of ``cases`` (default: every case of ``store``) on ``platform`` and check
-    each program with :func:`check_program`; nothing runs. DeviceLost is raised; Unsupported
+    each program with :func:`check_program`; no case runs (the device's loop-cap probe does, once). DeviceLost is raised; Unsupported
     and compile failures are recorded per op. ``on_case(case)`` is called after each."""
     caps = platform.caps()
+    # the one thing run: the loop-cap probe (a tiny kernel, once per platform), on a device that has limits
     probe = getattr(platform, "loop_limits", None)
-    loop_cap = (probe() if callable(probe) else {}).get("loop_cap")
+    loop_cap = (probe() if callable(probe) and caps.get("limits") else {}).get("loop_cap")
     ops: dict[str, OpPreflight] = {}
     for case in store.cases if cases is None else cases:
         row = ops.setdefault(case["op"], OpPreflight(case["op"]))
