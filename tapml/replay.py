@@ -40,6 +40,17 @@ def loop_limits(platform) -> dict:
     return probe() if callable(probe) else {}
 
 
+def loop_cap_note(platform, program) -> str:
+    """Why a mismatch may be a kernel cut short: its kernels that loop more times per invocation
+    than the device's measured loop cap (Platform.loop_limits); empty when none does."""
+    cap = loop_limits(platform).get("loop_cap")
+    over = [k for k in getattr(program, "kernels", ()) if cap is not None and (k.loop_iterations or 0) > cap]
+    if not over:
+        return ""
+    return (f"kernel {over[0].name} loops {over[0].loop_iterations} times in one invocation and the device stops "
+            f"an invocation's loops after {cap} (device loop_cap): its results are cut short")
+
+
 def float_model(platform) -> dict:
     """The platform's measured float model (NaN/Inf and subnormals kept or not), {} when it has none."""
     probe = getattr(platform, "float_model", None)
@@ -182,7 +193,7 @@ def replay_case(platform, store, case: dict, tolerances: Tolerances | None = Non
         outcome = outcome_verdict(result, time_ms)
         if outcome.status == "mismatch":
             note = float_model_note(float_model(platform), inputs + expected)
-            outcome.message = "; ".join(m for m in (outcome.message, note) if m)
+            outcome.message = "; ".join(m for m in (outcome.message, note, loop_cap_note(platform, program)) if m)
         if varied:
             outcome = flaky_verdict(outcome, varied)
         if profile:

@@ -235,3 +235,23 @@ def test_preflight_lists_a_kernel_past_the_cap():
     assert violation.value > cap and violation.allowed == cap and "loop_cap" in violation.describe()
     graph, _ = case_graph(LONG[0][1], LONG[0][2]())
     assert not check_program(platform.compile(graph), platform.caps(), cap).violations
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+def test_a_kernel_past_the_cap_is_cut_short_and_the_mismatch_says_why():
+    """mm is not split: with K/4 = 70 007 iterations per invocation lavapipe returns truncated
+    sums, and replay's note names the kernel and the cap."""
+    from tapml.replay import loop_cap_note
+    platform = _platform("vulkan")
+    if platform.loop_limits()["loop_cap"] != LAVAPIPE_CAP:
+        pytest.skip("not a device that stops loops at 65 535")
+    name, op, args = UNSPLIT[1]
+    graph, inputs = case_graph(op, args())
+    program = platform.compile(graph)
+    out, ref = _run(platform, graph, inputs)
+    assert not compare_tensor(out[0], ref[0]).passed
+    note = loop_cap_note(platform, program)
+    assert "70007 times" in note and str(LAVAPIPE_CAP) in note and program.kernels[0].name in note
+    graph, _ = case_graph(LONG[0][1], LONG[0][2]())
+    assert loop_cap_note(platform, platform.compile(graph)) == ""
