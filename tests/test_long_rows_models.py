@@ -99,7 +99,6 @@ def test_long_rows_migrate_whole_on_vulkan_and_gl(stores, tmp_path, dtype):
                             "aten.cumsum.default", "aten.native_layer_norm.default", "aten.sum.dim_IntList",
                             "aten.argmax.default"}, ops
         assert set(ops.values()) == {"pass"}, ops
-        assert doc["preflight"]["summary"]["ops_over_limit"] == 0
     assert "100.0% of FLOPs on wgpu:vulkan" in r.stdout and "100.0% of FLOPs on wgpu:gl" in r.stdout, r.stdout[-2000:]
 
 
