@@ -323,8 +323,9 @@ def convolution(pb, node, x, w, bias, stride, padding, dilation, transposed, out
     """Direct convolution, one thread per output element. Transposed, each output gathers the
     inputs that scatter onto it: ``o = i * stride - padding + k * dilation`` solved for ``i``.
     Integers accumulate in i32 wrapping as torch's integer arithmetic does. A sum of more than
-    LOOP_BUDGET terms (Cin/groups x kernel taps) is split: CHUNK terms per invocation, then
-    the partial sums folded (platforms/wgsl/folds.py) and the bias added."""
+    LOOP_BUDGET terms (Cin/groups x kernel taps) is split: about CHUNK terms per invocation (whole
+    input channels, or (channel, tap) terms when one channel has more taps), then the partial
+    sums folded (platforms/wgsl/folds.py) and the bias added."""
     meta = node.outputs[0]
     acc_ty = "i32" if meta.dtype in ALL_INT else "f32"
     x, w = pb.plain(x), pb.plain(w)
@@ -340,30 +341,42 @@ def convolution(pb, node, x, w, bias, stride, padding, dilation, transposed, out
     ksz = list(w.shape[2:])
     isz = list(x.shape[2:])
     name = "conv_transpose" if transposed else "conv"
-    terms = cig * math.prod(ksz)
-    chunks = 1 if terms <= LOOP_BUDGET else -(-terms // CHUNK)
+    taps = math.prod(ksz)
+    if cig * taps <= LOOP_BUDGET:
+        chunks, per = 1, cig
+    elif taps <= CHUNK:  # whole input channels per invocation: the tap loops stay as they are
+        per = CHUNK // taps
+        chunks = -(-cig // per)
+    else:  # a kernel of more than CHUNK taps: CHUNK (channel, tap) terms per invocation
+        chunks = -(-(cig * taps) // CHUNK)
+        per = -(-(cig * taps) // chunks)
     if chunks == 1 or meta.numel == 0:
         out = pb.buffer("temp", meta)
         result = BufferView.whole(out, meta)
     if meta.numel == 0:
         return [result]
-    per = -(-terms // chunks)
     k = pb.kernel(name)
-    if chunks > 1:
-        k.emit(f"let o: i32 = n / {chunks};")
-        k.emit(f"let part: i32 = n % {chunks};")
+    if chunks > 1:  # neighbouring invocations: neighbouring outputs over the same channels
+        k.emit(f"let o: i32 = n % {meta.numel};")
+        k.emit(f"let part: i32 = n / {meta.numel};")
     idx = k.unravel("o" if chunks > 1 else "n", meta.shape)
     b, oc, osp = idx[0], idx[1], idx[2:]
     k.emit(f"let g: i32 = {oc} / {cog};" if groups > 1 else "let g: i32 = 0;")
     acc = k.var(acc_ty, lit(0, acc_ty), "acc")
-    if chunks == 1:
-        k.loop("ci", cig)
+    nested = chunks == 1 or taps <= CHUNK
+    if nested:
+        if chunks == 1:
+            k.loop("ci", cig)
+        else:  # this invocation's channels; the partial sums are folded below
+            k.loop("cj", per)
+            k.emit(f"let ci: i32 = part * {per} + cj;")
+            k.open(f"if (ci < {cig})")
         for d in range(nsp):
             k.loop(f"k{d}", ksz[d])
-    else:  # this invocation's share of the (ci, k...) terms; the partial sums are folded below
+    else:
         k.loop("j", per)
         k.emit(f"let r: i32 = part * {per} + j;")
-        k.open(f"if (r < {terms})")
+        k.open(f"if (r < {cig * taps})")
         for name_, i in zip(["ci"] + [f"k{d}" for d in range(nsp)], k.unravel("r", [cig] + ksz)):
             k.emit(f"let {name_}: i32 = {i};")
     k.emit(f"let c: i32 = g * {cig} + ci;")
@@ -388,7 +401,7 @@ def convolution(pb, node, x, w, bias, stride, padding, dilation, transposed, out
     wv = cast(w.read(k, widx + [f"k{d}" for d in range(nsp)]), w.ty, acc_ty)
     k.emit(f"{acc} = {acc} + {xv} * {wv};")
     k.close()
-    for _ in range(nsp + 1 if chunks == 1 else 2):
+    for _ in range((nsp + 1 if nested else 1) + (chunks > 1)):
         k.close()
     if chunks == 1:
         e = acc
@@ -401,7 +414,7 @@ def convolution(pb, node, x, w, bias, stride, padding, dilation, transposed, out
     partial = pb.buffer("temp", TensorMeta((meta.numel * chunks,), acc_dtype))
     k.write(partial, "n", acc, acc_ty)
     pb.add(k.finish(meta.numel * chunks))
-    sums = BufferView(partial, (meta.numel, chunks), (chunks, 1), 0, acc_dtype)
+    sums = BufferView(partial, (meta.numel, chunks), (1, meta.numel), 0, acc_dtype)
     fold = Fold([("acc", acc_ty, lit(0, acc_ty))], lambda k, v, r: [v],
                 lambda k, st, o, empty: k.emit(f"{st[0]} = {st[0]} + {o[0]};"), lambda k, st: [(st[0], acc_ty)])
     (total,) = fold_rows(pb, f"{name}_sum", sums, [1], [TensorMeta(tuple(meta.shape), acc_dtype)], fold)
