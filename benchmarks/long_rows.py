@@ -7,8 +7,8 @@ after 65 535 iterations, so they are timed doing less than the whole work).
 
 One process per measurement, so that farm-bench alternates them and times whole processes::
 
-    farm-bench -n 5 --timeout 900 -- sh -c 'exec .venv/bin/python benchmarks/long_rows.py after vulkan >>/tmp/a 2>&1' \\
-        --vs "sh -c 'exec .venv/bin/python benchmarks/long_rows.py before vulkan >>/tmp/b 2>&1'"
+    farm-bench -n 5 --timeout 1500 --vs "sh -c 'exec .venv/bin/python benchmarks/long_rows.py before vulkan >>/tmp/b 2>&1'" \\
+        -- sh -c 'exec .venv/bin/python benchmarks/long_rows.py after vulkan >>/tmp/a 2>&1'
     .venv/bin/python benchmarks/long_rows.py summary /tmp/a /tmp/b
 
 Each run prints one JSON line (its figures and the load average); ``summary`` gives the medians.
