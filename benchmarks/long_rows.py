@@ -35,7 +35,8 @@ def measure(variant: str, backend: str) -> dict:
 
 
 def summary(paths: list[str]) -> dict:
-    runs = [json.loads(line) for p in paths for line in open(p) if line.startswith("{")]
+    # each file's first run is farm-bench's warm-up, not counted
+    runs = [run for p in paths for run in [json.loads(line) for line in open(p) if line.startswith("{")][1:]]
     out = {}
     for run in runs:
         for f in run["figures"]:
