@@ -127,6 +127,12 @@ LONG = [
 UNSPLIT = [
     ("bincount", "aten.bincount.default", lambda: [torch.randint(0, 3, (L,))]),
     ("mm-long-k", "aten.mm.default", lambda: [torch.randn(2, 4 * L), torch.randn(4 * L, 2)]),
+    ("layer-norm-backward", "aten.native_layer_norm_backward.default",
+     lambda: [torch.randn(2, L), torch.randn(2, L), [L], torch.zeros(2, 1), torch.ones(2, 1), torch.randn(L), torch.randn(L),
+              [True, True, True]]),
+    ("conv-backward", "aten.convolution_backward.default",
+     lambda: [torch.randn(1, 4, L, 1), torch.randn(1, 3, L + 2, 1), torch.randn(4, 3, 3, 1), [4], [1, 1], [0, 0], [1, 1],
+              False, [0, 0], 1, [True, True, True]]),
 ]
 
 
