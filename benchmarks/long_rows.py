@@ -41,13 +41,14 @@ def summary(paths: list[str]) -> dict:
     for run in runs:
         for f in run["figures"]:
             row = out.setdefault(f"{run['backend']} {f['case']} {run['variant']}",
-                                 {"ours_ms": [], "torch_ms": [], "ratio": [], "matches_torch": set(), "kernels": f.get("kernels"),
-                                  "load_avg": []})
+                                 {"ours_ms": [], "torch_ms": [], "ratio": [], "matches_torch": set(),
+                                  "kernels": f.get("kernels"), "load_avg": []})
             for k in ("ours_ms", "torch_ms", "ratio"):
                 row[k].append(f[k])
             row["matches_torch"].add(f.get("matches_torch"))
             row["load_avg"].append(run["load_avg"])
-    return {k: {"runs": len(v["ours_ms"]), **{m: statistics.median(v[m]) for m in ("ours_ms", "torch_ms", "ratio", "load_avg")},
+    figures = ("ours_ms", "torch_ms", "ratio", "load_avg")
+    return {k: {"runs": len(v["ours_ms"]), **{m: statistics.median(v[m]) for m in figures},
                 "matches_torch": sorted(v["matches_torch"], key=str), "kernels": v["kernels"]} for k, v in out.items()}
 
 

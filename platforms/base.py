@@ -383,7 +383,8 @@ class Platform:
                 "  for (var i: i32 = 0; i < probe[0]; i = i + 1) { c = c + probe[1]; }\n  count[0] = c;\n}\n")
         program = KernelProgram(
             kind="wgsl", inputs=["probe"], outputs=["count"],
-            buffers=[BufferSpec("probe", "i32", 8, "input", i32((2,))), BufferSpec("count", "i32", 4, "output", i32((1,)))],
+            buffers=[BufferSpec("probe", "i32", 8, "input", i32((2,))),
+                     BufferSpec("count", "i32", 4, "output", i32((1,)))],
             kernels=[Kernel("loop_cap", wgsl, [("probe", "read"), ("count", "read_write")], (1, 1, 1),
                             loop_iterations=LOOP_PROBE_ITERATIONS)],
             input_meta=[i32((2,))], output_meta=[i32((1,))])

@@ -497,7 +497,8 @@ class KernelBuilder:
             raise Unsupported(f"kernel {self.name} binds {len(self.bindings)} storage buffers; "
                               f"the device allows {limit} (max-storage-buffers-per-shader-stage)")
         # a loop written into the body without open() is one the count does not know
-        loops = sum(len(re.findall(r"(?:^|[;{]\s*)(?:for\s*\(|loop\s*\{|while\b)", line.strip())) for line in self.lines)
+        loops = sum(len(re.findall(r"(?:^|[;{]\s*)(?:for\s*\(|loop\s*\{|while\b)", line.strip()))
+                    for line in self.lines)
         iterations = self.iterations if loops <= self.counted_loops else None
         return Kernel(name=self.name, wgsl=src, bindings=[(b.name, acc, *(window or ())) for _, b, acc, window
                                                           in self.bindings.values()],

@@ -12,8 +12,8 @@ import math
 
 from tapml.platforms.wgsl import views
 from tapml.graph import TensorMeta
-from tapml.platforms.wgsl.codegen import (CHUNK, LOOP_BUDGET, BufferView, Compute, Custom, Value, cast, contiguous_strides,
-                                          index_sum, lit)
+from tapml.platforms.wgsl.codegen import (CHUNK, LOOP_BUDGET, BufferView, Compute, Custom, Value, cast,
+                                          contiguous_strides, index_sum, lit)
 from tapml.platforms.wgsl.folds import Fold, fold_rows, moments_fold, softmax_fold
 from tapml.platforms.wgsl.matmul import wrap_int
 from tapml.platforms.wgsl.registry import ALL_FLOAT, ALL_INT, NUMERIC, edge_floats, edge_ints, rand, randint, register
