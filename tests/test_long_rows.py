@@ -4,8 +4,9 @@ Fast tier: every reduction, scan, norm, softmax and convolution family compiled 
 past lavapipe's loop cap of 65 535, each kernel's counted loop iterations within the budget; the
 lowerings that still loop over a data length are listed (and must still do so, or leave the list).
 Device tier (lavapipe Vulkan, llvmpipe GL): the same cases run against torch on seeded inputs with
-NaN, Inf and ties, float32 and float16, outputs poisoned before the run (platforms/base.py); the
-loop-cap probe measures 65 535; the preflight lists a kernel that still goes past it.
+NaN, Inf and ties, float32, float16 and bfloat16 (integers and bools where the op takes them),
+outputs poisoned before the run (platforms/base.py); the loop-cap probe measures 65 535; the
+preflight lists a kernel that still goes past it, and a mismatch of one says why.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tapml.platforms.wgsl import compile_graph
 from tapml.platforms.wgsl.codegen import CHUNK, LOOP_BUDGET
 from tapml.platforms.wgsl.registry import case_graph
 from tapml.preflight import check_program
-from support import LOW_FLOORS, low_precision_case
+from support import LOW, LOW_FLOORS, low_precision_case
 
 CAPS = {"features": ["shader-f16"], "limits": {}}
 #: Past lavapipe's cap of 65 535, a multiple of neither CHUNK nor the workgroup size (7 x 10 001).
@@ -206,19 +207,20 @@ def test_long_rows_match_torch(backend, name, op, args):
         res = compare_tensor(o, r)
         assert res.passed, f"{name} output {i} on {backend}: {res.message}; worst {res.worst}"
     if not any(t.dtype == torch.float32 for t in tensors) or op == "aten.prod.dim_int":
-        return  # integer cases; a product of 70 007 factors near 1 is no float16 case
-    case = low_precision_case(graph, tensors, torch.float16)
-    if case is None:
-        return
-    g, low, ref16, ref64 = case
-    for r16, r64 in zip(ref16, ref64):
-        # torch's own float16 CPU convolution returns NaN now and then where float64 is finite
-        # (seen run to run on the same inputs): the float64 result, rounded, stands in there
-        bad = torch.isnan(r16) & ~torch.isnan(r64)
-        r16[bad] = r64[bad].to(r16.dtype)
-    out = platform.run(platform.compile(g), low)
-    res = compare_anchored(out, ref16, ref64, floor=LOW_FLOORS[torch.float16])
-    assert res.passed, f"{name} float16 on {backend}: {res.message}; worst {res.worst}"
+        return  # integer cases; a product of 70 007 factors near 1 is no low-precision case
+    for dtype in LOW:
+        case = low_precision_case(graph, tensors, dtype)
+        if case is None:
+            continue
+        g, low, ref_low, ref64 = case
+        for r_low, r64 in zip(ref_low, ref64):
+            # torch's own float16 CPU convolution returns NaN now and then where float64 is finite
+            # (seen run to run on the same inputs): the float64 result, rounded, stands in there
+            bad = torch.isnan(r_low) & ~torch.isnan(r64)
+            r_low[bad] = r64[bad].to(r_low.dtype)
+        out = platform.run(platform.compile(g), low)
+        res = compare_anchored(out, ref_low, ref64, floor=LOW_FLOORS[dtype])
+        assert res.passed, f"{name} {dtype} on {backend}: {res.message}; worst {res.worst}"
 
 
 @pytest.mark.parametrize("backend", [pytest.param(b, marks=DEVICE) for b in ("vulkan", "gl")])
