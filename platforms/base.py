@@ -71,23 +71,39 @@ class Kernel:
     """One compute dispatch: WGSL source, entry point, the buffers bound at group 0 in binding
     order, and the workgroup counts. A binding is ``(buffer, access)`` (``read`` or
     ``read_write``), the whole buffer, or ``(buffer, access, offset, size)``: that byte window of
-    it (a buffer over the device's binding limit is bound through several windows)."""
+    it (a buffer over the device's binding limit is bound through several windows).
+    ``loop_iterations`` is how many loop iterations one invocation runs at most, all loops
+    together (nested ones multiplied), as the compiler counted them; None when it could not
+    (a loop whose trip count it does not know). Devices may end an invocation's loops past a
+    budget (lavapipe: 65 535): the preflight holds this count to the measured one."""
 
     name: str
     wgsl: str
     bindings: list[tuple]
     workgroups: tuple[int, int, int]
     entry: str = "main"
+    loop_iterations: int | None = None
 
     def to_json(self) -> dict:
-        return {"name": self.name, "wgsl": self.wgsl, "entry": self.entry,
-                "bindings": [list(b) for b in self.bindings], "workgroups": list(self.workgroups)}
+        d = {"name": self.name, "wgsl": self.wgsl, "entry": self.entry,
+             "bindings": [list(b) for b in self.bindings], "workgroups": list(self.workgroups)}
+        if self.loop_iterations is not None:
+            d["loop_iterations"] = self.loop_iterations
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> "Kernel":
+        iterations = d.get("loop_iterations")
+        if iterations is not None and (type(iterations) is not int or not 0 <= iterations < 2 ** 63):
+            raise ValueError(f"kernel loop_iterations must be a non-negative integer, not {iterations!r}")
         return cls(name=d["name"], wgsl=d["wgsl"], entry=d.get("entry", "main"),
                    bindings=[(str(b[0]), str(b[1]), *(int(x) for x in b[2:4])) for b in d["bindings"]],
-                   workgroups=tuple(int(x) for x in d["workgroups"]))
+                   workgroups=tuple(int(x) for x in d["workgroups"]), loop_iterations=iterations)
+
+
+#: Loop iterations the loop-cap probe asks one invocation for (:meth:`Platform.loop_limits`): past
+#: any cap a device is known to have, and still quick where there is none.
+LOOP_PROBE_ITERATIONS = 1 << 20
 
 
 @dataclass
@@ -347,6 +363,40 @@ class Platform:
                    and power[1:3].tolist() == [math.inf, 0.0])
         return {"nan_inf": nan_inf, "subnormals": product[3:5].tolist() == x[3:5].tolist()}
 
+    def loop_limits(self) -> dict:
+        """How many loop iterations the device runs in one invocation, measured once by running a
+        probe that asks for :data:`LOOP_PROBE_ITERATIONS`: ``{"loop_cap": N}`` when the device
+        stopped the loop after N (lavapipe and llvmpipe end an invocation's loops after 65 535
+        iterations, all loops together, without an error), ``{"loop_cap": None}`` when it ran them
+        all; an empty dict when the probe cannot run (a platform that runs no kernels)."""
+        if "_loop_limits" not in self.__dict__:
+            self.__dict__["_loop_limits"] = self._probe_loop_cap()
+        return self.__dict__["_loop_limits"]
+
+    def _probe_loop_cap(self) -> dict:
+        from tapml.errors import DeviceLost
+        i32 = lambda shape: TensorMeta(shape, "int32")  # noqa: E731
+        # the bound and the step are data, so no compiler can fold the loop away
+        wgsl = ("@group(0) @binding(0) var<storage, read> probe: array<i32>;\n"
+                "@group(0) @binding(1) var<storage, read_write> count: array<i32>;\n\n"
+                "@compute @workgroup_size(1)\nfn main() {\n  var c: i32 = 0;\n"
+                "  for (var i: i32 = 0; i < probe[0]; i = i + 1) { c = c + probe[1]; }\n  count[0] = c;\n}\n")
+        program = KernelProgram(
+            kind="wgsl", inputs=["probe"], outputs=["count"],
+            buffers=[BufferSpec("probe", "i32", 8, "input", i32((2,))),
+                     BufferSpec("count", "i32", 4, "output", i32((1,)))],
+            kernels=[Kernel("loop_cap", wgsl, [("probe", "read"), ("count", "read_write")], (1, 1, 1),
+                            loop_iterations=LOOP_PROBE_ITERATIONS)],
+            input_meta=[i32((2,))], output_meta=[i32((1,))])
+        try:
+            (count,) = self.run(program, [torch.tensor([LOOP_PROBE_ITERATIONS, 1], dtype=torch.int32)])
+        except DeviceLost:
+            raise
+        except (PlatformError, Unsupported, ValueError, TypeError):
+            return {}
+        ran = int(count.reshape(-1)[0])
+        return {"loop_cap": ran if 0 <= ran < LOOP_PROBE_ITERATIONS else None}
+
     def supports(self, node: Node) -> str | None:
         """None when the platform can run the node, else the reason it cannot."""
         return self._supports(node)
@@ -567,5 +617,5 @@ def wrap_errors(fn, *args):
         raise PlatformError(f"{type(e).__name__}: {e}") from e
 
 
-__all__ = ["LIMIT_NAMES", "MAX_OFFSET_ALIGNMENT", "BufferSpec", "Kernel", "KernelProgram", "Platform", "ResidentTensor", "RuntimePlatform",
+__all__ = ["LIMIT_NAMES", "LOOP_PROBE_ITERATIONS", "MAX_OFFSET_ALIGNMENT", "BufferSpec", "Kernel", "KernelProgram", "Platform", "ResidentTensor", "RuntimePlatform",
            "SplitTensor", "check_workgroups", "graph_program", "wrap_errors"]

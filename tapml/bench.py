@@ -137,6 +137,46 @@ def matmul_figure(platform, n: int, batch: int = 0, repeat: int = 3) -> dict:
             "kernel": getattr(program, "kernels", [None])[0].name if getattr(program, "kernels", None) else None}
 
 
+#: Long rows (``tapml bench``): one figure each, name -> (op, arguments built from a seeded generator).
+LONG_ROW_CASES = {
+    "softmax_131072": ("aten._softmax.default", lambda g: [__import__("torch").randn(1, 131072, generator=g), -1, False]),
+    "layer_norm_131072": ("aten.native_layer_norm.default", lambda g: [
+        __import__("torch").randn(1, 131072, generator=g), [131072], None, None, 1e-5]),
+    "conv_1024x64": ("aten.convolution.default", lambda g: [
+        __import__("torch").randn(1, 1024, 80, 1, generator=g), __import__("torch").randn(8, 1024, 64, 1, generator=g) * 0.03,
+        None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1]),
+}
+
+
+def long_row_figure(platform, name: str, repeat: int = 3) -> dict:
+    """Milliseconds of the target's kernels and of torch CPU on one of :data:`LONG_ROW_CASES`
+    (a softmax or layer_norm over a 131 072-element row, a 1024-channel 64-tap convolution: sums
+    longer than one invocation may loop, split across invocations), with the ratio torch / ours
+    and whether the outputs match torch (a truncated kernel is fast and wrong)."""
+    import torch
+
+    from tapml.compare import compare_tensor
+    from tapml.graph import run_node
+    from tapml.platforms.wgsl.registry import case_graph
+    op, make = LONG_ROW_CASES[name]
+    graph, inputs = case_graph(op, make(torch.Generator().manual_seed(0)))
+    env = dict(zip([r for r, _ in graph.inputs], inputs))
+    expected = run_node(graph.nodes[0], env.__getitem__)
+    expected = list(expected) if isinstance(expected, (list, tuple)) else [expected]
+    torch_s = best_of(lambda: run_node(graph.nodes[0], env.__getitem__), max(3, repeat * 2), min_s=0.1 * repeat)
+    try:
+        program = platform.compile(graph)
+        got = platform.run(program, inputs)
+        s, timing = device_seconds(platform, program, inputs, repeat)
+    except Exception as e:  # noqa: BLE001 - a kernel that fails is a figure, not a crash
+        return {"case": name, "op": op, "error": f"{type(e).__name__}: {e}", "ours_ms": None,
+                "torch_ms": _sig(torch_s * 1e3), "ratio": None}
+    right = all(compare_tensor(o, r).passed for o, r in zip(got, expected))
+    return {"case": name, "op": op, "ours_ms": _sig(s * 1e3), "torch_ms": _sig(torch_s * 1e3),
+            "ratio": _ratio(torch_s, s), "timing": timing, "matches_torch": right,
+            "kernels": len(program.kernels)}
+
+
 def matmul_figures(platform, sizes=MATMUL_SIZES, repeat: int = 3, batch: int = BMM_BATCH) -> list[dict]:
     """:func:`matmul_figure` for ``mm`` and ``bmm`` at every size."""
     return [matmul_figure(platform, n, b, repeat) for b in (0, batch) for n in sizes]
@@ -760,6 +800,8 @@ def run_suite(target: str = "wgpu", *, quick: bool = False, token: str | None = 
                 report["autotune"] = autotune_figure(platform, repeat=1 if quick else 3)
             step("matmul and bmm kernels vs torch CPU")
             report["matmul"] = matmul_figures(platform, MATMUL_SIZES, repeat=1 if quick else 3)
+            step("long rows (softmax, layer_norm, convolution sums) vs torch CPU")
+            report["long_rows"] = [long_row_figure(platform, name, repeat=1 if quick else 3) for name in LONG_ROW_CASES]
             step("dispatch overhead")
             report["dispatch"] = dispatch_figures(platform, repeat=20 if quick else 100)
             report["carving"] = {"models": {}}
@@ -838,6 +880,8 @@ def ratios(report: dict) -> dict:
         "generation_prefill_vs_torch": report.get("generation", {}).get("ratios", {}).get("prefill"),
         "migrate_peak_rss_mb": {spec: m.get("peak_rss_bytes", 0) >> 20 for spec, m in migrate.items()},
     }
+    for r in report.get("long_rows", []):
+        out[f"{r['case']}_vs_torch"] = r.get("ratio")
     sc = report.get("scale")
     if sc and not sc.get("error"):
         out.update(scale_wall_s=sc["wall_s"], scale_peak_rss_vs_params=sc["peak_rss_vs_params"])
@@ -852,7 +896,7 @@ def ratios(report: dict) -> dict:
     return out
 
 
-__all__ = ["run_suite", "ratios", "GOALS", "matmul_figure", "matmul_figures", "dispatch_figures", "e2e_figure",
+__all__ = ["run_suite", "ratios", "GOALS", "LONG_ROW_CASES", "long_row_figure", "matmul_figure", "matmul_figures", "dispatch_figures", "e2e_figure",
            "carve_write_figure", "carve_model_figure", "autotune_figure", "migrate_figure", "transport_figure", "best_of",
            "device_seconds", "matmul_graph", "chain_graph", "tensor_mix", "torch_eager_ms", "generation_figure",
            "check_models", "GENERATION_MODEL", "GENERATION_TOKENS", "GENERATION_PROMPT_LEN", "scale_figure",

@@ -124,6 +124,9 @@ class InjectedPlatform(Platform):
     def float_model(self) -> dict:
         return self.inner.float_model()  # the device's, not the injected faults'
 
+    def loop_limits(self) -> dict:
+        return self.inner.loop_limits()
+
     def enable_guards(self) -> bool:
         return self.inner.enable_guards()
 

@@ -5,11 +5,13 @@ against ``max-buffer-size``, every binding window against ``max-storage-buffer-b
 and ``min-storage-buffer-offset-alignment``, bindings per kernel against
 ``max-storage-buffers-per-shader-stage``, workgroup counts against
 ``max-compute-workgroups-per-dimension`` and each entry point's ``@workgroup_size`` against
-``max-compute-invocations-per-workgroup``; and it lists the buffers the compiler bound through
+``max-compute-invocations-per-workgroup``, each kernel's loop iterations per invocation (as the
+compiler counted them) against the device's measured ``loop_cap`` (limit ``loop-iterations``;
+:meth:`~tapml.platforms.base.Platform.loop_limits` runs one tiny probe); and it lists the buffers the compiler bound through
 several windows (a tensor *split* past the binding limit) and the tensors it held in several
 buffers (past ``max-buffer-size``: ``KernelProgram.parts``), and why. :func:`preflight_store`
-compiles every case of a carve store on a platform (compiles only, runs nothing) and sums that
-up per op. Everything returned is plain data with ``to_json``.
+compiles every case of a carve store on a platform (compiles only; the one kernel it runs is the
+device's loop-cap probe, once per platform) and sums that up per op. Everything returned is plain data with ``to_json``.
 
 Example::
 
@@ -156,8 +158,9 @@ def _binding_window(binding, size: int) -> tuple[int, int]:
     return 0, size
 
 
-def check_program(program, caps: dict) -> ProgramPreflight:
-    """Hold ``program`` (a KernelProgram) to the limits in ``caps["limits"]``; see the module.
+def check_program(program, caps: dict, loop_cap: int | None = None) -> ProgramPreflight:
+    """Hold ``program`` (a KernelProgram) to the limits in ``caps["limits"]`` and, when the device
+    stops loops (``loop_cap``, from its probe), each kernel's loop iterations to it; see the module.
 
     A limit the device does not report is not checked, except the offset alignment (256, the
     largest any device may ask). ``graph`` programs (no kernels) have nothing to check.
@@ -206,6 +209,12 @@ def check_program(program, caps: dict) -> ProgramPreflight:
                 violations.append(LimitViolation(
                     "buffer-bounds", offset + size, buf.size, kern.name, buf.name,
                     f"window [{offset}, {offset + size}) outside the buffer's {buf.size} bytes"))
+        iterations = getattr(kern, "loop_iterations", None)
+        if loop_cap is not None and iterations is not None and iterations > loop_cap:
+            violations.append(LimitViolation(
+                "loop-iterations", iterations, loop_cap, kern.name,
+                detail=f"loops {iterations} times in one invocation; the device stops an invocation's loops after "
+                       f"{loop_cap} (its measured loop_cap), so the result would be cut short"))
         if max_groups is not None and any(g > max_groups for g in kern.workgroups):
             violations.append(LimitViolation(
                 "max-compute-workgroups-per-dimension", max(kern.workgroups), max_groups, kern.name,
@@ -286,12 +295,14 @@ class OpPreflight:
 @dataclass
 class StorePreflight:
     """:func:`preflight_store`'s result: the device's ``limits`` (as the compiler saw them, with
-    the ``forced_limits`` that lowered them) and one :class:`OpPreflight` per op, in store order."""
+    the ``forced_limits`` that lowered them), its measured ``loop_cap`` (None: no cap found, or
+    not measured) and one :class:`OpPreflight` per op, in store order."""
 
     target: str
     limits: dict
     forced_limits: dict
     ops: list[OpPreflight]
+    loop_cap: int | None = None
 
     @property
     def fits(self) -> bool:
@@ -337,7 +348,7 @@ class StorePreflight:
 
     def to_json(self) -> dict:
         return {"target": self.target, "limits": self.limits, "forced_limits": self.forced_limits,
-                "ops": [o.to_json() for o in self.ops], "summary": self.summary()}
+                "loop_cap": self.loop_cap, "ops": [o.to_json() for o in self.ops], "summary": self.summary()}
 
 
 def checks_limits(platform) -> bool:
@@ -358,9 +369,12 @@ def preflight_before_run(store, platform, target: str, cases: list[dict] | None 
 def preflight_store(store, platform, target: str = "", cases: list[dict] | None = None,
                     on_case: Callable[[dict], None] | None = None) -> StorePreflight:
     """Compile each of ``cases`` (default: every case of ``store``) on ``platform`` and check
-    each program with :func:`check_program`; nothing runs. DeviceLost is raised; Unsupported
+    each program with :func:`check_program`; no case runs (the device's loop-cap probe does, once). DeviceLost is raised; Unsupported
     and compile failures are recorded per op. ``on_case(case)`` is called after each."""
     caps = platform.caps()
+    # the one thing run: the loop-cap probe (a tiny kernel, once per platform), on a device that has limits
+    probe = getattr(platform, "loop_limits", None)
+    loop_cap = (probe() if callable(probe) and caps.get("limits") else {}).get("loop_cap")
     ops: dict[str, OpPreflight] = {}
     for case in store.cases if cases is None else cases:
         row = ops.setdefault(case["op"], OpPreflight(case["op"]))
@@ -374,11 +388,11 @@ def preflight_store(store, platform, target: str = "", cases: list[dict] | None 
             reason = str(e).splitlines()[0][:300]
             row.errors[reason] = row.errors.get(reason, 0) + 1
         else:
-            row.add(check_program(program, caps))
+            row.add(check_program(program, caps, loop_cap))
         if on_case:
             on_case(case)
     return StorePreflight(target=target or getattr(platform, "name", ""), limits=dict(caps.get("limits") or {}),
-                          forced_limits=dict(caps.get("forced_limits") or {}), ops=list(ops.values()))
+                          forced_limits=dict(caps.get("forced_limits") or {}), ops=list(ops.values()), loop_cap=loop_cap)
 
 
 __all__ = ["BYTE_LIMITS", "CHECKED_LIMITS", "LimitViolation", "OpPreflight", "ProgramPreflight", "SplitBuffer",

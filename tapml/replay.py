@@ -17,7 +17,8 @@ from tapml.verdict import STATUSES, CaseVerdict, Verdict, VerdictDocument, outco
 def device_info(platform, probe: bool = True) -> dict:
     """``{adapter, backend, features, limits}`` of a platform, for verdict files (with
     ``error`` when the platform cannot say), and with ``probe`` its measured ``float_model``
-    (a run on the device, once per platform); DeviceLost is raised."""
+    (a run on the device, once per platform) and ``loop_cap``: the loop iterations one invocation
+    runs before the device stops it, null when it did not (Platform.loop_limits); DeviceLost is raised."""
     try:
         caps = platform.caps()
     except DeviceLost:
@@ -28,7 +29,26 @@ def device_info(platform, probe: bool = True) -> dict:
             (("adapter", ""), ("backend", ""), ("features", []), ("limits", {}), ("low_precision", {}))}
     if probe and (model := float_model(platform)):
         info["float_model"] = model
+    if probe:
+        info.update(loop_limits(platform))
     return info
+
+
+def loop_limits(platform) -> dict:
+    """``{"loop_cap": N or None}`` as the platform measured it (Platform.loop_limits), {} when it cannot."""
+    probe = getattr(platform, "loop_limits", None)
+    return probe() if callable(probe) else {}
+
+
+def loop_cap_note(platform, program) -> str:
+    """Why a mismatch may be a kernel cut short: its kernels that loop more times per invocation
+    than the device's measured loop cap (Platform.loop_limits); empty when none does."""
+    cap = loop_limits(platform).get("loop_cap")
+    over = [k for k in getattr(program, "kernels", ()) if cap is not None and (k.loop_iterations or 0) > cap]
+    if not over:
+        return ""
+    return (f"kernel {over[0].name} loops {over[0].loop_iterations} times in one invocation and the device stops "
+            f"an invocation's loops after {cap} (device loop_cap): its results are cut short")
 
 
 def float_model(platform) -> dict:
@@ -173,7 +193,7 @@ def replay_case(platform, store, case: dict, tolerances: Tolerances | None = Non
         outcome = outcome_verdict(result, time_ms)
         if outcome.status == "mismatch":
             note = float_model_note(float_model(platform), inputs + expected)
-            outcome.message = "; ".join(m for m in (outcome.message, note) if m)
+            outcome.message = "; ".join(m for m in (outcome.message, note, loop_cap_note(platform, program)) if m)
         if varied:
             outcome = flaky_verdict(outcome, varied)
         if profile:

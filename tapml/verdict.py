@@ -831,6 +831,11 @@ def _device(o: _Obj, required: bool = False) -> dict | None:
             if k not in ("nan_inf", "subnormals") or not isinstance(v, bool):
                 model.fail(f"{k[:80]} is not nan_inf or subnormals with a true/false value")
         out["float_model"] = dict(model.data)
+    if "loop_cap" in d.data:
+        cap = d.data["loop_cap"]
+        if cap is not None and (type(cap) is not int or not 0 <= cap <= MAX_COUNT):
+            d.fail("loop_cap is not a count of loop iterations or null")
+        out["loop_cap"] = cap
     if "error" in d.data:
         out["error"] = d.string("error")
     return out

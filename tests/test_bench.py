@@ -60,6 +60,11 @@ def test_quick_suite_reports_every_figure(tmp_path, target, figure):
         assert "error" not in m, m
         assert m["max_abs_err"] < 1e-3 * m["n"], m
         assert m["timing"] == "device"
+    from tapml.bench import LONG_ROW_CASES
+    assert [r["case"] for r in report["long_rows"]] == list(LONG_ROW_CASES)
+    for r in report["long_rows"]:
+        assert "error" not in r and r["matches_torch"] is True and r["kernels"] > 1, r
+        assert ratios[f"{r['case']}_vs_torch"] > 0
     for spec in ("zoo:tiny-llama", "zoo:tiny-vit"):
         e2e = report["e2e"][spec]
         assert "error" not in e2e, e2e

@@ -41,6 +41,15 @@ from tapml.platforms.base import MAX_OFFSET_ALIGNMENT, BufferSpec, Kernel, Kerne
 
 WORKGROUP = 64
 MAX_GROUPS = 65535
+#: The most loop iterations a kernel tapml emits runs in one invocation over data of any
+#: length: a longer reduction, scan or convolution sum is split across invocations and
+#: finished by further passes (platforms/wgsl/folds.py). Devices may end an invocation's
+#: loops past a budget of their own (lavapipe and llvmpipe: 65 535 iterations, all loops
+#: together, without an error), measured by ``Platform.loop_cap``.
+LOOP_BUDGET = 4096
+#: Elements one invocation folds in the first pass of a split reduction or scan: small enough
+#: that a long row spreads over many invocations, large enough that few passes follow.
+CHUNK = 1024
 
 FLOATS = ("float32", "float16", "bfloat16")
 INTS = ("int64", "int32", "int16", "int8", "uint8")
@@ -317,6 +326,9 @@ class KernelBuilder:
         self.lines: list[str] = []
         self.scopes: list[dict] = [{}]
         self.counter = 0
+        self.trips: list[int] = []  # trip count of each open scope (1 for a block that is not a loop)
+        self.iterations: int | None = 0  # loop iterations per invocation, None once a loop's count is unknown
+        self.counted_loops = 0
 
     def bind(self, buf: BufferSpec, access: str = "read", elem: str | None = None) -> Binding:
         """Bind ``buf`` (as an array of ``elem``, its storage type's by default) and return how
@@ -403,16 +415,29 @@ class KernelBuilder:
         self.emit(f"var {name}: {ty} = {init};")
         return name
 
-    def open(self, header: str) -> None:
+    def open(self, header: str, trips: int | None = None) -> None:
+        """Open a block (``if``, ``for``, ...). A loop's ``trips`` (the most times it runs) is
+        counted into :attr:`iterations`; a loop given none makes the kernel's count unknown."""
         self.emit(header + " {")
         self.scopes.append({})
+        is_loop = header.lstrip().startswith(("for", "loop", "while"))
+        if is_loop:
+            self.counted_loops += 1
+            if trips is None:
+                self.iterations = None
+            elif self.iterations is not None:
+                self.iterations += math.prod(self.trips) * max(int(trips), 0)
+        self.trips.append(max(int(trips), 1) if is_loop and trips is not None else 1)
 
     def close(self) -> None:
         self.scopes.pop()
+        self.trips.pop()
         self.emit("}")
 
     def loop(self, var: str, count: int | str) -> None:
-        self.open(f"for (var {var}: i32 = 0; {var} < {count}; {var} = {var} + 1)")
+        """Open ``for var in [0, count)`` (an int count is counted into :attr:`iterations`)."""
+        self.open(f"for (var {var}: i32 = 0; {var} < {count}; {var} = {var} + 1)",
+                  count if isinstance(count, int) else None)
 
     def need(self, helper: str) -> str:
         from tapml.platforms.wgsl.helpers import HELPERS
@@ -471,9 +496,13 @@ class KernelBuilder:
         if len(self.bindings) > limit:
             raise Unsupported(f"kernel {self.name} binds {len(self.bindings)} storage buffers; "
                               f"the device allows {limit} (max-storage-buffers-per-shader-stage)")
+        # a loop written into the body without open() is one the count does not know
+        loops = sum(len(re.findall(r"(?:^|[;{]\s*)(?:for\s*\(|loop\s*\{|while\b)", line.strip()))
+                    for line in self.lines)
+        iterations = self.iterations if loops <= self.counted_loops else None
         return Kernel(name=self.name, wgsl=src, bindings=[(b.name, acc, *(window or ())) for _, b, acc, window
                                                           in self.bindings.values()],
-                      workgroups=tuple(int(g) for g in groups))
+                      workgroups=tuple(int(g) for g in groups), loop_iterations=iterations)
 
 
 # --- program -----------------------------------------------------------------------------
@@ -604,7 +633,7 @@ class ProgramBuilder:
                                         f"buffer {name}, which is over max-buffer-size")
                 bindings.append((pieces[name][k], access, window[0] - k * step, window[1]))
             kernels.append(Kernel(name=kern.name, wgsl=kern.wgsl, bindings=bindings, workgroups=kern.workgroups,
-                                  entry=kern.entry))
+                                  entry=kern.entry, loop_iterations=kern.loop_iterations))
         specs = {b.name: b for b in buffers}
 
         def expand(names: list[str], metas: list[TensorMeta]) -> tuple[list[str], list[TensorMeta]]:

@@ -262,7 +262,7 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
 
     k4 = K - K % 4
     if k4:
-        k.emit(f"for (var k: i32 = 0; k < {k4}; k = k + 4) {{")
+        k.open(f"for (var k: i32 = 0; k < {k4}; k = k + 4)", k4 // 4)
         for i in range(tm):
             if vec_a:
                 k.emit(f"  let a{i} = {f4(A[f'(ra{i} + k) / 4'], a.buf.dtype)};")
@@ -301,16 +301,16 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
                 for jb in range(nb):
                     terms = " + ".join(f"a{i}.{'xyzw'[q]} * b{q}_{jb}" for q in range(4))
                     k.emit(f"  acc{i}_{jb} = acc{i}_{jb} + {terms};")
-        k.emit("}")
+        k.close()
     if K % 4:
-        k.emit(f"for (var k: i32 = {k4}; k < {K}; k = k + 1) {{")
+        k.open(f"for (var k: i32 = {k4}; k < {K}; k = k + 1)", K - k4)
         for jb in range(nb):
             k.emit(f"  let bk{jb} = {b_row(jb, 'k')};")
         for i in range(tm):
             k.emit(f"  let ak{i} = {f1(A, f'ra{i} + k * {sak}', a.buf.dtype)};")
             for jb in range(nb):
                 k.emit(f"  acc{i}_{jb} = acc{i}_{jb} + ak{i} * bk{jb};")
-        k.emit("}")
+        k.close()
     comps = "xyzw"
     for i in range(tm):
         k.open(f"if (m0 + {i} < {M})")

@@ -1,11 +1,20 @@
-"""Neural-network ops: softmax, layer/group/batch norm, convolution, pooling."""
+"""Neural-network ops: softmax, layer/group/batch norm, convolution, pooling.
+
+Softmax and the norms loop over a row in one thread while it is short; past LOOP_BUDGET they
+are row statistics folded across invocations (platforms/wgsl/folds.py) and one elementwise
+pass. A convolution whose sum has more than LOOP_BUDGET terms is summed in chunks, then the
+chunks' partial sums are folded.
+"""
 
 from __future__ import annotations
 
 import math
 
 from tapml.platforms.wgsl import views
-from tapml.platforms.wgsl.codegen import BufferView, Compute, Custom, Value, cast, contiguous_strides, index_sum, lit
+from tapml.graph import TensorMeta
+from tapml.platforms.wgsl.codegen import (CHUNK, LOOP_BUDGET, BufferView, Compute, Custom, Value, cast,
+                                          contiguous_strides, index_sum, lit)
+from tapml.platforms.wgsl.folds import Fold, fold_rows, moments_fold, softmax_fold
 from tapml.platforms.wgsl.matmul import wrap_int
 from tapml.platforms.wgsl.registry import ALL_FLOAT, ALL_INT, NUMERIC, edge_floats, edge_ints, rand, randint, register
 
@@ -38,8 +47,31 @@ def _rows(pb, name, x, dim, meta, body):
     return view
 
 
+def row_statistics(pb, name: str, x: Value, dims, fold: Fold, outputs: int) -> list[tuple[Value, Value]]:
+    """``fold`` of ``x`` (read as f32) over ``dims``: per output of the fold (it has ``outputs``),
+    the float32 statistic (``dims`` kept as 1) and the same broadcast back to ``x``'s shape."""
+    xf = x if x.ty == "f32" else Compute(x.shape, "float32", [x], lambda k, e, idx: cast(e[0], x.ty, "f32"), cost=0)
+    kept = TensorMeta(tuple(1 if d in dims else s for d, s in enumerate(x.shape)), "float32")
+    stats = fold_rows(pb, name, xf, dims, [kept] * outputs, fold)
+    return [(stat, views.expand_to(stat, x.shape)) for stat in stats]
+
+
+def _long_softmax(pb, x, dim, meta, log: bool) -> Value:
+    """Softmax over a row past LOOP_BUDGET: its max and sum of exponentials in one fold across
+    invocations (:func:`~tapml.platforms.wgsl.folds.softmax_fold`), then one elementwise pass."""
+    (_, m), (_, s) = row_statistics(pb, "softmax", x, [dim], softmax_fold(lambda k, st: [(st[0], "f32"), (st[1], "f32")]), 2)
+    shifted = Compute(x.shape, "float32", [x, m], lambda k, e, idx: f"({cast(e[0], x.ty, 'f32')} - {e[1]})")
+    if log:
+        return Compute(meta.shape, meta.dtype, [shifted, s], lambda k, e, idx: f"({e[0]} - log({e[1]}))")
+    return Compute(meta.shape, meta.dtype, [shifted, s], lambda k, e, idx: f"(exp({e[0]}) / {e[1]})")
+
+
 def _softmax(log):
     def lower(pb, node, x, dim, half_to_float=False):
+        nd = len(x.shape)
+        if nd and x.shape[views.norm_dim(dim, nd)] * 3 > LOOP_BUDGET:
+            return [_long_softmax(pb, x, views.norm_dim(dim, nd), node.outputs[0], log)]
+
         def body(k, read, write, L):
             m = k.var("f32", lit(-math.inf, "f32"), "mx")
             k.loop("j", L)
@@ -79,6 +111,12 @@ def native_layer_norm(pb, node, x, normalized_shape, weight, bias, eps):
     rows_shape, norm_shape = list(x.shape[:axis]), list(x.shape[axis:])
     L = math.prod(norm_shape)
     metas = node.outputs
+    if L * 3 > LOOP_BUDGET and math.prod(rows_shape):
+        xr = views.reshape(x, rows_shape + [L])
+        w = views.reshape(weight, [L]) if weight is not None else None
+        b = views.reshape(bias, [L]) if bias is not None else None
+        y, mean, rstd = _long_norm(pb, "layer_norm", xr, [len(rows_shape)], eps, w, b, [len(rows_shape)])
+        return [views.reshape(y, metas[0].shape), _as(mean, metas[1]), _as(rstd, metas[2])]
     bufs = [pb.buffer("temp", m) for m in metas]
     result = [BufferView.whole(b, m) for b, m in zip(bufs, metas)]
     if math.prod(rows_shape) * L == 0:
@@ -100,6 +138,38 @@ def native_layer_norm(pb, node, x, normalized_shape, weight, bias, eps):
     k.write(bufs[2], "n", rstd, "f32")
     pb.add(k.finish(math.prod(rows_shape)))
     return result
+
+
+def _as(stat: Value, meta) -> Value:
+    """A row statistic (float32, one per row) as an output of ``meta``: its shape and dtype."""
+    v = views.reshape(stat, meta.shape)
+    return v if meta.dtype == "float32" else Compute(meta.shape, meta.dtype, [v], lambda k, e, idx: e[0], cost=0)
+
+
+def _long_norm(pb, name: str, x: Value, dims, eps: float, weight, bias, param_dims) -> tuple[Value, Value, Value]:
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` with the mean and biased variance over
+    ``dims`` folded across invocations in one pass (:func:`~tapml.platforms.wgsl.folds.moments_fold`),
+    ``weight``/``bias`` indexed by ``x``'s ``param_dims``. Returns the normalized value and the
+    mean and rstd (float32, ``dims`` kept as 1)."""
+    fold = moments_fold(lambda k, v: v, lambda k, st: [
+        (st[1], "f32"), (f"inverseSqrt({st[2]} / {st[0]} + {lit(eps, 'f32')})", "f32")])
+    (mean_stat, mean), (rstd_stat, rstd) = row_statistics(pb, name, x, dims, fold, 2)
+    params = [p for p in (weight, bias) if p is not None]
+
+    def spread(p):
+        shape = [x.shape[d] if d in param_dims else 1 for d in range(len(x.shape))]
+        return views.expand_to(views.reshape(p, shape), x.shape)
+
+    def emit(k, e, idx):
+        out = f"({cast(e[0], x.ty, 'f32')} - {e[1]}) * {e[2]}"
+        rest = list(e[3:])
+        if weight is not None:
+            out = f"({out}) * {cast(rest.pop(0), weight.ty, 'f32')}"
+        if bias is not None:
+            out = f"{out} + {cast(rest.pop(0), bias.ty, 'f32')}"
+        return out
+    y = Compute(x.shape, x.dtype, [x, mean, rstd] + [spread(p) for p in params], emit, cost=2)
+    return y, mean_stat, rstd_stat
 
 
 def _fit_affine(pb, x, weight, bias):
@@ -148,6 +218,11 @@ def _mean_and_square_sum(k, L: int, read) -> tuple[str, str]:
                            ((edge_floats(2, 4, 6), rand(4), rand(4), 2, 4, 6, 2, 1e-5), {})], flops="norm")
 def native_group_norm(pb, node, x, weight, bias, N, C, HxW, group, eps):
     metas = node.outputs
+    if C // group * HxW * 3 > LOOP_BUDGET and N * C * HxW:
+        xg = views.reshape(x, (N, group, C // group, HxW))
+        params = [views.reshape(p, (group, C // group)) if p is not None else None for p in (weight, bias)]
+        y, mean, rstd = _long_norm(pb, "group_norm", xg, [2, 3], eps, *params, [1, 2])
+        return [views.reshape(y, metas[0].shape), _as(mean, metas[1]), _as(rstd, metas[2])]
     bufs = [pb.buffer("temp", m) for m in metas]
     result = [BufferView.whole(b, m) for b, m in zip(bufs, metas)]
     if N * C * HxW == 0:
@@ -247,7 +322,10 @@ def _conv_samples():
 def convolution(pb, node, x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
     """Direct convolution, one thread per output element. Transposed, each output gathers the
     inputs that scatter onto it: ``o = i * stride - padding + k * dilation`` solved for ``i``.
-    Integers accumulate in i32 wrapping as torch's integer arithmetic does."""
+    Integers accumulate in i32 wrapping as torch's integer arithmetic does. A sum of more than
+    LOOP_BUDGET terms (Cin/groups x kernel taps) is split: about CHUNK terms per invocation (whole
+    input channels, or (channel, tap) terms when one channel has more taps), then the partial
+    sums folded (platforms/wgsl/folds.py) and the bias added."""
     meta = node.outputs[0]
     acc_ty = "i32" if meta.dtype in ALL_INT else "f32"
     x, w = pb.plain(x), pb.plain(w)
@@ -262,22 +340,48 @@ def convolution(pb, node, x, w, bias, stride, padding, dilation, transposed, out
     cig, cog = Cin // groups, Cout // groups
     ksz = list(w.shape[2:])
     isz = list(x.shape[2:])
-    out = pb.buffer("temp", meta)
-    result = BufferView.whole(out, meta)
+    name = "conv_transpose" if transposed else "conv"
+    taps = math.prod(ksz)
+    if cig * taps <= LOOP_BUDGET:
+        chunks, per = 1, cig
+    elif taps <= CHUNK:  # whole input channels per invocation: the tap loops stay as they are
+        per = CHUNK // taps
+        chunks = -(-cig // per)
+    else:  # a kernel of more than CHUNK taps: CHUNK (channel, tap) terms per invocation
+        chunks = -(-(cig * taps) // CHUNK)
+        per = -(-(cig * taps) // chunks)
+    if chunks == 1 or meta.numel == 0:
+        out = pb.buffer("temp", meta)
+        result = BufferView.whole(out, meta)
     if meta.numel == 0:
         return [result]
-    k = pb.kernel("conv_transpose" if transposed else "conv")
-    idx = k.unravel("n", meta.shape)
+    k = pb.kernel(name)
+    if chunks > 1:  # neighbouring invocations: neighbouring outputs over the same channels
+        k.emit(f"let o: i32 = n % {meta.numel};")
+        k.emit(f"let part: i32 = n / {meta.numel};")
+    idx = k.unravel("o" if chunks > 1 else "n", meta.shape)
     b, oc, osp = idx[0], idx[1], idx[2:]
     k.emit(f"let g: i32 = {oc} / {cog};" if groups > 1 else "let g: i32 = 0;")
     acc = k.var(acc_ty, lit(0, acc_ty), "acc")
-    k.loop("ci", cig)
+    nested = chunks == 1 or taps <= CHUNK
+    if nested:
+        if chunks == 1:
+            k.loop("ci", cig)
+        else:  # this invocation's channels; the partial sums are folded below
+            k.loop("cj", per)
+            k.emit(f"let ci: i32 = part * {per} + cj;")
+            k.open(f"if (ci < {cig})")
+        for d in range(nsp):
+            k.loop(f"k{d}", ksz[d])
+    else:
+        k.loop("j", per)
+        k.emit(f"let r: i32 = part * {per} + j;")
+        k.open(f"if (r < {cig * taps})")
+        for name_, i in zip(["ci"] + [f"k{d}" for d in range(nsp)], k.unravel("r", [cig] + ksz)):
+            k.emit(f"let {name_}: i32 = {i};")
     k.emit(f"let c: i32 = g * {cig} + ci;")
-    kv = []
     conds = []
     for d in range(nsp):
-        k.loop(f"k{d}", ksz[d])
-        kv.append(f"k{d}")
         if transposed:
             k.emit(f"let tp{d}: i32 = {osp[d]} + {padding[d]} - k{d} * {dilation[d]};")
             # tp < 0 is tested first: WGSL's % of a negative operand becomes GLSL's, which is undefined
@@ -294,18 +398,30 @@ def convolution(pb, node, x, w, bias, stride, padding, dilation, transposed, out
     else:
         widx = [oc, "ci"]
     xv = cast(x.read(k, [b, "c"] + [f"i{d}" for d in range(nsp)]), x.ty, acc_ty)
-    wv = cast(w.read(k, widx + kv), w.ty, acc_ty)
+    wv = cast(w.read(k, widx + [f"k{d}" for d in range(nsp)]), w.ty, acc_ty)
     k.emit(f"{acc} = {acc} + {xv} * {wv};")
     k.close()
-    for _ in range(nsp):
+    for _ in range((nsp + 1 if nested else 1) + (chunks > 1)):
         k.close()
-    k.close()
-    e = acc
-    if bias is not None:
-        e = f"{acc} + {cast(bias.read(k, [oc]), bias.ty, acc_ty)}"
-    k.write(out, "n", wrap_int(e, meta.dtype), acc_ty)
-    pb.add(k.finish(meta.numel))
-    return [result]
+    if chunks == 1:
+        e = acc
+        if bias is not None:
+            e = f"{acc} + {cast(bias.read(k, [oc]), bias.ty, acc_ty)}"
+        k.write(out, "n", wrap_int(e, meta.dtype), acc_ty)
+        pb.add(k.finish(meta.numel))
+        return [result]
+    acc_dtype = "int32" if acc_ty == "i32" else "float32"
+    partial = pb.buffer("temp", TensorMeta((meta.numel * chunks,), acc_dtype))
+    k.write(partial, "n", acc, acc_ty)
+    pb.add(k.finish(meta.numel * chunks))
+    sums = BufferView(partial, (meta.numel, chunks), (1, meta.numel), 0, acc_dtype)
+    fold = Fold([("acc", acc_ty, lit(0, acc_ty))], lambda k, v, r: [v],
+                lambda k, st, o, empty: k.emit(f"{st[0]} = {st[0]} + {o[0]};"), lambda k, st: [(st[0], acc_ty)])
+    (total,) = fold_rows(pb, f"{name}_sum", sums, [1], [TensorMeta(tuple(meta.shape), acc_dtype)], fold)
+    ins = [total] + ([views.expand_to(views.reshape(bias, [meta.shape[1]] + [1] * nsp), meta.shape)]
+                     if bias is not None else [])
+    return [Compute(meta.shape, meta.dtype, ins,
+                    lambda k, e, idx: wrap_int(" + ".join(cast(v, i.ty, acc_ty) for v, i in zip(e, ins)), meta.dtype))]
 
 
 # --- pooling -----------------------------------------------------------------------------

@@ -10,7 +10,8 @@ import torch
 
 from tapml.graph import Node, TensorMeta, decode_arg
 from tapml.platforms.wgsl import views
-from tapml.platforms.wgsl.codegen import BufferView, Compute, Custom, cast, lit, round_low
+from tapml.platforms.wgsl.codegen import LOOP_BUDGET, BufferView, Compute, Custom, cast, lit, round_low
+from tapml.platforms.wgsl.folds import fold_rows, moments_fold
 from tapml.platforms.wgsl.registry import (ALL, ALL_FLOAT, ALL_INT, edge_floats, edge_ints, rand, randbool, randint,
                                            register)
 from tapml.platforms.wgsl.nn import (_int_window_mean, _mean_and_square_sum, _window_sum, adaptive_avg_pool2d,
@@ -518,9 +519,16 @@ def _bn_stats_samples():
 def _batch_statistics(pb, x, eps: float) -> tuple[BufferView, BufferView, BufferView]:
     """Each channel's (dim 1) mean, 1/sqrt(biased variance + eps) and sum of squared deviations
     from the mean, over the batch and spatial dims: three f32 buffers of shape (C,) written by
-    one kernel, a thread per channel making two passes over its values (as torch's CPU kernel)."""
+    one kernel, a thread per channel making two passes over its values (as torch's CPU kernel);
+    past LOOP_BUDGET, folded across invocations in one pass (platforms/wgsl/folds.py)."""
     N, C = x.shape[0], x.shape[1]
     S = math.prod(x.shape[2:])
+    if 2 * N * S > LOOP_BUDGET and C:  # a long channel: Chan's (count, mean, M2) folded across invocations
+        fold = moments_fold(lambda k, v: v, lambda k, st: [
+            (st[1], "f32"), (f"inverseSqrt({st[2]} / {st[0]} + {lit(eps, 'f32')})", "f32"), (st[2], "f32")])
+        xs = views.reshape(x, (N, C, S))
+        xf = xs if xs.ty == "f32" else Compute(xs.shape, "float32", [xs], lambda k, e, idx: cast(e[0], xs.ty, "f32"), cost=0)
+        return tuple(fold_rows(pb, "batch_stats", xf, [0, 2], [TensorMeta((C,), "float32")] * 3, fold))
     bufs = [pb.buffer("temp", TensorMeta((C,), "float32")) for _ in range(3)]
     stats = tuple(BufferView.whole(b, b.meta) for b in bufs)
     if N * C * S == 0:  # torch refuses an empty input

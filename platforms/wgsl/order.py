@@ -19,6 +19,7 @@ from tapml.errors import Unsupported
 from tapml.graph import TensorMeta
 from tapml.platforms.wgsl import views
 from tapml.platforms.wgsl.codegen import BufferView, Compute, Custom, Remap, Value, cast, index_sum, lit, round_low
+from tapml.platforms.wgsl.folds import Fold, scan_lines
 from tapml.platforms.wgsl.registry import (ALL, ALL_FLOAT, NUMERIC, edge_floats, edge_ints, rand, randbool,
                                            randint, register)
 from tapml.platforms.wgsl.scatter import _mask_positions
@@ -73,28 +74,18 @@ def _cum_extreme(is_max: bool):
         if nd == 0:
             return [x, Compute((), "int64", [], lambda k, e, idx: "i32(0)")]
         dim = views.norm_dim(dim, nd)
-        (vb, ib), res = _buffers(pb, [vmeta, imeta])
-        if vmeta.numel == 0:
-            return res
-        lines = [x.shape[d] for d in range(nd) if d != dim]
-        (x,) = pb.fit([x], 2)
-        k = pb.kernel("cummax" if is_max else "cummin")
-        lidx = k.unravel("n", lines)
         ty = x.ty
-        best = k.var(ty, lit(0, ty), "best")
-        arg = k.var("i32", "0", "arg")
-        k.loop("j", x.shape[dim])
-        idx = list(lidx[:dim]) + ["j"] + list(lidx[dim:])
-        v = x.read(k, idx)
         cmp = ">=" if is_max else "<="
-        take = f"j == 0 || {_isnan(k, v, ty)} || (!{_isnan(k, best, ty)} && {_num(v, ty)} {cmp} {_num(best, ty)})"
-        k.emit(f"if ({take}) {{ {best} = {v}; {arg} = j; }}")
-        flat = k.let(index_sum(idx, res[0].strides), "i32")
-        k.write(vb, flat, best, ty)
-        k.write(ib, flat, arg, "i32")
-        k.close()
-        pb.add(k.finish(math.prod(lines)))
-        return res
+
+        def absorb(k, st, o, empty):
+            # a later (value, index) takes the place when equal or better, or NaN (which then
+            # keeps it): associative, so chunks of a long line merge as the elements do
+            best, arg = st
+            take = f"{empty} || {_isnan(k, o[0], ty)} || (!{_isnan(k, best, ty)} && {_num(o[0], ty)} {cmp} {_num(best, ty)})"
+            k.emit(f"if ({take}) {{ {best} = {o[0]}; {arg} = {o[1]}; }}")
+        fold = Fold([("best", ty, lit(0, ty)), ("arg", "i32", "0")], lambda k, v, r: [v, r], absorb,
+                    lambda k, st: [(st[0], ty), (st[1], "i32")])
+        return scan_lines(pb, "cummax" if is_max else "cummin", x, dim, [vmeta, imeta], fold)
     return lower
 
 
@@ -131,26 +122,15 @@ def logcumsumexp(pb, node, x, dim):
     if nd == 0:
         return [x]
     dim = views.norm_dim(dim, nd)
-    (out,), (res,) = _buffers(pb, [meta])
-    if meta.numel == 0:
-        return [res]
-    lines = [x.shape[d] for d in range(nd) if d != dim]
-    (x,) = pb.fit([x], 1)
-    k = pb.kernel("logcumsumexp")
-    k.need("tap_isnan")
-    k.need("tap_log1p")
-    k.helpers.setdefault("order_log_add_exp", _LOG_ADD_EXP)
-    lidx = k.unravel("n", lines)
-    acc = k.var("f32", "0.0", "acc")
-    k.loop("j", x.shape[dim])
-    idx = list(lidx[:dim]) + ["j"] + list(lidx[dim:])
-    v = x.read(k, idx)
-    # the first term is the sum so far (log_add_exp(v, -inf) is v): no -inf literal needed
-    k.emit(f"{acc} = select(order_log_add_exp({v}, {acc}), {v}, j == 0);")
-    k.write(out, index_sum(idx, res.strides), acc, "f32")
-    k.close()
-    pb.add(k.finish(math.prod(lines)))
-    return [res]
+
+    def absorb(k, st, o, empty):
+        k.need("tap_isnan")
+        k.need("tap_log1p")
+        k.helpers.setdefault("order_log_add_exp", _LOG_ADD_EXP)
+        # the first term is the sum so far (log_add_exp(v, -inf) is v): no -inf literal needed
+        k.emit(f"{st[0]} = select(order_log_add_exp({o[0]}, {st[0]}), {o[0]}, {empty});")
+    fold = Fold([("acc", "f32", "0.0")], lambda k, v, r: [cast(v, x.ty, "f32")], absorb, lambda k, st: [(st[0], "f32")])
+    return scan_lines(pb, "logcumsumexp", x, dim, [meta], fold)
 
 
 # --- median, nanmedian, kthvalue, mode: the device sort, then a pick per row ----------------------

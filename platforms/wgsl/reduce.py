@@ -2,7 +2,9 @@
 var, vector norm, bincount) and scans (cumsum, cumprod).
 
 One thread per output element loops over the reduced elements: no workgroup barriers,
-which are expensive on CPU adapters (lavapipe); the input may be a fused expression.
+which are expensive on CPU adapters (lavapipe); the input may be a fused expression. Past
+LOOP_BUDGET elements the reduction is split across invocations and passes by its
+:class:`~tapml.platforms.wgsl.folds.Fold` (platforms/wgsl/folds.py).
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ from typing import Callable, Sequence
 import torch
 
 from tapml.graph import TensorMeta
-from tapml.platforms.wgsl.codegen import BufferView, Custom, Value, cast, contiguous_strides, ctype, index_sum, lit
+from tapml.platforms.wgsl.codegen import LOOP_BUDGET, BufferView, Custom, Value, cast, ctype, lit
+from tapml.platforms.wgsl.folds import Fold, fold_rows, moments_fold, scan_lines
 from tapml.platforms.wgsl.registry import (ALL, ALL_FLOAT, ALL_INT, NUMERIC, edge_floats, edge_ints, rand, randbool, randint,
                                            register)
 from tapml.platforms.wgsl.views import norm_dim
@@ -38,16 +41,19 @@ def divide(e: str, n: int) -> str:
 
 
 def reduction(pb, name: str, x: Value, dims: Sequence[int], outs: Sequence[TensorMeta],
-              init: Callable, passes: Sequence[Callable], final: Callable) -> list[BufferView]:
+              init: Callable, passes: Sequence[Callable], final: Callable, fold: Fold) -> list[BufferView]:
     """Emit a kernel with one thread per kept element. ``init(k)`` declares state and returns
     it; each pass ``p(k, state, v, r)`` runs in its own loop over the reduced elements
     (``v`` the element, ``r`` its index within the reduced dims); ``final(k, state)`` returns
-    one (expression, type) per output."""
+    one (expression, type) per output. When the passes would loop past LOOP_BUDGET, ``fold``
+    (the same reduction as an associative fold) is split across invocations instead."""
     nd = len(x.shape)
     kept = [d for d in range(nd) if d not in dims]
     kept_shape = [x.shape[d] for d in kept]
     red_shape = [x.shape[d] for d in dims]
     count = math.prod(red_shape)
+    if count * len(passes) > LOOP_BUDGET:
+        return fold_rows(pb, name, x, dims, outs, fold)
     bufs = [pb.buffer("temp", m) for m in outs]
     views = [BufferView.whole(b, m) for b, m in zip(bufs, outs)]
     if math.prod(kept_shape) == 0:
@@ -102,7 +108,9 @@ def _sum_like(kind):
             if kind == "mean":
                 return [(divide(acc, count), t)]
             return [(acc, t)]
-        return reduction(pb, kind, x, dims, node.outputs, init, [step], final)
+        fold = Fold([("acc", t, lit(ident, t))], lambda k, v, r: [cast(v, x.ty, t)],
+                    lambda k, st, o, empty: k.emit(f"{st[0]} = {st[0]} {op} {o[0]};"), lambda k, st: final(k, st[0]))
+        return reduction(pb, kind, x, dims, node.outputs, init, [step], final, fold)
     return lower
 
 
@@ -125,13 +133,19 @@ register(["aten.prod.dim_int", "aten.prod.default"], ALL,
     ((randint(3, 4, lo=1, hi=3, dtype=torch.uint8), 0), {})], flops="reduce")(_sum_like("prod"))
 
 
+def _isnan(e: str) -> str:
+    """A WGSL bool: f32 ``e`` is NaN, tested on its bits."""
+    return f"((bitcast<u32>({e}) & 0x7fffffffu) > 0x7f800000u)"
+
+
 def _extreme(t, is_max):
     """(identity literal, better(v, best) predicate) for max/min over type t."""
     if t == "f32":
         ident = lit(-math.inf if is_max else math.inf, "f32")
         cmp = ">" if is_max else "<"
-        # NaN wins (torch propagates it); first occurrence wins ties
-        return ident, lambda v, b: f"({v} {cmp} {b} || ({v} != {v} && {b} == {b}))"
+        # NaN wins (torch propagates it); first occurrence wins ties. NaN is tested on the bits:
+        # drivers may fold x != x to false (lavapipe did, on values read back from a pass)
+        return ident, lambda v, b: f"({v} {cmp} {b} || ({_isnan(v)} && !{_isnan(b)}))"
     if t == "bool":
         return ("false" if is_max else "true"), lambda v, b: (f"({v} && !{b})" if is_max else f"(!{v} && {b})")
     ident = "i32(-2147483647 - 1)" if is_max else "2147483647"
@@ -149,8 +163,10 @@ def _amax_like(is_max):
 
         def step(k, best, v, r):
             k.emit(f"if {better(v, best)} {{ {best} = {v}; }}")
+        fold = Fold([("best", t, ident)], lambda k, v, r: [v], lambda k, st, o, empty: step(k, st[0], o[0], None),
+                    lambda k, st: [(st[0], t)])
         return reduction(pb, "amax" if is_max else "amin", x, dims, node.outputs, init, [step],
-                         lambda k, best: [(best, t)])
+                         lambda k, best: [(best, t)], fold)
     return lower
 
 
@@ -175,7 +191,16 @@ def _arg_like(is_max, values):
 
         def final(k, st):
             return ([(st[0], t)] if values else []) + [(st[1], "i32")]
-        return reduction(pb, "argmax" if is_max else "argmin", x, dims, node.outputs, init, [step], final)
+
+        def absorb(k, st, o, empty):
+            # a later part wins only with a better value, or an equal one (NaN equals NaN here)
+            # at a smaller index: the first occurrence, as torch picks
+            best, arg = st
+            tie = f"({o[0]} == {best} || ({_isnan(o[0])} && {_isnan(best)}))" if t == "f32" else f"({o[0]} == {best})"
+            k.emit(f"if ({o[1]} >= 0 && ({arg} < 0 || {better(o[0], best)} || ({tie} && {o[1]} < {arg}))) "
+                   f"{{ {best} = {o[0]}; {arg} = {o[1]}; }}")
+        fold = Fold([("best", t, ident), ("arg", "i32", "-1")], lambda k, v, r: [v, r], absorb, final)
+        return reduction(pb, "argmax" if is_max else "argmin", x, dims, node.outputs, init, [step], final, fold)
     return lower
 
 
@@ -204,7 +229,11 @@ def _any_like(is_any):
         def step(k, acc, v, r):
             b = cast(v, x.ty, "bool")
             k.emit(f"{acc} = {acc} {'||' if is_any else '&&'} {b};")
-        return reduction(pb, "any" if is_any else "all", x, dims, node.outputs, init, [step], lambda k, a: [(a, "bool")])
+        fold = Fold([("acc", "bool", "false" if is_any else "true")], lambda k, v, r: [cast(v, x.ty, "bool")],
+                    lambda k, st, o, empty: k.emit(f"{st[0]} = {st[0]} {'||' if is_any else '&&'} {o[0]};"),
+                    lambda k, st: [(st[0], "bool")])
+        return reduction(pb, "any" if is_any else "all", x, dims, node.outputs, init, [step], lambda k, a: [(a, "bool")],
+                         fold)
     return lower
 
 
@@ -259,7 +288,12 @@ def _var(pb, node, x, dim, correction, keepdim):
     def final(k, st):
         out = [(divide(st[1], max(count - corr, 0)), "f32")]
         return out + ([(divide(st[0], count), "f32")] if with_mean else [])
-    return reduction(pb, "var", x, dims, node.outputs, init, [p1, p2], final)
+
+    def fold_final(k, st):
+        out = [(divide(st[2], max(count - corr, 0)), "f32")]
+        return out + ([(st[1], "f32")] if with_mean else [])
+    fold = moments_fold(lambda k, v: cast(v, x.ty, "f32"), fold_final)
+    return reduction(pb, "var", x, dims, node.outputs, init, [p1, p2], final, fold)
 
 
 def _vector_norm_samples():
@@ -299,7 +333,22 @@ def vector_norm(pb, node, x, ord=2, dim=None, keepdim=False, dtype=None):
         if p in (1, 0, math.inf, -math.inf):
             return [(acc, "f32")]
         return [(f"{k.need('tap_pow')}({acc}, {lit(1 / p, 'f32')})", "f32")]
-    return reduction(pb, "norm", x, dims, node.outputs, init, [step], final)
+
+    def lift(k, v, r):
+        if p in (math.inf, -math.inf):
+            return [f"abs({v})"]
+        acc = k.var("f32", "0.0", "term")
+        step(k, acc, v, r)
+        return [acc]
+
+    def absorb(k, st, o, empty):
+        if p in (math.inf, -math.inf):
+            k.emit(f"{st[0]} = {k.need('tap_max' if p > 0 else 'tap_min')}({st[0]}, {o[0]});")
+        else:
+            k.emit(f"{st[0]} = {st[0]} + {o[0]};")
+    fold = Fold([("acc", "f32", lit(math.inf, "f32") if p == -math.inf else "0.0")], lift, absorb,
+                lambda k, st: final(k, st[0]))
+    return reduction(pb, "norm", x, dims, node.outputs, init, [step], final, fold)
 
 
 # --- scans -------------------------------------------------------------------------------
@@ -310,25 +359,12 @@ def _scan(kind):
         nd = len(x.shape)
         dim = norm_dim(dim, nd) if nd else 0
         t = ctype(meta.dtype)
-        out = pb.buffer("temp", meta)
-        view = BufferView.whole(out, meta)
-        if meta.numel == 0:
-            return [view]
         if nd == 0:
             return [x]
-        lines = [x.shape[d] for d in range(nd) if d != dim]
-        (x,) = pb.fit([x], 1)
-        k = pb.kernel(kind)
-        lidx = k.unravel("n", lines)
-        acc = k.var(t, lit(1 if kind == "cumprod" else 0, t), "acc")
-        k.loop("j", x.shape[dim])
-        idx = list(lidx[:dim]) + ["j"] + list(lidx[dim:])
-        v = cast(x.read(k, idx), x.ty, t)
-        k.emit(f"{acc} = {acc} {'*' if kind == 'cumprod' else '+'} {v};")
-        k.write(out, index_sum(idx, contiguous_strides(meta.shape)), acc, t)
-        k.close()
-        pb.add(k.finish(math.prod(lines)))
-        return [view]
+        op = "*" if kind == "cumprod" else "+"
+        fold = Fold([("acc", t, lit(1 if kind == "cumprod" else 0, t))], lambda k, v, r: [cast(v, x.ty, t)],
+                    lambda k, st, o, empty: k.emit(f"{st[0]} = {st[0]} {op} {o[0]};"), lambda k, st: [(st[0], t)])
+        return scan_lines(pb, kind, x, dim, [meta], fold)
     return lower
 
 

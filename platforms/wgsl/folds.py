@@ -1,0 +1,230 @@
+"""Long reductions and scans, split so that no invocation loops more than LOOP_BUDGET times.
+
+A reduction with one thread per output loops over every reduced element; devices may end an
+invocation's loops early (lavapipe and llvmpipe stop after 65 535 iterations, silently), and on
+a GPU one thread serializing a long row is slow. So a reduction over more than
+:data:`~tapml.platforms.wgsl.codegen.LOOP_BUDGET` elements is *split*:
+
+1. the first pass runs one invocation per (output, chunk): invocation ``c`` folds the elements
+   ``c, c + chunks, c + 2·chunks, ...`` of its row (at most :data:`CHUNK` of them; neighbouring
+   invocations read neighbouring elements) into a partial *state*, written to temp buffers;
+2. further passes fold the partial states, up to :data:`CHUNK` per invocation, until one state
+   per output remains; the last pass writes the outputs.
+
+A :class:`Fold` says how: the state variables, an element as a state (``lift``), how one state
+absorbs another that follows it (``absorb``; associative, so the split order gives the same
+result up to rounding) and the outputs of the final state. No workgroup barriers: they are
+expensive on CPU adapters, and passes spread a row over as many invocations as a tree would.
+
+A scan (cumsum, cumprod, cummax, logcumsumexp) over a line longer than the budget runs three
+passes: each chunk of :data:`CHUNK` consecutive elements folded to a state, the states of a
+line scanned in order, then each chunk scanned again from the state before it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from tapml.errors import Unsupported
+from tapml.graph import TensorMeta
+from tapml.platforms.wgsl.codegen import CHUNK, LOOP_BUDGET, BufferView, Value, contiguous_strides, index_sum
+
+#: WGSL state type -> the torch dtype of the temp buffer holding partial states.
+_STATE_DTYPE = {"f32": "float32", "i32": "int32", "bool": "bool"}
+
+
+@dataclass
+class Fold:
+    """An associative fold: ``state`` lists (name prefix, WGSL type, initial value) of its
+    variables; ``lift(k, v, r)`` is the element ``v`` (at linear index ``r`` along the folded
+    elements, an i32 expression) as a state (one expression per variable); ``absorb(k, state,
+    other, empty)`` emits statements folding ``other`` (expressions), which comes after what
+    ``state`` (variable names) holds, into it (``empty``: a WGSL bool, true while ``state``
+    holds nothing); ``outputs(k, state)`` are the results, (expression, type) each."""
+
+    state: Sequence[tuple[str, str, str]]
+    lift: Callable
+    absorb: Callable
+    outputs: Callable
+
+
+def moments_fold(value: Callable, outputs: Callable) -> Fold:
+    """Count, mean and sum of squared deviations from it (``M2``) of ``value(k, v)`` (an f32
+    expression of the element), merged as Chan et al. do (Welford's update when one side is one
+    element): one pass, stable where a sum of squares is not. ``outputs(k, (n, mean, m2))``."""
+    def absorb(k, st, o, empty):
+        n, mu, m2 = st
+        k.emit(f"let nn: f32 = {n} + {o[0]};")
+        k.emit(f"let d: f32 = {o[1]} - {mu};")
+        k.emit(f"{mu} = {mu} + d * ({o[0]} / nn);")
+        k.emit(f"{m2} = {m2} + {o[2]} + d * d * ({n} * {o[0]} / nn);")
+        k.emit(f"{n} = nn;")
+    return Fold([("n", "f32", "0.0"), ("mu", "f32", "0.0"), ("m2", "f32", "0.0")],
+                lambda k, v, r: ["1.0", value(k, v), "0.0"], absorb, outputs)
+
+
+def softmax_fold(outputs: Callable) -> Fold:
+    """The largest element ``m`` and the sum of ``exp(v - m)`` in one pass ("online softmax"): a
+    state absorbing a larger maximum rescales its sum. A NaN makes ``m`` NaN; -inf elements while
+    the maximum is -inf count ``exp(0)`` and vanish once a finite maximum comes, so a row of -inf
+    gives NaN and +inf gives NaN, as torch's softmax does. ``outputs(k, (m, s))``."""
+    def absorb(k, st, o, empty):
+        m, s = st
+        nan = "((bitcast<u32>({}) & 0x7fffffffu) > 0x7f800000u)"
+        k.emit(f"let mn: f32 = select(select(max({m}, {o[0]}), {o[0]}, {nan.format(o[0])}), {m}, {nan.format(m)});")
+        # exp(a - mn) with a == mn == -inf is 1 (not NaN): such terms vanish once a finite maximum
+        # comes; +inf - +inf stays NaN, as in torch
+        k.emit(f"{s} = select({s} * select(exp({m} - mn), 1.0, {m} == mn && mn < 0.0) + {o[1]} * "
+               f"select(exp({o[0]} - mn), 1.0, {o[0]} == mn && mn < 0.0), {o[1]}, {empty});")
+        k.emit(f"{m} = select(mn, {o[0]}, {empty});")
+    return Fold([("m", "f32", "0.0"), ("s", "f32", "0.0")], lambda k, v, r: [v, "1.0"], absorb, outputs)
+
+
+def _declare(k, fold: Fold) -> list[str]:
+    return [k.var(ty, init, prefix) for prefix, ty, init in fold.state]
+
+
+def _absorb(k, fold: Fold, state: list[str], other: list[str], seen: str) -> None:
+    k.open("")  # its own scope: absorb may declare names
+    fold.absorb(k, state, other, f"!{seen}")
+    k.emit(f"{seen} = true;")
+    k.close()
+
+
+def _partials(pb, fold: Fold, count: int) -> list:
+    return [pb.buffer("temp", TensorMeta((count,), _STATE_DTYPE[ty])) for _, ty, _ in fold.state]
+
+
+def fold_rows(pb, name: str, x: Value, dims: Sequence[int], outs: Sequence[TensorMeta], fold: Fold) -> list[BufferView]:
+    """Fold ``x`` over ``dims`` (one output element per element of the other dims, row-major)
+    into buffers of ``outs`` (metas of as many elements each), in as many passes as keep every
+    invocation within LOOP_BUDGET iterations. Returns views of the outputs."""
+    nd = len(x.shape)
+    kept = [d for d in range(nd) if d not in dims]
+    kept_shape = [x.shape[d] for d in kept]
+    red_shape = [x.shape[d] for d in dims]
+    count, rows = math.prod(red_shape), math.prod(kept_shape)
+    bufs = [pb.buffer("temp", m) for m in outs]
+    views = [BufferView.whole(b, m) for b, m in zip(bufs, outs)]
+    if rows == 0:
+        return views
+    chunks = 1 if count <= LOOP_BUDGET else -(-count // CHUNK)
+    (x,) = pb.fit([x], len(outs) if chunks == 1 else len(fold.state))
+    k = pb.kernel(name)
+    k.emit(f"let row: i32 = n / {chunks};")
+    k.emit(f"let c: i32 = n % {chunks};")
+    kidx = k.unravel("row", kept_shape)
+    state = _declare(k, fold)
+    seen = k.var("bool", "false", "seen")
+    k.loop("j", -(-count // chunks))
+    k.emit(f"let r: i32 = c + j * {chunks};")
+    k.open(f"if (r < {count})")
+    ridx = k.unravel("r", red_shape)
+    idx = [None] * nd
+    for d, i in zip(kept, kidx):
+        idx[d] = i
+    for d, i in zip(dims, ridx):
+        idx[d] = i
+    _absorb(k, fold, state, fold.lift(k, x.read(k, idx), "r"), seen)
+    k.close()
+    k.close()
+    parts = chunks
+    while True:
+        if parts == 1:
+            for b, (e, ty) in zip(bufs, fold.outputs(k, state)):
+                k.write(b, "row", e, ty)
+            pb.add(k.finish(rows * chunks))
+            return views
+        partial = _partials(pb, fold, rows * parts)
+        for b, s, (_, ty, _) in zip(partial, state, fold.state):
+            k.write(b, "n", s, ty)
+        pb.add(k.finish(rows * chunks))
+        chunks = 1 if parts <= LOOP_BUDGET else -(-parts // CHUNK)
+        k = pb.kernel(f"{name}_merge")
+        k.emit(f"let row: i32 = n / {chunks};")
+        k.emit(f"let c: i32 = n % {chunks};")
+        state = _declare(k, fold)
+        seen = k.var("bool", "false", "seen")
+        k.loop("j", -(-parts // chunks))
+        k.emit(f"let p: i32 = c + j * {chunks};")
+        k.open(f"if (p < {parts})")
+        other = [BufferView.whole(b, b.meta).read(k, [f"(row * {parts} + p)"]) for b in partial]
+        _absorb(k, fold, state, other, seen)
+        k.close()
+        k.close()
+        parts = chunks
+
+
+def scan_lines(pb, name: str, x: Value, dim: int, outs: Sequence[TensorMeta], fold: Fold) -> list[BufferView]:
+    """Inclusive scan of ``x`` along ``dim``: element ``j`` of each output is ``fold.outputs``
+    of the state of elements ``0..j`` of its line. One pass when a line fits LOOP_BUDGET,
+    else three (see the module). Returns views of buffers of ``outs`` (``x``'s shape)."""
+    nd = len(x.shape)
+    lines = [x.shape[d] for d in range(nd) if d != dim]
+    L = x.shape[dim]
+    bufs = [pb.buffer("temp", m) for m in outs]
+    views = [BufferView.whole(b, m) for b, m in zip(bufs, outs)]
+    if math.prod(lines) * L == 0:
+        return views
+    chunks = -(-L // CHUNK) if L > LOOP_BUDGET else 1
+    if chunks > LOOP_BUDGET:
+        raise Unsupported(f"a scan over {L} elements needs {chunks} chunks of {CHUNK}; more than {LOOP_BUDGET} "
+                          "are not split further")
+    size = -(-L // chunks)
+    nlines = math.prod(lines)
+    ostrides = contiguous_strides(outs[0].shape)
+    (x,) = pb.fit([x], max(len(outs), len(fold.state)) + (len(fold.state) if chunks > 1 else 0))
+
+    def chunk_kernel(kname: str, prefix: list | None, write: bool):
+        """One invocation per (line, chunk): the chunk's elements folded onto the state before
+        it (``prefix``: scanned states of the chunks, None for none), each position written to
+        the outputs when ``write``, else the chunk's state returned to be written."""
+        k = pb.kernel(kname)
+        k.emit(f"let line: i32 = n / {chunks};")
+        k.emit(f"let c: i32 = n % {chunks};")
+        lidx = k.unravel("line", lines)
+        state = _declare(k, fold)
+        seen = k.var("bool", "false", "seen")
+        if prefix is not None:
+            k.open("if (c > 0)")
+            _absorb(k, fold, state, [BufferView.whole(b, b.meta).read(k, [f"(line * {chunks} + c - 1)"])
+                                     for b in prefix], seen)
+            k.close()
+        k.loop("q", size)
+        k.emit(f"let j: i32 = c * {size} + q;")
+        k.open(f"if (j < {L})")
+        idx = list(lidx[:dim]) + ["j"] + list(lidx[dim:])
+        _absorb(k, fold, state, fold.lift(k, x.read(k, idx), "j"), seen)
+        if write:
+            flat = k.let(index_sum(idx, ostrides), "i32")
+            for b, (e, ty) in zip(bufs, fold.outputs(k, state)):
+                k.write(b, flat, e, ty)
+        k.close()
+        k.close()
+        return k, state
+
+    if chunks == 1:
+        k, _ = chunk_kernel(name, None, True)
+        pb.add(k.finish(nlines))
+        return views
+    k, state = chunk_kernel(f"{name}_chunks", None, False)
+    totals = _partials(pb, fold, nlines * chunks)
+    for b, s, (_, ty, _) in zip(totals, state, fold.state):
+        k.write(b, "n", s, ty)
+    pb.add(k.finish(nlines * chunks))
+    # the chunks' states scanned along each line, one invocation per line
+    k = pb.kernel(f"{name}_offsets")
+    state = _declare(k, fold)
+    seen = k.var("bool", "false", "seen")
+    scanned = _partials(pb, fold, nlines * chunks)
+    k.loop("c", chunks)
+    _absorb(k, fold, state, [BufferView.whole(b, b.meta).read(k, [f"(n * {chunks} + c)"]) for b in totals], seen)
+    for b, s, (_, ty, _) in zip(scanned, state, fold.state):
+        k.write(b, f"n * {chunks} + c", s, ty)
+    k.close()
+    pb.add(k.finish(nlines))
+    k, _ = chunk_kernel(name, scanned, True)
+    pb.add(k.finish(nlines * chunks))
+    return views
