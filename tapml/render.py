@@ -53,11 +53,11 @@ def render_matrix(matrix: dict, console, all_rows: bool = False, max_rows: int |
         if not members:
             continue
         table.add_row(f"[bold]{GROUP_TITLES[group]}[/]", *blank)
-        shown = members if max_rows is None else members[:max_rows]
-        for r in shown:
+        listed = members if max_rows is None else members[:max_rows]
+        for r in listed:
             table.add_row(shown(r["op"]), *([shown(r["case"])] if by_case else []), *map(_matrix_cell, r["cells"]))
-        if len(shown) < len(members):
-            table.add_row(f"[dim]... and {len(members) - len(shown)} more[/]", *blank)
+        if len(listed) < len(members):
+            table.add_row(f"[dim]... and {len(members) - len(listed)} more[/]", *blank)
         table.add_section()
     table.add_row("[bold]passing[/]", *([""] if by_case else []),
                   *[f"{t['pass']}/{t['total']} {what}" for t in matrix["totals"]])
