@@ -90,8 +90,8 @@ def serve(platform: str = typer.Option("wgpu", "--platform", "-p", help=SERVE_PL
 
     def announce(bound_host: str, bound_port: int) -> None:
         adapter = "adapter: the page that opens the URL" if no_launch else device.caps().get("adapter", "?")
-        shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-        print(f"tapml serve: {platform} ({adapter}) listening on {shown}:{bound_port}"
+        host_shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+        print(f"tapml serve: {platform} ({adapter}) listening on {host_shown}:{bound_port}"
               + (" (token required)" if token else " (no token)"), flush=True)
 
     try:
@@ -198,14 +198,14 @@ def _probe(host: str, port: int, announced: dict, token: str | None, timeout: fl
         with RemotePlatform(host, port, token=token, timeout=timeout, connect_timeout=timeout) as device:
             caps = device.caps()
             # the device's own word: held to the same types as an announcement
-            shown = check_announcement({"platform": device.info.get("platform", row["platform"]),
+            announced = check_announcement({"platform": device.info.get("platform", row["platform"]),
                                         **{k: caps.get(k) for k in ("adapter", "backend", "features")}})
             limits, dtypes = caps.get("limits", {}), caps.get("dtypes", [])
-            if shown is None or not isinstance(limits, dict) or type(dtypes) is not list:
+            if announced is None or not isinstance(limits, dict) or type(dtypes) is not list:
                 row["status"] = "the device's caps are malformed (a field of the wrong type)"
             else:
-                row.update(platform=shown.get("platform", row["platform"]), adapter=shown.get("adapter", ""),
-                           backend=shown.get("backend", ""), features=shown.get("features", []),
+                row.update(platform=announced.get("platform", row["platform"]), adapter=announced.get("adapter", ""),
+                           backend=announced.get("backend", ""), features=announced.get("features", []),
                            limits=dict(limits), dtypes=[str(d) for d in dtypes])
     except TapmlError as e:
         row["status"] = str(e)
