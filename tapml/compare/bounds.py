@@ -74,8 +74,8 @@ def _abs_args(a):
 
 
 def _call(op: str, args, kwargs):
-    _, packet, overload = op.split(".")
-    return getattr(getattr(torch.ops.aten, packet), overload)(*args, **kwargs)
+    from tapml.graph import resolve_op
+    return resolve_op(op)(*args, **kwargs)
 
 
 def _arg(args, kwargs, i: int, name: str, default=None):
@@ -94,6 +94,7 @@ def _terms(length: Callable) -> Callable:
         magnitude = _call(op, _abs_args(args), _abs_args(kwargs))
         magnitude = magnitude if isinstance(magnitude, torch.Tensor) else magnitude[0]
         return [growth(length(args, kwargs, outs[0])) * magnitude.double().abs()] + [None] * (len(outs) - 1)
+    bound.exact_terms = True
     return bound
 
 
@@ -299,6 +300,11 @@ ACCUMULATING: dict[str, Callable] = {
     **dict.fromkeys(_BATCH_NORMS, _batch_norm),
     "aten.linalg_vector_norm.default": _vector_norm,
 }
+
+
+#: Sums of products: their magnitude of terms is exact, so their bound is the rule that decides
+#: (no tolerance fast path: rtol 1e-3 would pass a kernel that scales its outputs by 1.001).
+DECIDED_BY_BOUND = frozenset(op for op, bound in ACCUMULATING.items() if getattr(bound, "exact_terms", False))
 
 
 def accumulates(op: str) -> bool:

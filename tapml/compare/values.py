@@ -116,7 +116,9 @@ class Comparison:
     message: str = ""
     worst: list[dict] = field(default_factory=list)
     unsupported: str = ""
-    #: Which rule decided (one of :data:`RULES`; "" where none applies, e.g. a shape mismatch),
+    #: Which rule decided (``exact``, ``tolerance``: ``|t - r| <= atol + rtol |r|``,
+    #: ``fp64-anchored``: :mod:`tapml.compare.anchored`, ``arithmetic``: :mod:`tapml.compare.bounds`;
+    #: "" where none applies, e.g. a shape mismatch; :data:`tapml.verdict.RULES`),
     #: the error it allowed at the element nearest to (or furthest past) its bound, and that
     #: element's error over the bound (``margin``: above 1 fails, 0.5 or more is near-failing).
     rule: str = ""
@@ -154,21 +156,11 @@ def _finite_or_none(x: float) -> float | None:
 CHUNK = 1 << 22
 
 
-#: The rules a comparison may be decided by: ``exact`` (integers, bools), ``tolerance``
-#: (``|t - r| <= atol + rtol |r|``), ``fp64-anchored`` (the target's error against float64 within
-#: a factor of the reference's own, plus a floor: :mod:`tapml.compare.anchored`) and
-#: ``arithmetic`` (the error against float64 within what the op's own rounding allows:
-#: :mod:`tapml.compare.bounds`).
-RULES = ("exact", "tolerance", "fp64-anchored", "arithmetic")
-#: A margin at or above this is near-failing: reports show its rule and bound as for a failure.
-NEAR_FAILING = 0.5
-
-
 @dataclass
 class Rule:
     """A second way an element may pass: its error against ``exact`` (float64, the output's
-    shape, or broadcastable) within ``allowed`` (a tensor of that shape or a number). ``name``
-    is one of :data:`RULES`; ``why`` says in a failure message how the bound was made."""
+    shape) within ``allowed`` (a tensor of that shape or a number). ``name`` is the rule's
+    (``fp64-anchored``, ``arithmetic``); ``why`` says in a failure message how the bound was made."""
 
     name: str
     exact: torch.Tensor
@@ -191,10 +183,11 @@ def _ratio(err: torch.Tensor, allowed) -> torch.Tensor:
 
 def compare_tensor(target: torch.Tensor, ref: torch.Tensor, rtol: float | None = None,
                    atol: float | None = None, worst: int = 5, rules: list[Rule] = (),
-                   fast: str = "tolerance") -> Comparison:
+                   fast: str | None = "tolerance") -> Comparison:
     """Compare one tensor. ``rtol``/``atol`` None means the dtype's default. A float element
     passes within the tolerance (the fast path, named ``fast`` in the result) or, failing that,
     within any of ``rules`` (each element by its own error against the rule's float64 result).
+    ``fast=None``: no fast path, ``rules`` alone decide (an element equal to the reference passes).
     The result's ``rule``/``bound``/``margin`` say which rule decided and how closely."""
     if tuple(target.shape) != tuple(ref.shape):
         return Comparison(False, message=f"shape {tuple(target.shape)} != reference {tuple(ref.shape)}")
@@ -231,12 +224,12 @@ def compare_tensor(target: torch.Tensor, ref: torch.Tensor, rtol: float | None =
         both_finite = torch.isfinite(t64) & torch.isfinite(r64)
         diff = torch.where(both_finite, (t64 - r64).abs(), torch.zeros_like(t64))
         rel = diff / r64.abs().clamp_min(1e-30)
-        allowed = atol + rtol * r64.abs()
+        allowed = atol + rtol * r64.abs() if fast else torch.zeros_like(r64)
         score, bound, by = _ratio(diff, allowed), allowed, torch.zeros_like(diff, dtype=torch.int8)
         for k, rule in enumerate(rules, 1):
-            exact, ok = rule.chunk(at, ts.numel())
-            err = (t64 - exact).abs()
-            s2 = torch.where(torch.isfinite(exact) & both_finite, _ratio(err, ok), torch.full_like(err, math.inf))
+            anchor, ok = rule.chunk(at, ts.numel())
+            err = (t64 - anchor).abs()
+            s2 = torch.where(torch.isfinite(anchor) & both_finite, _ratio(err, ok), torch.full_like(err, math.inf))
             better = s2 < score
             score = torch.where(better, s2, score)
             bound = torch.where(better, torch.as_tensor(ok, dtype=torch.float64).expand_as(err), bound)
@@ -259,10 +252,11 @@ def compare_tensor(target: torch.Tensor, ref: torch.Tensor, rtol: float | None =
         result.unsupported = (f"{INT64_OUTSIDE_I32}: the reference holds {int(r[first])} at {index} "
                               f"({n_wide} such elements differ; i32 holds [{I32_RANGE[0]}, {I32_RANGE[1]}])")
         return _exact_rule(result)
-    names = [fast] + [rule.name for rule in rules]
-    msg = f"values exceed rtol={rtol:g} atol={atol:g}" if fast == "tolerance" else f"values exceed the {fast} bound"
+    names = [fast or "exact"] + [rule.name for rule in rules]
+    msg = f"values exceed rtol={rtol:g} atol={atol:g}" if fast == "tolerance" else \
+        f"values exceed the {fast} bound" if fast else "values differ"
     for rule in rules:
-        msg += f" and the {rule.name} bound" + (f" ({rule.why})" if rule.why else "")
+        msg += f"{' and' if fast else ':'} the {rule.name} bound" + (f" ({rule.why})" if rule.why else "")
     if acc.special:
         msg += f"; NaN/Inf differ at {acc.special} positions"
     result = acc.result(t, r, ref.shape, msg)
