@@ -93,6 +93,9 @@ def judge_case(store, case: dict, outputs: list[torch.Tensor], expected: list[to
     every float output fp64-anchored; ``False``: the tolerances; None (default): fp64-anchored
     for float16/bfloat16 outputs of a low-precision store (the reference's own rounding is the
     yardstick) and the tolerances for the rest (a float32 op is judged as in a float32 store).
+    A sum of products (:data:`~tapml.compare.DECIDED_BY_BOUND`) is decided by its arithmetic
+    bound (:mod:`tapml.compare.bounds`) unless ``--tol`` names its tolerance; any other
+    accumulating op passes an element the tolerance misses within its own bound.
     A random op (:data:`~tapml.compare.RANDOM_OPS`) is judged by distribution instead, and one
     that returns uninitialized memory (``torch.empty``) on shapes and dtypes only."""
     from tapml.compare import DECIDED_BY_BOUND, RANDOM_OPS, compare_metadata, is_uninitialized_op
