@@ -591,8 +591,9 @@ def read_precision_document(data, where: str = "<precision>", hint: str = "") ->
     ``headroom`` > 0, ``overflow``/``absorbed`` booleans, ``absorbed`` only where ``overflow``,
     ``err_vs_fp64``/``ref_err_vs_fp64``/``err_vs_fp32`` >= 0 or null), ``keep_float32`` (names of
     nodes in ``ops``), ``keep_float32_modules``, ``rounds`` and ``end_to_end`` (``before``/``after``:
-    ``status`` pass|mismatch|error, ``max_abs_err``, ``max_rel_err``, ``message``). TapmlError
-    naming ``where`` and the field when it is malformed."""
+    ``status`` pass|mismatch|error, ``max_abs_err``, ``max_rel_err``, ``message``), and ``cause``
+    where present (``op``, ``node`` of ``ops``, ``module``, ``err_vs_fp64``, ``ref_err_vs_fp64``,
+    ``ratio`` >= 0, ``message``). TapmlError naming ``where`` and the field when it is malformed."""
     from tapml.ops import check_op
     ctx = _Ctx(where, True, hint)
     _check_depth(data, ctx)
@@ -636,10 +637,21 @@ def read_precision_document(data, where: str = "<precision>", hint: str = "") ->
         runs[k] = {"status": r.choice("status", END_TO_END_STATUSES, required=True),
                    "max_abs_err": r.number("max_abs_err"), "max_rel_err": r.number("max_rel_err"),
                    "message": r.string("message", "") or ""}
-    return {"format_version": version, "model": o.string("model", "") or "",
-            "dtype": o.choice("dtype", PRECISION_DTYPES, required=True), "target": o.string("target", required=True),
-            "device": _device(o), "ops": ops, "keep_float32": keep, "keep_float32_modules": o.strings("keep_float32_modules"),
-            "rounds": o.count("rounds", 0), "end_to_end": runs}
+    doc = {"format_version": version, "model": o.string("model", "") or "",
+           "dtype": o.choice("dtype", PRECISION_DTYPES, required=True), "target": o.string("target", required=True),
+           "device": _device(o), "ops": ops, "keep_float32": keep, "keep_float32_modules": o.strings("keep_float32_modules"),
+           "rounds": o.count("rounds", 0), "end_to_end": runs}
+    c = o.child("cause", "the op that fails end to end ({op, node, module, err_vs_fp64, ref_err_vs_fp64, ratio, message})")
+    if c is not None:
+        node = c.string("node", required=True)
+        if node not in nodes:
+            c.fail(f"node {node[:80]!r} is not a node of ops")
+        doc["cause"] = {"op": c.string("op", required=True), "node": node, "module": c.string("module", "") or "",
+                        **{k: c.number(k, required=True) for k in ("err_vs_fp64", "ref_err_vs_fp64", "ratio")},
+                        "message": c.string("message", "") or ""}
+        if any(doc["cause"][k] < 0 for k in ("err_vs_fp64", "ref_err_vs_fp64", "ratio")):
+            c.fail("err_vs_fp64, ref_err_vs_fp64 and ratio must be 0 or more")
+    return doc
 
 
 def is_precision_document(data) -> bool:

@@ -217,3 +217,23 @@ def test_realistic_weights_migrate_with_every_op_on_the_target(fixture, target, 
     state = _migrate(f"{MODELS}:{fixture}", tmp_path, target, dtype)
     assert state["placement"]["ops_share"] == 1.0, [(c["op"], c["message"][:300]) for c in state["culprits"]]
     assert state["end_to_end"]["status"] == "pass", state["end_to_end"]
+
+
+# --- precision names the cause -------------------------------------------------------------------
+
+def test_precision_names_a_wrong_op_that_is_not_a_precision_matter(carved):
+    """Every op fits float16, the model fails end to end: precision names the wrong op (a tanh
+    that scales by 1.05, planted) and says to run migrate; its JSON validates with the reader."""
+    from tapml.carving import CarveStore
+    from tapml.precision import analyze
+    from tapml.targets import open_target
+    from tapml.verdict import read_precision_document
+    store = CarveStore(carved(f"{Path(__file__).parent / 'models' / 'unrolled_lstm.py'}:short", dtype="float16"))
+    with open_target("reference", inject=["aten.tanh.default=scale:1.05"]) as platform:
+        doc = analyze(store, platform, "reference")
+    assert doc["keep_float32"] == [] and doc["end_to_end"]["after"]["status"] == "mismatch"
+    assert doc["cause"]["op"] == "aten.tanh.default" and doc["cause"]["ratio"] > 4
+    assert "not a precision matter" in doc["cause"]["message"] and "tapml migrate" in doc["cause"]["message"]
+    assert read_precision_document(doc)["cause"]["node"] == doc["cause"]["node"]
+    with open_target("reference") as platform:
+        assert "cause" not in analyze(store, platform, "reference")  # a clean run blames nothing
