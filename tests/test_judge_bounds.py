@@ -237,3 +237,18 @@ def test_precision_names_a_wrong_op_that_is_not_a_precision_matter(carved):
     assert read_precision_document(doc)["cause"]["node"] == doc["cause"]["node"]
     with open_target("reference") as platform:
         assert "cause" not in analyze(store, platform, "reference")  # a clean run blames nothing
+
+
+def test_a_generation_step_closer_to_float64_than_the_reference_passes():
+    from tapml.compare import Tolerances
+    from tapml.generate import judge_step
+    exact = torch.linspace(-300, 300, 1000, dtype=torch.float64)
+    exact[10] = 0.0084505
+    ref = (exact * (1 + 1e-7)).float()
+    ref[10] = 0.0082000  # the reference 2.5e-4 off: outside rtol 1e-3 atol 1e-4
+    target = exact.float()
+    assert judge_step(target, ref, Tolerances(), int(ref.argmax()))[0] == "mismatch"
+    status, comparison, _ = judge_step(target, ref, Tolerances(), int(ref.argmax()), anchor=exact)
+    assert status == "pass" and comparison.rule == "fp64-anchored"
+    target[500] += 0.5
+    assert judge_step(target, ref, Tolerances(), int(ref.argmax()), anchor=exact)[0] == "mismatch"
