@@ -211,13 +211,14 @@ def _run_all(graph: Graph, platform, inputs: dict, refs: list[str]) -> dict:
 
 
 def end_to_end(graph: Graph, platform, inputs: dict, twin_outputs: dict, dtype: str,
-               tolerances: Tolerances | None = None) -> dict:
+               tolerances: Tolerances | None = None, values: dict | None = None) -> dict:
     """Run ``graph`` wholly on ``platform`` and compare its outputs with the float32 twin's
     (``twin_outputs``, by ref) with ``dtype``'s tolerances: ``{"status": pass|mismatch|error,
-    "max_abs_err", "max_rel_err", "message"}``. DeviceLost is raised."""
+    "max_abs_err", "max_rel_err", "message"}``. ``values``: the outputs of a run already made
+    (by ref), compared instead of running again. DeviceLost is raised."""
     tolerances = tolerances or Tolerances()
     try:
-        values = _run_all(graph, platform, inputs, [])
+        values = _run_all(graph, platform, inputs, []) if values is None else values
     except DeviceLost:
         raise
     except Exception as e:  # noqa: BLE001 - a run that fails is the result, not a crash
@@ -286,6 +287,7 @@ def analyze(store, platform, target_name: str, *, dtype: str | None = None, tole
     keep = {n.name for n in nodes
             if any(_unholdable(twin[r], low) for r in _float_refs(n) + [x for x in n.input_refs if x in twin])}
     rounds = 0
+    last_run: tuple[frozenset, dict] | None = None  # the keep list of the last mixed run, and its values
     while keep and rounds < MAX_ROUNDS:
         rounds += 1
         if on_round:
@@ -297,6 +299,7 @@ def analyze(store, platform, target_name: str, *, dtype: str | None = None, tole
             raise
         except Exception:  # noqa: BLE001 - the mixed model fails to run: end_to_end "after" says how
             break
+        last_run = (frozenset(keep), kept_values)
         still = {n.name for n in nodes if n.name not in keep
                  and any(_overflowed(kept_values[r], twin[r]) for r in _float_refs(n))}
         if not still:
@@ -304,8 +307,10 @@ def analyze(store, platform, target_name: str, *, dtype: str | None = None, tole
         keep |= still
     keep_list = [n.name for n in graph.nodes if n.name in keep]
     twin_outputs = {r: twin[r] for r in graph.outputs}
-    before = end_to_end(graph, platform, inputs, twin_outputs, low, tolerances)
-    after = end_to_end(keep_float32(graph, keep, low), platform, inputs, twin_outputs, low, tolerances) \
+    # the run that measured every op is the model's own run: its outputs are "before"
+    before = end_to_end(graph, platform, inputs, twin_outputs, low, tolerances, values=values)
+    reuse = last_run[1] if last_run is not None and last_run[0] == keep else None
+    after = end_to_end(keep_float32(graph, keep, low), platform, inputs, twin_outputs, low, tolerances, values=reuse) \
         if keep else dict(before)
     doc = {"format_version": PRECISION_FORMAT_VERSION, "kind": "precision", "model": store.model, "dtype": low,
            "target": target_name, "device": device, "ops": ops, "keep_float32": keep_list,
