@@ -252,3 +252,16 @@ def test_a_generation_step_closer_to_float64_than_the_reference_passes():
     assert status == "pass" and comparison.rule == "fp64-anchored"
     target[500] += 0.5
     assert judge_step(target, ref, Tolerances(), int(ref.argmax()), anchor=exact)[0] == "mismatch"
+
+
+def test_the_html_report_shows_the_rule_and_bound_of_failing_and_near_failing_outputs():
+    from tapml.reports import render
+    from tapml.reports.data import parse_state
+    state = parse_state({"target": "wgpu:vulkan", "cases": [
+        {"op": "aten.convolution.default", "status": "mismatch", "rule": "arithmetic", "bound": 0.25, "margin": 34.5},
+        {"op": "aten.mm.default", "status": "pass", "rule": "arithmetic", "bound": 0.5, "margin": 0.8},
+        {"op": "aten.add.Tensor", "status": "pass", "rule": "tolerance", "bound": 1e-4, "margin": 0.01}]}, "v.json")
+    html = render([state])
+    assert "arithmetic, bound 0.25, margin 34.5" in html  # failing
+    assert "arithmetic, bound 0.5, margin 0.8" in html  # near-failing
+    assert "tolerance, bound" not in html  # a clear pass says nothing
