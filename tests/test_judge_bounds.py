@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from support import own_wgpu
+from support import in_chromium, own_wgpu
 from tapml.compare import Rule, arithmetic_bounds, compare_tensor, growth
 from tapml.verdict import CaseVerdict, Verdict, outcome_verdict
 
@@ -265,3 +265,23 @@ def test_the_html_report_shows_the_rule_and_bound_of_failing_and_near_failing_ou
     assert "arithmetic, bound 0.25, margin 34.5" in html  # failing
     assert "arithmetic, bound 0.5, margin 0.8" in html  # near-failing
     assert "tolerance, bound" not in html  # a clear pass says nothing
+
+
+@in_chromium
+@pytest.mark.parametrize("fixture", FIXTURES)
+def test_realistic_weights_replay_clean_in_chromium(fixture, carved):
+    from tapml.carving import CarveStore
+    from tapml.replay import replay_targets
+    result = replay_targets(CarveStore(carved(f"{MODELS}:{fixture}")), ["browser"])["browser"]
+    failing = [(v["op"], v["status"], v["message"][:200]) for v in result["cases"] if v["status"] != "pass"]
+    assert not failing and result["cases"], failing
+
+
+def test_kernels_that_differ_only_in_their_buffers_share_one_shader():
+    from tapml.platforms.wgpu_native import canonical_bindings
+    a = ("@group(0) @binding(0) var<storage, read> buf_o44: array<f16>;\n"
+         "@group(0) @binding(1) var<storage, read_write> buf_o46: array<f16>;\n"
+         "fn main() { buf_o46[0] = buf_o44[0]; let buf_o44_len = 1; }")
+    b = a.replace("buf_o44", "buf_o61").replace("buf_o46", "buf_o62")
+    assert canonical_bindings(a) == canonical_bindings(b) != a
+    assert "tap_b0[0]" in canonical_bindings(a) and "buf_o44_len" in canonical_bindings(a)  # whole names only
