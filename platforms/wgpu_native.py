@@ -61,6 +61,7 @@ def _adapters():
 
 #: A storage binding's declaration: ``var<storage, ACCESS> NAME:``.
 _BINDING = re.compile(r"var<storage,[^>]*>\s*([A-Za-z_][A-Za-z0-9_]*)\s*:")
+_BUFFER_NAME = re.compile(r"\b(buf_[A-Za-z0-9_]*)\b")
 
 
 def canonical_bindings(wgsl: str) -> str:
@@ -72,7 +73,10 @@ def canonical_bindings(wgsl: str) -> str:
     if not names:
         return wgsl
     rename = {n: f"tap_b{i}" for i, n in enumerate(names)}
-    return re.sub(r"\b(" + "|".join(map(re.escape, names)) + r")\b", lambda m: rename[m.group(1)], wgsl)
+    # tapml's codegen names every binding buf_*: one compiled pattern then serves every shader
+    pattern = _BUFFER_NAME if all(n.startswith("buf_") for n in names) else \
+        re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b")
+    return pattern.sub(lambda m: rename.get(m.group(1), m.group(1)), wgsl)
 
 
 def _describe(a) -> str:
