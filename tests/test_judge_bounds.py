@@ -279,9 +279,9 @@ def test_realistic_weights_replay_clean_in_chromium(fixture, carved):
 
 def test_kernels_that_differ_only_in_their_buffers_share_one_shader():
     from tapml.platforms.wgpu_native import canonical_bindings
-    a = ("@group(0) @binding(0) var<storage, read> buf_o44: array<f16>;\n"
-         "@group(0) @binding(1) var<storage, read_write> buf_o46: array<f16>;\n"
-         "fn main() { buf_o46[0] = buf_o44[0]; let buf_o44_len = 1; }")
-    b = a.replace("buf_o44", "buf_o61").replace("buf_o46", "buf_o62")
+    shader = ("@group(0) @binding(0) var<storage, read> {x}: array<f16>;\n"
+              "@group(0) @binding(1) var<storage, read_write> {y}: array<f16>;\n"
+              "fn main() {{ {y}[0] = {x}[0]; let buf_o44_len = 1; }}")
+    a, b = shader.format(x="buf_o44", y="buf_o46"), shader.format(x="buf_o61", y="buf_o62")
     assert canonical_bindings(a) == canonical_bindings(b) != a
     assert "tap_b0[0]" in canonical_bindings(a) and "buf_o44_len" in canonical_bindings(a)  # whole names only
