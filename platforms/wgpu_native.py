@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tempfile
 import time
 import weakref
@@ -56,6 +57,26 @@ def _adapters():
     except Exception as e:  # noqa: BLE001 - no driver at all is "no adapters"
         raise TapmlError(f"wgpu cannot enumerate adapters ({e}); install a Vulkan/GL driver "
                          "(e.g. mesa-vulkan-drivers for lavapipe)") from None
+
+
+#: A storage binding's declaration: ``var<storage, ACCESS> NAME:``.
+_BINDING = re.compile(r"var<storage,[^>]*>\s*([A-Za-z_][A-Za-z0-9_]*)\s*:")
+_BUFFER_NAME = re.compile(r"\b(buf_[A-Za-z0-9_]*)\b")
+
+
+def canonical_bindings(wgsl: str) -> str:
+    """``wgsl`` with its storage bindings renamed ``tap_b0``, ``tap_b1``... in the order they are
+    declared: two kernels that differ only in the names of the buffers they bind (one op at two
+    places of a model) become one shader, compiled once. Bind groups address bindings by index,
+    so nothing else changes. Example: ``var<storage, read> buf_o44: array<f16>;`` -> ``... tap_b0: ...``."""
+    names = list(dict.fromkeys(_BINDING.findall(wgsl)))
+    if not names:
+        return wgsl
+    rename = {n: f"tap_b{i}" for i, n in enumerate(names)}
+    # tapml's codegen names every binding buf_*: one compiled pattern then serves every shader
+    pattern = _BUFFER_NAME if all(n.startswith("buf_") for n in names) else \
+        re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b")
+    return pattern.sub(lambda m: rename.get(m.group(1), m.group(1)), wgsl)
 
 
 def _describe(a) -> str:
@@ -120,11 +141,13 @@ class WgpuPlatform(WgslPlatform):
 
     # --- runtime hooks -------------------------------------------------------------------
     def _pipeline(self, wgsl: str, entry: str):
-        key = hashlib.sha256(f"{entry}\0{wgsl}".encode()).hexdigest()
+        # the same kernel over other buffers is the same pipeline: bindings go by index, not name
+        code = canonical_bindings(wgsl)
+        key = hashlib.sha256(f"{entry}\0{code}".encode()).hexdigest()
         pipe = self._pipelines.get(key)
         if pipe is None:
             try:
-                module = self.device.create_shader_module(code=wgsl)
+                module = self.device.create_shader_module(code=code)
                 pipe = self.device.create_compute_pipeline(layout="auto", compute={"module": module, "entry_point": entry})
             except Exception as e:  # noqa: BLE001 - a shader that does not compile is a verdict
                 raise PlatformError(f"WGSL compile failed on {self.name}: {e}\n--- shader ---\n{wgsl}") from e

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tapml.errors import TapmlError
-from tapml.verdict import (CULPRIT_KINDS, STAT_KEYS, STATUSES, MigrationState, VerdictDocument,
+from tapml.verdict import (CULPRIT_KINDS, JUDGE_KEYS, NEAR_FAILING, STAT_KEYS, STATUSES, MigrationState, VerdictDocument,
                            is_generation_document, is_precision_document, passed, read_generation_document,
                            read_precision_document, summary)
 
@@ -111,7 +111,8 @@ class StateReport:
                         "unit": c.get("unit") or "", "region": c.get("region"),
                         **_stats({"status": c["status"],
                                   **{k: c[k] if c[k] is not None else (evidence or {}).get(k) for k in STAT_KEYS}}),
-                        "worst": list((evidence or {}).get("worst") or c["worst"])})
+                        "worst": list((evidence or {}).get("worst") or c["worst"]),
+                        **{k: c.get(k) if c.get(k) is not None else (evidence or {}).get(k) for k in JUDGE_KEYS}})
         out.sort(key=lambda f: (KIND_ORDER.get(f["kind"], 9), -_sortable(f["max_abs_err"]), f["rank"]))
         blamed = {f["op"] for f in out} | {op for f in out for op in f["ops"]}
         for c in self.cases:
@@ -121,7 +122,7 @@ class StateReport:
             out.append({"culprit": not self.culprits, "rank": len(out), "kind": kind, "op": c["op"],
                         "ops": [c["op"]], "node": c["node"], "nodes": [c["node"]], "module": c["module"],
                         "status": c["status"], "message": c["message"], "unit": f"case:{c['id']}", "region": None,
-                        **{k: c[k] for k in STAT_KEYS}, "worst": c["worst"]})
+                        **{k: c[k] for k in STAT_KEYS}, "worst": c["worst"], **{k: c.get(k) for k in JUDGE_KEYS}})
         if not self.culprits:
             status_rank = {"error": 0, "mismatch": 1, "unsupported": 2}
             out.sort(key=lambda f: (status_rank.get(f["status"], 3), -_sortable(f["max_abs_err"])))
@@ -272,6 +273,18 @@ def op_speeds(cases: list[dict]) -> list[dict]:
                     "ratio": r["compared_ms"] / base if base else None})
     out.sort(key=lambda r: (-r["device_ms"], r["op"]))
     return out
+
+
+def judged(v: dict | None) -> str:
+    """How a failing or near-failing verdict (margin >= :data:`~tapml.verdict.NEAR_FAILING`) was
+    judged: its rule, bound and margin, for reports ("" for a clear pass or an unknown rule)."""
+    if not v or not v.get("rule"):
+        return ""
+    margin = v.get("margin")
+    if v.get("status") == "pass" and (margin is None or margin < NEAR_FAILING):
+        return ""
+    bound = "" if v.get("bound") is None else f", bound {v['bound']:.3g}"
+    return f"{v['rule']}{bound}" + ("" if margin is None else f", margin {margin:.3g}")
 
 
 def _worst_status(statuses: set[str]) -> str:

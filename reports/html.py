@@ -13,7 +13,7 @@ import math
 import re
 from pathlib import Path
 
-from tapml.reports.data import (MATRIX_GROUPS, STATUSES, StateReport, coverage_matrix, precision_modules,
+from tapml.reports.data import (judged, MATRIX_GROUPS, STATUSES, StateReport, coverage_matrix, precision_modules,
                                 step_error_points)
 from tapml.reports.plot import PRECISION_COLORS, STATUS_COLORS, module_error_svg, precision_svg
 
@@ -121,7 +121,7 @@ def _environment():
     import jinja2
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), autoescape=True,
                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-    env.filters.update(err=fmt_err, pct=fmt_pct, ms=fmt_ms, v=sort_value, width=bar_width)
+    env.filters.update(judged=judged, err=fmt_err, pct=fmt_pct, ms=fmt_ms, v=sort_value, width=bar_width)
     return env
 
 

@@ -73,10 +73,11 @@ def _retype_node(n: Node, low: str, to: str, name: str | None = None) -> Node:
 def as_float32(graph: Graph, dtype: str | None = None, to: str = "float32") -> Graph:
     """The float32 twin of ``graph``: every value of the low dtype ``dtype`` (default: the
     graph's own, :func:`graph_dtype`) and every ``dtype=`` argument naming it become float32
-    (``to="float64"``: the float64 anchor). Feed it the low-precision inputs upcast
-    (:func:`upcast`). A graph with no low-precision value is returned as is."""
+    (``to="float64"``: the float64 anchor; ``dtype="float32", to="float64"``: a float32
+    graph's float64 anchor). Feed it the low-precision inputs upcast (:func:`upcast`). A graph
+    with nothing to retype is returned as is."""
     low = dtype or graph_dtype(graph)
-    if low not in LOW_FLOATS:
+    if low == to or low not in (*LOW_FLOATS, "float32"):
         return graph
     return Graph(inputs=[(r, _retype_meta(m, low, to)) for r, m in graph.inputs],
                  nodes=[_retype_node(n, low, to) for n in graph.nodes], outputs=list(graph.outputs),
@@ -85,13 +86,14 @@ def as_float32(graph: Graph, dtype: str | None = None, to: str = "float32") -> G
 
 def upcast(values: dict, dtype: str | None = None, to: str = "float32") -> dict:
     """``values`` (ref -> tensor) with every tensor of a low float dtype (only ``dtype`` when
-    given) converted to float32 (or ``to``); other values as they are."""
+    given, which may be ``float32`` for a float64 anchor) converted to float32 (or ``to``);
+    other values as they are."""
     import torch
     from tapml.graph import dtype_name, torch_dtype
     out = {}
     for r, t in values.items():
-        low = isinstance(t, torch.Tensor) and dtype_name(t.dtype) in LOW_FLOATS and \
-            (dtype is None or dtype_name(t.dtype) == dtype)
+        name = isinstance(t, torch.Tensor) and dtype_name(t.dtype)
+        low = name in LOW_FLOATS and dtype is None or name == dtype != to
         out[r] = t.to(torch_dtype(to)) if low else t
     return out
 

@@ -24,7 +24,9 @@ round to Inf), then, after running the model with them in float32
 (:func:`tapml.dtypes.keep_float32`), the nodes that still overflow, until none does;
 ``keep_float32_modules`` the modules all of whose floating nodes are kept. ``end_to_end``
 compares the model's outputs on the target with the twin's, with the dtype's tolerances,
-``before`` and ``after`` keeping that list in float32.
+``before`` and ``after`` keeping that list in float32. When ``after`` fails although no op
+needed float32 (every op fits the dtype), ``cause`` names the op whose error against float64
+first exceeds the reference's own 4 times (:func:`cause`) and says it is not a precision matter.
 
 Example::
 
@@ -209,13 +211,14 @@ def _run_all(graph: Graph, platform, inputs: dict, refs: list[str]) -> dict:
 
 
 def end_to_end(graph: Graph, platform, inputs: dict, twin_outputs: dict, dtype: str,
-               tolerances: Tolerances | None = None) -> dict:
+               tolerances: Tolerances | None = None, values: dict | None = None) -> dict:
     """Run ``graph`` wholly on ``platform`` and compare its outputs with the float32 twin's
     (``twin_outputs``, by ref) with ``dtype``'s tolerances: ``{"status": pass|mismatch|error,
-    "max_abs_err", "max_rel_err", "message"}``. DeviceLost is raised."""
+    "max_abs_err", "max_rel_err", "message"}``. ``values``: the outputs of a run already made
+    (by ref), compared instead of running again. DeviceLost is raised."""
     tolerances = tolerances or Tolerances()
     try:
-        values = _run_all(graph, platform, inputs, [])
+        values = _run_all(graph, platform, inputs, []) if values is None else values
     except DeviceLost:
         raise
     except Exception as e:  # noqa: BLE001 - a run that fails is the result, not a crash
@@ -284,6 +287,7 @@ def analyze(store, platform, target_name: str, *, dtype: str | None = None, tole
     keep = {n.name for n in nodes
             if any(_unholdable(twin[r], low) for r in _float_refs(n) + [x for x in n.input_refs if x in twin])}
     rounds = 0
+    last_run: tuple[frozenset, dict] | None = None  # the keep list of the last mixed run, and its values
     while keep and rounds < MAX_ROUNDS:
         rounds += 1
         if on_round:
@@ -295,6 +299,7 @@ def analyze(store, platform, target_name: str, *, dtype: str | None = None, tole
             raise
         except Exception:  # noqa: BLE001 - the mixed model fails to run: end_to_end "after" says how
             break
+        last_run = (frozenset(keep), kept_values)
         still = {n.name for n in nodes if n.name not in keep
                  and any(_overflowed(kept_values[r], twin[r]) for r in _float_refs(n))}
         if not still:
@@ -302,13 +307,52 @@ def analyze(store, platform, target_name: str, *, dtype: str | None = None, tole
         keep |= still
     keep_list = [n.name for n in graph.nodes if n.name in keep]
     twin_outputs = {r: twin[r] for r in graph.outputs}
-    before = end_to_end(graph, platform, inputs, twin_outputs, low, tolerances)
-    after = end_to_end(keep_float32(graph, keep, low), platform, inputs, twin_outputs, low, tolerances) \
+    # the run that measured every op is the model's own run: its outputs are "before"
+    before = end_to_end(graph, platform, inputs, twin_outputs, low, tolerances, values=values)
+    reuse = last_run[1] if last_run is not None and last_run[0] == keep else None
+    after = end_to_end(keep_float32(graph, keep, low), platform, inputs, twin_outputs, low, tolerances, values=reuse) \
         if keep else dict(before)
-    return {"format_version": PRECISION_FORMAT_VERSION, "kind": "precision", "model": store.model, "dtype": low,
-            "target": target_name, "device": device, "ops": ops, "keep_float32": keep_list,
-            "keep_float32_modules": kept_modules(graph, keep), "rounds": rounds,
-            "end_to_end": {"before": before, "after": after}}
+    doc = {"format_version": PRECISION_FORMAT_VERSION, "kind": "precision", "model": store.model, "dtype": low,
+           "target": target_name, "device": device, "ops": ops, "keep_float32": keep_list,
+           "keep_float32_modules": kept_modules(graph, keep), "rounds": rounds,
+           "end_to_end": {"before": before, "after": after}}
+    if after["status"] == "mismatch" and not keep and (found := cause(ops, low)):
+        doc["cause"] = {**found, "message": cause_message(found, low, target_name)}
+    return doc
+
+
+#: An op stands out as the cause when its error against float64 exceeds this many times the
+#: low-precision reference's own (fp64-anchored judging's factor, tapml.compare.ANCHOR_FACTOR).
+CAUSE_FACTOR = 4.0
+
+
+def cause(ops: list[dict], dtype: str) -> dict | None:
+    """The op where the target's error against float64 first exceeds the low-precision
+    reference's own :data:`CAUSE_FACTOR` times (``ops``: the Precision JSON's entries, in graph
+    order), as ``{"op", "node", "module", "err_vs_fp64", "ref_err_vs_fp64", "ratio"}``; None when
+    no op does. The first, not the largest: the target runs the whole model, so a wrong op's
+    error flows into every op after it, where it may grow. The reference's error counts as at
+    least one rounding of the op's largest value (``u max|x|``), so an op the reference gets
+    exactly is not blamed for its own rounding."""
+    from tapml.compare import UNIT_ROUNDOFF
+    u = UNIT_ROUNDOFF[dtype]
+    for entry in ops:
+        err, ref = entry["err_vs_fp64"], entry["ref_err_vs_fp64"]
+        if err is None or ref is None:
+            continue
+        ratio = err / max(ref, u * (entry["max_abs"] or 0.0), 1e-30)
+        if ratio > CAUSE_FACTOR:
+            return {**{k: entry[k] for k in ("op", "node", "module", "err_vs_fp64", "ref_err_vs_fp64")},
+                    "ratio": ratio}
+    return None
+
+
+def cause_message(found: dict, dtype: str, target: str) -> str:
+    """What :func:`cause` found, said to the user: not a precision matter, and what to run."""
+    return (f"every op fits {dtype}, yet the model fails end to end: {found['op']} ({found['node']}) errs "
+            f"{found['err_vs_fp64']:.3g} against float64, {found['ratio']:.3g}x the {dtype} reference's own error "
+            f"({found['ref_err_vs_fp64']:.3g}). This is not a precision matter but a wrong result on {target}: run "
+            f"`tapml migrate STORE --target {target}` to find the op that is wrong")
 
 
 def _module_outputs(graph: Graph) -> dict[str, list[str]]:
@@ -324,6 +368,6 @@ def passed(doc: dict) -> bool:
     return doc["end_to_end"]["after"]["status"] == "pass"
 
 
-__all__ = ["analyze", "end_to_end", "floating_nodes", "kept_modules", "module_members", "resolve_keep",
+__all__ = ["analyze", "cause", "cause_message", "CAUSE_FACTOR", "end_to_end", "floating_nodes", "kept_modules", "module_members", "resolve_keep",
            "read_keep_items", "resolve_keep_float32", "passed",
            "PRECISION_FORMAT_VERSION", "MAX_ROUNDS"]

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
-from tapml.compare import (Comparison, Tolerances, compare_outputs, compare_tensor, is_random_op, is_uninitialized_op,
-                           merge)
+import torch
+
+from tapml.compare import (Comparison, Tolerances, anchored_rule, compare_outputs, compare_tensor, is_random_op,
+                           is_uninitialized_op, merge)
 from tapml.dtypes import LOW_FLOATS, as_float32, upcast
 from tapml.graph import Graph, dtype_name, run_graph
 from tapml.hybrid import HybridResult, HybridRunner, reference_values
@@ -75,14 +77,66 @@ def low_dtype(store) -> str | None:
     return dtype if dtype in LOW_FLOATS else None
 
 
-def float32_twin_values(graph: Graph, inputs: dict, refs: Iterable[str], dtype: str) -> dict:
+def float32_twin_values(graph: Graph, inputs: dict, refs: Iterable[str], dtype: str, to: str = "float32") -> dict:
     """The values at ``refs`` of ``graph``'s float32 twin run on the CPU from ``inputs`` (the
-    low-precision values at the graph's inputs, upcast here)."""
+    low-precision values at the graph's inputs, upcast here). ``dtype="float32", to="float64"``:
+    a float32 graph's float64 anchor (:func:`float64_anchor_values`)."""
     import torch
-    twin = as_float32(graph, dtype)
+    twin = as_float32(graph, dtype, to=to)
     wanted = Graph(inputs=twin.inputs, nodes=twin.nodes, outputs=list(dict.fromkeys(refs)))
     with torch.no_grad():
-        return run_graph(wanted, upcast({r: inputs[r] for r, _ in graph.inputs}, dtype))
+        return run_graph(wanted, upcast({r: inputs[r] for r, _ in graph.inputs}, dtype, to=to))
+
+
+def float64_anchor_values(graph: Graph, inputs: dict, refs: Iterable[str]) -> dict | None:
+    """The values at ``refs`` of a float32 ``graph`` recomputed in float64 from ``inputs`` (its
+    float32 values, upcast), or None where the CPU cannot run it in float64."""
+    try:
+        return float32_twin_values(graph, inputs, refs, "float32", to="float64")
+    except Exception:  # noqa: BLE001 - an op torch refuses in float64: judged by the tolerances alone
+        return None
+
+
+def judge_anchored(value, expected, anchor, tolerances: Tolerances, op: str | None, worst: int = 5,
+                   own=None) -> Comparison:
+    """A float32 ``value`` against the reference's ``expected``: within the tolerances, or no
+    further from the float64 result ``anchor`` than :data:`~tapml.compare.ANCHOR_FACTOR` times
+    the reference's own largest error plus the float32 floor (a target more accurate than the
+    reference never fails; :func:`tapml.compare.anchored_rule`), plus ``own``: the arithmetic
+    bound of the op that makes the value (:func:`producer_bound`), the rounding a correct kernel
+    adds there whatever order it sums in."""
+    rtol, atol = tolerances.get(op, dtype_name(expected.dtype))
+    rules = []
+    if expected.is_floating_point() and anchor is not None and anchor.shape == expected.shape:
+        rule = anchored_rule(expected, anchor)
+        if own is not None:
+            rule.allowed = own + rule.allowed
+            rule.why += ", plus the arithmetic bound of the op that makes it"
+        rules.append(rule)
+    return compare_tensor(value, expected, rtol, atol, worst=worst, rules=rules)
+
+
+def producer_bound(node, value_of) -> torch.Tensor | None:
+    """The arithmetic bound (:func:`tapml.compare.arithmetic_bounds`, float32) of ``node``'s first
+    output computed from its reference inputs (``value_of(ref)``) in float64; None where its op
+    is not a sum of products (:data:`~tapml.compare.DECIDED_BY_BOUND`) or the bound cannot be had."""
+    from tapml.compare import DECIDED_BY_BOUND, arithmetic_bounds
+    from tapml.graph import decode_arg, resolve_op
+    if node is None or node.op not in DECIDED_BY_BOUND:
+        return None
+
+    def wide(ref):
+        t = value_of(ref)
+        return t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+    try:
+        args = decode_arg(node.args, wide)
+        kwargs = {k: decode_arg(v, wide) for k, v in node.kwargs.items()}
+        with torch.no_grad():
+            out = resolve_op(node.op)(*args, **kwargs)
+            out = [out] if isinstance(out, torch.Tensor) else list(out)
+            return arithmetic_bounds(node.op, args, kwargs, out, "float32")[0]
+    except Exception:  # noqa: BLE001 - arguments the bound cannot read: the anchored rule alone
+        return None
 
 
 def judge_low(value, expected, dtype: str, tolerances: Tolerances, op: str | None, worst: int = 5) -> Comparison:
@@ -164,7 +218,7 @@ class RegionChecker:
             self._runners[key] = HybridRunner(self.graph.subgraph(names), self.platform)
         return self._runners[key]
 
-    def compare_ref(self, value, ref: str, worst: int = 5, expected=None) -> Comparison:
+    def compare_ref(self, value, ref: str, worst: int = 5, expected=None, anchor=None) -> Comparison:
         """Compare ``value`` with the reference's value at ``ref``, with the tolerance of the op
         that produces it (``worst``: how many of the worst elements to list). In a
         float16/bfloat16 store the reference is the float32 twin's value (``expected``, else
@@ -173,17 +227,20 @@ class RegionChecker:
         if self.low is not None:
             return judge_low(value, self.ref32[ref] if expected is None else expected, self.low, self.tolerances,
                              op, worst)
-        expected = self.ref[ref]
-        rtol, atol = self.tolerances.get(op, dtype_name(expected.dtype))
-        return compare_tensor(value, expected, rtol, atol, worst=worst)
+        own = producer_bound(self.producer[ref], self.ref.__getitem__) if anchor is not None and \
+            ref in self.producer and ref == self.producer[ref].output_refs[0] else None
+        return judge_anchored(value, self.ref[ref], anchor, self.tolerances, op, worst, own)
 
-    def compare(self, values: dict, refs: list[str], expected: dict | None = None) -> tuple[Comparison, str | None]:
+    def compare(self, values: dict, refs: list[str], expected: dict | None = None,
+                anchors: dict | None = None) -> tuple[Comparison, str | None]:
         """Compare values at ``refs`` with the reference (see :meth:`compare_ref`; ``expected``:
-        the float32 twin's values by ref, in a low-precision store); returns the merged
-        comparison and the ref of the worst failing output."""
+        the float32 twin's values by ref, in a low-precision store; ``anchors``: the float64
+        values by ref, in a float32 store); returns the merged comparison and the ref of the
+        worst failing output."""
         results, worst_ref, worst_err = [], None, -1.0
         for r in refs:
-            c = self.compare_ref(values[r], r, expected=None if expected is None else expected[r])
+            c = self.compare_ref(values[r], r, expected=None if expected is None else expected[r],
+                                 anchor=None if anchors is None else anchors.get(r))
             results.append(c)
             if not c.passed:
                 err = float("inf") if c.max_abs_err is None else c.max_abs_err
@@ -243,6 +300,12 @@ class RegionChecker:
             comparison, worst_ref = self.compare(result.values, refs, expected)
             if expected is not None and not comparison.passed:
                 comparison.message += self._reference_note(refs, expected)
+        if expected is None and not comparison.passed:  # float32: judged against float64 too
+            with measured(self.clock, "reference"):
+                anchors = float64_anchor_values(sub, inputs, refs)
+            if anchors is not None:
+                with measured(self.clock, "compare"):
+                    comparison, worst_ref = self.compare(result.values, refs, anchors=anchors)
         verdict = outcome_verdict(comparison, round(sum(r.run_ms for r in result.regions), 4))
         verdict.worst_output = worst_ref
         return verdict
@@ -300,10 +363,27 @@ def _run_and_compare(store, runner: HybridRunner, placement: dict[str, str], tol
     with measured(clock, "compare"):
         if low is None:
             c = compare_outputs([result.values[r] for r in expected], list(expected.values()), tolerances=tolerances)
+            if not c.passed:
+                c = _judge_model_anchored(runner.graph, inputs, result.values, expected, tolerances, c)
         else:
             twin = float32_twin_values(runner.graph, inputs, expected, low)
             c = merge([judge_low(result.values[r], twin[r], low, tolerances, None) for r in expected])
     return outcome_verdict(c, round(sum(r.run_ms for r in result.regions) + result.reference_ms, 4)), result
+
+
+def _judge_model_anchored(graph: Graph, inputs: dict, values: dict, expected: dict, tolerances: Tolerances,
+                          plain: Comparison) -> Comparison:
+    """A float32 model's outputs judged against float64 too (:func:`judge_anchored`, with the
+    arithmetic bound of the op that makes each output); ``plain`` where float64 cannot be had."""
+    producer = graph.producer()
+    makers = {r: producer[r] for r in expected if r in producer and producer[r].output_refs[0] == r}
+    needed = [i for n in makers.values() for i in n.input_refs]
+    anchors = float64_anchor_values(graph, inputs, list(expected) + needed)
+    if anchors is None:
+        return plain
+    value_of = {**inputs, **anchors}.__getitem__
+    return merge([judge_anchored(values[r], e, anchors[r], tolerances, None, own=producer_bound(makers.get(r), value_of))
+                  for r, e in expected.items()])
 
 
 def decode_step_inputs(store, prefill_ref: dict | None = None) -> dict:

@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from tapml.compare import Comparison, Tolerances, compare_anchored, compare_outputs, float_model_note, merge
+from tapml.compare import Comparison, Tolerances, compare_anchored, compare_outputs, compare_tensor, float_model_note, merge
 from tapml.errors import DeviceLost, PlatformError, Unsupported
 from tapml.graph import dtype_name, run_graph
 from tapml.profile import measured
@@ -113,9 +113,12 @@ def judge_case(store, case: dict, outputs: list[torch.Tensor], expected: list[to
     every float output fp64-anchored; ``False``: the tolerances; None (default): fp64-anchored
     for float16/bfloat16 outputs of a low-precision store (the reference's own rounding is the
     yardstick) and the tolerances for the rest (a float32 op is judged as in a float32 store).
+    A sum of products (:data:`~tapml.compare.DECIDED_BY_BOUND`) is decided by its arithmetic
+    bound (:mod:`tapml.compare.bounds`) unless ``--tol`` names its tolerance; any other
+    accumulating op passes an element the tolerance misses within its own bound.
     A random op (:data:`~tapml.compare.RANDOM_OPS`) is judged by distribution instead, and one
     that returns uninitialized memory (``torch.empty``) on shapes and dtypes only."""
-    from tapml.compare import RANDOM_OPS, compare_metadata, is_uninitialized_op
+    from tapml.compare import DECIDED_BY_BOUND, RANDOM_OPS, compare_metadata, is_uninitialized_op
     from tapml.dtypes import LOW_FLOATS
     if case["op"] in RANDOM_OPS:
         return _judge_random(store, case, outputs, expected)
@@ -126,14 +129,63 @@ def judge_case(store, case: dict, outputs: list[torch.Tensor], expected: list[to
         anchor = [default and dtype_name(e.dtype) in LOW_FLOATS for e in expected]
     else:
         anchor = [anchored] * len(expected)
-    if not any(anchor) or len(outputs) != len(expected):  # a count mismatch is reported as such
-        result = compare_outputs(outputs, expected, op=case["op"], tolerances=tolerances)
-    else:
-        ref64 = _reference64(store, case)
-        result = merge([compare_anchored([t], [e], [r]) if a else
-                        compare_outputs([t], [e], op=case["op"], tolerances=tolerances)
-                        for t, e, r, a in zip(outputs, expected, ref64, anchor)])
+    # a sum of products is decided by its arithmetic bound, unless --tol names its tolerance
+    overrides = (tolerances or Tolerances()).overrides
+    decided = case["op"] in DECIDED_BY_BOUND and len(outputs) == len(expected) and \
+        not any(k in overrides for k in (case["op"], case["op"].rsplit(".", 1)[0], "*"))
+    bounded = arithmetic_rules(store, case, expected) if decided else None
+    if bounded is None:
+        if not any(anchor) or len(outputs) != len(expected):  # a count mismatch is reported as such
+            result = compare_outputs(outputs, expected, op=case["op"], tolerances=tolerances)
+        else:
+            ref64 = _reference64(store, case)
+            result = merge([compare_anchored([t], [e], [r]) if a else
+                            compare_outputs([t], [e], op=case["op"], tolerances=tolerances)
+                            for t, e, r, a in zip(outputs, expected, ref64, anchor)])
+        if not result.passed and len(outputs) == len(expected) and not decided:
+            bounded = arithmetic_rules(store, case, expected)  # a further way to pass, found only when needed
+    if bounded is not None:
+        ref64, rules = bounded
+        result = merge([compare_anchored([t], [e], [r], rules=[rs]) if a else
+                        compare_tensor(t, e, *tolerances_for(tolerances, case["op"], e), rules=rs,
+                                       fast=None if decided and rs else "tolerance")
+                        for t, e, r, a, rs in zip(outputs, expected, ref64, anchor, rules)])
     return _allow_tie_order(store, case, outputs, expected, result)
+
+
+def tolerances_for(tolerances: Tolerances | None, op: str, expected: torch.Tensor) -> tuple[float, float]:
+    """``(rtol, atol)`` for an output of ``op`` shaped as ``expected``."""
+    return (tolerances or Tolerances()).get(op, dtype_name(expected.dtype))
+
+
+def arithmetic_rules(store, case: dict, expected: list[torch.Tensor]) -> tuple[list, list[list]] | None:
+    """``(float64 outputs, rules)`` of an accumulating case (:func:`tapml.compare.accumulates`):
+    per output, the arithmetic :class:`~tapml.compare.Rule` (the error a correct kernel's
+    rounding can make against float64, :mod:`tapml.compare.bounds`), [] for an output with
+    none; None for a case with no bound."""
+    from tapml.compare import Rule, accumulates, arithmetic_bounds
+    from tapml.dtypes import as_float32
+    from tapml.graph import decode_arg
+    floats = [dtype_name(e.dtype) for e in expected if e.is_floating_point()]
+    if not accumulates(case["op"]) or not floats:
+        return None
+    graph = as_float32(store.case_graph(case), store_dtype(store), to="float64")
+    if len(graph.nodes) != 1:
+        return None
+    env = {r: (t.double() if t.is_floating_point() else t) for (r, _), t in zip(graph.inputs, store.case_inputs(case))}
+    node = graph.nodes[0]
+    args = decode_arg(node.args, env.__getitem__)
+    kwargs = {k: decode_arg(v, env.__getitem__) for k, v in node.kwargs.items()}
+    ref64 = _reference64(store, case)
+    try:
+        bounds = arithmetic_bounds(case["op"], args, kwargs, ref64, floats[0])
+    except (RuntimeError, ValueError, TypeError, IndexError):  # arguments the bound cannot read: no bound
+        return None
+    if bounds is None:
+        return None
+    rules = [[Rule("arithmetic", r, b, f"c(n) u sum|terms| in {floats[0]}")] if b is not None
+             and e.is_floating_point() else [] for r, b, e in zip(ref64, bounds, expected)]
+    return (ref64, rules) if any(rules) else None
 
 
 def _judge_random(store, case: dict, outputs, expected) -> Comparison:

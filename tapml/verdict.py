@@ -40,6 +40,14 @@ STATE_FORMAT = "tapml-migration/1"
 #: apart from ``mismatch`` (a wrong but repeatable result).
 STATUSES = ("pass", "mismatch", "unsupported", "error", "flaky")
 STAT_KEYS = ("max_abs_err", "max_rel_err", "mismatch_fraction")
+#: The rules a comparison is decided by (tapml.compare.RULES): exact, the tolerances,
+#: fp64-anchored, or the arithmetic bound of an accumulating op.
+RULES = ("exact", "tolerance", "fp64-anchored", "arithmetic")
+#: What a verdict says of how it was judged: the rule, its bound and the margin (written when known).
+JUDGE_KEYS = ("rule", "bound", "margin")
+#: A margin (error over bound) at or above this is near-failing: reports show its rule and bound
+#: as they do a failure's.
+NEAR_FAILING = 0.5
 #: How a profiled case's ``device_ms`` was taken (tapml.profile): GPU timestamps or the host clock.
 TIMINGS = ("timestamp", "wall")
 #: Kinds of culprit, in the order reports list them: a wrong op (alone), a wrong node (in its
@@ -74,6 +82,11 @@ class Verdict:
     time_ms: float | None = None
     worst: list[dict] = field(default_factory=list)
     worst_output: str | None = None
+    #: Which rule of :data:`RULES` decided, the error it allowed at the element nearest to (or
+    #: furthest past) its bound, and that element's error over it (> 1 fails); None: not known.
+    rule: str | None = None
+    bound: float | None = None
+    margin: float | None = None
 
     def outcome(self) -> dict:
         """The verdict's own fields as keyword arguments (for a :class:`CaseVerdict` or
@@ -86,6 +99,7 @@ class Verdict:
                "worst": [dict(w) for w in self.worst]}
         if self.worst_output is not None:
             out["worst_output"] = self.worst_output
+        out.update({k: getattr(self, k) for k in JUDGE_KEYS if getattr(self, k) is not None})
         return out
 
     @classmethod
@@ -95,7 +109,7 @@ class Verdict:
                 **{k: o.number(k, required=strict) for k in STAT_KEYS},
                 "message": o.string("message", "", required=strict),
                 "time_ms": o.number("time_ms", required=strict),
-                "worst": o.worst("worst"), "worst_output": o.string("worst_output", None)}
+                "worst": o.worst("worst"), "worst_output": o.string("worst_output", None), **_judged(o)}
 
     @classmethod
     def from_json(cls, data, where: str = "<verdict>", *, strict: bool = False, hint: str = "") -> "Verdict":
@@ -251,6 +265,9 @@ class Culprit:
     probes: int | None = None
     graph: str | None = None
     step: int | None = None
+    rule: str | None = None
+    bound: float | None = None
+    margin: float | None = None
 
     @classmethod
     def of(cls, kind: str, evidence: Verdict, *, op: str, ops: list[str], node: str, nodes: list[str], module: str,
@@ -260,7 +277,7 @@ class Culprit:
             raise ValueError(f"culprit kind {kind!r} is not one of {CULPRIT_KINDS}")
         return cls(kind=kind, op=op, ops=list(ops), node=node, nodes=list(nodes), module=module,
                    status=evidence.status, message=evidence.message, worst=list(evidence.worst),
-                   **{k: getattr(evidence, k) for k in STAT_KEYS}, **where)
+                   **{k: getattr(evidence, k) for k in STAT_KEYS + JUDGE_KEYS}, **where)
 
     def to_json(self) -> dict:
         out = {"kind": self.kind, "op": self.op, "ops": list(self.ops), "node": self.node, "nodes": list(self.nodes),
@@ -272,6 +289,7 @@ class Culprit:
         out.update({k: getattr(self, k) for k in ("graph", "step") if getattr(self, k) is not None})
         out.update({k: getattr(self, k) for k in STAT_KEYS})
         out.update(message=self.message, worst=[dict(w) for w in self.worst])
+        out.update({k: getattr(self, k) for k in JUDGE_KEYS if getattr(self, k) is not None})
         return out
 
     @classmethod
@@ -283,7 +301,17 @@ class Culprit:
                    status=o.choice("status", STATUSES, "mismatch"), **{k: o.number(k) for k in STAT_KEYS},
                    message=o.string("message", ""), worst=o.worst("worst"), unit=o.string("unit", None),
                    case=o.string("case", None), region=o.string("region", None), probes=o.count("probes", None),
-                   graph=o.choice("graph", GRAPH_KINDS, None), step=o.count("step", None))
+                   graph=o.choice("graph", GRAPH_KINDS, None), step=o.count("step", None),
+                   **_judged(o))
+
+
+def _judged(o: "_Obj") -> dict:
+    """The :data:`JUDGE_KEYS` of a verdict or culprit: a rule of :data:`RULES`, bound and margin >= 0."""
+    judged = {"rule": o.choice("rule", RULES, None), **{k: o.number(k) for k in ("bound", "margin")}}
+    for k in ("bound", "margin"):
+        if judged[k] is not None and judged[k] < 0:
+            o.fail(f"{k} is {judged[k]}, expected 0 or more")
+    return judged
 
 
 def culprit_kind(status: str, nodes: int, alone: bool) -> str:
@@ -328,7 +356,8 @@ def outcome_verdict(outcome: "BaseException | Comparison", time_ms: float | None
     return Verdict(status="unsupported" if unsupported else "pass" if outcome.passed else "mismatch",
                    max_abs_err=outcome.max_abs_err, max_rel_err=outcome.max_rel_err,
                    mismatch_fraction=outcome.mismatch_fraction, message=unsupported or outcome.message,
-                   time_ms=time_ms, worst=list(outcome.worst))
+                   time_ms=time_ms, worst=list(outcome.worst), rule=getattr(outcome, "rule", "") or None,
+                   bound=getattr(outcome, "bound", None), margin=getattr(outcome, "margin", None))
 
 
 def _status(v) -> str:
@@ -564,8 +593,9 @@ def read_precision_document(data, where: str = "<precision>", hint: str = "") ->
     ``headroom`` > 0, ``overflow``/``absorbed`` booleans, ``absorbed`` only where ``overflow``,
     ``err_vs_fp64``/``ref_err_vs_fp64``/``err_vs_fp32`` >= 0 or null), ``keep_float32`` (names of
     nodes in ``ops``), ``keep_float32_modules``, ``rounds`` and ``end_to_end`` (``before``/``after``:
-    ``status`` pass|mismatch|error, ``max_abs_err``, ``max_rel_err``, ``message``). TapmlError
-    naming ``where`` and the field when it is malformed."""
+    ``status`` pass|mismatch|error, ``max_abs_err``, ``max_rel_err``, ``message``), and ``cause``
+    where present (``op``, ``node`` of ``ops``, ``module``, ``err_vs_fp64``, ``ref_err_vs_fp64``,
+    ``ratio`` >= 0, ``message``). TapmlError naming ``where`` and the field when it is malformed."""
     from tapml.ops import check_op
     ctx = _Ctx(where, True, hint)
     _check_depth(data, ctx)
@@ -609,10 +639,21 @@ def read_precision_document(data, where: str = "<precision>", hint: str = "") ->
         runs[k] = {"status": r.choice("status", END_TO_END_STATUSES, required=True),
                    "max_abs_err": r.number("max_abs_err"), "max_rel_err": r.number("max_rel_err"),
                    "message": r.string("message", "") or ""}
-    return {"format_version": version, "model": o.string("model", "") or "",
-            "dtype": o.choice("dtype", PRECISION_DTYPES, required=True), "target": o.string("target", required=True),
-            "device": _device(o), "ops": ops, "keep_float32": keep, "keep_float32_modules": o.strings("keep_float32_modules"),
-            "rounds": o.count("rounds", 0), "end_to_end": runs}
+    doc = {"format_version": version, "model": o.string("model", "") or "",
+           "dtype": o.choice("dtype", PRECISION_DTYPES, required=True), "target": o.string("target", required=True),
+           "device": _device(o), "ops": ops, "keep_float32": keep, "keep_float32_modules": o.strings("keep_float32_modules"),
+           "rounds": o.count("rounds", 0), "end_to_end": runs}
+    c = o.child("cause", "the op that fails end to end ({op, node, module, err_vs_fp64, ref_err_vs_fp64, ratio, message})")
+    if c is not None:
+        node = c.string("node", required=True)
+        if node not in nodes:
+            c.fail(f"node {node[:80]!r} is not a node of ops")
+        doc["cause"] = {"op": c.string("op", required=True), "node": node, "module": c.string("module", "") or "",
+                        **{k: c.number(k, required=True) for k in ("err_vs_fp64", "ref_err_vs_fp64", "ratio")},
+                        "message": c.string("message", "") or ""}
+        if any(doc["cause"][k] < 0 for k in ("err_vs_fp64", "ref_err_vs_fp64", "ratio")):
+            c.fail("err_vs_fp64, ref_err_vs_fp64 and ratio must be 0 or more")
+    return doc
 
 
 def is_precision_document(data) -> bool:
