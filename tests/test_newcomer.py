@@ -30,3 +30,78 @@ def test_no_help_text_loses_a_bracketed_word():
                 checked += 1
                 assert word in shown, f"`tapml {' '.join(path)} --help` lost {word!r}"
     assert checked >= 10
+
+
+# --- serve, registry and the token file (items 2, 9, 14) -------------------------------------
+
+import os  # noqa: E402
+import re as _re  # noqa: E402,F401
+import signal  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+TAPML = [sys.executable, "-m", "tapml.cli"]
+
+
+def _run(*args, **kwargs):
+    return subprocess.run([*TAPML, *map(str, args)], capture_output=True, text=True, timeout=120, **kwargs)
+
+
+def test_serve_on_a_taken_port_prints_no_page_url():
+    """The browser page's URL is printed once the port is ours; a failed listen leaves no URL that leads nowhere."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        r = _run("serve", "--platform", "browser", "--no-launch", "--port", taken.getsockname()[1])
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "cannot listen" in r.stderr and "--port" in r.stderr
+    assert "http" not in r.stdout, r.stdout
+
+
+def _wait_for_line(lines, pattern, seconds=30):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for line in list(lines):
+            if _re.search(pattern, line):
+                return line
+        time.sleep(0.1)
+    raise AssertionError(f"no line matching {pattern!r} within {seconds} s in: {''.join(lines)}")
+
+
+def test_serve_register_and_the_registry_say_what_was_announced():
+    import threading
+
+    from tapml.remote.launcher import ServerProcess
+    reg = subprocess.Popen([*TAPML, "registry", "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    reg_lines: list = []
+    try:
+        reg_lines.append(reg.stdout.readline())
+        registry = _re.search(r"listening on (udp://\S+)", reg_lines[0]).group(1)
+        threading.Thread(target=lambda: reg_lines.extend(reg.stdout), daemon=True).start()
+        srv = ServerProcess(platform="reference", args=("--register", registry))
+        try:
+            line = _wait_for_line(srv.lines, "announced to the registry")
+            assert registry in line and "tapml devices --registry" in line
+            _wait_for_line(reg_lines, rf"remote://127\.0\.0\.1:{srv.port} announced itself")
+        finally:
+            assert srv.stop() == 0
+        _wait_for_line(reg_lines, rf"remote://127\.0\.0\.1:{srv.port} no longer announced")
+    finally:
+        reg.send_signal(signal.SIGTERM)
+        assert reg.wait(10) == 0
+
+
+def test_a_token_file_others_can_read_is_warned_about(tmp_path, carved):
+    token = tmp_path / "tok"
+    token.write_text("secret\n")
+    store = carved("zoo:mlp")
+    for mode, warned in ((0o644, True), (0o600, False)):
+        token.chmod(mode)
+        r = _run("replay", store, "--target", "remote://127.0.0.1:1", "--token-file", token)
+        assert r.returncode == 2, r.stderr
+        assert ("chmod 600" in r.stderr) is warned, r.stderr
+        if warned:
+            assert f"mode {mode:04o}" in r.stderr and "other users" in r.stderr
