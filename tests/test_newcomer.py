@@ -105,3 +105,24 @@ def test_a_token_file_others_can_read_is_warned_about(tmp_path, carved):
         assert ("chmod 600" in r.stderr) is warned, r.stderr
         if warned:
             assert f"mode {mode:04o}" in r.stderr and "other users" in r.stderr
+
+
+def test_a_missing_store_path_says_no_store_there(tmp_path):
+    """`tapml fleet stores/gpt2 ...` where no earlier command made stores/gpt2 (item 1)."""
+    missing = tmp_path / "stores" / "gpt2"
+    r = _run("fleet", missing, "--target", "registry://127.0.0.1:9")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"no store at {missing}" in r.stderr and "carving" not in r.stderr
+    r = _run("migrate", missing, "--target", "reference", "--state", tmp_path / "s.json")
+    assert r.returncode == 2 and f"no store at {missing}" in r.stderr, r.stderr
+
+
+def test_the_conformance_script_runs_as_the_readme_says():
+    """`scripts/conformance.py --target T --out DIR` needs the execute bit (in git too) and a shebang (item 5)."""
+    from pathlib import Path
+    script = Path(__file__).parent.parent / "scripts" / "conformance.py"
+    assert os.access(script, os.X_OK)
+    assert script.read_text().startswith("#!/usr/bin/env python")
+    staged = subprocess.run(["git", "ls-files", "-s", "scripts/conformance.py"], cwd=script.parent.parent,
+                            capture_output=True, text=True)
+    assert staged.returncode != 0 or not staged.stdout or staged.stdout.startswith("100755"), staged.stdout
