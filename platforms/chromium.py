@@ -95,7 +95,10 @@ class ChromiumProcess:
         setpriv = shutil.which("setpriv")
         if setpriv:  # SIGKILL chromium when the thread that started it (the bridge thread) dies
             cmd = [setpriv, "--pdeathsig", "KILL", "--", *cmd]
-        env = {**os.environ, "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR") or self.profile}
+        # Chromium's own temp folders (/tmp/org.chromium.Chromium.*) go inside the profile, removed with it.
+        os.mkdir(os.path.join(self.profile, "tmp"), 0o700)
+        env = {**os.environ, "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR") or self.profile,
+               "TMPDIR": os.path.join(self.profile, "tmp")}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True, env=env)

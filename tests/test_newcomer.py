@@ -6,6 +6,7 @@ import re
 import typer
 from typer.testing import CliRunner
 
+from support import headless_chromium, in_chromium
 from tapml.cli import app
 
 runner = CliRunner()
@@ -126,3 +127,49 @@ def test_the_conformance_script_runs_as_the_readme_says():
     staged = subprocess.run(["git", "ls-files", "-s", "scripts/conformance.py"], cwd=script.parent.parent,
                             capture_output=True, text=True)
     assert staged.returncode != 0 or not staged.stdout or staged.stdout.startswith("100755"), staged.stdout
+
+
+# --- the repro folder outside the venv, and from disk (item 3) --------------------------------
+
+def _repro_templates(tmp_path):
+    from importlib import resources
+
+    from tapml.repro import TEMPLATES
+    for name in TEMPLATES:
+        (tmp_path / name).write_bytes((resources.files("tapml") / "templates" / "repro" / name).read_bytes())
+    return tmp_path
+
+
+def test_repro_run_py_without_wgpu_exits_2_saying_what_to_install(tmp_path):
+    """`python run.py` with a Python that lacks wgpu/numpy (here: the venv's without its site-packages)."""
+    folder = _repro_templates(tmp_path)
+    r = subprocess.run([sys.executable, "-S", "run.py"], cwd=folder, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and "pip install wgpu numpy" in r.stderr, r.stderr
+
+
+@in_chromium
+def test_repro_page_opened_from_disk_asks_for_the_files(tmp_path):
+    """Chromium refuses a module script on a file:// page: the page must still run and offer the file picker."""
+    folder = _repro_templates(tmp_path)
+    r = headless_chromium((folder / "index.html").as_uri(), "--dump-dom")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "waiting for the repro folder" in r.stdout and 'id="pick" style="display: block;"' in r.stdout, r.stdout
+
+
+@in_chromium
+def test_chromium_leaves_no_temp_folder_behind():
+    """Chromium's /tmp/org.chromium.Chromium.* folders go inside tapml's profile, removed on close (item 15)."""
+    from pathlib import Path
+
+    from tapml.platforms.chromium import ChromiumProcess
+    browser = ChromiumProcess("about:blank")
+    try:
+        tmp = Path(browser.profile) / "tmp"
+        deadline = time.monotonic() + 30
+        while not list(tmp.glob("org.chromium.*")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert list(tmp.glob("org.chromium.*")), "Chromium made its temp folder elsewhere"
+    finally:
+        browser.close()
+    assert not Path(browser.profile).exists()
