@@ -335,8 +335,9 @@ def replay(store: str = typer.Argument(..., help="Carve store directory"),
            device_limit: Optional[List[str]] = DeviceLimitOpt, quiet: bool = QuietOpt):
     """Run every carved case of STORE on TARGET and compare with the reference. With several
     --target, every case runs on every target (one after another) and one matrix shows them.
-    With --baseline, cases more than --slower-than percent (and 0.05 ms) slower than the same
-    case of the baseline are findings (exit 1)."""
+    With --baseline, cases more than --slower-than percent (and 0.5 ms) slower than the same
+    case of the baseline, in repeated timings beside control cases with a sign test's confidence,
+    are findings (exit 1)."""
     from tapml.compare import Tolerances
     from tapml.replay import replay as replay_store
     from tapml.targets import open_target, read_tokens
@@ -387,6 +388,8 @@ def replay(store: str = typer.Argument(..., help="Carve store directory"),
         if runs:
             render_speed(result, slower, baseline, slower_than, quiet)
         render_verdicts(result, quiet)
+        if old is not None:
+            render_speed_verdict(result, slower, slower_than)
     passed = result["summary"]["pass"] == len(result["cases"])
     raise typer.Exit(EXIT_OK if passed and not slower else EXIT_FINDING)
 
@@ -417,13 +420,28 @@ def render_speed(result: dict, slower: list[dict], baseline: Optional[str], slow
         for f in slower[:50]:
             table.add_row(f["id"], f["op"], f"{f['baseline_ms']:.4f}", f"{f['device_ms']:.4f}", f"[red]{f['ratio']:.2f}x[/]")
         out.print(table)
-    if baseline:
-        color = "red" if slower else "green"
-        drift = result.get("drift") or 1.0
-        note = (f" (every case ran {drift:.2f}x the baseline's time: a loaded machine, or a change that slows all "
-                "alike; cases are judged against that)") if drift > 1 + slower_than / 100 else ""
-        out.print(f"[{color}]{len(slower)} slower[/] than the baseline by more than {slower_than:g}%{note}",
-                  highlight=False)
+
+
+def render_speed_verdict(result: dict, slower: list[dict], slower_than: float) -> None:
+    """The last line of a replay against a baseline: how many cases are slower, how sure that is,
+    and that an exit 1 from it is about speed, not values."""
+    check = result.get("speed_check") or {}
+    drift = result.get("drift") or 1.0
+    rule = (f"by more than {slower_than:g}% and {check.get('min_diff_ms', 0):g} ms, in {check.get('rounds', 0)} "
+            f"more rounds of timings beside control cases (sign test p <= {check.get('max_p', 0):g})")
+    note = (f"; every case ran {drift:.2f}x the baseline's time (a loaded machine, or a change that slows all alike): "
+            "cases are judged against that") if drift > 1 + slower_than / 100 else ""
+    if slower:
+        worst = slower[0]
+        out.print(f"[red]{len(slower)} slower[/] than the baseline {rule}; the worst {worst['op']} "
+                  f"{worst['ratio']:.2f}x (p = {worst['p_value']:g}){note}. Exit 1 is about speed: "
+                  + ("the values of every case pass" if result["summary"]["pass"] == len(result["cases"])
+                     else "values are judged above"), highlight=False, soft_wrap=True)
+    else:
+        cleared = check.get("suspects", 0)
+        out.print(f"[green]0 slower[/] than the baseline {rule}"
+                  + (f"; {cleared} case(s) looked slower at first and were cleared by the repeated timings"
+                     if cleared else "") + note, highlight=False, soft_wrap=True)
 
 
 def _num(x, spec: str = ".3g") -> str:
