@@ -173,3 +173,16 @@ def test_chromium_leaves_no_temp_folder_behind():
     finally:
         browser.close()
     assert not Path(browser.profile).exists()
+
+
+def test_migrate_resume_says_what_the_journal_supplied(carved, tmp_path):
+    """`migrate --resume` printed what a fresh run prints (item 8)."""
+    store, state = carved("zoo:mlp"), tmp_path / "s.json"
+    r = runner.invoke(app, ["migrate", str(store), "--target", "reference", "--state", str(state)])
+    assert r.exit_code == 0, r.output
+    assert "resumed" not in r.output
+    r = runner.invoke(app, ["migrate", str(store), "--target", "reference", "--state", str(state), "--resume"])
+    assert r.exit_code == 0, r.output
+    assert _re.search(r"op stage: (\d+) to check \(\1 already in the journal\)", r.output), r.output
+    m = _re.search(r"resumed on reference: (\d+) verdicts from \S+s\.json\.journal, 0 checked now", r.output)
+    assert m and int(m.group(1)) > 10, r.output

@@ -64,7 +64,8 @@ class MigrationDisplay:
                 self.progress.update(self.task, visible=False)
             self.task = self.progress.add_task(f"{data['stage']} stage", total=data["total"], label="")
             if not self.live_mode and not self.quiet:
-                console.print(f"{data['stage']} stage: {data['total']} to check", highlight=False)
+                journaled = f" ({data['journaled']} already in the journal)" if data.get("journaled") else ""
+                console.print(f"{data['stage']} stage: {data['total']} to check{journaled}", highlight=False)
         elif kind == "step":
             if data["stage"] == "bisect":
                 self.progress.update(self.task, label=f"bisect {data['label']}")
@@ -133,6 +134,20 @@ def render_state(state: dict, quiet: bool = False) -> None:
     verdict = "[green]migrated: everything passed[/]" if state["passed"] else \
         f"[red]{len(culprits)} finding(s)[/]" + ("" if matches else "; the model does not match end to end")
     out.print(verdict, highlight=False)
+
+
+def render_resumed(migration, target: str) -> None:
+    """What ``--resume`` owed to the journal and what it checked now."""
+    from rich.markup import escape
+
+    from tapml.journal import journal_path
+    journal = escape(str(journal_path(migration.state_path)))
+    if not migration.reused:
+        out.print(f"resumed on {escape(target)}: nothing usable in {journal}; all {migration.checked} verdicts "
+                  "checked now", highlight=False, soft_wrap=True)
+    else:
+        out.print(f"resumed on {escape(target)}: {migration.reused} verdicts from {journal}, {migration.checked} "
+                  "checked now", highlight=False, soft_wrap=True)
 
 
 def dtype_placement_line(precision: dict | None) -> str:
@@ -212,9 +227,12 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
             with open_target(t, token=token, inject=faults, limits=limits_for(t, limits)) as platform:
                 run_preflight(store, platform, t, quiet=quiet)
                 with MigrationDisplay(f"migrating {store.model} to {t} ({paths[t]})", quiet) as display:
-                    results[t] = Migration(store, platform, t, paths[t], tolerances=tolerances, inject=faults,
-                                           resume=resume, on_event=display.event, store_path=str(store_path),
-                                           keep_float32=keep).run()
+                    migration = Migration(store, platform, t, paths[t], tolerances=tolerances, inject=faults,
+                                          resume=resume, on_event=display.event, store_path=str(store_path),
+                                          keep_float32=keep)
+                    results[t] = migration.run()
+                if resume:
+                    render_resumed(migration, t)
         def render_target(doc: dict) -> None:
             from rich.markup import escape
             out.print(f"[bold]{escape(doc['target'])}[/] ({escape(paths[doc['target']])})", highlight=False)
@@ -225,8 +243,12 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
     with open_target(target, token=token, inject=inject, limits=limits_for(target, limits)) as platform:
         run_preflight(store, platform, target, quiet=quiet)
         with MigrationDisplay(f"migrating {store.model} to {target}", quiet) as display:
-            result = Migration(store, platform, target, state, tolerances=tolerances, inject=inject, resume=resume,
-                               on_event=display.event, store_path=str(store_path), keep_float32=keep).run()
+            migration = Migration(store, platform, target, state, tolerances=tolerances, inject=inject,
+                                  resume=resume, on_event=display.event, store_path=str(store_path),
+                                  keep_float32=keep)
+            result = migration.run()
+    if resume:
+        render_resumed(migration, target)
     if json_out:
         write_json(result, json_out)
     if json_out != "-":
