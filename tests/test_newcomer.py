@@ -6,7 +6,8 @@ import re
 import typer
 from typer.testing import CliRunner
 
-from support import headless_chromium, in_chromium
+import pytest
+from support import headless_chromium, in_chromium, vulkan_or_skip
 from tapml.cli import app
 
 runner = CliRunner()
@@ -186,3 +187,14 @@ def test_migrate_resume_says_what_the_journal_supplied(carved, tmp_path):
     assert _re.search(r"op stage: (\d+) to check \(\1 already in the journal\)", r.output), r.output
     m = _re.search(r"resumed on reference: (\d+) verdicts from \S+s\.json\.journal, 0 checked now", r.output)
     assert m and int(m.group(1)) > 10, r.output
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+def test_replay_repeat_and_guards_say_what_they_checked(carved):
+    """`replay --repeat 20 --guards` printed only the plain replay line (item 9)."""
+    vulkan_or_skip()
+    r = runner.invoke(app, ["replay", str(carved("zoo:mlp")), "--target", "wgpu:vulkan", "--repeat", "3", "--guards"])
+    assert r.exit_code == 0, r.output
+    assert "0 flaky of 10 cases run 3 times each" in r.output, r.output
+    assert "0 out-of-bounds of 10 cases run with guards" in r.output, r.output

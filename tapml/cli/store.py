@@ -240,6 +240,19 @@ def render_verdicts(result: dict, quiet: bool = False) -> None:
                   + (f"; the device holds {dtype} as {how}" if how else ""), highlight=False)
 
 
+def render_run_checks(result: dict, repeat: int, guards: bool) -> None:
+    """What ``--repeat K`` and ``--guards`` checked and found, below the summary line."""
+    cases = result["cases"]
+    if repeat > 1:
+        flaky = sum(v["status"] == "flaky" for v in cases)
+        out.print(f"[{'magenta' if flaky else 'green'}]{flaky} flaky[/] of {len(cases)} cases run {repeat} times each "
+                  "(flaky: outputs not bit-identical run to run)", highlight=False, soft_wrap=True)
+    if guards:
+        past = sum(v["status"] == "error" and "wrote past buffer" in (v["message"] or "") for v in cases)
+        out.print(f"[{'red' if past else 'green'}]{past} out-of-bounds[/] of {len(cases)} cases run with guards "
+                  "(a sentinel after every buffer a kernel writes)", highlight=False, soft_wrap=True)
+
+
 def render_flaky(flaky: list[dict], most: int = 5) -> None:
     """Each flaky case's report: how many runs differed, the pattern and map of what varied."""
     from rich.markup import escape
@@ -305,8 +318,10 @@ def replay_matrix(store, targets: list[str], *, token, inject, json_out, quiet, 
                                   on_case=lambda v: bar.advance(current["task"]), limits=limits,
                                   preflight=lambda report: show_preflight(report, quiet, with_target=True), **options)
     # The matrix shows what failed where; each target adds its summary line.
-    raise typer.Exit(render_matrix_run(verdicts, by_case, all_rows, quiet, json_out,
-                                       lambda doc: render_verdicts(doc, quiet=True)))
+    def render_target(doc: dict) -> None:
+        render_verdicts(doc, quiet=True)
+        render_run_checks(doc, options.get("repeat", 1), options.get("guards", False))
+    raise typer.Exit(render_matrix_run(verdicts, by_case, all_rows, quiet, json_out, render_target))
 
 
 @app.command(short_help="Run every carved case on one or more targets and compare with the reference.")
@@ -388,6 +403,7 @@ def replay(store: str = typer.Argument(..., help="Carve store directory"),
         if runs:
             render_speed(result, slower, baseline, slower_than, quiet)
         render_verdicts(result, quiet)
+        render_run_checks(result, repeat, guards)
         if old is not None:
             render_speed_verdict(result, slower, slower_than)
     passed = result["summary"]["pass"] == len(result["cases"])
