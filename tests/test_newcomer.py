@@ -1,6 +1,7 @@
 """Issue #29, the README walked as a newcomer: what a new user meets on the way, one test per item
 (the README itself runs in tests/test_readme.py)."""
 
+import json
 import re
 
 import typer
@@ -198,3 +199,31 @@ def test_replay_repeat_and_guards_say_what_they_checked(carved):
     assert r.exit_code == 0, r.output
     assert "0 flaky of 10 cases run 3 times each" in r.output, r.output
     assert "0 out-of-bounds of 10 cases run with guards" in r.output, r.output
+
+
+def test_bench_says_what_missed_goals_a_missing_transport_and_the_tile_cache_mean(tmp_path):
+    """`bench` exited 0 with goals shown as missed and nothing saying only --check fails on them;
+    `transport` was null with no word why; the tuned tiles were written silently (item 7). The
+    report is shaped as tapml.bench.run_suite makes it (a whole run takes minutes)."""
+    from tapml.bench import GOALS
+    from tapml.cli.bench import render_suite_notes
+    from tapml.cli.common import out
+    from tapml.platforms.wgsl.matmul import cache_path
+    goals = {k: {"goal": f"{op} {bound:g}", "value": 0.0, "met": k != "migrate_max_s"} for k, (op, bound) in GOALS.items()}
+    report = {"goals": goals, "transport": None, "autotune": {"cache": str(cache_path())}}
+    for check in (False, True):
+        with out.capture() as shown:
+            render_suite_notes(report, check)
+        text = " ".join(shown.get().split())
+        assert f"saved to {cache_path()}: every later compile on this device uses them" in text
+        assert "transport: not measured: only a remote://HOST:PORT target has one" in text
+        assert ("1 goal(s) missed (migrate_max_s)" in text and
+                ("exit 1 (--check)" if check else "add --check to exit 1 on a missed goal") in text), text
+
+
+@pytest.mark.slow
+def test_bench_scale_prints_the_verdict_it_timed(tmp_path):
+    """`bench scale` is titled "time to a verdict": it prints the verdict (item 9)."""
+    r = _run("bench", "scale", "--target", "reference", "--model", "zoo:mlp", env={**os.environ, "COLUMNS": "200"})
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    assert _re.search(r"verdict: migrated, everything passed on reference in [\d.]+ s \(100\.0% of ops", r.stdout), r.stdout
