@@ -227,3 +227,36 @@ def test_bench_scale_prints_the_verdict_it_timed(tmp_path):
     r = _run("bench", "scale", "--target", "reference", "--model", "zoo:mlp", env={**os.environ, "COLUMNS": "200"})
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
     assert _re.search(r"verdict: migrated, everything passed on reference in [\d.]+ s \(100\.0% of ops", r.stdout), r.stdout
+
+
+# --- 80 columns (item 12) -----------------------------------------------------------------------
+
+def _at_80(*args):
+    return _run(*args, env={**os.environ, "COLUMNS": "80"})
+
+
+def test_tables_never_cut_an_op_name_at_80_columns(carved, tmp_path):
+    from tapml.carving.store import CarveStore
+    store = carved("zoo:tiny-llama")
+    ops = {c["op"] for c in CarveStore(store).cases}
+    r = _at_80("inspect", store)
+    assert r.returncode == 0, r.stderr
+    assert all(op in r.stdout for op in ops), sorted(op for op in ops if op not in r.stdout)
+    assert max(map(len, r.stdout.splitlines())) <= 80
+    mlp = carved("zoo:mlp")
+    r = _at_80("replay", mlp, "--inject", "aten.addmm.default=scale:1.5", "--inject", "aten.relu.default=offset:1")
+    assert r.returncode == 1, r.stderr
+    assert "aten.addmm.default" in r.stdout and "aten.relu.default" in r.stdout, r.stdout
+    assert "rtol=0.001 atol=0.0001" in " ".join(r.stdout.split()), r.stdout  # a tolerance keeps its words whole
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+def test_preflight_at_80_columns_keeps_op_names_and_binary_units(carved):
+    """`inspect --device-limit ...=4KiB` showed a 4 KiB binding as `4.1 kB`: over the limit at a glance."""
+    vulkan_or_skip()
+    r = _at_80("inspect", carved("zoo:tiny-llama"), "--target", "wgpu:vulkan", "--device-limit",
+               "max-storage-buffer-binding-size=4KiB")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "aten.embedding.default" in r.stdout and "aten.scalar_tensor.default" in r.stdout, r.stdout
+    assert " kB" not in r.stdout and " MB" not in r.stdout and "4 KiB" in r.stdout, r.stdout

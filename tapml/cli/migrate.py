@@ -9,7 +9,7 @@ import typer
 from tapml.cli.common import (DeviceLimitOpt, DtypeOpt, InjectOpt, JsonOpt, KeepFloat32Opt, QuietOpt, TokenFileOpt,
                               TokenMapOpt, TolOpt, app, check_dtype, command, console, fail, out, write_json)
 from tapml.cli.store import check_device_limits, check_targets, limits_for, render_matrix_run, run_preflight
-from tapml.render import fmt_err
+from tapml.render import fmt_err, keep_names_whole
 
 HfConfigOpt = typer.Option(None, "--hf-config", help="KEY=VALUE config override when MODEL is an hf: spec to carve "
                                                     "(repeatable)")
@@ -54,6 +54,7 @@ class MigrationDisplay:
                 table.add_column(col, overflow="fold")
             for f in self.findings[-8:]:
                 table.add_row(f["kind"], f["op"], f["node"], f["module"], fmt_err(f["max_abs_err"]))
+            keep_names_whole(table)
             parts.append(table)
         return Group(*parts)
 
@@ -104,6 +105,7 @@ def render_state(state: dict, quiet: bool = False) -> None:
                 if graphs else ()
             table.add_row(*where, c["kind"], c["op"], nodes, c["module"] or "<root>", fmt_err(c["max_abs_err"]),
                           fmt_err(c["max_rel_err"]), frac, *(((c["message"] or "")[:120],) if wide else ()))
+        keep_names_whole(table)
         out.print(table)
     s = state["summary"]
     total = sum(s.values())

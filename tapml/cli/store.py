@@ -10,6 +10,7 @@ import typer
 from tapml.cli.common import (EXIT_FINDING, EXIT_OK, DeviceLimitOpt, DtypeOpt, InjectOpt, JsonOpt, QuietOpt,
                               TokenFileOpt, TokenMapOpt, TolOpt, app, check_dtype, command, console, fail, open_store,
                               out, parse_device_limits, progress_bar, write_json)
+from tapml.render import keep_names_whole
 
 
 @app.command(short_help="Run MODEL on the reference and record every operator call as a test case (--generate N: a generation).")
@@ -44,9 +45,10 @@ def carve(model: str = typer.Argument(..., help="zoo:NAME, hf:MODEL_TYPE, path/f
                            on_start=lambda n: bar.update(task, total=n), on_node=lambda _: bar.advance(task))
     if json_out:
         write_json({"model": model, "store": str(Path(output).resolve()), "dtype": dtype, **info}, json_out)
+    from tapml.preflight import format_bytes
     in_dtype = "" if dtype == "float32" else f" in {dtype}"
     console.print(f"carved [bold]{model}[/]{in_dtype} -> {output}: {info['nodes']} nodes, {info['cases']} cases, "
-                  f"{info['ops']} ops, {info['bytes'] / 1e6:.1f} MB "
+                  f"{info['ops']} ops, {format_bytes(info['bytes'])} "
                   f"(export {info['export_s']:.1f}s, carve {info['carve_s']:.1f}s)", highlight=False)
 
 
@@ -64,10 +66,11 @@ def carve_generation_command(model: str, output: str, *, tokens: int, prompt_len
                                 hf_config=hf_config or None, on_step=lambda _: bar.advance(task), dtype=dtype)
     if json_out:
         write_json({"model": model, "store": str(Path(output).resolve()), "dtype": dtype, **info}, json_out)
+    from tapml.preflight import format_bytes
     in_dtype = "" if dtype == "float32" else f" in {dtype}"
     console.print(f"carved a generation of [bold]{model}[/]{in_dtype} -> {output}: {info['steps']} steps (prefill + {tokens} "
                   f"decode), {info['nodes']} prefill and {info['decode_nodes']} decode nodes, {info['cases']} cases, "
-                  f"{info['bytes'] / 1e6:.1f} MB (export {info['export_s']:.1f}s, carve {info['carve_s']:.1f}s)",
+                  f"{format_bytes(info['bytes'])} (export {info['export_s']:.1f}s, carve {info['carve_s']:.1f}s)",
                   highlight=False)
 
 
@@ -113,6 +116,7 @@ def inspect(store: str = typer.Argument(..., help="Carve store directory"), json
     for r in rows:
         shapes = "; ".join(r["shapes"][:3]) + (f" (+{len(r['shapes']) - 3})" if len(r["shapes"]) > 3 else "")
         table.add_row(r["op"], str(r["cases"]), str(r["instances"]), shapes, ",".join(sorted(r["dtypes"])))
+    keep_names_whole(table)
     out.print(table)
 
 
@@ -199,6 +203,7 @@ def inspect_target(s, store: str, target: str, *, limits: dict, token_file, toke
                                        [f"[yellow]unsupported:[/] {escape(u['reason'])}" for u in j["unsupported"][:2]] +
                                        [f"[red]error:[/] {escape(e['reason'][:160])}" for e in j["errors"][:2]]))
             table.add_row(*cells)
+        keep_names_whole(table)
         out.print(table)
     summary = report.summary()
     line = report.summary_line() or "preflight: nothing split, nothing over a device limit"
@@ -215,15 +220,21 @@ def render_verdicts(result: dict, quiet: bool = False) -> None:
     from rich.table import Table
     bad = [v for v in result["cases"] if v["status"] != "pass"]
     if bad and not quiet:
+        from rich.markup import escape
         table = Table(title=f"cases that did not pass on {result['target']}")
-        for col in ("id", "op", "node", "module", "status", "max_abs_err", "message"):
-            table.add_column(col, overflow="fold")
+        wide = out.width >= 140  # on narrow terminals (CI logs, pipes) messages go below the table, whole
+        for col in ("id", "op", "node", "module", "status", "max_abs_err") + (("message",) if wide else ()):
+            table.add_column(col, overflow="fold", min_width=len(col) if col == "max_abs_err" else None)
         style = {"mismatch": "red", "error": "bold red", "unsupported": "yellow", "flaky": "magenta"}
         for v in bad[:50]:
             err = "" if v["max_abs_err"] is None else f"{v['max_abs_err']:.3g}"
             table.add_row(v["id"], v["op"], v["node"], v["module"], f"[{style.get(v['status'], 'magenta')}]{v['status']}[/]",
-                          err, v["message"].split("\n")[0][:160])
+                          err, *((escape(v["message"].split("\n")[0][:160]),) if wide else ()))
+        keep_names_whole(table, ("id", "op"))
         out.print(table)
+        for v in [v for v in bad[:50] if v["status"] != "flaky"] if not wide else ():  # flaky: render_flaky's map
+            out.print(f"{escape(v['id'])} {escape(v['op'])}: {escape(v['message'].split(chr(10))[0][:300])}",
+                      highlight=False, soft_wrap=True)
         if len(bad) > 50:
             out.print(f"... and {len(bad) - 50} more (see --json)")
         render_flaky([v for v in bad if v["status"] == "flaky"])
@@ -428,6 +439,7 @@ def render_speed(result: dict, slower: list[dict], baseline: Optional[str], slow
             if baseline:
                 cells += [_num(r["baseline_ms"], ".4f"), _num(r["ratio"], ".2f")]
             table.add_row(*cells)
+        keep_names_whole(table)
         out.print(table)
     if slower and not quiet:
         table = Table(title=f"cases more than {slower_than:g}% slower than {escape(baseline or '')}")
@@ -435,6 +447,7 @@ def render_speed(result: dict, slower: list[dict], baseline: Optional[str], slow
             table.add_column(col, justify="left" if col in ("id", "op") else "right")
         for f in slower[:50]:
             table.add_row(f["id"], f["op"], f"{f['baseline_ms']:.4f}", f"{f['device_ms']:.4f}", f"[red]{f['ratio']:.2f}x[/]")
+        keep_names_whole(table, ("id", "op"))
         out.print(table)
 
 
