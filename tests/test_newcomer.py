@@ -260,3 +260,15 @@ def test_preflight_at_80_columns_keeps_op_names_and_binary_units(carved):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "aten.embedding.default" in r.stdout and "aten.scalar_tensor.default" in r.stdout, r.stdout
     assert " kB" not in r.stdout and " MB" not in r.stdout and "4 KiB" in r.stdout, r.stdout
+
+
+def test_report_of_a_precision_analysis_says_what_it_wrote(carved, tmp_path):
+    """`report p.json` said `1 state(s), 0 culprit(s)` of a precision document (item 10)."""
+    store = carved("zoo:fp16-absorbed", dtype="float16")
+    r = runner.invoke(app, ["precision", str(store), "--target", "reference", "--json", str(tmp_path / "p.json")])
+    assert r.exit_code in (0, 1), r.output
+    r = runner.invoke(app, ["report", str(tmp_path / "p.json"), "-o", str(tmp_path / "p.html")])
+    shown = " ".join(r.output.split())
+    assert _re.search(r"wrote html report -> \S+p\.html: precision analysis of zoo:fp16-absorbed in float16 on "
+                      r"reference: \d+ ops, per op and per module along the depth, \d+ kept in float32", shown), shown
+    assert "culprit" not in shown
