@@ -272,3 +272,15 @@ def test_report_of_a_precision_analysis_says_what_it_wrote(carved, tmp_path):
     assert _re.search(r"wrote html report -> \S+p\.html: precision analysis of zoo:fp16-absorbed in float16 on "
                       r"reference: \d+ ops, per op and per module along the depth, \d+ kept in float32", shown), shown
     assert "culprit" not in shown
+
+
+def test_gen_tests_suggests_the_pytest_that_has_the_plugin(carved, tmp_path):
+    """gen-tests suggested a bare `pytest`: the system's, without -n or the tapml plugin (item 4)."""
+    import shlex
+    r = _run("gen-tests", carved("zoo:mlp"), "-o", tmp_path / "gen")
+    assert r.returncode == 0, r.stderr
+    command = r.stderr.split("run: ", 1)[1].strip()
+    assert shlex.split(command)[:3] == [sys.executable, "-m", "pytest"], command
+    ran = subprocess.run(shlex.split(command) + ["-q", "-p", "no:cacheprovider"], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
+    assert ran.returncode == 0 and "10 passed" in ran.stdout, ran.stdout[-2000:]
