@@ -284,3 +284,58 @@ def test_gen_tests_suggests_the_pytest_that_has_the_plugin(carved, tmp_path):
     ran = subprocess.run(shlex.split(command) + ["-q", "-p", "no:cacheprovider"], capture_output=True, text=True,
                          timeout=300, cwd=tmp_path)
     assert ran.returncode == 0 and "10 passed" in ran.stdout, ran.stdout[-2000:]
+
+
+# --- the HTML report as a person sees it (item 13) -----------------------------------------------
+
+LAYOUT_SCRIPT = """<script>
+window.addEventListener("load", () => {
+  const facts = {cut_tables: [], outside: [], overlapping: [], plot_widths: []};
+  document.querySelectorAll(".table-wrap").forEach((w) => {
+    if (w.scrollWidth > w.clientWidth + 1) facts.cut_tables.push(`${w.querySelector("table").id}: ${w.scrollWidth} > ${w.clientWidth}`);
+  });
+  document.querySelectorAll("svg.module-plot").forEach((svg) => {
+    const box = svg.getBoundingClientRect();
+    facts.plot_widths.push(Math.round(box.width));
+    svg.querySelectorAll("text").forEach((t) => {
+      const r = t.getBoundingClientRect();
+      if (r.right > box.right + 1 || r.bottom > box.bottom + 1 || r.left < box.left - 1 || r.top < box.top - 1)
+        facts.outside.push(t.textContent);
+    });
+    const xs = [...svg.querySelectorAll("text.xlabel")].map((t) => parseFloat(t.getAttribute("x")));
+    for (let i = 1; i < xs.length; i++)  // rotated 55 degrees: neighbours are dx * sin(55) apart across their lines
+      if ((xs[i] - xs[i - 1]) * Math.sin(55 * Math.PI / 180) < 12) facts.overlapping.push(xs[i]);
+  });
+  const pre = document.createElement("pre");
+  pre.id = "layout-facts";
+  pre.textContent = JSON.stringify(facts);
+  document.body.appendChild(pre);
+});
+</script>"""
+
+
+@pytest.mark.slow
+@in_chromium
+def test_html_report_layout_at_1280_and_1920_px(carved, tmp_path):
+    """Rotated plot labels overlapped and were cut at the right edge, the per-op table's last column was cut at
+    1280 px, and a precision plot of two modules was squeezed into 150 px of a wide panel."""
+    store = carved("zoo:tiny-gpt2")
+    state = tmp_path / "g.json"
+    r = runner.invoke(app, ["migrate", str(store), "--target", "reference", "--state", str(state),
+                            "--inject", "aten.addmm.default=scale:1.01", "-q"])
+    assert r.exit_code == 1, r.output
+    precise = carved("zoo:fp16-absorbed", dtype="float16")
+    r = runner.invoke(app, ["precision", str(precise), "--target", "reference", "--json", str(tmp_path / "p.json")])
+    assert r.exit_code in (0, 1), r.output
+    for doc in ("g", "p"):
+        assert runner.invoke(app, ["report", str(tmp_path / f"{doc}.json"), "-o", str(tmp_path / f"{doc}.html")]).exit_code in (0, 1)
+        page = tmp_path / f"{doc}-measured.html"
+        page.write_text((tmp_path / f"{doc}.html").read_text().replace("</body>", LAYOUT_SCRIPT + "</body>"))
+        for width in (1280, 1920):
+            shown = headless_chromium(page.as_uri(), "--dump-dom", f"--window-size={width},1600")
+            m = _re.search(r'<pre id="layout-facts">(.*?)</pre>', shown.stdout)
+            assert m, shown.stderr[-2000:]
+            facts = json.loads(m.group(1).replace("&quot;", '"').replace("&gt;", ">").replace("&amp;", "&"))
+            assert facts["plot_widths"], facts
+            assert not facts["cut_tables"] and not facts["outside"] and not facts["overlapping"], (doc, width, facts)
+            assert min(facts["plot_widths"]) >= 600, (doc, width, facts)
