@@ -163,3 +163,18 @@ def test_readme_runs_as_written(tmp_path, figure):
     output, failures, left = walk(tmp_path, readme_commands(README.read_text()))
     figure("README walk s", round(time.monotonic() - started, 1))
     assert not failures and not left, "\n".join(failures + [f"left behind: {x}" for x in left]) + "\n" + output[-6000:]
+
+
+def test_the_walk_fails_on_a_wrong_flag_a_traceback_and_what_is_left_behind(tmp_path):
+    """The README's own first lines, then what the walk must catch: a command given a wrong flag (the
+    README says exit 0, it exits 2), a traceback, a server never stopped, a temporary folder left."""
+    first = readme_commands(README.read_text())[:2]  # mkdir -p examples && cd examples; T=../.venv/bin/tapml
+    assert first[1][1].startswith("T=")
+    mutated = first + [(900, "$T inspect stores/llama --no-such-flag", 0, False),
+                       (901, "../.venv/bin/python -c 'raise SystemExit(0) if 0 else 1/0'", 1, False),
+                       (902, "$T registry --port 0", 0, True),
+                       (903, "mktemp -d", 0, False)]
+    output, failures, left = walk(tmp_path, mutated)
+    assert "README.md:900: exit 2, the README says 0" in failures, failures
+    assert "a traceback was printed" in failures
+    assert any("registry --port 0" in x for x in left) and any(x.startswith("temporary tmp.") for x in left), left
