@@ -83,10 +83,10 @@ def serve(platform: str = typer.Option("wgpu", "--platform", "-p", help=SERVE_PL
     def announce(bound_host: str, bound_port: int) -> None:
         adapter = "adapter: the page that opens the URL" if no_launch else device.caps().get("adapter", "?")
         shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-        print(f"tapml serve: {platform} ({adapter}) listening on {shown}:{bound_port}"
-              + (" (token required)" if token else " (no token)"), flush=True)
         if no_launch:  # only once the port is ours: a URL printed before a failed listen leads nowhere
             print(f"open {device.url} in a browser with WebGPU to attach it", flush=True)
+        print(f"tapml serve: {platform} ({adapter}) listening on {shown}:{bound_port}"
+              + (" (token required)" if token else " (no token)"), flush=True)
 
     def registered(ok: bool) -> None:
         if ok:
