@@ -197,8 +197,8 @@ def test_replay_repeat_and_guards_say_what_they_checked(carved):
     vulkan_or_skip()
     r = runner.invoke(app, ["replay", str(carved("zoo:mlp")), "--target", "wgpu:vulkan", "--repeat", "3", "--guards"])
     assert r.exit_code == 0, r.output
-    assert "0 flaky of 10 cases run 3 times each" in r.output, r.output
-    assert "0 out-of-bounds of 10 cases run with guards" in r.output, r.output
+    assert "repeat: 10 cases run 3 times each, 0 of them flaky" in r.output, r.output
+    assert "guards: 10 cases checked, 0 of them wrote out of bounds" in r.output, r.output
 
 
 def test_bench_says_what_missed_goals_a_missing_transport_and_the_tile_cache_mean(tmp_path):

@@ -256,12 +256,12 @@ def render_run_checks(result: dict, repeat: int, guards: bool) -> None:
     cases = result["cases"]
     if repeat > 1:
         flaky = sum(v["status"] == "flaky" for v in cases)
-        out.print(f"[{'magenta' if flaky else 'green'}]{flaky} flaky[/] of {len(cases)} cases run {repeat} times each "
-                  "(flaky: outputs not bit-identical run to run)", highlight=False, soft_wrap=True)
+        out.print(f"[{'magenta' if flaky else 'green'}]repeat: {len(cases)} cases run {repeat} times each, {flaky} of them "
+                  "flaky[/] (outputs not bit-identical run to run)", highlight=False, soft_wrap=True)
     if guards:
         past = sum(v["status"] == "error" and "wrote past buffer" in (v["message"] or "") for v in cases)
-        out.print(f"[{'red' if past else 'green'}]{past} out-of-bounds[/] of {len(cases)} cases run with guards "
-                  "(a sentinel after every buffer a kernel writes)", highlight=False, soft_wrap=True)
+        out.print(f"[{'red' if past else 'green'}]guards: {len(cases)} cases checked, {past} of them wrote out of "
+                  "bounds[/] (a sentinel after every buffer a kernel writes)", highlight=False, soft_wrap=True)
 
 
 def render_flaky(flaky: list[dict], most: int = 5) -> None:
