@@ -30,8 +30,9 @@ TRACEBACK = "Traceback (most recent call last)"
 
 
 def readme_commands(text: str) -> list[tuple[int, str, int, bool]]:
-    """``(line number, command, expected exit, in the background)`` of every command line of the
-    ```sh blocks between ``## Using it`` and the next level-2 heading."""
+    """``(line number, command, expected exit, background)`` of every command line of the ```sh
+    blocks between ``## Using it`` and the next level-2 heading; ``background`` is False, True for
+    ``CMD &``, or the ``NAME=$!`` of ``CMD & NAME=$!``."""
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if line.strip() == SECTION)
     commands, in_block = [], False
@@ -46,9 +47,10 @@ def readme_commands(text: str) -> list[tuple[int, str, int, bool]]:
             continue
         command, comment = split_comment(line)
         expected = re.match(r"\s*exit (\d+)\b", comment or "")
-        background = command.rstrip().endswith("&") and not command.rstrip().endswith("&&")
-        commands.append((i + 1, command.rstrip().removesuffix("&").rstrip() if background else command.rstrip(),
-                         int(expected.group(1)) if expected else 0, background))
+        background = re.fullmatch(r"(.*[^&])&(\s*[A-Z_]+=\$!)?\s*", command)  # CMD & [NAME=$!]
+        commands.append((i + 1, background.group(1).rstrip() if background else command.rstrip(),
+                         int(expected.group(1)) if expected else 0,
+                         (background.group(2) or "").strip() or True if background else False))
     return commands
 
 
@@ -80,7 +82,8 @@ def walk_script(commands, logs: Path) -> str:
         if background:
             log = logs / f"server-{line}.log"
             ready = ["listening on"] + (["announced to the registry"] if "--register" in command else [])
-            out.append(f"{command} > {shlex.quote(str(log))} 2>&1 &")
+            keep = f" {background}" if isinstance(background, str) else ""  # NAME=$!
+            out.append(f"{command} > {shlex.quote(str(log))} 2>&1 &{keep}")
             out.append(f"readme_up {shlex.quote(str(log))} {' '.join(map(shlex.quote, ready))} || "
                        f"echo {shlex.quote(f'@@FAIL README.md:{line}: the server never said {ready}')}")
             continue
@@ -148,8 +151,9 @@ def test_readme_commands_are_parsed_with_their_exit_codes():
     commands = readme_commands(README.read_text())
     assert len(commands) >= 35
     assert any(expected == 1 for _, _, expected, _ in commands)
-    assert sum(background for *_, background in commands) >= 4
+    assert sum(bool(background) for *_, background in commands) >= 4
     assert all(not c.startswith("$T serve") or background for _, c, _, background in commands)
+    assert [b for *_, b in commands if b] == ["SERVER=$!", "PAGE=$!", "REGISTRY=$!", "SERVER=$!"]
 
 
 @pytest.mark.slow

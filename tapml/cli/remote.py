@@ -145,6 +145,7 @@ def registry(host: str = typer.Option("127.0.0.1", "--host", help="Address to bi
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    server.sock.settimeout(0.5)  # a stop request is seen within 0.5 s, not only when the next announcement comes
     print(f"tapml registry listening on {mode}://{server.sock.getsockname()[0]}:{server.port}", flush=True)
     server.start()
     print("tapml registry: stopped", flush=True)
