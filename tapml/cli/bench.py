@@ -257,8 +257,9 @@ def scale(target: str = typer.Option("wgpu", "--target", "-t", help="Target to m
 
 def scale_verdict(figure: dict) -> str:
     """The verdict the scale figure timed: whether the migration passed, with its placement."""
+    from rich.markup import escape
     if figure.get("error"):
-        return f"[red]no verdict[/]: {figure['error']}"
+        return f"[red]no verdict[/]: {escape(str(figure['error']))}"
     if figure["passed"]:
         return (f"[green]verdict: migrated, everything passed[/] on {figure['target']} in {figure['wall_s']:.1f} s "
                 f"({figure['ops_share']:.1%} of ops, {figure['flops_share']:.1%} of FLOPs on the target)")
