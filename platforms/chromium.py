@@ -58,9 +58,22 @@ def _remove_stale_profiles() -> None:
             owner = int((profile / "tapml.pid").read_text())
             os.kill(owner, 0)
         except ProcessLookupError:
-            shutil.rmtree(profile, ignore_errors=True)
+            _remove_profile(str(profile))
         except (OSError, ValueError):
             pass  # not ours to judge (no pid file yet, or another user's)
+
+
+def _remove_profile(profile: str) -> None:
+    """Remove a profile and the folder Chromium made beside it in the temp dir
+    (``org.chromium.Chromium.*``, holding its singleton socket, which the profile's
+    ``SingletonSocket`` link points into); Chromium leaves that folder behind when it is killed."""
+    try:
+        folder = os.path.dirname(os.readlink(os.path.join(profile, "SingletonSocket")))
+    except OSError:
+        folder = ""
+    if os.path.basename(folder).startswith("org.chromium.") and os.path.isdir(folder):
+        shutil.rmtree(folder, ignore_errors=True)
+    shutil.rmtree(profile, ignore_errors=True)
 
 
 def _write_start_file(profile: str, url: str) -> str:
@@ -95,10 +108,7 @@ class ChromiumProcess:
         setpriv = shutil.which("setpriv")
         if setpriv:  # SIGKILL chromium when the thread that started it (the bridge thread) dies
             cmd = [setpriv, "--pdeathsig", "KILL", "--", *cmd]
-        # Chromium's own temp folders (/tmp/org.chromium.Chromium.*) go inside the profile, removed with it.
-        os.mkdir(os.path.join(self.profile, "tmp"), 0o700)
-        env = {**os.environ, "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR") or self.profile,
-               "TMPDIR": os.path.join(self.profile, "tmp")}
+        env = {**os.environ, "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR") or self.profile}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True, env=env)
@@ -162,7 +172,7 @@ class ChromiumProcess:
             self.proc.wait(timeout=1)
         except subprocess.TimeoutExpired:
             pass
-        shutil.rmtree(self.profile, ignore_errors=True)
+        _remove_profile(self.profile)
         atexit.unregister(self.close)
 
 

@@ -161,20 +161,22 @@ def test_repro_page_opened_from_disk_asks_for_the_files(tmp_path):
 
 @in_chromium
 def test_chromium_leaves_no_temp_folder_behind():
-    """Chromium's /tmp/org.chromium.Chromium.* folders go inside tapml's profile, removed on close (item 15)."""
+    """Chromium's /tmp/org.chromium.Chromium.* folder (its singleton socket, which the profile links to)
+    goes with the profile on close (item 15)."""
     from pathlib import Path
 
     from tapml.platforms.chromium import ChromiumProcess
     browser = ChromiumProcess("about:blank")
     try:
-        tmp = Path(browser.profile) / "tmp"
+        link = Path(browser.profile) / "SingletonSocket"
         deadline = time.monotonic() + 30
-        while not list(tmp.glob("org.chromium.*")) and time.monotonic() < deadline:
+        while not link.is_symlink() and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert list(tmp.glob("org.chromium.*")), "Chromium made its temp folder elsewhere"
+        folder = Path(os.readlink(link)).parent
+        assert folder.name.startswith("org.chromium.") and folder.is_dir(), folder
     finally:
         browser.close()
-    assert not Path(browser.profile).exists()
+    assert not Path(browser.profile).exists() and not folder.exists()
 
 
 def test_migrate_resume_says_what_the_journal_supplied(carved, tmp_path):

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 SECTION = "## Using it"
 TRACEBACK = "Traceback (most recent call last)"
+KEPT_BY_DESIGN = ("torchinductor_", "pytest-of-")
 
 
 def readme_commands(text: str) -> list[tuple[int, str, int, bool]]:
@@ -143,7 +144,8 @@ def walk(tmp_path: Path, commands) -> tuple[str, list[str], list[str]]:
     left = [f"process {pid}: {command_line(pid)}" for pid in marked_processes(marker)]
     for pid in marked_processes(marker):
         os.kill(pid, signal.SIGKILL)
-    left += [f"temporary {p.name}" for p in tmp.iterdir()]
+    # torch's compile cache and pytest's last three base folders are kept on purpose by those tools
+    left += [f"temporary {p.name}" for p in tmp.iterdir() if not p.name.startswith(KEPT_BY_DESIGN)]
     return output, failures, left
 
 
