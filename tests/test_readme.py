@@ -12,9 +12,11 @@ check of its exit status; a background server's output goes to a log of its own.
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -116,9 +118,12 @@ def command_line(pid: int) -> str:
 
 def walk(tmp_path: Path, commands) -> tuple[str, list[str], list[str]]:
     """Run the walk; returns (its output, the failures found, what was left behind)."""
-    clone, logs, tmp = tmp_path / "clone", tmp_path / "logs", tmp_path / "tmp"
-    for folder in (clone, logs, tmp):
+    clone, logs = tmp_path / "clone", tmp_path / "logs"
+    for folder in (clone, logs):
         folder.mkdir()
+    # The walk's own temp dir, to see what is left in it; short, as Chromium's singleton socket path
+    # must fit a unix socket's 108 bytes (under pytest's tmp_path Chromium aborts).
+    tmp = Path(tempfile.mkdtemp(prefix="tw-"))
     (clone / ".venv").symlink_to(sys.prefix)  # the venv running the tests: `make test` runs them from .venv
     script = tmp_path / "walk.sh"
     script.write_text(walk_script(commands, logs))
@@ -146,6 +151,7 @@ def walk(tmp_path: Path, commands) -> tuple[str, list[str], list[str]]:
         os.kill(pid, signal.SIGKILL)
     # torch's compile cache and pytest's last three base folders are kept on purpose by those tools
     left += [f"temporary {p.name}" for p in tmp.iterdir() if not p.name.startswith(KEPT_BY_DESIGN)]
+    shutil.rmtree(tmp, ignore_errors=True)
     return output, failures, left
 
 
