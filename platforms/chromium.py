@@ -64,7 +64,7 @@ def _remove_stale_profiles() -> None:
                 continue  # no pid file yet, or not one tapml wrote
             os.kill(owner, 0)
         except ProcessLookupError:
-            shutil.rmtree(profile, ignore_errors=True)
+            _remove_profile(str(profile))
         except OSError:
             pass
 
@@ -84,6 +84,19 @@ def _read_pid(path: Path) -> int | None:
     finally:
         os.close(fd)
     return int(text) if text.isdigit() and 0 < int(text) < 1 << 22 else None
+
+
+def _remove_profile(profile: str) -> None:
+    """Remove a profile and the folder Chromium made beside it in the temp dir
+    (``org.chromium.Chromium.*``, holding its singleton socket, which the profile's
+    ``SingletonSocket`` link points into); Chromium leaves that folder behind when it is killed."""
+    try:
+        folder = os.path.dirname(os.readlink(os.path.join(profile, "SingletonSocket")))
+    except OSError:
+        folder = ""
+    if os.path.basename(folder).startswith("org.chromium.") and os.path.isdir(folder):
+        shutil.rmtree(folder, ignore_errors=True)
+    shutil.rmtree(profile, ignore_errors=True)
 
 
 def _write_start_file(profile: str, url: str) -> str:
@@ -182,7 +195,7 @@ class ChromiumProcess:
             self.proc.wait(timeout=1)
         except subprocess.TimeoutExpired:
             pass
-        shutil.rmtree(self.profile, ignore_errors=True)
+        _remove_profile(self.profile)
         atexit.unregister(self.close)
 
 

@@ -838,20 +838,40 @@ def registry_client(spec: str, timeout: float = 2.0):
     return UDPRegistryClient(ip=host, port=port, timeout=timeout, logger=quiet)
 
 
+def _report_registrations(registrar, on_register) -> None:
+    """Make ``registrar.register`` (called every few seconds by rpyc's announcing thread) call
+    ``on_register(ok)`` when its outcome changes, the first one included."""
+    register, last = registrar.register, []
+
+    def reporting(*args, **kwargs):
+        ok = False
+        try:
+            ok = bool(register(*args, **kwargs))
+            return ok
+        finally:
+            if last != [ok]:
+                last[:] = [ok]
+                on_register(ok)
+    registrar.register = reporting
+
+
 def serve(platform, spec: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, token: str | None = None,
           max_message: int = DEFAULT_MAX_MESSAGE, register: str | None = None, timeout: float = 300.0,
           on_listen=None, lazy_caps: bool = False, auth_timeout: float = P.AUTH_TIMEOUT_S,
-          limits: ServerLimits | None = None, on_stop=None) -> None:
+          limits: ServerLimits | None = None, on_stop=None, on_register=None) -> None:
     """Serve ``platform`` until SIGTERM/SIGINT. ``on_listen(host, port)`` runs once the port accepts.
     ``lazy_caps``: ask the platform for its caps only when a client does (a browser page that
     nobody has opened yet has none). ``limits``: what one request may cost (defaults of
     :class:`ServerLimits`). After a signal the process exits within ``STOP_GRACE_S`` seconds even
     when a device call does not return: then ``on_stop()`` runs (release the device) and the
-    process ends with ``os._exit(0)``."""
+    process ends with ``os._exit(0)``. ``on_register(ok)`` runs when an announcement to the
+    registry first succeeds and whenever it turns from answered to unanswered or back."""
     device = Device(platform, spec, max_message=max_message, timeout=timeout, limits=limits)
     if not lazy_caps:
         device.caps  # noqa: B018 - fail before listening when the device cannot say what it is
     registrar = registry_client(register) if register else None
+    if registrar is not None and on_register is not None:
+        _report_registrations(registrar, on_register)
     try:
         server = make_server(device, host, port, token, registrar, auth_timeout)
     except OSError as e:

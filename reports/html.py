@@ -117,11 +117,19 @@ def tolerance_rows(tolerances) -> list[dict]:
     return rows
 
 
+def breakable(name) -> "object":
+    """A dotted name (a module path) escaped, with a line-break opportunity after each dot: a
+    narrow column wraps it between its parts, not inside one."""
+    from markupsafe import Markup, escape
+    return Markup(".<wbr>").join(escape(part) for part in str(name or "").split("."))
+
+
 def _environment():
     import jinja2
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), autoescape=True,
                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-    env.filters.update(judged=judged, err=fmt_err, pct=fmt_pct, ms=fmt_ms, v=sort_value, width=bar_width)
+    env.filters.update(judged=judged, err=fmt_err, pct=fmt_pct, ms=fmt_ms, v=sort_value, width=bar_width,
+                       breakable=breakable)
     return env
 
 

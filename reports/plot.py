@@ -29,6 +29,27 @@ def _fmt(x: float | None) -> str:
     return f"{x:.3g}"
 
 
+#: Rotation of the x labels (degrees, down to the right), their font's average character width and
+#: line height at 11 px (px), the least distance between two labels across their lines, and the
+#: least width of the plotted area: two modules get a readable plot, not 150 px of a wide panel.
+LABEL_ANGLE, CHAR_W, LINE_H, MIN_PLOT_W = 55, 6.6, 13, 640
+
+
+def _x_layout(labels: list[str]) -> dict:
+    """Where the x labels go: ``step`` (px per module), ``every`` (label every k-th module so
+    that rotated neighbours never overlap), and the ``right`` margin and ``label_h`` that the
+    longest label needs so that none is cut at the right or bottom edge."""
+    n = max(len(labels), 1)
+    step = max(26, min(56, 1100 // n)) if n <= 60 else max(8, 1560 // n)
+    step = max(step, MIN_PLOT_W / n)
+    across = math.sin(math.radians(LABEL_ANGLE))  # distance between neighbours across the text lines, per px of step
+    every = max(1, math.ceil(LINE_H / (step * across)))
+    longest = max([len(t) for t in labels] + [1]) * CHAR_W
+    right = max(24, math.ceil(longest * math.cos(math.radians(LABEL_ANGLE))) + 12)
+    label_h = math.ceil(longest * math.sin(math.radians(LABEL_ANGLE))) + 24
+    return {"step": step, "every": every, "right": right, "label_h": label_h}
+
+
 def module_error_svg(points: list[dict], end_to_end: dict | None = None, title: str = "") -> str:
     """SVG markup for ``points`` (from :meth:`StateReport.module_errors`): ``module``,
     ``max_abs_err`` (None, a float or inf), ``status``, ``culprit``, ``ops``. ``end_to_end``
@@ -38,9 +59,10 @@ def module_error_svg(points: list[dict], end_to_end: dict | None = None, title: 
         items.append({"module": "model output", "max_abs_err": end_to_end.get("max_abs_err"),
                       "status": end_to_end.get("status") or "pass", "culprit": False, "ops": [], "e2e": True})
     n = max(len(items), 1)
-    step = max(26, min(56, 1100 // n)) if n <= 60 else max(8, 1560 // n)
-    left, right, top, plot_h, label_h = 64, 24, 28, 220, 130
-    width = left + right + step * n
+    xs = _x_layout([_short(p["module"]) for p in items])
+    step, right, label_h, label_every = xs["step"], xs["right"], xs["label_h"], xs["every"]
+    left, top, plot_h = 64, 28, 220
+    width = round(left + right + step * n)
     height = top + plot_h + label_h
     finite = [p["max_abs_err"] for p in items if p["max_abs_err"] is not None and math.isfinite(p["max_abs_err"])
               and p["max_abs_err"] > FLOOR]
@@ -83,7 +105,6 @@ def module_error_svg(points: list[dict], end_to_end: dict | None = None, title: 
                     if p["max_abs_err"] is not None and not p.get("e2e"))
     if path:
         out.append(f'<polyline class="trend" points="{path}"/>')
-    label_every = max(1, math.ceil(n / 60))
     for i, p in enumerate(items):
         x, y = x_of(i), y_of(p["max_abs_err"])
         color = STATUS_COLORS.get(p["status"], "#666")
@@ -104,12 +125,12 @@ def module_error_svg(points: list[dict], end_to_end: dict | None = None, title: 
             r = 7 if p.get("culprit") else 4.5
             out.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="{r}" fill="{color}"'
                        + (' stroke="#111" stroke-width="2"' if p.get("culprit") else "") + "/>")
-        if p.get("culprit"):
+        if p.get("culprit") and step >= 48:  # the word needs room; narrower, the band and ring mark it
             out.append(f'<text class="culprit-label" x="{x:.1f}" y="{y - 12:.1f}" text-anchor="middle">culprit</text>')
-        if i % label_every == 0 or p.get("culprit") or p.get("e2e"):
+        if (i % label_every == 0 and i <= n - 1 - label_every) or i == n - 1:  # the last one always
             ly = floor_y + 12
             out.append(f'<text class="xlabel{" culprit-text" if p.get("culprit") else ""}" x="{x:.1f}" y="{ly}" '
-                       f'transform="rotate(55 {x:.1f} {ly})">{escape(_short(p["module"]))}</text>')
+                       f'transform="rotate({LABEL_ANGLE} {x:.1f} {ly})">{escape(_short(p["module"]))}</text>')
         out.append("</g>")
     out.append("</svg>")
     return "".join(out)
@@ -127,9 +148,10 @@ def precision_svg(rows: list[dict], dtype: str, title: str = "") -> str:
     largest finite value); modules with overflowing ops are red, absorbed ones amber, modules
     holding kept ops shaded. Unbounded errors sit above the bottom panel's top."""
     n = max(len(rows), 1)
-    step = max(26, min(56, 1100 // n)) if n <= 60 else max(8, 1560 // n)
-    left, right, top, panel_h, gap, label_h = 72, 24, 24, 150, 36, 120
-    width = left + right + step * n
+    xs = _x_layout([_short(r["module"]) for r in rows])
+    step, right, label_h, label_every = xs["step"], xs["right"], xs["label_h"], xs["every"]
+    left, top, panel_h, gap = 72, 24, 150, 36
+    width = round(left + right + step * n)
     height = top + 2 * panel_h + gap + label_h
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="module-plot precision-plot" width="{width}" height="{height}" '
            f'viewBox="0 0 {width} {height}" role="img" aria-label="{escape(title or "headroom and error per module")}">']
@@ -187,8 +209,10 @@ def precision_svg(rows: list[dict], dtype: str, title: str = "") -> str:
             if y is not None:
                 out.append(f'<circle cx="{x_of(i):.1f}" cy="{y:.1f}" r="{6 if kind != "fits" else 4.5}" fill="{color}"/>')
         ly = floor_y + 12
-        out.append(f'<text class="xlabel" x="{x_of(i):.1f}" y="{ly}" transform="rotate(55 {x_of(i):.1f} {ly})">'
-                   f'{escape(_short(r["module"]))}</text></g>')
+        if (i % label_every == 0 and i <= n - 1 - label_every) or i == n - 1:  # the last one always
+            out.append(f'<text class="xlabel" x="{x_of(i):.1f}" y="{ly}" '
+                       f'transform="rotate({LABEL_ANGLE} {x_of(i):.1f} {ly})">{escape(_short(r["module"]))}</text>')
+        out.append("</g>")
     out.append("</svg>")
     return "".join(out)
 

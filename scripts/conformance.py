@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """Conformance run: torch's own operator samples (the OpInfo database of torch's test suite)
 through tapml as a user would meet them: each sample becomes a one-op model, exported with
 torch.export, carved (``tapml carve``) and replayed on a target (``tapml replay``).

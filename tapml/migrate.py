@@ -101,14 +101,16 @@ class MigrationInterrupted(TapmlError):
 class Migration:
     """One migration of a store's model to a platform, journaled beside ``state_path``.
 
-    ``on_event(kind, data)`` is called with ``("stage", {"stage", "total"})``,
+    ``on_event(kind, data)`` is called with ``("stage", {"stage", "total", "journaled"})`` (how many
+    of them a resumed journal already holds),
     ``("step", {"stage", "label", "status"})`` and ``("finding", culprit JSON)`` for live displays.
     ``keep_float32``: node names, module paths or op names to run in float32 in the region and
     model stages of a float16/bfloat16 store (:func:`tapml.precision.resolve_keep_float32`;
     TapmlError when one names nothing, or the store is float32).
     ``clock``: a :class:`tapml.profile.StageClock` given the seconds of reference runs and
     comparisons (``tapml bench`` splits a migration's time with it).
-    :meth:`run` returns the final state (the same document it writes to ``state_path``).
+    :meth:`run` returns the final state (the same document it writes to ``state_path``); then
+    ``reused`` and ``checked`` count the verdicts the journal supplied and those made in this run.
     """
 
     def __init__(self, store, platform, target: str, state_path: str | Path, *,
@@ -130,6 +132,7 @@ class Migration:
         self.keep_float32 = resolve_keep_float32(graphs, keep_float32)
         self.mixed = {kind: keep_float32_graph(g, self.keep_float32[kind]) for kind, g in graphs.items()}
         self.clock = clock
+        self.reused = self.checked = 0
         self.checker = RegionChecker(store, platform, self.tolerances, graph=self.mixed["model"], clock=clock)
         self.header = {"format": STATE_FORMAT, "model": store.model, "target": target,
                        "tolerances": self.tolerances.to_json(), "inject": self.inject,
@@ -189,6 +192,9 @@ class Migration:
     # records -------------------------------------------------------------------------------
     def _memo(self, key: str, compute: Callable[[], object]):
         record = self.journal.get(key)
+        if key != "device":  # what a resume owes to the journal and what it checked now
+            self.reused += record is not None
+            self.checked += record is None
         if record is None:
             try:
                 record = compute()
@@ -282,7 +288,8 @@ class Migration:
             cases = [c for c in self.store.cases if c.get("graph") == "decode" or c["id"] in nodes_of]
         else:
             cases = [c for c in self.store.cases if c.get("graph", "prefill") == "prefill"]
-        self._stage_event(gp, "op", len(cases))
+        self._stage_event(gp, "op", len(cases),
+                          sum(self.journal.get(f"case:{c['id']}") is not None for c in cases))
         self._spread_cases([c for c in cases if self.journal.get(f"case:{c['id']}") is None])
         done = {c.id for c in self.cases}
         for case in cases:
@@ -312,8 +319,9 @@ class Migration:
                                                                       clock=self.clock),
                on_result=journal)
 
-    def _stage_event(self, gp: GraphPass, stage: str, total: int) -> None:
-        self.on_event("stage", {"stage": f"{gp.kind} {stage}" if gp.kind == "decode" else stage, "total": total})
+    def _stage_event(self, gp: GraphPass, stage: str, total: int, journaled: int = 0) -> None:
+        self.on_event("stage", {"stage": f"{gp.kind} {stage}" if gp.kind == "decode" else stage, "total": total,
+                                "journaled": journaled})
 
     def _culprit_where(self, gp: GraphPass, case: dict | None = None) -> dict:
         """A generation culprit's ``graph`` and ``step``: the first step of its kind the case

@@ -570,8 +570,21 @@ def _load_model(spec: str, seed: int, hf_config: dict | None):
         return ep, tuple(args)
     if ".py:" in spec:
         return _load_factory(spec)
-    raise TapmlError(f"unknown model spec {spec!r}; use zoo:NAME ({', '.join(ZOO)}), hf:MODEL_TYPE, "
-                     "path/to/file.py:factory or file.pt2")
+    check_model_spec(spec)
+    raise TapmlError(f"unknown model spec {spec!r}")  # check_model_spec refuses every other form
+
+
+def check_model_spec(spec: str) -> None:
+    """Raise TapmlError (exit 2) when ``spec`` has none of the MODEL spec forms (zoo:NAME,
+    hf:MODEL_TYPE, path/to/file.py:factory, file.pt2); nothing is loaded. A spec that is no model
+    spec and names no existing folder is most likely a store path with a typo: the message says so."""
+    if spec.startswith(("zoo:", "hf:")) or spec.endswith(".pt2") or ".py:" in spec:
+        return
+    forms = f"zoo:NAME ({', '.join(ZOO)}), hf:MODEL_TYPE, path/to/file.py:factory or file.pt2"
+    if ":" not in spec and not Path(spec).exists():
+        raise TapmlError(f"no store at {spec}: that folder does not exist (carve one with `tapml carve MODEL -o "
+                         f"{spec}`), and {spec!r} is not a model spec either ({forms})")
+    raise TapmlError(f"unknown model spec {spec!r}; use {forms}")
 
 
 #: Config keys that bound a causal LM's positions, first present wins.

@@ -37,11 +37,12 @@ _SHORT_DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float6
 
 
 def format_bytes(n: int) -> str:
-    """A tensor's size in decimal units: ``262144000`` -> ``"262 MB"``, ``4096`` -> ``"4.1 kB"``."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    """A size in the binary units device limits are stated in, so that the two compare at a glance:
+    ``262144000`` -> ``"250 MiB"``, ``4096`` -> ``"4 KiB"``, ``5000`` -> ``"4.88 KiB"``."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= scale:
             value = n / scale
-            return f"{value:.0f} {unit}" if value >= 100 else f"{value:.3g} {unit}"
+            return f"{value:.0f} {unit}" if value >= 100 or n % scale == 0 else f"{value:.3g} {unit}"
     return f"{n} B"
 
 
@@ -90,7 +91,7 @@ class SplitBuffer:
         return tensor_label(self.shape, self.dtype)
 
     def describe(self) -> str:
-        """``"f32 [64000,1024] 262 MB -> 2 windows over max-storage-buffer-binding-size 128 MiB"``, or
+        """``"f32 [64000,1024] 250 MiB -> 2 windows over max-storage-buffer-binding-size 128 MiB"``, or
         for a tensor held in several buffers ``"f32 [128256,4096] 2.1 GB -> 2 buffers over
         max-buffer-size 2 GiB, 17 windows of <= 128 MiB"``."""
         if self.buffers > 1:
@@ -122,7 +123,7 @@ class LimitViolation:
     detail: str = ""
 
     def describe(self) -> str:
-        """``"kernel k0: buffer w window of 200 MB over max-storage-buffer-binding-size 128 MiB"``."""
+        """``"kernel k0: buffer w window of 191 MiB over max-storage-buffer-binding-size 128 MiB"``."""
         where = ": ".join(p for p in (self.kernel and f"kernel {self.kernel}", self.buffer and f"buffer {self.buffer}") if p)
         text = self.detail or f"{self.value} over {self.limit} {self.allowed}"
         return f"{where}: {text}" if where else text
@@ -315,7 +316,7 @@ class StorePreflight:
 
     def summary_line(self) -> str:
         """One line for before a run: ``"preflight: 3 ops split across binding windows (largest:
-        f32 [64000,1024] 262 MB in 2 windows of <= 128 MiB)"`` (``"split across buffers and binding
+        f32 [64000,1024] 250 MiB in 2 windows of <= 128 MiB)"`` (``"split across buffers and binding
         windows"`` when a tensor is over max-buffer-size, ``"in 2 buffers and 17 windows"``), plus
         ops over a limit; empty when nothing was split or over a limit."""
         parts = []

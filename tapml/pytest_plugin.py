@@ -14,7 +14,7 @@ the dashes, e.g. ``tapml_target = wgpu:vulkan``):
 ``--tapml-store DIR``        the carve store of hand-written suites
 ``--tapml-repeat K``         run each case K times; outputs that differ run to run fail it as flaky
 ``--tapml-baseline OLD.json`` a ``tapml replay --profile --json`` file: each case is also timed,
-                             and fails when it is more than 25% (and 0.05 ms) slower than there
+                             and fails when it is more than 25% (and 0.5 ms) slower than there, with confidence
 
 and these fixtures:
 
@@ -431,14 +431,9 @@ class CarvedCase:
 
     def _check_speed(self, verdict: dict) -> None:
         __tracebackhide__ = True
-        from tapml.profile import RUNS, SLOWER_THAN, profile_program, slower_cases
-
-        def remeasure(_verdict):
-            graph = self.store.case_graph(self.case)
-            program = self.platform.compile(graph)
-            return profile_program(self.platform, program, self.store.case_inputs(self.case), graph, RUNS)["device_ms"]
-
-        slower = slower_cases({"cases": [verdict]}, self.baseline, SLOWER_THAN, remeasure=remeasure)
+        from tapml.profile import SLOWER_THAN, case_times, slower_cases
+        slower = slower_cases({"cases": [verdict]}, self.baseline, SLOWER_THAN,
+                              remeasure=lambda _verdict: case_times(self.platform, self.store, self.case))
         if slower:
             s = slower[0]
             raise CaseFailure(f"{s['op']} at node {verdict['node']} (case {s['id']}) on {self.target}: "

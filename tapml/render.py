@@ -18,6 +18,18 @@ def fmt_err(x: float | None) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
+def keep_names_whole(table, headers=("op",)) -> None:
+    """Never wrap or cut the cells of the columns named ``headers`` of a rich ``table`` (op names are
+    what a user greps for): at 80 columns (CI logs, pipes) the other columns fold instead. Call it
+    once the rows are in."""
+    from rich.text import Text
+    for column in table.columns:
+        if str(column.header) in headers:
+            column.no_wrap = True
+            column.min_width = max([len(str(column.header))] +
+                                   [Text.from_markup(c).cell_len if isinstance(c, str) else 0 for c in column.cells])
+
+
 GROUP_TITLES = {"differs": "differs between targets", "fails": "fails on every target",
                 "passes": "passes on every target"}
 
@@ -61,6 +73,7 @@ def render_matrix(matrix: dict, console, all_rows: bool = False, max_rows: int |
         table.add_section()
     table.add_row("[bold]passing[/]", *([""] if by_case else []),
                   *[f"{t['pass']}/{t['total']} {what}" for t in matrix["totals"]])
+    keep_names_whole(table, (row_name,))
     console.print(table)
     if groups["passes"] and not all_rows:
         console.print(f"[green]{groups['passes']} {what} pass on every target[/]" +
@@ -94,6 +107,7 @@ def render_states(states, console, quiet: bool = False, max_rows: int = 30) -> N
                 table.add_row("[bold red]culprit[/]" if f["culprit"] else "", shown(f["kind"]), shown(f["op"]),
                               shown(f["node"]), shown(f["module"] or "<root>"),
                               f"[{style}]{shown(f['status'])}[/]", fmt_err(f["max_abs_err"]), frac)
+            keep_names_whole(table)
             console.print(table)
             if len(failures) > max_rows:
                 console.print(f"... and {len(failures) - max_rows} more (see the HTML report)")

@@ -6,6 +6,8 @@ target asked for."""
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 from tapml.errors import TapmlError
 from tapml.platforms.targets import (TARGET_HELP, TARGETS, WGPU_BACKENDS, RegistryTarget, TargetKind, check_target,
@@ -30,8 +32,20 @@ def read_token(token_file: str | None = None) -> str | None:
             raise TapmlError(f"--token-file {token_file} is not a text file holding the token") from None
         if not token:
             raise TapmlError(f"--token-file {token_file} is empty")
+        _warn_if_shared(token_file)
         return token
     return os.environ.get("TAPML_TOKEN") or None
+
+
+def _warn_if_shared(token_file: str) -> None:
+    """Warn on stderr, as ssh does for a key, when users other than the owner may read or change the token file."""
+    try:
+        mode = os.stat(token_file).st_mode & 0o777
+    except OSError:
+        return
+    if mode & 0o077:
+        print(f"warning: --token-file {token_file} has mode {mode:04o}: other users of this machine can read the "
+              f"token; make it private with `chmod 600 {token_file}`", file=sys.stderr, flush=True)
 
 
 def read_tokens(token_file: str | None = None, token_map: str | None = None):

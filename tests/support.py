@@ -364,3 +364,18 @@ def no_hang(seconds: int = 20):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def headless_chromium(url: str, *args: str, timeout: float = 90):
+    """Run the system Chromium once on ``url`` with tapml's headless flags, a fresh profile and its temp
+    folders inside it (all removed after), plus ``args`` (``--dump-dom``, ``--screenshot=PATH
+    --window-size=W,H``); returns the CompletedProcess (text)."""
+    import subprocess
+    import tempfile
+
+    from tapml.platforms.chromium import CHROMIUM_FLAGS, find_chromium
+    with tempfile.TemporaryDirectory(prefix="tapml-test-chromium-") as profile:
+        os.mkdir(os.path.join(profile, "tmp"))
+        env = {**os.environ, "TMPDIR": os.path.join(profile, "tmp")}
+        return subprocess.run([find_chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args, url],
+                              capture_output=True, text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL)

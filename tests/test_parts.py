@@ -26,7 +26,7 @@ from tapml.graph import Graph, Node, TensorMeta
 from support import LOW, in_chromium, own_wgpu, run_split_families
 
 TOKEN = "parts token"
-#: A window of 4 KiB and buffers of two windows: the tiny models' 64 kB embeddings take 8 parts.
+#: A window of 4 KiB and buffers of two windows: the tiny models' 64 KiB embeddings take 8 parts.
 SMALL = {"max-storage-buffer-binding-size": 4096, "max-buffer-size": 8192}
 
 
@@ -73,7 +73,7 @@ def test_whole_model_in_parts_as_one_program_on_vulkan(carved):
         platform.force_limits(SMALL)
         program = platform.compile(graph)
         counts = {t.name: len(t.parts) for t in program.parts}
-        assert max(counts.values()) >= 8 and len(counts) >= 5, counts  # the [256, 64] embedding: 65.5 kB / 8 KiB
+        assert max(counts.values()) >= 8 and len(counts) >= 5, counts  # the [256, 64] embedding: 64 KiB / 8 KiB
         assert max(_windows_per_part(program).values()) == 2
         assert all(b.size <= SMALL["max-buffer-size"] for b in program.buffers)
         out = platform.run(program, [inputs[r] for r, _ in graph.inputs])
@@ -295,9 +295,9 @@ def test_inspect_says_which_tensors_were_held_in_parts_and_why(carved, tmp_path)
     (split,) = embedding["splits"]
     assert (split["shape"], split["buffers"], split["windows"], split["limit"], split["limit_value"]) == \
         ([256, 64], 8, 16, "max-buffer-size", 8192)
-    assert split["message"] == "f32 [256,64] 65.5 kB -> 8 buffers over max-buffer-size 8 KiB, 16 windows of <= 4 KiB"
+    assert split["message"] == "f32 [256,64] 64 KiB -> 8 buffers over max-buffer-size 8 KiB, 16 windows of <= 4 KiB"
     assert doc["summary"]["fits"] and doc["summary"]["largest_split"]["buffers"] == 8
     text = " ".join(r.output.split())
-    assert re.search(r"preflight: \d+ ops split across buffers and binding windows \(largest: f32 \[256,64\] 65.5 kB "
+    assert re.search(r"preflight: \d+ ops split across buffers and binding windows \(largest: f32 \[256,64\] 64 KiB "
                      r"in 8 buffers and 16 windows of <= 4 KiB\)", text), text
     assert "cannot" not in text and "unsupported" not in text

@@ -65,7 +65,7 @@ def test_split_windows_are_reported_with_the_tensor_and_the_limit_that_forced_th
     assert (split.buffer, split.shape, split.dtype, split.bytes) == ("w", (64000, 1024), "float32", 262144000)
     assert (split.windows, split.window_bytes, split.limit, split.limit_value) == (2, half, "max-storage-buffer-binding-size",
                                                                                     128 * MiB)
-    assert split.describe() == "f32 [64000,1024] 262 MB -> 2 windows over max-storage-buffer-binding-size 128 MiB"
+    assert split.describe() == "f32 [64000,1024] 250 MiB -> 2 windows over max-storage-buffer-binding-size 128 MiB"
     assert found.largest_binding == half
     assert found.to_json()["splits"][0]["windows"] == 2
 
@@ -118,7 +118,7 @@ def test_limits_the_device_does_not_report_are_not_checked():
 
 
 def test_units():
-    assert format_bytes(262144000) == "262 MB" and format_bytes(4096) == "4.1 kB" and format_bytes(64) == "64 B"
+    assert format_bytes(262144000) == "250 MiB" and format_bytes(4096) == "4 KiB" and format_bytes(64) == "64 B"
     assert format_limit(128 * MiB) == "128 MiB" and format_limit(4096) == "4 KiB" and format_limit(1000) == "1000 B"
     assert format_limit(32, "max-compute-invocations-per-workgroup") == "32"
 
@@ -134,7 +134,7 @@ def test_the_summary_line_names_the_largest_split():
     small = OpPreflight("aten.add.Tensor", cases=2)
     small.add(check_program(program([buf("y", 64, [16])], [kernel([("y", "read_write")])]), caps()))
     report = StorePreflight("wgpu:vulkan", {"max-storage-buffer-binding-size": 128 * MiB}, {}, [op, small])
-    assert report.summary_line() == ("preflight: 1 op split across binding windows (largest: f32 [64000,1024] 262 MB "
+    assert report.summary_line() == ("preflight: 1 op split across binding windows (largest: f32 [64000,1024] 250 MiB "
                                      "in 2 windows of <= 128 MiB)")
     assert report.fits and report.summary()["ops_split"] == 1
     assert StorePreflight("wgpu:vulkan", {}, {}, [small]).summary_line() == ""
@@ -224,13 +224,13 @@ def test_inspect_target_reports_what_a_small_binding_limit_splits(llama, tmp_pat
         assert s["bytes"] == math.prod(s["shape"]) * 4 and s["dtype"] == "float32"
     embedding = ops["aten.embedding.default"]["splits"][0]
     assert (embedding["shape"], embedding["windows"]) == ([256, 64], 16)
-    assert embedding["message"] == "f32 [256,64] 65.5 kB -> 16 windows over max-storage-buffer-binding-size 4 KiB"
+    assert embedding["message"] == "f32 [256,64] 64 KiB -> 16 windows over max-storage-buffer-binding-size 4 KiB"
     assert doc["summary"]["largest_split"]["bytes"] == max(s["bytes"] for o in ops.values() for s in o["splits"])
     r = tapml("inspect", llama.path, "--target", "wgpu:vulkan", "--device-limit", "max-storage-buffer-binding-size=4KiB")
     assert r.exit_code == 0, r.output
     text = " ".join(r.output.split())
     assert (f"preflight: {sum(bool(o['splits']) for o in ops.values())} ops split across binding windows (largest: "
-            "f32 [256,64] 65.5 kB in 16 windows of <= 4 KiB) [--device-limit max-storage-buffer-binding-size=4 KiB]") in text
+            "f32 [256,64] 64 KiB in 16 windows of <= 4 KiB) [--device-limit max-storage-buffer-binding-size=4 KiB]") in text
     assert f"{len(ops)}/{len(ops)} ops fit wgpu:vulkan" in text
 
 
@@ -267,7 +267,7 @@ def test_replay_and_migrate_say_what_was_split_before_running(mlp, tmp_path):
                                 "max-storage-buffer-binding-size=1KiB", "--json", str(tmp_path / "v.json")],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "preflight: 2 ops split across binding windows (largest: f32 [64,64] 16.4 kB in 16 windows of <= 1 KiB)" \
+    assert "preflight: 2 ops split across binding windows (largest: f32 [64,64] 16 KiB in 16 windows of <= 1 KiB)" \
         in " ".join(r.stderr.split())
     verdicts = json.loads((tmp_path / "v.json").read_text())
     assert verdicts["summary"]["pass"] == len(mlp.cases)

@@ -58,8 +58,30 @@ def bench(ctx: typer.Context,
         write_json(report, json_out)
     if json_out != "-":
         _render_suite(report)
+        render_suite_notes(report, check)
     missed = [k for k, g in report["goals"].items() if g["met"] is False]
     raise typer.Exit(EXIT_FINDING if check and missed else EXIT_OK)
+
+
+def render_suite_notes(report: dict, check: bool) -> None:
+    """Below the table: what changed on this machine (the tuned matmul tiles), which figures were
+    not measured and why, and what the missed goals mean for the exit code."""
+    from rich.markup import escape
+    tuned = report.get("autotune") or {}
+    if tuned.get("cache"):
+        out.print(f"matmul tile sizes tuned for this device were saved to {escape(tuned['cache'])}: every later compile "
+                  "on this device uses them (remove the file to go back to the defaults; $TAPML_CACHE_DIR moves it)",
+                  highlight=False, soft_wrap=True)
+    if report.get("transport") is None:
+        out.print("transport: not measured: only a remote://HOST:PORT target has one (`tapml bench transport` "
+                  "measures a local device server)", highlight=False, soft_wrap=True)
+    missed = [k for k, g in report["goals"].items() if g["met"] is False]
+    if missed and check:
+        out.print(f"[red]{len(missed)} goal(s) missed[/] ({', '.join(missed)}): exit 1 (--check)", highlight=False,
+                  soft_wrap=True)
+    elif missed:
+        out.print(f"[yellow]{len(missed)} goal(s) missed[/] ({', '.join(missed)}): figures only; exit 0 all the "
+                  "same, add --check to exit 1 on a missed goal", highlight=False, soft_wrap=True)
 
 
 def _check_json_dir(json_out: Optional[str]) -> None:
@@ -229,7 +251,20 @@ def scale(target: str = typer.Option("wgpu", "--target", "-t", help="Target to m
         for row in _scale_rows(figure):
             table.add_row(*row)
         out.print(table)
+        out.print(scale_verdict(figure), highlight=False, soft_wrap=True)
     raise typer.Exit(EXIT_OK if not figure.get("error") and figure["passed"] else EXIT_FINDING)
+
+
+def scale_verdict(figure: dict) -> str:
+    """The verdict the scale figure timed: whether the migration passed, with its placement."""
+    from rich.markup import escape
+    if figure.get("error"):
+        return f"[red]no verdict[/]: {escape(str(figure['error']))}"
+    if figure["passed"]:
+        return (f"[green]verdict: migrated, everything passed[/] on {figure['target']} in {figure['wall_s']:.1f} s "
+                f"({figure['ops_share']:.1%} of ops, {figure['flops_share']:.1%} of FLOPs on the target)")
+    return (f"[red]verdict: did not pass[/] on {figure['target']} in {figure['wall_s']:.1f} s: "
+            f"{figure['ops_share']:.1%} of ops, {figure['flops_share']:.1%} of FLOPs on the target (exit 1)")
 
 
 @bench_app.command()

@@ -20,7 +20,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Port PyTorch models to WebGPU, Vulkan, Metal and OpenGL: carve, migrate, verify.")
 class _ShowableSegments:
     """A rich render hook: the text of every segment rich is about to write has its control

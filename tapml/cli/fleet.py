@@ -46,9 +46,12 @@ def fleet(models: List[str] = typer.Argument(..., metavar="STORE_OR_MODEL...", h
         fail(f"--max-failures {max_failures}: give 1 or more")
     tolerances = Tolerances.parse(tol)
     tokens = read_tokens(token_file, token_map)
+    from tapml.models import check_model_spec
     for m in models:
         if Path(m).exists() and not Path(m).is_dir():
             fail(f"{m} is a file, not a carve store or a model spec")
+        if not Path(m).is_dir():
+            check_model_spec(m)  # before any carving or pool: a missing store says so at once
     import tempfile
     with tempfile.TemporaryDirectory(prefix="tapml-fleet-") as scratch, DevicePool(target, token=tokens) as pool:
         stores = []

@@ -12,7 +12,7 @@ from tapml.cli.common import (EXIT_FINDING, EXIT_OK, DtypeOpt, InjectOpt, JsonOp
                               StoreDirOpt, TargetOpt, TokenFileOpt, TolOpt, app, check_dtype, command,
                               console, fail, model_store, out, write_json)
 from tapml.cli.migrate import HfConfigOpt
-from tapml.render import fmt_err
+from tapml.render import fmt_err, keep_names_whole
 from tapml.text import shown
 
 #: Defaults when a MODEL is carved on the fly.
@@ -161,6 +161,7 @@ def render_generation(doc: dict, quiet: bool = False) -> None:
         for c in doc["culprits"]:
             table.add_row(*map(shown, (c["op"], c["node"], c["module"] or "<root>", c["kind"])), str(c["step"]),
                           fmt_err(c["max_abs_err"]))
+        keep_names_whole(table)
         out.print(table)
     if not quiet:
         fell = {k: p["fell_back"] for k, p in doc["placement"].items()}

@@ -28,6 +28,9 @@ def gen_tests(store: str = typer.Argument(..., help="Carve store directory"),
     info = generate_suite(store, output, state=state, known_failures=known_failures, copy_data=copy_data,
                           tolerances=Tolerances.parse(tol), check_target=check_target)
     known = (f", {info['known_failures']} known failure(s) marked {known_failures}" if state else "")
+    import shlex
+    import sys
+    # the Python running tapml has pytest and the tapml plugin; a bare `pytest` may be another's
+    run = shlex.join([sys.executable, "-m", "pytest", str(info["dir"]), "--tapml-target", info["default_target"]])
     console.print(f"wrote {len(info['files'])} files to {shown(info['dir'])}: {info['cases']} tests for "
-                  f"{info['ops']} ops{known}, data {info['data']}; run: pytest {shown(info['dir'])} "
-                  f"--tapml-target {shown(info['default_target'])}", highlight=False)
+                  f"{info['ops']} ops{known}, data {info['data']}; run: {shown(run)}", highlight=False, soft_wrap=True)

@@ -9,7 +9,7 @@ import typer
 from tapml.cli.common import (DeviceLimitOpt, DtypeOpt, InjectOpt, JsonOpt, KeepFloat32Opt, QuietOpt, TokenFileOpt,
                               TokenMapOpt, TolOpt, app, check_dtype, command, console, fail, out, write_json)
 from tapml.cli.store import check_device_limits, check_targets, limits_for, render_matrix_run, run_preflight
-from tapml.render import fmt_err
+from tapml.render import fmt_err, keep_names_whole
 from tapml.text import plain, shown
 
 HfConfigOpt = typer.Option(None, "--hf-config", help="KEY=VALUE config override when MODEL is an hf: spec to carve "
@@ -55,6 +55,7 @@ class MigrationDisplay:
                 table.add_column(col, overflow="fold")
             for f in self.findings[-8:]:
                 table.add_row(*map(shown, (f["kind"], f["op"], f["node"], f["module"])), fmt_err(f["max_abs_err"]))
+            keep_names_whole(table)
             parts.append(table)
         return Group(*parts)
 
@@ -65,7 +66,8 @@ class MigrationDisplay:
                 self.progress.update(self.task, visible=False)
             self.task = self.progress.add_task(f"{shown(data['stage'])} stage", total=data["total"], label="")
             if not self.live_mode and not self.quiet:
-                console.print(f"{data['stage']} stage: {data['total']} to check", highlight=False)
+                journaled = f" ({data['journaled']} already in the journal)" if data.get("journaled") else ""
+                console.print(f"{data['stage']} stage: {data['total']} to check{journaled}", highlight=False)
         elif kind == "step":
             if data["stage"] == "bisect":
                 self.progress.update(self.task, label=f"bisect {shown(data['label'])}")
@@ -106,6 +108,7 @@ def render_state(state: dict, quiet: bool = False) -> None:
             table.add_row(*where, shown(c["kind"]), shown(c["op"]), shown(nodes), shown(c["module"] or "<root>"),
                           fmt_err(c["max_abs_err"]), fmt_err(c["max_rel_err"]), frac,
                           *((shown((c["message"] or "")[:120]),) if wide else ()))
+        keep_names_whole(table)
         out.print(table)
     s = state["summary"]
     total = sum(s.values())
@@ -137,6 +140,18 @@ def render_state(state: dict, quiet: bool = False) -> None:
     verdict = "[green]migrated: everything passed[/]" if state["passed"] else \
         f"[red]{len(culprits)} finding(s)[/]" + ("" if matches else "; the model does not match end to end")
     out.print(verdict, highlight=False)
+
+
+def render_resumed(migration, target: str) -> None:
+    """What ``--resume`` owed to the journal and what it checked now."""
+    from tapml.journal import journal_path
+    journal = shown(str(journal_path(migration.state_path)))
+    if not migration.reused:
+        out.print(f"resumed on {shown(target)}: nothing usable in {journal}; all {migration.checked} verdicts "
+                  "checked now", highlight=False, soft_wrap=True)
+    else:
+        out.print(f"resumed on {shown(target)}: {migration.reused} verdicts from {journal}, {migration.checked} "
+                  "checked now", highlight=False, soft_wrap=True)
 
 
 def dtype_placement_line(precision: dict | None) -> str:
@@ -225,9 +240,12 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
                     run_preflight(store, platform, t, quiet=quiet)
                     with MigrationDisplay(f"migrating {plain(store.model)} to {plain(t)} ({plain(paths[t])})",
                                           quiet) as display:
-                        results[t] = Migration(store, platform, t, paths[t], tolerances=tolerances, inject=faults,
-                                               resume=resume, on_event=display.event, store_path=str(store_path),
-                                               keep_float32=keep).run()
+                        migration = Migration(store, platform, t, paths[t], tolerances=tolerances, inject=faults,
+                                              resume=resume, on_event=display.event, store_path=str(store_path),
+                                              keep_float32=keep)
+                        results[t] = migration.run()
+                    if resume:
+                        render_resumed(migration, t)
 
             def render_target(doc: dict) -> None:
                 out.print(f"[bold]{shown(doc['target'])}[/] ({shown(paths[doc['target']])})", highlight=False)
@@ -238,9 +256,12 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
         with open_target(target, token=token, inject=inject, limits=limits_for(target, limits)) as platform:
             run_preflight(store, platform, target, quiet=quiet)
             with MigrationDisplay(f"migrating {plain(store.model)} to {plain(target)}", quiet) as display:
-                result = Migration(store, platform, target, state, tolerances=tolerances, inject=inject,
-                                   resume=resume, on_event=display.event, store_path=str(store_path),
-                                   keep_float32=keep).run()
+                migration = Migration(store, platform, target, state, tolerances=tolerances, inject=inject,
+                                      resume=resume, on_event=display.event, store_path=str(store_path),
+                                      keep_float32=keep)
+                result = migration.run()
+        if resume:
+            render_resumed(migration, target)
     if json_out:
         write_json(result, json_out)
     if json_out != "-":

@@ -80,7 +80,6 @@ def serve(platform: str = typer.Option("wgpu", "--platform", "-p", help=SERVE_PL
         except ImportError as e:
             raise TapmlError(f"platform browser is not available: {e}") from None
         device = BrowserPlatform(launch=False, host=host)  # the page is served where a person can reach it
-        print(f"open {device.url} in a browser with WebGPU to attach it", flush=True)
     elif platform == "browser":
         device = open_target(platform)
     else:
@@ -91,14 +90,24 @@ def serve(platform: str = typer.Option("wgpu", "--platform", "-p", help=SERVE_PL
     def announce(bound_host: str, bound_port: int) -> None:
         adapter = "adapter: the page that opens the URL" if no_launch else device.caps().get("adapter", "?")
         host_shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+        if no_launch:  # only once the port is ours: a URL printed before a failed listen leads nowhere
+            print(f"open {device.url} in a browser with WebGPU to attach it", flush=True)
         print(f"tapml serve: {platform} ({adapter}) listening on {host_shown}:{bound_port}"
               + (" (token required)" if token else " (no token)"), flush=True)
+
+    def registered(ok: bool) -> None:
+        if ok:
+            print(f"tapml serve: announced to the registry at {register} (renewed while serving); "
+                  f"`tapml devices --registry {register}` lists it", flush=True)
+        else:
+            print(f"tapml serve: the registry at {register} does not answer; announcing again every few "
+                  "seconds", flush=True)
 
     try:
         run_server(device, platform, host=host, port=port, token=token, max_message=max_message_mib << 20,
                    register=register, timeout=timeout, on_listen=announce,
                    lazy_caps=no_launch, auth_timeout=auth_timeout, on_stop=device.close,
-                   limits=limits)
+                   limits=limits, on_register=registered if register else None)
     finally:
         device.close()
     print("tapml serve: stopped", flush=True)
@@ -112,6 +121,8 @@ def registry(host: str = typer.Option("127.0.0.1", "--host", help="Address to bi
              prune_s: int = typer.Option(240, "--prune-timeout", help="Forget devices silent for this many seconds")):
     """Run an rpyc registry that `tapml serve --register` announces devices to."""
     from rpyc.utils.registry import TCPRegistryServer, UDPRegistryServer
+
+    from tapml.remote.server import SERVICE_NAME
     if mode not in ("udp", "tcp"):
         fail(f"--mode {mode!r}: use udp or tcp")
     if not 0 <= port < 65536:
@@ -127,8 +138,20 @@ def registry(host: str = typer.Option("127.0.0.1", "--host", help="Address to bi
     def stop(signum, frame):
         server.active = False
 
+    def added(name, address):
+        if name == SERVICE_NAME:
+            print(f"tapml registry: remote://{address[0]}:{address[1]} announced itself", flush=True)
+
+    def removed(name, address):
+        if name == SERVICE_NAME:
+            print(f"tapml registry: remote://{address[0]}:{address[1]} no longer announced (stopped, or silent for {prune_s} s)",
+                  flush=True)
+
+    server.on_service_added, server.on_service_removed = added, removed
+
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    server.sock.settimeout(0.5)  # a stop request is seen within 0.5 s, not only when the next announcement comes
     print(f"tapml registry listening on {mode}://{server.sock.getsockname()[0]}:{server.port}", flush=True)
     server.start()
     print("tapml registry: stopped", flush=True)

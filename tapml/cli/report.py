@@ -35,9 +35,8 @@ def report(states: List[str] = typer.Argument(..., help="Verdict JSON (`replay -
         fmt = guess_format(output, format)
         path = write_report(loaded, output, format=fmt, title=title)
         if not quiet:
-            culprits = sum(1 for s in loaded for f in s.failures if f["culprit"])
-            console.print(f"wrote {fmt} report of {len(loaded)} state(s), {culprits} culprit(s) -> {shown(path)}",
-                          highlight=False)
+            console.print(f"wrote {fmt} report -> {shown(str(path))}: " + "; ".join(map(shown, map(describe, loaded))),
+                          highlight=False, soft_wrap=True)
         _render_terminal(loaded, console, quiet=True)
     elif output == "-" or format:
         out.file.write(render(loaded, guess_format(output, format), title=title))
@@ -45,6 +44,17 @@ def report(states: List[str] = typer.Argument(..., help="Verdict JSON (`replay -
     elif json_out != "-":
         _render_terminal(loaded, out, quiet=quiet)
     raise typer.Exit(EXIT_OK if all(s.passed for s in loaded) else EXIT_FINDING)
+
+
+def describe(s) -> str:
+    """One document of a report, as the line after writing it says: what it is and what it holds."""
+    if s.precision is not None:
+        p = s.precision
+        return (f"precision analysis of {s.model} in {p['dtype']} on {s.label}: {len(p['ops'])} ops, per op and per "
+                f"module along the depth, {len(p['keep_float32'])} kept in float32, end to end "
+                f"{p['end_to_end']['after']['status']}")
+    culprits = sum(1 for f in s.failures if f["culprit"])
+    return f"{s.kind} of {s.model} on {s.label}: {len(s.cases)} cases, {culprits} culprit(s)"
 
 
 def _render_terminal(states, console, quiet: bool) -> None:

@@ -10,6 +10,7 @@ import typer
 from tapml.cli.common import (EXIT_FINDING, EXIT_OK, DeviceLimitOpt, DtypeOpt, InjectOpt, JsonOpt, QuietOpt,
                               TokenFileOpt, TokenMapOpt, TolOpt, app, check_dtype, command, console, fail, open_store,
                               out, parse_device_limits, progress_bar, write_json)
+from tapml.render import keep_names_whole
 from tapml.text import shown
 
 
@@ -45,9 +46,10 @@ def carve(model: str = typer.Argument(..., help="zoo:NAME, hf:MODEL_TYPE, path/f
                            on_start=lambda n: bar.update(task, total=n), on_node=lambda _: bar.advance(task))
     if json_out:
         write_json({"model": model, "store": str(Path(output).resolve()), "dtype": dtype, **info}, json_out)
+    from tapml.preflight import format_bytes
     in_dtype = "" if dtype == "float32" else f" in {dtype}"
     console.print(f"carved [bold]{shown(model)}[/]{in_dtype} -> {shown(output)}: {info['nodes']} nodes, {info['cases']} cases, "
-                  f"{info['ops']} ops, {info['bytes'] / 1e6:.1f} MB "
+                  f"{info['ops']} ops, {format_bytes(info['bytes'])} "
                   f"(export {info['export_s']:.1f}s, carve {info['carve_s']:.1f}s)", highlight=False)
 
 
@@ -65,10 +67,11 @@ def carve_generation_command(model: str, output: str, *, tokens: int, prompt_len
                                 hf_config=hf_config or None, on_step=lambda _: bar.advance(task), dtype=dtype)
     if json_out:
         write_json({"model": model, "store": str(Path(output).resolve()), "dtype": dtype, **info}, json_out)
+    from tapml.preflight import format_bytes
     in_dtype = "" if dtype == "float32" else f" in {dtype}"
     console.print(f"carved a generation of [bold]{shown(model)}[/]{in_dtype} -> {shown(output)}: {info['steps']} steps (prefill + {tokens} "
                   f"decode), {info['nodes']} prefill and {info['decode_nodes']} decode nodes, {info['cases']} cases, "
-                  f"{info['bytes'] / 1e6:.1f} MB (export {info['export_s']:.1f}s, carve {info['carve_s']:.1f}s)",
+                  f"{format_bytes(info['bytes'])} (export {info['export_s']:.1f}s, carve {info['carve_s']:.1f}s)",
                   highlight=False)
 
 
@@ -114,6 +117,7 @@ def inspect(store: str = typer.Argument(..., help="Carve store directory"), json
     for r in rows:
         shapes = "; ".join(r["shapes"][:3]) + (f" (+{len(r['shapes']) - 3})" if len(r["shapes"]) > 3 else "")
         table.add_row(shown(r["op"]), str(r["cases"]), str(r["instances"]), shapes, ",".join(sorted(r["dtypes"])))
+    keep_names_whole(table)
     out.print(table)
 
 
@@ -200,6 +204,7 @@ def inspect_target(s, store: str, target: str, *, limits: dict, token_file, toke
                                        [f"[yellow]unsupported:[/] {shown(u['reason'])}" for u in j["unsupported"][:2]] +
                                        [f"[red]error:[/] {shown(e['reason'][:160])}" for e in j["errors"][:2]]))
             table.add_row(*cells)
+        keep_names_whole(table)
         out.print(table)
     summary = report.summary()
     line = report.summary_line() or "preflight: nothing split, nothing over a device limit"
@@ -217,15 +222,20 @@ def render_verdicts(result: dict, quiet: bool = False) -> None:
     bad = [v for v in result["cases"] if v["status"] != "pass"]
     if bad and not quiet:
         table = Table(title=f"cases that did not pass on {shown(result['target'])}")
-        for col in ("id", "op", "node", "module", "status", "max_abs_err", "message"):
-            table.add_column(col, overflow="fold")
+        wide = out.width >= 140  # on narrow terminals (CI logs, pipes) messages go below the table, whole
+        for col in ("id", "op", "node", "module", "status", "max_abs_err") + (("message",) if wide else ()):
+            table.add_column(col, overflow="fold", min_width=len(col) if col == "max_abs_err" else None)
         style = {"mismatch": "red", "error": "bold red", "unsupported": "yellow", "flaky": "magenta"}
         for v in bad[:50]:
             err = "" if v["max_abs_err"] is None else f"{v['max_abs_err']:.3g}"
             table.add_row(shown(v["id"]), shown(v["op"]), shown(v["node"]), shown(v["module"]),
                           f"[{style.get(v['status'], 'magenta')}]{shown(v['status'])}[/]", err,
-                          shown(v["message"].split("\n")[0][:160]))
+                          *((shown(v["message"].split("\n")[0][:160]),) if wide else ()))
+        keep_names_whole(table, ("id", "op"))
         out.print(table)
+        for v in [v for v in bad[:50] if v["status"] != "flaky"] if not wide else ():  # flaky: render_flaky's map
+            out.print(f"{shown(v['id'])} {shown(v['op'])}: {shown(v['message'].split(chr(10))[0][:300])}",
+                      highlight=False, soft_wrap=True)
         if len(bad) > 50:
             out.print(f"... and {len(bad) - 50} more (see --json)")
         render_flaky([v for v in bad if v["status"] == "flaky"])
@@ -240,6 +250,19 @@ def render_verdicts(result: dict, quiet: bool = False) -> None:
         how = (result.get("device") or {}).get("low_precision", {}).get(dtype)
         out.print(f"{dtype} cases judged {'fp64-anchored' if result.get('anchored') else 'against the reference'}"
                   + (f"; the device holds {dtype} as {shown(how)}" if how else ""), highlight=False)
+
+
+def render_run_checks(result: dict, repeat: int, guards: bool) -> None:
+    """What ``--repeat K`` and ``--guards`` checked and found, below the summary line."""
+    cases = result["cases"]
+    if repeat > 1:
+        flaky = sum(v["status"] == "flaky" for v in cases)
+        out.print(f"[{'magenta' if flaky else 'green'}]repeat: {len(cases)} cases run {repeat} times each, {flaky} of them "
+                  "flaky[/] (outputs not bit-identical run to run)", highlight=False, soft_wrap=True)
+    if guards:
+        past = sum(v["status"] == "error" and "wrote past buffer" in (v["message"] or "") for v in cases)
+        out.print(f"[{'red' if past else 'green'}]guards: {len(cases)} cases checked, {past} of them wrote out of "
+                  "bounds[/] (a sentinel after every buffer a kernel writes)", highlight=False, soft_wrap=True)
 
 
 def render_flaky(flaky: list[dict], most: int = 5) -> None:
@@ -306,8 +329,10 @@ def replay_matrix(store, targets: list[str], *, token, inject, json_out, quiet, 
                                   on_case=lambda v: bar.advance(current["task"]), limits=limits,
                                   preflight=lambda report: show_preflight(report, quiet, with_target=True), **options)
     # The matrix shows what failed where; each target adds its summary line.
-    raise typer.Exit(render_matrix_run(verdicts, by_case, all_rows, quiet, json_out,
-                                       lambda doc: render_verdicts(doc, quiet=True)))
+    def render_target(doc: dict) -> None:
+        render_verdicts(doc, quiet=True)
+        render_run_checks(doc, options.get("repeat", 1), options.get("guards", False))
+    raise typer.Exit(render_matrix_run(verdicts, by_case, all_rows, quiet, json_out, render_target))
 
 
 @app.command(short_help="Run every carved case on one or more targets and compare with the reference.")
@@ -336,8 +361,9 @@ def replay(store: str = typer.Argument(..., help="Carve store directory"),
            device_limit: Optional[List[str]] = DeviceLimitOpt, quiet: bool = QuietOpt):
     """Run every carved case of STORE on TARGET and compare with the reference. With several
     --target, every case runs on every target (one after another) and one matrix shows them.
-    With --baseline, cases more than --slower-than percent (and 0.05 ms) slower than the same
-    case of the baseline are findings (exit 1)."""
+    With --baseline, cases more than --slower-than percent (and 0.5 ms) slower than the same
+    case of the baseline, in repeated timings beside control cases with a sign test's confidence,
+    are findings (exit 1)."""
     from tapml.compare import Tolerances
     from tapml.replay import replay as replay_store
     from tapml.targets import open_target, read_tokens
@@ -389,6 +415,9 @@ def replay(store: str = typer.Argument(..., help="Carve store directory"),
         if runs:
             render_speed(result, slower, baseline, slower_than, quiet)
         render_verdicts(result, quiet)
+        render_run_checks(result, repeat, guards)
+        if old is not None:
+            render_speed_verdict(result, slower, slower_than)
     passed = result["summary"]["pass"] == len(result["cases"])
     raise typer.Exit(EXIT_OK if passed and not slower else EXIT_FINDING)
 
@@ -410,6 +439,7 @@ def render_speed(result: dict, slower: list[dict], baseline: Optional[str], slow
             if baseline:
                 cells += [_num(r["baseline_ms"], ".4f"), _num(r["ratio"], ".2f")]
             table.add_row(*cells)
+        keep_names_whole(table)
         out.print(table)
     if slower and not quiet:
         table = Table(title=f"cases more than {slower_than:g}% slower than {shown(baseline or '')}")
@@ -417,14 +447,30 @@ def render_speed(result: dict, slower: list[dict], baseline: Optional[str], slow
             table.add_column(col, justify="left" if col in ("id", "op") else "right")
         for f in slower[:50]:
             table.add_row(shown(f["id"]), shown(f["op"]), f"{f['baseline_ms']:.4f}", f"{f['device_ms']:.4f}", f"[red]{f['ratio']:.2f}x[/]")
+        keep_names_whole(table, ("id", "op"))
         out.print(table)
-    if baseline:
-        color = "red" if slower else "green"
-        drift = result.get("drift") or 1.0
-        note = (f" (every case ran {drift:.2f}x the baseline's time: a loaded machine, or a change that slows all "
-                "alike; cases are judged against that)") if drift > 1 + slower_than / 100 else ""
-        out.print(f"[{color}]{len(slower)} slower[/] than the baseline by more than {slower_than:g}%{note}",
-                  highlight=False)
+
+
+def render_speed_verdict(result: dict, slower: list[dict], slower_than: float) -> None:
+    """The last line of a replay against a baseline: how many cases are slower, how sure that is,
+    and that an exit 1 from it is about speed, not values."""
+    check = result.get("speed_check") or {}
+    drift = result.get("drift") or 1.0
+    rule = (f"by more than {slower_than:g}% and {check.get('min_diff_ms', 0):g} ms, in {check.get('rounds', 0)} "
+            f"more rounds of timings beside control cases (sign test p <= {check.get('max_p', 0):g})")
+    note = (f"; every case ran {drift:.2f}x the baseline's time (a loaded machine, or a change that slows all alike): "
+            "cases are judged against that") if drift > 1 + slower_than / 100 else ""
+    if slower:
+        worst = slower[0]
+        out.print(f"[red]{len(slower)} slower[/] than the baseline {rule}; the worst {shown(worst['op'])} "
+                  f"{worst['ratio']:.2f}x (p = {worst['p_value']:g}){note}. Exit 1 is about speed: "
+                  + ("the values of every case pass" if result["summary"]["pass"] == len(result["cases"])
+                     else "values are judged above"), highlight=False, soft_wrap=True)
+    else:
+        cleared = check.get("suspects", 0)
+        out.print(f"[green]0 slower[/] than the baseline {rule}"
+                  + (f"; {cleared} case(s) looked slower at first and were cleared by the repeated timings"
+                     if cleared else "") + note, highlight=False, soft_wrap=True)
 
 
 def _num(x, spec: str = ".3g") -> str:

@@ -21,7 +21,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
+try:
+    import numpy as np
+    import wgpu  # noqa: F401 - imported here so that a missing one says what to install
+except ImportError as missing:
+    print(f"cannot run: this repro needs the Python packages wgpu and numpy, and {missing.name or missing} is not "
+          f"importable by {sys.executable}; install them with `{sys.executable} -m pip install wgpu numpy` "
+          "(or run it with a Python that has them, e.g. tapml's .venv/bin/python)", file=sys.stderr)
+    sys.exit(2)
 
 HERE = Path(__file__).resolve().parent
 BACKENDS = {"vulkan": "Vulkan", "gl": "OpenGL", "metal": "Metal", "dx12": "D3D12"}

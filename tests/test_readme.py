@@ -1,0 +1,192 @@
+"""The README, walked as a newcomer (issue #29): every ```sh block of its "Using it" section runs as
+written, in order, in one shell, in a temporary folder laid out as a clone after `make demo` (its
+`.venv` is this one). It fails when a command exits otherwise than its comment says (0 unless the
+comment starts with `exit N`), when anything prints a traceback, or when a process or a temporary
+folder is left behind. Servers start where a line ends in `&` and count as up once they print
+`listening on` (and, with `--register`, `announced`), as the README tells a reader to wait for.
+
+The walk itself is a shell script made from the README: each command verbatim, followed by a
+check of its exit status; a background server's output goes to a log of its own.
+"""
+
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from support import NEEDS_CHROMIUM, vulkan_or_skip
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+SECTION = "## Using it"
+TRACEBACK = "Traceback (most recent call last)"
+KEPT_BY_DESIGN = ("torchinductor_", "pytest-of-")
+
+
+def readme_commands(text: str) -> list[tuple[int, str, int, bool]]:
+    """``(line number, command, expected exit, background)`` of every command line of the ```sh
+    blocks between ``## Using it`` and the next level-2 heading; ``background`` is False, True for
+    ``CMD &``, or the ``NAME=$!`` of ``CMD & NAME=$!``."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == SECTION)
+    commands, in_block = [], False
+    for i in range(start + 1, len(lines)):
+        line = lines[i]
+        if line.startswith("## "):
+            break
+        if line.strip().startswith("```"):
+            in_block = line.strip() == "```sh" if not in_block else False
+            continue
+        if not in_block or not line.strip() or line.lstrip().startswith("#"):
+            continue
+        command, comment = split_comment(line)
+        expected = re.match(r"\s*exit (\d+)\b", comment or "")
+        background = re.fullmatch(r"(.*[^&])&(\s*[A-Z_]+=\$!)?\s*", command)  # CMD & [NAME=$!]
+        commands.append((i + 1, background.group(1).rstrip() if background else command.rstrip(),
+                         int(expected.group(1)) if expected else 0,
+                         (background.group(2) or "").strip() or True if background else False))
+    return commands
+
+
+def split_comment(line: str) -> tuple[str, str | None]:
+    """A shell line and its trailing comment: the first `#` outside quotes that starts a word."""
+    quote = None
+    for i, ch in enumerate(line):
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i], line[i + 1:]
+    return line, None
+
+
+def walk_script(commands, logs: Path) -> str:
+    """The shell script of the walk: each README command as written, then the check of its exit
+    status (``@@FAIL`` lines); a background server waited for until it is up."""
+    out = ["set -u", "readme_up() {  # LOG PATTERN...: wait up to 180 s for each pattern in LOG",
+           "  local log=$1; shift",
+           "  for pattern in \"$@\"; do",
+           "    for _ in $(seq 1800); do grep -q -- \"$pattern\" \"$log\" 2>/dev/null && break; sleep 0.1; done",
+           "    grep -q -- \"$pattern\" \"$log\" || return 1",
+           "  done",
+           "}"]
+    for n, (line, command, expected, background) in enumerate(commands):
+        out.append(f"echo {shlex.quote(f'@@ README.md:{line}: {command}')}")
+        if background:
+            log = logs / f"server-{line}.log"
+            ready = ["listening on"] + (["announced to the registry"] if "--register" in command else [])
+            keep = f" {background}" if isinstance(background, str) else ""  # NAME=$!
+            out.append(f"{command} > {shlex.quote(str(log))} 2>&1 &{keep}")
+            out.append(f"readme_up {shlex.quote(str(log))} {' '.join(map(shlex.quote, ready))} || "
+                       f"echo {shlex.quote(f'@@FAIL README.md:{line}: the server never said {ready}')}")
+            continue
+        out.append(command)
+        out.append(f"rc=$?; [ $rc -eq {expected} ] || echo \"@@FAIL README.md:{line}: exit $rc, the README says "
+                   f"{expected}\"")
+    return "\n".join(out) + "\n"
+
+
+def marked_processes(marker: str) -> list[int]:
+    """Pids of this user's processes whose environment carries ``marker`` (the walk's children)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                if marker.encode() in Path(f"/proc/{entry}/environ").read_bytes():
+                    pids.append(int(entry))
+            except OSError:
+                continue
+    return pids
+
+
+def command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+    except OSError:
+        return "?"
+
+
+def walk(tmp_path: Path, commands) -> tuple[str, list[str], list[str]]:
+    """Run the walk; returns (its output, the failures found, what was left behind)."""
+    clone, logs = tmp_path / "clone", tmp_path / "logs"
+    for folder in (clone, logs):
+        folder.mkdir()
+    # The walk's own temp dir, to see what is left in it; short, as Chromium's singleton socket path
+    # must fit a unix socket's 108 bytes (under pytest's tmp_path Chromium aborts).
+    tmp = Path(tempfile.mkdtemp(prefix="tw-"))
+    (clone / ".venv").symlink_to(sys.prefix)  # the venv running the tests: `make test` runs them from .venv
+    script = tmp_path / "walk.sh"
+    script.write_text(walk_script(commands, logs))
+    marker = f"TAPML_README_WALK={uuid.uuid4().hex}"
+    runtime = Path(f"/tmp/tapml-xdg-{os.getuid()}")
+    runtime.mkdir(mode=0o700, exist_ok=True)
+    env = {**os.environ, "TMPDIR": str(tmp), "TAPML_CACHE_DIR": str(tmp_path / "cache"),
+           "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR") or str(runtime), "COLUMNS": "100",
+           marker.split("=")[0]: marker.split("=")[1]}
+    env.pop("TAPML_TOKEN", None)
+    r = subprocess.run(["bash", str(script)], cwd=clone, env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                       text=True, timeout=1500)
+    output = r.stdout + r.stderr + "".join(f"\n@@ {log.name}\n{log.read_text(errors='replace')}"
+                                           for log in sorted(logs.iterdir()))
+    failures = re.findall(r"^@@FAIL (.*)$", r.stdout, re.M)
+    if r.returncode != 0:
+        failures.append(f"the walk's shell exited {r.returncode}")
+    if TRACEBACK in output:
+        failures.append("a traceback was printed")
+    deadline = time.monotonic() + 15  # a server told to stop may take a moment to go
+    while marked_processes(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [f"process {pid}: {command_line(pid)}" for pid in marked_processes(marker)]
+    for pid in marked_processes(marker):
+        os.kill(pid, signal.SIGKILL)
+    # torch's compile cache and pytest's last three base folders are kept on purpose by those tools
+    left += [f"temporary {p.name}" for p in tmp.iterdir() if not p.name.startswith(KEPT_BY_DESIGN)]
+    shutil.rmtree(tmp, ignore_errors=True)
+    return output, failures, left
+
+
+def test_readme_commands_are_parsed_with_their_exit_codes():
+    commands = readme_commands(README.read_text())
+    assert len(commands) >= 35
+    assert any(expected == 1 for _, _, expected, _ in commands)
+    assert sum(bool(background) for *_, background in commands) >= 4
+    assert all(not c.startswith("$T serve") or background for _, c, _, background in commands)
+    assert [b for *_, b in commands if b] == ["SERVER=$!", "PAGE=$!", "REGISTRY=$!", "SERVER=$!"]
+
+
+@pytest.mark.slow
+@pytest.mark.device
+@pytest.mark.browser
+@pytest.mark.xdist_group("browser")
+@NEEDS_CHROMIUM
+def test_readme_runs_as_written(tmp_path, figure):
+    vulkan_or_skip()
+    started = time.monotonic()
+    output, failures, left = walk(tmp_path, readme_commands(README.read_text()))
+    figure("README walk s", round(time.monotonic() - started, 1))
+    assert not failures and not left, "\n".join(failures + [f"left behind: {x}" for x in left]) + "\n" + output[-6000:]
+
+
+def test_the_walk_fails_on_a_wrong_flag_a_traceback_and_what_is_left_behind(tmp_path):
+    """The README's own first lines, then what the walk must catch: a command given a wrong flag (the
+    README says exit 0, it exits 2), a traceback, a server never stopped, a temporary folder left."""
+    first = readme_commands(README.read_text())[:2]  # mkdir -p examples && cd examples; T=../.venv/bin/tapml
+    assert first[1][1].startswith("T=")
+    mutated = first + [(900, "$T inspect stores/llama --no-such-flag", 0, False),
+                       (901, "../.venv/bin/python -c 'raise SystemExit(0) if 0 else 1/0'", 1, False),
+                       (902, "$T registry --port 0", 0, True),
+                       (903, "mktemp -d", 0, False)]
+    output, failures, left = walk(tmp_path, mutated)
+    assert "README.md:900: exit 2, the README says 0" in failures, failures
+    assert "a traceback was printed" in failures
+    assert any("registry --port 0" in x for x in left) and any(x.startswith("temporary tmp.") for x in left), left
