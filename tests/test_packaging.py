@@ -86,10 +86,10 @@ def test_torch_export_after_a_wgpu_adapter_is_up(tmp_path):
     assert r.returncode == 0 and "exported" in r.stdout, r.stdout + r.stderr
 
 
-def _run(args, cwd, env, timeout=900):
+def _run(args, cwd, env, timeout=900) -> subprocess.CompletedProcess:
     r = subprocess.run([str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, f"{args} exited {r.returncode}:\n{r.stdout}\n{r.stderr}"
-    return r.stdout + r.stderr
+    return r
 
 
 @pytest.mark.slow
@@ -102,8 +102,8 @@ def test_wheel_installs_beside_the_users_torch_and_works_outside_the_checkout(tm
     work.mkdir()
 
     # a release: the sdist, then the wheel from it, with no warning
-    out = _run([sys.executable, "-m", "build", "--no-isolation", "--outdir", dist, ROOT], tmp_path, env)
-    assert not re.search(r"warn", out, re.I), out
+    build = _run([sys.executable, "-m", "build", "--no-isolation", "--outdir", dist, ROOT], tmp_path, env)
+    assert not re.search(r"warn", build.stdout + build.stderr, re.I), build.stdout + build.stderr
     wheel, = dist.glob("tapml-*.whl")
     shipped = set(zipfile.ZipFile(wheel).namelist())
     for name in ["tapml/cli/__init__.py", "tapml/carving/templates/test_op.py.j2", "tapml/platforms/web/index.html",
@@ -114,15 +114,15 @@ def test_wheel_installs_beside_the_users_torch_and_works_outside_the_checkout(tm
     _run([sys.executable, "-m", "venv", venv], tmp_path, env)
     py = venv / "bin" / "python"
     pins = _locked()
-    _run([py, "-m", "pip", "install", "-q", "--no-deps", f"torch=={pins['torch'][0]}"], tmp_path, env)
-    probe = "import torch, os; print(torch.__version__, os.stat(torch.__file__).st_ino)"
-    torch_before = _run([py, "-c", probe], work, env).split()
-
     constraints = tmp_path / "constraints.txt"
     constraints.write_text("".join(f"{name}=={version}\n" for name, (version, _) in pins.items()))
+    _run([py, "-m", "pip", "install", "-q", f"torch=={pins['torch'][0]}", "-c", constraints], tmp_path, env)
+    probe = "import torch, os; print(torch.__version__, os.stat(torch.__file__).st_ino)"
+    torch_before = _run([py, "-c", probe], work, env).stdout.split()
+
     _run([py, "-m", "pip", "install", "-q", wheel, "pytest", "-c", constraints], tmp_path, env)
-    assert _run([py, "-c", probe], work, env).split() == torch_before, "installing the wheel replaced torch"
-    where = _run([py, "-c", "import tapml; print(tapml.__file__)"], work, env)
+    assert _run([py, "-c", probe], work, env).stdout.split() == torch_before, "installing the wheel replaced torch"
+    where = _run([py, "-c", "import tapml; print(tapml.__file__)"], work, env).stdout
     assert str(venv) in where and str(ROOT) not in where, where
 
     # the commands, from a folder outside the checkout
@@ -134,5 +134,5 @@ def test_wheel_installs_beside_the_users_torch_and_works_outside_the_checkout(tm
     _run([tapml, "report", "verdicts.json", "-o", "report.html"], work, env)
     assert "tiny-llama" in (work / "report.html").read_text()
     _run([tapml, "gen-tests", "store", "-o", "gen"], work, env)
-    out = _run([py, "-m", "pytest", "gen", "-q", "-p", "no:cacheprovider", "--tapml-target", "wgpu:vulkan"], work, env)
+    out = _run([py, "-m", "pytest", "gen", "-q", "-p", "no:cacheprovider", "--tapml-target", "wgpu:vulkan"], work, env).stdout
     assert re.search(rf"\b{summary['pass']} passed\b", out) and "failed" not in out, out
