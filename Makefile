@@ -33,8 +33,9 @@ lock: setup
 	  --allow-unsafe --generate-hashes --strip-extras --no-emit-index-url --no-emit-find-links \
 	  -c build/lock-constraints.txt -o requirements.lock pyproject.toml
 
-# The fast and device tiers under another torch (TORCH=2.14.1), in .venv-torch-$(TORCH), never .venv.
+# The fast and device tiers under another torch (TORCH=2.14.1), in .venv-torch-$(TORCH), never .venv;
+# PYTEST_ARGS (test files, -k ...) narrows the run.
 TORCH ?= 2.14.1
 test-compat:
 	@mkdir -p $(XDG_RUNTIME_DIR) && chmod 700 $(XDG_RUNTIME_DIR)
-	@bash scripts/test_compat.sh $(TORCH)
+	@bash scripts/test_compat.sh $(TORCH) $(PYTEST_ARGS)
