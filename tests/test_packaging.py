@@ -93,8 +93,7 @@ def _run(args, cwd, env, timeout=900) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-@pytest.mark.device
-@pytest.mark.xdist_group("wgpu")
+@pytest.mark.device  # in subprocesses of its own: no xdist group, any worker may take it
 def test_wheel_installs_beside_the_users_torch_and_works_outside_the_checkout(tmp_path):
     vulkan_or_skip()
     env = _clean_env()
