@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 export XDG_RUNTIME_DIR ?= /tmp/tapml-xdg-$(shell id -u)
 
-.PHONY: setup demo test lint-imports
+.PHONY: setup demo test lint-imports lock test-compat
 setup:
 	@mkdir -p $(XDG_RUNTIME_DIR) && chmod 700 $(XDG_RUNTIME_DIR)
 	@bash scripts/setup.sh
@@ -23,3 +23,19 @@ lint-imports:
 
 test: setup lint-imports
 	$(PY) -m pytest -n 2 --dist loadgroup -q -rs
+
+# Refresh requirements.lock: the newest versions pyproject.toml's ranges allow, with their hashes; torch
+# is held at LOCK_TORCH (the CPU build). Commit the refresh on its own, with the `make test` run that passed on it.
+LOCK_TORCH ?= 2.13.0+cpu
+lock: setup
+	@mkdir -p build && echo "torch==$(LOCK_TORCH)" > build/lock-constraints.txt
+	CUSTOM_COMPILE_COMMAND="make lock" .venv/bin/pip-compile -q --upgrade --extra dev --all-build-deps \
+	  --allow-unsafe --generate-hashes --strip-extras --no-emit-index-url --no-emit-find-links \
+	  -c build/lock-constraints.txt -o requirements.lock pyproject.toml
+
+# The fast and device tiers under another torch (TORCH=2.14.1), in .venv-torch-$(TORCH), never .venv;
+# PYTEST_ARGS (test files, -k ...) narrows the run.
+TORCH ?= 2.14.1
+test-compat:
+	@mkdir -p $(XDG_RUNTIME_DIR) && chmod 700 $(XDG_RUNTIME_DIR)
+	@bash scripts/test_compat.sh $(TORCH) $(PYTEST_ARGS)

@@ -11,8 +11,10 @@ same unmodified tensor as last time is not uploaded again (weights cross once).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import re
+import sys
 import tempfile
 import time
 import weakref
@@ -50,7 +52,23 @@ GUARD_BYTES = 256
 _SENTINEL = bytes([0xA5, 0x5A, 0xC3, 0x3C]) * (GUARD_BYTES // 4)
 
 
+def _load_triton_first() -> None:
+    """Import triton, where it is installed, before wgpu loads the Vulkan/GL drivers.
+
+    torch's CUDA builds bring triton, whose native module carries an LLVM of its own. Imported
+    after Mesa's lavapipe/llvmpipe driver has loaded the system's LLVM (as torch.export does on
+    first use, through torch._dynamo), it kills the process with a segfault; imported first, both
+    work (measured with torch 2.14.1+cu130, triton 3.8, Mesa 22.3).
+    """
+    if "triton" not in sys.modules and importlib.util.find_spec("triton") is not None:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            pass
+
+
 def _adapters():
+    _load_triton_first()
     import wgpu
     try:
         return wgpu.gpu.enumerate_adapters_sync()

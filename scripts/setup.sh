@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Idempotent set-up: Debian packages (when root), a .venv in the repo, tapml installed editable.
+# Idempotent set-up: Debian packages (when root), a .venv in the repo holding exactly requirements.lock, tapml editable.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,11 +23,15 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
+# The environment is exactly requirements.lock (every package, every file checked against its hashes),
+# plus tapml itself, editable. Redone only when the lock, pyproject.toml or this script changed.
 stamp=.venv/.tapml-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$0" -nt "$stamp" ]; then
-  .venv/bin/python -m pip install -q --upgrade pip
-  # torch pinned first: an open range pulls the CUDA build (GBs).
-  .venv/bin/python -m pip install -q "torch==2.13.0"
-  .venv/bin/python -m pip install -q -e ".[dev]"
+if [ ! -f "$stamp" ] || [ requirements.lock -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$0" -nt "$stamp" ]; then
+  if [ ! -x .venv/bin/pip-sync ]; then
+    .venv/bin/python -m pip install -q --require-hashes -r requirements.lock
+  fi
+  # pip-sync also removes what the lock no longer holds (tapml's editable install among them)
+  .venv/bin/pip-sync -q requirements.lock
+  .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e .
   touch "$stamp"
 fi
