@@ -21,7 +21,7 @@ def test_zoo_is_deterministic():
 @pytest.mark.parametrize("spec,match", [
     ("zoo:nope", "unknown zoo model 'nope'"),
     ("hf:not_a_model_type", "unknown transformers model type"),
-    ("nonsense", "unknown model spec"),
+    ("nonsense", "no store at nonsense.*not a model spec"),
     ("missing.pt2", "does not exist"),
     ("missing.py:factory", "does not exist"),
     ("", "empty model spec"),
