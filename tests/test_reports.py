@@ -168,7 +168,8 @@ def test_terminal_json_and_coverage(states):
     assert "culprit" in r.output and "op coverage" in r.output and "aten.addmm" in r.output
     assert "98.7% of ops" in r.output
     r = tapml("report", states["clean"], "-q")
-    assert r.exit_code == 0 and len(r.output.strip().splitlines()) <= 3 and "74/74 cases pass" in r.output
+    cases = len(json.loads(Path(states["clean"]).read_text())["cases"])  # 74 with torch 2.13, 72 with 2.14
+    assert r.exit_code == 0 and len(r.output.strip().splitlines()) <= 3 and f"{cases}/{cases} cases pass" in r.output
     r = tapml("report", states["migration"], states["nan"], "--json", "-")
     assert r.exit_code == 1
     data = json.loads(r.output)

@@ -132,7 +132,9 @@ def test_cli_session_reads_a_script_from_stdin(gpt2_path, tmp_path):
                                 "--state", str(tmp_path / "s.json")], input=script, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "2 node(s) moved to the reference" in r.stdout and "end to end: pass" in r.stdout
-    assert json.loads((tmp_path / "s.json").read_text())["placement"]["ops_on_target"] == 155
+    placement = json.loads((tmp_path / "s.json").read_text())["placement"]
+    # every node but the two tanh the fallback moved (torch 2.13 exports 157 of them, 2.14 fewer)
+    assert placement["ops_on_target"] == placement["ops_total"] - 2
     bad = subprocess.run(TAPML + ["session", str(gpt2_path)], input="offload nowhere\n", capture_output=True, text=True)
     assert bad.returncode == 2 and "1 scripted command(s) failed" in bad.stderr
 
