@@ -50,6 +50,18 @@ class Fold:
     outputs: Callable
 
 
+def interleave_index(nd: int, kept: Sequence[int], kept_index: Sequence[str], dims: Sequence[int],
+                     reduced_index: Sequence[str]) -> list[str]:
+    """The index of an element of an ``nd``-dimensional tensor from the indices of its kept
+    dimensions and of its reduced ones (each list in the order of its dimensions)."""
+    idx = [None] * nd
+    for d, i in zip(kept, kept_index):
+        idx[d] = i
+    for d, i in zip(dims, reduced_index):
+        idx[d] = i
+    return idx
+
+
 def moments_fold(value: Callable, outputs: Callable) -> Fold:
     """Count, mean and sum of squared deviations from it (``M2``) of ``value(k, v)`` (an f32
     expression of the element), merged as Chan et al. do (Welford's update when one side is one
@@ -122,12 +134,7 @@ def fold_rows(pb, name: str, x: Value, dims: Sequence[int], outs: Sequence[Tenso
     k.emit(f"let r: i32 = c + j * {chunks};")
     k.open(f"if (r < {count})")
     ridx = k.unravel("r", red_shape)
-    idx = [None] * nd
-    for d, i in zip(kept, kidx):
-        idx[d] = i
-    for d, i in zip(dims, ridx):
-        idx[d] = i
-    _absorb(k, fold, state, fold.lift(k, x.read(k, idx), "r"), seen)
+    _absorb(k, fold, state, fold.lift(k, x.read(k, interleave_index(nd, kept, kidx, dims, ridx)), "r"), seen)
     k.close()
     k.close()
     parts = chunks

@@ -16,7 +16,7 @@ import torch
 
 from tapml.graph import TensorMeta
 from tapml.platforms.wgsl.codegen import LOOP_BUDGET, BufferView, Custom, Value, cast, ctype, lit
-from tapml.platforms.wgsl.folds import Fold, fold_rows, moments_fold, scan_lines
+from tapml.platforms.wgsl.folds import Fold, fold_rows, interleave_index, moments_fold, scan_lines
 from tapml.platforms.wgsl.registry import (ALL, ALL_FLOAT, ALL_INT, NUMERIC, edge_floats, edge_ints, rand, randbool, randint,
                                            register)
 from tapml.platforms.wgsl.views import norm_dim
@@ -65,12 +65,7 @@ def reduction(pb, name: str, x: Value, dims: Sequence[int], outs: Sequence[Tenso
     for p in passes:
         k.loop("r", count)
         ridx = k.unravel("r", red_shape)
-        idx = [None] * nd
-        for d, i in zip(kept, kidx):
-            idx[d] = i
-        for d, i in zip(dims, ridx):
-            idx[d] = i
-        p(k, state, x.read(k, idx), "r")
+        p(k, state, x.read(k, interleave_index(nd, kept, kidx, dims, ridx)), "r")
         k.close()
     for b, (e, ty) in zip(bufs, final(k, state)):
         k.write(b, "n", e, ty)
