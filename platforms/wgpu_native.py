@@ -93,7 +93,7 @@ def canonical_bindings(wgsl: str) -> str:
     rename = {n: f"tap_b{i}" for i, n in enumerate(names)}
     # tapml's codegen names every binding buf_*: one compiled pattern then serves every shader
     pattern = _BUFFER_NAME if all(n.startswith("buf_") for n in names) else \
-        re.compile(r"\b(" + "|".join(map(re.escape, names)) + r")\b")
+        re.compile(r"(?<![.\w])(" + "|".join(map(re.escape, names)) + r")\b")  # not a member: g.x stays
     return pattern.sub(lambda m: rename.get(m.group(1), m.group(1)), wgsl)
 
 
