@@ -66,7 +66,9 @@ def compare_anchored(targets: list[torch.Tensor], refs32: list[torch.Tensor], re
         low, anchor = r32.detach().cpu().double(), r64.detach().cpu().double()
         overflowed = ~torch.isfinite(low) & torch.isfinite(anchor)
         anchor = torch.where(overflowed, low, anchor)
-        bound, ref_err = anchor_bound(low, anchor, factor, floor)
+        # the floor of the reference's own dtype (low is float64 by now)
+        bound, ref_err = anchor_bound(low, anchor, factor,
+                                      ANCHOR_FLOOR.get(name, ANCHOR_FLOOR["float32"]) if floor is None else floor)
         extra = rules[i] if rules is not None else []
         c = compare_tensor(t.double(), anchor, rtol=0.0, atol=bound, rules=extra, fast="fp64-anchored")
         c.message = c.message and (f"{c.message} (fp64-anchored: reference {name} error {ref_err:.3g}, "
