@@ -112,4 +112,4 @@ def render_precision(doc: dict, console, quiet: bool = False, max_rows: int = 60
             line += f": {shown(run['message'][:200])}"
         console.print(line, highlight=False, soft_wrap=True)
     if doc.get("cause"):
-        console.print(f"[red]cause[/]: {escape(doc['cause']['message'])}", highlight=False, soft_wrap=True)
+        console.print(f"[red]cause[/]: {shown(doc['cause']['message'])}", highlight=False, soft_wrap=True)
