@@ -107,7 +107,7 @@ def render_states(states, console, quiet: bool = False, max_rows: int = 30) -> N
                 table.add_row("[bold red]culprit[/]" if f["culprit"] else "", shown(f["kind"]), shown(f["op"]),
                               shown(f["node"]), shown(f["module"] or "<root>"),
                               f"[{style}]{shown(f['status'])}[/]", fmt_err(f["max_abs_err"]), frac)
-            keep_names_whole(table)
+            keep_names_whole(table, ("", "op"))  # the culprit mark, too, is a word to grep for
             console.print(table)
             if len(failures) > max_rows:
                 console.print(f"... and {len(failures) - max_rows} more (see the HTML report)")
