@@ -176,7 +176,9 @@ def test_kill_one_server_mid_run_loses_and_duplicates_nothing(store):
         assert sorted(seen) == sorted(ids)  # reported once each
         assert doc["summary"]["pass"] == len(cases), [(c["status"], c["message"], c.get("device")) for c in doc["cases"] if c["status"] != "pass"][:3]
         used = {c["device"] for c in doc["cases"]}
-        assert victim.target in used and len(used) == 3
+        # the two survivors ran the rest; the victim shows in `used` only if it finished a case before
+        # it was killed (on a loaded machine it may still be compiling its first one)
+        assert len(used - {victim.target}) == 2 and used <= {srv.target for srv in servers}
         gone = [d for d in doc["devices"] if d["target"] == victim.target]
         assert gone and gone[0]["status"] != "ok" and "failures in a row" in gone[0]["status"]
         alive = [d for d in doc["devices"] if d["status"] == "ok"]
