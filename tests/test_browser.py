@@ -636,22 +636,6 @@ def test_interrupted_replay_leaves_no_chromium(carved):
     assert not Path(profile).exists()
 
 
-def test_no_leftover_chromium_processes(browser):
-    browser.close()
-    assert LAUNCHED
-    for proc in LAUNCHED:
-        assert proc.proc.poll() is not None
-        assert proc.session_pids() == [], f"chromium helpers of {proc.pid} still run"
-        assert not Path(proc.profile).exists()
-    profiles = [p.profile for p in LAUNCHED]
-    for entry in os.listdir("/proc"):
-        try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        assert not any(p in cmdline for p in profiles), f"process {entry} still runs: {cmdline[:200]}"
-
-
 NON_FINITE_MODEL = '''
 import torch
 
@@ -685,3 +669,20 @@ def test_a_mismatch_on_data_the_device_does_not_keep_names_its_float_model(brows
         on_vulkan = replay(store, vulkan, "wgpu:vulkan")
     assert on_vulkan["device"]["float_model"] == {"nan_inf": True, "subnormals": True}
     assert all(v["status"] == "pass" for v in on_vulkan["cases"]), [(v["op"], v["message"]) for v in on_vulkan["cases"]]
+
+
+# Last in the file: it closes the session's browser that the tests above share.
+def test_no_leftover_chromium_processes(browser):
+    browser.close()
+    assert LAUNCHED
+    for proc in LAUNCHED:
+        assert proc.proc.poll() is not None
+        assert proc.session_pids() == [], f"chromium helpers of {proc.pid} still run"
+        assert not Path(proc.profile).exists()
+    profiles = [p.profile for p in LAUNCHED]
+    for entry in os.listdir("/proc"):
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        assert not any(p in cmdline for p in profiles), f"process {entry} still runs: {cmdline[:200]}"
