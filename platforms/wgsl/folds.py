@@ -50,6 +50,16 @@ class Fold:
     outputs: Callable
 
 
+def _chunk_kernel(pb, name: str, outer: str, shape, chunks: int, fold):
+    """A kernel with one invocation per (``outer`` index into ``shape``, chunk ``c``): returns it,
+    the outer index unravelled over ``shape``, the fold's declared state and its ``seen`` flag."""
+    k = pb.kernel(name)
+    k.emit(f"let {outer}: i32 = n / {chunks};")
+    k.emit(f"let c: i32 = n % {chunks};")
+    index = k.unravel(outer, shape)
+    return k, index, _declare(k, fold), k.var("bool", "false", "seen")
+
+
 def interleave_index(nd: int, kept: Sequence[int], kept_index: Sequence[str], dims: Sequence[int],
                      reduced_index: Sequence[str]) -> list[str]:
     """The index of an element of an ``nd``-dimensional tensor from the indices of its kept
@@ -124,12 +134,7 @@ def fold_rows(pb, name: str, x: Value, dims: Sequence[int], outs: Sequence[Tenso
         return views
     chunks = 1 if count <= LOOP_BUDGET else -(-count // CHUNK)
     (x,) = pb.fit([x], len(outs) if chunks == 1 else len(fold.state))
-    k = pb.kernel(name)
-    k.emit(f"let row: i32 = n / {chunks};")
-    k.emit(f"let c: i32 = n % {chunks};")
-    kidx = k.unravel("row", kept_shape)
-    state = _declare(k, fold)
-    seen = k.var("bool", "false", "seen")
+    k, kidx, state, seen = _chunk_kernel(pb, name, "row", kept_shape, chunks, fold)
     k.loop("j", -(-count // chunks))
     k.emit(f"let r: i32 = c + j * {chunks};")
     k.open(f"if (r < {count})")
@@ -188,12 +193,7 @@ def scan_lines(pb, name: str, x: Value, dim: int, outs: Sequence[TensorMeta], fo
         """One invocation per (line, chunk): the chunk's elements folded onto the state before
         it (``prefix``: scanned states of the chunks, None for none), each position written to
         the outputs when ``write``, else the chunk's state returned to be written."""
-        k = pb.kernel(kname)
-        k.emit(f"let line: i32 = n / {chunks};")
-        k.emit(f"let c: i32 = n % {chunks};")
-        lidx = k.unravel("line", lines)
-        state = _declare(k, fold)
-        seen = k.var("bool", "false", "seen")
+        k, lidx, state, seen = _chunk_kernel(pb, kname, "line", lines, chunks, fold)
         if prefix is not None:
             k.open("if (c > 0)")
             _absorb(k, fold, state, [BufferView.whole(b, b.meta).read(k, [f"(line * {chunks} + c - 1)"])
