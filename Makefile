@@ -29,7 +29,7 @@ test: setup lint-imports
 LOCK_TORCH ?= 2.13.0+cpu
 lock: setup
 	@mkdir -p build && echo "torch==$(LOCK_TORCH)" > build/lock-constraints.txt
-	CUSTOM_COMPILE_COMMAND="make lock" .venv/bin/pip-compile -q --upgrade --extra dev --all-build-deps \
+	CUSTOM_COMPILE_COMMAND="make lock" .venv/bin/pip-compile -q --upgrade --extra dev --extra backends --all-build-deps \
 	  --allow-unsafe --generate-hashes --strip-extras --no-emit-index-url --no-emit-find-links \
 	  -c build/lock-constraints.txt -o requirements.lock pyproject.toml
 
