@@ -50,7 +50,73 @@ TARGETS: dict[str, TargetKind] = {
                               "rpyc; run the README's setup", check=lambda spec: parse_registry_target(spec),
                               usage="registry://HOST:PORT[?platform=P]"),
 }
-TARGET_HELP = ", ".join(form for kind in TARGETS.values() for form in (kind.forms or (kind.usage,)))
+
+#: Built-in external backends (:mod:`tapml.platforms.backend`): TARGET prefix -> ``"module:Class"``.
+#: Installed packages add more through the :data:`BACKEND_ENTRY_POINTS` entry-point group.
+BUILTIN_BACKENDS = {"iree": "tapml.platforms.iree:IreeBackend", "ort": "tapml.platforms.ort:OrtBackend"}
+#: The entry-point group a package registers its backends in: ``name = "module:Class"``, name the TARGET prefix.
+BACKEND_ENTRY_POINTS = "tapml.backends"
+#: ``path/to/file.py:Class``: a backend class in the user's own file (running the spec runs that file's code).
+FILE_BACKEND = re.compile(r"(?P<path>[^:]+\.py):(?P<name>[A-Za-z_][A-Za-z0-9_]*)")
+
+TARGET_HELP = ", ".join(form for kind in TARGETS.values() for form in (kind.forms or (kind.usage,))) + \
+    ", iree:vulkan, iree:llvm-cpu, ort, an installed backend's PREFIX[:DEVICE], path/to/file.py:Class"
+
+
+def installed_backends() -> dict[str, str]:
+    """Every external backend this environment can open: TARGET prefix -> ``"module:Class"``, the
+    built-in ones and those of installed packages' ``tapml.backends`` entry points (a package may
+    not take a built-in or table prefix)."""
+    from importlib.metadata import entry_points
+    found = dict(BUILTIN_BACKENDS)
+    for ep in entry_points(group=BACKEND_ENTRY_POINTS):
+        if ep.name not in found and not any(ep.name.startswith(p.rstrip(":/")) for p in TARGETS):
+            found[ep.name] = ep.value
+    return found
+
+
+def backend_prefix(spec: str) -> str | None:
+    """The backend a TARGET spec names -- its prefix (``iree`` for ``iree:vulkan``), or the spec
+    itself for a ``file.py:Class`` spec -- or None when it names no external backend."""
+    if not isinstance(spec, str) or spec.startswith(tuple(TARGETS)):
+        return None
+    if FILE_BACKEND.fullmatch(spec):
+        return spec
+    prefix = spec.split(":", 1)[0]
+    if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_.-]*", prefix):
+        return None
+    return prefix if prefix in installed_backends() else None
+
+
+def load_backend_class(spec: str):
+    """The :class:`~tapml.platforms.backend.Backend` subclass a backend TARGET spec names (its module
+    imported, or its file run). TapmlError saying what to install or fix."""
+    from tapml.platforms.backend import CONTRACT_VERSION, Backend
+    m = FILE_BACKEND.fullmatch(spec)
+    if m:
+        from tapml.io import load_python_file
+        module = load_python_file(m["path"], f"target {spec}")
+        cls = getattr(module, m["name"], None)
+        where = m["path"]
+    else:
+        prefix = spec.split(":", 1)[0]
+        value = installed_backends()[prefix]
+        module_name, _, name = value.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:
+            needs = "pip install 'tapml[backends]' (the README's setup installs it)" if prefix in BUILTIN_BACKENDS else \
+                f"the package that registered {prefix!r} fully installed"
+            raise TapmlError(f"target {spec} needs {needs} ({e})") from None
+        cls, where = getattr(module, name, None), module_name
+    if not (isinstance(cls, type) and issubclass(cls, Backend)):
+        raise TapmlError(f"target {spec}: {where} has no Backend subclass named {spec.rsplit(':', 1)[-1] if m else name!r}")
+    if getattr(cls, "contract_version", None) != CONTRACT_VERSION:
+        raise TapmlError(f"target {spec}: {cls.__name__} implements backend contract version "
+                         f"{getattr(cls, 'contract_version', None)!r}; this tapml speaks version {CONTRACT_VERSION}")
+    if cls.forms and spec not in cls.forms and not m:
+        raise TapmlError(f"unknown target {spec!r}; {cls.__name__} takes: {', '.join(cls.forms)}")
+    return cls
 
 
 @dataclass(frozen=True)
@@ -110,7 +176,10 @@ def parse_remote(spec: str) -> tuple[str, int]:
     return m.group(1).strip("[]"), int(m.group(2))
 
 
-def _kind(spec: str) -> TargetKind:
+def _kind(spec: str) -> TargetKind | None:
+    """The table kind of a TARGET spec, None for an external backend's spec; TapmlError for an unknown one."""
+    if backend_prefix(spec) is not None:
+        return None
     prefix = max((p for p in TARGETS if spec.startswith(p)), key=len, default=None)
     kind = TARGETS.get(prefix) if prefix is not None else None
     if kind is None or (kind.forms is not None and spec not in kind.forms):
@@ -129,8 +198,18 @@ def check_target(spec: str) -> str:
 
 
 def open_platform(spec: str, token: str | None = None):
-    """Open the platform a TARGET spec names (no fault injection; see ``tapml.targets.open_target``)."""
+    """Open the platform a TARGET spec names (no fault injection; see ``tapml.targets.open_target``).
+    An external backend opens here, in this process (``open_target`` puts it in a worker)."""
     kind = _kind(check_target(spec))
+    if kind is None:
+        from tapml.platforms.external import BackendPlatform
+        cls = load_backend_class(spec)
+        try:
+            return BackendPlatform(cls(spec))
+        except TapmlError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a backend that cannot open its device says why
+            raise TapmlError(f"target {spec} could not open: {type(e).__name__}: {e}") from None
     module, _, cls = kind.platform.partition(":")
     try:
         factory = getattr(importlib.import_module(module), cls)

@@ -323,5 +323,26 @@ def _try_lock(fd: int) -> bool:
         return False
 
 
-__all__ = ["ExclusiveLock", "FileHeld", "JsonSyntaxError", "MAX_JSON_BYTES", "open_regular", "parse_json",
+def load_python_file(path: str, what: str):
+    """Import the user's Python file ``path`` as a module and return it: THIS RUNS THAT FILE'S CODE, by
+    design (``file.py:factory`` model specs, ``file.py:Class`` backend targets). ``what`` names it in
+    errors. TapmlError when the file is missing or raises while importing."""
+    import importlib.util
+    import sys
+    file = Path(path)
+    if not file.is_file():
+        raise TapmlError(f"{what}: file {path!r} does not exist")
+    mod_name = f"tapml_user_{abs(hash(str(file.resolve())))}"
+    module_spec = importlib.util.spec_from_file_location(mod_name, file)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[mod_name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - a user's file failing to import is bad input
+        del sys.modules[mod_name]
+        raise TapmlError(f"importing {path} failed: {type(e).__name__}: {e}") from None
+    return module
+
+
+__all__ = ["ExclusiveLock", "load_python_file", "FileHeld", "JsonSyntaxError", "MAX_JSON_BYTES", "open_regular", "parse_json",
            "read_json_file", "read_regular_file", "sync_folder", "write_json_atomic", "write_text_atomic"]

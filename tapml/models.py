@@ -7,9 +7,7 @@ deterministic: the same seed gives the same model and the same inputs.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from typing import Callable
 
@@ -468,18 +466,11 @@ def example_input(model, config) -> torch.Tensor:
 
 
 def _load_factory(spec: str):
+    from tapml.io import load_python_file
     path, _, factory = spec.rpartition(":")
-    file = Path(path)
-    if not file.is_file():
+    if not Path(path).is_file():
         raise TapmlError(f"model file {path!r} does not exist")
-    mod_name = f"tapml_user_model_{abs(hash(str(file.resolve())))}"
-    module_spec = importlib.util.spec_from_file_location(mod_name, file)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[mod_name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001 - a user's file failing to import is bad input
-        raise TapmlError(f"importing {path} failed: {type(e).__name__}: {e}") from None
+    module = load_python_file(path, f"model {spec}")
     fn = getattr(module, factory, None)
     if not callable(fn):
         raise TapmlError(f"{path} has no function {factory!r}")

@@ -14,7 +14,7 @@ from tapml.platforms.targets import (TARGET_HELP, TARGETS, WGPU_BACKENDS, Regist
                                      open_platform, parse_registry_target, parse_remote, token_for)
 
 __all__ = ["TARGETS", "TARGET_HELP", "WGPU_BACKENDS", "RegistryTarget", "TargetKind", "check_target", "open_platform",
-           "open_reference", "open_target", "parse_registry_target", "parse_remote", "read_token", "read_tokens", "spread", "token_for"]
+           "open_backend", "open_reference", "open_target", "parse_registry_target", "parse_remote", "read_token", "read_tokens", "spread", "token_for"]
 
 
 #: Largest token file read (a token is at most 4096 characters).
@@ -105,6 +105,27 @@ def open_reference(spec: str):
     return WorkerPlatform(spec, timeout=REFERENCE_TIMEOUT_S, memory_headroom=None if spec.endswith("cuda") else headroom)
 
 
+#: env: seconds one compile or run of an external backend may take before its worker is killed (a hang is bounded)
+BACKEND_TIMEOUT_ENV = "TAPML_BACKEND_TIMEOUT_S"
+BACKEND_TIMEOUT_S = 600.0
+
+
+def open_backend(spec: str):
+    """An external backend's target (``iree:vulkan``, ``ort``, an installed or ``file.py:Class``
+    backend) in a worker process of its own (:class:`tapml.remote.device_worker.WorkerPlatform`): a
+    crash of its native code is an ``error`` verdict for the case, and a compile or run past
+    ``$TAPML_BACKEND_TIMEOUT_S`` seconds (default 600) kills the worker and is one too."""
+    from tapml.remote.device_worker import WorkerPlatform
+    text = os.environ.get(BACKEND_TIMEOUT_ENV)
+    try:
+        timeout = float(text) if text else BACKEND_TIMEOUT_S
+    except ValueError:
+        timeout = -1.0
+    if not timeout > 0:
+        raise TapmlError(f"{BACKEND_TIMEOUT_ENV}={(text or '')[:40]!r}: give a positive number of seconds")
+    return WorkerPlatform(spec, timeout=timeout)
+
+
 def open_target(spec: str, *, token: str | None = None, inject: list[str] | None = None,
                 limits: dict[str, int] | None = None):
     """Open the platform a TARGET spec names, wrapped with fault injection when asked.
@@ -121,7 +142,13 @@ def open_target(spec: str, *, token: str | None = None, inject: list[str] | None
     if inject:
         from tapml.inject import parse_faults
         faults = parse_faults(inject)  # validate before opening a device
-    platform = open_reference(spec) if spec.startswith("reference") else open_platform(spec, token)
+    from tapml.platforms.targets import backend_prefix
+    if spec.startswith("reference"):
+        platform = open_reference(spec)
+    elif backend_prefix(spec) is not None:
+        platform = open_backend(spec)
+    else:
+        platform = open_platform(spec, token)
     if limits:
         force = getattr(platform, "force_limits", None)
         try:

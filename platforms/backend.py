@@ -1,0 +1,128 @@
+"""The backend contract: the one seam between tapml's checking and a compiler under test.
+
+Version 1 (:data:`CONTRACT_VERSION`). A backend takes a standalone graph -- one carved case, a
+region, or the whole model -- as a ``torch.export.ExportedProgram`` whose inputs are all user
+inputs (no parameters or buffers: weights arrive as inputs), compiles it for its device, and
+runs it on CPU tensors. That is the whole contract; everything else (carving, judging,
+migration, journals, reports, repros, remote serving) is tapml's and works over any backend.
+
+tapml's own compilers stand behind the same seam through their :class:`~tapml.platforms.base.Platform`
+(``wgpu``, ``browser``, ``reference``); an external backend is adapted to a Platform by
+:class:`tapml.platforms.external.BackendPlatform` and always runs in a worker process, so a crash
+of its native code is an ``error`` verdict and a hang is bounded.
+
+A backend is found by its TARGET spec: ``iree:vulkan`` (built in), a prefix registered by an
+installed package in the ``tapml.backends`` entry-point group, or ``path/to/file.py:Class`` (that
+file's code runs, as a ``file.py:factory`` model spec's does).
+
+Example, a backend that runs the program with torch itself (``tapml replay STORE --target
+my_backend.py:EagerBackend``)::
+
+    import torch
+    from tapml.platforms.backend import Backend, Compiled
+
+    class EagerBackend(Backend):
+        control = None                      # no mature twin of this route to blame against
+
+        def describe(self) -> dict:
+            return {"device": "cpu", "version": torch.__version__, "route": "torch eager"}
+
+        def refuse(self, program):
+            for node in program.graph.nodes:
+                if node.op == "call_function" and "fft" in str(node.target):
+                    return f"{node.target} is not supported"
+            return None
+
+        def compile(self, program):
+            return Compiled(handle=program.module(), artifact=str(program.graph).encode(),
+                            artifact_name="graph.txt")
+
+        def run(self, compiled, inputs):
+            out = compiled.handle(*inputs)
+            return list(out) if isinstance(out, (list, tuple)) else [out]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tapml.errors import Unsupported
+
+#: The version of this contract; a backend states the one it was written for in ``contract_version``.
+CONTRACT_VERSION = 1
+
+
+class BackendRefused(Unsupported):
+    """Raised by :meth:`Backend.compile` when the backend cannot take the program (an op, a dtype,
+    a shape it has no lowering for): the case's verdict is ``unsupported`` with this message."""
+
+
+@dataclass
+class Compiled:
+    """What :meth:`Backend.compile` returns.
+
+    ``handle`` is whatever :meth:`Backend.run` needs. ``artifact`` is the backend's own input for
+    this program (MLIR, ONNX, WGSL ...) and ``artifact_name`` its file name in a repro folder
+    (``"program.mlir"``): a driver engineer reruns the case from it with the backend alone.
+    ``blob``, when set, is the compiled form as bytes; with :meth:`Backend.load` it lets the compile
+    cache skip compiling on a re-run.
+    """
+
+    handle: object
+    artifact: bytes = b""
+    artifact_name: str = ""
+    blob: bytes | None = None
+
+
+class Backend:
+    """Base class of a compiler under test. Subclass it and implement :meth:`compile` and :meth:`run`.
+
+    ``spec`` is the TARGET spec the backend was opened with (``"iree:vulkan"``). Class attributes:
+    ``contract_version`` (the contract it implements), ``forms`` (the specs it accepts; empty:
+    any spec with its prefix), ``needs`` (what to install, shown when its imports fail and by
+    ``tapml targets``), and ``control`` (the TARGET spec of the same route on a mature device,
+    e.g. ``iree:llvm-cpu`` for ``iree:vulkan``; a case that fails here is run there too, to tell
+    a fault of the route from one of the device's compiler; None: no control).
+
+    Every method runs in the backend's worker process. An exception from :meth:`compile` is an
+    ``unsupported`` verdict carrying its message; one from :meth:`run` an ``error`` verdict.
+    """
+
+    contract_version: int = CONTRACT_VERSION
+    forms: tuple[str, ...] = ()
+    needs: str = ""
+    control: str | None = None
+
+    def __init__(self, spec: str):
+        self.spec = spec
+
+    def describe(self) -> dict:
+        """The device and the software: at least ``device`` (what actually runs the program, as the
+        runtime reports it) and ``version`` (the backend's version; it keys the compile cache)."""
+        return {"device": "unknown", "version": "0"}
+
+    def refuse(self, program) -> str | None:
+        """None when the backend may take ``program`` (an ExportedProgram), else why not: checked
+        before compiling, so a known gap costs nothing."""
+        return None
+
+    def compile(self, program) -> Compiled:
+        """Compile an ExportedProgram for the device. Raise :class:`BackendRefused` (or any
+        exception: its message becomes the verdict's) when it cannot."""
+        raise NotImplementedError
+
+    def load(self, blob: bytes) -> object:
+        """The ``handle`` of a program compiled earlier, from its :attr:`Compiled.blob` (only called
+        when :meth:`compile` gave one)."""
+        raise NotImplementedError
+
+    def run(self, compiled: Compiled, inputs: list) -> list:
+        """Run a compiled program on CPU tensors (the program's user inputs, in order); returns CPU
+        tensors, one per program output, in order."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release the device. Called once, when the worker ends."""
+
+
+__all__ = ["CONTRACT_VERSION", "Backend", "BackendRefused", "Compiled"]

@@ -1,0 +1,124 @@
+"""An external backend (:class:`tapml.platforms.backend.Backend`) as a tapml platform.
+
+:class:`BackendPlatform` turns each graph tapml hands a platform (a carved case, a region, a
+whole model) into a standalone ``torch.export.ExportedProgram`` -- every graph input a user
+input, so weights travel as inputs -- compiles it with the backend once, and runs it. It lives
+in the backend's worker process (``tapml.targets.open_target`` opens a backend target as a
+:class:`~tapml.remote.device_worker.WorkerPlatform`); the checking code never sees the backend.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import torch
+
+from tapml.errors import PlatformError, Unsupported
+from tapml.graph import Graph, decode_arg, node_results, resolve_op, run_graph, torch_dtype
+from tapml.platforms.backend import Backend, Compiled
+from tapml.platforms.base import KernelProgram, RuntimePlatform, graph_program
+
+#: A backend's message is cut to this many characters in a verdict (compilers print pages).
+MESSAGE_CHARS = 600
+
+
+def trim_message(text: str, limit: int = MESSAGE_CHARS) -> str:
+    """A compiler's message cut to what matters: its error lines first, at most ``limit`` characters."""
+    lines = [line.rstrip() for line in str(text).splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower()]
+    text = " | ".join(errors or lines) or type(text).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _run_node_unchecked(node, value_of):
+    # while tracing, the values are fake tensors: the data checks of run_node need real ones
+    args = decode_arg(node.args, value_of)
+    kwargs = {k: decode_arg(v, value_of) for k, v in node.kwargs.items()}
+    return node_results(node, resolve_op(node.op)(*args, **kwargs))
+
+
+class _GraphModule(torch.nn.Module):
+    def __init__(self, graph: Graph):
+        super().__init__()
+        self.tapml_graph = graph
+
+    def forward(self, *inputs):
+        graph = self.tapml_graph
+        out = run_graph(graph, dict(zip([r for r, _ in graph.inputs], inputs)), run=_run_node_unchecked)
+        return tuple(out[r] for r in graph.outputs)
+
+
+def export_graph(graph: Graph):
+    """The ExportedProgram of a tapml graph: its inputs in order as user inputs, its outputs in
+    order, core ATen. Raises Unsupported when torch.export cannot take it."""
+    examples = tuple(torch.zeros(m.shape, dtype=torch_dtype(m.dtype)) for _, m in graph.inputs)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.export's deprecation chatter, once per case
+            program = torch.export.export(_GraphModule(graph), examples, strict=False)
+            return program.run_decompositions()
+    except Exception as e:  # noqa: BLE001 - an export the route cannot make is a verdict
+        raise Unsupported(f"torch.export could not export the graph: {trim_message(e)}") from None
+
+
+class BackendPlatform(RuntimePlatform):
+    """Runs graphs through an external :class:`Backend` (in the current process: the worker's).
+
+    Each distinct graph is exported and compiled once (the program cache keeps the compiled
+    form); ``last_compile_ms`` is the last compile's time and ``artifacts[key]`` the backend's
+    own input for each program compiled (for repros).
+    """
+
+    program_kinds = ("graph",)
+
+    def __init__(self, backend: Backend):
+        super().__init__()
+        self.backend = backend
+        self.name = backend.spec
+        self.last_compile_ms = None
+        self.artifacts: dict[str, tuple[str, bytes]] = {}
+
+    def _caps(self) -> dict:
+        info = dict(self.backend.describe())
+        return {"adapter": str(info.get("device", "unknown")), "backend": f"{self.name} {info.get('version', '')}".strip(),
+                "features": [], "limits": {}, "control": self.backend.control, "describe": info}
+
+    def _supports(self, node) -> str | None:
+        return None
+
+    def _compile(self, graph: Graph) -> KernelProgram:
+        program = graph_program(graph)
+        self.prepared(program)
+        return program
+
+    def _prepare(self, program: KernelProgram) -> tuple[object, int]:
+        graph = Graph.from_json(program.graph)
+        exported = export_graph(graph)
+        reason = self.backend.refuse(exported)
+        if reason:
+            raise Unsupported(f"{self.name} refuses: {trim_message(reason)}")
+        start = time.perf_counter()
+        try:
+            compiled = self.backend.compile(exported)
+        except Unsupported as e:
+            raise Unsupported(f"{self.name} cannot compile: {trim_message(e)}") from None
+        except Exception as e:  # noqa: BLE001 - the backend's compile error is a verdict
+            raise Unsupported(f"{self.name} failed to compile: {type(e).__name__}: {trim_message(e)}") from None
+        self.last_compile_ms = (time.perf_counter() - start) * 1e3
+        if not isinstance(compiled, Compiled):
+            raise PlatformError(f"{self.name}: Backend.compile returned {type(compiled).__name__}, not Compiled")
+        if compiled.artifact:
+            self.artifacts[program.key] = (compiled.artifact_name or "program.bin", compiled.artifact)
+        return compiled, len(compiled.artifact) + len(compiled.blob or b"")
+
+    def _execute(self, program: KernelProgram, prepared, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        outputs = self.backend.run(prepared, [t.contiguous() for t in inputs])
+        outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+        if len(outputs) != len(program.outputs):
+            raise PlatformError(f"{self.name} returned {len(outputs)} outputs; the program has {len(program.outputs)}")
+        return [torch.as_tensor(o) for o in outputs]
+
+    def close(self) -> None:
+        super().close()
+        self.backend.close()
