@@ -1,0 +1,272 @@
+"""IREE as a compiler under test: ``iree:vulkan`` and ``iree:llvm-cpu``.
+
+The route: an ExportedProgram (core ATen) -> ``iree.turbine.aot.export`` -> torch-dialect MLIR
+(the case's artifact, ``program.mlir``) -> ``iree.compiler.compile_str(input_type="torch")`` for the
+device -> a ``.vmfb`` -> ``iree.runtime`` on the Vulkan driver, or on the local-task driver for
+``llvm-cpu``. ``iree:llvm-cpu`` is the control of ``iree:vulkan``: the same route on a mature device,
+so a case that fails on Vulkan and passes there is the Vulkan compiler's fault, not the export's.
+
+What is particular to IREE stays here:
+
+- The Vulkan compile target is the adapter IREE opens: ``--iree-vulkan-target=llvmpipe`` on
+  lavapipe (found by its name, not assumed); elsewhere IREE's default target, or
+  ``$TAPML_IREE_VULKAN_TARGET`` (an IREE target name such as ``rdna3`` or ``ampere``).
+- Results come back through a host-visible staging buffer from the device's own allocator:
+  ``DeviceArray.to_host()`` imports a numpy allocation, which lavapipe refuses (its
+  ``minImportedHostPointerAlignment`` is 4096).
+- bfloat16 crosses as ``ml_dtypes.bfloat16`` arrays; every output's count, dtype and shape are
+  held to the program's, never cast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import torch
+
+from tapml.platforms.backend import Backend, BackendRefused, Compiled
+
+#: env: the IREE Vulkan target to compile for (``--iree-vulkan-target``) instead of the one detected
+VULKAN_TARGET_ENV = "TAPML_IREE_VULKAN_TARGET"
+#: IREE's Vulkan target for Mesa's CPU Vulkan driver (lavapipe, which names its device "llvmpipe ...")
+LAVAPIPE_TARGET = "llvmpipe"
+
+_DRIVERS = {"iree:vulkan": "vulkan", "iree:llvm-cpu": "local-task"}
+# a generic CPU, not "host": a compiled blob may be cached and loaded again on another machine
+_LLVM_CPU_FLAGS = ["--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu",
+                   "--iree-llvmcpu-target-cpu=generic"]
+# the blob is this magic, the output metas' JSON length (4 bytes, little-endian), the JSON, then the vmfb
+_BLOB_MAGIC = b"TAPML-IREE-VMFB-1\n"
+_MAX_META_BYTES = 1 << 20
+_ERROR_LINE_CHARS = 240
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+    found = {}
+    for package in ("iree-base-compiler", "iree-base-runtime", "iree-turbine"):
+        try:
+            found[package] = version(package)
+        except PackageNotFoundError:
+            found[package] = "unknown"
+    return found
+
+
+def _cpu_name() -> str:
+    import platform
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "CPU"
+
+
+def _numpy_dtype(dtype: torch.dtype):
+    import ml_dtypes
+    import numpy as np
+    if dtype == torch.bfloat16:
+        return np.dtype(ml_dtypes.bfloat16)
+    return torch.empty((), dtype=dtype).numpy().dtype
+
+
+def _to_numpy(t: torch.Tensor):
+    """A CPU tensor as a numpy array of the same dtype (bfloat16 as ml_dtypes.bfloat16)."""
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(_numpy_dtype(torch.bfloat16))
+    return t.numpy()
+
+
+def _to_torch(a, dtype: torch.dtype) -> torch.Tensor:
+    """A numpy array from the device as a tensor of ``dtype``, which must be its own (no casts)."""
+    import numpy as np
+    if a.dtype != _numpy_dtype(dtype):
+        raise TypeError(f"is {a.dtype}, the program's output is {dtype}")
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(np.array(a, copy=True))
+
+
+def _output_metas(program) -> list[dict]:
+    """Shape and dtype of each output of an ExportedProgram, as its graph declares them."""
+    out = next(n for n in program.graph.nodes if n.op == "output")
+    metas = []
+    for value in out.args[0]:
+        val = getattr(value, "meta", {}).get("val")
+        if not isinstance(val, torch.Tensor):
+            raise BackendRefused(f"output {len(metas)} is not a tensor ({type(val).__name__})")
+        metas.append({"shape": [int(s) for s in val.shape], "dtype": str(val.dtype).removeprefix("torch.")})
+    return metas
+
+
+def pack_blob(metas: list[dict], vmfb: bytes) -> bytes:
+    """The compiled form kept by a cache: the outputs' metas and the vmfb, in one byte string."""
+    head = json.dumps(metas, separators=(",", ":")).encode()
+    return _BLOB_MAGIC + struct.pack("<I", len(head)) + head + vmfb
+
+
+def unpack_blob(blob: bytes) -> tuple[list[dict], bytes]:
+    """``(metas, vmfb)`` of a :func:`pack_blob` byte string; ValueError when it is not one."""
+    if not isinstance(blob, (bytes, bytearray)) or not blob.startswith(_BLOB_MAGIC):
+        raise ValueError("not a tapml IREE blob (bad magic)")
+    at = len(_BLOB_MAGIC)
+    if len(blob) < at + 4:
+        raise ValueError("tapml IREE blob is truncated")
+    (n,) = struct.unpack_from("<I", blob, at)
+    if n > _MAX_META_BYTES or len(blob) < at + 4 + n:
+        raise ValueError("tapml IREE blob is truncated or its header is too long")
+    metas = json.loads(bytes(blob[at + 4:at + 4 + n]))
+    if not isinstance(metas, list) or not all(
+            isinstance(m, dict) and set(m) == {"shape", "dtype"} and isinstance(m["dtype"], str)
+            and isinstance(getattr(torch, m["dtype"], None), torch.dtype) and isinstance(m["shape"], list)
+            and all(type(s) is int and s >= 0 for s in m["shape"]) for m in metas):
+        raise ValueError("tapml IREE blob has malformed output metas")
+    return metas, bytes(blob[at + 4 + n:])
+
+
+class _Loaded:
+    """A vmfb loaded on the backend's device: its ``main`` function and the outputs it must give."""
+
+    def __init__(self, function, metas: list[dict]):
+        self.function = function
+        self.metas = metas
+
+
+class IreeBackend(Backend):
+    """IREE 3.x through iree-turbine: ``iree:vulkan`` (SPIR-V on the Vulkan adapter IREE opens) and
+    ``iree:llvm-cpu`` (the local-task CPU driver; the control of ``iree:vulkan``).
+
+    Example::
+
+        tapml replay STORE --target iree:vulkan
+    """
+
+    forms = ("iree:vulkan", "iree:llvm-cpu")
+    needs = "pip install 'tapml[backends]' (iree-base-compiler, iree-base-runtime, iree-turbine, ml_dtypes)"
+    #: the same route on the CPU; ``iree:llvm-cpu`` itself has none (set per instance)
+    control = "iree:llvm-cpu"
+
+    def __init__(self, spec: str):
+        super().__init__(spec)
+        import iree.compiler  # noqa: F401 - fail here, with the install hint, not at the first compile
+        import iree.runtime as rt
+        import iree.turbine.aot  # noqa: F401
+        if spec not in _DRIVERS:
+            raise ValueError(f"IreeBackend takes {', '.join(self.forms)}, not {spec!r}")
+        self.control = "iree:llvm-cpu" if spec == "iree:vulkan" else None
+        self.driver = _DRIVERS[spec]
+        devices = rt.get_driver(self.driver).query_available_devices()
+        if not devices:
+            raise RuntimeError(f"IREE's {self.driver} driver finds no device")
+        # Config opens the driver's default device: the first one it lists (the CPU's is named "default")
+        self.device_name = str(devices[0].get("name") or "") if self.driver == "vulkan" else f"{_cpu_name()} (local-task)"
+        self.config = rt.Config(self.driver)
+        self.compile_flags = self._compile_flags()
+
+    def _compile_flags(self) -> list[str]:
+        if self.driver != "vulkan":
+            return list(_LLVM_CPU_FLAGS)
+        target = os.environ.get(VULKAN_TARGET_ENV) or (LAVAPIPE_TARGET if "llvmpipe" in self.device_name else None)
+        flags = ["--iree-hal-target-device=vulkan"]
+        return flags + [f"--iree-vulkan-target={target}"] if target else flags
+
+    def describe(self) -> dict:
+        versions = _versions()
+        return {"device": self.device_name, "driver": self.driver, "compile_flags": self.compile_flags,
+                "versions": versions,
+                # the compile cache keys on this: a change of IREE or of the compile target recompiles
+                "version": f"iree {versions['iree-base-compiler']} runtime {versions['iree-base-runtime']} "
+                           f"turbine {versions['iree-turbine']} {' '.join(self.compile_flags)}"}
+
+    def refuse(self, program) -> str | None:
+        if not any(n.op == "output" for n in program.graph.nodes):
+            return "the program has no output"
+        return None
+
+    def compile(self, program) -> Compiled:
+        import iree.compiler
+        import iree.turbine.aot
+        metas = _output_metas(program)
+        try:
+            mlir = str(iree.turbine.aot.export(program).mlir_module)
+        except Exception as e:  # noqa: BLE001 - the route's own failure, said as such
+            raise BackendRefused(f"iree-turbine could not import the program: {type(e).__name__}: {e}") from None
+        try:
+            vmfb = iree.compiler.compile_str(mlir, input_type="torch", extra_args=self.compile_flags)
+        except iree.compiler.CompilerToolError as e:
+            raise BackendRefused(f"iree-compile failed: {_compiler_message(e)}") from None
+        blob = pack_blob(metas, bytes(vmfb))
+        return Compiled(handle=self._load(metas, bytes(vmfb)), artifact=mlir.encode(), artifact_name="program.mlir",
+                        blob=blob)
+
+    def load(self, blob: bytes) -> object:
+        return self._load(*unpack_blob(blob))
+
+    def _load(self, metas: list[dict], vmfb: bytes) -> _Loaded:
+        import iree.runtime as rt
+        context = rt.SystemContext(config=self.config)
+        context.add_vm_module(rt.VmModule.copy_buffer(self.config.vm_instance, vmfb))
+        return _Loaded(context.modules.module["main"], metas)
+
+    def run(self, compiled: Compiled, inputs: list) -> list:
+        loaded = compiled.handle if isinstance(compiled, Compiled) else compiled
+        results = loaded.function(*[_to_numpy(t) for t in inputs])
+        results = list(results) if isinstance(results, (list, tuple)) else [results]
+        if len(results) != len(loaded.metas):
+            raise RuntimeError(f"IREE returned {len(results)} outputs; the program has {len(loaded.metas)}")
+        outputs = []
+        for i, (result, meta) in enumerate(zip(results, loaded.metas)):
+            dtype = getattr(torch, meta["dtype"])
+            try:
+                tensor = _to_torch(self._read_back(result), dtype)
+            except TypeError as e:
+                raise RuntimeError(f"output {i} {e}") from None
+            if list(tensor.shape) != meta["shape"]:
+                raise RuntimeError(f"output {i} has shape {list(tensor.shape)}; the program's is {meta['shape']}")
+            outputs.append(tensor)
+        return outputs
+
+    def _read_back(self, result):
+        """A DeviceArray's contents as a numpy array, through a host-visible staging buffer."""
+        import numpy as np
+        import iree.runtime as rt
+        if not isinstance(result, rt.DeviceArray):
+            return np.asarray(result)
+        view = result._buffer_view  # noqa: SLF001 - the public to_host() is what fails on lavapipe
+        dtype = result._get_raw_dtype()  # noqa: SLF001
+        source = view.get_buffer()
+        nbytes = source.byte_length()
+        if nbytes == 0:
+            return np.empty(view.shape, dtype=dtype)
+        device = self.config.device
+        staging = device.allocator.allocate_buffer(
+            memory_type=int(rt.MemoryType.HOST_LOCAL | rt.MemoryType.DEVICE_VISIBLE),
+            allowed_usage=int(rt.BufferUsage.TRANSFER_TARGET | rt.BufferUsage.MAPPING_SCOPED),
+            allocation_size=nbytes)
+        semaphore = device.create_semaphore(0)
+        device.queue_copy(source, staging, wait_semaphores=rt.HalFence.create_at(semaphore, 0),
+                          signal_semaphores=rt.HalFence.create_at(semaphore, 1))
+        rt.HalFence.create_at(semaphore, 1).wait()
+        count = int(np.prod(view.shape, dtype=np.int64))
+        host = np.array(staging.map().asarray([nbytes // np.dtype(dtype).itemsize], dtype)[:count], copy=True)
+        host = host.reshape(view.shape)
+        return host.astype(result.dtype) if result.dtype != dtype else host
+
+    def close(self) -> None:
+        self.config = None
+
+
+def _compiler_message(error) -> str:
+    """iree-compile's diagnostics: its ``error:`` lines (each cut short; the target attribute it prints
+    runs to kilobytes), without the command line and the hint about temporary files."""
+    text = str(error)
+    errors = [line.split("error: ", 1)[1].strip()[:_ERROR_LINE_CHARS] for line in text.splitlines() if "error: " in line]
+    if errors:
+        return " | ".join(dict.fromkeys(errors))
+    text = text.split("Invoked with:", 1)[0]
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())[:_ERROR_LINE_CHARS * 2]
