@@ -88,7 +88,8 @@ def _to_torch(a, dtype: torch.dtype) -> torch.Tensor:
     if a.dtype != _numpy_dtype(dtype):
         raise TypeError(f"is {a.dtype}, the program's output is {dtype}")
     if dtype == torch.bfloat16:
-        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16).copy()).view(torch.bfloat16)
+        # (np.ascontiguousarray would make a 0-d array 1-d)
+        return torch.from_numpy(np.array(a, copy=True).view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(np.array(a, copy=True))
 
 
@@ -100,7 +101,9 @@ def _output_metas(program) -> list[dict]:
         val = getattr(value, "meta", {}).get("val")
         if not isinstance(val, torch.Tensor):
             raise BackendRefused(f"output {len(metas)} is not a tensor ({type(val).__name__})")
-        metas.append({"shape": [int(s) for s in val.shape], "dtype": str(val.dtype).removeprefix("torch.")})
+        # a data-dependent size (nonzero, masked_select) is a symbol: None, checked by the runtime alone
+        shape = [s if isinstance(s, int) else None for s in val.shape]
+        metas.append({"shape": shape, "dtype": str(val.dtype).removeprefix("torch.")})
     return metas
 
 
@@ -120,11 +123,14 @@ def unpack_blob(blob: bytes) -> tuple[list[dict], bytes]:
     (n,) = struct.unpack_from("<I", blob, at)
     if n > _MAX_META_BYTES or len(blob) < at + 4 + n:
         raise ValueError("tapml IREE blob is truncated or its header is too long")
-    metas = json.loads(bytes(blob[at + 4:at + 4 + n]))
+    try:
+        metas = json.loads(bytes(blob[at + 4:at + 4 + n]))
+    except ValueError as e:
+        raise ValueError(f"tapml IREE blob has a malformed header ({e})") from None
     if not isinstance(metas, list) or not all(
             isinstance(m, dict) and set(m) == {"shape", "dtype"} and isinstance(m["dtype"], str)
             and isinstance(getattr(torch, m["dtype"], None), torch.dtype) and isinstance(m["shape"], list)
-            and all(type(s) is int and s >= 0 for s in m["shape"]) for m in metas):
+            and all(s is None or (type(s) is int and s >= 0) for s in m["shape"]) for m in metas):
         raise ValueError("tapml IREE blob has malformed output metas")
     return metas, bytes(blob[at + 4 + n:])
 
@@ -226,7 +232,8 @@ class IreeBackend(Backend):
                 tensor = _to_torch(self._read_back(result), dtype)
             except TypeError as e:
                 raise RuntimeError(f"output {i} {e}") from None
-            if list(tensor.shape) != meta["shape"]:
+            if len(tensor.shape) != len(meta["shape"]) or any(
+                    want is not None and got != want for got, want in zip(tensor.shape, meta["shape"])):
                 raise RuntimeError(f"output {i} has shape {list(tensor.shape)}; the program's is {meta['shape']}")
             outputs.append(tensor)
         return outputs
