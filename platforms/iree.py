@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 
 import torch
@@ -269,11 +270,19 @@ class IreeBackend(Backend):
 
 
 def _compiler_message(error) -> str:
-    """iree-compile's diagnostics: its ``error:`` lines (each cut short; the target attribute it prints
-    runs to kilobytes), without the command line and the hint about temporary files."""
-    text = str(error)
-    errors = [line.split("error: ", 1)[1].strip()[:_ERROR_LINE_CHARS] for line in text.splitlines() if "error: " in line]
-    if errors:
-        return " | ".join(dict.fromkeys(errors))
-    text = text.split("Invoked with:", 1)[0]
+    """iree-compile's diagnostics, what matters of them: each ``error:`` line (its location and the
+    target attribute it may print, kilobytes long, cut off) with the torch op it points at, without
+    the generic "failed to run translation" line, the command line and the hint about temporary files."""
+    lines = str(error).splitlines()
+    errors = []
+    for i, line in enumerate(lines):
+        if "error: " not in line:
+            continue
+        text = re.sub(r'\s*loc\(".*$', "", line.split("error: ", 1)[1].strip())[:_ERROR_LINE_CHARS]
+        source = next((m.group(0) for m in (re.search(r"torch\.aten\.[\w.]+", s) for s in lines[i + 1:i + 2]) if m), None)
+        errors.append(f"{text} (at {source})" if source and source not in text else text)
+    specific = [e for e in errors if not e.startswith("failed to run translation")]
+    if specific or errors:
+        return " | ".join(dict.fromkeys(specific or errors))
+    text = str(error).split("Invoked with:", 1)[0]
     return " ".join(line.strip() for line in text.splitlines() if line.strip())[:_ERROR_LINE_CHARS * 2]
