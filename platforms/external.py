@@ -82,7 +82,8 @@ class BackendPlatform(RuntimePlatform):
     def _caps(self) -> dict:
         info = dict(self.backend.describe())
         return {"adapter": str(info.get("device", "unknown")), "backend": f"{self.name} {info.get('version', '')}".strip(),
-                "features": [], "limits": {}, "control": self.backend.control, "describe": info}
+                "features": [], "limits": {}, "control": self.backend.control, "describe": info,
+                "keeps_tensors": False}  # the contract runs programs on host tensors: nothing stays on the device
 
     def _supports(self, node) -> str | None:
         return None
