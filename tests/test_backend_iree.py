@@ -120,3 +120,37 @@ def test_a_failing_compile_is_refused_with_iree_compiles_own_error(cpu):
     assert message.startswith("iree-compile failed: failed to legalize operation 'torch.operator'")
     assert "torch.aten._fft_r2c" in message
     assert "Invoked with" not in message and len(message) < 1000
+
+
+# -- on lavapipe Vulkan ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def vulkan():
+    from support import vulkan_or_skip
+    vulkan_or_skip()
+    backend = IreeBackend("iree:vulkan")
+    yield backend
+    backend.close()
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+def test_vulkan_compiles_for_the_adapter_it_opens_and_reads_results_back(vulkan):
+    info = vulkan.describe()
+    assert info["driver"] == "vulkan" and "llvmpipe" in info["device"]  # lavapipe names its device llvmpipe
+    assert "--iree-vulkan-target=llvmpipe" in info["compile_flags"] and vulkan.control == "iree:llvm-cpu"
+    out = vulkan.run(vulkan.compile(exported(mixed, *MIXED_INPUTS)), list(MIXED_INPUTS))
+    expected = mixed(*MIXED_INPUTS)
+    torch.testing.assert_close(out[0], expected[0], rtol=1e-2, atol=1e-2)
+    assert all(torch.equal(got, want) for got, want in zip(out[1:], expected[1:]))  # read back past to_host()
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+def test_bfloat16_mm_does_not_compile_for_vulkan_but_does_for_its_control(vulkan, cpu):
+    args = (torch.randn(8, 64).to(torch.bfloat16), torch.randn(64, 64).to(torch.bfloat16))
+    program = exported(lambda x, w: (x @ w,), *args)
+    with pytest.raises(BackendRefused, match=r"failed to legalize operation 'vector.bitcast'.*\(at torch.aten.mm\)"):
+        vulkan.compile(program)
+    out = cpu.run(cpu.compile(program), list(args))  # the route is sound: the Vulkan compiler is at fault
+    torch.testing.assert_close(out[0], args[0] @ args[1], rtol=2e-2, atol=2e-2)
