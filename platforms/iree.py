@@ -136,6 +136,52 @@ def unpack_blob(blob: bytes) -> tuple[list[dict], bytes]:
     return metas, bytes(blob[at + 4 + n:])
 
 
+def read_back(device, result):
+    """A result of an IREE call as a numpy array; a device array copied through a host-visible staging
+    buffer from ``device``'s own allocator (``DeviceArray.to_host()`` imports a numpy allocation,
+    which lavapipe refuses: its minImportedHostPointerAlignment is 4096)."""
+    import iree.runtime as rt
+    import numpy as np
+    if not isinstance(result, rt.DeviceArray):
+        return np.asarray(result)
+    view = result._buffer_view  # noqa: SLF001 - the public to_host() is what fails on lavapipe
+    dtype = result._get_raw_dtype()  # noqa: SLF001
+    source = view.get_buffer()
+    nbytes = source.byte_length()
+    if nbytes == 0:
+        return np.empty(view.shape, dtype=result.dtype)
+    staging = device.allocator.allocate_buffer(
+        memory_type=int(rt.MemoryType.HOST_LOCAL | rt.MemoryType.DEVICE_VISIBLE),
+        allowed_usage=int(rt.BufferUsage.TRANSFER_TARGET | rt.BufferUsage.MAPPING_SCOPED),
+        allocation_size=nbytes)
+    semaphore = device.create_semaphore(0)
+    device.queue_copy(source, staging, wait_semaphores=rt.HalFence.create_at(semaphore, 0),
+                      signal_semaphores=rt.HalFence.create_at(semaphore, 1))
+    rt.HalFence.create_at(semaphore, 1).wait()
+    count = int(np.prod(view.shape, dtype=np.int64))
+    host = np.array(staging.map().asarray([nbytes // np.dtype(dtype).itemsize], dtype)[:count], copy=True)
+    host = host.reshape(view.shape)
+    return host.astype(result.dtype) if result.dtype != dtype else host  # IREE holds bool as i8
+
+
+def run_mlir(artifact: bytes, inputs: list, dtypes: list, driver: str, flags: list) -> list:
+    """Compile torch-dialect MLIR with ``flags`` and run it on IREE's ``driver``: numpy arrays in and
+    out, bfloat16 as float32 (``dtypes`` names each input's dtype). What a repro folder's runner calls."""
+    import iree.compiler
+    import iree.runtime as rt
+    import ml_dtypes
+    import numpy as np
+    vmfb = iree.compiler.compile_str(artifact.decode(), input_type="torch", extra_args=flags)
+    config = rt.Config(driver)
+    context = rt.SystemContext(config=config)
+    context.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
+    args = [np.asarray(a).astype(ml_dtypes.bfloat16) if d == "bfloat16" else np.asarray(a) for a, d in zip(inputs, dtypes)]
+    results = context.modules.module["main"](*args)
+    results = results if isinstance(results, (list, tuple)) else [results]
+    out = [read_back(config.device, r) for r in results]
+    return [o.astype(np.float32) if o.dtype == ml_dtypes.bfloat16 else o for o in out]
+
+
 class _Loaded:
     """A vmfb loaded on the backend's device: its ``main`` function and the outputs it must give."""
 
@@ -206,7 +252,9 @@ class IreeBackend(Backend):
         try:
             vmfb = iree.compiler.compile_str(mlir, input_type="torch", extra_args=self.compile_flags)
         except iree.compiler.CompilerToolError as e:
-            raise BackendRefused(f"iree-compile failed: {_compiler_message(e)}") from None
+            refused = BackendRefused(f"iree-compile failed: {_compiler_message(e)}")
+            refused.artifact, refused.artifact_name = mlir.encode(), "program.mlir"  # kept for the case's repro
+            raise refused from None
         blob = pack_blob(metas, bytes(vmfb))
         return Compiled(handle=self._load(metas, bytes(vmfb)), artifact=mlir.encode(), artifact_name="program.mlir",
                         blob=blob)
@@ -230,7 +278,7 @@ class IreeBackend(Backend):
         for i, (result, meta) in enumerate(zip(results, loaded.metas)):
             dtype = getattr(torch, meta["dtype"])
             try:
-                tensor = _to_torch(self._read_back(result), dtype)
+                tensor = _to_torch(read_back(self.config.device, result), dtype)
             except TypeError as e:
                 raise RuntimeError(f"output {i} {e}") from None
             if len(tensor.shape) != len(meta["shape"]) or any(
@@ -239,31 +287,14 @@ class IreeBackend(Backend):
             outputs.append(tensor)
         return outputs
 
-    def _read_back(self, result):
-        """A DeviceArray's contents as a numpy array, through a host-visible staging buffer."""
-        import numpy as np
-        import iree.runtime as rt
-        if not isinstance(result, rt.DeviceArray):
-            return np.asarray(result)
-        view = result._buffer_view  # noqa: SLF001 - the public to_host() is what fails on lavapipe
-        dtype = result._get_raw_dtype()  # noqa: SLF001
-        source = view.get_buffer()
-        nbytes = source.byte_length()
-        if nbytes == 0:
-            return np.empty(view.shape, dtype=dtype)
-        device = self.config.device
-        staging = device.allocator.allocate_buffer(
-            memory_type=int(rt.MemoryType.HOST_LOCAL | rt.MemoryType.DEVICE_VISIBLE),
-            allowed_usage=int(rt.BufferUsage.TRANSFER_TARGET | rt.BufferUsage.MAPPING_SCOPED),
-            allocation_size=nbytes)
-        semaphore = device.create_semaphore(0)
-        device.queue_copy(source, staging, wait_semaphores=rt.HalFence.create_at(semaphore, 0),
-                          signal_semaphores=rt.HalFence.create_at(semaphore, 1))
-        rt.HalFence.create_at(semaphore, 1).wait()
-        count = int(np.prod(view.shape, dtype=np.int64))
-        host = np.array(staging.map().asarray([nbytes // np.dtype(dtype).itemsize], dtype)[:count], copy=True)
-        host = host.reshape(view.shape)
-        return host.astype(result.dtype) if result.dtype != dtype else host
+    def repro_runner(self) -> str:
+        """A module that runs a case's ``program.mlir`` with IREE alone (for ``tapml repro`` folders):
+        the same compile flags and driver, the same staging readback; bfloat16 travels as float32."""
+        import inspect
+        return ('"""Run program.mlir with IREE alone: pip install iree-base-compiler iree-base-runtime ml_dtypes."""\n\n'
+                f"DRIVER = {self.driver!r}\nFLAGS = {self.compile_flags!r}\n\n\n"
+                + inspect.getsource(read_back) + "\n\n" + inspect.getsource(run_mlir) + "\n\n"
+                "def run(artifact, inputs, dtypes):\n    return run_mlir(artifact, inputs, dtypes, DRIVER, FLAGS)\n")
 
     def close(self) -> None:
         self.config = None

@@ -120,6 +120,18 @@ def test_a_failing_compile_is_refused_with_iree_compiles_own_error(cpu):
     assert message.startswith("iree-compile failed: failed to legalize operation 'torch.operator'")
     assert "torch.aten._fft_r2c" in message
     assert "Invoked with" not in message and len(message) < 1000
+    assert b"torch.aten._fft_r2c" in refused.value.artifact and refused.value.artifact_name == "program.mlir"
+
+
+def test_the_repro_runner_runs_the_mlir_with_iree_alone(cpu, compiled_mixed):
+    namespace = {}
+    exec(compile(cpu.repro_runner(), "runner.py", "exec"), namespace)  # noqa: S102 - our own source
+    inputs = [t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy() for t in MIXED_INPUTS]
+    out = namespace["run"](compiled_mixed.artifact, inputs, ["bfloat16", "bfloat16", "int64", "bool"])
+    expected = mixed(*MIXED_INPUTS)
+    assert [o.dtype.name for o in out] == ["float32", "int64", "bool", "float32"]
+    torch.testing.assert_close(torch.from_numpy(out[0]), expected[0].float(), rtol=1e-2, atol=1e-2)
+    assert all((torch.from_numpy(o) == e).all() for o, e in zip(out[1:], expected[1:]))
 
 
 # -- on lavapipe Vulkan ------------------------------------------------------------------------------
