@@ -166,3 +166,127 @@ def test_bfloat16_mm_does_not_compile_for_vulkan_but_does_for_its_control(vulkan
         vulkan.compile(program)
     out = cpu.run(cpu.compile(program), list(args))  # the route is sound: the Vulkan compiler is at fault
     torch.testing.assert_close(out[0], args[0] @ args[1], rtol=2e-2, atol=2e-2)
+
+
+# -- end to end (slow: IREE compiles each case, 0.3-0.7 s apiece) -----------------------------------
+
+def readme_iree_section() -> tuple[list[tuple[str, int]], list[str]]:
+    """``([(command, expected exit)], shown lines)`` of README.md's "Your compiler under test: IREE"."""
+    from test_readme import split_comment
+    text = (ROOT / "README.md").read_text()
+    section = text.split("### Your compiler under test: IREE", 1)[1].split("\n#", 1)[0]
+    sh = section.split("```sh\n", 1)[1].split("```", 1)[0]
+    shown = section.split("```text\n", 1)[1].split("```", 1)[0]
+    commands = []
+    for line in sh.splitlines():
+        command, comment = split_comment(line)
+        expected = re.match(r"\s*exit (\d+)\b", comment or "")
+        commands.append((command.strip(), int(expected.group(1)) if expected else 0))
+    return commands, [line for line in shown.splitlines() if line.strip()]
+
+
+def flat(text: str) -> str:
+    return " ".join(text.replace("│", " ").split())
+
+
+@pytest.mark.slow
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+def test_readme_iree_example_runs_and_says_what_the_readme_shows(vulkan, tmp_path):
+    commands, shown = readme_iree_section()
+    assert len(commands) >= 3 and shown
+    env = {**os.environ, "T": f"{sys.executable} -m tapml.cli"}
+    said = ""
+    for command, expected in commands:
+        done = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == expected, (command, done.stdout[-2000:], done.stderr[-2000:])
+        assert "Traceback" not in done.stdout + done.stderr
+        said += done.stdout
+    for line in shown:
+        assert flat(line) in flat(said), f"README shows {line!r}; the commands printed:\n{said[-3000:]}"
+
+
+def replay_json(store, *args, timeout=900) -> tuple[int, dict, str]:
+    out = Path(store).parent / "verdicts.json"
+    done = tapml("replay", store, *args, "--json", out, timeout=timeout)
+    assert "Traceback" not in done.stdout + done.stderr
+    return done.returncode, json.loads(out.read_text()), done.stdout + done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+@pytest.mark.parametrize("target, dtype", [("iree:llvm-cpu", "float32"), ("iree:vulkan", "bfloat16")])
+def test_every_case_of_tiny_llama_runs_and_compile_failures_are_verdicts(carved, target, dtype):
+    store = carved("zoo:tiny-llama", dtype=dtype)
+    code, doc, said = replay_json(store, "--target", target)
+    cases = json.loads((Path(store) / "manifest.json").read_text())["cases"]
+    assert len(doc["cases"]) == len(cases) and code in (0, 1), said[-3000:]
+    assert doc["summary"]["error"] == 0 and doc["summary"]["mismatch"] == 0
+    unsupported = [c for c in doc["cases"] if c["status"] == "unsupported"]
+    if target == "iree:llvm-cpu":
+        assert code == 0 and not unsupported
+    else:  # bfloat16 matmuls: IREE's Vulkan code generator, with its own message
+        assert code == 1 and {c["op"] for c in unsupported} <= {"aten.mm.default", "aten.bmm.default"}
+        assert "aten.mm.default" in {c["op"] for c in unsupported}
+        assert all("failed to legalize operation 'vector.bitcast'" in c["message"] for c in unsupported)
+
+
+@pytest.mark.slow
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+def test_a_device_server_serves_iree_vulkan_to_remote_replays(vulkan, carved):
+    from tapml.remote.launcher import ServerProcess
+    store = carved("zoo:mlp")
+    with ServerProcess(platform="iree:vulkan", startup_s=180) as server:
+        assert any("iree:vulkan (llvmpipe" in line for line in server.lines)  # the adapter IREE opened
+        code, doc, said = replay_json(store, "--target", f"remote://{server.host}:{server.port}",
+                                      "--op", "aten.addmm.default", "--op", "aten.relu.default")
+    assert code == 0 and doc["summary"]["pass"] == len(doc["cases"]) >= 3, said[-3000:]
+    assert "llvmpipe" in doc["device"]["adapter"]
+
+
+@pytest.mark.slow
+def test_generate_on_llvm_cpu_checks_every_step_and_says_the_cache_goes_back_in(tmp_path):
+    done = tapml("generate", "zoo:tiny-llama", "--target", "iree:llvm-cpu", "--tokens", "8",
+                 "--json", tmp_path / "g.json", timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    doc = json.loads((tmp_path / "g.json").read_text())
+    assert [s["status"] for s in doc["steps"]] == ["pass"] * 9 and doc["summary"]["steps"] == 9
+    assert [s["kind"] for s in doc["steps"]] == ["prefill"] + ["decode"] * 8
+    assert doc["kv_cache"]["on_device"] is False and doc["kv_cache"]["bytes"] > 0
+    assert flat(done.stdout).count("KV cache") == 1 and "passed back in with every step" in flat(done.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+def test_migrate_hf_llama_on_iree_vulkan_killed_and_resumed_ends_with_a_placement_and_culprits(vulkan, tmp_path):
+    import signal
+    import time
+    state = tmp_path / "s.json"
+    journal = tmp_path / "s.json.journal"
+    command = [sys.executable, "-m", "tapml.cli", "migrate", "hf:llama", "--dtype", "bfloat16",
+               "--target", "iree:vulkan", "--state", state]
+    first = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             start_new_session=True)  # its own group: the kill takes the IREE worker too
+    try:
+        deadline = time.monotonic() + 600
+        while not (journal.exists() and journal.read_text().count("\n") >= 20):
+            assert first.poll() is None, first.stdout.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "the migration wrote no 20 verdicts in 10 minutes"
+            time.sleep(0.2)
+        os.killpg(first.pid, signal.SIGKILL)
+    finally:
+        first.wait()
+    done = tapml("migrate", "hf:llama", "--dtype", "bfloat16", "--target", "iree:vulkan", "--state", state, "--resume",
+                 timeout=1800)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]  # a finding, not a crash
+    doc = json.loads(state.read_text())
+    assert doc["complete"] and doc["placement"]
+    unsupported = {c["op"] for c in doc["cases"] if c["status"] == "unsupported"}
+    assert "aten.mm.default" in unsupported  # bfloat16 mm: IREE's Vulkan compiler
+    assert doc["culprits"] and {c["kind"] for c in doc["culprits"]} >= {"unsupported"}
+    fell_back = [n for n, where in doc["placement"]["nodes"].items() if where != "target"]
+    assert fell_back and len(fell_back) < len(doc["placement"]["nodes"])  # the rest runs on IREE
+    assert "iree:vulkan" in flat(done.stdout) and "culprit" in flat(done.stdout).lower()
