@@ -27,6 +27,7 @@ import struct
 
 import torch
 
+from tapml.graph import dtype_name, torch_dtype
 from tapml.platforms.backend import Backend, BackendRefused, Compiled
 
 #: env: the IREE Vulkan target to compile for (``--iree-vulkan-target``) instead of the one detected
@@ -104,7 +105,7 @@ def _output_metas(program) -> list[dict]:
             raise BackendRefused(f"output {len(metas)} is not a tensor ({type(val).__name__})")
         # a data-dependent size (nonzero, masked_select) is a symbol: None, checked by the runtime alone
         shape = [s if isinstance(s, int) else None for s in val.shape]
-        metas.append({"shape": shape, "dtype": str(val.dtype).removeprefix("torch.")})
+        metas.append({"shape": shape, "dtype": dtype_name(val.dtype)})
     return metas
 
 
@@ -130,9 +131,11 @@ def unpack_blob(blob: bytes) -> tuple[list[dict], bytes]:
         raise ValueError(f"tapml IREE blob has a malformed header ({e})") from None
     if not isinstance(metas, list) or not all(
             isinstance(m, dict) and set(m) == {"shape", "dtype"} and isinstance(m["dtype"], str)
-            and isinstance(getattr(torch, m["dtype"], None), torch.dtype) and isinstance(m["shape"], list)
-            and all(s is None or (type(s) is int and s >= 0) for s in m["shape"]) for m in metas):
+            and isinstance(m["shape"], list) and all(s is None or (type(s) is int and s >= 0) for s in m["shape"])
+            for m in metas):
         raise ValueError("tapml IREE blob has malformed output metas")
+    for m in metas:
+        torch_dtype(m["dtype"])  # a closed list of names: ValueError for any other
     return metas, bytes(blob[at + 4 + n:])
 
 
@@ -276,7 +279,7 @@ class IreeBackend(Backend):
             raise RuntimeError(f"IREE returned {len(results)} outputs; the program has {len(loaded.metas)}")
         outputs = []
         for i, (result, meta) in enumerate(zip(results, loaded.metas)):
-            dtype = getattr(torch, meta["dtype"])
+            dtype = torch_dtype(meta["dtype"])
             try:
                 tensor = _to_torch(read_back(self.config.device, result), dtype)
             except TypeError as e:

@@ -84,6 +84,16 @@ def test_llvm_cpu_describes_its_device_and_versions(cpu):
     assert cpu.control is None and IreeBackend.control == "iree:llvm-cpu"
 
 
+def test_the_built_in_targets_name_this_backend_and_only_its_two_forms():
+    from tapml.errors import TapmlError
+    from tapml.platforms.targets import backend_prefix, load_backend_class
+    assert backend_prefix("iree:vulkan") == "iree" and load_backend_class("iree:llvm-cpu") is IreeBackend
+    with pytest.raises(TapmlError, match="IreeBackend takes: iree:vulkan, iree:llvm-cpu"):
+        load_backend_class("iree:metal")
+    with pytest.raises(ValueError, match="not 'iree:metal'"):
+        IreeBackend("iree:metal")
+
+
 def test_outputs_are_held_to_the_programs_dtype_and_shape(cpu, compiled_mixed):
     metas, vmfb = unpack_blob(compiled_mixed.blob)
     wrong_dtype = [dict(m) for m in metas]
@@ -102,7 +112,9 @@ def test_outputs_are_held_to_the_programs_dtype_and_shape(cpu, compiled_mixed):
     (b"", "bad magic"), (b"\x00" * 64, "bad magic"),
     (b"TAPML-IREE-VMFB-1\n\x01", "truncated"),
     (b"TAPML-IREE-VMFB-1\n\xff\xff\xff\x7f{}", "too long"),
-    (pack_blob([{"shape": [2], "dtype": "os.system"}], b"x")[:-1] + b"x", "malformed"),
+    (pack_blob([{"shape": [2], "dtype": "os.system"}], b"x"), "unknown dtype 'os.system'"),
+    (pack_blob([{"shape": [2], "dtype": "_dynamo"}], b"x"), "unknown dtype '_dynamo'"),  # no torch attribute lookups
+    (pack_blob([{"shape": [2.5], "dtype": "float32"}], b"x"), "malformed output metas"),
     (b"TAPML-IREE-VMFB-1\n" + (14).to_bytes(4, "little") + b'[{"shape":-1}]', "malformed output metas"),
     (b"TAPML-IREE-VMFB-1\n" + (3).to_bytes(4, "little") + b'[{"', "malformed header"),
 ])
