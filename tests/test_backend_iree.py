@@ -225,23 +225,15 @@ def replay_json(store, *args, timeout=900) -> tuple[int, dict, str]:
     return done.returncode, json.loads(out.read_text()), done.stdout + done.stderr
 
 
+# The bfloat16 store's every case on iree:vulkan runs in the migration test below (its op stage), and the
+# README's example replays its mm cases on both targets: one more whole-store run would add ~2 CPU minutes.
 @pytest.mark.slow
-@pytest.mark.device
-@pytest.mark.xdist_group("wgpu")
-@pytest.mark.parametrize("target, dtype", [("iree:llvm-cpu", "float32"), ("iree:vulkan", "bfloat16")])
-def test_every_case_of_tiny_llama_runs_and_compile_failures_are_verdicts(carved, target, dtype):
-    store = carved("zoo:tiny-llama", dtype=dtype)
-    code, doc, said = replay_json(store, "--target", target)
+def test_every_case_of_the_float32_tiny_llama_passes_on_llvm_cpu(carved):
+    store = carved("zoo:tiny-llama")
+    code, doc, said = replay_json(store, "--target", "iree:llvm-cpu")
     cases = json.loads((Path(store) / "manifest.json").read_text())["cases"]
-    assert len(doc["cases"]) == len(cases) and code in (0, 1), said[-3000:]
-    assert doc["summary"]["error"] == 0 and doc["summary"]["mismatch"] == 0
-    unsupported = [c for c in doc["cases"] if c["status"] == "unsupported"]
-    if target == "iree:llvm-cpu":
-        assert code == 0 and not unsupported
-    else:  # bfloat16 matmuls: IREE's Vulkan code generator, with its own message
-        assert code == 1 and {c["op"] for c in unsupported} <= {"aten.mm.default", "aten.bmm.default"}
-        assert "aten.mm.default" in {c["op"] for c in unsupported}
-        assert all("failed to legalize operation 'vector.bitcast'" in c["message"] for c in unsupported)
+    assert code == 0 and len(doc["cases"]) == len(cases) == doc["summary"]["pass"], said[-3000:]
+    assert "(local-task)" in doc["device"]["adapter"]
 
 
 @pytest.mark.slow
@@ -296,8 +288,12 @@ def test_migrate_hf_llama_on_iree_vulkan_killed_and_resumed_ends_with_a_placemen
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]  # a finding, not a crash
     doc = json.loads(state.read_text())
     assert doc["complete"] and doc["placement"]
-    unsupported = {c["op"] for c in doc["cases"] if c["status"] == "unsupported"}
-    assert "aten.mm.default" in unsupported  # bfloat16 mm: IREE's Vulkan compiler
+    store_cases = json.loads((tmp_path / "s.store" / "manifest.json").read_text())["cases"]
+    assert len(doc["cases"]) == len(store_cases)  # every case of the bfloat16 store ran, 20 of them before the kill
+    unsupported = [c for c in doc["cases"] if c["status"] == "unsupported"]
+    assert [c for c in doc["cases"] if c["status"] not in ("pass", "unsupported")] == []
+    assert "aten.mm.default" in {c["op"] for c in unsupported}  # bfloat16 mm: IREE's Vulkan code generator
+    assert all("failed to legalize operation 'vector.bitcast'" in c["message"] for c in unsupported)
     assert doc["culprits"] and {c["kind"] for c in doc["culprits"]} >= {"unsupported"}
     fell_back = [n for n, where in doc["placement"]["nodes"].items() if where != "target"]
     assert fell_back and len(fell_back) < len(doc["placement"]["nodes"])  # the rest runs on IREE
