@@ -82,8 +82,7 @@ class BackendPlatform(RuntimePlatform):
     def _caps(self) -> dict:
         info = dict(self.backend.describe())
         return {"adapter": str(info.get("device", "unknown")), "backend": f"{self.name} {info.get('version', '')}".strip(),
-                "features": [], "limits": {}, "control": self.backend.control, "describe": info,
-                "keeps_tensors": False}  # the contract runs programs on host tensors: nothing stays on the device
+                "features": [], "limits": {}, "control": self.backend.control, "describe": info}
 
     def _supports(self, node) -> str | None:
         return None
@@ -123,3 +122,8 @@ class BackendPlatform(RuntimePlatform):
     def close(self) -> None:
         super().close()
         self.backend.close()
+
+    def caps(self) -> dict:
+        """The device's caps, with ``keeps_tensors: False``: the contract runs programs on host tensors, so
+        nothing stays on the device between runs (a generation hands the KV cache back in every step)."""
+        return {**super().caps(), "keeps_tensors": False}

@@ -252,7 +252,7 @@ class Device:
         self.timeout = timeout
         self.limits = limits or ServerLimits()
         from tapml.platforms.targets import backend_prefix
-        # the reference and external backends (iree:vulkan, ...) take graphs; tapml's WGSL devices programs
+        # the reference and external backends run graphs (an external backend compiles them itself)
         self.program_kind = "graph" if spec.startswith("reference") or backend_prefix(spec) is not None else "wgsl"
         self.lock = threading.Lock()
         from tapml.platforms.program_cache import ProgramCache
