@@ -25,12 +25,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import warnings
 from dataclasses import dataclass
 
 import torch
 
 from tapml.platforms.backend import Backend, BackendRefused, Compiled
+
+# ONNX Runtime's official wheels (1.2x on) start Microsoft's 1DS telemetry when the library loads: a
+# database under ~/.cache/Microsoft, a session file in $TMPDIR, uploads when online. This variable,
+# set before the first import, turns all of it off for the process and its children; a user who
+# sets it otherwise keeps their choice.
+os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
 
 #: torch dtype -> the ONNX element type that carries it (what the exporter and ONNX Runtime take).
 ONNX_DTYPES = {
