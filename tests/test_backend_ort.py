@@ -4,8 +4,8 @@ Fast tier: :class:`OrtBackend` in this process on small exported programs (every
 carries, the blob round trip, the exporter's dropped float16 cast, refusals: bfloat16 without a
 kernel, an op the exporter cannot convert, a dtype ONNX does not carry, a provider that falls back
 or is not there) and ``tapml replay --target ort`` over the CLI (the backend in its worker process).
-Device tier: the README's worked example, run as written, its shown output checked against the run.
-Slow tier: every case of zoo:tiny-llama's float32 and bfloat16 stores (a migration over ``ort`` is the
+Slow tier: the README's worked example, run as written (it needs lavapipe), its shown output checked
+against the run; every case of zoo:tiny-llama's float32 and bfloat16 stores (a migration over ``ort`` is the
 README example's; one of tiny-llama costs over a minute of CPU).
 """
 
@@ -178,6 +178,7 @@ def _readme_example() -> tuple[list[tuple[int, str, int, bool]], list[str]]:
     return commands, shown
 
 
+@pytest.mark.slow  # ~30 s of CPU: a carve, two replays and a migration, as tests/test_readme.py walks them too
 @pytest.mark.device
 def test_the_readmes_worked_example_runs_as_written_and_prints_what_it_shows(tmp_path):
     """The dropped float16 cast of a sum, run from the README's own lines (each command's exit as its
