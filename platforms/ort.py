@@ -135,15 +135,16 @@ def _read_signature(model) -> dict:
 class OrtBackend(Backend):
     """ONNX Runtime on its CPU execution provider (TARGET ``ort``).
 
-    A subclass for another provider changes :attr:`provider` (and ``forms``, ``control``): the
+    A subclass for another provider changes :attr:`provider` and :attr:`device` (and ``forms``, ``control``): the
     check that the session really runs on it, the refusals and the dtype handling stay the same.
     """
 
     forms = ("ort",)
     needs = "onnxruntime, onnx and onnxscript: pip install 'tapml[backends]' (the README's setup installs them)"
     control = None  # ORT's CPU provider IS the ONNX route's control; see the module docstring
-    #: The execution provider the session must run on.
+    #: The execution provider the session must run on, and the device it runs on.
     provider = "CPUExecutionProvider"
+    device = "cpu"
 
     def __init__(self, spec: str):
         super().__init__(spec)
@@ -158,7 +159,7 @@ class OrtBackend(Backend):
         import onnxscript
         _, opset = _exporter()
         ort = self._ort
-        return {"device": f"{ort.get_device().lower()} ({self.provider})", "providers": [self.provider],
+        return {"device": f"{self.device} ({self.provider})", "providers": [self.provider],
                 "available_providers": ort.get_available_providers(),
                 "onnxruntime": ort.__version__, "onnx": onnx.__version__, "onnxscript": onnxscript.__version__,
                 "opset": opset, "route": "torch.onnx exporter (dynamo) -> ONNX -> onnxruntime",
