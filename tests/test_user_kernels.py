@@ -169,6 +169,16 @@ def test_a_suite_carries_its_kernel_files(net, tmp_path):
     assert not (tmp_path / "suite" / "kernels").exists()
 
 
+def test_the_readme_shows_the_shipped_gelu_kernel_and_its_convention():
+    from tapml.platforms.wgsl.user_kernels import HEADER, MAX_KERNEL_BYTES, MAX_RANK, RECORD
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("### Your own kernels"):readme.index("## Op coverage")]
+    shown = section[section.index("```wgsl\n") + len("```wgsl\n"):]
+    assert shown[:shown.index("```")] == GELU.read_text()
+    assert f"from word `{HEADER} + {RECORD}k`" in section and f"{MAX_RANK} sizes, {MAX_RANK} contiguous strides" in section
+    assert f"at most {MAX_KERNEL_BYTES >> 10} KiB" in section
+
+
 # --- on devices -------------------------------------------------------------------------------
 
 def replay_with(store, spec: str, kernels: list[str], **options):
