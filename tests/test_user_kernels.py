@@ -231,6 +231,40 @@ def test_a_kernel_the_device_cannot_compile_is_unsupported_with_its_message(net,
         assert "undefined_name" in case["message"] and "let v = x[i] + undefined_name" in case["message"]
 
 
+F16_GELU = GELU.read_text().replace("array<f32>", "array<f16>").replace(
+    "  let v = x[i];", "  let v = f32(x[i]);").replace(
+    "  y[i] = 0.5 * v * select(e, 2.0 - e, v >= 0.0);", "  y[i] = f16(0.5 * v * select(e, 2.0 - e, v >= 0.0));")
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+def test_an_f16_kernel_runs_float16_cases_where_the_device_has_shader_f16(tmp_path):
+    """Vulkan (lavapipe) has shader-f16: the f16 file takes the float16 case, the f32 file the float32
+    one; GL (llvmpipe) has not, so its float16 case is unsupported and says why."""
+    from support import own_wgpu
+    from tapml.compare import compare_anchored
+    from tapml.platforms.kernel_override import KernelOverridePlatform
+    from tapml.platforms.wgsl.user_kernels import parse_kernel_options
+    f16 = tmp_path / "gelu_f16.wgsl"
+    f16.write_text("enable f16;\n" + F16_GELU)
+    kernels = parse_kernel_options([f"aten.gelu.default={GELU}", f"aten.gelu.default={f16}"])
+    torch.manual_seed(0)
+    x = torch.randn(9, 33)
+    with KernelOverridePlatform(own_wgpu("vulkan"), kernels) as vulkan:
+        assert "shader-f16" in vulkan.caps()["features"]
+        for dtype in (torch.float32, torch.float16):
+            graph = gelu_graph((9, 33), str(dtype).split(".")[1])
+            program = vulkan.compile(graph)
+            assert [k.wgsl for k in program.kernels] == [(GELU if dtype == torch.float32 else f16).read_text()]
+            (out,) = vulkan.run(program, [x.to(dtype)])
+            expected = torch.nn.functional.gelu(x.to(dtype))
+            exact = torch.nn.functional.gelu(x.to(dtype).double())
+            assert out.dtype == dtype and compare_anchored([out], [expected], [exact]).passed
+    with KernelOverridePlatform(own_wgpu("gl"), kernels) as gl:
+        with pytest.raises(Unsupported, match="float16 without shader-f16 is held packed two per u32"):
+            gl.compile(gelu_graph((9, 33), "float16"))
+
+
 def tapml_cli(*args, timeout=300):
     env = {**os.environ, "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR", "/tmp")}
     return subprocess.run([sys.executable, "-m", "tapml.cli", *args], capture_output=True, text=True, env=env,
