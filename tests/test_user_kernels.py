@@ -231,6 +231,31 @@ def test_a_kernel_the_device_cannot_compile_is_unsupported_with_its_message(net,
         assert "undefined_name" in case["message"] and "let v = x[i] + undefined_name" in case["message"]
 
 
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+def test_migrate_and_session_name_a_wrong_kernel_as_the_culprit(net, tmp_path):
+    """The wrong gelu inside regions and the whole model too: migrate puts exactly the gelu nodes
+    back on the reference; a session that offloads everything bisects to a gelu node."""
+    from support import vulkan_or_skip
+    vulkan_or_skip()
+    from tapml import Session
+    from tapml.migrate import Migration
+    from tapml.targets import open_target
+    wrong = [f"aten.gelu.default={variant(tmp_path, 'wrong_gelu.wgsl', *WRONG)}", f"aten.mm.default={MM}"]
+    gelu_nodes = sorted(c["node"] for c in net.cases if c["op"] == "aten.gelu.default")
+    with open_target("wgpu:vulkan", kernels=wrong) as platform:
+        state = Migration(net, platform, "wgpu:vulkan", tmp_path / "s.json").run()
+    assert {(c["kind"], c["op"]) for c in state["culprits"]} == {("op", "aten.gelu.default")}, state["culprits"]
+    assert sorted(c["node"] for c in state["culprits"]) == gelu_nodes
+    assert sorted(n for n, where in state["placement"]["nodes"].items() if where == "reference") == gelu_nodes
+    assert state["end_to_end"]["status"] == "pass"
+    with Session(str(net.path), target="wgpu:vulkan", kernels=wrong) as s:
+        s.offload("all")
+        assert s.compare_model()["status"] == "mismatch"
+        culprit = s.bisect()
+        assert culprit["op"] == "aten.gelu.default" and set(culprit["nodes"]) <= set(gelu_nodes)
+
+
 F16_GELU = GELU.read_text().replace("array<f32>", "array<f16>").replace(
     "  let v = x[i];", "  let v = f32(x[i]);").replace(
     "  y[i] = 0.5 * v * select(e, 2.0 - e, v >= 0.0);", "  y[i] = f16(0.5 * v * select(e, 2.0 - e, v >= 0.0));")
