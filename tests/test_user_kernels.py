@@ -244,7 +244,10 @@ def test_migrate_and_session_name_a_wrong_kernel_as_the_culprit(net, tmp_path):
     wrong = [f"aten.gelu.default={variant(tmp_path, 'wrong_gelu.wgsl', *WRONG)}", f"aten.mm.default={MM}"]
     gelu_nodes = sorted(c["node"] for c in net.cases if c["op"] == "aten.gelu.default")
     with open_target("wgpu:vulkan", kernels=wrong) as platform:
-        state = Migration(net, platform, "wgpu:vulkan", tmp_path / "s.json").run()
+        state = Migration(net, platform, "wgpu:vulkan", tmp_path / "s.json", kernels=wrong).run()
+        with pytest.raises(TapmlError, match=r"cannot resume .*kernels: journal has .*wrong_gelu.wgsl sha256:"):
+            Migration(net, platform, "wgpu:vulkan", tmp_path / "s.json", resume=True,
+                      kernels=[f"aten.gelu.default={GELU}", f"aten.mm.default={MM}"]).run()
     assert {(c["kind"], c["op"]) for c in state["culprits"]} == {("op", "aten.gelu.default")}, state["culprits"]
     assert sorted(c["node"] for c in state["culprits"]) == gelu_nodes
     assert sorted(n for n, where in state["placement"]["nodes"].items() if where == "reference") == gelu_nodes

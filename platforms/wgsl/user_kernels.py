@@ -252,10 +252,17 @@ def probe_program(kernel: UserKernel) -> KernelProgram:
                          kernels=[Kernel("user_kernel_probe", kernel.source, bindings, (0, 0, 0), entry=ENTRY)])
 
 
+def kernel_fingerprints(items: list[str] | None) -> list[str]:
+    """``OP=FILE sha256:DIGEST`` of each ``--kernel`` value (the file read and checked again): what a
+    migration's journal records, so that a resume with other kernel files, or changed ones, is refused."""
+    return [f"{k.option()} sha256:{hashlib.sha256(k.source.encode()).hexdigest()}"
+            for files in parse_kernel_options(items).values() for k in files]
+
+
 def source_digest(kernel: UserKernel) -> str:
     """A short content hash of the kernel's source (what a device's verdict on it is cached by)."""
     return hashlib.sha256(kernel.source.encode()).hexdigest()[:16]
 
 
 __all__ = ["UserKernel", "load_user_kernel", "parse_kernel_options", "user_lowerings", "lower_user_kernel",
-           "probe_program", "source_digest", "MAX_KERNEL_BYTES", "MAX_RANK", "HEADER", "RECORD", "ELEMENT_TYPES"]
+           "probe_program", "source_digest", "kernel_fingerprints", "MAX_KERNEL_BYTES", "MAX_RANK", "HEADER", "RECORD", "ELEMENT_TYPES"]

@@ -252,7 +252,7 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
                                           quiet) as display:
                         migration = Migration(store, platform, t, paths[t], tolerances=tolerances, inject=faults,
                                               resume=resume, on_event=display.event, store_path=str(store_path),
-                                              keep_float32=keep)
+                                              keep_float32=keep, kernels=kernel if takes_kernels(t) else None)
                         results[t] = migration.run()
                     if resume:
                         render_resumed(migration, t)
@@ -268,7 +268,7 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
             with MigrationDisplay(f"migrating {plain(store.model)} to {plain(target)}", quiet) as display:
                 migration = Migration(store, platform, target, state, tolerances=tolerances, inject=inject,
                                       resume=resume, on_event=display.event, store_path=str(store_path),
-                                      keep_float32=keep)
+                                      keep_float32=keep, kernels=kernel)
                 result = migration.run()
         if resume:
             render_resumed(migration, target)
