@@ -15,7 +15,6 @@ import re
 from dataclasses import dataclass
 
 from tapml.errors import Unsupported
-from tapml.platforms.wgsl.source import workgroup_size
 
 DEFAULT_MAX_INVOCATIONS = 1 << 32
 DEFAULT_MAX_BUFFER_BYTES = 4096 << 20
@@ -160,6 +159,14 @@ def _check_bytes(nbytes: int, limits: ServerLimits, what: str) -> None:
     if nbytes > limits.max_buffer_bytes:
         raise LimitExceeded(f"{what} declares {nbytes} bytes of tensors; this server allows "
                             f"{limits.max_buffer_bytes} (tapml serve --max-buffer-mib)")
+
+
+def workgroup_size(wgsl: str, entry: str) -> int:
+    """Invocations per workgroup of entry point ``entry`` (its integer-literal ``@workgroup_size``);
+    ValueError otherwise. The reader is :mod:`tapml.platforms.wgsl.source`, imported on first use so
+    that this module stays light."""
+    from tapml.platforms.wgsl.source import workgroup_size as read
+    return read(wgsl, entry)
 
 
 def _check_parts(program, buffers: dict) -> None:
