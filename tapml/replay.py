@@ -348,22 +348,26 @@ def injects_into(target: str) -> bool:
 
 def replay_targets(store, targets: list[str], *, token: str | None = None, inject: list[str] | None = None,
                    on_target: Callable[[str, int], None] | None = None, limits: dict[str, int] | None = None,
-                   **options) -> dict[str, dict]:
+                   kernels: list[str] | None = None, **options) -> dict[str, dict]:
     """Replay ``store`` on each of ``targets`` in turn; returns ``{target: Verdict JSON}`` in
     their order, each exactly what :func:`replay` returns for that target alone.
 
     Each platform is closed before the next opens, so a browser and a wgpu device never compete
     for the machine. ``inject`` goes into every target but ``reference`` (:func:`injects_into`).
     ``limits`` (``--device-limit``) are lowered on every target but ``reference`` too.
+    ``kernels`` (``--kernel OP=FILE.wgsl``) go into the WGSL targets (:func:`tapml.targets.takes_kernels`).
     ``on_target(target, index)`` is called before each opens; ``options`` go to :func:`replay`
     (``tolerances``, ``anchored``, ``cases``, ``on_case``...).
 
     Example: ``replay_targets(store, ["reference", "wgpu:vulkan"])["wgpu:vulkan"]["summary"]``.
     """
     from tapml.errors import TapmlError
-    from tapml.targets import check_target, open_target
+    from tapml.targets import check_target, open_target, takes_kernels
     for t in targets:
         check_target(t)
+    if kernels and not any(takes_kernels(t) for t in targets):
+        raise TapmlError(f"--kernel replaces a lowering of tapml's WGSL compiler, and none of {', '.join(targets)} "
+                         "runs it: add a wgpu, browser or remote:// target")
     repeated = sorted({t for t in targets if targets.count(t) > 1})
     if repeated:
         raise TapmlError(f"--target {repeated[0]} is given twice; name each target once")
@@ -372,6 +376,7 @@ def replay_targets(store, targets: list[str], *, token: str | None = None, injec
         if on_target:
             on_target(target, i)
         with open_target(target, token=token, inject=inject if injects_into(target) else None,
-                         limits=limits if injects_into(target) else None) as platform:
+                         limits=limits if injects_into(target) else None,
+                         kernels=kernels if takes_kernels(target) else None) as platform:
             results[target] = replay(store, platform, target, **options)
     return results
