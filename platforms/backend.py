@@ -54,7 +54,16 @@ CONTRACT_VERSION = 1
 
 class BackendRefused(Unsupported):
     """Raised by :meth:`Backend.compile` when the backend cannot take the program (an op, a dtype,
-    a shape it has no lowering for): the case's verdict is ``unsupported`` with this message."""
+    a shape it has no lowering for): the case's verdict is ``unsupported`` with this message.
+
+    ``artifact``/``artifact_name``: the backend's own input it failed on (the MLIR a compiler
+    rejected), kept for the case's repro. Any exception raised by :meth:`Backend.compile` may
+    carry these two attributes; tapml reads them the same way."""
+
+    def __init__(self, message: str, artifact: bytes = b"", artifact_name: str = ""):
+        super().__init__(message)
+        self.artifact = artifact
+        self.artifact_name = artifact_name
 
 
 @dataclass

@@ -121,6 +121,18 @@ class InjectedPlatform(Platform):
     def last_run_ms(self):
         return getattr(self.inner, "last_run_ms", None)
 
+    @property
+    def last_compile_ms(self):
+        return getattr(self.inner, "last_compile_ms", None)
+
+    @property
+    def last_compile_cached(self) -> bool:
+        return getattr(self.inner, "last_compile_cached", False)
+
+    @property
+    def last_artifact(self):
+        return getattr(self.inner, "last_artifact", None)
+
     def float_model(self) -> dict:
         return self.inner.float_model()  # the device's, not the injected faults'
 

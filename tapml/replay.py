@@ -227,10 +227,13 @@ def replay_case(platform, store, case: dict, tolerances: Tolerances | None = Non
     ``flaky`` (:func:`repeat_runs`), whatever the first run's comparison says.
     ``clock``: a :class:`tapml.profile.StageClock` that the comparison's seconds are added to."""
     start = time.perf_counter()
-    speed = {}
+    speed, timing, first_ms = {}, {}, None
     try:
         graph = store.case_graph(case)
-        program = platform.compile(graph)
+        try:
+            program = platform.compile(graph)
+        finally:
+            timing = backend_timing(platform)
         inputs = store.case_inputs(case)
         outputs = platform.run(program, inputs)
         first_ms = getattr(platform, "last_run_ms", None)
@@ -254,8 +257,19 @@ def replay_case(platform, store, case: dict, tolerances: Tolerances | None = Non
                 speed = profile_program(platform, program, inputs, graph, runs=profile)
             except (Unsupported, PlatformError) as e:
                 outcome.message = (outcome.message + "; " if outcome.message else "") + f"not profiled: {e}"
+    if timing and first_ms is not None:
+        timing["run_s"] = round(first_ms / 1e3, 6)
     return CaseVerdict(id=case["id"], op=case["op"], node=case["node"], module=case["module"],
-                       instances=case.get("instances", 1), **outcome.outcome(), **speed)
+                       instances=case.get("instances", 1), **outcome.outcome(), **speed, **timing)
+
+
+def backend_timing(platform) -> dict:
+    """``{"compile_s", "compile_cached"}`` of the last compile on an external backend's target (which
+    reports ``last_compile_ms``: :class:`~tapml.remote.device_worker.WorkerPlatform`); {} elsewhere."""
+    ms = getattr(platform, "last_compile_ms", None)
+    if ms is None:
+        return {}
+    return {"compile_s": round(ms / 1e3, 6), "compile_cached": bool(getattr(platform, "last_compile_cached", False))}
 
 
 def run_case(platform, store, case: dict, tolerances: Tolerances | None = None, anchored: bool | None = None) -> dict:
