@@ -1,0 +1,236 @@
+"""External backends through the seam, with real file backends (``file.py:Class``) in real worker
+processes: the on-disk compile cache, compile and run seconds in verdicts, blame by the control
+target, and a backend's failures (compile error, hang, native crash) as verdicts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+BACKENDS = textwrap.dedent('''
+    import io, os, time, torch
+    from tapml.platforms.backend import Backend, BackendRefused, Compiled
+
+    def _log(what):
+        path = os.environ.get("TEST_BACKEND_LOG")
+        if path:
+            with open(path, "a") as f:
+                f.write(what + "\\n")
+
+    def _ops(program):
+        return {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+
+    def _scaled(gm, op, factor):
+        for node in list(gm.graph.nodes):
+            if node.op == "call_function" and str(node.target) == op:
+                with gm.graph.inserting_after(node):
+                    new = gm.graph.call_function(torch.ops.aten.mul.Tensor, (node, factor))
+                node.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new)
+        gm.recompile()
+        return gm
+
+    class Eager(Backend):
+        WRONG = None
+        def describe(self):
+            return {"device": "cpu", "version": "1"}
+        def compile(self, program):
+            _log("compile")
+            gm = _scaled(program.module(), self.WRONG, 1.01) if self.WRONG else program.module()
+            return Compiled(handle=gm, artifact=str(program.graph).encode(), artifact_name="graph.txt")
+        def run(self, compiled, inputs):
+            out = compiled.handle(*inputs)
+            return list(out) if isinstance(out, (list, tuple)) else [out]
+
+    class Saved(Eager):
+        """Gives a blob (torch.export.save), so the compile cache keeps it."""
+        def compile(self, program):
+            _log("compile")
+            buf = io.BytesIO()
+            torch.export.save(program, buf)
+            return Compiled(handle=program.module(), artifact=b"graph", artifact_name="graph.txt", blob=buf.getvalue())
+        def load(self, blob):
+            _log("load")
+            return torch.export.load(io.BytesIO(blob)).module()
+
+    class Right(Eager):
+        pass
+
+    class WrongGelu(Eager):
+        WRONG = "aten.gelu.default"
+        control = __file__ + ":Right"
+
+    class RouteControl(Eager):
+        WRONG = "aten.gelu.default"
+
+    class RouteBug(Eager):
+        WRONG = "aten.gelu.default"
+        control = __file__ + ":RouteControl"
+
+    class NoGelu(Eager):
+        def compile(self, program):
+            if "aten.gelu.default" in _ops(program):
+                raise BackendRefused("error: failed to legalize operation 'torch.aten.gelu'\\nnote: see above",
+                                     artifact=b"module { gelu }", artifact_name="program.mlir")
+            return super().compile(program)
+
+    class HangsOnGelu(Eager):
+        def run(self, compiled, inputs):
+            if "aten.gelu.default" in str(compiled.handle.graph):
+                time.sleep(120)
+            return super().run(compiled, inputs)
+
+    class AbortsOnGelu(Eager):
+        def run(self, compiled, inputs):
+            if "aten.gelu.default" in str(compiled.handle.graph):
+                os.abort()
+            return super().run(compiled, inputs)
+''')
+
+#: the zoo:mlp cases these tests replay: the gelu (c5) and the layer norm after it
+CASES = ("c5", "c6")
+
+
+@pytest.fixture(scope="module")
+def backends(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("backends") / "my_backends.py"
+    path.write_text(BACKENDS)
+    return path
+
+
+@pytest.fixture(scope="module")
+def store(carved):
+    from tapml.carving import CarveStore
+    return CarveStore(carved("zoo:mlp"))
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    monkeypatch.setenv("TAPML_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TEST_BACKEND_LOG", str(tmp_path / "log"))
+    return tmp_path
+
+
+def _replay(store, spec: str, cases=CASES) -> dict:
+    from tapml.replay import replay_targets
+    todo = [c for c in store.cases if c["id"] in cases]
+    return replay_targets(store, [spec], cases=todo)[spec]
+
+
+def _log(env: Path) -> list[str]:
+    return (env / "log").read_text().split() if (env / "log").exists() else []
+
+
+def _by_id(doc: dict) -> dict:
+    return {c["id"]: c for c in doc["cases"]}
+
+
+def test_a_rerun_loads_from_the_compile_cache_and_a_corrupt_entry_is_compiled_again(store, backends, env):
+    spec = f"{backends}:Saved"
+    first = _replay(store, spec)
+    assert first["summary"]["pass"] == 2
+    assert [c["compile_cached"] for c in first["cases"]] == [False] * 2
+    assert all(c["compile_s"] > 0 and c["run_s"] >= 0 for c in first["cases"])
+    compiles = _log(env).count("compile")
+    entries = sorted((env / "cache" / "backends").rglob("*.bin"))
+    assert len(entries) == compiles >= 2
+    second = _replay(store, spec)
+    assert second["summary"]["pass"] == 2
+    assert [c["compile_cached"] for c in second["cases"]] == [True] * 2
+    assert _log(env).count("compile") == compiles  # nothing compiled again
+    # corrupt every entry: each is ignored, compiled again and replaced
+    for entry in entries:
+        data = bytearray(entry.read_bytes())
+        data[-1] ^= 0xFF
+        entry.write_bytes(bytes(data))
+    third = _replay(store, spec)
+    assert third["summary"]["pass"] == 2
+    assert [c["compile_cached"] for c in third["cases"]] == [False] * 2
+    assert _log(env).count("compile") == 2 * compiles
+
+
+def test_the_cache_reads_only_what_it_wrote(tmp_path):
+    from tapml.platforms.compile_cache import CompileCache, cache_key
+    cache = CompileCache(tmp_path)
+    key = cache_key({"nodes": []}, "B@1", "b", "1", 1)
+    assert cache.get(key) is None
+    assert cache.put(key, b"blob", "program.mlir", b"mlir")
+    assert cache.get(key) == (b"blob", "program.mlir", b"mlir")
+    other = cache_key({"nodes": []}, "B@1", "b", "2", 1)  # another backend version: another entry
+    assert other != key and cache.get(other) is None
+    path = next(tmp_path.rglob("*.bin"))
+    path.write_bytes(path.read_bytes()[:-1])  # cut short
+    assert cache.get(key) is None
+    path.unlink()
+    path.symlink_to(tmp_path / "elsewhere")  # never read through a link
+    (tmp_path / "elsewhere").write_bytes(b"x")
+    assert cache.get(key) is None
+    with pytest.raises(ValueError):
+        cache.get("../../etc/passwd")
+
+
+def test_a_device_compiler_bug_is_blamed_on_the_device_compiler(store, backends, env):
+    doc = _replay(store, f"{backends}:WrongGelu")
+    gelu = _by_id(doc)["c5"]
+    assert gelu["status"] == "mismatch" and gelu["blame"] == "device compiler"
+    assert gelu["control"] == f"{backends}:Right" and gelu["control_status"] == "pass"
+    assert "blame the device compiler" in gelu["message"]
+    assert all("blame" not in c for c in doc["cases"] if c["id"] != "c5")  # passing cases are not re-run
+
+
+def test_a_route_bug_is_blamed_on_the_route(store, backends, env):
+    gelu = _by_id(_replay(store, f"{backends}:RouteBug"))["c5"]
+    assert gelu["status"] == "mismatch" and gelu["blame"] == "route" and gelu["control_status"] == "mismatch"
+    assert "blame the route" in gelu["message"]
+
+
+def test_blame_survives_the_verdict_file_round_trip(store, backends, env):
+    from tapml.verdict import VerdictDocument
+    doc = _replay(store, f"{backends}:WrongGelu")
+    back = VerdictDocument.from_json(json.loads(json.dumps(doc)), strict=True).to_json()
+    assert _by_id(back)["c5"]["blame"] == "device compiler" and _by_id(back)["c6"]["compile_s"] >= 0
+    bad = json.loads(json.dumps(doc))
+    bad["cases"][1]["blame"] = "cosmic rays"
+    with pytest.raises(Exception, match="blame"):
+        VerdictDocument.from_json(bad, strict=True)
+
+
+def test_a_compile_error_is_unsupported_with_the_trimmed_message_and_the_artifact(store, backends, env):
+    from tapml.targets import open_target
+    spec = f"{backends}:NoGelu"
+    by_id = _by_id(_replay(store, spec))
+    assert by_id["c5"]["status"] == "unsupported"
+    assert "failed to legalize operation 'torch.aten.gelu'" in by_id["c5"]["message"]
+    assert "note: see above" not in by_id["c5"]["message"]  # only the error lines
+    assert by_id["c6"]["status"] == "pass"
+    gelu = next(c for c in store.cases if c["id"] == "c5")
+    with open_target(spec) as platform:
+        with pytest.raises(Exception, match="legalize"):
+            platform.compile(store.case_graph(gelu))
+        assert platform.last_artifact == ("program.mlir", b"module { gelu }")  # from the worker, for the repro
+
+
+@pytest.mark.slow
+def test_a_hang_is_an_error_and_the_next_case_runs(store, backends, env, monkeypatch):
+    monkeypatch.setenv("TAPML_BACKEND_TIMEOUT_S", "5")
+    by_id = _by_id(_replay(store, f"{backends}:HangsOnGelu"))
+    assert by_id["c5"]["status"] == "error" and "5 s" in by_id["c5"]["message"]
+    assert by_id["c6"]["status"] == "pass"
+
+
+@pytest.mark.slow
+def test_a_native_crash_is_an_error_and_the_next_case_runs_in_a_fresh_worker(store, backends, env, tmp_path):
+    out = tmp_path / "v.json"
+    r = subprocess.run([sys.executable, "-m", "tapml.cli", "replay", str(store.path), "--target",
+                        f"{backends}:AbortsOnGelu", "--json", str(out)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "COLUMNS": "200"})
+    assert r.returncode == 1, r.stdout + r.stderr  # a finding, never exit 3
+    by_id = _by_id(json.loads(out.read_text()))
+    assert by_id["c5"]["status"] == "error" and "worker died during the run" in by_id["c5"]["message"]
+    assert sum(c["status"] == "pass" for c in by_id.values()) == len(by_id) - 1
+    assert "Traceback" not in r.stderr
