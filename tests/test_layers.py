@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LINT = Path(sys.executable).with_name("lint-imports")
 COMMANDS = {"carve", "inspect", "replay", "gen-tests", "migrate", "session", "serve", "registry", "devices", "report",
-            "bench", "repro", "generate", "fleet", "precision"}
+            "bench", "repro", "generate", "fleet", "precision", "targets"}
 
 
 def _tree(dest: Path) -> Path:
