@@ -26,7 +26,7 @@ def targets(specs: Optional[List[str]] = typer.Argument(
     from tapml.text import plain
     rows = describe_targets(tuple(specs or ()))
     if json_out:
-        write_json(json_out, {"targets": rows})
+        write_json({"targets": rows}, json_out)
     table = Table(title="targets", title_justify="left")
     for column in ("target", "kind", "forms", "needs", "importable"):
         table.add_column(column, overflow="fold")
