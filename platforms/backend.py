@@ -130,6 +130,14 @@ class Backend:
         tensors, one per program output, in order."""
         raise NotImplementedError
 
+    def repro_runner(self) -> str | None:
+        """Python source of a module that runs this backend's :attr:`Compiled.artifact` with the
+        backend's own package alone, for ``tapml repro`` folders: it defines ``run(artifact: bytes,
+        inputs: list, dtypes: list[str]) -> list`` (numpy arrays in and out; bfloat16 travels as
+        float32). None (the default): the repro's script re-imports this class and compiles the saved
+        program (it needs torch, tapml's contract module and this backend)."""
+        return None
+
     def close(self) -> None:
         """Release the device. Called once, when the worker ends."""
 

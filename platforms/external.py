@@ -104,8 +104,12 @@ class BackendPlatform(RuntimePlatform):
 
     def _caps(self) -> dict:
         info = dict(self.backend.describe())
-        return {"adapter": str(info.get("device", "unknown")), "backend": f"{self.name} {info.get('version', '')}".strip(),
+        caps = {"adapter": str(info.get("device", "unknown")), "backend": f"{self.name} {info.get('version', '')}".strip(),
                 "features": [], "limits": {}, "control": self.backend.control, "describe": info}
+        runner = self.backend.repro_runner()
+        if isinstance(runner, str) and runner:
+            caps["repro_runner"] = runner
+        return caps
 
     def _supports(self, node) -> str | None:
         return None

@@ -92,6 +92,33 @@ BACKENDS = textwrap.dedent('''
             return super().run(compiled, inputs)
 ''')
 
+NUMPY_RUNNER = '''
+import json, math
+import numpy as np
+
+def run(artifact, inputs, dtypes):
+    scale = json.loads(artifact)["scale"]
+    x = inputs[0].astype(np.float64)
+    erf = np.vectorize(math.erf)
+    return [(0.5 * x * (1 + erf(x / math.sqrt(2))) * scale).astype(np.float32)]
+'''
+
+OWN_RUNNER = textwrap.dedent('''
+    import json, torch
+    from tapml.platforms.backend import Backend, Compiled
+
+    class TableGelu(Backend):
+        """Its artifact is a JSON table; its repro runner needs only numpy. Gelu comes out 1% large."""
+        def describe(self):
+            return {"device": "cpu", "version": "1"}
+        def compile(self, program):
+            return Compiled(handle=None, artifact=json.dumps({"scale": 1.01}).encode(), artifact_name="table.json")
+        def run(self, compiled, inputs):
+            return [torch.nn.functional.gelu(inputs[0]) * 1.01]
+        def repro_runner(self):
+            return RUNNER
+''') + f"\nRUNNER = {NUMPY_RUNNER!r}\n"
+
 #: the zoo:mlp cases these tests replay: the gelu (c5) and the layer norm after it
 CASES = ("c5", "c6")
 
@@ -234,3 +261,60 @@ def test_a_native_crash_is_an_error_and_the_next_case_runs_in_a_fresh_worker(sto
     assert by_id["c5"]["status"] == "error" and "worker died during the run" in by_id["c5"]["message"]
     assert sum(c["status"] == "pass" for c in by_id.values()) == len(by_id) - 1
     assert "Traceback" not in r.stderr
+
+
+def _repro(store, case: str, target: str, out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tapml.cli", "repro", str(store.path), case, "-o", str(out),
+                           "--target", target], capture_output=True, text=True, timeout=300)
+
+
+def _run_repro(python, folder: Path) -> tuple[int, dict]:
+    r = subprocess.run([str(python), "run.py", "--json"], capture_output=True, text=True, timeout=300, cwd=folder)
+    assert r.returncode in (0, 1), r.stdout + r.stderr
+    return r.returncode, json.loads(r.stdout)
+
+
+@pytest.mark.slow
+def test_repro_of_a_backend_case_reruns_it_by_reimporting_the_backend(store, backends, env, tmp_path):
+    made = _repro(store, "c5", f"{backends}:WrongGelu", tmp_path / "wrong")
+    assert made.returncode == 0, made.stdout + made.stderr
+    assert "gives mismatch" in made.stdout
+    plan = json.loads((tmp_path / "wrong" / "plan.json").read_text())
+    assert plan["artifact"] == "graph.txt" and plan["backend"] == f"{backends}:WrongGelu"
+    assert "gelu" in (tmp_path / "wrong" / "graph.txt").read_text()
+    rc, result = _run_repro(sys.executable, tmp_path / "wrong")
+    assert rc == 1 and result["status"] == "fail" and "elements beyond" in result["message"]
+    # a compile error: the folder keeps the artifact the backend failed on, and run.py fails the same way
+    made = _repro(store, "c5", f"{backends}:NoGelu", tmp_path / "refused")
+    assert made.returncode == 0 and "gives unsupported" in made.stdout, made.stdout + made.stderr
+    assert (tmp_path / "refused" / "program.mlir").read_bytes() == b"module { gelu }"
+    rc, result = _run_repro(sys.executable, tmp_path / "refused")
+    assert rc == 1 and "failed to legalize" in result["message"]
+    made = _repro(store, "c6", f"{backends}:WrongGelu", tmp_path / "right")  # a case the backend gets right
+    assert made.returncode == 0 and "gives pass" in made.stdout, made.stdout + made.stderr
+    rc, result = _run_repro(sys.executable, tmp_path / "right")
+    assert rc == 0 and result["status"] == "pass" and len(result["outputs"]) == 3
+
+
+@pytest.mark.slow
+def test_repro_with_the_backends_own_runner_needs_only_its_package(store, tmp_path, env):
+    import numpy
+    own = tmp_path / "own_backend.py"
+    own.write_text(OWN_RUNNER)
+    made = _repro(store, "c5", f"{own}:TableGelu", tmp_path / "repro")
+    assert made.returncode == 0, made.stdout + made.stderr
+    folder = tmp_path / "repro"
+    assert json.loads((folder / "table.json").read_text()) == {"scale": 1.01}
+    assert not (folder / "program.pt2").exists()
+    # a Python that can import numpy and nothing else of this environment (no torch, no tapml)
+    venv = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    source = Path(numpy.__file__).parent
+    (site / "numpy").symlink_to(source)
+    for libs in source.parent.glob("numpy.libs"):
+        (site / libs.name).symlink_to(libs)
+    python = venv / "bin" / "python"
+    assert subprocess.run([str(python), "-c", "import torch"], capture_output=True, cwd=venv).returncode != 0
+    rc, result = _run_repro(python, folder)
+    assert rc == 1 and result["status"] == "fail" and "elements beyond" in result["message"]
