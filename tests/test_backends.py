@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 BACKENDS = textwrap.dedent('''
-    import io, os, time, torch
+    import os, time, torch
     from tapml.platforms.backend import Backend, BackendRefused, Compiled
 
     def _log(what):
@@ -47,17 +47,6 @@ BACKENDS = textwrap.dedent('''
             out = compiled.handle(*inputs)
             return list(out) if isinstance(out, (list, tuple)) else [out]
 
-    class Saved(Eager):
-        """Gives a blob (torch.export.save), so the compile cache keeps it."""
-        def compile(self, program):
-            _log("compile")
-            buf = io.BytesIO()
-            torch.export.save(program, buf)
-            return Compiled(handle=program.module(), artifact=b"graph", artifact_name="graph.txt", blob=buf.getvalue())
-        def load(self, blob):
-            _log("load")
-            return torch.export.load(io.BytesIO(blob)).module()
-
     class Right(Eager):
         pass
 
@@ -79,15 +68,13 @@ BACKENDS = textwrap.dedent('''
                                      artifact=b"module { gelu }", artifact_name="program.mlir")
             return super().compile(program)
 
-    class HangsOnGelu(Eager):
+    class Misbehaves(Eager):
+        """Hangs on gelu, aborts (a native crash) on the layer norm."""
         def run(self, compiled, inputs):
-            if "aten.gelu.default" in str(compiled.handle.graph):
+            graph = str(compiled.handle.graph)
+            if "aten.gelu.default" in graph:
                 time.sleep(120)
-            return super().run(compiled, inputs)
-
-    class AbortsOnGelu(Eager):
-        def run(self, compiled, inputs):
-            if "aten.gelu.default" in str(compiled.handle.graph):
+            if "aten.native_layer_norm.default" in graph:
                 os.abort()
             return super().run(compiled, inputs)
 ''')
@@ -157,28 +144,39 @@ def _by_id(doc: dict) -> dict:
     return {c["id"]: c for c in doc["cases"]}
 
 
-def test_a_rerun_loads_from_the_compile_cache_and_a_corrupt_entry_is_compiled_again(store, backends, env):
-    spec = f"{backends}:Saved"
+@pytest.fixture(scope="module")
+def documented(tmp_path_factory) -> Path:
+    """The example backend of ARCHITECTURE.md's "Backend contract" section, as written there."""
+    text = (Path(__file__).resolve().parent.parent / "ARCHITECTURE.md").read_text()
+    section = text[text.index("## Backend contract (version 1)"):]
+    code = section[section.index("```python\n") + len("```python\n"):section.index("```\n\n")]
+    path = tmp_path_factory.mktemp("documented") / "my_backend.py"
+    path.write_text(code)
+    return path
+
+
+def test_the_documented_backend_runs_and_a_rerun_loads_from_the_compile_cache(store, documented, env):
+    """ARCHITECTURE.md's example backend replays, and its blobs make a re-run load instead of compile;
+    a corrupt entry is ignored, compiled again and replaced."""
+    spec = f"{documented}:EagerBackend"
     first = _replay(store, spec)
-    assert first["summary"]["pass"] == 2
+    assert first["summary"]["pass"] == 2 and first["device"]["adapter"] == "cpu"
     assert [c["compile_cached"] for c in first["cases"]] == [False] * 2
     assert all(c["compile_s"] > 0 and c["run_s"] >= 0 for c in first["cases"])
-    compiles = _log(env).count("compile")
     entries = sorted((env / "cache" / "backends").rglob("*.bin"))
-    assert len(entries) == compiles >= 2
+    assert len(entries) >= 2
     second = _replay(store, spec)
     assert second["summary"]["pass"] == 2
     assert [c["compile_cached"] for c in second["cases"]] == [True] * 2
-    assert _log(env).count("compile") == compiles  # nothing compiled again
-    # corrupt every entry: each is ignored, compiled again and replaced
-    for entry in entries:
+    assert sorted((env / "cache" / "backends").rglob("*.bin")) == entries  # nothing new compiled
+    for entry in entries:  # corrupt every entry: each is ignored, compiled again and replaced
         data = bytearray(entry.read_bytes())
         data[-1] ^= 0xFF
         entry.write_bytes(bytes(data))
     third = _replay(store, spec)
     assert third["summary"]["pass"] == 2
     assert [c["compile_cached"] for c in third["cases"]] == [False] * 2
-    assert _log(env).count("compile") == 2 * compiles
+    assert _replay(store, spec)["cases"][0]["compile_cached"] is True
 
 
 def test_the_cache_reads_only_what_it_wrote(tmp_path):
@@ -208,23 +206,20 @@ def test_a_device_compiler_bug_is_blamed_on_the_device_compiler(store, backends,
     assert gelu["control"] == f"{backends}:Right" and gelu["control_status"] == "pass"
     assert "blame the device compiler" in gelu["message"]
     assert all("blame" not in c for c in doc["cases"] if c["id"] != "c5")  # passing cases are not re-run
+    # the new keys survive the verdict file's strict reader, and a bad blame is refused
+    from tapml.verdict import VerdictDocument
+    back = VerdictDocument.from_json(json.loads(json.dumps(doc)), strict=True).to_json()
+    assert _by_id(back)["c5"]["blame"] == "device compiler" and _by_id(back)["c6"]["compile_s"] >= 0
+    bad = json.loads(json.dumps(doc))
+    bad["cases"][0]["blame"] = "cosmic rays"
+    with pytest.raises(Exception, match="blame"):
+        VerdictDocument.from_json(bad, strict=True)
 
 
 def test_a_route_bug_is_blamed_on_the_route(store, backends, env):
     gelu = _by_id(_replay(store, f"{backends}:RouteBug"))["c5"]
     assert gelu["status"] == "mismatch" and gelu["blame"] == "route" and gelu["control_status"] == "mismatch"
     assert "blame the route" in gelu["message"]
-
-
-def test_blame_survives_the_verdict_file_round_trip(store, backends, env):
-    from tapml.verdict import VerdictDocument
-    doc = _replay(store, f"{backends}:WrongGelu")
-    back = VerdictDocument.from_json(json.loads(json.dumps(doc)), strict=True).to_json()
-    assert _by_id(back)["c5"]["blame"] == "device compiler" and _by_id(back)["c6"]["compile_s"] >= 0
-    bad = json.loads(json.dumps(doc))
-    bad["cases"][1]["blame"] = "cosmic rays"
-    with pytest.raises(Exception, match="blame"):
-        VerdictDocument.from_json(bad, strict=True)
 
 
 def test_a_compile_error_is_unsupported_with_the_trimmed_message_and_the_artifact(store, backends, env):
@@ -243,24 +238,17 @@ def test_a_compile_error_is_unsupported_with_the_trimmed_message_and_the_artifac
 
 
 @pytest.mark.slow
-def test_a_hang_is_an_error_and_the_next_case_runs(store, backends, env, monkeypatch):
-    monkeypatch.setenv("TAPML_BACKEND_TIMEOUT_S", "5")
-    by_id = _by_id(_replay(store, f"{backends}:HangsOnGelu"))
-    assert by_id["c5"]["status"] == "error" and "5 s" in by_id["c5"]["message"]
-    assert by_id["c6"]["status"] == "pass"
-
-
-@pytest.mark.slow
-def test_a_native_crash_is_an_error_and_the_next_case_runs_in_a_fresh_worker(store, backends, env, tmp_path):
+def test_a_hang_and_a_native_crash_are_errors_and_the_next_cases_run_in_fresh_workers(store, backends, env, tmp_path):
     out = tmp_path / "v.json"
     r = subprocess.run([sys.executable, "-m", "tapml.cli", "replay", str(store.path), "--target",
-                        f"{backends}:AbortsOnGelu", "--json", str(out)], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "COLUMNS": "200"})
+                        f"{backends}:Misbehaves", "--json", str(out)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "COLUMNS": "200", "TAPML_BACKEND_TIMEOUT_S": "5"})
     assert r.returncode == 1, r.stdout + r.stderr  # a finding, never exit 3
-    by_id = _by_id(json.loads(out.read_text()))
-    assert by_id["c5"]["status"] == "error" and "worker died during the run" in by_id["c5"]["message"]
-    assert sum(c["status"] == "pass" for c in by_id.values()) == len(by_id) - 1
     assert "Traceback" not in r.stderr
+    by_id = _by_id(json.loads(out.read_text()))
+    assert by_id["c5"]["status"] == "error" and "5 s" in by_id["c5"]["message"]  # the hang, bounded
+    assert by_id["c6"]["status"] == "error" and "worker died during the run" in by_id["c6"]["message"]  # abort()
+    assert sum(c["status"] == "pass" for c in by_id.values()) == len(by_id) - 2
 
 
 def _repro(store, case: str, target: str, out: Path) -> subprocess.CompletedProcess:
@@ -290,10 +278,6 @@ def test_repro_of_a_backend_case_reruns_it_by_reimporting_the_backend(store, bac
     assert (tmp_path / "refused" / "program.mlir").read_bytes() == b"module { gelu }"
     rc, result = _run_repro(sys.executable, tmp_path / "refused")
     assert rc == 1 and "failed to legalize" in result["message"]
-    made = _repro(store, "c6", f"{backends}:WrongGelu", tmp_path / "right")  # a case the backend gets right
-    assert made.returncode == 0 and "gives pass" in made.stdout, made.stdout + made.stderr
-    rc, result = _run_repro(sys.executable, tmp_path / "right")
-    assert rc == 0 and result["status"] == "pass" and len(result["outputs"]) == 3
 
 
 @pytest.mark.slow
