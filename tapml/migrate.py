@@ -245,7 +245,7 @@ class Migration:
             self._journal_from_state()
         self.journal = Journal(journal_path(self.state_path), self.header, self.resume)
         from tapml.replay import ControlTarget
-        self.control = ControlTarget.of(self.platform)  # a failed case is re-run on the backend's control
+        self.control = ControlTarget.of(self.platform, self.target)  # a failed case is re-run on the backend's control
         try:
             self.device = self._memo("device", lambda: device_info(self.platform))
             self._save(force=True)

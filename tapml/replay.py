@@ -291,8 +291,11 @@ class ControlTarget:
         self._failed: str | None = None
 
     @classmethod
-    def of(cls, platform) -> "ControlTarget":
-        """The control a platform's caps name (none when it names none or cannot say)."""
+    def of(cls, platform, target: str = "") -> "ControlTarget":
+        """The control a platform's caps name (none when it names none or cannot say). A backend behind
+        ``remote://`` or ``registry://`` names its control on the server's machine, so none runs here."""
+        if target.startswith(("remote://", "registry://")):
+            return cls(None)
         try:
             control = platform.caps().get("control")
         except (PlatformError, Unsupported):
@@ -404,7 +407,7 @@ def replay(store, platform, target: str, tolerances: Tolerances | None = None, a
         for v, ran_on in pooled:
             v.device = ran_on or None
             verdicts.append(v)
-    with ControlTarget.of(platform) if pooled is None else ControlTarget(None) as control:
+    with ControlTarget.of(platform, target) if pooled is None else ControlTarget(None) as control:
         for case in todo if pooled is None else ():
             try:
                 v = control.blame(store, case, replay_case(platform, store, case, tolerances, anchored, profile, repeat),

@@ -302,3 +302,21 @@ def test_repro_with_the_backends_own_runner_needs_only_its_package(store, tmp_pa
     assert subprocess.run([str(python), "-c", "import torch"], capture_output=True, cwd=venv).returncode != 0
     rc, result = _run_repro(python, folder)
     assert rc == 1 and result["status"] == "fail" and "elements beyond" in result["message"]
+
+
+@pytest.mark.slow
+def test_a_backend_served_by_tapml_serve_replays_over_remote(store, backends, env):
+    """``tapml serve --platform file.py:Class`` serves the backend (graphs, compiled by it on the server);
+    its control names a file of the server's machine, so the client blames nothing."""
+    from tapml.remote.launcher import ServerProcess
+    srv = ServerProcess(platform=f"{backends}:WrongGelu", token="t0ken")
+    try:
+        from tapml.replay import replay_targets
+        spec = f"remote://{srv.host}:{srv.port}"
+        doc = replay_targets(store, [spec], token="t0ken", cases=[c for c in store.cases if c["id"] in CASES])[spec]
+        by_id = _by_id(doc)
+        assert by_id["c5"]["status"] == "mismatch" and "blame" not in by_id["c5"]
+        assert by_id["c6"]["status"] == "pass"
+        assert doc["device"]["backend"].startswith(f"{backends}:WrongGelu")
+    finally:
+        assert srv.stop() == 0
