@@ -245,6 +245,7 @@ def test_a_hang_and_a_native_crash_are_errors_and_the_next_cases_run_in_fresh_wo
                        env={**os.environ, "COLUMNS": "200", "TAPML_BACKEND_TIMEOUT_S": "5"})
     assert r.returncode == 1, r.stdout + r.stderr  # a finding, never exit 3
     assert "Traceback" not in r.stderr
+    assert "from the compile cache), run " in r.stdout  # where the time went
     by_id = _by_id(json.loads(out.read_text()))
     assert by_id["c5"]["status"] == "error" and "5 s" in by_id["c5"]["message"]  # the hang, bounded
     assert by_id["c6"]["status"] == "error" and "worker died during the run" in by_id["c6"]["message"]  # abort()
@@ -320,3 +321,27 @@ def test_a_backend_served_by_tapml_serve_replays_over_remote(store, backends, en
         assert doc["device"]["backend"].startswith(f"{backends}:WrongGelu")
     finally:
         assert srv.stop() == 0
+
+
+def test_targets_lists_every_kind_without_opening_a_device(tmp_path):
+    from typer.testing import CliRunner
+
+    from tapml.cli import app
+    tiny = tmp_path / "tiny_backend.py"
+    tiny.write_text("from tapml.platforms.backend import Backend\n\n"
+                    "class Tiny(Backend):\n    needs = 'nothing at all'\n    control = 'reference'\n")
+    r = CliRunner().invoke(app, ["targets", f"{tiny}:Tiny", "--json", str(tmp_path / "t.json")], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    rows = {row["target"]: row for row in json.loads((tmp_path / "t.json").read_text())["targets"]}
+    assert {"reference", "wgpu", "browser", "remote", "registry", "iree", "ort", f"{tiny}:Tiny"} <= set(rows)
+    assert rows["wgpu"]["kind"] == "platform" and "wgpu:vulkan" in rows["wgpu"]["forms"]
+    assert rows["iree"]["kind"] == "backend" and rows["iree"]["forms"] == ["iree:vulkan", "iree:llvm-cpu"]
+    file_row = rows[f"{tiny}:Tiny"]
+    assert file_row["kind"] == "file" and file_row["importable"] and file_row["control"] == "reference"
+    assert file_row["needs"] == "nothing at all"
+    assert "nothing at all" in r.output and "control: reference" in r.output
+    # a spec that cannot be loaded says why, and is exit 1
+    for spec, why in ((f"{tmp_path}/missing.py:Nope", "does not exist"), ("wgpu:vulkan", "not an external backend")):
+        r = CliRunner().invoke(app, ["targets", spec, "--json", str(tmp_path / "bad.json")], env={"COLUMNS": "200"})
+        row = next(x for x in json.loads((tmp_path / "bad.json").read_text())["targets"] if x["target"] == spec)
+        assert r.exit_code == 1 and not row["importable"] and why in row["missing"][0], row
