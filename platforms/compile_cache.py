@@ -114,8 +114,8 @@ def _decode(data: bytes, key: str) -> tuple[bytes, str, bytes]:
     if not isinstance(index, dict) or index.get("key") != key:
         raise ValueError("entry of another key")
     blob_n, art_n, name, digest = index["blob"], index["artifact"], index["artifact_name"], index["sha256"]
-    if not (type(blob_n) is int and type(art_n) is int and 0 <= blob_n and 0 <= art_n and isinstance(name, str)
-            and isinstance(digest, str)):
+    if not (type(blob_n) is int and type(art_n) is int and 0 <= blob_n and 0 <= art_n
+            and blob_n + art_n <= MAX_ENTRY_BYTES and isinstance(name, str) and isinstance(digest, str)):
         raise ValueError("malformed index")
     if name and not ARTIFACT_NAME.fullmatch(name):
         raise ValueError("bad artifact name")

@@ -197,6 +197,23 @@ def test_the_cache_reads_only_what_it_wrote(tmp_path):
     assert cache.get(key) is None
     with pytest.raises(ValueError):
         cache.get("../../etc/passwd")
+    path.unlink()
+    os.mkfifo(path)  # a FIFO never blocks the read
+    assert cache.get(key) is None
+    path.unlink()
+
+
+def test_the_cache_holds_entries_to_its_size_limit(tmp_path, monkeypatch):
+    from tapml.platforms import compile_cache
+    cache = compile_cache.CompileCache(tmp_path)
+    key = compile_cache.cache_key({}, "B", "b", "1", 1)
+    assert cache.put(key, b"x" * 64, "a.bin", b"")
+    monkeypatch.setattr(compile_cache, "MAX_ENTRY_BYTES", 32)
+    assert cache.get(key) is None  # an entry over the limit is not read
+    assert not cache.put(key, b"x" * 64, "a.bin", b"")  # nor written
+    monkeypatch.setattr(compile_cache, "MAX_ENTRY_BYTES", 1 << 20)
+    assert cache.put(key, b"blob", "../../escape.sh", b"art")  # a name that is no plain file name is dropped
+    assert cache.get(key) == (b"blob", "", b"art")
 
 
 def test_a_device_compiler_bug_is_blamed_on_the_device_compiler(store, backends, env):
