@@ -28,8 +28,11 @@ import numpy as np
 
 from tapml.errors import DeviceLost, PlatformError, TapmlError, Unsupported
 from tapml.graph import dtype_name
+from tapml.platforms.compile_cache import ARTIFACT_NAME
 
 FORMAT = "tapml-backend-repro/1"
+#: The folder's own files, which an artifact's name may not take.
+RESERVED = ("run.py", "runner.py", "plan.json", "README.md", "program.pt2")
 GENERIC_NEEDS = "torch, tapml (its backend contract) and the backend's own package"
 
 
@@ -93,6 +96,8 @@ def write_backend_repro(store, subject, platform, out_dir: str | Path, *, target
             "artifact": None, "inputs": [], "outputs": []}
     if artifact:
         name, data = artifact
+        if not ARTIFACT_NAME.fullmatch(name) or name in RESERVED or name.startswith(("input_", "expected_")):
+            name = "artifact.bin"  # the backend's name would leave the folder or replace one of its files
         files[name] = data
         plan["artifact"] = name
     for i, t in enumerate(subject.inputs):

@@ -50,7 +50,7 @@ def plugin_python(tmp_path_factory) -> Path:
     base = tmp_path_factory.mktemp("plugin")
     pkg = base / "pkg"
     (pkg / "planted_backend").mkdir(parents=True)
-    (pkg / "planted_backend" / "__init__.py").write_text(PLANTED.replace("class PlantedBackend", "class PlantedBackend"))
+    (pkg / "planted_backend" / "__init__.py").write_text(PLANTED)
     (pkg / "pyproject.toml").write_text(textwrap.dedent('''
         [build-system]
         requires = ["setuptools"]
