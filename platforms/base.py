@@ -625,6 +625,18 @@ class PlatformWrapper(Platform):
     def last_run_ms(self):
         return getattr(self.inner, "last_run_ms", None)
 
+    @property
+    def last_compile_ms(self):
+        return getattr(self.inner, "last_compile_ms", None)
+
+    @property
+    def last_compile_cached(self) -> bool:
+        return getattr(self.inner, "last_compile_cached", False)
+
+    @property
+    def last_artifact(self):
+        return getattr(self.inner, "last_artifact", None)
+
     def float_model(self) -> dict:
         return self.inner.float_model()
 

@@ -251,7 +251,9 @@ class Device:
         self.max_message = max_message
         self.timeout = timeout
         self.limits = limits or ServerLimits()
-        self.program_kind = "graph" if spec.startswith("reference") else "wgsl"
+        from tapml.platforms.targets import backend_prefix
+        # the reference and external backends run graphs (an external backend compiles them itself)
+        self.program_kind = "graph" if spec.startswith("reference") or backend_prefix(spec) is not None else "wgsl"
         self.lock = threading.Lock()
         from tapml.platforms.program_cache import ProgramCache
         self.programs = ProgramCache(on_evict=self._forget_graphs)

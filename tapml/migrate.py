@@ -249,6 +249,8 @@ class Migration:
         if self.resume and not journal_path(self.state_path).exists() and self.state_path.exists():
             self._journal_from_state()
         self.journal = Journal(journal_path(self.state_path), self.header, self.resume)
+        from tapml.replay import ControlTarget
+        self.control = ControlTarget.of(self.platform, self.target)  # a failed case is re-run on the backend's control
         try:
             self.device = self._memo("device", lambda: device_info(self.platform))
             self._save(force=True)
@@ -264,6 +266,7 @@ class Migration:
                 f"{e}; the migration stopped there and its {len(self.journal.records)} verdicts so far are kept "
                 f"in {self.journal.path}: when the device is back, rerun the same command with --resume") from None
         finally:
+            self.control.close()
             self.journal.close()
         return self.state()
 
@@ -299,8 +302,9 @@ class Migration:
         self._spread_cases([c for c in cases if self.journal.get(f"case:{c['id']}") is None])
         done = {c.id for c in self.cases}
         for case in cases:
-            verdict = self._memo(f"case:{case['id']}",
-                                 lambda: replay_case(self.platform, self.store, case, self.tolerances, clock=self.clock))
+            verdict = self._memo(f"case:{case['id']}", lambda: self.control.blame(
+                self.store, case, replay_case(self.platform, self.store, case, self.tolerances, clock=self.clock),
+                self.tolerances))
             self._check_record(verdict, op=case["op"], node=case["node"], module=case["module"])
             if case["id"] not in done:
                 self.cases.append(verdict)

@@ -245,6 +245,16 @@ def render_verdicts(result: dict, quiet: bool = False) -> None:
     out.print(f"[{color}]{s['pass']}/{total} pass[/], {s['mismatch']} mismatch, {s['unsupported']} unsupported, "
               f"{s['error']} error" + (f", {s['flaky']} flaky" if s.get("flaky") else "") +
               f" on {shown(result['target'])} ({shown(result['device'].get('adapter', ''))})", highlight=False)
+    timed = [c for c in result["cases"] if c.get("compile_s") is not None]
+    if timed:  # an external backend: where the time went
+        cached = sum(bool(c.get("compile_cached")) for c in timed)
+        out.print(f"compile {sum(c['compile_s'] for c in timed):.2f} s ({len(timed) - cached} compiled, {cached} from "
+                  f"the compile cache), run {sum(c.get('run_s') or 0 for c in timed):.3f} s", highlight=False)
+    blamed = [c for c in result["cases"] if c.get("blame")]
+    if blamed:
+        counts = {b: sum(c["blame"] == b for c in blamed) for b in ("device compiler", "route")}
+        out.print(f"blame, by a re-run on the control {shown(blamed[0].get('control') or '')}: "
+                  + ", ".join(f"{n} {b}" for b, n in counts.items() if n), highlight=False, soft_wrap=True)
     dtype = result.get("dtype", "float32")
     if dtype != "float32":
         how = (result.get("device") or {}).get("low_precision", {}).get(dtype)
