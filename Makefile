@@ -22,7 +22,7 @@ lint-imports:
 	cd "$$tree" && PYTHONPATH="$$tree" $(CURDIR)/.venv/bin/lint-imports --config $(CURDIR)/pyproject.toml --no-cache
 
 test: setup lint-imports
-	$(PY) -m pytest -n 2 --dist loadgroup -q -rs
+	$(PY) -m pytest -n 2 --dist loadgroup -q -rs --durations=30
 
 # Refresh requirements.lock: the newest versions pyproject.toml's ranges allow, with their hashes; torch
 # is held at LOCK_TORCH (the CPU build). Commit the refresh on its own, with the `make test` run that passed on it.

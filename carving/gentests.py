@@ -186,7 +186,7 @@ def _check_output_dir(out: Path) -> None:
         raise TapmlError(f"-o {out} is a file; choose a directory for the suite")
     if out.is_dir():
         for p in out.iterdir():
-            if p.name in ("data", "__pycache__") or (p.name == "__init__.py" and not p.read_text().strip()):
+            if p.name in ("data", "kernels", "__pycache__") or (p.name == "__init__.py" and not p.read_text().strip()):
                 continue
             if p.suffix == ".py" and p.read_text(errors="replace").startswith(_GENERATED_MARK):
                 continue
@@ -240,7 +240,8 @@ def _template_env():
 
 def generate_suite(store_path: str | Path, out_dir: str | Path, *, state: str | Path | None = None,
                    known_failures: str = "xfail", copy_data: bool = False, tolerances=None,
-                   check_target: Callable[[str], object] | None = None) -> dict:
+                   check_target: Callable[[str], object] | None = None,
+                   kernels: list[tuple[str, str, bytes]] | None = None) -> dict:
     """Write the regression suite of the store at ``store_path`` into ``out_dir``.
 
     ``state``: a migration state whose failing cases are marked per ``known_failures``
@@ -251,6 +252,9 @@ def generate_suite(store_path: str | Path, out_dir: str | Path, *, state: str | 
     ``check_target`` validates a TARGET spec, raising TapmlError (the CLI passes
     :func:`tapml.targets.check_target`; carving sits below the targets layer): a state target
     it refuses leaves the suite's default target ``reference``.
+    ``kernels``: ``(op, file name, WGSL bytes)`` of ``--kernel`` files, already checked (the CLI reads
+    them with :func:`tapml.platforms.wgsl.user_kernels.parse_kernel_options`): the suite carries
+    them in ``kernels/`` and runs them on its target unless ``--tapml-kernel`` says otherwise.
 
     Returns ``{"dir", "files", "cases", "ops", "known_failures", "data", "default_target"}``;
     the suite's default target is the state's target, else ``reference``.
@@ -306,8 +310,9 @@ def generate_suite(store_path: str | Path, out_dir: str | Path, *, state: str | 
     env = _template_env()
     common = {"model": store.model, "tapml_version": version()}
     known_kind = {"xfail": "xfail", "fail": "failing", "skip": "skip"}[known_failures]
+    carried = _write_kernels(out / "kernels", kernels or [])
     files = [out / "conftest.py"]
-    write_text_atomic(files[0], env.get_template("conftest.py.j2").render(
+    write_text_atomic(files[0], env.get_template("conftest.py.j2").render(kernels=carried,
         n_cases=len(store.cases), n_ops=len(by_op), suite_dir=str(out), data_note=data_note, state=state,
         known_failures=known_failures, n_known=len(failures), state_target=(info or {}).get("target") or "its target",
         state_inject=" ".join(f"--tapml-inject {x}" for x in (info or {}).get("inject", [])),
@@ -323,7 +328,23 @@ def generate_suite(store_path: str | Path, out_dir: str | Path, *, state: str | 
     write_text_atomic(out / "__init__.py", "")
     return {"dir": str(out), "files": [str(f) for f in files], "cases": len(store.cases), "ops": len(by_op),
             "known_failures": len(failures), "data": "copied" if copy_data else "referenced",
-            "default_target": default_target}
+            "default_target": default_target, "kernels": [f"{op}={out / 'kernels' / name}" for op, name in carried]}
+
+
+def _write_kernels(folder: Path, kernels: list[tuple[str, str, bytes]]) -> list[tuple[str, str]]:
+    """Copy ``--kernel`` files into ``folder`` (emptied first) as ``NN_NAME.wgsl``; returns
+    ``[(op, file name in folder)]`` in the order given."""
+    if folder.is_dir():
+        shutil.rmtree(folder)
+    if not kernels:
+        return []
+    folder.mkdir(parents=True)
+    carried = []
+    for i, (op, name, data) in enumerate(kernels):
+        stem = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(name).stem)[:60] or "kernel"
+        carried.append((op, f"{i:02d}_{stem}.wgsl"))
+        (folder / carried[-1][1]).write_bytes(data)
+    return carried
 
 
 def _copy_store(store, manifest: bytes, data: Path) -> None:

@@ -54,7 +54,16 @@ CONTRACT_VERSION = 1
 
 class BackendRefused(Unsupported):
     """Raised by :meth:`Backend.compile` when the backend cannot take the program (an op, a dtype,
-    a shape it has no lowering for): the case's verdict is ``unsupported`` with this message."""
+    a shape it has no lowering for): the case's verdict is ``unsupported`` with this message.
+
+    ``artifact``/``artifact_name``: the backend's own input it failed on (the MLIR a compiler
+    rejected), kept for the case's repro. Any exception raised by :meth:`Backend.compile` may
+    carry these two attributes; tapml reads them the same way."""
+
+    def __init__(self, message: str, artifact: bytes = b"", artifact_name: str = ""):
+        super().__init__(message)
+        self.artifact = artifact
+        self.artifact_name = artifact_name
 
 
 @dataclass
@@ -120,6 +129,14 @@ class Backend:
         """Run a compiled program on CPU tensors (the program's user inputs, in order); returns CPU
         tensors, one per program output, in order."""
         raise NotImplementedError
+
+    def repro_runner(self) -> str | None:
+        """Python source of a module that runs this backend's :attr:`Compiled.artifact` with the
+        backend's own package alone, for ``tapml repro`` folders: it defines ``run(artifact: bytes,
+        inputs: list, dtypes: list[str]) -> list`` (numpy arrays in and out; bfloat16 travels as
+        float32). None (the default): the repro's script re-imports this class and compiles the saved
+        program (it needs torch, tapml's contract module and this backend)."""
+        return None
 
     def close(self) -> None:
         """Release the device. Called once, when the worker ends."""

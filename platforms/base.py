@@ -590,6 +590,69 @@ class RuntimePlatform(Platform):
 _MISSING = object()
 
 
+class PlatformWrapper(Platform):
+    """A platform that changes how graphs compile and leaves everything else to ``inner``: caps,
+    support checks, runs (resident tensors included: they belong to ``inner``), probes and the
+    device's life. Subclasses override ``_compile`` (fault injection, the user's own kernels)."""
+
+    def __init__(self, inner: Platform):
+        self.inner = inner
+        self.name = inner.name
+
+    def _caps(self) -> dict:
+        return self.inner.caps()
+
+    def _supports(self, node: Node) -> str | None:
+        return self.inner.supports(node)
+
+    def _compile(self, graph: Graph) -> KernelProgram:
+        return self.inner.compile(graph)
+
+    def _run(self, program, inputs):
+        return self.inner.run(program, inputs)
+
+    def run(self, program, inputs, keep=()):
+        return self.inner.run(program, inputs, keep)
+
+    def read(self, handle):
+        return self.inner.read(handle)
+
+    @property
+    def upload_bytes(self) -> int:
+        return self.inner.upload_bytes
+
+    @property
+    def last_run_ms(self):
+        return getattr(self.inner, "last_run_ms", None)
+
+    @property
+    def last_compile_ms(self):
+        return getattr(self.inner, "last_compile_ms", None)
+
+    @property
+    def last_compile_cached(self) -> bool:
+        return getattr(self.inner, "last_compile_cached", False)
+
+    @property
+    def last_artifact(self):
+        return getattr(self.inner, "last_artifact", None)
+
+    def float_model(self) -> dict:
+        return self.inner.float_model()
+
+    def loop_limits(self) -> dict:
+        return self.inner.loop_limits()
+
+    def enable_guards(self) -> bool:
+        return self.inner.enable_guards()
+
+    def reconnect(self) -> None:
+        self.inner.reconnect()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 def graph_program(graph: Graph) -> KernelProgram:
     """A ``graph`` KernelProgram: the graph itself, for runtimes that execute ATen eagerly."""
     return KernelProgram(kind="graph", inputs=[r for r, _ in graph.inputs], outputs=list(graph.outputs),
@@ -617,5 +680,6 @@ def wrap_errors(fn, *args):
         raise PlatformError(f"{type(e).__name__}: {e}") from e
 
 
-__all__ = ["LIMIT_NAMES", "LOOP_PROBE_ITERATIONS", "MAX_OFFSET_ALIGNMENT", "BufferSpec", "Kernel", "KernelProgram", "Platform", "ResidentTensor", "RuntimePlatform",
+__all__ = ["LIMIT_NAMES", "LOOP_PROBE_ITERATIONS", "MAX_OFFSET_ALIGNMENT", "BufferSpec", "Kernel", "KernelProgram", "Platform",
+           "PlatformWrapper", "ResidentTensor", "RuntimePlatform",
            "SplitTensor", "check_workgroups", "graph_program", "wrap_errors"]

@@ -75,6 +75,73 @@ def installed_backends() -> dict[str, str]:
     return found
 
 
+#: The top-level imports each built-in target needs, checked (found, never imported) by :func:`describe_targets`.
+TARGET_REQUIRES = {"reference": ("torch",), "wgpu": ("wgpu",), "browser": ("websockets",), "remote://": ("rpyc",),
+                   "registry://": ("rpyc",), "iree": ("iree.compiler", "iree.runtime", "iree.turbine"),
+                   "ort": ("onnxruntime", "onnx", "onnxscript")}
+#: The TARGET specs each built-in backend takes (its class says so too; this table is read without importing it).
+BUILTIN_BACKEND_FORMS = {"iree": ("iree:vulkan", "iree:llvm-cpu"), "ort": ("ort",)}
+
+
+def _missing(modules) -> list[str]:
+    """The modules of ``modules`` that cannot be found (nothing is imported but their parent packages)."""
+    import importlib.util
+    missing = []
+    for name in modules:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    return missing
+
+
+def describe_targets(specs: tuple[str, ...] = ()) -> list[dict]:
+    """Every kind of target this environment knows, for ``tapml targets``: the built-in table, the
+    built-in backends, the ``tapml.backends`` entry points, and each of ``specs`` (a
+    ``file.py:Class`` spec runs that file to read its class). Each entry: ``{"target", "kind"
+    (platform|backend|entry point|file), "forms", "source" (module:Class or file), "needs",
+    "importable", "missing" (what cannot be found), "control"}``. No device is opened and, but for
+    ``specs``, no backend module is imported: whether a kind is importable is whether its modules
+    can be found."""
+    from importlib.metadata import entry_points
+    rows = []
+    for prefix, kind in TARGETS.items():
+        missing = _missing(TARGET_REQUIRES.get(prefix, ()) + (kind.platform.split(":")[0],))
+        rows.append({"target": prefix.rstrip(":/"), "kind": "platform", "forms": list(kind.forms or (kind.usage,)),
+                     "source": kind.platform, "needs": kind.needs or "tapml itself", "importable": not missing,
+                     "missing": missing, "control": None})
+    for prefix, value in BUILTIN_BACKENDS.items():
+        missing = _missing(TARGET_REQUIRES.get(prefix, ()) + (value.split(":")[0],))
+        rows.append({"target": prefix, "kind": "backend", "forms": list(BUILTIN_BACKEND_FORMS.get(prefix, (prefix,))),
+                     "source": value, "needs": "pip install 'tapml[backends]' (the README's setup installs it)",
+                     "importable": not missing, "missing": missing, "control": None})
+    for ep in entry_points(group=BACKEND_ENTRY_POINTS):
+        if ep.name in BUILTIN_BACKENDS or any(ep.name.startswith(p.rstrip(":/")) for p in TARGETS):
+            continue
+        missing = _missing((ep.value.split(":")[0],))
+        dist = getattr(ep, "dist", None)
+        rows.append({"target": ep.name, "kind": "entry point", "forms": [f"{ep.name}[:DEVICE]"], "source": ep.value,
+                     "needs": f"the package {dist.name if dist else 'that registered it'}", "importable": not missing,
+                     "missing": missing, "control": None})
+    for spec in specs:
+        row = {"target": spec, "kind": "file" if FILE_BACKEND.fullmatch(spec) else "backend", "forms": [spec],
+               "source": spec, "needs": "", "importable": False, "missing": [], "control": None}
+        try:
+            check_target(spec)
+            if backend_prefix(spec) is None:
+                raise TapmlError(f"{spec} is not an external backend; `tapml targets` lists the built-in kinds")
+            cls = load_backend_class(spec)
+            row.update(source=f"{row['source'] if row['kind'] == 'file' else cls.__module__}:{cls.__name__}",
+                       needs=cls.needs or "nothing more", importable=True, control=cls.control,
+                       forms=list(cls.forms or (spec,)))
+        except TapmlError as e:
+            row["missing"] = [str(e)]
+        rows.append(row)
+    return rows
+
+
 def backend_prefix(spec: str) -> str | None:
     """The backend a TARGET spec names -- its prefix (``iree`` for ``iree:vulkan``), or the spec
     itself for a ``file.py:Class`` spec -- or None when it names no external backend."""

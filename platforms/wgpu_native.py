@@ -86,15 +86,14 @@ def canonical_bindings(wgsl: str) -> str:
     """``wgsl`` with its storage bindings renamed ``tap_b0``, ``tap_b1``... in the order they are
     declared: two kernels that differ only in the names of the buffers they bind (one op at two
     places of a model) become one shader, compiled once. Bind groups address bindings by index,
-    so nothing else changes. Example: ``var<storage, read> buf_o44: array<f16>;`` -> ``... tap_b0: ...``."""
+    so nothing else changes. Example: ``var<storage, read> buf_o44: array<f16>;`` -> ``... tap_b0: ...``.
+    Only tapml's codegen names bindings ``buf_*``: a shader written by hand (a ``--kernel`` file)
+    stays as written, so that the device's messages quote its own names."""
     names = list(dict.fromkeys(_BINDING.findall(wgsl)))
-    if not names:
+    if not names or not all(n.startswith("buf_") for n in names):
         return wgsl
     rename = {n: f"tap_b{i}" for i, n in enumerate(names)}
-    # tapml's codegen names every binding buf_*: one compiled pattern then serves every shader
-    pattern = _BUFFER_NAME if all(n.startswith("buf_") for n in names) else \
-        re.compile(r"(?<![.\w])(" + "|".join(map(re.escape, names)) + r")\b")  # not a member: g.x stays
-    return pattern.sub(lambda m: rename.get(m.group(1), m.group(1)), wgsl)
+    return _BUFFER_NAME.sub(lambda m: rename.get(m.group(1), m.group(1)), wgsl)
 
 
 def _describe(a) -> str:

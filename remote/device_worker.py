@@ -118,6 +118,11 @@ class WorkerPlatform(RuntimePlatform):
         self._lock = threading.Lock()
         self.restarts = 0
         self.last_run_ms = self._device_ms = None
+        #: an external backend's last compile (None elsewhere): its time, whether it came from the
+        #: on-disk compile cache, and ``(file name, bytes)`` of the backend's own input for it
+        self.last_compile_ms = None
+        self.last_compile_cached = False
+        self.last_artifact: tuple[str, bytes] | None = None
         self._worker = 0  # which worker process: state kept in one is gone in the next
         # the input tensors the current worker holds per program (position -> (tensor, _version)),
         # so an unmodified tensor is not sent again, and the worker that holds each kept output
@@ -197,6 +202,8 @@ class WorkerPlatform(RuntimePlatform):
                                                   "generation again from its first step")
                 raise PlatformError(f"the device worker died during the {what} ({why}); "
                                     f"it is restarted for the next request{lost}") from None
+        if request.get("op") == "compile":
+            self._record_compile(reply, outputs)
         if "error" in reply:
             kind, message = reply["error"].get("kind"), reply["error"].get("message", "")
             if kind == "unknown-program":
@@ -207,6 +214,16 @@ class WorkerPlatform(RuntimePlatform):
                 raise PlatformError(WORKER_STATE_LOST)
             raise (Unsupported if kind == "unsupported" else ValueError if kind == "usage" else PlatformError)(message)
         return reply, outputs
+
+    def _record_compile(self, reply: dict, outputs: list) -> None:
+        """An external backend's compile facts from the worker's reply (see :func:`_compile_facts`)."""
+        ms = reply.get("compile_ms")
+        self.last_compile_ms = float(ms) if isinstance(ms, (int, float)) and not isinstance(ms, bool) else None
+        self.last_compile_cached = reply.get("compile_cached") is True
+        name = reply.get("artifact_name")
+        self.last_artifact = None
+        if isinstance(name, str) and len(outputs) == 1 and str(outputs[0].dtype) == "torch.uint8":
+            self.last_artifact = (name, outputs[0].numpy().tobytes())
 
     def _exchange(self, request: dict, tensors, deadline: float) -> tuple[dict, list]:
         self._sock.settimeout(max(0.001, deadline - time.monotonic()))
@@ -228,6 +245,7 @@ class WorkerPlatform(RuntimePlatform):
         return wrap_errors(self._compile, graph)
 
     def _compile(self, graph) -> KernelProgram:
+        self.last_compile_ms, self.last_compile_cached, self.last_artifact = None, False, None
         reply, _ = self._call({"op": "compile", "graph": graph.to_json()}, what="compile")
         program = KernelProgram.from_json(reply["program"])
         self.programs.put(program.key, True)  # the worker that compiled it keeps it (else: unknown-program, resent)
@@ -416,6 +434,8 @@ def worker_main(fd: int, spec: str, address_space: int = 0, memory_headroom: int
             elif op == "supports":
                 reply = {"reason": platform.supports(Node.from_json(req["node"]))}
             elif op == "compile":
+                if hasattr(platform, "last_artifact"):
+                    platform.last_artifact = None
                 program = platform.compile(Graph.from_json(req["graph"]))
                 programs.put(program.key, program)
                 reply = {"program": program.to_json()}
@@ -455,13 +475,32 @@ def worker_main(fd: int, spec: str, address_space: int = 0, memory_headroom: int
             reply = _error("usage", e)
         except Exception as e:  # noqa: BLE001 - the verdict of the request, not the worker's end
             reply = _error("platform", e)
+        if op == "compile":
+            payloads = _compile_facts(platform, reply)
         del inputs, outputs
         try:
             _send(sock, reply)
-            for dtype, shape, payload in (payloads if "error" not in reply else ()):
+            for dtype, shape, payload in (payloads if "error" not in reply or op == "compile" else ()):
                 P.send_message(sock, P.TENSOR, 0, payload, dtype, shape)
         except OSError:
             return
+
+
+def _compile_facts(platform, reply: dict) -> list:
+    """What a compile reply adds for an external backend (:class:`~tapml.platforms.external.BackendPlatform`),
+    whether the compile went through or not: ``compile_ms`` and ``compile_cached``, and its artifact
+    (the backend's own input) named by ``artifact_name`` and sent as one uint8 tensor after the frame."""
+    import torch
+    if getattr(platform, "last_compile_ms", None) is not None:
+        reply["compile_ms"] = float(platform.last_compile_ms)
+        reply["compile_cached"] = bool(getattr(platform, "last_compile_cached", False))
+    artifact = getattr(platform, "last_artifact", None)
+    if not artifact:
+        return []
+    name, data = artifact
+    reply["artifact_name"], reply["tensors"] = str(name), 1
+    return [P.tensor_bytes(torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else
+                           torch.empty(0, dtype=torch.uint8))]
 
 
 class _NotHeld(Exception):

@@ -161,45 +161,12 @@ def _check_bytes(nbytes: int, limits: ServerLimits, what: str) -> None:
                             f"{limits.max_buffer_bytes} (tapml serve --max-buffer-mib)")
 
 
-def _strip_comments(wgsl: str) -> str:
-    """WGSL without comments (block comments nest; WGSL has no string literals)."""
-    out, i, depth, n = [], 0, 0, len(wgsl)
-    while i < n:
-        two = wgsl[i:i + 2]
-        if two == "/*":
-            depth, i = depth + 1, i + 2
-        elif depth and two == "*/":
-            depth, i = depth - 1, i + 2
-        elif depth:
-            i += 1
-        elif two == "//":
-            end = wgsl.find("\n", i)
-            i = n if end < 0 else end
-        else:
-            out.append(wgsl[i])
-            i += 1
-    return "".join(out)
-
-
-_AFTER_ATTRS = re.compile(r"\s*((?:@\s*\w+(?:\s*\([^)]*\))?\s*)*)fn\s+([A-Za-z_]\w*)")
-_INT = re.compile(r"\s*(\d{1,10})[iu]?\s*")
-
-
 def workgroup_size(wgsl: str, entry: str) -> int:
-    """Invocations per workgroup of entry point ``entry``: the product of its
-    ``@workgroup_size(...)``, which must be integer literals. ValueError otherwise."""
-    code = _strip_comments(wgsl)
-    sizes = []
-    for m in re.finditer(r"@\s*workgroup_size\s*\(([^)]*)\)", code):
-        fn = _AFTER_ATTRS.match(code, m.end())
-        if fn and fn.group(2) == entry:
-            sizes.append(m.group(1))
-    if len(re.findall(rf"\bfn\s+{re.escape(entry)}\b", code)) != 1 or len(sizes) != 1:
-        raise ValueError(f"entry point {entry!r} must be declared once with one @workgroup_size")
-    dims = [d for d in sizes[0].split(",") if d.strip()]
-    if not 1 <= len(dims) <= 3 or not all(_INT.fullmatch(d) for d in dims):
-        raise ValueError(f"@workgroup_size({sizes[0].strip()[:60]}) of {entry!r}: only integer literals are accepted")
-    return math.prod(int(_INT.fullmatch(d).group(1)) for d in dims)
+    """Invocations per workgroup of entry point ``entry`` (its integer-literal ``@workgroup_size``);
+    ValueError otherwise. The reader is :mod:`tapml.platforms.wgsl.source`, imported on first use so
+    that this module stays light."""
+    from tapml.platforms.wgsl.source import workgroup_size as read
+    return read(wgsl, entry)
 
 
 def _check_parts(program, buffers: dict) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from tapml.errors import PlatformError, TapmlError
 from tapml.graph import Graph, Node, map_refs
-from tapml.platforms.base import Platform
+from tapml.platforms.base import Platform, PlatformWrapper
 
 KINDS = ("scale:F", "offset:F", "nan", "compile-error")
 
@@ -86,52 +86,12 @@ def inject_faults(graph: Graph, faults: list[Fault]) -> Graph:
     return Graph(inputs=list(graph.inputs), nodes=nodes, outputs=[renamed.get(r, r) for r in graph.outputs])
 
 
-class InjectedPlatform(Platform):
+class InjectedPlatform(PlatformWrapper):
     """Wraps a platform so that programs compiled for it carry the injected faults."""
 
     def __init__(self, inner: Platform, faults: list[Fault]):
-        self.inner = inner
+        super().__init__(inner)
         self.faults = faults
-        self.name = inner.name
-
-    def _caps(self) -> dict:
-        return self.inner.caps()
-
-    def _supports(self, node: Node) -> str | None:
-        return self.inner.supports(node)
 
     def _compile(self, graph: Graph):
         return self.inner.compile(inject_faults(graph, self.faults))
-
-    def _run(self, program, inputs):
-        return self.inner.run(program, inputs)
-
-    def run(self, program, inputs, keep=()):
-        # Resident tensors belong to the inner platform: it runs, keeps and counts them itself.
-        return self.inner.run(program, inputs, keep)
-
-    def read(self, handle):
-        return self.inner.read(handle)
-
-    @property
-    def upload_bytes(self) -> int:
-        return self.inner.upload_bytes
-
-    @property
-    def last_run_ms(self):
-        return getattr(self.inner, "last_run_ms", None)
-
-    def float_model(self) -> dict:
-        return self.inner.float_model()  # the device's, not the injected faults'
-
-    def loop_limits(self) -> dict:
-        return self.inner.loop_limits()
-
-    def enable_guards(self) -> bool:
-        return self.inner.enable_guards()
-
-    def reconnect(self) -> None:
-        self.inner.reconnect()
-
-    def close(self) -> None:
-        self.inner.close()

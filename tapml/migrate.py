@@ -109,6 +109,8 @@ class Migration:
     TapmlError when one names nothing, or the store is float32).
     ``clock``: a :class:`tapml.profile.StageClock` given the seconds of reference runs and
     comparisons (``tapml bench`` splits a migration's time with it).
+    ``kernels``: the ``--kernel OP=FILE.wgsl`` values ``platform`` was opened with; the journal's header
+    records each file's digest, so that ``--resume`` with other or changed files is refused.
     :meth:`run` returns the final state (the same document it writes to ``state_path``); then
     ``reused`` and ``checked`` count the verdicts the journal supplied and those made in this run.
     """
@@ -116,7 +118,7 @@ class Migration:
     def __init__(self, store, platform, target: str, state_path: str | Path, *,
                  tolerances: Tolerances | None = None, inject: list[str] | None = None, resume: bool = False,
                  on_event: Callable[[str, dict], None] | None = None, store_path: str | None = None,
-                 keep_float32: Iterable[str] = (), clock=None):
+                 keep_float32: Iterable[str] = (), clock=None, kernels: list[str] | None = None):
         self.store = store
         self.platform = platform
         self.target = target
@@ -138,6 +140,9 @@ class Migration:
                        "tolerances": self.tolerances.to_json(), "inject": self.inject,
                        "nodes": len(self.graph.nodes), "cases": len(store.cases)}
         self.header |= keep_float32_header(self._precision_json())
+        if kernels:  # the user's own kernel files (--kernel) the platform runs: a resume must run the same
+            from tapml.platforms.wgsl.user_kernels import kernel_fingerprints
+            self.header["kernels"] = kernel_fingerprints(kernels)
         if getattr(store, "manifest_sha256", None):  # which store this state's verdicts are of (and carved)
             self.header["store_manifest_sha256"] = store.manifest_sha256
         self.store_path = str(store_path or store.path)
@@ -244,6 +249,8 @@ class Migration:
         if self.resume and not journal_path(self.state_path).exists() and self.state_path.exists():
             self._journal_from_state()
         self.journal = Journal(journal_path(self.state_path), self.header, self.resume)
+        from tapml.replay import ControlTarget
+        self.control = ControlTarget.of(self.platform, self.target)  # a failed case is re-run on the backend's control
         try:
             self.device = self._memo("device", lambda: device_info(self.platform))
             self._save(force=True)
@@ -259,6 +266,7 @@ class Migration:
                 f"{e}; the migration stopped there and its {len(self.journal.records)} verdicts so far are kept "
                 f"in {self.journal.path}: when the device is back, rerun the same command with --resume") from None
         finally:
+            self.control.close()
             self.journal.close()
         return self.state()
 
@@ -271,7 +279,8 @@ class Migration:
             raise TapmlError(f"--state {self.state_path} is not a migration state; {hint}")
         # The state's "cases" is the verdict list, not the header's case count; the count is the
         # store's, which "model" and "nodes" already vouch for (and so for the store's digest).
-        header = state.header() | {k: self.header[k] for k in ("cases", "store_manifest_sha256") if k in self.header}
+        header = state.header() | {k: self.header[k] for k in ("cases", "store_manifest_sha256", "kernels")
+                                   if k in self.header}
         records: dict[str, object] = {} if state.device is None else {"device": state.device}
         records |= {f"case:{c.id}": c for c in state.cases}
         records |= {f"unit:{u.id}": u for u in state.units}
@@ -293,8 +302,9 @@ class Migration:
         self._spread_cases([c for c in cases if self.journal.get(f"case:{c['id']}") is None])
         done = {c.id for c in self.cases}
         for case in cases:
-            verdict = self._memo(f"case:{case['id']}",
-                                 lambda: replay_case(self.platform, self.store, case, self.tolerances, clock=self.clock))
+            verdict = self._memo(f"case:{case['id']}", lambda: self.control.blame(
+                self.store, case, replay_case(self.platform, self.store, case, self.tolerances, clock=self.clock),
+                self.tolerances))
             self._check_record(verdict, op=case["op"], node=case["node"], module=case["module"])
             if case["id"] not in done:
                 self.cases.append(verdict)

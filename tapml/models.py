@@ -116,6 +116,18 @@ class _Fp16Absorbed(torch.nn.Module):
         return self.head(self.norm(x))
 
 
+class _Fp16Sum(torch.nn.Module):
+    """A linear layer and the sum of its outputs: torch's ONNX exporter (2.13) computes a float16
+    ``sum`` in float32 and drops the cast back, so the ONNX model's output is float32."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.proj(x).sum(-1)
+
+
 def _hf_zoo(model_type: str, **overrides) -> Callable:
     build = lambda: build_hf(model_type, overrides)  # noqa: E731
     build.hf = (model_type, overrides)  # what load_causal_lm rebuilds with its cache enabled
@@ -133,6 +145,8 @@ ZOO: dict[str, Callable[[], tuple]] = {
     # Planted float16 overflows, for `tapml precision --dtype float16` (float32 models and inputs).
     "fp16-overflow": lambda: (_Fp16Overflow(), (torch.randn(4, 16),)),
     "fp16-absorbed": lambda: (_Fp16Absorbed(), (torch.randn(4, 64),)),
+    # A planted route bug, for `--dtype float16` on the `ort` target: the exporter drops a cast.
+    "fp16-sum": lambda: (_Fp16Sum(), (torch.randn(4, 16),)),
 }
 
 

@@ -9,6 +9,8 @@ the dashes, e.g. ``tapml_target = wgpu:vulkan``):
                              worker its own device (``-n auto``: one worker per live device)
 ``--tapml-tol OP=RTOL,ATOL`` tolerance override, as ``tapml replay --tol`` (repeatable)
 ``--tapml-inject OP=KIND``   fault injection, as ``tapml replay --inject`` (repeatable)
+``--tapml-kernel OP=FILE``   your own WGSL kernel for OP, as ``tapml replay --kernel`` (repeatable; replaces
+                             the kernels a generated suite carries)
 ``--tapml-token-file FILE``  device server token for ``remote://`` targets (else $TAPML_TOKEN)
 ``--tapml-token-map FILE``   JSON ``{"HOST:PORT": token, "*": fallback}``: a token per server of a pool
 ``--tapml-store DIR``        the carve store of hand-written suites
@@ -56,6 +58,8 @@ _OPTIONS = (
      "takes precedence over the tolerances a generated suite recorded"),
     ("--tapml-inject", "tapml_inject", "append", "Fault OP[@NODE]=scale:F|offset:F|nan|compile-error "
      "(repeatable): proves the suite catches a broken kernel"),
+    ("--tapml-kernel", "tapml_kernel", "append", "OP=FILE.wgsl: your own WGSL kernel in place of tapml's "
+     "lowering of OP on WGSL targets (repeatable; replaces the kernels a generated suite carries)"),
     ("--tapml-token-file", "tapml_token_file", "store", "File holding the device server token "
      "for remote:// targets (else $TAPML_TOKEN)"),
     ("--tapml-token-map", "tapml_token_map", "store", "JSON file mapping HOST:PORT (or \"*\") to the token "
@@ -139,6 +143,10 @@ def pytest_configure(config):
         if inject:
             from tapml.inject import parse_faults
             parse_faults(inject)
+        kernels = _opt(config, "tapml_kernel")
+        if kernels:
+            from tapml.platforms.wgsl.user_kernels import parse_kernel_options
+            parse_kernel_options(kernels)
         tol = _opt(config, "tapml_tol")
         if tol:
             _cli_tolerances(tol)
@@ -278,8 +286,20 @@ class PoolSeat:
         self.pool.close()
 
 
+def kernel_option(config) -> list[str]:
+    """The ``--tapml-kernel`` values (or the ini key's), an empty list when none were given."""
+    return list(_opt(config, "tapml_kernel") or [])
+
+
 @pytest.fixture(scope="session")
-def tapml_target(pytestconfig, tapml_target_spec):
+def tapml_kernels(pytestconfig) -> list[str]:
+    """``--kernel OP=FILE.wgsl`` values for the target: ``--tapml-kernel`` (a generated conftest
+    overrides this to default to the kernel files its suite carries)."""
+    return kernel_option(pytestconfig)
+
+
+@pytest.fixture(scope="session")
+def tapml_target(pytestconfig, tapml_target_spec, tapml_kernels):
     """The opened target platform, shared by the session (one per xdist worker) and closed at
     the end. ``--tapml-inject`` wraps it with fault injection. A ``registry://`` target is a
     :class:`PoolSeat`: this worker's own device of the pool."""
@@ -287,6 +307,9 @@ def tapml_target(pytestconfig, tapml_target_spec):
     from tapml.targets import open_target
     try:
         if tapml_target_spec.startswith("registry://"):
+            if tapml_kernels:
+                raise TapmlError("--tapml-kernel runs on one WGSL device: give one device of the pool as "
+                                 "remote://HOST:PORT")
             from tapml.inject import parse_faults
             from tapml.remote.pool import DevicePool
             inject = _opt(pytestconfig, "tapml_inject")
@@ -299,7 +322,7 @@ def tapml_target(pytestconfig, tapml_target_spec):
                 raise
         else:
             platform = open_target(tapml_target_spec, token=_tokens(pytestconfig),
-                                   inject=_opt(pytestconfig, "tapml_inject"))
+                                   inject=_opt(pytestconfig, "tapml_inject"), kernels=tapml_kernels or None)
     except TapmlError as e:
         pytest.fail(f"cannot open target {tapml_target_spec}: {_option_message(e)}", pytrace=False)
     yield platform

@@ -227,10 +227,13 @@ def replay_case(platform, store, case: dict, tolerances: Tolerances | None = Non
     ``flaky`` (:func:`repeat_runs`), whatever the first run's comparison says.
     ``clock``: a :class:`tapml.profile.StageClock` that the comparison's seconds are added to."""
     start = time.perf_counter()
-    speed = {}
+    speed, timing, first_ms = {}, {}, None
     try:
         graph = store.case_graph(case)
-        program = platform.compile(graph)
+        try:
+            program = platform.compile(graph)
+        finally:
+            timing = backend_timing(platform)
         inputs = store.case_inputs(case)
         outputs = platform.run(program, inputs)
         first_ms = getattr(platform, "last_run_ms", None)
@@ -254,8 +257,92 @@ def replay_case(platform, store, case: dict, tolerances: Tolerances | None = Non
                 speed = profile_program(platform, program, inputs, graph, runs=profile)
             except (Unsupported, PlatformError) as e:
                 outcome.message = (outcome.message + "; " if outcome.message else "") + f"not profiled: {e}"
+    if timing and first_ms is not None:
+        timing["run_s"] = round(first_ms / 1e3, 6)
     return CaseVerdict(id=case["id"], op=case["op"], node=case["node"], module=case["module"],
-                       instances=case.get("instances", 1), **outcome.outcome(), **speed)
+                       instances=case.get("instances", 1), **outcome.outcome(), **speed, **timing)
+
+
+def backend_timing(platform) -> dict:
+    """``{"compile_s", "compile_cached"}`` of the last compile on an external backend's target (which
+    reports ``last_compile_ms``: :class:`~tapml.remote.device_worker.WorkerPlatform`); {} elsewhere."""
+    ms = getattr(platform, "last_compile_ms", None)
+    if ms is None:
+        return {}
+    return {"compile_s": round(ms / 1e3, 6), "compile_cached": bool(getattr(platform, "last_compile_cached", False))}
+
+
+class ControlTarget:
+    """The control of an external backend's target: the same route on a mature device (its
+    ``Backend.control``, reported in the platform's caps as ``control``), opened once, lazily, in a
+    worker of its own (:func:`tapml.targets.open_target`, no fault injection) when a case first fails.
+
+    :meth:`blame` re-runs a failed case there: ``route`` when it fails there too (the export route
+    or the front end is at fault), ``device compiler`` when it passes. A target without a control
+    blames nothing. Example::
+
+        with ControlTarget.of(platform) as control:
+            verdict = control.blame(store, case, replay_case(platform, store, case))
+    """
+
+    def __init__(self, spec: str | None):
+        self.spec = spec
+        self._platform = None
+        self._failed: str | None = None
+
+    @classmethod
+    def of(cls, platform, target: str = "") -> "ControlTarget":
+        """The control a platform's caps name (none when it names none or cannot say). A backend behind
+        ``remote://`` or ``registry://`` names its control on the server's machine, so none runs here."""
+        if target.startswith(("remote://", "registry://")):
+            return cls(None)
+        try:
+            control = platform.caps().get("control")
+        except (PlatformError, Unsupported):
+            control = None
+        return cls(control if isinstance(control, str) and control else None)
+
+    def blame(self, store, case: dict, verdict: CaseVerdict, tolerances: Tolerances | None = None,
+              anchored: bool | None = None) -> CaseVerdict:
+        """``verdict`` with ``blame``, ``control`` and ``control_status`` set when it failed and
+        the control could run the case (the control's own failure to open is said in the message)."""
+        if self.spec is None or verdict.status in ("pass", "flaky"):
+            return verdict
+        platform = self._open()
+        if platform is None:
+            verdict.message = "; ".join(m for m in (verdict.message, f"control {self.spec} not run: {self._failed}") if m)
+            return verdict
+        try:
+            there = replay_case(platform, store, case, tolerances, anchored)
+        except DeviceLost as e:
+            there = CaseVerdict(status="error", message=str(e))
+        verdict.control, verdict.control_status = self.spec, there.status
+        verdict.blame = "device compiler" if there.status == "pass" else "route"
+        said = (f"control {self.spec} passes: blame the device compiler" if there.status == "pass" else
+                f"control {self.spec} fails too ({there.status}): blame the route (export, front end)")
+        verdict.message = "; ".join(m for m in (verdict.message, said) if m)
+        return verdict
+
+    def _open(self):
+        if self._platform is None and self._failed is None:
+            from tapml.errors import TapmlError
+            from tapml.targets import open_target
+            try:
+                self._platform = open_target(self.spec)
+            except TapmlError as e:
+                self._failed = str(e)
+        return self._platform
+
+    def close(self) -> None:
+        if self._platform is not None:
+            self._platform.close()
+            self._platform = None
+
+    def __enter__(self) -> "ControlTarget":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def run_case(platform, store, case: dict, tolerances: Tolerances | None = None, anchored: bool | None = None) -> dict:
@@ -278,6 +365,9 @@ def replay(store, platform, target: str, tolerances: Tolerances | None = None, a
 
     A case that finds the device gone is an ``error`` verdict saying so, and the replay goes
     on: the next case may find it back (a remote platform reconnects by itself).
+
+    On an external backend that names a control (:class:`ControlTarget`), a case that fails is
+    run on the control too and its verdict says which layer to ``blame``.
 
     On a pool (``registry://``) the cases spread over its devices (:func:`tapml.targets.spread`):
     a case whose device is lost runs again on another, each verdict says the ``device`` that
@@ -317,14 +407,16 @@ def replay(store, platform, target: str, tolerances: Tolerances | None = None, a
         for v, ran_on in pooled:
             v.device = ran_on or None
             verdicts.append(v)
-    for case in todo if pooled is None else ():
-        try:
-            v = replay_case(platform, store, case, tolerances, anchored, profile, repeat)
-        except DeviceLost as e:
-            v = lost(case, e)
-        verdicts.append(v)
-        if on_case:
-            on_case(v.to_json())
+    with ControlTarget.of(platform, target) if pooled is None else ControlTarget(None) as control:
+        for case in todo if pooled is None else ():
+            try:
+                v = control.blame(store, case, replay_case(platform, store, case, tolerances, anchored, profile, repeat),
+                                  tolerances, anchored)
+            except DeviceLost as e:
+                v = lost(case, e)
+            verdicts.append(v)
+            if on_case:
+                on_case(v.to_json())
     doc = VerdictDocument(target=target, device=device, model=store.model, tolerances=(tolerances or Tolerances()).to_json(),
                           dtype=store_dtype(store), anchored=anchored_by_default(store) if anchored is None else anchored,
                           cases=verdicts).to_json()
@@ -348,22 +440,26 @@ def injects_into(target: str) -> bool:
 
 def replay_targets(store, targets: list[str], *, token: str | None = None, inject: list[str] | None = None,
                    on_target: Callable[[str, int], None] | None = None, limits: dict[str, int] | None = None,
-                   **options) -> dict[str, dict]:
+                   kernels: list[str] | None = None, **options) -> dict[str, dict]:
     """Replay ``store`` on each of ``targets`` in turn; returns ``{target: Verdict JSON}`` in
     their order, each exactly what :func:`replay` returns for that target alone.
 
     Each platform is closed before the next opens, so a browser and a wgpu device never compete
     for the machine. ``inject`` goes into every target but ``reference`` (:func:`injects_into`).
     ``limits`` (``--device-limit``) are lowered on every target but ``reference`` too.
+    ``kernels`` (``--kernel OP=FILE.wgsl``) go into the WGSL targets (:func:`tapml.targets.takes_kernels`).
     ``on_target(target, index)`` is called before each opens; ``options`` go to :func:`replay`
     (``tolerances``, ``anchored``, ``cases``, ``on_case``...).
 
     Example: ``replay_targets(store, ["reference", "wgpu:vulkan"])["wgpu:vulkan"]["summary"]``.
     """
     from tapml.errors import TapmlError
-    from tapml.targets import check_target, open_target
+    from tapml.targets import check_target, open_target, takes_kernels
     for t in targets:
         check_target(t)
+    if kernels and not any(takes_kernels(t) for t in targets):
+        raise TapmlError(f"--kernel replaces a lowering of tapml's WGSL compiler, and none of {', '.join(targets)} "
+                         "runs it: add a wgpu, browser or remote:// target")
     repeated = sorted({t for t in targets if targets.count(t) > 1})
     if repeated:
         raise TapmlError(f"--target {repeated[0]} is given twice; name each target once")
@@ -372,6 +468,7 @@ def replay_targets(store, targets: list[str], *, token: str | None = None, injec
         if on_target:
             on_target(target, i)
         with open_target(target, token=token, inject=inject if injects_into(target) else None,
-                         limits=limits if injects_into(target) else None) as platform:
+                         limits=limits if injects_into(target) else None,
+                         kernels=kernels if takes_kernels(target) else None) as platform:
             results[target] = replay(store, platform, target, **options)
     return results

@@ -39,8 +39,8 @@ class Session:
 
     Arguments: ``model`` a carve store directory or a MODEL spec (carved into ``STATE.store/``
     beside ``state``, or into a temporary directory); ``target`` a TARGET spec; ``state`` the
-    file :meth:`save` writes; ``inject`` and ``tol`` as ``tapml migrate --inject/--tol``
-    (lists of strings); ``token`` for ``remote://`` targets; ``graph`` which graph of a
+    file :meth:`save` writes; ``inject``, ``kernels`` and ``tol`` as ``tapml migrate
+    --inject/--kernel/--tol`` (lists of strings); ``token`` for ``remote://`` targets; ``graph`` which graph of a
     generation store to work on, ``"prefill"`` or ``"decode"`` (the first decode step, with the
     reference's cache after the prefill); ``dtype`` the ``--dtype`` a MODEL spec is carved in
     (``float32``, ``float16``, ``bfloat16``; a store given with another is refused). A
@@ -50,7 +50,8 @@ class Session:
 
     def __init__(self, model: str, target: str = "reference", state: str | None = None,
                  inject: list[str] | None = None, tol=None, token: str | None = None, platform=None,
-                 hf_config: dict | None = None, graph: str = "prefill", dtype: str | None = None):
+                 hf_config: dict | None = None, graph: str = "prefill", dtype: str | None = None,
+                 kernels: list[str] | None = None):
         from tapml.compare import Tolerances
         from tapml.targets import check_target, open_target
         check_target(target)
@@ -83,7 +84,8 @@ class Session:
             self.scope_note = (f"the session works on the decode graph, at step {CHECKED_STEP['decode']} with the "
                                "reference's cache after the prefill")
         check_faults(self.graph, self.inject)
-        self.platform = platform if platform is not None else open_target(target, token=token, inject=self.inject)
+        self.platform = platform if platform is not None else open_target(target, token=token, inject=self.inject,
+                                                                          kernels=kernels)
         inputs = (lambda: decode_step_inputs(self.store)) if graph == "decode" else None
         self.checker = RegionChecker(self.store, self.platform, self.tolerances, graph=self.graph, inputs=inputs)
         self.runner = HybridRunner(self.graph, self.platform)

@@ -14,7 +14,7 @@ from tapml.platforms.targets import (TARGET_HELP, TARGETS, WGPU_BACKENDS, Regist
                                      open_platform, parse_registry_target, parse_remote, token_for)
 
 __all__ = ["TARGETS", "TARGET_HELP", "WGPU_BACKENDS", "RegistryTarget", "TargetKind", "check_target", "open_platform",
-           "open_backend", "open_reference", "open_target", "parse_registry_target", "parse_remote", "read_token", "read_tokens", "spread", "token_for"]
+           "open_backend", "open_reference", "open_target", "takes_kernels", "parse_registry_target", "parse_remote", "read_token", "read_tokens", "spread", "token_for"]
 
 
 #: Largest token file read (a token is at most 4096 characters).
@@ -126,9 +126,22 @@ def open_backend(spec: str):
     return WorkerPlatform(spec, timeout=timeout)
 
 
+#: TARGET prefixes that run tapml's WGSL, so that ``--kernel`` files can replace its lowerings there.
+KERNEL_TARGETS = ("wgpu", "browser", "remote://")
+
+
+def takes_kernels(spec: str) -> bool:
+    """Whether ``--kernel`` files apply to the TARGET ``spec`` (a WGSL target: wgpu, browser, remote://)."""
+    return spec.startswith(KERNEL_TARGETS)
+
+
 def open_target(spec: str, *, token: str | None = None, inject: list[str] | None = None,
-                limits: dict[str, int] | None = None):
+                limits: dict[str, int] | None = None, kernels: list[str] | None = None):
     """Open the platform a TARGET spec names, wrapped with fault injection when asked.
+
+    ``kernels``: ``--kernel OP=FILE.wgsl`` values, the user's own kernels in place of tapml's
+    lowerings of their ops (:class:`tapml.platforms.kernel_override.KernelOverridePlatform`);
+    TapmlError for a bad file or a target that runs no WGSL.
 
     ``token``: None, one token, or a token map ``{"HOST:PORT": token, "*": fallback}`` (:func:`read_tokens`).
     ``limits``: device limits to lower for the compiler (``--device-limit``, :meth:`Platform.force_limits`);
@@ -142,6 +155,14 @@ def open_target(spec: str, *, token: str | None = None, inject: list[str] | None
     if inject:
         from tapml.inject import parse_faults
         faults = parse_faults(inject)  # validate before opening a device
+    overrides = None
+    if kernels:
+        from tapml.platforms.wgsl.user_kernels import parse_kernel_options
+        overrides = parse_kernel_options(kernels)  # validate before opening a device
+        if not takes_kernels(spec):
+            hint = "; give one device of the pool as remote://HOST:PORT" if spec.startswith("registry://") else ""
+            raise TapmlError(f"--kernel replaces a lowering of tapml's WGSL compiler, and {spec} runs no WGSL of "
+                             f"tapml's: use it with wgpu, wgpu:vulkan, wgpu:gl, browser or remote://HOST:PORT{hint}")
     from tapml.platforms.targets import backend_prefix
     if spec.startswith("reference"):
         platform = open_reference(spec)
@@ -158,6 +179,13 @@ def open_target(spec: str, *, token: str | None = None, inject: list[str] | None
         except ValueError as e:
             platform.close()
             raise TapmlError(f"--device-limit on {spec}: {e}") from None
+    if overrides:
+        from tapml.platforms.kernel_override import KernelOverridePlatform
+        try:
+            platform = KernelOverridePlatform(platform, overrides)
+        except TapmlError:
+            platform.close()
+            raise
     if faults:
         from tapml.inject import InjectedPlatform
         platform = InjectedPlatform(platform, faults)

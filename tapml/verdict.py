@@ -48,6 +48,10 @@ JUDGE_KEYS = ("rule", "bound", "margin")
 #: A margin (error over bound) at or above this is near-failing: reports show its rule and bound
 #: as they do a failure's.
 NEAR_FAILING = 0.5
+#: Which layer a failure on an external backend is blamed on, by a re-run on its control target
+#: (the same route on a mature device): ``route`` when the control fails too (the export route
+#: or front end), ``device compiler`` when the control passes.
+BLAME = ("route", "device compiler")
 #: How a profiled case's ``device_ms`` was taken (tapml.profile): GPU timestamps or the host clock.
 TIMINGS = ("timestamp", "wall")
 #: Kinds of culprit, in the order reports list them: a wrong op (alone), a wrong node (in its
@@ -141,6 +145,16 @@ class CaseVerdict(Verdict):
     shapes: str | None = None
     baseline_ms: float | None = None
     device: str | None = None  # the pool device (remote://HOST:PORT) that ran it; None off a pool
+    #: on an external backend: seconds its compile took (a load when ``compile_cached``: from the
+    #: on-disk compile cache) and its first run; None elsewhere and then not written
+    compile_s: float | None = None
+    run_s: float | None = None
+    compile_cached: bool | None = None
+    #: on a failure re-run on the backend's control target: ``route`` or ``device compiler``
+    #: (:data:`BLAME`), the control target and its status there; None otherwise and then not written
+    blame: str | None = None
+    control: str | None = None
+    control_status: str | None = None
 
     def to_json(self) -> dict:
         out = {"id": self.id, "op": self.op, "node": self.node, "module": self.module,
@@ -152,12 +166,15 @@ class CaseVerdict(Verdict):
                        shapes=self.shapes)
         if self.baseline_ms is not None:
             out["baseline_ms"] = self.baseline_ms
+        for k in ("compile_s", "run_s", "compile_cached", "blame", "control", "control_status"):
+            if getattr(self, k) is not None:
+                out[k] = getattr(self, k)
         return out
 
     @classmethod
     def _read(cls, o: "_Obj") -> "CaseVerdict":
         strict = o.ctx.strict
-        speed = {k: o.number(k) for k in ("device_ms", "gflops", "gbps", "baseline_ms")}
+        speed = {k: o.number(k) for k in ("device_ms", "gflops", "gbps", "baseline_ms", "compile_s", "run_s")}
         for k, v in speed.items():
             if v is not None and v < 0:
                 o.fail(f"{k} is {v}, expected a time or rate of 0 or more")
@@ -165,7 +182,9 @@ class CaseVerdict(Verdict):
                    node=o.string("node", "", required=strict), module=o.string("module", "", required=strict),
                    instances=o.count("instances", 1, required=strict), **speed,
                    timing=o.choice("timing", TIMINGS, None), shapes=o.string("shapes", None),
-                   device=o.string("device", None), **cls._read_outcome(o))
+                   device=o.string("device", None), compile_cached=o.boolean("compile_cached", None),
+                   blame=o.choice("blame", BLAME, None), control=o.string("control", None),
+                   control_status=o.choice("control_status", STATUSES, None), **cls._read_outcome(o))
 
 
 @dataclass(kw_only=True)

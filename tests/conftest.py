@@ -57,3 +57,46 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("tapml figures")
         for name, value in figures:
             terminalreporter.line(f"{name}: {value}")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` that finishes after a worker crashes.
+
+    pytest-xdist 3.8's group scheduler puts a dead worker's whole workload back on the queue,
+    finished groups and the test it died on included, and hands a replacement worker a single test,
+    which a worker never starts until a second one arrives: the run then waits forever at its end
+    (pytest-xdist#1323, #1327, #1378; one crashed lavapipe worker held CI past its 90 minutes). This
+    scheduler requeues only the unfinished tests of the dead worker, never the one it died on (that
+    one is already reported failed), and keeps two tests or a shutdown queued on every worker.
+    """
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class CrashSafeLoadGroupScheduling(LoadGroupScheduling):
+        def remove_node(self, node):
+            workload = self.assigned_work.pop(node)
+            pending = [unit for unit in workload.values() if not all(unit.values())]
+            if not pending:
+                return None
+            crashitem = next(nodeid for unit in pending for nodeid, done in unit.items() if not done)
+            requeue = {}
+            for scope, unit in workload.items():
+                unit.pop(crashitem, None)
+                if unit and not all(unit.values()):
+                    requeue[scope] = {nodeid: False for nodeid, done in unit.items() if not done}
+            self.workqueue.update(requeue)
+            for other in self.assigned_work:
+                self._reschedule(other)
+            return crashitem
+
+        def _reschedule(self, node):
+            super()._reschedule(node)
+            while not node.shutting_down and node in self.assigned_work and \
+                    self._pending_of(self.assigned_work[node]) < 2:
+                if not self.workqueue:
+                    node.shutdown()
+                    break
+                self._assign_work_unit(node)
+
+    return CrashSafeLoadGroupScheduling(config, log)

@@ -672,6 +672,26 @@ def test_a_mismatch_on_data_the_device_does_not_keep_names_its_float_model(brows
 
 
 # Last in the file: it closes the session's browser that the tests above share.
+def test_your_own_gelu_kernel_runs_in_the_browser(browser, carved, tmp_path):
+    """The README's gelu kernel (examples/kernels/gelu.wgsl) on every gelu case of zoo:mlp in the page;
+    the same file scaled by 1.01 is a mismatch on exactly those cases."""
+    from tapml.carving.store import CarveStore
+    from tapml.platforms.kernel_override import KernelOverridePlatform
+    from tapml.platforms.wgsl.user_kernels import parse_kernel_options
+    from tapml.replay import replay
+    gelu = Path(__file__).resolve().parents[1] / "examples" / "kernels" / "gelu.wgsl"
+    wrong = tmp_path / "wrong_gelu.wgsl"
+    wrong.write_text(gelu.read_text().replace("y[i] = 0.5 * v", "y[i] = 1.01 * 0.5 * v"))
+    store = CarveStore(carved("zoo:mlp"))
+    cases = [c for c in store.cases if c["op"] in ("aten.gelu.default", "aten.relu.default")]
+    assert any(c["op"] == "aten.gelu.default" for c in cases)
+    for path, status in ((gelu, "pass"), (wrong, "mismatch")):
+        platform = KernelOverridePlatform(browser, parse_kernel_options([f"aten.gelu.default={path}"]))
+        result = replay(store, platform, "browser", cases=cases)
+        assert {(v["op"], v["status"]) for v in result["cases"]} == \
+            {("aten.gelu.default", status), ("aten.relu.default", "pass")}, result["cases"]
+
+
 def test_no_leftover_chromium_processes(browser):
     browser.close()
     assert LAUNCHED

@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LINT = Path(sys.executable).with_name("lint-imports")
 COMMANDS = {"carve", "inspect", "replay", "gen-tests", "migrate", "session", "serve", "registry", "devices", "report",
-            "bench", "repro", "generate", "fleet", "precision"}
+            "bench", "repro", "generate", "fleet", "precision", "targets"}
 
 
 def _tree(dest: Path) -> Path:
@@ -32,7 +32,38 @@ def _lint(tree: Path) -> subprocess.CompletedProcess:
 def test_the_layer_contracts_hold(tmp_path):
     r = _lint(_tree(tmp_path / "tree"))
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "4 kept, 0 broken" in r.stdout
+    assert "5 kept, 0 broken" in r.stdout
+
+
+def _seam_contract() -> dict:
+    import tomllib
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    return next(c for c in contracts if c["id"] == "checking-through-the-seam")
+
+
+def test_every_backend_module_is_behind_the_seam_contract():
+    """Each built-in backend's module, once it exists, is one the checking code may not import."""
+    import importlib.util
+
+    from tapml.platforms.targets import BUILTIN_BACKENDS
+    forbidden = set(_seam_contract()["forbidden_modules"])
+    assert "tapml.platforms.external" in forbidden
+    for value in BUILTIN_BACKENDS.values():
+        module = value.split(":")[0]
+        if importlib.util.find_spec(module) is not None:
+            assert module in forbidden, f"add {module} to the checking-through-the-seam contract's forbidden_modules"
+
+
+def test_a_checking_module_importing_a_backend_breaks_the_seam_contract(tmp_path):
+    linked = _tree(tmp_path / "linked")
+    copy = tmp_path / "copy"
+    shutil.copytree(linked, copy, symlinks=False, ignore=shutil.ignore_patterns("__pycache__"))
+    replay = copy / "tapml" / "replay.py"
+    replay.write_text(replay.read_text() + "\nimport tapml.platforms.external  # noqa: E402,F401\n")
+    r = _lint(copy)
+    assert r.returncode != 0, r.stdout
+    assert "the checking code reaches a backend only through" in r.stdout and "BROKEN" in r.stdout
+    assert "tapml.replay -> tapml.platforms.external" in r.stdout
 
 
 def test_an_upward_import_breaks_the_layers_contract(tmp_path):

@@ -125,6 +125,7 @@ def walk(tmp_path: Path, commands) -> tuple[str, list[str], list[str]]:
     # must fit a unix socket's 108 bytes (under pytest's tmp_path Chromium aborts).
     tmp = Path(tempfile.mkdtemp(prefix="tw-"))
     (clone / ".venv").symlink_to(sys.prefix)  # the venv running the tests: `make test` runs them from .venv
+    shutil.copytree(README.parent / "examples" / "kernels", clone / "examples" / "kernels")  # tracked example kernels
     script = tmp_path / "walk.sh"
     script.write_text(walk_script(commands, logs))
     marker = f"TAPML_README_WALK={uuid.uuid4().hex}"

@@ -10,13 +10,14 @@ wgpu-native in-process. Example::
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import ChainMap, Counter
+from typing import Mapping
 
 from tapml.errors import PlatformError, Unsupported
 from tapml.graph import Graph, Node, TensorMeta, decode_arg
 from tapml.platforms.base import KernelProgram
 from tapml.platforms.wgsl.codegen import BufferView, Compute, ProgramBuilder, Value, cast, ctype
-from tapml.platforms.wgsl.registry import REGISTRY, case_graph, dtype_reason, supports_node
+from tapml.platforms.wgsl.registry import REGISTRY, Lowering, case_graph, dtype_reason, supports_node
 
 _LOADED = False
 # a fused expression larger than this is written to a buffer instead of growing further
@@ -43,8 +44,11 @@ def _cast_value(v: Value, dtype: str) -> Value:
     return Compute(v.shape, dtype, [v], lambda k, e, idx: cast(e[0], src, dst))
 
 
-def compile_graph(graph: Graph, caps: dict) -> KernelProgram:
+def compile_graph(graph: Graph, caps: dict, lowerings: Mapping[str, Lowering] | None = None) -> KernelProgram:
     """Compile ``graph`` into one KernelProgram for a device with ``caps``.
+
+    ``lowerings`` lay over the registry for this compile only (an op's entry there replaces the
+    registry's): the user's own kernels, :func:`tapml.platforms.wgsl.user_kernels.user_lowerings`.
 
     Elementwise chains fuse into the kernel that reads them, views are strides, values used
     more than once and graph outputs are written to buffers. Raises :class:`Unsupported`
@@ -52,6 +56,7 @@ def compile_graph(graph: Graph, caps: dict) -> KernelProgram:
     lowering fails.
     """
     load_lowerings()
+    registry = REGISTRY if not lowerings else ChainMap(dict(lowerings), REGISTRY)
     caps = caps or {}
     pb = ProgramBuilder(caps)
     env: dict[str, Value] = {}
@@ -67,10 +72,10 @@ def compile_graph(graph: Graph, caps: dict) -> KernelProgram:
     wanted = set(graph.outputs)
 
     for node in graph.nodes:
-        reason = supports_node(node, caps, [graph.meta[r] for r in node.input_refs])
+        reason = supports_node(node, caps, [graph.meta[r] for r in node.input_refs], registry)
         if reason:
             raise Unsupported(f"{node.op}: {reason}")
-        low = REGISTRY[node.op]
+        low = registry[node.op]
         try:
             args = decode_arg(node.args, env.__getitem__)
             kwargs = {k: decode_arg(v, env.__getitem__) for k, v in node.kwargs.items()}

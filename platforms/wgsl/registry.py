@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -165,16 +165,18 @@ def low_precision_paths(features) -> dict[str, str]:
 COMPLEX_OPS = frozenset({"aten._fft_r2c.default", "aten._fft_c2r.default", "aten._fft_c2c.default"})
 
 
-def supports_node(node: Node, caps: dict, input_metas: Sequence[TensorMeta] = ()) -> str | None:
-    """None when the registry can lower ``node`` for a device with ``caps``, else the reason.
-    A refusal by design (float64, complex) is said before a missing lowering."""
+def supports_node(node: Node, caps: dict, input_metas: Sequence[TensorMeta] = (),
+                  registry: Mapping[str, Lowering] | None = None) -> str | None:
+    """None when the registry (or ``registry``, one laid over it) can lower ``node`` for a device
+    with ``caps``, else the reason. A refusal by design (float64, complex) is said before a
+    missing lowering."""
     if node.op in COMPLEX_OPS:
         return f"{node.op} computes on complex tensors: WGSL has no complex types (refused by design)"
     for m in list(input_metas) + list(node.outputs):
         reason = dtype_reason(m.dtype, caps)
         if reason:
             return reason
-    low = REGISTRY.get(node.op)
+    low = (REGISTRY if registry is None else registry).get(node.op)
     if low is None:
         return f"no WGSL lowering for {node.op}"
     for m in input_metas:

@@ -26,6 +26,7 @@ from tapml.cli import fleet  # noqa: E402,F401 - fleet
 from tapml.cli import bench  # noqa: E402,F401 - bench, bench transport
 from tapml.cli import report  # noqa: E402,F401 - report
 from tapml.cli import repro  # noqa: E402,F401 - repro
+from tapml.cli import targets  # noqa: E402,F401 - targets
 
 
 def main() -> None:

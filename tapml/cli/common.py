@@ -61,6 +61,8 @@ EXIT_OK, EXIT_FINDING, EXIT_USAGE, EXIT_INTERNAL = 0, 1, 2, 3
 TargetOpt = typer.Option("reference", "--target", "-t", help="reference, wgpu[:vulkan|gl|metal|dx12], browser, remote://HOST:PORT")
 TolOpt = typer.Option(None, "--tol", help="Tolerance override OP=RTOL,ATOL or RTOL,ATOL (repeatable)")
 InjectOpt = typer.Option(None, "--inject", help="Fault OP[@NODE]=scale:F|offset:F|nan|compile-error (repeatable)")
+KernelOpt = typer.Option(None, "--kernel", help="OP=FILE.wgsl: your own WGSL kernel in place of tapml's lowering of OP on "
+                         "WGSL targets (wgpu, browser, remote://); binding convention in the README (repeatable)")
 TokenFileOpt = typer.Option(None, "--token-file", help="File holding the device server token (else $TAPML_TOKEN)")
 TokenMapOpt = typer.Option(None, "--token-map", help='JSON file of a token per device server, '
                            '{"HOST:PORT": "token", "*": "token for the others"} (registry:// pools)')

@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from tapml.cli.common import TolOpt, app, command, console
+from tapml.cli.common import KernelOpt, TolOpt, app, command, console
 from tapml.text import shown
 
 
@@ -20,14 +20,20 @@ def gen_tests(store: str = typer.Argument(..., help="Carve store directory"),
                                                  "--state are marked: xfail (strict), fail or skip"),
               copy_data: bool = typer.Option(False, "--copy-data/--link-data", help="Copy the store into "
                                              "DIR/data, or reference it by absolute path (default)"),
-              tol: Optional[List[str]] = TolOpt):
+              tol: Optional[List[str]] = TolOpt, kernel: Optional[List[str]] = KernelOpt):
     """Write a pytest suite with one test per carved case of STORE: `pytest DIR --tapml-target T`."""
     from tapml.carving.gentests import generate_suite
     from tapml.compare import Tolerances
     from tapml.targets import check_target
+    kernels = []
+    if kernel:
+        from tapml.platforms.wgsl.user_kernels import parse_kernel_options
+        kernels = [(k.op, k.path, k.source.encode()) for files in parse_kernel_options(kernel).values() for k in files]
     info = generate_suite(store, output, state=state, known_failures=known_failures, copy_data=copy_data,
-                          tolerances=Tolerances.parse(tol), check_target=check_target)
+                          tolerances=Tolerances.parse(tol), check_target=check_target, kernels=kernels)
     known = (f", {info['known_failures']} known failure(s) marked {known_failures}" if state else "")
+    if info["kernels"]:
+        known += f", {len(info['kernels'])} kernel file(s) of yours in kernels/ (on WGSL targets)"
     import shlex
     import sys
     # the Python running tapml has pytest and the tapml plugin; a bare `pytest` may be another's

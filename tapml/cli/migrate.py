@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from tapml.cli.common import (DeviceLimitOpt, DtypeOpt, InjectOpt, JsonOpt, KeepFloat32Opt, QuietOpt, TokenFileOpt,
+from tapml.cli.common import (DeviceLimitOpt, DtypeOpt, InjectOpt, JsonOpt, KeepFloat32Opt, KernelOpt, QuietOpt, TokenFileOpt,
                               TokenMapOpt, TolOpt, app, check_dtype, command, console, fail, out, write_json)
 from tapml.cli.store import check_device_limits, check_targets, limits_for, render_matrix_run, run_preflight
 from tapml.render import fmt_err, keep_names_whole
@@ -181,7 +181,8 @@ MigrateTargetsOpt = typer.Option(["reference"], "--target", "-t",
                                  help="reference, wgpu[:vulkan|gl|metal|dx12], browser, remote://HOST:PORT; "
                                       "repeatable: one migration per target, one after another, each with its own "
                                       "state file named from --state (s.json -> s.wgpu-vulkan.json) and one matrix "
-                                      "at the end; --inject then goes into every target but reference")
+                                      "at the end; --inject then goes into every target but reference, --kernel into "
+                                      "the WGSL ones")
 
 
 @app.command(name="migrate")
@@ -190,7 +191,8 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
             state: str = typer.Option(..., "--state", help="Migration state file (JSON) to write; its journal "
                                                            "is kept beside it as STATE.journal"),
             resume: bool = typer.Option(False, "--resume", help="Continue from the state's journal, skipping what is done"),
-            inject: Optional[List[str]] = InjectOpt, tol: Optional[List[str]] = TolOpt,
+            inject: Optional[List[str]] = InjectOpt, kernel: Optional[List[str]] = KernelOpt,
+            tol: Optional[List[str]] = TolOpt,
             token_file: Optional[str] = TokenFileOpt, token_map: Optional[str] = TokenMapOpt,
             hf_config: Optional[List[str]] = HfConfigOpt, dtype: Optional[str] = DtypeOpt,
             keep_float32: Optional[List[str]] = KeepFloat32Opt, device_limit: Optional[List[str]] = DeviceLimitOpt,
@@ -209,6 +211,13 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
     tolerances = Tolerances.parse(tol)
     token = read_tokens(token_file, token_map)
     parse_faults(inject or [])
+    if kernel:
+        from tapml.platforms.wgsl.user_kernels import parse_kernel_options
+        from tapml.targets import takes_kernels
+        parse_kernel_options(kernel)
+        if not any(takes_kernels(t) for t in targets):
+            fail(f"--kernel replaces a lowering of tapml's WGSL compiler, and none of {', '.join(targets)} runs it: "
+                 "add a wgpu, browser or remote:// target")
     keep = read_keep_items(keep_float32 or [])
     if keep and not Path(model).is_dir() and not model.endswith(".pt2") and (dtype or "float32") == "float32":
         fail("--keep-float32 needs a float16/bfloat16 carve: add --dtype float16")
@@ -222,7 +231,7 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
     from tapml.models import parse_hf_overrides
     from tapml.precision import resolve_keep_float32
     from tapml.replay import injects_into
-    from tapml.targets import open_target
+    from tapml.targets import open_target, takes_kernels
     # One writer of this state, its journal and the store carved beside it, for the whole command.
     with ExclusiveLock(state, f"--state {state}"):
         store, store_path = open_or_carve(model, state, on_carve=lambda spec, path: None if quiet else console.print(
@@ -236,13 +245,14 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
             results = {}
             for t in targets:
                 faults = inject if injects_into(t) else None
-                with open_target(t, token=token, inject=faults, limits=limits_for(t, limits)) as platform:
+                with open_target(t, token=token, inject=faults, limits=limits_for(t, limits),
+                                 kernels=kernel if takes_kernels(t) else None) as platform:
                     run_preflight(store, platform, t, quiet=quiet)
                     with MigrationDisplay(f"migrating {plain(store.model)} to {plain(t)} ({plain(paths[t])})",
                                           quiet) as display:
                         migration = Migration(store, platform, t, paths[t], tolerances=tolerances, inject=faults,
                                               resume=resume, on_event=display.event, store_path=str(store_path),
-                                              keep_float32=keep)
+                                              keep_float32=keep, kernels=kernel if takes_kernels(t) else None)
                         results[t] = migration.run()
                     if resume:
                         render_resumed(migration, t)
@@ -253,12 +263,12 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
 
             raise typer.Exit(render_matrix_run(results, False, False, quiet, json_out, render_target))
         target = targets[0]
-        with open_target(target, token=token, inject=inject, limits=limits_for(target, limits)) as platform:
+        with open_target(target, token=token, inject=inject, limits=limits_for(target, limits), kernels=kernel) as platform:
             run_preflight(store, platform, target, quiet=quiet)
             with MigrationDisplay(f"migrating {plain(store.model)} to {plain(target)}", quiet) as display:
                 migration = Migration(store, platform, target, state, tolerances=tolerances, inject=inject,
                                       resume=resume, on_event=display.event, store_path=str(store_path),
-                                      keep_float32=keep)
+                                      keep_float32=keep, kernels=kernel)
                 result = migration.run()
         if resume:
             render_resumed(migration, target)

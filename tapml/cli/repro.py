@@ -19,14 +19,17 @@ def repro(store: str = typer.Argument(..., help="Carve store directory"),
           output: str = typer.Option(..., "-o", "--output", help="Folder to create (must not exist, or be empty)"),
           target: str = typer.Option("wgpu", "--target", "-t",
                                      help="wgpu[:vulkan|gl|metal|dx12], browser or remote://HOST:PORT: the device "
-                                          "the WGSL is compiled for and run on once"),
+                                          "the WGSL is compiled for and run on once; or an external backend "
+                                          "(iree:vulkan, ort, PREFIX, file.py:Class): its own input and runner"),
           inject: Optional[List[str]] = InjectOpt, tol: Optional[List[str]] = TolOpt,
           token_file: Optional[str] = TokenFileOpt, json_out: Optional[str] = JsonOpt, quiet: bool = QuietOpt):
     """Write a self-contained folder that reproduces CASE_OR_NODE of STORE on TARGET without tapml:
     the WGSL of each kernel, plan.json (buffers, dispatches, tolerances), the inputs and the
     reference outputs (.npy), run.py (needs only wgpu and numpy), index.html + run.js (any WebGPU
     browser) and a README naming the device. Exit 0 once the folder is written, whatever the case's
-    outcome (the README and the last line say what tapml saw on TARGET)."""
+    outcome (the README and the last line say what tapml saw on TARGET). On an external backend the
+    folder holds the backend's own input (MLIR, ONNX, ...; also when its compile failed), the inputs,
+    the expected outputs, plan.json and run.py + runner.py, which need only that backend."""
     import shlex
     import sys
 
@@ -43,15 +46,20 @@ def repro(store: str = typer.Argument(..., help="Carve store directory"),
     s = open_store(store)
     subject = find_subject(s, what, tolerances)
     command_line = "tapml " + shlex.join(sys.argv[1:])
+    from tapml.platforms.targets import backend_prefix
+    write = write_repro
+    if backend_prefix(target) is not None:  # an external backend: its own input (MLIR, ONNX) and runner
+        from tapml.backend_repro import write_backend_repro as write
     with open_target(target, token=read_token(token_file), inject=inject) as platform:
-        info = write_repro(s, subject, platform, output, target=target, inject=inject or [], command=command_line)
+        info = write(s, subject, platform, output, target=target, inject=inject or [], command=command_line)
     if json_out:
         write_json(info, json_out)
     seen = info["observed"]
     stats = "" if seen["max_abs_err"] is None else (f", max_abs_err {seen['max_abs_err']:.3g}, "
                                                     f"mismatch_fraction {seen['mismatch_fraction']:.3g}")
+    made = f"{info['kernels']} kernel(s)" if "artifact" not in info else f"the backend's input {info['artifact'] or '(none given)'}"
     if not quiet:
-        console.print(f"wrote {shown(output)}: {shown(subject.kind)} {shown(subject.label)}, {info['kernels']} kernel(s) "
+        console.print(f"wrote {shown(output)}: {shown(subject.kind)} {shown(subject.label)}, {made} "
                       f"for {shown(info['device'])} ({shown(info['backend'])})", highlight=False, soft_wrap=True)
     if json_out != "-":
         out.print(f"{shown(target)} gives {shown(seen['status'])}{stats}; reproduce it: cd {shown(output)} && python run.py",

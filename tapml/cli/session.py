@@ -13,7 +13,7 @@ from typing import List, Optional
 
 import typer
 
-from tapml.cli.common import (DtypeOpt, InjectOpt, TargetOpt, TokenFileOpt, TolOpt, app, check_dtype, command, fail,
+from tapml.cli.common import (DtypeOpt, InjectOpt, KernelOpt, TargetOpt, TokenFileOpt, TolOpt, app, check_dtype, command, fail,
                               make_console)
 from tapml.cli.migrate import HfConfigOpt, ModelArg
 from tapml.errors import TapmlError
@@ -26,8 +26,8 @@ from tapml.text import shown
 def session(model: str = ModelArg, target: str = TargetOpt,
             state: Optional[str] = typer.Option(None, "--state", help="State file that `save` writes (and next to "
                                                                       "which a MODEL spec is carved)"),
-            inject: Optional[List[str]] = InjectOpt, tol: Optional[List[str]] = TolOpt,
-            token_file: Optional[str] = TokenFileOpt, hf_config: Optional[List[str]] = HfConfigOpt,
+            inject: Optional[List[str]] = InjectOpt, kernel: Optional[List[str]] = KernelOpt,
+            tol: Optional[List[str]] = TolOpt, token_file: Optional[str] = TokenFileOpt, hf_config: Optional[List[str]] = HfConfigOpt,
             graph: str = typer.Option("prefill", "--graph", help="The graph of a generation store to work on: "
                                       "prefill, or decode (its first decode step, with the reference's cache "
                                       "after the prefill)"),
@@ -36,7 +36,7 @@ def session(model: str = ModelArg, target: str = TargetOpt,
     from tapml.models import parse_hf_overrides
     from tapml.session import Session
     from tapml.targets import read_token
-    with Session(model, target=target, state=state, inject=inject, tol=tol, token=read_token(token_file),
+    with Session(model, target=target, state=state, inject=inject, kernels=kernel, tol=tol, token=read_token(token_file),
                  hf_config=parse_hf_overrides(hf_config), graph=graph, dtype=check_dtype(dtype)) as s:
         shell = SessionShell(s)
         shell.cmdloop()

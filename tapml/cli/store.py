@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from tapml.cli.common import (EXIT_FINDING, EXIT_OK, DeviceLimitOpt, DtypeOpt, InjectOpt, JsonOpt, QuietOpt,
+from tapml.cli.common import (EXIT_FINDING, EXIT_OK, DeviceLimitOpt, DtypeOpt, InjectOpt, JsonOpt, KernelOpt, QuietOpt,
                               TokenFileOpt, TokenMapOpt, TolOpt, app, check_dtype, command, console, fail, open_store,
                               out, parse_device_limits, progress_bar, write_json)
 from tapml.render import keep_names_whole
@@ -245,6 +245,16 @@ def render_verdicts(result: dict, quiet: bool = False) -> None:
     out.print(f"[{color}]{s['pass']}/{total} pass[/], {s['mismatch']} mismatch, {s['unsupported']} unsupported, "
               f"{s['error']} error" + (f", {s['flaky']} flaky" if s.get("flaky") else "") +
               f" on {shown(result['target'])} ({shown(result['device'].get('adapter', ''))})", highlight=False)
+    timed = [c for c in result["cases"] if c.get("compile_s") is not None]
+    if timed:  # an external backend: where the time went
+        cached = sum(bool(c.get("compile_cached")) for c in timed)
+        out.print(f"compile {sum(c['compile_s'] for c in timed):.2f} s ({len(timed) - cached} compiled, {cached} from "
+                  f"the compile cache), run {sum(c.get('run_s') or 0 for c in timed):.3f} s", highlight=False)
+    blamed = [c for c in result["cases"] if c.get("blame")]
+    if blamed:
+        counts = {b: sum(c["blame"] == b for c in blamed) for b in ("device compiler", "route")}
+        out.print(f"blame, by a re-run on the control {shown(blamed[0].get('control') or '')}: "
+                  + ", ".join(f"{n} {b}" for b, n in counts.items() if n), highlight=False, soft_wrap=True)
     dtype = result.get("dtype", "float32")
     if dtype != "float32":
         how = (result.get("device") or {}).get("low_precision", {}).get(dtype)
@@ -314,7 +324,7 @@ def render_matrix_run(verdicts: dict[str, dict], by_case: bool, all_rows: bool, 
 
 
 def replay_matrix(store, targets: list[str], *, token, inject, json_out, quiet, by_case, all_rows, cases, limits=None,
-                  **options):
+                  kernels=None, **options):
     """``tapml replay`` with several --target: each target in turn, then one matrix; exits."""
     from tapml.replay import replay_targets
     with progress_bar(quiet) as bar:
@@ -325,7 +335,7 @@ def replay_matrix(store, targets: list[str], *, token, inject, json_out, quiet, 
             current["task"] = tasks[i]
             bar.update(tasks[i], visible=True)
 
-        verdicts = replay_targets(store, targets, token=token, inject=inject, on_target=start, cases=cases,
+        verdicts = replay_targets(store, targets, token=token, inject=inject, kernels=kernels, on_target=start, cases=cases,
                                   on_case=lambda v: bar.advance(current["task"]), limits=limits,
                                   preflight=lambda report: show_preflight(report, quiet, with_target=True), **options)
     # The matrix shows what failed where; each target adds its summary line.
@@ -339,8 +349,8 @@ def replay_matrix(store, targets: list[str], *, token, inject, json_out, quiet, 
 @command
 def replay(store: str = typer.Argument(..., help="Carve store directory"),
            target: List[str] = TargetsOpt, json_out: Optional[str] = JsonOpt, tol: Optional[List[str]] = TolOpt,
-           inject: Optional[List[str]] = InjectOpt, token_file: Optional[str] = TokenFileOpt,
-           token_map: Optional[str] = TokenMapOpt,
+           inject: Optional[List[str]] = InjectOpt, kernel: Optional[List[str]] = KernelOpt,
+           token_file: Optional[str] = TokenFileOpt, token_map: Optional[str] = TokenMapOpt,
            anchored: Optional[bool] = typer.Option(
                None, "--fp64-anchored/--no-fp64-anchored",
                help="Judge float errors against a float64 recomputation: a case passes when its error is within 4x "
@@ -391,9 +401,9 @@ def replay(store: str = typer.Argument(..., help="Carve store directory"),
     if len(targets) > 1:
         replay_matrix(s, targets, token=token, inject=inject, json_out=json_out, quiet=quiet,
                       by_case=by_case, all_rows=all_rows, tolerances=tolerances, anchored=anchored, cases=cases,
-                      profile=runs, repeat=repeat, guards=guards, limits=limits)
+                      profile=runs, repeat=repeat, guards=guards, limits=limits, kernels=kernel)
     target = targets[0]
-    with open_target(target, token=token, inject=inject, limits=limits_for(target, limits)) as platform, \
+    with open_target(target, token=token, inject=inject, limits=limits_for(target, limits), kernels=kernel) as platform, \
             progress_bar(quiet) as bar:
         task = bar.add_task(f"replay on {shown(target)}", total=len(cases))
         result = replay_store(s, platform, target, tolerances, anchored=anchored, cases=cases,

@@ -1,0 +1,125 @@
+"""The on-disk compile cache of external backends: a re-run does not recompile.
+
+An entry is what :meth:`Backend.compile` gave for one graph -- its ``blob`` (the compiled form)
+and its ``artifact`` (the backend's own input, for repros) -- kept under
+``$TAPML_CACHE_DIR/backends/`` (default ``~/.cache/tapml/backends/``) by a key that hashes the
+graph's content, the backend's class and TARGET spec, its ``describe()["version"]`` and the
+contract version: a new backend version or another device never meets an old entry.
+``TAPML_BACKEND_CACHE=off`` turns the cache off.
+
+The folder is untrusted input like any file tapml reads: an entry is one regular file (never
+followed through a link) of at most :data:`MAX_ENTRY_BYTES`, a fixed header, a JSON index and
+the bytes it describes, checked against a SHA-256 it carries; nothing in it is unpickled or run
+(the blob goes to the backend's own :meth:`Backend.load`). An entry that fails any check is
+ignored and compiled again, and the new entry replaces it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import struct
+from pathlib import Path
+
+from tapml.errors import TapmlError
+
+MAGIC = b"TAPMLCC1"
+_HEADER = struct.Struct("!8sI")  # magic, length of the JSON index
+#: The largest cache entry read or written (blob and artifact together).
+MAX_ENTRY_BYTES = 1 << 30
+MAX_INDEX_BYTES = 64 << 10
+#: env: ``off`` (or ``0``) turns the compile cache off
+CACHE_ENV = "TAPML_BACKEND_CACHE"
+ARTIFACT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
+
+
+def cache_folder() -> Path:
+    """``$TAPML_CACHE_DIR/backends`` (default ``~/.cache/tapml/backends``, under ``$XDG_CACHE_HOME`` when set)."""
+    base = os.environ.get("TAPML_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tapml")
+    return Path(base) / "backends"
+
+
+def cache_enabled() -> bool:
+    """False when ``$TAPML_BACKEND_CACHE`` is ``off``/``0``/``no``/``false``."""
+    return os.environ.get(CACHE_ENV, "").strip().lower() not in ("off", "0", "no", "false")
+
+
+def cache_key(graph_json: dict, backend_id: str, spec: str, version: str, contract_version: int) -> str:
+    """The key of a graph compiled by one backend: SHA-256 over everything that changes the compiled form."""
+    text = json.dumps({"graph": graph_json, "backend": backend_id, "spec": spec, "version": version,
+                       "contract": contract_version}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class CompileCache:
+    """Compiled programs of external backends on disk (see the module's docstring).
+
+    Example::
+
+        cache = CompileCache()
+        entry = cache.get(key)          # (blob, artifact_name, artifact) or None
+        cache.put(key, blob, "program.mlir", mlir_bytes)
+    """
+
+    def __init__(self, folder: str | Path | None = None):
+        self.folder = Path(folder) if folder is not None else cache_folder()
+
+    def _path(self, key: str) -> Path:
+        if not re.fullmatch(r"[0-9a-f]{64}", key):
+            raise ValueError(f"bad compile-cache key {key[:80]!r}")
+        return self.folder / key[:2] / f"{key}.bin"
+
+    def get(self, key: str) -> tuple[bytes, str, bytes] | None:
+        """``(blob, artifact_name, artifact)`` of the entry for ``key``; None when there is none or it
+        fails a check (then it is compiled again)."""
+        from tapml.io import read_regular_file
+        path = self._path(key)
+        if not path.exists():
+            return None
+        try:
+            data = read_regular_file(path, max_bytes=MAX_ENTRY_BYTES + MAX_INDEX_BYTES + _HEADER.size,
+                                     follow_links=False)
+            return _decode(data, key)
+        except (TapmlError, ValueError, KeyError, TypeError, struct.error, UnicodeDecodeError):
+            return None
+
+    def put(self, key: str, blob: bytes, artifact_name: str, artifact: bytes) -> bool:
+        """Keep an entry (atomically; a folder that cannot be written is no error: the compile simply
+        is not kept). Returns whether it was written."""
+        from tapml.io import write_text_atomic
+        if len(blob) + len(artifact) > MAX_ENTRY_BYTES:
+            return False
+        path = self._path(key)
+        payload = bytes(blob) + bytes(artifact)
+        index = json.dumps({"key": key, "blob": len(blob), "artifact": len(artifact),
+                            "artifact_name": artifact_name if ARTIFACT_NAME.fullmatch(artifact_name or "") else "",
+                            "sha256": hashlib.sha256(payload).hexdigest()}).encode()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            write_text_atomic(path, _HEADER.pack(MAGIC, len(index)) + index + payload)
+        except OSError:
+            return False
+        return True
+
+
+def _decode(data: bytes, key: str) -> tuple[bytes, str, bytes]:
+    """An entry's ``(blob, artifact_name, artifact)``; ValueError for anything malformed."""
+    magic, n = _HEADER.unpack_from(data)
+    if magic != MAGIC or n > MAX_INDEX_BYTES or len(data) < _HEADER.size + n:
+        raise ValueError("not a compile-cache entry")
+    index = json.loads(data[_HEADER.size:_HEADER.size + n])
+    if not isinstance(index, dict) or index.get("key") != key:
+        raise ValueError("entry of another key")
+    blob_n, art_n, name, digest = index["blob"], index["artifact"], index["artifact_name"], index["sha256"]
+    if not (type(blob_n) is int and type(art_n) is int and 0 <= blob_n and 0 <= art_n
+            and blob_n + art_n <= MAX_ENTRY_BYTES and isinstance(name, str) and isinstance(digest, str)):
+        raise ValueError("malformed index")
+    if name and not ARTIFACT_NAME.fullmatch(name):
+        raise ValueError("bad artifact name")
+    payload = data[_HEADER.size + n:]
+    if len(payload) != blob_n + art_n or hashlib.sha256(payload).hexdigest() != digest:
+        raise ValueError("entry cut short or changed")
+    return payload[:blob_n], name, payload[blob_n:]

@@ -1,0 +1,270 @@
+"""ONNX Runtime as a compiler under test: the ``ort`` TARGET (its CPU execution provider).
+
+The route: the ExportedProgram -> torch's ONNX exporter (``torch.onnx.export(..., dynamo=True)``'s
+translation, onnxscript's torchlib) -> ONNX bytes (the repro's ``model.onnx``, and the blob the
+compile cache keeps) -> ``onnxruntime.InferenceSession`` on the provider asked for -> outputs.
+
+Three things the route does that a user must see rather than have hidden:
+
+- ONNX Runtime falls back to its CPU provider without a word when the provider asked for cannot
+  take the session (its WebGPU provider finds no adapter on lavapipe): :meth:`OrtBackend.compile`
+  holds ``session.get_providers()`` to :attr:`OrtBackend.provider` and refuses the program otherwise.
+- The exporter may change an output's dtype (it drops the final float16 cast of a ``sum``, so the
+  output comes back float32): outputs are returned as ONNX Runtime made them, never cast back, so
+  the comparison reports the changed dtype as a mismatch naming both dtypes.
+- ONNX Runtime's CPU provider has few bfloat16 (and some float16) kernels: a program it has no
+  kernel for is refused with the ONNX op, its input dtypes and the node, an ``unsupported`` verdict.
+
+The ONNX route's mature device is this CPU provider itself, so ``ort`` has no control; a backend on
+the same route with another provider (a future ``ort-web``: onnxruntime-web on WebGPU in Chromium)
+names ``control = "ort"``, and a case that fails there and here too is the exporter's fault.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from tapml.platforms.backend import Backend, BackendRefused, Compiled
+
+# ONNX Runtime's official wheels (1.2x on) start Microsoft's 1DS telemetry when the library loads: a
+# database under ~/.cache/Microsoft, a session file in $TMPDIR, uploads when online. This variable,
+# set before the first import, turns all of it off for the process and its children; a user who
+# sets it otherwise keeps their choice.
+os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
+
+#: torch dtype -> the ONNX element type that carries it (what the exporter and ONNX Runtime take).
+ONNX_DTYPES = {
+    torch.float32: "FLOAT", torch.float16: "FLOAT16", torch.bfloat16: "BFLOAT16", torch.float64: "DOUBLE",
+    torch.int64: "INT64", torch.int32: "INT32", torch.int16: "INT16", torch.int8: "INT8", torch.uint8: "UINT8",
+    torch.bool: "BOOL",
+}
+
+
+@functools.cache
+def _exporter() -> tuple:
+    """``(export, opset)``: torch's ONNX exporter bound to one registry of ONNX functions.
+
+    ``torch.onnx.export(dynamo=True)`` builds that registry on every call (most of its time for one
+    op); torch's ``_core.export`` takes a registry, so it is built once per process. When a torch
+    release moves that module, the public exporter is used (slower, same ONNX)."""
+    from torch.onnx import _constants
+
+    opset = _constants.ONNX_DEFAULT_OPSET
+    try:
+        from torch.onnx._internal.exporter import _core, _registration
+    except ImportError:
+        return (lambda program: torch.onnx.export(program, dynamo=True, verbose=False, opset_version=opset)), opset
+    with _quiet():
+        registry = _registration.ONNXRegistry.from_torchlib(opset_version=opset)
+    return (lambda program: _core.export(program, registry=registry, verbose=False, opset_version=opset)), opset
+
+
+@contextlib.contextmanager
+def _quiet():
+    # the exporter logs a warning per torchvision op it skips, its optimizer one per initializer it
+    # keeps, and torch warns per export: none of it is news to a tapml user
+    loggers = [logging.getLogger(name) for name in ("torch.onnx", "onnx_ir", "onnxscript")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def _root_cause(error: BaseException) -> BaseException:
+    # the exporter wraps the real reason (no ONNX function for an op, a NotImplementedError in
+    # torchlib) in a ConversionError whose own text is a page of advice
+    seen = set()
+    while error.__cause__ is not None and id(error) not in seen:
+        seen.add(id(error))
+        error = error.__cause__
+    return error
+
+
+#: The model.onnx metadata key holding the program's signature: ``{"inputs": [names], "outputs": N}``,
+#: so that :meth:`OrtBackend.load` feeds a cached model as :meth:`OrtBackend.compile` would.
+SIGNATURE_KEY = "tapml.program"
+
+
+@dataclass
+class OrtProgram:
+    """A session ready to run: ``inputs`` is the session input fed from each program input (None
+    where the ONNX model dropped an unused one), ``outputs`` the number of program outputs."""
+
+    session: object
+    inputs: list[str | None]
+    outputs: int
+
+
+def _signature(program) -> dict:
+    """The ExportedProgram's input names and output count; BackendRefused for a non-tensor output."""
+    node = next(n for n in program.graph.nodes if n.op == "output")
+    for i, value in enumerate(node.args[0]):
+        meta = value.meta.get("val") if isinstance(value, torch.fx.Node) else value
+        if not isinstance(meta, torch.Tensor):
+            raise BackendRefused(f"output {i} of the program is {type(meta).__name__}, not a tensor")
+    return {"inputs": [n.name for n in program.graph.nodes if n.op == "placeholder"], "outputs": len(node.args[0])}
+
+
+def _read_signature(model) -> dict:
+    import json
+    text = next((p.value for p in model.metadata_props if p.key == SIGNATURE_KEY), None)
+    try:
+        signature = json.loads(text) if text is not None else None
+    except ValueError:
+        signature = None
+    if not (isinstance(signature, dict) and set(signature) == {"inputs", "outputs"}
+            and isinstance(signature["inputs"], list) and all(isinstance(n, str) for n in signature["inputs"])
+            and type(signature["outputs"]) is int and signature["outputs"] >= 0):
+        raise BackendRefused(f"model.onnx has no valid {SIGNATURE_KEY} metadata: it was not made by OrtBackend.compile")
+    return signature
+
+
+class OrtBackend(Backend):
+    """ONNX Runtime on its CPU execution provider (TARGET ``ort``).
+
+    A subclass for another provider changes :attr:`provider` and :attr:`device` (and ``forms``, ``control``): the
+    check that the session really runs on it, the refusals and the dtype handling stay the same.
+    """
+
+    forms = ("ort",)
+    needs = "onnxruntime, onnx and onnxscript: pip install 'tapml[backends]' (the README's setup installs them)"
+    control = None  # ORT's CPU provider IS the ONNX route's control; see the module docstring
+    #: The execution provider the session must run on, and the device it runs on.
+    provider = "CPUExecutionProvider"
+    device = "cpu"
+
+    def __init__(self, spec: str):
+        super().__init__(spec)
+        import onnxruntime
+        self._ort = onnxruntime
+        if self.provider not in onnxruntime.get_available_providers():
+            raise BackendRefused(f"this onnxruntime ({onnxruntime.__version__}) has no {self.provider}; "
+                                 f"it has {', '.join(onnxruntime.get_available_providers())}")
+
+    def describe(self) -> dict:
+        import onnx
+        import onnxscript
+        _, opset = _exporter()
+        ort = self._ort
+        return {"device": f"{self.device} ({self.provider})", "providers": [self.provider],
+                "available_providers": ort.get_available_providers(),
+                "onnxruntime": ort.__version__, "onnx": onnx.__version__, "onnxscript": onnxscript.__version__,
+                "opset": opset, "route": "torch.onnx exporter (dynamo) -> ONNX -> onnxruntime",
+                # the exporter's torch and onnxscript make the ONNX; onnxruntime runs it: all key the compile cache
+                "version": f"onnxruntime {ort.__version__}, torch {torch.__version__}, onnxscript {onnxscript.__version__}, "
+                           f"opset {opset}"}
+
+    def refuse(self, program) -> str | None:
+        for node in program.graph.nodes:
+            meta = node.meta.get("val")
+            for value in meta if isinstance(meta, (list, tuple)) else (meta,):
+                if isinstance(value, torch.Tensor) and value.dtype not in ONNX_DTYPES:
+                    return f"{node.name} is {str(value.dtype).removeprefix('torch.')}, which the ONNX route does not carry"
+        return None
+
+    def compile(self, program) -> Compiled:
+        signature = _signature(program)
+        export, _ = _exporter()
+        try:
+            with _quiet():
+                proto = export(program).model_proto
+        except Exception as e:  # noqa: BLE001 - any exporter failure is the route's verdict
+            root = _root_cause(e)
+            raise BackendRefused(f"the ONNX exporter could not convert the program: {type(root).__name__}: {root}") from None
+        import json
+        proto.metadata_props.add(key=SIGNATURE_KEY, value=json.dumps(signature))
+        model = proto.SerializeToString()
+        return Compiled(handle=self._session(model, signature), artifact=model, artifact_name="model.onnx", blob=model)
+
+    def load(self, blob: bytes) -> OrtProgram:
+        """A session from the ONNX bytes :meth:`compile` made (its signature in the model's metadata)."""
+        import onnx
+        try:
+            model = onnx.load_model_from_string(blob)
+        except Exception as e:  # noqa: BLE001 - a damaged blob is refused, never run
+            raise BackendRefused(f"model.onnx does not parse: {e}") from None
+        return self._session(blob, _read_signature(model))
+
+    def _session(self, model: bytes, signature: dict) -> OrtProgram:
+        ort = self._ort
+        options = ort.SessionOptions()
+        options.log_severity_level = 3  # errors only: the verdict carries what matters
+        # one thread, no spinning: tapml runs many sessions beside other work, and ORT's default
+        # thread pool spins on every core between runs
+        options.intra_op_num_threads = 1
+        options.inter_op_num_threads = 1
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+        try:
+            session = ort.InferenceSession(model, options, providers=[self.provider])
+        except Exception as e:  # noqa: BLE001 - ORT's session errors are the runtime's verdict
+            raise BackendRefused(_session_error(e, model, self.provider)) from None
+        elsewhere = [f"{node.op_type} {node.name!r}" for part in session.get_provider_graph_assignment_info()
+                     if part.ep_name != self.provider for node in part.get_nodes()]
+        if self.provider not in session.get_providers() or elsewhere:
+            raise BackendRefused(f"onnxruntime did not put the program on {self.provider} as asked (it falls back "
+                                 f"silently): {', '.join(elsewhere[:5]) or 'every node'}"
+                                 f"{f' and {len(elsewhere) - 5} more' if len(elsewhere) > 5 else ''} "
+                                 f"on {', '.join(p for p in session.get_providers() if p != self.provider) or 'another provider'}")
+        names, outputs = signature["inputs"], signature["outputs"]
+        onnx_inputs = [i.name for i in session.get_inputs()]
+        if len(onnx_inputs) != len(names):  # the exporter dropped an unused input: feed the others by name
+            unknown = sorted(set(onnx_inputs) - set(names))
+            if unknown:
+                raise BackendRefused(f"model.onnx takes inputs the program does not have: {', '.join(unknown)}")
+            onnx_inputs = [n if n in onnx_inputs else None for n in names]
+        if len(session.get_outputs()) != outputs:
+            raise BackendRefused(f"model.onnx has {len(session.get_outputs())} outputs; the program has {outputs}")
+        return OrtProgram(session, onnx_inputs, outputs)
+
+    def run(self, compiled: Compiled, inputs: list) -> list:
+        program: OrtProgram = compiled.handle
+        if len(inputs) != len(program.inputs):
+            raise ValueError(f"{len(inputs)} inputs given; the program takes {len(program.inputs)}")
+        ort = self._ort
+        feeds = {name: ort.OrtValue.from_dlpack(t.contiguous()) for name, t in zip(program.inputs, inputs) if name}
+        results = program.session.run_with_ort_values(None, feeds)
+        if len(results) != program.outputs:
+            raise RuntimeError(f"onnxruntime returned {len(results)} outputs; the program has {program.outputs}")
+        # as ONNX Runtime made them: a dtype or shape the route changed is the comparison's finding
+        return [torch.from_dlpack(r).clone() for r in results]
+
+
+def _session_error(error: Exception, model: bytes, provider: str) -> str:
+    """ONNX Runtime's refusal of a model, with the dtypes of the node it has no kernel for."""
+    import re
+    text = str(error).strip()
+    found = re.search(r"Could not find an implementation for (\w+)\((\d+)\) node with name '([^']*)'", text)
+    if not found:
+        return f"onnxruntime could not load model.onnx: {text}"
+    op, version, name = found.groups()
+    return (f"onnxruntime's {provider} has no kernel for ONNX {op}({version}) on "
+            f"{', '.join(_node_input_types(model, name)) or 'these inputs'} (node {name!r})")
+
+
+def _node_input_types(model: bytes, name: str) -> list[str]:
+    import onnx
+    graph = onnx.shape_inference.infer_shapes(onnx.load_model_from_string(model)).graph
+    types = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.value_info, *graph.output)}
+    types.update({t.name: t.data_type for t in graph.initializer})
+    node = next((n for n in graph.node if n.name == name), None)
+    if node is None:
+        return []
+    names = [onnx.TensorProto.DataType.Name(types[i]).lower() for i in node.input if i in types]
+    return list(dict.fromkeys(names))
+
+
+__all__ = ["ONNX_DTYPES", "OrtBackend", "OrtProgram"]
