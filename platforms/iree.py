@@ -255,9 +255,8 @@ class IreeBackend(Backend):
         try:
             vmfb = iree.compiler.compile_str(mlir, input_type="torch", extra_args=self.compile_flags)
         except iree.compiler.CompilerToolError as e:
-            refused = BackendRefused(f"iree-compile failed: {_compiler_message(e)}")
-            refused.artifact, refused.artifact_name = mlir.encode(), "program.mlir"  # kept for the case's repro
-            raise refused from None
+            raise BackendRefused(f"iree-compile failed: {_compiler_message(e)}", artifact=mlir.encode(),
+                                 artifact_name="program.mlir") from None  # the MLIR, kept for the case's repro
         blob = pack_blob(metas, bytes(vmfb))
         return Compiled(handle=self._load(metas, bytes(vmfb)), artifact=mlir.encode(), artifact_name="program.mlir",
                         blob=blob)

@@ -216,6 +216,12 @@ def test_readme_iree_example_runs_and_says_what_the_readme_shows(vulkan, tmp_pat
         said += done.stdout
     for line in shown:
         assert flat(line) in flat(said), f"README shows {line!r}; the commands printed:\n{said[-3000:]}"
+    # the repro of the case it shows keeps the MLIR and fails the same way with IREE alone (its own runner)
+    case, store = shown[0].split()[0], next(c for c, _ in commands if " carve " in c).split()[-1]
+    done = subprocess.run(f"$T repro {store} {case} --target iree:vulkan -o repro && cd repro && {sys.executable} run.py",
+                          shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1 and "failed to legalize operation 'vector.bitcast'" in done.stdout + done.stderr
+    assert b"torch.aten.mm" in (tmp_path / "repro" / "program.mlir").read_bytes()
 
 
 def replay_json(store, *args, timeout=900) -> tuple[int, dict, str]:
