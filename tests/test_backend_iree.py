@@ -21,6 +21,14 @@ ROOT = Path(__file__).resolve().parent.parent
 ON_VULKAN = [pytest.mark.device, pytest.mark.xdist_group("wgpu")]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def own_compile_cache(tmp_path_factory):
+    """This module's compile cache (the commands it runs inherit it): never the user's ~/.cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TAPML_CACHE_DIR", str(tmp_path_factory.mktemp("iree-cache")))
+        yield
+
+
 def tapml(*args, timeout=900, env=None):
     """The tapml CLI in a subprocess (a backend runs in a worker process of its own anyway)."""
     return subprocess.run([sys.executable, "-m", "tapml.cli", *map(str, args)], capture_output=True, text=True,
