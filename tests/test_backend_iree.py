@@ -211,7 +211,6 @@ def flat(text: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.device
-@pytest.mark.xdist_group("wgpu")
 def test_readme_iree_example_runs_and_says_what_the_readme_shows(vulkan, tmp_path):
     commands, shown = readme_iree_section()
     assert len(commands) >= 3 and shown
@@ -252,7 +251,6 @@ def test_every_case_of_the_float32_tiny_llama_passes_on_llvm_cpu(carved):
 
 @pytest.mark.slow
 @pytest.mark.device
-@pytest.mark.xdist_group("wgpu")
 def test_a_device_server_serves_iree_vulkan_to_remote_replays(vulkan, carved):
     from tapml.remote.launcher import ServerProcess
     store = carved("zoo:mlp")
@@ -278,7 +276,6 @@ def test_generate_on_llvm_cpu_checks_every_step_and_says_the_cache_goes_back_in(
 
 @pytest.mark.slow
 @pytest.mark.device
-@pytest.mark.xdist_group("wgpu")
 def test_migrate_hf_llama_on_iree_vulkan_killed_and_resumed_ends_with_a_placement_and_culprits(vulkan, tmp_path):
     import signal
     import time
