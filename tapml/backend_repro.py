@@ -18,9 +18,6 @@ Example::
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from importlib import resources
 from pathlib import Path
 
@@ -74,7 +71,7 @@ def write_backend_repro(store, subject, platform, out_dir: str | Path, *, target
     folder ``out_dir`` (whole or not at all). A compile the backend fails still makes a folder, with the
     artifact it failed on when it gave one. Returns ``{"folder", "files", "observed", "device",
     "backend", "artifact"}``; DeviceLost is raised."""
-    from tapml.repro import check_output_dir, observe
+    from tapml.repro import check_output_dir, observe, write_folder
     out = check_output_dir(out_dir)
     try:
         program, refusal = platform.compile(subject.graph), None
@@ -114,20 +111,7 @@ def write_backend_repro(store, subject, platform, out_dir: str | Path, *, target
     files["run.py"] = (templates / "run.py").read_bytes()
     files["README.md"] = _readme(plan).encode()
     files["plan.json"] = (json.dumps(plan, indent=1, allow_nan=False) + "\n").encode()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        for name, data in files.items():
-            if isinstance(data, np.ndarray):
-                np.save(tmp / name, data, allow_pickle=False)
-            else:
-                (tmp / name).write_bytes(data)
-        os.chmod(tmp, 0o755)
-        if out.exists():
-            out.rmdir()  # checked empty above
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    write_folder(out, files)
     return {"folder": str(out), "files": sorted(files), "observed": observed, "device": plan["device"],
             "backend": plan["backend_version"], "artifact": plan["artifact"], "kernels": 0}
 

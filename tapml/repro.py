@@ -347,6 +347,19 @@ def write_repro(store, subject: ReproSubject, platform, out_dir: str | Path, *, 
     observed = observe(platform, program, subject, refusal)
     plan, files = build_plan(store, subject, program, target=target, inject=list(inject or []), device=device,
                              observed=observed, command=command)
+    templates = resources.files("tapml") / "templates" / "repro"
+    write_folder(out, {**files, "plan.json": (json.dumps(plan, indent=1, allow_nan=False) + "\n").encode(),
+                       **{name: (templates / name).read_bytes() for name in TEMPLATES},
+                       "README.md": render_readme(plan).encode()})
+    return {"folder": str(out), "files": sorted([*files, "plan.json", "README.md", *TEMPLATES]),
+            "kernels": len(program.kernels), "observed": observed, "device": device["adapter"],
+            "backend": device["backend"]}
+
+
+def write_folder(out: Path, files: dict) -> None:
+    """Write a repro folder at once: ``files`` (name -> bytes, or a numpy array saved as ``.npy``
+    without pickle) go to a hidden sibling, which replaces ``out`` (absent or empty) when all are
+    written; nothing is left behind when writing fails."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         for name, data in files.items():
@@ -354,21 +367,13 @@ def write_repro(store, subject: ReproSubject, platform, out_dir: str | Path, *, 
                 np.save(tmp / name, data, allow_pickle=False)
             else:
                 (tmp / name).write_bytes(data)
-        (tmp / "plan.json").write_text(json.dumps(plan, indent=1, allow_nan=False) + "\n")
-        templates = resources.files("tapml") / "templates" / "repro"
-        for name in TEMPLATES:
-            (tmp / name).write_bytes((templates / name).read_bytes())
-        (tmp / "README.md").write_text(render_readme(plan))
         os.chmod(tmp, 0o755)
         if out.exists():
-            out.rmdir()  # checked empty above
+            out.rmdir()  # checked empty by check_output_dir
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return {"folder": str(out), "files": sorted([*files, "plan.json", "README.md", *TEMPLATES]),
-            "kernels": len(program.kernels), "observed": observed, "device": device["adapter"],
-            "backend": device["backend"]}
 
 
 def _fmt(x) -> str:
