@@ -188,3 +188,8 @@ class BackendPlatform(RuntimePlatform):
     def close(self) -> None:
         super().close()
         self.backend.close()
+
+    def caps(self) -> dict:
+        """The device's caps, with ``keeps_tensors: False``: the contract runs programs on host tensors, so
+        nothing stays on the device between runs (a generation hands the KV cache back in every step)."""
+        return {**super().caps(), "keeps_tensors": False}

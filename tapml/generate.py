@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from tapml.compare import Comparison, Tolerances, anchored_rule, compare_tensor
-from tapml.errors import DeviceLost, TapmlError
+from tapml.errors import DeviceLost, PlatformError, TapmlError
 from tapml.graph import Graph, dtype_name, step as reference_step
 from tapml.hybrid import REFERENCE, TARGET, HybridRunner
 from tapml.verdict import outcome_verdict
@@ -314,6 +314,7 @@ def generate(store, platform, target: str, *, tokens: int | None = None, free: b
         "tokenizer": None, "tokenizer_note": NO_TOKENIZER,
         "placement": {k: {"nodes": len(graphs[k].nodes), "on_target": len(graphs[k].nodes) - len(fell_back[k]),
                           "fell_back": len(fell_back[k]), "fell_back_nodes": fell_back[k][:50]} for k in KINDS},
+        "kv_cache": kv_cache(graphs["decode"], platform, target),
         "programs_compiled": sum(r.programs_compiled for r in runners.values()),
         "compiled_per_shape": COMPILED_PER_SHAPE,
         # The first decode step also uploads the decode programs' weights (once per program).
@@ -322,6 +323,21 @@ def generate(store, platform, target: str, *, tokens: int | None = None, free: b
         "tokens_per_s": {"target": _rate(decode_steps, target_decode_s),
                          "reference": _rate(tokens, reference.decode_s)},
     }
+
+
+def kv_cache(graph: Graph, platform, target: str) -> dict:
+    """Where the target keeps the decode graph's state between steps: ``{"on_device", "bytes", "note"}``.
+    A platform whose caps say ``keeps_tensors: false`` (an external backend: its contract runs programs
+    on host tensors) is handed the whole cache again every step, ``bytes`` of it; the note says so."""
+    meta = dict(graph.inputs)
+    nbytes = sum(meta[name].nbytes for name in graph.state if name in meta)
+    try:
+        on_device = platform.caps().get("keeps_tensors", True) is not False
+    except PlatformError:
+        on_device = True
+    note = None if on_device else (f"{target} cannot keep tensors on its device between runs: the KV cache "
+                                   f"({nbytes} bytes) is passed back in with every step")
+    return {"on_device": on_device, "bytes": nbytes, "note": note}
 
 
 def _float32_twin(store, graphs: dict[str, Graph], params: dict[str, dict]):

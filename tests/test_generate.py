@@ -78,6 +78,7 @@ def test_teacher_forced_on_the_reference_follows_the_json_contract(llama8, tmp_p
     assert doc["target_tokens"] == doc["reference_tokens"]
     assert doc["tokens_per_s"]["target"] > 0 and doc["tokens_per_s"]["reference"] > 0
     assert "compiled per shape" in doc["compiled_per_shape"]
+    assert doc["kv_cache"]["on_device"] and doc["kv_cache"]["note"] is None and doc["kv_cache"]["bytes"] > 0
     # the terminal: both token streams, a row per step, the summary
     assert "reference:" in r.output and "target:" in r.output and "9/9 steps pass" in r.output
     assert "no tokenizer" in r.output

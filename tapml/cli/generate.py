@@ -176,6 +176,8 @@ def render_generation(doc: dict, quiet: bool = False) -> None:
                       f"({sum((doc.get('casts') or {}).values())} casts added: bookkeeping)", highlight=False)
         out.print(f"uploaded per decode step: {'-' if upload is None else f'{upload} bytes'}; decode tokens/s: target "
                   f"{_rate(rates['target'])}, reference (torch eager, CPU) {_rate(rates['reference'])}", highlight=False)
+        if (doc.get("kv_cache") or {}).get("note"):
+            out.print(f"[yellow]{shown(doc['kv_cache']['note'])}[/]", highlight=False)
         if doc.get("first_divergence") is not None:
             out.print(f"[yellow]the target's tokens leave the reference's at step {doc['first_divergence']}[/]",
                       highlight=False)

@@ -12,7 +12,8 @@ import typer
 from tapml.cli.common import EXIT_OK, JsonOpt, TokenFileOpt, app, command, console, fail, out, write_json
 from tapml.text import shown
 
-SERVE_PLATFORMS = "wgpu, wgpu:vulkan, wgpu:gl, wgpu:metal, wgpu:dx12, browser, reference"
+SERVE_PLATFORMS = ("wgpu, wgpu:vulkan, wgpu:gl, wgpu:metal, wgpu:dx12, browser, reference, or an external backend "
+                   "(iree:vulkan, iree:llvm-cpu, ort, an installed PREFIX[:DEVICE], path/file.py:Class)")
 
 
 def _log_to_stderr(verbose: bool) -> None:
