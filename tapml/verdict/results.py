@@ -1,0 +1,371 @@
+"""The result vocabulary: what one check ends in (:class:`Verdict` and its kinds), what a failure
+is blamed on (:class:`Culprit`), the closed sets their fields draw from, and the one mapping from
+a run's outcome to a verdict (:func:`outcome_verdict`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Iterable
+
+from tapml.errors import DeviceLost, PlatformError, Unsupported
+from tapml.verdict.reading import _Ctx, _Obj
+
+if TYPE_CHECKING:
+    from tapml.compare import Comparison
+
+#: ``flaky``: outputs that differ from run to run (``replay --repeat K``, :mod:`tapml.flaky`), kept
+#: apart from ``mismatch`` (a wrong but repeatable result).
+STATUSES = ("pass", "mismatch", "unsupported", "error", "flaky")
+STAT_KEYS = ("max_abs_err", "max_rel_err", "mismatch_fraction")
+#: The rules a comparison is decided by (tapml.compare.RULES): exact, the tolerances,
+#: fp64-anchored, or the arithmetic bound of an accumulating op.
+RULES = ("exact", "tolerance", "fp64-anchored", "arithmetic")
+#: What a verdict says of how it was judged: the rule, its bound and the margin (written when known).
+JUDGE_KEYS = ("rule", "bound", "margin")
+#: A margin (error over bound) at or above this is near-failing: reports show its rule and bound
+#: as they do a failure's.
+NEAR_FAILING = 0.5
+#: Which layer a failure on an external backend is blamed on, by a re-run on its control target
+#: (the same route on a mature device): ``route`` when the control fails too (the export route
+#: or front end), ``device compiler`` when the control passes.
+BLAME = ("route", "device compiler")
+#: How a profiled case's ``device_ms`` was taken (tapml.profile): GPU timestamps or the host clock.
+TIMINGS = ("timestamp", "wall")
+#: Kinds of culprit, in the order reports list them: a wrong op (alone), a wrong node (in its
+#: model's context), an op that fails to compile or run, a window of nodes that fails to run
+#: together (fusion), error that builds up along a window of nodes that each pass, and last an
+#: op the target does not support (a gap, not a bug).
+CULPRIT_KINDS = ("op", "node", "error", "fusion", "accumulated", "unsupported")
+UNIT_KINDS = ("op", "region", "model")
+#: The graphs of a generation store a migration checks, one pass each (units and culprits say which).
+GRAPH_KINDS = ("prefill", "decode")
+
+
+# --- the verdict ---------------------------------------------------------------------------
+
+@dataclass(kw_only=True)
+class Verdict:
+    """The outcome of one check: ``status`` (one of :data:`STATUSES`), error statistics
+    (None where unknown), a message, the run time, the worst elements
+    (``[{"index", "target", "reference"}]``) and the worst output's ref, if known."""
+
+    status: str
+    max_abs_err: float | None = None
+    max_rel_err: float | None = None
+    mismatch_fraction: float | None = None
+    message: str = ""
+    time_ms: float | None = None
+    worst: list[dict] = field(default_factory=list)
+    worst_output: str | None = None
+    #: Which rule of :data:`RULES` decided, the error it allowed at the element nearest to (or
+    #: furthest past) its bound, and that element's error over it (> 1 fails); None: not known.
+    rule: str | None = None
+    bound: float | None = None
+    margin: float | None = None
+
+    def outcome(self) -> dict:
+        """The verdict's own fields as keyword arguments (for a :class:`CaseVerdict` or
+        :class:`UnitVerdict` made of it)."""
+        return {f.name: getattr(self, f.name) for f in fields(Verdict)}
+
+    def to_json(self) -> dict:
+        out = {"status": self.status, "max_abs_err": self.max_abs_err, "max_rel_err": self.max_rel_err,
+               "mismatch_fraction": self.mismatch_fraction, "message": self.message, "time_ms": self.time_ms,
+               "worst": [dict(w) for w in self.worst]}
+        if self.worst_output is not None:
+            out["worst_output"] = self.worst_output
+        out.update({k: getattr(self, k) for k in JUDGE_KEYS if getattr(self, k) is not None})
+        return out
+
+    @classmethod
+    def _read_outcome(cls, o: "_Obj") -> dict:
+        strict = o.ctx.strict
+        return {"status": o.choice("status", STATUSES, required=True),
+                **{k: o.number(k, required=strict) for k in STAT_KEYS},
+                "message": o.string("message", "", required=strict),
+                "time_ms": o.number("time_ms", required=strict),
+                "worst": o.worst("worst"), "worst_output": o.string("worst_output", None), **_judged(o)}
+
+    @classmethod
+    def from_json(cls, data, where: str = "<verdict>", *, strict: bool = False, hint: str = "") -> "Verdict":
+        """Validate a parsed verdict (see :class:`MigrationState.from_json`)."""
+        return cls._read(_Obj(data, _Ctx(where, strict, hint), "", "a verdict"))
+
+    @classmethod
+    def _read(cls, o: "_Obj") -> "Verdict":
+        return cls(**cls._read_outcome(o))
+
+
+@dataclass(kw_only=True)
+class CaseVerdict(Verdict):
+    """The verdict on one carved case run alone (``id``, ``op``, ``node``, ``module`` of the
+    case, ``instances``: how many calls of the model it stands for). A profiled case
+    (``replay --profile``, :mod:`tapml.profile`) adds its median ``device_ms``, ``gflops``,
+    ``gbps``, ``timing`` (one of :data:`TIMINGS`), input ``shapes`` and, compared with a
+    baseline, ``baseline_ms``; all None otherwise and then not written."""
+
+    id: str = ""
+    op: str = "?"
+    node: str = ""
+    module: str = ""
+    instances: int = 1
+    device_ms: float | None = None
+    gflops: float | None = None
+    gbps: float | None = None
+    timing: str | None = None
+    shapes: str | None = None
+    baseline_ms: float | None = None
+    device: str | None = None  # the pool device (remote://HOST:PORT) that ran it; None off a pool
+    #: on an external backend: seconds its compile took (a load when ``compile_cached``: from the
+    #: on-disk compile cache) and its first run; None elsewhere and then not written
+    compile_s: float | None = None
+    run_s: float | None = None
+    compile_cached: bool | None = None
+    #: on a failure re-run on the backend's control target: ``route`` or ``device compiler``
+    #: (:data:`BLAME`), the control target and its status there; None otherwise and then not written
+    blame: str | None = None
+    control: str | None = None
+    control_status: str | None = None
+
+    def to_json(self) -> dict:
+        out = {"id": self.id, "op": self.op, "node": self.node, "module": self.module,
+               "instances": self.instances, **super().to_json()}
+        if self.device is not None:
+            out["device"] = self.device
+        if self.device_ms is not None:
+            out.update(device_ms=self.device_ms, gflops=self.gflops, gbps=self.gbps, timing=self.timing,
+                       shapes=self.shapes)
+        if self.baseline_ms is not None:
+            out["baseline_ms"] = self.baseline_ms
+        for k in ("compile_s", "run_s", "compile_cached", "blame", "control", "control_status"):
+            if getattr(self, k) is not None:
+                out[k] = getattr(self, k)
+        return out
+
+    @classmethod
+    def _read(cls, o: "_Obj") -> "CaseVerdict":
+        strict = o.ctx.strict
+        speed = {k: o.number(k) for k in ("device_ms", "gflops", "gbps", "baseline_ms", "compile_s", "run_s")}
+        for k, v in speed.items():
+            if v is not None and v < 0:
+                o.fail(f"{k} is {v}, expected a time or rate of 0 or more")
+        return cls(id=o.string("id", "", required=strict), op=o.string("op", required=True),
+                   node=o.string("node", "", required=strict), module=o.string("module", "", required=strict),
+                   instances=o.count("instances", 1, required=strict), **speed,
+                   timing=o.choice("timing", TIMINGS, None), shapes=o.string("shapes", None),
+                   device=o.string("device", None), compile_cached=o.boolean("compile_cached", None),
+                   blame=o.choice("blame", BLAME, None), control=o.string("control", None),
+                   control_status=o.choice("control_status", STATUSES, None), **cls._read_outcome(o))
+
+
+@dataclass(kw_only=True)
+class RegionCheck(Verdict):
+    """One target region of a session's end-to-end check, compared at its outputs."""
+
+    first: str = ""
+    last: str = ""
+    nodes: int = 0
+
+    def to_json(self) -> dict:
+        return {"first": self.first, "last": self.last, "nodes": self.nodes, **super().to_json()}
+
+    @classmethod
+    def _read(cls, o: "_Obj") -> "RegionCheck":
+        return cls(first=o.string("first", ""), last=o.string("last", ""), nodes=o.count("nodes", 0),
+                   **cls._read_outcome(o))
+
+
+@dataclass(kw_only=True)
+class UnitVerdict(Verdict):
+    """The verdict on a unit of the migration: one node in context (``kind`` op), a region or
+    a bisection probe (region), the whole model (model). ``nodes`` are the nodes it judges,
+    ``on_target`` how many of them ran on the target, ``regions`` how many target regions the
+    model ran as, ``region_checks`` each target region's own comparison (session checks),
+    ``graph`` the graph of a generation it is about (one of :data:`GRAPH_KINDS`; None otherwise)."""
+
+    id: str = ""
+    kind: str = "region"
+    role: str = ""
+    module: str = ""
+    nodes: list[str] = field(default_factory=list)
+    on_target: int | None = None
+    regions: int | None = None
+    region_checks: list[RegionCheck] | None = None
+    graph: str | None = None
+
+    def to_json(self) -> dict:
+        out = {"id": self.id, "kind": self.kind, "role": self.role, "module": self.module,
+               "nodes": list(self.nodes), "on_target": self.on_target, **super().to_json()}
+        if self.graph is not None:
+            out["graph"] = self.graph
+        if self.regions is not None:
+            out["regions"] = self.regions
+        if self.region_checks is not None:
+            out["region_checks"] = [r.to_json() for r in self.region_checks]
+        return out
+
+    @classmethod
+    def _read(cls, o: "_Obj") -> "UnitVerdict":
+        strict = o.ctx.strict
+        checks = o.objects("region_checks", RegionCheck, "a region check", required=False)
+        return cls(id=o.string("id", "", required=strict), kind=o.choice("kind", UNIT_KINDS, "region", required=strict),
+                   role=o.string("role", "", required=strict), module=o.string("module", "", required=strict),
+                   nodes=o.strings("nodes", required=strict), on_target=o.count("on_target", None, required=strict),
+                   regions=o.count("regions", None), region_checks=checks if "region_checks" in o.data else None,
+                   graph=o.choice("graph", GRAPH_KINDS, None), **cls._read_outcome(o))
+
+
+@dataclass(kw_only=True)
+class EndToEnd(Verdict):
+    """The end-to-end comparison of the whole model on its final placement."""
+
+    regions: int | None = None
+
+    def to_json(self) -> dict:
+        return {**super().to_json(), "regions": self.regions}
+
+    @classmethod
+    def _read(cls, o: "_Obj") -> "EndToEnd":
+        return cls(regions=o.count("regions", None), **cls._read_outcome(o))
+
+
+@dataclass(kw_only=True)
+class Culprit:
+    """The smallest piece found to cause a failure: ``kind`` (one of :data:`CULPRIT_KINDS`),
+    the op (where its error surfaces), every op and node of it, its module, the verdict that
+    shows it (``status``, error stats, ``message``, ``worst``) and where that verdict is
+    (``unit``, ``case``, ``region``; ``probes``: the runs bisection took). In a generation,
+    ``graph`` (one of :data:`GRAPH_KINDS`) and ``step`` say which graph and step it was found in."""
+
+    kind: str
+    op: str
+    ops: list[str]
+    node: str
+    nodes: list[str]
+    module: str
+    status: str = "mismatch"
+    max_abs_err: float | None = None
+    max_rel_err: float | None = None
+    mismatch_fraction: float | None = None
+    message: str = ""
+    worst: list[dict] = field(default_factory=list)
+    unit: str | None = None
+    case: str | None = None
+    region: str | None = None
+    probes: int | None = None
+    graph: str | None = None
+    step: int | None = None
+    rule: str | None = None
+    bound: float | None = None
+    margin: float | None = None
+
+    @classmethod
+    def of(cls, kind: str, evidence: Verdict, *, op: str, ops: list[str], node: str, nodes: list[str], module: str,
+           **where) -> "Culprit":
+        """A culprit shown by ``evidence`` (its status, stats, message and worst elements)."""
+        if kind not in CULPRIT_KINDS:
+            raise ValueError(f"culprit kind {kind!r} is not one of {CULPRIT_KINDS}")
+        return cls(kind=kind, op=op, ops=list(ops), node=node, nodes=list(nodes), module=module,
+                   status=evidence.status, message=evidence.message, worst=list(evidence.worst),
+                   **{k: getattr(evidence, k) for k in STAT_KEYS + JUDGE_KEYS}, **where)
+
+    def to_json(self) -> dict:
+        out = {"kind": self.kind, "op": self.op, "ops": list(self.ops), "node": self.node, "nodes": list(self.nodes),
+               "module": self.module}
+        out.update({k: getattr(self, k) for k in ("case", "unit", "region") if getattr(self, k) is not None})
+        out["status"] = self.status
+        if self.probes is not None:
+            out["probes"] = self.probes
+        out.update({k: getattr(self, k) for k in ("graph", "step") if getattr(self, k) is not None})
+        out.update({k: getattr(self, k) for k in STAT_KEYS})
+        out.update(message=self.message, worst=[dict(w) for w in self.worst])
+        out.update({k: getattr(self, k) for k in JUDGE_KEYS if getattr(self, k) is not None})
+        return out
+
+    @classmethod
+    def _read(cls, o: "_Obj") -> "Culprit":
+        op = o.string("op", "?")
+        node = o.string("node", "")
+        return cls(kind=o.choice("kind", CULPRIT_KINDS, "op"), op=op, ops=o.strings("ops") or [op], node=node,
+                   nodes=o.strings("nodes") or ([node] if node else []), module=o.string("module", ""),
+                   status=o.choice("status", STATUSES, "mismatch"), **{k: o.number(k) for k in STAT_KEYS},
+                   message=o.string("message", ""), worst=o.worst("worst"), unit=o.string("unit", None),
+                   case=o.string("case", None), region=o.string("region", None), probes=o.count("probes", None),
+                   graph=o.choice("graph", GRAPH_KINDS, None), step=o.count("step", None),
+                   **_judged(o))
+
+
+def _judged(o: "_Obj") -> dict:
+    """The :data:`JUDGE_KEYS` of a verdict or culprit: a rule of :data:`RULES`, bound and margin >= 0."""
+    judged = {"rule": o.choice("rule", RULES, None), **{k: o.number(k) for k in ("bound", "margin")}}
+    for k in ("bound", "margin"):
+        if judged[k] is not None and judged[k] < 0:
+            o.fail(f"{k} is {judged[k]}, expected 0 or more")
+    return judged
+
+
+def culprit_kind(status: str, nodes: int, alone: bool) -> str:
+    """The kind of a culprit whose evidence has ``status``: ``alone`` when a carved case failed
+    run alone (op, error or unsupported), else by the size of the failing window (node for
+    one node; accumulated when a longer window mismatches, fusion when it fails to run)."""
+    if alone:
+        return {"unsupported": "unsupported", "error": "error"}.get(status, "op")
+    if nodes == 1:
+        return "node"
+    return "accumulated" if status == "mismatch" else "fusion"
+
+
+def outcome_verdict(outcome: "BaseException | Comparison", time_ms: float | None = None) -> Verdict:
+    """The verdict on a run that raised ``outcome`` or whose outputs compared as ``outcome``.
+
+    A comparison passes or mismatches, with its stats and worst elements; one whose only
+    differences are values the target cannot hold (``Comparison.unsupported``, the int64 policy
+    of :mod:`tapml.compare`) is ``unsupported`` with that reason. :class:`Unsupported`
+    is ``unsupported``, any other exception ``error``; the message names the region the error
+    came from (``e.region``, set by :class:`~tapml.hybrid.HybridRunner`) and, for an error that
+    is not the platform's own, the exception type. :class:`DeviceLost` is re-raised: it is
+    about the device, not the code under test.
+
+    Example: ``outcome_verdict(Unsupported("no f64"))`` -> ``Verdict(status="unsupported", message="no f64")``.
+    """
+    if isinstance(outcome, DeviceLost):
+        raise outcome
+    if isinstance(outcome, BaseException):
+        region = getattr(outcome, "region", None)
+        if not region:
+            where = ""
+        elif len(region) > 1:
+            where = f"in region {region[0]}..{region[-1]} ({len(region)} nodes): "
+        else:
+            where = f"in {region[0]}: "
+        own = isinstance(outcome, (Unsupported, PlatformError))
+        text = str(outcome) if own else f"{type(outcome).__name__}: {outcome}"
+        return Verdict(status="unsupported" if isinstance(outcome, Unsupported) else "error", message=where + text,
+                       time_ms=time_ms)
+    unsupported = not outcome.passed and getattr(outcome, "unsupported", "")  # tapml.compare's int64 policy
+    return Verdict(status="unsupported" if unsupported else "pass" if outcome.passed else "mismatch",
+                   max_abs_err=outcome.max_abs_err, max_rel_err=outcome.max_rel_err,
+                   mismatch_fraction=outcome.mismatch_fraction, message=unsupported or outcome.message,
+                   time_ms=time_ms, worst=list(outcome.worst), rule=getattr(outcome, "rule", "") or None,
+                   bound=getattr(outcome, "bound", None), margin=getattr(outcome, "margin", None))
+
+
+def _status(v) -> str:
+    return v["status"] if isinstance(v, dict) else v.status
+
+
+def summary(verdicts: Iterable) -> dict:
+    """``{"pass": n, "mismatch": n, "unsupported": n, "error": n, "flaky": n}`` over verdicts (typed or JSON)."""
+    counts = dict.fromkeys(STATUSES, 0)
+    for v in verdicts:
+        counts[_status(v)] += 1
+    return counts
+
+
+def passed(cases: Iterable, culprits: Iterable = (), end_to_end=None, needs_end_to_end: bool = False) -> bool:
+    """Everything checked passed: every case, no culprit, and the end-to-end comparison (which a
+    migration or session needs; a replay has none). Verdicts may be typed or JSON."""
+    if end_to_end is None and needs_end_to_end:
+        return False
+    return (all(_status(c) == "pass" for c in cases) and not list(culprits)
+            and (end_to_end is None or _status(end_to_end) == "pass"))
