@@ -247,8 +247,12 @@ class IreeBackend(Backend):
     def compile(self, program) -> Compiled:
         import iree.compiler
         import iree.turbine.aot
+        from iree.turbine.aot.decompositions import current_aot_decompositions
         metas = _output_metas(program)
         try:
+            # iree-turbine applies its own decompositions only to a module it exports itself; a program
+            # handed to it gets them here, so the route is the one its users run (batch norm decomposed)
+            program = program.run_decompositions(current_aot_decompositions())
             mlir = str(iree.turbine.aot.export(program).mlir_module)
         except Exception as e:  # noqa: BLE001 - the route's own failure, said as such
             raise BackendRefused(f"iree-turbine could not import the program: {type(e).__name__}: {e}") from None

@@ -77,6 +77,20 @@ def test_llvm_cpu_compiles_and_runs_mixed_dtypes_exactly_as_torch(cpu, compiled_
     assert all(torch.equal(a, b) for a, b in zip(again, out))  # a cached blob runs without compiling
 
 
+def test_batch_norm_compiles_as_iree_turbines_own_route_decomposes_it(cpu):
+    """Core ATen keeps `_native_batch_norm_legit_no_training`, which IREE's torch front end does not lower;
+    iree-turbine decomposes it for the modules it exports itself, and the backend does the same for the
+    programs tapml hands it (zoo:cnn's batch norms were `unsupported` on IREE before)."""
+    g = torch.Generator().manual_seed(3)
+    x, mean, var = torch.randn(2, 8, 5, 5, generator=g), torch.randn(8, generator=g), torch.rand(8, generator=g) + 0.5
+    weight, bias = torch.randn(8, generator=g), torch.randn(8, generator=g)
+    norm = lambda *a: torch.ops.aten._native_batch_norm_legit_no_training.default(*a, 0.1, 1e-5)[0]  # noqa: E731
+    program = exported(norm, x, weight, bias, mean, var)
+    assert "_native_batch_norm_legit_no_training" in str(program.graph)
+    (out,) = cpu.run(cpu.compile(program), [x, weight, bias, mean, var])
+    torch.testing.assert_close(out, norm(x, weight, bias, mean, var), rtol=1e-5, atol=1e-5)
+
+
 def test_zero_dimensional_bfloat16_outputs_keep_their_shape(cpu):
     program = exported(lambda x: (torch.full([], -3.0, dtype=torch.bfloat16), x.sum()), MIXED_INPUTS[0])
     out = cpu.run(cpu.compile(program), [MIXED_INPUTS[0]])
