@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -356,7 +357,8 @@ def test_targets_lists_every_kind_without_opening_a_device(tmp_path):
     file_row = rows[f"{tiny}:Tiny"]
     assert file_row["kind"] == "file" and file_row["importable"] and file_row["control"] == "reference"
     assert file_row["needs"] == "nothing at all"
-    assert "nothing at all" in r.output and "control: reference" in r.output
+    cells = re.sub(r"[\s│┃]+", "", r.output)  # the table wraps long cells (the file spec is a long path)
+    assert "nothingatall" in cells and "control:reference" in cells
     # a spec that cannot be loaded says why, and is exit 1
     for spec, why in ((f"{tmp_path}/missing.py:Nope", "does not exist"), ("wgpu:vulkan", "not an external backend")):
         r = CliRunner().invoke(app, ["targets", spec, "--json", str(tmp_path / "bad.json")], env={"COLUMNS": "200"})
