@@ -54,25 +54,24 @@ def test_every_backend_module_is_behind_the_seam_contract():
             assert module in forbidden, f"add {module} to the checking-through-the-seam contract's forbidden_modules"
 
 
-def test_a_checking_module_importing_a_backend_breaks_the_seam_contract(tmp_path):
-    linked = _tree(tmp_path / "linked")
+def _lint_with_import(tmp_path, module_file: str, line: str):
+    """lint-imports over a copy of the installed tree with ``line`` appended to ``tapml/MODULE_FILE``."""
     copy = tmp_path / "copy"
-    shutil.copytree(linked, copy, symlinks=False, ignore=shutil.ignore_patterns("__pycache__"))
-    replay = copy / "tapml" / "replay.py"
-    replay.write_text(replay.read_text() + "\nimport tapml.platforms.external  # noqa: E402,F401\n")
-    r = _lint(copy)
+    shutil.copytree(_tree(tmp_path / "linked"), copy, symlinks=False, ignore=shutil.ignore_patterns("__pycache__"))
+    planted = copy / "tapml" / module_file
+    planted.write_text(planted.read_text() + f"\n{line}\n")
+    return _lint(copy)
+
+
+def test_a_checking_module_importing_a_backend_breaks_the_seam_contract(tmp_path):
+    r = _lint_with_import(tmp_path, "replay.py", "import tapml.platforms.external  # noqa: E402,F401")
     assert r.returncode != 0, r.stdout
     assert "the checking code reaches a backend only through" in r.stdout and "BROKEN" in r.stdout
     assert "tapml.replay -> tapml.platforms.external" in r.stdout
 
 
 def test_an_upward_import_breaks_the_layers_contract(tmp_path):
-    linked = _tree(tmp_path / "linked")
-    copy = tmp_path / "copy"
-    shutil.copytree(linked, copy, symlinks=False, ignore=shutil.ignore_patterns("__pycache__"))
-    graph = copy / "tapml" / "graph.py"
-    graph.write_text(graph.read_text() + "\nimport tapml.cli  # noqa: E402,F401 - the foundation importing the CLI\n")
-    r = _lint(copy)
+    r = _lint_with_import(tmp_path, "graph.py", "import tapml.cli  # noqa: E402,F401 - the foundation importing the CLI")
     assert r.returncode != 0, r.stdout
     assert "tapml layers point one way" in r.stdout and "BROKEN" in r.stdout
     assert "tapml.graph -> tapml.cli" in r.stdout
