@@ -8,6 +8,7 @@ table sits with the backends: the device server's worker opens its platform thro
 
 from __future__ import annotations
 
+import functools
 import importlib
 import re
 from dataclasses import dataclass
@@ -63,10 +64,11 @@ TARGET_HELP = ", ".join(form for kind in TARGETS.values() for form in (kind.form
     ", iree:vulkan, iree:llvm-cpu, ort, an installed backend's PREFIX[:DEVICE], path/to/file.py:Class"
 
 
+@functools.cache
 def installed_backends() -> dict[str, str]:
     """Every external backend this environment can open: TARGET prefix -> ``"module:Class"``, the
     built-in ones and those of installed packages' ``tapml.backends`` entry points (a package may
-    not take a built-in or table prefix)."""
+    not take a built-in or table prefix). Read once per process: do not change the dict it returns."""
     from importlib.metadata import entry_points
     found = dict(BUILTIN_BACKENDS)
     for ep in entry_points(group=BACKEND_ENTRY_POINTS):

@@ -357,7 +357,10 @@ def test_targets_lists_every_kind_without_opening_a_device(tmp_path):
     file_row = rows[f"{tiny}:Tiny"]
     assert file_row["kind"] == "file" and file_row["importable"] and file_row["control"] == "reference"
     assert file_row["needs"] == "nothing at all"
-    cells = re.sub(r"[\s│┃]+", "", r.output)  # the table wraps long cells (the file spec is a long path)
+    # the table as a terminal 200 columns wide shows it (CliRunner's console is sized at import)
+    shown = subprocess.run([sys.executable, "-m", "tapml.cli", "targets", f"{tiny}:Tiny"], capture_output=True, text=True,
+                           env={**os.environ, "COLUMNS": "200"}, timeout=120).stdout
+    cells = re.sub(r"[\s│┃]+", "", shown)
     assert "nothingatall" in cells and "control:reference" in cells
     # a spec that cannot be loaded says why, and is exit 1
     for spec, why in ((f"{tmp_path}/missing.py:Nope", "does not exist"), ("wgpu:vulkan", "not an external backend")):
