@@ -43,6 +43,10 @@ class SlowedPlatform(Platform):
         return self.inner.run(program, inputs)
 
 
+def old_ms(baseline, case_id: str) -> float:
+    return next((c.device_ms or 0.0) for c in baseline.cases if c.id == case_id)
+
+
 @pytest.fixture(scope="module")
 def vulkan():
     from tapml.platforms.wgpu_native import available_backends, shared_platform
@@ -103,7 +107,8 @@ def test_pytest_plugin_fails_a_slowed_case_with_its_ratio(mlp, baseline, vulkan)
     from tapml.profile import read_baseline
     from tapml.pytest_plugin import CarvedCase, CaseFailure
     old = read_baseline(str(baseline))
-    case = next(c for c in mlp.cases if c["op"] == SLOWED_OP)
+    # the largest addmm: the smallest may stay under the absolute floor (MIN_DIFF_MS) on a loaded machine
+    case = max((c for c in mlp.cases if c["op"] == SLOWED_OP), key=lambda c: old_ms(old, c["id"]))
     verdict = CarvedCase(mlp, case, vulkan, "wgpu:vulkan", None, None, baseline=old).check()
     assert verdict["status"] == "pass" and verdict["device_ms"] > 0
     with pytest.raises(CaseFailure, match=r"\d+\.\d\dx slower than the baseline"):
@@ -211,7 +216,7 @@ def mm_store(tmp_path_factory):
 
 
 @pytest.mark.device
-def test_a_kernel_made_twice_as_slow_is_slower_and_says_exit_1_is_about_speed(mm_store, vulkan, tmp_path):
+def test_a_kernel_made_four_times_as_slow_is_slower_and_says_exit_1_is_about_speed(mm_store, vulkan, tmp_path):
     from tapml.cli.common import out
     from tapml.cli.store import render_speed_verdict
     from tapml.profile import RUNS, compare_with_baseline, read_baseline
@@ -220,12 +225,13 @@ def test_a_kernel_made_twice_as_slow_is_slower_and_says_exit_1_is_about_speed(mm
     assert tapml("replay", mm_store.path, "-t", "wgpu:vulkan", "--profile", "--json", base, "-q").exit_code == 0
     r = tapml("replay", mm_store.path, "-t", "wgpu:vulkan", "--baseline", base)
     assert r.exit_code == 0 and "0 slower than the baseline" in r.output, r.output
-    slowed = SlowedPlatform(vulkan, SLOWED_OP, times=2)
+    # four times the kernels: twice (tried first) was lost in the noise of a loaded CI run
+    slowed = SlowedPlatform(vulkan, SLOWED_OP, times=4)
     result = replay(mm_store, slowed, "wgpu:vulkan", profile=RUNS)
     slower = compare_with_baseline(mm_store, slowed, result, read_baseline(str(base)))
     # what the sign test is sure of: on a loaded machine one of the two addmm may not be
     assert slower and {s["id"] for s in slower} <= {c["id"] for c in mm_store.cases if c["op"] == SLOWED_OP}, slower
-    # twice the kernels: about 2x, more on a loaded machine (the timings are wall time)
+    # four times the kernels: about 4x, less where fixed costs count, more on a loaded machine
     assert all(s["ratio"] > 1.5 and s["p_value"] <= 0.01 for s in slower), slower
     with out.capture() as shown:
         render_speed_verdict(result, slower, 25.0)
