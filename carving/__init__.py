@@ -77,7 +77,7 @@ def open_or_carve(model_or_store: str, state_path: str | Path | None = None,
 
     ``STATE.store/`` may have been put there by someone else, so it is reused only when this run
     can prove a run of its own made it: ``recorded`` is the manifest digest that the state's
-    journal recorded (:func:`tapml.journal.recorded_store`), and the folder must be this user's
+    journal recorded (:func:`tapml.driving.journal.recorded_store`), and the folder must be this user's
     and hold that very manifest; otherwise TapmlError (exit 2) says to remove it."""
     path = Path(model_or_store)
     if dtype is not None:
@@ -152,12 +152,12 @@ def _carve_into(spec: str, out: Path, *, seed: int, device: str, hf_config: dict
     import torch
     from torch.export.graph_signature import OutputKind
 
-    from tapml.capture import export, placeholder_values, program_inputs
+    from tapml.frontends.capture import export, placeholder_values, program_inputs
     from tapml.carving.tracer import CarvingInterpreter, RealValueRecorder
     from tapml.dtypes import graph_dtype
     from tapml.graph import Graph, graph_from_fx, needs_real_values
     from tapml.meta_sizes import check_graph_sizes
-    from tapml.models import load_model
+    from tapml.frontends.models import load_model
 
     if device not in ("cpu", "cuda"):
         raise TapmlError(f"--device must be cpu or cuda, not {device!r}")

@@ -32,7 +32,7 @@ def carve_generation(spec: str, out: str | Path, *, tokens: int, prompt_len: int
     """Carve a greedy generation of ``tokens`` new tokens after a ``prompt_len``-token prompt.
 
     ``spec`` must be a causal LM (``zoo:tiny-llama``, ``zoo:tiny-gpt2``, ``hf:llama``,
-    ``hf:gpt2``, ``hf:gpt_neox``, ``hf:qwen2``...; see :func:`tapml.models.load_causal_lm`). The
+    ``hf:gpt2``, ``hf:gpt_neox``, ``hf:qwen2``...; see :func:`tapml.frontends.models.load_causal_lm`). The
     prompt is ``prompt_len`` random token ids drawn from ``seed``. Step 0 is the prefill
     (``input_ids [1, prompt_len]``, ``cache_position = arange(prompt_len)``); steps 1..tokens
     are decode steps, each feeding the previous step's argmax token at the next position, so
@@ -51,7 +51,7 @@ def carve_generation(spec: str, out: str | Path, *, tokens: int, prompt_len: int
     Example: ``carve_generation("zoo:tiny-llama", "stores/gen", tokens=4, prompt_len=5)``.
     """
     from tapml.carving import write_store_atomically
-    from tapml.models import load_causal_lm
+    from tapml.frontends.models import load_causal_lm
 
     if device not in ("cpu", "cuda"):
         raise TapmlError(f"--device must be cpu or cuda, not {device!r}")
@@ -63,14 +63,14 @@ def carve_generation(spec: str, out: str | Path, *, tokens: int, prompt_len: int
 
 def export_generation_programs(model, prompt_len: int, max_cache_len: int, spec: str = "the model"):
     """Export ``model`` (a causal LM with a static cache, see
-    :func:`tapml.models.load_causal_lm`) as a prefill program (``input_ids [1, prompt_len]``)
+    :func:`tapml.frontends.models.load_causal_lm`) as a prefill program (``input_ids [1, prompt_len]``)
     and a decode program (``input_ids [1, 1]``), both over a ``max_cache_len`` static cache and
     decomposed to core ATen. Returns ``(prefill, decode)`` ExportedPrograms; TapmlError when
     the model does not export with a static cache."""
     import torch
     from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
 
-    from tapml.capture import export
+    from tapml.frontends.capture import export
 
     ids = torch.zeros(1, prompt_len, dtype=torch.long)
     try:
@@ -92,7 +92,7 @@ def _carve_generation_into(model, spec: str, out: Path, *, tokens: int, prompt_l
                            dtype: str = "float32") -> dict:
     import torch
 
-    from tapml.capture import program_inputs
+    from tapml.frontends.capture import program_inputs
     from tapml.carving.store import CarveStoreWriter
     from tapml.carving.tracer import CarvingInterpreter
     from tapml.graph import graph_from_fx

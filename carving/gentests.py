@@ -28,7 +28,7 @@ from typing import Callable
 from tapml import version
 from tapml.errors import TapmlError
 from tapml.io import write_text_atomic
-from tapml.verdict import STATUSES
+from tapml.judging.verdict import STATUSES
 
 KNOWN_FAILURE_MODES = ("xfail", "fail", "skip")
 FAILED_STATUSES = tuple(s for s in STATUSES if s != "pass")
@@ -139,7 +139,7 @@ def load_state(path: str | Path, store) -> dict:
     reason}, "checked": int}``. Raises TapmlError when the file is unreadable or does not
     belong to ``store``.
     """
-    from tapml.verdict import VerdictDocument
+    from tapml.judging.verdict import VerdictDocument
     hint = "pass the Verdict JSON that `tapml replay --json` or `tapml migrate --state` wrote"
     doc = VerdictDocument.read(path, what="--state", hint=hint, required=("cases",))
     if doc.model and doc.model != store.model:
@@ -195,7 +195,7 @@ def _check_output_dir(out: Path) -> None:
 
 
 def case_tolerance(case: dict, tolerances) -> tuple[float, float] | None:
-    """``(rtol, atol)`` that ``tolerances`` (a :class:`~tapml.compare.Tolerances`) give the
+    """``(rtol, atol)`` that ``tolerances`` (a :class:`~tapml.judging.compare.Tolerances`) give the
     case's first floating output, or None when its outputs are integers or bools (compared
     exactly). Example: ``case_tolerance(store.case("c0"), Tolerances())`` -> ``(0.001, 0.0001)``."""
     dtype = next((m["dtype"] for m in case["output_meta"] if m["dtype"].startswith(("float", "bfloat"))), None)
@@ -247,10 +247,10 @@ def generate_suite(store_path: str | Path, out_dir: str | Path, *, state: str | 
     ``state``: a migration state whose failing cases are marked per ``known_failures``
     (``xfail``: strict xfail; ``fail``: run and fail, the message carries the reason;
     ``skip``: not run). ``copy_data`` copies the store into ``out_dir/data``; otherwise the
-    suite references it by absolute path. ``tolerances`` (a :class:`~tapml.compare.Tolerances`)
+    suite references it by absolute path. ``tolerances`` (a :class:`~tapml.judging.compare.Tolerances`)
     override the dtype defaults and the state's tolerances; each case records its own.
     ``check_target`` validates a TARGET spec, raising TapmlError (the CLI passes
-    :func:`tapml.targets.check_target`; carving sits below the targets layer): a state target
+    :func:`tapml.driving.targets.check_target`; carving sits below the targets layer): a state target
     it refuses leaves the suite's default target ``reference``.
     ``kernels``: ``(op, file name, WGSL bytes)`` of ``--kernel`` files, already checked (the CLI reads
     them with :func:`tapml.platforms.wgsl.user_kernels.parse_kernel_options`): the suite carries
@@ -260,7 +260,7 @@ def generate_suite(store_path: str | Path, out_dir: str | Path, *, state: str | 
     the suite's default target is the state's target, else ``reference``.
     """
     from tapml.carving.store import CarveStore
-    from tapml.compare import Tolerances
+    from tapml.judging.compare import Tolerances
 
     if known_failures not in KNOWN_FAILURE_MODES:
         raise TapmlError(f"--known-failures {known_failures!r}: use one of {', '.join(KNOWN_FAILURE_MODES)}")

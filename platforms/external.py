@@ -3,7 +3,7 @@
 :class:`BackendPlatform` turns each graph tapml hands a platform (a carved case, a region, a
 whole model) into a standalone ``torch.export.ExportedProgram`` -- every graph input a user
 input, so weights travel as inputs -- compiles it with the backend once, and runs it. It lives
-in the backend's worker process (``tapml.targets.open_target`` opens a backend target as a
+in the backend's worker process (``tapml.driving.targets.open_target`` opens a backend target as a
 :class:`~tapml.remote.device_worker.WorkerPlatform`); the checking code never sees the backend.
 """
 

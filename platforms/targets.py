@@ -3,7 +3,7 @@
 Adding a platform is its runtime module and one line in :data:`TARGETS`. Platforms are named
 as ``"module:Class"`` strings and imported only when a target of theirs is opened, so this
 table sits with the backends: the device server's worker opens its platform through it, and
-``tapml.targets`` (fault injection, tokens) builds on it.
+``tapml.driving.targets`` (fault injection, tokens) builds on it.
 """
 
 from __future__ import annotations
@@ -267,7 +267,7 @@ def check_target(spec: str) -> str:
 
 
 def open_platform(spec: str, token: str | None = None):
-    """Open the platform a TARGET spec names (no fault injection; see ``tapml.targets.open_target``).
+    """Open the platform a TARGET spec names (no fault injection; see ``tapml.driving.targets.open_target``).
     An external backend opens here, in this process (``open_target`` puts it in a worker)."""
     kind = _kind(check_target(spec))
     if kind is None:

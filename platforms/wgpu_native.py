@@ -128,7 +128,7 @@ class WgpuPlatform(WgslPlatform):
                                                               str(chosen.info.get("backend_type")).lower())
         self.name = f"wgpu:{self.backend}"
         # subgroup: matmul variants that share loads between lanes (platforms/wgsl/matmul.py)
-        # timestamp-query: per-program device times for `replay --profile` (tapml/profile.py)
+        # timestamp-query: per-program device times for `replay --profile` (tapml/driving/profile.py)
         features = [f for f in ("shader-f16", "subgroup", "timestamp-query") if f in chosen.features]
         limits = {k: chosen.limits[k] for k in ("max-storage-buffer-binding-size", "max-buffer-size",
                                                "max-storage-buffers-per-shader-stage") if k in chosen.limits}

@@ -30,7 +30,7 @@ class WgslPlatform(RuntimePlatform):
 
     def _compile(self, graph: Graph) -> KernelProgram:
         """Compiled once per graph and caps: a run's limits preflight and the run itself compile
-        the same cases (:mod:`tapml.preflight`), as do repeated replays in a session."""
+        the same cases (:mod:`tapml.driving.preflight`), as do repeated replays in a session."""
         import hashlib
         import json
 

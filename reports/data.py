@@ -5,7 +5,7 @@ migration state from ``tapml migrate --state``, which is a Verdict JSON plus ``u
 ``placement``, ``culprits`` and ``end_to_end``; and a document holding one of them per target
 (``replay``/``migrate`` with several ``--target``, :func:`matrix_document`). Optional keys may be missing; a file that is not
 such a document, or one with a field of the wrong type, raises :class:`~tapml.errors.TapmlError`
-naming the file and the field (the schema is :mod:`tapml.verdict`'s).
+naming the file and the field (the schema is :mod:`tapml.judging.verdict`'s).
 
 Example::
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tapml.errors import TapmlError
-from tapml.verdict import (CULPRIT_KINDS, JUDGE_KEYS, NEAR_FAILING, STAT_KEYS, STATUSES, MigrationState, VerdictDocument,
+from tapml.judging.verdict import (CULPRIT_KINDS, JUDGE_KEYS, NEAR_FAILING, STAT_KEYS, STATUSES, MigrationState, VerdictDocument,
                            is_generation_document, is_precision_document, passed, read_generation_document,
                            read_precision_document, summary)
 
@@ -50,9 +50,9 @@ class StateReport:
     inject: list[str] = field(default_factory=list)
     display: str = ""
     #: A generation (``tapml generate --json``): its steps, summary, programs_compiled, uploads
-    #: and tokens/s (:func:`tapml.verdict.read_generation_document`); None for other documents.
+    #: and tokens/s (:func:`tapml.judging.verdict.read_generation_document`); None for other documents.
     generation: dict | None = None
-    #: A precision analysis (``tapml precision --json``, :func:`tapml.verdict.read_precision_document`);
+    #: A precision analysis (``tapml precision --json``, :func:`tapml.judging.verdict.read_precision_document`);
     #: None for other documents.
     precision: dict | None = None
     #: A float16/bfloat16 migration's placement by dtype (``precision`` of the state: ``dtype``,
@@ -70,7 +70,7 @@ class StateReport:
 
     @property
     def passed(self) -> bool:
-        """:func:`tapml.verdict.passed`: every case passed, nothing was blamed, and the end-to-end
+        """:func:`tapml.judging.verdict.passed`: every case passed, nothing was blamed, and the end-to-end
         check passed (a migration needs one; a replay has none). A generation passed when no step
         mismatched or failed (near-ties are reported, not failures)."""
         if self.generation is not None:
@@ -276,7 +276,7 @@ def op_speeds(cases: list[dict]) -> list[dict]:
 
 
 def judged(v: dict | None) -> str:
-    """How a failing or near-failing verdict (margin >= :data:`~tapml.verdict.NEAR_FAILING`) was
+    """How a failing or near-failing verdict (margin >= :data:`~tapml.judging.verdict.NEAR_FAILING`) was
     judged: its rule, bound and margin, for reports ("" for a clear pass or an unknown rule)."""
     if not v or not v.get("rule"):
         return ""
@@ -357,7 +357,7 @@ def parse_state(data, path: str = "<state>") -> StateReport:
 
 def parse_generation(data, path: str = "<generation>") -> StateReport:
     """A Generation JSON (``tapml generate --json``) as a report: no cases; its steps, culprits
-    and figures in ``generation`` (validated by :func:`tapml.verdict.read_generation_document`)."""
+    and figures in ``generation`` (validated by :func:`tapml.judging.verdict.read_generation_document`)."""
     doc = read_generation_document(data, path, "expected the JSON of `tapml generate --json`")
     device = {"adapter": "", "backend": "", "features": [], "limits": {}, "error": "", **(doc["device"] or {})}
     return StateReport(path=path, kind="generation", target=doc["target"], model=doc["model"], device=device,
@@ -368,7 +368,7 @@ def parse_generation(data, path: str = "<generation>") -> StateReport:
 
 def parse_precision(data, path: str = "<precision>") -> StateReport:
     """A Precision JSON (``tapml precision --json``) as a report: no cases; the analysis in
-    ``precision`` (validated by :func:`tapml.verdict.read_precision_document`)."""
+    ``precision`` (validated by :func:`tapml.judging.verdict.read_precision_document`)."""
     doc = read_precision_document(data, path, "expected the JSON of `tapml precision --json`")
     device = {"adapter": "", "backend": "", "features": [], "limits": {}, "error": "", **(doc["device"] or {})}
     return StateReport(path=path, kind="precision", target=doc["target"], model=doc["model"] or "?", device=device,
@@ -457,7 +457,7 @@ def _label_repeats(states: list[StateReport]) -> None:
 
 
 #: Order of statuses from worst to best, for a cell that stands for several cases. Statuses a
-#: later tapml adds (a reader only meets them once :data:`tapml.verdict.STATUSES` has them)
+#: later tapml adds (a reader only meets them once :data:`tapml.judging.verdict.STATUSES` has them)
 #: rank between ``mismatch`` and ``unsupported``: a finding, but not a wrong number.
 STATUS_RANK = {"error": 0, "mismatch": 1, "flaky": 2, "slower": 3, "unsupported": 5, "pass": 9}
 #: Row groups of a coverage matrix, in the order it lists them: a case that passes on one
@@ -550,7 +550,7 @@ def matrix_document(verdicts: dict[str, dict], by_case: bool = False) -> dict:
     "targets", "verdicts": {target: Verdict JSON or migration state, unchanged}, "matrix"}``.
 
     Example: ``matrix_document({"wgpu:vulkan": v1, "wgpu:gl": v2})["matrix"]["rows"][0]["cells"]``."""
-    from tapml.verdict import FORMAT_VERSION
+    from tapml.judging.verdict import FORMAT_VERSION
     states = [parse_state(doc, f"<verdicts of {target}>") for target, doc in verdicts.items()]
     return {"format_version": FORMAT_VERSION, "targets": list(verdicts), "verdicts": dict(verdicts),
             "matrix": matrix_json(coverage_matrix(states, by_case=by_case))}
@@ -564,7 +564,7 @@ def is_matrix_document(data) -> bool:
 
 def _check_format_version(data: dict, bad) -> None:
     """Call ``bad(problem)`` unless ``data``'s ``format_version`` (0 when absent) is one this tapml reads."""
-    from tapml.verdict import FORMAT_VERSION
+    from tapml.judging.verdict import FORMAT_VERSION
     version = data.get("format_version", 0)
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         bad("format_version is not a non-negative integer")
@@ -577,7 +577,7 @@ def parse_matrix_document(data, path: str = "<document>") -> list[StateReport]:
     validated as a Verdict JSON or migration state. The stored ``matrix`` is derived data: it
     must be an object, and is recomputed from the verdicts, never trusted. TapmlError naming
     the field when the document is malformed."""
-    from tapml.verdict import check_depth
+    from tapml.judging.verdict import check_depth
     hint = "expected the --json of `tapml replay` or `tapml migrate` with several --target"
     check_depth(data, path, hint)
 
@@ -643,7 +643,7 @@ def fleet_document(runs: dict[str, dict[str, dict]], devices: list[dict], by_op:
     reason}, "runs": {model: {device target: Verdict JSON}}, "matrix"}``; the matrix has a row per
     model (per op with ``by_op``) and a column per device. ``status`` is ``ok`` or why the device
     dropped out of the run; ``left_out`` names the servers announced but not live when it began."""
-    from tapml.verdict import FORMAT_VERSION
+    from tapml.judging.verdict import FORMAT_VERSION
     states = fleet_states(runs, [d["target"] for d in devices])
     return {"format_version": FORMAT_VERSION, "kind": "fleet", "models": list(runs), "devices": devices,
             "left_out": dict(left_out or {}), "runs": runs,
@@ -662,7 +662,7 @@ def parse_fleet_document(data, path: str = "<fleet>") -> list[StateReport]:
     """The per-device states of a fleet document (:func:`fleet_states`), in its ``devices``
     order; every verdict is validated, the stored ``matrix`` is recomputed, never trusted.
     TapmlError naming the field when the document is malformed."""
-    from tapml.verdict import check_depth
+    from tapml.judging.verdict import check_depth
     check_depth(data, path, FLEET_HINT)
 
     def bad(problem: str):

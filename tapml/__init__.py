@@ -16,6 +16,6 @@ def version() -> str:
 
 def __getattr__(name: str):
     if name == "Session":
-        from tapml.session import Session
+        from tapml.driving.session import Session
         return Session
     raise AttributeError(f"module 'tapml' has no attribute {name!r}")

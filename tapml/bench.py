@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from tapml.profile import StageClock  # noqa: F401 - part of this module's API
+from tapml.driving.profile import StageClock  # noqa: F401 - part of this module's API
 from typing import Callable
 
 #: Performance goals: (comparison, bound) per ratio key; `tapml bench` marks each figure against its goal.
@@ -155,7 +155,7 @@ def long_row_figure(platform, name: str, repeat: int = 3) -> dict:
     and whether the outputs match torch (a truncated kernel is fast and wrong)."""
     import torch
 
-    from tapml.compare import compare_tensor
+    from tapml.judging.compare import compare_tensor
     from tapml.graph import run_node
     from tapml.platforms.wgsl.registry import case_graph
     op, make = LONG_ROW_CASES[name]
@@ -213,7 +213,7 @@ def dispatch_figures(platform, repeat: int = 50, chain: int = 32) -> dict:
     device and back, measured on regions of one tiny kernel between reference nodes)."""
     import torch
 
-    from tapml.hybrid import REFERENCE, TARGET, HybridRunner
+    from tapml.driving.hybrid import REFERENCE, TARGET, HybridRunner
     x, w = torch.full((1, 1), 0.5), torch.full((1, 1), 1.0)
     one = platform.compile(chain_graph(1))
     platform.run(one, [x, w])
@@ -245,8 +245,8 @@ def torch_eager_ms(spec: str, repeat: int, dtype: str = "float32") -> float:
     """Forward latency of the model itself (in ``dtype``) in torch eager on CPU (best of ``repeat``), ms."""
     import torch
 
-    from tapml.capture import split_inputs
-    from tapml.models import load_model
+    from tapml.frontends.capture import split_inputs
+    from tapml.frontends.models import load_model
     model, example = load_model(spec, dtype=dtype)
     args, kwargs = split_inputs(example)
     with torch.no_grad():
@@ -258,7 +258,7 @@ def e2e_figure(platform, store, repeat: int = 10) -> dict:
     """Forward latency of the store's whole model with every node on the target (one region,
     compiled once; inputs uploaded and outputs read back each run) next to torch eager CPU,
     and the end-to-end error against the reference's outputs."""
-    from tapml.hybrid import TARGET, HybridRunner
+    from tapml.driving.hybrid import TARGET, HybridRunner
     runner = HybridRunner(store.graph, platform)
     inputs = store.program_inputs()
     placement = {n.name: TARGET for n in store.graph.nodes}
@@ -295,8 +295,8 @@ class _TargetDecoder:
     supports on it), its runners kept across runs as ``tapml generate`` keeps them across steps."""
 
     def __init__(self, store, platform, steps: int):
-        from tapml.generate import KINDS, logits_ref, shared_program_inputs, target_placement
-        from tapml.hybrid import HybridRunner
+        from tapml.driving.generate import KINDS, logits_ref, shared_program_inputs, target_placement
+        from tapml.driving.hybrid import HybridRunner
         self.platform = platform
         self.graphs = {k: store.step_graph(k) for k in KINDS}
         params = shared_program_inputs(store)
@@ -335,7 +335,7 @@ class _TorchDecoder:
         import torch
         from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
 
-        from tapml.models import load_causal_lm
+        from tapml.frontends.models import load_causal_lm
         gen = store.manifest["generation"]
         model = load_causal_lm(spec, tokens=gen["tokens"], prompt_len=gen["prompt_len"], seed=store.manifest["seed"],
                                hf_config=hf_config, dtype=store.dtype)
@@ -396,7 +396,7 @@ def generation_figure(platform, target: str, workdir: Path, spec: str = GENERATI
 
     from tapml.carving.generation import carve_generation
     from tapml.carving.store import CarveStore
-    from tapml.generate import generate, passed
+    from tapml.driving.generate import generate, passed
     few, many = tokens
     start = time.perf_counter()
     carve_generation(spec, workdir, tokens=many, prompt_len=prompt_len, hf_config=hf_config, dtype=dtype)
@@ -530,7 +530,7 @@ def migrate_figure(spec: str, target: str, workdir: Path, token: str | None = No
     if run["returncode"] not in (0, 1) or not state_path.is_file():
         return {"s": seconds, "peak_rss_bytes": peak, "passed": False,
                 "error": f"exit {run['returncode']}: {run['tail']}"}
-    from tapml.verdict import MigrationState
+    from tapml.judging.verdict import MigrationState
     state = MigrationState.read(state_path, what="migration state", strict=True)
     return {"s": seconds, "peak_rss_bytes": peak, "passed": state.passed, "cases": len(state.cases),
             "ops_share": state.placement["ops_share"], "culprits": len(state.culprits)}
@@ -592,8 +592,8 @@ def _carve_child(args: dict) -> dict:
 
 def _migrate_child(args: dict) -> dict:
     from tapml.carving import CarveStore
-    from tapml.migrate import Migration
-    from tapml.targets import open_target
+    from tapml.driving.migrate import Migration
+    from tapml.driving.targets import open_target
     started = time.perf_counter()
     store = CarveStore(args["store"])
     clock, marks = StageClock(), []
@@ -737,7 +737,7 @@ def check_models(models: tuple[str, ...] = (), generation_model: str = GENERATIO
     tokens`` positions; ``dtype`` must be a ``--dtype``. TapmlError saying what fits."""
     from tapml.dtypes import check_model_dtype
     from tapml.errors import TapmlError
-    from tapml.models import ZOO, load_causal_lm, load_model
+    from tapml.frontends.models import ZOO, load_causal_lm, load_model
     try:
         check_model_dtype(dtype)
     except ValueError as e:
@@ -779,8 +779,8 @@ def run_suite(target: str = "wgpu", *, quick: bool = False, token: str | None = 
 
     import torch
 
-    from tapml.replay import device_info
-    from tapml.targets import check_target, open_target
+    from tapml.driving.replay import device_info
+    from tapml.driving.targets import check_target, open_target
     check_target(target)
     step = on_step or (lambda _msg: None)
     own_dir = workdir is None

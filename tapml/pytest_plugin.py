@@ -32,7 +32,7 @@ of the store; ``@pytest.mark.tapml(op="aten.mm.default")`` narrows it to one op:
     def test_matmuls(tapml_case):
         tapml_case.check()
 
-Cases are judged by :func:`tapml.replay.run_case`, exactly like ``tapml replay``. Each test records
+Cases are judged by :func:`tapml.driving.replay.run_case`, exactly like ``tapml replay``. Each test records
 the device it ran on as the JUnit properties ``tapml_device`` (the target, ``remote://HOST:PORT``
 for a pool's device) and ``tapml_adapter``.
 
@@ -137,11 +137,11 @@ def pytest_configure(config):
     try:
         target = _opt(config, "tapml_target")
         if target:
-            from tapml.targets import check_target
+            from tapml.driving.targets import check_target
             check_target(target)
         inject = _opt(config, "tapml_inject")
         if inject:
-            from tapml.inject import parse_faults
+            from tapml.driving.inject import parse_faults
             parse_faults(inject)
         kernels = _opt(config, "tapml_kernel")
         if kernels:
@@ -166,7 +166,7 @@ def baseline_option(config):
     if not path:
         return None
     if path not in _BASELINES:
-        from tapml.profile import read_baseline
+        from tapml.driving.profile import read_baseline
         _BASELINES[path] = read_baseline(path)
     return _BASELINES[path]
 
@@ -188,7 +188,7 @@ def repeat_option(config) -> int:
 
 
 def _cli_tolerances(items):
-    from tapml.compare import Tolerances
+    from tapml.judging.compare import Tolerances
     from tapml.errors import TapmlError
     try:
         return Tolerances.parse(items)
@@ -207,7 +207,7 @@ def tapml_target_spec(pytestconfig) -> str:
 
 def _tokens(config):
     """The token(s) for device servers: ``--tapml-token-file`` / ``--tapml-token-map`` / $TAPML_TOKEN."""
-    from tapml.targets import read_tokens
+    from tapml.driving.targets import read_tokens
     return read_tokens(_opt(config, "tapml_token_file"), _opt(config, "tapml_token_map"))
 
 
@@ -250,11 +250,11 @@ class PoolSeat:
         self._use(self.devices[index % len(self.devices)])
 
     def _use(self, device) -> None:
-        from tapml.replay import device_info
+        from tapml.driving.replay import device_info
         self.device = device
         platform = device.platform
         if self.faults:
-            from tapml.inject import InjectedPlatform
+            from tapml.driving.inject import InjectedPlatform
             platform = InjectedPlatform(platform, self.faults)
         self.platform = platform
         from tapml.errors import DeviceLost
@@ -304,13 +304,13 @@ def tapml_target(pytestconfig, tapml_target_spec, tapml_kernels):
     the end. ``--tapml-inject`` wraps it with fault injection. A ``registry://`` target is a
     :class:`PoolSeat`: this worker's own device of the pool."""
     from tapml.errors import TapmlError
-    from tapml.targets import open_target
+    from tapml.driving.targets import open_target
     try:
         if tapml_target_spec.startswith("registry://"):
             if tapml_kernels:
                 raise TapmlError("--tapml-kernel runs on one WGSL device: give one device of the pool as "
                                  "remote://HOST:PORT")
-            from tapml.inject import parse_faults
+            from tapml.driving.inject import parse_faults
             from tapml.remote.pool import DevicePool
             inject = _opt(pytestconfig, "tapml_inject")
             faults = parse_faults(inject) if inject else None
@@ -338,7 +338,7 @@ def _device_properties(platform, target: str) -> list[tuple[str, str]]:
         return [("tapml_device", platform.target), ("tapml_adapter", platform.adapter)]
     if id(platform) not in _ADAPTERS:  # the session's platform lives as long as the process
         from tapml.errors import DeviceLost
-        from tapml.replay import device_info
+        from tapml.driving.replay import device_info
         try:
             _ADAPTERS[id(platform)] = device_info(platform, probe=False).get("adapter") or ""
         except DeviceLost:
@@ -417,11 +417,11 @@ class CarvedCase:
         self.baseline = baseline
 
     def run(self) -> dict:
-        """Run the case on the target; returns the Verdict dict of :func:`tapml.replay.run_case`
+        """Run the case on the target; returns the Verdict dict of :func:`tapml.driving.replay.run_case`
         (profiled, with ``device_ms``, when there is a baseline)."""
         from tapml.errors import DeviceLost
-        from tapml.profile import RUNS
-        from tapml.replay import replay_case
+        from tapml.driving.profile import RUNS
+        from tapml.driving.replay import replay_case
         while True:
             try:
                 verdict = replay_case(self.platform, self.store, self.case, self.tolerances,
@@ -454,7 +454,7 @@ class CarvedCase:
 
     def _check_speed(self, verdict: dict) -> None:
         __tracebackhide__ = True
-        from tapml.profile import SLOWER_THAN, case_times, slower_cases
+        from tapml.driving.profile import SLOWER_THAN, case_times, slower_cases
         slower = slower_cases({"cases": [verdict]}, self.baseline, SLOWER_THAN,
                               remeasure=lambda _verdict: case_times(self.platform, self.store, self.case))
         if slower:
@@ -492,7 +492,7 @@ def _fmt(x) -> str:
 
 def _case_tolerances(op: str, spec: CaseSpec | None, config):
     """``--tapml-tol`` for this op if it names it (or all ops), else the recorded tolerances."""
-    from tapml.compare import Tolerances
+    from tapml.judging.compare import Tolerances
     cli = _cli_tolerances(_opt(config, "tapml_tol") or [])
     if any(k in cli.overrides for k in (op, op.rsplit(".", 1)[0], "*")):
         return cli

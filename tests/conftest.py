@@ -59,6 +59,12 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.line(f"{name}: {value}")
 
 
+def pytest_collection_modifyitems(config, items):
+    """The slow tier first, the rest in file order: xdist hands work out in collection order, so a
+    long end-to-end test that starts last (the README walk: ~4-11 min) is the run's whole tail."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadgroup`` that finishes after a worker crashes.
 

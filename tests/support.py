@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tapml.compare import compare_anchored
+from tapml.judging.compare import compare_anchored
 from tapml.graph import Graph, Node, TensorMeta, run_node
 from tapml.platforms.wgsl.registry import sample_cases
 
@@ -106,8 +106,8 @@ def finite_normal(inputs: list) -> list:
 
 def only_ties_reordered(graph: Graph, inputs, out, ref) -> bool:
     """Whether a sort's or topk's ``out`` differs from torch's ``ref`` only in the order of equal
-    values (torch leaves it unspecified; replay's verdict accepts it: tapml.compare.tie_dim)."""
-    from tapml.compare import indices_pick_equal_values, tie_dim
+    values (torch leaves it unspecified; replay's verdict accepts it: tapml.judging.compare.tie_dim)."""
+    from tapml.judging.compare import indices_pick_equal_values, tie_dim
     node = graph.nodes[0]
     dim = tie_dim(node.op, node.args, node.kwargs)
     if dim is None or len(out) != 2:
@@ -247,7 +247,7 @@ def run_split(platform, graph, inputs, dtype=None, parts: bool = False) -> bool 
     twice that, so the largest tensor is held in several buffers (parts) of two windows each;
     returns whether a tensor was held in parts with a part bound through two windows (None as
     well when every such choice is more bindings than a kernel may have on the device)."""
-    from tapml.compare import compare_tensor
+    from tapml.judging.compare import compare_tensor
     from tapml.errors import Unsupported
     from tapml.platforms.wgsl import load_lowerings
     op = graph.nodes[0].op

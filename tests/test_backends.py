@@ -132,7 +132,7 @@ def env(tmp_path, monkeypatch):
 
 
 def _replay(store, spec: str, cases=CASES) -> dict:
-    from tapml.replay import replay_targets
+    from tapml.driving.replay import replay_targets
     todo = [c for c in store.cases if c["id"] in cases]
     return replay_targets(store, [spec], cases=todo)[spec]
 
@@ -225,7 +225,7 @@ def test_a_device_compiler_bug_is_blamed_on_the_device_compiler(store, backends,
     assert "blame the device compiler" in gelu["message"]
     assert all("blame" not in c for c in doc["cases"] if c["id"] != "c5")  # passing cases are not re-run
     # the new keys survive the verdict file's strict reader, and a bad blame is refused
-    from tapml.verdict import VerdictDocument
+    from tapml.judging.verdict import VerdictDocument
     back = VerdictDocument.from_json(json.loads(json.dumps(doc)), strict=True).to_json()
     assert _by_id(back)["c5"]["blame"] == "device compiler" and _by_id(back)["c6"]["compile_s"] >= 0
     bad = json.loads(json.dumps(doc))
@@ -241,7 +241,7 @@ def test_a_route_bug_is_blamed_on_the_route(store, backends, env):
 
 
 def test_a_compile_error_is_unsupported_with_the_trimmed_message_and_the_artifact(store, backends, env):
-    from tapml.targets import open_target
+    from tapml.driving.targets import open_target
     spec = f"{backends}:NoGelu"
     by_id = _by_id(_replay(store, spec))
     assert by_id["c5"]["status"] == "unsupported"
@@ -330,7 +330,7 @@ def test_a_backend_served_by_tapml_serve_replays_over_remote(store, backends, en
     from tapml.remote.launcher import ServerProcess
     srv = ServerProcess(platform=f"{backends}:WrongGelu", token="t0ken")
     try:
-        from tapml.replay import replay_targets
+        from tapml.driving.replay import replay_targets
         spec = f"remote://{srv.host}:{srv.port}"
         doc = replay_targets(store, [spec], token="t0ken", cases=[c for c in store.cases if c["id"] in CASES])[spec]
         by_id = _by_id(doc)

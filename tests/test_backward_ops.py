@@ -71,7 +71,7 @@ def _training_step_graph(net, x, ids):
 
 
 def test_training_step_gradients_match_autograd_on_vulkan(vulkan):
-    from tapml.compare import compare_tensor
+    from tapml.judging.compare import compare_tensor
     torch.manual_seed(0)
     net = TinyNet()
     x, ids = torch.randn(2, 2, 9, 9), torch.randint(0, 10, (2, 5))
@@ -126,7 +126,7 @@ TRAINER = textwrap.dedent("""
 
 def test_hand_written_backward_is_carved_and_migrates_to_vulkan(vulkan, tmp_path):
     from tapml.carving import CarveStore, carve
-    from tapml.migrate import Migration, exit_code
+    from tapml.driving.migrate import Migration, exit_code
     (tmp_path / "trainer.py").write_text(TRAINER)
     carve(f"{tmp_path / 'trainer.py'}:factory", tmp_path / "store")
     store = CarveStore(tmp_path / "store")
@@ -156,7 +156,7 @@ def _masked_graph(op, args, expected):
 @pytest.mark.parametrize("mask", [[False, True, True], [True, False, True], [False, True, False], [False, False, True]],
                          ids=str)
 def test_output_mask_gives_only_the_wanted_gradients(vulkan, mask):
-    from tapml.compare import compare_tensor
+    from tapml.judging.compare import compare_tensor
     torch.manual_seed(1)
     x, w = torch.randn(2, 4, 7, 6), torch.randn(6, 2, 3, 2)
     dy = torch.randn_like(aten.convolution(x, w, None, [2, 1], [1, 0], [1, 2], False, [0, 0], 2))
@@ -207,7 +207,7 @@ def test_joint_training_graph_from_export_carves_and_migrates(backend, tmp_path)
     whose unwanted gradients are None; they carve with the wanted ones and pass on the target."""
     from torch.export.experimental import _export_forward_backward
     from tapml.carving import CarveStore, carve
-    from tapml.migrate import Migration, exit_code
+    from tapml.driving.migrate import Migration, exit_code
     from tapml.platforms.wgpu_native import available_backends, shared_platform
     if backend not in available_backends():
         pytest.skip(f"no {backend} adapter here")

@@ -101,7 +101,7 @@ def test_generation_figure_against_torch_eager_decoding(tmp_path, target, figure
     """A zoo:tiny-llama generation on lavapipe next to torch eager decoding of the same steps:
     both right, both timed, and the programs compiled do not grow from 2 to 8 tokens."""
     from tapml.bench import generation_figure, ratios
-    from tapml.targets import open_target
+    from tapml.driving.targets import open_target
     with open_target(target) as platform:
         g = generation_figure(platform, target, tmp_path / "store", "zoo:tiny-llama", tokens=(2, 8), prompt_len=5,
                               repeat=2)

@@ -186,7 +186,7 @@ def test_the_page_token_is_on_no_command_line_and_no_other_client_gets_the_page(
     the token must be on none of Chromium's command lines, and a client with a foreign Origin, with
     no Origin, or with the real token copied after the page joined gets no WebSocket."""
     from tapml.carving import CarveStore
-    from tapml.replay import replay
+    from tapml.driving.replay import replay
     token = browser.bridge.token
     assert token in browser.url and browser.bridge.pages == 1
     chromium = browser.browser
@@ -277,7 +277,7 @@ def test_browser_crash_mid_run_is_device_lost_not_a_hang():
 
 def test_crash_during_replay_gives_device_lost_verdicts(carved):
     from tapml.carving import CarveStore
-    from tapml.replay import replay
+    from tapml.driving.replay import replay
     store = CarveStore(carved("zoo:mlp"))
     platform = open_browser()
     seen = []
@@ -308,7 +308,7 @@ def test_lowering_in_the_browser(browser, op):
     without NaN, Inf and subnormal inputs: the WGSL spec lets a device assume no NaN or Inf and
     flush subnormals, and Chromium's Tint on SwiftShader does (exp(NaN) is Inf, sign(1e-40) is 0)."""
     from support import finite_normal, only_ties_reordered
-    from tapml.compare import compare_tensor
+    from tapml.judging.compare import compare_tensor
     from tapml.graph import run_node
     from tapml.platforms.wgsl.registry import REGISTRY, sample_cases
     torch.manual_seed(0)
@@ -354,7 +354,7 @@ def test_browser_reports_how_it_holds_low_precision(browser):
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_zoo_low_precision_replay_passes_in_the_browser(browser, carved, dtype):
     from tapml.carving import CarveStore
-    from tapml.replay import replay
+    from tapml.driving.replay import replay
     result = replay(CarveStore(carved("zoo:tiny-llama", dtype=dtype)), browser, "browser")
     failing = [(v["id"], v["op"], v["status"], v["message"][:200]) for v in result["cases"] if v["status"] != "pass"]
     assert not failing and len(result["cases"]) > 20, failing
@@ -374,7 +374,7 @@ def _open_vulkan():
 @pytest.mark.parametrize("spec", ["zoo:tiny-llama", "zoo:tiny-vit"])
 def test_zoo_replay_passes_every_f32_case_and_matches_wgpu_vulkan(browser, carved, spec):
     from tapml.carving import CarveStore
-    from tapml.replay import replay
+    from tapml.driving.replay import replay
     store = CarveStore(carved(spec))
     on_browser = replay(store, browser, "browser")
     assert on_browser["device"]["adapter"].startswith("google swiftshader")
@@ -478,7 +478,7 @@ def test_serve_no_launch_refuses_foreign_clients_at_its_page_bridge():
     """`tapml serve --platform browser --no-launch` prints its URL (for the person who started it);
     its bridge refuses a WebSocket without the page's Origin, and a copied URL once a page joined."""
     from tapml.platforms.chromium import ChromiumProcess
-    from tapml.targets import open_target
+    from tapml.driving.targets import open_target
     server = _serve_browser_no_launch()
     page = None
     try:
@@ -569,7 +569,7 @@ def test_serve_no_launch_makes_a_browser_a_remote_device(browser, carved, tmp_pa
         assert verdicts["device"]["adapter"].startswith("google swiftshader")
         assert verdicts["summary"]["pass"] > 0
         from tapml.carving import CarveStore
-        from tapml.replay import replay
+        from tapml.driving.replay import replay
         direct = replay(CarveStore(store), browser, "browser")  # the same page, without the server in between
         assert [(v["id"], v["status"]) for v in verdicts["cases"]] == [(v["id"], v["status"]) for v in direct["cases"]]
 
@@ -656,7 +656,7 @@ def test_a_mismatch_on_data_the_device_does_not_keep_names_its_float_model(brows
     device's float model is measured and in the verdict, and a case whose data holds such values
     says so instead of leaving a bare mismatch; lavapipe keeps them, and the same cases pass."""
     from support import store_from_source, vulkan_or_skip
-    from tapml.replay import replay
+    from tapml.driving.replay import replay
     store = store_from_source(tmp_path_factory, "non_finite", NON_FINITE_MODEL)
     on_browser = replay(store, browser, "browser")
     assert on_browser["device"]["float_model"] == {"nan_inf": False, "subnormals": False}
@@ -678,7 +678,7 @@ def test_your_own_gelu_kernel_runs_in_the_browser(browser, carved, tmp_path):
     from tapml.carving.store import CarveStore
     from tapml.platforms.kernel_override import KernelOverridePlatform
     from tapml.platforms.wgsl.user_kernels import parse_kernel_options
-    from tapml.replay import replay
+    from tapml.driving.replay import replay
     gelu = Path(__file__).resolve().parents[1] / "examples" / "kernels" / "gelu.wgsl"
     wrong = tmp_path / "wrong_gelu.wgsl"
     wrong.write_text(gelu.read_text().replace("y[i] = 0.5 * v", "y[i] = 1.01 * 0.5 * v"))

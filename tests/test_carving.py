@@ -7,7 +7,7 @@ import torch
 from tapml.carving import CarveStore, carve
 from tapml.errors import TapmlError
 from tapml.graph import Graph, run_graph
-from tapml.models import load_model
+from tapml.frontends.models import load_model
 
 
 def test_zoo_is_deterministic():

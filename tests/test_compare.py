@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from tapml.compare import Tolerances, compare_anchored, compare_outputs, compare_tensor
+from tapml.judging.compare import Tolerances, compare_anchored, compare_outputs, compare_tensor
 from tapml.errors import TapmlError
 
 
@@ -88,7 +88,7 @@ def test_fp64_anchored_accepts_errors_like_the_references_own():
 def test_low_precision_against_float32_scales_atol_to_the_tensor():
     """A float16 run judged against the float32 model: rtol of float16, atol at least rtol times
     the tensor's largest value; Inf where float32 is finite and errors at the tensor's scale fail."""
-    from tapml.compare import Tolerances
+    from tapml.judging.compare import Tolerances
     expected = torch.tensor([100.0, 0.5, -0.01, 0.0])
     rtol, atol = Tolerances().against_float32("aten.mm.default", "float16", expected)
     assert (rtol, atol) == (1e-2, 1.0)
@@ -103,7 +103,7 @@ def test_low_precision_against_float32_scales_atol_to_the_tensor():
 
 
 def test_large_tensors_are_compared_in_chunks_with_the_same_result():
-    from tapml.compare import CHUNK
+    from tapml.judging.compare import CHUNK
     ref = torch.rand(2 * CHUNK + 6) + 1
     got = ref.clone()
     got[CHUNK + 7] += 1.0          # second chunk: the worst
@@ -120,7 +120,7 @@ def test_large_tensors_are_compared_in_chunks_with_the_same_result():
 
 
 def test_sort_indices_that_only_reorder_ties_pick_the_same_values():
-    from tapml.compare import indices_pick_equal_values, tie_dim
+    from tapml.judging.compare import indices_pick_equal_values, tie_dim
     x = torch.tensor([[3.0, 1.0, 3.0, float("nan"), 1.0]])
     values, ref = torch.sort(x, dim=-1, stable=True)  # [1, 1, 3, 3, nan] at [1, 4, 0, 2, 3]
     swapped = ref[:, [1, 0, 3, 2, 4]]  # equal values, the other order
@@ -135,7 +135,7 @@ def test_sort_indices_that_only_reorder_ties_pick_the_same_values():
 
 
 def test_reduction_indices_of_equal_values_pass_without_keepdim():
-    from tapml.compare import indices_pick_equal_values, tie_dim
+    from tapml.judging.compare import indices_pick_equal_values, tie_dim
     x = torch.tensor([[2.0, 1.0, 2.0, 1.0], [float("nan"), 5.0, float("nan"), 0.0]])
     values = torch.tensor([2.0, float("nan")])  # kthvalue(x, 3, 1): any index of the equal values
     assert indices_pick_equal_values(x, 1, torch.tensor([2, 0]), values)

@@ -70,8 +70,8 @@ def test_transposed_convolutions_are_carved_with_their_arguments(upscaler_store)
 
 def test_upscaler_migrates_to_vulkan(upscaler_store, tmp_path):
     vulkan_or_skip()
-    from tapml.migrate import Migration, exit_code
-    from tapml.targets import open_target
+    from tapml.driving.migrate import Migration, exit_code
+    from tapml.driving.targets import open_target
     with open_target("wgpu:vulkan") as platform:
         state = Migration(upscaler_store, platform, "wgpu:vulkan", tmp_path / "s.json").run()
     convs = [c for c in state["cases"] if c["op"] == "aten.convolution.default"]
@@ -85,7 +85,7 @@ def test_upscaler_migrates_to_vulkan(upscaler_store, tmp_path):
 def test_transposed_convolution_output_matches_torch_on_vulkan():
     """ConvTranspose2d as SAM uses it, with a batch and odd sizes: the values themselves."""
     vulkan_or_skip()
-    from tapml.compare import compare_tensor
+    from tapml.judging.compare import compare_tensor
     from tapml.platforms.wgpu_native import shared_platform
     from tapml.platforms.wgsl.registry import case_graph
     torch.manual_seed(3)

@@ -15,7 +15,7 @@ from tapml.carving import CarveStore
 from tapml.cli import app
 from tapml.errors import TapmlError
 from tapml.platforms.wgpu_native import available_backends, shared_platform
-from tapml.replay import anchored_by_default, replay
+from tapml.driving.replay import anchored_by_default, replay
 
 LOW = ["float16", "bfloat16"]
 SPECS = ["zoo:mlp", "zoo:tiny-llama"]
@@ -74,7 +74,7 @@ def _all_pass(result) -> list[str]:
 @pytest.mark.parametrize("dtype", LOW)
 @pytest.mark.parametrize("spec", SPECS)
 def test_carve_in_low_precision_records_the_dtype_and_replays_on_the_reference(carved, spec, dtype):
-    from tapml.targets import open_target
+    from tapml.driving.targets import open_target
     store = CarveStore(carved(spec, dtype=dtype))
     assert store.dtype == dtype and store.manifest["dtype"] == dtype
     assert anchored_by_default(store)
@@ -87,7 +87,7 @@ def test_carve_in_low_precision_records_the_dtype_and_replays_on_the_reference(c
 
 
 def test_fp64_anchor_retypes_dtype_arguments(carved):
-    from tapml.replay import _reference64
+    from tapml.driving.replay import _reference64
     store = CarveStore(carved("zoo:tiny-llama", dtype="float16"))
     casts = [c for c in store.cases if c["kwargs"].get("dtype") == {"dtype": "float16"}]
     assert casts, "tiny-llama in float16 casts back to float16 after its float32 norms"
@@ -189,7 +189,7 @@ def test_bad_dtype_exits_2(carved, tmp_path, args, message):
 
 
 def test_a_pt2_cannot_be_recast(tmp_path):
-    from tapml.models import load_model
+    from tapml.frontends.models import load_model
     model, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
     torch.export.save(torch.export.export(model, (x,)), tmp_path / "m.pt2")
     with pytest.raises(TapmlError, match="cannot be recast.*exported in float16"):

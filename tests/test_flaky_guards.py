@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from tapml.errors import PlatformError
-from tapml.flaky import RunToRun, classify, text_map
+from tapml.judging.flaky import RunToRun, classify, text_map
 from tapml.graph import TensorMeta
 from tapml.platforms.base import BufferSpec, Kernel, KernelProgram
-from tapml.verdict import STATUSES, VerdictDocument, summary
+from tapml.judging.verdict import STATUSES, VerdictDocument, summary
 from support import vulkan_or_skip
 
 TAPML = [sys.executable, "-m", "tapml.cli"]
@@ -180,8 +180,8 @@ def guarded():
 def test_a_racy_kernel_is_flaky_with_the_tiles_that_varied(figure):
     vulkan_or_skip()
     from tapml.platforms.wgpu_native import shared_platform
-    from tapml.replay import flaky_verdict, repeat_runs
-    from tapml.verdict import Verdict
+    from tapml.driving.replay import flaky_verdict, repeat_runs
+    from tapml.judging.verdict import Verdict
     platform = shared_platform("vulkan")
     program, x = _racy_program(), torch.zeros(ROWS, COLS)
     first = platform.run(program, [x])
@@ -205,7 +205,7 @@ def test_a_racy_kernel_is_flaky_with_the_tiles_that_varied(figure):
 def test_a_healthy_program_repeated_is_not_flaky():
     vulkan_or_skip()
     from tapml.platforms.wgpu_native import shared_platform
-    from tapml.replay import repeat_runs
+    from tapml.driving.replay import repeat_runs
     platform = shared_platform("vulkan")
     program, x = _oob_program(), torch.randn(N)
     assert repeat_runs(platform, program, [x], platform.run(program, [x]), 10) is None

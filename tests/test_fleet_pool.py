@@ -94,7 +94,7 @@ def test_replay_through_registry_equals_one_server(tmp_path, store, fleet):
     assert sorted(d["target"] for d in b["devices"]) == sorted(s.target for s in servers)
     assert sum(d["served"] for d in b["devices"]) == len(b["cases"])
     # the pooled verdict file reads back like any other
-    from tapml.verdict import VerdictDocument
+    from tapml.judging.verdict import VerdictDocument
     doc = VerdictDocument.from_json(b)
     assert {c.device for c in doc.cases} == used
 
@@ -152,8 +152,8 @@ def test_kill_one_server_mid_run_loses_and_duplicates_nothing(store):
     """In-process pool over three servers; one is killed -9 while cases are running."""
     from tapml.carving.store import CarveStore
     from tapml.remote.launcher import ServerProcess
-    from tapml.replay import replay
-    from tapml.targets import open_target
+    from tapml.driving.replay import replay
+    from tapml.driving.targets import open_target
     reg = Registry()
     servers = [ServerProcess(platform="reference", token=TOKEN, args=("--register", reg.udp)) for _ in range(3)]
     try:
@@ -196,8 +196,8 @@ def test_a_server_that_stops_answering_is_dropped_and_its_cases_run_elsewhere(st
 
     from tapml.carving.store import CarveStore
     from tapml.remote.launcher import ServerProcess
-    from tapml.replay import replay
-    from tapml.targets import open_target
+    from tapml.driving.replay import replay
+    from tapml.driving.targets import open_target
     monkeypatch.setenv("TAPML_REMOTE_TIMEOUT", "3")
     reg = Registry()
     servers = [ServerProcess(platform="reference", token=TOKEN, args=("--register", reg.udp)) for _ in range(3)]
@@ -235,8 +235,8 @@ def test_registry_restart_does_not_stop_the_pool(store):
     """The pool keeps the servers it knows when its registry goes away mid-run."""
     from tapml.carving.store import CarveStore
     from tapml.remote.launcher import ServerProcess
-    from tapml.replay import replay
-    from tapml.targets import open_target
+    from tapml.driving.replay import replay
+    from tapml.driving.targets import open_target
     reg = Registry()
     servers = [ServerProcess(platform="reference", token=TOKEN, args=("--register", reg.udp)) for _ in range(2)]
     try:

@@ -141,7 +141,7 @@ def test_fleet_prints_the_models_by_devices_matrix(tmp_path, carved, pool3):
 
 def test_a_server_killed_mid_fleet_drops_out_and_the_rest_finish(carved, tmp_path):
     from tapml.carving import CarveStore
-    from tapml.fleet import run_fleet
+    from tapml.driving.fleet import run_fleet
     from tapml.remote.pool import DevicePool
     reg, servers = start_pool(2)
     try:

@@ -15,13 +15,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tapml.carving import CarveStore
-from tapml.compare import Tolerances
+from tapml.judging.compare import Tolerances
 from tapml.errors import TapmlError
-from tapml.inject import parse_faults
-from tapml.models import load_model
+from tapml.driving.inject import parse_faults
+from tapml.frontends.models import load_model
 from tapml.platforms.reference import ReferencePlatform
-from tapml.replay import replay
-from tapml.targets import check_target
+from tapml.driving.replay import replay
+from tapml.driving.targets import check_target
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 json_values = st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**63) | st.floats(allow_nan=False)

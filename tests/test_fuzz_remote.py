@@ -38,7 +38,7 @@ def server():
 def still_serves(srv, mlp) -> None:
     """The server is up and a real client gets the right answers."""
     from tapml.remote.client import RemotePlatform
-    from tapml.replay import replay
+    from tapml.driving.replay import replay
     assert srv.proc.poll() is None, "the server died"
     with RemotePlatform(srv.host, srv.port, token=TOKEN, timeout=30) as platform:
         assert replay(mlp, platform, srv.target, cases=mlp.cases[:3])["summary"]["pass"] == 3

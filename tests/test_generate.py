@@ -10,8 +10,8 @@ import torch
 from typer.testing import CliRunner
 
 from tapml.cli import app
-from tapml.compare import Tolerances
-from tapml.generate import generate, judge_step, passed
+from tapml.judging.compare import Tolerances
+from tapml.driving.generate import generate, judge_step, passed
 
 runner = CliRunner()
 STEP_KEYS = {"step", "kind", "reference_token", "target_token", "max_abs_err", "status", "message"}
@@ -49,7 +49,7 @@ def _wgpu(backend):
     from tapml.platforms.wgpu_native import available_backends
     if backend not in available_backends():
         pytest.skip(f"no {backend} adapter here (install mesa-vulkan-drivers / mesa for lavapipe and llvmpipe)")
-    from tapml.targets import open_target
+    from tapml.driving.targets import open_target
     return open_target(f"wgpu:{backend}")
 
 
@@ -85,7 +85,7 @@ def test_teacher_forced_on_the_reference_follows_the_json_contract(llama8, tmp_p
 
 
 def test_a_prefix_of_the_stored_steps_can_be_checked(llama8):
-    from tapml.targets import open_target
+    from tapml.driving.targets import open_target
     with open_target("reference") as platform:
         doc = generate(llama8, platform, "reference", tokens=3)
     _all_pass(doc, 4)
@@ -220,7 +220,7 @@ def test_free_generation_reports_where_a_faulty_target_diverges(llama8):
     from tapml.platforms.wgpu_native import available_backends
     if "vulkan" not in available_backends():
         pytest.skip("no vulkan adapter here")
-    from tapml.targets import open_target
+    from tapml.driving.targets import open_target
     with open_target("wgpu:vulkan", inject=["aten.mm.default=offset:0.5"]) as platform:
         doc = generate(llama8, platform, "wgpu:vulkan", free=True, localize=False)
     assert not passed(doc) and doc["summary"]["first_failure"] == 0
@@ -234,7 +234,7 @@ def test_free_generation_reports_where_a_faulty_target_diverges(llama8):
 def test_generation_through_a_loopback_server(llama8):
     from tapml.platforms.wgpu_native import available_backends
     from tapml.remote.launcher import ServerProcess
-    from tapml.targets import open_target
+    from tapml.driving.targets import open_target
     if "vulkan" not in available_backends():
         pytest.skip("no vulkan adapter here (install mesa-vulkan-drivers for lavapipe)")
     with ServerProcess(platform="wgpu:vulkan", token="t0ken") as srv:
@@ -248,7 +248,7 @@ def test_generation_through_a_loopback_server(llama8):
 @pytest.mark.browser
 @NEEDS_CHROMIUM
 def test_generation_in_headless_chromium(llama8):
-    from tapml.targets import open_target
+    from tapml.driving.targets import open_target
     with open_target("browser") as platform:
         doc = generate(llama8, platform, "browser", tokens=2)
     _all_pass(doc, 3)

@@ -10,7 +10,7 @@ from tapml.carving import CarveStore
 from tapml.carving.generation import carve_generation
 from tapml.errors import TapmlError
 from tapml.graph import Graph, step
-from tapml.models import load_causal_lm
+from tapml.frontends.models import load_causal_lm
 
 PROMPT_LEN = 5
 
@@ -109,8 +109,8 @@ def test_cases_are_deduplicated_across_steps_and_tagged(llama4, carve_once):
 
 
 def test_every_case_replays_on_the_reference(llama4):
-    from tapml.replay import replay
-    from tapml.targets import open_target
+    from tapml.driving.replay import replay
+    from tapml.driving.targets import open_target
     platform = open_target("reference")
     decode_case = next(c for c in llama4.cases if c["graph"] == "decode")
     assert llama4.case_graph(decode_case).nodes[0].name == decode_case["node"]

@@ -15,10 +15,10 @@ import torch
 
 from tapml.carving import CarveStore
 from tapml.carving.generation import carve_generation
-from tapml.compare import compare_tensor
+from tapml.judging.compare import compare_tensor
 from tapml.errors import PlatformError
 from tapml.graph import Graph, Node, TensorMeta, step
-from tapml.hybrid import HybridRunner
+from tapml.driving.hybrid import HybridRunner
 from tapml.platforms.base import ResidentTensor
 from tapml.platforms.reference import ReferencePlatform
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tapml.journal import journal_path
+from tapml.driving.journal import journal_path
 
 FAULT = "aten.rsqrt.default=scale:1.01"
 TAPML = [sys.executable, "-m", "tapml.cli"]
@@ -46,7 +46,7 @@ def test_migrate_a_generation_store_checks_the_decode_graph_too(gen_store, tmp_p
     assert state["placement"]["decode"]["ops_share"] == 1.0 and state["placement"]["ops_share"] == 1.0
     assert state["passed"] and "decode step end to end: pass" in r.stdout
     # the state (with its decode units and placement) is valid to the strict reader
-    from tapml.verdict import MigrationState
+    from tapml.judging.verdict import MigrationState
     assert MigrationState.read(state_path, strict=True).passed
 
 

@@ -145,8 +145,8 @@ def test_xdist_and_k_selection(llama, llama_suite):
 
 def _state(store, tmp_path, inject):
     """A real migration state: the Verdict JSON of replaying the store on a faulty reference."""
-    from tapml.replay import replay
-    from tapml.targets import open_target
+    from tapml.driving.replay import replay
+    from tapml.driving.targets import open_target
     with open_target("reference", inject=inject) as platform:
         result = replay(store, platform, "reference")
     path = tmp_path / "state.json"
@@ -292,7 +292,7 @@ def test_generate_for_a_pure_torch_zoo_model(carved, tmp_path):
 @pytest.fixture(scope="module")
 def vulkan_available():
     """Skips the test, with the reason, when wgpu:vulkan cannot be opened here."""
-    from tapml.targets import open_target
+    from tapml.driving.targets import open_target
     try:
         open_target("wgpu:vulkan").close()
     except Exception as e:  # noqa: BLE001 - any failure to get an adapter means skip

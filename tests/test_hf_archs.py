@@ -11,8 +11,8 @@ import textwrap
 import pytest
 import torch
 
-from tapml.capture import export, split_inputs
-from tapml.models import _small_config, load_model
+from tapml.frontends.capture import export, split_inputs
+from tapml.frontends.models import _small_config, load_model
 
 # Smaller than the default shrink, to keep the carves quick: stage widths start at 16.
 ARCHS = {
@@ -58,8 +58,8 @@ def _wgpu_target(backend: str) -> str:
 def _migrates_fully(store, backend: str, state_path):
     """Migrate ``store`` on wgpu:BACKEND and assert every case passes, every op is offloaded and
     the whole model passes end to end."""
-    from tapml.migrate import Migration
-    from tapml.targets import open_target
+    from tapml.driving.migrate import Migration
+    from tapml.driving.targets import open_target
     target = _wgpu_target(backend)
     with open_target(target) as platform:
         state = Migration(store, platform, target, state_path).run()
@@ -70,7 +70,7 @@ def _migrates_fully(store, backend: str, state_path):
 
 def _replay_on_reference(store):
     from tapml.platforms.reference import ReferencePlatform
-    from tapml.replay import replay
+    from tapml.driving.replay import replay
     return replay(store, ReferencePlatform(), "reference")
 
 
@@ -261,7 +261,7 @@ def test_diffusers_unet_and_vae_migrate_on_wgpu(diffusers_store, tmp_path, name,
 def test_random_cnns_keep_their_activations(model_type, overrides):
     """transformers draws batch-norm scales with std 0.02: a deep random CNN's output was all
     zeros (EfficientNet), a test model that checks nothing. Batch norms are calibrated instead."""
-    from tapml.models import build_hf
+    from tapml.frontends.models import build_hf
     model, inputs = build_hf(model_type, overrides)
     with torch.no_grad():
         out = model(*inputs)[0]

@@ -32,7 +32,7 @@ def server():
 
 def replay_ok(srv, mlp, cases: int = 3) -> bool:
     from tapml.remote.client import RemotePlatform
-    from tapml.replay import replay
+    from tapml.driving.replay import replay
     with RemotePlatform(srv.host, srv.port, token=TOKEN, timeout=60) as platform:
         return replay(mlp, platform, srv.target, cases=mlp.cases[:cases])["summary"]["pass"] == cases
 
@@ -150,7 +150,7 @@ def test_ten_gib_size_header_after_authentication(server, mlp, figure):
 
 def test_many_concurrent_clients_get_correct_answers_or_a_clear_refusal(server, mlp, figure):
     from tapml.remote.client import RemotePlatform
-    from tapml.replay import replay
+    from tapml.driving.replay import replay
     clients = 24
     results: list[str] = []
     barrier = threading.Barrier(clients)

@@ -36,7 +36,7 @@ def tapml(*args):
 
 
 def hostile_state(tag: str) -> dict:
-    """A migration state (the shape `tapml migrate --state` writes, valid for tapml.verdict's
+    """A migration state (the shape `tapml migrate --state` writes, valid for tapml.judging.verdict's
     schema) whose every free-text field is hostile."""
     p = f"{tag}{PAYLOAD}"
     worst = [{"index": [0, 1], "target": p, "reference": 2.0}, {"index": [7], "target": None, "reference": p}]
@@ -373,7 +373,7 @@ def test_store_fields_reach_the_terminal_as_text(terminal_store, tmp_path):
 
 
 def journal_of(state: Path) -> Path:
-    from tapml.journal import journal_path
+    from tapml.driving.journal import journal_path
     return journal_path(state)
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tapml.graph import Graph
-from tapml.hybrid import REFERENCE, TARGET, HybridRunner, node_flops, placement_shares, reference_values, segments
-from tapml.regions import bisect
+from tapml.driving.hybrid import REFERENCE, TARGET, HybridRunner, node_flops, placement_shares, reference_values, segments
+from tapml.driving.regions import bisect
 from tapml.platforms.reference import ReferencePlatform
 
 
@@ -140,7 +140,7 @@ def test_bisect_finds_the_smallest_accumulating_window():
 def test_hybrid_on_wgpu_vulkan(carved):
     wgpu_native = pytest.importorskip("tapml.platforms.wgpu_native", reason="the wgpu platform is not built yet")
     from tapml.carving import CarveStore
-    from tapml.compare import compare_outputs
+    from tapml.judging.compare import compare_outputs
     store = CarveStore(carved("zoo:mlp"))
     graph = store.graph
     with wgpu_native.WgpuPlatform("vulkan") as platform:

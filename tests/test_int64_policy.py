@@ -1,7 +1,7 @@
 """Device tier: one int64 policy for WGSL targets, inputs and outputs alike.
 
 WGSL has no 64-bit integers, so int64 tensors live as i32. A value outside the i32 range makes
-the case ``unsupported`` with the reason ``tapml.compare.INT64_OUTSIDE_I32``, whether it is in
+the case ``unsupported`` with the reason ``tapml.judging.compare.INT64_OUTSIDE_I32``, whether it is in
 an input (refused at upload) or only in the reference's output (judged by the comparison);
 a real difference inside the range stays a ``mismatch``.
 """
@@ -14,12 +14,12 @@ import textwrap
 import pytest
 import torch
 
-from tapml.compare import I32_RANGE, INT64_OUTSIDE_I32, compare_outputs, compare_tensor
+from tapml.judging.compare import I32_RANGE, INT64_OUTSIDE_I32, compare_outputs, compare_tensor
 from tapml.errors import Unsupported
 from tapml.graph import run_node
 from tapml.platforms.wgpu_native import available_backends, shared_platform
 from tapml.platforms.wgsl.registry import case_graph
-from tapml.verdict import outcome_verdict
+from tapml.judging.verdict import outcome_verdict
 
 INT64_MIN = -2**63
 pytestmark = [pytest.mark.device,
@@ -89,7 +89,7 @@ def test_a_target_with_64_bit_integers_still_passes():
 
 def test_replay_of_a_carved_model_reports_the_output_as_unsupported(tmp_path, vulkan):
     from tapml.carving import CarveStore, carve
-    from tapml.replay import replay
+    from tapml.driving.replay import replay
     model = tmp_path / "to_int.py"
     model.write_text(textwrap.dedent("""
         import torch

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from support import in_chromium, own_wgpu
-from tapml.compare import Rule, arithmetic_bounds, compare_tensor, growth
-from tapml.verdict import CaseVerdict, Verdict, outcome_verdict
+from tapml.judging.compare import Rule, arithmetic_bounds, compare_tensor, growth
+from tapml.judging.verdict import CaseVerdict, Verdict, outcome_verdict
 
 MODELS = Path(__file__).parent / "models" / "realistic_weights.py"
 sys.path.insert(0, str(MODELS.parent))
@@ -84,8 +84,8 @@ def test_planted_bugs_break_the_arithmetic_bound():
 
 def test_a_region_closer_to_float64_than_the_reference_passes():
     """Pattern 2 of issue 27: -51.97 + 51.96 in a residual stream of hundreds."""
-    from tapml.regions import judge_anchored
-    from tapml.compare import Tolerances
+    from tapml.driving.regions import judge_anchored
+    from tapml.judging.compare import Tolerances
     g = torch.Generator().manual_seed(0)
     exact = torch.randn(4096, generator=g, dtype=torch.float64) * 200
     exact[7] = -0.0084505
@@ -174,7 +174,7 @@ def planted_store(tmp_path_factory):
 @pytest.mark.device
 @pytest.mark.xdist_group("wgpu")
 def test_every_planted_bug_is_a_mismatch_at_the_op_stage_naming_its_op(planted_store):
-    from tapml.replay import replay_case
+    from tapml.driving.replay import replay_case
     platform = own_wgpu("vulkan")
     try:
         clean = {c["op"]: replay_case(platform, planted_store, c) for c in planted_store.cases}
@@ -193,8 +193,8 @@ def test_every_planted_bug_is_a_mismatch_at_the_op_stage_naming_its_op(planted_s
 
 def _migrate(spec, tmp_path, target, dtype):
     from tapml.carving import CarveStore, carve
-    from tapml.migrate import Migration
-    from tapml.targets import open_target
+    from tapml.driving.migrate import Migration
+    from tapml.driving.targets import open_target
     carve(spec, tmp_path / "store", **({"dtype": dtype} if dtype != "float32" else {}))
     store = CarveStore(tmp_path / "store")
     with open_target(target) as platform:
@@ -225,9 +225,9 @@ def test_precision_names_a_wrong_op_that_is_not_a_precision_matter(carved):
     """Every op fits float16, the model fails end to end: precision names the wrong op (a tanh
     that scales by 1.05, planted) and says to run migrate; its JSON validates with the reader."""
     from tapml.carving import CarveStore
-    from tapml.precision import analyze
-    from tapml.targets import open_target
-    from tapml.verdict import read_precision_document
+    from tapml.driving.precision import analyze
+    from tapml.driving.targets import open_target
+    from tapml.judging.verdict import read_precision_document
     store = CarveStore(carved(f"{Path(__file__).parent / 'models' / 'unrolled_lstm.py'}:short", dtype="float16"))
     with open_target("reference", inject=["aten.tanh.default=scale:1.05"]) as platform:
         doc = analyze(store, platform, "reference")
@@ -240,8 +240,8 @@ def test_precision_names_a_wrong_op_that_is_not_a_precision_matter(carved):
 
 
 def test_a_generation_step_closer_to_float64_than_the_reference_passes():
-    from tapml.compare import Tolerances
-    from tapml.generate import judge_step
+    from tapml.judging.compare import Tolerances
+    from tapml.driving.generate import judge_step
     exact = torch.linspace(-300, 300, 1000, dtype=torch.float64)
     exact[10] = 0.0084505
     ref = (exact * (1 + 1e-7)).float()
@@ -271,7 +271,7 @@ def test_the_html_report_shows_the_rule_and_bound_of_failing_and_near_failing_ou
 @pytest.mark.parametrize("fixture", FIXTURES)
 def test_realistic_weights_replay_clean_in_chromium(fixture, carved):
     from tapml.carving import CarveStore
-    from tapml.replay import replay_targets
+    from tapml.driving.replay import replay_targets
     result = replay_targets(CarveStore(carved(f"{MODELS}:{fixture}")), ["browser"])["browser"]
     failing = [(v["op"], v["status"], v["message"][:200]) for v in result["cases"] if v["status"] != "pass"]
     assert not failing and result["cases"], failing

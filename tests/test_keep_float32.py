@@ -67,7 +67,7 @@ def gen16(tmp_path_factory):
 
 def test_resolver_takes_nodes_modules_ops_and_precision_json(absorbed, precision_json):
     from tapml.carving import CarveStore
-    from tapml.precision import read_keep_items, resolve_keep, resolve_keep_float32
+    from tapml.driving.precision import read_keep_items, resolve_keep, resolve_keep_float32
     graph = CarveStore(absorbed).graph
     assert resolve_keep(graph, ["rsqrt", "pow_1"]) == ["pow_1", "rsqrt"]  # graph order
     assert resolve_keep(graph, ["norm"]) == NORM
@@ -82,7 +82,7 @@ def test_resolver_takes_nodes_modules_ops_and_precision_json(absorbed, precision
 def test_resolver_refuses_what_names_nothing(absorbed, mlp, tmp_path):
     from tapml.carving import CarveStore
     from tapml.errors import TapmlError
-    from tapml.precision import read_keep_items, resolve_keep_float32
+    from tapml.driving.precision import read_keep_items, resolve_keep_float32
     graph = CarveStore(absorbed).graph
     for item in ("nosuch", "aten.tanh.default", "norm.nothing"):
         with pytest.raises(TapmlError, match=item.replace(".", r"\.")):
@@ -100,7 +100,7 @@ def test_resolver_refuses_what_names_nothing(absorbed, mlp, tmp_path):
 
 def test_resolver_on_a_generation_takes_an_item_either_graph_has(gen16):
     from tapml.errors import TapmlError
-    from tapml.precision import resolve_keep_float32
+    from tapml.driving.precision import resolve_keep_float32
     graphs = {k: gen16.step_graph(k) for k in ("prefill", "decode")}
     only_prefill = sorted({n.name for n in graphs["prefill"].nodes} - {n.name for n in graphs["decode"].nodes})[0]
     kept = resolve_keep_float32(graphs, [only_prefill, "aten.rsqrt.default"])
@@ -151,7 +151,7 @@ def test_bisection_through_the_casts_names_a_fault_in_a_kept_node(absorbed, tmp_
 
 def test_the_state_records_the_placement_by_dtype_and_reads_back(absorbed, tmp_path):
     from tapml.errors import TapmlError
-    from tapml.verdict import MigrationState
+    from tapml.judging.verdict import MigrationState
     state = tmp_path / "s.json"
     r = tapml("migrate", absorbed, "--state", state, "--keep-float32", "norm", "-q")
     assert r.exit_code == 0, r.output

@@ -20,15 +20,15 @@ import pytest
 
 from support import NEEDS_CHROMIUM
 
-from tapml.journal import journal_path
+from tapml.driving.journal import journal_path
 
 ZYGOTE = r"""
 import json, os, sys, traceback
 import torch  # noqa: F401 - imported once here, before any fork; no op runs in this process
 from tapml.carving import CarveStore
 from tapml.errors import TapmlError
-from tapml.migrate import Migration, MigrationInterrupted, exit_code
-from tapml.targets import open_target
+from tapml.driving.migrate import Migration, MigrationInterrupted, exit_code
+from tapml.driving.targets import open_target
 
 def migrate(req):
     store = CarveStore(req["store"])

@@ -64,10 +64,10 @@ def _lint_with_import(tmp_path, module_file: str, line: str):
 
 
 def test_a_checking_module_importing_a_backend_breaks_the_seam_contract(tmp_path):
-    r = _lint_with_import(tmp_path, "replay.py", "import tapml.platforms.external  # noqa: E402,F401")
+    r = _lint_with_import(tmp_path, "driving/replay.py", "import tapml.platforms.external  # noqa: E402,F401")
     assert r.returncode != 0, r.stdout
     assert "the checking code reaches a backend only through" in r.stdout and "BROKEN" in r.stdout
-    assert "tapml.replay -> tapml.platforms.external" in r.stdout
+    assert "tapml.driving.replay -> tapml.platforms.external" in r.stdout
 
 
 def test_an_upward_import_breaks_the_layers_contract(tmp_path):

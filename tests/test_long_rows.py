@@ -16,13 +16,13 @@ import math
 import pytest
 import torch
 
-from tapml.compare import compare_anchored, compare_tensor
+from tapml.judging.compare import compare_anchored, compare_tensor
 from tapml.graph import run_node
 from tapml.platforms.base import LOOP_PROBE_ITERATIONS
 from tapml.platforms.wgsl import compile_graph
 from tapml.platforms.wgsl.codegen import CHUNK, LOOP_BUDGET
 from tapml.platforms.wgsl.registry import case_graph
-from tapml.preflight import check_program
+from tapml.driving.preflight import check_program
 from support import LOW, LOW_FLOORS, low_precision_case
 
 CAPS = {"features": ["shader-f16"], "limits": {}}
@@ -231,7 +231,7 @@ def test_loop_cap_probe_measures_the_device(backend):
         assert cap == LAVAPIPE_CAP
     else:  # another device: no cap found, or one past what tapml's kernels ask for
         assert cap is None or LOOP_BUDGET < cap < LOOP_PROBE_ITERATIONS
-    from tapml.replay import device_info
+    from tapml.driving.replay import device_info
     assert device_info(platform)["loop_cap"] == cap
 
 
@@ -256,7 +256,7 @@ def test_preflight_lists_a_kernel_past_the_cap():
 def test_a_kernel_past_the_cap_is_cut_short_and_the_mismatch_says_why():
     """mm is not split: with K/4 = 70 007 iterations per invocation lavapipe returns truncated
     sums, and replay's note names the kernel and the cap."""
-    from tapml.replay import loop_cap_note
+    from tapml.driving.replay import loop_cap_note
     platform = _platform("vulkan")
     if platform.loop_limits()["loop_cap"] != LAVAPIPE_CAP:
         pytest.skip("not a device that stops loops at 65 535")

@@ -12,7 +12,7 @@ MAX_RSS_GROWTH_MIB = 300
 @pytest.mark.slow
 def test_one_server_migrates_every_zoo_model_with_bounded_memory(carved, tmp_path, figure):
     from tapml.carving import CarveStore
-    from tapml.migrate import Migration
+    from tapml.driving.migrate import Migration
     from tapml.remote.client import RemotePlatform
     from tapml.platforms.program_cache import default_limits
     from tapml.remote.launcher import ServerProcess

@@ -12,15 +12,15 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from tapml.compare import Tolerances
-from tapml.hybrid import REFERENCE, TARGET
+from tapml.judging.compare import Tolerances
+from tapml.driving.hybrid import REFERENCE, TARGET
 from tapml.errors import DeviceLost, PlatformError, Unsupported
-from tapml.journal import journal_path
-from tapml.migrate import Migration, exit_code
-from tapml.regions import module_regions
-from tapml.replay import run_case
-from tapml.targets import open_target
-from tapml.verdict import outcome_verdict
+from tapml.driving.journal import journal_path
+from tapml.driving.migrate import Migration, exit_code
+from tapml.driving.regions import module_regions
+from tapml.driving.replay import run_case
+from tapml.driving.targets import open_target
+from tapml.judging.verdict import outcome_verdict
 from support import store_from_source
 
 TAPML = [sys.executable, "-m", "tapml.cli"]

@@ -136,7 +136,7 @@ def test_the_conformance_script_runs_as_the_readme_says():
 def _repro_templates(tmp_path):
     from importlib import resources
 
-    from tapml.repro import TEMPLATES
+    from tapml.driving.repro import TEMPLATES
     for name in TEMPLATES:
         (tmp_path / name).write_bytes((resources.files("tapml") / "templates" / "repro" / name).read_bytes())
     return tmp_path

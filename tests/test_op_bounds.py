@@ -439,7 +439,7 @@ def test_the_registry_samples_of_checked_ops_pass_their_checks():
                                         ("TAPML_REFERENCE_MEMORY_MIB", "abc"), ("TAPML_REFERENCE_MEMORY_MIB", "-3")])
 def test_bad_budget_settings_say_what_to_fix(monkeypatch, env, value):
     from tapml.errors import TapmlError
-    from tapml.targets import open_reference
+    from tapml.driving.targets import open_reference
     monkeypatch.setenv(env, value)
     with pytest.raises(TapmlError, match=f"{env}=.*give a positive number of MiB"):
         open_reference("reference")

@@ -65,7 +65,7 @@ def test_every_op_family_runs_in_parts_onown_wgpu(backend):
 @pytest.mark.xdist_group("wgpu")
 def test_whole_model_in_parts_as_one_program_on_vulkan(carved):
     from tapml.carving import CarveStore
-    from tapml.compare import compare_outputs
+    from tapml.judging.compare import compare_outputs
     store = CarveStore(carved("zoo:tiny-llama"))
     graph, inputs = store.graph, store.program_inputs()
     platform = own_wgpu("vulkan")
@@ -145,7 +145,7 @@ def test_parts_through_tapml_serve_and_hostile_parts_refused_there():
     from tapml.errors import TapmlError
     from tapml.remote.client import RemotePlatform
     from tapml.remote.launcher import ServerProcess
-    from tapml.targets import open_target
+    from tapml.driving.targets import open_target
     try:
         open_target("wgpu:vulkan").close()
     except TapmlError as e:
@@ -260,7 +260,7 @@ def test_program_json_round_trips_its_parts_and_the_device_sees_none():
 @pytest.mark.xdist_group("wgpu")
 def test_repro_of_a_case_held_in_parts_runs_outside_tapml(carved, tmp_path):
     from tapml.carving import CarveStore
-    from tapml.repro import find_subject, write_repro
+    from tapml.driving.repro import find_subject, write_repro
     store = CarveStore(carved("zoo:tiny-llama"))
     case = next(c for c in store.cases if c["op"] == "aten.embedding.default")
     platform = own_wgpu("vulkan")

@@ -36,9 +36,9 @@ def tapml(*args):
 def analysis(carved):
     """``analysis(model, target)`` -> (store, precision document), computed once per module."""
     from tapml.carving import CarveStore
-    from tapml.precision import analyze
-    from tapml.replay import device_info
-    from tapml.targets import open_target
+    from tapml.driving.precision import analyze
+    from tapml.driving.replay import device_info
+    from tapml.driving.targets import open_target
     cache = {}
 
     def get(model: str, target: str):
@@ -91,8 +91,8 @@ def test_absorbed_overflow_is_flagged_where_the_module_output_stays_finite(analy
 
 def test_the_document_validates_with_its_reader_and_keep_float32_runs(analysis):
     from tapml.dtypes import keep_float32
-    from tapml.precision import resolve_keep
-    from tapml.verdict import read_precision_document
+    from tapml.driving.precision import resolve_keep
+    from tapml.judging.verdict import read_precision_document
     store, doc = analysis("fp16-absorbed", "reference")
     read = read_precision_document(json.loads(json.dumps(doc, allow_nan=False)), "doc.json")
     assert read["ops"] == [{k: x[k] for k in read["ops"][0]} for x in doc["ops"]]
@@ -104,7 +104,7 @@ def test_the_document_validates_with_its_reader_and_keep_float32_runs(analysis):
 
 
 def test_cli_writes_the_document_and_exits_0_when_the_list_fixes_the_model(tmp_path):
-    from tapml.verdict import read_precision_document
+    from tapml.judging.verdict import read_precision_document
     r = tapml("precision", "zoo:fp16-overflow", "--json", tmp_path / "p.json", "--store", tmp_path / "store")
     assert r.exit_code == 0, r.output
     assert "keep_float32 (3)" in r.output and "energy" in r.output and "mismatch" in r.output

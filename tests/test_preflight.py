@@ -1,4 +1,4 @@
-"""The limits preflight: KernelPrograms held to a device's limits (tapml/preflight.py), and
+"""The limits preflight: KernelPrograms held to a device's limits (tapml/driving/preflight.py), and
 `inspect --target`, `replay` and `migrate` with `--device-limit` on real stores and lavapipe."""
 
 import json
@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from tapml.cli import app
 from tapml.graph import TensorMeta
 from tapml.platforms.base import BufferSpec, Kernel, KernelProgram
-from tapml.preflight import OpPreflight, StorePreflight, check_program, format_bytes, format_limit, preflight_store
+from tapml.driving.preflight import OpPreflight, StorePreflight, check_program, format_bytes, format_limit, preflight_store
 
 runner = CliRunner()
 TAPML = [sys.executable, "-m", "tapml.cli"]
@@ -141,7 +141,7 @@ def test_the_summary_line_names_the_largest_split():
 
 
 def test_preflight_store_records_compile_failures_per_op_and_runs_nothing(mlp):
-    from tapml.inject import InjectedPlatform, parse_faults
+    from tapml.driving.inject import InjectedPlatform, parse_faults
     from tapml.platforms.reference import ReferencePlatform
     platform = InjectedPlatform(ReferencePlatform(), parse_faults(["aten.relu.default=compile-error"]))
     report = preflight_store(mlp, platform, "reference")

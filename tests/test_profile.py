@@ -90,8 +90,8 @@ def test_unchanged_replay_flags_nothing(carved, baseline, tmp_path):
 
 @pytest.mark.device
 def test_slowed_kernel_is_slower_than_baseline(mlp, baseline, vulkan):
-    from tapml.profile import RUNS, compare_with_baseline, read_baseline
-    from tapml.replay import replay
+    from tapml.driving.profile import RUNS, compare_with_baseline, read_baseline
+    from tapml.driving.replay import replay
     slowed = SlowedPlatform(vulkan, SLOWED_OP)
     result = replay(mlp, slowed, "wgpu:vulkan", profile=RUNS)
     assert result["summary"]["pass"] == len(result["cases"])  # slower, not wrong
@@ -104,7 +104,7 @@ def test_slowed_kernel_is_slower_than_baseline(mlp, baseline, vulkan):
 
 @pytest.mark.device
 def test_pytest_plugin_fails_a_slowed_case_with_its_ratio(mlp, baseline, vulkan):
-    from tapml.profile import read_baseline
+    from tapml.driving.profile import read_baseline
     from tapml.pytest_plugin import CarvedCase, CaseFailure
     old = read_baseline(str(baseline))
     # the largest addmm: the smallest may stay under the absolute floor (MIN_DIFF_MS) on a loaded machine
@@ -176,7 +176,7 @@ def factory():
 
 
 class _Doc:
-    """A baseline as :func:`tapml.profile.slower_cases` reads it: cases with id, op, shapes and device_ms."""
+    """A baseline as :func:`tapml.driving.profile.slower_cases` reads it: cases with id, op, shapes and device_ms."""
 
     def __init__(self, times: dict):
         self.cases = [type("Case", (), {"id": k, "op": "aten.mm.default", "shapes": "8x8", "device_ms": ms})()
@@ -194,7 +194,7 @@ def test_noise_is_not_slower_and_a_steady_slowdown_is():
     a kernel that stays at 2x is slower, with a p-value."""
     from itertools import cycle
 
-    from tapml.profile import slower_cases
+    from tapml.driving.profile import slower_cases
     base = {"c0": 0.136, "c1": 10.0, "c2": 5.0, "c3": 4.0, "c4": 3.0}
     noisy = cycle([9.0, 10.5, 14.0, 9.8, 11.0, 10.2, 13.0])
     def remeasure(v):
@@ -219,8 +219,8 @@ def mm_store(tmp_path_factory):
 def test_a_kernel_made_four_times_as_slow_is_slower_and_says_exit_1_is_about_speed(mm_store, vulkan, tmp_path):
     from tapml.cli.common import out
     from tapml.cli.store import render_speed_verdict
-    from tapml.profile import RUNS, compare_with_baseline, read_baseline
-    from tapml.replay import replay
+    from tapml.driving.profile import RUNS, compare_with_baseline, read_baseline
+    from tapml.driving.replay import replay
     base = tmp_path / "base.json"
     assert tapml("replay", mm_store.path, "-t", "wgpu:vulkan", "--profile", "--json", base, "-q").exit_code == 0
     r = tapml("replay", mm_store.path, "-t", "wgpu:vulkan", "--baseline", base)

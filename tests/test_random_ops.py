@@ -1,7 +1,7 @@
 """Random ops: judged on shape, dtype and distribution, never on values.
 
 The WGSL lowerings (platforms/wgsl/random.py, a Philox generator keyed per node) draw 64k
-elements on lavapipe Vulkan and llvmpipe GL, judged by :func:`tapml.compare.compare_distribution`;
+elements on lavapipe Vulkan and llvmpipe GL, judged by :func:`tapml.judging.compare.compare_distribution`;
 generators that are wrong in the ways real bugs are (constant, shifted, too narrow, a mask that
 disagrees with the output) are mismatches, so the check is not vacuous; and a small model with
 nn.Dropout in training mode and a ``torch.rand_like(x) < 0.5`` mask is carved, replayed and
@@ -20,7 +20,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from tapml.compare import RANDOM_NOTE, RANDOM_OPS, UNINITIALIZED_NOTE, compare_distribution, is_random_op
+from tapml.judging.compare import RANDOM_NOTE, RANDOM_OPS, UNINITIALIZED_NOTE, compare_distribution, is_random_op
 from tapml.graph import Graph, Node, TensorMeta, run_node
 from tapml.platforms.wgsl import load_lowerings
 from tapml.platforms.wgsl.registry import case_graph, supports_node

@@ -117,8 +117,8 @@ def factories(tmp_path_factory):
 
 
 def _eager(factories, name):
-    from tapml.models import load_model
-    from tapml.capture import split_inputs
+    from tapml.frontends.models import load_model
+    from tapml.frontends.capture import split_inputs
     model, example = load_model(f"{factories}:{name}")
     args, kwargs = split_inputs(example)
     with torch.no_grad():

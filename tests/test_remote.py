@@ -67,7 +67,7 @@ def handshake(srv, role, token=TOKEN):
 
 def test_replay_on_remote_reference_gives_in_process_verdicts(server, mlp):
     from tapml.platforms.reference import ReferencePlatform
-    from tapml.replay import replay
+    from tapml.driving.replay import replay
     local = replay(mlp, ReferencePlatform(), "reference")
     with remote(server) as platform:
         first = replay(mlp, platform, server.target)
@@ -94,8 +94,8 @@ def test_replay_on_remote_reference_gives_in_process_verdicts(server, mlp):
 
 
 def test_remote_errors_are_verdicts(server, mlp):
-    from tapml.inject import InjectedPlatform, parse_faults
-    from tapml.replay import replay
+    from tapml.driving.inject import InjectedPlatform, parse_faults
+    from tapml.driving.replay import replay
     with remote(server) as platform:
         faulty = InjectedPlatform(platform, parse_faults(["aten.relu.default=scale:2", "aten.addmm.default=nan"]))
         result = replay(mlp, faulty, server.target)
@@ -256,7 +256,7 @@ def test_oversize_messages_are_refused(server, mlp):
 
     # The server serves others as before.
     with remote(server) as platform:
-        from tapml.replay import replay
+        from tapml.driving.replay import replay
         assert replay(mlp, platform, server.target)["summary"]["pass"] == len(mlp.cases)
 
 
@@ -274,7 +274,7 @@ time.sleep(60)
 
 
 def test_client_killed_mid_upload_leaves_server_serving(server, mlp):
-    from tapml.replay import replay
+    from tapml.driving.replay import replay
     proc = subprocess.Popen([sys.executable, "-c", CLIENT_KILLED_MID_UPLOAD, server.host, str(server.port), TOKEN],
                             stdout=subprocess.PIPE, text=True)
     try:
@@ -296,7 +296,7 @@ def test_client_killed_mid_upload_leaves_server_serving(server, mlp):
 def test_server_killed_mid_replay_gives_device_lost_then_reconnects(mlp):
     from tapml.remote.client import RemotePlatform
     from tapml.remote.launcher import ServerProcess
-    from tapml.replay import replay
+    from tapml.driving.replay import replay
     srv = ServerProcess(platform="reference")
     platform = RemotePlatform(srv.host, srv.port, timeout=20)
     done = []
@@ -329,7 +329,7 @@ def test_server_killed_mid_replay_gives_device_lost_then_reconnects(mlp):
 def test_hung_server_times_out_as_device_lost(mlp, given, monkeypatch):
     from tapml.errors import DeviceLost
     from tapml.remote.launcher import ServerProcess
-    from tapml.replay import run_case
+    from tapml.driving.replay import run_case
     srv = ServerProcess(platform="reference")
     if given == "environment":
         monkeypatch.setenv("TAPML_REMOTE_TIMEOUT", "1")
@@ -493,8 +493,8 @@ def test_remote_wgpu_vulkan_gives_in_process_verdicts(carved):
         pytest.skip(f"tapml.platforms.wgpu_native is not importable: {e}")
     from tapml.carving.store import CarveStore
     from tapml.remote.launcher import ServerProcess
-    from tapml.replay import replay
-    from tapml.targets import open_target
+    from tapml.driving.replay import replay
+    from tapml.driving.targets import open_target
     store = CarveStore(carved("zoo:tiny-llama"))
     try:
         local_platform = open_target("wgpu:vulkan")
@@ -536,8 +536,8 @@ def test_remote_browser_gives_in_process_verdicts(mlp):
     except ImportError as e:
         pytest.skip(f"tapml.platforms.browser is not importable: {e}")
     from tapml.remote.launcher import ServerProcess
-    from tapml.replay import replay
-    from tapml.targets import open_target
+    from tapml.driving.replay import replay
+    from tapml.driving.targets import open_target
     with open_target("browser") as browser:
         local = replay(mlp, browser, "browser")
     srv = ServerProcess(platform="browser", token=TOKEN, startup_s=120)

@@ -88,8 +88,8 @@ def test_resampling_ops_stay_ops_in_the_export(resampler_store):
 @on_wgpu
 def test_resampler_migrates_to_vulkan(resampler_store, tmp_path):
     vulkan_or_skip()
-    from tapml.migrate import Migration, exit_code
-    from tapml.targets import open_target
+    from tapml.driving.migrate import Migration, exit_code
+    from tapml.driving.targets import open_target
     with open_target("wgpu:vulkan") as platform:
         state = Migration(resampler_store, platform, "wgpu:vulkan", tmp_path / "s.json").run()
     resampling = [c for c in state["cases"] if c["op"] in RESAMPLING_OPS]

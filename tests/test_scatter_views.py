@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tapml.compare import compare_tensor
+from tapml.judging.compare import compare_tensor
 from tapml.errors import Unsupported
 from tapml.graph import Graph, Node, TensorMeta, resolve_op, run_graph
 

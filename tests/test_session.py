@@ -29,7 +29,7 @@ def test_importing_tapml_stays_light_and_exports_session():
     code = ("import sys, tapml; light = 'torch' not in sys.modules; S = tapml.Session; "
             "print(light, S.__module__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["True", "tapml.session"]
+    assert out.stdout.split() == ["True", "tapml.driving.session"]
 
 
 def test_api_finds_each_faulty_node_and_ends_matching(session, tmp_path):

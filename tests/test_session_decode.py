@@ -23,7 +23,7 @@ def test_decode_session_runs_the_decode_step_and_matches_on_the_reference(gen_st
 
     import tapml
     from tapml.carving import CarveStore
-    from tapml.verdict import MigrationState
+    from tapml.judging.verdict import MigrationState
     store = CarveStore(gen_store)
     decode = store.step_graph("decode")
     with tapml.Session(str(gen_store), target="reference", graph="decode", state=str(tmp_path / "s.json")) as s:

@@ -54,7 +54,7 @@ def test_aliases_read_back_as_the_tensors_they_stand_for(llama_store):
     """Every case replays on the reference from the store's (aliased) inputs to its (aliased)
     outputs, and each alias equals its target read through the recorded view."""
     from tapml.platforms.reference import ReferencePlatform
-    from tapml.replay import replay
+    from tapml.driving.replay import replay
     store = llama_store
     for name, info in store.tensor_index.items():
         if "alias" not in info:

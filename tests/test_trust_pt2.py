@@ -234,7 +234,7 @@ def test_carve_refuses_every_crafted_pt2_before_anything_runs(real_pt2, tmp_path
 
 
 def test_guard_code_in_a_pt2_is_dropped_never_run(real_pt2, tmp_path):
-    from tapml.models import load_model
+    from tapml.frontends.models import load_model
     marker = tmp_path / "MARKER"
     path = rewrite(real_pt2[0], tmp_path / "guarded.pt2", crafted("guard-code", marker))
     ep, (x,) = load_model(str(path))
@@ -246,7 +246,7 @@ def test_guard_code_in_a_pt2_is_dropped_never_run(real_pt2, tmp_path):
 
 def test_a_legitimate_pt2_carves_with_its_weights_constants_and_inputs(real_pt2, tmp_path):
     from tapml.carving import CarveStore
-    from tapml.models import load_model
+    from tapml.frontends.models import load_model
     path, expected = real_pt2
     r = subprocess.run(TAPML + ["carve", str(path), "-o", str(tmp_path / "store"), "-q"],
                        capture_output=True, text=True)
@@ -273,7 +273,7 @@ class TrainingIRModel(torch.nn.Module):
 
 def test_a_pt2_in_training_ir_carves_the_same_as_the_model(tmp_path):
     from tapml.carving import CarveStore, carve
-    from tapml.models import load_model
+    from tapml.frontends.models import load_model
     torch.manual_seed(0)
     x = torch.randn(3, 5)
     ep = torch.export.export(TrainingIRModel(), (x,))
@@ -290,7 +290,7 @@ def test_a_pt2_in_training_ir_carves_the_same_as_the_model(tmp_path):
 
 def test_a_pt2_without_example_inputs_or_with_a_stray_entry_exits_2(real_pt2, tmp_path):
     from tapml.errors import TapmlError
-    from tapml.models import load_model
+    from tapml.frontends.models import load_model
 
     def drop_inputs(entries):
         entries[f"{root_of(entries)}/data/sample_inputs/model.pt"] = b""
@@ -317,7 +317,7 @@ def test_fuzzed_pt2_archives_load_or_exit_2(real_pt2, tmp_path, figure):
     import random
 
     from tapml.errors import TapmlError
-    from tapml.pt2 import load_pt2
+    from tapml.frontends.pt2 import load_pt2
     rng = random.Random(1234)
     original = real_pt2[0].read_bytes()
     with zipfile.ZipFile(real_pt2[0]) as z:

@@ -188,7 +188,7 @@ def test_a_client_without_a_token_still_reaches_a_token_less_server():
 # --- item 3: a relay without the token gets no session of its own ---------------------------
 
 def test_relay_that_alters_a_tensor_is_caught_and_no_verdict_is_made_from_it(server, mlp):
-    from tapml.replay import replay
+    from tapml.driving.replay import replay
     proc, port = start(RELAY, "tamper", server.port, server.port)
     try:
         with remote(port) as platform:
@@ -230,7 +230,7 @@ def test_relay_cannot_splice_connections_to_another_server_with_the_same_token(s
 
 def test_a_faithful_relay_is_only_a_path(server, mlp):
     """Forwarding bytes unchanged is what every router does: the session works end to end."""
-    from tapml.replay import replay
+    from tapml.driving.replay import replay
     proc, port = start(RELAY, "forward", server.port, server.port)
     try:
         with remote(port) as platform:
@@ -295,7 +295,7 @@ def test_a_session_cannot_pile_up_tensors_on_the_server(small_server, mlp):
     import torch
 
     from tapml.errors import PlatformError
-    from tapml.replay import replay
+    from tapml.driving.replay import replay
     before = tree_rss_mib(small_server.proc.pid)
     four = torch.ones(1 << 20)  # 4 MiB
     with remote(small_server.port) as p:
@@ -358,7 +358,7 @@ def test_an_allocation_past_the_workers_address_space_is_an_error_not_the_machin
 
     from tapml.graph import Graph, Node, TensorMeta
     from tapml.remote.device_worker import WorkerPlatform
-    from tapml.verdict import outcome_verdict
+    from tapml.judging.verdict import outcome_verdict
     huge = TensorMeta((1 << 31,), "float32")
     graph = Graph(inputs=[], outputs=["e"], nodes=[Node(name="e", op="aten.empty.memory_format", args=[[1 << 31]],
                                                         kwargs={"dtype": {"dtype": "float32"}}, outputs=[huge])])
@@ -424,7 +424,7 @@ def _children(pid: int) -> list[int]:
 def _verdict_with_worker_killed(platform, store, case, worker_pid: int) -> dict:
     """The verdict of ``case`` when the device worker is stopped as the request reaches it and
     then killed with SIGKILL (so the call is in flight when it dies)."""
-    from tapml.replay import replay_case
+    from tapml.driving.replay import replay_case
     os.kill(worker_pid, signal.SIGSTOP)
     result = {}
     t = threading.Thread(target=lambda: result.update(v=replay_case(platform, store, case).to_json()))
@@ -444,7 +444,7 @@ def _kill_worker_during_compile_and_run(platform, store, worker_pid, run_call="r
     during_run = _verdict_with_worker_killed(platform, store, case, worker_pid())
     assert during_run["status"] == "error", during_run
     assert f"device worker died during the {run_call}" in during_run["message"]
-    from tapml.replay import replay_case
+    from tapml.driving.replay import replay_case
     assert replay_case(platform, store, case).status == "pass"  # and the next request is served
 
 
@@ -477,7 +477,7 @@ def test_killed_device_worker_of_a_local_worker_platform_gives_error_verdicts(ml
 
 
 def test_lost_connection_gives_error_verdicts_and_the_replay_goes_on(server, mlp):
-    from tapml.replay import replay
+    from tapml.driving.replay import replay
     proc, port = start(RELAY, "forward", server.port, server.port)
     seen = []
 
@@ -569,7 +569,7 @@ def test_killed_browser_behind_a_server_gives_error_verdicts(mlp):
     if shutil.which("chromium") is None and not os.environ.get("TAPML_CHROMIUM"):
         pytest.skip("no chromium on PATH (apt-get install chromium)")
     from tapml.remote.launcher import ServerProcess
-    from tapml.replay import replay
+    from tapml.driving.replay import replay
     srv = ServerProcess(platform="browser", token=TOKEN)
     seen = []
 
@@ -598,8 +598,8 @@ def test_killed_device_worker_in_a_registry_pool_gives_error_verdicts(mlp):
     import re
 
     from tapml.remote.launcher import ServerProcess
-    from tapml.replay import replay
-    from tapml.targets import open_target
+    from tapml.driving.replay import replay
+    from tapml.driving.targets import open_target
     reg = subprocess.Popen([sys.executable, "-m", "tapml.cli", "registry", "--port", "0"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     udp = re.search(r"listening on (udp://\S+)", reg.stdout.readline()).group(1)

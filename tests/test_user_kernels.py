@@ -153,7 +153,7 @@ def test_bad_kernel_options_say_what_is_wrong(item, error):
 
 
 def test_targets_that_run_no_wgsl_refuse_kernels():
-    from tapml.targets import open_target
+    from tapml.driving.targets import open_target
     for spec in ("reference", "registry://127.0.0.1:9?platform=wgpu"):
         with pytest.raises(TapmlError, match="--kernel replaces a lowering of tapml's WGSL compiler"):
             open_target(spec, kernels=[f"aten.gelu.default={GELU}"])
@@ -182,8 +182,8 @@ def test_the_readme_shows_the_shipped_gelu_kernel_and_its_convention():
 # --- on devices -------------------------------------------------------------------------------
 
 def replay_with(store, spec: str, kernels: list[str], **options):
-    from tapml.replay import replay
-    from tapml.targets import open_target
+    from tapml.driving.replay import replay
+    from tapml.driving.targets import open_target
     with open_target(spec, kernels=kernels, **options) as platform:
         return replay(store, platform, spec)
 
@@ -239,8 +239,8 @@ def test_migrate_and_session_name_a_wrong_kernel_as_the_culprit(net, tmp_path):
     from support import vulkan_or_skip
     vulkan_or_skip()
     from tapml import Session
-    from tapml.migrate import Migration
-    from tapml.targets import open_target
+    from tapml.driving.migrate import Migration
+    from tapml.driving.targets import open_target
     wrong = [f"aten.gelu.default={variant(tmp_path, 'wrong_gelu.wgsl', *WRONG)}", f"aten.mm.default={MM}"]
     gelu_nodes = sorted(c["node"] for c in net.cases if c["op"] == "aten.gelu.default")
     with open_target("wgpu:vulkan", kernels=wrong) as platform:
@@ -270,7 +270,7 @@ def test_an_f16_kernel_runs_float16_cases_where_the_device_has_shader_f16(tmp_pa
     """Vulkan (lavapipe) has shader-f16: the f16 file takes the float16 case, the f32 file the float32
     one; GL (llvmpipe) has not, so its float16 case is unsupported and says why."""
     from support import own_wgpu
-    from tapml.compare import compare_anchored
+    from tapml.judging.compare import compare_anchored
     from tapml.platforms.kernel_override import KernelOverridePlatform
     from tapml.platforms.wgsl.user_kernels import parse_kernel_options
     f16 = tmp_path / "gelu_f16.wgsl"

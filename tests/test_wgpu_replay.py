@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tapml.compare import compare_outputs
+from tapml.judging.compare import compare_outputs
 from tapml.platforms.wgpu_native import available_backends, shared_platform
 
 ZOO = ["mlp", "cnn", "tiny-llama", "tiny-gpt2", "tiny-bert", "tiny-vit", "tiny-resnet"]
@@ -22,7 +22,7 @@ def vulkan():
 
 def _replay(carved, spec, backend):
     from tapml.carving import CarveStore
-    from tapml.replay import replay
+    from tapml.driving.replay import replay
     store = CarveStore(carved(spec))
     return replay(store, shared_platform(backend), f"wgpu:{backend}")
 

@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tapml.compare import compare_anchored, compare_tensor
+from tapml.judging.compare import compare_anchored, compare_tensor
 from tapml.errors import PlatformError, Unsupported
 from tapml.graph import Graph, Node, TensorMeta, run_node
 from tapml.platforms.base import KernelProgram

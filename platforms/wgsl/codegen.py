@@ -34,7 +34,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from tapml.compare import INT64_OUTSIDE_I32
+from tapml.judging.compare import INT64_OUTSIDE_I32
 from tapml.errors import PlatformError, Unsupported
 from tapml.graph import TensorMeta
 from tapml.platforms.base import MAX_OFFSET_ALIGNMENT, BufferSpec, Kernel, KernelProgram, SplitTensor

@@ -5,7 +5,7 @@ The order statistics run the device sort (:mod:`~tapml.platforms.wgsl.sort`: sta
 largest key) and then pick from each sorted row, so ties resolve as torch's stable sort does.
 Where torch's own choice among equal values is unspecified (kthvalue's quickselect, mode's
 unstable sort, nanmedian of an all-NaN row) the verdict accepts any index of an equal value
-(``tapml.compare.TIE_ORDERED``). unique_consecutive and _unique2 have data-dependent sizes: the
+(``tapml.judging.compare.TIE_ORDERED``). unique_consecutive and _unique2 have data-dependent sizes: the
 node's recorded output shape gives the count, as for nonzero.
 """
 

@@ -8,7 +8,7 @@ baked into the shader per node (a hash of the node's name and op), so a program 
 values on every run and on every device, and a tensor split across buffers or read through a
 view draws the same values as a whole one. It cannot reproduce torch's CPU stream (a Mersenne
 Twister whose state is host-side), so these ops are judged on shape, dtype and distribution,
-never on values (``compare_values=False`` here; :func:`tapml.compare.compare_distribution`).
+never on values (``compare_values=False`` here; :func:`tapml.judging.compare.compare_distribution`).
 
 - uniform [0, 1): the top 24 random bits times 2**-24 (float16: 11 bits, bfloat16: 8 bits, so
   the value is exact in its dtype and rounding never reaches 1.0, as torch does);
@@ -36,7 +36,7 @@ import zlib
 
 import torch
 
-from tapml.compare import NORMAL_ARGUMENTS
+from tapml.judging.compare import NORMAL_ARGUMENTS
 from tapml.errors import Unsupported
 from tapml.graph import Node, decode_arg
 from tapml.platforms.wgsl.codegen import Compute, Custom, Value, cast, contiguous_strides, index_sum, lit

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tapml.compare import I32_RANGE, INT64_OUTSIDE_I32, first_outside_i32
+from tapml.judging.compare import I32_RANGE, INT64_OUTSIDE_I32, first_outside_i32
 from tapml.errors import PlatformError, Unsupported
 from tapml.graph import TensorMeta, torch_dtype
 
@@ -31,7 +31,7 @@ def to_device(t: torch.Tensor, storage: str, name: str = "tensor") -> bytes:
         arr = (t != 0).numpy().astype(np.uint32)
     elif storage == "i32":
         bad = first_outside_i32(t)
-        if bad is not None:  # the int64 policy of tapml.compare: the same reason as for an output
+        if bad is not None:  # the int64 policy of tapml.judging.compare: the same reason as for an output
             raise Unsupported(f"{name}: {INT64_OUTSIDE_I32}: int64 value {bad} does not fit in i32 "
                               f"(values must lie in [{I32_RANGE[0]}, {I32_RANGE[1]}])")
         arr = t.to(torch.int32).numpy()

@@ -44,8 +44,8 @@ def bench(ctx: typer.Context,
     if ctx.invoked_subcommand is not None:
         return
     from tapml.bench import check_models, run_suite
-    from tapml.models import parse_hf_overrides
-    from tapml.targets import check_target, read_token
+    from tapml.frontends.models import parse_hf_overrides
+    from tapml.driving.targets import check_target, read_token
     check_target(target)
     overrides = parse_hf_overrides(hf_config)
     dtype = check_dtype(dtype) or "float32"
@@ -224,8 +224,8 @@ def scale(target: str = typer.Option("wgpu", "--target", "-t", help="Target to m
     intermediate 2816 and a 64k vocabulary (--hf-config replaces them). Exit 1 when the
     migration does not pass."""
     from tapml.bench import SCALE_CONFIG, SCALE_MODEL, check_models, scale_figure
-    from tapml.models import parse_hf_overrides
-    from tapml.targets import check_target, read_token
+    from tapml.frontends.models import parse_hf_overrides
+    from tapml.driving.targets import check_target, read_token
     check_target(target)
     if timeout <= 0:
         fail("--timeout must be a positive number of seconds")
@@ -288,8 +288,8 @@ def generation(target: str = typer.Option("wgpu", "--target", "-t", help="Target
     from pathlib import Path
 
     from tapml.bench import check_models, generation_figure
-    from tapml.models import parse_hf_overrides
-    from tapml.targets import check_target, open_target, read_token
+    from tapml.frontends.models import parse_hf_overrides
+    from tapml.driving.targets import check_target, open_target, read_token
     check_target(target)
     few, _, many = tokens.partition(",")
     if not (few.strip().isdigit() and many.strip().isdigit() and 1 <= int(few) < int(many)):
@@ -342,7 +342,7 @@ def transport(target: Optional[str] = typer.Option(None, "--target", "-t",
     from tapml.remote.bench import measure_transport
     from tapml.remote.client import RemotePlatform
     from tapml.remote.launcher import ServerProcess
-    from tapml.targets import parse_remote, read_token
+    from tapml.driving.targets import parse_remote, read_token
     if size_mib < 1 or repeat < 1 or calls < 1:
         fail("--size-mib, --repeat and --calls must be at least 1")
     server = None

@@ -30,11 +30,11 @@ def fleet(models: List[str] = typer.Argument(..., metavar="STORE_OR_MODEL...", h
     1 otherwise (a failing case, or a device that dropped out), 2 bad input."""
     from tapml.carving import carve
     from tapml.carving.store import CarveStore
-    from tapml.compare import Tolerances
-    from tapml.fleet import run_fleet
+    from tapml.judging.compare import Tolerances
+    from tapml.driving.fleet import run_fleet
     from tapml.remote.pool import DevicePool, is_pool_target
     from tapml.reports.data import fleet_document
-    from tapml.targets import check_target, read_tokens
+    from tapml.driving.targets import check_target, read_tokens
     check_target(target)
     if not is_pool_target(target):
         fail(f"--target {target}: tapml fleet runs on a pool, registry://HOST:PORT[?platform=P]; for one device "
@@ -46,7 +46,7 @@ def fleet(models: List[str] = typer.Argument(..., metavar="STORE_OR_MODEL...", h
         fail(f"--max-failures {max_failures}: give 1 or more")
     tolerances = Tolerances.parse(tol)
     tokens = read_tokens(token_file, token_map)
-    from tapml.models import check_model_spec
+    from tapml.frontends.models import check_model_spec
     for m in models:
         if Path(m).exists() and not Path(m).is_dir():
             fail(f"{m} is a file, not a carve store or a model spec")

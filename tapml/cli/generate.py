@@ -45,12 +45,12 @@ def generate(model: str = typer.Argument(..., help="A generation store (`tapml c
     from pathlib import Path
 
     from tapml.carving import check_store_dtype
-    from tapml.compare import Tolerances
-    from tapml.generate import check_generation_store, generate as run_generation, passed
-    from tapml.inject import parse_faults
-    from tapml.models import parse_hf_overrides
-    from tapml.precision import read_keep_items, resolve_keep_float32
-    from tapml.targets import check_target, open_target, read_token
+    from tapml.judging.compare import Tolerances
+    from tapml.driving.generate import check_generation_store, generate as run_generation, passed
+    from tapml.driving.inject import parse_faults
+    from tapml.frontends.models import parse_hf_overrides
+    from tapml.driving.precision import read_keep_items, resolve_keep_float32
+    from tapml.driving.targets import check_target, open_target, read_token
 
     check_target(target)
     tolerances = Tolerances.parse(tol)
@@ -102,7 +102,7 @@ def _carve(model: str, out_dir, *, tokens: int, prompt_len: int, seed: int, hf_c
 def _check_faults(store, inject: Optional[List[str]]) -> None:
     """An --inject fault must name an op (and node) of the prefill or the decode graph."""
     from tapml.errors import TapmlError
-    from tapml.migrate import check_faults
+    from tapml.driving.migrate import check_faults
     for item in inject or []:
         errors = []
         for kind in ("prefill", "decode"):
@@ -181,7 +181,7 @@ def render_generation(doc: dict, quiet: bool = False) -> None:
         if doc.get("first_divergence") is not None:
             out.print(f"[yellow]the target's tokens leave the reference's at step {doc['first_divergence']}[/]",
                       highlight=False)
-    from tapml.generate import passed
+    from tapml.driving.generate import passed
     color = "green" if passed(doc) else "red"
     where = "" if s["first_failure"] is None else f", first failure at step {s['first_failure']}"
     out.print(f"[{color}]{s['pass']}/{doc['tokens'] + 1} steps pass[/], {s['near_tie']} near-tie, {s['mismatch']} "

@@ -23,8 +23,8 @@ def gen_tests(store: str = typer.Argument(..., help="Carve store directory"),
               tol: Optional[List[str]] = TolOpt, kernel: Optional[List[str]] = KernelOpt):
     """Write a pytest suite with one test per carved case of STORE: `pytest DIR --tapml-target T`."""
     from tapml.carving.gentests import generate_suite
-    from tapml.compare import Tolerances
-    from tapml.targets import check_target
+    from tapml.judging.compare import Tolerances
+    from tapml.driving.targets import check_target
     kernels = []
     if kernel:
         from tapml.platforms.wgsl.user_kernels import parse_kernel_options

@@ -60,7 +60,7 @@ class MigrationDisplay:
         return Group(*parts)
 
     def event(self, kind: str, data: dict) -> None:
-        """The ``on_event`` callback of :class:`~tapml.migrate.Migration`."""
+        """The ``on_event`` callback of :class:`~tapml.driving.migrate.Migration`."""
         if kind == "stage":
             if self.task is not None:
                 self.progress.update(self.task, visible=False)
@@ -144,7 +144,7 @@ def render_state(state: dict, quiet: bool = False) -> None:
 
 def render_resumed(migration, target: str) -> None:
     """What ``--resume`` owed to the journal and what it checked now."""
-    from tapml.journal import journal_path
+    from tapml.driving.journal import journal_path
     journal = shown(str(journal_path(migration.state_path)))
     if not migration.reused:
         out.print(f"resumed on {shown(target)}: nothing usable in {journal}; all {migration.checked} verdicts "
@@ -201,11 +201,11 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
     Before it starts, a limits preflight says which tensors the target's limits made split."""
     from pathlib import Path
 
-    from tapml.compare import Tolerances
-    from tapml.inject import parse_faults
+    from tapml.judging.compare import Tolerances
+    from tapml.driving.inject import parse_faults
     from tapml.carving import open_or_carve
-    from tapml.precision import read_keep_items
-    from tapml.targets import read_tokens
+    from tapml.driving.precision import read_keep_items
+    from tapml.driving.targets import read_tokens
     targets = check_targets(target)
     limits = check_device_limits(device_limit, targets)
     tolerances = Tolerances.parse(tol)
@@ -213,7 +213,7 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
     parse_faults(inject or [])
     if kernel:
         from tapml.platforms.wgsl.user_kernels import parse_kernel_options
-        from tapml.targets import takes_kernels
+        from tapml.driving.targets import takes_kernels
         parse_kernel_options(kernel)
         if not any(takes_kernels(t) for t in targets):
             fail(f"--kernel replaces a lowering of tapml's WGSL compiler, and none of {', '.join(targets)} runs it: "
@@ -226,12 +226,12 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
     if not Path(state).parent.is_dir():
         fail(f"cannot write --state {state}: directory {Path(state).parent} does not exist")
     from tapml.io import ExclusiveLock
-    from tapml.journal import recorded_store
-    from tapml.migrate import Migration, check_faults, exit_code
-    from tapml.models import parse_hf_overrides
-    from tapml.precision import resolve_keep_float32
-    from tapml.replay import injects_into
-    from tapml.targets import open_target, takes_kernels
+    from tapml.driving.journal import recorded_store
+    from tapml.driving.migrate import Migration, check_faults, exit_code
+    from tapml.frontends.models import parse_hf_overrides
+    from tapml.driving.precision import resolve_keep_float32
+    from tapml.driving.replay import injects_into
+    from tapml.driving.targets import open_target, takes_kernels
     # One writer of this state, its journal and the store carved beside it, for the whole command.
     with ExclusiveLock(state, f"--state {state}"):
         store, store_path = open_or_carve(model, state, on_carve=lambda spec, path: None if quiet else console.print(

@@ -35,12 +35,12 @@ def precision(model: str = typer.Argument(..., help="A store carved in float16/b
     dtype's largest finite value, overflow to Inf/NaN, overflows a later op absorbed, the error.
     Lists the ops that must stay in float32 and checks the model end to end without and with them
     in float32. Exit 0 when the model passes with that list applied, 1 when it does not, 2 on bad input."""
-    from tapml.compare import Tolerances
+    from tapml.judging.compare import Tolerances
     from tapml.dtypes import LOW_FLOATS
-    from tapml.models import parse_hf_overrides
-    from tapml.precision import analyze, passed
-    from tapml.replay import device_info
-    from tapml.targets import check_target, open_target, read_token
+    from tapml.frontends.models import parse_hf_overrides
+    from tapml.driving.precision import analyze, passed
+    from tapml.driving.replay import device_info
+    from tapml.driving.targets import check_target, open_target, read_token
 
     check_target(target)
     tolerances = Tolerances.parse(tol)
@@ -72,8 +72,8 @@ def _round_line(round_: int, kept: int) -> None:
 
 
 def render_precision(doc: dict, console, quiet: bool = False, max_rows: int = 60) -> None:
-    """Print a precision document (:func:`tapml.precision.analyze`, or one read back with
-    :func:`tapml.verdict.read_precision_document`): a table by module along the depth of the model
+    """Print a precision document (:func:`tapml.driving.precision.analyze`, or one read back with
+    :func:`tapml.judging.verdict.read_precision_document`): a table by module along the depth of the model
     (ops, largest activation, headroom, overflows, absorbed overflows, error against float64), the
     keep_float32 list, and one line per end-to-end run. ``quiet`` prints only the last line."""
     from rich.table import Table

@@ -53,7 +53,7 @@ def serve(platform: str = typer.Option("wgpu", "--platform", "-p", help=SERVE_PL
     from tapml.remote.limits import ServerLimits
     from tapml.remote.server import is_loopback, parse_registry
     from tapml.remote.server import serve as run_server
-    from tapml.targets import check_target, open_target, read_token
+    from tapml.driving.targets import check_target, open_target, read_token
     if platform.startswith("remote://"):
         fail("serve exposes a device of this machine; --platform cannot be remote://")
     check_target(platform)
@@ -166,7 +166,7 @@ def devices(registry_spec: str = typer.Option("udp://255.255.255.255:18811", "--
             timeout: float = typer.Option(2.0, "--timeout", help="Seconds to wait for the registry and each device")):
     """List the devices announced to a registry, with their caps."""
     from tapml.remote.server import SERVICE_NAME, parse_announcement, registry_client
-    from tapml.targets import read_token
+    from tapml.driving.targets import read_token
     if not timeout > 0:
         fail(f"--timeout {timeout:g} must be a positive number of seconds")
     token = read_token(token_file)

@@ -33,9 +33,9 @@ def repro(store: str = typer.Argument(..., help="Carve store directory"),
     import shlex
     import sys
 
-    from tapml.compare import Tolerances
-    from tapml.repro import check_output_dir, find_subject, write_repro
-    from tapml.targets import check_target, open_target, read_token
+    from tapml.judging.compare import Tolerances
+    from tapml.driving.repro import check_output_dir, find_subject, write_repro
+    from tapml.driving.targets import check_target, open_target, read_token
     check_target(target)
     if target.startswith("reference"):
         from tapml.errors import TapmlError
@@ -49,7 +49,7 @@ def repro(store: str = typer.Argument(..., help="Carve store directory"),
     from tapml.platforms.targets import backend_prefix
     write = write_repro
     if backend_prefix(target) is not None:  # an external backend: its own input (MLIR, ONNX) and runner
-        from tapml.backend_repro import write_backend_repro as write
+        from tapml.driving.backend_repro import write_backend_repro as write
     with open_target(target, token=read_token(token_file), inject=inject) as platform:
         info = write(s, subject, platform, output, target=target, inject=inject or [], command=command_line)
     if json_out:

@@ -1,4 +1,4 @@
-"""``tapml session``: the REPL over :class:`tapml.session.Session`, with history and tab
+"""``tapml session``: the REPL over :class:`tapml.driving.session.Session`, with history and tab
 completion of node names, module paths and op names. Reads a script from stdin when stdin is
 not a terminal (every command echoed, exit 2 when one failed)."""
 
@@ -33,9 +33,9 @@ def session(model: str = ModelArg, target: str = TargetOpt,
                                       "after the prefill)"),
             dtype: Optional[str] = DtypeOpt):
     """Interactive offloading: place nodes, modules or ops on TARGET and check them step by step."""
-    from tapml.models import parse_hf_overrides
-    from tapml.session import Session
-    from tapml.targets import read_token
+    from tapml.frontends.models import parse_hf_overrides
+    from tapml.driving.session import Session
+    from tapml.driving.targets import read_token
     with Session(model, target=target, state=state, inject=inject, kernels=kernel, tol=tol, token=read_token(token_file),
                  hf_config=parse_hf_overrides(hf_config), graph=graph, dtype=check_dtype(dtype)) as s:
         shell = SessionShell(s)

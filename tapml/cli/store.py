@@ -29,7 +29,7 @@ def carve(model: str = typer.Argument(..., help="zoo:NAME, hf:MODEL_TYPE, path/f
     """Run MODEL on the reference and record every operator call as a test case. With
     --generate N, record a generation: prefill plus N decode steps (`tapml generate` checks it)."""
     from tapml.carving import carve as carve_model
-    from tapml.models import parse_hf_overrides
+    from tapml.frontends.models import parse_hf_overrides
     target = Path(output)
     if target.exists() and (not target.is_dir() or any(p.name != "manifest.json" and p.name != "shards"
                                                           for p in target.iterdir())):
@@ -46,7 +46,7 @@ def carve(model: str = typer.Argument(..., help="zoo:NAME, hf:MODEL_TYPE, path/f
                            on_start=lambda n: bar.update(task, total=n), on_node=lambda _: bar.advance(task))
     if json_out:
         write_json({"model": model, "store": str(Path(output).resolve()), "dtype": dtype, **info}, json_out)
-    from tapml.preflight import format_bytes
+    from tapml.driving.preflight import format_bytes
     in_dtype = "" if dtype == "float32" else f" in {dtype}"
     console.print(f"carved [bold]{shown(model)}[/]{in_dtype} -> {shown(output)}: {info['nodes']} nodes, {info['cases']} cases, "
                   f"{info['ops']} ops, {format_bytes(info['bytes'])} "
@@ -67,7 +67,7 @@ def carve_generation_command(model: str, output: str, *, tokens: int, prompt_len
                                 hf_config=hf_config or None, on_step=lambda _: bar.advance(task), dtype=dtype)
     if json_out:
         write_json({"model": model, "store": str(Path(output).resolve()), "dtype": dtype, **info}, json_out)
-    from tapml.preflight import format_bytes
+    from tapml.driving.preflight import format_bytes
     in_dtype = "" if dtype == "float32" else f" in {dtype}"
     console.print(f"carved a generation of [bold]{shown(model)}[/]{in_dtype} -> {shown(output)}: {info['steps']} steps (prefill + {tokens} "
                   f"decode), {info['nodes']} prefill and {info['decode_nodes']} decode nodes, {info['cases']} cases, "
@@ -139,7 +139,7 @@ def limits_for(target: str, limits: dict[str, int]) -> Optional[dict[str, int]]:
 
 
 def show_preflight(report, quiet: bool = False, with_target: bool = False) -> None:
-    """Print a StorePreflight's summary line (:mod:`tapml.preflight`), after its target when
+    """Print a StorePreflight's summary line (:mod:`tapml.driving.preflight`), after its target when
     several run, when something was split or is over a limit."""
     line = report.summary_line()
     if line and not quiet:
@@ -149,8 +149,8 @@ def show_preflight(report, quiet: bool = False, with_target: bool = False) -> No
 
 def run_preflight(store, platform, target: str, quiet: bool = False) -> None:
     """Print the limits preflight of ``store`` on ``platform`` before a migration
-    (:func:`tapml.preflight.preflight_before_run`)."""
-    from tapml.preflight import preflight_before_run
+    (:func:`tapml.driving.preflight.preflight_before_run`)."""
+    from tapml.driving.preflight import preflight_before_run
     report = preflight_before_run(store, platform, target)
     if report is not None:
         show_preflight(report, quiet)
@@ -160,9 +160,9 @@ def inspect_target(s, store: str, target: str, *, limits: dict, token_file, toke
     """``tapml inspect STORE --target T``: the limits preflight per op; returns the exit code."""
     from rich.table import Table
 
-    from tapml.preflight import checks_limits, format_bytes, format_limit, preflight_store
-    from tapml.replay import device_info
-    from tapml.targets import check_target, open_target, read_tokens
+    from tapml.driving.preflight import checks_limits, format_bytes, format_limit, preflight_store
+    from tapml.driving.replay import device_info
+    from tapml.driving.targets import check_target, open_target, read_tokens
     check_target(target)
     if limits and not limits_for(target, limits):
         fail("--device-limit lowers the limits of a WGSL device (wgpu, browser, remote://, registry://); "
@@ -294,7 +294,7 @@ AllRowsOpt = typer.Option(False, "--all", help="With several --target: list the 
 
 def check_targets(targets: Optional[List[str]]) -> list[str]:
     """The --target values, each validated and named once (exit 2 otherwise); ``reference`` when none."""
-    from tapml.targets import check_target
+    from tapml.driving.targets import check_target
     targets = list(targets or ["reference"])
     for t in targets:
         check_target(t)
@@ -326,7 +326,7 @@ def render_matrix_run(verdicts: dict[str, dict], by_case: bool, all_rows: bool, 
 def replay_matrix(store, targets: list[str], *, token, inject, json_out, quiet, by_case, all_rows, cases, limits=None,
                   kernels=None, **options):
     """``tapml replay`` with several --target: each target in turn, then one matrix; exits."""
-    from tapml.replay import replay_targets
+    from tapml.driving.replay import replay_targets
     with progress_bar(quiet) as bar:
         tasks = [bar.add_task(f"replay on {shown(t)}", total=len(cases), visible=False) for t in targets]
         current = {}
@@ -374,9 +374,9 @@ def replay(store: str = typer.Argument(..., help="Carve store directory"),
     With --baseline, cases more than --slower-than percent (and 0.5 ms) slower than the same
     case of the baseline, in repeated timings beside control cases with a sign test's confidence,
     are findings (exit 1)."""
-    from tapml.compare import Tolerances
-    from tapml.replay import replay as replay_store
-    from tapml.targets import open_target, read_tokens
+    from tapml.judging.compare import Tolerances
+    from tapml.driving.replay import replay as replay_store
+    from tapml.driving.targets import open_target, read_tokens
     targets = check_targets(target)
     limits = check_device_limits(device_limit, targets)
     tolerances = Tolerances.parse(tol)
@@ -391,7 +391,7 @@ def replay(store: str = typer.Argument(..., help="Carve store directory"),
     if guards and unguarded:
         fail(f"--guards checks for out-of-bounds writes on wgpu and browser targets only, not on {', '.join(unguarded)}; "
              "drop --guards or those targets")
-    from tapml.profile import RUNS, compare_with_baseline, read_baseline, unmatched_cases
+    from tapml.driving.profile import RUNS, compare_with_baseline, read_baseline, unmatched_cases
     if not slower_than >= 0:
         fail(f"--slower-than {slower_than}: give a percentage of 0 or more (25 flags cases 25% slower)")
     if baseline and len(targets) > 1:

@@ -7,11 +7,11 @@ from typing import Callable
 
 import torch
 
-from tapml.compare import Comparison, Tolerances, compare_anchored, compare_outputs, compare_tensor, float_model_note, merge
+from tapml.judging.compare import Comparison, Tolerances, compare_anchored, compare_outputs, compare_tensor, float_model_note, merge
 from tapml.errors import DeviceLost, PlatformError, Unsupported
 from tapml.graph import dtype_name, run_graph
-from tapml.profile import measured
-from tapml.verdict import STATUSES, CaseVerdict, Verdict, VerdictDocument, outcome_verdict, summary  # noqa: F401 - re-exported
+from tapml.driving.profile import measured
+from tapml.judging.verdict import STATUSES, CaseVerdict, Verdict, VerdictDocument, outcome_verdict, summary  # noqa: F401 - re-exported
 
 
 def device_info(platform, probe: bool = True) -> dict:
@@ -82,13 +82,13 @@ def anchored_by_default(store) -> bool:
 
 def repeat_runs(platform, program, inputs: list[torch.Tensor], first: list[torch.Tensor], repeat: int) -> str | None:
     """Run ``program`` ``repeat - 1`` more times after a first run that gave ``first`` and
-    compare every run's outputs with the first's bit for bit (:class:`tapml.flaky.RunToRun`).
+    compare every run's outputs with the first's bit for bit (:class:`tapml.judging.flaky.RunToRun`).
     Returns None when all were identical, else the ``flaky`` verdict's message (how many runs
     differed, each varied output's pattern and map). A later run that fails raises its
     PlatformError (or Unsupported) prefixed with which run it was.
 
     Example: ``repeat_runs(platform, program, [x], platform.run(program, [x]), 20)``."""
-    from tapml.flaky import RunToRun
+    from tapml.judging.flaky import RunToRun
     if repeat <= 1:
         return None
     runs = RunToRun(first)
@@ -113,12 +113,12 @@ def judge_case(store, case: dict, outputs: list[torch.Tensor], expected: list[to
     every float output fp64-anchored; ``False``: the tolerances; None (default): fp64-anchored
     for float16/bfloat16 outputs of a low-precision store (the reference's own rounding is the
     yardstick) and the tolerances for the rest (a float32 op is judged as in a float32 store).
-    A sum of products (:data:`~tapml.compare.DECIDED_BY_BOUND`) is decided by its arithmetic
-    bound (:mod:`tapml.compare.bounds`) unless ``--tol`` names its tolerance; any other
+    A sum of products (:data:`~tapml.judging.compare.DECIDED_BY_BOUND`) is decided by its arithmetic
+    bound (:mod:`tapml.judging.compare.bounds`) unless ``--tol`` names its tolerance; any other
     accumulating op passes an element the tolerance misses within its own bound.
-    A random op (:data:`~tapml.compare.RANDOM_OPS`) is judged by distribution instead, and one
+    A random op (:data:`~tapml.judging.compare.RANDOM_OPS`) is judged by distribution instead, and one
     that returns uninitialized memory (``torch.empty``) on shapes and dtypes only."""
-    from tapml.compare import DECIDED_BY_BOUND, RANDOM_OPS, compare_metadata, is_uninitialized_op
+    from tapml.judging.compare import DECIDED_BY_BOUND, RANDOM_OPS, compare_metadata, is_uninitialized_op
     from tapml.dtypes import LOW_FLOATS
     if case["op"] in RANDOM_OPS:
         return _judge_random(store, case, outputs, expected)
@@ -159,11 +159,11 @@ def tolerances_for(tolerances: Tolerances | None, op: str, expected: torch.Tenso
 
 
 def arithmetic_rules(store, case: dict, expected: list[torch.Tensor]) -> tuple[list, list[list]] | None:
-    """``(float64 outputs, rules)`` of an accumulating case (:func:`tapml.compare.accumulates`):
-    per output, the arithmetic :class:`~tapml.compare.Rule` (the error a correct kernel's
-    rounding can make against float64, :mod:`tapml.compare.bounds`), [] for an output with
+    """``(float64 outputs, rules)`` of an accumulating case (:func:`tapml.judging.compare.accumulates`):
+    per output, the arithmetic :class:`~tapml.judging.compare.Rule` (the error a correct kernel's
+    rounding can make against float64, :mod:`tapml.judging.compare.bounds`), [] for an output with
     none; None for a case with no bound."""
-    from tapml.compare import Rule, accumulates, arithmetic_bounds
+    from tapml.judging.compare import Rule, accumulates, arithmetic_bounds
     from tapml.dtypes import as_float32
     from tapml.graph import decode_arg
     floats = [dtype_name(e.dtype) for e in expected if e.is_floating_point()]
@@ -190,8 +190,8 @@ def arithmetic_rules(store, case: dict, expected: list[torch.Tensor]) -> tuple[l
 
 def _judge_random(store, case: dict, outputs, expected) -> Comparison:
     """A random op's outputs judged on shape, dtype and distribution, never on values
-    (:func:`tapml.compare.compare_distribution`, with the case's decoded arguments)."""
-    from tapml.compare import compare_distribution
+    (:func:`tapml.judging.compare.compare_distribution`, with the case's decoded arguments)."""
+    from tapml.judging.compare import compare_distribution
     from tapml.graph import decode_arg
     graph = store.case_graph(case)
     env = dict(zip([r for r, _ in graph.inputs], store.case_inputs(case)))
@@ -204,7 +204,7 @@ def _judge_random(store, case: dict, outputs, expected) -> Comparison:
 def _allow_tie_order(store, case: dict, outputs, expected, result: Comparison) -> Comparison:
     """A sort's or topk's result whose values match and whose indices differ only in the order
     of equal values passes (torch leaves that order unspecified), with a note saying so."""
-    from tapml.compare import indices_pick_equal_values, tie_dim
+    from tapml.judging.compare import indices_pick_equal_values, tie_dim
     dim = tie_dim(case["op"], case["args"], case["kwargs"])
     if result.passed or dim is None or len(outputs) != 2 or len(expected) != 2:
         return result
@@ -218,14 +218,14 @@ def _allow_tie_order(store, case: dict, outputs, expected, result: Comparison) -
 def replay_case(platform, store, case: dict, tolerances: Tolerances | None = None,
                anchored: bool | None = None, profile: int = 0, repeat: int = 1, clock=None) -> CaseVerdict:
     """Run one case on ``platform`` and judge it against the reference's outputs. A platform
-    failure is a verdict (see :func:`~tapml.verdict.outcome_verdict`); DeviceLost is raised.
-    ``anchored``: judge floats fp64-anchored (:func:`~tapml.compare.compare_anchored`); None
+    failure is a verdict (see :func:`~tapml.judging.verdict.outcome_verdict`); DeviceLost is raised.
+    ``anchored``: judge floats fp64-anchored (:func:`~tapml.judging.compare.compare_anchored`); None
     (default) means so for a float16/bfloat16 store (:func:`anchored_by_default`).
     ``profile``: time that many more runs of a case that ran and record their median device
-    time, GFLOP/s and GB/s on the verdict (:func:`tapml.profile.profile_program`).
+    time, GFLOP/s and GB/s on the verdict (:func:`tapml.driving.profile.profile_program`).
     ``repeat``: run the case that many times; outputs that differ from run to run make it
     ``flaky`` (:func:`repeat_runs`), whatever the first run's comparison says.
-    ``clock``: a :class:`tapml.profile.StageClock` that the comparison's seconds are added to."""
+    ``clock``: a :class:`tapml.driving.profile.StageClock` that the comparison's seconds are added to."""
     start = time.perf_counter()
     speed, timing, first_ms = {}, {}, None
     try:
@@ -252,7 +252,7 @@ def replay_case(platform, store, case: dict, tolerances: Tolerances | None = Non
         if varied:
             outcome = flaky_verdict(outcome, varied)
         if profile:
-            from tapml.profile import profile_program
+            from tapml.driving.profile import profile_program
             try:
                 speed = profile_program(platform, program, inputs, graph, runs=profile)
             except (Unsupported, PlatformError) as e:
@@ -275,7 +275,7 @@ def backend_timing(platform) -> dict:
 class ControlTarget:
     """The control of an external backend's target: the same route on a mature device (its
     ``Backend.control``, reported in the platform's caps as ``control``), opened once, lazily, in a
-    worker of its own (:func:`tapml.targets.open_target`, no fault injection) when a case first fails.
+    worker of its own (:func:`tapml.driving.targets.open_target`, no fault injection) when a case first fails.
 
     :meth:`blame` re-runs a failed case there: ``route`` when it fails there too (the export route
     or the front end is at fault), ``device compiler`` when it passes. A target without a control
@@ -326,7 +326,7 @@ class ControlTarget:
     def _open(self):
         if self._platform is None and self._failed is None:
             from tapml.errors import TapmlError
-            from tapml.targets import open_target
+            from tapml.driving.targets import open_target
             try:
                 self._platform = open_target(self.spec)
             except TapmlError as e:
@@ -360,8 +360,8 @@ def replay(store, platform, target: str, tolerances: Tolerances | None = None, a
     every run for writes past the end of a buffer (:meth:`Platform.enable_guards`; TapmlError
     when the platform cannot), which are ``error`` verdicts naming the kernel and buffer.
     ``preflight``: first hold the cases to the device's limits, compiling only
-    (:func:`tapml.preflight.preflight_before_run`); ``preflight(report)`` is called with the
-    :class:`~tapml.preflight.StorePreflight` and its JSON is the document's ``preflight``.
+    (:func:`tapml.driving.preflight.preflight_before_run`); ``preflight(report)`` is called with the
+    :class:`~tapml.driving.preflight.StorePreflight` and its JSON is the document's ``preflight``.
 
     A case that finds the device gone is an ``error`` verdict saying so, and the replay goes
     on: the next case may find it back (a remote platform reconnects by itself).
@@ -369,7 +369,7 @@ def replay(store, platform, target: str, tolerances: Tolerances | None = None, a
     On an external backend that names a control (:class:`ControlTarget`), a case that fails is
     run on the control too and its verdict says which layer to ``blame``.
 
-    On a pool (``registry://``) the cases spread over its devices (:func:`tapml.targets.spread`):
+    On a pool (``registry://``) the cases spread over its devices (:func:`tapml.driving.targets.spread`):
     a case whose device is lost runs again on another, each verdict says the ``device`` that
     ran it, the document lists the pool's ``devices`` (what each served, why one left), and
     only a case no device is left for is an ``error`` verdict."""
@@ -379,7 +379,7 @@ def replay(store, platform, target: str, tolerances: Tolerances | None = None, a
     if guards and not platform.enable_guards():
         raise TapmlError(f"--guards: {target} cannot check for out-of-bounds writes; wgpu targets "
                          "(wgpu, wgpu:vulkan, wgpu:gl, ...) and browser can")
-    from tapml.targets import spread
+    from tapml.driving.targets import spread
     verdicts = []
     try:
         device = device_info(platform)
@@ -388,7 +388,7 @@ def replay(store, platform, target: str, tolerances: Tolerances | None = None, a
     todo = store.cases if cases is None else cases
     checked = None
     if preflight is not None:
-        from tapml.preflight import preflight_before_run
+        from tapml.driving.preflight import preflight_before_run
         checked = preflight_before_run(store, platform, target, todo)
         if checked is not None:
             preflight(checked)
@@ -447,14 +447,14 @@ def replay_targets(store, targets: list[str], *, token: str | None = None, injec
     Each platform is closed before the next opens, so a browser and a wgpu device never compete
     for the machine. ``inject`` goes into every target but ``reference`` (:func:`injects_into`).
     ``limits`` (``--device-limit``) are lowered on every target but ``reference`` too.
-    ``kernels`` (``--kernel OP=FILE.wgsl``) go into the WGSL targets (:func:`tapml.targets.takes_kernels`).
+    ``kernels`` (``--kernel OP=FILE.wgsl``) go into the WGSL targets (:func:`tapml.driving.targets.takes_kernels`).
     ``on_target(target, index)`` is called before each opens; ``options`` go to :func:`replay`
     (``tolerances``, ``anchored``, ``cases``, ``on_case``...).
 
     Example: ``replay_targets(store, ["reference", "wgpu:vulkan"])["wgpu:vulkan"]["summary"]``.
     """
     from tapml.errors import TapmlError
-    from tapml.targets import check_target, open_target, takes_kernels
+    from tapml.driving.targets import check_target, open_target, takes_kernels
     for t in targets:
         check_target(t)
     if kernels and not any(takes_kernels(t) for t in targets):

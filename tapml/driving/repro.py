@@ -31,10 +31,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tapml.compare import Comparison, Tolerances, compare_tensor, merge
+from tapml.judging.compare import Comparison, Tolerances, compare_tensor, merge
 from tapml.errors import DeviceLost, PlatformError, TapmlError, Unsupported
 from tapml.graph import Graph, dtype_name
-from tapml.verdict import outcome_verdict
+from tapml.judging.verdict import outcome_verdict
 
 FORMAT = "tapml-repro/1"
 #: Files copied verbatim from the package's ``templates/repro`` folder.
@@ -112,7 +112,7 @@ def _case_subject(store, case: dict, tolerances: Tolerances, node: str | None = 
 
 
 def _region_subject(store, names: list[str], label: str, tolerances: Tolerances) -> ReproSubject:
-    from tapml.hybrid import reference_values
+    from tapml.driving.hybrid import reference_values
     graph = store.graph
     sub = graph.subgraph(names)
     if not sub.outputs:
@@ -154,7 +154,7 @@ def compile_for_repro(platform, graph: Graph):
         faults = getattr(platform, "faults", None)
         try:
             if faults:
-                from tapml.inject import inject_faults
+                from tapml.driving.inject import inject_faults
                 graph = inject_faults(graph, faults)
             program = compile_graph(graph, platform.caps())
         except (Unsupported, PlatformError):

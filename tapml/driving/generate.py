@@ -3,12 +3,12 @@
 A generation store (``tapml carve MODEL --generate N``, :mod:`tapml.carving.generation`) holds
 the prefill and decode graphs with their cache as ``state``, every step's inputs, and the
 reference's last-position logits and greedy token per step. :func:`generate` runs the same
-steps on a target through :class:`~tapml.hybrid.HybridRunner`'s step API: every node the target
+steps on a target through :class:`~tapml.driving.hybrid.HybridRunner`'s step API: every node the target
 supports is placed on it, the rest falls back to the reference; weights are uploaded once and
 the cache stays where its producer runs, so only token ids and positions cross per step.
 
 - **teacher-forced** (default): every step gets the reference's tokens; each step's logits are
-  compared with the reference's (:mod:`tapml.compare` tolerances) and the argmax tokens too.
+  compared with the reference's (:mod:`tapml.judging.compare` tolerances) and the argmax tokens too.
   A different token where the reference's own top-2 logit gap is within the tolerance is a
   ``near-tie``: reported, not a failure.
 - **free** (``free=True``): the target feeds its own tokens; the reference follows the same
@@ -22,7 +22,7 @@ the cache stays where its producer runs, so only token ids and positions cross p
   graphs compute in float32 on the target (:func:`tapml.dtypes.keep_float32`, casts placed like
   their neighbours) while the rest stays in the low dtype; the document records the lists.
 
-On the first failing step the migration machinery (:class:`tapml.migrate.Migration`: op stage
+On the first failing step the migration machinery (:class:`tapml.driving.migrate.Migration`: op stage
 on that graph's cases, then regions with bisection) runs on that step's graph with the
 reference's real inputs at that step, and names the culprits (op, node, module, kind, step).
 
@@ -45,11 +45,11 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
-from tapml.compare import Comparison, Tolerances, anchored_rule, compare_tensor
+from tapml.judging.compare import Comparison, Tolerances, anchored_rule, compare_tensor
 from tapml.errors import DeviceLost, PlatformError, TapmlError
 from tapml.graph import Graph, dtype_name, step as reference_step
-from tapml.hybrid import REFERENCE, TARGET, HybridRunner
-from tapml.verdict import outcome_verdict
+from tapml.driving.hybrid import REFERENCE, TARGET, HybridRunner
+from tapml.judging.verdict import outcome_verdict
 
 KINDS = ("prefill", "decode")
 STEP_STATUSES = ("pass", "mismatch", "near-tie", "error")
@@ -125,7 +125,7 @@ def judge_step(logits, expected, tolerances: Tolerances, reference_token: int,
     ``dtype``: the low dtype of a float16/bfloat16 generation judged against float32 logits:
     ``logits`` are upcast to ``expected``'s dtype and that low dtype's tolerances apply.
     ``anchor``: the float64 logits of a float32 step, which a logit the tolerance misses may
-    be judged against instead (:func:`tapml.compare.anchored_rule`: within 4x the reference's
+    be judged against instead (:func:`tapml.judging.compare.anchored_rule`: within 4x the reference's
     own error plus 1e-6), so a target more accurate than the reference never fails."""
     logits = logits.detach().cpu().reshape(-1)
     if dtype is not None and logits.is_floating_point():
@@ -218,8 +218,8 @@ def generate(store, platform, target: str, *, tokens: int | None = None, free: b
     (or the store is float32); DeviceLost when the device goes away.
     """
     from tapml.dtypes import keep_float32 as keep_float32_graph
-    from tapml.precision import resolve_keep_float32
-    from tapml.replay import device_info
+    from tapml.driving.precision import resolve_keep_float32
+    from tapml.driving.replay import device_info
     tokens = check_generation_store(store, tokens)
     tolerances = tolerances or Tolerances()
     graphs = {k: store.step_graph(k) for k in KINDS}
@@ -275,7 +275,7 @@ def generate(store, platform, target: str, *, tokens: int | None = None, free: b
                 uploads.append(platform.upload_bytes - before)
             status, comparison, token = judge_step(logits, expected, tolerances, reference_token, low)
             if status == "mismatch" and low is None and not comparison.passed:  # float32: against float64 too
-                from tapml.regions import float64_anchor_values
+                from tapml.driving.regions import float64_anchor_values
                 anchor = float64_anchor_values(graphs[kind], ref_inputs, [refs[kind]])
                 if anchor is not None:
                     status, comparison, token = judge_step(logits, expected, tolerances, reference_token, low,
@@ -344,7 +344,7 @@ def _float32_twin(store, graphs: dict[str, Graph], params: dict[str, dict]):
     """``(low dtype, stepper of the float32 twin)`` of a float16/bfloat16 generation: the twin
     graphs with their own float32 cache from the upcast parameters (a tensor both graphs share
     is upcast once); ``(None, None)`` for a float32 store."""
-    from tapml.regions import low_dtype
+    from tapml.driving.regions import low_dtype
     low = low_dtype(store)
     if low is None:
         return None, None
@@ -392,7 +392,7 @@ def _localize(store, platform, target: str, step: int, kind: str, inputs: dict, 
     """Migrate step ``step``'s graph with the reference's inputs at that step: op stage on the
     graph's cases, then regions with bisection, then the whole step; its culprits, each with
     the step, and a summary of the run."""
-    from tapml.migrate import Migration
+    from tapml.driving.migrate import Migration
     view = StepStore(store, kind, inputs, {r: outputs[r] for r in store.step_graph(kind).outputs})
     with tempfile.TemporaryDirectory(prefix="tapml-generate-") as tmp:
         state = Migration(view, platform, target, Path(tmp) / "step.json", tolerances=tolerances, inject=inject,

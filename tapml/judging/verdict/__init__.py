@@ -11,11 +11,11 @@ field (types, required keys, closed sets, finite numbers, nesting depth) and rai
 :class:`~tapml.errors.TapmlError` naming the file and the field, since these files may come
 from anyone (SECURITY.md).
 
-The package holds three parts, by what they do: :mod:`tapml.verdict.results` (the verdicts,
-culprits and the closed sets of their fields), :mod:`tapml.verdict.documents` (the files:
+The package holds three parts, by what they do: :mod:`tapml.judging.verdict.results` (the verdicts,
+culprits and the closed sets of their fields), :mod:`tapml.judging.verdict.documents` (the files:
 Verdict JSON, migration states, Generation and Precision JSON, journal records) and
-:mod:`tapml.verdict.reading` (the strict JSON reader both are read with). Import from
-``tapml.verdict``: it re-exports every public name of the three.
+:mod:`tapml.judging.verdict.reading` (the strict JSON reader both are read with). Import from
+``tapml.judging.verdict``: it re-exports every public name of the three.
 
 Example::
 
@@ -24,13 +24,13 @@ Example::
     state.culprits[0].kind                         # 'op'
 """
 
-from tapml.verdict.documents import (END_TO_END_STATUSES, FORMAT_VERSION, PLACES, PRECISION_DTYPES,
+from tapml.judging.verdict.documents import (END_TO_END_STATUSES, FORMAT_VERSION, PLACES, PRECISION_DTYPES,
                                      PRECISION_FORMAT_VERSION, STAGES, STATE_FORMAT, STEP_STATUSES, STEP_SUMMARY_KEYS,
                                      MigrationState, VerdictDocument, is_generation_document, is_precision_document,
                                      journal_record, keep_float32_header, read_generation_document,
                                      read_precision_document)
-from tapml.verdict.reading import MAX_COUNT, MAX_DEPTH, check_depth
-from tapml.verdict.results import (BLAME, CULPRIT_KINDS, GRAPH_KINDS, JUDGE_KEYS, NEAR_FAILING, RULES, STAT_KEYS,
+from tapml.judging.verdict.reading import MAX_COUNT, MAX_DEPTH, check_depth
+from tapml.judging.verdict.results import (BLAME, CULPRIT_KINDS, GRAPH_KINDS, JUDGE_KEYS, NEAR_FAILING, RULES, STAT_KEYS,
                                    STATUSES, TIMINGS, UNIT_KINDS, CaseVerdict, Culprit, EndToEnd, RegionCheck,
                                    UnitVerdict, Verdict, culprit_kind, outcome_verdict, passed, summary)
 

@@ -113,7 +113,7 @@ def profile_program(platform, program, inputs: list, graph, runs: int = RUNS) ->
 def read_baseline(path: str):
     """The VerdictDocument of ``--baseline OLD.json``, read with the strict reader; TapmlError
     (exit 2) when it is malformed or holds no device times."""
-    from tapml.verdict import VerdictDocument
+    from tapml.judging.verdict import VerdictDocument
     doc = VerdictDocument.read(path, what="--baseline", hint=BASELINE_HINT)
     if not any(c.device_ms is not None for c in doc.cases):
         raise TapmlError(f"--baseline {path} holds no device times; {BASELINE_HINT}")

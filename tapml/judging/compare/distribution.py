@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from tapml.compare.values import Comparison, compare_tensor, metadata_mismatch
+from tapml.judging.compare.values import Comparison, compare_tensor, metadata_mismatch
 from tapml.graph import dtype_name
 
 

@@ -1,6 +1,6 @@
 """MODEL specs: ``zoo:NAME``, ``hf:MODEL_TYPE``, ``path/file.py:factory``, ``file.pt2``.
 
-:func:`load_model` turns a spec into ``(model, example_inputs)``; :func:`tapml.capture.capture`
+:func:`load_model` turns a spec into ``(model, example_inputs)``; :func:`tapml.frontends.capture.capture`
 turns that into an exported core-ATen program. Weights and inputs are random and
 deterministic: the same seed gives the same model and the same inputs.
 """
@@ -533,7 +533,7 @@ def _archive_dtype(ep, args) -> str:
 
 def load_model(spec: str, seed: int = 0, hf_config: dict | None = None, dtype: str = "float32"):
     """Model and example inputs of a MODEL spec; a ``.pt2`` spec returns the ExportedProgram
-    itself in place of the model, read by :func:`tapml.pt2.load_pt2` (nothing in it runs).
+    itself in place of the model, read by :func:`tapml.frontends.pt2.load_pt2` (nothing in it runs).
     ``dtype`` (``float32``, ``float16``, ``bfloat16``): the model's floating parameters and
     buffers and its floating example inputs are cast to it (``float32`` leaves the model as its
     spec makes it); a ``.pt2`` cannot be recast, so it must already be in a low ``dtype`` asked for.
@@ -568,7 +568,7 @@ def _load_model(spec: str, seed: int, hf_config: dict | None):
     if spec.endswith(".pt2"):
         if not Path(spec).is_file():
             raise TapmlError(f"exported program {spec!r} does not exist")
-        from tapml.pt2 import load_pt2  # never torch.export.load: it unpickles (see tapml/pt2.py)
+        from tapml.frontends.pt2 import load_pt2  # never torch.export.load: it unpickles (see tapml/frontends/pt2.py)
         ep, args, kwargs = load_pt2(spec)
         if kwargs:
             raise TapmlError(f"{spec}: keyword example inputs are not supported")

@@ -39,12 +39,12 @@ from __future__ import annotations
 import math
 from typing import Callable, Iterable
 
-from tapml.compare import Tolerances, compare_tensor, merge
+from tapml.judging.compare import Tolerances, compare_tensor, merge
 from tapml.dtypes import FINITE_MAX, LOW_FLOATS, as_float32, graph_dtype, keep_float32, upcast
 from tapml.errors import DeviceLost, TapmlError
 from tapml.graph import Graph, Node
-from tapml.hybrid import TARGET, HybridRunner, reference_values
-from tapml.verdict import PRECISION_FORMAT_VERSION
+from tapml.driving.hybrid import TARGET, HybridRunner, reference_values
+from tapml.judging.verdict import PRECISION_FORMAT_VERSION
 #: Most runs with a growing keep_float32 list (each adds the nodes that still overflow).
 MAX_ROUNDS = 4
 
@@ -169,12 +169,12 @@ def resolve_keep(graph: Graph, items: Iterable[str], *, unknown: str = "raise") 
 def read_keep_items(items: Iterable[str]) -> list[str]:
     """``--keep-float32`` items with each path to a Precision JSON (an item ending in ``.json``, or
     naming an existing file) replaced by its ``keep_float32`` and ``keep_float32_modules``, read with
-    :func:`tapml.verdict.read_precision_document` (the file may come from anyone). TapmlError
+    :func:`tapml.judging.verdict.read_precision_document` (the file may come from anyone). TapmlError
     (exit 2) when such a file cannot be read or is not a precision document."""
     from pathlib import Path
 
     from tapml.io import read_json_file
-    from tapml.verdict import read_precision_document
+    from tapml.judging.verdict import read_precision_document
     out: list[str] = []
     for item in items:
         if item.endswith(".json") or ("/" in item and Path(item).is_file()):
@@ -322,7 +322,7 @@ def analyze(store, platform, target_name: str, *, dtype: str | None = None, tole
 
 
 #: An op stands out as the cause when its error against float64 exceeds this many times the
-#: low-precision reference's own (fp64-anchored judging's factor, tapml.compare.ANCHOR_FACTOR).
+#: low-precision reference's own (fp64-anchored judging's factor, tapml.judging.compare.ANCHOR_FACTOR).
 CAUSE_FACTOR = 4.0
 
 
@@ -334,7 +334,7 @@ def cause(ops: list[dict], dtype: str) -> dict | None:
     error flows into every op after it, where it may grow. The reference's error counts as at
     least one rounding of the op's largest value (``u max|x|``), so an op the reference gets
     exactly is not blamed for its own rounding."""
-    from tapml.compare import UNIT_ROUNDOFF
+    from tapml.judging.compare import UNIT_ROUNDOFF
     u = UNIT_ROUNDOFF[dtype]
     for entry in ops:
         err, ref = entry["err_vs_fp64"], entry["ref_err_vs_fp64"]

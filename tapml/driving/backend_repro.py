@@ -71,7 +71,7 @@ def write_backend_repro(store, subject, platform, out_dir: str | Path, *, target
     folder ``out_dir`` (whole or not at all). A compile the backend fails still makes a folder, with the
     artifact it failed on when it gave one. Returns ``{"folder", "files", "observed", "device",
     "backend", "artifact"}``; DeviceLost is raised."""
-    from tapml.repro import check_output_dir, observe, write_folder
+    from tapml.driving.repro import check_output_dir, observe, write_folder
     out = check_output_dir(out_dir)
     try:
         program, refusal = platform.compile(subject.graph), None

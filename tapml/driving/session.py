@@ -25,12 +25,12 @@ from pathlib import Path
 
 from tapml.carving import open_or_carve
 from tapml.errors import TapmlError
-from tapml.hybrid import REFERENCE, TARGET, HybridRunner, placement_shares, segments
+from tapml.driving.hybrid import REFERENCE, TARGET, HybridRunner, placement_shares, segments
 from tapml.io import write_json_atomic
-from tapml.migrate import check_faults
-from tapml.regions import CHECKED_STEP, RegionChecker, common_module, decode_step_inputs, run_model_against_reference
-from tapml.regions import bisect as smallest_failing_window
-from tapml.verdict import (CaseVerdict, Culprit, EndToEnd, MigrationState, RegionCheck, UnitVerdict, Verdict,
+from tapml.driving.migrate import check_faults
+from tapml.driving.regions import CHECKED_STEP, RegionChecker, common_module, decode_step_inputs, run_model_against_reference
+from tapml.driving.regions import bisect as smallest_failing_window
+from tapml.judging.verdict import (CaseVerdict, Culprit, EndToEnd, MigrationState, RegionCheck, UnitVerdict, Verdict,
                            culprit_kind, outcome_verdict, summary)
 
 
@@ -45,15 +45,15 @@ class Session:
     reference's cache after the prefill); ``dtype`` the ``--dtype`` a MODEL spec is carved in
     (``float32``, ``float16``, ``bfloat16``; a store given with another is refused). A
     float16/bfloat16 model's regions and whole runs are judged against it in float32
-    (:mod:`tapml.regions`). Everything starts on the reference.
+    (:mod:`tapml.driving.regions`). Everything starts on the reference.
     """
 
     def __init__(self, model: str, target: str = "reference", state: str | None = None,
                  inject: list[str] | None = None, tol=None, token: str | None = None, platform=None,
                  hf_config: dict | None = None, graph: str = "prefill", dtype: str | None = None,
                  kernels: list[str] | None = None):
-        from tapml.compare import Tolerances
-        from tapml.targets import check_target, open_target
+        from tapml.judging.compare import Tolerances
+        from tapml.driving.targets import check_target, open_target
         check_target(target)
         if graph not in CHECKED_STEP:
             raise TapmlError(f"graph must be prefill or decode, not {str(graph)[:40]!r}")
@@ -64,7 +64,7 @@ class Session:
         self.inject = list(inject or [])
         self.target = target
         self.state_path = Path(state) if state else None
-        from tapml.journal import recorded_store
+        from tapml.driving.journal import recorded_store
         self.store, self.store_path = open_or_carve(str(model), state, hf_config=hf_config, dtype=dtype,
                                                     recorded=recorded_store(state) if state else None)
         # A model carved without --state lives in a scratch folder, removed at close unless saved.
@@ -198,7 +198,7 @@ class Session:
     def compare_ops(self) -> dict:
         """The op stage for the nodes now on the target: their carved cases, each alone with
         the reference's inputs. Returns ``{"cases": [...], "summary": {...}}``."""
-        from tapml.replay import replay_case
+        from tapml.driving.replay import replay_case
         wanted = {self._nodes[n].case for n in self._nodes if self.placement[n] == TARGET}
         verdicts = [replay_case(self.platform, self.store, c, self.tolerances) for c in self.store.cases
                     if c["id"] in wanted]
@@ -276,7 +276,7 @@ class Session:
     # output --------------------------------------------------------------------------------
     def state(self) -> dict:
         """The session as a migration state document (same schema as ``tapml migrate --state``)."""
-        from tapml.replay import device_info
+        from tapml.driving.replay import device_info
         e = self.last_check
         return MigrationState(model=self.store.model, target=self.target, tolerances=self.tolerances.to_json(),
                               inject=self.inject, nodes=len(self.graph.nodes), cases=self.cases,

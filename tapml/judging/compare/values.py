@@ -117,8 +117,8 @@ class Comparison:
     worst: list[dict] = field(default_factory=list)
     unsupported: str = ""
     #: Which rule decided (``exact``, ``tolerance``: ``|t - r| <= atol + rtol |r|``,
-    #: ``fp64-anchored``: :mod:`tapml.compare.anchored`, ``arithmetic``: :mod:`tapml.compare.bounds`;
-    #: "" where none applies, e.g. a shape mismatch; :data:`tapml.verdict.RULES`),
+    #: ``fp64-anchored``: :mod:`tapml.judging.compare.anchored`, ``arithmetic``: :mod:`tapml.judging.compare.bounds`;
+    #: "" where none applies, e.g. a shape mismatch; :data:`tapml.judging.verdict.RULES`),
     #: the error it allowed at the element nearest to (or furthest past) its bound, and that
     #: element's error over the bound (``margin``: above 1 fails, 0.5 or more is near-failing).
     rule: str = ""

@@ -10,8 +10,8 @@ from pathlib import Path
 from tapml.dtypes import MODEL_DTYPES
 from tapml.errors import TapmlError
 from tapml.io import read_json_file
-from tapml.verdict.reading import MAX_COUNT, _MISSING, _a, _check_depth, _Ctx, _Obj, _scalar
-from tapml.verdict.results import (CULPRIT_KINDS, GRAPH_KINDS, STATUSES, CaseVerdict, Culprit, EndToEnd, UnitVerdict,
+from tapml.judging.verdict.reading import MAX_COUNT, _MISSING, _a, _check_depth, _Ctx, _Obj, _scalar
+from tapml.judging.verdict.results import (CULPRIT_KINDS, GRAPH_KINDS, STATUSES, CaseVerdict, Culprit, EndToEnd, UnitVerdict,
                                    passed, summary)
 
 #: Version of the verdict and state documents this tapml writes (older files have none: 0).
@@ -19,7 +19,7 @@ FORMAT_VERSION = 1
 #: The ``format`` key of migration states (and of their journal's header).
 STATE_FORMAT = "tapml-migration/1"
 STAGES = ("op", "region", "model", "done", "session")
-#: Where a node runs (tapml.hybrid's TARGET and REFERENCE).
+#: Where a node runs (tapml.driving.hybrid's TARGET and REFERENCE).
 PLACES = ("target", "reference")
 
 

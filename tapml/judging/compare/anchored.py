@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tapml.compare.values import DEFAULT_TOLERANCES, Comparison, Rule, compare_tensor, merge
+from tapml.judging.compare.values import DEFAULT_TOLERANCES, Comparison, Rule, compare_tensor, merge
 from tapml.graph import dtype_name
 
 
@@ -32,7 +32,7 @@ def anchor_bound(low: torch.Tensor, anchor: torch.Tensor, factor: float = ANCHOR
 
 def anchored_rule(low: torch.Tensor, anchor: torch.Tensor, factor: float = ANCHOR_FACTOR,
                   floor: float | None = None) -> Rule:
-    """The fp64-anchored :class:`~tapml.compare.values.Rule` for an output whose reference
+    """The fp64-anchored :class:`~tapml.judging.compare.values.Rule` for an output whose reference
     computed ``low`` and whose float64 result is ``anchor`` (see :func:`anchor_bound`): a
     target at least as close to float64 as the reference passes however far from the reference.
 
@@ -52,7 +52,7 @@ def compare_anchored(targets: list[torch.Tensor], refs32: list[torch.Tensor], re
     output dtype's :data:`ANCHOR_FLOOR`). Where the reference itself overflowed (±Inf or NaN
     where the float64 result is finite: the dtype's own range, not the target's fault) the
     target must match the reference there, as in the plain comparison. ``rules``: per output,
-    further ways an element may pass (the arithmetic bound of :mod:`tapml.compare.bounds`).
+    further ways an element may pass (the arithmetic bound of :mod:`tapml.judging.compare.bounds`).
 
     Example: ``compare_anchored([t16], [r16], [r64]).passed``."""
     if len(targets) != len(refs32):

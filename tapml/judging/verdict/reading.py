@@ -1,7 +1,7 @@
 """The strict JSON reader the verdict documents are read with: typed access to one object of a
 parsed document (:class:`_Obj`) and a nesting-depth check; every problem is a
 :class:`~tapml.errors.TapmlError` naming the file, the object's path and the key. The names
-starting with ``_`` are this package's own, never imported from outside ``tapml.verdict``.
+starting with ``_`` are this package's own, never imported from outside ``tapml.judging.verdict``.
 """
 
 from __future__ import annotations

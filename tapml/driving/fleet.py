@@ -21,10 +21,10 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
-from tapml.compare import Tolerances
+from tapml.judging.compare import Tolerances
 from tapml.errors import DeviceLost
-from tapml.replay import device_info, replay_case
-from tapml.verdict import CaseVerdict, VerdictDocument
+from tapml.driving.replay import device_info, replay_case
+from tapml.judging.verdict import CaseVerdict, VerdictDocument
 
 #: Consecutive DeviceLost failures after which a device leaves a fleet run.
 MAX_FAILURES = 3

@@ -66,7 +66,7 @@ def spread(platform, items: list, work, **options) -> list | None:
     (a ``registry://`` target, fault-injected or not; see :meth:`tapml.remote.pool.DevicePool.map`,
     which takes ``options``); returns ``[(result, device target), ...]`` in the items' order, or
     None when ``platform`` is not a pool (then the caller runs the items itself)."""
-    from tapml.inject import InjectedPlatform
+    from tapml.driving.inject import InjectedPlatform
     from tapml.remote.pool import PoolPlatform
     faults = platform.faults if isinstance(platform, InjectedPlatform) else None
     pool = platform.inner if faults is not None else platform
@@ -153,7 +153,7 @@ def open_target(spec: str, *, token: str | None = None, inject: list[str] | None
     check_target(spec)
     faults = None
     if inject:
-        from tapml.inject import parse_faults
+        from tapml.driving.inject import parse_faults
         faults = parse_faults(inject)  # validate before opening a device
     overrides = None
     if kernels:
@@ -187,6 +187,6 @@ def open_target(spec: str, *, token: str | None = None, inject: list[str] | None
             platform.close()
             raise
     if faults:
-        from tapml.inject import InjectedPlatform
+        from tapml.driving.inject import InjectedPlatform
         platform = InjectedPlatform(platform, faults)
     return platform

@@ -29,13 +29,13 @@ from typing import Callable, Iterable
 
 import torch
 
-from tapml.compare import (Comparison, Tolerances, anchored_rule, compare_outputs, compare_tensor, is_random_op,
+from tapml.judging.compare import (Comparison, Tolerances, anchored_rule, compare_outputs, compare_tensor, is_random_op,
                            is_uninitialized_op, merge)
 from tapml.dtypes import LOW_FLOATS, as_float32, upcast
 from tapml.graph import Graph, dtype_name, run_graph
-from tapml.hybrid import HybridResult, HybridRunner, reference_values
-from tapml.profile import measured
-from tapml.verdict import Verdict, outcome_verdict
+from tapml.driving.hybrid import HybridResult, HybridRunner, reference_values
+from tapml.driving.profile import measured
+from tapml.judging.verdict import Verdict, outcome_verdict
 
 #: The step a generation's graph is checked on: the prefill, and the first decode step.
 CHECKED_STEP = {"prefill": 0, "decode": 1}
@@ -44,7 +44,7 @@ AGAINST_FLOAT32 = "against the model in float32"
 
 
 def random_nodes(graph: Graph) -> set[str]:
-    """Names of the nodes of ``graph`` that draw random values (:func:`tapml.compare.is_random_op`).
+    """Names of the nodes of ``graph`` that draw random values (:func:`tapml.judging.compare.is_random_op`).
 
     Their values differ from the reference's by design, and so would everything computed from
     them: in a region or whole-model run they are *pinned*, kept on the reference with the
@@ -100,9 +100,9 @@ def float64_anchor_values(graph: Graph, inputs: dict, refs: Iterable[str]) -> di
 def judge_anchored(value, expected, anchor, tolerances: Tolerances, op: str | None, worst: int = 5,
                    own=None) -> Comparison:
     """A float32 ``value`` against the reference's ``expected``: within the tolerances, or no
-    further from the float64 result ``anchor`` than :data:`~tapml.compare.ANCHOR_FACTOR` times
+    further from the float64 result ``anchor`` than :data:`~tapml.judging.compare.ANCHOR_FACTOR` times
     the reference's own largest error plus the float32 floor (a target more accurate than the
-    reference never fails; :func:`tapml.compare.anchored_rule`), plus ``own``: the arithmetic
+    reference never fails; :func:`tapml.judging.compare.anchored_rule`), plus ``own``: the arithmetic
     bound of the op that makes the value (:func:`producer_bound`), the rounding a correct kernel
     adds there whatever order it sums in."""
     rtol, atol = tolerances.get(op, dtype_name(expected.dtype))
@@ -117,10 +117,10 @@ def judge_anchored(value, expected, anchor, tolerances: Tolerances, op: str | No
 
 
 def producer_bound(node, value_of) -> torch.Tensor | None:
-    """The arithmetic bound (:func:`tapml.compare.arithmetic_bounds`, float32) of ``node``'s first
+    """The arithmetic bound (:func:`tapml.judging.compare.arithmetic_bounds`, float32) of ``node``'s first
     output computed from its reference inputs (``value_of(ref)``) in float64; None where its op
-    is not a sum of products (:data:`~tapml.compare.DECIDED_BY_BOUND`) or the bound cannot be had."""
-    from tapml.compare import DECIDED_BY_BOUND, arithmetic_bounds
+    is not a sum of products (:data:`~tapml.judging.compare.DECIDED_BY_BOUND`) or the bound cannot be had."""
+    from tapml.judging.compare import DECIDED_BY_BOUND, arithmetic_bounds
     from tapml.graph import decode_arg, resolve_op
     if node is None or node.op not in DECIDED_BY_BOUND:
         return None
@@ -174,7 +174,7 @@ class RegionChecker:
         self._runners: dict[tuple, HybridRunner] = {}
         #: The store's low float dtype, None for float32 (judged against the reference itself).
         self.low = low_dtype(store)
-        #: A :class:`tapml.profile.StageClock` given the seconds of the reference runs and comparisons, or None.
+        #: A :class:`tapml.driving.profile.StageClock` given the seconds of the reference runs and comparisons, or None.
         self.clock = clock
         #: Nodes that draw random values: pinned to the reference's values in every region (:func:`random_nodes`).
         self.random = random_nodes(self.graph)
@@ -260,7 +260,7 @@ class RegionChecker:
     def compare_region(self, names: list[str], placement: dict[str, str], window: list[str] | None = None) -> Verdict:
         """Run the region made of ``names`` (each placed as ``placement`` says) and return its
         verdict (status, error stats, message, time_ms, worst elements, worst output); a run
-        that raises is a verdict too (:func:`~tapml.verdict.outcome_verdict`), DeviceLost is raised.
+        that raises is a verdict too (:func:`~tapml.judging.verdict.outcome_verdict`), DeviceLost is raised.
 
         The region's outputs are compared with the reference; with ``window`` (a subset of
         ``names``), the values leaving the window are compared too, so an error is pinned
@@ -315,15 +315,15 @@ def run_model_against_reference(store, runner: HybridRunner, placement: dict[str
                 keep: Iterable[str] = (), *, inputs: dict | None = None,
                 expected: dict | None = None, clock=None) -> tuple[Verdict, HybridResult | None]:
     """Run the whole model of ``store`` with ``runner`` on ``placement`` and compare its outputs
-    with the reference's. Shared by migrate's model stage and :meth:`tapml.session.Session.compare_model`.
+    with the reference's. Shared by migrate's model stage and :meth:`tapml.driving.session.Session.compare_model`.
     ``inputs`` and ``expected`` (reference outputs by ref) replace the store's program inputs and
     model outputs (a generation's decode step). In a float16/bfloat16 store the outputs (those
     ``expected`` names) are judged against the float32 twin of the graph run on the upcast inputs,
-    with the low dtype's tolerances. ``clock``: a :class:`tapml.profile.StageClock` given the
+    with the low dtype's tolerances. ``clock``: a :class:`tapml.driving.profile.StageClock` given the
     comparison's seconds.
 
     Returns the verdict and the run, which is None when the run raised: a failing run is a
-    verdict (:func:`~tapml.verdict.outcome_verdict`), except DeviceLost, which is raised.
+    verdict (:func:`~tapml.judging.verdict.outcome_verdict`), except DeviceLost, which is raised.
 
     Example::
 

@@ -8,16 +8,16 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Iterable
 
 from tapml.errors import DeviceLost, PlatformError, Unsupported
-from tapml.verdict.reading import _Ctx, _Obj
+from tapml.judging.verdict.reading import _Ctx, _Obj
 
 if TYPE_CHECKING:
-    from tapml.compare import Comparison
+    from tapml.judging.compare import Comparison
 
-#: ``flaky``: outputs that differ from run to run (``replay --repeat K``, :mod:`tapml.flaky`), kept
+#: ``flaky``: outputs that differ from run to run (``replay --repeat K``, :mod:`tapml.judging.flaky`), kept
 #: apart from ``mismatch`` (a wrong but repeatable result).
 STATUSES = ("pass", "mismatch", "unsupported", "error", "flaky")
 STAT_KEYS = ("max_abs_err", "max_rel_err", "mismatch_fraction")
-#: The rules a comparison is decided by (tapml.compare.RULES): exact, the tolerances,
+#: The rules a comparison is decided by (tapml.judging.compare.RULES): exact, the tolerances,
 #: fp64-anchored, or the arithmetic bound of an accumulating op.
 RULES = ("exact", "tolerance", "fp64-anchored", "arithmetic")
 #: What a verdict says of how it was judged: the rule, its bound and the margin (written when known).
@@ -29,7 +29,7 @@ NEAR_FAILING = 0.5
 #: (the same route on a mature device): ``route`` when the control fails too (the export route
 #: or front end), ``device compiler`` when the control passes.
 BLAME = ("route", "device compiler")
-#: How a profiled case's ``device_ms`` was taken (tapml.profile): GPU timestamps or the host clock.
+#: How a profiled case's ``device_ms`` was taken (tapml.driving.profile): GPU timestamps or the host clock.
 TIMINGS = ("timestamp", "wall")
 #: Kinds of culprit, in the order reports list them: a wrong op (alone), a wrong node (in its
 #: model's context), an op that fails to compile or run, a window of nodes that fails to run
@@ -100,7 +100,7 @@ class Verdict:
 class CaseVerdict(Verdict):
     """The verdict on one carved case run alone (``id``, ``op``, ``node``, ``module`` of the
     case, ``instances``: how many calls of the model it stands for). A profiled case
-    (``replay --profile``, :mod:`tapml.profile`) adds its median ``device_ms``, ``gflops``,
+    (``replay --profile``, :mod:`tapml.driving.profile`) adds its median ``device_ms``, ``gflops``,
     ``gbps``, ``timing`` (one of :data:`TIMINGS`), input ``shapes`` and, compared with a
     baseline, ``baseline_ms``; all None otherwise and then not written."""
 
@@ -320,9 +320,9 @@ def outcome_verdict(outcome: "BaseException | Comparison", time_ms: float | None
 
     A comparison passes or mismatches, with its stats and worst elements; one whose only
     differences are values the target cannot hold (``Comparison.unsupported``, the int64 policy
-    of :mod:`tapml.compare`) is ``unsupported`` with that reason. :class:`Unsupported`
+    of :mod:`tapml.judging.compare`) is ``unsupported`` with that reason. :class:`Unsupported`
     is ``unsupported``, any other exception ``error``; the message names the region the error
-    came from (``e.region``, set by :class:`~tapml.hybrid.HybridRunner`) and, for an error that
+    came from (``e.region``, set by :class:`~tapml.driving.hybrid.HybridRunner`) and, for an error that
     is not the platform's own, the exception type. :class:`DeviceLost` is re-raised: it is
     about the device, not the code under test.
 
@@ -342,7 +342,7 @@ def outcome_verdict(outcome: "BaseException | Comparison", time_ms: float | None
         text = str(outcome) if own else f"{type(outcome).__name__}: {outcome}"
         return Verdict(status="unsupported" if isinstance(outcome, Unsupported) else "error", message=where + text,
                        time_ms=time_ms)
-    unsupported = not outcome.passed and getattr(outcome, "unsupported", "")  # tapml.compare's int64 policy
+    unsupported = not outcome.passed and getattr(outcome, "unsupported", "")  # tapml.judging.compare's int64 policy
     return Verdict(status="unsupported" if unsupported else "pass" if outcome.passed else "mismatch",
                    max_abs_err=outcome.max_abs_err, max_rel_err=outcome.max_rel_err,
                    mismatch_fraction=outcome.mismatch_fraction, message=unsupported or outcome.message,

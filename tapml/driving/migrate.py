@@ -11,8 +11,8 @@
 3. **model** — the whole model on the final placement, compared end to end.
 
 Random ops (rand, dropout in training, ...) are judged alone, in the op stage, by distribution
-(:func:`tapml.compare.compare_distribution`); in the region and model stages they stay on the
-reference with the reference's own values fed in (:func:`tapml.regions.random_nodes`), since
+(:func:`tapml.judging.compare.compare_distribution`); in the region and model stages they stay on the
+reference with the reference's own values fed in (:func:`tapml.driving.regions.random_nodes`), since
 nothing computed from random draws can be compared by value. Their units say so.
 
 A generation store (``tapml carve --generate``) runs the three stages once per step kind: the
@@ -50,17 +50,17 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
-from tapml.compare import Tolerances, is_random_op
+from tapml.judging.compare import Tolerances, is_random_op
 from tapml.dtypes import cast_nodes, keep_float32 as keep_float32_graph
 from tapml.errors import DeviceLost, TapmlError
 from tapml.graph import Graph
-from tapml.hybrid import REFERENCE, TARGET, HybridRunner, placement_shares
+from tapml.driving.hybrid import REFERENCE, TARGET, HybridRunner, placement_shares
 from tapml.io import ExclusiveLock, write_json_atomic, write_text_atomic
-from tapml.journal import START_OVER, Journal, journal_path, journal_text
-from tapml.precision import resolve_keep_float32
-from tapml.regions import (CHECKED_STEP, RegionChecker, bisect, common_module, decode_step_inputs, low_dtype,
+from tapml.driving.journal import START_OVER, Journal, journal_path, journal_text
+from tapml.driving.precision import resolve_keep_float32
+from tapml.driving.regions import (CHECKED_STEP, RegionChecker, bisect, common_module, decode_step_inputs, low_dtype,
                            module_regions, run_model_against_reference)
-from tapml.verdict import (STATE_FORMAT, CaseVerdict, Culprit, EndToEnd, MigrationState, UnitVerdict, culprit_kind,
+from tapml.judging.verdict import (STATE_FORMAT, CaseVerdict, Culprit, EndToEnd, MigrationState, UnitVerdict, culprit_kind,
                            keep_float32_header)
 
 #: Bisect-and-recheck rounds per region before giving up on it.
@@ -82,7 +82,7 @@ class GraphPass:
         self.checker = checker
         self.prefix = "decode:" if kind == "decode" else ""
         # a random op is checked alone by distribution; in regions and the model run it stays on
-        # the reference, pinned to the reference's values (tapml.regions.random_nodes)
+        # the reference, pinned to the reference's values (tapml.driving.regions.random_nodes)
         self.placement = {n.name: REFERENCE if is_random_op(n.op) else TARGET for n in graph.nodes}
         self.end_to_end: EndToEnd | None = None
 
@@ -105,9 +105,9 @@ class Migration:
     of them a resumed journal already holds),
     ``("step", {"stage", "label", "status"})`` and ``("finding", culprit JSON)`` for live displays.
     ``keep_float32``: node names, module paths or op names to run in float32 in the region and
-    model stages of a float16/bfloat16 store (:func:`tapml.precision.resolve_keep_float32`;
+    model stages of a float16/bfloat16 store (:func:`tapml.driving.precision.resolve_keep_float32`;
     TapmlError when one names nothing, or the store is float32).
-    ``clock``: a :class:`tapml.profile.StageClock` given the seconds of reference runs and
+    ``clock``: a :class:`tapml.driving.profile.StageClock` given the seconds of reference runs and
     comparisons (``tapml bench`` splits a migration's time with it).
     ``kernels``: the ``--kernel OP=FILE.wgsl`` values ``platform`` was opened with; the journal's header
     records each file's digest, so that ``--resume`` with other or changed files is refused.
@@ -128,7 +128,7 @@ class Migration:
         self.on_event = on_event or (lambda kind, data: None)
         self.graph = store.graph
         from tapml.carving.store import CarveStore
-        # A view of one step of a generation (tapml.generate.StepStore) is checked as a plain store.
+        # A view of one step of a generation (tapml.driving.generate.StepStore) is checked as a plain store.
         self.generation = isinstance(store, CarveStore) and store.is_generation
         graphs = {"model": self.graph, **({"decode": store.step_graph("decode")} if self.generation else {})}
         self.keep_float32 = resolve_keep_float32(graphs, keep_float32)
@@ -245,11 +245,11 @@ class Migration:
             return self._run()
 
     def _run(self) -> dict:
-        from tapml.replay import device_info
+        from tapml.driving.replay import device_info
         if self.resume and not journal_path(self.state_path).exists() and self.state_path.exists():
             self._journal_from_state()
         self.journal = Journal(journal_path(self.state_path), self.header, self.resume)
-        from tapml.replay import ControlTarget
+        from tapml.driving.replay import ControlTarget
         self.control = ControlTarget.of(self.platform, self.target)  # a failed case is re-run on the backend's control
         try:
             self.device = self._memo("device", lambda: device_info(self.platform))
@@ -287,7 +287,7 @@ class Migration:
         write_text_atomic(journal_path(self.state_path), journal_text(header, records))
 
     def _op_stage(self, gp: GraphPass) -> None:
-        from tapml.replay import replay_case
+        from tapml.driving.replay import replay_case
         self.stage = "op"
         nodes_of: dict[str, list[str]] = {}
         for n in gp.graph.nodes:
@@ -319,8 +319,8 @@ class Migration:
         """On a pool (``registry://``), check ``cases`` spread over its devices and journal each
         verdict (with the device that made it) as it arrives, so that the op stage reads them
         back in order; a lost device's case runs again on another. Elsewhere nothing happens."""
-        from tapml.replay import replay_case
-        from tapml.targets import spread
+        from tapml.driving.replay import replay_case
+        from tapml.driving.targets import spread
 
         def journal(i: int, verdict: CaseVerdict, ran_on: str) -> None:
             verdict.device = ran_on
@@ -459,7 +459,7 @@ class Migration:
         return self.migration_state().to_json()
 
     def passed(self) -> bool:
-        """Everything checked passed (:func:`tapml.verdict.passed`)."""
+        """Everything checked passed (:func:`tapml.judging.verdict.passed`)."""
         return self.migration_state().passed
 
     def _save(self, force: bool = False) -> None:
@@ -471,7 +471,7 @@ class Migration:
 
 def check_faults(graph: Graph, inject: list[str] | None) -> None:
     """Every ``--inject`` fault must name an op (and node) of this model, or it proves nothing."""
-    from tapml.inject import parse_faults
+    from tapml.driving.inject import parse_faults
     nodes = {n.name: n for n in graph.nodes}
     ops = {n.op for n in graph.nodes}
     for item, fault in zip(inject or [], parse_faults(inject or [])):

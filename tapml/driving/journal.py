@@ -3,8 +3,8 @@
 Every verdict is appended (flushed and fsynced) the moment it is made, so a killed migration
 resumes where it stopped. The first line is a header (the options the migration was started
 with); then one ``{"key", "record"}`` line per record, typed by
-:func:`tapml.verdict.journal_record`: ``device`` -> the device dict, ``case:ID`` ->
-:class:`~tapml.verdict.CaseVerdict`, ``unit:ID`` -> :class:`~tapml.verdict.UnitVerdict`.
+:func:`tapml.judging.verdict.journal_record`: ``device`` -> the device dict, ``case:ID`` ->
+:class:`~tapml.judging.verdict.CaseVerdict`, ``unit:ID`` -> :class:`~tapml.judging.verdict.UnitVerdict`.
 
 Example::
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tapml.errors import TapmlError
 from tapml.io import MAX_JSON_BYTES, JsonSyntaxError, open_regular, parse_json, read_regular_file, write_text_atomic
-from tapml.verdict import check_depth, journal_record
+from tapml.judging.verdict import check_depth, journal_record
 
 #: What a refused journal's message tells the user to do.
 START_OVER = "remove it and its state file to start over"
@@ -85,7 +85,7 @@ class Journal:
 
     The first line is a header (the options the migration was started with). Reading tolerates
     a torn last line, which is what a kill in the middle of a write leaves behind, and nothing
-    else: a record that does not fit its schema (:func:`~tapml.verdict.journal_record`) makes
+    else: a record that does not fit its schema (:func:`~tapml.judging.verdict.journal_record`) makes
     the whole journal refused. Records are typed: the device dict, :class:`CaseVerdict`,
     :class:`UnitVerdict`.
     """
