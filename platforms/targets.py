@@ -147,7 +147,7 @@ def describe_targets(specs: tuple[str, ...] = ()) -> list[dict]:
             cls = load_backend_class(spec)
             row.update(source=f"{row['source'] if row['kind'] == 'file' else cls.__module__}:{cls.__name__}",
                        needs=cls.needs or "nothing more", importable=True, control=cls.control,
-                       forms=list(cls.forms or (spec,)))
+                       forms=[spec] if row["kind"] == "file" else list(cls.forms or (spec,)))
         except TapmlError as e:
             row["missing"] = [str(e)]
         rows.append(row)

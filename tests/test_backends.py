@@ -403,7 +403,11 @@ def test_targets_lists_every_kind_without_opening_a_device(tmp_path):
     assert r.exit_code == 0, r.output
     rows = {row["target"]: row for row in json.loads((tmp_path / "t.json").read_text())["targets"]}
     assert {"reference", "wgpu", "browser", "remote", "registry", "iree", "ort", f"{tiny}:Tiny"} <= set(rows)
-    assert rows["wgpu"]["kind"] == "platform" and "wgpu:vulkan" in rows["wgpu"]["forms"]
+    assert rows["wgpu"]["kind"] == "own backend" and "wgpu:vulkan" in rows["wgpu"]["forms"]
+    assert rows["wgpu"]["source"] == "tapml.platforms.wgpu_backend:WgpuBackend"
+    assert rows["wgpu"]["platform"] == "tapml.platforms.wgpu_native:WgpuPlatform"
+    assert rows["reference"]["kind"] == "own backend" and rows["browser"]["kind"] == "platform"
+    assert rows["reference"]["source"] == "tapml.platforms.reference_backend:ReferenceBackend"
     assert rows["iree"]["kind"] == "backend" and rows["iree"]["forms"] == ["iree:vulkan", "iree:llvm-cpu"]
     file_row = rows[f"{tiny}:Tiny"]
     assert file_row["kind"] == "file" and file_row["importable"] and file_row["control"] == "reference"
