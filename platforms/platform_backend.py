@@ -36,7 +36,8 @@ class PlatformBackend(Backend):
     def describe(self) -> dict:
         from tapml import version
         caps = self.platform.caps()
-        return {"device": caps.get("adapter", "unknown"), "version": f"tapml {version()} {caps.get('backend', '')}".strip(),
+        return {"device": caps.get("adapter", "unknown"),
+                "version": f"tapml {version()} {caps.get('backend', '')}".strip(),
                 "route": f"tapml's own compiler ({self.form})", "features": list(caps.get("features", [])),
                 "limits": dict(caps.get("limits", {}))}
 
