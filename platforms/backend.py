@@ -6,10 +6,14 @@ inputs (no parameters or buffers: weights arrive as inputs), compiles it for its
 runs it on CPU tensors. That is the whole contract; everything else (carving, judging,
 migration, journals, reports, repros, remote serving) is tapml's and works over any backend.
 
-tapml's own compilers stand behind the same seam through their :class:`~tapml.platforms.base.Platform`
-(``wgpu``, ``browser``, ``reference``); an external backend is adapted to a Platform by
-:class:`tapml.platforms.external.BackendPlatform` and always runs in a worker process, so a crash
-of its native code is an ``error`` verdict and a hang is bounded.
+tapml's own compilers implement this contract too: :class:`tapml.platforms.wgpu_backend.WgpuBackend`
+(tapml's WGSL compiler on wgpu-native) and :class:`tapml.platforms.reference_backend.ReferenceBackend`
+(torch eager), both :class:`tapml.platforms.platform_backend.PlatformBackend`; a backend in the
+user's own file may extend them. Any backend is adapted to tapml's
+:class:`~tapml.platforms.base.Platform` interface by :class:`tapml.platforms.external.BackendPlatform`,
+and a backend target runs in a worker process, so a crash of its native code is an ``error`` verdict
+and a hang is bounded. (The ``wgpu`` and ``reference`` TARGET forms run those platforms directly:
+they keep what the contract does not carry, such as tensors resident on the device between runs.)
 
 A backend is found by its TARGET spec: ``iree:vulkan`` (built in), a prefix registered by an
 installed package in the ``tapml.backends`` entry-point group, or ``path/to/file.py:Class`` (that

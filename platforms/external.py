@@ -104,8 +104,13 @@ class BackendPlatform(RuntimePlatform):
 
     def _caps(self) -> dict:
         info = dict(self.backend.describe())
+        features = info.get("features")
         caps = {"adapter": str(info.get("device", "unknown")), "backend": f"{self.name} {info.get('version', '')}".strip(),
-                "features": [], "limits": {}, "control": self.backend.control, "describe": info}
+                # a backend that names its device's features (tapml's own do) has them in verdicts; its
+                # limits stay in "describe": the limits preflight holds KernelPrograms to them, and a
+                # backend's program is its graph, compiled by the backend
+                "features": [f for f in features if isinstance(f, str)] if isinstance(features, list) else [],
+                "limits": {}, "control": self.backend.control, "describe": info}
         runner = self.backend.repro_runner()
         if isinstance(runner, str) and runner:
             caps["repro_runner"] = runner

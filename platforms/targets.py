@@ -55,6 +55,11 @@ TARGETS: dict[str, TargetKind] = {
 #: Built-in external backends (:mod:`tapml.platforms.backend`): TARGET prefix -> ``"module:Class"``.
 #: Installed packages add more through the :data:`BACKEND_ENTRY_POINTS` entry-point group.
 BUILTIN_BACKENDS = {"iree": "tapml.platforms.iree:IreeBackend", "ort": "tapml.platforms.ort:OrtBackend"}
+#: tapml's own compilers behind the Backend contract (:mod:`tapml.platforms.platform_backend`): table prefix
+#: -> ``"module:Class"``. ``--target wgpu:vulkan`` runs the platform itself; these classes are what a
+#: ``path/file.py:Class`` backend extends, and what :class:`~tapml.platforms.external.BackendPlatform` takes.
+OWN_BACKENDS = {"wgpu": "tapml.platforms.wgpu_backend:WgpuBackend",
+                "reference": "tapml.platforms.reference_backend:ReferenceBackend"}
 #: The entry-point group a package registers its backends in: ``name = "module:Class"``, name the TARGET prefix.
 BACKEND_ENTRY_POINTS = "tapml.backends"
 #: ``path/to/file.py:Class``: a backend class in the user's own file (running the spec runs that file's code).
@@ -103,17 +108,22 @@ def describe_targets(specs: tuple[str, ...] = ()) -> list[dict]:
     """Every kind of target this environment knows, for ``tapml targets``: the built-in table, the
     built-in backends, the ``tapml.backends`` entry points, and each of ``specs`` (a
     ``file.py:Class`` spec runs that file to read its class). Each entry: ``{"target", "kind"
-    (platform|backend|entry point|file), "forms", "source" (module:Class or file), "needs",
-    "importable", "missing" (what cannot be found), "control"}``. No device is opened and, but for
+    (own backend|platform|backend|entry point|file), "forms", "source" (module:Class or file), "needs",
+    "importable", "missing" (what cannot be found), "control"}``; tapml's own compilers behind the
+    Backend contract (:data:`OWN_BACKENDS`, kind ``own backend``) name their Backend class as
+    ``source`` and the platform their TARGET forms run as ``platform``. No device is opened and, but for
     ``specs``, no backend module is imported: whether a kind is importable is whether its modules
     can be found."""
     from importlib.metadata import entry_points
     rows = []
     for prefix, kind in TARGETS.items():
-        missing = _missing(TARGET_REQUIRES.get(prefix, ()) + (kind.platform.split(":")[0],))
-        rows.append({"target": prefix.rstrip(":/"), "kind": "platform", "forms": list(kind.forms or (kind.usage,)),
-                     "source": kind.platform, "needs": kind.needs or "tapml itself", "importable": not missing,
-                     "missing": missing, "control": None})
+        own = OWN_BACKENDS.get(prefix)
+        modules = (kind.platform.split(":")[0],) + ((own.split(":")[0],) if own else ())
+        missing = _missing(TARGET_REQUIRES.get(prefix, ()) + modules)
+        rows.append({"target": prefix.rstrip(":/"), "kind": "own backend" if own else "platform",
+                     "forms": list(kind.forms or (kind.usage,)), "source": own or kind.platform,
+                     "needs": kind.needs or "tapml itself", "importable": not missing, "missing": missing,
+                     "control": None, **({"platform": kind.platform} if own else {})})
     for prefix, value in BUILTIN_BACKENDS.items():
         missing = _missing(TARGET_REQUIRES.get(prefix, ()) + (value.split(":")[0],))
         rows.append({"target": prefix, "kind": "backend", "forms": list(BUILTIN_BACKEND_FORMS.get(prefix, (prefix,))),
@@ -137,7 +147,7 @@ def describe_targets(specs: tuple[str, ...] = ()) -> list[dict]:
             cls = load_backend_class(spec)
             row.update(source=f"{row['source'] if row['kind'] == 'file' else cls.__module__}:{cls.__name__}",
                        needs=cls.needs or "nothing more", importable=True, control=cls.control,
-                       forms=list(cls.forms or (spec,)))
+                       forms=[spec] if row["kind"] == "file" else list(cls.forms or (spec,)))
         except TapmlError as e:
             row["missing"] = [str(e)]
         rows.append(row)

@@ -217,6 +217,57 @@ def test_the_cache_holds_entries_to_its_size_limit(tmp_path, monkeypatch):
     assert cache.get(key) == (b"blob", "", b"art")
 
 
+def test_the_cache_evicts_the_least_recently_used_entries_past_its_bound(tmp_path, monkeypatch):
+    """Past its bound a write evicts least recently used entries (a hit refreshes one); nothing but
+    entries is removed (links, other files, a linked folder, files outside stay); an entry another
+    process removed mid-eviction is no error; the bound comes from $TAPML_BACKEND_CACHE_MIB."""
+    from tapml.errors import TapmlError
+    from tapml.platforms.compile_cache import CompileCache, cache_key
+    folder, outside = tmp_path / "cache", tmp_path / "outside"
+    outside.mkdir()
+    keys = [cache_key({"n": i}, "B", "b", "1", 1) for i in range(6)]
+    probe = CompileCache(tmp_path / "probe")
+    probe.put(keys[0], b"x" * 100, "a.bin", b"")
+    size = next((tmp_path / "probe").rglob("*.bin")).stat().st_size  # every entry below has this size
+    cache = CompileCache(folder, max_bytes=3 * size)
+    for key in keys[:3]:
+        assert cache.put(key, b"x" * 100, "a.bin", b"")
+    # planted things that are no entries: a link named as one (to a file outside), a stray file, a
+    # folder link named as an entry folder holding an entry-named file, a file outside the cache
+    victim = outside / "victim.bin"
+    victim.write_bytes(b"mine")
+    (folder / keys[3][:2]).mkdir(exist_ok=True)
+    planted_link = folder / keys[3][:2] / f"{keys[3][:2]}{'0' * 62}.bin"
+    planted_link.symlink_to(victim)
+    (folder / "notes.txt").write_text("keep")
+    (outside / f"{'f' * 64}.bin").write_bytes(b"z" * 10 * size)
+    (folder / "ff").symlink_to(outside, target_is_directory=True)
+    assert cache.get(keys[0]) is not None  # a hit: keys[0] is now the most recently used
+    assert cache.put(keys[3], b"x" * 100, "a.bin", b"")
+    assert [cache.get(k) is not None for k in keys[:4]] == [True, False, True, True]  # keys[1] went
+    assert sum(size for _, _, size, _ in cache.entries()) <= cache.max_bytes
+    assert victim.read_bytes() == b"mine" and planted_link.is_symlink() and (folder / "notes.txt").exists()
+    assert (outside / f"{'f' * 64}.bin").exists()
+
+    class Racing(CompileCache):
+        """Another process removes the oldest entry between this one's listing and its removal."""
+        def entries(self):
+            found = super().entries()
+            if found:
+                found[0][3].unlink()
+            return found
+
+    racing = Racing(folder, max_bytes=3 * size)
+    assert racing.put(keys[4], b"x" * 100, "a.bin", b"")
+    assert racing.get(keys[4]) is not None and len(racing.entries()) <= 3
+    assert not cache.put(keys[5], b"x" * (3 * size), "a.bin", b"")  # one entry over the bound is never kept
+    monkeypatch.setenv("TAPML_BACKEND_CACHE_MIB", "3")
+    assert CompileCache(folder).max_bytes == 3 << 20
+    monkeypatch.setenv("TAPML_BACKEND_CACHE_MIB", "lots")
+    with pytest.raises(TapmlError, match="TAPML_BACKEND_CACHE_MIB"):
+        CompileCache(folder)
+
+
 def test_a_device_compiler_bug_is_blamed_on_the_device_compiler(store, backends, env):
     doc = _replay(store, f"{backends}:WrongGelu")
     gelu = _by_id(doc)["c5"]
@@ -352,7 +403,11 @@ def test_targets_lists_every_kind_without_opening_a_device(tmp_path):
     assert r.exit_code == 0, r.output
     rows = {row["target"]: row for row in json.loads((tmp_path / "t.json").read_text())["targets"]}
     assert {"reference", "wgpu", "browser", "remote", "registry", "iree", "ort", f"{tiny}:Tiny"} <= set(rows)
-    assert rows["wgpu"]["kind"] == "platform" and "wgpu:vulkan" in rows["wgpu"]["forms"]
+    assert rows["wgpu"]["kind"] == "own backend" and "wgpu:vulkan" in rows["wgpu"]["forms"]
+    assert rows["wgpu"]["source"] == "tapml.platforms.wgpu_backend:WgpuBackend"
+    assert rows["wgpu"]["platform"] == "tapml.platforms.wgpu_native:WgpuPlatform"
+    assert rows["reference"]["kind"] == "own backend" and rows["browser"]["kind"] == "platform"
+    assert rows["reference"]["source"] == "tapml.platforms.reference_backend:ReferenceBackend"
     assert rows["iree"]["kind"] == "backend" and rows["iree"]["forms"] == ["iree:vulkan", "iree:llvm-cpu"]
     file_row = rows[f"{tiny}:Tiny"]
     assert file_row["kind"] == "file" and file_row["importable"] and file_row["control"] == "reference"

@@ -45,10 +45,10 @@ def test_every_backend_module_is_behind_the_seam_contract():
     """Each built-in backend's module, once it exists, is one the checking code may not import."""
     import importlib.util
 
-    from tapml.platforms.targets import BUILTIN_BACKENDS
+    from tapml.platforms.targets import BUILTIN_BACKENDS, OWN_BACKENDS
     forbidden = set(_seam_contract()["forbidden_modules"])
-    assert "tapml.platforms.external" in forbidden
-    for value in BUILTIN_BACKENDS.values():
+    assert {"tapml.platforms.external", "tapml.platforms.platform_backend"} <= forbidden
+    for value in [*BUILTIN_BACKENDS.values(), *OWN_BACKENDS.values()]:
         module = value.split(":")[0]
         if importlib.util.find_spec(module) is not None:
             assert module in forbidden, f"add {module} to the checking-through-the-seam contract's forbidden_modules"
