@@ -57,8 +57,8 @@ def store(tmp_path_factory):
 def _statuses(store, platform, target: str) -> dict[str, str]:
     """``{case id: (op, status)}`` of a replay with gelu made wrong, as the CLI runs it (limits preflight
     included). A backend's case is compiled by the replay itself, not ahead by the preflight."""
-    from tapml.inject import InjectedPlatform, parse_faults
-    from tapml.replay import replay
+    from tapml.driving.inject import InjectedPlatform, parse_faults
+    from tapml.driving.replay import replay
     doc = replay(store, InjectedPlatform(platform, parse_faults(GELU_WRONG)), target, preflight=lambda report: None)
     timed = [c for c in doc["cases"] if "compile_cached" in c]
     assert all(c["compile_cached"] is False for c in timed), timed
