@@ -26,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 from tapml.errors import DeviceLost, PlatformError, TapmlError, Unsupported
 from tapml.platforms.base import KernelProgram, ResidentTensor, RuntimePlatform, wrap_errors
@@ -393,6 +394,9 @@ def worker_main(fd: int, spec: str, address_space: int = 0, memory_headroom: int
     _die_with_parent()
     _limit_address_space(address_space, 0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent decides
+    # its stderr is the user's terminal: library deprecation chatter (torch's pytree, on every
+    # exported program) is not for them, as in the commands themselves
+    warnings.filterwarnings("ignore")
     sock = socket.socket(fileno=fd)
     from tapml.graph import Graph, Node
     from tapml.platforms.targets import open_platform
