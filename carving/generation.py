@@ -16,6 +16,7 @@ each step's inputs, last-position logits and greedy token (see :mod:`tapml.carvi
 
 from __future__ import annotations
 
+import inspect
 import time
 from pathlib import Path
 from typing import Callable
@@ -65,26 +66,67 @@ def export_generation_programs(model, prompt_len: int, max_cache_len: int, spec:
     """Export ``model`` (a causal LM with a static cache, see
     :func:`tapml.models.load_causal_lm`) as a prefill program (``input_ids [1, prompt_len]``)
     and a decode program (``input_ids [1, 1]``), both over a ``max_cache_len`` static cache and
-    decomposed to core ATen. Returns ``(prefill, decode)`` ExportedPrograms; TapmlError when
-    the model does not export with a static cache."""
+    decomposed to core ATen. Returns ``(prefill, decode)`` ExportedPrograms.
+
+    The programs are transformers' own ExecuTorch recipe's. Some architectures (OPT, ...) derive
+    their positions from the cache's length, a data-dependent scalar (``aten._local_scalar_dense``)
+    that sizes tensors differently at every step; such a model, when its ``forward`` takes
+    ``position_ids``, is exported again with the positions passed in as transformers' own
+    ``generate`` passes them (``cache_position[None]``, see :func:`_positions_as_inputs`), so they
+    are an input of the program, not computed from data. TapmlError when the model does not export
+    with a static cache, or when a program still holds a data-dependent value (naming ``spec``,
+    the program and the node)."""
     import torch
     from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
 
     from tapml.capture import export
 
     ids = torch.zeros(1, prompt_len, dtype=torch.long)
+    examples = [{"input_ids": ids, "cache_position": torch.arange(prompt_len)},
+                {"input_ids": ids[:, :1], "cache_position": torch.tensor([prompt_len])}]
     try:
         recipe = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=max_cache_len,
                                                        device=torch.device("cpu"))
         with torch.no_grad():
-            programs = [recipe.export(input_ids=ids, cache_position=torch.arange(prompt_len)),
-                        recipe.export(input_ids=ids[:, :1], cache_position=torch.tensor([prompt_len]))]
+            programs = [recipe.export(**example) for example in examples]
+            programs = tuple(export(ep, ()) for ep in programs)
+            if _data_dependent(programs) and "position_ids" in inspect.signature(model.forward).parameters:
+                module = _positions_as_inputs(recipe.model)
+                programs = tuple(export(torch.export.export(module, (), example, strict=True), ())
+                                 for example in examples)
     except Exception as e:  # noqa: BLE001 - any failure here is the model's, reported plainly
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise TapmlError(f"{spec} does not export with a static key/value cache "
                          f"(transformers' ExecuTorch recipe): {type(e).__name__}: {first[:300]}") from None
-    with torch.no_grad():
-        return tuple(export(ep, ()) for ep in programs)
+    return programs
+
+
+def _data_dependent(programs) -> bool:
+    from tapml.graph import needs_real_values
+    return any(needs_real_values(ep.graph) for ep in programs)
+
+
+def _positions_as_inputs(exportable):
+    """A module that runs transformers' export module ``exportable`` (the recipe's
+    ``TorchExportableModuleWithStaticCache`` or ``...WithHybridCache``: the model and its static
+    cache, registered as buffers) as its own ``forward`` does, but hands the model
+    ``position_ids = cache_position[None]``: the positions ``generate`` gives an unpadded prompt."""
+    import torch
+
+    class PositionsAsInputs(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.exportable = exportable
+
+        def forward(self, input_ids, cache_position):
+            cache = getattr(self.exportable, "static_cache", None) or self.exportable.cache
+            for layer in cache.layers:  # as the recipe does: the cache's length is the first position
+                layer.cumulative_length.copy_(cache_position[0])
+            out = self.exportable.model(input_ids=input_ids, attention_mask=None, cache=cache, use_cache=True,
+                                        position_ids=cache_position.unsqueeze(0))
+            return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+    return PositionsAsInputs()
 
 
 def _carve_generation_into(model, spec: str, out: Path, *, tokens: int, prompt_len: int, seed: int,
@@ -107,10 +149,13 @@ def _carve_generation_into(model, spec: str, out: Path, *, tokens: int, prompt_l
     if device == "cuda":
         from torch.export.passes import move_to_device_pass
         programs = tuple(move_to_device_pass(ep, "cuda") for ep in programs)
-    try:
-        graphs = [graph_from_fx(ep.graph, ep.graph_signature) for ep in programs]
-    except ValueError as e:
-        raise TapmlError(f"the exported generation programs cannot be represented: {e}") from None
+    graphs = []
+    for kind, ep in zip(("prefill", "decode"), programs):
+        try:
+            graphs.append(graph_from_fx(ep.graph, ep.graph_signature))
+        except ValueError as e:
+            raise TapmlError(f"{spec}: the exported generation programs cannot be represented ({kind} program, "
+                             f"positions passed as inputs where the model takes them): {e}") from None
     prefill_ep, decode_ep = programs
     prefill, decode = graphs
     logits_refs = [_logits_ref(g) for g in graphs]
