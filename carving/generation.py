@@ -70,10 +70,11 @@ def export_generation_programs(model, prompt_len: int, max_cache_len: int, spec:
 
     The programs are transformers' own ExecuTorch recipe's. Some architectures (OPT, ...) derive
     their positions from the cache's length, a data-dependent scalar (``aten._local_scalar_dense``)
-    that sizes tensors differently at every step; such a model, when its ``forward`` takes
-    ``position_ids``, is exported again with the positions passed in as transformers' own
-    ``generate`` passes them (``cache_position[None]``, see :func:`_positions_as_inputs`), so they
-    are an input of the program, not computed from data. TapmlError when the model does not export
+    that sizes tensors differently at every step (or that export refuses outright: XGLM's
+    ``arange`` from it); such a model, when its ``forward`` takes ``position_ids``, is exported
+    again with the positions passed in as transformers' own ``generate`` passes them
+    (``cache_position[None]``, see :func:`_positions_as_inputs`), so they are an input of the
+    program, not computed from data. TapmlError when the model does not export
     with a static cache, or when a program still holds a data-dependent value (naming ``spec``,
     the program and the node)."""
     import torch
@@ -87,18 +88,33 @@ def export_generation_programs(model, prompt_len: int, max_cache_len: int, spec:
     try:
         recipe = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=max_cache_len,
                                                        device=torch.device("cpu"))
+    except Exception as e:  # noqa: BLE001 - any failure here is the model's, reported plainly
+        raise _not_exportable(spec, e) from None
+    programs, failure = None, None
+    try:
         with torch.no_grad():
-            programs = [recipe.export(**example) for example in examples]
-            programs = tuple(export(ep, ()) for ep in programs)
-            if _data_dependent(programs) and "position_ids" in inspect.signature(model.forward).parameters:
-                module = _positions_as_inputs(recipe.model)
+            programs = tuple(export(recipe.export(**example), ()) for example in examples)
+    except Exception as e:  # noqa: BLE001
+        failure = e
+    takes_positions = "position_ids" in inspect.signature(model.forward).parameters
+    if (failure is not None or _data_dependent(programs)) and takes_positions:
+        module = _positions_as_inputs(recipe.model)
+        try:
+            with torch.no_grad():
                 programs = tuple(export(torch.export.export(module, (), example, strict=True), ())
                                  for example in examples)
-    except Exception as e:  # noqa: BLE001 - any failure here is the model's, reported plainly
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise TapmlError(f"{spec} does not export with a static key/value cache "
-                         f"(transformers' ExecuTorch recipe): {type(e).__name__}: {first[:300]}") from None
+            failure = None
+        except Exception:  # noqa: BLE001 - the recipe's own failure, or its data-dependent programs, are reported
+            pass
+    if failure is not None:
+        raise _not_exportable(spec, failure) from None
     return programs
+
+
+def _not_exportable(spec: str, e: Exception) -> TapmlError:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return TapmlError(f"{spec} does not export with a static key/value cache "
+                      f"(transformers' ExecuTorch recipe): {type(e).__name__}: {first[:300]}")
 
 
 def _data_dependent(programs) -> bool:
