@@ -135,7 +135,8 @@ def _positions_as_inputs(exportable):
             self.exportable = exportable
 
         def forward(self, input_ids, cache_position):
-            cache = getattr(self.exportable, "static_cache", None) or self.exportable.cache
+            static = hasattr(self.exportable, "static_cache")
+            cache = self.exportable.static_cache if static else self.exportable.cache
             for layer in cache.layers:  # as the recipe does: the cache's length is the first position
                 layer.cumulative_length.copy_(cache_position[0])
             out = self.exportable.model(input_ids=input_ids, attention_mask=None, cache=cache, use_cache=True,
