@@ -72,9 +72,9 @@ def export_generation_programs(model, prompt_len: int, max_cache_len: int, spec:
     their positions from the cache's length, a data-dependent scalar (``aten._local_scalar_dense``)
     that sizes tensors differently at every step (or that export refuses outright: XGLM's
     ``arange`` from it); such a model, when its ``forward`` takes ``position_ids``, is exported
-    again with the positions passed in as transformers' own ``generate`` passes them
-    (``cache_position[None]``, see :func:`_positions_as_inputs`), so they are an input of the
-    program, not computed from data. TapmlError when the model does not export
+    again with the positions and the attention mask passed in as transformers' own ``generate``
+    passes them (``cache_position[None]``, ones over the cache; :func:`_positions_as_inputs`; BioGPT
+    sizes its mask by the cache's length), so they are inputs of the program, not computed from data. TapmlError when the model does not export
     with a static cache, or when a program still holds a data-dependent value (naming ``spec``,
     the program and the node)."""
     import torch
@@ -98,7 +98,7 @@ def export_generation_programs(model, prompt_len: int, max_cache_len: int, spec:
         failure = e
     takes_positions = "position_ids" in inspect.signature(model.forward).parameters
     if (failure is not None or _data_dependent(programs)) and takes_positions:
-        module = _positions_as_inputs(recipe.model)
+        module = _positions_as_inputs(recipe.model, max_cache_len)
         try:
             with torch.no_grad():
                 programs = tuple(export(torch.export.export(module, (), example, strict=True), ())
@@ -122,11 +122,14 @@ def _data_dependent(programs) -> bool:
     return any(needs_real_values(ep.graph) for ep in programs)
 
 
-def _positions_as_inputs(exportable):
+def _positions_as_inputs(exportable, max_cache_len: int):
     """A module that runs transformers' export module ``exportable`` (the recipe's
     ``TorchExportableModuleWithStaticCache`` or ``...WithHybridCache``: the model and its static
-    cache, registered as buffers) as its own ``forward`` does, but hands the model
-    ``position_ids = cache_position[None]``: the positions ``generate`` gives an unpadded prompt."""
+    cache, registered as buffers) as its own ``forward`` does, but hands the model what
+    ``generate`` gives an unpadded prompt over a static cache: ``position_ids =
+    cache_position[None]`` and an attention mask of ones over the ``max_cache_len`` cache slots
+    (slots past the current position are masked by causality), so neither is derived from the
+    cache's length."""
     import torch
 
     class PositionsAsInputs(torch.nn.Module):
@@ -139,7 +142,8 @@ def _positions_as_inputs(exportable):
             cache = self.exportable.static_cache if static else self.exportable.cache
             for layer in cache.layers:  # as the recipe does: the cache's length is the first position
                 layer.cumulative_length.copy_(cache_position[0])
-            out = self.exportable.model(input_ids=input_ids, attention_mask=None, cache=cache, use_cache=True,
+            mask = torch.ones(input_ids.shape[0], max_cache_len, dtype=torch.long)
+            out = self.exportable.model(input_ids=input_ids, attention_mask=mask, cache=cache, use_cache=True,
                                         position_ids=cache_position.unsqueeze(0))
             return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
