@@ -55,33 +55,50 @@ def test_a_scalar_only_checks_read_is_dropped_and_one_that_sizes_a_tensor_is_nam
         graph_from_fx(ep.graph, ep.graph_signature)
 
 
-@pytest.mark.device
-@pytest.mark.slow
-def test_opt_generates_8_tokens_on_vulkan_at_the_positions_of_its_own_forward(tmp_path):
+def _generates_on_vulkan_at_its_own_positions(tmp_path, spec: str, tokens: int, *hf_config: str) -> None:
+    """``tapml generate SPEC --tokens N --target wgpu:vulkan`` exits 0 with every step checked and
+    passing, and every step's reference logits are those of the model's own forward (no cache) over
+    the whole sequence so far: the positions the programs take from ``cache_position`` are right."""
     from support import vulkan_or_skip
     vulkan_or_skip()
-    r = runner.invoke(app, ["generate", "hf:opt", "--tokens", "8", "--target", "wgpu:vulkan",
+    config = [a for kv in hf_config for a in ("--hf-config", kv)]
+    r = runner.invoke(app, ["generate", spec, "--tokens", str(tokens), "--target", "wgpu:vulkan", *config,
                             "--store", str(tmp_path / "S"), "--json", str(tmp_path / "g.json"), "-q"])
     assert r.exit_code == 0, r.output
     doc = json.loads((tmp_path / "g.json").read_text())
-    assert [s["kind"] for s in doc["steps"]] == ["prefill"] + ["decode"] * 8
-    assert [s["status"] for s in doc["steps"]] == ["pass"] * 9
-    assert doc["summary"]["steps"] == 9 and doc["summary"]["pass"] == 9 and doc["summary"]["first_failure"] is None
+    assert [s["kind"] for s in doc["steps"]] == ["prefill"] + ["decode"] * tokens
+    assert [s["status"] for s in doc["steps"]] == ["pass"] * (tokens + 1)
+    assert doc["summary"]["pass"] == tokens + 1 and doc["summary"]["first_failure"] is None
     assert doc["placement"]["decode"]["fell_back"] == 0 and doc["placement"]["prefill"]["fell_back"] == 0
 
-    # The programs take the positions from cache_position and hold no data-dependent value: every
-    # step's reference logits are those of the model's own forward over the whole sequence so far.
     from tapml.carving import CarveStore
-    from tapml.models import load_causal_lm
+    from tapml.models import load_causal_lm, parse_hf_overrides
     store = CarveStore(tmp_path / "S")
     gen = store.manifest["generation"]
     decode = store.step_graph("decode")
     assert [name for name, _ in decode.inputs if name in ("input_ids", "cache_position")] == \
         ["input_ids", "cache_position"]
     assert not any(n.op == "aten._local_scalar_dense.default" for n in decode.nodes)
-    model = load_causal_lm("hf:opt", tokens=8, prompt_len=gen["prompt_len"])
+    model = load_causal_lm(spec, tokens=tokens, prompt_len=gen["prompt_len"],
+                           hf_config=parse_hf_overrides(list(hf_config)) or None)
     ids = torch.cat([store.step_inputs(0)["input_ids"], torch.tensor([gen["reference_tokens"]])], dim=1)
     with torch.no_grad():
         logits = model(input_ids=ids, use_cache=False).logits[0]
-    for k in range(9):
+    for k in range(tokens + 1):
         torch.testing.assert_close(store.step_logits(k), logits[gen["prompt_len"] - 1 + k], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.device
+@pytest.mark.slow
+def test_opt_generates_8_tokens_on_vulkan(tmp_path):
+    _generates_on_vulkan_at_its_own_positions(tmp_path, "hf:opt", 8)
+
+
+@pytest.mark.device
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["hf:xglm", "hf:biogpt"])
+def test_other_architectures_that_derived_positions_from_data_generate(tmp_path, spec):
+    """XGLM (positions from an ``arange`` over the cache's length) and BioGPT (its mask sized by it)
+    exited 2 before, as OPT did; one layer keeps them quick."""
+    layers = "num_layers=1" if spec == "hf:xglm" else "num_hidden_layers=1"
+    _generates_on_vulkan_at_its_own_positions(tmp_path, spec, 2, layers)
