@@ -142,7 +142,7 @@ def _positions_as_inputs(exportable, max_cache_len: int):
             cache = self.exportable.static_cache if static else self.exportable.cache
             for layer in cache.layers:  # as the recipe does: the cache's length is the first position
                 layer.cumulative_length.copy_(cache_position[0])
-            mask = torch.ones(input_ids.shape[0], max_cache_len, dtype=torch.long)
+            mask = torch.ones(input_ids.shape[0], max_cache_len, dtype=torch.long, device=input_ids.device)
             out = self.exportable.model(input_ids=input_ids, attention_mask=mask, cache=cache, use_cache=True,
                                         position_ids=cache_position.unsqueeze(0))
             return out.logits if hasattr(out, "logits") else out.last_hidden_state
@@ -175,8 +175,8 @@ def _carve_generation_into(model, spec: str, out: Path, *, tokens: int, prompt_l
         try:
             graphs.append(graph_from_fx(ep.graph, ep.graph_signature))
         except ValueError as e:
-            raise TapmlError(f"{spec}: the exported generation programs cannot be represented ({kind} program, "
-                             f"positions passed as inputs where the model takes them): {e}") from None
+            raise TapmlError(f"{spec}: the exported generation programs cannot be represented (its {kind} "
+                             f"program): {e}") from None
     prefill_ep, decode_ep = programs
     prefill, decode = graphs
     logits_refs = [_logits_ref(g) for g in graphs]
