@@ -25,6 +25,8 @@ from tapml.errors import TapmlError
 
 #: The programs' per-step inputs, in the order transformers' recipe exports them.
 STEP_INPUTS = ("input_ids", "cache_position")
+#: The programs of a generation, in the order they run.
+KINDS = ("prefill", "decode")
 
 
 def carve_generation(spec: str, out: str | Path, *, tokens: int, prompt_len: int = 8, seed: int = 0,
@@ -68,19 +70,20 @@ def export_generation_programs(model, prompt_len: int, max_cache_len: int, spec:
     and a decode program (``input_ids [1, 1]``), both over a ``max_cache_len`` static cache and
     decomposed to core ATen. Returns ``(prefill, decode)`` ExportedPrograms.
 
-    The programs are transformers' own ExecuTorch recipe's. Some architectures (OPT, ...) derive
-    their positions from the cache's length, a data-dependent scalar (``aten._local_scalar_dense``)
-    that sizes tensors differently at every step (or that export refuses outright: XGLM's
-    ``arange`` from it); such a model, when its ``forward`` takes ``position_ids``, is exported
-    again with the positions and the attention mask passed in as transformers' own ``generate``
-    passes them (``cache_position[None]``, ones over the cache; :func:`_positions_as_inputs`; BioGPT
-    sizes its mask by the cache's length), so they are inputs of the program, not computed from data. TapmlError when the model does not export
-    with a static cache, or when a program still holds a data-dependent value (naming ``spec``,
-    the program and the node)."""
+    The programs are transformers' own ExecuTorch recipe's. Some architectures derive their
+    positions (OPT, XGLM) or their attention mask (BioGPT) from the cache's length, a
+    data-dependent scalar (``aten._local_scalar_dense``) that sizes tensors differently at every
+    step, or that export refuses outright; such a model, when its ``forward`` takes
+    ``position_ids``, is exported again with both passed in as transformers' own ``generate``
+    passes them (:func:`_positions_as_inputs`), so they are inputs of the program, not computed
+    from data. TapmlError when the model does not export with a static cache, or when a program
+    still holds a data-dependent value (naming ``spec``, the program and the node).
+    """
     import torch
     from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
 
     from tapml.capture import export
+    from tapml.graph import needs_real_values
 
     ids = torch.zeros(1, prompt_len, dtype=torch.long)
     examples = [{"input_ids": ids, "cache_position": torch.arange(prompt_len)},
@@ -90,36 +93,46 @@ def export_generation_programs(model, prompt_len: int, max_cache_len: int, spec:
                                                        device=torch.device("cpu"))
     except Exception as e:  # noqa: BLE001 - any failure here is the model's, reported plainly
         raise _not_exportable(spec, e) from None
-    programs, failure = None, None
-    try:
-        with torch.no_grad():
-            programs = tuple(export(recipe.export(**example), ()) for example in examples)
-    except Exception as e:  # noqa: BLE001
-        failure = e
-    takes_positions = "position_ids" in inspect.signature(model.forward).parameters
-    if (failure is not None or _data_dependent(programs)) and takes_positions:
+    routes = [recipe.export]
+    if "position_ids" in inspect.signature(model.forward).parameters:
         module = _positions_as_inputs(recipe.model, max_cache_len)
+        routes.append(lambda **example: torch.export.export(module, (), example, strict=True))
+    failure, data_dependent = None, None
+    for route in routes:
         try:
             with torch.no_grad():
-                programs = tuple(export(torch.export.export(module, (), example, strict=True), ())
-                                 for example in examples)
-            failure = None
-        except Exception:  # noqa: BLE001 - the recipe's own failure, or its data-dependent programs, are reported
-            pass
-    if failure is not None:
+                programs = []
+                for example in examples:
+                    programs.append(export(route(**example), ()))
+                    if needs_real_values(programs[-1].graph):
+                        break
+                else:
+                    return tuple(programs)
+            data_dependent = data_dependent or programs
+        except Exception as e:  # noqa: BLE001 - any failure here is the model's, reported plainly
+            failure = failure or e
+    if data_dependent is None:
         raise _not_exportable(spec, failure) from None
-    return programs
+    _program_graph(spec, data_dependent[-1], KINDS[len(data_dependent) - 1])  # names the node
+    raise AssertionError("needs_real_values and graph_from_fx disagree")
+
+
+def _program_graph(spec: str, program, kind: str):
+    """The :class:`tapml.graph.Graph` of the generation's ``kind`` (prefill, decode) program;
+    TapmlError naming ``spec``, the program and the node when it cannot be represented (a value
+    that depends on the data)."""
+    from tapml.graph import graph_from_fx
+    try:
+        return graph_from_fx(program.graph, program.graph_signature)
+    except ValueError as e:
+        raise TapmlError(f"{spec}: the exported generation programs cannot be represented (its {kind} "
+                         f"program): {e}") from None
 
 
 def _not_exportable(spec: str, e: Exception) -> TapmlError:
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return TapmlError(f"{spec} does not export with a static key/value cache "
                       f"(transformers' ExecuTorch recipe): {type(e).__name__}: {first[:300]}")
-
-
-def _data_dependent(programs) -> bool:
-    from tapml.graph import needs_real_values
-    return any(needs_real_values(ep.graph) for ep in programs)
 
 
 def _positions_as_inputs(exportable, max_cache_len: int):
@@ -158,7 +171,6 @@ def _carve_generation_into(model, spec: str, out: Path, *, tokens: int, prompt_l
     from tapml.capture import program_inputs
     from tapml.carving.store import CarveStoreWriter
     from tapml.carving.tracer import CarvingInterpreter
-    from tapml.graph import graph_from_fx
 
     if device == "cuda" and not torch.cuda.is_available():
         raise TapmlError("--device cuda: no CUDA device on this machine; use --device cpu")
@@ -170,13 +182,7 @@ def _carve_generation_into(model, spec: str, out: Path, *, tokens: int, prompt_l
     if device == "cuda":
         from torch.export.passes import move_to_device_pass
         programs = tuple(move_to_device_pass(ep, "cuda") for ep in programs)
-    graphs = []
-    for kind, ep in zip(("prefill", "decode"), programs):
-        try:
-            graphs.append(graph_from_fx(ep.graph, ep.graph_signature))
-        except ValueError as e:
-            raise TapmlError(f"{spec}: the exported generation programs cannot be represented (its {kind} "
-                             f"program): {e}") from None
+    graphs = [_program_graph(spec, ep, kind) for ep, kind in zip(programs, KINDS)]
     prefill_ep, decode_ep = programs
     prefill, decode = graphs
     logits_refs = [_logits_ref(g) for g in graphs]

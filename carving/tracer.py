@@ -8,8 +8,21 @@ from typing import Callable
 
 import torch
 
-from tapml.graph import Graph, TensorMeta, is_runtime_check, map_refs, node_results, op_name
+from tapml.graph import Graph, TensorMeta, map_refs, node_results, op_name
 from tapml.carving.store import CarveStoreWriter
+
+
+#: torch.export's runtime checks (op packets). They compute nothing, and the graph drops them;
+#: the carve is specialized to the reference run's real values, so a check that torch got wrong
+#: for the model's own example inputs (masked_select bounds its size by the input, not the
+#: broadcast of input and mask) does not stop it.
+RUNTIME_CHECKS = frozenset({"aten._assert_scalar", "aten._assert_async", "aten._assert_tensor_metadata",
+                            "aten.sym_constrain_range", "aten.sym_constrain_range_for_size"})
+
+
+def is_runtime_check(n: torch.fx.Node) -> bool:
+    """Whether fx node ``n`` is one of torch.export's :data:`RUNTIME_CHECKS`."""
+    return n.op == "call_function" and str(n.target).rsplit(".", 1)[0] in RUNTIME_CHECKS
 
 
 def guard_node(interpreter: torch.fx.Interpreter, n: torch.fx.Node) -> None:

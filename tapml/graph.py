@@ -471,39 +471,10 @@ def _is_data_dependent(val: Any) -> bool:
     return False
 
 
-#: torch.export's runtime checks (op packets). They compute nothing, and the graph drops them;
-#: the carve is specialized to the reference run's real values, so a check that torch got wrong
-#: for the model's own example inputs (masked_select bounds its size by the input, not the
-#: broadcast of input and mask) does not stop it.
-RUNTIME_CHECKS = frozenset({"aten._assert_scalar", "aten._assert_async", "aten._assert_tensor_metadata",
-                            "aten.sym_constrain_range", "aten.sym_constrain_range_for_size"})
-
-
-def is_runtime_check(n: torch.fx.Node) -> bool:
-    """Whether fx node ``n`` is one of torch.export's :data:`RUNTIME_CHECKS`."""
-    return n.op == "call_function" and str(n.target).rsplit(".", 1)[0] in RUNTIME_CHECKS
-
-
-def checked_only(fx_graph: torch.fx.Graph) -> set[torch.fx.Node]:
-    """The nodes of ``fx_graph`` that only runtime checks read: a symbolic scalar read by checks
-    (directly or through other such scalars), as a ``x.item()`` whose value the program no longer
-    uses but whose bounds export still asserts, and the calls that compute nothing but such
-    scalars (the ``x[0]`` of ``x[0].item()``). They carry nothing to carve, so
-    :func:`graph_from_fx` drops them with the checks and they need no reference values."""
-    only: set[torch.fx.Node] = set()
-    for n in reversed(fx_graph.nodes):
-        if n.op != "call_function" or not n.users or not all(is_runtime_check(u) or u in only for u in n.users):
-            continue
-        if isinstance(n.meta.get("val"), _SYMBOLIC) or any(u in only for u in n.users):
-            only.add(n)
-    return only
-
-
 def needs_real_values(fx_graph: torch.fx.Graph) -> bool:
     """True when :func:`graph_from_fx` needs ``real_values`` for ``fx_graph``: some node's shape or
     scalar value depends on the data (``nonzero``, ``masked_select``, ``x[mask]``, ``x.item()``)."""
-    dropped = checked_only(fx_graph)
-    return any(_is_data_dependent(n.meta.get("val")) for n in fx_graph.nodes if n not in dropped)
+    return any(_is_data_dependent(n.meta.get("val")) for n in fx_graph.nodes)
 
 
 def _is_with_effects(n: torch.fx.Node) -> bool:
@@ -529,8 +500,7 @@ def graph_from_fx(fx_graph: torch.fx.Graph, signature=None, real_values: dict[st
     ``real_values`` (fx node name -> the node's value in a reference run, tensors as
     :class:`TensorMeta`; see :func:`needs_real_values`) also gives the real shapes where export
     has only symbols (``nonzero``, ``masked_select``): the graph is then specialized to that run.
-    Effect tokens (``with_effects``) are dropped with the side-effect-only calls they order, and a
-    symbolic scalar that only runtime checks read with those checks (:func:`checked_only`).
+    Effect tokens (``with_effects``) are dropped with the side-effect-only calls they order.
     """
     refs: dict[torch.fx.Node, str] = {}
     constants: dict[torch.fx.Node, Any] = {}
@@ -552,11 +522,8 @@ def graph_from_fx(fx_graph: torch.fx.Graph, signature=None, real_values: dict[st
                              f"({_short(n.meta.get('val'))}); it needs the values of a reference run")
         return real_values[n.name]
 
-    dropped = checked_only(fx_graph)
     for n in fx_graph.nodes:
         val = n.meta.get("val")
-        if n in dropped:
-            continue
         if n.op == "placeholder":
             if _is_token_placeholder(n):
                 tokens.add(n)

@@ -1,10 +1,9 @@
 """Generation for architectures that compute positions from data (issue #31, item 4).
 
 OPT derives its positions from the static cache's length: in transformers' export recipe that is a
-data-dependent scalar (``aten._local_scalar_dense``) sizing a tensor differently at every step.
-``export_generation_programs`` exports such a model again with ``position_ids`` passed in from
-``cache_position``, as ``generate`` passes them; the scalar export still asserts on (read by
-runtime checks only) is dropped by ``graph_from_fx`` (``checked_only``)."""
+data-dependent scalar (``aten._local_scalar_dense``) sizing a tensor differently at every step (XGLM's
+``arange`` from it does not even export; BioGPT sizes its mask by it). ``export_generation_programs``
+exports such a model again with ``position_ids`` and the mask passed in, as ``generate`` passes them."""
 
 import json
 
@@ -13,46 +12,31 @@ import torch
 from typer.testing import CliRunner
 
 from tapml.cli import app
-from tapml.graph import checked_only, graph_from_fx, needs_real_values
 
 runner = CliRunner()
 
 
-class _CheckedItem(torch.nn.Module):
-    """Reads a scalar of its input that only a runtime check uses (as OPT's leftover cache length)."""
+def test_positions_passed_in_are_the_models_own_and_export_without_data_dependent_values():
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
 
-    def forward(self, x, n):
-        torch._check(n[0].item() >= 0)
-        return x * 2
-
-
-class _SizedByItem(torch.nn.Module):
-    """Sizes a tensor by a scalar of its input: a data-dependent shape that needs real values."""
-
-    def forward(self, x, n):
-        return x[: n[0].item()] * 2
-
-
-def _export(module, *args):
-    from tapml.capture import export
-    return export(torch.export.export(module, args, strict=False), ())
-
-
-def test_a_scalar_only_checks_read_is_dropped_and_one_that_sizes_a_tensor_is_named():
-    ep = _export(_CheckedItem(), torch.randn(3), torch.tensor([2]))
-    dropped = {str(n.target) for n in checked_only(ep.graph)}
-    assert "aten._local_scalar_dense.default" in dropped
-    assert not needs_real_values(ep.graph)
-    graph = graph_from_fx(ep.graph, ep.graph_signature)  # no reference values needed
-    assert [n.op for n in graph.nodes] == ["aten.mul.Tensor"]
-    assert [name for name, _ in graph.inputs] == ["x", "n"]
-
-    ep = _export(_SizedByItem(), torch.randn(3), torch.tensor([2]))
-    assert "aten._local_scalar_dense.default" not in {str(n.target) for n in checked_only(ep.graph)}
-    assert needs_real_values(ep.graph)
-    with pytest.raises(ValueError, match=r"node _local_scalar_dense \(aten._local_scalar_dense.default\) has a "
-                                         "data-dependent shape or value"):
-        graph_from_fx(ep.graph, ep.graph_signature)
+    from tapml.carving.generation import _positions_as_inputs
+    from tapml.graph import needs_real_values
+    from tapml.models import load_causal_lm
+    model = load_causal_lm("hf:opt", tokens=2, prompt_len=3, hf_config={"num_hidden_layers": 1})
+    recipe = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=5, device=torch.device("cpu"))
+    module = _positions_as_inputs(recipe.model, 5)
+    with torch.no_grad():
+        decode = torch.export.export(module, (), {"input_ids": torch.zeros(1, 1, dtype=torch.long),
+                                                  "cache_position": torch.tensor([3])}, strict=True)
+        assert not needs_real_values(decode.graph)
+        assert decode.graph_signature.user_inputs == ("input_ids", "cache_position")
+        # run as a generation does: prefill, then one token at a time against the static cache
+        ids = torch.tensor([[5, 17, 42, 9, 200]])
+        steps = [module(input_ids=ids[:, :3], cache_position=torch.arange(3))[0, -1]]
+        steps += [module(input_ids=ids[:, k:k + 1], cache_position=torch.tensor([k]))[0, -1] for k in (3, 4)]
+        whole = model(input_ids=ids, use_cache=False).logits[0]
+    for k, logits in enumerate(steps):
+        torch.testing.assert_close(logits, whole[2 + k], rtol=1e-4, atol=1e-5)
 
 
 def _generates_on_vulkan_at_its_own_positions(tmp_path, spec: str, tokens: int, *hf_config: str) -> None:
