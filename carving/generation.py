@@ -130,9 +130,17 @@ def _program_graph(spec: str, program, kind: str):
 
 
 def _not_exportable(spec: str, e: Exception) -> TapmlError:
+    """Export's failure as bad input: its first line and, where torch's tracer says which line of the
+    model's code it was tracing (``real_stack``), that line."""
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    stack = getattr(e, "real_stack", None) or []
+    where = ""
+    if stack and getattr(stack[-1], "filename", None):
+        frame = stack[-1]
+        path = frame.filename.replace("\\", "/").rsplit("site-packages/", 1)[-1]
+        where = f" (at {path}:{frame.lineno}: {(frame.line or '').strip()[:160]})"
     return TapmlError(f"{spec} does not export with a static key/value cache "
-                      f"(transformers' ExecuTorch recipe): {type(e).__name__}: {first[:300]}")
+                      f"(transformers' ExecuTorch recipe): {type(e).__name__}: {first[:300]}{where}")
 
 
 def _positions_as_inputs(exportable, max_cache_len: int):

@@ -86,3 +86,15 @@ def test_other_architectures_that_derived_positions_from_data_generate(tmp_path,
     exited 2 before, as OPT did; one layer keeps them quick."""
     layers = "num_layers=1" if spec == "hf:xglm" else "num_hidden_layers=1"
     _generates_on_vulkan_at_its_own_positions(tmp_path, spec, 2, layers)
+
+
+@pytest.mark.slow
+def test_a_model_neither_route_exports_is_refused_naming_the_line_of_its_code(tmp_path):
+    """MPT slices its ALiBi bias by the cache's length inside attention and takes no position_ids:
+    bad input (exit 2) naming the model and the line of its code export stopped at; nothing written."""
+    from tapml.carving.generation import carve_generation
+    from tapml.errors import TapmlError
+    with pytest.raises(TapmlError, match=r"hf:mpt does not export with a static key/value cache .*"
+                                         r"\(at transformers/models/mpt/modeling_mpt\.py:\d+: position_bias ="):
+        carve_generation("hf:mpt", tmp_path / "S", tokens=2, prompt_len=3, hf_config={"n_layers": 1})
+    assert not (tmp_path / "S").exists()
