@@ -16,6 +16,7 @@ each step's inputs, last-position logits and greedy token (see :mod:`tapml.carvi
 
 from __future__ import annotations
 
+import inspect
 import time
 from pathlib import Path
 from typing import Callable
@@ -24,6 +25,8 @@ from tapml.errors import TapmlError
 
 #: The programs' per-step inputs, in the order transformers' recipe exports them.
 STEP_INPUTS = ("input_ids", "cache_position")
+#: The programs of a generation, in the order they run.
+KINDS = ("prefill", "decode")
 
 
 def carve_generation(spec: str, out: str | Path, *, tokens: int, prompt_len: int = 8, seed: int = 0,
@@ -65,26 +68,107 @@ def export_generation_programs(model, prompt_len: int, max_cache_len: int, spec:
     """Export ``model`` (a causal LM with a static cache, see
     :func:`tapml.frontends.models.load_causal_lm`) as a prefill program (``input_ids [1, prompt_len]``)
     and a decode program (``input_ids [1, 1]``), both over a ``max_cache_len`` static cache and
-    decomposed to core ATen. Returns ``(prefill, decode)`` ExportedPrograms; TapmlError when
-    the model does not export with a static cache."""
+    decomposed to core ATen. Returns ``(prefill, decode)`` ExportedPrograms.
+
+    The programs are transformers' own ExecuTorch recipe's. Some architectures derive their
+    positions (OPT, XGLM) or their attention mask (BioGPT) from the cache's length, a
+    data-dependent scalar (``aten._local_scalar_dense``) that sizes tensors differently at every
+    step, or that export refuses outright; such a model, when its ``forward`` takes
+    ``position_ids``, is exported again with both passed in as transformers' own ``generate``
+    passes them (:func:`_positions_as_inputs`), so they are inputs of the program, not computed
+    from data. TapmlError when the model does not export with a static cache, or when a program
+    still holds a data-dependent value (naming ``spec``, the program and the node).
+    """
     import torch
     from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
 
     from tapml.frontends.capture import export
+    from tapml.graph import needs_real_values
 
     ids = torch.zeros(1, prompt_len, dtype=torch.long)
+    examples = [{"input_ids": ids, "cache_position": torch.arange(prompt_len)},
+                {"input_ids": ids[:, :1], "cache_position": torch.tensor([prompt_len])}]
     try:
         recipe = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=max_cache_len,
                                                        device=torch.device("cpu"))
-        with torch.no_grad():
-            programs = [recipe.export(input_ids=ids, cache_position=torch.arange(prompt_len)),
-                        recipe.export(input_ids=ids[:, :1], cache_position=torch.tensor([prompt_len]))]
     except Exception as e:  # noqa: BLE001 - any failure here is the model's, reported plainly
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise TapmlError(f"{spec} does not export with a static key/value cache "
-                         f"(transformers' ExecuTorch recipe): {type(e).__name__}: {first[:300]}") from None
-    with torch.no_grad():
-        return tuple(export(ep, ()) for ep in programs)
+        raise _not_exportable(spec, e) from None
+    routes = [recipe.export]
+    if "position_ids" in inspect.signature(model.forward).parameters:
+        module = _positions_as_inputs(recipe.model, max_cache_len)
+        routes.append(lambda **example: torch.export.export(module, (), example, strict=True))
+    failure, data_dependent = None, None
+    for route in routes:
+        try:
+            with torch.no_grad():
+                programs = []
+                for example in examples:
+                    programs.append(export(route(**example), ()))
+                    if needs_real_values(programs[-1].graph):
+                        break
+                else:
+                    return tuple(programs)
+            data_dependent = data_dependent or programs
+        except Exception as e:  # noqa: BLE001 - any failure here is the model's, reported plainly
+            failure = failure or e
+    if data_dependent is None:
+        raise _not_exportable(spec, failure) from None
+    _program_graph(spec, data_dependent[-1], KINDS[len(data_dependent) - 1])  # names the node
+    raise AssertionError("needs_real_values and graph_from_fx disagree")
+
+
+def _program_graph(spec: str, program, kind: str):
+    """The :class:`tapml.graph.Graph` of the generation's ``kind`` (prefill, decode) program;
+    TapmlError naming ``spec``, the program and the node when it cannot be represented (a value
+    that depends on the data)."""
+    from tapml.graph import graph_from_fx
+    try:
+        return graph_from_fx(program.graph, program.graph_signature)
+    except ValueError as e:
+        raise TapmlError(f"{spec}: the exported generation programs cannot be represented (its {kind} "
+                         f"program): {e}") from None
+
+
+def _not_exportable(spec: str, e: Exception) -> TapmlError:
+    """Export's failure as bad input: its first line and, where torch's tracer says which line of the
+    model's code it was tracing (``real_stack``), that line."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    stack = getattr(e, "real_stack", None) or []
+    where = ""
+    if stack and getattr(stack[-1], "filename", None):
+        frame = stack[-1]
+        path = frame.filename.replace("\\", "/").rsplit("site-packages/", 1)[-1]
+        where = f" (at {path}:{frame.lineno}: {(frame.line or '').strip()[:160]})"
+    return TapmlError(f"{spec} does not export with a static key/value cache "
+                      f"(transformers' ExecuTorch recipe): {type(e).__name__}: {first[:300]}{where}")
+
+
+def _positions_as_inputs(exportable, max_cache_len: int):
+    """A module that runs transformers' export module ``exportable`` (the recipe's
+    ``TorchExportableModuleWithStaticCache`` or ``...WithHybridCache``: the model and its static
+    cache, registered as buffers) as its own ``forward`` does, but hands the model what
+    ``generate`` gives an unpadded prompt over a static cache: ``position_ids =
+    cache_position[None]`` and an attention mask of ones over the ``max_cache_len`` cache slots
+    (slots past the current position are masked by causality), so neither is derived from the
+    cache's length."""
+    import torch
+
+    class PositionsAsInputs(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.exportable = exportable
+
+        def forward(self, input_ids, cache_position):
+            static = hasattr(self.exportable, "static_cache")
+            cache = self.exportable.static_cache if static else self.exportable.cache
+            for layer in cache.layers:  # as the recipe does: the cache's length is the first position
+                layer.cumulative_length.copy_(cache_position[0])
+            mask = torch.ones(input_ids.shape[0], max_cache_len, dtype=torch.long, device=input_ids.device)
+            out = self.exportable.model(input_ids=input_ids, attention_mask=mask, cache=cache, use_cache=True,
+                                        position_ids=cache_position.unsqueeze(0))
+            return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+    return PositionsAsInputs()
 
 
 def _carve_generation_into(model, spec: str, out: Path, *, tokens: int, prompt_len: int, seed: int,
@@ -95,7 +179,6 @@ def _carve_generation_into(model, spec: str, out: Path, *, tokens: int, prompt_l
     from tapml.frontends.capture import program_inputs
     from tapml.carving.store import CarveStoreWriter
     from tapml.carving.tracer import CarvingInterpreter
-    from tapml.graph import graph_from_fx
 
     if device == "cuda" and not torch.cuda.is_available():
         raise TapmlError("--device cuda: no CUDA device on this machine; use --device cpu")
@@ -107,10 +190,7 @@ def _carve_generation_into(model, spec: str, out: Path, *, tokens: int, prompt_l
     if device == "cuda":
         from torch.export.passes import move_to_device_pass
         programs = tuple(move_to_device_pass(ep, "cuda") for ep in programs)
-    try:
-        graphs = [graph_from_fx(ep.graph, ep.graph_signature) for ep in programs]
-    except ValueError as e:
-        raise TapmlError(f"the exported generation programs cannot be represented: {e}") from None
+    graphs = [_program_graph(spec, ep, kind) for ep, kind in zip(programs, KINDS)]
     prefill_ep, decode_ep = programs
     prefill, decode = graphs
     logits_refs = [_logits_ref(g) for g in graphs]
