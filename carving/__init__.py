@@ -86,7 +86,8 @@ def open_or_carve(model_or_store: str, state_path: str | Path | None = None,
             check_model_dtype(dtype)
         except ValueError as e:
             raise TapmlError(str(e)) from None
-    if path.is_dir():
+    from tapml.checkpoint import is_checkpoint_folder
+    if path.is_dir() and not is_checkpoint_folder(path):
         if hf_config:
             raise TapmlError(f"{model_or_store} is a store: --hf-config applies to an hf: MODEL spec to carve")
         store = CarveStore(path)

@@ -737,15 +737,19 @@ def check_models(models: tuple[str, ...] = (), generation_model: str = GENERATIO
     tokens`` positions; ``dtype`` must be a ``--dtype``. TapmlError saying what fits."""
     from tapml.dtypes import check_model_dtype
     from tapml.errors import TapmlError
+    from tapml.checkpoint import is_checkpoint_spec, open_checkpoint
     from tapml.models import ZOO, load_causal_lm, load_model
     try:
         check_model_dtype(dtype)
     except ValueError as e:
         raise TapmlError(str(e)) from None
-    if hf_config and not any(m.startswith("hf:") for m in (*models, generation_model)):
+    sized = lambda m: m.startswith("hf:") or is_checkpoint_spec(m)  # noqa: E731 - specs --hf-config applies to
+    if hf_config and not any(sized(m) for m in (*models, generation_model)):
         raise TapmlError("--hf-config applies to hf:MODEL_TYPE models; give one with --model or --generation-model")
     for spec in models:
-        if spec.startswith("zoo:"):
+        if is_checkpoint_spec(spec):
+            open_checkpoint(spec)
+        elif spec.startswith("zoo:"):
             if spec[4:] not in ZOO:
                 raise TapmlError(f"--model {spec}: unknown zoo model {spec[4:]!r}; the zoo has: {', '.join(ZOO)}")
         elif spec.startswith("hf:"):
@@ -758,7 +762,7 @@ def check_models(models: tuple[str, ...] = (), generation_model: str = GENERATIO
             raise TapmlError(f"--model {spec!r} is not a MODEL spec; use zoo:NAME, hf:MODEL_TYPE, "
                              "path/to/file.py:factory or file.pt2")
     load_causal_lm(generation_model, tokens=tokens, prompt_len=prompt_len,
-                   hf_config=hf_config if generation_model.startswith("hf:") else None)
+                   hf_config=hf_config if sized(generation_model) else None)
 
 
 def run_suite(target: str = "wgpu", *, quick: bool = False, token: str | None = None,

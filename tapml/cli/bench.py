@@ -230,10 +230,11 @@ def scale(target: str = typer.Option("wgpu", "--target", "-t", help="Target to m
     if timeout <= 0:
         fail("--timeout must be a positive number of seconds")
     overrides = parse_hf_overrides(hf_config)
-    dtype = check_dtype(dtype) or "float32"
+    dtype = check_dtype(dtype, model) or "float32"
     _check_json_dir(json_out)
-    if overrides and not model.startswith("hf:"):
-        fail("--hf-config applies to hf:MODEL_TYPE models; give one with --model")
+    from tapml.checkpoint import is_checkpoint_spec
+    if overrides and not model.startswith("hf:") and not is_checkpoint_spec(model):
+        fail("--hf-config applies to hf:MODEL_TYPE models and checkpoints; give one with --model")
     if not model.startswith("hf:"):  # an hf: model is built by the carve itself: a sized one costs its weights
         check_models((model,), dtype=dtype)
     config = overrides or (dict(SCALE_CONFIG) if model == SCALE_MODEL else {})
@@ -297,14 +298,14 @@ def generation(target: str = typer.Option("wgpu", "--target", "-t", help="Target
     if prompt_len < 1 or repeat < 1:
         fail("--prompt-len and --repeat must be at least 1")
     overrides = parse_hf_overrides(hf_config)
-    dtype = check_dtype(dtype) or "float32"
+    dtype = check_dtype(dtype, model) or "float32"
     _check_json_dir(json_out)
     check_models((), model, overrides, tokens=int(many), prompt_len=prompt_len, dtype=dtype)
     with tempfile.TemporaryDirectory(prefix="tapml-bench-") as tmp, \
             open_target(target, token=read_token(token_file)) as platform:
         figure = generation_figure(platform, target, Path(tmp) / "store", model, tokens=(int(few), int(many)),
                                    prompt_len=prompt_len, repeat=repeat,
-                                   hf_config=overrides if model.startswith("hf:") else None, dtype=dtype)
+                                   hf_config=overrides or None, dtype=dtype)
     figure["target"] = target
     if json_out:
         write_json(figure, json_out)

@@ -8,9 +8,9 @@ from typing import List, Optional
 
 import typer
 
-from tapml.cli.common import (EXIT_FINDING, EXIT_OK, DtypeOpt, InjectOpt, JsonOpt, KeepFloat32Opt, QuietOpt,
+from tapml.cli.common import (TrustRemoteCodeOpt, EXIT_FINDING, EXIT_OK, DtypeOpt, InjectOpt, JsonOpt, KeepFloat32Opt, QuietOpt,
                               StoreDirOpt, TargetOpt, TokenFileOpt, TolOpt, app, check_dtype, command,
-                              console, fail, model_store, out, write_json)
+                              console, fail, is_store_path, model_store, out, write_json)
 from tapml.cli.migrate import HfConfigOpt
 from tapml.render import fmt_err, keep_names_whole
 from tapml.text import shown
@@ -33,7 +33,7 @@ def generate(model: str = typer.Argument(..., help="A generation store (`tapml c
                                        "gets the reference's tokens, teacher-forced)"),
              store_dir: Optional[str] = StoreDirOpt,
              seed: int = typer.Option(0, "--seed", help="Seed for weights and the prompt when carving MODEL"),
-             hf_config: Optional[List[str]] = HfConfigOpt, dtype: Optional[str] = DtypeOpt,
+             hf_config: Optional[List[str]] = HfConfigOpt, dtype: Optional[str] = DtypeOpt, trust_remote_code: bool = TrustRemoteCodeOpt,
              localize: bool = typer.Option(True, "--localize/--no-localize", help="Find the culprit of the first "
                                            "failing step with the migration machinery"),
              keep_float32: Optional[List[str]] = KeepFloat32Opt,
@@ -59,11 +59,12 @@ def generate(model: str = typer.Argument(..., help="A generation store (`tapml c
         if value is not None and value < 1:
             fail(f"{name} {value}: give 1 or more")
     overrides = parse_hf_overrides(hf_config)
-    dtype = check_dtype(dtype)
+    is_store = is_store_path(model)
+    dtype = check_dtype(dtype, None if is_store else model, quiet)
     keep = read_keep_items(keep_float32 or [])
-    if keep and not Path(model).is_dir() and (dtype or "float32") == "float32":
+    if keep and not is_store and (dtype or "float32") == "float32":
         fail("--keep-float32 needs a float16/bfloat16 carve: add --dtype float16")
-    if not Path(model).is_dir():
+    if not is_store:
         tokens = DEFAULT_TOKENS if tokens is None else tokens
         prompt_len = DEFAULT_PROMPT_LEN if prompt_len is None else prompt_len
     carve = functools.partial(_carve, model, tokens=tokens, prompt_len=prompt_len, seed=seed, hf_config=overrides,

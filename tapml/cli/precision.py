@@ -8,7 +8,7 @@ from typing import List, Optional
 
 import typer
 
-from tapml.cli.common import (EXIT_FINDING, EXIT_OK, JsonOpt, QuietOpt, StoreDirOpt, TargetOpt, TokenFileOpt, TolOpt,
+from tapml.cli.common import (TrustRemoteCodeOpt, EXIT_FINDING, EXIT_OK, JsonOpt, QuietOpt, StoreDirOpt, TargetOpt, TokenFileOpt, TolOpt,
                               app, command, console, fail, model_store, out, write_json)
 from tapml.cli.migrate import HfConfigOpt
 from tapml.render import STATUS_STYLE, fmt_err
@@ -29,6 +29,7 @@ def precision(model: str = typer.Argument(..., help="A store carved in float16/b
               store_dir: Optional[str] = StoreDirOpt,
               seed: int = typer.Option(0, "--seed", help="Seed for weights and inputs when carving MODEL"),
               hf_config: Optional[List[str]] = HfConfigOpt, tol: Optional[List[str]] = TolOpt,
+              trust_remote_code: bool = TrustRemoteCodeOpt,
               token_file: Optional[str] = TokenFileOpt, json_out: Optional[str] = JsonOpt, quiet: bool = QuietOpt):
     """Run MODEL in float16 (or bfloat16) on TARGET with every intermediate kept and compare each op
     with the same model in float32 and float64: the largest activation and its headroom to the

@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from tapml.cli.common import (EXIT_FINDING, EXIT_OK, DeviceLimitOpt, DtypeOpt, InjectOpt, JsonOpt, KernelOpt, QuietOpt,
+from tapml.cli.common import (TrustRemoteCodeOpt, EXIT_FINDING, EXIT_OK, DeviceLimitOpt, DtypeOpt, InjectOpt, JsonOpt, KernelOpt, QuietOpt,
                               TokenFileOpt, TokenMapOpt, TolOpt, app, check_dtype, command, console, fail, open_store,
                               out, parse_device_limits, progress_bar, write_json)
 from tapml.render import keep_names_whole
@@ -16,16 +16,18 @@ from tapml.text import shown
 
 @app.command(short_help="Run MODEL on the reference and record every operator call as a test case (--generate N: a generation).")
 @command
-def carve(model: str = typer.Argument(..., help="zoo:NAME, hf:MODEL_TYPE, path/file.py:factory or file.pt2"),
+def carve(model: str = typer.Argument(..., help="zoo:NAME, hf:MODEL_TYPE, hf:ORG/NAME, a checkpoint folder, "
+                                               "path/file.py:factory or file.pt2"),
           output: str = typer.Option(..., "-o", "--output", help="Store directory to write"),
           device: str = typer.Option("cpu", "--device", help="Reference device: cpu or cuda"),
           seed: int = typer.Option(0, "--seed", help="Seed for weights and inputs"),
-          hf_config: Optional[List[str]] = typer.Option(None, "--hf-config", help="KEY=VALUE config override for hf: models"),
+          hf_config: Optional[List[str]] = typer.Option(None, "--hf-config", help="KEY=VALUE config override for hf: "
+                                                    "models and checkpoints (num_hidden_layers=N: the first N layers)"),
           generate: Optional[int] = typer.Option(None, "--generate", help="Record a generation instead: the prefill "
                                                  "and N greedy decode steps against a static key/value cache "
                                                  "(N+1 steps; a causal LM)"),
           prompt_len: int = typer.Option(8, "--prompt-len", help="With --generate: prompt tokens of the prefill"),
-          dtype: Optional[str] = DtypeOpt, quiet: bool = QuietOpt, json_out: Optional[str] = JsonOpt):
+          dtype: Optional[str] = DtypeOpt, trust_remote_code: bool = TrustRemoteCodeOpt, quiet: bool = QuietOpt, json_out: Optional[str] = JsonOpt):
     """Run MODEL on the reference and record every operator call as a test case. With
     --generate N, record a generation: prefill plus N decode steps (`tapml generate` checks it)."""
     from tapml.carving import carve as carve_model
@@ -35,7 +37,7 @@ def carve(model: str = typer.Argument(..., help="zoo:NAME, hf:MODEL_TYPE, path/f
                                                           for p in target.iterdir())):
         fail(f"{output} exists and is not an empty directory or a carve store; choose another -o")
     overrides = parse_hf_overrides(hf_config)
-    dtype = check_dtype(dtype) or "float32"
+    dtype = check_dtype(dtype, model, quiet) or "float32"
     if generate is not None:
         carve_generation_command(model, output, tokens=generate, prompt_len=prompt_len, seed=seed, device=device,
                                  hf_config=overrides, quiet=quiet, json_out=json_out, dtype=dtype)
