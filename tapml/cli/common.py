@@ -297,7 +297,7 @@ def model_store(model: str, *, store_dir: Optional[str], hf_config, purpose: str
             fail(f"{model} is a store: --store and --hf-config apply when MODEL is a model spec to carve")
         yield CarveStore(model), False
         return
-    if Path(model).exists():
+    if Path(model).exists() and not Path(model).is_dir():
         fail(f"{model} is a file, not {what} or a model spec")
     temporary = None
     if store_dir:

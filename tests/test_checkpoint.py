@@ -1,0 +1,234 @@
+"""Checkpoints as people have them (issue 31, items 1, 2 and 6): a ``save_pretrained`` folder and
+``hf:ORG/NAME`` in a local hub cache, loaded with transformers' own code; hostile folders refused
+with exit 2 before anything is written, and nothing in a checkpoint runs.
+
+Every checkpoint is written here by ``save_pretrained`` of a tiny random model (bfloat16, sharded
+with a small ``max_shard_size``); the hub cache is laid out as huggingface_hub lays it out.
+"""
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from support import vulkan_or_skip
+from typer.testing import CliRunner
+
+from tapml.errors import TapmlError
+
+ORG_NAME = "tiny-org/llama"
+
+
+def tapml(*args):
+    from tapml.cli import app
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def write_checkpoint(path: Path, model_type: str, overrides: dict | None = None, shard: str = "100KB") -> Path:
+    """``save_pretrained`` of tapml's tiny random ``hf:MODEL_TYPE`` model, in bfloat16, sharded."""
+    from tapml.models import build_hf
+    model, _ = build_hf(model_type, overrides)
+    model.to(torch.bfloat16).save_pretrained(path, max_shard_size=shard)
+    return path
+
+
+def place_in_hub_cache(cache: Path, repo_id: str, folder: Path, revision: str = "0" * 40) -> Path:
+    """``folder``'s files as the hub cache holds a download of ``repo_id``: blobs named by their
+    hash, a snapshot of links to them, ``refs/main`` naming the snapshot."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    for f in folder.iterdir():
+        digest = hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copyfile(f, repo / "blobs" / digest)
+        (snapshot / f.name).symlink_to(Path("..", "..", "blobs", digest))
+    return snapshot
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    """A two-layer llama checkpoint in bfloat16 over several shards."""
+    path = write_checkpoint(tmp_path_factory.mktemp("ckpt") / "llama", "llama")
+    assert len(list(path.glob("model-*.safetensors"))) >= 2 and (path / "model.safetensors.index.json").is_file()
+    return path
+
+
+def test_checkpoint_loads_its_real_weights_layer_limited(llama):
+    """transformers' loading of the folder: the stored weights themselves (not a random init),
+    the first N layers with --hf-config, the stored dtype reported; the example inputs fit."""
+    from safetensors import safe_open
+
+    from tapml.checkpoint import open_checkpoint
+    from tapml.models import load_model
+    ckpt = open_checkpoint(str(llama))
+    assert ckpt.dtype == "bfloat16" and len(ckpt.weights) >= 2
+    model, inputs = load_model(str(llama), hf_config={"num_hidden_layers": 1}, dtype="bfloat16")
+    assert len(model.model.layers) == 1 and model.model.embed_tokens.weight.dtype == torch.bfloat16
+    index = json.loads((llama / "model.safetensors.index.json").read_text())["weight_map"]
+    for name in ("model.layers.0.self_attn.q_proj.weight", "lm_head.weight", "model.embed_tokens.weight"):
+        with safe_open(str(llama / index[name]), "pt") as f:
+            assert torch.equal(f.get_tensor(name), model.get_parameter(name)), name
+    assert inputs[0].dtype == torch.long and int(inputs[0].max()) < model.config.vocab_size
+    with torch.no_grad():
+        assert torch.isfinite(model(*inputs).logits.float()).all()
+    full, _ = load_model(str(llama))  # float32 asked: the same weights upcast
+    assert full.model.layers[1].mlp.up_proj.weight.dtype == torch.float32
+    with safe_open(str(llama / index["model.layers.1.mlp.up_proj.weight"]), "pt") as f:
+        assert torch.equal(f.get_tensor("model.layers.1.mlp.up_proj.weight").float(),
+                           full.model.layers[1].mlp.up_proj.weight)
+
+
+def test_hub_name_from_the_local_cache(llama, tmp_path, monkeypatch):
+    """hf:ORG/NAME is found in $HF_HUB_CACHE offline and carves in its stored dtype (the CLI says
+    so); a name not in the cache is exit 2 with the command that downloads it; a snapshot whose
+    link leaves the repository's cache folder is refused."""
+    cache = tmp_path / "hub"
+    place_in_hub_cache(cache, ORG_NAME, llama)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    r = tapml("carve", f"hf:{ORG_NAME}", "-o", tmp_path / "s", "--hf-config", "num_hidden_layers=1")
+    assert r.exit_code == 0, r.output
+    assert f"dtype bfloat16: the dtype hf:{ORG_NAME} is stored in" in r.output
+    manifest = json.loads((tmp_path / "s" / "manifest.json").read_text())
+    assert manifest["dtype"] == "bfloat16" and manifest["model"] == f"hf:{ORG_NAME}"
+    assert manifest["hf_config"] == {"num_hidden_layers": 1}
+    assert not any("layers.1." in n["name"] or "layers_1_" in n["name"] for n in manifest["nodes"])
+
+    r = tapml("carve", "hf:tiny-org/absent", "-o", tmp_path / "t")
+    assert r.exit_code == 2 and "hf download tiny-org/absent" in r.output and "Traceback" not in r.output
+    assert not (tmp_path / "t").exists()
+
+    outside = tmp_path / "elsewhere.safetensors"
+    snapshot = place_in_hub_cache(cache, "tiny-org/leaky", llama)
+    shard = next(snapshot.glob("model-*.safetensors"))
+    shutil.copyfile(shard, outside)
+    shard.unlink()
+    shard.symlink_to(outside)
+    r = tapml("carve", "hf:tiny-org/leaky", "-o", tmp_path / "u")
+    assert r.exit_code == 2 and "outside the checkpoint folder" in r.output and not (tmp_path / "u").exists()
+
+
+class _Planted:
+    """A pickle that creates a file when unpickled."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _edit_json(path: Path, **changes) -> None:
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+
+
+def _shard(folder: Path) -> Path:
+    return sorted(folder.glob("model-*.safetensors"))[0]
+
+
+def _index_names(folder: Path, name: str) -> None:
+    """The index puts one tensor, one that is elsewhere, in the file ``name``."""
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    first = next(k for k, v in index["weight_map"].items() if v != name)
+    index["weight_map"][first] = name
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _pickle_only(folder: Path, marker: Path) -> None:
+    for f in folder.glob("model*.safetensors*"):
+        f.unlink()
+    (folder / "pytorch_model.bin").write_bytes(pickle.dumps(_Planted(marker)))
+
+
+def _remote_code(folder: Path, marker: Path) -> None:
+    (folder / "modeling_evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    _edit_json(folder / "config.json", auto_map={"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"})
+
+
+def _link_out(folder: Path, outside: Path, name: str) -> None:
+    shutil.copyfile(folder / name, outside)
+    (folder / name).unlink()
+    (folder / name).symlink_to(outside)
+
+
+# (id, how the folder is made hostile (folder, a path outside it), extra arguments, what the message says)
+HOSTILE = [
+    ("no-config", lambda f, o: (f / "config.json").unlink(), [], "has no config.json"),
+    ("truncated-shard", lambda f, o: _shard(f).write_bytes(_shard(f).read_bytes()[:-200]), [],
+     "not a whole safetensors file"),
+    ("missing-shard", lambda f, o: _shard(f).unlink(), [], "is missing"),
+    ("index-dotdot", lambda f, o: _index_names(f, "../outside.safetensors"), [], "not a plain name inside"),
+    ("index-absolute", lambda f, o: _index_names(f, str(o)), [], "not a plain name inside"),
+    ("shard-link-out", lambda f, o: _link_out(f, o, _shard(f).name), [], "outside the checkpoint folder"),
+    ("config-link-out", lambda f, o: _link_out(f, o, "config.json"), [], "outside the checkpoint folder"),
+    ("index-wrong-shard", lambda f, o: _index_names(f, sorted(f.glob("model-*.safetensors"))[-1].name), [],
+     "does not hold"),
+    ("wider-config", lambda f, o: _edit_json(f / "config.json", hidden_size=96), ["--dtype", "float32"],
+     "weights do not fit the config"),
+    ("other-shapes", lambda f, o: _edit_json(f / "config.json", num_key_value_heads=1, intermediate_size=96), [],
+     "tensors have other shapes"),
+    ("unknown-architecture", lambda f, o: _edit_json(f / "config.json", model_type="not-a-model"), [],
+     "unknown architecture model_type 'not-a-model'"),
+    ("pickle-weights", _pickle_only, [], "pickle weights (pytorch_model.bin)"),
+    ("remote-code", _remote_code, [], "--trust-remote-code"),
+]
+
+
+@pytest.mark.parametrize("make, extra, says", [pytest.param(*h[1:], id=h[0]) for h in HOSTILE])
+def test_hostile_checkpoint_is_refused_and_nothing_is_written(llama, tmp_path, make, extra, says):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(llama, folder)
+    marker = tmp_path / "ran"
+    make(folder, marker if make in (_pickle_only, _remote_code) else tmp_path / "outside.safetensors")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    r = tapml("carve", folder, "-o", tmp_path / "out", *extra)
+    assert r.exit_code == 2, r.output
+    assert says in r.output and "Traceback" not in r.output and "internal error" not in r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no store, no temporary folder
+    assert not marker.exists()  # the pickle was never unpickled, the shipped code never imported
+
+
+def test_every_model_command_checks_the_checkpoint(llama, tmp_path):
+    """generate, migrate, session and precision take a checkpoint where they take a MODEL, and refuse a
+    hostile one the same way (exit 2, nothing written, nothing run)."""
+    folder = tmp_path / "ckpt"
+    shutil.copytree(llama, folder)
+    marker = tmp_path / "ran"
+    _pickle_only(folder, marker)
+    for args in (["generate", folder, "--tokens", "2"], ["migrate", folder, "--state", tmp_path / "st.json"],
+                 ["precision", folder], ["bench", "generation", "--model", folder]):
+        r = tapml(*args)
+        assert r.exit_code == 2 and "pickle weights" in r.output, (args, r.output)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"] and not marker.exists()
+
+
+def test_causal_lm_of_a_checkpoint_checks_positions(llama):
+    """A generation of a checkpoint must fit its positions; an encoder checkpoint has no generation."""
+    from tapml.models import load_causal_lm
+    with pytest.raises(TapmlError, match="exceeds the model's 128 positions"):
+        load_causal_lm(str(llama), tokens=200, prompt_len=8)
+    model = load_causal_lm(str(llama), tokens=4, prompt_len=4, hf_config={"num_hidden_layers": 1}, dtype="bfloat16")
+    assert len(model.model.layers) == 1 and model.generation_config.cache_implementation == "static"
+
+
+@pytest.mark.device
+@pytest.mark.slow
+@pytest.mark.xdist_group("wgpu")
+def test_generate_on_a_checkpoint_folder(llama, tmp_path):
+    """`tapml generate DIR` carves the folder's generation in its stored dtype and checks it on lavapipe."""
+    vulkan_or_skip()
+    r = tapml("generate", llama, "--target", "wgpu:vulkan", "--tokens", "3", "--prompt-len", "4",
+              "--hf-config", "num_hidden_layers=1", "--json", tmp_path / "g.json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "g.json").read_text())
+    assert doc["model"] == str(llama) and doc["summary"]["steps"] == 4 and doc["summary"]["pass"] >= 1
+    assert doc["summary"]["mismatch"] == 0 and doc["summary"]["error"] == 0
