@@ -274,7 +274,8 @@ def checkpoint_config(ckpt: Checkpoint, hf_config: dict | None = None, use_cache
     given = ", ".join(f"{k}={v!r}" for k, v in (hf_config or {}).items())
     try:
         config = AutoConfig.from_pretrained(str(ckpt.folder), local_files_only=True,
-                                            trust_remote_code=ckpt.remote_code, **(hf_config or {}))
+                                            trust_remote_code=ckpt.remote_code,
+                                            **_with_per_layer_lists(ckpt.config, hf_config or {}))
     except Exception as e:  # noqa: BLE001 - a config transformers refuses is bad input
         what = f" with --hf-config {given}" if given else ""
         raise TapmlError(f"{ckpt.spec}: transformers cannot read its config.json{what}: {type(e).__name__}: "
@@ -282,6 +283,21 @@ def checkpoint_config(ckpt: Checkpoint, hf_config: dict | None = None, use_cache
     for part in (config, *_sub_configs(config)):
         _export_settings(part, use_cache=use_cache)
     return config
+
+
+def _with_per_layer_lists(stored: dict, overrides: dict) -> dict:
+    """``overrides`` plus, when they lower a layer count, every per-layer list of the stored config
+    (Qwen2's ``layer_types``: one entry per layer) cut to the first layers, so that the config
+    stays consistent with itself."""
+    out = dict(overrides)
+    for key, layers in overrides.items():
+        before = stored.get(key)
+        if type(layers) is not int or type(before) is not int or not 0 < layers < before:
+            continue
+        for name, value in stored.items():
+            if name not in out and isinstance(value, list) and len(value) == before:
+                out[name] = value[:layers]
+    return out
 
 
 def load_checkpoint_model(ckpt: Checkpoint, auto, config, dtype: str):
