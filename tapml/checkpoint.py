@@ -56,6 +56,11 @@ def remote_code_trusted(trusted: bool):
         _remote_code.reset(token)
 
 
+def remote_code_is_trusted() -> bool:
+    """Whether the current command was given ``--trust-remote-code`` (:func:`remote_code_trusted`)."""
+    return _remote_code.get()
+
+
 def is_hub_name(spec: str) -> bool:
     """Whether ``spec`` is ``hf:ORG/NAME`` (a hub repository name) rather than ``hf:MODEL_TYPE``."""
     return isinstance(spec, str) and spec.startswith("hf:") and "/" in spec[3:]

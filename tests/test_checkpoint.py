@@ -220,15 +220,97 @@ def test_causal_lm_of_a_checkpoint_checks_positions(llama):
     assert len(model.model.layers) == 1 and model.generation_config.cache_implementation == "static"
 
 
+PARAGRAPH = ("Hello world . The quick brown fox jumps over the lazy dog , and the dog sleeps in the warm sun . "
+             "A user asks a question and the assistant : answers it with care . Models turn words into tokens , "
+             "tokens into numbers , and numbers back into words for the world to read .")
+CHAT_TEMPLATE = ("{% for m in messages %}<s> {{ m['role'] }} : {{ m['content'] }} </s> {% endfor %}"
+                 "{% if add_generation_prompt %}<s> assistant : {% endif %}")
+
+
+def save_tokenizer(folder: Path) -> None:
+    """A word-level tokenizer trained here on PARAGRAPH, saved beside the weights with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([PARAGRAPH], trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>", "</s>"]))
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                            chat_template=CHAT_TEMPLATE).save_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def llama_with_tokenizer(llama, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tok") / "llama"
+    shutil.copytree(llama, folder)
+    save_tokenizer(folder)
+    return folder
+
+
+def test_prompts_in_words_and_ids(llama, llama_with_tokenizer, tmp_path):
+    """--prompt is tokenized by the folder's own tokenizer, --chat through its chat template;
+    --prompt-ids needs none; a prompt in words without a tokenizer, a prompt past the model's
+    positions and a tokenizer that ships code are exit 2 with nothing written; the texts of a
+    generation mark the first token where the target leaves the reference."""
+    from transformers import AutoTokenizer
+
+    from tapml.prompts import generation_texts, load_tokenizer, prompt_token_ids, token_pieces
+    tokenizer = load_tokenizer(str(llama_with_tokenizer))
+    own = AutoTokenizer.from_pretrained(llama_with_tokenizer)
+    ids, text = prompt_token_ids("m", tokenizer, text="Hello world")
+    assert ids == own("Hello world")["input_ids"] and text == "Hello world" and 0 not in ids  # no <unk>
+    chat, _ = prompt_token_ids("m", tokenizer, text="Hello world", chat=True)
+    assert tokenizer.decode(chat) == "<s> user : Hello world </s> <s> assistant :"
+    (tmp_path / "p.txt").write_text("the dog sleeps")
+    assert prompt_token_ids("m", tokenizer, file=str(tmp_path / "p.txt"))[0] == own("the dog sleeps")["input_ids"]
+    assert prompt_token_ids("m", None, ids="3,1,4") == ([3, 1, 4], None)
+    assert load_tokenizer(str(llama)) is None and load_tokenizer("zoo:tiny-llama") is None
+    for kwargs, says in (({"text": "hi"}, "has no tokenizer"), ({"ids": "1,x"}, "separated by commas"),
+                         ({"text": "a", "ids": "1"}, "give one prompt"), ({"chat": True}, "--chat applies")):
+        with pytest.raises(TapmlError, match=says):
+            prompt_token_ids("m", None, **kwargs)
+    texts = generation_texts(tokenizer, ids, own("the dog sleeps")["input_ids"], own("the dog jumps")["input_ids"])
+    assert texts == {"prompt": "Hello world", "reference_text": "the dog sleeps", "target_text": "the dog jumps",
+                     "first_divergent_token": 2}
+    assert "".join(token_pieces(tokenizer, own("the dog sleeps")["input_ids"])) == "the dog sleeps"
+
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for args, says in (
+            (["generate", llama_with_tokenizer, "--prompt", PARAGRAPH * 3], "exceeds the model's 128 positions"),
+            (["carve", "zoo:tiny-llama", "--generate", "2", "--prompt", "hi", "-o", tmp_path / "s"],
+             "has no tokenizer"),
+            (["generate", llama_with_tokenizer, "--prompt", "hi", "--prompt-len", "4"], "leave --prompt-len out"),
+            (["generate", llama_with_tokenizer, "--prompt-ids", "1,9999"], "not in"),
+            (["carve", llama_with_tokenizer, "--prompt", "hi", "-o", tmp_path / "s"], "add --generate N")):
+        r = tapml(*args)
+        assert r.exit_code == 2 and says in r.output and "Traceback" not in r.output, (args, r.output)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+    config = json.loads((llama_with_tokenizer / "tokenizer_config.json").read_text())
+    hostile = tmp_path / "hostile"
+    shutil.copytree(llama_with_tokenizer, hostile)
+    (hostile / "tokenizer_config.json").write_text(json.dumps({**config, "auto_map": {
+        "AutoTokenizer": ["tokenization_evil.EvilTokenizer", None]}}))
+    with pytest.raises(TapmlError, match="tokenizer_config.json has auto_map"):
+        load_tokenizer(str(hostile))
+
+
 @pytest.mark.device
 @pytest.mark.slow
 @pytest.mark.xdist_group("wgpu")
-def test_generate_on_a_checkpoint_folder(llama, tmp_path):
-    """`tapml generate DIR` carves the folder's generation in its stored dtype and checks it on lavapipe."""
+def test_generate_a_checkpoint_from_a_prompt_in_words(llama_with_tokenizer, tmp_path):
+    """`tapml generate DIR --prompt "Hello world" --target wgpu:vulkan --tokens 16 --json g.json`: the
+    two-shard bfloat16 folder carved in bfloat16 from the tokenized prompt, checked on lavapipe, and both
+    texts in the JSON and on the terminal."""
     vulkan_or_skip()
-    r = tapml("generate", llama, "--target", "wgpu:vulkan", "--tokens", "3", "--prompt-len", "4",
-              "--hf-config", "num_hidden_layers=1", "--json", tmp_path / "g.json")
+    from tapml.prompts import load_tokenizer
+    r = tapml("generate", llama_with_tokenizer, "--prompt", "Hello world", "--target", "wgpu:vulkan",
+              "--tokens", "16", "--json", tmp_path / "g.json")
     assert r.exit_code == 0, r.output
     doc = json.loads((tmp_path / "g.json").read_text())
-    assert doc["model"] == str(llama) and doc["summary"]["steps"] == 4 and doc["summary"]["pass"] >= 1
+    tokenizer = load_tokenizer(str(llama_with_tokenizer))
+    assert doc["prompt"] == "Hello world" and doc["prompt_len"] == 2 and doc["summary"]["steps"] == 17
+    assert doc["reference_text"] == tokenizer.decode(doc["reference_tokens"]) and doc["reference_text"]
+    assert doc["target_text"] == tokenizer.decode(doc["target_tokens"]) and doc["target_text"]
     assert doc["summary"]["mismatch"] == 0 and doc["summary"]["error"] == 0
+    assert "dtype bfloat16" in r.output and "reference text" in r.output and "target text" in r.output
+    assert doc["reference_text"].split()[0] in r.output

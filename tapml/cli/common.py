@@ -81,6 +81,12 @@ KeepFloat32Opt = typer.Option(None, "--keep-float32", help="Run these in float32
 TrustRemoteCodeOpt = typer.Option(False, "--trust-remote-code", help="Let a checkpoint whose config.json has "
                                   "auto_map run the Python code it ships (as file.py:factory runs); read that code "
                                   "first. Without it such a checkpoint is refused")
+PromptOpt = typer.Option(None, "--prompt", help="The prompt in words, tokenized by the checkpoint's own tokenizer "
+                         "(its tokens are the prompt; a generation)")
+PromptFileOpt = typer.Option(None, "--prompt-file", help="The prompt read from this UTF-8 text file (as --prompt)")
+ChatOpt = typer.Option(False, "--chat", help="Wrap --prompt/--prompt-file as a user message in the tokenizer's chat "
+                       "template first")
+PromptIdsOpt = typer.Option(None, "--prompt-ids", help="The prompt as token ids, e.g. 1,2,3 (no tokenizer needed)")
 DeviceLimitOpt = typer.Option(None, "--device-limit", help="NAME=VALUE: lower a device limit the compiler sees, to "
                               "emulate a smaller device (VALUE in bytes or with KiB/MiB/GiB, e.g. "
                               "max-storage-buffer-binding-size=128MiB); repeatable; a value laxer than the "
@@ -323,6 +329,19 @@ def is_store_path(model: str) -> bool:
     return Path(model).is_dir() and not is_checkpoint_folder(model)
 
 
+def read_prompt(model: str, *, prompt: Optional[str], prompt_file: Optional[str], chat: bool,
+                prompt_ids: Optional[str], prompt_len: Optional[int], tokenizer=None) -> Optional[list[int]]:
+    """The token ids of ``--prompt``/``--prompt-file``/``--chat``/``--prompt-ids`` for a generation of
+    MODEL (``tokenizer``: MODEL's, :func:`tapml.prompts.load_tokenizer`), None when no prompt was
+    given; exit 2 for a prompt with ``--prompt-len`` (the prompt's tokens are the prompt), or any
+    refusal of :func:`tapml.prompts.prompt_token_ids`."""
+    from tapml.prompts import prompt_token_ids
+    ids, _ = prompt_token_ids(model, tokenizer, text=prompt, file=prompt_file, chat=chat, ids=prompt_ids)
+    if ids is not None and prompt_len is not None:
+        fail(f"--prompt-len {prompt_len}: the prompt's {len(ids)} tokens are the prompt; leave --prompt-len out")
+    return ids
+
+
 def open_store(path: str):
     """The CarveStore at ``path`` (TapmlError, exit 2, when it is missing or corrupt)."""
     from tapml.carving.store import CarveStore
@@ -338,4 +357,5 @@ def progress_bar(quiet: bool = False):
 
 __all__ = ["app", "console", "out", "make_console", "EXIT_OK", "EXIT_FINDING", "EXIT_USAGE", "EXIT_INTERNAL", "TargetOpt", "TolOpt",
            "InjectOpt", "TokenFileOpt", "JsonOpt", "TrustRemoteCodeOpt", "DeviceLimitOpt", "parse_device_limits", "QuietOpt", "DtypeOpt", "KeepFloat32Opt", "check_dtype", "fail", "command", "write_crash_report", "write_json",
-           "open_store", "is_store_path", "progress_bar"]
+           "open_store", "is_store_path", "progress_bar", "read_prompt", "PromptOpt", "PromptFileOpt",
+           "ChatOpt", "PromptIdsOpt"]
