@@ -372,7 +372,8 @@ class _TorchDecoder:
 
 def generation_figure(platform, target: str, workdir: Path, spec: str = GENERATION_MODEL, *,
                       tokens: tuple[int, int] = GENERATION_TOKENS, prompt_len: int = GENERATION_PROMPT_LEN,
-                      repeat: int = 5, hf_config: dict | None = None, dtype: str = "float32") -> dict:
+                      repeat: int = 5, hf_config: dict | None = None, dtype: str = "float32",
+                      prompt_ids: list[int] | None = None) -> dict:
     """Decode tokens/s and prefill time of a greedy generation of ``spec`` on the target next to
     torch eager decoding of the same model, prompt and steps on the CPU, and the programs a
     generation compiles for ``tokens[0]`` and ``tokens[1]`` decode steps (static shapes: equal).
@@ -387,7 +388,8 @@ def generation_figure(platform, target: str, workdir: Path, spec: str = GENERATI
     thread, and two spinning threads on a loaded machine lose up to 10x (``torch_by_threads``).
     ``ratios``: ``decode`` = target tokens/s over torch tokens/s (above 1: the target decodes
     faster); ``prefill`` = target ms over torch ms (below 1: the target prefills faster).
-    ``dtype``: the model (and torch's decoding of it) in that dtype.
+    ``dtype``: the model (and torch's decoding of it) in that dtype. ``prompt_ids``: the prompt's
+    token ids (``--prompt``...; ``prompt_len`` is then their number), else random ones.
     Example: ``generation_figure(platform, "wgpu:vulkan", Path("/tmp/gen"), tokens=(2, 8))``.
     """
     import statistics
@@ -399,7 +401,9 @@ def generation_figure(platform, target: str, workdir: Path, spec: str = GENERATI
     from tapml.generate import generate, passed
     few, many = tokens
     start = time.perf_counter()
-    carve_generation(spec, workdir, tokens=many, prompt_len=prompt_len, hf_config=hf_config, dtype=dtype)
+    prompt_len = len(prompt_ids) if prompt_ids else prompt_len
+    carve_generation(spec, workdir, tokens=many, prompt_len=prompt_len, hf_config=hf_config, dtype=dtype,
+                     prompt_ids=prompt_ids)
     store = CarveStore(workdir)
     row = {"model": spec, "prompt_len": prompt_len, "tokens": many, "runs": repeat, "statistic": "median",
            "carve_s": round(time.perf_counter() - start, 3)}

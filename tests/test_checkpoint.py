@@ -227,8 +227,9 @@ CHAT_TEMPLATE = ("{% for m in messages %}<s> {{ m['role'] }} : {{ m['content'] }
                  "{% if add_generation_prompt %}<s> assistant : {% endif %}")
 
 
-def save_tokenizer(folder: Path) -> None:
-    """A word-level tokenizer trained here on PARAGRAPH, saved beside the weights with a chat template."""
+def save_tokenizer(folder: Path) -> int:
+    """A word-level tokenizer trained here on PARAGRAPH, saved in ``folder`` with a chat template;
+    returns its vocabulary size."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
@@ -236,13 +237,16 @@ def save_tokenizer(folder: Path) -> None:
     tok.train_from_iterator([PARAGRAPH], trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>", "</s>"]))
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
                             chat_template=CHAT_TEMPLATE).save_pretrained(folder)
+    return tok.get_vocab_size()
 
 
 @pytest.fixture(scope="module")
-def llama_with_tokenizer(llama, tmp_path_factory) -> Path:
+def llama_with_tokenizer(tmp_path_factory) -> Path:
+    """A two-layer bfloat16 llama in shards whose vocabulary is its tokenizer's."""
     folder = tmp_path_factory.mktemp("tok") / "llama"
-    shutil.copytree(llama, folder)
-    save_tokenizer(folder)
+    vocab = save_tokenizer(folder)
+    write_checkpoint(folder, "llama", {"vocab_size": vocab}, shard="60KB")
+    assert len(list(folder.glob("model-*.safetensors"))) >= 2
     return folder
 
 
@@ -279,7 +283,7 @@ def test_prompts_in_words_and_ids(llama, llama_with_tokenizer, tmp_path):
             (["carve", "zoo:tiny-llama", "--generate", "2", "--prompt", "hi", "-o", tmp_path / "s"],
              "has no tokenizer"),
             (["generate", llama_with_tokenizer, "--prompt", "hi", "--prompt-len", "4"], "leave --prompt-len out"),
-            (["generate", llama_with_tokenizer, "--prompt-ids", "1,9999"], "not in"),
+            (["generate", llama_with_tokenizer, "--prompt-ids", "1,999"], "not in"),
             (["carve", llama_with_tokenizer, "--prompt", "hi", "-o", tmp_path / "s"], "add --generate N")):
         r = tapml(*args)
         assert r.exit_code == 2 and says in r.output and "Traceback" not in r.output, (args, r.output)

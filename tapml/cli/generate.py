@@ -102,7 +102,7 @@ def _add_texts(doc: dict, store, model: str, tokenizer) -> tuple[list[str], list
     """Add the decoded ``prompt``, ``reference_text`` and ``target_text`` to the Generation JSON;
     returns each stream's per-token pieces for the terminal."""
     from tapml.prompts import generation_texts, token_pieces
-    prompt_ids = store.tensor(store.steps()[0]["inputs"]["input_ids"]).reshape(-1).tolist()
+    prompt_ids = store.step_inputs(0)["input_ids"].reshape(-1).tolist()
     doc.update(generation_texts(tokenizer, prompt_ids, doc["reference_tokens"], doc["target_tokens"]))
     doc["tokenizer"] = model
     doc["tokenizer_note"] = f"text decoded with the tokenizer of {model}"
