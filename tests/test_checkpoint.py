@@ -318,3 +318,25 @@ def test_generate_a_checkpoint_from_a_prompt_in_words(llama_with_tokenizer, tmp_
     assert doc["summary"]["mismatch"] == 0 and doc["summary"]["error"] == 0
     assert "dtype bfloat16" in r.output and "reference text" in r.output and "target text" in r.output
     assert doc["reference_text"].split()[0] in r.output
+
+
+#: Decoders besides llama, an encoder and a vision model: one code path, nothing per architecture.
+ARCHITECTURES = ["qwen2", "gpt2", "phi3", "mistral", "gemma", "bert", "vit"]
+
+
+@pytest.mark.device
+@pytest.mark.slow
+@pytest.mark.xdist_group("wgpu")
+@pytest.mark.parametrize("model_type", ["llama", *ARCHITECTURES])
+def test_migrate_checkpoint_folders_on_lavapipe(llama, tmp_path, model_type):
+    """`tapml migrate DIR --target wgpu:vulkan` exits 0 on save_pretrained folders of several
+    architectures in bfloat16 (the others cut to their first layer by --hf-config, which also cuts
+    per-layer config lists such as qwen2's layer_types)."""
+    vulkan_or_skip()
+    folder = llama if model_type == "llama" else write_checkpoint(tmp_path / model_type, model_type)
+    cut = [] if model_type == "llama" else ["--hf-config", "num_hidden_layers=1"]
+    r = tapml("migrate", folder, "--target", "wgpu:vulkan", "--state", tmp_path / "state.json", "-q", *cut)
+    assert r.exit_code == 0, r.output
+    state = json.loads((tmp_path / "state.json").read_text())
+    assert state["precision"]["dtype"] == "bfloat16" and state["end_to_end"]["status"] == "pass", state["end_to_end"]
+    assert state["passed"] and state["summary"]["pass"] > 0 and state["culprits"] == []
