@@ -304,7 +304,7 @@ def generation(target: str = typer.Option("wgpu", "--target", "-t", help="Target
     from tapml.prompts import load_tokenizer
     ids = read_prompt(model, prompt=prompt, prompt_file=prompt_file, chat=chat, prompt_ids=prompt_ids,
                       prompt_len=prompt_len, tokenizer=load_tokenizer(model) if prompt or prompt_file else None)
-    prompt_len = len(ids) if ids else prompt_len or 8
+    prompt_len = len(ids) if ids else 8 if prompt_len is None else prompt_len
     overrides = parse_hf_overrides(hf_config)
     dtype = check_dtype(dtype, model) or "float32"
     _check_json_dir(json_out)

@@ -49,7 +49,9 @@ def carve(model: str = typer.Argument(..., help="zoo:NAME, hf:MODEL_TYPE, hf:ORG
             tokenizer = load_tokenizer(model)
         ids = read_prompt(model, prompt=prompt, prompt_file=prompt_file, chat=chat, prompt_ids=prompt_ids,
                           prompt_len=prompt_len, tokenizer=tokenizer)
-        carve_generation_command(model, output, tokens=generate, prompt_len=len(ids) if ids else prompt_len or 8,
+        if ids:
+            prompt_len = len(ids)
+        carve_generation_command(model, output, tokens=generate, prompt_len=8 if prompt_len is None else prompt_len,
                                  seed=seed, device=device, hf_config=overrides, quiet=quiet, json_out=json_out,
                                  dtype=dtype, prompt_ids=ids)
         return
