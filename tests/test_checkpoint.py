@@ -340,3 +340,35 @@ def test_migrate_checkpoint_folders_on_lavapipe(llama, tmp_path, model_type):
     state = json.loads((tmp_path / "state.json").read_text())
     assert state["precision"]["dtype"] == "bfloat16" and state["end_to_end"]["status"] == "pass", state["end_to_end"]
     assert state["passed"] and state["summary"]["pass"] > 0 and state["culprits"] == []
+
+
+@pytest.mark.slow
+def test_trust_remote_code_runs_the_checkpoints_code(llama, tmp_path):
+    """With --trust-remote-code, a config's auto_map is honoured: the class the folder ships builds
+    the model (its module ran); without it, the same folder is refused and nothing runs. A fresh
+    process, so that transformers copies the module into a modules cache under tmp_path."""
+    import subprocess
+    import sys
+    folder = tmp_path / "ckpt"
+    shutil.copytree(llama, folder)
+    marker = tmp_path / "ran"
+    (folder / "modeling_tiny.py").write_text(
+        f"from transformers import LlamaForCausalLM\nopen({str(marker)!r}, 'w').write('ran')\n\n\n"
+        "class ShippedLlama(LlamaForCausalLM):\n    pass\n")
+    _edit_json(folder / "config.json", auto_map={"AutoModelForCausalLM": "modeling_tiny.ShippedLlama"})
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    cli = [sys.executable, "-m", "tapml.cli", "carve", str(folder), "--hf-config", "num_hidden_layers=1"]
+    refused = subprocess.run([*cli, "-o", str(tmp_path / "s0")], env=env, capture_output=True, text=True,
+                             timeout=300)
+    assert refused.returncode == 2 and "--trust-remote-code" in refused.stderr and not marker.exists()
+    script = ("import sys; from tapml.checkpoint import remote_code_trusted; from tapml.models import load_model\n"
+              "with remote_code_trusted(True):\n"
+              "    model, _ = load_model(sys.argv[1], hf_config={'num_hidden_layers': 1})\n"
+              "print(type(model).__name__, len(model.model.layers))\n")
+    run = subprocess.run([sys.executable, "-c", script, str(folder)], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0 and run.stdout.split() == ["ShippedLlama", "1"], run.stderr[-2000:]
+    assert marker.read_text() == "ran"
+    carved = subprocess.run([*cli, "-o", str(tmp_path / "s1"), "--trust-remote-code"], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert carved.returncode == 0 and (tmp_path / "s1" / "manifest.json").is_file(), carved.stderr[-2000:]
