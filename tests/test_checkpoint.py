@@ -320,8 +320,8 @@ def test_generate_a_checkpoint_from_a_prompt_in_words(llama_with_tokenizer, tmp_
     assert doc["reference_text"].split()[0] in r.output
 
 
-#: Decoders besides llama, an encoder and a vision model: one code path, nothing per architecture.
-ARCHITECTURES = ["qwen2", "gpt2", "phi3", "mistral", "gemma", "bert", "vit"]
+#: Decoders besides llama, an encoder, a vision and an audio model: one code path, nothing per architecture.
+ARCHITECTURES = ["qwen2", "gpt2", "phi3", "mistral", "gemma", "bert", "vit", "whisper"]
 
 
 @pytest.mark.device

@@ -70,6 +70,7 @@ def generate(model: str = typer.Argument(..., help="A generation store (`tapml c
              if value is not None]
     if is_store and asked:
         fail(f"{asked[0]}: store {model} holds the prompt it was carved with; give {asked[0]} with a MODEL to carve")
+    from tapml.checkpoint import is_checkpoint_spec
     from tapml.prompts import load_tokenizer
     tokenizer = None if is_store else load_tokenizer(model)
     ids = None if is_store else read_prompt(model, prompt=prompt, prompt_file=prompt_file, chat=chat,
@@ -91,6 +92,8 @@ def generate(model: str = typer.Argument(..., help="A generation store (`tapml c
                                  localize=localize, inject=inject, on_step=_progress(quiet or json_out == "-"),
                                  keep_float32=keep)
         pieces = _add_texts(doc, store, model, tokenizer) if tokenizer is not None else None
+        if tokenizer is None and not is_store and is_checkpoint_spec(model):
+            doc["tokenizer_note"] = f"no tokenizer in {model} (tokenizer.json): token ids are shown"
     if json_out:
         write_json(doc, json_out)
     if json_out != "-":
