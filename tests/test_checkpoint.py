@@ -23,9 +23,9 @@ from tapml.errors import TapmlError
 ORG_NAME = "tiny-org/llama"
 
 
-def tapml(*args):
+def tapml(*args, input=None):
     from tapml.cli import app
-    return CliRunner().invoke(app, [str(a) for a in args])
+    return CliRunner().invoke(app, [str(a) for a in args], input=input)
 
 
 def write_checkpoint(path: Path, model_type: str, overrides: dict | None = None, shard: str = "100KB") -> Path:
@@ -372,3 +372,17 @@ def test_trust_remote_code_runs_the_checkpoints_code(llama, tmp_path):
     carved = subprocess.run([*cli, "-o", str(tmp_path / "s1"), "--trust-remote-code"], env=env, capture_output=True,
                             text=True, timeout=300)
     assert carved.returncode == 0 and (tmp_path / "s1" / "manifest.json").is_file(), carved.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_session_and_precision_take_a_checkpoint(llama, tmp_path):
+    """session (scripted) and precision carve a checkpoint folder, first layer only, in its stored
+    bfloat16, and check it end to end on the reference."""
+    r = tapml("session", llama, "--target", "reference", "--hf-config", "num_hidden_layers=1",
+              input="offload all\ncheck\n")
+    assert r.exit_code == 0 and "end to end: pass" in r.output and "dtype bfloat16" in r.output, r.output
+    r = tapml("precision", llama, "--target", "reference", "--hf-config", "num_hidden_layers=1",
+              "--json", tmp_path / "p.json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "p.json").read_text())
+    assert doc["dtype"] == "bfloat16" and doc["end_to_end"]["before"]["status"] == "pass"
