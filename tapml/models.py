@@ -627,27 +627,11 @@ def load_causal_lm(spec: str, *, tokens: int, prompt_len: int, seed: int = 0, hf
             f"hf:gpt_neox, hf:qwen2, hf:mistral...), {', '.join(f'zoo:{n}' for n in _zoo_causal_lms())}, "
             "or a checkpoint folder or hf:ORG/NAME of one")
     from tapml.checkpoint import checkpoint_config, is_checkpoint_spec, load_checkpoint_model, open_checkpoint
-    ckpt = None
-    if isinstance(spec, str) and is_checkpoint_spec(spec):
-        ckpt = open_checkpoint(spec)
-        config = checkpoint_config(ckpt, hf_config, use_cache=True)
-    elif not isinstance(spec, str) or not spec.startswith(("zoo:", "hf:")):
-        raise TapmlError(f"cannot carve a generation of {str(spec)[:80]!r}: {fits}")
-    elif hf_config and not spec.startswith("hf:"):
-        raise TapmlError("--hf-config only applies to hf:MODEL_TYPE specs and checkpoints")
+    ckpt = open_checkpoint(spec) if isinstance(spec, str) and is_checkpoint_spec(spec) else None
     if ckpt is not None:
-        pass
-    elif spec.startswith("zoo:"):
-        build = ZOO.get(spec[4:])
-        if build is None:
-            raise TapmlError(f"unknown zoo model {spec[4:]!r}; {fits}")
-        if spec[4:] not in _zoo_causal_lms():
-            raise TapmlError(f"{spec} is not a causal LM, so it has no generation to carve; {fits}")
-        model_type, overrides = build.hf
+        config = checkpoint_config(ckpt, hf_config, use_cache=True)
     else:
-        model_type, overrides = spec[3:], hf_config
-    if ckpt is None:
-        config = _small_config(model_type, overrides)
+        config = _small_config(*_causal_lm_type(spec, hf_config, fits))
     import transformers
     if (getattr(config, "is_encoder_decoder", False) or type(config) in transformers.AutoModelForMaskedLM._model_mapping
             or type(config) not in transformers.AutoModelForCausalLM._model_mapping):
@@ -673,6 +657,23 @@ def load_causal_lm(spec: str, *, tokens: int, prompt_len: int, seed: int = 0, hf
     model.generation_config.use_cache = True
     model.generation_config.cache_implementation = "static"
     return model if dtype == "float32" else model.to(to)
+
+
+def _causal_lm_type(spec, hf_config: dict | None, fits: str) -> tuple[str, dict | None]:
+    """``(model_type, overrides)`` of a ``zoo:`` or ``hf:MODEL_TYPE`` causal LM spec; TapmlError
+    (saying what ``fits``) for any other spec."""
+    if not isinstance(spec, str) or not spec.startswith(("zoo:", "hf:")):
+        raise TapmlError(f"cannot carve a generation of {str(spec)[:80]!r}: {fits}")
+    if hf_config and not spec.startswith("hf:"):
+        raise TapmlError("--hf-config only applies to hf:MODEL_TYPE specs and checkpoints")
+    if spec.startswith("hf:"):
+        return spec[3:], hf_config
+    build = ZOO.get(spec[4:])
+    if build is None:
+        raise TapmlError(f"unknown zoo model {spec[4:]!r}; {fits}")
+    if spec[4:] not in _zoo_causal_lms():
+        raise TapmlError(f"{spec} is not a causal LM, so it has no generation to carve; {fits}")
+    return build.hf
 
 
 def _zoo_causal_lms() -> list[str]:
