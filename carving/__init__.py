@@ -86,13 +86,14 @@ def open_or_carve(model_or_store: str, state_path: str | Path | None = None,
             check_model_dtype(dtype)
         except ValueError as e:
             raise TapmlError(str(e)) from None
-    if path.is_dir():
+    from tapml.frontends.checkpoint import is_checkpoint_folder
+    if path.is_dir() and not is_checkpoint_folder(path):
         if hf_config:
             raise TapmlError(f"{model_or_store} is a store: --hf-config applies to an hf: MODEL spec to carve")
         store = CarveStore(path)
         check_store_dtype(store, dtype)
         return store, path
-    if path.exists():
+    if path.exists() and not path.is_dir():
         raise TapmlError(f"{model_or_store} is a file, not a carve store or a model spec")
     if state_path is None:
         out = Path(tempfile.mkdtemp(prefix="tapml-session-")) / "store"

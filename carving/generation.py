@@ -31,12 +31,14 @@ KINDS = ("prefill", "decode")
 
 def carve_generation(spec: str, out: str | Path, *, tokens: int, prompt_len: int = 8, seed: int = 0,
                      hf_config: dict | None = None, device: str = "cpu",
-                     on_step: Callable[[dict], None] | None = None, dtype: str = "float32") -> dict:
+                     on_step: Callable[[dict], None] | None = None, dtype: str = "float32",
+                     prompt_ids: list[int] | None = None) -> dict:
     """Carve a greedy generation of ``tokens`` new tokens after a ``prompt_len``-token prompt.
 
     ``spec`` must be a causal LM (``zoo:tiny-llama``, ``zoo:tiny-gpt2``, ``hf:llama``,
     ``hf:gpt2``, ``hf:gpt_neox``, ``hf:qwen2``...; see :func:`tapml.frontends.models.load_causal_lm`). The
-    prompt is ``prompt_len`` random token ids drawn from ``seed``. Step 0 is the prefill
+    prompt is ``prompt_ids`` when given (``prompt_len`` is then their number; each must be below the
+    model's vocabulary size), else ``prompt_len`` random token ids drawn from ``seed``. Step 0 is the prefill
     (``input_ids [1, prompt_len]``, ``cache_position = arange(prompt_len)``); steps 1..tokens
     are decode steps, each feeding the previous step's argmax token at the next position, so
     the cache holds ``prompt_len + tokens`` positions. Every step's op calls become cases of
@@ -58,10 +60,18 @@ def carve_generation(spec: str, out: str | Path, *, tokens: int, prompt_len: int
 
     if device not in ("cpu", "cuda"):
         raise TapmlError(f"--device must be cpu or cuda, not {device!r}")
+    if prompt_ids is not None:
+        if not prompt_ids or not all(type(i) is int and i >= 0 for i in prompt_ids):
+            raise TapmlError("the prompt must be one or more token ids, each 0 or more")
+        prompt_len = len(prompt_ids)
     model = load_causal_lm(spec, tokens=tokens, prompt_len=prompt_len, seed=seed, hf_config=hf_config, dtype=dtype)
+    vocab = int(model.config.get_text_config().vocab_size)
+    if prompt_ids is not None and max(prompt_ids) >= vocab:
+        raise TapmlError(f"prompt token id {max(prompt_ids)} is not in {spec}'s vocabulary of {vocab} tokens "
+                         f"(ids 0 to {vocab - 1})")
     return write_store_atomically(out, lambda tmp: _carve_generation_into(
         model, spec, tmp, tokens=tokens, prompt_len=prompt_len, seed=seed, hf_config=hf_config, device=device,
-        on_step=on_step, dtype=dtype))
+        on_step=on_step, dtype=dtype, prompt_ids=prompt_ids))
 
 
 def export_generation_programs(model, prompt_len: int, max_cache_len: int, spec: str = "the model"):
@@ -173,7 +183,7 @@ def _positions_as_inputs(exportable, max_cache_len: int):
 
 def _carve_generation_into(model, spec: str, out: Path, *, tokens: int, prompt_len: int, seed: int,
                            hf_config: dict | None, device: str, on_step: Callable[[dict], None] | None,
-                           dtype: str = "float32") -> dict:
+                           dtype: str = "float32", prompt_ids: list[int] | None = None) -> dict:
     import torch
 
     from tapml.frontends.capture import program_inputs
@@ -185,7 +195,8 @@ def _carve_generation_into(model, spec: str, out: Path, *, tokens: int, prompt_l
     t0 = time.perf_counter()
     max_cache_len = prompt_len + tokens
     vocab = int(model.config.get_text_config().vocab_size)
-    prompt = torch.randint(0, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(seed))
+    prompt = torch.tensor([prompt_ids]) if prompt_ids is not None else \
+        torch.randint(0, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(seed))
     programs = export_generation_programs(model, prompt_len, max_cache_len, spec)
     if device == "cuda":
         from torch.export.passes import move_to_device_pass

@@ -372,7 +372,8 @@ class _TorchDecoder:
 
 def generation_figure(platform, target: str, workdir: Path, spec: str = GENERATION_MODEL, *,
                       tokens: tuple[int, int] = GENERATION_TOKENS, prompt_len: int = GENERATION_PROMPT_LEN,
-                      repeat: int = 5, hf_config: dict | None = None, dtype: str = "float32") -> dict:
+                      repeat: int = 5, hf_config: dict | None = None, dtype: str = "float32",
+                      prompt_ids: list[int] | None = None) -> dict:
     """Decode tokens/s and prefill time of a greedy generation of ``spec`` on the target next to
     torch eager decoding of the same model, prompt and steps on the CPU, and the programs a
     generation compiles for ``tokens[0]`` and ``tokens[1]`` decode steps (static shapes: equal).
@@ -387,7 +388,8 @@ def generation_figure(platform, target: str, workdir: Path, spec: str = GENERATI
     thread, and two spinning threads on a loaded machine lose up to 10x (``torch_by_threads``).
     ``ratios``: ``decode`` = target tokens/s over torch tokens/s (above 1: the target decodes
     faster); ``prefill`` = target ms over torch ms (below 1: the target prefills faster).
-    ``dtype``: the model (and torch's decoding of it) in that dtype.
+    ``dtype``: the model (and torch's decoding of it) in that dtype. ``prompt_ids``: the prompt's
+    token ids (``--prompt``...; ``prompt_len`` is then their number), else random ones.
     Example: ``generation_figure(platform, "wgpu:vulkan", Path("/tmp/gen"), tokens=(2, 8))``.
     """
     import statistics
@@ -399,7 +401,9 @@ def generation_figure(platform, target: str, workdir: Path, spec: str = GENERATI
     from tapml.driving.generate import generate, passed
     few, many = tokens
     start = time.perf_counter()
-    carve_generation(spec, workdir, tokens=many, prompt_len=prompt_len, hf_config=hf_config, dtype=dtype)
+    prompt_len = len(prompt_ids) if prompt_ids else prompt_len
+    carve_generation(spec, workdir, tokens=many, prompt_len=prompt_len, hf_config=hf_config, dtype=dtype,
+                     prompt_ids=prompt_ids)
     store = CarveStore(workdir)
     row = {"model": spec, "prompt_len": prompt_len, "tokens": many, "runs": repeat, "statistic": "median",
            "carve_s": round(time.perf_counter() - start, 3)}
@@ -737,15 +741,19 @@ def check_models(models: tuple[str, ...] = (), generation_model: str = GENERATIO
     tokens`` positions; ``dtype`` must be a ``--dtype``. TapmlError saying what fits."""
     from tapml.dtypes import check_model_dtype
     from tapml.errors import TapmlError
+    from tapml.frontends.checkpoint import is_checkpoint_spec, open_checkpoint
     from tapml.frontends.models import ZOO, load_causal_lm, load_model
     try:
         check_model_dtype(dtype)
     except ValueError as e:
         raise TapmlError(str(e)) from None
-    if hf_config and not any(m.startswith("hf:") for m in (*models, generation_model)):
+    sized = lambda m: m.startswith("hf:") or is_checkpoint_spec(m)  # noqa: E731 - specs --hf-config applies to
+    if hf_config and not any(sized(m) for m in (*models, generation_model)):
         raise TapmlError("--hf-config applies to hf:MODEL_TYPE models; give one with --model or --generation-model")
     for spec in models:
-        if spec.startswith("zoo:"):
+        if is_checkpoint_spec(spec):
+            open_checkpoint(spec)
+        elif spec.startswith("zoo:"):
             if spec[4:] not in ZOO:
                 raise TapmlError(f"--model {spec}: unknown zoo model {spec[4:]!r}; the zoo has: {', '.join(ZOO)}")
         elif spec.startswith("hf:"):
@@ -758,7 +766,7 @@ def check_models(models: tuple[str, ...] = (), generation_model: str = GENERATIO
             raise TapmlError(f"--model {spec!r} is not a MODEL spec; use zoo:NAME, hf:MODEL_TYPE, "
                              "path/to/file.py:factory or file.pt2")
     load_causal_lm(generation_model, tokens=tokens, prompt_len=prompt_len,
-                   hf_config=hf_config if generation_model.startswith("hf:") else None)
+                   hf_config=hf_config if sized(generation_model) else None)
 
 
 def run_suite(target: str = "wgpu", *, quick: bool = False, token: str | None = None,

@@ -7,8 +7,9 @@ from typing import List, Optional
 
 import typer
 
-from tapml.cli.common import (EXIT_FINDING, EXIT_OK, DtypeOpt, JsonOpt, QuietOpt, TokenFileOpt, app, check_dtype, command,
-                              console, fail, out, write_json)
+from tapml.cli.common import (EXIT_FINDING, EXIT_OK, ChatOpt, DtypeOpt, JsonOpt, PromptFileOpt, PromptIdsOpt, PromptOpt,
+                              QuietOpt, TokenFileOpt, app, check_dtype, command, console, fail, out, read_prompt,
+                              write_json)
 from tapml.cli.migrate import HfConfigOpt
 
 GenerationModelOpt = typer.Option("zoo:tiny-llama", "--generation-model",
@@ -230,10 +231,11 @@ def scale(target: str = typer.Option("wgpu", "--target", "-t", help="Target to m
     if timeout <= 0:
         fail("--timeout must be a positive number of seconds")
     overrides = parse_hf_overrides(hf_config)
-    dtype = check_dtype(dtype) or "float32"
+    dtype = check_dtype(dtype, model) or "float32"
     _check_json_dir(json_out)
-    if overrides and not model.startswith("hf:"):
-        fail("--hf-config applies to hf:MODEL_TYPE models; give one with --model")
+    from tapml.frontends.checkpoint import is_checkpoint_spec
+    if overrides and not model.startswith("hf:") and not is_checkpoint_spec(model):
+        fail("--hf-config applies to hf:MODEL_TYPE models and checkpoints; give one with --model")
     if not model.startswith("hf:"):  # an hf: model is built by the carve itself: a sized one costs its weights
         check_models((model,), dtype=dtype)
     config = overrides or (dict(SCALE_CONFIG) if model == SCALE_MODEL else {})
@@ -276,7 +278,10 @@ def generation(target: str = typer.Option("wgpu", "--target", "-t", help="Target
                hf_config: Optional[List[str]] = HfConfigOpt, dtype: Optional[str] = DtypeOpt,
                tokens: str = typer.Option("8,64", "--tokens", help="FEW,MANY: decode steps of the two generations "
                                           "whose compile counts are compared; MANY is timed"),
-               prompt_len: int = typer.Option(8, "--prompt-len", help="Prompt tokens of the prefill"),
+               prompt_len: Optional[int] = typer.Option(None, "--prompt-len", help="Random prompt tokens of the "
+                                                        "prefill (default 8)"),
+               prompt: Optional[str] = PromptOpt, prompt_file: Optional[str] = PromptFileOpt, chat: bool = ChatOpt,
+               prompt_ids: Optional[str] = PromptIdsOpt,
                repeat: int = typer.Option(5, "--repeat", help="Alternated target and torch runs (the median is kept)"),
                token_file: Optional[str] = TokenFileOpt,
                json_out: Optional[str] = JsonOpt):
@@ -294,17 +299,21 @@ def generation(target: str = typer.Option("wgpu", "--target", "-t", help="Target
     few, _, many = tokens.partition(",")
     if not (few.strip().isdigit() and many.strip().isdigit() and 1 <= int(few) < int(many)):
         fail(f"--tokens {tokens!r}: give FEW,MANY with 1 <= FEW < MANY, e.g. 8,64")
-    if prompt_len < 1 or repeat < 1:
+    if (prompt_len is not None and prompt_len < 1) or repeat < 1:
         fail("--prompt-len and --repeat must be at least 1")
+    from tapml.frontends.prompts import load_tokenizer
+    ids = read_prompt(model, prompt=prompt, prompt_file=prompt_file, chat=chat, prompt_ids=prompt_ids,
+                      prompt_len=prompt_len, tokenizer=load_tokenizer(model) if prompt or prompt_file else None)
+    prompt_len = len(ids) if ids else 8 if prompt_len is None else prompt_len
     overrides = parse_hf_overrides(hf_config)
-    dtype = check_dtype(dtype) or "float32"
+    dtype = check_dtype(dtype, model) or "float32"
     _check_json_dir(json_out)
     check_models((), model, overrides, tokens=int(many), prompt_len=prompt_len, dtype=dtype)
     with tempfile.TemporaryDirectory(prefix="tapml-bench-") as tmp, \
             open_target(target, token=read_token(token_file)) as platform:
         figure = generation_figure(platform, target, Path(tmp) / "store", model, tokens=(int(few), int(many)),
                                    prompt_len=prompt_len, repeat=repeat,
-                                   hf_config=overrides if model.startswith("hf:") else None, dtype=dtype)
+                                   hf_config=overrides or None, dtype=dtype, prompt_ids=ids)
     figure["target"] = target
     if json_out:
         write_json(figure, json_out)

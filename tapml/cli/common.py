@@ -71,13 +71,23 @@ StoreDirOpt = typer.Option(None, "--store", help="Keep the store carved from MOD
                            "(default: a temporary one, removed after)")
 QuietOpt = typer.Option(False, "--quiet", "-q", help="Print only errors and the final line")
 DtypeOpt = typer.Option(None, "--dtype", help="float32, float16 or bfloat16: the model's floating parameters and "
-                        "inputs, and the reference run, in that dtype (default float32; a STORE keeps its own). "
+                        "inputs, and the reference run, in that dtype (default float32; a checkpoint: the dtype it is stored "
+                        "in; a STORE keeps its own). "
                         "Low-precision ops are judged fp64-anchored, regions and the whole model against float32")
 
 KeepFloat32Opt = typer.Option(None, "--keep-float32", help="Run these in float32 on the target while the rest runs in "
                               "the low --dtype: a node name, a module path (its floating nodes), an op (aten.x.y: "
                               "every node of it) or a `tapml precision --json` file (its keep_float32 list); "
                               "repeatable. Needs a float16/bfloat16 carve")
+TrustRemoteCodeOpt = typer.Option(False, "--trust-remote-code", help="Let a checkpoint whose config.json has "
+                                  "auto_map run the Python code it ships (as file.py:factory runs); read that code "
+                                  "first. Without it such a checkpoint is refused")
+PromptOpt = typer.Option(None, "--prompt", help="The prompt in words, tokenized by the checkpoint's own tokenizer "
+                         "(its tokens are the prompt; a generation)")
+PromptFileOpt = typer.Option(None, "--prompt-file", help="The prompt read from this UTF-8 text file (as --prompt)")
+ChatOpt = typer.Option(False, "--chat", help="Wrap --prompt/--prompt-file as a user message in the tokenizer's chat "
+                       "template first")
+PromptIdsOpt = typer.Option(None, "--prompt-ids", help="The prompt as token ids, e.g. 1,2,3 (no tokenizer needed)")
 DeviceLimitOpt = typer.Option(None, "--device-limit", help="NAME=VALUE: lower a device limit the compiler sees, to "
                               "emulate a smaller device (VALUE in bytes or with KiB/MiB/GiB, e.g. "
                               "max-storage-buffer-binding-size=128MiB); repeatable; a value laxer than the "
@@ -119,7 +129,9 @@ def command(fn):
     """Decorator for every command: TapmlError -> one clear line and exit 2; Ctrl-C -> exit 130;
     any other exception -> ``internal error: TYPE: MESSAGE — details in FILE`` and exit 3, with
     the traceback in FILE (never on the terminal); quiet libraries. Typer's and click's own exits
-    (``typer.Exit``, usage errors, aborts) pass through unchanged."""
+    (``typer.Exit``, usage errors, aborts) pass through unchanged. A command's
+    ``trust_remote_code`` option (:data:`TrustRemoteCodeOpt`) holds for the whole command
+    (:func:`tapml.frontends.checkpoint.remote_code_trusted`)."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         import click
@@ -127,9 +139,11 @@ def command(fn):
         from tapml.errors import TapmlError
         warnings.filterwarnings("ignore")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        from tapml.frontends.checkpoint import remote_code_trusted
         interrupted, restore = _watch_interrupts()
         try:
-            result = fn(*args, **kwargs)
+            with remote_code_trusted(kwargs.get("trust_remote_code") is True):
+                result = fn(*args, **kwargs)
         except TapmlError as e:
             if interrupted():
                 _interrupted()
@@ -253,10 +267,20 @@ def write_json(data, path: str) -> None:
     write_json_atomic(target, data)
 
 
-def check_dtype(dtype: Optional[str]) -> Optional[str]:
-    """A ``--dtype`` value, validated (exit 2 naming the choices otherwise); None when not given."""
+def check_dtype(dtype: Optional[str], model: Optional[str] = None, quiet: bool = False) -> Optional[str]:
+    """A ``--dtype`` value, validated (exit 2 naming the choices otherwise). Not given: the dtype
+    a checkpoint MODEL is stored in (said on stderr unless ``quiet``; the checkpoint is checked
+    here, so a bad one is refused before anything is written), else None."""
     if dtype is None:
-        return None
+        from tapml.frontends.checkpoint import is_checkpoint_spec, open_checkpoint
+        if model is None or not is_checkpoint_spec(model):
+            return None
+        from tapml.text import shown
+        stored = open_checkpoint(model).dtype
+        if not quiet:
+            console.print(f"dtype {stored}: the dtype {shown(model)} is stored in (--dtype to choose another)",
+                          highlight=False, soft_wrap=True)
+        return stored
     from tapml.dtypes import check_model_dtype
     try:
         return check_model_dtype(dtype)
@@ -275,12 +299,12 @@ def model_store(model: str, *, store_dir: Optional[str], hf_config, purpose: str
     import tempfile
 
     from tapml.carving import CarveStore
-    if Path(model).is_dir():
+    if is_store_path(model):
         if store_dir or hf_config:
             fail(f"{model} is a store: --store and --hf-config apply when MODEL is a model spec to carve")
         yield CarveStore(model), False
         return
-    if Path(model).exists():
+    if Path(model).exists() and not Path(model).is_dir():
         fail(f"{model} is a file, not {what} or a model spec")
     temporary = None
     if store_dir:
@@ -300,6 +324,25 @@ def model_store(model: str, *, store_dir: Optional[str], hf_config, purpose: str
             shutil.rmtree(temporary, ignore_errors=True)
 
 
+def is_store_path(model: str) -> bool:
+    """Whether MODEL|STORE names a folder to open as a store (a folder that is no checkpoint)."""
+    from tapml.frontends.checkpoint import is_checkpoint_folder
+    return Path(model).is_dir() and not is_checkpoint_folder(model)
+
+
+def read_prompt(model: str, *, prompt: Optional[str], prompt_file: Optional[str], chat: bool,
+                prompt_ids: Optional[str], prompt_len: Optional[int], tokenizer=None) -> Optional[list[int]]:
+    """The token ids of ``--prompt``/``--prompt-file``/``--chat``/``--prompt-ids`` for a generation of
+    MODEL (``tokenizer``: MODEL's, :func:`tapml.frontends.prompts.load_tokenizer`), None when no prompt was
+    given; exit 2 for a prompt with ``--prompt-len`` (the prompt's tokens are the prompt), or any
+    refusal of :func:`tapml.frontends.prompts.prompt_token_ids`."""
+    from tapml.frontends.prompts import prompt_token_ids
+    ids, _ = prompt_token_ids(model, tokenizer, text=prompt, file=prompt_file, chat=chat, ids=prompt_ids)
+    if ids is not None and prompt_len is not None:
+        fail(f"--prompt-len {prompt_len}: the prompt's {len(ids)} tokens are the prompt; leave --prompt-len out")
+    return ids
+
+
 def open_store(path: str):
     """The CarveStore at ``path`` (TapmlError, exit 2, when it is missing or corrupt)."""
     from tapml.carving.store import CarveStore
@@ -314,5 +357,6 @@ def progress_bar(quiet: bool = False):
 
 
 __all__ = ["app", "console", "out", "make_console", "EXIT_OK", "EXIT_FINDING", "EXIT_USAGE", "EXIT_INTERNAL", "TargetOpt", "TolOpt",
-           "InjectOpt", "TokenFileOpt", "JsonOpt", "DeviceLimitOpt", "parse_device_limits", "QuietOpt", "DtypeOpt", "KeepFloat32Opt", "check_dtype", "fail", "command", "write_crash_report", "write_json",
-           "open_store", "progress_bar"]
+           "InjectOpt", "TokenFileOpt", "JsonOpt", "TrustRemoteCodeOpt", "DeviceLimitOpt", "parse_device_limits", "QuietOpt", "DtypeOpt", "KeepFloat32Opt", "check_dtype", "fail", "command", "write_crash_report", "write_json",
+           "open_store", "is_store_path", "progress_bar", "read_prompt", "PromptOpt", "PromptFileOpt",
+           "ChatOpt", "PromptIdsOpt"]

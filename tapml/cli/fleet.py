@@ -8,7 +8,7 @@ from typing import List, Optional
 import typer
 
 from tapml.cli.common import (EXIT_FINDING, EXIT_OK, JsonOpt, QuietOpt, TokenFileOpt, TokenMapOpt, TolOpt, app,
-                              command, console, fail, out, progress_bar, write_json)
+                              command, console, fail, is_store_path, out, progress_bar, write_json)
 from tapml.text import shown
 
 
@@ -50,13 +50,13 @@ def fleet(models: List[str] = typer.Argument(..., metavar="STORE_OR_MODEL...", h
     for m in models:
         if Path(m).exists() and not Path(m).is_dir():
             fail(f"{m} is a file, not a carve store or a model spec")
-        if not Path(m).is_dir():
+        if not is_store_path(m):
             check_model_spec(m)  # before any carving or pool: a missing store says so at once
     import tempfile
     with tempfile.TemporaryDirectory(prefix="tapml-fleet-") as scratch, DevicePool(target, token=tokens) as pool:
         stores = []
         for i, m in enumerate(models):
-            if Path(m).is_dir():
+            if is_store_path(m):
                 stores.append((m, CarveStore(m)))
                 continue
             if not quiet:

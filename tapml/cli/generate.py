@@ -8,9 +8,9 @@ from typing import List, Optional
 
 import typer
 
-from tapml.cli.common import (EXIT_FINDING, EXIT_OK, DtypeOpt, InjectOpt, JsonOpt, KeepFloat32Opt, QuietOpt,
+from tapml.cli.common import (TrustRemoteCodeOpt, ChatOpt, PromptFileOpt, PromptIdsOpt, PromptOpt, read_prompt, EXIT_FINDING, EXIT_OK, DtypeOpt, InjectOpt, JsonOpt, KeepFloat32Opt, QuietOpt,
                               StoreDirOpt, TargetOpt, TokenFileOpt, TolOpt, app, check_dtype, command,
-                              console, fail, model_store, out, write_json)
+                              console, fail, is_store_path, model_store, out, write_json)
 from tapml.cli.migrate import HfConfigOpt
 from tapml.render import fmt_err, keep_names_whole
 from tapml.text import shown
@@ -29,11 +29,13 @@ def generate(model: str = typer.Argument(..., help="A generation store (`tapml c
                                                   f"N+1 steps (default {DEFAULT_TOKENS}; with a STORE, all it holds)"),
              prompt_len: Optional[int] = typer.Option(None, "--prompt-len", help="Prompt tokens of the prefill "
                                                       f"(default {DEFAULT_PROMPT_LEN}; a STORE has its own)"),
+             prompt: Optional[str] = PromptOpt, prompt_file: Optional[str] = PromptFileOpt, chat: bool = ChatOpt,
+             prompt_ids: Optional[str] = PromptIdsOpt,
              free: bool = typer.Option(False, "--free", help="The target feeds its own tokens (default: every step "
                                        "gets the reference's tokens, teacher-forced)"),
              store_dir: Optional[str] = StoreDirOpt,
              seed: int = typer.Option(0, "--seed", help="Seed for weights and the prompt when carving MODEL"),
-             hf_config: Optional[List[str]] = HfConfigOpt, dtype: Optional[str] = DtypeOpt,
+             hf_config: Optional[List[str]] = HfConfigOpt, dtype: Optional[str] = DtypeOpt, trust_remote_code: bool = TrustRemoteCodeOpt,
              localize: bool = typer.Option(True, "--localize/--no-localize", help="Find the culprit of the first "
                                            "failing step with the migration machinery"),
              keep_float32: Optional[List[str]] = KeepFloat32Opt,
@@ -59,15 +61,25 @@ def generate(model: str = typer.Argument(..., help="A generation store (`tapml c
         if value is not None and value < 1:
             fail(f"{name} {value}: give 1 or more")
     overrides = parse_hf_overrides(hf_config)
-    dtype = check_dtype(dtype)
+    is_store = is_store_path(model)
+    dtype = check_dtype(dtype, None if is_store else model, quiet)
     keep = read_keep_items(keep_float32 or [])
-    if keep and not Path(model).is_dir() and (dtype or "float32") == "float32":
+    if keep and not is_store and (dtype or "float32") == "float32":
         fail("--keep-float32 needs a float16/bfloat16 carve: add --dtype float16")
-    if not Path(model).is_dir():
+    asked = [name for name, value in (("--prompt", prompt), ("--prompt-file", prompt_file), ("--prompt-ids", prompt_ids))
+             if value is not None]
+    if is_store and asked:
+        fail(f"{asked[0]}: store {model} holds the prompt it was carved with; give {asked[0]} with a MODEL to carve")
+    from tapml.frontends.checkpoint import is_checkpoint_spec
+    from tapml.frontends.prompts import load_tokenizer
+    tokenizer = None if is_store else load_tokenizer(model)
+    ids = None if is_store else read_prompt(model, prompt=prompt, prompt_file=prompt_file, chat=chat,
+                                            prompt_ids=prompt_ids, prompt_len=prompt_len, tokenizer=tokenizer)
+    if not is_store:
         tokens = DEFAULT_TOKENS if tokens is None else tokens
-        prompt_len = DEFAULT_PROMPT_LEN if prompt_len is None else prompt_len
+        prompt_len = len(ids) if ids else DEFAULT_PROMPT_LEN if prompt_len is None else prompt_len
     carve = functools.partial(_carve, model, tokens=tokens, prompt_len=prompt_len, seed=seed, hf_config=overrides,
-                              quiet=quiet, dtype=dtype or "float32")
+                              quiet=quiet, dtype=dtype or "float32", prompt_ids=ids)
     with model_store(model, store_dir=store_dir, hf_config=hf_config, purpose="generate",
                      what="a generation store", carve=carve) as (store, carved):
         if not carved:
@@ -79,15 +91,29 @@ def generate(model: str = typer.Argument(..., help="A generation store (`tapml c
             doc = run_generation(store, platform, target, tokens=tokens, free=free, tolerances=tolerances,
                                  localize=localize, inject=inject, on_step=_progress(quiet or json_out == "-"),
                                  keep_float32=keep)
+        pieces = _add_texts(doc, store, model, tokenizer) if tokenizer is not None else None
+        if tokenizer is None and not is_store and is_checkpoint_spec(model):
+            doc["tokenizer_note"] = f"no tokenizer in {model} (tokenizer.json): token ids are shown"
     if json_out:
         write_json(doc, json_out)
     if json_out != "-":
-        render_generation(doc, quiet)
+        render_generation(doc, quiet, pieces)
     raise typer.Exit(EXIT_OK if passed(doc) else EXIT_FINDING)
 
 
+def _add_texts(doc: dict, store, model: str, tokenizer) -> tuple[list[str], list[str]]:
+    """Add the decoded ``prompt``, ``reference_text`` and ``target_text`` to the Generation JSON;
+    returns each stream's per-token pieces for the terminal."""
+    from tapml.frontends.prompts import generation_texts, token_pieces
+    prompt_ids = store.step_inputs(0)["input_ids"].reshape(-1).tolist()
+    doc.update(generation_texts(tokenizer, prompt_ids, doc["reference_tokens"], doc["target_tokens"]))
+    doc["tokenizer"] = model
+    doc["tokenizer_note"] = f"text decoded with the tokenizer of {model}"
+    return token_pieces(tokenizer, doc["reference_tokens"]), token_pieces(tokenizer, doc["target_tokens"])
+
+
 def _carve(model: str, out_dir, *, tokens: int, prompt_len: int, seed: int, hf_config: dict, quiet: bool,
-           dtype: str = "float32"):
+           dtype: str = "float32", prompt_ids: Optional[list[int]] = None):
     from tapml.carving.generation import carve_generation
     from tapml.carving.store import CarveStore
     if not quiet:
@@ -95,7 +121,7 @@ def _carve(model: str, out_dir, *, tokens: int, prompt_len: int, seed: int, hf_c
         console.print(f"carving a generation of {shown(model)}{in_dtype}: prompt {prompt_len} tokens, {tokens} decode steps",
                       highlight=False)
     carve_generation(model, out_dir, tokens=tokens, prompt_len=prompt_len, seed=seed, hf_config=hf_config or None,
-                     dtype=dtype)
+                     dtype=dtype, prompt_ids=prompt_ids)
     return CarveStore(out_dir)
 
 
@@ -128,8 +154,36 @@ def _progress(quiet: bool):
 STEP_STYLE = {"pass": "green", "near-tie": "yellow", "mismatch": "red", "error": "bold red"}
 
 
-def render_generation(doc: dict, quiet: bool = False) -> None:
-    """The two token streams side by side, a row per step, the culprit table, then the summary."""
+def render_texts(doc: dict, pieces: tuple[list[str], list[str]]) -> None:
+    """The prompt, then the reference's and the target's text side by side, the target's first
+    token that differs from the reference's marked (red, between ⟦ ⟧)."""
+    from rich.table import Table
+    from rich.text import Text
+
+    from tapml.text import plain_lines
+    out.print(Text("prompt: ") + Text(plain_lines(doc["prompt"]), style="dim"))
+    table = Table(show_lines=False)
+    table.add_column("reference text", overflow="fold", ratio=1)
+    table.add_column("target text", overflow="fold", ratio=1)
+    ref, got = Text(), Text()
+    first = doc.get("first_divergent_token")
+    for piece in pieces[0]:
+        ref.append(plain_lines(piece))
+    for i, piece in enumerate(pieces[1]):
+        ref_piece = pieces[0][i] if i < len(pieces[0]) else None
+        if i == first:
+            got.append(f"⟦{plain_lines(piece)}⟧", style="bold red")
+        else:
+            got.append(plain_lines(piece), style=None if piece == ref_piece or first is None or i < first else "red")
+    table.add_row(ref, got)
+    out.print(table)
+    if first is not None:
+        out.print(f"[yellow]the target's text leaves the reference's at generated token {first}[/]", highlight=False)
+
+
+def render_generation(doc: dict, quiet: bool = False, pieces: Optional[tuple[list[str], list[str]]] = None) -> None:
+    """The two token streams side by side, a row per step, the culprit table, then the summary;
+    with ``pieces`` (a tokenizer's), the two texts too (:func:`render_texts`)."""
     from rich.table import Table
     s = doc["summary"]
     if not quiet:
@@ -145,6 +199,8 @@ def render_generation(doc: dict, quiet: bool = False) -> None:
         out.print(f"reference: {cells_ref}", highlight=False)
         out.print(f"target:    {cells_got}", highlight=False)
         out.print(f"[dim]({shown(doc['tokenizer_note'])})[/]", highlight=False)
+        if pieces is not None:
+            render_texts(doc, pieces)
         table = Table(title="steps")
         for col in ("step", "kind", "ref token", "target token", "max_abs_err", "status", "message"):
             table.add_column(col, justify="right" if col in ("step", "ref token", "target token") else "left",

@@ -6,16 +6,17 @@ from typing import List, Optional
 
 import typer
 
-from tapml.cli.common import (DeviceLimitOpt, DtypeOpt, InjectOpt, JsonOpt, KeepFloat32Opt, KernelOpt, QuietOpt, TokenFileOpt,
-                              TokenMapOpt, TolOpt, app, check_dtype, command, console, fail, out, write_json)
+from tapml.cli.common import (TrustRemoteCodeOpt, DeviceLimitOpt, DtypeOpt, InjectOpt, JsonOpt, KeepFloat32Opt, KernelOpt, QuietOpt, TokenFileOpt,
+                              TokenMapOpt, TolOpt, app, check_dtype, command, console, fail, is_store_path, out,
+                              write_json)
 from tapml.cli.store import check_device_limits, check_targets, limits_for, render_matrix_run, run_preflight
 from tapml.render import fmt_err, keep_names_whole
 from tapml.text import plain, shown
 
-HfConfigOpt = typer.Option(None, "--hf-config", help="KEY=VALUE config override when MODEL is an hf: spec to carve "
-                                                    "(repeatable)")
-ModelArg = typer.Argument(..., help="Carve store directory, or a MODEL spec (zoo:NAME, hf:TYPE, file.py:factory, "
-                                    "file.pt2) to carve first")
+HfConfigOpt = typer.Option(None, "--hf-config", help="KEY=VALUE config override when MODEL is an hf: spec or a "
+                                                    "checkpoint to carve, e.g. num_hidden_layers=2 (repeatable)")
+ModelArg = typer.Argument(..., help="Carve store directory, or a MODEL spec (zoo:NAME, hf:TYPE, hf:ORG/NAME, a "
+                                    "checkpoint folder, file.py:factory, file.pt2) to carve first")
 
 
 class MigrationDisplay:
@@ -194,7 +195,7 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
             inject: Optional[List[str]] = InjectOpt, kernel: Optional[List[str]] = KernelOpt,
             tol: Optional[List[str]] = TolOpt,
             token_file: Optional[str] = TokenFileOpt, token_map: Optional[str] = TokenMapOpt,
-            hf_config: Optional[List[str]] = HfConfigOpt, dtype: Optional[str] = DtypeOpt,
+            hf_config: Optional[List[str]] = HfConfigOpt, dtype: Optional[str] = DtypeOpt, trust_remote_code: bool = TrustRemoteCodeOpt,
             keep_float32: Optional[List[str]] = KeepFloat32Opt, device_limit: Optional[List[str]] = DeviceLimitOpt,
             quiet: bool = QuietOpt, json_out: Optional[str] = JsonOpt):
     """Offload MODEL to TARGET: each op, then growing regions, then the whole model, checking each step.
@@ -219,7 +220,8 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
             fail(f"--kernel replaces a lowering of tapml's WGSL compiler, and none of {', '.join(targets)} runs it: "
                  "add a wgpu, browser or remote:// target")
     keep = read_keep_items(keep_float32 or [])
-    if keep and not Path(model).is_dir() and not model.endswith(".pt2") and (dtype or "float32") == "float32":
+    dtype = check_dtype(dtype, None if is_store_path(model) else model, quiet)
+    if keep and not is_store_path(model) and not model.endswith(".pt2") and (dtype or "float32") == "float32":
         fail("--keep-float32 needs a float16/bfloat16 carve: add --dtype float16")
     if Path(state).is_dir():
         fail(f"--state {state} is a directory; give a file name such as {Path(state) / 'state.json'}")
@@ -236,7 +238,7 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
     with ExclusiveLock(state, f"--state {state}"):
         store, store_path = open_or_carve(model, state, on_carve=lambda spec, path: None if quiet else console.print(
             f"carving {shown(spec)} into {shown(path)}", highlight=False), hf_config=parse_hf_overrides(hf_config),
-            dtype=check_dtype(dtype), recorded=recorded_store(state))
+            dtype=dtype, recorded=recorded_store(state))
         check_faults(store.graph, inject)
         resolve_keep_float32({"model": store.graph, **({"decode": store.step_graph("decode")}
                                                        if store.is_generation else {})}, keep)

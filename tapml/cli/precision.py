@@ -8,7 +8,7 @@ from typing import List, Optional
 
 import typer
 
-from tapml.cli.common import (EXIT_FINDING, EXIT_OK, JsonOpt, QuietOpt, StoreDirOpt, TargetOpt, TokenFileOpt, TolOpt,
+from tapml.cli.common import (TrustRemoteCodeOpt, check_dtype, is_store_path, EXIT_FINDING, EXIT_OK, JsonOpt, QuietOpt, StoreDirOpt, TargetOpt, TokenFileOpt, TolOpt,
                               app, command, console, fail, model_store, out, write_json)
 from tapml.cli.migrate import HfConfigOpt
 from tapml.render import STATUS_STYLE, fmt_err
@@ -29,6 +29,7 @@ def precision(model: str = typer.Argument(..., help="A store carved in float16/b
               store_dir: Optional[str] = StoreDirOpt,
               seed: int = typer.Option(0, "--seed", help="Seed for weights and inputs when carving MODEL"),
               hf_config: Optional[List[str]] = HfConfigOpt, tol: Optional[List[str]] = TolOpt,
+              trust_remote_code: bool = TrustRemoteCodeOpt,
               token_file: Optional[str] = TokenFileOpt, json_out: Optional[str] = JsonOpt, quiet: bool = QuietOpt):
     """Run MODEL in float16 (or bfloat16) on TARGET with every intermediate kept and compare each op
     with the same model in float32 and float64: the largest activation and its headroom to the
@@ -46,6 +47,9 @@ def precision(model: str = typer.Argument(..., help="A store carved in float16/b
     tolerances = Tolerances.parse(tol)
     if dtype is not None and dtype not in LOW_FLOATS:
         fail(f"--dtype {dtype}: precision analysis is about {' or '.join(LOW_FLOATS)}; float32 is what it compares with")
+    if dtype is None and not is_store_path(model):  # a float16/bfloat16 checkpoint: the dtype it is stored in
+        stored = check_dtype(None, model, quiet=True)
+        dtype = stored if stored in LOW_FLOATS else None
     overrides = parse_hf_overrides(hf_config)
     carve = functools.partial(_carve, model, dtype=dtype or DEFAULT_DTYPE, seed=seed, hf_config=overrides, quiet=quiet)
     with model_store(model, store_dir=store_dir, hf_config=hf_config, purpose="precision", what="a carve store",

@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from tapml.cli.common import (EXIT_FINDING, EXIT_OK, DeviceLimitOpt, DtypeOpt, InjectOpt, JsonOpt, KernelOpt, QuietOpt,
+from tapml.cli.common import (TrustRemoteCodeOpt, ChatOpt, PromptFileOpt, PromptIdsOpt, PromptOpt, read_prompt, EXIT_FINDING, EXIT_OK, DeviceLimitOpt, DtypeOpt, InjectOpt, JsonOpt, KernelOpt, QuietOpt,
                               TokenFileOpt, TokenMapOpt, TolOpt, app, check_dtype, command, console, fail, open_store,
                               out, parse_device_limits, progress_bar, write_json)
 from tapml.render import keep_names_whole
@@ -16,16 +16,21 @@ from tapml.text import shown
 
 @app.command(short_help="Run MODEL on the reference and record every operator call as a test case (--generate N: a generation).")
 @command
-def carve(model: str = typer.Argument(..., help="zoo:NAME, hf:MODEL_TYPE, path/file.py:factory or file.pt2"),
+def carve(model: str = typer.Argument(..., help="zoo:NAME, hf:MODEL_TYPE, hf:ORG/NAME, a checkpoint folder, "
+                                               "path/file.py:factory or file.pt2"),
           output: str = typer.Option(..., "-o", "--output", help="Store directory to write"),
           device: str = typer.Option("cpu", "--device", help="Reference device: cpu or cuda"),
           seed: int = typer.Option(0, "--seed", help="Seed for weights and inputs"),
-          hf_config: Optional[List[str]] = typer.Option(None, "--hf-config", help="KEY=VALUE config override for hf: models"),
+          hf_config: Optional[List[str]] = typer.Option(None, "--hf-config", help="KEY=VALUE config override for hf: "
+                                                    "models and checkpoints (num_hidden_layers=N: the first N layers)"),
           generate: Optional[int] = typer.Option(None, "--generate", help="Record a generation instead: the prefill "
                                                  "and N greedy decode steps against a static key/value cache "
                                                  "(N+1 steps; a causal LM)"),
-          prompt_len: int = typer.Option(8, "--prompt-len", help="With --generate: prompt tokens of the prefill"),
-          dtype: Optional[str] = DtypeOpt, quiet: bool = QuietOpt, json_out: Optional[str] = JsonOpt):
+          prompt_len: Optional[int] = typer.Option(None, "--prompt-len", help="With --generate: random prompt tokens "
+                                                   "of the prefill (default 8)"),
+          prompt: Optional[str] = PromptOpt, prompt_file: Optional[str] = PromptFileOpt, chat: bool = ChatOpt,
+          prompt_ids: Optional[str] = PromptIdsOpt,
+          dtype: Optional[str] = DtypeOpt, trust_remote_code: bool = TrustRemoteCodeOpt, quiet: bool = QuietOpt, json_out: Optional[str] = JsonOpt):
     """Run MODEL on the reference and record every operator call as a test case. With
     --generate N, record a generation: prefill plus N decode steps (`tapml generate` checks it)."""
     from tapml.carving import carve as carve_model
@@ -35,11 +40,23 @@ def carve(model: str = typer.Argument(..., help="zoo:NAME, hf:MODEL_TYPE, path/f
                                                           for p in target.iterdir())):
         fail(f"{output} exists and is not an empty directory or a carve store; choose another -o")
     overrides = parse_hf_overrides(hf_config)
-    dtype = check_dtype(dtype) or "float32"
+    dtype = check_dtype(dtype, model, quiet) or "float32"
+    asked = any(v is not None for v in (prompt, prompt_file, prompt_ids)) or chat
     if generate is not None:
-        carve_generation_command(model, output, tokens=generate, prompt_len=prompt_len, seed=seed, device=device,
-                                 hf_config=overrides, quiet=quiet, json_out=json_out, dtype=dtype)
+        tokenizer = None
+        if prompt is not None or prompt_file is not None:
+            from tapml.frontends.prompts import load_tokenizer
+            tokenizer = load_tokenizer(model)
+        ids = read_prompt(model, prompt=prompt, prompt_file=prompt_file, chat=chat, prompt_ids=prompt_ids,
+                          prompt_len=prompt_len, tokenizer=tokenizer)
+        if ids:
+            prompt_len = len(ids)
+        carve_generation_command(model, output, tokens=generate, prompt_len=8 if prompt_len is None else prompt_len,
+                                 seed=seed, device=device, hf_config=overrides, quiet=quiet, json_out=json_out,
+                                 dtype=dtype, prompt_ids=ids)
         return
+    if asked or prompt_len is not None:
+        fail("--prompt, --prompt-file, --chat, --prompt-ids and --prompt-len belong to a generation: add --generate N")
     with progress_bar(quiet) as bar:  # carve() leaves no half store behind
         task = bar.add_task(f"carving {shown(model)}", total=None)
         info = carve_model(model, output, seed=seed, device=device, hf_config=overrides, dtype=dtype,
@@ -54,7 +71,8 @@ def carve(model: str = typer.Argument(..., help="zoo:NAME, hf:MODEL_TYPE, path/f
 
 
 def carve_generation_command(model: str, output: str, *, tokens: int, prompt_len: int, seed: int, device: str,
-                             hf_config: dict, quiet: bool, json_out: Optional[str], dtype: str = "float32") -> None:
+                             hf_config: dict, quiet: bool, json_out: Optional[str], dtype: str = "float32",
+                             prompt_ids: Optional[List[int]] = None) -> None:
     """``tapml carve MODEL --generate N``: carve the prefill and N decode steps into ``output``
     (the model in ``dtype``)."""
     from tapml.carving.generation import carve_generation
@@ -64,7 +82,8 @@ def carve_generation_command(model: str, output: str, *, tokens: int, prompt_len
     with progress_bar(quiet) as bar:  # carve_generation() leaves no half store behind
         task = bar.add_task(f"carving a generation of {shown(model)}", total=tokens + 1)
         info = carve_generation(model, output, tokens=tokens, prompt_len=prompt_len, seed=seed, device=device,
-                                hf_config=hf_config or None, on_step=lambda _: bar.advance(task), dtype=dtype)
+                                hf_config=hf_config or None, on_step=lambda _: bar.advance(task), dtype=dtype,
+                                prompt_ids=prompt_ids)
     if json_out:
         write_json({"model": model, "store": str(Path(output).resolve()), "dtype": dtype, **info}, json_out)
     from tapml.driving.preflight import format_bytes

@@ -1,4 +1,5 @@
-"""MODEL specs: ``zoo:NAME``, ``hf:MODEL_TYPE``, ``path/file.py:factory``, ``file.pt2``.
+"""MODEL specs: ``zoo:NAME``, ``hf:MODEL_TYPE``, ``path/file.py:factory``, ``file.pt2``, and the
+checkpoints of :mod:`tapml.frontends.checkpoint` (a ``save_pretrained`` folder, ``hf:ORG/NAME``).
 
 :func:`load_model` turns a spec into ``(model, example_inputs)``; :func:`tapml.frontends.capture.capture`
 turns that into an exported core-ATen program. Weights and inputs are random and
@@ -540,7 +541,12 @@ def load_model(spec: str, seed: int = 0, hf_config: dict | None = None, dtype: s
     Raises TapmlError for bad specs and dtypes."""
     to = _check_dtype(dtype)
     if not isinstance(spec, str) or not spec:
-        raise TapmlError("empty model spec; use zoo:NAME, hf:MODEL_TYPE, file.py:factory or file.pt2")
+        raise TapmlError("empty model spec; use zoo:NAME, hf:MODEL_TYPE, hf:ORG/NAME, a checkpoint folder, "
+                         "file.py:factory or file.pt2")
+    from tapml.frontends.checkpoint import is_checkpoint_spec, load_checkpoint
+    if is_checkpoint_spec(spec):
+        torch.manual_seed(seed)
+        return load_checkpoint(spec, hf_config, dtype)
     model, inputs = _load_model(spec, seed, hf_config)
     if dtype == "float32":
         return model, inputs
@@ -556,7 +562,7 @@ def load_model(spec: str, seed: int = 0, hf_config: dict | None = None, dtype: s
 def _load_model(spec: str, seed: int, hf_config: dict | None):
     torch.manual_seed(seed)
     if hf_config and not spec.startswith("hf:"):
-        raise TapmlError("--hf-config only applies to hf:MODEL_TYPE specs")
+        raise TapmlError("--hf-config only applies to hf:MODEL_TYPE specs and checkpoints")
     if spec.startswith("zoo:"):
         name = spec[4:]
         if name not in ZOO:
@@ -581,11 +587,14 @@ def _load_model(spec: str, seed: int, hf_config: dict | None):
 
 def check_model_spec(spec: str) -> None:
     """Raise TapmlError (exit 2) when ``spec`` has none of the MODEL spec forms (zoo:NAME,
-    hf:MODEL_TYPE, path/to/file.py:factory, file.pt2); nothing is loaded. A spec that is no model
-    spec and names no existing folder is most likely a store path with a typo: the message says so."""
-    if spec.startswith(("zoo:", "hf:")) or spec.endswith(".pt2") or ".py:" in spec:
+    hf:MODEL_TYPE, hf:ORG/NAME, a checkpoint folder, path/to/file.py:factory, file.pt2); nothing
+    is loaded. A spec that is no model spec and names no existing folder is most likely a store
+    path with a typo: the message says so."""
+    from tapml.frontends.checkpoint import is_checkpoint_folder
+    if spec.startswith(("zoo:", "hf:")) or spec.endswith(".pt2") or ".py:" in spec or is_checkpoint_folder(spec):
         return
-    forms = f"zoo:NAME ({', '.join(ZOO)}), hf:MODEL_TYPE, path/to/file.py:factory or file.pt2"
+    forms = (f"zoo:NAME ({', '.join(ZOO)}), hf:MODEL_TYPE, hf:ORG/NAME, a checkpoint folder (config.json and "
+             "safetensors), path/to/file.py:factory or file.pt2")
     if ":" not in spec and not Path(spec).exists():
         raise TapmlError(f"no store at {spec}: that folder does not exist (carve one with `tapml carve MODEL -o "
                          f"{spec}`), and {spec!r} is not a model spec either ({forms})")
@@ -615,21 +624,14 @@ def load_causal_lm(spec: str, *, tokens: int, prompt_len: int, seed: int = 0, hf
         if type(value) is not int or value < 1:
             raise TapmlError(f"{name} must be an integer of at least 1, not {value!r}")
     fits = ("a causal LM fits: hf:MODEL_TYPE of a decoder-only transformers model (hf:llama, hf:gpt2, "
-            f"hf:gpt_neox, hf:qwen2, hf:mistral...) or {', '.join(f'zoo:{n}' for n in _zoo_causal_lms())}")
-    if not isinstance(spec, str) or not spec.startswith(("zoo:", "hf:")):
-        raise TapmlError(f"cannot carve a generation of {str(spec)[:80]!r}: {fits}")
-    if hf_config and not spec.startswith("hf:"):
-        raise TapmlError("--hf-config only applies to hf:MODEL_TYPE specs")
-    if spec.startswith("zoo:"):
-        build = ZOO.get(spec[4:])
-        if build is None:
-            raise TapmlError(f"unknown zoo model {spec[4:]!r}; {fits}")
-        if spec[4:] not in _zoo_causal_lms():
-            raise TapmlError(f"{spec} is not a causal LM, so it has no generation to carve; {fits}")
-        model_type, overrides = build.hf
+            f"hf:gpt_neox, hf:qwen2, hf:mistral...), {', '.join(f'zoo:{n}' for n in _zoo_causal_lms())}, "
+            "or a checkpoint folder or hf:ORG/NAME of one")
+    from tapml.frontends.checkpoint import checkpoint_config, is_checkpoint_spec, load_checkpoint_model, open_checkpoint
+    ckpt = open_checkpoint(spec) if isinstance(spec, str) and is_checkpoint_spec(spec) else None
+    if ckpt is not None:
+        config = checkpoint_config(ckpt, hf_config, use_cache=True)
     else:
-        model_type, overrides = spec[3:], hf_config
-    config = _small_config(model_type, overrides)
+        config = _small_config(*_causal_lm_type(spec, hf_config, fits))
     import transformers
     if (getattr(config, "is_encoder_decoder", False) or type(config) in transformers.AutoModelForMaskedLM._model_mapping
             or type(config) not in transformers.AutoModelForCausalLM._model_mapping):
@@ -643,6 +645,11 @@ def load_causal_lm(spec: str, *, tokens: int, prompt_len: int, seed: int = 0, hf
                          "raise max_position_embeddings with --hf-config")
     _export_settings(config, use_cache=True)
     torch.manual_seed(seed)
+    if ckpt is not None:
+        model = load_checkpoint_model(ckpt, transformers.AutoModelForCausalLM, config, dtype)
+        model.generation_config.use_cache = True
+        model.generation_config.cache_implementation = "static"
+        return model
     try:
         model = transformers.AutoModelForCausalLM.from_config(config).eval()
     except Exception as e:  # noqa: BLE001 - a config that builds no model is bad input
@@ -650,6 +657,23 @@ def load_causal_lm(spec: str, *, tokens: int, prompt_len: int, seed: int = 0, hf
     model.generation_config.use_cache = True
     model.generation_config.cache_implementation = "static"
     return model if dtype == "float32" else model.to(to)
+
+
+def _causal_lm_type(spec, hf_config: dict | None, fits: str) -> tuple[str, dict | None]:
+    """``(model_type, overrides)`` of a ``zoo:`` or ``hf:MODEL_TYPE`` causal LM spec; TapmlError
+    (saying what ``fits``) for any other spec."""
+    if not isinstance(spec, str) or not spec.startswith(("zoo:", "hf:")):
+        raise TapmlError(f"cannot carve a generation of {str(spec)[:80]!r}: {fits}")
+    if hf_config and not spec.startswith("hf:"):
+        raise TapmlError("--hf-config only applies to hf:MODEL_TYPE specs and checkpoints")
+    if spec.startswith("hf:"):
+        return spec[3:], hf_config
+    build = ZOO.get(spec[4:])
+    if build is None:
+        raise TapmlError(f"unknown zoo model {spec[4:]!r}; {fits}")
+    if spec[4:] not in _zoo_causal_lms():
+        raise TapmlError(f"{spec} is not a causal LM, so it has no generation to carve; {fits}")
+    return build.hf
 
 
 def _zoo_causal_lms() -> list[str]:
