@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import vulkan_or_skip
+from support import in_chromium, vulkan_or_skip
 from typer.testing import CliRunner
 
 from tapml.errors import TapmlError
@@ -318,6 +318,23 @@ def test_generate_a_checkpoint_from_a_prompt_in_words(llama_with_tokenizer, tmp_
     assert doc["summary"]["mismatch"] == 0 and doc["summary"]["error"] == 0
     assert "dtype bfloat16" in r.output and "reference text" in r.output and "target text" in r.output
     assert doc["reference_text"].split()[0] in r.output
+
+
+@pytest.mark.slow
+@in_chromium
+def test_a_checkpoint_generates_from_words_and_migrates_in_chromium(llama_with_tokenizer, tmp_path):
+    """The same folder in headless Chromium's WebGPU: a prompt in words generates with both texts, and
+    the folder migrates whole."""
+    r = tapml("generate", llama_with_tokenizer, "--prompt", "Hello world", "--target", "browser",
+              "--tokens", "4", "--json", tmp_path / "g.json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "g.json").read_text())
+    assert doc["prompt"] == "Hello world" and doc["summary"]["steps"] == 5 and doc["summary"]["mismatch"] == 0
+    assert doc["reference_text"] and doc["target_text"] == doc["reference_text"]
+    r = tapml("migrate", llama_with_tokenizer, "--target", "browser", "--state", tmp_path / "s.json")
+    assert r.exit_code == 0, r.output
+    state = json.loads((tmp_path / "s.json").read_text())
+    assert state["passed"] and state["end_to_end"]["status"] == "pass" and state["placement"]["ops_share"] == 1.0
 
 
 #: Decoders besides llama, an encoder, a vision and an audio model: one code path, nothing per architecture.
