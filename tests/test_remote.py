@@ -458,17 +458,18 @@ def test_registry_lists_devices_with_caps(tmp_path):
 
 @pytest.mark.slow
 def test_bench_transport_reports_its_figures_against_the_goals(tmp_path, figure):
-    """`tapml bench transport` measures 64 MiB tensors both ways against a plain socket and empty
-    calls, and judges them against its goals (>= 0.7 of the socket, < 0.3 ms). Speed is measured in
+    """`tapml bench transport` measures tensors both ways against a plain socket and empty calls
+    (16 MiB here, 64 by default: the figures of record are the benchmark's, benchmarks/NOTES.md), and judges them against its goals (>= 0.7 of the socket, < 0.3 ms). Speed is measured in
     benchmarks, not asserted in tests (the machine is shared): the figures are recorded in the run's
     summary and the verdict must agree with them, whichever way it goes."""
     out = tmp_path / "bench.json"
-    r = tapml("bench", "transport", "--repeat", "6", "--calls", "1200", "--json", str(out), timeout=300)
+    r = tapml("bench", "transport", "--size-mib", "16", "--repeat", "3", "--calls", "400", "--json", str(out),
+              timeout=300)
     assert r.returncode == 0, r.stderr  # only --check exits 1 on a missed goal
     report = json.loads(out.read_text())
     ratios = report["ratios"]
     assert set(ratios) == {"upload_vs_socket", "download_vs_socket", "empty_call_ms"}
-    assert report["size_bytes"] == 64 << 20 and report["socket"]["upload_MBps"] > 0
+    assert report["size_bytes"] == 16 << 20 and report["socket"]["upload_MBps"] > 0
     assert all(isinstance(v, float) and 0 < v < float("inf") for v in ratios.values()), ratios
     from tapml.remote.bench import GOALS, goal_met
     assert report["goals"] == GOALS and report["passed"] is all(goal_met(k, ratios[k]) for k in GOALS), report
