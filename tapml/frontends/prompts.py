@@ -36,6 +36,9 @@ def load_tokenizer(spec: str):
     if not is_checkpoint_spec(spec):
         return None
     ckpt = open_checkpoint(spec)
+    if ckpt.gguf:
+        from tapml.frontends.gguf import load_gguf_tokenizer
+        return load_gguf_tokenizer(ckpt)
     present = [name for name in TOKENIZER_FILES if os.path.lexists(ckpt.folder / name)]
     if not any(name in present for name in ("tokenizer.json", "tokenizer_config.json")):
         return None
