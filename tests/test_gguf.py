@@ -205,8 +205,9 @@ def test_every_model_command_checks_the_gguf(tmp_path):
 @pytest.mark.slow
 @pytest.mark.xdist_group("wgpu")
 def test_carve_and_generate_a_gguf_from_a_prompt_in_words(tiny, tmp_path):
-    """`tapml carve FILE.gguf -o s` exits 0; `tapml generate FILE.gguf --prompt "hello world the cat" --target wgpu:vulkan`: carved in float32
-    (the file is quantized) from the prompt its own tokenizer makes, checked on lavapipe, texts decoded."""
+    """`tapml carve FILE.gguf -o s` exits 0; `tapml generate FILE.gguf --prompt "hello world the cat" --target
+    wgpu:vulkan`: carved in float32 (the file is quantized) from the prompt its own tokenizer makes, checked
+    on lavapipe, texts decoded."""
     vulkan_or_skip()
     path, _ = tiny
     r = tapml("carve", path, "-o", tmp_path / "s")

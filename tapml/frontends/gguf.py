@@ -145,9 +145,11 @@ class _Cursor:
                              f"{' (arrays nest at most twice)' if vtype == _ARRAY else ''}: {_FIX}")
         item_type = self.scalar("I", what)
         count = self.scalar("Q", what)
-        least = struct.calcsize("<" + _SCALARS[item_type]) if item_type in _SCALARS else 8 if item_type in (
-            _STRING, _ARRAY) else None
-        if least is None:
+        if item_type in _SCALARS:
+            least = struct.calcsize("<" + _SCALARS[item_type])
+        elif item_type in (_STRING, _ARRAY):
+            least = 8  # a length or an item type and count
+        else:
             raise TapmlError(f"{self.spec}: {what} is an array of value type {item_type}, which GGUF does not define: "
                              f"{_FIX}")
         if count > MAX_ARRAY_ITEMS or count * least > self.size - self.pos:
@@ -193,15 +195,15 @@ def _scan(spec: str, path: Path, buf, size: int) -> GGUFHeader:
     cur.pos = 4
     version = cur.scalar("I", "the version")
     if version & 0xFFFF == 0 and version:
-        raise TapmlError(f"{spec} is a big-endian GGUF file; tapml reads little-endian ones: convert it with llama.cpp's "
-                         "gguf-py/gguf/scripts/gguf_convert_endian.py FILE little")
+        raise TapmlError(f"{spec} is a big-endian GGUF file; tapml reads little-endian ones: convert it with "
+                         "llama.cpp's gguf-py/gguf/scripts/gguf_convert_endian.py FILE little")
     if version not in (2, 3):
         raise TapmlError(f"{spec} is GGUF version {version}; tapml reads versions 2 and 3: {_FIX}")
     n_tensors = cur.scalar("Q", "the tensor count")
     n_fields = cur.scalar("Q", "the metadata count")
     # a field takes at least 12 bytes (key length, value type), a tensor entry at least 32
-    for count, limit, least, what in ((n_tensors, MAX_TENSORS, 32, "tensors"), (n_fields, MAX_FIELDS, 12, "metadata "
-                                                                                 "fields")):
+    for count, limit, least, what in ((n_tensors, MAX_TENSORS, 32, "tensors"),
+                                      (n_fields, MAX_FIELDS, 12, "metadata fields")):
         if count > limit or count * least > size - cur.pos:
             raise TapmlError(f"{spec}: its header claims {count} {what}, more than "
                              f"{'the file can hold' if count <= limit else f'the {limit} tapml reads'}; the header is "
@@ -267,11 +269,13 @@ def check_architecture(spec: str, header: GGUFHeader) -> None:
     arch = header.architecture
     if not isinstance(arch, str) or not arch:
         raise TapmlError(f"{spec} has no general.architecture; it is not a model GGUF: {_FIX}")
-    if arch not in GGUF_SUPPORTED_ARCHITECTURES:
+    readable = [a for a in GGUF_SUPPORTED_ARCHITECTURES if a not in ("general", "tokenizer")]  # key groups, no models
+    if arch not in readable:
         from tapml.text import shown
         raise TapmlError(f"{spec}: architecture {shown(arch[:80])!r} is not one transformers "
-                         f"{transformers.__version__} reads from GGUF (it reads {', '.join(GGUF_SUPPORTED_ARCHITECTURES)}"
-                         "); convert the model to a checkpoint folder (config.json and safetensors) instead")
+                         f"{transformers.__version__} reads from GGUF (it reads "
+                         f"{', '.join(readable)}); convert the model to a checkpoint folder "
+                         "(config.json and safetensors) instead")
 
 
 def gguf_config(spec: str, path: Path) -> dict:
