@@ -24,9 +24,9 @@ WORDS = ["hello", "world", "the", "cat", "dog", "is", "on", "a"]
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 32, 64, 2, 4, 2
 
 
-def tapml(*args):
+def tapml(*args, input=None):
     from tapml.cli import app
-    return CliRunner().invoke(app, [str(a) for a in args])
+    return CliRunner().invoke(app, [str(a) for a in args], input=input)
 
 
 def vocabulary() -> list[str]:
@@ -207,7 +207,7 @@ def test_every_model_command_checks_the_gguf(tmp_path):
 def test_carve_and_generate_a_gguf_from_a_prompt_in_words(tiny, tmp_path):
     """`tapml carve FILE.gguf -o s` exits 0; `tapml generate FILE.gguf --prompt "hello world the cat" --target
     wgpu:vulkan`: carved in float32 (the file is quantized) from the prompt its own tokenizer makes, checked
-    on lavapipe, texts decoded."""
+    on lavapipe, texts decoded; a scripted session takes it too (in float16, first layer)."""
     vulkan_or_skip()
     path, _ = tiny
     r = tapml("carve", path, "-o", tmp_path / "s")
@@ -221,3 +221,6 @@ def test_carve_and_generate_a_gguf_from_a_prompt_in_words(tiny, tmp_path):
     assert doc["prompt_len"] == 5 and doc["summary"]["steps"] == 4 and doc["summary"]["mismatch"] == 0
     assert doc["summary"]["error"] == 0 and doc["reference_tokens"] == doc["target_tokens"]
     assert "dtype float32" in r.output and "reference text" in r.output
+    r = tapml("session", path, "--target", "reference", "--hf-config", "num_hidden_layers=1", "--dtype", "float16",
+              input="offload all\ncheck\n")  # carved through open_or_carve, as migrate carves
+    assert r.exit_code == 0 and "end to end: pass" in r.output, r.output
