@@ -41,9 +41,11 @@ def vocabulary() -> list[str]:
     return ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
 
 
-def write_gguf(path: Path, architecture: str = "llama", dtype=np.float32, quantized: bool = True) -> dict:
+def write_gguf(path: Path, architecture: str = "llama", dtype=np.float32, quantized: bool = True,
+               block_count: int = LAYERS) -> dict:
     """A two-layer llama GGUF (``dtype`` tensors, ``output.weight`` and ``attn_k`` in float16, and
-    ``blk.0.attn_v.weight`` in Q8_0 when ``quantized``); returns the arrays written, by name."""
+    ``blk.0.attn_v.weight`` in Q8_0 when ``quantized``; ``block_count`` the layers its metadata
+    claims); returns the arrays written, by name."""
     import gguf
     rng = np.random.default_rng(0)
     tokens = vocabulary()
@@ -51,7 +53,7 @@ def write_gguf(path: Path, architecture: str = "llama", dtype=np.float32, quanti
     writer.add_name("tiny-llama")
     writer.add_context_length(64)
     writer.add_embedding_length(HIDDEN)
-    writer.add_block_count(LAYERS)
+    writer.add_block_count(block_count)
     writer.add_feed_forward_length(FFN)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
@@ -163,7 +165,8 @@ HOSTILE = [  # (id, how the file is spoilt, what the message says)
 
 def test_hostile_gguf_is_refused_and_nothing_is_written(tiny, tmp_path):
     """Each spoilt header: exit 2 with tapml's message, no traceback, no store or temporary folder; an
-    architecture transformers does not read from GGUF is named; gguf's own reader never sees them."""
+    architecture transformers does not read from GGUF is named, a block count past the file's blocks
+    refused; gguf's own reader never sees them."""
     path, _ = tiny
     original = path.read_bytes()
     for name, spoil, says in HOSTILE:
@@ -177,8 +180,11 @@ def test_hostile_gguf_is_refused_and_nothing_is_written(tiny, tmp_path):
         assert "Traceback" not in r.output and "internal error" not in r.output, (name, r.output)
         assert sorted(p.name for p in tmp_path.iterdir()) == before, name
     write_gguf(tmp_path / "mamba.gguf", architecture="mamba9", quantized=False)
-    r = tapml("carve", tmp_path / "mamba.gguf", "-o", tmp_path / "out")
-    assert r.exit_code == 2 and "architecture 'mamba9' is not one transformers" in r.output, r.output
+    write_gguf(tmp_path / "layers.gguf", quantized=False, block_count=10 ** 6)  # would be built before failing
+    for name, says in (("mamba", "architecture 'mamba9' is not one transformers"),
+                       ("layers", "llama.block_count is 1000000, but the file holds tensors of 2 blocks")):
+        r = tapml("carve", tmp_path / f"{name}.gguf", "-o", tmp_path / "out")
+        assert r.exit_code == 2 and says in r.output, r.output
     assert not (tmp_path / "out").exists()
     r = tapml("carve", tmp_path / "missing.gguf", "-o", tmp_path / "out")
     assert r.exit_code == 2 and "does not exist" in r.output, r.output

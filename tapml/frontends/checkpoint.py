@@ -167,7 +167,7 @@ def _open_gguf(spec: str) -> Checkpoint:
     header = scan_gguf(spec)
     check_architecture(spec, header)
     path = Path(spec).resolve()
-    config = gguf_config(spec, path)
+    config = gguf_config(spec, header)
     _check_model_type(spec, config)
     return Checkpoint(spec=spec, folder=path.parent, root=path.parent, config=config, weights=[path],
                       dtype=header.dtype, gguf=header)

@@ -278,14 +278,27 @@ def check_architecture(spec: str, header: GGUFHeader) -> None:
                          "(config.json and safetensors) instead")
 
 
-def gguf_config(spec: str, path: Path) -> dict:
-    """The config dict transformers makes of the GGUF file's metadata (its ``model_type``...)."""
+#: Config keys transformers maps ``ARCH.block_count`` to.
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+
+
+def gguf_config(spec: str, header: GGUFHeader) -> dict:
+    """The config dict transformers makes of the GGUF file's metadata (its ``model_type``...).
+    TapmlError when it claims more layers than the file holds ``blk.N.`` tensors for: a model
+    of a million layers would be built before its weights are found missing."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
     try:
-        return dict(load_gguf_checkpoint(str(path), return_tensors=False)["config"])
+        config = dict(load_gguf_checkpoint(str(header.path.resolve()), return_tensors=False)["config"])
     except Exception as e:  # noqa: BLE001 - metadata transformers cannot read is bad input
         raise TapmlError(f"{spec}: transformers cannot read its metadata: {type(e).__name__}: "
                          f"{(str(e).strip().splitlines() or [''])[0][:300]}") from None
+    blocks = {t.name.split(".")[1] for t in header.tensors if t.name.startswith("blk.") and t.name.count(".") >= 2}
+    for key in _LAYER_KEYS:
+        layers = config.get(key)
+        if key in config and (type(layers) is not int or not 0 <= layers <= len(blocks)):
+            raise TapmlError(f"{spec}: {header.architecture}.block_count is {str(layers)[:40]}, but the file holds "
+                             f"tensors of {len(blocks)} blocks (blk.N.*): {_FIX}")
+    return config
 
 
 def load_gguf_weights(ckpt, model, dtype: str):
