@@ -105,7 +105,7 @@ def tiny(tmp_path_factory) -> tuple[Path, dict]:
 def test_gguf_loads_dequantized_weights_and_its_tokenizer(tiny, tmp_path):
     """The file's own weights (the Q8_0 tensor dequantized, float16 ones widened) in the dtype asked
     for, the first N layers with --hf-config, float32 by default for a quantized file and the stored
-    dtype for one that is not; its tokenizer from its metadata."""
+    dtype for one that is not; its tokenizer from its metadata, whatever lies beside the file."""
     import gguf
 
     from tapml.frontends.checkpoint import open_checkpoint
@@ -130,9 +130,16 @@ def test_gguf_loads_dequantized_weights_and_its_tokenizer(tiny, tmp_path):
     write_gguf(tmp_path / "f16.gguf", dtype=np.float16, quantized=False)
     assert scan_gguf(str(tmp_path / "f16.gguf")).dtype == "float16" and open_checkpoint(str(tmp_path / "f16.gguf"))
 
-    tokenizer = load_tokenizer(str(path))
-    ids = tokenizer("hello world the cat")["input_ids"]
-    assert len(ids) == 5 and tokenizer.decode(ids, skip_special_tokens=True) == "hello world the cat"
+    beside = tmp_path / "beside"  # files next to a GGUF are not part of it: never read
+    beside.mkdir()
+    (beside / "m.gguf").symlink_to(path)
+    (beside / "config.json").write_text(json.dumps({"model_type": "gpt2", "auto_map": {"AutoConfig": "evil.C"}}))
+    (beside / "tokenizer_config.json").write_text(json.dumps({"auto_map": {"AutoTokenizer": ["evil.T", None]}}))
+    for spec in (path, beside / "m.gguf"):
+        tokenizer = load_tokenizer(str(spec))
+        ids = tokenizer("hello world the cat")["input_ids"]
+        assert len(ids) == 5 and tokenizer.decode(ids, skip_special_tokens=True) == "hello world the cat"
+    assert open_checkpoint(str(beside / "m.gguf")).config["model_type"] == "llama"
 
 
 def _patch(data: bytearray, at: int, fmt: str, value) -> None:

@@ -331,12 +331,19 @@ def load_gguf_weights(ckpt, model, dtype: str):
 
 
 def load_gguf_tokenizer(ckpt):
-    """The tokenizer transformers builds from the GGUF file's metadata, None when it holds none."""
+    """The tokenizer transformers builds from the GGUF file's metadata, None when it holds none.
+    transformers is shown a private folder holding only a link to the file: it would otherwise
+    read a ``tokenizer_config.json`` lying beside the GGUF too."""
+    import os
+    import tempfile
+
     from transformers import AutoTokenizer
     if not isinstance(ckpt.gguf.fields.get("tokenizer.ggml.model"), str):
         return None
     try:
-        return AutoTokenizer.from_pretrained(str(ckpt.folder), gguf_file=ckpt.weights[0].name, local_files_only=True)
+        with tempfile.TemporaryDirectory(prefix="tapml-gguf-") as alone:
+            os.symlink(ckpt.weights[0], os.path.join(alone, "model.gguf"))
+            return AutoTokenizer.from_pretrained(alone, gguf_file="model.gguf", local_files_only=True)
     except Exception as e:  # noqa: BLE001 - a tokenizer transformers cannot build is bad input
         raise TapmlError(f"{ckpt.spec}: transformers cannot build its tokenizer: {type(e).__name__}: "
                          f"{(str(e).strip().splitlines() or [''])[0][:300]}") from None
