@@ -28,8 +28,12 @@ import contextvars
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tapml.errors import TapmlError
+
+if TYPE_CHECKING:
+    from tapml.frontends.gguf import GGUFHeader
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -98,7 +102,7 @@ class Checkpoint:
     weights: list[Path] = field(default_factory=list)
     dtype: str = "float32"
     remote_code: bool = False
-    gguf: object = None  # the GGUFHeader of a GGUF file
+    gguf: GGUFHeader | None = None
 
 
 def resolve_hub_name(spec: str) -> tuple[Path, Path]:
@@ -296,10 +300,9 @@ def checkpoint_config(ckpt: Checkpoint, hf_config: dict | None = None, use_cache
     from tapml.frontends.models import _export_settings, _sub_configs
     given = ", ".join(f"{k}={v!r}" for k, v in (hf_config or {}).items())
     try:
-        gguf = {"gguf_file": ckpt.weights[0].name} if ckpt.gguf else {}
-        config = AutoConfig.from_pretrained(str(ckpt.folder), local_files_only=True,
-                                            trust_remote_code=ckpt.remote_code, **gguf,
-                                            **_with_per_layer_lists(ckpt.config, hf_config or {}))
+        with _from_folder(ckpt) as (folder, gguf):
+            config = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=ckpt.remote_code,
+                                                **gguf, **_with_per_layer_lists(ckpt.config, hf_config or {}))
     except Exception as e:  # noqa: BLE001 - a config transformers refuses is bad input
         what = f" with --hf-config {given}" if given else ""
         raise TapmlError(f"{ckpt.spec}: transformers cannot read its config.json{what}: {type(e).__name__}: "
@@ -307,6 +310,18 @@ def checkpoint_config(ckpt: Checkpoint, hf_config: dict | None = None, use_cache
     for part in (config, *_sub_configs(config)):
         _export_settings(part, use_cache=use_cache)
     return config
+
+
+@contextlib.contextmanager
+def _from_folder(ckpt: Checkpoint):
+    """``(folder, kwargs)`` to hand ``from_pretrained``: the checkpoint folder, or for a GGUF file
+    a private folder holding only it and ``gguf_file``."""
+    if not ckpt.gguf:
+        yield str(ckpt.folder), {}
+        return
+    from tapml.frontends.gguf import gguf_alone
+    with gguf_alone(ckpt) as (folder, name):
+        yield folder, {"gguf_file": name}
 
 
 def _with_per_layer_lists(stored: dict, overrides: dict) -> dict:

@@ -21,8 +21,11 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import mmap
+import os
 import struct
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -305,7 +308,6 @@ def load_gguf_weights(ckpt, model, dtype: str):
     """Load the GGUF file of ``ckpt`` into ``model`` (built from its config), dequantized to
     ``dtype``, with transformers' own GGUF reading (names mapped, llama's q/k permutation undone).
     TapmlError when a tensor does not fit the model or one the model needs is not in the file."""
-    import contextlib
     import io
 
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -330,24 +332,29 @@ def load_gguf_weights(ckpt, model, dtype: str):
     return model.to(torch_dtype(dtype)).eval()
 
 
-def load_gguf_tokenizer(ckpt):
-    """The tokenizer transformers builds from the GGUF file's metadata, None when it holds none.
-    transformers is shown a private folder holding only a link to the file: it would otherwise
-    read a ``tokenizer_config.json`` lying beside the GGUF too."""
-    import os
-    import tempfile
+@contextlib.contextmanager
+def gguf_alone(ckpt):
+    """``(folder, name)`` for transformers' ``from_pretrained(folder, gguf_file=name)``: a private
+    folder holding only a link to the GGUF file, so that nothing lying beside the file (a
+    ``tokenizer_config.json``, a ``config.json``) is read with it."""
+    with tempfile.TemporaryDirectory(prefix="tapml-gguf-") as folder:
+        os.symlink(ckpt.weights[0], os.path.join(folder, "model.gguf"))
+        yield folder, "model.gguf"
 
+
+def load_gguf_tokenizer(ckpt):
+    """The tokenizer transformers builds from the GGUF file's metadata (:func:`gguf_alone`), None
+    when it holds none."""
     from transformers import AutoTokenizer
     if not isinstance(ckpt.gguf.fields.get("tokenizer.ggml.model"), str):
         return None
     try:
-        with tempfile.TemporaryDirectory(prefix="tapml-gguf-") as alone:
-            os.symlink(ckpt.weights[0], os.path.join(alone, "model.gguf"))
-            return AutoTokenizer.from_pretrained(alone, gguf_file="model.gguf", local_files_only=True)
+        with gguf_alone(ckpt) as (folder, name):
+            return AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - a tokenizer transformers cannot build is bad input
         raise TapmlError(f"{ckpt.spec}: transformers cannot build its tokenizer: {type(e).__name__}: "
                          f"{(str(e).strip().splitlines() or [''])[0][:300]}") from None
 
 
 __all__ = ["scan_gguf", "is_gguf_spec", "check_architecture", "gguf_config", "load_gguf_weights",
-           "load_gguf_tokenizer", "GGUFHeader", "GGUFTensor", "MAX_TENSORS", "MAX_FIELDS"]
+           "load_gguf_tokenizer", "gguf_alone", "GGUFHeader", "GGUFTensor", "MAX_TENSORS", "MAX_FIELDS"]
