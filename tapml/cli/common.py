@@ -72,7 +72,7 @@ StoreDirOpt = typer.Option(None, "--store", help="Keep the store carved from MOD
 QuietOpt = typer.Option(False, "--quiet", "-q", help="Print only errors and the final line")
 DtypeOpt = typer.Option(None, "--dtype", help="float32, float16 or bfloat16: the model's floating parameters and "
                         "inputs, and the reference run, in that dtype (default float32; a checkpoint: the dtype it is stored "
-                        "in; a STORE keeps its own). "
+                        "in, a GGUF with quantized tensors: float32; a STORE keeps its own). "
                         "Low-precision ops are judged fp64-anchored, regions and the whole model against float32")
 
 KeepFloat32Opt = typer.Option(None, "--keep-float32", help="Run these in float32 on the target while the rest runs in "
