@@ -42,10 +42,11 @@ def vocabulary() -> list[str]:
 
 
 def write_gguf(path: Path, architecture: str = "llama", dtype=np.float32, quantized: bool = True,
-               block_count: int = LAYERS) -> dict:
+               block_count: int = LAYERS, tied: bool = False) -> dict:
     """A two-layer llama GGUF (``dtype`` tensors, ``output.weight`` and ``attn_k`` in float16, and
     ``blk.0.attn_v.weight`` in Q8_0 when ``quantized``; ``block_count`` the layers its metadata
-    claims); returns the arrays written, by name."""
+    claims; no ``output.weight`` when ``tied``: the head is the embedding); returns the arrays
+    written, by name."""
     import gguf
     rng = np.random.default_rng(0)
     tokens = vocabulary()
@@ -80,7 +81,8 @@ def write_gguf(path: Path, architecture: str = "llama", dtype=np.float32, quanti
 
     tensor("token_embd.weight", (len(tokens), HIDDEN))
     tensor("output_norm.weight", (HIDDEN,))
-    tensor("output.weight", (len(tokens), HIDDEN), np.float16)
+    if not tied:
+        tensor("output.weight", (len(tokens), HIDDEN), np.float16)
     kv = HIDDEN // HEADS * KV_HEADS
     for i in range(LAYERS):
         for name, shape, as_ in (("attn_norm", (HIDDEN,), dtype), ("ffn_norm", (HIDDEN,), dtype),
@@ -105,7 +107,8 @@ def tiny(tmp_path_factory) -> tuple[Path, dict]:
 def test_gguf_loads_dequantized_weights_and_its_tokenizer(tiny, tmp_path):
     """The file's own weights (the Q8_0 tensor dequantized, float16 ones widened) in the dtype asked
     for, the first N layers with --hf-config, float32 by default for a quantized file and the stored
-    dtype for one that is not; its tokenizer from its metadata, whatever lies beside the file."""
+    dtype for one that is not (its head tied to the embedding when it has no output.weight); its
+    tokenizer from its metadata, whatever lies beside the file."""
     import gguf
 
     from tapml.frontends.checkpoint import open_checkpoint
@@ -127,8 +130,11 @@ def test_gguf_loads_dequantized_weights_and_its_tokenizer(tiny, tmp_path):
     half = load_causal_lm(str(path), tokens=2, prompt_len=4, dtype="float16")
     assert half.lm_head.weight.dtype == torch.float16 and len(half.model.layers) == LAYERS
     assert torch.equal(half.lm_head.weight, torch.from_numpy(written["output.weight"]))
-    write_gguf(tmp_path / "f16.gguf", dtype=np.float16, quantized=False)
-    assert scan_gguf(str(tmp_path / "f16.gguf")).dtype == "float16" and open_checkpoint(str(tmp_path / "f16.gguf"))
+    written = write_gguf(tmp_path / "f16.gguf", dtype=np.float16, quantized=False, tied=True)
+    assert scan_gguf(str(tmp_path / "f16.gguf")).dtype == "float16"
+    tied, _ = load_model(str(tmp_path / "f16.gguf"), dtype="float16")
+    assert tied.config.tie_word_embeddings and tied.lm_head.weight.dtype == torch.float16
+    assert torch.equal(tied.lm_head.weight, torch.from_numpy(written["token_embd.weight"]))
 
     beside = tmp_path / "beside"  # files next to a GGUF are not part of it: never read
     beside.mkdir()
