@@ -181,12 +181,15 @@ def scan_gguf(spec: str) -> GGUFHeader:
         raise TapmlError(f"GGUF file {spec} does not exist")
     if not path.resolve().is_file():
         raise TapmlError(f"{spec} is not a regular file; a GGUF MODEL is one .gguf file")
-    with open(path.resolve(), "rb") as f:
-        size = path.resolve().stat().st_size
-        if size < 24:
-            raise TapmlError(f"{spec} is {size} bytes, too short for a GGUF header: {_FIX}")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            return _scan(spec, path, buf, size)
+    try:
+        with open(path.resolve(), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 24:
+                raise TapmlError(f"{spec} is {size} bytes, too short for a GGUF header: {_FIX}")
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                return _scan(spec, path, buf, size)
+    except OSError as e:
+        raise TapmlError(f"cannot read {spec}: {e.strerror or e}") from None
 
 
 def _scan(spec: str, path: Path, buf, size: int) -> GGUFHeader:
