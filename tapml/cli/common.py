@@ -72,7 +72,7 @@ StoreDirOpt = typer.Option(None, "--store", help="Keep the store carved from MOD
 QuietOpt = typer.Option(False, "--quiet", "-q", help="Print only errors and the final line")
 DtypeOpt = typer.Option(None, "--dtype", help="float32, float16 or bfloat16: the model's floating parameters and "
                         "inputs, and the reference run, in that dtype (default float32; a checkpoint: the dtype it is stored "
-                        "in; a STORE keeps its own). "
+                        "in, a GGUF with quantized tensors: float32; a STORE keeps its own). "
                         "Low-precision ops are judged fp64-anchored, regions and the whole model against float32")
 
 KeepFloat32Opt = typer.Option(None, "--keep-float32", help="Run these in float32 on the target while the rest runs in "
@@ -276,11 +276,13 @@ def check_dtype(dtype: Optional[str], model: Optional[str] = None, quiet: bool =
         if model is None or not is_checkpoint_spec(model):
             return None
         from tapml.text import shown
-        stored = open_checkpoint(model).dtype
+        ckpt = open_checkpoint(model)
+        quantized = ckpt.gguf.quantized if ckpt.gguf else []
+        why = (f"{shown(model)} holds quantized tensors ({', '.join(quantized)}), dequantized to it" if quantized
+               else f"the dtype {shown(model)} is stored in")
         if not quiet:
-            console.print(f"dtype {stored}: the dtype {shown(model)} is stored in (--dtype to choose another)",
-                          highlight=False, soft_wrap=True)
-        return stored
+            console.print(f"dtype {ckpt.dtype}: {why} (--dtype to choose another)", highlight=False, soft_wrap=True)
+        return ckpt.dtype
     from tapml.dtypes import check_model_dtype
     try:
         return check_model_dtype(dtype)
@@ -304,7 +306,8 @@ def model_store(model: str, *, store_dir: Optional[str], hf_config, purpose: str
             fail(f"{model} is a store: --store and --hf-config apply when MODEL is a model spec to carve")
         yield CarveStore(model), False
         return
-    if Path(model).exists() and not Path(model).is_dir():
+    from tapml.frontends.gguf import is_gguf_spec
+    if Path(model).exists() and not Path(model).is_dir() and not is_gguf_spec(model):
         fail(f"{model} is a file, not {what} or a model spec")
     temporary = None
     if store_dir:

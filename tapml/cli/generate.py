@@ -93,7 +93,7 @@ def generate(model: str = typer.Argument(..., help="A generation store (`tapml c
                                  keep_float32=keep)
         pieces = _add_texts(doc, store, model, tokenizer) if tokenizer is not None else None
         if tokenizer is None and not is_store and is_checkpoint_spec(model):
-            doc["tokenizer_note"] = f"no tokenizer in {model} (tokenizer.json): token ids are shown"
+            doc["tokenizer_note"] = f"no tokenizer in {model} (tokenizer.json; a GGUF: tokenizer.ggml.* metadata): token ids are shown"
     if json_out:
         write_json(doc, json_out)
     if json_out != "-":

@@ -16,7 +16,7 @@ from tapml.text import plain, shown
 HfConfigOpt = typer.Option(None, "--hf-config", help="KEY=VALUE config override when MODEL is an hf: spec or a "
                                                     "checkpoint to carve, e.g. num_hidden_layers=2 (repeatable)")
 ModelArg = typer.Argument(..., help="Carve store directory, or a MODEL spec (zoo:NAME, hf:TYPE, hf:ORG/NAME, a "
-                                    "checkpoint folder, file.py:factory, file.pt2) to carve first")
+                                    "checkpoint folder, FILE.gguf, file.py:factory, file.pt2) to carve first")
 
 
 class MigrationDisplay:

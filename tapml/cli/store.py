@@ -17,7 +17,7 @@ from tapml.text import shown
 @app.command(short_help="Run MODEL on the reference and record every operator call as a test case (--generate N: a generation).")
 @command
 def carve(model: str = typer.Argument(..., help="zoo:NAME, hf:MODEL_TYPE, hf:ORG/NAME, a checkpoint folder, "
-                                               "path/file.py:factory or file.pt2"),
+                                               "FILE.gguf, path/file.py:factory or file.pt2"),
           output: str = typer.Option(..., "-o", "--output", help="Store directory to write"),
           device: str = typer.Option("cpu", "--device", help="Reference device: cpu or cuda"),
           seed: int = typer.Option(0, "--seed", help="Seed for weights and inputs"),

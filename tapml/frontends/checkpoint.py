@@ -28,8 +28,12 @@ import contextvars
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tapml.errors import TapmlError
+
+if TYPE_CHECKING:
+    from tapml.frontends.gguf import GGUFHeader
 
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
@@ -80,15 +84,17 @@ def is_checkpoint_folder(path: str | Path) -> bool:
 
 
 def is_checkpoint_spec(spec: str) -> bool:
-    """Whether the MODEL spec ``spec`` names a checkpoint (a folder or ``hf:ORG/NAME``)."""
-    return is_hub_name(spec) or is_checkpoint_folder(spec)
+    """Whether the MODEL spec ``spec`` names a checkpoint (a folder, ``hf:ORG/NAME`` or a GGUF file)."""
+    from tapml.frontends.gguf import is_gguf_spec
+    return is_hub_name(spec) or is_gguf_spec(spec) or is_checkpoint_folder(spec)
 
 
 @dataclass
 class Checkpoint:
     """A checked checkpoint: ``folder`` holds ``config.json`` (read as ``config``), ``weights``
     are the safetensors files transformers will read, ``dtype`` is the floating dtype most of
-    the weights are stored in, ``root`` the folder nothing read may leave."""
+    the weights are stored in, ``root`` the folder nothing read may leave. A GGUF file
+    (:mod:`tapml.frontends.gguf`) is the one weight file, its checked header ``gguf``."""
     spec: str
     folder: Path
     root: Path
@@ -96,6 +102,7 @@ class Checkpoint:
     weights: list[Path] = field(default_factory=list)
     dtype: str = "float32"
     remote_code: bool = False
+    gguf: GGUFHeader | None = None
 
 
 def resolve_hub_name(spec: str) -> tuple[Path, Path]:
@@ -130,7 +137,11 @@ def open_checkpoint(spec: str) -> Checkpoint:
     is not a JSON object with a ``model_type`` transformers knows; ``auto_map`` without
     :func:`remote_code_trusted`; pickle weights only; no weights; an index whose names leave the
     folder, name missing files or files without the tensors it puts there; a shard that is
-    truncated or not safetensors; any file read that is no regular file inside the folder."""
+    truncated or not safetensors; any file read that is no regular file inside the folder. A GGUF
+    file: what :func:`tapml.frontends.gguf.scan_gguf` and ``check_architecture`` refuse."""
+    from tapml.frontends.gguf import is_gguf_spec
+    if is_gguf_spec(spec):
+        return _open_gguf(spec)
     if is_hub_name(spec):
         folder, root = resolve_hub_name(spec)
     else:
@@ -153,6 +164,17 @@ def open_checkpoint(spec: str) -> Checkpoint:
     weights = _weight_files(spec, folder, root)
     return Checkpoint(spec=spec, folder=folder, root=root, config=config, weights=weights,
                       dtype=_stored_dtype(spec, weights), remote_code=remote)
+
+
+def _open_gguf(spec: str) -> Checkpoint:
+    from tapml.frontends.gguf import check_architecture, gguf_config, scan_gguf
+    header = scan_gguf(spec)
+    check_architecture(spec, header)
+    path = Path(spec).resolve()
+    config = gguf_config(spec, header)
+    _check_model_type(spec, config)
+    return Checkpoint(spec=spec, folder=path.parent, root=path.parent, config=config, weights=[path],
+                      dtype=header.dtype, gguf=header)
 
 
 def _inside(spec: str, path: Path, root: Path) -> Path:
@@ -278,9 +300,9 @@ def checkpoint_config(ckpt: Checkpoint, hf_config: dict | None = None, use_cache
     from tapml.frontends.models import _export_settings, _sub_configs
     given = ", ".join(f"{k}={v!r}" for k, v in (hf_config or {}).items())
     try:
-        config = AutoConfig.from_pretrained(str(ckpt.folder), local_files_only=True,
-                                            trust_remote_code=ckpt.remote_code,
-                                            **_with_per_layer_lists(ckpt.config, hf_config or {}))
+        with _from_folder(ckpt) as (folder, gguf):
+            config = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=ckpt.remote_code,
+                                                **gguf, **_with_per_layer_lists(ckpt.config, hf_config or {}))
     except Exception as e:  # noqa: BLE001 - a config transformers refuses is bad input
         what = f" with --hf-config {given}" if given else ""
         raise TapmlError(f"{ckpt.spec}: transformers cannot read its config.json{what}: {type(e).__name__}: "
@@ -288,6 +310,18 @@ def checkpoint_config(ckpt: Checkpoint, hf_config: dict | None = None, use_cache
     for part in (config, *_sub_configs(config)):
         _export_settings(part, use_cache=use_cache)
     return config
+
+
+@contextlib.contextmanager
+def _from_folder(ckpt: Checkpoint):
+    """``(folder, kwargs)`` to hand ``from_pretrained``: the checkpoint folder, or for a GGUF file
+    a private folder holding only it and ``gguf_file``."""
+    if not ckpt.gguf:
+        yield str(ckpt.folder), {}
+        return
+    from tapml.frontends.gguf import gguf_alone
+    with gguf_alone(ckpt) as (folder, name):
+        yield folder, {"gguf_file": name}
 
 
 def _with_per_layer_lists(stored: dict, overrides: dict) -> dict:
@@ -316,6 +350,12 @@ def load_checkpoint_model(ckpt: Checkpoint, auto, config, dtype: str):
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its load report goes to the log; tapml says what matters
     _check_size(ckpt, auto, config)
+    if ckpt.gguf:
+        try:
+            from tapml.frontends.gguf import load_gguf_weights
+            return load_gguf_weights(ckpt, _build(ckpt, auto, config, torch_dtype(dtype)), dtype)
+        finally:
+            hf_logging.set_verbosity(verbosity)
     try:
         model, info = auto.from_pretrained(
             str(ckpt.folder), config=config, dtype=torch_dtype(dtype), use_safetensors=True, local_files_only=True,
@@ -349,30 +389,35 @@ def _check_size(ckpt: Checkpoint, auto, config) -> None:
     the checkpoint stores: such weights cannot fit it, and building it could exhaust memory."""
     import torch
     from safetensors import safe_open
-    stored = 0
-    for path in ckpt.weights:
+    stored = ckpt.gguf.elements if ckpt.gguf else 0
+    for path in [] if ckpt.gguf else ckpt.weights:
         with safe_open(str(path), "pt") as f:
             for key in f.keys():
                 n = 1
                 for d in f.get_slice(key).get_shape():
                     n *= d
                 stored += n
-    try:
-        with torch.device("meta"):
-            if not hasattr(auto, "from_config"):  # a model class, not an Auto class
-                model = auto(config)
-            elif ckpt.remote_code:
-                model = auto.from_config(config, trust_remote_code=True)
-            else:
-                model = auto.from_config(config)
-    except Exception as e:  # noqa: BLE001 - a config that builds no model is bad input
-        raise TapmlError(f"{ckpt.spec}: cannot build the model from its config: {type(e).__name__}: "
-                         f"{(str(e).strip().splitlines() or [''])[0][:300]}") from None
+    with torch.device("meta"):
+        model = _build(ckpt, auto, config)
     needed = sum(p.numel() for p in model.parameters())
     if needed > stored:
         raise TapmlError(f"{ckpt.spec}: the weights do not fit the config: the model it describes has {needed} weight "
                          f"elements, the checkpoint stores {stored}; fix config.json (or --hf-config) to match the "
                          "weights")
+
+
+def _build(ckpt: Checkpoint, auto, config, dtype=None):
+    """The model ``auto`` builds from ``config`` (random weights; on the current device)."""
+    kwargs = {"dtype": dtype} if dtype is not None else {}
+    try:
+        if not hasattr(auto, "from_config"):  # a model class, not an Auto class
+            return auto(config) if dtype is None else auto(config).to(dtype)
+        if ckpt.remote_code:
+            return auto.from_config(config, trust_remote_code=True, **kwargs)
+        return auto.from_config(config, **kwargs)
+    except Exception as e:  # noqa: BLE001 - a config that builds no model is bad input
+        raise TapmlError(f"{ckpt.spec}: cannot build the model from its config: {type(e).__name__}: "
+                         f"{(str(e).strip().splitlines() or [''])[0][:300]}") from None
 
 
 def load_checkpoint(spec: str, hf_config: dict | None = None, dtype: str | None = None):

@@ -541,7 +541,7 @@ def load_model(spec: str, seed: int = 0, hf_config: dict | None = None, dtype: s
     Raises TapmlError for bad specs and dtypes."""
     to = _check_dtype(dtype)
     if not isinstance(spec, str) or not spec:
-        raise TapmlError("empty model spec; use zoo:NAME, hf:MODEL_TYPE, hf:ORG/NAME, a checkpoint folder, "
+        raise TapmlError("empty model spec; use zoo:NAME, hf:MODEL_TYPE, hf:ORG/NAME, a checkpoint folder, FILE.gguf, "
                          "file.py:factory or file.pt2")
     from tapml.frontends.checkpoint import is_checkpoint_spec, load_checkpoint
     if is_checkpoint_spec(spec):
@@ -590,11 +590,11 @@ def check_model_spec(spec: str) -> None:
     hf:MODEL_TYPE, hf:ORG/NAME, a checkpoint folder, path/to/file.py:factory, file.pt2); nothing
     is loaded. A spec that is no model spec and names no existing folder is most likely a store
     path with a typo: the message says so."""
-    from tapml.frontends.checkpoint import is_checkpoint_folder
-    if spec.startswith(("zoo:", "hf:")) or spec.endswith(".pt2") or ".py:" in spec or is_checkpoint_folder(spec):
+    from tapml.frontends.checkpoint import is_checkpoint_spec
+    if spec.startswith(("zoo:", "hf:")) or spec.endswith(".pt2") or ".py:" in spec or is_checkpoint_spec(spec):
         return
     forms = (f"zoo:NAME ({', '.join(ZOO)}), hf:MODEL_TYPE, hf:ORG/NAME, a checkpoint folder (config.json and "
-             "safetensors), path/to/file.py:factory or file.pt2")
+             "safetensors), FILE.gguf, path/to/file.py:factory or file.pt2")
     if ":" not in spec and not Path(spec).exists():
         raise TapmlError(f"no store at {spec}: that folder does not exist (carve one with `tapml carve MODEL -o "
                          f"{spec}`), and {spec!r} is not a model spec either ({forms})")

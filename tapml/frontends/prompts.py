@@ -1,5 +1,8 @@
 """Prompts in words and generations as text: a checkpoint's own tokenizer.
 
+A GGUF file's tokenizer is the one transformers builds from its metadata
+(:func:`tapml.frontends.gguf.load_gguf_tokenizer`).
+
 A checkpoint folder (or ``hf:ORG/NAME``, :mod:`tapml.frontends.checkpoint`) that holds a tokenizer
 (``tokenizer.json``, ``tokenizer_config.json``...) is read with transformers' ``AutoTokenizer``,
 local files only; each of those files must be a regular file inside the folder, and a
@@ -36,6 +39,9 @@ def load_tokenizer(spec: str):
     if not is_checkpoint_spec(spec):
         return None
     ckpt = open_checkpoint(spec)
+    if ckpt.gguf:
+        from tapml.frontends.gguf import load_gguf_tokenizer
+        return load_gguf_tokenizer(ckpt)
     present = [name for name in TOKENIZER_FILES if os.path.lexists(ckpt.folder / name)]
     if not any(name in present for name in ("tokenizer.json", "tokenizer_config.json")):
         return None
@@ -106,8 +112,9 @@ def prompt_token_ids(spec: str, tokenizer, *, text: str | None = None, file: str
         except UnicodeDecodeError:
             raise TapmlError(f"--prompt-file {file} is not UTF-8 text") from None
     if tokenizer is None:
-        raise TapmlError(f"{spec} has no tokenizer (a checkpoint folder with tokenizer.json has one), so a prompt in "
-                         "words cannot be tokenized; give token ids with --prompt-ids 1,2,3")
+        raise TapmlError(f"{spec} has no tokenizer (a checkpoint folder with tokenizer.json has one, a GGUF file "
+                         "with tokenizer.ggml.* metadata too), so a prompt in words cannot be tokenized; give token "
+                         "ids with --prompt-ids 1,2,3")
     if chat:
         if not getattr(tokenizer, "chat_template", None):
             raise TapmlError(f"--chat: the tokenizer of {spec} has no chat template; leave --chat out")

@@ -1,0 +1,246 @@
+"""GGUF files as MODEL specs (issue 31, items 1 and 6): llama.cpp's format read with the gguf
+package and transformers' own GGUF loading, dequantized to the dtype asked for, its tokenizer
+from its metadata; hostile headers refused by tapml's own bounded scan (exit 2, nothing written)
+before gguf's reader sees them.
+
+Every file is written here by gguf's GGUFWriter, laid out as llama.cpp's convert script lays out a
+llama: ``token_embd.weight``, ``blk.N.attn_q.weight``..., ``output_norm.weight``,
+``output.weight`` and the ``llama.*`` keys, in float32 and float16 with one Q8_0 tensor.
+"""
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from support import vulkan_or_skip
+from typer.testing import CliRunner
+
+from tapml.errors import TapmlError
+
+WORDS = ["hello", "world", "the", "cat", "dog", "is", "on", "a"]
+HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 32, 64, 2, 4, 2
+
+
+def tapml(*args, input=None):
+    from tapml.cli import app
+    return CliRunner().invoke(app, [str(a) for a in args], input=input)
+
+
+def vocabulary() -> list[str]:
+    """llama's sentencepiece layout: specials, the 256 byte tokens, then every prefix and letter of
+    WORDS (transformers rebuilds the merges from the pieces)."""
+    pieces = []
+    for word in WORDS:
+        word = "▁" + word
+        for piece in [word[:i] for i in range(1, len(word) + 1)] + list(word):
+            if piece not in pieces:
+                pieces.append(piece)
+    return ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+
+
+def write_gguf(path: Path, architecture: str = "llama", dtype=np.float32, quantized: bool = True,
+               block_count: int = LAYERS, tied: bool = False) -> dict:
+    """A two-layer llama GGUF (``dtype`` tensors, ``output.weight`` and ``attn_k`` in float16, and
+    ``blk.0.attn_v.weight`` in Q8_0 when ``quantized``; ``block_count`` the layers its metadata
+    claims; no ``output.weight`` when ``tied``: the head is the embedding); returns the arrays
+    written, by name."""
+    import gguf
+    rng = np.random.default_rng(0)
+    tokens = vocabulary()
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_name("tiny-llama")
+    writer.add_context_length(64)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_block_count(block_count)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(HIDDEN // HEADS)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * 259 + [-float(len(t)) for t in tokens[259:]])
+    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * (len(tokens) - 259))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    written = {}
+
+    def tensor(name, shape, as_=dtype):
+        written[name] = (rng.standard_normal(shape) * 0.1).astype(as_)
+        if quantized and name == "blk.0.attn_v.weight":
+            written[name] = gguf.quants.quantize(written[name].astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(name, written[name], raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(name, written[name])
+
+    tensor("token_embd.weight", (len(tokens), HIDDEN))
+    tensor("output_norm.weight", (HIDDEN,))
+    if not tied:
+        tensor("output.weight", (len(tokens), HIDDEN), np.float16)
+    kv = HIDDEN // HEADS * KV_HEADS
+    for i in range(LAYERS):
+        for name, shape, as_ in (("attn_norm", (HIDDEN,), dtype), ("ffn_norm", (HIDDEN,), dtype),
+                                 ("attn_q", (HIDDEN, HIDDEN), dtype), ("attn_k", (kv, HIDDEN), np.float16),
+                                 ("attn_v", (kv, HIDDEN), dtype), ("attn_output", (HIDDEN, HIDDEN), dtype),
+                                 ("ffn_gate", (FFN, HIDDEN), dtype), ("ffn_up", (FFN, HIDDEN), dtype),
+                                 ("ffn_down", (HIDDEN, FFN), dtype)):
+            tensor(f"blk.{i}.{name}.weight", shape, as_)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return written
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[Path, dict]:
+    path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
+    return path, write_gguf(path)
+
+
+def test_gguf_loads_dequantized_weights_and_its_tokenizer(tiny, tmp_path):
+    """The file's own weights (the Q8_0 tensor dequantized, float16 ones widened) in the dtype asked
+    for, the first N layers with --hf-config, float32 by default for a quantized file and the stored
+    dtype for one that is not (its head tied to the embedding when it has no output.weight); its
+    tokenizer from its metadata, whatever lies beside the file."""
+    import gguf
+
+    from tapml.frontends.checkpoint import open_checkpoint
+    from tapml.frontends.gguf import scan_gguf
+    from tapml.frontends.models import load_causal_lm, load_model
+    from tapml.frontends.prompts import load_tokenizer
+    path, written = tiny
+    ckpt = open_checkpoint(str(path))
+    assert ckpt.dtype == "float32" and ckpt.gguf.quantized == ["Q8_0"] and ckpt.config["model_type"] == "llama"
+    model, inputs = load_model(str(path), hf_config={"num_hidden_layers": 1})
+    assert len(model.model.layers) == 1 and model.model.embed_tokens.weight.dtype == torch.float32
+    v = model.model.layers[0].self_attn.v_proj.weight
+    dequantized = gguf.quants.dequantize(written["blk.0.attn_v.weight"], gguf.GGMLQuantizationType.Q8_0)
+    assert torch.equal(v, torch.from_numpy(dequantized)) and v.shape == (HIDDEN // HEADS * KV_HEADS, HIDDEN)
+    assert torch.equal(model.lm_head.weight, torch.from_numpy(written["output.weight"].astype(np.float32)))
+    assert torch.equal(model.model.embed_tokens.weight, torch.from_numpy(written["token_embd.weight"]))
+    assert int(inputs[0].max()) < model.config.vocab_size and torch.isfinite(model(*inputs).logits).all()
+
+    half = load_causal_lm(str(path), tokens=2, prompt_len=4, dtype="float16")
+    assert half.lm_head.weight.dtype == torch.float16 and len(half.model.layers) == LAYERS
+    assert torch.equal(half.lm_head.weight, torch.from_numpy(written["output.weight"]))
+    written = write_gguf(tmp_path / "f16.gguf", dtype=np.float16, quantized=False, tied=True)
+    assert scan_gguf(str(tmp_path / "f16.gguf")).dtype == "float16"
+    tied, _ = load_model(str(tmp_path / "f16.gguf"), dtype="float16")
+    assert tied.config.tie_word_embeddings and tied.lm_head.weight.dtype == torch.float16
+    assert torch.equal(tied.lm_head.weight, torch.from_numpy(written["token_embd.weight"]))
+
+    beside = tmp_path / "beside"  # files next to a GGUF are not part of it: never read
+    beside.mkdir()
+    (beside / "m.gguf").symlink_to(path)
+    (beside / "config.json").write_text(json.dumps({"model_type": "gpt2", "auto_map": {"AutoConfig": "evil.C"}}))
+    (beside / "tokenizer_config.json").write_text(json.dumps({"auto_map": {"AutoTokenizer": ["evil.T", None]}}))
+    for spec in (path, beside / "m.gguf"):
+        tokenizer = load_tokenizer(str(spec))
+        ids = tokenizer("hello world the cat")["input_ids"]
+        assert len(ids) == 5 and tokenizer.decode(ids, skip_special_tokens=True) == "hello world the cat"
+    assert type(load_model(str(beside / "m.gguf"), hf_config={"num_hidden_layers": 1})[0]).__name__ == \
+        "LlamaForCausalLM"
+
+
+def _patch(data: bytearray, at: int, fmt: str, value) -> None:
+    struct.pack_into(fmt if fmt[0] in "<>" else "<" + fmt, data, at, value)
+
+
+def _after(data: bytearray, name: bytes) -> int:
+    """The byte just after the one occurrence of ``name`` (a key or tensor name) in the header."""
+    at = data.find(name)
+    assert at > 0 and data.find(name, at + 1) < 0, name
+    return at + len(name)
+
+
+HOSTILE = [  # (id, how the file is spoilt, what the message says)
+    ("bad-magic", lambda d: d.__setitem__(slice(0, 4), b"GGUX"), "is not a GGUF file"),
+    ("truncated-data", lambda d: d.__delitem__(slice(len(d) - 100, None)), "the file is truncated"),
+    ("big-endian", lambda d: _patch(d, 4, ">I", 3), "big-endian"),
+    ("absurd-tensor-count", lambda d: _patch(d, 8, "Q", 1 << 40), "claims 1099511627776 tensors"),
+    ("absurd-metadata-count", lambda d: _patch(d, 16, "Q", 1 << 62), "metadata fields, more than"),
+    ("absurd-key-length", lambda d: _patch(d, 24, "Q", 1 << 62), "claims 4611686018427387904 bytes"),
+    ("absurd-array-count", lambda d: _patch(d, _after(d, b"tokenizer.ggml.tokens") + 8, "Q", 1 << 40),
+     "claims 1099511627776 items"),
+    ("absurd-dims", lambda d: _patch(d, _after(d, b"output_norm.weight") + 4, "Q", 1 << 50),
+     "which the file cannot hold"),
+    ("too-many-dims", lambda d: _patch(d, _after(d, b"output_norm.weight"), "I", 9), "claims 9 dimensions"),
+    ("offset-outside", lambda d: _patch(d, _after(d, b"output_norm.weight") + 16, "Q", 1 << 40),
+     "past the end of the file"),
+]
+
+
+def test_hostile_gguf_is_refused_and_nothing_is_written(tiny, tmp_path):
+    """Each spoilt header: exit 2 with tapml's message, no traceback, no store or temporary folder; an
+    architecture transformers does not read from GGUF is named, a block count past the file's blocks
+    refused; gguf's own reader never sees them."""
+    path, _ = tiny
+    original = path.read_bytes()
+    for name, spoil, says in HOSTILE:
+        data = bytearray(original)
+        spoil(data)
+        bad = tmp_path / f"{name}.gguf"
+        bad.write_bytes(bytes(data))
+        before = sorted(p.name for p in tmp_path.iterdir())
+        r = tapml("carve", bad, "-o", tmp_path / "out")
+        assert r.exit_code == 2 and says in r.output, (name, r.output)
+        assert "Traceback" not in r.output and "internal error" not in r.output, (name, r.output)
+        assert sorted(p.name for p in tmp_path.iterdir()) == before, name
+    write_gguf(tmp_path / "mamba.gguf", architecture="mamba9", quantized=False)
+    write_gguf(tmp_path / "layers.gguf", quantized=False, block_count=10 ** 6)  # would be built before failing
+    for name, says in (("mamba", "architecture 'mamba9' is not one transformers"),
+                       ("layers", "llama.block_count is 1000000, but the file holds tensors of 2 blocks")):
+        r = tapml("carve", tmp_path / f"{name}.gguf", "-o", tmp_path / "out")
+        assert r.exit_code == 2 and says in r.output, r.output
+    assert not (tmp_path / "out").exists()
+    r = tapml("carve", tmp_path / "missing.gguf", "-o", tmp_path / "out")
+    assert r.exit_code == 2 and "does not exist" in r.output, r.output
+
+
+def test_every_model_command_checks_the_gguf(tmp_path):
+    """generate, migrate, precision, session and bench take FILE.gguf where they take a MODEL and refuse a
+    spoilt one the same way (exit 2, nothing written)."""
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUX" + bytes(100))
+    for args in (["generate", bad, "--tokens", "2"], ["migrate", bad, "--state", tmp_path / "st.json"],
+                 ["precision", bad], ["session", bad], ["bench", "generation", "--model", bad],
+                 ["carve", bad, "--generate", "2", "-o", tmp_path / "s"]):
+        r = tapml(*args)
+        assert r.exit_code == 2 and "is not a GGUF file" in r.output, (args, r.output)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.gguf"]
+    from tapml.frontends.gguf import scan_gguf
+    with pytest.raises(TapmlError, match="too short for a GGUF header"):
+        (tmp_path / "short.gguf").write_bytes(b"GGUF")
+        scan_gguf(str(tmp_path / "short.gguf"))
+
+
+@pytest.mark.device
+@pytest.mark.slow
+@pytest.mark.xdist_group("wgpu")
+def test_carve_and_generate_a_gguf_from_a_prompt_in_words(tiny, tmp_path):
+    """`tapml carve FILE.gguf -o s` exits 0; `tapml generate FILE.gguf --prompt "hello world the cat" --target
+    wgpu:vulkan`: carved in float32 (the file is quantized) from the prompt its own tokenizer makes, checked
+    on lavapipe, texts decoded; a scripted session takes it too (in float16, first layer)."""
+    vulkan_or_skip()
+    path, _ = tiny
+    r = tapml("carve", path, "-o", tmp_path / "s")
+    assert r.exit_code == 0, r.output
+    assert "dtype float32" in r.output and "quantized tensors (Q8_0)" in r.output
+    assert json.loads((tmp_path / "s" / "manifest.json").read_text())["cases"]
+    r = tapml("generate", path, "--prompt", "hello world the cat", "--target", "wgpu:vulkan", "--tokens", "3",
+              "--json", tmp_path / "g.json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "g.json").read_text())
+    assert doc["prompt_len"] == 5 and doc["summary"]["steps"] == 4 and doc["summary"]["mismatch"] == 0
+    assert doc["summary"]["error"] == 0 and doc["reference_tokens"] == doc["target_tokens"]
+    assert "dtype float32" in r.output and "reference text" in r.output
+    r = tapml("session", path, "--target", "reference", "--hf-config", "num_hidden_layers=1", "--dtype", "float16",
+              input="offload all\ncheck\n")  # carved through open_or_carve, as migrate carves
+    assert r.exit_code == 0 and "end to end: pass" in r.output, r.output
