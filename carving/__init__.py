@@ -93,8 +93,8 @@ def open_or_carve(model_or_store: str, state_path: str | Path | None = None,
         store = CarveStore(path)
         check_store_dtype(store, dtype)
         return store, path
-    from tapml.frontends.gguf import is_gguf_spec
-    if path.exists() and not path.is_dir() and not is_gguf_spec(model_or_store):
+    from tapml.frontends.models import is_model_file
+    if path.exists() and not path.is_dir() and not is_model_file(model_or_store):
         raise TapmlError(f"{model_or_store} is a file, not a carve store or a model spec")
     if state_path is None:
         out = Path(tempfile.mkdtemp(prefix="tapml-session-")) / "store"

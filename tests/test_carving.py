@@ -105,6 +105,17 @@ def test_factory_file_and_pt2_specs(tmp_path):
     info = carve(str(tmp_path / "m.pt2"), tmp_path / "s2")
     store = CarveStore(tmp_path / "s2")
     assert {c["op"] for c in store.cases} >= {"aten.tanh.default"}
+    # the commands that carve on their own take the .pt2 too (they refused it as "a file"), and no other file
+    from typer.testing import CliRunner
+
+    from tapml.cli import app
+    r = CliRunner().invoke(app, ["migrate", str(tmp_path / "m.pt2"), "--target", "reference", "--state",
+                                 str(tmp_path / "st.json"), "-q"])
+    assert r.exit_code == 0 and json.loads((tmp_path / "st.json").read_text())["passed"], r.output
+    (tmp_path / "notes.txt").write_text("not a model")
+    r = CliRunner().invoke(app, ["migrate", str(tmp_path / "notes.txt"), "--target", "reference", "--state",
+                                 str(tmp_path / "st2.json")])
+    assert r.exit_code == 2 and "is a file, not a carve store or a model spec" in r.output, r.output
 
 
 def test_model_that_does_not_export_names_the_cause(tmp_path):

@@ -306,8 +306,8 @@ def model_store(model: str, *, store_dir: Optional[str], hf_config, purpose: str
             fail(f"{model} is a store: --store and --hf-config apply when MODEL is a model spec to carve")
         yield CarveStore(model), False
         return
-    from tapml.frontends.gguf import is_gguf_spec
-    if Path(model).exists() and not Path(model).is_dir() and not is_gguf_spec(model):
+    from tapml.frontends.models import is_model_file
+    if Path(model).exists() and not Path(model).is_dir() and not is_model_file(model):
         fail(f"{model} is a file, not {what} or a model spec")
     temporary = None
     if store_dir:

@@ -46,10 +46,9 @@ def fleet(models: List[str] = typer.Argument(..., metavar="STORE_OR_MODEL...", h
         fail(f"--max-failures {max_failures}: give 1 or more")
     tolerances = Tolerances.parse(tol)
     tokens = read_tokens(token_file, token_map)
-    from tapml.frontends.gguf import is_gguf_spec
-    from tapml.frontends.models import check_model_spec
+    from tapml.frontends.models import check_model_spec, is_model_file
     for m in models:
-        if Path(m).exists() and not Path(m).is_dir() and not is_gguf_spec(m):
+        if Path(m).exists() and not Path(m).is_dir() and not is_model_file(m):
             fail(f"{m} is a file, not a carve store or a model spec")
         if not is_store_path(m):
             check_model_spec(m)  # before any carving or pool: a missing store says so at once

@@ -585,6 +585,13 @@ def _load_model(spec: str, seed: int, hf_config: dict | None):
     raise TapmlError(f"unknown model spec {spec!r}")  # check_model_spec refuses every other form
 
 
+def is_model_file(spec: str) -> bool:
+    """Whether ``spec`` is a MODEL spec that names one file (``file.pt2``, ``FILE.gguf``); any other
+    existing file is neither a store nor a model."""
+    from tapml.frontends.gguf import is_gguf_spec
+    return str(spec).endswith(".pt2") or is_gguf_spec(str(spec))
+
+
 def check_model_spec(spec: str) -> None:
     """Raise TapmlError (exit 2) when ``spec`` has none of the MODEL spec forms (zoo:NAME,
     hf:MODEL_TYPE, hf:ORG/NAME, a checkpoint folder, path/to/file.py:factory, file.pt2); nothing
