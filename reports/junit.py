@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from tapml.reports.data import StateReport
+from tapml.reports.data import StateReport, preflight_findings
 from tapml.reports.html import fmt_err, fmt_pct, visible_text
 
 
@@ -74,6 +74,11 @@ def junit_tree(states: list[StateReport]) -> ET.ElementTree:
             p = s.precision
             checks.append((f"{s.model}.precision", f"end to end in {p['dtype']} with keep_float32 "
                            f"({len(p['keep_float32'])} ops in float32)", p["end_to_end"]["after"], None))
+        for x in (s.preflight or {}).get("ops", []):  # over a limit fails, unsupported is skipped
+            status = ("error" if x["errors"] else "mismatch" if x["violations"] else
+                      "unsupported" if x["unsupported"] else "pass")
+            checks.append((f"{s.model}.preflight", f"{x['op']} fits {s.target}",
+                           {"status": status, "message": "; ".join(preflight_findings(x))}, None))
         for classname, name, v, culprit in checks:
             status = _testcase(suite, classname, name, v, culprit)
             counts["tests"] += 1
