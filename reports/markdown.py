@@ -82,8 +82,13 @@ def render_markdown(states: list[StateReport], max_rows: int = 60) -> str:
         if s.preflight is not None:
             lines.append(f"**{md(s.model)} on {md(s.label)}** (preflight): {preflight_line(s.preflight)}.")
             continue
-        summary = s.summary
         verdict = "✅ passed" if s.passed else "❌ did not pass"
+        if s.generation is not None:
+            g = s.generation["summary"]
+            lines.append(f"**{md(s.model)} on {md(s.label)}** (generation): {verdict}; {g['steps']} steps, {g['pass']} "
+                         f"pass, {g['near_tie']} near-tie, {g['mismatch']} mismatch, {g['error']} error.")
+            continue
+        summary = s.summary
         counts = ", ".join(f"{summary[k]} {k}" for k in STATUSES)
         lines.append(f"**{md(s.model)} on {md(s.label)}** ({md(s.kind)}): {verdict}; {counts}.")
     lines.append("")
