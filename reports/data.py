@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tapml.errors import TapmlError
 from tapml.judging.verdict import (KINDS, document_kind, stamp, CULPRIT_KINDS, JUDGE_KEYS, NEAR_FAILING, STAT_KEYS, STATUSES, MigrationState, VerdictDocument,
-                           passed, read_generation_document, read_preflight_document,
+                           passed, read_bench_document, read_generation_document, read_preflight_document,
                            read_precision_document, summary)
 
 #: Order of culprit kinds at the top of a report: the most specific finding first.
@@ -61,12 +61,15 @@ class StateReport:
     #: A preflight (``tapml inspect STORE --target T --json``, :func:`tapml.judging.verdict.read_preflight_document`):
     #: what splits and what is over a device limit, per op; None for other documents.
     preflight: dict | None = None
+    #: A benchmark (``tapml bench --json``, :func:`tapml.judging.verdict.read_bench_document`): its
+    #: figures, goals and verdict; None for other documents.
+    bench: dict | None = None
 
     @property
     def has_cases(self) -> bool:
         """Whether the document has carved cases to put in an op-coverage matrix (a precision
         analysis and a preflight have none)."""
-        return self.precision is None and self.preflight is None
+        return self.precision is None and self.preflight is None and self.bench is None
 
     @property
     def label(self) -> str:
@@ -89,6 +92,8 @@ class StateReport:
             return self.precision["end_to_end"]["after"]["status"] == "pass"
         if self.preflight is not None:
             return self.preflight["summary"]["fits"]
+        if self.bench is not None:
+            return self.bench["passed"] is not False and all(g["met"] is not False for g in self.bench["goals"])
         return passed(self.cases, self.culprits, self.end_to_end, needs_end_to_end=self.kind == "migration")
 
     @property
@@ -395,6 +400,24 @@ def parse_preflight(data, path: str = "<preflight>") -> StateReport:
                        cases=[], reference={"device": "cpu", "torch": None, "store": doc["store"] or None}, preflight=doc)
 
 
+def parse_bench(data, path: str = "<bench>") -> StateReport:
+    """A Bench JSON (``tapml bench --json``) as a report: no cases; its figures, goals and verdict in
+    ``bench`` (:func:`tapml.judging.verdict.read_bench_document`)."""
+    doc = read_bench_document(data, path, "expected the JSON of `tapml bench --json`")
+    model = next((str(f["value"]) for f in doc["figures"] if f["name"] in ("model", "generation_model")), "tapml bench")
+    return StateReport(path=path, kind="bench", target=doc["target"] or "?", model=model,
+                       device={"adapter": "", "backend": "", "features": [], "limits": {}, "error": ""}, cases=[],
+                       reference={"device": "cpu", "torch": None, "store": None}, bench=doc)
+
+
+def bench_line(doc: dict) -> str:
+    """A benchmark's verdict in words: how many figures and goals, which goals were missed."""
+    missed = [g["name"] for g in doc["goals"] if g["met"] is False]
+    verdict = ("passed" if doc["passed"] else "did not pass") if doc["passed"] is not None else "no verdict"
+    return (f"{len(doc['figures'])} figures, {len(doc['goals'])} goals"
+            + (f", missed: {', '.join(missed)}" if missed else "") + f"; {verdict}")
+
+
 def preflight_line(doc: dict) -> str:
     """A preflight's verdict in words: ``"6 ops, 10 cases: 1 op split, 1 op over a device limit"``,
     ``"... everything fits"``."""
@@ -480,7 +503,7 @@ def load_documents(path: str | Path) -> list[StateReport]:
 
 #: The reader of each kind of document that is one state (fleet and matrix documents hold several).
 READERS = {"verdict": parse_state, "migration-state": parse_state, "generation": parse_generation,
-           "precision": parse_precision, "preflight": parse_preflight}
+           "precision": parse_precision, "preflight": parse_preflight, "bench": parse_bench}
 #: The kinds ``tapml report`` renders.
 RENDERED = (*READERS, "matrix", "fleet")
 
@@ -744,7 +767,7 @@ def parse_fleet_document(data, path: str = "<fleet>") -> list[StateReport]:
 
 
 __all__ = ["StateReport", "load_state", "load_states", "load_documents", "parse_state", "parse_generation",
-           "parse_precision", "parse_preflight", "preflight_line", "preflight_findings", "precision_modules", "READERS", "RENDERED",
+           "parse_precision", "parse_preflight", "parse_bench", "bench_line", "preflight_line", "preflight_findings", "precision_modules", "READERS", "RENDERED",
            "step_error_points", "coverage_matrix",
            "matrix_json", "matrix_document", "is_matrix_document", "parse_matrix_document", "status_rank",
            "STATUS_RANK", "MATRIX_GROUPS", "STATUSES", "op_speeds", "fleet_states", "fleet_document",

@@ -13,7 +13,7 @@ import math
 import re
 from pathlib import Path
 
-from tapml.reports.data import (judged, MATRIX_GROUPS, STATUSES, StateReport, coverage_matrix, precision_modules, preflight_findings, preflight_line,
+from tapml.reports.data import (judged, MATRIX_GROUPS, STATUSES, StateReport, coverage_matrix, precision_modules, bench_line, preflight_findings, preflight_line,
                                 step_error_points)
 from tapml.reports.plot import PRECISION_COLORS, STATUS_COLORS, module_error_svg, precision_svg
 
@@ -164,6 +164,8 @@ def render_html(states: list[StateReport], title: str | None = None, by_case: bo
                                                          title=f"error per module, {s.model} on {s.label}")),
                          "step_plot": Markup(module_error_svg(step_error_points(s), title=f"error per step, {s.model} on "
                                                               f"{s.label}")) if s.generation else ""})
+        if s.bench is not None:
+            sections[-1].update(bench_line=bench_line(s.bench))
         if s.preflight is not None:
             sections[-1].update(preflight_line=preflight_line(s.preflight), preflight_ops=[
                 {**x, "findings": preflight_findings(x)} for x in sorted(s.preflight["ops"], key=lambda x: (x["fits"], not x["splits"]))])

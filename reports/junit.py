@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from tapml.reports.data import StateReport, preflight_findings
+from tapml.reports.data import StateReport, bench_line, preflight_findings
 from tapml.reports.html import fmt_err, fmt_pct, visible_text
 
 
@@ -79,6 +79,13 @@ def junit_tree(states: list[StateReport]) -> ET.ElementTree:
                       "unsupported" if x["unsupported"] else "pass")
             checks.append((f"{s.model}.preflight", f"{x['op']} fits {s.target}",
                            {"status": status, "message": "; ".join(preflight_findings(x))}, None))
+        if s.bench is not None:  # a missed goal fails; the benchmark's own verdict is one more check
+            b = s.bench
+            checks += [(f"{s.model}.bench.goal", f"{g['name']} {g['goal']}",
+                        {"status": "mismatch" if g["met"] is False else "pass", "max_abs_err": g["value"],
+                         "message": f"{g['name']} is {g['value']}, goal {g['goal']}"}, None) for g in b["goals"]]
+            checks.append((f"{s.model}.bench", f"benchmark on {s.target}",
+                           {"status": "mismatch" if b["passed"] is False else "pass", "message": bench_line(b)}, None))
         for classname, name, v, culprit in checks:
             status = _testcase(suite, classname, name, v, culprit)
             counts["tests"] += 1

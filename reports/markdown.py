@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from tapml.reports.data import (STATUSES, StateReport, coverage_matrix, precision_modules, preflight_findings,
+from tapml.reports.data import (STATUSES, StateReport, bench_line, coverage_matrix, precision_modules, preflight_findings,
                                 preflight_line)
 from tapml.reports.html import fmt_err, fmt_ms, fmt_pct, visible_text
 
@@ -82,6 +82,9 @@ def render_markdown(states: list[StateReport], max_rows: int = 60) -> str:
         if s.preflight is not None:
             lines.append(f"**{md(s.model)} on {md(s.label)}** (preflight): {preflight_line(s.preflight)}.")
             continue
+        if s.bench is not None:
+            lines.append(f"**{md(s.model)} on {md(s.label)}** (bench): {md(bench_line(s.bench))}.")
+            continue
         verdict = "✅ passed" if s.passed else "❌ did not pass"
         if s.generation is not None:
             g = s.generation["summary"]
@@ -126,6 +129,9 @@ def render_markdown(states: list[StateReport], max_rows: int = 60) -> str:
             continue
         if s.preflight is not None:
             lines += _preflight_lines(s, max_rows)
+            continue
+        if s.bench is not None:
+            lines += _bench_lines(s)
             continue
         shares = s.shares
         lines += [f"## {md(s.model)} on {md(s.label)}", ""]
@@ -215,6 +221,18 @@ def _preflight_lines(s: StateReport, max_rows: int) -> list[str]:
     lines += _table(["op", "cases", "kernels", "largest binding (bytes)", "fits", "splits and limits"], rows, "lrrrll")
     if len(ops) > max_rows:
         lines.append(f"\n… and {len(ops) - max_rows} more ops (see the HTML report).")
+    return lines + [""]
+
+
+def _bench_lines(s: StateReport) -> list[str]:
+    """The section of a benchmark: its goals (met or missed), then every figure it measured."""
+    b = s.bench
+    lines = [f"## Benchmark {md(s.model)} on {md(s.label)}", "", f"- {md(bench_line(b))}", ""]
+    if b["goals"]:
+        lines += _table(["goal", "bound", "value", "met"],
+                        [[md(g["name"]), md(g["goal"]), fmt_err(g["value"]),
+                          {True: "✅ met", False: "❌ missed", None: "—"}[g["met"]]] for g in b["goals"]], "llrl") + [""]
+    lines += _table(["figure", "value"], [[code(f["name"]), md(f["value"])] for f in b["figures"]], "lr")
     return lines + [""]
 
 

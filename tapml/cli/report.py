@@ -59,6 +59,9 @@ def describe(s) -> str:
     if s.preflight is not None:
         from tapml.reports.data import preflight_line
         return f"preflight of {s.model}: {preflight_line(s.preflight)}"
+    if s.bench is not None:
+        from tapml.reports.data import bench_line
+        return f"benchmark {s.model} on {s.label}: {bench_line(s.bench)}"
     if s.generation is not None:
         g = s.generation["summary"]
         return (f"generation of {s.model} on {s.label}: {g['steps']} steps, {g['pass']} pass, {g['near_tie']} near-tie, "
@@ -77,6 +80,8 @@ def _render_terminal(states, console, quiet: bool) -> None:
             render_precision(s.precision, console, quiet=quiet)
         if s.preflight is not None:
             _render_preflight(s, console, quiet)
+        if s.bench is not None:
+            console.print(describe(s), highlight=False, soft_wrap=True)
     others = [s for s in states if s.has_cases]
     if others:
         render_states(others, console, quiet=quiet)

@@ -4,6 +4,7 @@ validated field by field on read (these files may come from anyone, SECURITY.md)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -375,6 +376,57 @@ def read_preflight_document(data, where: str = "<preflight>", hint: str = "") ->
                            (("split", "splits"), ("over_limit", "violations"), ("unsupported", "unsupported"),
                             ("error", "errors"))},
                         "fits": all(x["fits"] for x in ops)}}
+
+
+# --- the bench document --------------------------------------------------------------------
+
+#: Most figures a bench report lists (a suite's document has a few hundred).
+MAX_BENCH_FIGURES = 2000
+
+
+def read_bench_document(data, where: str = "<bench>", hint: str = "") -> dict:
+    """Validate a parsed Bench JSON (``tapml bench --json`` and its subcommands; each measures other
+    things) and return what reports show: ``target``, ``figures`` (every number, flag and short
+    text as ``{"name": dotted path, "value"}``, in document order), ``goals`` (``{"name", "goal",
+    "value", "met"}`` from its ``goals`` where they have that form) and ``passed`` (its ``passed``,
+    None when it has none). TapmlError naming the field otherwise."""
+    ctx = _Ctx(where, True, hint)
+    _check_depth(data, ctx)
+    o = _Obj(data, ctx, "", "a bench document", top=True)
+    kind = document_kind(data, where)
+    if kind != "bench":
+        o.fail("it lacks kind bench")
+    figures: list[dict] = []
+
+    def walk(value, path: str) -> None:
+        if len(figures) >= MAX_BENCH_FIGURES:
+            return
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{path}.{k}" if path else str(k))
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                walk(v, f"{path}[{i}]")
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            if isinstance(value, float) and not math.isfinite(value):
+                o.fail(f"{path} is not a finite number")
+            figures.append({"name": path, "value": value[:200] if isinstance(value, str) else value})
+
+    walk({k: v for k, v in o.data.items() if k not in ("kind", "format_version", "goals")}, "")
+    goals = []
+    g = o.child("goals", "an object of goals")
+    for name in (g.data if g is not None else {}):
+        if not isinstance(g.data[name], dict):
+            continue  # a subcommand's goals are its bounds alone; the report's figures list them
+        x = _Obj(g.data[name], ctx, f"goals.{name}"[:120], "a goal ({goal, value, met})")
+        met = x.data.get("met")
+        if met is not None and not isinstance(met, bool):
+            x._bad("met", met, "true, false or null")
+        goals.append({"name": name, "goal": x.string("goal", "") or "", "value": x.number("value"), "met": met})
+    passed = o.data.get("passed")
+    if passed is not None and not isinstance(passed, bool):
+        o._bad("passed", passed, "true, false or null")
+    return {"target": o.string("target", "") or "", "figures": figures, "goals": goals, "passed": passed}
 
 
 # --- journal records -----------------------------------------------------------------------
