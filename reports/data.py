@@ -1,9 +1,11 @@
-"""Loading Verdict JSON and migration states into one model that every report format renders.
+"""Loading the documents tapml writes into one model that every report format renders.
 
-Two inputs are accepted (ARCHITECTURE.md): a Verdict JSON from ``tapml replay --json`` and a
-migration state from ``tapml migrate --state``, which is a Verdict JSON plus ``units``,
-``placement``, ``culprits`` and ``end_to_end``; and a document holding one of them per target
-(``replay``/``migrate`` with several ``--target``, :func:`matrix_document`). Optional keys may be missing; a file that is not
+A file is read by its ``kind`` (ARCHITECTURE.md "Documents"; an older file without one by the key
+rules of :data:`tapml.judging.verdict.FALLBACK_RULES`): a Verdict JSON from ``tapml replay --json``, a
+migration state from ``tapml migrate --state`` (a Verdict JSON plus ``units``, ``placement``,
+``culprits`` and ``end_to_end``), a document holding one of them per target (``replay``/``migrate``
+with several ``--target``, :func:`matrix_document`), a fleet, a generation, a precision analysis,
+a preflight or a benchmark (:data:`READERS`). Optional keys may be missing; a file that is not
 such a document, or one with a field of the wrong type, raises :class:`~tapml.errors.TapmlError`
 naming the file and the field (the schema is :mod:`tapml.judging.verdict`'s).
 
