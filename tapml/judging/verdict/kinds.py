@@ -79,7 +79,8 @@ def document_kind(data, where: str = "<document>") -> str | None:
         raise TapmlError(f"{where}: format_version is not a non-negative integer; pass a file tapml wrote")
     if version > KINDS[kind]["format_version"]:
         raise TapmlError(f"{where}: {kind} format_version {version} is newer than this tapml reads "
-                         f"({KINDS[kind]['format_version']}); upgrade tapml")
+                         f"({KINDS[kind]['format_version']}); upgrade tapml to read this JSON of "
+                         f"`{KINDS[kind]['writer']}`")
     return kind
 
 
