@@ -11,13 +11,13 @@ from pathlib import Path
 from tapml.dtypes import MODEL_DTYPES
 from tapml.errors import TapmlError
 from tapml.io import read_json_file
-from tapml.judging.verdict.kinds import STATE_KEYS, document_kind, stamp
+from tapml.judging.verdict.kinds import KINDS, STATE_KEYS, document_kind, stamp
 from tapml.judging.verdict.reading import MAX_COUNT, _MISSING, _a, _check_depth, _Ctx, _Obj, _scalar
 from tapml.judging.verdict.results import (CULPRIT_KINDS, GRAPH_KINDS, STATUSES, CaseVerdict, Culprit, EndToEnd, UnitVerdict,
                                    passed, summary)
 
 #: Version of the verdict and state documents this tapml writes (older files have none: 0).
-FORMAT_VERSION = 1
+FORMAT_VERSION = KINDS["verdict"]["format_version"]
 #: The ``format`` key of migration states (and of their journal's header).
 STATE_FORMAT = "tapml-migration/1"
 STAGES = ("op", "region", "model", "done", "session")
@@ -238,7 +238,7 @@ def _claims(data, kind: str) -> bool:
 # --- the precision document ----------------------------------------------------------------
 
 #: Version of the precision document (``tapml precision --json``) this tapml writes and reads.
-PRECISION_FORMAT_VERSION = 1
+PRECISION_FORMAT_VERSION = KINDS["precision"]["format_version"]
 #: Dtypes a precision analysis is about (tapml.dtypes.LOW_FLOATS).
 PRECISION_DTYPES = ("float16", "bfloat16")
 #: Statuses of a precision document's end-to-end runs.
