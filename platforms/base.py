@@ -60,10 +60,20 @@ class BufferSpec:
         return d
 
     @classmethod
-    def from_json(cls, d: dict) -> "BufferSpec":
-        return cls(name=d["name"], dtype=d["dtype"], size=int(d["size"]), role=d["role"],
+    def from_json(cls, d: dict, where: str = "buffer") -> "BufferSpec":
+        """The buffer of ``d``; ValueError naming ``where.size`` when the size is not a JSON integer."""
+        return cls(name=d["name"], dtype=d["dtype"], size=json_int(d["size"], f"{where}.size"), role=d["role"],
                    meta=TensorMeta.from_json(d["meta"]) if "meta" in d else None,
                    data=bytes.fromhex(d["data"]) if "data" in d else None)
+
+
+def json_int(value, where: str) -> int:
+    """``value`` when it is a JSON integer (not a bool, not a float such as 12.9 or 12.0); else
+    ValueError naming the field ``where``. Program JSON is read with this, never with ``int()``,
+    so that the server's limits (remote/limits.py) see what the client sent."""
+    if type(value) is not int:
+        raise ValueError(f"{where} is {str(value)[:40]!r}, expected an integer")
+    return value
 
 
 @dataclass
@@ -92,13 +102,18 @@ class Kernel:
         return d
 
     @classmethod
-    def from_json(cls, d: dict) -> "Kernel":
+    def from_json(cls, d: dict, where: str = "kernel") -> "Kernel":
+        """The kernel of ``d``; ValueError naming the field (``kernels[0].workgroups[1]``) when a
+        workgroup count or a binding's offset or size is not a JSON integer."""
         iterations = d.get("loop_iterations")
         if iterations is not None and (type(iterations) is not int or not 0 <= iterations < 2 ** 63):
             raise ValueError(f"kernel loop_iterations must be a non-negative integer, not {iterations!r}")
         return cls(name=d["name"], wgsl=d["wgsl"], entry=d.get("entry", "main"),
-                   bindings=[(str(b[0]), str(b[1]), *(int(x) for x in b[2:4])) for b in d["bindings"]],
-                   workgroups=tuple(int(x) for x in d["workgroups"]), loop_iterations=iterations)
+                   bindings=[(str(b[0]), str(b[1]), *(json_int(x, f"{where}.bindings[{i}][{j + 2}]")
+                                                       for j, x in enumerate(b[2:4])))
+                             for i, b in enumerate(d["bindings"])],
+                   workgroups=tuple(json_int(x, f"{where}.workgroups[{i}]") for i, x in enumerate(d["workgroups"])),
+                   loop_iterations=iterations)
 
 
 #: Loop iterations the loop-cap probe asks one invocation for (:meth:`Platform.loop_limits`): past
@@ -176,8 +191,9 @@ class KernelProgram:
         if not isinstance(parts, list):
             raise ValueError("program parts must be a list")
         return cls(kind=d["kind"], inputs=list(d["inputs"]), outputs=list(d["outputs"]),
-                   buffers=[BufferSpec.from_json(b) for b in d.get("buffers", [])],
-                   kernels=[Kernel.from_json(k) for k in d.get("kernels", [])], graph=d.get("graph"),
+                   buffers=[BufferSpec.from_json(b, f"buffers[{i}]") for i, b in enumerate(d.get("buffers", []))],
+                   kernels=[Kernel.from_json(k, f"kernels[{i}]") for i, k in enumerate(d.get("kernels", []))],
+                   graph=d.get("graph"),
                    input_meta=[TensorMeta.from_json(m) for m in d.get("input_meta", [])],
                    output_meta=[TensorMeta.from_json(m) for m in d.get("output_meta", [])],
                    parts=[SplitTensor.from_json(p) for p in parts])
@@ -680,6 +696,6 @@ def wrap_errors(fn, *args):
         raise PlatformError(f"{type(e).__name__}: {e}") from e
 
 
-__all__ = ["LIMIT_NAMES", "LOOP_PROBE_ITERATIONS", "MAX_OFFSET_ALIGNMENT", "BufferSpec", "Kernel", "KernelProgram", "Platform",
+__all__ = ["LIMIT_NAMES", "LOOP_PROBE_ITERATIONS", "json_int", "MAX_OFFSET_ALIGNMENT", "BufferSpec", "Kernel", "KernelProgram", "Platform",
            "PlatformWrapper", "ResidentTensor", "RuntimePlatform",
            "SplitTensor", "check_workgroups", "graph_program", "wrap_errors"]

@@ -1,9 +1,11 @@
-"""Loading Verdict JSON and migration states into one model that every report format renders.
+"""Loading the documents tapml writes into one model that every report format renders.
 
-Two inputs are accepted (ARCHITECTURE.md): a Verdict JSON from ``tapml replay --json`` and a
-migration state from ``tapml migrate --state``, which is a Verdict JSON plus ``units``,
-``placement``, ``culprits`` and ``end_to_end``; and a document holding one of them per target
-(``replay``/``migrate`` with several ``--target``, :func:`matrix_document`). Optional keys may be missing; a file that is not
+A file is read by its ``kind`` (ARCHITECTURE.md "Documents"; an older file without one by the key
+rules of :data:`tapml.judging.verdict.FALLBACK_RULES`): a Verdict JSON from ``tapml replay --json``, a
+migration state from ``tapml migrate --state`` (a Verdict JSON plus ``units``, ``placement``,
+``culprits`` and ``end_to_end``), a document holding one of them per target (``replay``/``migrate``
+with several ``--target``, :func:`matrix_document`), a fleet, a generation, a precision analysis,
+a preflight or a benchmark (:data:`READERS`). Optional keys may be missing; a file that is not
 such a document, or one with a field of the wrong type, raises :class:`~tapml.errors.TapmlError`
 naming the file and the field (the schema is :mod:`tapml.judging.verdict`'s).
 
@@ -21,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tapml.errors import TapmlError
-from tapml.judging.verdict import (CULPRIT_KINDS, JUDGE_KEYS, NEAR_FAILING, STAT_KEYS, STATUSES, MigrationState, VerdictDocument,
-                           is_generation_document, is_precision_document, passed, read_generation_document,
+from tapml.judging.verdict import (KINDS, document_kind, stamp, CULPRIT_KINDS, JUDGE_KEYS, NEAR_FAILING, STAT_KEYS, STATUSES, MigrationState, VerdictDocument,
+                           passed, read_bench_document, read_generation_document, read_preflight_document,
                            read_precision_document, summary)
 
 #: Order of culprit kinds at the top of a report: the most specific finding first.
@@ -34,7 +36,7 @@ class StateReport:
     """One replay verdict or migration state, normalized: every case and unit has every key."""
 
     path: str
-    kind: str  # "migration", "replay" or "generation"
+    kind: str  # "migration", "replay", "generation", "precision" or "preflight"
     target: str
     model: str
     device: dict
@@ -58,6 +60,18 @@ class StateReport:
     #: A float16/bfloat16 migration's placement by dtype (``precision`` of the state: ``dtype``,
     #: ``keep_float32``, ``casts``, and ``decode`` in a generation); None otherwise.
     dtype_placement: dict | None = None
+    #: A preflight (``tapml inspect STORE --target T --json``, :func:`tapml.judging.verdict.read_preflight_document`):
+    #: what splits and what is over a device limit, per op; None for other documents.
+    preflight: dict | None = None
+    #: A benchmark (``tapml bench --json``, :func:`tapml.judging.verdict.read_bench_document`): its
+    #: figures, goals and verdict; None for other documents.
+    bench: dict | None = None
+
+    @property
+    def has_cases(self) -> bool:
+        """Whether the document has carved cases to put in an op-coverage matrix (a precision
+        analysis and a preflight have none)."""
+        return self.precision is None and self.preflight is None and self.bench is None
 
     @property
     def label(self) -> str:
@@ -78,6 +92,10 @@ class StateReport:
             return g["mismatch"] == 0 and g["error"] == 0
         if self.precision is not None:
             return self.precision["end_to_end"]["after"]["status"] == "pass"
+        if self.preflight is not None:
+            return self.preflight["summary"]["fits"]
+        if self.bench is not None:
+            return self.bench["passed"] is not False and all(g["met"] is not False for g in self.bench["goals"])
         return passed(self.cases, self.culprits, self.end_to_end, needs_end_to_end=self.kind == "migration")
 
     @property
@@ -375,6 +393,51 @@ def parse_precision(data, path: str = "<precision>") -> StateReport:
                        cases=[], reference={"device": "cpu", "torch": None, "store": None}, precision=doc)
 
 
+def parse_preflight(data, path: str = "<preflight>") -> StateReport:
+    """A Preflight JSON (``tapml inspect STORE --target T --json``) as a report: no cases; per op
+    what splits and what is over a limit in ``preflight`` (:func:`tapml.judging.verdict.read_preflight_document`)."""
+    doc = read_preflight_document(data, path, "expected the JSON of `tapml inspect STORE --target T --json`")
+    device = {"adapter": "", "backend": "", "features": [], "limits": {}, "error": "", **(doc["device"] or {})}
+    return StateReport(path=path, kind="preflight", target=doc["target"], model=doc["model"] or "?", device=device,
+                       cases=[], reference={"device": "cpu", "torch": None, "store": doc["store"] or None}, preflight=doc)
+
+
+def parse_bench(data, path: str = "<bench>") -> StateReport:
+    """A Bench JSON (``tapml bench --json``) as a report: no cases; its figures, goals and verdict in
+    ``bench`` (:func:`tapml.judging.verdict.read_bench_document`)."""
+    doc = read_bench_document(data, path, "expected the JSON of `tapml bench --json`")
+    model = next((str(f["value"]) for f in doc["figures"] if f["name"] in ("model", "generation_model")), "tapml bench")
+    return StateReport(path=path, kind="bench", target=doc["target"] or "?", model=model,
+                       device={"adapter": "", "backend": "", "features": [], "limits": {}, "error": ""}, cases=[],
+                       reference={"device": "cpu", "torch": None, "store": None}, bench=doc)
+
+
+def bench_line(doc: dict) -> str:
+    """A benchmark's verdict in words: how many figures and goals, which goals were missed."""
+    missed = [g["name"] for g in doc["goals"] if g["met"] is False]
+    verdict = ("passed" if doc["passed"] else "did not pass") if doc["passed"] is not None else "no verdict"
+    return (f"{len(doc['figures'])} figures, {len(doc['goals'])} goals"
+            + (f", missed: {', '.join(missed)}" if missed else "") + f"; {verdict}")
+
+
+def preflight_line(doc: dict) -> str:
+    """A preflight's verdict in words: ``"6 ops, 10 cases: 1 op split, 1 op over a device limit"``,
+    ``"... everything fits"``."""
+    sm = doc["summary"]
+    parts = [f"{sm[f'ops_{k}']} op{'s' * (sm[f'ops_{k}'] != 1)} {what}" for k, what in
+             (("split", "split"), ("over_limit", "over a device limit"), ("unsupported", "unsupported"),
+              ("error", "failing to compile")) if sm[f"ops_{k}"]]
+    return f"{sm['ops']} ops, {sm['cases']} cases on {doc['target']}: " + (", ".join(parts) or "nothing split, everything fits")
+
+
+def preflight_findings(op: dict) -> list[str]:
+    """What a preflight found in one op, one phrase each: splits, limits gone over, unsupported, errors."""
+    return ([f"split: {x['message']} ({x['cases']} cases)" for x in op["splits"]]
+            + [f"over {x['limit']}: {x['message']} ({x['cases']} cases)" for x in op["violations"]]
+            + [f"unsupported: {x['reason']} ({x['cases']} cases)" for x in op["unsupported"]]
+            + [f"error: {x['reason']} ({x['cases']} cases)" for x in op["errors"]])
+
+
 def precision_modules(doc: dict) -> list[dict]:
     """A precision document's ops grouped by module along the depth of the model (in the order
     the model first runs each module): ``module``, ``depth``, ``ops`` (how many), ``max_abs``
@@ -427,15 +490,24 @@ def load_documents(path: str | Path) -> list[StateReport]:
         raise TapmlError(f"{path} does not exist; pass a file written by `tapml replay --json` or "
                          "`tapml migrate --state`")
     data = read_json_file(p, str(path), "pass a verdict or state JSON file")
-    if is_fleet_document(data):
+    kind = document_kind(data, str(path))
+    if kind == "fleet":
         return parse_fleet_document(data, str(path))
-    if is_matrix_document(data):
+    if kind == "matrix":
         return parse_matrix_document(data, str(path))
-    if is_precision_document(data):
-        return [parse_precision(data, str(path))]
-    if is_generation_document(data):
-        return [parse_generation(data, str(path))]
-    return [parse_state(data, str(path))]
+    if kind in READERS:
+        return [READERS[kind](data, str(path))]
+    if kind in KINDS:
+        raise TapmlError(f"{path} is a {kind} document ({KINDS[kind]['writer']}), which tapml report does not "
+                         f"render; pass one of {', '.join(RENDERED)}")
+    return [parse_state(data, str(path))]  # no kind tapml knows: parse_state says what is missing
+
+
+#: The reader of each kind of document that is one state (fleet and matrix documents hold several).
+READERS = {"verdict": parse_state, "migration-state": parse_state, "generation": parse_generation,
+           "precision": parse_precision, "preflight": parse_preflight, "bench": parse_bench}
+#: The kinds ``tapml report`` renders.
+RENDERED = (*READERS, "matrix", "fleet")
 
 
 def load_states(paths) -> list[StateReport]:
@@ -550,16 +622,18 @@ def matrix_document(verdicts: dict[str, dict], by_case: bool = False) -> dict:
     "targets", "verdicts": {target: Verdict JSON or migration state, unchanged}, "matrix"}``.
 
     Example: ``matrix_document({"wgpu:vulkan": v1, "wgpu:gl": v2})["matrix"]["rows"][0]["cells"]``."""
-    from tapml.judging.verdict import FORMAT_VERSION
     states = [parse_state(doc, f"<verdicts of {target}>") for target, doc in verdicts.items()]
-    return {"format_version": FORMAT_VERSION, "targets": list(verdicts), "verdicts": dict(verdicts),
-            "matrix": matrix_json(coverage_matrix(states, by_case=by_case))}
+    return stamp("matrix", {"targets": list(verdicts), "verdicts": dict(verdicts),
+                            "matrix": matrix_json(coverage_matrix(states, by_case=by_case))})
 
 
 def is_matrix_document(data) -> bool:
     """Whether parsed JSON is a multi-target document (:func:`matrix_document`) rather than one
     Verdict JSON or migration state."""
-    return isinstance(data, dict) and "verdicts" in data and "cases" not in data
+    try:
+        return document_kind(data) == "matrix"
+    except TapmlError:
+        return False
 
 
 def _check_format_version(data: dict, bad) -> None:
@@ -643,16 +717,14 @@ def fleet_document(runs: dict[str, dict[str, dict]], devices: list[dict], by_op:
     reason}, "runs": {model: {device target: Verdict JSON}}, "matrix"}``; the matrix has a row per
     model (per op with ``by_op``) and a column per device. ``status`` is ``ok`` or why the device
     dropped out of the run; ``left_out`` names the servers announced but not live when it began."""
-    from tapml.judging.verdict import FORMAT_VERSION
     states = fleet_states(runs, [d["target"] for d in devices])
-    return {"format_version": FORMAT_VERSION, "kind": "fleet", "models": list(runs), "devices": devices,
-            "left_out": dict(left_out or {}), "runs": runs,
-            "matrix": matrix_json(coverage_matrix(states, by_model=not by_op))}
+    return stamp("fleet", {"models": list(runs), "devices": devices, "left_out": dict(left_out or {}), "runs": runs,
+                           "matrix": matrix_json(coverage_matrix(states, by_model=not by_op))})
 
 
 def is_fleet_document(data) -> bool:
     """Whether parsed JSON is the document of ``tapml fleet --json`` (:func:`fleet_document`)."""
-    return isinstance(data, dict) and data.get("kind") == "fleet"
+    return isinstance(data, dict) and data.get("kind") == "fleet"  # fleet documents always had their kind
 
 
 FLEET_HINT = "expected the --json of `tapml fleet`"
@@ -697,7 +769,7 @@ def parse_fleet_document(data, path: str = "<fleet>") -> list[StateReport]:
 
 
 __all__ = ["StateReport", "load_state", "load_states", "load_documents", "parse_state", "parse_generation",
-           "parse_precision", "precision_modules",
+           "parse_precision", "parse_preflight", "parse_bench", "bench_line", "preflight_line", "preflight_findings", "precision_modules", "READERS", "RENDERED",
            "step_error_points", "coverage_matrix",
            "matrix_json", "matrix_document", "is_matrix_document", "parse_matrix_document", "status_rank",
            "STATUS_RANK", "MATRIX_GROUPS", "STATUSES", "op_speeds", "fleet_states", "fleet_document",

@@ -13,7 +13,7 @@ import math
 import re
 from pathlib import Path
 
-from tapml.reports.data import (judged, MATRIX_GROUPS, STATUSES, StateReport, coverage_matrix, precision_modules,
+from tapml.reports.data import (judged, MATRIX_GROUPS, STATUSES, StateReport, coverage_matrix, precision_modules, bench_line, preflight_findings, preflight_line,
                                 step_error_points)
 from tapml.reports.plot import PRECISION_COLORS, STATUS_COLORS, module_error_svg, precision_svg
 
@@ -164,6 +164,11 @@ def render_html(states: list[StateReport], title: str | None = None, by_case: bo
                                                          title=f"error per module, {s.model} on {s.label}")),
                          "step_plot": Markup(module_error_svg(step_error_points(s), title=f"error per step, {s.model} on "
                                                               f"{s.label}")) if s.generation else ""})
+        if s.bench is not None:
+            sections[-1].update(bench_line=bench_line(s.bench))
+        if s.preflight is not None:
+            sections[-1].update(preflight_line=preflight_line(s.preflight), preflight_ops=[
+                {**x, "findings": preflight_findings(x)} for x in sorted(s.preflight["ops"], key=lambda x: (x["fits"], not x["splits"]))])
         if s.precision is not None:
             rows = precision_modules(s.precision)
             sections[-1].update(precision_rows=rows, precision_colors=PRECISION_COLORS, precision_plot=Markup(
@@ -172,7 +177,7 @@ def render_html(states: list[StateReport], title: str | None = None, by_case: bo
     findings = [{**f, "state": sec["state"], "anchor": sec["anchor"]} for sec in sections for f in sec["failures"]]
     findings.sort(key=lambda f: not f["culprit"])  # stable: each state's order kept, culprits first
     models = sorted({s.model for s in states})
-    verdicts = [s for s in states if s.precision is None]  # a precision analysis has no cases to cover
+    verdicts = [s for s in states if s.has_cases]
     # Jinja escapes every value (autoescape); what is left to neutralize are the characters
     # that no escaping touches: controls, lone surrogates, line separators, bidi overrides.
     return visible_text(env.get_template("report.html.j2").render(

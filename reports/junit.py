@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from tapml.reports.data import StateReport
+from tapml.reports.data import StateReport, bench_line, preflight_findings
 from tapml.reports.html import fmt_err, fmt_pct, visible_text
 
 
@@ -74,6 +74,18 @@ def junit_tree(states: list[StateReport]) -> ET.ElementTree:
             p = s.precision
             checks.append((f"{s.model}.precision", f"end to end in {p['dtype']} with keep_float32 "
                            f"({len(p['keep_float32'])} ops in float32)", p["end_to_end"]["after"], None))
+        for x in (s.preflight or {}).get("ops", []):  # over a limit fails, unsupported is skipped
+            status = ("error" if x["errors"] else "mismatch" if x["violations"] else
+                      "unsupported" if x["unsupported"] else "pass")
+            checks.append((f"{s.model}.preflight", f"{x['op']} fits {s.target}",
+                           {"status": status, "message": "; ".join(preflight_findings(x))}, None))
+        if s.bench is not None:  # a missed goal fails; the benchmark's own verdict is one more check
+            b = s.bench
+            checks += [(f"{s.model}.bench.goal", f"{g['name']} {g['goal']}",
+                        {"status": "mismatch" if g["met"] is False else "pass", "max_abs_err": g["value"],
+                         "message": f"{g['name']} is {g['value']}, goal {g['goal']}"}, None) for g in b["goals"]]
+            checks.append((f"{s.model}.bench", f"benchmark on {s.target}",
+                           {"status": "mismatch" if b["passed"] is False else "pass", "message": bench_line(b)}, None))
         for classname, name, v, culprit in checks:
             status = _testcase(suite, classname, name, v, culprit)
             counts["tests"] += 1

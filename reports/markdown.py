@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import re
 
-from tapml.reports.data import STATUSES, StateReport, coverage_matrix, precision_modules
+from tapml.reports.data import (STATUSES, StateReport, bench_line, coverage_matrix, precision_modules, preflight_findings,
+                                preflight_line)
 from tapml.reports.html import fmt_err, fmt_ms, fmt_pct, visible_text
 
 ICON = {"pass": "✅", "mismatch": "❌", "error": "💥", "unsupported": "⚠️", "flaky": "🔀"}
@@ -78,8 +79,19 @@ def render_markdown(states: list[StateReport], max_rows: int = 60) -> str:
             lines.append(f"**{md(s.model)} in {md(p['dtype'])} on {md(s.label)}** (precision): {len(p['keep_float32'])} "
                          f"ops must stay in float32; with them kept, end to end {verdict}.")
             continue
-        summary = s.summary
+        if s.preflight is not None:
+            lines.append(f"**{md(s.model)} on {md(s.label)}** (preflight): {preflight_line(s.preflight)}.")
+            continue
+        if s.bench is not None:
+            lines.append(f"**{md(s.model)} on {md(s.label)}** (bench): {md(bench_line(s.bench))}.")
+            continue
         verdict = "✅ passed" if s.passed else "❌ did not pass"
+        if s.generation is not None:
+            g = s.generation["summary"]
+            lines.append(f"**{md(s.model)} on {md(s.label)}** (generation): {verdict}; {g['steps']} steps, {g['pass']} "
+                         f"pass, {g['near_tie']} near-tie, {g['mismatch']} mismatch, {g['error']} error.")
+            continue
+        summary = s.summary
         counts = ", ".join(f"{summary[k]} {k}" for k in STATUSES)
         lines.append(f"**{md(s.model)} on {md(s.label)}** ({md(s.kind)}): {verdict}; {counts}.")
     lines.append("")
@@ -102,7 +114,7 @@ def render_markdown(states: list[StateReport], max_rows: int = 60) -> str:
                 lines.append("  - worst elements: " + "; ".join(_worst(w) for w in worst[:3]))
         lines.append("")
 
-    verdicts = [s for s in states if s.precision is None]  # a precision analysis has no cases to cover
+    verdicts = [s for s in states if s.has_cases]
     if len(verdicts) > 1:
         m = coverage_matrix(verdicts)
         lines += ["## Op coverage", ""]
@@ -114,6 +126,12 @@ def render_markdown(states: list[StateReport], max_rows: int = 60) -> str:
     for s in states:
         if s.precision is not None:
             lines += _precision_lines(s, max_rows)
+            continue
+        if s.preflight is not None:
+            lines += _preflight_lines(s, max_rows)
+            continue
+        if s.bench is not None:
+            lines += _bench_lines(s)
             continue
         shares = s.shares
         lines += [f"## {md(s.model)} on {md(s.label)}", ""]
@@ -184,6 +202,37 @@ def _precision_lines(s: StateReport, max_rows: int) -> list[str]:
         lines += _table(["op", "node", "module", "max abs", "headroom", "absorbed"],
                         [[code(x["op"]), code(x["node"]), code(x["module"] or "<root>"), fmt_err(x["max_abs"]),
                           fmt_err(x["headroom"]), "yes" if x["absorbed"] else ""] for x in bad[:max_rows]], "lllrrl")
+    return lines + [""]
+
+
+def _preflight_lines(s: StateReport, max_rows: int) -> list[str]:
+    """The section of a preflight: the device limits it checked against, then per op what
+    splits and what is over a limit, unsupported or failed to compile (ops that simply fit last)."""
+    p = s.preflight
+    forced = ", ".join(f"{k}={v}" for k, v in sorted(p["forced_limits"].items()))
+    lines = [f"## Preflight of {md(s.model)} on {md(s.label)}", "",
+             f"- {preflight_line(p)}",
+             f"- device: {md(s.device['adapter'] or '?')} ({md(s.device['backend'] or '?')})"
+             + (f"; forced limits: {md(forced)}" if forced else ""), ""]
+    ops = sorted(p["ops"], key=lambda x: (x["fits"], not x["splits"]))
+    rows = [[code(x["op"]), x["cases"], x["kernels"], x["largest_binding"],
+             "✅ fits" if x["fits"] else "❌ does not fit", md("; ".join(preflight_findings(x)) or "—")]
+            for x in ops[:max_rows]]
+    lines += _table(["op", "cases", "kernels", "largest binding (bytes)", "fits", "splits and limits"], rows, "lrrrll")
+    if len(ops) > max_rows:
+        lines.append(f"\n… and {len(ops) - max_rows} more ops (see the HTML report).")
+    return lines + [""]
+
+
+def _bench_lines(s: StateReport) -> list[str]:
+    """The section of a benchmark: its goals (met or missed), then every figure it measured."""
+    b = s.bench
+    lines = [f"## Benchmark {md(s.model)} on {md(s.label)}", "", f"- {md(bench_line(b))}", ""]
+    if b["goals"]:
+        lines += _table(["goal", "bound", "value", "met"],
+                        [[md(g["name"]), md(g["goal"]), fmt_err(g["value"]),
+                          {True: "✅ met", False: "❌ missed", None: "—"}[g["met"]]] for g in b["goals"]], "llrl") + [""]
+    lines += _table(["figure", "value"], [[code(f["name"]), md(f["value"])] for f in b["figures"]], "lr")
     return lines + [""]
 
 

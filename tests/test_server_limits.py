@@ -137,6 +137,19 @@ def test_malformed_and_mismatched_programs_are_refused():
             bad["input_meta"] = [{"shape": [-1], "dtype": "float32"}]
             reply = json.loads(platform._call("load", json.dumps(bad)))
             assert reply["error"]["kind"] == "usage" and "shape" in reply["error"]["message"]
+            # A count that is not a JSON integer is refused with its path, never truncated by int()
+            # before the limits see it (#37): 12.9 bytes is not 12, 1.5 workgroups is not 1.
+            for damage, path in ((lambda p: p["buffers"][0].update(size=12.9), "buffers[0].size is '12.9'"),
+                                 (lambda p: p["buffers"][0].update(size=16.0), "buffers[0].size is '16.0'"),
+                                 (lambda p: p["kernels"][0].update(workgroups=[1.5, 1, 1]),
+                                  "kernels[0].workgroups[0] is '1.5'"),
+                                 (lambda p: p["kernels"][0].update(workgroups=[1, True, 1]),
+                                  "kernels[0].workgroups[1] is 'True'")):
+                doctored = json.loads(wgsl.dumps())
+                damage(doctored)
+                reply = json.loads(platform._call("load", json.dumps(doctored)))
+                assert reply["error"]["kind"] == "usage", reply
+                assert f"{path}, expected an integer" in reply["error"]["message"], reply
     finally:
         assert srv.stop() == 0
     from tapml.remote.limits import ServerLimits, check_program

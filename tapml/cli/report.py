@@ -1,5 +1,5 @@
-"""``tapml report``: HTML, Markdown or JUnit XML from replay verdicts, migration states, generations,
-fleets and precision analyses."""
+"""``tapml report``: HTML, Markdown or JUnit XML from replay verdicts, migration states, multi-target
+matrices, generations, fleets, precision analyses and preflights (every document kind a user looks at)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,13 @@ from tapml.cli.common import EXIT_FINDING, EXIT_OK, JsonOpt, QuietOpt, app, comm
 from tapml.text import shown
 
 
-@app.command(name="report", short_help="Render verdicts, states, generations or fleets as HTML, Markdown or JUnit.")
+@app.command(name="report", short_help="Render verdicts, states, generations, precision, preflights or fleets as "
+                                         "HTML, Markdown or JUnit.")
 @command
-def report(states: List[str] = typer.Argument(..., help="Verdict JSON (`replay --json`) or migration state "
-                                                         "(`migrate --state`) files; several give an op-coverage matrix"),
+def report(states: List[str] = typer.Argument(..., help="Documents tapml wrote: Verdict JSON (`replay --json`), "
+                                                         "migration states (`migrate --state`), multi-target and fleet "
+                                                         "JSON, `generate --json`, `precision --json`, `inspect STORE "
+                                                         "--target T --json`; several give an op-coverage matrix"),
            output: Optional[str] = typer.Option(None, "-o", "--output",
                                                 help="Report file to write ('-' for stdout); without it the "
                                                      "report is shown in the terminal"),
@@ -53,17 +56,48 @@ def describe(s) -> str:
         return (f"precision analysis of {s.model} in {p['dtype']} on {s.label}: {len(p['ops'])} ops, per op and per "
                 f"module along the depth, {len(p['keep_float32'])} kept in float32, end to end "
                 f"{p['end_to_end']['after']['status']}")
+    if s.preflight is not None:
+        from tapml.reports.data import preflight_line
+        return f"preflight of {s.model}: {preflight_line(s.preflight)}"
+    if s.bench is not None:
+        from tapml.reports.data import bench_line
+        return f"benchmark {s.model} on {s.label}: {bench_line(s.bench)}"
+    if s.generation is not None:
+        g = s.generation["summary"]
+        return (f"generation of {s.model} on {s.label}: {g['steps']} steps, {g['pass']} pass, {g['near_tie']} near-tie, "
+                f"{g['mismatch']} mismatch, {g['error']} error")
     culprits = sum(1 for f in s.failures if f["culprit"])
     return f"{s.kind} of {s.model} on {s.label}: {len(s.cases)} cases, {culprits} culprit(s)"
 
 
 def _render_terminal(states, console, quiet: bool) -> None:
-    """Precision analyses as `tapml precision` prints them; every other document as render_states does."""
+    """Precision analyses as `tapml precision` prints them, preflights as a line and a table of the ops
+    that split or do not fit; every other document as render_states does."""
     from tapml.cli.precision import render_precision
     from tapml.render import render_states
     for s in states:
         if s.precision is not None:
             render_precision(s.precision, console, quiet=quiet)
-    others = [s for s in states if s.precision is None]
+        if s.preflight is not None:
+            _render_preflight(s, console, quiet)
+        if s.bench is not None:
+            console.print(describe(s), highlight=False, soft_wrap=True)
+    others = [s for s in states if s.has_cases]
     if others:
         render_states(others, console, quiet=quiet)
+
+
+def _render_preflight(s, console, quiet: bool) -> None:
+    from rich.table import Table
+
+    from tapml.reports.data import preflight_findings
+    console.print(describe(s), highlight=False, soft_wrap=True)
+    flagged = [x for x in s.preflight["ops"] if x["splits"] or not x["fits"]]
+    if quiet or not flagged:
+        return
+    table = Table(title="ops that split or do not fit")
+    for col in ("op", "cases", "fits", "splits and limits"):
+        table.add_column(col)
+    for x in flagged:
+        table.add_row(shown(x["op"]), str(x["cases"]), "yes" if x["fits"] else "no", shown("; ".join(preflight_findings(x))))
+    console.print(table)

@@ -49,7 +49,7 @@ from tapml.judging.compare import Comparison, Tolerances, anchored_rule, compare
 from tapml.errors import DeviceLost, PlatformError, TapmlError
 from tapml.graph import Graph, dtype_name, step as reference_step
 from tapml.driving.hybrid import REFERENCE, TARGET, HybridRunner
-from tapml.judging.verdict import outcome_verdict
+from tapml.judging.verdict import outcome_verdict, stamp
 
 KINDS = ("prefill", "decode")
 STEP_STATUSES = ("pass", "mismatch", "near-tie", "error")
@@ -298,7 +298,7 @@ def generate(store, platform, target: str, *, tokens: int | None = None, free: b
                                            inject=inject, on_event=on_event, keep_float32=kept[failing[0]])
     decode_steps = sum(1 for r in rows if r["kind"] == "decode" and r["target_token"] is not None)
     counts = {status: sum(r["status"] == status for r in rows) for status in STEP_STATUSES}
-    return {
+    return stamp("generation", {
         "target": target, "model": store.model, "device": device_info(platform),
         "mode": "free" if free else "teacher-forced", "prompt_len": gen["prompt_len"], "tokens": tokens,
         "dtype": store.dtype, "judged_against": "float32" if low else store.dtype,
@@ -322,7 +322,7 @@ def generate(store, platform, target: str, *, tokens: int | None = None, free: b
         "upload_bytes_first_decode_step": uploads[0] if uploads else None,
         "tokens_per_s": {"target": _rate(decode_steps, target_decode_s),
                          "reference": _rate(tokens, reference.decode_s)},
-    }
+    })
 
 
 def kv_cache(graph: Graph, platform, target: str) -> dict:

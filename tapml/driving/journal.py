@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tapml.errors import TapmlError
 from tapml.io import MAX_JSON_BYTES, JsonSyntaxError, open_regular, parse_json, read_regular_file, write_text_atomic
-from tapml.judging.verdict import check_depth, journal_record
+from tapml.judging.verdict import check_depth, document_kind, journal_record, stamp
 
 #: What a refused journal's message tells the user to do.
 START_OVER = "remove it and its state file to start over"
@@ -35,7 +35,7 @@ def journal_path(state_path: str | Path) -> Path:
 
 def journal_text(header: dict, records: dict[str, object]) -> str:
     """The journal's lines for ``header`` and ``{key: record}`` (records are dicts or verdicts)."""
-    lines = [json.dumps({"header": header}, allow_nan=False)]
+    lines = [json.dumps({"header": stamp("journal-header", header)}, allow_nan=False)]
     lines += [json.dumps({"key": key, "record": _plain(record)}, allow_nan=False) for key, record in records.items()]
     return "\n".join(lines) + "\n"
 
@@ -126,7 +126,10 @@ class Journal:
             check_depth(item, where, START_OVER)
             if isinstance(item, dict) and set(item) == {"header"} and isinstance(item["header"], dict) \
                     and header is None and not records:
-                header = item["header"]
+                if "kind" in item["header"] and document_kind(item["header"], where) != "journal-header":
+                    raise TapmlError(f"{where}: its header is not a journal header; {START_OVER}")
+                # kind and format_version say what the line is, not what the migration ran with
+                header = {k: v for k, v in item["header"].items() if k not in ("kind", "format_version")}
             elif isinstance(item, dict) and set(item) == {"key", "record"} and header is not None:
                 records[item["key"]] = journal_record(item["key"], item["record"], where, START_OVER)
             else:

@@ -27,15 +27,16 @@ Example::
 from tapml.judging.verdict.documents import (END_TO_END_STATUSES, FORMAT_VERSION, PLACES, PRECISION_DTYPES,
                                      PRECISION_FORMAT_VERSION, STAGES, STATE_FORMAT, STEP_STATUSES, STEP_SUMMARY_KEYS,
                                      MigrationState, VerdictDocument, is_generation_document, is_precision_document,
-                                     journal_record, keep_float32_header, read_generation_document,
+                                     journal_record, keep_float32_header, read_bench_document, read_generation_document, read_preflight_document,
                                      read_precision_document)
+from tapml.judging.verdict.kinds import FALLBACK_RULES, KINDS, document_kind, stamp
 from tapml.judging.verdict.reading import MAX_COUNT, MAX_DEPTH, check_depth
 from tapml.judging.verdict.results import (BLAME, CULPRIT_KINDS, GRAPH_KINDS, JUDGE_KEYS, NEAR_FAILING, RULES, STAT_KEYS,
                                    STATUSES, TIMINGS, UNIT_KINDS, CaseVerdict, Culprit, EndToEnd, RegionCheck,
                                    UnitVerdict, Verdict, culprit_kind, outcome_verdict, passed, summary)
 
-__all__ = ["Verdict", "CaseVerdict", "UnitVerdict", "RegionCheck", "EndToEnd", "Culprit", "VerdictDocument",
-           "MigrationState", "read_generation_document", "is_generation_document", "STEP_STATUSES",
+__all__ = ["KINDS", "FALLBACK_RULES", "document_kind", "stamp", "Verdict", "CaseVerdict", "UnitVerdict", "RegionCheck", "EndToEnd", "Culprit", "VerdictDocument",
+           "MigrationState", "read_generation_document", "read_preflight_document", "read_bench_document", "is_generation_document", "STEP_STATUSES",
            "read_precision_document", "is_precision_document", "PRECISION_FORMAT_VERSION", "PRECISION_DTYPES",
            "END_TO_END_STATUSES", "outcome_verdict", "culprit_kind", "summary", "passed", "journal_record", "check_depth",
            "STATUSES", "STAT_KEYS", "TIMINGS", "CULPRIT_KINDS", "UNIT_KINDS", "GRAPH_KINDS", "STAGES", "STATE_FORMAT",

@@ -4,18 +4,20 @@ validated field by field on read (these files may come from anyone, SECURITY.md)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tapml.dtypes import MODEL_DTYPES
 from tapml.errors import TapmlError
 from tapml.io import read_json_file
+from tapml.judging.verdict.kinds import KINDS, STATE_KEYS, document_kind, stamp
 from tapml.judging.verdict.reading import MAX_COUNT, _MISSING, _a, _check_depth, _Ctx, _Obj, _scalar
 from tapml.judging.verdict.results import (CULPRIT_KINDS, GRAPH_KINDS, STATUSES, CaseVerdict, Culprit, EndToEnd, UnitVerdict,
                                    passed, summary)
 
 #: Version of the verdict and state documents this tapml writes (older files have none: 0).
-FORMAT_VERSION = 1
+FORMAT_VERSION = KINDS["verdict"]["format_version"]
 #: The ``format`` key of migration states (and of their journal's header).
 STATE_FORMAT = "tapml-migration/1"
 STAGES = ("op", "region", "model", "done", "session")
@@ -47,9 +49,9 @@ class VerdictDocument:
         return passed(self.cases)
 
     def to_json(self) -> dict:
-        return {"format_version": FORMAT_VERSION, "target": self.target, "device": self.device, "model": self.model,
-                "dtype": self.dtype, "anchored": self.anchored, "tolerances": self.tolerances,
-                "cases": [c.to_json() for c in self.cases], "summary": self.summary}
+        return stamp("verdict", {"target": self.target, "device": self.device, "model": self.model,
+                                 "dtype": self.dtype, "anchored": self.anchored, "tolerances": self.tolerances,
+                                 "cases": [c.to_json() for c in self.cases], "summary": self.summary})
 
     @classmethod
     def from_json(cls, data, where: str = "<verdicts>", *, strict: bool = False, hint: str = "",
@@ -63,8 +65,12 @@ class VerdictDocument:
         version = o.count("format_version", 0)
         if version > FORMAT_VERSION:
             o.fail(f"format_version {version} is newer than this tapml reads ({FORMAT_VERSION}); upgrade tapml")
-        migration = cls is MigrationState or (cls is VerdictDocument and any(
-            k in o.data for k in ("format", "units", "culprits", "placement", "end_to_end")))
+        kind = document_kind(data, where)
+        if kind not in (None, "verdict", "migration-state"):
+            o.fail(f"it is a {kind} document, not a verdict file or migration state")
+        if kind is None:  # an older document (kinds.FALLBACK_RULES): a state has one of the state's keys
+            kind = "migration-state" if any(k in o.data for k in STATE_KEYS) else "verdict"
+        migration = cls is MigrationState or (cls is VerdictDocument and kind == "migration-state")
         # a required target is a string: null is no target (reports and resumes name it)
         target = o.string("target", required=True) if "target" in required else o.string("target", None)
         common = dict(target=target,
@@ -135,13 +141,13 @@ class MigrationState(VerdictDocument):
         return header | keep_float32_header(self.precision)
 
     def to_json(self) -> dict:
-        return {**self.header(), "format_version": FORMAT_VERSION, "cases": [c.to_json() for c in self.cases],
+        return stamp("migration-state", {**self.header(), "cases": [c.to_json() for c in self.cases],
                 "store": self.store, "device": self.device, "stage": self.stage, "complete": self.complete,
                 "summary": self.summary, "units": [u.to_json() for u in self.units], "placement": self.placement,
                 "culprits": [c.to_json() for c in self.culprits],
                 "end_to_end": None if self.end_to_end is None else self.end_to_end.to_json(), "passed": self.passed,
                 **({} if self.graph is None else {"graph": self.graph}),
-                **({} if self.precision is None else {"precision": self.precision})}
+                **({} if self.precision is None else {"precision": self.precision})})
 
 
 def keep_float32_header(precision: dict | None) -> dict:
@@ -175,6 +181,9 @@ def read_generation_document(data, where: str = "<generation>", hint: str = "") 
     ctx = _Ctx(where, True, hint)
     _check_depth(data, ctx)
     o = _Obj(data, ctx, "", "a generation document", top=True)
+    kind = document_kind(data, where)
+    if kind not in (None, "generation"):
+        o.fail(f"it is a {kind} document, not a generation")
     steps = []
     for key in ("steps", "culprits"):
         if not isinstance(o.data.get(key, []), list):
@@ -214,14 +223,22 @@ def read_generation_document(data, where: str = "<generation>", hint: str = "") 
 
 
 def is_generation_document(data) -> bool:
-    """Whether parsed JSON claims to be a Generation JSON (``steps`` and no verdict ``cases``)."""
-    return isinstance(data, dict) and "steps" in data and "cases" not in data
+    """Whether parsed JSON claims to be a Generation JSON (``kind`` generation; an older one without
+    ``kind``: ``steps`` and no verdict ``cases``)."""
+    return _claims(data, "generation")
+
+
+def _claims(data, kind: str) -> bool:
+    try:
+        return document_kind(data) == kind
+    except TapmlError:
+        return False
 
 
 # --- the precision document ----------------------------------------------------------------
 
 #: Version of the precision document (``tapml precision --json``) this tapml writes and reads.
-PRECISION_FORMAT_VERSION = 1
+PRECISION_FORMAT_VERSION = KINDS["precision"]["format_version"]
 #: Dtypes a precision analysis is about (tapml.dtypes.LOW_FLOATS).
 PRECISION_DTYPES = ("float16", "bfloat16")
 #: Statuses of a precision document's end-to-end runs.
@@ -245,7 +262,9 @@ def read_precision_document(data, where: str = "<precision>", hint: str = "") ->
     version = o.count("format_version", 0)
     if version > PRECISION_FORMAT_VERSION:
         o.fail(f"format_version {version} is newer than this tapml reads ({PRECISION_FORMAT_VERSION}); upgrade tapml")
-    o.choice("kind", ("precision",), None)
+    kind = document_kind(data, where)
+    if kind not in (None, "precision"):
+        o.fail(f"it is a {kind} document, not a precision analysis")
     if not isinstance(o._get("ops", _MISSING, True), list):
         o._bad("ops", o.data["ops"], "a list")
     ops, nodes = [], set()
@@ -299,9 +318,115 @@ def read_precision_document(data, where: str = "<precision>", hint: str = "") ->
 
 
 def is_precision_document(data) -> bool:
-    """Whether parsed JSON claims to be a Precision JSON (``kind`` precision, or ``keep_float32``
-    and no verdict ``cases``)."""
-    return isinstance(data, dict) and (data.get("kind") == "precision" or ("keep_float32" in data and "cases" not in data))
+    """Whether parsed JSON claims to be a Precision JSON (``kind`` precision; an older one without
+    ``kind``: ``keep_float32`` and ``ops`` and no verdict ``cases``)."""
+    return _claims(data, "precision")
+
+
+# --- the preflight document ----------------------------------------------------------------
+
+def read_preflight_document(data, where: str = "<preflight>", hint: str = "") -> dict:
+    """Validate a parsed Preflight JSON (``tapml inspect STORE --target T --json``, ARCHITECTURE.md)
+    and return what reports show, normalized: ``target``, ``model``, ``store``, ``device``,
+    ``limits`` (name -> integer), ``forced_limits``, ``loop_cap``, ``ops`` (``op``, ``cases``,
+    ``kernels``, ``largest_binding``, ``splits`` and ``violations`` each ``{message, cases,
+    bytes|limit}``, ``unsupported``/``errors`` each ``{reason, cases}``, ``fits`` recomputed) and
+    ``summary`` (recomputed from the ops, never trusted). TapmlError naming the field otherwise."""
+    ctx = _Ctx(where, True, hint)
+    _check_depth(data, ctx)
+    o = _Obj(data, ctx, "", "a preflight document", top=True)
+    kind = document_kind(data, where)
+    if kind not in (None, "preflight"):
+        o.fail(f"it is a {kind} document, not a preflight")
+
+    def limits(key: str) -> dict:
+        lim = o.child(key, "an object of device limits (name -> integer)")
+        return {} if lim is None else {k: lim.count(k, required=True) for k in lim.data}
+
+    if not isinstance(o._get("ops", _MISSING, True), list):
+        o._bad("ops", o.data["ops"], "a list")
+    ops = []
+    for i, item in enumerate(o.data["ops"]):
+        x = _Obj(item, ctx, f"ops[{i}]", "a preflight op")
+        entry = {"op": x.string("op", required=True), "cases": x.count("cases", 0), "kernels": x.count("kernels", 0),
+                 "largest_binding": x.count("largest_binding", 0)}
+        for key in ("splits", "violations", "unsupported", "errors"):
+            found = x.data.get(key, [])
+            if not isinstance(found, list):
+                x._bad(key, found, "a list")
+            rows = []
+            for j, it in enumerate(found):
+                y = _Obj(it, ctx, f"ops[{i}].{key}[{j}]", "a preflight finding")
+                row = {"cases": y.count("cases", 1)}
+                if key in ("splits", "violations"):
+                    row["message"] = y.string("message", "") or ""
+                    row["limit"] = y.string("limit", None)
+                    row["bytes"] = y.count("bytes", None)
+                else:
+                    row["reason"] = y.string("reason", "") or ""
+                rows.append(row)
+            entry[key] = rows
+        entry["fits"] = not (entry["violations"] or entry["unsupported"] or entry["errors"])
+        ops.append(entry)
+    return {"target": o.string("target", required=True), "model": o.string("model", "") or "",
+            "store": o.string("store", "") or "", "device": _device(o), "limits": limits("limits"),
+            "forced_limits": limits("forced_limits"), "loop_cap": o.count("loop_cap", None), "ops": ops,
+            "summary": {"ops": len(ops), "cases": sum(x["cases"] for x in ops),
+                        **{f"ops_{k}": sum(bool(x[key]) for x in ops) for k, key in
+                           (("split", "splits"), ("over_limit", "violations"), ("unsupported", "unsupported"),
+                            ("error", "errors"))},
+                        "fits": all(x["fits"] for x in ops)}}
+
+
+# --- the bench document --------------------------------------------------------------------
+
+#: Most figures a bench report lists (a suite's document has a few hundred).
+MAX_BENCH_FIGURES = 2000
+
+
+def read_bench_document(data, where: str = "<bench>", hint: str = "") -> dict:
+    """Validate a parsed Bench JSON (``tapml bench --json`` and its subcommands; each measures other
+    things) and return what reports show: ``target``, ``figures`` (every number, flag and short
+    text as ``{"name": dotted path, "value"}``, in document order), ``goals`` (``{"name", "goal",
+    "value", "met"}`` from its ``goals`` where they have that form) and ``passed`` (its ``passed``,
+    None when it has none). TapmlError naming the field otherwise."""
+    ctx = _Ctx(where, True, hint)
+    _check_depth(data, ctx)
+    o = _Obj(data, ctx, "", "a bench document", top=True)
+    kind = document_kind(data, where)
+    if kind != "bench":
+        o.fail("it lacks kind bench")
+    figures: list[dict] = []
+
+    def walk(value, path: str) -> None:
+        if len(figures) >= MAX_BENCH_FIGURES:
+            return
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{path}.{k}" if path else str(k))
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                walk(v, f"{path}[{i}]")
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            if isinstance(value, float) and not math.isfinite(value):
+                o.fail(f"{path} is not a finite number")
+            figures.append({"name": path, "value": value[:200] if isinstance(value, str) else value})
+
+    walk({k: v for k, v in o.data.items() if k not in ("kind", "format_version", "goals")}, "")
+    goals = []
+    g = o.child("goals", "an object of goals")
+    for name in (g.data if g is not None else {}):
+        if not isinstance(g.data[name], dict):
+            continue  # a subcommand's goals are its bounds alone; the report's figures list them
+        x = _Obj(g.data[name], ctx, f"goals.{name}"[:120], "a goal ({goal, value, met})")
+        met = x.data.get("met")
+        if met is not None and not isinstance(met, bool):
+            x._bad("met", met, "true, false or null")
+        goals.append({"name": name, "goal": x.string("goal", "") or "", "value": x.number("value"), "met": met})
+    passed = o.data.get("passed")
+    if passed is not None and not isinstance(passed, bool):
+        o._bad("passed", passed, "true, false or null")
+    return {"target": o.string("target", "") or "", "figures": figures, "goals": goals, "passed": passed}
 
 
 # --- journal records -----------------------------------------------------------------------
