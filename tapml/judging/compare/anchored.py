@@ -73,7 +73,7 @@ def compare_anchored(targets: list[torch.Tensor], refs32: list[torch.Tensor], re
             results.append(compare_tensor(t, r32))  # exact, or a shape/dtype mismatch: no anchoring needed
             continue
         name = dtype_name(r32.dtype)
-        anchor = r64.detach().cpu().double()
+        anchor = r64.detach().cpu().double().contiguous()  # once: each pass below reads it flat
         if any(bool((~torch.isfinite(lo) & torch.isfinite(an)).any()) for lo, an in _chunks(r32, anchor)):
             low = r32.detach().cpu().double()  # where the reference overflowed, the target must match it
             anchor = torch.where(~torch.isfinite(low) & torch.isfinite(anchor), low, anchor)
