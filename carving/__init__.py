@@ -32,7 +32,8 @@ def carve(spec: str, out: str | Path, *, seed: int = 0, device: str = "cpu", hf_
     into a temporary folder beside ``out`` and renamed into place when complete; on any
     failure (Ctrl-C included) the temporary folder is removed and ``out`` is left as it was.
 
-    Returns timing and size figures: ``export_s``, ``carve_s``, ``bytes``, ``cases``, ``nodes``.
+    Returns timing and size figures: ``load_s`` (building the model, a checkpoint's weights
+    read), ``export_s`` (that and the export), ``carve_s``, ``bytes``, ``cases``, ``nodes``.
     Example: ``carve("zoo:mlp", "stores/mlp")``.
     """
     return write_store_atomically(out, lambda tmp: _carve_into(
@@ -167,6 +168,7 @@ def _carve_into(spec: str, out: Path, *, seed: int, device: str, hf_config: dict
         raise TapmlError("--device cuda: no CUDA device on this machine; use --device cpu")
     t0 = time.perf_counter()
     model, example = load_model(spec, seed=seed, hf_config=hf_config, dtype=dtype)
+    loaded = time.perf_counter()
     ep = export(model, example)
     if device == "cuda":
         from torch.export.passes import move_to_device_pass
@@ -205,6 +207,6 @@ def _carve_into(spec: str, out: Path, *, seed: int, device: str, hf_config: dict
         "program_inputs": stored_inputs, "model_outputs": model_outputs, "cases": interp.cases,
     })
     t2 = time.perf_counter()
-    return {"export_s": t1 - t0, "carve_s": t2 - t1, "bytes": writer.bytes_written, "cases": len(interp.cases),
-            "nodes": len(graph.nodes), "ops": len({c["op"] for c in interp.cases}),
+    return {"load_s": loaded - t0, "export_s": t1 - t0, "carve_s": t2 - t1, "bytes": writer.bytes_written,
+            "cases": len(interp.cases), "nodes": len(graph.nodes), "ops": len({c["op"] for c in interp.cases}),
             "shards": writer._shard, "peak_pending_bytes": writer.peak_pending_bytes}

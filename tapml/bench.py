@@ -545,8 +545,14 @@ def migrate_figure(spec: str, target: str, workdir: Path, token: str | None = No
 #: The sized model ``tapml bench scale`` (and ``tapml bench --scale``) carves and migrates unless told.
 SCALE_MODEL = "hf:llama"
 SCALE_CONFIG = {"hidden_size": 1024, "num_hidden_layers": 4, "intermediate_size": 2816, "vocab_size": 64000}
-#: Kinds of work a migration's time is split into (``other``: the rest of the processes' wall time).
-SCALE_SHARES = ("export", "carving", "compile", "device", "compare", "reference", "other")
+#: Kinds of work a migration's time is split into (``load``: building the model, a checkpoint's
+#: weights read; ``other``: the rest of the processes' wall time).
+SCALE_SHARES = ("load", "export", "carving", "compile", "device", "compare", "reference", "other")
+#: The llama-shaped checkpoint ``tapml bench scale --checkpoint`` writes unless told: 1B-class (the
+#: shape of Llama 3.2 1B with a 128 000-token vocabulary, tied embeddings; ~2.5 GB in bfloat16).
+SCALE_CHECKPOINT_SHAPE = {"hidden_size": 2048, "num_hidden_layers": 16, "intermediate_size": 8192,
+                          "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128000,
+                          "tie_word_embeddings": True}
 
 
 class TimedPlatform:
@@ -585,11 +591,63 @@ def param_bytes(store) -> int:
                for info in store.manifest["program_inputs"].values() if info["kind"] != "input")
 
 
+def check_scale_shape(shape: dict | None) -> dict:
+    """:data:`SCALE_CHECKPOINT_SHAPE` with ``shape`` over it, checked: only its keys, positive
+    integers (``tie_word_embeddings`` a boolean), heads that divide the hidden size and key/value
+    heads that divide the heads. TapmlError saying what fits."""
+    from tapml.errors import TapmlError
+    shape = dict(shape or {})
+    unknown = sorted(set(shape) - set(SCALE_CHECKPOINT_SHAPE))
+    if unknown:
+        raise TapmlError(f"--shape {unknown[0]}: not a shape key; the keys are {', '.join(SCALE_CHECKPOINT_SHAPE)}")
+    full = {**SCALE_CHECKPOINT_SHAPE, **shape}
+    for key, value in full.items():
+        kind = bool if key == "tie_word_embeddings" else int
+        if type(value) is not kind or (kind is int and value <= 0):
+            raise TapmlError(f"--shape {key}={value!r}: give {'true or false' if kind is bool else 'a positive integer'}")
+    if full["hidden_size"] % full["num_attention_heads"] or full["num_attention_heads"] % full["num_key_value_heads"]:
+        raise TapmlError(f"--shape: num_attention_heads ({full['num_attention_heads']}) must divide hidden_size "
+                         f"({full['hidden_size']}) and num_key_value_heads ({full['num_key_value_heads']}) must "
+                         "divide num_attention_heads")
+    return full
+
+
+def write_scale_checkpoint(folder: str | Path, shape: dict | None = None, seed: int = 0) -> dict:
+    """Write a llama-shaped checkpoint of random weights into ``folder`` as a user has one:
+    ``save_pretrained`` in bfloat16, sharded safetensors (three shards or more). ``shape``: config
+    keys over :data:`SCALE_CHECKPOINT_SHAPE`. Returns ``checkpoint_bytes`` (the weight files on
+    disk), ``shards``, ``params`` and the ``shape`` written. Example:
+    ``write_scale_checkpoint("/tmp/ckpt", {"hidden_size": 64, "num_hidden_layers": 2})``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    shape = check_scale_shape(shape)
+    config = LlamaConfig(**shape)
+    torch.manual_seed(seed)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bfloat16: a float32 copy of 1B weights would be 5 GB
+    try:
+        model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(before)
+    params = sum(p.numel() for p in model.parameters())
+    folder = Path(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+    model.save_pretrained(folder, max_shard_size=max(1, params * 2 // 3))
+    weights = sorted(folder.glob("*.safetensors"))
+    return {"checkpoint_bytes": sum(w.stat().st_size for w in weights), "shards": len(weights), "params": params,
+            "shape": shape}
+
+
+def _write_child(args: dict) -> dict:
+    return write_scale_checkpoint(args["folder"], args.get("shape"))
+
+
 def _carve_child(args: dict) -> dict:
     from tapml.carving import CarveStore, carve
     info = carve(args["spec"], args["store"], hf_config=args.get("hf_config") or None, dtype=args.get("dtype", "float32"))
     store = CarveStore(args["store"])
-    return {"export_s": info["export_s"], "carve_s": info["carve_s"], "store_bytes": info["bytes"],
+    return {"load_s": info["load_s"], "export_s": info["export_s"] - info["load_s"], "carve_s": info["carve_s"],
+            "store_bytes": info["bytes"],
             "cases": info["cases"], "nodes": info["nodes"], "param_bytes": param_bytes(store),
             "aliases": sum("alias" in t for t in store.tensor_index.values())}
 
@@ -653,7 +711,7 @@ def run_child(argv: list[str], timeout: float, env: dict | None = None,
 
 
 def _child(action: str, args: dict, timeout: float, workdir: Path, guard=None) -> dict:
-    """:func:`_carve_child` or :func:`_migrate_child` in a fresh ``python -m tapml.bench`` process."""
+    """:func:`_write_child`, :func:`_carve_child` or :func:`_migrate_child` in a fresh ``python -m tapml.bench`` process."""
     out = workdir / f"{action}.json"
     out.unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "TAPML_TOKEN"}
@@ -710,7 +768,7 @@ def scale_figure(spec: str = SCALE_MODEL, target: str = "wgpu", workdir: str | P
     if "error" in migrated:
         return {**row, "error": migrated["error"]}
     wall = carved["s"] + migrated["s"]
-    seconds = {"export": carved["export_s"], "carving": carved["carve_s"],
+    seconds = {"load": carved["load_s"], "export": carved["export_s"], "carving": carved["carve_s"],
                **{k: migrated["seconds"].get(k, 0.0) for k in ("compile", "device", "compare", "reference")}}
     seconds["other"] = max(0.0, wall - sum(seconds.values()))
     peak = max(carved["peak_rss_bytes"], migrated["peak_rss_bytes"])
@@ -721,6 +779,49 @@ def scale_figure(spec: str = SCALE_MODEL, target: str = "wgpu", workdir: str | P
             "stages": {k: {"s": round(v["s"], 3), "peak_rss_bytes": v["peak_rss_bytes"]}
                        for k, v in migrated["stages"].items()},
             "passed": migrated["passed"], "ops_share": migrated["ops_share"], "flops_share": migrated["flops_share"]}
+
+
+def checkpoint_scale_figure(target: str = "wgpu", workdir: str | Path | None = None, *, shape: dict | None = None,
+                            hf_config: dict | None = None, dtype: str = "bfloat16", token: str | None = None,
+                            timeout: float = 1800, guard: Callable[[], str | None] | None = None) -> dict:
+    """:func:`scale_figure` of a checkpoint on disk: a llama-shaped bfloat16 checkpoint of
+    ``shape`` (:func:`write_scale_checkpoint`, default the 1B-class :data:`SCALE_CHECKPOINT_SHAPE`)
+    written in a fresh process, then loaded from its folder, carved (``hf_config``:
+    ``num_hidden_layers=N`` loads the first N layers) and migrated to ``target`` as any
+    checkpoint folder is.
+
+    Adds to the scale figure ``checkpoint`` (its bytes on disk, shards, parameters, shape and the
+    write's seconds), ``load_s`` (``from_pretrained`` in the carve process), ``carve_s`` (the
+    reference run writing the store), ``migrate_s`` (the migrate process's wall time),
+    ``peak_rss_vs_checkpoint`` per process (``carve``, ``migrate``: its peak RSS over the
+    checkpoint's bytes) and ``store_vs_checkpoint`` (the store's bytes over the checkpoint's).
+    Example: ``checkpoint_scale_figure("wgpu:vulkan", hf_config={"num_hidden_layers": 2})``.
+    """
+    import tempfile
+    own = workdir is None
+    root = Path(tempfile.mkdtemp(prefix="tapml-scale-")) if own else Path(workdir)
+    root.mkdir(parents=True, exist_ok=True)
+    folder = root / "checkpoint"
+    try:
+        written = _child("write", {"folder": str(folder), "shape": shape or {}}, timeout, root, guard)
+        if "error" in written:
+            return {"model": str(folder), "target": target, "checkpoint": written, "error": written["error"]}
+        figure = scale_figure(str(folder), target, root, hf_config=hf_config or {}, dtype=dtype, token=token,
+                              timeout=timeout, guard=guard)
+    finally:
+        if own:
+            shutil.rmtree(root, ignore_errors=True)
+    nbytes = written["checkpoint_bytes"]
+    figure["checkpoint"] = {k: written[k] for k in ("checkpoint_bytes", "shards", "params", "shape")}
+    figure["checkpoint"].update(write_s=round(written["s"], 3), write_peak_rss_bytes=written["peak_rss_bytes"])
+    if "error" in figure:
+        return figure
+    carved, migrated = figure["carve"], figure["migrate"]
+    return {**figure, "load_s": round(carved["load_s"], 3), "carve_s": round(carved["carve_s"], 3),
+            "migrate_s": round(migrated["s"], 3),
+            "peak_rss_vs_checkpoint": {"carve": _ratio(carved["peak_rss_bytes"], nbytes),
+                                       "migrate": _ratio(migrated["peak_rss_bytes"], nbytes)},
+            "store_vs_checkpoint": _ratio(figure["store_bytes"], nbytes)}
 
 
 # --- the suite -----------------------------------------------------------------------------
@@ -909,7 +1010,7 @@ __all__ = ["run_suite", "ratios", "GOALS", "LONG_ROW_CASES", "long_row_figure", 
            "device_seconds", "matmul_graph", "chain_graph", "tensor_mix", "torch_eager_ms", "generation_figure",
            "check_models", "GENERATION_MODEL", "GENERATION_TOKENS", "GENERATION_PROMPT_LEN", "scale_figure",
            "StageClock", "TimedPlatform", "alternated", "wgpu_backends", "run_child", "peak_rss_bytes", "param_bytes", "SCALE_MODEL", "SCALE_CONFIG",
-           "SCALE_SHARES"]
+           "SCALE_SHARES", "SCALE_CHECKPOINT_SHAPE", "check_scale_shape", "write_scale_checkpoint", "checkpoint_scale_figure"]
 
 
 def _child_main(argv: list[str]) -> int:
@@ -918,7 +1019,7 @@ def _child_main(argv: list[str]) -> int:
     from tapml.errors import TapmlError
     action, args, out = argv
     try:
-        result = {"carve": _carve_child, "migrate": _migrate_child}[action](json.loads(args))
+        result = {"write": _write_child, "carve": _carve_child, "migrate": _migrate_child}[action](json.loads(args))
     except TapmlError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -194,17 +194,28 @@ def _render_suite(r: dict) -> None:
 def _scale_rows(f: dict) -> list[tuple[str, str]]:
     """(figure, value) rows of a scale figure (tapml.bench.scale_figure): migrate wall time and peak
     RSS of the sized model, the share of each kind of work and each stage."""
-    config = ", ".join(f"{k}={v}" for k, v in f["hf_config"].items())
-    name = f"{f['model']}" + (f" ({config})" if config else "")
+    config = ", ".join(f"{k}={v}" for k, v in f.get("hf_config", {}).items())
+    ckpt = f.get("checkpoint")
+    name = "llama checkpoint" if ckpt else f"{f['model']}"
+    name += f" ({config})" if config else ""
     if f.get("error"):
         return [(f"{name} carve + migrate [red]({f['error'][:100]})[/]", "")]
     gib = 1 << 30
     label = f"{name} carve + migrate to {f['target']} s, load {' → '.join(map(str, f['load_avg']))}"
     if not f["passed"]:
         label += f" [red](did not pass: {f['ops_share']:.1%} of ops, {f['flops_share']:.1%} of FLOPs on target)[/]"
-    rows = [(label, _num(f["wall_s"], ".1f")),
-            (f"  peak RSS GiB (x {f['param_bytes'] / gib:.2f} GiB of parameters)",
-             f"{f['peak_rss_bytes'] / gib:.2f} (x{f['peak_rss_vs_params']:.2f})")]
+    rows = [(label, _num(f["wall_s"], ".1f"))]
+    if ckpt:
+        shape = ckpt["shape"]
+        rows += [(f"  checkpoint GiB, bfloat16, {ckpt['shards']} shards (hidden {shape['hidden_size']}, "
+                  f"{shape['num_hidden_layers']} layers, vocabulary {shape['vocab_size']}), written in s",
+                  f"{ckpt['checkpoint_bytes'] / gib:.2f}, {ckpt['write_s']:.1f}"),
+                 ("  load, carve, migrate s", f"{f['load_s']:.1f}, {f['carve_s']:.1f}, {f['migrate_s']:.1f}"),
+                 ("  peak RSS x checkpoint bytes: carve, migrate",
+                  f"x{f['peak_rss_vs_checkpoint']['carve']:.2f}, x{f['peak_rss_vs_checkpoint']['migrate']:.2f}"),
+                 ("  store GiB (x checkpoint bytes)", f"{f['store_bytes'] / gib:.2f} (x{f['store_vs_checkpoint']:.2f})")]
+    rows += [(f"  peak RSS GiB (x {f['param_bytes'] / gib:.2f} GiB of parameters)",
+              f"{f['peak_rss_bytes'] / gib:.2f} (x{f['peak_rss_vs_params']:.2f})")]
     rows += [(f"  {kind} s ({f['shares'][kind]:.0%})", _num(f["seconds"][kind], ".1f")) for kind in f["seconds"]]
     rows += [(f"  {stage} stage s, peak RSS GiB", f"{st['s']:.1f}, {st['peak_rss_bytes'] / gib:.2f}")
              for stage, st in f["stages"].items()]
@@ -215,32 +226,65 @@ def _scale_rows(f: dict) -> list[tuple[str, str]]:
 @command
 def scale(target: str = typer.Option("wgpu", "--target", "-t", help="Target to migrate to: wgpu[:vulkan|gl|...], "
                                      "reference, browser, remote://HOST:PORT"),
-          model: str = typer.Option("hf:llama", "--model", help="MODEL to carve and migrate (any MODEL spec)"),
+          model: Optional[str] = typer.Option(None, "--model", help="MODEL to carve and migrate (any MODEL spec; "
+                                              "default hf:llama)"),
+          checkpoint: bool = typer.Option(False, "--checkpoint", help="Write a llama-shaped bfloat16 checkpoint "
+                                          "(save_pretrained, sharded safetensors; 1B-class unless --shape) and "
+                                          "load, carve and migrate it from disk: load, carve and migrate seconds, "
+                                          "peak RSS and the store's size against the checkpoint's bytes"),
+          shape: Optional[List[str]] = typer.Option(None, "--shape", help="KEY=VALUE over the checkpoint's "
+                                                    "1B-class shape (hidden_size=2048, num_hidden_layers=16, "
+                                                    "intermediate_size=8192, num_attention_heads=32, "
+                                                    "num_key_value_heads=8, vocab_size=128000, "
+                                                    "tie_word_embeddings=true); with --checkpoint (repeatable)"),
+          workdir: Optional[str] = typer.Option(None, "--workdir", help="Folder for the checkpoint and the store "
+                                                "(kept; default a temporary folder, removed)"),
           hf_config: Optional[List[str]] = HfConfigOpt, dtype: Optional[str] = DtypeOpt,
           timeout: float = typer.Option(1800, "--timeout", help="Seconds allowed to the carve, and to the migrate"),
           token_file: Optional[str] = TokenFileOpt,
           json_out: Optional[str] = JsonOpt):
     """Time to a verdict of a sized model: MODEL carved, then migrated to TARGET, each in a fresh
-    process; wall time, peak RSS (against the parameter bytes) and the share of export, carving,
-    compilation, device execution and comparison. hf:llama defaults to hidden 1024, 4 layers,
-    intermediate 2816 and a 64k vocabulary (--hf-config replaces them). Exit 1 when the
-    migration does not pass."""
-    from tapml.bench import SCALE_CONFIG, SCALE_MODEL, check_models, scale_figure
+    process; wall time, peak RSS (against the parameter bytes) and the share of loading, export,
+    carving, compilation, device execution and comparison. hf:llama defaults to hidden 1024, 4
+    layers, intermediate 2816 and a 64k vocabulary (--hf-config replaces them). With --checkpoint
+    the model is a checkpoint on disk the bench writes first (--hf-config num_hidden_layers=N
+    then loads its first N layers). Exit 1 when the migration does not pass."""
+    from tapml.bench import SCALE_CONFIG, SCALE_MODEL, check_models, check_scale_shape, checkpoint_scale_figure, \
+        scale_figure
     from tapml.frontends.models import parse_hf_overrides
     from tapml.driving.targets import check_target, read_token
+    from pathlib import Path
     check_target(target)
     if timeout <= 0:
         fail("--timeout must be a positive number of seconds")
     overrides = parse_hf_overrides(hf_config)
-    dtype = check_dtype(dtype, model) or "float32"
     _check_json_dir(json_out)
-    from tapml.frontends.checkpoint import is_checkpoint_spec
-    if overrides and not model.startswith("hf:") and not is_checkpoint_spec(model):
-        fail("--hf-config applies to hf:MODEL_TYPE models and checkpoints; give one with --model")
-    if not model.startswith("hf:"):  # an hf: model is built by the carve itself: a sized one costs its weights
-        check_models((model,), dtype=dtype)
-    config = overrides or (dict(SCALE_CONFIG) if model == SCALE_MODEL else {})
-    figure = scale_figure(model, target, hf_config=config, dtype=dtype, token=read_token(token_file), timeout=timeout)
+    if workdir is not None and Path(workdir).exists() and not Path(workdir).is_dir():
+        fail(f"--workdir {workdir} is not a folder")
+    if checkpoint:
+        if model is not None:
+            fail("--checkpoint writes the model it measures; leave --model out (or --checkpoint, to measure MODEL)")
+        sizes = check_scale_shape(parse_hf_overrides(shape, "--shape"))
+        if overrides.get("num_hidden_layers", 1) not in range(1, sizes["num_hidden_layers"] + 1) or \
+                set(overrides) - {"num_hidden_layers"}:
+            fail(f"--hf-config with --checkpoint takes num_hidden_layers=N, N from 1 to the checkpoint's "
+                 f"{sizes['num_hidden_layers']} layers")
+        figure = checkpoint_scale_figure(target, workdir, shape=sizes, hf_config=overrides,
+                                         dtype=check_dtype(dtype) or "bfloat16", token=read_token(token_file),
+                                         timeout=timeout)
+    else:
+        if shape:
+            fail("--shape is the shape of the checkpoint --checkpoint writes; give --checkpoint too")
+        model = model or SCALE_MODEL
+        dtype = check_dtype(dtype, model) or "float32"
+        from tapml.frontends.checkpoint import is_checkpoint_spec
+        if overrides and not model.startswith("hf:") and not is_checkpoint_spec(model):
+            fail("--hf-config applies to hf:MODEL_TYPE models and checkpoints; give one with --model")
+        if not model.startswith("hf:"):  # an hf: model is built by the carve itself: a sized one costs its weights
+            check_models((model,), dtype=dtype)
+        config = overrides or (dict(SCALE_CONFIG) if model == SCALE_MODEL else {})
+        figure = scale_figure(model, target, workdir, hf_config=config, dtype=dtype, token=read_token(token_file),
+                              timeout=timeout)
     carve = figure.get("carve", {})
     if carve.get("returncode") == 2:  # the carve refused the model or its config: the user's to fix
         fail(carve["tail"].removeprefix("error: "))

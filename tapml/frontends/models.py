@@ -151,13 +151,14 @@ ZOO: dict[str, Callable[[], tuple]] = {
 }
 
 
-def parse_hf_overrides(items: list[str] | None) -> dict:
-    """``["hidden_size=32", "hidden_act=gelu"]`` -> dict with JSON-ish values."""
+def parse_hf_overrides(items: list[str] | None, option: str = "--hf-config") -> dict:
+    """``["hidden_size=32", "hidden_act=gelu"]`` -> dict with JSON-ish values (``option``: the
+    flag they came from, for the message)."""
     out = {}
     for item in items or []:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise TapmlError(f"--hf-config takes KEY=VALUE, got {item!r}")
+            raise TapmlError(f"{option} takes KEY=VALUE, got {item!r}")
         try:
             out[key.strip()] = json.loads(value)
         except json.JSONDecodeError:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tapml.judging.compare.values import DEFAULT_TOLERANCES, Comparison, Rule, compare_tensor, merge
+from tapml.judging.compare.values import CHUNK, DEFAULT_TOLERANCES, Comparison, Rule, compare_tensor, merge
 from tapml.graph import dtype_name
 
 
@@ -24,10 +24,20 @@ def anchor_bound(low: torch.Tensor, anchor: torch.Tensor, factor: float = ANCHOR
     (over the tensor's finite elements) plus ``floor`` (None: the dtype's :data:`ANCHOR_FLOOR`)."""
     name = dtype_name(low.dtype)
     bound_floor = ANCHOR_FLOOR.get(name, ANCHOR_FLOOR["float32"]) if floor is None else floor
-    low, anchor = low.detach().cpu().double(), anchor.detach().cpu().double()
-    both = torch.isfinite(low) & torch.isfinite(anchor)
-    ref_err = float((low - anchor).abs()[both].max()) if bool(both.any()) else 0.0
+    ref_err = 0.0
+    for lo, an in _chunks(low, anchor):
+        both = torch.isfinite(lo) & torch.isfinite(an)
+        if bool(both.any()):
+            ref_err = max(ref_err, float((lo - an).abs()[both].max()))
     return factor * ref_err + bound_floor, ref_err
+
+
+def _chunks(low: torch.Tensor, anchor: torch.Tensor):
+    """``(low, anchor)`` in float64, :data:`CHUNK` elements at a time: a whole float64 copy of a
+    large output (a [128000, 2048] weight's permute: 2 GiB each) is never made at once."""
+    low, anchor = low.detach().cpu().reshape(-1), anchor.detach().cpu().reshape(-1)
+    for at in range(0, low.numel(), CHUNK):
+        yield low[at:at + CHUNK].double(), anchor[at:at + CHUNK].double()
 
 
 def anchored_rule(low: torch.Tensor, anchor: torch.Tensor, factor: float = ANCHOR_FACTOR,
@@ -63,14 +73,15 @@ def compare_anchored(targets: list[torch.Tensor], refs32: list[torch.Tensor], re
             results.append(compare_tensor(t, r32))  # exact, or a shape/dtype mismatch: no anchoring needed
             continue
         name = dtype_name(r32.dtype)
-        low, anchor = r32.detach().cpu().double(), r64.detach().cpu().double()
-        overflowed = ~torch.isfinite(low) & torch.isfinite(anchor)
-        anchor = torch.where(overflowed, low, anchor)
-        # the floor of the reference's own dtype (low is float64 by now)
-        bound, ref_err = anchor_bound(low, anchor, factor,
+        anchor = r64.detach().cpu().double().contiguous()  # once: each pass below reads it flat
+        if any(bool((~torch.isfinite(lo) & torch.isfinite(an)).any()) for lo, an in _chunks(r32, anchor)):
+            low = r32.detach().cpu().double()  # where the reference overflowed, the target must match it
+            anchor = torch.where(~torch.isfinite(low) & torch.isfinite(anchor), low, anchor)
+            del low
+        bound, ref_err = anchor_bound(r32, anchor, factor,
                                       ANCHOR_FLOOR.get(name, ANCHOR_FLOOR["float32"]) if floor is None else floor)
         extra = rules[i] if rules is not None else []
-        c = compare_tensor(t.double(), anchor, rtol=0.0, atol=bound, rules=extra, fast="fp64-anchored")
+        c = compare_tensor(t, anchor, rtol=0.0, atol=bound, rules=extra, fast="fp64-anchored", in_float64=True)
         c.message = c.message and (f"{c.message} (fp64-anchored: reference {name} error {ref_err:.3g}, "
                                    f"factor {factor:g}, floor {bound - factor * ref_err:g})")
         results.append(c)

@@ -183,22 +183,28 @@ def _ratio(err: torch.Tensor, allowed) -> torch.Tensor:
 
 def compare_tensor(target: torch.Tensor, ref: torch.Tensor, rtol: float | None = None,
                    atol: float | None = None, worst: int = 5, rules: list[Rule] = (),
-                   fast: str | None = "tolerance") -> Comparison:
+                   fast: str | None = "tolerance", in_float64: bool = False) -> Comparison:
     """Compare one tensor. ``rtol``/``atol`` None means the dtype's default. A float element
     passes within the tolerance (the fast path, named ``fast`` in the result) or, failing that,
     within any of ``rules`` (each element by its own error against the rule's float64 result).
     ``fast=None``: no fast path, ``rules`` alone decide (an element equal to the reference passes).
-    The result's ``rule``/``bound``/``margin`` say which rule decided and how closely."""
+    The result's ``rule``/``bound``/``margin`` say which rule decided and how closely.
+    ``in_float64``: a floating ``target`` of any dtype against a float64 ``ref`` (the caller
+    checked its dtype), converted a chunk at a time rather than copied whole."""
     if tuple(target.shape) != tuple(ref.shape):
         return Comparison(False, message=f"shape {tuple(target.shape)} != reference {tuple(ref.shape)}")
-    if target.dtype != ref.dtype:
+    if in_float64 and not (ref.dtype == torch.float64 and target.is_floating_point()):
+        raise ValueError("in_float64 compares a floating target with a float64 reference")
+    if target.dtype != ref.dtype and not in_float64:
         return Comparison(False, message=f"dtype {dtype_name(target.dtype)} != reference {dtype_name(ref.dtype)}")
     n = ref.numel()
     if n == 0:
         return Comparison(True, 0.0, 0.0, 0.0)
     t, r = target.detach().cpu().reshape(-1), ref.detach().cpu().reshape(-1)
     exact = not (ref.dtype.is_floating_point or ref.dtype.is_complex)
-    if torch.equal(t, r):  # bitwise-equal outputs (copies, views, exact ops): nothing to measure (NaN never is)
+    same = torch.equal(t, r) if t.dtype == r.dtype else \
+        all(torch.equal(t[at:at + CHUNK].double(), r[at:at + CHUNK]) for at in range(0, n, CHUNK))
+    if same:  # bitwise-equal outputs (copies, views, exact ops): nothing to measure (NaN never is)
         return Comparison(True, 0.0, 0.0, 0.0, rule="exact" if exact else fast, margin=0.0)
     if not exact:
         dflt_rtol, dflt_atol = DEFAULT_TOLERANCES.get(dtype_name(ref.dtype), DEFAULT_TOLERANCES["float32"])
