@@ -174,6 +174,8 @@ HOSTILE = [
      "does not hold"),
     ("wider-config", lambda f, o: _edit_json(f / "config.json", hidden_size=96), ["--dtype", "float32"],
      "weights do not fit the config"),
+    ("million-layers", lambda f, o: _edit_json(f / "config.json", num_hidden_layers=1_000_000), [],
+     "claims 1000000 layers"),
     ("other-shapes", lambda f, o: _edit_json(f / "config.json", num_key_value_heads=1, intermediate_size=96), [],
      "tensors have other shapes"),
     ("unknown-architecture", lambda f, o: _edit_json(f / "config.json", model_type="not-a-model"), [],

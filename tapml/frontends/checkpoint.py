@@ -384,12 +384,17 @@ def load_checkpoint_model(ckpt: Checkpoint, auto, config, dtype: str):
     return model.eval()
 
 
+#: How many layers a config may claim per numbered weight set before it is refused unbuilt.
+MAX_LAYERS_PER_NUMBERED = 64
+
+
 def _check_size(ckpt: Checkpoint, auto, config) -> None:
     """Refuse, before anything is allocated, a config whose model has more weight elements than
     the checkpoint stores: such weights cannot fit it, and building it could exhaust memory."""
     import torch
     from safetensors import safe_open
     stored = ckpt.gguf.elements if ckpt.gguf else 0
+    numbered = 0  # 1 + the largest number in a weight's name (layers.N., h.N., blocks.N. ...)
     for path in [] if ckpt.gguf else ckpt.weights:
         with safe_open(str(path), "pt") as f:
             for key in f.keys():
@@ -397,6 +402,14 @@ def _check_size(ckpt: Checkpoint, auto, config) -> None:
                 for d in f.get_slice(key).get_shape():
                     n *= d
                 stored += n
+                numbered = max([numbered] + [int(p) + 1 for p in key.split(".") if p.isdigit() and len(p) < 7])
+    layers = getattr(config, "num_hidden_layers", None)
+    # building on the meta device takes time in the number of layers (a million took minutes), so a
+    # count far past the numbered weights is refused first; shared layers (ALBERT: 12 layers, one
+    # set of weights) stay far below this bound
+    if not ckpt.gguf and isinstance(layers, int) and layers > max(MAX_LAYERS_PER_NUMBERED * numbered, 1024):
+        raise TapmlError(f"{ckpt.spec}: the weights do not fit the config: it claims {layers} layers and the weights "
+                         f"number at most {numbered}; fix num_hidden_layers in config.json (or --hf-config)")
     with torch.device("meta"):
         model = _build(ckpt, auto, config)
     needed = sum(p.numel() for p in model.parameters())
