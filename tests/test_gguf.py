@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from support import vulkan_or_skip
+from support import in_chromium, vulkan_or_skip
 from typer.testing import CliRunner
 
 from tapml.errors import TapmlError
@@ -244,3 +244,21 @@ def test_carve_and_generate_a_gguf_from_a_prompt_in_words(tiny, tmp_path):
     r = tapml("session", path, "--target", "reference", "--hf-config", "num_hidden_layers=1", "--dtype", "float16",
               input="offload all\ncheck\n")  # carved through open_or_carve, as migrate carves
     assert r.exit_code == 0 and "end to end: pass" in r.output, r.output
+
+
+@pytest.mark.slow
+@in_chromium
+def test_a_gguf_generates_from_words_and_migrates_in_chromium(tiny, tmp_path):
+    """The same file in headless Chromium's WebGPU: a prompt in words generates, and the model (its
+    first layer) migrates whole."""
+    path, _ = tiny
+    r = tapml("generate", path, "--prompt", "hello world the cat", "--target", "browser", "--tokens", "2",
+              "--json", tmp_path / "g.json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "g.json").read_text())
+    assert doc["summary"]["steps"] == 3 and doc["summary"]["mismatch"] == 0 and doc["summary"]["error"] == 0
+    assert doc["reference_tokens"] == doc["target_tokens"] and doc["reference_text"]
+    r = tapml("migrate", path, "--target", "browser", "--hf-config", "num_hidden_layers=1", "--state", tmp_path / "s.json")
+    assert r.exit_code == 0, r.output
+    state = json.loads((tmp_path / "s.json").read_text())
+    assert state["passed"] and state["end_to_end"]["status"] == "pass"
