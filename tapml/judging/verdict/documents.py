@@ -170,6 +170,22 @@ STEP_STATUSES = ("pass", "mismatch", "near-tie", "error")
 STEP_SUMMARY_KEYS = ("steps", "pass", "mismatch", "near_tie", "error")
 
 
+
+def _open_document(data, where: str, hint: str, what: str, kind: str, noun: str, older: bool = True):
+    """``(ctx, top object)`` of a parsed document that must be of ``kind`` (strict reading, depth
+    checked): another kind fails saying it is no ``noun``; ``older``: one without a kind (written
+    before kinds, read by the fallback rules) is taken too."""
+    ctx = _Ctx(where, True, hint)
+    _check_depth(data, ctx)
+    o = _Obj(data, ctx, "", what, top=True)
+    found = document_kind(data, where)
+    if found is None and not older:
+        o.fail(f"it lacks kind {kind}")
+    if found not in (None, kind):
+        o.fail(f"it is a {found} document, not {noun}")
+    return ctx, o
+
+
 def read_generation_document(data, where: str = "<generation>", hint: str = "") -> dict:
     """Validate a parsed Generation JSON (``tapml generate --json``, ARCHITECTURE.md) and return
     the fields reports use, normalized: ``target``, ``model``, ``device``, ``mode``, ``steps``
@@ -178,12 +194,7 @@ def read_generation_document(data, where: str = "<generation>", hint: str = "") 
     never trusted), ``culprits`` (full culprits, kind from :data:`CULPRIT_KINDS`, with ``graph``
     and ``step``), ``programs_compiled``, ``upload_bytes_per_decode_step`` and ``tokens_per_s``.
     TapmlError naming ``where`` and the field when it is malformed."""
-    ctx = _Ctx(where, True, hint)
-    _check_depth(data, ctx)
-    o = _Obj(data, ctx, "", "a generation document", top=True)
-    kind = document_kind(data, where)
-    if kind not in (None, "generation"):
-        o.fail(f"it is a {kind} document, not a generation")
+    ctx, o = _open_document(data, where, hint, "a generation document", "generation", "a generation")
     steps = []
     for key in ("steps", "culprits"):
         if not isinstance(o.data.get(key, []), list):
@@ -256,15 +267,10 @@ def read_precision_document(data, where: str = "<precision>", hint: str = "") ->
     where present (``op``, ``node`` of ``ops``, ``module``, ``err_vs_fp64``, ``ref_err_vs_fp64``,
     ``ratio`` >= 0, ``message``). TapmlError naming ``where`` and the field when it is malformed."""
     from tapml.ops import check_op
-    ctx = _Ctx(where, True, hint)
-    _check_depth(data, ctx)
-    o = _Obj(data, ctx, "", "a precision document", top=True)
+    ctx, o = _open_document(data, where, hint, "a precision document", "precision", "a precision analysis")
     version = o.count("format_version", 0)
     if version > PRECISION_FORMAT_VERSION:
         o.fail(f"format_version {version} is newer than this tapml reads ({PRECISION_FORMAT_VERSION}); upgrade tapml")
-    kind = document_kind(data, where)
-    if kind not in (None, "precision"):
-        o.fail(f"it is a {kind} document, not a precision analysis")
     if not isinstance(o._get("ops", _MISSING, True), list):
         o._bad("ops", o.data["ops"], "a list")
     ops, nodes = [], set()
@@ -332,12 +338,7 @@ def read_preflight_document(data, where: str = "<preflight>", hint: str = "") ->
     ``kernels``, ``largest_binding``, ``splits`` and ``violations`` each ``{message, cases,
     bytes|limit}``, ``unsupported``/``errors`` each ``{reason, cases}``, ``fits`` recomputed) and
     ``summary`` (recomputed from the ops, never trusted). TapmlError naming the field otherwise."""
-    ctx = _Ctx(where, True, hint)
-    _check_depth(data, ctx)
-    o = _Obj(data, ctx, "", "a preflight document", top=True)
-    kind = document_kind(data, where)
-    if kind not in (None, "preflight"):
-        o.fail(f"it is a {kind} document, not a preflight")
+    ctx, o = _open_document(data, where, hint, "a preflight document", "preflight", "a preflight")
 
     def limits(key: str) -> dict:
         lim = o.child(key, "an object of device limits (name -> integer)")
@@ -390,12 +391,7 @@ def read_bench_document(data, where: str = "<bench>", hint: str = "") -> dict:
     text as ``{"name": dotted path, "value"}``, in document order), ``goals`` (``{"name", "goal",
     "value", "met"}`` from its ``goals`` where they have that form) and ``passed`` (its ``passed``,
     None when it has none). TapmlError naming the field otherwise."""
-    ctx = _Ctx(where, True, hint)
-    _check_depth(data, ctx)
-    o = _Obj(data, ctx, "", "a bench document", top=True)
-    kind = document_kind(data, where)
-    if kind != "bench":
-        o.fail("it lacks kind bench")
+    ctx, o = _open_document(data, where, hint, "a bench document", "bench", "a bench document", older=False)
     figures: list[dict] = []
 
     def walk(value, path: str) -> None:
