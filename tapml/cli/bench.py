@@ -11,10 +11,16 @@ from tapml.cli.common import (EXIT_FINDING, EXIT_OK, ChatOpt, DtypeOpt, JsonOpt,
                               QuietOpt, TokenFileOpt, app, check_dtype, command, console, fail, out, read_prompt,
                               write_json)
 from tapml.cli.migrate import HfConfigOpt
-from tapml.judging.verdict.kinds import stamp
 
 GenerationModelOpt = typer.Option("zoo:tiny-llama", "--generation-model",
                                   help="Causal LM whose generation is timed (zoo:tiny-llama, hf:gpt2, hf:qwen2...)")
+
+
+def write_bench(doc: dict, json_out: str) -> None:
+    """Write a bench document with its kind (imported here: the verdict package imports torch)."""
+    from tapml.judging.verdict.kinds import stamp
+    write_json(stamp("bench", doc), json_out)
+
 
 bench_app = typer.Typer(help="Measure tapml's moving parts: the whole suite, or one subcommand.",
                         no_args_is_help=False, add_completion=False, pretty_exceptions_enable=False)
@@ -57,7 +63,7 @@ def bench(ctx: typer.Context,
                        generation_model=generation_model, hf_config=overrides, dtype=dtype, scale=scale,
                        on_step=None if quiet else (lambda msg: console.print(f"[dim]bench:[/] {msg}", highlight=False)))
     if json_out:
-        write_json(stamp("bench", report), json_out)
+        write_bench(report, json_out)
     if json_out != "-":
         _render_suite(report)
         render_suite_notes(report, check)
@@ -289,7 +295,7 @@ def scale(target: str = typer.Option("wgpu", "--target", "-t", help="Target to m
     if carve.get("returncode") == 2:  # the carve refused the model or its config: the user's to fix
         fail(carve["tail"].removeprefix("error: "))
     if json_out:
-        write_json(stamp("bench", figure), json_out)
+        write_bench(figure, json_out)
     if json_out != "-":
         from rich.table import Table
         table = Table(title=f"time to a verdict on {target}")
@@ -361,7 +367,7 @@ def generation(target: str = typer.Option("wgpu", "--target", "-t", help="Target
                                    hf_config=overrides or None, dtype=dtype, prompt_ids=ids)
     figure["target"] = target
     if json_out:
-        write_json(stamp("bench", figure), json_out)
+        write_bench(figure, json_out)
     if json_out != "-":
         from rich.table import Table
         table = Table(title=f"generation on {target}")
@@ -423,7 +429,7 @@ def transport(target: Optional[str] = typer.Option(None, "--target", "-t",
         if server:
             server.stop()
     if json_out:
-        write_json(stamp("bench", report), json_out)
+        write_bench(report, json_out)
     if json_out != "-":
         _render(report)
     raise typer.Exit(EXIT_FINDING if check and not report["passed"] else EXIT_OK)

@@ -10,7 +10,6 @@ import typer
 from tapml.cli.common import (TrustRemoteCodeOpt, ChatOpt, PromptFileOpt, PromptIdsOpt, PromptOpt, read_prompt, EXIT_FINDING, EXIT_OK, DeviceLimitOpt, DtypeOpt, InjectOpt, JsonOpt, KernelOpt, QuietOpt,
                               TokenFileOpt, TokenMapOpt, TolOpt, app, check_dtype, command, console, fail, open_store,
                               out, parse_device_limits, progress_bar, write_json)
-from tapml.judging.verdict.kinds import stamp
 from tapml.render import keep_names_whole
 from tapml.text import shown
 
@@ -194,6 +193,7 @@ def inspect_target(s, store: str, target: str, *, limits: dict, token_file, toke
         task = bar.add_task(f"compiling on {shown(target)}", total=len(s.cases))
         report = preflight_store(s, platform, target, on_case=lambda c: bar.advance(task))
         device = device_info(platform)
+    from tapml.judging.verdict.kinds import stamp
     doc = stamp("preflight", {"store": str(Path(store).resolve()), "model": s.model, "device": device,
                               **report.to_json()})
     code = EXIT_OK if report.fits else EXIT_FINDING
