@@ -9,6 +9,14 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("XDG_RUNTIME_DIR", "/tmp")
 warnings.filterwarnings("ignore", category=FutureWarning)
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Under `pytest -n N` the workers already use every core: torch's intra-op pool (one thread per
+    # core in every worker and every command it starts) only oversubscribes them. Measured on 2 cores
+    # with -n 2: 11% less wall time (median of two alternated runs of three test files, load 1.6-2.5).
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def carved(tmp_path_factory):

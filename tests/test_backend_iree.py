@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_readme import flat, split_comment
 
 pytest.importorskip("iree.runtime", reason="the backends extra is not installed (pip install 'tapml[backends]')")
 
@@ -206,7 +207,6 @@ def test_bfloat16_mm_does_not_compile_for_vulkan_but_does_for_its_control(vulkan
 
 def readme_iree_section() -> tuple[list[tuple[str, int]], list[str]]:
     """``([(command, expected exit)], shown lines)`` of README.md's "Your compiler under test: IREE"."""
-    from test_readme import split_comment
     text = (ROOT / "README.md").read_text()
     section = text.split("### Your compiler under test: IREE", 1)[1].split("\n#", 1)[0]
     sh = section.split("```sh\n", 1)[1].split("```", 1)[0]
@@ -219,28 +219,20 @@ def readme_iree_section() -> tuple[list[tuple[str, int]], list[str]]:
     return commands, [line for line in shown.splitlines() if line.strip()]
 
 
-def flat(text: str) -> str:
-    return " ".join(text.replace("│", " ").split())
-
-
 @pytest.mark.slow
 @pytest.mark.device
-def test_readme_iree_example_runs_and_says_what_the_readme_shows(vulkan, tmp_path):
+def test_the_repro_of_the_readmes_mm_case_fails_the_same_way_with_iree_alone(vulkan, tmp_path):
+    """The case the README's IREE example shows (tests/test_readme.py walks its commands and checks
+    what they print): its repro keeps the MLIR and fails the same way with IREE alone (its own runner)."""
     commands, shown = readme_iree_section()
-    assert len(commands) >= 3 and shown
+    case = shown[0].split()[0]
+    carve = next(c for c, _ in commands if " carve " in c)
     env = {**os.environ, "T": f"{sys.executable} -m tapml.cli"}
-    said = ""
-    for command, expected in commands:
-        done = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-        assert done.returncode == expected, (command, done.stdout[-2000:], done.stderr[-2000:])
-        assert "Traceback" not in done.stdout + done.stderr
-        said += done.stdout
-    for line in shown:
-        assert flat(line) in flat(said), f"README shows {line!r}; the commands printed:\n{said[-3000:]}"
-    # the repro of the case it shows keeps the MLIR and fails the same way with IREE alone (its own runner)
-    case, store = shown[0].split()[0], next(c for c, _ in commands if " carve " in c).split()[-1]
-    done = subprocess.run(f"$T repro {store} {case} --target iree:vulkan -o repro && cd repro && {sys.executable} run.py",
-                          shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(carve, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    done = subprocess.run(f"$T repro {carve.split()[-1]} {case} --target iree:vulkan -o repro && cd repro && "
+                          f"{sys.executable} run.py", shell=True, cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 1 and "failed to legalize operation 'vector.bitcast'" in done.stdout + done.stderr
     assert b"torch.aten.mm" in (tmp_path / "repro" / "program.mlir").read_bytes()
 

@@ -4,29 +4,24 @@ Fast tier: :class:`OrtBackend` in this process on small exported programs (every
 carries, the blob round trip, the exporter's dropped float16 cast, refusals: bfloat16 without a
 kernel, an op the exporter cannot convert, a dtype ONNX does not carry, a provider that falls back
 or is not there) and ``tapml replay --target ort`` over the CLI (the backend in its worker process).
-Slow tier: the README's worked example, run as written (it needs lavapipe), its shown output checked
-against the run; every case of zoo:tiny-llama's float32 and bfloat16 stores (a migration over ``ort`` is the
-README example's; one of tiny-llama costs over a minute of CPU).
+Slow tier: every case of zoo:tiny-llama's float32 and bfloat16 stores. The README's worked example (a
+migration over ``ort``) is walked, and its shown output checked, by tests/test_readme.py.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
-from support import vulkan_or_skip
 from tapml.cli import app
 from tapml.platforms.backend import BackendRefused
 from tapml.platforms.ort import SIGNATURE_KEY, OrtBackend  # before onnxruntime: it turns ORT's telemetry off
 
 pytest.importorskip("onnxruntime", reason="the backends extra is not installed: pip install 'tapml[backends]'")
-
-README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 def tapml(*args):
@@ -164,38 +159,6 @@ def test_replay_on_ort_judges_every_case_and_leaves_no_telemetry_behind(carved, 
     assert doc["device"]["adapter"] == "cpu (CPUExecutionProvider)" and doc["device"]["backend"].startswith("ort onnxruntime")
     left = [p for p in (*home.rglob("*"), *tmp.rglob("*")) if "Microsoft" in p.parts or p.name.endswith(".ses")]
     assert not left, left
-
-
-def _readme_example() -> tuple[list[tuple[int, str, int, bool]], list[str]]:
-    """The README's "Your compiler under test" commands (as tests/test_readme.py parses them) and the
-    lines of the output it shows."""
-    from test_readme import readme_commands
-    text = README.read_text()
-    start = text.index("### Your compiler under test")
-    section = text[start:text.index("\n#", start + 1)]
-    commands = [c for c in readme_commands(text) if c[1].strip() in section]
-    shown = re.search(r"```text\n(.*?)```", section, re.S).group(1).splitlines()
-    return commands, shown
-
-
-@pytest.mark.slow  # ~30 s of CPU: a carve, two replays and a migration, as tests/test_readme.py walks them too
-@pytest.mark.device
-def test_the_readmes_worked_example_runs_as_written_and_prints_what_it_shows(tmp_path):
-    """The dropped float16 cast of a sum, run from the README's own lines (each command's exit as its
-    comment says), its shown output found in what the first replay printed."""
-    from test_readme import readme_commands, walk
-    vulkan_or_skip()
-    commands, shown = _readme_example()
-    assert len(commands) == 4 and [c[2] for c in commands] == [0, 1, 1, 1] and len(shown) == 2
-    output, failures, left = walk(tmp_path, readme_commands(README.read_text())[:2] + commands)
-    assert not failures and not left, "\n".join(failures + left) + output[-4000:]
-    first_replay = output.split(f"README.md:{commands[1][0]}:")[1].split("@@ README.md:")[0]
-    printed = " ".join(first_replay.split())
-    for line in shown:
-        assert " ".join(line.split()) in printed, f"the README shows {line!r}; the replay printed:\n{first_replay}"
-    state = json.loads((tmp_path / "clone" / "examples" / "sum16.json").read_text())
-    culprits = [(c["kind"], c["op"]) for c in state["culprits"]]
-    assert culprits == [("op", "aten.sum.dim_IntList")] and state["end_to_end"]["status"] == "pass", state["culprits"]
 
 
 @pytest.mark.slow

@@ -221,8 +221,11 @@ def test_a_server_that_stops_answering_is_dropped_and_its_cases_run_elsewhere(st
         assert doc["summary"]["pass"] == len(cases)
         served = {d["target"]: d["served"] for d in doc["devices"]}
         assert sum(served.values()) == len(cases)
-        # Frozen after the 10th case: the live devices took over everything after its case in flight.
-        assert served[victim.target] < min(n for t, n in served.items() if t != victim.target), doc["devices"]
+        # Frozen after the 10th verdict: it served at most those, and the live devices took over everything
+        # after its case in flight (on a loaded machine one live server may still be starting and serve none,
+        # so the share of each live device is not asserted).
+        assert served[victim.target] <= 10, doc["devices"]
+        assert sum(n for t, n in served.items() if t != victim.target) >= len(cases) - 10, doc["devices"]
     finally:
         if victim.proc.poll() is None:
             os.kill(victim.proc.pid, signal.SIGCONT)

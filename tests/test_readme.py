@@ -9,6 +9,7 @@ The walk itself is a shell script made from the README: each command verbatim, f
 check of its exit status; a background server's output goes to a log of its own.
 """
 
+import json
 import os
 import re
 import shlex
@@ -156,6 +157,45 @@ def walk(tmp_path: Path, commands) -> tuple[str, list[str], list[str]]:
     return output, failures, left
 
 
+def shown_outputs(text: str) -> list[tuple[list[int], list[str]]]:
+    """``(line numbers of a ```sh block's commands, the lines of the output shown)`` for every ```text
+    block of the "Using it" section that follows a ```sh block in the same subsection: what the README
+    shows those commands print."""
+    commands = readme_commands(text)
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == SECTION)
+    shown, block, sh_lines, kind = [], [], [], None
+    for i in range(start + 1, len(lines)):
+        line = lines[i]
+        if line.startswith("## "):
+            break
+        if line.startswith("### "):
+            sh_lines = []
+        if line.strip().startswith("```"):
+            if kind is None:
+                kind, block, opened = line.strip()[3:], [], i + 1
+            else:
+                if kind == "sh":
+                    sh_lines = [n for n, *_ in commands if opened < n <= i]
+                elif kind == "text" and sh_lines:
+                    shown.append((sh_lines, [b for b in block if b.strip()]))
+                kind = None
+            continue
+        if kind is not None:
+            block.append(line)
+    return shown
+
+
+def flat(text: str) -> str:
+    """Text with table rules and runs of white space folded: what a terminal's wrapping cannot change."""
+    return " ".join(text.replace("│", " ").split())
+
+
+def printed_by(output: str, line: int) -> str:
+    """What the walk's command of README line ``line`` printed."""
+    return output.split(f"@@ README.md:{line}:", 1)[1].split("\n@@ ", 1)[0]
+
+
 def test_readme_commands_are_parsed_with_their_exit_codes():
     commands = readme_commands(README.read_text())
     assert len(commands) >= 35
@@ -176,6 +216,25 @@ def test_readme_runs_as_written(tmp_path, figure):
     output, failures, left = walk(tmp_path, readme_commands(README.read_text()))
     figure("README walk s", round(time.monotonic() - started, 1))
     assert not failures and not left, "\n".join(failures + [f"left behind: {x}" for x in left]) + "\n" + output[-6000:]
+    # What the README shows its commands print, they still print (the ORT and IREE examples).
+    for lines, shown in shown_outputs(README.read_text()):
+        said = "".join(printed_by(output, n) for n in lines)
+        for line in shown:
+            assert flat(line) in flat(said), f"README shows {line!r}; its commands printed:\n{said[-3000:]}"
+    # The ORT example's migration: the sum named and kept on the reference, the rest on ort, end to end passing.
+    state = json.loads((tmp_path / "clone" / "examples" / "sum16.json").read_text())
+    culprits = [(c["kind"], c["op"]) for c in state["culprits"]]
+    assert culprits == [("op", "aten.sum.dim_IntList")] and state["end_to_end"]["status"] == "pass", state["culprits"]
+
+
+def test_the_output_the_readme_shows_is_found_for_the_ort_and_iree_examples():
+    shown = shown_outputs(README.read_text())
+    assert len(shown) == 2 and all(lines and said for lines, said in shown)
+    ort, iree = shown
+    assert "on ort (cpu (CPUExecutionProvider))" in ort[1][-1] and len(ort[0]) == 4
+    assert "iree:vulkan cannot compile" in iree[1][0] and len(iree[0]) == 3
+    output = "@@ README.md:7: $T replay x\nc2 aten.sum.dim_IntList:  dtype float32\n@@ README.md:8: next\nother\n"
+    assert flat(printed_by(output, 7)) == "$T replay x c2 aten.sum.dim_IntList: dtype float32"
 
 
 def test_the_walk_fails_on_a_wrong_flag_a_traceback_and_what_is_left_behind(tmp_path):
