@@ -115,6 +115,38 @@ def test_hub_name_from_the_local_cache(llama, tmp_path, monkeypatch):
     assert r.exit_code == 2 and "outside the checkpoint folder" in r.output and not (tmp_path / "u").exists()
 
 
+def test_hub_name_at_a_revision_picks_that_snapshot_offline(llama, tmp_path, monkeypatch):
+    """hf:ORG/NAME@REV: REV is a tag or branch the cache has a ref for, or a commit it has a snapshot
+    of; the manifest keeps the revision; one not in the cache is exit 2 with the download command
+    for that revision; a revision that is not a ref name (a path out) is refused before any lookup."""
+    from tapml.frontends.checkpoint import resolve_hub_name
+    cache = tmp_path / "hub"
+    main = place_in_hub_cache(cache, ORG_NAME, llama)
+    tagged = main.parent / ("1" * 40)
+    tagged.mkdir()
+    for link in main.iterdir():
+        (tagged / link.name).symlink_to(os.readlink(link))
+    (main.parent.parent / "refs" / "v1").write_text("1" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve_hub_name(f"hf:{ORG_NAME}")[0] == main
+    assert resolve_hub_name(f"hf:{ORG_NAME}@v1")[0] == tagged
+    assert resolve_hub_name(f"hf:{ORG_NAME}@{'1' * 40}")[0] == tagged
+    assert resolve_hub_name(f"hf:{ORG_NAME}@v1")[1] == main.parent.parent
+
+    r = tapml("carve", f"hf:{ORG_NAME}@v1", "-o", tmp_path / "s", "--hf-config", "num_hidden_layers=1")
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "s" / "manifest.json").read_text())["model"] == f"hf:{ORG_NAME}@v1"
+
+    r = tapml("carve", f"hf:{ORG_NAME}@v2", "-o", tmp_path / "t")
+    assert r.exit_code == 2 and f"hf download {ORG_NAME} --revision v2" in r.output, r.output
+    for bad, says in (("../../../etc", "is not a revision name"), ("", "nothing after '@'"),
+                      ("v1/../main", "is not a revision name")):
+        r = tapml("carve", f"hf:{ORG_NAME}@{bad}", "-o", tmp_path / "u")
+        assert r.exit_code == 2 and says in r.output and "Traceback" not in r.output, (bad, r.output)
+    assert not (tmp_path / "t").exists() and not (tmp_path / "u").exists()
+
+
 class _Planted:
     """A pickle that creates a file when unpickled."""
 

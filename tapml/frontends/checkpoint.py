@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -105,12 +106,27 @@ class Checkpoint:
     gguf: GGUFHeader | None = None
 
 
+def split_hub_name(spec: str) -> tuple[str, str | None]:
+    """``("ORG/NAME", "REV")`` of ``hf:ORG/NAME@REV`` (REV: a branch, a tag or a commit hash), REV None
+    without ``@``."""
+    name, at, revision = spec[3:].partition("@")
+    if at and not revision:
+        raise TapmlError(f"{spec}: nothing after '@'; write hf:{name}@REV with a branch, tag or commit, "
+                         f"or hf:{name} for the revision the cache calls main")
+    if revision and (not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,199}", revision) or ".." in revision
+                     or "//" in revision or revision.endswith("/")):
+        raise TapmlError(f"{spec}: {revision!r} is not a revision name; a branch, tag or commit hash is letters, "
+                         "digits and . _ - / (no '..')")
+    return name, revision or None
+
+
 def resolve_hub_name(spec: str) -> tuple[Path, Path]:
-    """The snapshot folder of ``hf:ORG/NAME`` in the local Hugging Face cache (``$HF_HUB_CACHE``,
-    else huggingface_hub's default) and that repository's cache folder, found offline with
-    ``huggingface_hub.snapshot_download(local_files_only=True)``. TapmlError saying how to
-    download it when it is not there."""
-    name = spec[3:]
+    """The snapshot folder of ``hf:ORG/NAME`` or ``hf:ORG/NAME@REV`` in the local Hugging Face cache
+    (``$HF_HUB_CACHE``, else huggingface_hub's default) and that repository's cache folder, found
+    offline with ``huggingface_hub.snapshot_download(local_files_only=True)``: REV is a branch or tag
+    the cache has a ref for, or a commit it has a snapshot of (without it, ``main``). TapmlError
+    saying how to download it when it is not there."""
+    name, revision = split_hub_name(spec)
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
@@ -118,15 +134,19 @@ def resolve_hub_name(spec: str) -> tuple[Path, Path]:
         raise TapmlError(f"{spec}: hub names need huggingface_hub installed ({e})") from None
     cache = os.environ.get("HF_HUB_CACHE") or None  # read now: huggingface_hub read it when first imported
     try:
-        folder = snapshot_download(name, local_files_only=True, cache_dir=cache)
+        folder = snapshot_download(name, revision=revision, local_files_only=True, cache_dir=cache)
     except HFValidationError as e:
         raise TapmlError(f"{spec}: {name!r} is not a hub repository name (ORG/NAME): {str(e).splitlines()[0]}") \
             from None
     except (LocalEntryNotFoundError, FileNotFoundError, OSError):
         where = cache or "the Hugging Face cache"
-        raise TapmlError(f"{spec} is not in {where}; tapml never downloads: run `hf download {name}` (or "
-                         f"`huggingface-cli download {name}`) first, or pass the checkpoint folder itself") from None
+        download = f"{name} --revision {revision}" if revision else name
+        raise TapmlError(f"{spec} is not in {where}; tapml never downloads: run `hf download {download}` (or "
+                         f"`huggingface-cli download {download}`) first, or pass the checkpoint folder itself") \
+            from None
     folder = Path(folder)
+    if folder.parent.name != "snapshots":  # a ref file's content names the snapshot: it must be one
+        raise TapmlError(f"{spec}: the cache's ref names {folder}, which is not a snapshot of {name}")
     return folder, folder.parent.parent  # snapshots/REV -> models--ORG--NAME
 
 
