@@ -77,6 +77,38 @@ def pool3():
     stop_pool(reg, servers)
 
 
+def test_fleet_carves_a_checkpoint_that_ships_code_only_when_trusted(tmp_path, pool3):
+    """A checkpoint folder whose config's auto_map names the modeling file it ships: fleet refuses it
+    (exit 2, nothing of its code run) until --trust-remote-code, then carves it with the shipped class
+    and runs it on every device of the pool."""
+    import torch
+
+    from tapml.frontends.models import build_hf
+    reg, servers = pool3
+    folder, marker = tmp_path / "ckpt", tmp_path / "ran"
+    model = build_hf("llama", {"num_hidden_layers": 1})[0].to(torch.float32)
+    model.save_pretrained(folder)
+    (folder / "modeling_tiny.py").write_text(
+        f"from transformers import LlamaForCausalLM\nopen({str(marker)!r}, 'w').write('ran')\n\n\n"
+        "class ShippedLlama(LlamaForCausalLM):\n    pass\n")
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_tiny.ShippedLlama"}
+    (folder / "config.json").write_text(json.dumps(config))
+    env = dict(os.environ, TAPML_TOKEN=TOKEN, HF_HOME=str(tmp_path / "hf"), HF_MODULES_CACHE=str(tmp_path / "mods"))
+    command = [sys.executable, "-m", "tapml.cli", "fleet", str(folder), "--target", reg.target, "-q"]
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert refused.returncode == 2 and "--trust-remote-code" in refused.stderr, refused.stderr[-2000:]
+    assert not marker.exists()
+    out = tmp_path / "fleet.json"
+    done = subprocess.run([*command, "--trust-remote-code", "--json", str(out)], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert marker.read_text() == "ran"
+    doc = json.loads(out.read_text())
+    assert doc["kind"] == "fleet" and doc["models"] == [str(folder)]
+    assert {d["target"] for d in doc["devices"]} == {s.target for s in servers}
+
+
 def test_generated_suite_runs_one_device_per_xdist_worker(tmp_path, carved, pool3):
     reg, servers = pool3
     suite = tmp_path / "gen"

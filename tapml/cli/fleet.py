@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from tapml.cli.common import (EXIT_FINDING, EXIT_OK, JsonOpt, QuietOpt, TokenFileOpt, TokenMapOpt, TolOpt, app,
+from tapml.cli.common import (EXIT_FINDING, EXIT_OK, JsonOpt, TrustRemoteCodeOpt, QuietOpt, TokenFileOpt, TokenMapOpt, TolOpt, app,
                               command, console, fail, is_store_path, out, progress_bar, write_json)
 from tapml.text import shown
 
@@ -24,7 +24,7 @@ def fleet(models: List[str] = typer.Argument(..., metavar="STORE_OR_MODEL...", h
           all_rows: bool = typer.Option(False, "--all", help="List the rows that pass on every device too"),
           max_failures: int = typer.Option(3, "--max-failures", help="Consecutive lost-device failures after which "
                                            "a device leaves the run (its remaining cases are errors naming why)"),
-          quiet: bool = QuietOpt):
+          trust_remote_code: bool = TrustRemoteCodeOpt, quiet: bool = QuietOpt):
     """Run each model's carved cases on every device of the pool (devices in parallel, models
     queued) and print the models x devices matrix. Exit 0 when everything passes everywhere,
     1 otherwise (a failing case, or a device that dropped out), 2 bad input."""
