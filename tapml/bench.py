@@ -527,6 +527,9 @@ def migrate_figure(spec: str, target: str, workdir: Path, token: str | None = No
         cmd += [arg for k, v in hf_config.items() for arg in ("--hf-config", f"{k}={json.dumps(v)}")]
     if dtype != "float32":
         cmd += ["--dtype", dtype]
+    from tapml.frontends.checkpoint import remote_code_is_trusted
+    if remote_code_is_trusted():  # the bench's own --trust-remote-code, passed on to the command it times
+        cmd.append("--trust-remote-code")
     run = run_child(cmd, timeout, env)
     seconds, peak = round(run["s"], 3), run["peak_rss_bytes"]
     if run["returncode"] is None:
@@ -715,6 +718,8 @@ def _child(action: str, args: dict, timeout: float, workdir: Path, guard=None) -
     out = workdir / f"{action}.json"
     out.unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "TAPML_TOKEN"}
+    from tapml.frontends.checkpoint import remote_code_is_trusted
+    args = {**args, "trust_remote_code": remote_code_is_trusted()}  # the bench's own, held in the child too
     run = run_child([sys.executable, "-m", "tapml.bench", action, json.dumps(args), str(out)], timeout, env, guard)
     if run["returncode"] != 0 or not out.is_file():
         why = run.get("killed") or f"exit {run['returncode']}: {run['tail']}"
@@ -1017,9 +1022,12 @@ def _child_main(argv: list[str]) -> int:
     """``python -m tapml.bench carve|migrate ARGS_JSON OUT``: one measured child of
     :func:`scale_figure`. Exit 2 with the message as its last line for bad input (TapmlError)."""
     from tapml.errors import TapmlError
+    from tapml.frontends.checkpoint import remote_code_trusted
     action, args, out = argv
+    args = json.loads(args)
     try:
-        result = {"write": _write_child, "carve": _carve_child, "migrate": _migrate_child}[action](json.loads(args))
+        with remote_code_trusted(args.pop("trust_remote_code", False) is True):
+            result = {"write": _write_child, "carve": _carve_child, "migrate": _migrate_child}[action](args)
     except TapmlError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

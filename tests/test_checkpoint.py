@@ -425,6 +425,35 @@ def test_trust_remote_code_runs_the_checkpoints_code(llama, tmp_path):
     assert carved.returncode == 0 and (tmp_path / "s1" / "manifest.json").is_file(), carved.stderr[-2000:]
 
 
+def test_bench_passes_its_trust_remote_code_to_the_processes_it_times(llama, tmp_path):
+    """bench scale carves and migrates in fresh processes, bench generation in its own: a checkpoint
+    that ships its modeling code is refused by both without --trust-remote-code (nothing of it run)
+    and measured with it, the shipped class building the model in the children too."""
+    import subprocess
+    import sys
+    folder = tmp_path / "ckpt"
+    shutil.copytree(llama, folder)
+    marker = tmp_path / "ran"
+    (folder / "modeling_tiny.py").write_text(
+        f"from transformers import LlamaForCausalLM\nimport os\nopen({str(marker)!r}, 'a').write(str(os.getpid()))\n\n\n"
+        "class ShippedLlama(LlamaForCausalLM):\n    pass\n")
+    _edit_json(folder / "config.json", auto_map={"AutoModelForCausalLM": "modeling_tiny.ShippedLlama"})
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    layer = ["--hf-config", "num_hidden_layers=1"]
+    for args in (["scale", "--model", str(folder), "--target", "reference", *layer],
+                 ["generation", "--model", str(folder), "--target", "reference", "--tokens", "2,3", "--repeat", "1",
+                  "--prompt-ids", "1,2,3", *layer]):
+        cli = [sys.executable, "-m", "tapml.cli", "bench", *args]
+        refused = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=600)
+        assert refused.returncode == 2 and "--trust-remote-code" in refused.stderr, (args, refused.stderr[-2000:])
+        assert not marker.exists()
+        done = subprocess.run([*cli, "--trust-remote-code"], env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, (args, done.stdout[-2000:], done.stderr[-2000:])
+        # scale: the module ran in the carve child (the migrate child reads the store), not in the bench itself
+        assert marker.read_text().strip(), args
+        marker.unlink()
+
+
 @pytest.mark.slow
 def test_session_and_precision_take_a_checkpoint(llama, tmp_path):
     """session (scripted) and precision carve a checkpoint folder, first layer only, in its stored

@@ -8,7 +8,7 @@ from typing import List, Optional
 import typer
 
 from tapml.cli.common import (EXIT_FINDING, EXIT_OK, ChatOpt, DtypeOpt, JsonOpt, PromptFileOpt, PromptIdsOpt, PromptOpt,
-                              QuietOpt, TokenFileOpt, app, check_dtype, command, console, fail, out, read_prompt,
+                              QuietOpt, TokenFileOpt, TrustRemoteCodeOpt, app, check_dtype, command, console, fail, out, read_prompt,
                               write_json)
 from tapml.cli.migrate import HfConfigOpt
 
@@ -44,7 +44,7 @@ def bench(ctx: typer.Context,
           check: bool = typer.Option(False, "--check", help="Exit 1 when a goal is missed"),
           scale: bool = typer.Option(False, "--scale", help="Also carve and migrate a sized hf:llama (hidden 1024, "
                                      "4 layers, 64k vocabulary): wall time, peak RSS and where the time goes"),
-          quiet: bool = QuietOpt):
+          trust_remote_code: bool = TrustRemoteCodeOpt, quiet: bool = QuietOpt):
     """Run every benchmark against TARGET (kernels vs torch CPU, dispatch overhead, end-to-end
     latency, a generation's decode tokens/s vs torch eager decoding, carving, migration, and
     transport for remote:// targets) and print the figures with their ratios. Subcommands run
@@ -247,7 +247,7 @@ def scale(target: str = typer.Option("wgpu", "--target", "-t", help="Target to m
                                                 "(kept; default a temporary folder, removed)"),
           hf_config: Optional[List[str]] = HfConfigOpt, dtype: Optional[str] = DtypeOpt,
           timeout: float = typer.Option(1800, "--timeout", help="Seconds allowed to the carve, and to the migrate"),
-          token_file: Optional[str] = TokenFileOpt,
+          token_file: Optional[str] = TokenFileOpt, trust_remote_code: bool = TrustRemoteCodeOpt,
           json_out: Optional[str] = JsonOpt):
     """Time to a verdict of a sized model: MODEL carved, then migrated to TARGET, each in a fresh
     process; wall time, peak RSS (against the parameter bytes) and the share of loading, export,
@@ -335,6 +335,7 @@ def generation(target: str = typer.Option("wgpu", "--target", "-t", help="Target
                prompt_ids: Optional[str] = PromptIdsOpt,
                repeat: int = typer.Option(5, "--repeat", help="Alternated target and torch runs (the median is kept)"),
                token_file: Optional[str] = TokenFileOpt,
+               trust_remote_code: bool = TrustRemoteCodeOpt,
                json_out: Optional[str] = JsonOpt):
     """Decode tokens/s and prefill ms of a greedy generation on TARGET next to torch eager
     decoding of the same model and steps on the CPU (alternated runs, medians, load average),
