@@ -393,13 +393,9 @@ def test_migrate_checkpoint_folders_on_lavapipe(llama, tmp_path, model_type):
     assert state["passed"] and state["summary"]["pass"] > 0 and state["culprits"] == []
 
 
-@pytest.mark.slow
-def test_trust_remote_code_runs_the_checkpoints_code(llama, tmp_path):
-    """With --trust-remote-code, a config's auto_map is honoured: the class the folder ships builds
-    the model (its module ran); without it, the same folder is refused and nothing runs. A fresh
-    process, so that transformers copies the module into a modules cache under tmp_path."""
-    import subprocess
-    import sys
+def shipping_code(llama: Path, tmp_path: Path) -> tuple[Path, Path, dict]:
+    """``(folder, marker, env)``: a copy of ``llama`` whose config's auto_map names the modeling file it
+    ships, which writes ``marker`` when it runs; ``env`` keeps transformers' module cache under tmp_path."""
     folder = tmp_path / "ckpt"
     shutil.copytree(llama, folder)
     marker = tmp_path / "ran"
@@ -407,7 +403,17 @@ def test_trust_remote_code_runs_the_checkpoints_code(llama, tmp_path):
         f"from transformers import LlamaForCausalLM\nopen({str(marker)!r}, 'w').write('ran')\n\n\n"
         "class ShippedLlama(LlamaForCausalLM):\n    pass\n")
     _edit_json(folder / "config.json", auto_map={"AutoModelForCausalLM": "modeling_tiny.ShippedLlama"})
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    return folder, marker, {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_MODULES_CACHE": str(tmp_path / "modules")}
+
+
+@pytest.mark.slow
+def test_trust_remote_code_runs_the_checkpoints_code(llama, tmp_path):
+    """With --trust-remote-code, a config's auto_map is honoured: the class the folder ships builds
+    the model (its module ran); without it, the same folder is refused and nothing runs. A fresh
+    process, so that transformers copies the module into a modules cache under tmp_path."""
+    import subprocess
+    import sys
+    folder, marker, env = shipping_code(llama, tmp_path)
     cli = [sys.executable, "-m", "tapml.cli", "carve", str(folder), "--hf-config", "num_hidden_layers=1"]
     refused = subprocess.run([*cli, "-o", str(tmp_path / "s0")], env=env, capture_output=True, text=True,
                              timeout=300)
@@ -431,14 +437,7 @@ def test_bench_passes_its_trust_remote_code_to_the_processes_it_times(llama, tmp
     and measured with it, the shipped class building the model in the children too."""
     import subprocess
     import sys
-    folder = tmp_path / "ckpt"
-    shutil.copytree(llama, folder)
-    marker = tmp_path / "ran"
-    (folder / "modeling_tiny.py").write_text(
-        f"from transformers import LlamaForCausalLM\nimport os\nopen({str(marker)!r}, 'a').write(str(os.getpid()))\n\n\n"
-        "class ShippedLlama(LlamaForCausalLM):\n    pass\n")
-    _edit_json(folder / "config.json", auto_map={"AutoModelForCausalLM": "modeling_tiny.ShippedLlama"})
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    folder, marker, env = shipping_code(llama, tmp_path)
     layer = ["--hf-config", "num_hidden_layers=1"]
     for args in (["scale", "--model", str(folder), "--target", "reference", *layer],
                  ["generation", "--model", str(folder), "--target", "reference", "--tokens", "2,3", "--repeat", "1",
@@ -450,7 +449,7 @@ def test_bench_passes_its_trust_remote_code_to_the_processes_it_times(llama, tmp
         done = subprocess.run([*cli, "--trust-remote-code"], env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, (args, done.stdout[-2000:], done.stderr[-2000:])
         # scale: the module ran in the carve child (the migrate child reads the store), not in the bench itself
-        assert marker.read_text().strip(), args
+        assert marker.read_text() == "ran", args
         marker.unlink()
 
 
