@@ -11,11 +11,11 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Under `pytest -n N` the workers already use every core: torch's intra-op pool (one thread per
-    # core in every worker and every command it starts) only oversubscribes them. Measured on 2 cores
-    # with -n 2: 11% less wall time (median of two alternated runs of three test files, load 1.6-2.5).
-    os.environ["OMP_NUM_THREADS"] = "1"
+    # core in every worker and every command it starts) only oversubscribes them. One thread: 12% less
+    # wall time (benchmarks/NOTES.md). An OMP_NUM_THREADS set by whoever runs the tests is kept.
+    threads = os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
-    torch.set_num_threads(1)
+    torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else 1)
 
 
 @pytest.fixture(scope="session")

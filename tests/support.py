@@ -379,3 +379,20 @@ def headless_chromium(url: str, *args: str, timeout: float = 90):
         env = {**os.environ, "TMPDIR": os.path.join(profile, "tmp")}
         return subprocess.run([find_chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args, url],
                               capture_output=True, text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL)
+
+
+def shipping_code(checkpoint: Path, tmp_path: Path) -> tuple[Path, Path, dict]:
+    """``(folder, marker, env)``: a copy of the llama ``checkpoint`` folder whose config's auto_map names
+    the modeling file it ships, which writes ``marker`` when it runs; ``env`` keeps transformers' module
+    cache under tmp_path (for the commands a test starts)."""
+    import json
+    folder = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, folder)
+    marker = tmp_path / "ran"
+    (folder / "modeling_tiny.py").write_text(
+        f"from transformers import LlamaForCausalLM\nopen({str(marker)!r}, 'w').write('ran')\n\n\n"
+        "class ShippedLlama(LlamaForCausalLM):\n    pass\n")
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_tiny.ShippedLlama"}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder, marker, {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_MODULES_CACHE": str(tmp_path / "modules")}

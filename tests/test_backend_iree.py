@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_readme import flat, split_comment
+from test_readme import flat, readme_commands, shown_outputs
 
 pytest.importorskip("iree.runtime", reason="the backends extra is not installed (pip install 'tapml[backends]')")
 
@@ -205,18 +205,13 @@ def test_bfloat16_mm_does_not_compile_for_vulkan_but_does_for_its_control(vulkan
 
 # -- end to end (slow: IREE compiles each case, 0.3-0.7 s apiece) -----------------------------------
 
-def readme_iree_section() -> tuple[list[tuple[str, int]], list[str]]:
-    """``([(command, expected exit)], shown lines)`` of README.md's "Your compiler under test: IREE"."""
+def readme_iree_example() -> tuple[str, str]:
+    """``(carve command, case id)`` of README.md's IREE example: its carve line, and the case its shown
+    output names first (tests/test_readme.py parses both)."""
     text = (ROOT / "README.md").read_text()
-    section = text.split("### Your compiler under test: IREE", 1)[1].split("\n#", 1)[0]
-    sh = section.split("```sh\n", 1)[1].split("```", 1)[0]
-    shown = section.split("```text\n", 1)[1].split("```", 1)[0]
-    commands = []
-    for line in sh.splitlines():
-        command, comment = split_comment(line)
-        expected = re.match(r"\s*exit (\d+)\b", comment or "")
-        commands.append((command.strip(), int(expected.group(1)) if expected else 0))
-    return commands, [line for line in shown.splitlines() if line.strip()]
+    lines, shown = next((lines, shown) for lines, shown in shown_outputs(text) if "iree:vulkan" in shown[0])
+    commands = {number: command for number, command, *_ in readme_commands(text)}
+    return next(commands[n] for n in lines if " carve " in commands[n]), shown[0].split()[0]
 
 
 @pytest.mark.slow
@@ -224,9 +219,7 @@ def readme_iree_section() -> tuple[list[tuple[str, int]], list[str]]:
 def test_the_repro_of_the_readmes_mm_case_fails_the_same_way_with_iree_alone(vulkan, tmp_path):
     """The case the README's IREE example shows (tests/test_readme.py walks its commands and checks
     what they print): its repro keeps the MLIR and fails the same way with IREE alone (its own runner)."""
-    commands, shown = readme_iree_section()
-    case = shown[0].split()[0]
-    carve = next(c for c, _ in commands if " carve " in c)
+    carve, case = readme_iree_example()
     env = {**os.environ, "T": f"{sys.executable} -m tapml.cli"}
     done = subprocess.run(carve, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

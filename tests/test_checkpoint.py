@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import in_chromium, vulkan_or_skip
+from support import in_chromium, shipping_code, vulkan_or_skip
 from typer.testing import CliRunner
 
 from tapml.errors import TapmlError
@@ -144,6 +144,9 @@ def test_hub_name_at_a_revision_picks_that_snapshot_offline(llama, tmp_path, mon
                       ("v1/../main", "is not a revision name")):
         r = tapml("carve", f"hf:{ORG_NAME}@{bad}", "-o", tmp_path / "u")
         assert r.exit_code == 2 and says in r.output and "Traceback" not in r.output, (bad, r.output)
+    (main.parent.parent / "refs" / "out").write_text("../blobs")  # a ref whose content leaves snapshots/
+    r = tapml("carve", f"hf:{ORG_NAME}@out", "-o", tmp_path / "u")
+    assert r.exit_code == 2 and "which is not a snapshot" in r.output, r.output
     assert not (tmp_path / "t").exists() and not (tmp_path / "u").exists()
 
 
@@ -391,19 +394,6 @@ def test_migrate_checkpoint_folders_on_lavapipe(llama, tmp_path, model_type):
     state = json.loads((tmp_path / "state.json").read_text())
     assert state["precision"]["dtype"] == "bfloat16" and state["end_to_end"]["status"] == "pass", state["end_to_end"]
     assert state["passed"] and state["summary"]["pass"] > 0 and state["culprits"] == []
-
-
-def shipping_code(llama: Path, tmp_path: Path) -> tuple[Path, Path, dict]:
-    """``(folder, marker, env)``: a copy of ``llama`` whose config's auto_map names the modeling file it
-    ships, which writes ``marker`` when it runs; ``env`` keeps transformers' module cache under tmp_path."""
-    folder = tmp_path / "ckpt"
-    shutil.copytree(llama, folder)
-    marker = tmp_path / "ran"
-    (folder / "modeling_tiny.py").write_text(
-        f"from transformers import LlamaForCausalLM\nopen({str(marker)!r}, 'w').write('ran')\n\n\n"
-        "class ShippedLlama(LlamaForCausalLM):\n    pass\n")
-    _edit_json(folder / "config.json", auto_map={"AutoModelForCausalLM": "modeling_tiny.ShippedLlama"})
-    return folder, marker, {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_MODULES_CACHE": str(tmp_path / "modules")}
 
 
 @pytest.mark.slow

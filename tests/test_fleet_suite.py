@@ -82,19 +82,13 @@ def test_fleet_carves_a_checkpoint_that_ships_code_only_when_trusted(tmp_path, p
     (exit 2, nothing of its code run) until --trust-remote-code, then carves it with the shipped class
     and runs it on every device of the pool."""
     import torch
+    from support import shipping_code
 
     from tapml.frontends.models import build_hf
     reg, servers = pool3
-    folder, marker = tmp_path / "ckpt", tmp_path / "ran"
-    model = build_hf("llama", {"num_hidden_layers": 1})[0].to(torch.float32)
-    model.save_pretrained(folder)
-    (folder / "modeling_tiny.py").write_text(
-        f"from transformers import LlamaForCausalLM\nopen({str(marker)!r}, 'w').write('ran')\n\n\n"
-        "class ShippedLlama(LlamaForCausalLM):\n    pass\n")
-    config = json.loads((folder / "config.json").read_text())
-    config["auto_map"] = {"AutoModelForCausalLM": "modeling_tiny.ShippedLlama"}
-    (folder / "config.json").write_text(json.dumps(config))
-    env = dict(os.environ, TAPML_TOKEN=TOKEN, HF_HOME=str(tmp_path / "hf"), HF_MODULES_CACHE=str(tmp_path / "mods"))
+    build_hf("llama", {"num_hidden_layers": 1})[0].to(torch.float32).save_pretrained(tmp_path / "saved")
+    folder, marker, env = shipping_code(tmp_path / "saved", tmp_path)
+    env["TAPML_TOKEN"] = TOKEN
     command = [sys.executable, "-m", "tapml.cli", "fleet", str(folder), "--target", reg.target, "-q"]
     refused = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert refused.returncode == 2 and "--trust-remote-code" in refused.stderr, refused.stderr[-2000:]

@@ -33,17 +33,22 @@ TRACEBACK = "Traceback (most recent call last)"
 KEPT_BY_DESIGN = ("torchinductor_", "pytest-of-")
 
 
+def using_it(text: str):
+    """``(line number, line)`` of every line between ``## Using it`` and the next level-2 heading."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == SECTION)
+    for i in range(start + 1, len(lines)):
+        if lines[i].startswith("## "):
+            return
+        yield i + 1, lines[i]
+
+
 def readme_commands(text: str) -> list[tuple[int, str, int, bool]]:
     """``(line number, command, expected exit, background)`` of every command line of the ```sh
     blocks between ``## Using it`` and the next level-2 heading; ``background`` is False, True for
     ``CMD &``, or the ``NAME=$!`` of ``CMD & NAME=$!``."""
-    lines = text.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.strip() == SECTION)
     commands, in_block = [], False
-    for i in range(start + 1, len(lines)):
-        line = lines[i]
-        if line.startswith("## "):
-            break
+    for number, line in using_it(text):
         if line.strip().startswith("```"):
             in_block = line.strip() == "```sh" if not in_block else False
             continue
@@ -52,7 +57,7 @@ def readme_commands(text: str) -> list[tuple[int, str, int, bool]]:
         command, comment = split_comment(line)
         expected = re.match(r"\s*exit (\d+)\b", comment or "")
         background = re.fullmatch(r"(.*[^&])&(\s*[A-Z_]+=\$!)?\s*", command)  # CMD & [NAME=$!]
-        commands.append((i + 1, background.group(1).rstrip() if background else command.rstrip(),
+        commands.append((number, background.group(1).rstrip() if background else command.rstrip(),
                          int(expected.group(1)) if expected else 0,
                          (background.group(2) or "").strip() or True if background else False))
     return commands
@@ -161,27 +166,21 @@ def shown_outputs(text: str) -> list[tuple[list[int], list[str]]]:
     """``(line numbers of a ```sh block's commands, the lines of the output shown)`` for every ```text
     block of the "Using it" section that follows a ```sh block in the same subsection: what the README
     shows those commands print."""
-    commands = readme_commands(text)
-    lines = text.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.strip() == SECTION)
-    shown, block, sh_lines, kind = [], [], [], None
-    for i in range(start + 1, len(lines)):
-        line = lines[i]
-        if line.startswith("## "):
-            break
+    commands = [number for number, *_ in readme_commands(text)]
+    shown, block, sh_lines, kind, opened = [], [], [], None, 0
+    for number, line in using_it(text):
         if line.startswith("### "):
             sh_lines = []
         if line.strip().startswith("```"):
             if kind is None:
-                kind, block, opened = line.strip()[3:], [], i + 1
+                kind, block, opened = line.strip()[3:], [], number
             else:
                 if kind == "sh":
-                    sh_lines = [n for n, *_ in commands if opened < n <= i]
+                    sh_lines = [n for n in commands if opened < n < number]
                 elif kind == "text" and sh_lines:
                     shown.append((sh_lines, [b for b in block if b.strip()]))
                 kind = None
-            continue
-        if kind is not None:
+        elif kind is not None:
             block.append(line)
     return shown
 

@@ -8,8 +8,8 @@ from typing import List, Optional
 import typer
 
 from tapml.cli.common import (EXIT_FINDING, EXIT_OK, ChatOpt, DtypeOpt, JsonOpt, PromptFileOpt, PromptIdsOpt, PromptOpt,
-                              QuietOpt, TokenFileOpt, TrustRemoteCodeOpt, app, check_dtype, command, console, fail, out, read_prompt,
-                              write_json)
+                              QuietOpt, TokenFileOpt, TrustRemoteCodeOpt, app, check_dtype, command, console, fail, out,
+                              read_prompt, write_json)
 from tapml.cli.migrate import HfConfigOpt
 
 GenerationModelOpt = typer.Option("zoo:tiny-llama", "--generation-model",

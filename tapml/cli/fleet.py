@@ -7,8 +7,9 @@ from typing import List, Optional
 
 import typer
 
-from tapml.cli.common import (EXIT_FINDING, EXIT_OK, JsonOpt, TrustRemoteCodeOpt, QuietOpt, TokenFileOpt, TokenMapOpt, TolOpt, app,
-                              command, console, fail, is_store_path, out, progress_bar, write_json)
+from tapml.cli.common import (EXIT_FINDING, EXIT_OK, JsonOpt, QuietOpt, TokenFileOpt, TokenMapOpt, TolOpt,
+                              TrustRemoteCodeOpt, app, command, console, fail, is_store_path, out, progress_bar,
+                              write_json)
 from tapml.text import shown
 
 
