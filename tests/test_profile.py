@@ -216,7 +216,7 @@ def mm_store(tmp_path_factory):
 
 
 @pytest.mark.device
-def test_a_kernel_made_four_times_as_slow_is_slower_and_says_exit_1_is_about_speed(mm_store, vulkan, tmp_path):
+def test_a_kernel_made_twelve_times_as_slow_is_slower_and_says_exit_1_is_about_speed(mm_store, vulkan, tmp_path):
     from tapml.cli.common import out
     from tapml.cli.store import render_speed_verdict
     from tapml.driving.profile import RUNS, compare_with_baseline, read_baseline
@@ -225,13 +225,14 @@ def test_a_kernel_made_four_times_as_slow_is_slower_and_says_exit_1_is_about_spe
     assert tapml("replay", mm_store.path, "-t", "wgpu:vulkan", "--profile", "--json", base, "-q").exit_code == 0
     r = tapml("replay", mm_store.path, "-t", "wgpu:vulkan", "--baseline", base)
     assert r.exit_code == 0 and "0 slower than the baseline" in r.output, r.output
-    # four times the kernels: twice (tried first) was lost in the noise of a loaded CI run
-    slowed = SlowedPlatform(vulkan, SLOWED_OP, times=4)
+    # twelve times the kernels: the load is read from control cases (relu, small copies) whose time
+    # is mostly dispatch overhead, and on a loaded CI run they read 3-4x; 2x and then 4x were lost
+    slowed = SlowedPlatform(vulkan, SLOWED_OP, times=12)
     result = replay(mm_store, slowed, "wgpu:vulkan", profile=RUNS)
     slower = compare_with_baseline(mm_store, slowed, result, read_baseline(str(base)))
     # what the sign test is sure of: on a loaded machine one of the two addmm may not be
     assert slower and {s["id"] for s in slower} <= {c["id"] for c in mm_store.cases if c["op"] == SLOWED_OP}, slower
-    # four times the kernels: about 4x, less where fixed costs count, more on a loaded machine
+    # twelve times the kernels: less than 12x where fixed costs count, more on a loaded machine
     assert all(s["ratio"] > 1.5 and s["p_value"] <= 0.01 for s in slower), slower
     with out.capture() as shown:
         render_speed_verdict(result, slower, 25.0)
