@@ -14,11 +14,13 @@ import math
 import operator
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Annotated, Any, Iterable
 
 import torch
+from pydantic import Field
 
 from tapml.ops import check_op, resolve_op  # noqa: F401 - the vocabulary; importers use tapml.graph.resolve_op
+from tapml.schema import Count, Schema, Str, validate
 
 _DTYPE_NAMES = {
     torch.float32: "float32",
@@ -46,6 +48,16 @@ MAX_ARG_DEPTH = 64
 MAX_RANK = 64
 MAX_DIM = 1 << 48
 MAX_INT = 1 << 64
+
+
+class TensorMetaJSON(Schema):
+    """A tensor's shape (at most :data:`MAX_RANK` sizes, each below :data:`MAX_DIM`) and dtype
+    name, as files and requests hold it."""
+
+    shape: Annotated[tuple[Annotated[Count, Field(lt=MAX_DIM)], ...], Field(max_length=MAX_RANK)]
+    dtype: Annotated[Str, Field(pattern=f"^{_DTYPE_TEXT.pattern}$")]
+
+
 MAX_TEXT = 4096
 
 
@@ -89,19 +101,10 @@ class TensorMeta:
 
     @classmethod
     def from_json(cls, d: dict) -> "TensorMeta":
-        """``{"shape": [2, 3], "dtype": "float32"}`` -> TensorMeta; ValueError/TypeError when
-        the shape is not a list of non-negative ints (at most 64 of them, each below 2**48)
-        or the dtype is not a dtype name."""
-        if not isinstance(d, dict):
-            raise TypeError(f"tensor metadata must be an object, not {type(d).__name__}")
-        shape, dtype = d.get("shape"), d.get("dtype")
-        if not isinstance(shape, (list, tuple)) or len(shape) > MAX_RANK or not all(
-                type(s) is int and 0 <= s < MAX_DIM for s in shape):
-            raise ValueError(f"shape must be a list of at most {MAX_RANK} non-negative ints below 2**48, "
-                             f"not {_short(shape)}")
-        if not isinstance(dtype, str) or not _DTYPE_TEXT.fullmatch(dtype):
-            raise ValueError(f"dtype must be a dtype name such as 'float32', not {_short(dtype)}")
-        return cls(tuple(shape), dtype)
+        """``{"shape": [2, 3], "dtype": "float32"}`` -> TensorMeta; a ValueError naming the field
+        (:class:`tapml.schema.SchemaError`) unless it is :class:`TensorMetaJSON`."""
+        m = validate(TensorMetaJSON, d)
+        return cls(m.shape, m.dtype)
 
 
 def _short(value: Any, limit: int = 60) -> str:
