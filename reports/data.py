@@ -613,10 +613,6 @@ def matrix_json(matrix: dict) -> dict:
     return _finite({"columns": matrix["columns"], "rows": matrix["rows"]})
 
 
-#: Most targets one multi-target document may hold.
-MAX_TARGETS = 64
-
-
 def matrix_document(verdicts: dict[str, dict], by_case: bool = False) -> dict:
     """The JSON of a run on several targets (``replay --target A --target B --json``): ``{"format_version",
     "targets", "verdicts": {target: Verdict JSON or migration state, unchanged}, "matrix"}``.
@@ -636,14 +632,20 @@ def is_matrix_document(data) -> bool:
         return False
 
 
-def _check_format_version(data: dict, bad) -> None:
-    """Call ``bad(problem)`` unless ``data``'s ``format_version`` (0 when absent) is one this tapml reads."""
-    from tapml.judging.verdict import FORMAT_VERSION
-    version = data.get("format_version", 0)
-    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-        bad("format_version is not a non-negative integer")
-    if version > FORMAT_VERSION:
-        bad(f"format_version {version} is newer than this tapml reads ({FORMAT_VERSION}); upgrade tapml")
+def _check(schema, data, bad):
+    """``data`` validated against ``schema`` (a document of several targets); ``bad(problem)``
+    when it is refused, or its ``format_version`` is newer than this tapml reads."""
+    from tapml.judging.verdict import FORMAT_VERSION, check_depth
+    from tapml.schema import SchemaError, validate
+    if not isinstance(data, dict):
+        bad("its JSON is not an object")
+    try:
+        m = validate(schema, data)
+    except SchemaError as e:
+        bad(str(e).replace("a valid dictionary or instance of " + schema.__name__, "an object"))
+    if m.format_version > FORMAT_VERSION:
+        bad(f"format_version {m.format_version} is newer than this tapml reads ({FORMAT_VERSION}); upgrade tapml")
+    return m
 
 
 def parse_matrix_document(data, path: str = "<document>") -> list[StateReport]:
@@ -652,24 +654,19 @@ def parse_matrix_document(data, path: str = "<document>") -> list[StateReport]:
     must be an object, and is recomputed from the verdicts, never trusted. TapmlError naming
     the field when the document is malformed."""
     from tapml.judging.verdict import check_depth
+    from tapml.reports.schemas import MatrixJSON
     hint = "expected the --json of `tapml replay` or `tapml migrate` with several --target"
     check_depth(data, path, hint)
 
     def bad(problem: str):
         raise TapmlError(f"{path} is not a multi-target document: {problem}; {hint}")
 
-    _check_format_version(data, bad)
-    targets, verdicts = data.get("targets"), data["verdicts"]
-    if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
-        bad("targets is not a non-empty list of strings")
-    if len(targets) > MAX_TARGETS:
-        bad(f"it names {len(targets)} targets, more than {MAX_TARGETS}")
+    m = _check(MatrixJSON, data, bad)
+    targets, verdicts = m.targets, m.verdicts
     if len(set(targets)) != len(targets):
         bad("a target appears twice in targets")
-    if not isinstance(verdicts, dict) or set(verdicts) != set(targets):
+    if set(verdicts) != set(targets):
         bad("verdicts is not an object with one entry per target in targets")
-    if not isinstance(data.get("matrix", {}), dict):
-        bad("matrix is not an object")
     states = []
     for t in targets:
         state = parse_state(verdicts[t], f"{path}: verdicts[{t[:80]!r}]")
@@ -678,10 +675,6 @@ def parse_matrix_document(data, path: str = "<document>") -> list[StateReport]:
         state.path = path
         states.append(state)
     return states
-
-
-#: Most devices and models one fleet document may hold.
-MAX_FLEET_DEVICES, MAX_FLEET_MODELS = 1024, 10000
 
 
 def fleet_states(runs: dict[str, dict[str, dict]], devices: list[str], path: str = "<fleet>") -> list[StateReport]:
@@ -735,36 +728,24 @@ def parse_fleet_document(data, path: str = "<fleet>") -> list[StateReport]:
     order; every verdict is validated, the stored ``matrix`` is recomputed, never trusted.
     TapmlError naming the field when the document is malformed."""
     from tapml.judging.verdict import check_depth
+    from tapml.reports.schemas import FleetJSON
     check_depth(data, path, FLEET_HINT)
 
     def bad(problem: str):
         raise TapmlError(f"{path} is not a fleet document: {problem}; {FLEET_HINT}")
 
-    _check_format_version(data, bad)
-    models, devices, runs = data.get("models"), data.get("devices"), data.get("runs")
-    if not isinstance(models, list) or not models or not all(isinstance(m, str) and m for m in models):
-        bad("models is not a non-empty list of strings")
-    if len(models) > MAX_FLEET_MODELS or len(set(models)) != len(models):
-        bad(f"models holds more than {MAX_FLEET_MODELS} entries or a model twice")
-    if (not isinstance(devices, list) or not devices or len(devices) > MAX_FLEET_DEVICES
-            or not all(isinstance(d, dict) and isinstance(d.get("target"), str) and d["target"] for d in devices)):
-        bad(f"devices is not a list of 1 to {MAX_FLEET_DEVICES} objects with a target")
-    targets = [d["target"] for d in devices]
+    doc = _check(FleetJSON, data, bad)
+    models, runs = doc.models, doc.runs
+    if len(set(models)) != len(models):
+        bad("models names a model twice")
+    targets = [d.target for d in doc.devices]
     if len(set(targets)) != len(targets):
         bad("a device appears twice in devices")
-    for d in devices:
-        if not all(isinstance(d.get(k, ""), str) for k in ("adapter", "backend", "platform", "status")):
-            bad(f"device {d['target'][:80]!r} has a field that is not a string")
-    if not isinstance(runs, dict) or set(runs) != set(models):
+    if set(runs) != set(models):
         bad("runs is not an object with one entry per model in models")
     for m in models:
-        if not isinstance(runs[m], dict) or not set(runs[m]) <= set(targets):
+        if not set(runs[m]) <= set(targets):
             bad(f"runs[{m[:80]!r}] is not an object keyed by targets of devices")
-    left_out = data.get("left_out", {})
-    if not isinstance(left_out, dict) or not all(isinstance(v, str) for v in left_out.values()):
-        bad("left_out is not an object of target -> reason strings")
-    if not isinstance(data.get("matrix", {}), dict):
-        bad("matrix is not an object")
     return fleet_states({m: runs[m] for m in models}, targets, path)
 
 

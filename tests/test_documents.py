@@ -88,7 +88,7 @@ def test_kind_decides_and_a_bad_kind_or_version_says_what_to_fix(tmp_path):
                          ({"kind": "journal-header", "format_version": 1, "format": "tapml-migration/1"},
                           "is a journal-header document (the first line of a migration's STATE.journal), "
                           "which tapml report does not render"),
-                         ({"kind": "bench", "format_version": 1, "passed": "yes"}, "passed is a string, expected true, false or null"),
+                         ({"kind": "bench", "format_version": 1, "passed": "yes"}, "passed is 'yes': input should be a valid boolean"),
                          ({**gen, "kind": "preflight", "format_version": 1}, "lacks ops")):
         path = tmp_path / "doc.json"
         path.write_text(json.dumps(doc))

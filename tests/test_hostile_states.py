@@ -117,20 +117,20 @@ def test_report_refuses_a_wrong_type_in_every_top_level_field(real, tmp_path):
 
 
 @pytest.mark.parametrize("path, value, expect", [
-    (("cases", 0, "status"), "fine", "cases[0] is not a verdict: status is 'fine'"),
-    (("cases", 0, "max_abs_err"), "big", "cases[0] is not a verdict: max_abs_err"),
+    (("cases", 0, "status"), "fine", "cases[0].status is 'fine': input should be 'pass', 'mismatch'"),
+    (("cases", 0, "max_abs_err"), "big", "cases[0].max_abs_err is 'big': input should be a valid number"),
     (("cases", 0, "max_abs_err"), 10 ** 400, "cases[0].max_abs_err: an integer of 401 digits is beyond 64 bits"),
     (("cases", 0, "instances"), 10 ** 30, "cases[0].instances: an integer of 31 digits is beyond 64 bits"),
-    (("cases", 0, "instances"), 2 ** 63, "instances is out of range"),
-    (("cases", 0, "worst"), [{"index": ["a"]}], "cases[0] is not a verdict: worst[0]"),
-    (("cases", 1), "pass", "cases[1] is not a verdict: it is a string"),
-    (("units", 0, "nodes"), 5, "units[0] is not a unit verdict: nodes"),
-    (("units", 0, "kind"), "galaxy", "units[0] is not a unit verdict: kind is 'galaxy'"),
-    (("culprits", 0, "kind"), "region", "culprits[0] is not a culprit: kind is 'region'"),
+    (("cases", 0, "instances"), 2 ** 63, "cases[0].instances is 9223372036854775808: input should be less than or equal to 9223372036854775807"),
+    (("cases", 0, "worst"), [{"index": ["a"]}], "cases[0].worst[0].index[0] is 'a': input should be a valid integer"),
+    (("cases", 1), "pass", "cases[1] is 'pass': input should be an object"),
+    (("units", 0, "nodes"), 5, "units[0].nodes is 5: input should be a valid list"),
+    (("units", 0, "kind"), "galaxy", "units[0].kind is 'galaxy': input should be 'op', 'region' or 'model'"),
+    (("culprits", 0, "kind"), "region", "culprits[0].kind is 'region': input should be 'op', 'node'"),
     (("culprits", 0, "probes"), -1, "probes"),
-    (("placement", "nodes", "addmm"), "gpu", "placement.nodes is not a placement of nodes"),
+    (("placement", "nodes", "addmm"), "gpu", "placement.nodes.addmm is 'gpu': input should be 'target' or 'reference'"),
     (("placement", "ops_share"), 7.5, "ops_share"),
-    (("end_to_end", "status"), 5, "end_to_end is not an end-to-end verdict: status"),
+    (("end_to_end", "status"), 5, "end_to_end.status is 5: input should be 'pass'"),
     (("device", "limits"), {"x": {"y": 1}}, "device.limits"),
     (("device", "float_model"), {"nan_inf": "yes"}, "device.float_model"),
     (("device", "float_model"), {"<script>": True}, "device.float_model"),
@@ -148,10 +148,10 @@ def test_report_refuses_a_malformed_nested_field(real, tmp_path, path, value, ex
 
 
 @pytest.mark.parametrize("make, expect", [
-    (lambda s: {k: v for k, v in s.items() if k != "cases"}, "it lacks cases"),
-    (lambda s: {k: v for k, v in s.items() if k != "target"}, "it lacks target"),
-    (lambda s: {**s, "cases": [{"status": "pass"}]}, "cases[0] is not a verdict: it lacks op"),
-    (lambda s: {**s, "units": [{"id": "u"}]}, "units[0] is not a unit verdict: it lacks status"),
+    (lambda s: {k: v for k, v in s.items() if k != "cases"}, "the document lacks cases"),
+    (lambda s: {k: v for k, v in s.items() if k != "target"}, "the document lacks target"),
+    (lambda s: {**s, "cases": [{"status": "pass"}]}, "cases[0] lacks op"),
+    (lambda s: {**s, "units": [{"id": "u"}]}, "units[0] lacks status"),
     (lambda s: {**s, "format": "tapml-migration/9"}, "format is 'tapml-migration/9'"),
     (lambda s: json.dumps(s).replace('"max_abs_err": 0.0', '"max_abs_err": NaN', 1), "NaN"),
     (lambda s: json.dumps(s).replace('"time_ms": ', '"time_ms": Infinity, "x": ', 1), "Infinity"),
@@ -229,11 +229,11 @@ def _doctor(lines, index, change):
 
 @pytest.mark.parametrize("change, expect", [
     (lambda x: {**x, "record": {**x["record"], "status": "fine"}}, "status is 'fine'"),
-    (lambda x: {**x, "record": {k: v for k, v in x["record"].items() if k != "node"}}, "it lacks node"),
+    (lambda x: {**x, "record": {k: v for k, v in x["record"].items() if k != "node"}}, "record lacks node"),
     (lambda x: {**x, "record": {**x["record"], "id": "c99"}}, "holds the verdict of 'c99'"),
     (lambda x: {**x, "record": {**x["record"], "op": "aten.mm.default"}}, "has another op"),
-    (lambda x: {**x, "record": {**x["record"], "max_abs_err": "0"}}, "max_abs_err is a string"),
-    (lambda x: {**x, "record": [x["record"]]}, "it is a list, not an object"),
+    (lambda x: {**x, "record": {**x["record"], "max_abs_err": "0"}}, "record.max_abs_err is '0': input should be a valid number"),
+    (lambda x: {**x, "record": [x["record"]]}, "input should be an object"),
     (lambda x: {**x, "key": "case:"}, "is not device, case:ID or unit:ID"),
     (lambda x: {**x, "key": "secret"}, "is not device, case:ID or unit:ID"),
     (lambda x: {**x, "key": 5}, "its key is an integer"),
@@ -255,8 +255,8 @@ def test_resume_refuses_a_case_record_that_does_not_fit(real, resumable, change,
 
 
 @pytest.mark.parametrize("change, expect", [
-    (lambda r: {k: v for k, v in r.items() if k != "id"}, "it lacks id"),
-    (lambda r: {k: v for k, v in r.items() if k != "nodes"}, "it lacks nodes"),
+    (lambda r: {k: v for k, v in r.items() if k != "id"}, "record lacks id"),
+    (lambda r: {k: v for k, v in r.items() if k != "nodes"}, "record lacks nodes"),
     (lambda r: {**r, "nodes": ["addmm_1"]}, "has another nodes"),
     (lambda r: {**r, "kind": "model"}, "has another kind"),
     (lambda r: {**r, "on_target": True}, "on_target"),
@@ -272,8 +272,8 @@ def test_resume_refuses_a_unit_record_that_does_not_fit(real, resumable, change,
 @pytest.mark.parametrize("make, expect", [
     (lambda lines: lines[1:], "is not a journal line"),  # no header
     (lambda lines: [{"header": [1]}] + lines[1:], "is not a journal line"),
-    (lambda lines: lines[:1] + [{"key": "device", "record": "a gpu"}] + lines[2:], "is not a device description"),
-    (lambda lines: lines[:1] + [{"key": "device", "record": {"adapter": 1}}] + lines[2:], "adapter is an integer"),
+    (lambda lines: lines[:1] + [{"key": "device", "record": "a gpu"}] + lines[2:], "record is 'a gpu': input should be an object"),
+    (lambda lines: lines[:1] + [{"key": "device", "record": {"adapter": 1}}] + lines[2:], "record.adapter is 1: input should be a valid string"),
     (lambda lines: [lines[0]] + lines, "is not a journal line"),  # a second header
 ])
 def test_resume_refuses_a_journal_whose_structure_is_wrong(real, resumable, make, expect):
@@ -308,8 +308,8 @@ def strip_times(x):
     (lambda s, replay: replay, "lacks format"),  # a replay Verdict JSON is no migration state
     (lambda s, replay: {**s, "cases": [{**s["cases"][0], "status": "fine"}]}, "status is 'fine'"),
     (lambda s, replay: {**s, "cases": [{"id": "c0", "op": "aten.permute.default", "status": "pass"}]}, "lacks node"),
-    (lambda s, replay: {**s, "units": [{"status": "pass"}]}, "units[0] is not a unit verdict: it lacks id"),
-    (lambda s, replay: {k: v for k, v in s.items() if k != "tolerances"}, "it lacks tolerances"),
+    (lambda s, replay: {**s, "units": [{"status": "pass"}]}, "units[0] lacks id"),
+    (lambda s, replay: {k: v for k, v in s.items() if k != "tolerances"}, "the document lacks tolerances"),
     (lambda s, replay: {**s, "format": "tapml-migration/0"}, "format is 'tapml-migration/0'"),
     (lambda s, replay: json.dumps(s).replace('"time_ms": ', '"time_ms": NaN, "x": ', 1), "NaN"),
     (lambda s, replay: "[" * 50000 + "]" * 50000, "nests too deeply"),

@@ -1,20 +1,28 @@
 """The verdict documents: the Verdict JSON (:class:`VerdictDocument`), migration states
-(:class:`MigrationState`), the Generation and Precision JSON readers and journal records, each
-validated field by field on read (these files may come from anyone, SECURITY.md)."""
+(:class:`MigrationState`), the Generation, Precision, Preflight and Bench JSON readers and
+journal records. Each is declared once as a schema (the classes ending in ``JSON``) and validated
+against it on read, since these files may come from anyone (SECURITY.md); the readers keep by
+hand only what a schema cannot say: references between fields, the nesting depth and a
+``format_version`` newer than this tapml reads."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
 
 from tapml.dtypes import MODEL_DTYPES
 from tapml.errors import TapmlError
 from tapml.io import read_json_file
 from tapml.judging.verdict.kinds import KINDS, STATE_KEYS, document_kind, stamp
-from tapml.judging.verdict.reading import MAX_COUNT, _MISSING, _a, _check_depth, _Ctx, _Obj, _scalar
-from tapml.judging.verdict.results import (CULPRIT_KINDS, GRAPH_KINDS, STATUSES, CaseVerdict, Culprit, EndToEnd, UnitVerdict,
-                                   passed, summary)
+from tapml.judging.verdict.reading import NonNegative, Scalar, Written, _a, _check_depth, _Reader
+from tapml.judging.verdict.results import (CULPRIT_KINDS, GRAPH_KINDS, STATUSES, CaseVerdict, CaseVerdictJSON, Culprit,
+                                           CulpritJSON, EndToEnd, EndToEndJSON, UnitVerdict, UnitVerdictJSON, passed,
+                                           summary)
+from tapml.schema import Bool, ClosedSchema, Count, Number, Str
 
 #: Version of the verdict and state documents this tapml writes (older files have none: 0).
 FORMAT_VERSION = KINDS["verdict"]["format_version"]
@@ -23,6 +31,169 @@ STATE_FORMAT = "tapml-migration/1"
 STAGES = ("op", "region", "model", "done", "session")
 #: Where a node runs (tapml.driving.hybrid's TARGET and REFERENCE).
 PLACES = ("target", "reference")
+#: Version of the precision document (``tapml precision --json``) this tapml writes and reads.
+PRECISION_FORMAT_VERSION = KINDS["precision"]["format_version"]
+#: Dtypes a precision analysis is about (tapml.dtypes.LOW_FLOATS).
+PRECISION_DTYPES = ("float16", "bfloat16")
+
+
+# --- the documents' shared parts ------------------------------------------------------------
+
+class LowPrecisionJSON(Written):
+    """How float16 and bfloat16 are held on a device."""
+
+    float16: Str = ""
+    bfloat16: Str = ""
+
+
+class FloatModelJSON(ClosedSchema):
+    """Whether a device keeps NaN/Inf and subnormals (no other key)."""
+
+    nan_inf: Bool = False
+    subnormals: Bool = False
+
+
+class DeviceJSON(Written):
+    """A device description: adapter, backend, features, limits (name -> a number, string or
+    boolean), and where known how it holds low floats, its float model and loop cap."""
+
+    adapter: Str | None = ""
+    backend: Str | None = ""
+    features: list[Str] = []
+    limits: dict[Str, Scalar] | None = {}
+    low_precision: LowPrecisionJSON | None = None
+    float_model: FloatModelJSON | None = None
+    loop_cap: Count | None = None
+    error: Str = ""
+
+
+#: ``[rtol, atol]`` of an op.
+Tolerance = tuple[Annotated[Number, Field(ge=0, le=1e300)], Annotated[Number, Field(ge=0, le=1e300)]]
+#: A share of ops or FLOPs.
+Share = Annotated[Number, Field(ge=0, le=1)]
+
+
+class GraphPlacementJSON(Written):
+    """Where each node of a graph runs, and the share of ops and FLOPs on the target."""
+
+    ALWAYS = ("nodes", "ops_total", "ops_on_target", "ops_share", "flops_total", "flops_on_target", "flops_share")
+    nodes: dict[Str, Literal[PLACES]] | None = None
+    ops_total: Count | None = None
+    ops_on_target: Count | None = None
+    ops_share: Share | None = None
+    flops_total: Count | None = None
+    flops_on_target: Count | None = None
+    flops_share: Share | None = None
+
+
+class PlacementJSON(GraphPlacementJSON):
+    """A migration's placement; a generation's has its decode graph's too."""
+
+    decode: GraphPlacementJSON | None = None
+
+
+class KeptJSON(Written):
+    """The nodes of a graph kept in float32 (each a node of its placement) and the casts added."""
+
+    keep_float32: list[Str]
+    casts: Count | None = 0
+
+
+class DtypePlacementJSON(KeptJSON):
+    """A float16/bfloat16 migration's placement by dtype (``precision`` of a state)."""
+
+    dtype: Literal[PRECISION_DTYPES]
+    decode: KeptJSON | None = None
+
+
+class VerdictDocumentJSON(Written):
+    """A :class:`VerdictDocument` (``kind`` and ``format_version`` are checked before it)."""
+
+    format_version: Count = 0
+    target: Str | None = None
+    cases: list[CaseVerdictJSON] = []
+    device: DeviceJSON | None = None
+    model: Str | None = None
+    tolerances: dict[Str, Tolerance] | None = {}
+    dtype: Literal[MODEL_DTYPES] | None = "float32"
+    anchored: Bool = False
+    # derived, recomputed on read: still of their type
+    summary: dict[Literal[STATUSES], Count] | None = None
+    passed: Bool = False
+    complete: Bool = False
+
+
+class MigrationStateJSON(VerdictDocumentJSON):
+    """A :class:`MigrationState`."""
+
+    ALWAYS = ("model", "tolerances", "format", "inject", "nodes", "stage", "units", "placement")
+    format: Literal[STATE_FORMAT] | None = None
+    inject: list[Str] = []
+    nodes: Count | None = None
+    store: Str | None = None
+    stage: Literal[STAGES] | None = None
+    units: list[UnitVerdictJSON] = []
+    placement: PlacementJSON | None = PlacementJSON()
+    culprits: list[CulpritJSON] = []
+    end_to_end: EndToEndJSON | None = None
+    graph: Literal[GRAPH_KINDS] | None = None
+    precision: DtypePlacementJSON | None = None
+
+
+def _device(r: _Reader, m: DeviceJSON | None, path: str = "device") -> dict | None:
+    if m is None:
+        return None
+    v = r.values(m, path)
+    out = {"adapter": v["adapter"], "backend": v["backend"], "features": v["features"], "limits": v["limits"]}
+    if m.low_precision is not None:
+        out["low_precision"] = r.present(m.low_precision, ("float16", "bfloat16"), f"{path}.low_precision")
+    if m.float_model is not None:
+        out["float_model"] = {k: getattr(m.float_model, k) for k in ("nan_inf", "subnormals")
+                              if k in m.float_model.model_fields_set}
+    out.update({k: v[k] for k in ("loop_cap", "error") if k in m.model_fields_set})
+    return out
+
+
+def _placement(r: _Reader, m: PlacementJSON | None) -> dict:
+    if m is None:
+        return {}
+    out = _graph_placement(r, m, "placement")
+    if m.decode is not None:
+        out["decode"] = _graph_placement(r, m.decode, "placement.decode")
+    return out
+
+
+def _graph_placement(r: _Reader, m: GraphPlacementJSON, path: str) -> dict:
+    out = r.present(m, GraphPlacementJSON.ALWAYS, path)
+    if out.get("nodes", 0) is None:
+        del out["nodes"]
+    return out
+
+
+def _dtype_placement(r: _Reader, m: DtypePlacementJSON | None, placement: dict) -> dict | None:
+    """A state's placement by dtype; every kept node must be a node of its graph's placement."""
+    if m is None:
+        return None
+    out = {"dtype": m.dtype}
+    for kept, place, key in ((m, placement, None), (m.decode, placement.get("decode") or {}, "decode")):
+        if kept is None:
+            continue
+        path = "precision" if key is None else "precision.decode"
+        v = r.values(kept, path)
+        keep, nodes = v["keep_float32"], place.get("nodes")
+        if len(set(keep)) != len(keep):
+            r.fail(f"{path}.keep_float32 names a node twice")
+        if nodes is None and keep:
+            r.fail(f"{path}.keep_float32 names nodes but the placement lists none")
+        unknown = [k for k in keep if nodes is not None and k not in nodes]
+        if unknown:
+            r.fail(f"{path}.keep_float32 names {unknown[0][:80]!r}, which is not a node of the placement")
+        entry = {"keep_float32": keep, "casts": v["casts"]}
+        if key is None:
+            out |= entry
+        else:
+            out[key] = entry
+    return out
 
 
 # --- the documents -------------------------------------------------------------------------
@@ -56,42 +227,42 @@ class VerdictDocument:
     @classmethod
     def from_json(cls, data, where: str = "<verdicts>", *, strict: bool = False, hint: str = "",
                   required: tuple[str, ...] = ("target", "cases")) -> "VerdictDocument":
-        """Validate a parsed Verdict JSON or migration state (a MigrationState when it is one);
-        TapmlError naming ``where`` and the field when it is malformed. ``strict``: every key
-        the writer always writes must be there (for resuming)."""
-        ctx = _Ctx(where, strict, hint)
-        o = _Obj(data, ctx, "", "a verdict file", top=True)
-        _check_depth(data, ctx)
-        version = o.count("format_version", 0)
-        if version > FORMAT_VERSION:
-            o.fail(f"format_version {version} is newer than this tapml reads ({FORMAT_VERSION}); upgrade tapml")
+        """Validate a parsed Verdict JSON or migration state (a MigrationState when it is one)
+        against :class:`VerdictDocumentJSON` or :class:`MigrationStateJSON`; TapmlError naming
+        ``where``, the field's path and what is expected when it is malformed. ``strict``: every
+        key the writer always writes must be there (for resuming); ``required``: keys that
+        must be there in any read (a required target is a string, never null)."""
+        r = _Reader(where, strict, hint)
+        r.document(data)
+        version = data.get("format_version", 0)
+        if type(version) is int and version > FORMAT_VERSION:
+            r.fail(f"format_version {version} is newer than this tapml reads ({FORMAT_VERSION}); upgrade tapml")
         kind = document_kind(data, where)
         if kind not in (None, "verdict", "migration-state"):
-            o.fail(f"it is a {kind} document, not a verdict file or migration state")
+            r.fail(f"it is a {kind} document, not a verdict file or migration state")
         if kind is None:  # an older document (kinds.FALLBACK_RULES): a state has one of the state's keys
-            kind = "migration-state" if any(k in o.data for k in STATE_KEYS) else "verdict"
+            kind = "migration-state" if any(k in data for k in STATE_KEYS) else "verdict"
         migration = cls is MigrationState or (cls is VerdictDocument and kind == "migration-state")
-        # a required target is a string: null is no target (reports and resumes name it)
-        target = o.string("target", required=True) if "target" in required else o.string("target", None)
-        common = dict(target=target,
-                      cases=o.objects("cases", CaseVerdict, "a verdict", required="cases" in required),
-                      device=_device(o), model=o.string("model", None, required=strict and migration),
-                      tolerances=_tolerances(o, required=strict and migration),
-                      dtype=o.choice("dtype", MODEL_DTYPES, "float32"), anchored=o.boolean("anchored", False))
-        _derived(o)
+        m = r.check(MigrationStateJSON if migration else VerdictDocumentJSON, data)
+        for key in required:
+            if key not in m.model_fields_set:
+                r.fail(f"the document lacks {key}")
+        if "target" in required and m.target is None:
+            r.fail("target is null, expected a string")
+        v = r.values(m)
+        common = dict(target=m.target, cases=[CaseVerdict._read(r, c, f"cases[{i}]") for i, c in enumerate(m.cases)],
+                      device=_device(r, m.device), model=m.model,
+                      tolerances={op: [float(t[0]), float(t[1])] for op, t in v["tolerances"].items()},
+                      dtype=v["dtype"], anchored=m.anchored)
         if not migration:
             return VerdictDocument(**common)
-        fmt = o.string("format", None, required=strict)
-        if fmt is not None and fmt != STATE_FORMAT:
-            o.fail(f"its format is {fmt!r}, expected {STATE_FORMAT!r}")
-        placement = _placement(o)
-        return MigrationState(**common, inject=o.strings("inject", required=strict),
-                              nodes=o.count("nodes", None, required=strict), store=o.string("store", None),
-                              stage=o.choice("stage", STAGES, None, required=strict),
-                              units=o.objects("units", UnitVerdict, "a unit verdict", required=strict),
-                              placement=placement, culprits=o.objects("culprits", Culprit, "a culprit"),
-                              end_to_end=o.object("end_to_end", EndToEnd, "an end-to-end verdict"),
-                              graph=o.choice("graph", GRAPH_KINDS, None), precision=_precision(o, placement))
+        placement = _placement(r, m.placement)
+        return MigrationState(**common, inject=m.inject, nodes=m.nodes, store=m.store, stage=m.stage,
+                              units=[UnitVerdict._read(r, u, f"units[{i}]") for i, u in enumerate(m.units)],
+                              placement=placement,
+                              culprits=[Culprit._read(r, c, f"culprits[{i}]") for i, c in enumerate(m.culprits)],
+                              end_to_end=None if m.end_to_end is None else EndToEnd._read(r, m.end_to_end, "end_to_end"),
+                              graph=m.graph, precision=_dtype_placement(r, m.precision, placement))
 
     @classmethod
     def read(cls, path: str | Path, *, what: str = "", strict: bool = False, hint: str = "",
@@ -170,67 +341,110 @@ STEP_STATUSES = ("pass", "mismatch", "near-tie", "error")
 STEP_SUMMARY_KEYS = ("steps", "pass", "mismatch", "near_tie", "error")
 
 
+class StepJSON(Written):
+    """One step of a generation: the token each side chose and the logits' error."""
 
-def _open_document(data, where: str, hint: str, what: str, kind: str, noun: str, older: bool = True):
-    """``(ctx, top object)`` of a parsed document that must be of ``kind`` (strict reading, depth
-    checked): another kind fails saying it is no ``noun``; ``older``: one without a kind (written
-    before kinds, read by the fallback rules) is taken too."""
-    ctx = _Ctx(where, True, hint)
-    _check_depth(data, ctx)
-    o = _Obj(data, ctx, "", what, top=True)
+    step: Count
+    kind: Literal[GRAPH_KINDS]
+    reference_token: Count | None = None
+    target_token: Count | None = None
+    max_abs_err: Number | None = None
+    status: Literal[STEP_STATUSES]
+    message: Str | None = ""
+
+
+class StepSummaryJSON(Written):
+    """A generation's summary (recomputed from its steps on read: still of its type)."""
+
+    steps: Count | None = None
+    passed_steps: Count | None = Field(None, alias="pass")
+    mismatch: Count | None = None
+    near_tie: Count | None = None
+    error: Count | None = None
+    first_failure: Count | None = None
+
+
+class GenerationCulpritJSON(Written):
+    """A culprit a generation found, with the graph and step it was found in."""
+
+    kind: Literal[CULPRIT_KINDS] | None = "op"
+    op: Str
+    node: Str | None = ""
+    nodes: list[Str] = []
+    module: Str | None = ""
+    max_abs_err: Number | None = None
+    message: Str | None = ""
+    graph: Literal[GRAPH_KINDS] | None = None
+    step: Count | None = None
+
+
+class RatesJSON(Written):
+    """Tokens per second on each side."""
+
+    target: Number | None = None
+    reference: Number | None = None
+
+
+class GenerationJSON(Written):
+    """The Generation JSON of ``tapml generate --json``."""
+
+    target: Str
+    model: Str
+    device: DeviceJSON | None = None
+    mode: Str | None = None
+    steps: list[StepJSON]
+    summary: StepSummaryJSON
+    culprits: list[GenerationCulpritJSON] = []
+    programs_compiled: Count | None = None
+    upload_bytes_per_decode_step: Count | None = None
+    tokens_per_s: RatesJSON | None = None
+
+
+def _open_document(data, where: str, hint: str, kind: str, noun: str, older: bool = True) -> _Reader:
+    """The (strict) reader of a parsed document that must be of ``kind`` (an object, depth checked):
+    another kind fails saying it is no ``noun``; ``older``: one without a kind (written before
+    kinds, read by the fallback rules) is taken too."""
+    r = _Reader(where, True, hint)
+    r.document(data)
     found = document_kind(data, where)
     if found is None and not older:
-        o.fail(f"it lacks kind {kind}")
+        r.fail(f"it lacks kind {kind}", noun)
     if found not in (None, kind):
-        o.fail(f"it is a {found} document, not {noun}")
-    return ctx, o
+        r.fail(f"it is a {found} document", noun)
+    return r
 
 
 def read_generation_document(data, where: str = "<generation>", hint: str = "") -> dict:
-    """Validate a parsed Generation JSON (``tapml generate --json``, ARCHITECTURE.md) and return
-    the fields reports use, normalized: ``target``, ``model``, ``device``, ``mode``, ``steps``
-    (``step``, ``kind`` prefill|decode, ``reference_token``, ``target_token``, ``max_abs_err``,
-    ``status`` one of :data:`STEP_STATUSES`, ``message``), ``summary`` (recomputed from the steps,
-    never trusted), ``culprits`` (full culprits, kind from :data:`CULPRIT_KINDS`, with ``graph``
-    and ``step``), ``programs_compiled``, ``upload_bytes_per_decode_step`` and ``tokens_per_s``.
-    TapmlError naming ``where`` and the field when it is malformed."""
-    ctx, o = _open_document(data, where, hint, "a generation document", "generation", "a generation")
-    steps = []
-    for key in ("steps", "culprits"):
-        if not isinstance(o.data.get(key, []), list):
-            o._bad(key, o.data[key], "a list")
-    for i, item in enumerate(o._get("steps", _MISSING, True)):
-        st = _Obj(item, ctx, f"steps[{i}]", "a generation step")
-        step = st.count("step", required=True)
-        ref_token, target_token = st.count("reference_token", None), st.count("target_token", None)
-        steps.append({"step": step, "kind": st.choice("kind", GRAPH_KINDS, required=True),
-                      "reference_token": ref_token, "target_token": target_token,
-                      "max_abs_err": st.number("max_abs_err"), "status": st.choice("status", STEP_STATUSES, required=True),
-                      "message": st.string("message", "") or ""})
-    s = o.child("summary", "a generation summary", required=True)
-    for k in STEP_SUMMARY_KEYS:
-        s.count(k, None)
-    s.count("first_failure", None)
+    """Validate a parsed Generation JSON (``tapml generate --json``, ARCHITECTURE.md) against
+    :class:`GenerationJSON` and return the fields reports use, normalized: ``target``, ``model``,
+    ``device``, ``mode``, ``steps`` (``step``, ``kind`` prefill|decode, ``reference_token``,
+    ``target_token``, ``max_abs_err``, ``status`` one of :data:`STEP_STATUSES`, ``message``),
+    ``summary`` (recomputed from the steps, never trusted), ``culprits`` (full culprits, kind from
+    :data:`CULPRIT_KINDS`, with ``graph`` and ``step``), ``programs_compiled``,
+    ``upload_bytes_per_decode_step`` and ``tokens_per_s``. TapmlError naming ``where`` and the
+    field when it is malformed."""
+    r = _open_document(data, where, hint, "generation", "a generation")
+    m = r.check(GenerationJSON, data)
+    r.values(m.summary, "summary")
+    steps = [{k: v[k] for k in ("step", "kind", "reference_token", "target_token", "max_abs_err", "status", "message")}
+             for v in (r.values(st, f"steps[{i}]") for i, st in enumerate(m.steps))]
     counts = {st: sum(x["status"] == st for x in steps) for st in STEP_STATUSES}
     failing = [x["step"] for x in steps if x["status"] in ("mismatch", "error")]
     culprits = []
-    for i, item in enumerate(o.data.get("culprits") or []):
-        c = _Obj(item, ctx, f"culprits[{i}]", "a generation culprit")
-        op, node = c.string("op", required=True), c.string("node", "") or ""
-        culprits.append(Culprit(kind=c.choice("kind", CULPRIT_KINDS, "op"), op=op, ops=[op], node=node,
-                                nodes=c.strings("nodes") or ([node] if node else []), module=c.string("module", "") or "",
-                                max_abs_err=c.number("max_abs_err"), message=c.string("message", "") or "",
-                                graph=c.choice("graph", GRAPH_KINDS, None), step=c.count("step", None)).to_json())
-    rates = o.child("tokens_per_s", "tokens per second ({target, reference})")
-    return {"target": o.string("target", required=True), "model": o.string("model", required=True),
-            "device": _device(o), "mode": o.string("mode", None),
+    for i, c in enumerate(m.culprits):
+        v = r.values(c, f"culprits[{i}]")
+        culprits.append(Culprit(kind=v["kind"], op=v["op"], ops=[v["op"]], node=v["node"],
+                                nodes=v["nodes"] or ([v["node"]] if v["node"] else []), module=v["module"],
+                                max_abs_err=v["max_abs_err"], message=v["message"], graph=v["graph"],
+                                step=v["step"]).to_json())
+    rates = m.tokens_per_s or RatesJSON()
+    return {"target": m.target, "model": m.model, "device": _device(r, m.device), "mode": m.mode,
             "steps": steps, "culprits": culprits,
             "summary": {"steps": len(steps), "pass": counts["pass"], "mismatch": counts["mismatch"],
                         "near_tie": counts["near-tie"], "error": counts["error"],
                         "first_failure": failing[0] if failing else None},
-            "programs_compiled": o.count("programs_compiled", None),
-            "upload_bytes_per_decode_step": o.count("upload_bytes_per_decode_step", None),
-            "tokens_per_s": {k: rates.number(k) if rates else None for k in ("target", "reference")}}
+            "programs_compiled": m.programs_compiled, "upload_bytes_per_decode_step": m.upload_bytes_per_decode_step,
+            "tokens_per_s": {"target": rates.target, "reference": rates.reference}}
 
 
 def is_generation_document(data) -> bool:
@@ -248,78 +462,115 @@ def _claims(data, kind: str) -> bool:
 
 # --- the precision document ----------------------------------------------------------------
 
-#: Version of the precision document (``tapml precision --json``) this tapml writes and reads.
-PRECISION_FORMAT_VERSION = KINDS["precision"]["format_version"]
-#: Dtypes a precision analysis is about (tapml.dtypes.LOW_FLOATS).
-PRECISION_DTYPES = ("float16", "bfloat16")
 #: Statuses of a precision document's end-to-end runs.
 END_TO_END_STATUSES = ("pass", "mismatch", "error")
 
 
+class PrecisionOpJSON(Written):
+    """One node of a precision analysis: its range and error against fp64 and float32."""
+
+    op: Str
+    node: Annotated[Str, Field(min_length=1)]
+    module: Str | None = ""
+    overflow: Bool = False
+    absorbed: Bool = False
+    max_abs: NonNegative | None = None
+    headroom: Annotated[Number, Field(gt=0)] | None = None
+    err_vs_fp64: NonNegative | None = None
+    ref_err_vs_fp64: NonNegative | None = None
+    err_vs_fp32: NonNegative | None = None
+
+
+class PrecisionRunJSON(Written):
+    """One end-to-end run of a precision analysis."""
+
+    status: Literal[END_TO_END_STATUSES]
+    max_abs_err: Number | None = None
+    max_rel_err: Number | None = None
+    message: Str | None = ""
+
+
+class PrecisionRunsJSON(Written):
+    """The end-to-end runs before and after nodes were kept in float32."""
+
+    before: PrecisionRunJSON
+    after: PrecisionRunJSON
+
+
+class CauseJSON(Written):
+    """The op that fails end to end in the low dtype."""
+
+    op: Str
+    node: Str
+    module: Str | None = ""
+    err_vs_fp64: NonNegative
+    ref_err_vs_fp64: NonNegative
+    ratio: NonNegative
+    message: Str | None = ""
+
+
+class PrecisionJSON(Written):
+    """The Precision JSON of ``tapml precision --json``."""
+
+    format_version: Count = 0
+    model: Str | None = ""
+    dtype: Literal[PRECISION_DTYPES]
+    target: Str
+    device: DeviceJSON | None = None
+    ops: list[PrecisionOpJSON]
+    keep_float32: list[Str]
+    keep_float32_modules: list[Str] = []
+    rounds: Count | None = 0
+    end_to_end: PrecisionRunsJSON
+    cause: CauseJSON | None = None
+
+
 def read_precision_document(data, where: str = "<precision>", hint: str = "") -> dict:
-    """Validate a parsed Precision JSON (``tapml precision --json``, ARCHITECTURE.md) and return
-    it normalized: ``format_version``, ``model``, ``dtype`` (float16|bfloat16), ``target``,
-    ``device``, ``ops`` (``op`` from the op vocabulary, ``node`` unique, ``module``, ``max_abs`` >= 0,
-    ``headroom`` > 0, ``overflow``/``absorbed`` booleans, ``absorbed`` only where ``overflow``,
-    ``err_vs_fp64``/``ref_err_vs_fp64``/``err_vs_fp32`` >= 0 or null), ``keep_float32`` (names of
-    nodes in ``ops``), ``keep_float32_modules``, ``rounds`` and ``end_to_end`` (``before``/``after``:
-    ``status`` pass|mismatch|error, ``max_abs_err``, ``max_rel_err``, ``message``), and ``cause``
-    where present (``op``, ``node`` of ``ops``, ``module``, ``err_vs_fp64``, ``ref_err_vs_fp64``,
-    ``ratio`` >= 0, ``message``). TapmlError naming ``where`` and the field when it is malformed."""
+    """Validate a parsed Precision JSON (``tapml precision --json``, ARCHITECTURE.md) against
+    :class:`PrecisionJSON` and return it normalized: ``format_version``, ``model``, ``dtype``
+    (float16|bfloat16), ``target``, ``device``, ``ops`` (``op`` from the op vocabulary, ``node``
+    unique, ``module``, ``max_abs`` >= 0, ``headroom`` > 0, ``overflow``/``absorbed`` booleans,
+    ``absorbed`` only where ``overflow``, ``err_vs_fp64``/``ref_err_vs_fp64``/``err_vs_fp32`` >= 0
+    or null), ``keep_float32`` (names of nodes in ``ops``), ``keep_float32_modules``, ``rounds``
+    and ``end_to_end`` (``before``/``after``: ``status`` pass|mismatch|error, ``max_abs_err``,
+    ``max_rel_err``, ``message``), and ``cause`` where present (``op``, ``node`` of ``ops``,
+    ``module``, ``err_vs_fp64``, ``ref_err_vs_fp64``, ``ratio`` >= 0, ``message``). TapmlError
+    naming ``where`` and the field when it is malformed."""
     from tapml.ops import check_op
-    ctx, o = _open_document(data, where, hint, "a precision document", "precision", "a precision analysis")
-    version = o.count("format_version", 0)
-    if version > PRECISION_FORMAT_VERSION:
-        o.fail(f"format_version {version} is newer than this tapml reads ({PRECISION_FORMAT_VERSION}); upgrade tapml")
-    if not isinstance(o._get("ops", _MISSING, True), list):
-        o._bad("ops", o.data["ops"], "a list")
+    r = _open_document(data, where, hint, "precision", "a precision analysis")
+    version = data.get("format_version", 0)
+    if type(version) is int and version > PRECISION_FORMAT_VERSION:
+        r.fail(f"format_version {version} is newer than this tapml reads ({PRECISION_FORMAT_VERSION}); upgrade tapml")
+    m = r.check(PrecisionJSON, data)
     ops, nodes = [], set()
-    for i, item in enumerate(o.data["ops"]):
-        x = _Obj(item, ctx, f"ops[{i}]", "a precision entry")
-        op = x.string("op", required=True)
+    for i, x in enumerate(m.ops):
         try:
-            check_op(op)
+            check_op(x.op)
         except ValueError as e:
-            x.fail(f"op: {e}")
-        node = x.string("node", required=True)
-        if not node or node in nodes:
-            x.fail(f"node {node[:80]!r} is empty or appears twice")
-        nodes.add(node)
-        entry = {"op": op, "node": node, "module": x.string("module", "") or "",
-                 "overflow": x.boolean("overflow", False), "absorbed": x.boolean("absorbed", False)}
-        for k in ("max_abs", "headroom", "err_vs_fp64", "ref_err_vs_fp64", "err_vs_fp32"):
-            v = x.number(k)
-            if v is not None and (v < 0 or k == "headroom" and v == 0):
-                x.fail(f"{k} is {v}, expected {'a positive number' if k == 'headroom' else 'a number of 0 or more'}")
-            entry[k] = v
-        if entry["absorbed"] and not entry["overflow"]:
-            x.fail("absorbed is true but overflow is false (an absorbed value is one that overflowed)")
-        ops.append(entry)
-    keep = o.strings("keep_float32", required=True)
-    unknown = [k for k in keep if k not in nodes]
+            r.fail(f"ops[{i}].op: {e}")
+        if x.node in nodes:
+            r.fail(f"ops[{i}].node {x.node[:80]!r} appears twice")
+        nodes.add(x.node)
+        if x.absorbed and not x.overflow:
+            r.fail(f"ops[{i}].absorbed is true but overflow is false (an absorbed value is one that overflowed)")
+        v = r.values(x, f"ops[{i}]")
+        ops.append({k: v[k] for k in ("op", "node", "module", "overflow", "absorbed", "max_abs", "headroom",
+                                      "err_vs_fp64", "ref_err_vs_fp64", "err_vs_fp32")})
+    unknown = [k for k in m.keep_float32 if k not in nodes]
     if unknown:
-        o.fail(f"keep_float32 names {unknown[0][:80]!r}, which is not a node of ops")
-    e2e = o.child("end_to_end", "end-to-end results ({before, after})", required=True)
-    runs = {}
-    for k in ("before", "after"):
-        r = e2e.child(k, "an end-to-end result", required=True)
-        runs[k] = {"status": r.choice("status", END_TO_END_STATUSES, required=True),
-                   "max_abs_err": r.number("max_abs_err"), "max_rel_err": r.number("max_rel_err"),
-                   "message": r.string("message", "") or ""}
-    doc = {"format_version": version, "model": o.string("model", "") or "",
-           "dtype": o.choice("dtype", PRECISION_DTYPES, required=True), "target": o.string("target", required=True),
-           "device": _device(o), "ops": ops, "keep_float32": keep, "keep_float32_modules": o.strings("keep_float32_modules"),
-           "rounds": o.count("rounds", 0), "end_to_end": runs}
-    c = o.child("cause", "the op that fails end to end ({op, node, module, err_vs_fp64, ref_err_vs_fp64, ratio, message})")
-    if c is not None:
-        node = c.string("node", required=True)
-        if node not in nodes:
-            c.fail(f"node {node[:80]!r} is not a node of ops")
-        doc["cause"] = {"op": c.string("op", required=True), "node": node, "module": c.string("module", "") or "",
-                        **{k: c.number(k, required=True) for k in ("err_vs_fp64", "ref_err_vs_fp64", "ratio")},
-                        "message": c.string("message", "") or ""}
-        if any(doc["cause"][k] < 0 for k in ("err_vs_fp64", "ref_err_vs_fp64", "ratio")):
-            c.fail("err_vs_fp64, ref_err_vs_fp64 and ratio must be 0 or more")
+        r.fail(f"keep_float32 names {unknown[0][:80]!r}, which is not a node of ops")
+    v = r.values(m)
+    runs = {k: {key: run[key] for key in ("status", "max_abs_err", "max_rel_err", "message")}
+            for k, run in (("before", r.values(m.end_to_end.before, "end_to_end.before")),
+                           ("after", r.values(m.end_to_end.after, "end_to_end.after")))}
+    doc = {"format_version": m.format_version, "model": v["model"], "dtype": m.dtype, "target": m.target,
+           "device": _device(r, m.device), "ops": ops, "keep_float32": m.keep_float32,
+           "keep_float32_modules": m.keep_float32_modules, "rounds": v["rounds"], "end_to_end": runs}
+    if m.cause is not None:
+        if m.cause.node not in nodes:
+            r.fail(f"cause.node {m.cause.node[:80]!r} is not a node of ops")
+        c = r.values(m.cause, "cause")
+        doc["cause"] = {k: c[k] for k in ("op", "node", "module", "err_vs_fp64", "ref_err_vs_fp64", "ratio", "message")}
     return doc
 
 
@@ -331,47 +582,67 @@ def is_precision_document(data) -> bool:
 
 # --- the preflight document ----------------------------------------------------------------
 
+class FindingJSON(Written):
+    """What preflight found for some cases of an op: a split or a violation (``message``, the
+    ``limit`` and ``bytes`` concerned), or why it is unsupported or fails (``reason``)."""
+
+    cases: Count | None = 1
+    message: Str | None = ""
+    limit: Str | None = None
+    bytes: Count | None = None
+    reason: Str | None = ""
+
+
+class PreflightOpJSON(Written):
+    """One op of a preflight."""
+
+    op: Str
+    cases: Count | None = 0
+    kernels: Count | None = 0
+    largest_binding: Count | None = 0
+    splits: list[FindingJSON] = []
+    violations: list[FindingJSON] = []
+    unsupported: list[FindingJSON] = []
+    errors: list[FindingJSON] = []
+
+
+class PreflightJSON(Written):
+    """The Preflight JSON of ``tapml inspect STORE --target T --json``."""
+
+    target: Str
+    model: Str | None = ""
+    store: Str | None = ""
+    device: DeviceJSON | None = None
+    limits: dict[Str, Count] | None = None
+    forced_limits: dict[Str, Count] | None = None
+    loop_cap: Count | None = None
+    ops: list[PreflightOpJSON]
+
+
 def read_preflight_document(data, where: str = "<preflight>", hint: str = "") -> dict:
     """Validate a parsed Preflight JSON (``tapml inspect STORE --target T --json``, ARCHITECTURE.md)
-    and return what reports show, normalized: ``target``, ``model``, ``store``, ``device``,
-    ``limits`` (name -> integer), ``forced_limits``, ``loop_cap``, ``ops`` (``op``, ``cases``,
-    ``kernels``, ``largest_binding``, ``splits`` and ``violations`` each ``{message, cases,
-    bytes|limit}``, ``unsupported``/``errors`` each ``{reason, cases}``, ``fits`` recomputed) and
-    ``summary`` (recomputed from the ops, never trusted). TapmlError naming the field otherwise."""
-    ctx, o = _open_document(data, where, hint, "a preflight document", "preflight", "a preflight")
-
-    def limits(key: str) -> dict:
-        lim = o.child(key, "an object of device limits (name -> integer)")
-        return {} if lim is None else {k: lim.count(k, required=True) for k in lim.data}
-
-    if not isinstance(o._get("ops", _MISSING, True), list):
-        o._bad("ops", o.data["ops"], "a list")
+    against :class:`PreflightJSON` and return what reports show, normalized: ``target``, ``model``,
+    ``store``, ``device``, ``limits`` (name -> integer), ``forced_limits``, ``loop_cap``, ``ops``
+    (``op``, ``cases``, ``kernels``, ``largest_binding``, ``splits`` and ``violations`` each
+    ``{message, cases, bytes|limit}``, ``unsupported``/``errors`` each ``{reason, cases}``,
+    ``fits`` recomputed) and ``summary`` (recomputed from the ops, never trusted). TapmlError
+    naming the field otherwise."""
+    r = _open_document(data, where, hint, "preflight", "a preflight")
+    m = r.check(PreflightJSON, data)
     ops = []
-    for i, item in enumerate(o.data["ops"]):
-        x = _Obj(item, ctx, f"ops[{i}]", "a preflight op")
-        entry = {"op": x.string("op", required=True), "cases": x.count("cases", 0), "kernels": x.count("kernels", 0),
-                 "largest_binding": x.count("largest_binding", 0)}
+    for i, x in enumerate(m.ops):
+        v = r.values(x, f"ops[{i}]")
+        entry = {k: v[k] for k in ("op", "cases", "kernels", "largest_binding")}
         for key in ("splits", "violations", "unsupported", "errors"):
-            found = x.data.get(key, [])
-            if not isinstance(found, list):
-                x._bad(key, found, "a list")
-            rows = []
-            for j, it in enumerate(found):
-                y = _Obj(it, ctx, f"ops[{i}].{key}[{j}]", "a preflight finding")
-                row = {"cases": y.count("cases", 1)}
-                if key in ("splits", "violations"):
-                    row["message"] = y.string("message", "") or ""
-                    row["limit"] = y.string("limit", None)
-                    row["bytes"] = y.count("bytes", None)
-                else:
-                    row["reason"] = y.string("reason", "") or ""
-                rows.append(row)
-            entry[key] = rows
+            keys = ("cases", "message", "limit", "bytes") if key in ("splits", "violations") else ("cases", "reason")
+            entry[key] = [{k: f[k] for k in keys}
+                          for f in (r.values(y, f"ops[{i}].{key}[{j}]") for j, y in enumerate(v[key]))]
         entry["fits"] = not (entry["violations"] or entry["unsupported"] or entry["errors"])
         ops.append(entry)
-    return {"target": o.string("target", required=True), "model": o.string("model", "") or "",
-            "store": o.string("store", "") or "", "device": _device(o), "limits": limits("limits"),
-            "forced_limits": limits("forced_limits"), "loop_cap": o.count("loop_cap", None), "ops": ops,
+    v = r.values(m)
+    return {"target": m.target, "model": v["model"], "store": v["store"], "device": _device(r, m.device),
+            "limits": dict(m.limits or {}), "forced_limits": dict(m.forced_limits or {}), "loop_cap": m.loop_cap,
+            "ops": ops,
             "summary": {"ops": len(ops), "cases": sum(x["cases"] for x in ops),
                         **{f"ops_{k}": sum(bool(x[key]) for x in ops) for k, key in
                            (("split", "splits"), ("over_limit", "violations"), ("unsupported", "unsupported"),
@@ -385,13 +656,32 @@ def read_preflight_document(data, where: str = "<preflight>", hint: str = "") ->
 MAX_BENCH_FIGURES = 2000
 
 
+class GoalJSON(Written):
+    """One goal of a benchmark: what it asks for, the value measured and whether it was met."""
+
+    goal: Str | None = ""
+    value: Number | None = None
+    met: Bool | None = None
+
+
+class BenchJSON(Written):
+    """What a Bench JSON (``tapml bench --json`` and its subcommands) has in common: the rest
+    differs by subcommand and is listed as figures. A goal that is not an object is a
+    subcommand's bound, listed with the figures."""
+
+    target: Str | None = ""
+    goals: dict[Str, Any] | None = None
+    passed: Bool | None = None
+
+
 def read_bench_document(data, where: str = "<bench>", hint: str = "") -> dict:
     """Validate a parsed Bench JSON (``tapml bench --json`` and its subcommands; each measures other
-    things) and return what reports show: ``target``, ``figures`` (every number, flag and short
-    text as ``{"name": dotted path, "value"}``, in document order), ``goals`` (``{"name", "goal",
-    "value", "met"}`` from its ``goals`` where they have that form) and ``passed`` (its ``passed``,
-    None when it has none). TapmlError naming the field otherwise."""
-    ctx, o = _open_document(data, where, hint, "a bench document", "bench", "a bench document", older=False)
+    things) against :class:`BenchJSON` and return what reports show: ``target``, ``figures`` (every
+    number, flag and short text as ``{"name": dotted path, "value"}``, in document order),
+    ``goals`` (``{"name", "goal", "value", "met"}`` from its ``goals`` where they are objects) and
+    ``passed`` (its ``passed``, None when it has none). TapmlError naming the field otherwise."""
+    r = _open_document(data, where, hint, "bench", "a bench document", older=False)
+    m = r.check(BenchJSON, data)
     figures: list[dict] = []
 
     def walk(value, path: str) -> None:
@@ -405,163 +695,37 @@ def read_bench_document(data, where: str = "<bench>", hint: str = "") -> dict:
                 walk(v, f"{path}[{i}]")
         elif value is None or isinstance(value, (bool, int, float, str)):
             if isinstance(value, float) and not math.isfinite(value):
-                o.fail(f"{path} is not a finite number")
+                r.fail(f"{path} is not a finite number")
             figures.append({"name": path, "value": value[:200] if isinstance(value, str) else value})
 
-    walk({k: v for k, v in o.data.items() if k not in ("kind", "format_version", "goals")}, "")
+    walk({k: v for k, v in data.items() if k not in ("kind", "format_version", "goals")}, "")
     goals = []
-    g = o.child("goals", "an object of goals")
-    for name in (g.data if g is not None else {}):
-        if not isinstance(g.data[name], dict):
-            continue  # a subcommand's goals are its bounds alone; the report's figures list them
-        x = _Obj(g.data[name], ctx, f"goals.{name}"[:120], "a goal ({goal, value, met})")
-        met = x.data.get("met")
-        if met is not None and not isinstance(met, bool):
-            x._bad("met", met, "true, false or null")
-        goals.append({"name": name, "goal": x.string("goal", "") or "", "value": x.number("value"), "met": met})
-    passed = o.data.get("passed")
-    if passed is not None and not isinstance(passed, bool):
-        o._bad("passed", passed, "true, false or null")
-    return {"target": o.string("target", "") or "", "figures": figures, "goals": goals, "passed": passed}
+    for name, g in (m.goals or {}).items():
+        if isinstance(g, dict):
+            path = f"goals.{name}"[:120]
+            v = r.values(r.check(GoalJSON, g, path), path)
+            goals.append({"name": name, "goal": v["goal"], "value": v["value"], "met": v["met"]})
+    return {"target": r.values(m)["target"], "figures": figures, "goals": goals, "passed": m.passed}
 
 
 # --- journal records -----------------------------------------------------------------------
 
 def journal_record(key, record, where: str, hint: str):
-    """The typed record of a journal line: ``device`` -> the device dict, ``case:ID`` -> a
-    :class:`CaseVerdict` with that id, ``unit:ID`` -> a :class:`UnitVerdict` with that id;
-    every field the writer writes must be there. TapmlError (naming ``where``) otherwise."""
-    ctx = _Ctx(where, True, hint)
+    """The typed record of a journal line: ``device`` -> the device dict (:class:`DeviceJSON`),
+    ``case:ID`` -> a :class:`CaseVerdict` with that id, ``unit:ID`` -> a :class:`UnitVerdict` with
+    that id; every field the writer writes must be there. TapmlError (naming ``where`` and the
+    record's field) otherwise."""
+    r = _Reader(where, True, hint)
     if not isinstance(key, str):
-        raise TapmlError(f"{where}: its key is {_a(key)}, not a string; {hint}")
-    _check_depth(record, ctx)
+        r.fail(f"its key is {_a(key)}, not a string")
+    _check_depth(record, r)
     if key == "device":
-        holder = _Obj({"device": record}, ctx, "", "a journal record")
-        device = _device(holder, required=True)
-        if device is None:
-            holder.fail("the device record is null")
-        return device
+        return _device(r, r.check(DeviceJSON, record, "record"), "record")
     kind, _, ident = key.partition(":")
     cls = {"case": CaseVerdict, "unit": UnitVerdict}.get(kind)
     if cls is None or not ident:
-        raise TapmlError(f"{where}: key {key[:80]!r} is not device, case:ID or unit:ID; {hint}")
-    verdict = cls._read(_Obj(record, ctx, f"record {key[:80]!r}", "a verdict"))
+        r.fail(f"key {key[:80]!r} is not device, case:ID or unit:ID")
+    verdict = cls._read(r, r.check(cls.JSON, record, "record"), "record")
     if verdict.id != ident:
-        raise TapmlError(f"{where}: record {key[:80]!r} holds the verdict of {verdict.id[:80]!r}; {hint}")
+        r.fail(f"record {key[:80]!r} holds the verdict of {verdict.id[:80]!r}")
     return verdict
-
-
-
-# --- the documents' fields ------------------------------------------------------------------
-
-def _device(o: _Obj, required: bool = False) -> dict | None:
-    d = o.child("device", "a device description", required)
-    if d is None:
-        return None
-    out = {"adapter": d.string("adapter", ""), "backend": d.string("backend", ""),
-           "features": d.strings("features"), "limits": {}}
-    limits = d.child("limits", "a table of device limits")
-    for k, v in (limits.data.items() if limits else ()):
-        if not _scalar(v) or isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_COUNT:
-            limits.fail(f"{k[:80]} is not a number, string or boolean")
-        out["limits"][k] = v
-    paths = d.child("low_precision", "how float16 and bfloat16 are held on the device")
-    if paths is not None:
-        out["low_precision"] = {k: paths.string(k) for k in ("float16", "bfloat16") if k in paths.data}
-    model = d.child("float_model", "whether the device keeps NaN/Inf and subnormals")
-    if model is not None:
-        for k, v in model.data.items():
-            if k not in ("nan_inf", "subnormals") or not isinstance(v, bool):
-                model.fail(f"{k[:80]} is not nan_inf or subnormals with a true/false value")
-        out["float_model"] = dict(model.data)
-    if "loop_cap" in d.data:
-        cap = d.data["loop_cap"]
-        if cap is not None and (type(cap) is not int or not 0 <= cap <= MAX_COUNT):
-            d.fail("loop_cap is not a count of loop iterations or null")
-        out["loop_cap"] = cap
-    if "error" in d.data:
-        out["error"] = d.string("error")
-    return out
-
-
-def _tolerances(o: _Obj, required: bool = False) -> dict:
-    t = o.child("tolerances", "a table of tolerances ({op: [rtol, atol]})", required)
-    out = {}
-    for op, v in (t.data.items() if t else ()):
-        if not (isinstance(v, list) and len(v) == 2 and all(
-                isinstance(x, (int, float)) and not isinstance(x, bool) and _scalar(x) and 0 <= x <= 1e300 for x in v)):
-            t.fail(f"{op[:80]} is not [rtol, atol] (two non-negative numbers)")
-        out[op] = [float(v[0]), float(v[1])]
-    return out
-
-
-def _derived(o: _Obj) -> None:
-    """Fields a reader recomputes (never trusts) must still have their type."""
-    s = o.child("summary", "a summary ({status: count})")
-    for k in s.data if s else ():
-        if k not in STATUSES:
-            s.fail(f"{k[:80]} is not a status; expected {', '.join(STATUSES)}")
-        s.count(k)
-    o.boolean("passed", False)
-    o.boolean("complete", False)
-
-
-_SHARE_KEYS = ("ops_total", "ops_on_target", "ops_share", "flops_total", "flops_on_target", "flops_share")
-
-
-def _placement(o: _Obj) -> dict:
-    p = o.child("placement", "a placement", o.ctx.strict)
-    if p is None:
-        return {}
-    out = _graph_placement(p, o.ctx.strict)
-    decode = p.child("decode", "the placement of a generation's decode graph")
-    if decode is not None:
-        out["decode"] = _graph_placement(decode, o.ctx.strict)
-    return out
-
-
-def _precision(o: _Obj, placement: dict) -> dict | None:
-    """A state's placement by dtype; every kept node must be a node of its graph's placement."""
-    p = o.child("precision", "a placement by dtype ({dtype, keep_float32, casts})")
-    if p is None:
-        return None
-    out = {"dtype": p.choice("dtype", PRECISION_DTYPES, required=True)}
-    for holder, place, key in ((p, placement, None), (p.child("decode", "the decode graph's placement by dtype"),
-                                                      placement.get("decode") or {}, "decode")):
-        if holder is None:
-            continue
-        keep = holder.strings("keep_float32", required=True)
-        nodes = place.get("nodes")
-        if len(set(keep)) != len(keep):
-            holder.fail("keep_float32 names a node twice")
-        if nodes is None and keep:
-            holder.fail("keep_float32 names nodes but the placement lists none")
-        unknown = [k for k in keep if nodes is not None and k not in nodes]
-        if unknown:
-            holder.fail(f"keep_float32 names {unknown[0][:80]!r}, which is not a node of the placement")
-        entry = {"keep_float32": keep, "casts": holder.count("casts", 0)}
-        if key is None:
-            out |= entry
-        else:
-            out[key] = entry
-    return out
-
-
-def _graph_placement(p: _Obj, strict: bool) -> dict:
-    out: dict = {}
-    nodes = p.child("nodes", "a placement of nodes", strict)
-    if nodes is not None:
-        for name, where in nodes.data.items():
-            if where not in PLACES:
-                nodes.fail(f"{name[:80]} is placed on {str(where)[:40]!r}, expected {' or '.join(PLACES)}")
-        out["nodes"] = dict(nodes.data)
-    for k in _SHARE_KEYS:
-        if k.endswith("_share"):
-            v = p.number(k, required=strict)
-            if v is not None and not 0.0 <= v <= 1.0:
-                p.fail(f"{k} is {v}, expected a share between 0 and 1")
-        else:
-            v = p.count(k, None, required=strict)
-        if k in p.data:
-            out[k] = v
-    return out

@@ -1,29 +1,123 @@
-"""The strict JSON reader the verdict documents are read with: typed access to one object of a
-parsed document (:class:`_Obj`) and a nesting-depth check; every problem is a
-:class:`~tapml.errors.TapmlError` naming the file, the object's path and the key. The names
-starting with ``_`` are this package's own, never imported from outside ``tapml.judging.verdict``.
+"""How the verdict documents are read: each is declared once as a :class:`~tapml.schema.Schema`
+(the classes ending in ``JSON`` beside the types they are read into), checked with
+:func:`tapml.schema.validate` once per document, and every problem becomes a
+:class:`~tapml.errors.TapmlError` naming the file, the field's path and what is expected
+(:class:`_Reader`). What a schema cannot say stays here: the nesting depth
+(:func:`check_depth`) and the strict (resume) read's rule that every key the writer always writes
+is there (:attr:`Written.ALWAYS`). The names starting with ``_`` are this package's own, never
+imported from outside ``tapml.judging.verdict``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import re
+from typing import Annotated, Any, ClassVar, TypeVar
+
+from pydantic import AfterValidator, Field
+from pydantic_core import PydanticUndefined
 
 from tapml.errors import TapmlError
+from tapml.schema import Number, Schema, SchemaError, validate
 
 #: Bounds on what a reader accepts from a file.
 MAX_DEPTH = 32
 MAX_COUNT = (1 << 63) - 1
 
+#: A finite number of 0 or more (an error, a time, a rate, a bound).
+NonNegative = Annotated[Number, Field(ge=0)]
 
-@dataclass
-class _Ctx:
-    file: str
-    strict: bool
-    hint: str
+
+def _json_scalar(x: Any) -> Any:
+    if x is None or isinstance(x, (str, bool)):
+        return x
+    if isinstance(x, int) and abs(x) <= MAX_COUNT:
+        return x
+    if isinstance(x, float) and math.isfinite(x):
+        return x
+    raise ValueError("a finite number, string, boolean or null is expected")
+
+
+#: One JSON value that is not a container: a string, boolean, null, a 64-bit integer or a finite number.
+Scalar = Annotated[Any, AfterValidator(_json_scalar)]
+
+
+class Written(Schema):
+    """A part of a document tapml writes. ``ALWAYS``: the keys its writer always writes, which a
+    strict read (resuming) needs; a lenient read takes older files without them. A field typed
+    ``X | None`` whose default is not None takes null as "not given" in a lenient read only."""
+
+    ALWAYS: ClassVar[tuple[str, ...]] = ()
+
+
+M = TypeVar("M", bound=Schema)
+_NULLED: dict[type, dict[str, Any]] = {}
+_SCHEMA_NAME = re.compile(r"a valid dictionary or instance of \w+")
+
+
+def _nulled(cls: type) -> dict[str, Any]:
+    """The fields of ``cls`` where null stands for "not given", with their defaults."""
+    if cls not in _NULLED:
+        _NULLED[cls] = {name: f.default for name, f in cls.model_fields.items()
+                        if f.default is not None and f.default is not PydanticUndefined and f.default_factory is None}
+    return _NULLED[cls]
+
+
+class _Reader:
+    """One read of one file: ``where`` names it in messages, ``strict`` says whether every key
+    the writer always writes must be there, ``hint`` says what file was expected."""
+
+    def __init__(self, where: str, strict: bool, hint: str):
+        self.where, self.strict, self.hint = where, strict, hint
+
+    def fail(self, problem: str, what: str = ""):
+        """Raise the TapmlError of ``problem`` (``what``: the document that was expected)."""
+        where = f"{self.where} is not {what}" if what else self.where
+        raise TapmlError(f"{where}: {problem}" + (f"; {self.hint}" if self.hint else ""))
+
+    def document(self, data) -> None:
+        """Refuse parsed JSON that is no object, or nests deeper than :data:`MAX_DEPTH`."""
+        _check_depth(data, self)
+        if not isinstance(data, dict):
+            self.fail(f"its JSON is {_a(data)}, not an object", "a tapml document")
+
+    def check(self, schema: type[M], data, root: str = "") -> M:
+        """``data`` validated against ``schema`` (its path under ``root``); TapmlError otherwise."""
+        try:
+            return validate(schema, data, root)
+        except SchemaError as e:
+            self.fail(_SCHEMA_NAME.sub("an object", str(e)))
+
+    def values(self, m: Written, path: str = "") -> dict:
+        """The fields of ``m`` as keyword arguments, null that stands for "not given" as its
+        default; in a strict read, TapmlError unless every key of ``ALWAYS`` was given, and none
+        of those nulls."""
+        out = dict(m.__dict__)
+        nulled = _nulled(type(m))
+        for name, default in nulled.items():
+            if out[name] is None:
+                if self.strict and name in m.model_fields_set:
+                    self.fail(f"{_at(path, name)} is null, expected {_a(default)}")
+                out[name] = default
+        if self.strict:
+            for key in m.ALWAYS:
+                if key not in m.model_fields_set:
+                    self.fail(f"{path or 'the document'} lacks {key}")
+        return out
+
+    def present(self, m: Written, keys: tuple[str, ...], path: str = "") -> dict:
+        """The fields of ``keys`` that ``m`` was given, in that order (checked as :meth:`values`)."""
+        given = self.values(m, path)
+        return {k: given[k] for k in keys if k in m.model_fields_set}
+
+
+def _at(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
 
 
 def _a(x) -> str:
+    if isinstance(x, Schema):
+        return "an object"
     name = {dict: "object", list: "list", str: "string", bool: "boolean", int: "integer", float: "number",
             type(None): "null"}.get(type(x), type(x).__name__)
     return f"an {name}" if name[0] in "aeiou" else f"a {name}"
@@ -31,148 +125,19 @@ def _a(x) -> str:
 
 def check_depth(data, where: str, hint: str = "") -> None:
     """TapmlError naming ``where`` when parsed JSON ``data`` nests deeper than :data:`MAX_DEPTH`."""
-    _check_depth(data, _Ctx(where, True, hint))
+    _check_depth(data, _Reader(where, True, hint))
 
 
-def _check_depth(data, ctx: _Ctx) -> None:
+def _check_depth(data, reader: _Reader) -> None:
     stack = [(data, 1)]
     while stack:
         x, depth = stack.pop()
         if depth > MAX_DEPTH:
-            raise TapmlError(f"{ctx.file} is not a tapml file: it nests deeper than {MAX_DEPTH} levels" +
-                             (f"; {ctx.hint}" if ctx.hint else ""))
+            reader.fail(f"it nests deeper than {MAX_DEPTH} levels", "a tapml file")
         if isinstance(x, dict):
             stack.extend((v, depth + 1) for v in x.values())
         elif isinstance(x, list):
             stack.extend((v, depth + 1) for v in x)
 
 
-_MISSING = object()
-
-
-class _Obj:
-    """Typed access to one JSON object of a document; every problem is a TapmlError naming the
-    file, the object's path (``cases[3]``) and the key."""
-
-    def __init__(self, data, ctx: _Ctx, path: str, what: str, top: bool = False):
-        self.ctx, self.path, self.what = ctx, path, what
-        if not isinstance(data, dict):
-            self.fail(f"{'its JSON' if top else 'it'} is {_a(data)}, not an object")
-        self.data = data
-
-    def fail(self, problem: str):
-        where = f"{self.ctx.file}: {self.path}" if self.path else self.ctx.file
-        raise TapmlError(f"{where} is not {self.what}: {problem}" + (f"; {self.ctx.hint}" if self.ctx.hint else ""))
-
-    def _get(self, key: str, default, required: bool):
-        if key not in self.data:
-            if required or default is _MISSING:
-                self.fail(f"it lacks {key}")
-            return _MISSING
-        return self.data[key]
-
-    def _bad(self, key: str, value, expected: str):
-        self.fail(f"{key} is {_a(value)}, expected {expected}")
-
-    def string(self, key: str, default=_MISSING, required: bool = False) -> str | None:
-        v = self._get(key, default, required)
-        if v is _MISSING or (v is None and self._null_ok(default)):
-            return default
-        if not isinstance(v, str):
-            self._bad(key, v, "a string")
-        return v
-
-    def _null_ok(self, default) -> bool:
-        # null where a field may be null; in a lenient read, null also stands for "not given"
-        return default is None or (default is not _MISSING and not self.ctx.strict)
-
-    def choice(self, key: str, choices: tuple[str, ...], default=_MISSING, required: bool = False) -> str | None:
-        v = self.string(key, default, required)
-        if v is not None and v not in choices:
-            self.fail(f"{key} is {v[:80]!r}, expected one of {', '.join(choices)}")
-        return v
-
-    def number(self, key: str, required: bool = False) -> float | None:
-        v = self._get(key, None, required)
-        if v is _MISSING or v is None:
-            return None
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            self._bad(key, v, "a number or null")
-        try:
-            f = float(v)
-        except OverflowError:
-            f = math.inf
-        if not math.isfinite(f):
-            self.fail(f"{key} is not a finite number")
-        return f
-
-    def count(self, key: str, default=_MISSING, required: bool = False) -> int | None:
-        v = self._get(key, default, required)
-        if v is _MISSING or (v is None and self._null_ok(default)):
-            return default
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_COUNT:
-            self.fail(f"{key} is {_a(v) if not isinstance(v, int) or isinstance(v, bool) else 'out of range'}, "
-                      "expected a non-negative integer")
-        return v
-
-    def boolean(self, key: str, default=_MISSING) -> bool:
-        v = self._get(key, default, False)
-        if v is _MISSING:
-            return default
-        if not isinstance(v, bool):
-            self._bad(key, v, "true or false")
-        return v
-
-    def strings(self, key: str, required: bool = False) -> list[str]:
-        v = self._get(key, [], required)
-        if v is _MISSING or v is None:
-            return []
-        if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-            self.fail(f"{key} is not a list of strings")
-        return list(v)
-
-    def objects(self, key: str, cls, what: str, required: bool = False) -> list:
-        v = self._get(key, [], required)
-        if v is _MISSING or v is None:
-            return []
-        if not isinstance(v, list):
-            self._bad(key, v, "a list")
-        prefix = f"{self.path}." if self.path else ""
-        return [cls._read(_Obj(item, self.ctx, f"{prefix}{key}[{i}]", what)) for i, item in enumerate(v)]
-
-    def object(self, key: str, cls, what: str):
-        v = self._get(key, None, False)
-        if v is _MISSING or v is None:
-            return None
-        prefix = f"{self.path}." if self.path else ""
-        return cls._read(_Obj(v, self.ctx, prefix + key, what))
-
-    def child(self, key: str, what: str, required: bool = False) -> "_Obj | None":
-        v = self._get(key, None, required)
-        if v is None and required:
-            self._bad(key, v, what)
-        if v is _MISSING or v is None:
-            return None
-        prefix = f"{self.path}." if self.path else ""
-        return _Obj(v, self.ctx, prefix + key, what)
-
-    def worst(self, key: str) -> list[dict]:
-        v = self._get(key, [], False)
-        if v is _MISSING or v is None:
-            return []
-        if not isinstance(v, list):
-            self._bad(key, v, "a list")
-        out = []
-        for i, w in enumerate(v):
-            if not (isinstance(w, dict) and isinstance(w.get("index"), list)
-                    and all(isinstance(x, int) and not isinstance(x, bool) for x in w["index"])
-                    and all(_scalar(w.get(k)) for k in ("target", "reference"))):
-                self.fail(f"{key}[{i}] is not a worst element ({{\"index\": [ints], \"target\", \"reference\"}})")
-            out.append({"index": list(w["index"]), "target": w.get("target"), "reference": w.get("reference")})
-        return out
-
-
-def _scalar(x) -> bool:
-    if isinstance(x, float):
-        return math.isfinite(x)
-    return x is None or isinstance(x, (str, bool, int))
+__all__ = ["MAX_DEPTH", "MAX_COUNT", "NonNegative", "Scalar", "Written", "check_depth"]

@@ -1,14 +1,16 @@
 """The result vocabulary: what one check ends in (:class:`Verdict` and its kinds), what a failure
-is blamed on (:class:`Culprit`), the closed sets their fields draw from, and the one mapping from
-a run's outcome to a verdict (:func:`outcome_verdict`)."""
+is blamed on (:class:`Culprit`), the closed sets their fields draw from, the schemas they are read
+by (:class:`VerdictJSON` and the other classes ending in ``JSON``, one per type) and the one
+mapping from a run's outcome to a verdict (:func:`outcome_verdict`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, ClassVar, Iterable, Literal
 
 from tapml.errors import DeviceLost, PlatformError, Unsupported
-from tapml.judging.verdict.reading import _Ctx, _Obj
+from tapml.judging.verdict.reading import NonNegative, Scalar, Written, _Reader
+from tapml.schema import Bool, Count, Int, Number, Str
 
 if TYPE_CHECKING:
     from tapml.judging.compare import Comparison
@@ -40,6 +42,114 @@ UNIT_KINDS = ("op", "region", "model")
 #: The graphs of a generation store a migration checks, one pass each (units and culprits say which).
 GRAPH_KINDS = ("prefill", "decode")
 
+
+
+# --- the schemas they are read by ----------------------------------------------------------
+
+class WorstJSON(Written):
+    """One of the elements a comparison found furthest off: its index and both values."""
+
+    index: list[Int]
+    target: Scalar = None
+    reference: Scalar = None
+
+
+class EvidenceJSON(Written):
+    """What a verdict and a culprit both say of a failure: error statistics, the message, the
+    worst elements and how it was judged (a rule of :data:`RULES`, its bound and margin)."""
+
+    max_abs_err: Number | None = None
+    max_rel_err: Number | None = None
+    mismatch_fraction: Number | None = None
+    message: Str | None = ""
+    worst: list[WorstJSON] = []
+    rule: Literal[RULES] | None = None
+    bound: NonNegative | None = None
+    margin: NonNegative | None = None
+
+
+class VerdictJSON(EvidenceJSON):
+    """A :class:`Verdict`: a status of :data:`STATUSES`, its evidence and run time."""
+
+    ALWAYS = STAT_KEYS + ("message", "time_ms")
+    status: Literal[STATUSES]
+    time_ms: Number | None = None
+    worst_output: Str | None = None
+
+
+class CaseVerdictJSON(VerdictJSON):
+    """A :class:`CaseVerdict`."""
+
+    ALWAYS = ("id", "node", "module", "instances") + VerdictJSON.ALWAYS
+    id: Str | None = ""
+    op: Str
+    node: Str | None = ""
+    module: Str | None = ""
+    instances: Count | None = 1
+    device_ms: NonNegative | None = None
+    gflops: NonNegative | None = None
+    gbps: NonNegative | None = None
+    baseline_ms: NonNegative | None = None
+    compile_s: NonNegative | None = None
+    run_s: NonNegative | None = None
+    timing: Literal[TIMINGS] | None = None
+    shapes: Str | None = None
+    device: Str | None = None
+    compile_cached: Bool | None = None
+    blame: Literal[BLAME] | None = None
+    control: Str | None = None
+    control_status: Literal[STATUSES] | None = None
+
+
+class RegionCheckJSON(VerdictJSON):
+    """A :class:`RegionCheck`."""
+
+    first: Str | None = ""
+    last: Str | None = ""
+    nodes: Count | None = 0
+
+
+class UnitVerdictJSON(VerdictJSON):
+    """A :class:`UnitVerdict`."""
+
+    ALWAYS = ("id", "kind", "role", "module", "nodes", "on_target") + VerdictJSON.ALWAYS
+    id: Str | None = ""
+    kind: Literal[UNIT_KINDS] | None = "region"
+    role: Str | None = ""
+    module: Str | None = ""
+    nodes: list[Str] = []
+    on_target: Count | None = None
+    regions: Count | None = None
+    region_checks: list[RegionCheckJSON] | None = None
+    graph: Literal[GRAPH_KINDS] | None = None
+
+
+class EndToEndJSON(VerdictJSON):
+    """An :class:`EndToEnd`."""
+
+    regions: Count | None = None
+
+
+class CulpritJSON(EvidenceJSON):
+    """A :class:`Culprit` (an older one may lack its ``ops`` and ``nodes``: its op and node are)."""
+
+    kind: Literal[CULPRIT_KINDS] | None = "op"
+    op: Str | None = "?"
+    ops: list[Str] = []
+    node: Str | None = ""
+    nodes: list[Str] = []
+    module: Str | None = ""
+    status: Literal[STATUSES] | None = "mismatch"
+    unit: Str | None = None
+    case: Str | None = None
+    region: Str | None = None
+    probes: Count | None = None
+    graph: Literal[GRAPH_KINDS] | None = None
+    step: Count | None = None
+
+
+def _worst(worst: list[WorstJSON]) -> list[dict]:
+    return [{"index": w.index, "target": w.target, "reference": w.reference} for w in worst]
 
 # --- the verdict ---------------------------------------------------------------------------
 
@@ -77,23 +187,19 @@ class Verdict:
         out.update({k: getattr(self, k) for k in JUDGE_KEYS if getattr(self, k) is not None})
         return out
 
-    @classmethod
-    def _read_outcome(cls, o: "_Obj") -> dict:
-        strict = o.ctx.strict
-        return {"status": o.choice("status", STATUSES, required=True),
-                **{k: o.number(k, required=strict) for k in STAT_KEYS},
-                "message": o.string("message", "", required=strict),
-                "time_ms": o.number("time_ms", required=strict),
-                "worst": o.worst("worst"), "worst_output": o.string("worst_output", None), **_judged(o)}
+    #: The schema a verdict of this class is read by.
+    JSON: ClassVar[type[VerdictJSON]] = VerdictJSON
 
     @classmethod
     def from_json(cls, data, where: str = "<verdict>", *, strict: bool = False, hint: str = "") -> "Verdict":
-        """Validate a parsed verdict (see :class:`MigrationState.from_json`)."""
-        return cls._read(_Obj(data, _Ctx(where, strict, hint), "", "a verdict"))
+        """Validate a parsed verdict against :attr:`JSON` (see :class:`MigrationState.from_json`)."""
+        r = _Reader(where, strict, hint)
+        return cls._read(r, r.check(cls.JSON, data))
 
     @classmethod
-    def _read(cls, o: "_Obj") -> "Verdict":
-        return cls(**cls._read_outcome(o))
+    def _read(cls, r: _Reader, m: VerdictJSON, path: str = "") -> "Verdict":
+        """The verdict of the validated ``m`` (at ``path`` of its document)."""
+        return cls(**{**r.values(m, path), "worst": _worst(m.worst)})
 
 
 @dataclass(kw_only=True)
@@ -142,20 +248,7 @@ class CaseVerdict(Verdict):
                 out[k] = getattr(self, k)
         return out
 
-    @classmethod
-    def _read(cls, o: "_Obj") -> "CaseVerdict":
-        strict = o.ctx.strict
-        speed = {k: o.number(k) for k in ("device_ms", "gflops", "gbps", "baseline_ms", "compile_s", "run_s")}
-        for k, v in speed.items():
-            if v is not None and v < 0:
-                o.fail(f"{k} is {v}, expected a time or rate of 0 or more")
-        return cls(id=o.string("id", "", required=strict), op=o.string("op", required=True),
-                   node=o.string("node", "", required=strict), module=o.string("module", "", required=strict),
-                   instances=o.count("instances", 1, required=strict), **speed,
-                   timing=o.choice("timing", TIMINGS, None), shapes=o.string("shapes", None),
-                   device=o.string("device", None), compile_cached=o.boolean("compile_cached", None),
-                   blame=o.choice("blame", BLAME, None), control=o.string("control", None),
-                   control_status=o.choice("control_status", STATUSES, None), **cls._read_outcome(o))
+    JSON = CaseVerdictJSON
 
 
 @dataclass(kw_only=True)
@@ -169,10 +262,7 @@ class RegionCheck(Verdict):
     def to_json(self) -> dict:
         return {"first": self.first, "last": self.last, "nodes": self.nodes, **super().to_json()}
 
-    @classmethod
-    def _read(cls, o: "_Obj") -> "RegionCheck":
-        return cls(first=o.string("first", ""), last=o.string("last", ""), nodes=o.count("nodes", 0),
-                   **cls._read_outcome(o))
+    JSON = RegionCheckJSON
 
 
 @dataclass(kw_only=True)
@@ -204,15 +294,13 @@ class UnitVerdict(Verdict):
             out["region_checks"] = [r.to_json() for r in self.region_checks]
         return out
 
+    JSON = UnitVerdictJSON
+
     @classmethod
-    def _read(cls, o: "_Obj") -> "UnitVerdict":
-        strict = o.ctx.strict
-        checks = o.objects("region_checks", RegionCheck, "a region check", required=False)
-        return cls(id=o.string("id", "", required=strict), kind=o.choice("kind", UNIT_KINDS, "region", required=strict),
-                   role=o.string("role", "", required=strict), module=o.string("module", "", required=strict),
-                   nodes=o.strings("nodes", required=strict), on_target=o.count("on_target", None, required=strict),
-                   regions=o.count("regions", None), region_checks=checks if "region_checks" in o.data else None,
-                   graph=o.choice("graph", GRAPH_KINDS, None), **cls._read_outcome(o))
+    def _read(cls, r: _Reader, m: UnitVerdictJSON, path: str = "") -> "UnitVerdict":
+        checks = m.region_checks
+        return cls(**{**r.values(m, path), "worst": _worst(m.worst), "region_checks": None if checks is None else
+                      [RegionCheck._read(r, c, f"{path}.region_checks[{i}]") for i, c in enumerate(checks)]})
 
 
 @dataclass(kw_only=True)
@@ -224,9 +312,7 @@ class EndToEnd(Verdict):
     def to_json(self) -> dict:
         return {**super().to_json(), "regions": self.regions}
 
-    @classmethod
-    def _read(cls, o: "_Obj") -> "EndToEnd":
-        return cls(regions=o.count("regions", None), **cls._read_outcome(o))
+    JSON = EndToEndJSON
 
 
 @dataclass(kw_only=True)
@@ -283,25 +369,11 @@ class Culprit:
         return out
 
     @classmethod
-    def _read(cls, o: "_Obj") -> "Culprit":
-        op = o.string("op", "?")
-        node = o.string("node", "")
-        return cls(kind=o.choice("kind", CULPRIT_KINDS, "op"), op=op, ops=o.strings("ops") or [op], node=node,
-                   nodes=o.strings("nodes") or ([node] if node else []), module=o.string("module", ""),
-                   status=o.choice("status", STATUSES, "mismatch"), **{k: o.number(k) for k in STAT_KEYS},
-                   message=o.string("message", ""), worst=o.worst("worst"), unit=o.string("unit", None),
-                   case=o.string("case", None), region=o.string("region", None), probes=o.count("probes", None),
-                   graph=o.choice("graph", GRAPH_KINDS, None), step=o.count("step", None),
-                   **_judged(o))
-
-
-def _judged(o: "_Obj") -> dict:
-    """The :data:`JUDGE_KEYS` of a verdict or culprit: a rule of :data:`RULES`, bound and margin >= 0."""
-    judged = {"rule": o.choice("rule", RULES, None), **{k: o.number(k) for k in ("bound", "margin")}}
-    for k in ("bound", "margin"):
-        if judged[k] is not None and judged[k] < 0:
-            o.fail(f"{k} is {judged[k]}, expected 0 or more")
-    return judged
+    def _read(cls, r: _Reader, m: CulpritJSON, path: str = "") -> "Culprit":
+        """The culprit of the validated ``m``; an older one without ``ops``/``nodes`` has its op and node."""
+        v = r.values(m, path)
+        return cls(**{**v, "ops": v["ops"] or [v["op"]], "nodes": v["nodes"] or ([v["node"]] if v["node"] else []),
+                      "worst": _worst(m.worst)})
 
 
 def culprit_kind(status: str, nodes: int, alone: bool) -> str:
