@@ -170,7 +170,7 @@ def test_the_state_records_the_placement_by_dtype_and_reads_back(absorbed, tmp_p
     for damage, problem in ((lambda p: p["keep_float32"].append("../../etc/passwd"), "not a node of the placement"),
                             (lambda p: p["keep_float32"].append("mul"), "names a node twice"),
                             (lambda p: p.update(dtype="float32"), "dtype"),
-                            (lambda p: p.update(keep_float32="mul"), "not a list of strings"),
+                            (lambda p: p.update(keep_float32="mul"), "keep_float32 is 'mul': input should be a valid list"),
                             (lambda p: p.update(casts=-1), "casts")):
         doc = json.loads(json.dumps(good))
         damage(doc["precision"])

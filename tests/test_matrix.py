@@ -116,9 +116,9 @@ def test_document_keeps_each_verdict_unchanged_and_reads_back():
 @pytest.mark.parametrize("change, problem", [
     (lambda d: d.update(targets=["reference"]), "one entry per target"),
     (lambda d: d.update(targets=["reference", "reference", "wgpu:gl"]), "appears twice"),
-    (lambda d: d.update(targets="reference"), "not a non-empty list of strings"),
+    (lambda d: d.update(targets="reference"), "targets is 'reference': input should be a valid list"),
     (lambda d: d["verdicts"].update({"wgpu:gl": MADE_UP["reference"]}), "holds the verdicts of target 'reference'"),
-    (lambda d: d.update(matrix=[1, 2]), "matrix is not an object"),
+    (lambda d: d.update(matrix=[1, 2]), "matrix is [1, 2]: input should be a valid dictionary"),
     (lambda d: d.update(format_version=99), "newer than this tapml reads"),
     (lambda d: d["verdicts"]["wgpu:gl"]["cases"][0].update(status="great"), "status is 'great'"),
 ])

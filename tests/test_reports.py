@@ -227,8 +227,8 @@ def test_minimal_verdicts_missing_optional_keys_still_render(tmp_path):
     ("not json", "is not valid JSON"),
     ("[1, 2]", "not an object"),
     ('{"target": "x"}', "lacks cases"),
-    ('{"target": "x", "cases": [{"op": "a", "status": "fine"}]}', "cases[0] is not a verdict"),
-    ('{"target": "x", "cases": [], "units": [{"id": "u"}]}', "units[0] is not a unit verdict"),
+    ('{"target": "x", "cases": [{"op": "a", "status": "fine"}]}', "cases[0].status is 'fine': input should be 'pass'"),
+    ('{"target": "x", "cases": [], "units": [{"id": "u"}]}', "units[0] lacks status"),
 ])
 def test_bad_input_exits_2_with_what_to_fix(tmp_path, content, expect):
     bad = tmp_path / "bad.json"
