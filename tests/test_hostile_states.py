@@ -3,6 +3,7 @@ and a message naming the file and the field (never a traceback), a journal recor
 fit its schema is never trusted, and real documents survive a typed round trip unchanged."""
 
 import json
+import re
 import os
 import shutil
 from pathlib import Path
@@ -626,3 +627,80 @@ def test_a_journal_resumes_only_on_the_store_it_recorded(tmp_path):
     assert recorded_store(tmp_path / "s.json") == "a" * 64
     with pytest.raises(TapmlError, match="store_manifest_sha256: journal has 'a+', now 'b+'"):
         Journal(path, {"format": "f", "target": "reference", "store_manifest_sha256": "b" * 64}, resume=True)
+
+
+# --- a wrong type anywhere is refused naming its path ---------------------------------------
+
+def _nodes(x, path=()):
+    """Every (path, value) below parsed JSON ``x``: containers and leaves."""
+    items = x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, list) else ()
+    for k, v in items:
+        yield path + (k,), v
+        yield from _nodes(v, path + (k,))
+
+
+def _shown_path(path) -> str:
+    """A path as messages write it: ``cases[3].status``, ``tolerances['aten.mm.default'][0]``."""
+    out = ""
+    for k in path:
+        out += f"[{k}]" if isinstance(k, int) else (f".{k}" if out else k) if k.isidentifier() else f"[{k!r}]"
+    return out
+
+
+def _any_scalar(path) -> bool:
+    # a worst element's values and a device limit may be any number, string, boolean or null
+    return (len(path) >= 2 and path[-1] in ("target", "reference") and "worst" in path) or path[:2] == ("device", "limits")
+
+
+#: Values of another JSON type than a leaf of each type holds (a float field takes an integer,
+#: a nullable field its type: a null leaf gets a list of integers, which no nullable field takes).
+_WRONG = {str: lambda st: st.integers() | st.booleans() | st.lists(st.integers(), max_size=2) | st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+          int: lambda st: st.text(max_size=5) | st.booleans() | st.lists(st.integers(), max_size=2),
+          float: lambda st: st.text(max_size=5) | st.booleans() | st.lists(st.floats(allow_nan=False), max_size=2),
+          bool: lambda st: st.text(max_size=5) | st.integers() | st.floats(allow_nan=False, allow_infinity=False),
+          type(None): lambda st: st.lists(st.integers(), min_size=1, max_size=2),
+          list: lambda st: st.text(max_size=5) | st.integers() | st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+          dict: lambda st: st.text(max_size=5) | st.integers() | st.lists(st.integers(), min_size=1, max_size=2)}
+
+
+def test_a_wrong_type_at_any_field_path_is_refused_naming_that_path(real):
+    """Hypothesis puts a value of another JSON type at a field of a real migration state, replay
+    Verdict JSON or journal record (every path of every one of them, containers included):
+    the strict and the lenient read both refuse it with TapmlError naming the file and that path."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from tapml.judging.verdict import journal_record
+    records = [json.loads(line) for line in journal_path(real["work"] / "fault.json").read_text().splitlines()[1:]]
+    record = next(r for r in records if r["key"].startswith("unit:"))
+    docs = {"fault": real["fault"], "replay": real["replay"], "case": next(r for r in records if r["key"].startswith("case:"))["record"],
+            "unit": record["record"], "device": next(r for r in records if r["key"] == "device")["record"]}
+    keys = {"case": next(r["key"] for r in records if r["key"].startswith("case:")), "unit": record["key"], "device": "device"}
+    paths = sorted({(name, path) for name, doc in docs.items() for path, _ in _nodes(doc) if not _any_scalar(path)
+                    and (name not in keys or path[0] != "id")}, key=repr)  # a record's id is checked against its key
+    assert len(paths) > 300
+    tried = set()
+
+    @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(st.data())
+    def check(data):
+        name, path = data.draw(st.sampled_from(paths))
+        doc = json.loads(json.dumps(docs[name]))
+        holder = doc
+        for k in path[:-1]:
+            holder = holder[k]
+        holder[path[-1]] = data.draw(_WRONG[type(holder[path[-1]])](st))
+        tried.add((name, path))
+        for strict in (True, False):
+            with pytest.raises(TapmlError) as e:
+                if name in keys:
+                    journal_record(keys[name], doc, "j.journal line 3", "start over")
+                else:
+                    VerdictDocument.from_json(doc, "s.json", strict=strict)
+            where, shown = ("j.journal line 3: record", f"record.{_shown_path(path)}") if name in keys else \
+                ("s.json: ", _shown_path(path))
+            assert str(e.value).startswith(where) and re.search(rf"\b{re.escape(shown)}(\W|$)", str(e.value)), \
+                (name, path, holder[path[-1]], str(e.value))
+
+    check()
+    assert len(tried) > 150
