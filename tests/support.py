@@ -396,3 +396,23 @@ def shipping_code(checkpoint: Path, tmp_path: Path) -> tuple[Path, Path, dict]:
     config["auto_map"] = {"AutoModelForCausalLM": "modeling_tiny.ShippedLlama"}
     (folder / "config.json").write_text(json.dumps(config))
     return folder, marker, {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_MODULES_CACHE": str(tmp_path / "modules")}
+
+
+def undeclared(model, data, path: str = "") -> list[str]:
+    """The keys of parsed JSON ``data`` that the schema ``model`` was validated from does not
+    declare, at every level (a writer's field its reader's schema would silently drop):
+    ``[]`` when the writer and its schema agree."""
+    from tapml.schema import Schema
+    fields = type(model).model_fields
+    declared = {f.alias or name: name for name, f in fields.items()}
+    out = [f"{path}.{k}".lstrip(".") for k in data if k not in declared]
+    for key, name in declared.items():
+        value, held = getattr(model, name), data.get(key)
+        if isinstance(value, Schema) and isinstance(held, dict):
+            out += undeclared(value, held, f"{path}.{key}")
+        elif isinstance(value, list) and isinstance(held, list):
+            out += [p for i, (v, d) in enumerate(zip(value, held)) if isinstance(v, Schema)
+                    for p in undeclared(v, d, f"{path}.{key}[{i}]")]
+        elif isinstance(value, dict) and isinstance(held, dict):
+            out += [p for k, v in value.items() if isinstance(v, Schema) for p in undeclared(v, held[k], f"{path}.{key}.{k}")]
+    return out

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from support import undeclared
 from typer.testing import CliRunner
 
 from tapml.cli import app
@@ -152,6 +153,16 @@ def test_every_command_that_writes_json_says_its_kind_and_renders(carved, tmp_pa
         assert data["kind"] == kind and data["format_version"] == KINDS[kind]["format_version"], name
         assert document_kind(data) == kind
     assert json.loads((d / "migrate.json").read_text())["kind"] == "migration-state"
+    # every key each writer wrote is declared by the schema its reader validates it with
+    from tapml.judging import verdict as v
+    from tapml.reports.schemas import MatrixJSON
+    from tapml.schema import validate
+    schemas = {"verdict": v.VerdictDocumentJSON, "migration-state": v.MigrationStateJSON, "matrix": MatrixJSON,
+               "preflight": v.PreflightJSON, "generation": v.GenerationJSON, "precision": v.PrecisionJSON}
+    docs = [json.loads((d / name).read_text()) for _, name, kind in runs if kind in schemas]
+    docs += list(json.loads((d / "matrix.json").read_text())["verdicts"].values())
+    for data in docs:
+        assert undeclared(validate(schemas[data["kind"]], data), data) == ["kind"], data["kind"]
     header = json.loads((d / "state.json.journal").read_text().splitlines()[0])["header"]
     assert header["kind"] == "journal-header"
     assert json.loads((d / "gen16.json").read_text())["keep_float32"]  # the field that fooled the old rules

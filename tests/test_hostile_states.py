@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from support import KINDS, make_kind, no_hang
+from support import KINDS, make_kind, no_hang, undeclared
 from typer.testing import CliRunner
 
 from tapml.errors import DeviceLost, PlatformError, TapmlError, Unsupported
@@ -65,6 +65,22 @@ def test_real_states_and_verdicts_round_trip_unchanged(real):
     assert type(replay) is VerdictDocument and replay.to_json() == real["replay"]
     assert real["replay"]["summary"] == summary(replay.cases) and not replay.passed
     assert {c.status for c in replay.cases} == {"pass", "mismatch"}
+
+
+def test_every_field_the_writers_write_is_declared_by_the_schema_that_reads_it(real):
+    """The schema a document is read with declares every key its writer wrote, at every level
+    (kind is read by document_kind before it), so nothing a writer adds is dropped unread: the
+    states, the replay Verdict JSON and every record of a journal."""
+    from tapml.judging.verdict import CaseVerdictJSON, DeviceJSON, MigrationStateJSON, UnitVerdictJSON, VerdictDocumentJSON
+    from tapml.schema import validate
+    for name, schema in (("clean", MigrationStateJSON), ("fault", MigrationStateJSON), ("replay", VerdictDocumentJSON)):
+        assert undeclared(validate(schema, real[name]), real[name]) == ["kind"], name
+    lines = journal_path(real["work"] / "fault.json").read_text().splitlines()
+    schemas = {"device": DeviceJSON, "case": CaseVerdictJSON, "unit": UnitVerdictJSON}
+    for line in map(json.loads, lines[1:]):
+        schema = schemas[line["key"].partition(":")[0]]
+        assert undeclared(validate(schema, line["record"]), line["record"]) == [], line["key"]
+    assert {json.loads(x)["key"].partition(":")[0] for x in lines[1:]} == set(schemas)
 
 
 def test_older_files_without_format_version_or_worst_still_read(real):

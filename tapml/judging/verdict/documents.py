@@ -60,7 +60,7 @@ class DeviceJSON(Written):
     adapter: Str | None = ""
     backend: Str | None = ""
     features: list[Str] = []
-    limits: dict[Str, Scalar] | None = {}
+    limits: dict[Str, Scalar] | None = None
     low_precision: LowPrecisionJSON | None = None
     float_model: FloatModelJSON | None = None
     loop_cap: Count | None = None
@@ -144,7 +144,7 @@ def _device(r: _Reader, m: DeviceJSON | None, path: str = "device") -> dict | No
     if m is None:
         return None
     v = r.values(m, path)
-    out = {"adapter": v["adapter"], "backend": v["backend"], "features": v["features"], "limits": v["limits"]}
+    out = {"adapter": v["adapter"], "backend": v["backend"], "features": v["features"], "limits": v["limits"] or {}}
     if m.low_precision is not None:
         out["low_precision"] = r.present(m.low_precision, ("float16", "bfloat16"), f"{path}.low_precision")
     if m.float_model is not None:
