@@ -31,12 +31,14 @@ class MatrixJSON(Schema):
 
 
 class FleetDeviceJSON(Schema):
-    """One device of a fleet run and why it dropped out (``status``, ``ok`` when it did not)."""
+    """One device of a fleet run: how many cases it ``served`` and why it dropped out (``status``,
+    ``ok`` when it did not)."""
 
     target: Name
     adapter: Str = ""
     backend: Str = ""
     platform: Str = ""
+    served: Count = 0
     status: Str = ""
 
 

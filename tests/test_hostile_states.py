@@ -645,6 +645,39 @@ def test_a_journal_resumes_only_on_the_store_it_recorded(tmp_path):
         Journal(path, {"format": "f", "target": "reference", "store_manifest_sha256": "b" * 64}, resume=True)
 
 
+def test_fleet_and_matrix_documents_of_real_verdicts_read_back_and_malformed_ones_name_the_field(real):
+    """A fleet document (``fleet_document``, the writer of ``tapml fleet --json``) and a multi-target
+    one of real Verdict JSON read back, every key declared; each malformed field is refused with
+    the file, the field's path and what is expected."""
+    from tapml.reports.data import fleet_document, matrix_document, parse_fleet_document, parse_matrix_document
+    from tapml.reports.schemas import FleetJSON, MatrixJSON
+    from tapml.schema import validate
+    replay = real["replay"]
+    device = {"target": "reference", "adapter": "cpu", "backend": "torch", "platform": "reference", "served": 10,
+              "status": "ok"}
+    fleet = json.loads(json.dumps(fleet_document({"zoo:mlp": {"reference": replay}}, [device], left_out={"x": "gone"})))
+    matrix = json.loads(json.dumps(matrix_document({"reference": replay})))
+    assert undeclared(validate(FleetJSON, fleet), fleet) == ["kind"] and undeclared(validate(MatrixJSON, matrix), matrix) == ["kind"]
+    assert [s.target for s in parse_fleet_document(fleet, "f.json")] == ["reference"]
+    assert [s.target for s in parse_matrix_document(matrix, "m.json")] == ["reference"]
+    for change, expect in (
+            (lambda d: d.update(models="zoo:mlp"), "models is 'zoo:mlp': input should be a valid list"),
+            (lambda d: d.update(models=[]), "models is []: list should have at least 1 item"),
+            (lambda d: d["devices"][0].update(target=""), "devices[0].target is '': string should have at least 1 character"),
+            (lambda d: d["devices"][0].update(served="10"), "devices[0].served is '10': input should be a valid integer"),
+            (lambda d: d["devices"].append(dict(device)), "a device appears twice in devices"),
+            (lambda d: d.update(left_out={"x": 1}), "left_out.x is 1: input should be a valid string"),
+            (lambda d: d["runs"]["zoo:mlp"].update({"wgpu:gl": replay}), "runs['zoo:mlp'] is not an object keyed by targets"),
+            (lambda d: d["runs"]["zoo:mlp"]["reference"]["cases"][0].update(op=5),
+             "runs['zoo:mlp']['reference'] is not a verdict file: cases[0].op is 5: input should be a valid string"),
+            (lambda d: d.update(format_version=9), "format_version 9 is newer")):
+        bad = json.loads(json.dumps(fleet))
+        change(bad)
+        with pytest.raises(TapmlError) as e:
+            parse_fleet_document(bad, "f.json")
+        assert str(e.value).startswith("f.json") and expect in str(e.value), (expect, str(e.value))
+
+
 # --- a wrong type anywhere is refused naming its path ---------------------------------------
 
 def _nodes(x, path=()):
@@ -714,7 +747,7 @@ def test_a_wrong_type_at_any_field_path_is_refused_naming_that_path(real):
                 else:
                     VerdictDocument.from_json(doc, "s.json", strict=strict)
             where, shown = ("j.journal line 3: record", f"record.{_shown_path(path)}") if name in keys else \
-                ("s.json: ", _shown_path(path))
+                ("s.json is not a verdict file: ", _shown_path(path))
             assert str(e.value).startswith(where) and re.search(rf"\b{re.escape(shown)}(\W|$)", str(e.value)), \
                 (name, path, holder[path[-1]], str(e.value))
 

@@ -91,7 +91,8 @@ def test_resolver_refuses_what_names_nothing(absorbed, mlp, tmp_path):
         resolve_keep_float32({"model": mlp.graph}, [mlp.graph.nodes[0].name])
     hostile = tmp_path / "p.json"
     hostile.write_text(json.dumps({"kind": "precision", "dtype": "float16", "target": "reference", "ops": [],
-                                   "keep_float32": ["../../etc/passwd"], "end_to_end": {}}))
+                                   "keep_float32": ["../../etc/passwd"],
+                                   "end_to_end": {"before": {"status": "pass"}, "after": {"status": "pass"}}}))
     with pytest.raises(TapmlError, match="keep_float32 names '../../etc/passwd'"):
         read_keep_items([str(hostile)])
     with pytest.raises(TapmlError, match="cannot read"):

@@ -232,14 +232,14 @@ class VerdictDocument:
         ``where``, the field's path and what is expected when it is malformed. ``strict``: every
         key the writer always writes must be there (for resuming); ``required``: keys that
         must be there in any read (a required target is a string, never null)."""
-        r = _Reader(where, strict, hint)
+        r = _Reader(where, strict, hint, "a verdict file")
         r.document(data)
         version = data.get("format_version", 0)
         if type(version) is int and version > FORMAT_VERSION:
             r.fail(f"format_version {version} is newer than this tapml reads ({FORMAT_VERSION}); upgrade tapml")
         kind = document_kind(data, where)
         if kind not in (None, "verdict", "migration-state"):
-            r.fail(f"it is a {kind} document, not a verdict file or migration state")
+            r.fail(f"it is a {kind} document, not a verdict file or migration state", "a verdict file")
         if kind is None:  # an older document (kinds.FALLBACK_RULES): a state has one of the state's keys
             kind = "migration-state" if any(k in data for k in STATE_KEYS) else "verdict"
         migration = cls is MigrationState or (cls is VerdictDocument and kind == "migration-state")
@@ -402,15 +402,15 @@ class GenerationJSON(Written):
 
 def _open_document(data, where: str, hint: str, kind: str, noun: str, older: bool = True) -> _Reader:
     """The (strict) reader of a parsed document that must be of ``kind`` (an object, depth checked):
-    another kind fails saying it is no ``noun``; ``older``: one without a kind (written before
-    kinds, read by the fallback rules) is taken too."""
-    r = _Reader(where, True, hint)
+    a malformed one is no ``noun``; ``older``: one without a kind (written before kinds, read by
+    the fallback rules) is taken too."""
+    r = _Reader(where, True, hint, noun)
     r.document(data)
     found = document_kind(data, where)
     if found is None and not older:
-        r.fail(f"it lacks kind {kind}", noun)
+        r.fail(f"it lacks kind {kind}")
     if found not in (None, kind):
-        r.fail(f"it is a {found} document", noun)
+        r.fail(f"it is a {found} document")
     return r
 
 
@@ -423,7 +423,7 @@ def read_generation_document(data, where: str = "<generation>", hint: str = "") 
     :data:`CULPRIT_KINDS`, with ``graph`` and ``step``), ``programs_compiled``,
     ``upload_bytes_per_decode_step`` and ``tokens_per_s``. TapmlError naming ``where`` and the
     field when it is malformed."""
-    r = _open_document(data, where, hint, "generation", "a generation")
+    r = _open_document(data, where, hint, "generation", "a generation document")
     m = r.check(GenerationJSON, data)
     r.values(m.summary, "summary")
     steps = [{k: v[k] for k in ("step", "kind", "reference_token", "target_token", "max_abs_err", "status", "message")}
@@ -537,7 +537,7 @@ def read_precision_document(data, where: str = "<precision>", hint: str = "") ->
     ``module``, ``err_vs_fp64``, ``ref_err_vs_fp64``, ``ratio`` >= 0, ``message``). TapmlError
     naming ``where`` and the field when it is malformed."""
     from tapml.ops import check_op
-    r = _open_document(data, where, hint, "precision", "a precision analysis")
+    r = _open_document(data, where, hint, "precision", "a precision document")
     version = data.get("format_version", 0)
     if type(version) is int and version > PRECISION_FORMAT_VERSION:
         r.fail(f"format_version {version} is newer than this tapml reads ({PRECISION_FORMAT_VERSION}); upgrade tapml")
@@ -627,7 +627,7 @@ def read_preflight_document(data, where: str = "<preflight>", hint: str = "") ->
     ``{message, cases, bytes|limit}``, ``unsupported``/``errors`` each ``{reason, cases}``,
     ``fits`` recomputed) and ``summary`` (recomputed from the ops, never trusted). TapmlError
     naming the field otherwise."""
-    r = _open_document(data, where, hint, "preflight", "a preflight")
+    r = _open_document(data, where, hint, "preflight", "a preflight document")
     m = r.check(PreflightJSON, data)
     ops = []
     for i, x in enumerate(m.ops):

@@ -65,13 +65,16 @@ def _nulled(cls: type) -> dict[str, Any]:
 
 class _Reader:
     """One read of one file: ``where`` names it in messages, ``strict`` says whether every key
-    the writer always writes must be there, ``hint`` says what file was expected."""
+    the writer always writes must be there, ``hint`` says what file was expected and ``what``
+    what document it must be (``a verdict file``)."""
 
-    def __init__(self, where: str, strict: bool, hint: str):
-        self.where, self.strict, self.hint = where, strict, hint
+    def __init__(self, where: str, strict: bool, hint: str, what: str = ""):
+        self.where, self.strict, self.hint, self.what = where, strict, hint, what
 
     def fail(self, problem: str, what: str = ""):
-        """Raise the TapmlError of ``problem`` (``what``: the document that was expected)."""
+        """Raise the TapmlError of ``problem`` (``what``: the document that was expected, this
+        reader's by default)."""
+        what = what or self.what
         where = f"{self.where} is not {what}" if what else self.where
         raise TapmlError(f"{where}: {problem}" + (f"; {self.hint}" if self.hint else ""))
 
