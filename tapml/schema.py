@@ -84,46 +84,24 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 40 else text[:40] + "..."
 
 
-def _in_data(loc: tuple, data: Any, missing: bool) -> tuple[tuple, Any, bool]:
-    """The parts of ``loc`` that are keys and indices of ``data`` (pydantic's tags for union
-    members and dict keys left out: a key such as ``aten.mm.default`` is a key, not a tag), the
-    value they lead to and whether it was found. ``missing``: the last part is a key ``data`` lacks."""
-    kept, value, found = [], data, True
-    for i, part in enumerate(loc):
-        if found and isinstance(value, dict) and part in value:
-            value = value[part]
-        elif found and isinstance(value, list) and isinstance(part, int) and 0 <= part < len(value):
-            value = value[part]
-        elif isinstance(part, int) or (missing and i == len(loc) - 1):
-            found = False
-        else:
-            continue
-        kept.append(part)
-    return tuple(kept), value, found
-
-
-def _path(parts: tuple, root: str) -> str:
-    path = root
-    for part in parts:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        elif part.isidentifier():
-            path += f".{part}" if path else part
-        else:
-            path += f"[{_shown(part)}]"
-    return path
-
-
 def describe(error: ValidationError, data: Any, root: str = "") -> tuple[str, str]:
     """``(path, problem)`` for the one error of ``error`` a user should fix first: the deepest
-    (a union's members each fail; the member that got furthest says what was meant). A key that
-    is not a name is quoted: ``tolerances['aten.mm.default'][1]``."""
+    (a union's members each fail; the member that got furthest says what was meant)."""
     best = max(error.errors(include_url=False, include_input=False), key=lambda e: len(e["loc"]))
-    parts, value, found = _in_data(tuple(best["loc"]), data, best["type"] == "missing")
-    path = _path(parts, root) or root or "the document"
-    if best["type"] == "missing" and parts:
-        parent = _path(parts[:-1], root)
-        return path, f"{parent or 'the document'} lacks {parts[-1]}"
+    loc = tuple(best["loc"])
+    path = field_path(loc, root) or root or "the document"
+    if best["type"] == "missing":
+        parent = field_path(loc[:-1], root)
+        return path, f"{parent or 'the document'} lacks {loc[-1]}"
+    value, found = data, True
+    for part in loc:
+        if isinstance(part, str) and _UNION_TAG.search(part):
+            continue
+        try:
+            value = value[part]
+        except (KeyError, IndexError, TypeError):
+            found = False
+            break
     message = best["msg"].removeprefix("Value error, ")
     message = message[0].lower() + message[1:] if message else "is not valid"
     held = f" is {_shown(value)}" if found else ""
