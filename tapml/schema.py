@@ -117,6 +117,7 @@ def describe(error: ValidationError, data: Any, root: str = "") -> tuple[str, st
     # of a union's members, one that found the value beats one that lacks it, and one whose
     # type fits but whose bound does not says what was meant
     deepest = [x for x in deepest if x[1] is not _ABSENT] or deepest
+    deepest = [x for x in deepest if x[0] == deepest[0][0]]  # one field: the first one
     deepest = [x for x in deepest if not _wrong_type(x[2]["type"])] or deepest
     parts, value, first = deepest[0]
     path = field_path(parts, root) or root or "the document"

@@ -45,6 +45,8 @@ REFUSED = [
     ({"size": 4, "items": [{"label": "p", "more": 1}]}, "doc.items[0].more",
      "doc.items[0].more is 1: extra inputs are not permitted"),
     ([4], "doc", "doc is [4]: input should be an object (Doc)"),
+    # two fields wrong: the first is named, with its own problem only
+    ({"size": "x", "ratio": -1, "mode": "c"}, "doc.size", "doc.size is 'x': input should be a valid integer"),
 ]
 
 
