@@ -63,7 +63,7 @@ class SchemaError(ValueError):
 
 M = TypeVar("M", bound=BaseModel)
 _ABSENT = object()
-_OBJECT = re.compile(r"a valid dictionary or instance of (\w+)")
+_OBJECT = re.compile(r"a valid dictionary or instance of \w+")
 
 
 def _wrong_type(kind: str) -> bool:
@@ -91,10 +91,16 @@ def _walk(loc: tuple, data: Any, missing: bool) -> tuple[list, Any]:
 
 
 def field_path(parts, root: str = "") -> str:
-    """``["kernels", 0, "workgroups", 1]`` -> ``kernels[0].workgroups[1]`` (under ``root`` when given)."""
+    """``["kernels", 0, "workgroups", 1]`` -> ``kernels[0].workgroups[1]`` (under ``root`` when
+    given); a key that is no identifier is quoted, and a long one cut: ``tolerances['aten.mm.default']``."""
     path = root
     for part in parts:
-        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part.isidentifier():
+            path += f".{part}" if path else part
+        else:
+            path += f"[{(part if len(part) <= 60 else part[:60] + '...')!r}]"
     return path
 
 
@@ -125,11 +131,14 @@ def describe(error: ValidationError, data: Any, root: str = "") -> tuple[str, st
         return path, f"{field_path(parts[:-1], root) or 'the document'} lacks {parts[-1]}"
     wanted = []
     for _, _, e in deepest:
-        text = _OBJECT.sub(r"an object (\1)", e["msg"].removeprefix("Value error, "))
+        # a model's class name means nothing to whoever wrote the JSON
+        text = _OBJECT.sub("an object", e["msg"].removeprefix("Value error, "))
         text = text[0].lower() + text[1:] if text else "is not valid"
         if text not in wanted:
             wanted.append(text)
     said = wanted[0] + "".join(" or " + w.removeprefix("input should be ") for w in wanted[1:])
+    if first["loc"] and first["loc"][-1] == "[key]":  # the key of an object's entry, not its value
+        return path, f"{path}: this key does not fit: {said}"
     held = "" if value is _ABSENT else f" is {_shown(value)}"
     return path, f"{path}{held}: {said}"
 

@@ -21,6 +21,7 @@ class Doc(Schema):
     mode: Literal["a", "b"] = "a"
     pairs: list[tuple[Str, Count] | tuple[Str, Count, Count]] = []
     items: list[Annotated[Count, Field(lt=10)] | Literal["held"] | Part] = []
+    table: dict[Annotated[Str, Field(pattern="^[a-z.]+$")], Count] = {}
 
 
 REFUSED = [
@@ -40,11 +41,16 @@ REFUSED = [
     # a union of a bounded integer, a literal and an object
     ({"size": 4, "items": [12]}, "doc.items[0]", "doc.items[0] is 12: input should be less than 10"),
     ({"size": 4, "items": ["x"]}, "doc.items[0]",
-     "doc.items[0] is 'x': input should be a valid integer or 'held' or an object (Part)"),
+     "doc.items[0] is 'x': input should be a valid integer or 'held' or an object"),
     ({"size": 4, "items": [{"label": 3}]}, "doc.items[0].label", "doc.items[0].label is 3: input should be a valid string"),
     ({"size": 4, "items": [{"label": "p", "more": 1}]}, "doc.items[0].more",
      "doc.items[0].more is 1: extra inputs are not permitted"),
-    ([4], "doc", "doc is [4]: input should be an object (Doc)"),
+    ([4], "doc", "doc is [4]: input should be an object"),
+    # keys of an object: one that is no name is quoted; a key that does not fit is said to be the key
+    ({"size": 4, "table": {"aten.mm.default": "x"}}, "doc.table['aten.mm.default']",
+     "doc.table['aten.mm.default'] is 'x': input should be a valid integer"),
+    ({"size": 4, "table": {"Bad Key": 1}}, "doc.table['Bad Key']",
+     "doc.table['Bad Key']: this key does not fit: string should match pattern '^[a-z.]+$'"),
     # two fields wrong: the first is named, with its own problem only
     ({"size": "x", "ratio": -1, "mode": "c"}, "doc.size", "doc.size is 'x': input should be a valid integer"),
 ]
