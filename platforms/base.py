@@ -18,11 +18,14 @@ import math
 import time
 import weakref
 from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
 
 import torch
+from pydantic import Field
 
 from tapml.errors import PlatformError, Unsupported
-from tapml.graph import Graph, Node, TensorMeta
+from tapml.graph import Graph, Node, TensorMeta, TensorMetaJSON
+from tapml.schema import ClosedSchema, Count, Str, validate
 
 
 #: WebGPU's largest min-storage-buffer-offset-alignment: an offset that is a multiple of it is
@@ -32,6 +35,72 @@ MAX_OFFSET_ALIGNMENT = 256
 #: The device limits the compiler reads (and :meth:`Platform.force_limits` may lower).
 LIMIT_NAMES = ("max-storage-buffer-binding-size", "max-buffer-size", "max-storage-buffers-per-shader-stage",
                "max-compute-workgroups-per-dimension", "min-storage-buffer-offset-alignment")
+
+
+#: The WGSL element types a buffer holds, with their sizes in bytes (``f16p``/``bf16p``: 16-bit
+#: values packed two to a ``u32``, for devices without ``shader-f16``).
+WGSL_TYPES = {"f32": 4, "f16": 2, "f16p": 2, "bf16p": 2, "i32": 4, "u32": 4}
+BUFFER_ROLES = ("input", "output", "temp", "const")
+ACCESS = ("read", "read_write")
+#: An entry point's name: a WGSL identifier of at most 128 characters.
+IDENTIFIER = r"^[A-Za-z_][A-Za-z0-9_]{0,127}$"
+
+_Name = Annotated[Str, Field(min_length=1, max_length=256)]
+_Access = Literal["read", "read_write"]
+_Role = Literal["input", "output", "temp", "const"]
+
+
+class BufferJSON(ClosedSchema):
+    """A :class:`BufferSpec` as a program's JSON holds it; ``data`` (const buffers) is hex."""
+
+    name: _Name
+    dtype: Literal["f32", "f16", "f16p", "bf16p", "i32", "u32"]
+    size: Annotated[Count, Field(multiple_of=4)]
+    role: _Role
+    meta: TensorMetaJSON | None = None
+    data: Annotated[Str, Field(pattern=r"^(?:[0-9a-fA-F]{2})*$")] | None = None
+
+
+class KernelJSON(ClosedSchema):
+    """A :class:`Kernel` as a program's JSON holds it. A binding is ``[buffer, access]`` or
+    ``[buffer, access, offset, size]`` (a byte window of the buffer)."""
+
+    name: Str
+    wgsl: Str
+    entry: Annotated[Str, Field(pattern=IDENTIFIER)] = "main"
+    bindings: list[tuple[_Name, _Access] | tuple[_Name, _Access, Count, Annotated[Count, Field(gt=0)]]]
+    workgroups: tuple[Count, Count, Count]
+    loop_iterations: Count | None = None
+
+
+class SplitTensorJSON(ClosedSchema):
+    """A :class:`SplitTensor` as a program's JSON holds it: parts are ``[buffer, start, count]``."""
+
+    name: _Name
+    role: _Role
+    meta: TensorMetaJSON
+    parts: list[tuple[_Name, Count, Count]]
+
+
+class ProgramJSON(ClosedSchema):
+    """A :class:`KernelProgram` as it travels (to a device server, a worker, a browser page, a
+    cache): the one declaration its JSON is read with. What a schema cannot say (names that
+    refer to buffers, parts that cover their tensor, the server's limits) is checked by
+    :func:`tapml.remote.limits.check_program`."""
+
+    kind: Literal["wgsl", "graph"]
+    inputs: list[_Name]
+    outputs: list[_Name]
+    buffers: list[BufferJSON] = []
+    kernels: list[KernelJSON] = []
+    graph: dict[str, Any] | None = None
+    input_meta: list[TensorMetaJSON] = []
+    output_meta: list[TensorMetaJSON] = []
+    parts: list[SplitTensorJSON] = []
+
+
+def _meta(m: TensorMetaJSON | None) -> TensorMeta | None:
+    return None if m is None else TensorMeta(m.shape, m.dtype)
 
 
 @dataclass
@@ -60,20 +129,15 @@ class BufferSpec:
         return d
 
     @classmethod
-    def from_json(cls, d: dict, where: str = "buffer") -> "BufferSpec":
-        """The buffer of ``d``; ValueError naming ``where.size`` when the size is not a JSON integer."""
-        return cls(name=d["name"], dtype=d["dtype"], size=json_int(d["size"], f"{where}.size"), role=d["role"],
-                   meta=TensorMeta.from_json(d["meta"]) if "meta" in d else None,
-                   data=bytes.fromhex(d["data"]) if "data" in d else None)
+    def from_json(cls, d: dict) -> "BufferSpec":
+        """The buffer of parsed JSON ``d``, validated against :class:`BufferJSON`."""
+        return cls.of(validate(BufferJSON, d, "buffer"))
 
-
-def json_int(value, where: str) -> int:
-    """``value`` when it is a JSON integer (not a bool, not a float such as 12.9 or 12.0); else
-    ValueError naming the field ``where``. Program JSON is read with this, never with ``int()``,
-    so that the server's limits (remote/limits.py) see what the client sent."""
-    if type(value) is not int:
-        raise ValueError(f"{where} is {str(value)[:40]!r}, expected an integer")
-    return value
+    @classmethod
+    def of(cls, b: BufferJSON) -> "BufferSpec":
+        """The buffer a validated :class:`BufferJSON` declares."""
+        return cls(name=b.name, dtype=b.dtype, size=b.size, role=b.role, meta=_meta(b.meta),
+                   data=None if b.data is None else bytes.fromhex(b.data))
 
 
 @dataclass
@@ -102,18 +166,15 @@ class Kernel:
         return d
 
     @classmethod
-    def from_json(cls, d: dict, where: str = "kernel") -> "Kernel":
-        """The kernel of ``d``; ValueError naming the field (``kernels[0].workgroups[1]``) when a
-        workgroup count or a binding's offset or size is not a JSON integer."""
-        iterations = d.get("loop_iterations")
-        if iterations is not None and (type(iterations) is not int or not 0 <= iterations < 2 ** 63):
-            raise ValueError(f"kernel loop_iterations must be a non-negative integer, not {iterations!r}")
-        return cls(name=d["name"], wgsl=d["wgsl"], entry=d.get("entry", "main"),
-                   bindings=[(str(b[0]), str(b[1]), *(json_int(x, f"{where}.bindings[{i}][{j + 2}]")
-                                                       for j, x in enumerate(b[2:4])))
-                             for i, b in enumerate(d["bindings"])],
-                   workgroups=tuple(json_int(x, f"{where}.workgroups[{i}]") for i, x in enumerate(d["workgroups"])),
-                   loop_iterations=iterations)
+    def from_json(cls, d: dict) -> "Kernel":
+        """The kernel of parsed JSON ``d``, validated against :class:`KernelJSON`."""
+        return cls.of(validate(KernelJSON, d, "kernel"))
+
+    @classmethod
+    def of(cls, k: KernelJSON) -> "Kernel":
+        """The kernel a validated :class:`KernelJSON` declares."""
+        return cls(name=k.name, wgsl=k.wgsl, entry=k.entry, bindings=[tuple(b) for b in k.bindings],
+                   workgroups=k.workgroups, loop_iterations=k.loop_iterations)
 
 
 #: Loop iterations the loop-cap probe asks one invocation for (:meth:`Platform.loop_limits`): past
@@ -142,11 +203,13 @@ class SplitTensor:
 
     @classmethod
     def from_json(cls, d: dict) -> "SplitTensor":
-        parts = d["parts"]
-        if not isinstance(parts, list) or not all(isinstance(p, list) and len(p) == 3 for p in parts):
-            raise ValueError("split tensor parts must be [buffer, start, count] lists")
-        return cls(name=d["name"], role=d["role"], meta=TensorMeta.from_json(d["meta"]),
-                   parts=[(p[0], p[1], p[2]) for p in parts])
+        """The split tensor of parsed JSON ``d``, validated against :class:`SplitTensorJSON`."""
+        return cls.of(validate(SplitTensorJSON, d, "split tensor"))
+
+    @classmethod
+    def of(cls, t: SplitTensorJSON) -> "SplitTensor":
+        """The split tensor a validated :class:`SplitTensorJSON` declares."""
+        return cls(name=t.name, role=t.role, meta=_meta(t.meta), parts=[tuple(p) for p in t.parts])
 
 
 @dataclass
@@ -187,16 +250,14 @@ class KernelProgram:
 
     @classmethod
     def from_json(cls, d: dict) -> "KernelProgram":
-        parts = d.get("parts", [])
-        if not isinstance(parts, list):
-            raise ValueError("program parts must be a list")
-        return cls(kind=d["kind"], inputs=list(d["inputs"]), outputs=list(d["outputs"]),
-                   buffers=[BufferSpec.from_json(b, f"buffers[{i}]") for i, b in enumerate(d.get("buffers", []))],
-                   kernels=[Kernel.from_json(k, f"kernels[{i}]") for i, k in enumerate(d.get("kernels", []))],
-                   graph=d.get("graph"),
-                   input_meta=[TensorMeta.from_json(m) for m in d.get("input_meta", [])],
-                   output_meta=[TensorMeta.from_json(m) for m in d.get("output_meta", [])],
-                   parts=[SplitTensor.from_json(p) for p in parts])
+        """The program of parsed JSON ``d``, validated against :class:`ProgramJSON`; a
+        :class:`~tapml.schema.SchemaError` (a ValueError) naming the field's path
+        (``program.kernels[0].workgroups[1]``) otherwise."""
+        p = validate(ProgramJSON, d, "program")
+        return cls(kind=p.kind, inputs=list(p.inputs), outputs=list(p.outputs),
+                   buffers=[BufferSpec.of(b) for b in p.buffers], kernels=[Kernel.of(k) for k in p.kernels],
+                   graph=p.graph, input_meta=[_meta(m) for m in p.input_meta],
+                   output_meta=[_meta(m) for m in p.output_meta], parts=[SplitTensor.of(t) for t in p.parts])
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
@@ -696,6 +757,6 @@ def wrap_errors(fn, *args):
         raise PlatformError(f"{type(e).__name__}: {e}") from e
 
 
-__all__ = ["LIMIT_NAMES", "LOOP_PROBE_ITERATIONS", "json_int", "MAX_OFFSET_ALIGNMENT", "BufferSpec", "Kernel", "KernelProgram", "Platform",
+__all__ = ["LIMIT_NAMES", "LOOP_PROBE_ITERATIONS", "WGSL_TYPES", "BUFFER_ROLES", "ACCESS", "ProgramJSON", "MAX_OFFSET_ALIGNMENT", "BufferSpec", "Kernel", "KernelProgram", "Platform",
            "PlatformWrapper", "ResidentTensor", "RuntimePlatform",
            "SplitTensor", "check_workgroups", "graph_program", "wrap_errors"]

@@ -28,8 +28,12 @@ import re
 import struct
 import time
 from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field
 
 from tapml.errors import TapmlError
+from tapml.schema import Count, Schema, Str, validate
 
 MAGIC = b"TAPMLCC1"
 _HEADER = struct.Struct("!8sI")  # magic, length of the JSON index
@@ -39,6 +43,17 @@ MAX_INDEX_BYTES = 64 << 10
 #: env: ``off`` (or ``0``) turns the compile cache off
 CACHE_ENV = "TAPML_BACKEND_CACHE"
 ARTIFACT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
+
+
+class CacheEntryIndexJSON(Schema):
+    """The JSON index at the head of a compile-cache entry: whose entry it is, the byte counts of
+    its blob and artifact, the artifact's file name (empty: none) and the payload's SHA-256."""
+
+    key: Str
+    blob: Count
+    artifact: Count
+    artifact_name: Annotated[Str, Field(pattern=f"^(?:{ARTIFACT_NAME.pattern})?$")]
+    sha256: Annotated[Str, Field(pattern="^[0-9a-f]{64}$")]
 #: env: the most MiB the cache folder's entries may take together (least recently used ones go first)
 CACHE_MIB_ENV = "TAPML_BACKEND_CACHE_MIB"
 DEFAULT_CACHE_BYTES = 2 << 30
@@ -195,16 +210,12 @@ def _decode(data: bytes, key: str) -> tuple[bytes, str, bytes]:
     magic, n = _HEADER.unpack_from(data)
     if magic != MAGIC or n > MAX_INDEX_BYTES or len(data) < _HEADER.size + n:
         raise ValueError("not a compile-cache entry")
-    index = json.loads(data[_HEADER.size:_HEADER.size + n])
-    if not isinstance(index, dict) or index.get("key") != key:
+    index = validate(CacheEntryIndexJSON, json.loads(data[_HEADER.size:_HEADER.size + n]), "index")
+    if index.key != key:
         raise ValueError("entry of another key")
-    blob_n, art_n, name, digest = index["blob"], index["artifact"], index["artifact_name"], index["sha256"]
-    if not (type(blob_n) is int and type(art_n) is int and 0 <= blob_n and 0 <= art_n
-            and blob_n + art_n <= MAX_ENTRY_BYTES and isinstance(name, str) and isinstance(digest, str)):
+    if index.blob + index.artifact > MAX_ENTRY_BYTES:
         raise ValueError("malformed index")
-    if name and not ARTIFACT_NAME.fullmatch(name):
-        raise ValueError("bad artifact name")
     payload = data[_HEADER.size + n:]
-    if len(payload) != blob_n + art_n or hashlib.sha256(payload).hexdigest() != digest:
+    if len(payload) != index.blob + index.artifact or hashlib.sha256(payload).hexdigest() != index.sha256:
         raise ValueError("entry cut short or changed")
-    return payload[:blob_n], name, payload[blob_n:]
+    return payload[:index.blob], index.artifact_name, payload[index.blob:]

@@ -26,9 +26,11 @@ import re
 import struct
 
 import torch
+from pydantic import RootModel
 
 from tapml.graph import dtype_name, torch_dtype
 from tapml.platforms.backend import Backend, BackendRefused, Compiled
+from tapml.schema import ClosedSchema, Count, SchemaError, Str, validate
 
 #: env: the IREE Vulkan target to compile for (``--iree-vulkan-target``) instead of the one detected
 VULKAN_TARGET_ENV = "TAPML_IREE_VULKAN_TARGET"
@@ -115,6 +117,18 @@ def pack_blob(metas: list[dict], vmfb: bytes) -> bytes:
     return _BLOB_MAGIC + struct.pack("<I", len(head)) + head + vmfb
 
 
+class OutputMetaJSON(ClosedSchema):
+    """An output's shape (``null`` for a size only known at run time) and dtype name, as a blob's
+    header holds it."""
+
+    shape: list[Count | None]
+    dtype: Str
+
+
+class BlobMetasJSON(RootModel[list[OutputMetaJSON]]):
+    """The header of a tapml IREE blob: one :class:`OutputMetaJSON` per output."""
+
+
 def unpack_blob(blob: bytes) -> tuple[list[dict], bytes]:
     """``(metas, vmfb)`` of a :func:`pack_blob` byte string; ValueError when it is not one."""
     if not isinstance(blob, (bytes, bytearray)) or not blob.startswith(_BLOB_MAGIC):
@@ -129,14 +143,13 @@ def unpack_blob(blob: bytes) -> tuple[list[dict], bytes]:
         metas = json.loads(bytes(blob[at + 4:at + 4 + n]))
     except ValueError as e:
         raise ValueError(f"tapml IREE blob has a malformed header ({e})") from None
-    if not isinstance(metas, list) or not all(
-            isinstance(m, dict) and set(m) == {"shape", "dtype"} and isinstance(m["dtype"], str)
-            and isinstance(m["shape"], list) and all(s is None or (type(s) is int and s >= 0) for s in m["shape"])
-            for m in metas):
-        raise ValueError("tapml IREE blob has malformed output metas")
+    try:
+        metas = validate(BlobMetasJSON, metas, "metas").root
+    except SchemaError as e:
+        raise ValueError(f"tapml IREE blob has malformed output metas: {e}") from None
     for m in metas:
-        torch_dtype(m["dtype"])  # a closed list of names: ValueError for any other
-    return metas, bytes(blob[at + 4 + n:])
+        torch_dtype(m.dtype)  # a closed list of names: ValueError for any other
+    return [{"shape": list(m.shape), "dtype": m.dtype} for m in metas], bytes(blob[at + 4 + n:])
 
 
 def read_back(device, result):

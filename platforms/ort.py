@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from tapml.platforms.backend import Backend, BackendRefused, Compiled
+from tapml.schema import ClosedSchema, Count, Str, validate
 
 # ONNX Runtime's official wheels (1.2x on) start Microsoft's 1DS telemetry when the library loads: a
 # database under ~/.cache/Microsoft, a session file in $TMPDIR, uploads when online. This variable,
@@ -118,18 +119,22 @@ def _signature(program) -> dict:
     return {"inputs": [n.name for n in program.graph.nodes if n.op == "placeholder"], "outputs": len(node.args[0])}
 
 
+class SignatureJSON(ClosedSchema):
+    """The signature :meth:`OrtBackend.compile` writes into the ONNX model's metadata: the
+    ExportedProgram's input names and its number of outputs."""
+
+    inputs: list[Str]
+    outputs: Count
+
+
 def _read_signature(model) -> dict:
     import json
     text = next((p.value for p in model.metadata_props if p.key == SIGNATURE_KEY), None)
     try:
-        signature = json.loads(text) if text is not None else None
-    except ValueError:
-        signature = None
-    if not (isinstance(signature, dict) and set(signature) == {"inputs", "outputs"}
-            and isinstance(signature["inputs"], list) and all(isinstance(n, str) for n in signature["inputs"])
-            and type(signature["outputs"]) is int and signature["outputs"] >= 0):
-        raise BackendRefused(f"model.onnx has no valid {SIGNATURE_KEY} metadata: it was not made by OrtBackend.compile")
-    return signature
+        return validate(SignatureJSON, json.loads(text) if text is not None else None, SIGNATURE_KEY).model_dump()
+    except ValueError as e:  # not JSON, or not the signature's schema
+        raise BackendRefused(f"model.onnx has no valid {SIGNATURE_KEY} metadata ({e}): it was not made by "
+                             "OrtBackend.compile") from None
 
 
 class OrtBackend(Backend):

@@ -6,7 +6,7 @@ backend and features (:func:`announcement`; :func:`parse_announcement` reads one
 :func:`parse_registry` and :func:`registry_client` reach the registry a ``--register`` or
 ``--registry`` option names. Anyone who can reach an rpyc registry can announce a device, so an
 announcement is a peer's word: :func:`check_announcement` keeps only the fields ``tapml devices``
-shows, each of the type it is shown as, bounded in length. Escaping what is printed is the
+shows, each of the type it is shown as, bounded in length (:class:`AnnouncementJSON`). Escaping what is printed is the
 printer's job.
 """
 
@@ -15,9 +15,12 @@ from __future__ import annotations
 import json
 import logging
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
+
+from pydantic import Field
 
 from tapml.errors import TapmlError
+from tapml.schema import Schema, SchemaError, Str, validate
 
 if TYPE_CHECKING:
     from tapml.remote.device import Device
@@ -26,34 +29,33 @@ SERVICE_NAME = "TAPML"
 
 MAX_TEXT = 200
 MAX_FEATURES = 256
-TEXT_FIELDS = ("platform", "adapter", "backend")
+
+
+_Text = Annotated[Str, Field(max_length=MAX_TEXT)]
+
+
+class AnnouncementJSON(Schema):
+    """What an announcement (or a device's caps, as ``tapml devices`` shows them) may hold: every
+    field optional, each of the type it is shown as, bounded in length; other keys are dropped."""
+
+    platform: _Text | None = None
+    adapter: _Text | None = None
+    backend: _Text | None = None
+    features: Annotated[list[_Text], Field(max_length=MAX_FEATURES)] | None = None
 
 
 def check_announcement(info) -> dict | None:
     """The announcement ``info`` (a parsed JSON value) as ``{"platform", "adapter", "backend": str,
-    "features": [str]}`` (fields it lacks are left out), or None when it is not an object or a field
-    has the wrong type: ``{"features": 5}`` is refused, not shown.
+    "features": [str]}`` (fields it lacks are left out), or None when it does not fit
+    :class:`AnnouncementJSON`: ``{"features": 5}`` is refused, not shown.
 
     Example: ``check_announcement({"platform": "wgpu", "features": ["shader-f16"]})`` is that dict;
     ``check_announcement({"features": 5})`` is None.
     """
-    if not isinstance(info, dict):
+    try:
+        return validate(AnnouncementJSON, info).model_dump(exclude_none=True)
+    except SchemaError:
         return None
-    out: dict = {}
-    for key in TEXT_FIELDS:
-        value = info.get(key)
-        if value is None:
-            continue
-        if type(value) is not str or len(value) > MAX_TEXT:
-            return None
-        out[key] = value
-    features = info.get("features")
-    if features is not None:
-        if type(features) is not list or len(features) > MAX_FEATURES or \
-                not all(type(f) is str and len(f) <= MAX_TEXT for f in features):
-            return None
-        out["features"] = list(features)
-    return out
 
 
 def announcement(device: Device) -> list[str]:

@@ -12,8 +12,13 @@ import socket
 import threading
 import time
 
+from typing import Annotated, Literal
+
+from pydantic import Field
+
 from tapml.errors import PlatformError
 from tapml.remote.limits import MAX_SLOTS, LimitExceeded
+from tapml.schema import ClosedSchema, Count, Int, validate
 
 OUTPUT_SLOTS = 1 << 62  # server-assigned slot ids; clients use ids below this
 MAX_RESIDENT = 4096  # outputs one connection may keep on the device at once
@@ -182,19 +187,25 @@ class ConnectionState:
                 pass
 
 
+class ResidentInputJSON(ClosedSchema):
+    """An input of a run that is a tensor a run of this connection kept on the device."""
+
+    resident: Int
+
+
+class RunRequestJSON(ClosedSchema):
+    """A run request (see ``exposed_run``): each input is a client slot id, ``"held"`` or
+    ``{"resident": id}``; ``keep`` lists output positions to keep on the device."""
+
+    inputs: list[Annotated[Count, Field(lt=OUTPUT_SLOTS)] | Literal["held"] | ResidentInputJSON]
+    keep: list[Count] = []
+
+
 def parse_run_request(request) -> tuple[list, list[int]]:
-    """``(inputs, keep)`` of a run request (see ``exposed_run``), every field checked: inputs are
-    client slot ids, ``"held"`` or ``{"resident": id}``; keep is distinct output positions."""
-    if isinstance(request, list):
-        request = {"inputs": request}
-    if not isinstance(request, dict) or set(request) - {"inputs", "keep"} or not isinstance(request.get("inputs"), list):
-        raise ValueError('a run names {"inputs": [...], "keep": [...]} or a list of slots')
-    items, keep = request["inputs"], request.get("keep", [])
-    for item in items:
-        ok = (type(item) is int and 0 <= item < OUTPUT_SLOTS) or (type(item) is str and item == "held") or (
-            type(item) is dict and list(item) == ["resident"] and type(item["resident"]) is int)
-        if not ok:
-            raise ValueError('inputs must be client slot ids, "held" or {"resident": id}')
-    if not isinstance(keep, list) or not all(type(i) is int and 0 <= i for i in keep) or len(set(keep)) != len(keep):
-        raise ValueError("keep must be a list of distinct output positions")
-    return items, sorted(keep)
+    """``(inputs, keep)`` of a run request (a bare list is its inputs), read through
+    :class:`RunRequestJSON`; ValueError naming the field otherwise, or when ``keep`` repeats a
+    position."""
+    run = validate(RunRequestJSON, {"inputs": request} if isinstance(request, list) else request, "run")
+    if len(set(run.keep)) != len(run.keep):
+        raise ValueError("run.keep repeats an output position; list each once")
+    return [x.model_dump() if isinstance(x, ResidentInputJSON) else x for x in run.inputs], sorted(run.keep)

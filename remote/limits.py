@@ -1,11 +1,13 @@
 """What a device server lets one request cost, and the checks that hold programs to it.
 
-Every graph and program a client sends is checked here before it reaches the device: op
-names go through the closed vocabulary (:func:`tapml.ops.check_op`), WGSL programs have their
-fields validated (types, sizes, counts, names that refer to something, split tensors that
-their parts cover exactly), and the work a program
-asks for is measured and held to :class:`ServerLimits`: total invocations (workgroups x
-workgroup size, summed over kernels) and total buffer bytes.
+Every graph and program a client sends is checked here before it reaches the device. Its
+types, required fields and closed sets were checked when it was read
+(:class:`tapml.platforms.base.ProgramJSON`, the one declaration of a program's JSON); here op
+names go through the closed vocabulary (:func:`tapml.ops.check_op`), WGSL programs have what a
+schema cannot say checked (names that refer to something, windows inside their buffers, split
+tensors that their parts cover exactly), and the work a program asks for is measured and held
+to :class:`ServerLimits`: total invocations (workgroups x workgroup size, summed over kernels)
+and total buffer bytes.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import re
 from dataclasses import dataclass
 
 from tapml.errors import Unsupported
+from tapml.platforms.base import WGSL_TYPES
 
 DEFAULT_MAX_INVOCATIONS = 1 << 32
 DEFAULT_MAX_BUFFER_BYTES = 4096 << 20
@@ -28,10 +31,6 @@ MAX_BUFFERS = 65536
 MAX_NODES = 1 << 20
 MAX_DIMS = 16
 MAX_WGSL_CHARS = 1 << 20
-WGSL_TYPES = {"f32": 4, "f16": 2, "f16p": 2, "bf16p": 2, "i32": 4, "u32": 4}
-BUFFER_ROLES = ("input", "output", "temp", "const")
-ACCESS = ("read", "read_write")
-_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 
 
 class LimitExceeded(Unsupported):
@@ -123,8 +122,8 @@ def check_ops_json(graph_json) -> None:
 
 def _meta_bytes(meta) -> int:
     from tapml.graph import torch_dtype
-    if len(meta.shape) > MAX_DIMS or any(type(s) is not int or s < 0 for s in meta.shape):
-        raise ValueError(f"tensor shape {list(meta.shape)[:MAX_DIMS + 1]} is not a list of at most {MAX_DIMS} sizes >= 0")
+    if len(meta.shape) > MAX_DIMS:
+        raise ValueError(f"tensor shape {list(meta.shape)[:MAX_DIMS + 1]} has more than {MAX_DIMS} dimensions")
     try:
         itemsize = torch_dtype(meta.dtype).itemsize
     except (KeyError, ValueError, TypeError, AttributeError):
@@ -175,7 +174,6 @@ def _check_parts(program, buffers: dict) -> None:
     hold those elements, and cover the tensor's elements in order exactly once; the parts of an
     input or output stand in a row, in order, in the program's inputs or outputs, and nowhere else.
     ValueError otherwise."""
-    from tapml.graph import TensorMeta
     if not program.parts:
         return
     if len(program.parts) > MAX_BUFFERS:
@@ -184,9 +182,7 @@ def _check_parts(program, buffers: dict) -> None:
         raise ValueError("a program with split tensors gives a meta for each of its inputs and outputs")
     owner: dict[str, str] = {}
     for t in program.parts:
-        label = str(t.name)[:40] if type(t.name) is str else "?"
-        if type(t.name) is not str or t.role not in BUFFER_ROLES or not isinstance(t.meta, TensorMeta):
-            raise ValueError(f"split tensor {label!r}: name, role ({', '.join(BUFFER_ROLES)}) and meta are required")
+        label = t.name[:40]
         _meta_bytes(t.meta)
         numel = math.prod(t.meta.shape)
         if numel >= 1 << 31:
@@ -197,13 +193,13 @@ def _check_parts(program, buffers: dict) -> None:
         storage = None
         for part in t.parts:
             name, start, count = part
-            if type(name) is not str or name not in buffers:
+            if name not in buffers:
                 raise ValueError(f"split tensor {label!r}: part {str(name)[:40]!r} names no buffer")
             if name in owner:
                 raise ValueError(f"split tensor {label!r}: buffer {name[:40]!r} is already a part of {owner[name][:40]!r}")
             owner[name] = t.name
             b = buffers[name]
-            if type(start) is not int or type(count) is not int or start != expected or count <= 0:
+            if start != expected or count <= 0:
                 raise ValueError(f"split tensor {label!r}: part {name[:40]!r} covers [{start}, +{count}); the parts "
                                  f"must cover its elements in order, this one from element {expected}")
             expected += count
@@ -237,10 +233,7 @@ def check_program(program, limits: ServerLimits, kind: str) -> dict:
     """
     from tapml.graph import Graph
     if program.kind != kind:
-        raise ValueError(f"this server runs {kind!r} programs, not {str(program.kind)[:40]!r}")
-    for name in (*program.inputs, *program.outputs):
-        if type(name) is not str:
-            raise ValueError("program inputs and outputs must be names")
+        raise ValueError(f"this server runs {kind!r} programs, not {program.kind!r}")
     for meta in (*program.input_meta, *program.output_meta):
         _meta_bytes(meta)
     if kind == "graph":
@@ -262,14 +255,8 @@ def check_program(program, limits: ServerLimits, kind: str) -> dict:
     buffers = {}
     nbytes = 0
     for b in program.buffers:
-        if type(b.name) is not str or not b.name or len(b.name) > 256 or b.name in buffers:
-            raise ValueError(f"buffer name {str(b.name)[:40]!r} is empty, too long or repeated")
-        if b.dtype not in WGSL_TYPES:
-            raise ValueError(f"buffer {b.name}: dtype {str(b.dtype)[:20]!r} is not one of {', '.join(WGSL_TYPES)}")
-        if b.role not in BUFFER_ROLES:
-            raise ValueError(f"buffer {b.name}: role {str(b.role)[:20]!r} is not one of {', '.join(BUFFER_ROLES)}")
-        if type(b.size) is not int or b.size < 0 or b.size % 4:
-            raise ValueError(f"buffer {b.name}: size {b.size} is not a multiple of 4 bytes >= 0")
+        if b.name in buffers:
+            raise ValueError(f"buffer name {b.name[:40]!r} is repeated")
         if (b.role == "const") != (b.data is not None) or (b.data is not None and len(b.data) != b.size):
             raise ValueError(f"buffer {b.name}: only const buffers carry data, exactly size bytes of it")
         if b.meta is not None:
@@ -286,22 +273,12 @@ def check_program(program, limits: ServerLimits, kind: str) -> dict:
     _check_bytes(nbytes, limits, "program")
     invocations = 0
     for k in program.kernels:
-        if type(k.name) is not str or type(k.wgsl) is not str or type(k.entry) is not str \
-                or not _IDENT.fullmatch(k.entry):
-            raise ValueError(f"kernel {str(k.name)[:40]!r}: name, wgsl and entry must be strings (entry an identifier)")
         if len(k.wgsl) > MAX_WGSL_CHARS:
             raise LimitExceeded(f"kernel {k.name[:40]}: WGSL of {len(k.wgsl)} characters; at most {MAX_WGSL_CHARS}")
-        if len(k.workgroups) != 3 or not all(type(g) is int and 0 <= g for g in k.workgroups):
-            raise ValueError(f"kernel {k.name[:40]}: workgroups must be three counts >= 0")
-        for binding in k.bindings:
-            if len(binding) not in (2, 4):
-                raise ValueError(f"kernel {k.name[:40]}: a binding is [buffer, access] or [buffer, access, offset, size]")
-            name, access, *window = binding
-            if name not in buffers or access not in ACCESS:
-                raise ValueError(f"kernel {k.name[:40]}: binding {name[:40]!r} ({access[:20]}) names no buffer "
-                                 f"or an access other than {' / '.join(ACCESS)}")
-            if window and not (type(window[0]) is int and type(window[1]) is int and window[0] >= 0
-                               and window[0] % 16 == 0 and 0 < window[1] and window[0] + window[1] <= buffers[name].size):
+        for name, _access, *window in k.bindings:
+            if name not in buffers:
+                raise ValueError(f"kernel {k.name[:40]}: binding {name[:40]!r} names no buffer")
+            if window and not (window[0] % 16 == 0 and window[0] + window[1] <= buffers[name].size):
                 raise ValueError(f"kernel {k.name[:40]}: window {window} of buffer {name[:40]!r} is not inside its "
                                  f"{buffers[name].size} bytes at an offset that is a multiple of 16")
         try:

@@ -130,7 +130,8 @@ def make_service(device: Device):
                 program = KernelProgram.from_json(raw)
                 check_program(program, device.limits, device.program_kind)
             except (TypeError, ValueError, KeyError, AttributeError) as e:
-                return _error("usage", f"malformed program: {type(e).__name__}: {e}")
+                return _error("usage", f"malformed program: {e}" if isinstance(e, ValueError)
+                              else f"malformed program: {type(e).__name__}: {e}")
             except Unsupported as e:
                 return _error_of(e)
             device.remember(program)

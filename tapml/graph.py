@@ -48,6 +48,7 @@ MAX_ARG_DEPTH = 64
 MAX_RANK = 64
 MAX_DIM = 1 << 48
 MAX_INT = 1 << 64
+MAX_TEXT = 4096
 
 
 class TensorMetaJSON(Schema):
@@ -56,9 +57,6 @@ class TensorMetaJSON(Schema):
 
     shape: Annotated[tuple[Annotated[Count, Field(lt=MAX_DIM)], ...], Field(max_length=MAX_RANK)]
     dtype: Annotated[Str, Field(pattern=f"^{_DTYPE_TEXT.pattern}$")]
-
-
-MAX_TEXT = 4096
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 import math
+import re
 from typing import Annotated, Any, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, ValidationError
@@ -61,18 +62,45 @@ class SchemaError(ValueError):
 
 
 M = TypeVar("M", bound=BaseModel)
-_UNION_TAG = re.compile(r"[^A-Za-z0-9_]")
+_ABSENT = object()
+_OBJECT = re.compile(r"a valid dictionary or instance of \w+")
 
 
-def field_path(loc: tuple, root: str = "") -> str:
-    """``("kernels", 0, "workgroups", 1)`` -> ``kernels[0].workgroups[1]`` (under ``root`` when
-    given). The tags pydantic puts in a path for the members of a union are left out."""
+def _wrong_type(kind: str) -> bool:
+    """Whether a pydantic error type says the value is of the wrong type (not out of a bound)."""
+    return kind.endswith("_type") or kind in ("literal_error", "is_instance_of", "union_tag_invalid", "enum")
+
+
+def _walk(loc: tuple, data: Any, missing: bool) -> tuple[list, Any]:
+    """The parts of pydantic's ``loc`` that are real keys and indexes of ``data`` (the tags it
+    puts in a path for the members of a union are not), and the value found there (``_ABSENT``
+    when the error is a ``missing`` key)."""
+    parts, value = [], data
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            parts.append(part)
+            value = value[part] if isinstance(value, list) and -len(value) <= part < len(value) else _ABSENT
+        elif isinstance(value, dict) and part in value:
+            parts.append(part)
+            value = value[part]
+        elif missing and i == len(loc) - 1 and isinstance(value, dict):
+            parts.append(part)  # a key the document lacks
+            value = _ABSENT
+        # else: a union member's tag
+    return parts, value
+
+
+def field_path(parts, root: str = "") -> str:
+    """``["kernels", 0, "workgroups", 1]`` -> ``kernels[0].workgroups[1]`` (under ``root`` when
+    given); a key that is no identifier is quoted, and a long one cut: ``tolerances['aten.mm.default']``."""
     path = root
-    for part in loc:
+    for part in parts:
         if isinstance(part, int):
             path += f"[{part}]"
-        elif not _UNION_TAG.search(part):
+        elif part.isidentifier():
             path += f".{part}" if path else part
+        else:
+            path += f"[{(part if len(part) <= 60 else part[:60] + '...')!r}]"
     return path
 
 
@@ -85,27 +113,34 @@ def _shown(value: Any) -> str:
 
 
 def describe(error: ValidationError, data: Any, root: str = "") -> tuple[str, str]:
-    """``(path, problem)`` for the one error of ``error`` a user should fix first: the deepest
-    (a union's members each fail; the member that got furthest says what was meant)."""
-    best = max(error.errors(include_url=False, include_input=False), key=lambda e: len(e["loc"]))
-    loc = tuple(best["loc"])
-    path = field_path(loc, root) or root or "the document"
-    if best["type"] == "missing":
-        parent = field_path(loc[:-1], root)
-        return path, f"{parent or 'the document'} lacks {loc[-1]}"
-    value, found = data, True
-    for part in loc:
-        if isinstance(part, str) and _UNION_TAG.search(part):
-            continue
-        try:
-            value = value[part]
-        except (KeyError, IndexError, TypeError):
-            found = False
-            break
-    message = best["msg"].removeprefix("Value error, ")
-    message = message[0].lower() + message[1:] if message else "is not valid"
-    held = f" is {_shown(value)}" if found else ""
-    return path, f"{path}{held}: {message}"
+    """``(path, problem)`` for the field of ``error`` a user should fix first: the deepest one (of
+    a union's members, the one that got furthest says what was meant; where none got further,
+    each says what it would take)."""
+    found = [(*_walk(tuple(e["loc"]), data, e["type"] == "missing"), e)
+             for e in error.errors(include_url=False, include_input=False)]
+    depth = max(len(parts) for parts, _, _ in found)
+    deepest = [(parts, value, e) for parts, value, e in found if len(parts) == depth]
+    # of a union's members, one that found the value beats one that lacks it, and one whose
+    # type fits but whose bound does not says what was meant
+    deepest = [x for x in deepest if x[1] is not _ABSENT] or deepest
+    deepest = [x for x in deepest if x[0] == deepest[0][0]]  # one field: the first one
+    deepest = [x for x in deepest if not _wrong_type(x[2]["type"])] or deepest
+    parts, value, first = deepest[0]
+    path = field_path(parts, root) or root or "the document"
+    if first["type"] == "missing":
+        return path, f"{field_path(parts[:-1], root) or 'the document'} lacks {parts[-1]}"
+    wanted = []
+    for _, _, e in deepest:
+        # a model's class name means nothing to whoever wrote the JSON
+        text = _OBJECT.sub("an object", e["msg"].removeprefix("Value error, "))
+        text = text[0].lower() + text[1:] if text else "is not valid"
+        if text not in wanted:
+            wanted.append(text)
+    said = wanted[0] + "".join(" or " + w.removeprefix("input should be ") for w in wanted[1:])
+    if first["loc"] and first["loc"][-1] == "[key]":  # the key of an object's entry, not its value
+        return path, f"{path}: this key does not fit: {said}"
+    held = "" if value is _ABSENT else f" is {_shown(value)}"
+    return path, f"{path}{held}: {said}"
 
 
 def validate(schema: type[M], data: Any, root: str = "") -> M:

@@ -190,6 +190,24 @@ def test_the_cache_reads_only_what_it_wrote(tmp_path):
     other = cache_key({"nodes": []}, "B@1", "b", "2", 1)  # another backend version: another entry
     assert other != key and cache.get(other) is None
     path = next(tmp_path.rglob("*.bin"))
+    import hashlib
+    import json
+    import struct
+
+    from tapml.platforms.compile_cache import MAGIC, _decode
+    payload = b"blobmlir"
+    index = {"key": key, "blob": 4, "artifact": 4, "artifact_name": "program.mlir",
+             "sha256": hashlib.sha256(payload).hexdigest()}
+    for field, value, said in (("blob", 4.0, "index.blob is 4.0"), ("artifact_name", "../x", "index.artifact_name is '../x'"),
+                               ("sha256", None, "index.sha256 is None"), ("key", 7, "index.key is 7")):
+        text = json.dumps({**index, field: value}).encode()  # a doctored index: its schema refuses it by path
+        path.write_bytes(MAGIC + struct.pack("!I", len(text)) + text + payload)
+        with pytest.raises(ValueError, match=re.escape(said)):
+            _decode(path.read_bytes(), key)
+        assert cache.get(key) is None
+    text = json.dumps(index).encode()
+    path.write_bytes(MAGIC + struct.pack("!I", len(text)) + text + payload)
+    assert cache.get(key) == (b"blob", "program.mlir", b"mlir")  # the same entry, untouched, reads
     path.write_bytes(path.read_bytes()[:-1])  # cut short
     assert cache.get(key) is None
     path.unlink()

@@ -96,8 +96,12 @@ def test_server_checks_every_field_of_a_run_request():
     for bad in ({"inputs": [1], "extra": 1}, {"inputs": "x"}, [OUTPUT_SLOTS], [-1], [True], ["kept"], [1.0],
                 [{"resident": "7"}], [{"resident": 1, "x": 2}], {"inputs": [], "keep": [1, 1]},
                 {"inputs": [], "keep": [-1]}, {"inputs": [], "keep": "0"}, None, 5):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=r"^run\b"):  # the request's schema names the field
             parse_run_request(bad)
+    with pytest.raises(ValueError, match=r"^run\.inputs\[1\] is 1\.0: input should be a valid integer or 'held'"):
+        parse_run_request([0, 1.0])
+    with pytest.raises(ValueError, match=r"^run\.inputs\[0\]\.resident is '7': input should be a valid integer$"):
+        parse_run_request([{"resident": "7"}])
 
 
 # --- a real generation on the device tiers -----------------------------------------------------

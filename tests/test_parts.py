@@ -208,7 +208,7 @@ HOSTILE_PARTS = {
     "out of order": (_swap_parts, "cover its elements in order"),
     "short of the tensor": (_set(["parts", 0, "meta", "shape"], [3001]), "cover 3000 of its 3001"),
     "count beyond its buffer": (_set(["parts", 0, "parts", 1, 2], 2000), "must be a buffer of role input holding float32\\[2000\\]"),
-    "negative count": (_set(["parts", 0, "parts", 1, 2], -1), "cover its elements in order"),
+    "negative count": (_set(["parts", 0, "parts", 1, 2], -1), r"program\.parts\[0\]\.parts\[1\]\[2\] is -1: input should be greater than or equal to 0"),
     "wrong role": (_set(["parts", 0, "role"], "temp"), "must be a buffer of role temp"),
     "wrong dtype": (_set(["parts", 0, "meta", "dtype"], "int32"), "int32"),
     "one part": (lambda d: d["parts"][0]["parts"].pop(), "between 2 and"),
@@ -216,8 +216,8 @@ HOSTILE_PARTS = {
     "listed twice": (lambda d: (d["inputs"].append("i0.p1"), d["input_meta"].append(d["input_meta"][1])), "once each"),
     "metas missing": (lambda d: d["input_meta"].pop(), "a meta for each"),
     "too many elements": (_set(["parts", 0, "meta", "shape"], [1 << 16, 1 << 15]), "2\\*\\*31"),
-    "not a list": (_set(["parts"], {"i0": 1}), "must be a list"),
-    "malformed part": (_set(["parts", 0, "parts", 0], "i0.p0"), "buffer, start, count"),
+    "not a list": (_set(["parts"], {"i0": 1}), r"program\.parts is \{'i0': 1\}: input should be a valid list"),
+    "malformed part": (_set(["parts", 0, "parts", 0], "i0.p0"), r"program\.parts\[0\]\.parts\[0\] is 'i0\.p0': input should be a valid tuple"),
 }
 
 

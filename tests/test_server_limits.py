@@ -139,28 +139,41 @@ def test_malformed_and_mismatched_programs_are_refused():
             assert reply["error"]["kind"] == "usage" and "shape" in reply["error"]["message"]
             # A count that is not a JSON integer is refused with its path, never truncated by int()
             # before the limits see it (#37): 12.9 bytes is not 12, 1.5 workgroups is not 1.
-            for damage, path in ((lambda p: p["buffers"][0].update(size=12.9), "buffers[0].size is '12.9'"),
-                                 (lambda p: p["buffers"][0].update(size=16.0), "buffers[0].size is '16.0'"),
+            for damage, path in ((lambda p: p["buffers"][0].update(size=12.9), "program.buffers[0].size is 12.9"),
+                                 (lambda p: p["buffers"][0].update(size=16.0), "program.buffers[0].size is 16.0"),
                                  (lambda p: p["kernels"][0].update(workgroups=[1.5, 1, 1]),
-                                  "kernels[0].workgroups[0] is '1.5'"),
+                                  "program.kernels[0].workgroups[0] is 1.5"),
                                  (lambda p: p["kernels"][0].update(workgroups=[1, True, 1]),
-                                  "kernels[0].workgroups[1] is 'True'")):
+                                  "program.kernels[0].workgroups[1] is True")):
                 doctored = json.loads(wgsl.dumps())
                 damage(doctored)
                 reply = json.loads(platform._call("load", json.dumps(doctored)))
                 assert reply["error"]["kind"] == "usage", reply
-                assert f"{path}, expected an integer" in reply["error"]["message"], reply
+                assert reply["error"]["message"] == f"malformed program: {path}: input should be a valid integer", reply
     finally:
         assert srv.stop() == 0
     from tapml.remote.limits import ServerLimits, check_program
     limits = ServerLimits()
     program = loop_program(1)
     assert check_program(program, limits, "wgsl") == {"invocations": 1, "buffer_bytes": 16}
-    for field, value, message in (("size", 6, "multiple of 4"), ("dtype", "f64", "dtype"), ("role", "x", "role")):
-        broken = loop_program(1)
-        setattr(broken.buffers[0], field, value)
+    # types, closed sets and bounds are the program's declared schema: refused on reading, by path
+    from tapml.platforms.base import KernelProgram
+    for field, value, message in (("size", 6, r"program\.buffers\[0\]\.size is 6: input should be a multiple of 4"),
+                                  ("dtype", "f64", r"program\.buffers\[0\]\.dtype is 'f64': input should be 'f32', "),
+                                  ("role", "x", r"program\.buffers\[0\]\.role is 'x': input should be 'input', "),
+                                  ("name", "", r"program\.buffers\[0\]\.name is '': string should have at least 1")):
+        broken = loop_program(1).to_json()
+        broken["buffers"][0][field] = value
         with pytest.raises(ValueError, match=message):
-            check_program(broken, limits, "wgsl")
+            KernelProgram.from_json(broken)
+    broken = loop_program(1).to_json()
+    broken["kernels"][0]["bindings"][0] = [broken["kernels"][0]["bindings"][0][0], "write"]
+    with pytest.raises(ValueError, match=r"program\.kernels\[0\]\.bindings\[0\]\[1\] is 'write'"):
+        KernelProgram.from_json(broken)
+    with pytest.raises(ValueError, match=r"program\.kernels\[0\] lacks wgsl"):
+        KernelProgram.from_json({**loop_program(1).to_json(), "kernels": [{"name": "k", "bindings": [], "workgroups": [1, 1, 1]}]})
+    with pytest.raises(ValueError, match=r"program\.smuggled.*extra inputs are not permitted"):
+        KernelProgram.from_json({**loop_program(1).to_json(), "smuggled": 1})
     broken = loop_program(1)
     broken.kernels[0].bindings.append(("nowhere", "read"))
     with pytest.raises(ValueError, match="nowhere"):

@@ -7,6 +7,8 @@ with the reason, when there is none.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -51,6 +53,8 @@ def reference(graph: Graph, inputs):
 
 def check_case(platform, graph, inputs, op, values=True):
     program = platform.compile(graph)
+    # what the compiler writes, the program's declared schema reads back (ProgramJSON, #37)
+    assert KernelProgram.from_json(json.loads(program.dumps())).key == program.key, op
     out = platform.run(program, inputs)
     ref = reference(graph, inputs)
     assert len(out) == len(ref)
