@@ -642,7 +642,7 @@ def _check(schema, data, bad):
     try:
         m = validate(schema, data)
     except SchemaError as e:
-        bad(str(e).replace("a valid dictionary or instance of " + schema.__name__, "an object"))
+        bad(str(e))
     if m.format_version > FORMAT_VERSION:
         bad(f"format_version {m.format_version} is newer than this tapml reads ({FORMAT_VERSION}); upgrade tapml")
     return m

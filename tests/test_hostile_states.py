@@ -689,10 +689,10 @@ def _nodes(x, path=()):
 
 
 def _shown_path(path) -> str:
-    """A path as messages write it: ``cases[3].status``, ``tolerances.aten.mm.default[0]``."""
+    """A path as messages write it: ``cases[3].status``, ``tolerances['aten.mm.default'][0]``."""
     out = ""
     for k in path:
-        out += f"[{k}]" if isinstance(k, int) else f".{k}" if out else k
+        out += f"[{k}]" if isinstance(k, int) else (f".{k}" if out else k) if k.isidentifier() else f"[{k!r}]"
     return out
 
 

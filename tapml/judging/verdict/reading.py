@@ -11,7 +11,6 @@ imported from outside ``tapml.judging.verdict``.
 from __future__ import annotations
 
 import math
-import re
 from typing import Annotated, Any, ClassVar, TypeVar
 
 from pydantic import AfterValidator, Field
@@ -52,7 +51,6 @@ class Written(Schema):
 
 M = TypeVar("M", bound=Schema)
 _NULLED: dict[type, dict[str, Any]] = {}
-_SCHEMA_NAME = re.compile(r"a valid dictionary or instance of \w+")
 
 
 def _nulled(cls: type) -> dict[str, Any]:
@@ -89,7 +87,7 @@ class _Reader:
         try:
             return validate(schema, data, root)
         except SchemaError as e:
-            self.fail(_SCHEMA_NAME.sub("an object", str(e)))
+            self.fail(str(e))
 
     def values(self, m: Written, path: str = "") -> dict:
         """The fields of ``m`` as keyword arguments, null that stands for "not given" as its
