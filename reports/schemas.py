@@ -11,6 +11,7 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
+from tapml.judging.verdict import PoolDeviceJSON
 from tapml.schema import Count, Schema, Str
 
 #: Most targets one multi-target document may hold.
@@ -30,27 +31,16 @@ class MatrixJSON(Schema):
     matrix: dict[Str, Any] = {}
 
 
-class FleetDeviceJSON(Schema):
-    """One device of a fleet run: how many cases it ``served`` and why it dropped out (``status``,
-    ``ok`` when it did not)."""
-
-    target: Name
-    adapter: Str = ""
-    backend: Str = ""
-    platform: Str = ""
-    served: Count = 0
-    status: Str = ""
-
-
 class FleetJSON(Schema):
-    """A fleet document: the models, the devices, and ``runs`` (model -> device target -> Verdict JSON)."""
+    """A fleet document: the models, the devices (each a :class:`~tapml.judging.verdict.PoolDeviceJSON`),
+    and ``runs`` (model -> device target -> Verdict JSON)."""
 
     format_version: Count = 0
     models: Annotated[list[Name], Field(min_length=1, max_length=MAX_FLEET_MODELS)]
-    devices: Annotated[list[FleetDeviceJSON], Field(min_length=1, max_length=MAX_FLEET_DEVICES)]
+    devices: Annotated[list[PoolDeviceJSON], Field(min_length=1, max_length=MAX_FLEET_DEVICES)]
     runs: dict[Str, dict[Str, Any]]
     left_out: dict[Str, Str] = {}
     matrix: dict[Str, Any] = {}
 
 
-__all__ = ["MatrixJSON", "FleetJSON", "FleetDeviceJSON", "MAX_TARGETS", "MAX_FLEET_DEVICES", "MAX_FLEET_MODELS"]
+__all__ = ["MatrixJSON", "FleetJSON", "MAX_TARGETS", "MAX_FLEET_DEVICES", "MAX_FLEET_MODELS"]

@@ -27,7 +27,7 @@ Example::
 
 from tapml.judging.verdict.documents import (END_TO_END_STATUSES, FORMAT_VERSION, PLACES, PRECISION_DTYPES,
                                      PRECISION_FORMAT_VERSION, STAGES, STATE_FORMAT, STEP_STATUSES, STEP_SUMMARY_KEYS,
-                                     BenchJSON, DeviceJSON, GenerationJSON, MigrationState, MigrationStateJSON, PrecisionJSON,
+                                     BenchJSON, DeviceJSON, GenerationJSON, PoolDeviceJSON, MigrationState, MigrationStateJSON, PrecisionJSON,
                                      PreflightJSON, VerdictDocument, VerdictDocumentJSON, is_generation_document, is_precision_document,
                                      journal_record, keep_float32_header, read_bench_document, read_generation_document, read_preflight_document,
                                      read_precision_document)
@@ -46,4 +46,4 @@ __all__ = ["KINDS", "FALLBACK_RULES", "document_kind", "stamp", "Verdict", "Case
            "FORMAT_VERSION", "keep_float32_header", "JUDGE_KEYS", "NEAR_FAILING", "RULES", "BLAME", "PLACES",
            "STEP_SUMMARY_KEYS", "MAX_DEPTH", "MAX_COUNT", "VerdictJSON", "CaseVerdictJSON", "UnitVerdictJSON",
            "RegionCheckJSON", "EndToEndJSON", "CulpritJSON", "VerdictDocumentJSON", "MigrationStateJSON", "DeviceJSON",
-           "GenerationJSON", "PrecisionJSON", "PreflightJSON", "BenchJSON"]
+           "GenerationJSON", "PrecisionJSON", "PreflightJSON", "BenchJSON", "PoolDeviceJSON"]

@@ -106,6 +106,85 @@ class DtypePlacementJSON(KeptJSON):
     decode: KeptJSON | None = None
 
 
+# preflight (a Preflight JSON, and what replay checked before it ran)
+
+class FindingJSON(Written):
+    """What preflight found for some cases of an op: a tensor split across binding windows (or
+    buffers), a device limit gone over (``limit``, the ``value`` asked for, what is ``allowed``,
+    in ``kernel`` and/or on ``buffer``), or why it is unsupported or fails (``reason``)."""
+
+    cases: Count | None = 1
+    message: Str | None = ""
+    reason: Str | None = ""
+    limit: Str | None = None
+    buffer: Str | None = None
+    shape: list[Count] | None = None
+    dtype: Str | None = None
+    bytes: Count | None = None
+    buffers: Count | None = None
+    windows: Count | None = None
+    window_bytes: Count | None = None
+    limit_value: Count | None = None
+    value: Count | None = None
+    allowed: Count | None = None
+    kernel: Str | None = None
+
+
+class PreflightOpJSON(Written):
+    """One op of a preflight."""
+
+    op: Str
+    cases: Count | None = 0
+    kernels: Count | None = 0
+    largest_binding: Count | None = 0
+    splits: list[FindingJSON] = []
+    violations: list[FindingJSON] = []
+    unsupported: list[FindingJSON] = []
+    errors: list[FindingJSON] = []
+    fits: Bool | None = None  # derived: recomputed on read
+
+
+class PreflightSummaryJSON(Written):
+    """A preflight's summary (recomputed from its ops on read: still of its type)."""
+
+    ops: Count | None = None
+    cases: Count | None = None
+    ops_split: Count | None = None
+    ops_over_limit: Count | None = None
+    ops_unsupported: Count | None = None
+    ops_error: Count | None = None
+    largest_split: FindingJSON | None = None
+    fits: Bool | None = None
+
+
+class PreflightJSON(Written):
+    """The Preflight JSON of ``tapml inspect STORE --target T --json`` (and, without kind, model,
+    store and device, the ``preflight`` of a Verdict JSON: what replay checked before it ran)."""
+
+    format_version: Count = 0
+    target: Str
+    model: Str | None = ""
+    store: Str | None = ""
+    device: DeviceJSON | None = None
+    limits: dict[Str, Count] | None = None
+    forced_limits: dict[Str, Count] | None = None
+    loop_cap: Count | None = None
+    ops: list[PreflightOpJSON]
+    summary: PreflightSummaryJSON | None = None  # derived: recomputed on read
+
+
+class PoolDeviceJSON(Written):
+    """One device of a pool (``registry://``): how many cases it ``served`` and why it dropped
+    out (``status``, ``ok`` when it did not)."""
+
+    target: Annotated[Str, Field(min_length=1)]
+    adapter: Str = ""
+    backend: Str = ""
+    platform: Str = ""
+    served: Count = 0
+    status: Str = ""
+
+
 class VerdictDocumentJSON(Written):
     """A :class:`VerdictDocument` (``kind`` and ``format_version`` are checked before it)."""
 
@@ -117,6 +196,9 @@ class VerdictDocumentJSON(Written):
     tolerances: dict[Str, Tolerance] | None = {}
     dtype: Literal[MODEL_DTYPES] | None = "float32"
     anchored: Bool = False
+    # what replay checked before it ran, and the pool's devices: validated, not read
+    preflight: PreflightJSON | None = None
+    devices: list[PoolDeviceJSON] | None = None
     # derived, recomputed on read: still of their type
     summary: dict[Literal[STATUSES], Count] | None = None
     passed: Bool = False
@@ -385,9 +467,55 @@ class RatesJSON(Written):
     reference: Number | None = None
 
 
-class GenerationJSON(Written):
-    """The Generation JSON of ``tapml generate --json``."""
+class LocalizationJSON(Written):
+    """The migration of a generation's first failing step: which step and graph, its counts."""
 
+    step: Count | None = None
+    graph: Literal[GRAPH_KINDS] | None = None
+    cases: Count | None = None
+    units: Count | None = None
+    end_to_end: Literal[STATUSES] | None = None
+    placement: Count | None = None
+
+
+class StepPlacementJSON(Written):
+    """How many nodes of a generation's graph ran on the target, and the first that fell back."""
+
+    nodes: Count | None = None
+    on_target: Count | None = None
+    fell_back: Count | None = None
+    fell_back_nodes: list[Str] = []
+
+
+class KvCacheJSON(Written):
+    """Where the target keeps the decode graph's state between steps."""
+
+    on_device: Bool | None = None
+    bytes: Count | None = None
+    note: Str | None = None
+
+
+class GenerationJSON(Written):
+    """The Generation JSON of ``tapml generate --json`` (reports read the steps, the culprits and
+    the figures; the rest is declared so that all of it is validated)."""
+
+    format_version: Count = 0
+    prompt_len: Count | None = None
+    tokens: Count | None = None
+    dtype: Literal[MODEL_DTYPES] | None = None
+    judged_against: Literal[MODEL_DTYPES] | None = None
+    keep_float32: dict[Literal[GRAPH_KINDS], list[Str]] | None = None
+    casts: dict[Literal[GRAPH_KINDS], Count] | None = None
+    localization: LocalizationJSON | None = None
+    reference_tokens: list[Count] = []
+    target_tokens: list[Count] = []
+    first_divergence: Count | None = None
+    tokenizer: Str | None = None
+    tokenizer_note: Str | None = None
+    placement: dict[Literal[GRAPH_KINDS], StepPlacementJSON] | None = None
+    kv_cache: KvCacheJSON | None = None
+    compiled_per_shape: Str | None = None
+    upload_bytes_first_decode_step: Count | None = None
     target: Str
     model: Str
     device: DeviceJSON | None = None
@@ -581,43 +709,6 @@ def is_precision_document(data) -> bool:
 
 
 # --- the preflight document ----------------------------------------------------------------
-
-class FindingJSON(Written):
-    """What preflight found for some cases of an op: a split or a violation (``message``, the
-    ``limit`` and ``bytes`` concerned), or why it is unsupported or fails (``reason``)."""
-
-    cases: Count | None = 1
-    message: Str | None = ""
-    limit: Str | None = None
-    bytes: Count | None = None
-    reason: Str | None = ""
-
-
-class PreflightOpJSON(Written):
-    """One op of a preflight."""
-
-    op: Str
-    cases: Count | None = 0
-    kernels: Count | None = 0
-    largest_binding: Count | None = 0
-    splits: list[FindingJSON] = []
-    violations: list[FindingJSON] = []
-    unsupported: list[FindingJSON] = []
-    errors: list[FindingJSON] = []
-
-
-class PreflightJSON(Written):
-    """The Preflight JSON of ``tapml inspect STORE --target T --json``."""
-
-    target: Str
-    model: Str | None = ""
-    store: Str | None = ""
-    device: DeviceJSON | None = None
-    limits: dict[Str, Count] | None = None
-    forced_limits: dict[Str, Count] | None = None
-    loop_cap: Count | None = None
-    ops: list[PreflightOpJSON]
-
 
 def read_preflight_document(data, where: str = "<preflight>", hint: str = "") -> dict:
     """Validate a parsed Preflight JSON (``tapml inspect STORE --target T --json``, ARCHITECTURE.md)
