@@ -64,15 +64,27 @@ M = TypeVar("M", bound=BaseModel)
 _UNION_TAG = re.compile(r"[^A-Za-z0-9_]")
 
 
-def field_path(loc: tuple, root: str = "") -> str:
+_NO_DATA = object()
+
+
+def field_path(loc: tuple, root: str = "", data: Any = _NO_DATA) -> str:
     """``("kernels", 0, "workgroups", 1)`` -> ``kernels[0].workgroups[1]`` (under ``root`` when
-    given). The tags pydantic puts in a path for the members of a union are left out."""
-    path = root
+    given); a key that is no identifier is quoted: ``tensors['in.x'].shape``. With ``data`` (the
+    document that pydantic's error ``loc`` is about), the tags pydantic puts in a path for the
+    members of a union are left out: a part that is no key of the object at that point and is
+    no identifier."""
+    path, value = root, data
     for part in loc:
         if isinstance(part, int):
             path += f"[{part}]"
-        elif not _UNION_TAG.search(part):
-            path += f".{part}" if path else part
+        elif data is _NO_DATA or isinstance(value, dict) and part in value or not _UNION_TAG.search(part):
+            path += (f".{part}" if path else part) if part.isidentifier() else f"[{part[:60]!r}]"
+        else:
+            continue
+        try:
+            value = value[part]
+        except (KeyError, IndexError, TypeError):
+            value = None
     return path
 
 
@@ -89,13 +101,13 @@ def describe(error: ValidationError, data: Any, root: str = "") -> tuple[str, st
     (a union's members each fail; the member that got furthest says what was meant)."""
     best = max(error.errors(include_url=False, include_input=False), key=lambda e: len(e["loc"]))
     loc = tuple(best["loc"])
-    path = field_path(loc, root) or root or "the document"
+    path = field_path(loc, root, data) or root or "the document"
     if best["type"] == "missing":
-        parent = field_path(loc[:-1], root)
+        parent = field_path(loc[:-1], root, data)
         return path, f"{parent or 'the document'} lacks {loc[-1]}"
     value, found = data, True
     for part in loc:
-        if isinstance(part, str) and _UNION_TAG.search(part):
+        if isinstance(part, str) and _UNION_TAG.search(part) and not (isinstance(value, dict) and part in value):
             continue
         try:
             value = value[part]
