@@ -103,6 +103,8 @@ class Case(Schema):
     id: Str
     op: Str
     node: Str
+    #: Every node of the graph that makes this call (``node`` is the first).
+    nodes: tuple[Str, ...] = ()
     module: Str
     args: list[Any]
     kwargs: dict[ShortText, Any]

@@ -69,7 +69,7 @@ _NO_DATA = object()
 
 def field_path(loc: tuple, root: str = "", data: Any = _NO_DATA) -> str:
     """``("kernels", 0, "workgroups", 1)`` -> ``kernels[0].workgroups[1]`` (under ``root`` when
-    given); a key that is no identifier is quoted: ``tensors['in.x'].shape``. With ``data`` (the
+    given); a key that is no identifier is quoted: ``tensors['in.x'].shape``, and a long one cut. With ``data`` (the
     document that pydantic's error ``loc`` is about), the tags pydantic puts in a path for the
     members of a union are left out: a part that is no key of the object at that point and is
     no identifier."""
@@ -78,7 +78,8 @@ def field_path(loc: tuple, root: str = "", data: Any = _NO_DATA) -> str:
         if isinstance(part, int):
             path += f"[{part}]"
         elif data is _NO_DATA or isinstance(value, dict) and part in value or not _UNION_TAG.search(part):
-            path += (f".{part}" if path else part) if part.isidentifier() else f"[{part[:60]!r}]"
+            key = part if len(part) <= 60 else part[:60] + "..."
+            path += (f".{key}" if path else key) if part.isidentifier() else f"[{key!r}]"
         else:
             continue
         try:
@@ -116,6 +117,8 @@ def describe(error: ValidationError, data: Any, root: str = "") -> tuple[str, st
             break
     message = best["msg"].removeprefix("Value error, ")
     message = message[0].lower() + message[1:] if message else "is not valid"
+    if loc and loc[-1] == "[key]":  # the key of an object's entry, not its value
+        return path, f"{path}: this key does not fit: {message}"
     held = f" is {_shown(value)}" if found else ""
     return path, f"{path}{held}: {message}"
 
