@@ -315,12 +315,14 @@ ShortText = Annotated[Str, Field(max_length=MAX_TEXT)]
 
 
 class NodeJSON(Schema):
-    """A node as files and requests hold it (:meth:`Node.to_json`). Its arguments are a
-    recursive grammar (refs, dtypes, nested lists, ``{"dict": ...}``) nested at most
-    :data:`MAX_ARG_DEPTH` deep, and its op names a closed vocabulary that lives in
-    :mod:`tapml.ops` (built from torch at first use): both are checked by :func:`check_arg` and
-    :func:`check_op`, not declared here, so a deeply nested argument never meets pydantic's
-    recursion and the vocabulary stays in one place."""
+    """A node as files and requests hold it (:meth:`Node.to_json`).
+
+    Three things stay checked by hand (:meth:`Node.from_schema`, :meth:`Graph.from_schema`), not
+    declared: the arguments are a recursive grammar (refs, dtypes, nested lists, ``{"dict": ...}``)
+    bounded at :data:`MAX_ARG_DEPTH` levels, which :func:`check_arg` walks without recursing
+    through pydantic; the op names a closed vocabulary that :mod:`tapml.ops` builds from torch at
+    first use (:func:`check_op`, the one place it lives); and a ref is only valid against the rest
+    of the graph (an input or an earlier node's output), which no field's type can say."""
 
     name: Annotated[Name, AfterValidator(_node_name)]
     op: Str
