@@ -75,7 +75,7 @@ class AliasTensor(TensorMetaJSON):
 
     alias: Str
     dtype: StoreDtype
-    view: View = None
+    view: View = None  # a field left out: None; written null: refused (so below, for every ``= None``)
 
 
 def _entry_kind(entry: Any) -> str | None:

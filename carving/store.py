@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import struct
 import weakref
@@ -30,7 +29,6 @@ from tapml.io import open_regular, parse_json, read_regular_file, write_json_ato
 from tapml.schema import validate
 
 MANIFEST = "manifest.json"
-_ST_DTYPES = STORE_DTYPES
 #: Bytes reserved for a shard's safetensors header; a shard closes early when its header would not fit.
 HEADER_RESERVE = 64 << 10
 #: Tensors of at most this many bytes are also stored once by content (a hash of their bytes).
@@ -85,7 +83,7 @@ class CarveStoreWriter:
         if name in self.tensors or name in self._pending:
             raise ValueError(f"tensor {name!r} written twice")
         meta = TensorMeta.of(tensor)
-        code = _ST_DTYPES.get(meta.dtype)
+        code = STORE_DTYPES.get(meta.dtype)
         if code is None:
             raise ValueError(f"tensor {name!r}: a store cannot hold dtype {meta.dtype}")
         alias, digest = self._same_memory(tensor), None
@@ -167,7 +165,7 @@ class CarveStoreWriter:
         self._file = None
         for name, entry in self._pending.items():
             self.tensors[name] = {"shard": shard, "shape": entry["shape"],
-                                  "dtype": next(k for k, v in _ST_DTYPES.items() if v == entry["dtype"])}
+                                  "dtype": next(k for k, v in STORE_DTYPES.items() if v == entry["dtype"])}
         self.bytes_written += self._pending_bytes
         self._shard += 1
         self._pending, self._pending_bytes, self._header_bytes = {}, 0, 2
@@ -215,9 +213,11 @@ def _open_shard(path: Path, where: str):
 class CarveStore:
     """A carved store opened for reading. Raises TapmlError when it is missing or corrupt.
 
-    Stores may come from anyone: opening one validates every field of the manifest (op names
-    against the vocabulary of :mod:`tapml.ops`, arguments, shapes, refs, tensor index) and every
-    shard header, and refuses shards that lie outside the store (symlinks included)."""
+    Stores may come from anyone: opening one validates every field of the manifest against its
+    declared schema (:class:`~tapml.carving.manifest.Manifest`) and what that cannot say (op
+    names against the vocabulary of :mod:`tapml.ops`, arguments, refs, the tensor index's
+    aliases), once, and every shard header, and refuses shards that lie outside the store
+    (symlinks included). ``manifest``, ``cases`` and ``tensor_index`` are the JSON as read."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -283,7 +283,7 @@ class CarveStore:
                 raise TapmlError(f"shard {shown_shard} {what}; the store is corrupt")
             for name, info in names.items():
                 entry = shard_file.get_slice(name)
-                if list(entry.get_shape()) != list(info["shape"]) or entry.get_dtype() != _ST_DTYPES[info["dtype"]]:
+                if list(entry.get_shape()) != list(info["shape"]) or entry.get_dtype() != STORE_DTYPES[info["dtype"]]:
                     raise TapmlError(f"tensor {name[:60]!r} has another shape or dtype in {shown_shard} than in the "
                                      "index; the store is corrupt")
             self._shards[shard], self._shards_path[shard] = shard_file, shard_path
