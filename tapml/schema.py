@@ -115,7 +115,8 @@ def describe(error: ValidationError, data: Any, root: str = "") -> tuple[str, st
         except (KeyError, IndexError, TypeError):
             found = False
             break
-    message = best["msg"].removeprefix("Value error, ")
+    # a model's class name means nothing to whoever wrote the JSON
+    message = "input should be an object" if best["type"] == "model_type" else best["msg"].removeprefix("Value error, ")
     message = message[0].lower() + message[1:] if message else "is not valid"
     if loc and loc[-1] == "[key]":  # the key of an object's entry, not its value
         return path, f"{path}: this key does not fit: {message}"
