@@ -210,6 +210,11 @@ def _open_shard(path: Path, where: str):
                          "carve the model again") from None
 
 
+def _meta(entry: dict) -> TensorMeta:
+    """The shape and dtype of an entry of an open store's manifest (checked once, when it opened)."""
+    return TensorMeta(tuple(entry["shape"]), entry["dtype"])
+
+
 class CarveStore:
     """A carved store opened for reading. Raises TapmlError when it is missing or corrupt.
 
@@ -339,7 +344,7 @@ class CarveStore:
         from safetensors import SafetensorError
         shard = info["shard"]
         try:
-            if TensorMeta.from_json(info).nbytes < MMAP_MIN_BYTES:
+            if _meta(info).nbytes < MMAP_MIN_BYTES:
                 return self._shards[shard].get_tensor(name).clone()
             # A handle of its own: tensors of one handle share its copy-on-write mapping, so a
             # change to one read would show in the next read of the same tensor.
@@ -351,9 +356,9 @@ class CarveStore:
     def case_graph(self, case: dict) -> Graph:
         """The one-node graph of a case; its inputs are the case's stored input tensors."""
         node = Node(name=case["node"], op=case["op"], args=case["args"], kwargs=case["kwargs"],
-                    outputs=[TensorMeta.from_json(m) for m in case["output_meta"]], multi=case["multi"],
+                    outputs=[_meta(m) for m in case["output_meta"]], multi=case["multi"],
                     module=case["module"])
-        inputs = [(name, TensorMeta.from_json(self.tensor_index[name])) for name in case["inputs"]]
+        inputs = [(name, _meta(self.tensor_index[name])) for name in case["inputs"]]
         return Graph(inputs=inputs, nodes=[node], outputs=node.output_refs)
 
     def case_inputs(self, case: dict) -> list[torch.Tensor]:
