@@ -69,10 +69,10 @@ _NO_DATA = object()
 
 def field_path(loc: tuple, root: str = "", data: Any = _NO_DATA) -> str:
     """``("kernels", 0, "workgroups", 1)`` -> ``kernels[0].workgroups[1]`` (under ``root`` when
-    given); a key that is no identifier is quoted: ``tensors['in.x'].shape``, and a long one cut. With ``data`` (the
-    document that pydantic's error ``loc`` is about), the tags pydantic puts in a path for the
-    members of a union are left out: a part that is no key of the object at that point and is
-    no identifier."""
+    given); a key that is no identifier is quoted, ``tensors['in.x'].shape``, and a long one cut.
+    With ``data`` (the document that pydantic's error ``loc`` is about), the tags pydantic puts in
+    a path for the members of a union are left out: a part that is no key of the object at that
+    point and is no identifier."""
     path, value = root, data
     for part in loc:
         if isinstance(part, int):

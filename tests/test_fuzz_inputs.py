@@ -149,8 +149,7 @@ def _declared_paths(value, loc=()):
 
 
 def _pattern(loc) -> tuple:
-    return tuple("*" if isinstance(k, int) or (i and loc[i - 1] in _NAMED and isinstance(loc[i - 1], str)) else k
-                 for i, k in enumerate(loc))
+    return tuple("*" if isinstance(k, int) or (i and loc[i - 1] in _NAMED) else k for i, k in enumerate(loc))
 
 
 def _through(value, locs: list[tuple], named: bool = False):
@@ -169,28 +168,34 @@ def _through(value, locs: list[tuple], named: bool = False):
             if key in under or not named}
 
 
-def _refused_at(manifest: dict, loc: tuple, wrong) -> str:
-    """Put ``wrong`` at ``loc``, check the manifest, put the value back; the refusal's message."""
-    from tapml.carving.manifest import check_manifest
-    from tapml.schema import SchemaError
-    parent = manifest
+def _put(document: dict, loc: tuple, value):
+    """Put ``value`` at ``loc`` of ``document``; returns what was there."""
+    parent = document
     for key in loc[:-1]:
         parent = parent[key]
-    kept, parent[loc[-1]] = parent[loc[-1]], wrong
+    kept, parent[loc[-1]] = parent[loc[-1]], value
+    return kept
+
+
+def _refused_at(manifest: dict, loc: tuple, wrong):
+    """Put ``wrong`` at ``loc``, check the manifest, put the value back; the SchemaError refusing it."""
+    from tapml.carving.manifest import check_manifest
+    from tapml.schema import SchemaError
+    kept = _put(manifest, loc, wrong)
     try:
         with pytest.raises(SchemaError) as e:
             check_manifest(manifest)
     finally:
-        parent[loc[-1]] = kept
+        _put(manifest, loc, kept)
     return e.value
 
 
-def _wrong_types(loc, value) -> list:
-    """Values of another JSON type than ``value``, which the schema refuses at ``loc`` (a node's
-    ``case`` may be null; ``format_version`` is refused by its own rule, before the schema)."""
-    if loc == ("format_version",):
-        return []
-    return [w for w in _WRONG if _json_type(w) != _json_type(value) and not (w is None and loc[-1] == "case")]
+def _is_wrong(loc: tuple, value, wrong) -> bool:
+    """Whether the schema must refuse ``wrong`` in place of ``value`` at ``loc``: another JSON type
+    (but a node's ``case`` may be null, and ``format_version`` is refused by its own rule, before
+    the schema)."""
+    return (_json_type(wrong) != _json_type(value) and loc != ("format_version",)
+            and not (wrong is None and loc[-1] == "case"))
 
 
 def test_wrong_typed_manifest_fields_are_refused_naming_their_path(gen_store, tmp_path, figure):
@@ -215,7 +220,7 @@ def test_wrong_typed_manifest_fields_are_refused_naming_their_path(gen_store, tm
     places = list(_declared_paths(manifest))
     tried = 0
     for loc, value in first.values():
-        for wrong in _wrong_types(loc, value):
+        for wrong in (w for w in _WRONG if _is_wrong(loc, value, w)):
             e = _refused_at(manifest, loc, wrong)
             assert e.path == field_path(loc) and str(e).startswith(f"{e.path} is {wrong!r}: "), (loc, wrong, str(e))
             tried += 1
@@ -228,7 +233,7 @@ def test_wrong_typed_manifest_fields_are_refused_naming_their_path(gen_store, tm
     def fuzzed(place, wrong):
         nonlocal tried
         loc, value = place
-        if _json_type(wrong) == _json_type(value) or loc == ("format_version",) or (wrong is None and loc[-1] == "case"):
+        if not _is_wrong(loc, value, wrong):
             return
         assert _refused_at(manifest, loc, wrong).path == field_path(loc)
         tried += 1
@@ -243,10 +248,7 @@ def test_wrong_typed_manifest_fields_are_refused_naming_their_path(gen_store, tm
             (("generation", "steps", 1, "token"), 12.9, "generation.steps[1].token is 12.9: input should be a valid integer"),
             (("tensors", name, "shape", 0), "2", f"tensors[{name!r}].shape[0] is '2': input should be a valid integer")]:
         edited = json.loads((gen_store / "manifest.json").read_text())
-        parent = edited
-        for key in loc[:-1]:
-            parent = parent[key]
-        parent[loc[-1]] = wrong
+        _put(edited, loc, wrong)
         (store / "manifest.json").write_text(json.dumps(edited))
         r = CliRunner().invoke(app, ["inspect", str(store)])
         text = " ".join(r.output.split())
