@@ -307,6 +307,28 @@ def gguf_config(spec: str, header: GGUFHeader) -> dict:
     return config
 
 
+def complete_gguf_config(header: GGUFHeader, config, given: dict) -> None:
+    """Set on ``config`` (transformers' config of the GGUF file ``header``) what the file states
+    but transformers' reading of it leaves to the config class's defaults, unless ``--hf-config``
+    (``given``) sets it: the head size ``ARCH.attention.key_length`` where transformers maps
+    that key to nothing for the architecture (Qwen3's default head_dim is 128, whatever the file
+    says), and no padding token where the file names none and the class's default lies outside
+    the vocabulary (Phi-3's 32000: the embedding could not be built)."""
+    import inspect
+
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+    arch = header.architecture
+    key_length = header.fields.get(f"{arch}.attention.key_length")
+    if ("head_dim" not in given and "attention.key_length" not in GGUF_CONFIG_MAPPING.get(arch, {})
+            and type(key_length) is int and 0 < key_length <= MAX_ALIGNMENT
+            and "head_dim" in inspect.signature(type(config).__init__).parameters):
+        config.head_dim = key_length
+    pad, vocab = getattr(config, "pad_token_id", None), getattr(config, "vocab_size", None)
+    if ("pad_token_id" not in given and "tokenizer.ggml.padding_token_id" not in header.fields
+            and type(pad) is int and type(vocab) is int and not 0 <= pad < vocab):
+        config.pad_token_id = None
+
+
 def load_gguf_weights(ckpt, model, dtype: str):
     """Load the GGUF file of ``ckpt`` into ``model`` (built from its config), dequantized to
     ``dtype``, with transformers' own GGUF reading (names mapped, llama's q/k permutation undone).
@@ -359,5 +381,5 @@ def load_gguf_tokenizer(ckpt):
                          f"{(str(e).strip().splitlines() or [''])[0][:300]}") from None
 
 
-__all__ = ["scan_gguf", "is_gguf_spec", "check_architecture", "gguf_config", "load_gguf_weights",
+__all__ = ["scan_gguf", "is_gguf_spec", "check_architecture", "gguf_config", "complete_gguf_config", "load_gguf_weights",
            "load_gguf_tokenizer", "gguf_alone", "GGUFHeader", "GGUFTensor", "MAX_TENSORS", "MAX_FIELDS"]
