@@ -297,7 +297,8 @@ def test_gguf_of_each_architecture_loads_the_weights_written(name, tmp_path):
         assert stored_otherwise == {n for n in written if n.endswith(("attn_q.weight", "attn_k.weight"))}
     elif name.startswith("gemma"):
         assert stored_otherwise == {n for n in written if n.endswith("norm.weight")} and "output.weight" not in written
-        assert loaded.config.tie_word_embeddings and torch.equal(got["lm_head.weight"], expected["model.embed_tokens.weight"])
+        assert loaded.config.tie_word_embeddings
+        assert torch.equal(got["lm_head.weight"], expected["model.embed_tokens.weight"])
         assert ("blk.0.attn_q_norm.weight" in written) == (name == "gemma3")
     else:
         assert not stored_otherwise
@@ -314,7 +315,8 @@ def test_gguf_of_each_architecture_loads_the_weights_written(name, tmp_path):
 
     tokenizer = load_tokenizer(str(path))
     ids = tokenizer("hello world the cat")["input_ids"]
-    assert max(ids) < loaded.config.vocab_size and tokenizer.decode(ids, skip_special_tokens=True) == "hello world the cat"
+    assert max(ids) < loaded.config.vocab_size
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "hello world the cat"
     assert (ids[0] == tokenizer.bos_token_id) == (ARCHITECTURES[name][2] != "gpt2"), ids
 
 
@@ -438,11 +440,12 @@ def test_a_gguf_generates_from_words_and_migrates_in_chromium(tiny, tmp_path):
 @pytest.mark.device
 @pytest.mark.slow
 @pytest.mark.xdist_group("wgpu")
-@pytest.mark.parametrize("name", [name for name in ARCHITECTURES if name != "gemma"])
+@pytest.mark.parametrize("name", [name for name in ARCHITECTURES if name not in ("gemma", "mistral")])
 def test_each_gguf_architecture_carves_and_migrates_on_vulkan(name, tmp_path):
     """`tapml carve FILE.gguf -o s` and `tapml migrate FILE.gguf --target wgpu:vulkan` exit 0 for each
-    architecture, the whole model on lavapipe end to end; Gemma 3's file (norms +1, q/k norms, sliding
-    window, tied head) generates from a prompt in words with every step checked."""
+    architecture (a Mistral file builds a llama: the llama tests carve that model), the whole model on
+    lavapipe end to end; Gemma 3's file (norms +1, q/k norms, sliding window, tied head) generates from a
+    prompt in words with every step checked."""
     vulkan_or_skip()
     path = tmp_path / f"tiny-{name}.gguf"
     write_architecture_gguf(path, name)
@@ -459,6 +462,8 @@ def test_each_gguf_architecture_carves_and_migrates_on_vulkan(name, tmp_path):
               "--json", tmp_path / "g.json")
     assert r.exit_code == 0, r.output
     doc = json.loads((tmp_path / "g.json").read_text())
-    assert doc["summary"]["steps"] == 5 and doc["summary"]["pass"] == 5 and doc["reference_tokens"] == doc["target_tokens"]
-    assert doc["prompt_len"] == len(doc["prompt_ids"] if "prompt_ids" in doc else range(doc["prompt_len"])) > 1
-    assert doc["reference_text"] and "reference text" in r.output
+    assert doc["summary"]["steps"] == doc["summary"]["pass"] == 5 and doc["reference_tokens"] == doc["target_tokens"]
+    from tapml.frontends.prompts import load_tokenizer
+    assert doc["prompt_len"] == len(load_tokenizer(str(path))("hello world the cat")["input_ids"])
+    assert doc["summary"]["mismatch"] == doc["summary"]["error"] == 0 and "reference text" in r.output
+    assert doc["reference_text"] == doc["target_text"] and doc["reference_text"]

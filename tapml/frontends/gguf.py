@@ -319,8 +319,10 @@ def complete_gguf_config(header: GGUFHeader, config, given: dict) -> None:
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
     arch = header.architecture
     key_length = header.fields.get(f"{arch}.attention.key_length")
-    if ("head_dim" not in given and "attention.key_length" not in GGUF_CONFIG_MAPPING.get(arch, {})
-            and type(key_length) is int and 0 < key_length <= MAX_ALIGNMENT
+    # the mapping is keyed by the file's architecture or by transformers' name for it (qwen2moe: qwen2_moe)
+    mapped = any("attention.key_length" in GGUF_CONFIG_MAPPING.get(name, {})
+                 for name in (arch, getattr(config, "model_type", None)))
+    if ("head_dim" not in given and not mapped and type(key_length) is int and 0 < key_length <= 1 << 16
             and "head_dim" in inspect.signature(type(config).__init__).parameters):
         config.head_dim = key_length
     pad, vocab = getattr(config, "pad_token_id", None), getattr(config, "vocab_size", None)
@@ -381,5 +383,6 @@ def load_gguf_tokenizer(ckpt):
                          f"{(str(e).strip().splitlines() or [''])[0][:300]}") from None
 
 
-__all__ = ["scan_gguf", "is_gguf_spec", "check_architecture", "gguf_config", "complete_gguf_config", "load_gguf_weights",
-           "load_gguf_tokenizer", "gguf_alone", "GGUFHeader", "GGUFTensor", "MAX_TENSORS", "MAX_FIELDS"]
+__all__ = ["scan_gguf", "is_gguf_spec", "check_architecture", "gguf_config", "complete_gguf_config",
+           "load_gguf_weights", "load_gguf_tokenizer", "gguf_alone", "GGUFHeader", "GGUFTensor", "MAX_TENSORS",
+           "MAX_FIELDS"]
