@@ -137,13 +137,13 @@ def _llama_permute(weight: np.ndarray, heads: int) -> np.ndarray:
         .reshape(weight.shape)
 
 
-def write_architecture_gguf(path: Path, name: str) -> tuple[torch.nn.Module, dict]:
+def write_architecture_gguf(path: Path, name: str, general_name: str = "") -> tuple[torch.nn.Module, dict]:
     """A tiny random transformers model of ``ARCHITECTURES[name]`` (hidden 32, 2 layers, about 300 tokens,
     norm weights away from their init) written to ``path`` as convert_hf_to_gguf.py writes it: the keys
     it writes for the architecture and a tokenizer; each tensor named by gguf's own name map (what the
     script maps with), a llama's q and k rows permuted, a Gemma's norm weights stored +1, no
     ``output.weight`` for a head tied to the embedding. Returns the model and, by GGUF name, the
-    ``(transformers name, array written)`` of every tensor."""
+    ``(transformers name, array written)`` of every tensor; ``general_name`` the model's name in the file."""
     import gguf
     from transformers import AutoConfig, AutoModelForCausalLM
     model_type, extras, tokenizer = ARCHITECTURES[name]
@@ -169,7 +169,7 @@ def write_architecture_gguf(path: Path, name: str) -> tuple[torch.nn.Module, dic
     llama = architecture == "llama"
     rope = config.rope_parameters
     writer = gguf.GGUFWriter(str(path), architecture)
-    writer.add_name(f"{name.capitalize()} tiny")
+    writer.add_name(general_name or f"{name.capitalize()} tiny")
     writer.add_context_length(64)
     writer.add_embedding_length(HIDDEN)
     writer.add_block_count(LAYERS)
@@ -367,8 +367,12 @@ def test_hostile_gguf_is_refused_and_nothing_is_written(tiny, tmp_path):
     write_gguf(tmp_path / "mamba.gguf", architecture="mamba9", quantized=False)
     write_gguf(tmp_path / "layers.gguf", quantized=False, block_count=10 ** 6)  # would be built before failing
     write_architecture_gguf(tmp_path / "gemma.gguf", "gemma")  # transformers reads gemma2 and gemma3, not gemma
+    # transformers builds a Mistral from a llama file named exactly 'mistral', then has no tensor names for it
+    write_architecture_gguf(tmp_path / "mistral.gguf", "mistral", general_name="mistral")
     for name, says in (("mamba", "architecture 'mamba9' is not one transformers"),
                        ("gemma", "architecture 'gemma' is not one transformers"),
+                       ("mistral", "builds a mistral model from this 'llama' file (general.name 'mistral') and knows "
+                                   "no GGUF tensor names for mistral"),
                        ("layers", "llama.block_count is 1000000, but the file holds tensors of 2 blocks")):
         r = tapml("carve", tmp_path / f"{name}.gguf", "-o", tmp_path / "out")
         assert r.exit_code == 2 and says in r.output, r.output

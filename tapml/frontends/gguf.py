@@ -337,9 +337,19 @@ def load_gguf_weights(ckpt, model, dtype: str):
     TapmlError when a tensor does not fit the model or one the model needs is not in the file."""
     import io
 
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    import transformers
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map, load_gguf_checkpoint
 
     from tapml.graph import torch_dtype
+    arch, model_type = ckpt.gguf.architecture, model.config.model_type
+    try:  # the GGUF tensor names transformers knows for the model it built; none for some (a llama named 'mistral')
+        get_gguf_hf_weights_map(model, TensorProcessor())
+    except NotImplementedError:
+        named = "" if model_type == arch else f" (general.name {str(ckpt.gguf.fields.get('general.name'))[:80]!r})"
+        raise TapmlError(f"{ckpt.spec}: transformers {transformers.__version__} builds a {model_type} model from this "
+                         f"{arch!r} file{named} and knows no GGUF tensor names for {model_type}, so it cannot load the "
+                         "weights; convert the model to a checkpoint folder (config.json and safetensors) instead") \
+            from None
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # its progress bar (tqdm) is no output of tapml's
             tensors = load_gguf_checkpoint(str(ckpt.weights[0]), return_tensors=True, model_to_load=model,
