@@ -57,6 +57,56 @@ def byte_level_vocabulary() -> tuple[list[str], list[str]]:
     return tokens + ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], merges
 
 
+def add_hyperparameters(writer, block_count: int = LAYERS, rope_theta: float = 10000.0,
+                        head_dim: int | None = None) -> None:
+    """The shape keys llama.cpp's convert script writes for these decoders: context, widths, ``block_count``
+    layers, heads, RMS norm epsilon, RoPE base, and the head size as ``attention.key_length`` where the
+    model's config states ``head_dim`` (else as llama's ``rope.dimension_count``)."""
+    writer.add_context_length(64)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_block_count(block_count)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(rope_theta)
+    if head_dim:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    else:
+        writer.add_rope_dimension_count(HIDDEN // HEADS)
+
+
+def add_tokenizer(writer, kind: str) -> list[str]:
+    """The ``tokenizer.ggml.*`` keys of a tokenizer of ``kind`` as the convert script writes it: ``llama``
+    (sentencepiece: <unk> <s> </s>, the byte tokens, pieces scored by length), ``gemma`` (sentencepiece:
+    <pad> <eos> <bos> <unk>, no space prefix) or ``gpt2`` (Qwen's byte-level BPE with its merges, no
+    BOS added); returns its tokens (the vocabulary size written with them)."""
+    if kind == "gpt2":
+        tokens, merges = byte_level_vocabulary()
+        types, special = [1] * (len(tokens) - 3) + [3] * 3, dict.fromkeys(("bos", "eos", "pad"), len(tokens) - 3)
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("qwen2")
+        writer.add_token_list(tokens)
+        writer.add_token_merges(merges)
+        writer.add_add_bos_token(False)
+    else:
+        specials, special = ((("<pad>", "<eos>", "<bos>", "<unk>"), {"bos": 2, "eos": 1, "unk": 3, "pad": 0})
+                             if kind == "gemma" else (("<unk>", "<s>", "</s>"), {"bos": 1, "eos": 2, "unk": 0}))
+        tokens, first = vocabulary(specials), len(specials) + 256
+        types = [2 if t == "<unk>" else 3 for t in specials] + [6] * 256 + [1] * (len(tokens) - first)
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(tokens)
+        writer.add_token_scores([0.0] * first + [-float(len(t)) for t in tokens[first:]])
+        if kind == "gemma":
+            writer.add_add_space_prefix(False)
+    writer.add_vocab_size(len(tokens))
+    writer.add_token_types(types)
+    for name, token_id in special.items():
+        getattr(writer, f"add_{name}_token_id")(token_id)
+    return tokens
+
+
 def write_gguf(path: Path, architecture: str = "llama", dtype=np.float32, quantized: bool = True,
                block_count: int = LAYERS, tied: bool = False) -> dict:
     """A two-layer llama GGUF (``dtype`` tensors, ``output.weight`` and ``attn_k`` in float16, and
@@ -65,26 +115,10 @@ def write_gguf(path: Path, architecture: str = "llama", dtype=np.float32, quanti
     written, by name."""
     import gguf
     rng = np.random.default_rng(0)
-    tokens = vocabulary()
     writer = gguf.GGUFWriter(str(path), architecture)
     writer.add_name("tiny-llama")
-    writer.add_context_length(64)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_block_count(block_count)
-    writer.add_feed_forward_length(FFN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_rope_dimension_count(HIDDEN // HEADS)
-    writer.add_vocab_size(len(tokens))
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores([0.0] * 259 + [-float(len(t)) for t in tokens[259:]])
-    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * (len(tokens) - 259))
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_unk_token_id(0)
+    add_hyperparameters(writer, block_count)
+    tokens = add_tokenizer(writer, "llama")
     written = {}
 
     def tensor(name, shape, as_=dtype):
@@ -147,15 +181,10 @@ def write_architecture_gguf(path: Path, name: str, general_name: str = "") -> tu
     import gguf
     from transformers import AutoConfig, AutoModelForCausalLM
     model_type, extras, tokenizer = ARCHITECTURES[name]
-    if tokenizer == "gpt2":
-        tokens, merges = byte_level_vocabulary()
-        special = {"bos": len(tokens) - 3, "eos": len(tokens) - 3, "pad": len(tokens) - 3}
-        types = [1] * (len(tokens) - 3) + [3] * 3
-    else:
-        specials = ("<pad>", "<eos>", "<bos>", "<unk>") if tokenizer == "gemma" else ("<unk>", "<s>", "</s>")
-        tokens, merges = vocabulary(specials), None
-        special = {"bos": 2, "eos": 1, "unk": 3, "pad": 0} if tokenizer == "gemma" else {"bos": 1, "eos": 2, "unk": 0}
-        types = [3 if t != "<unk>" else 2 for t in specials] + [6] * 256 + [1] * (len(tokens) - 256 - len(specials))
+    architecture = _FILE_ARCHITECTURE.get(model_type, model_type)
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_name(general_name or f"{name.capitalize()} tiny")
+    tokens = add_tokenizer(writer, tokenizer)
     config = AutoConfig.for_model(model_type, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
                                   num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=len(tokens),
                                   max_position_embeddings=64, rms_norm_eps=1e-5, **extras)
@@ -165,38 +194,16 @@ def write_architecture_gguf(path: Path, name: str, general_name: str = "") -> tu
     with torch.no_grad():
         for key, p in model.named_parameters():
             p.copy_((1.0 if key.endswith("norm.weight") and not gemma else 0.0) + 0.1 * torch.randn_like(p))
-    architecture = _FILE_ARCHITECTURE.get(model_type, model_type)
     llama = architecture == "llama"
     rope = config.rope_parameters
-    writer = gguf.GGUFWriter(str(path), architecture)
-    writer.add_name(general_name or f"{name.capitalize()} tiny")
-    writer.add_context_length(64)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_block_count(LAYERS)
-    writer.add_feed_forward_length(FFN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(float(rope.get("rope_theta") or rope["full_attention"]["rope_theta"]))
-    if "head_dim" in extras:
-        writer.add_key_length(extras["head_dim"])
-        writer.add_value_length(extras["head_dim"])
-    else:
-        writer.add_rope_dimension_count(HIDDEN // HEADS)
+    add_hyperparameters(writer, rope_theta=float(rope.get("rope_theta") or rope["full_attention"]["rope_theta"]),
+                        head_dim=extras.get("head_dim"))
     if extras.get("sliding_window"):
         writer.add_sliding_window(extras["sliding_window"])
-    writer.add_vocab_size(len(tokens))
-    writer.add_tokenizer_model("gpt2" if tokenizer == "gpt2" else "llama")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    if merges:
-        writer.add_tokenizer_pre("qwen2")
-        writer.add_token_merges(merges)
-        writer.add_add_bos_token(False)
-    else:
-        writer.add_token_scores([0.0] * len(tokens))
-    for kind, token_id in special.items():
-        getattr(writer, f"add_{kind}_token_id")(token_id)
+    if getattr(config, "attn_logit_softcapping", None):
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+    if getattr(config, "final_logit_softcapping", None):
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
     names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == architecture), LAYERS)
     written = {}
     for key, tensor in model.state_dict().items():
