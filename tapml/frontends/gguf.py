@@ -307,21 +307,23 @@ def gguf_config(spec: str, header: GGUFHeader) -> dict:
     return config
 
 
-def complete_gguf_config(header: GGUFHeader, config, given: dict) -> None:
-    """Set on ``config`` (transformers' config of the GGUF file ``header``) what the file states
-    but transformers' reading of it leaves to the config class's defaults, unless ``--hf-config``
-    (``given``) sets it: the head size ``ARCH.attention.key_length`` where transformers maps
-    that key to nothing for the architecture (Qwen3's default head_dim is 128, whatever the file
-    says), and no padding token where the file names none and the class's default lies outside
-    the vocabulary (Phi-3's 32000: the embedding could not be built)."""
+def complete_gguf_config(ckpt, config, given: dict) -> None:
+    """Set on ``config`` (transformers' config of the GGUF checkpoint ``ckpt``) what the file
+    states but transformers' reading of it (``ckpt.config``) leaves to the config class's
+    defaults, unless ``--hf-config`` (``given``) sets it: the head size
+    ``ARCH.attention.key_length`` where transformers maps that key to nothing for the
+    architecture and set no head_dim (Qwen3's default is 128, whatever the file says), and no
+    padding token where the file names none and the class's default lies outside the vocabulary
+    (Phi-3's 32000: the embedding could not be built)."""
     import inspect
 
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+    header = ckpt.gguf
     arch = header.architecture
     key_length = header.fields.get(f"{arch}.attention.key_length")
     # the mapping is keyed by the file's architecture or by transformers' name for it (qwen2moe: qwen2_moe)
-    mapped = any("attention.key_length" in GGUF_CONFIG_MAPPING.get(name, {})
-                 for name in (arch, getattr(config, "model_type", None)))
+    mapped = "head_dim" in ckpt.config or any("attention.key_length" in GGUF_CONFIG_MAPPING.get(name, {})
+                                              for name in (arch, getattr(config, "model_type", None)))
     if ("head_dim" not in given and not mapped and type(key_length) is int and 0 < key_length <= 1 << 16
             and "head_dim" in inspect.signature(type(config).__init__).parameters):
         config.head_dim = key_length
