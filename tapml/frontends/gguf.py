@@ -321,7 +321,8 @@ def complete_gguf_config(ckpt, config, given: dict) -> None:
     header = ckpt.gguf
     arch = header.architecture
     key_length = header.fields.get(f"{arch}.attention.key_length")
-    # the mapping is keyed by the file's architecture or by transformers' name for it (qwen2moe: qwen2_moe)
+    # transformers set head_dim from the file, or maps key_length to another setting (gemma4: global_head_dim);
+    # its mapping is keyed by the file's architecture or by its own name for it (qwen2moe: qwen2_moe)
     mapped = "head_dim" in ckpt.config or any("attention.key_length" in GGUF_CONFIG_MAPPING.get(name, {})
                                               for name in (arch, getattr(config, "model_type", None)))
     if ("head_dim" not in given and not mapped and type(key_length) is int and 0 < key_length <= 1 << 16
@@ -339,23 +340,16 @@ def load_gguf_weights(ckpt, model, dtype: str):
     TapmlError when a tensor does not fit the model or one the model needs is not in the file."""
     import io
 
-    import transformers
-    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map, load_gguf_checkpoint
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     from tapml.graph import torch_dtype
-    arch, model_type = ckpt.gguf.architecture, model.config.model_type
-    try:  # the GGUF tensor names transformers knows for the model it built; none for some (a llama named 'mistral')
-        get_gguf_hf_weights_map(model, TensorProcessor())
-    except NotImplementedError:
-        named = "" if model_type == arch else f" (general.name {str(ckpt.gguf.fields.get('general.name'))[:80]!r})"
-        raise TapmlError(f"{ckpt.spec}: transformers {transformers.__version__} builds a {model_type} model from this "
-                         f"{arch!r} file{named} and knows no GGUF tensor names for {model_type}, so it cannot load the "
-                         "weights; convert the model to a checkpoint folder (config.json and safetensors) instead") \
-            from None
     try:
+        _check_tensor_names(ckpt, model)
         with contextlib.redirect_stderr(io.StringIO()):  # its progress bar (tqdm) is no output of tapml's
             tensors = load_gguf_checkpoint(str(ckpt.weights[0]), return_tensors=True, model_to_load=model,
                                            torch_dtype=torch_dtype(dtype))["tensors"]
+    except TapmlError:
+        raise
     except Exception as e:  # noqa: BLE001 - tensors transformers cannot read are bad input
         raise TapmlError(f"{ckpt.spec}: transformers cannot read its tensors: {type(e).__name__}: "
                          f"{(str(e).strip().splitlines() or [''])[0][:300]}") from None
@@ -369,6 +363,23 @@ def load_gguf_weights(ckpt, model, dtype: str):
         raise TapmlError(f"{ckpt.spec}: the weights do not fit the config: {len(missing)} tensors the model needs are "
                          f"not in the file (first: {missing[0][:120]}); {_FIX}")
     return model.to(torch_dtype(dtype)).eval()
+
+
+def _check_tensor_names(ckpt, model) -> None:
+    """TapmlError when transformers knows no GGUF tensor names for the model it built from the
+    file (a llama file named exactly 'mistral' builds a Mistral, which gguf-py has no names for);
+    its own error would advise installing gguf from source, which does not help."""
+    import transformers
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+    arch, model_type = ckpt.gguf.architecture, model.config.model_type
+    try:
+        get_gguf_hf_weights_map(model, TensorProcessor())
+    except NotImplementedError:
+        named = "" if model_type == arch else f" (general.name {str(ckpt.gguf.fields.get('general.name'))[:80]!r})"
+        raise TapmlError(f"{ckpt.spec}: transformers {transformers.__version__} builds a {model_type} model from this "
+                         f"{arch!r} file{named} and knows no GGUF tensor names for {model_type}, so it cannot load the "
+                         "weights; convert the model to a checkpoint folder (config.json and safetensors) instead") \
+            from None
 
 
 @contextlib.contextmanager
