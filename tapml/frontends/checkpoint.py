@@ -327,6 +327,9 @@ def checkpoint_config(ckpt: Checkpoint, hf_config: dict | None = None, use_cache
         what = f" with --hf-config {given}" if given else ""
         raise TapmlError(f"{ckpt.spec}: transformers cannot read its config.json{what}: {type(e).__name__}: "
                          f"{(str(e).strip().splitlines() or [''])[0][:300]}") from None
+    if ckpt.gguf:
+        from tapml.frontends.gguf import complete_gguf_config
+        complete_gguf_config(ckpt, config, hf_config or {})
     for part in (config, *_sub_configs(config)):
         _export_settings(part, use_cache=use_cache)
     return config
