@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import struct
 import weakref
@@ -23,21 +22,13 @@ from pathlib import Path
 
 import torch
 
-from tapml.dtypes import LOW_FLOATS, MODEL_DTYPES
+from tapml.carving.manifest import FORMAT_VERSION, GRAPH_KINDS, STORE_DTYPES, Manifest, check_manifest
 from tapml.errors import TapmlError
-from tapml.graph import Graph, Node, TensorMeta, arg_refs, check_arg, check_state, torch_dtype
+from tapml.graph import Graph, Node, TensorMeta
 from tapml.io import open_regular, parse_json, read_regular_file, write_json_atomic
-from tapml.ops import check_op
+from tapml.schema import validate
 
-FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-_REQUIRED = ("format_version", "model", "torch_version", "reference_device", "seed", "nodes", "cases",
-             "graph_inputs", "graph_outputs", "tensors", "program_inputs", "model_outputs")
-
-
-#: safetensors dtype codes of the torch dtypes a store holds.
-_ST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
-              "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "complex64": "C64"}
 #: Bytes reserved for a shard's safetensors header; a shard closes early when its header would not fit.
 HEADER_RESERVE = 64 << 10
 #: Tensors of at most this many bytes are also stored once by content (a hash of their bytes).
@@ -92,7 +83,7 @@ class CarveStoreWriter:
         if name in self.tensors or name in self._pending:
             raise ValueError(f"tensor {name!r} written twice")
         meta = TensorMeta.of(tensor)
-        code = _ST_DTYPES.get(meta.dtype)
+        code = STORE_DTYPES.get(meta.dtype)
         if code is None:
             raise ValueError(f"tensor {name!r}: a store cannot hold dtype {meta.dtype}")
         alias, digest = self._same_memory(tensor), None
@@ -174,16 +165,19 @@ class CarveStoreWriter:
         self._file = None
         for name, entry in self._pending.items():
             self.tensors[name] = {"shard": shard, "shape": entry["shape"],
-                                  "dtype": next(k for k, v in _ST_DTYPES.items() if v == entry["dtype"])}
+                                  "dtype": next(k for k, v in STORE_DTYPES.items() if v == entry["dtype"])}
         self.bytes_written += self._pending_bytes
         self._shard += 1
         self._pending, self._pending_bytes, self._header_bytes = {}, 0, 2
 
     def close(self, manifest: dict) -> None:
-        """Flush the last shard and write ``manifest.json`` (with the tensor index) atomically."""
+        """Flush the last shard and write ``manifest.json`` (with the tensor index) atomically;
+        what is written is first checked against :class:`~tapml.carving.manifest.Manifest`, the
+        declaration the reader reads it with (a :class:`tapml.schema.SchemaError` naming the field)."""
         self.flush()
-        write_json_atomic(self.path / MANIFEST, {"format_version": FORMAT_VERSION, **manifest,
-                                                 "tensors": self.tensors})
+        document = {"format_version": FORMAT_VERSION, **manifest, "tensors": self.tensors}
+        validate(Manifest, document)
+        write_json_atomic(self.path / MANIFEST, document)
 
 
 def _shard_header_bytes(path: Path, where: str) -> int:
@@ -216,299 +210,19 @@ def _open_shard(path: Path, where: str):
                          "carve the model again") from None
 
 
-_DTYPE_OF_CODE = {v: k for k, v in _ST_DTYPES.items()}
-_CASE_FIELDS = {"id": str, "op": str, "node": str, "module": str, "args": list, "kwargs": dict, "multi": bool,
-                "output_meta": list, "inputs": list, "outputs": list, "instances": int}
-
-
-def _names(value, field: str) -> list[str]:
-    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
-        raise ValueError(f"{field} must be a list of names")
-    return value
-
-
-def _check_tensor_index(index) -> dict[str, dict]:
-    if not isinstance(index, dict):
-        raise ValueError("field 'tensors' must be an object")
-    for name, info in index.items():
-        where = f"tensors[{name[:60]!r}]"
-        if isinstance(info, dict) and "alias" in info:
-            if "shard" in info:
-                raise ValueError(f"{where}: a tensor has a 'shard' or an 'alias', not both")
-        elif not (isinstance(info, dict) and isinstance(info.get("shard"), str) and 0 < len(info["shard"]) <= 4096):
-            raise ValueError(f"{where}: field 'shard' must be a path inside the store")
-        else:
-            _check_shard_path(info["shard"], where)
-        try:
-            TensorMeta.from_json(info)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{where}: {e}") from None
-        if info["dtype"] not in _ST_DTYPES:
-            raise ValueError(f"{where}: field 'dtype' {info['dtype']!r} is no dtype a store holds")
-    for name, info in index.items():
-        if "alias" in info:
-            _check_alias(name, info, index)
-    return index
-
-
-def _check_shard_path(shard: str, where: str) -> None:
-    """A shard is named by a plain relative path: parts separated by ``/``, none empty, ``.`` or
-    ``..``, no backslash, no control character (what the writer writes: ``shards/tensors-00000.safetensors``)."""
-    parts = shard.split("/")
-    if any(p in ("..", ".") for p in parts):
-        raise ValueError(f"{where}: shard {shard[:80]!r} leads outside the store or through '.'; a shard path is "
-                         "relative to the store, as shards/tensors-00000.safetensors")
-    if "\\" in shard or not shard.isprintable() or not all(parts):
-        raise ValueError(f"{where}: shard {shard[:80]!r} is not a plain relative path inside the store (as "
-                         "shards/tensors-00000.safetensors)")
-
-
-def _check_alias(name: str, info: dict, index: dict) -> None:
-    """An alias names a tensor stored in a shard (no chains, so no cycles) of its dtype, and
-    reads only that tensor's elements: the same shape, or a ``view`` inside it."""
-    where = f"tensors[{name[:60]!r}]"
-    target = info["alias"]
-    stored = index.get(target) if isinstance(target, str) else None
-    if stored is None:
-        raise ValueError(f"{where}: field 'alias' {str(target)[:60]!r} names no tensor of the store")
-    if "shard" not in stored:
-        raise ValueError(f"{where}: its alias {target[:60]!r} is an alias itself; an alias must name a stored "
-                         "tensor (no chains or cycles)")
-    if stored["dtype"] != info["dtype"]:
-        raise ValueError(f"{where}: dtype {info['dtype']} differs from its alias {target[:60]!r} ({stored['dtype']})")
-    view = info.get("view")
-    if view is None:
-        if list(stored["shape"]) != list(info["shape"]):
-            raise ValueError(f"{where}: shape {info['shape']} differs from its alias {target[:60]!r} "
-                             f"({stored['shape']}) and no 'view' says how to read it")
-        return
-    shape = info["shape"]
-    if not (isinstance(view, dict) and set(view) == {"offset", "stride"} and type(view["offset"]) is int
-            and isinstance(view["stride"], list) and len(view["stride"]) == len(shape)
-            and all(type(x) is int and 0 <= x < 1 << 48 for x in view["stride"]) and 0 <= view["offset"] < 1 << 48):
-        raise ValueError(f"{where}: field 'view' must be {{'offset': int, 'stride': [int per dimension]}} "
-                         "with non-negative values")
-    last = view["offset"] + sum((d - 1) * s for d, s in zip(shape, view["stride"]))
-    if math.prod(shape) and last >= math.prod(stored["shape"]):
-        raise ValueError(f"{where}: its view reads element {last} of {target[:60]!r}, which has "
-                         f"{math.prod(stored['shape'])}")
-
-
-def _check_case(case, index: dict, node_names: set[str]) -> None:
-    if not isinstance(case, dict):
-        raise ValueError("a case is not an object")
-    where = f"case {str(case.get('id', '?'))[:60]!r}"
-    for key, kind in _CASE_FIELDS.items():
-        value = case.get(key)
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise ValueError(f"{where}: field {key!r} is missing or not a {kind.__name__}")
-    try:
-        check_op(case["op"])
-    except ValueError as e:
-        raise ValueError(f"{where}: field 'op': {e}") from None
-    check_arg(case["args"], f"{where}: field 'args'")
-    for k, v in case["kwargs"].items():
-        check_arg(v, f"{where}: field 'kwargs'[{k[:40]!r}]")
-    try:
-        metas = [TensorMeta.from_json(m) for m in case["output_meta"]]
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{where}: field 'output_meta': {e}") from None
-    inputs = _names(case["inputs"], f"{where}: field 'inputs'")
-    outputs = _names(case["outputs"], f"{where}: field 'outputs'")
-    if not metas or len(outputs) != len(metas) or (len(metas) > 1 and not case["multi"]):
-        raise ValueError(f"{where}: fields 'outputs' and 'output_meta' must name the same tensors "
-                         "(one, or several with 'multi')")
-    for name in inputs + outputs:
-        if name not in index:
-            raise ValueError(f"{where} refers to tensor {name[:60]!r}, which is not in the index")
-    for ref in arg_refs(case["args"]) + arg_refs(list(case["kwargs"].values())):
-        if ref not in inputs:
-            raise ValueError(f"{where}: its arguments read {ref[:60]!r}, which is not one of its 'inputs'")
-    if case["node"] not in node_names:
-        raise ValueError(f"{where}: field 'node' {case['node'][:60]!r} is no node of the graph")
-    if case["instances"] < 1:
-        raise ValueError(f"{where}: field 'instances' must be at least 1")
-
-
-def _check_manifest(m: dict) -> tuple[Graph, list[dict], dict[str, dict]]:
-    """Validate every field of a manifest; ValueError/TypeError naming the field."""
-    if not isinstance(m["model"], str) or not m["model"].isprintable() or len(m["model"]) > 4096:
-        raise ValueError("field 'model' must be a model spec (printable text)")
-    for key in ("torch_version", "reference_device"):
-        if not isinstance(m[key], str):
-            raise ValueError(f"field {key!r} must be a string")
-    if type(m["seed"]) is not int or not isinstance(m.get("hf_config", {}), dict):
-        raise ValueError("field 'seed' must be an int and 'hf_config' an object")
-    dtype = m.get("dtype", "float32")  # stores older than --dtype are float32
-    if not isinstance(dtype, str) or dtype not in MODEL_DTYPES:
-        raise ValueError(f"field 'dtype' must be one of {', '.join(MODEL_DTYPES)}, not {str(dtype)[:40]!r}")
-    try:
-        graph = Graph.from_json({"inputs": m["graph_inputs"], "nodes": m["nodes"], "outputs": m["graph_outputs"]})
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"graph ('graph_inputs', 'nodes', 'graph_outputs'): {e}") from None
-    if dtype in LOW_FLOATS and not any(meta.dtype == dtype for meta in graph.meta.values()):
-        raise ValueError(f"field 'dtype' says {dtype}, but no value of the graph is {dtype}")
-    index = _check_tensor_index(m["tensors"])
-    program_inputs, model_outputs = m["program_inputs"], m["model_outputs"]
-    if not isinstance(program_inputs, dict) or not isinstance(model_outputs, dict):
-        raise ValueError("fields 'program_inputs' and 'model_outputs' must be objects")
-    _check_program_inputs(program_inputs, graph, index, "program_inputs")
-    if graph.outputs and not model_outputs:
-        raise ValueError("model_outputs: the reference's outputs are missing")
-    for ref, tensor in model_outputs.items():
-        if ref not in graph.outputs or not isinstance(tensor, str) or tensor not in index:
-            raise ValueError(f"model_outputs[{ref[:60]!r}] must map a graph output to a tensor in the index")
-    if not isinstance(m["cases"], list):
-        raise ValueError("field 'cases' must be a list")
-    graphs = {"prefill": graph}
-    if "generation" in m:
-        try:
-            graphs = _check_generation(m["generation"], graph, index, program_inputs)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"generation: {e}") from None
-    node_names = {kind: {n.name for n in g.nodes} for kind, g in graphs.items()}
-    ids = set()
-    for i, case in enumerate(m["cases"]):
-        try:
-            kind = _case_graph_kind(case, m.get("generation"))
-            _check_case(case, index, node_names[kind])
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"cases[{i}]: {e}") from None
-        if case["id"] in ids:
-            raise ValueError(f"cases[{i}]: case id {case['id'][:60]!r} is used twice")
-        ids.add(case["id"])
-    for kind, g in graphs.items():
-        for node in g.nodes:
-            if node.case is not None and node.case not in ids:
-                raise ValueError(f"{'' if kind == 'prefill' else 'generation.decode: '}node {node.name!r}: field "
-                                 f"'case' {node.case[:60]!r} names no case")
-    return graphs, list(m["cases"]), index
-
-
-def _check_program_inputs(program_inputs, graph: Graph, index: dict, field: str) -> None:
-    """Every graph input has a ``{"kind", "tensor"}`` entry naming a stored tensor of its shape
-    and dtype, and nothing else has one."""
-    if not isinstance(program_inputs, dict):
-        raise ValueError(f"field {field!r} must be an object")
-    for name, meta in graph.inputs:
-        info = program_inputs.get(name)
-        if not (isinstance(info, dict) and isinstance(info.get("kind"), str) and isinstance(info.get("tensor"), str)):
-            raise ValueError(f"{field}: graph input {name[:60]!r} has no entry with a 'kind' and a 'tensor'")
-        stored = index.get(info["tensor"])
-        if stored is None or TensorMeta.from_json(stored) != meta:
-            raise ValueError(f"{field}[{name[:60]!r}]: tensor {info['tensor'][:60]!r} is not in the index "
-                             "or has another shape or dtype than the graph input")
-    extra = sorted(set(program_inputs) - {name for name, _ in graph.inputs})
-    if extra:
-        raise ValueError(f"{field}: {extra[0][:60]!r} is no graph input")
-
-
-#: Bounds on a generation read from a store.
-MAX_GENERATION_TOKENS = 1 << 20
-_KINDS = ("prefill", "decode")
-
-
-def _positive_int(value, field: str, limit: int = MAX_GENERATION_TOKENS) -> int:
-    if type(value) is not int or not 1 <= value <= limit:
-        raise ValueError(f"field {field!r} must be an integer from 1 to {limit}, not {str(value)[:40]}")
-    return value
-
-
-def _check_generation(g, prefill: Graph, index: dict, prefill_inputs: dict) -> dict[str, Graph]:
-    """Validate a store's ``generation`` object (see :mod:`tapml.carving.generation`); returns
-    ``{"prefill": graph with its state, "decode": graph}``."""
-    if not isinstance(g, dict):
-        raise TypeError("it must be an object")
-    prompt_len = _positive_int(g.get("prompt_len"), "prompt_len")
-    tokens = _positive_int(g.get("tokens"), "tokens")
-    max_cache_len = _positive_int(g.get("max_cache_len"), "max_cache_len", 2 * MAX_GENERATION_TOKENS)
-    if max_cache_len < prompt_len + tokens:
-        raise ValueError(f"field 'max_cache_len' {max_cache_len} cannot hold prompt_len + tokens "
-                         f"({prompt_len + tokens})")
-    decode_raw = g.get("decode")
-    if not isinstance(decode_raw, dict):
-        raise TypeError("field 'decode' must be a graph object")
-    try:
-        decode = Graph.from_json(decode_raw)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"decode: {e}") from None
-    _check_program_inputs(decode_raw.get("program_inputs"), decode, index, "decode.program_inputs")
-    try:
-        prefill = Graph(inputs=prefill.inputs, nodes=prefill.nodes, outputs=prefill.outputs,
-                        state=check_state(g.get("prefill_state"), prefill))
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"prefill_state: {e}") from None
-    graphs = {"prefill": prefill, "decode": decode}
-    if not prefill.state or set(prefill.state) != set(decode.state):
-        raise ValueError("'prefill_state' and 'decode.state' must name the same state inputs (the cache)")
-    for name in prefill.state:
-        if prefill.meta[name] != decode.meta[name]:
-            raise ValueError(f"state input {name[:60]!r} has another shape or dtype in the decode graph")
-    logits, per_step_inputs = {}, {}
-    for kind, graph in graphs.items():
-        taken = set(graph.state.values())
-        rest = [r for r in graph.outputs if r not in taken]
-        if len(rest) != 1 or len(graph.meta[rest[0]].shape) != 3:
-            raise ValueError(f"the {kind} graph must have one output besides its state: logits [batch, seq, vocab]")
-        logits[kind] = graph.meta[rest[0]]
-    for kind, entries in (("prefill", prefill_inputs), ("decode", decode_raw["program_inputs"])):
-        per_step_inputs[kind] = {name for name, _ in graphs[kind].inputs if entries[name]["kind"] == "input"}
-        if per_step_inputs[kind] & set(graphs[kind].state):
-            raise ValueError(f"a state input of the {kind} graph is also a per-step input")
-    steps = g.get("steps")
-    if not isinstance(steps, list) or len(steps) != tokens + 1:
-        raise ValueError(f"field 'steps' must be a list of {tokens + 1} steps (the prefill, then one per token)")
-    for i, s in enumerate(steps):
-        where = f"steps[{i}]"
-        kind = "prefill" if i == 0 else "decode"
-        if not isinstance(s, dict) or s.get("step") != i or type(s.get("step")) is not int or s.get("kind") != kind:
-            raise ValueError(f"{where}: must be an object with 'step' {i} and 'kind' {kind!r}")
-        inputs = s.get("inputs")
-        if not isinstance(inputs, dict) or set(inputs) != per_step_inputs[kind]:
-            raise ValueError(f"{where}: field 'inputs' must map the {kind} graph's per-step inputs "
-                             f"({', '.join(sorted(per_step_inputs[kind]))[:200]}) to tensors")
-        for name, tensor in inputs.items():
-            stored = index.get(tensor) if isinstance(tensor, str) else None
-            if stored is None or TensorMeta.from_json(stored) != graphs[kind].meta[name]:
-                raise ValueError(f"{where}.inputs[{name[:60]!r}] must name a stored tensor of the input's shape "
-                                 "and dtype")
-        vocab = logits[kind].shape[-1]
-        stored = index.get(s.get("logits")) if isinstance(s.get("logits"), str) else None
-        if stored is None or TensorMeta.from_json(stored) != TensorMeta((vocab,), logits[kind].dtype):
-            raise ValueError(f"{where}: field 'logits' must name a stored tensor [{vocab}] of {logits[kind].dtype}")
-        token = s.get("token")
-        if type(token) is not int or not 0 <= token < vocab:
-            raise ValueError(f"{where}: field 'token' must be a token id below {vocab}")
-    if g.get("reference_tokens") != [s["token"] for s in steps[:tokens]] \
-            or not all(type(t) is int for t in g["reference_tokens"]):
-        raise ValueError("field 'reference_tokens' must be the tokens of steps 0 to tokens-1")
-    return graphs
-
-
-def _case_graph_kind(case, generation) -> str:
-    """Which graph a case's node is in; a generation's cases say it, with the steps they occur in."""
-    if not isinstance(case, dict):
-        return "prefill"  # _check_case refuses it
-    if generation is None:
-        if "graph" in case or "steps" in case:
-            raise ValueError("fields 'graph' and 'steps' belong to a generation store, and this store has none")
-        return "prefill"
-    kind, steps = case.get("graph"), case.get("steps")
-    if kind not in _KINDS:
-        raise ValueError(f"field 'graph' must be one of {', '.join(_KINDS)}")
-    last = generation["tokens"]
-    if not (isinstance(steps, list) and steps and all(type(x) is int and 0 <= x <= last for x in steps)
-            and steps == sorted(set(steps))):
-        raise ValueError(f"field 'steps' must be a non-empty increasing list of step indices 0 to {last}")
-    return kind
+def _meta(entry: dict) -> TensorMeta:
+    """The shape and dtype of an entry of an open store's manifest (checked once, when it opened)."""
+    return TensorMeta(tuple(entry["shape"]), entry["dtype"])
 
 
 class CarveStore:
     """A carved store opened for reading. Raises TapmlError when it is missing or corrupt.
 
-    Stores may come from anyone: opening one validates every field of the manifest (op names
-    against the vocabulary of :mod:`tapml.ops`, arguments, shapes, refs, tensor index) and every
-    shard header, and refuses shards that lie outside the store (symlinks included)."""
+    Stores may come from anyone: opening one validates every field of the manifest against its
+    declared schema (:class:`~tapml.carving.manifest.Manifest`) and what that cannot say (op
+    names against the vocabulary of :mod:`tapml.ops`, arguments, refs, the tensor index's
+    aliases), once, and every shard header, and refuses shards that lie outside the store
+    (symlinks included). ``manifest``, ``cases`` and ``tensor_index`` are the JSON as read."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -524,16 +238,15 @@ class CarveStore:
         self.manifest = parse_json(raw, str(manifest_path), "carve the model again")
         if not isinstance(self.manifest, dict):
             raise TapmlError(f"{manifest_path} is not a JSON object; carve the model again")
-        missing = [k for k in _REQUIRED if k not in self.manifest]
-        if missing:
-            raise TapmlError(f"{manifest_path} lacks {', '.join(missing)}; carve the model again")
-        if type(self.manifest["format_version"]) is not int or self.manifest["format_version"] != FORMAT_VERSION:
-            raise TapmlError(f"{path} has store format {str(self.manifest['format_version'])[:40]!r}; "
-                             f"this tapml reads format {FORMAT_VERSION}")
+        version = self.manifest.get("format_version", FORMAT_VERSION)
+        if type(version) is not int or version != FORMAT_VERSION:  # another format may have another schema
+            raise TapmlError(f"{path} has store format {str(version)[:40]!r}; this tapml reads format {FORMAT_VERSION}")
         try:
-            graphs, self.cases, self.tensor_index = _check_manifest(self.manifest)
-        except (TypeError, ValueError) as e:
+            graphs = check_manifest(self.manifest)
+        except ValueError as e:
             raise TapmlError(f"{manifest_path} is malformed: {e}; carve the model again") from None
+        #: The manifest's cases and tensor index as read (every field checked by :class:`Manifest`).
+        self.cases, self.tensor_index = self.manifest["cases"], self.manifest["tensors"]
         self._check_sizes(graphs, manifest_path)
         self._step_graphs = graphs
         self.graph = Graph(inputs=graphs["prefill"].inputs, nodes=graphs["prefill"].nodes,
@@ -575,7 +288,7 @@ class CarveStore:
                 raise TapmlError(f"shard {shown_shard} {what}; the store is corrupt")
             for name, info in names.items():
                 entry = shard_file.get_slice(name)
-                if list(entry.get_shape()) != list(info["shape"]) or entry.get_dtype() != _ST_DTYPES[info["dtype"]]:
+                if list(entry.get_shape()) != list(info["shape"]) or entry.get_dtype() != STORE_DTYPES[info["dtype"]]:
                     raise TapmlError(f"tensor {name[:60]!r} has another shape or dtype in {shown_shard} than in the "
                                      "index; the store is corrupt")
             self._shards[shard], self._shards_path[shard] = shard_file, shard_path
@@ -631,7 +344,7 @@ class CarveStore:
         from safetensors import SafetensorError
         shard = info["shard"]
         try:
-            if TensorMeta.from_json(info).nbytes < MMAP_MIN_BYTES:
+            if _meta(info).nbytes < MMAP_MIN_BYTES:
                 return self._shards[shard].get_tensor(name).clone()
             # A handle of its own: tensors of one handle share its copy-on-write mapping, so a
             # change to one read would show in the next read of the same tensor.
@@ -643,9 +356,9 @@ class CarveStore:
     def case_graph(self, case: dict) -> Graph:
         """The one-node graph of a case; its inputs are the case's stored input tensors."""
         node = Node(name=case["node"], op=case["op"], args=case["args"], kwargs=case["kwargs"],
-                    outputs=[TensorMeta.from_json(m) for m in case["output_meta"]], multi=case["multi"],
+                    outputs=[_meta(m) for m in case["output_meta"]], multi=case["multi"],
                     module=case["module"])
-        inputs = [(name, TensorMeta.from_json(self.tensor_index[name])) for name in case["inputs"]]
+        inputs = [(name, _meta(self.tensor_index[name])) for name in case["inputs"]]
         return Graph(inputs=inputs, nodes=[node], outputs=node.output_refs)
 
     def case_inputs(self, case: dict) -> list[torch.Tensor]:
@@ -680,8 +393,8 @@ class CarveStore:
         """The ``"prefill"`` or ``"decode"`` graph of a generation, with its ``state`` (the cache
         buffers: input name -> output ref); run one step with :func:`tapml.graph.step`."""
         self._generation()
-        if kind not in _KINDS:
-            raise TapmlError(f"a generation has graphs {', '.join(_KINDS)}, not {str(kind)[:40]!r}")
+        if kind not in GRAPH_KINDS:
+            raise TapmlError(f"a generation has graphs {', '.join(GRAPH_KINDS)}, not {str(kind)[:40]!r}")
         return self._step_graphs[kind]
 
     @property

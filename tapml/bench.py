@@ -468,6 +468,7 @@ def carve_write_figure(workdir: Path, total_mb: int = 64, repeat: int = 3) -> di
     file, alternately, best of ``repeat`` each. Neither side fsyncs: both measure the same
     path to the page cache. The writer's fixed cost per store, its manifest written
     atomically with an fsync, is timed apart as ``manifest_ms``."""
+    from tapml.carving.manifest import tensor_store_manifest
     from tapml.carving.store import CarveStoreWriter
     tensors = tensor_mix(total_mb << 20)
     nbytes = sum(t.nbytes for t in tensors)
@@ -487,7 +488,7 @@ def carve_write_figure(workdir: Path, total_mb: int = 64, repeat: int = 3) -> di
             writer.put(f"t{i}", t)
         writer.flush()
         written = time.perf_counter()
-        writer.close({"model": "bench", "cases": []})
+        writer.close(tensor_store_manifest("bench"))
         times["carve"] = min(times["carve"], written - start)
         times["manifest"] = min(times["manifest"], time.perf_counter() - written)
         shutil.rmtree(workdir / "store")

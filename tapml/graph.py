@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Iterable
 
 import torch
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
 from tapml.ops import check_op, resolve_op  # noqa: F401 - the vocabulary; importers use tapml.graph.resolve_op
-from tapml.schema import Count, Schema, Str, validate
+from tapml.schema import Bool, Count, Schema, Str, validate
 
 _DTYPE_NAMES = {
     torch.float32: "float32",
@@ -275,41 +275,78 @@ class Node:
         return d
 
     @classmethod
-    def from_json(cls, d: dict) -> "Node":
-        """A node read from a file: every field is checked (the op against the vocabulary of
-        :mod:`tapml.ops`, arguments with :func:`check_arg`); ValueError/TypeError naming the
-        field otherwise."""
-        if not isinstance(d, dict):
-            raise TypeError(f"a node must be an object, not {type(d).__name__}")
-        name = d.get("name")
-        if not isinstance(name, str) or not 0 < len(name) <= MAX_TEXT or "#" in name:
-            raise ValueError(f"node name must be a non-empty string without '#', not {_short(name)}")
+    def from_json(cls, d: Any, root: str = "") -> "Node":
+        """A node read from a file: its fields as :class:`NodeJSON` declares them, then what the
+        schema cannot say (:meth:`from_schema`); ValueError naming the field (under ``root``)
+        otherwise."""
+        return cls.from_schema(validate(NodeJSON, d, root), root)
+
+    @classmethod
+    def from_schema(cls, m: "NodeJSON", where: str = "") -> "Node":
+        """The node of a validated :class:`NodeJSON`, after the checks its schema cannot say: the
+        op against the vocabulary of :mod:`tapml.ops`, the argument grammar (:func:`check_arg`),
+        one output unless ``multi``. ``where`` (``nodes[3]``) starts the messages."""
+        where = f"{where} ({m.name[:60]!r})" if where else f"node {m.name[:60]!r}"
         try:
-            check_op(d.get("op"))
+            check_op(m.op)
         except ValueError as e:
-            raise ValueError(f"node {name[:60]!r}: field 'op': {e}") from None
-        args, kwargs, outputs = d.get("args"), d.get("kwargs", {}), d.get("outputs")
-        if not isinstance(args, list) or not isinstance(kwargs, dict) or not isinstance(outputs, list):
-            raise TypeError(f"node {name[:60]!r}: fields 'args', 'kwargs' and 'outputs' must be a list, an object "
-                            "and a list")
-        check_arg(args, f"node {name[:60]!r}: field 'args'")
-        for k, v in kwargs.items():
-            if not isinstance(k, str) or len(k) > MAX_TEXT:
-                raise TypeError(f"node {name[:60]!r}: field 'kwargs' must have short string keys")
-            check_arg(v, f"node {name[:60]!r}: field 'kwargs'[{k[:40]!r}]")
-        for key in ("module", "module_type"):
-            if not isinstance(d.get(key, ""), str):
-                raise TypeError(f"node {name[:60]!r}: field {key!r} must be a string")
-        if not isinstance(d.get("multi", False), bool) or not isinstance(d.get("case"), (str, type(None))):
-            raise TypeError(f"node {name[:60]!r}: field 'multi' must be a bool and 'case' a string")
-        try:
-            metas = [TensorMeta.from_json(m) for m in outputs]
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"node {name[:60]!r}: field 'outputs': {e}") from None
-        if not metas or (len(metas) > 1 and not d.get("multi")):
-            raise ValueError(f"node {name[:60]!r}: field 'outputs' must hold one tensor, or several with 'multi'")
-        return cls(name=name, op=d["op"], args=args, kwargs=kwargs, outputs=metas, multi=d.get("multi", False),
-                   module=d.get("module", ""), module_type=d.get("module_type", ""), case=d.get("case"))
+            raise ValueError(f"{where}: field 'op': {e}") from None
+        check_arg(m.args, f"{where}: field 'args'")
+        for k, v in m.kwargs.items():
+            check_arg(v, f"{where}: field 'kwargs'[{k[:40]!r}]")
+        if len(m.outputs) > 1 and not m.multi:
+            raise ValueError(f"{where}: field 'outputs' must hold one tensor, or several with 'multi'")
+        return cls(name=m.name, op=m.op, args=m.args, kwargs=m.kwargs,
+                   outputs=[TensorMeta(o.shape, o.dtype) for o in m.outputs], multi=m.multi,
+                   module=m.module, module_type=m.module_type, case=m.case)
+
+
+def _node_name(name: str) -> str:
+    if "#" in name:
+        raise ValueError("a node name has no '#' (name#i names output i of a node)")
+    return name
+
+
+#: Text a graph names things with (a node, a graph input, a keyword argument).
+Name = Annotated[Str, Field(min_length=1, max_length=MAX_TEXT)]
+ShortText = Annotated[Str, Field(max_length=MAX_TEXT)]
+
+
+class NodeJSON(Schema):
+    """A node as files and requests hold it (:meth:`Node.to_json`).
+
+    Three things stay checked by hand (:meth:`Node.from_schema`, :meth:`Graph.from_schema`), not
+    declared: the arguments are a recursive grammar (refs, dtypes, nested lists, ``{"dict": ...}``)
+    bounded at :data:`MAX_ARG_DEPTH` levels, which :func:`check_arg` walks without recursing
+    through pydantic; the op names a closed vocabulary that :mod:`tapml.ops` builds from torch at
+    first use (:func:`check_op`, the one place it lives); and a ref is only valid against the rest
+    of the graph (an input or an earlier node's output), which no field's type can say."""
+
+    name: Annotated[Name, AfterValidator(_node_name)]
+    op: Str
+    args: list[Any]
+    kwargs: dict[ShortText, Any] = {}
+    outputs: Annotated[tuple[TensorMetaJSON, ...], Field(min_length=1)]
+    multi: Bool = False
+    module: Str = ""
+    module_type: Str = ""
+    case: Str | None = None
+
+
+class GraphInputJSON(TensorMetaJSON):
+    """A graph input: its name with its shape and dtype."""
+
+    name: Name
+
+
+class GraphJSON(Schema):
+    """A graph as files and requests hold it (:meth:`Graph.to_json`); every ref it holds is
+    checked against the graph by :meth:`Graph.from_schema`."""
+
+    inputs: tuple[GraphInputJSON, ...]
+    nodes: tuple[NodeJSON, ...]
+    outputs: tuple[Str, ...]
+    state: dict[Str, Str] = {}
 
 
 @dataclass
@@ -373,65 +410,57 @@ class Graph:
         return d
 
     @classmethod
-    def from_json(cls, d: dict) -> "Graph":
-        """A graph read from a file: nodes are checked as :meth:`Node.from_json` says, and every
-        ref a node reads or the graph outputs must name a graph input or an earlier node's
-        output; ValueError/TypeError naming the field otherwise."""
-        if not isinstance(d, dict):
-            raise TypeError(f"a graph must be an object, not {type(d).__name__}")
-        raw_inputs, raw_nodes, outputs = d.get("inputs"), d.get("nodes"), d.get("outputs")
-        if not (isinstance(raw_inputs, list) and isinstance(raw_nodes, list) and isinstance(outputs, list)):
-            raise TypeError("a graph needs lists 'inputs', 'nodes' and 'outputs'")
-        inputs = []
-        for i, item in enumerate(raw_inputs):
-            name = item.get("name") if isinstance(item, dict) else None
-            if not isinstance(name, str) or not 0 < len(name) <= MAX_TEXT:
-                raise ValueError(f"inputs[{i}]: field 'name' must be a non-empty string")
-            try:
-                inputs.append((name, TensorMeta.from_json(item)))
-            except (TypeError, ValueError) as e:
-                raise ValueError(f"inputs[{i}] ({name[:60]!r}): {e}") from None
+    def from_json(cls, d: Any, root: str = "") -> "Graph":
+        """A graph read from a file: its fields as :class:`GraphJSON` declares them, then every
+        ref checked (:meth:`from_schema`); ValueError naming the field (under ``root``) otherwise."""
+        return cls.from_schema(validate(GraphJSON, d, root), root)
+
+    @classmethod
+    def from_schema(cls, g: "GraphJSON", root: str = "", fields: tuple[str, str, str] = ("inputs", "nodes", "outputs")
+                    ) -> "Graph":
+        """The graph of a validated :class:`GraphJSON` (or of its three parts under other
+        ``fields`` names, as a store's manifest holds them), after the checks its schema cannot
+        say: each node's (:meth:`Node.from_schema`), and every ref a node reads or the graph
+        outputs names a graph input or an earlier node's output; ValueError naming the field."""
+        at = [f"{root}.{f}" if root else f for f in fields]
+        raw_inputs, raw_nodes, outputs = (getattr(g, f) for f in fields)
+        inputs = [(i.name, TensorMeta(i.shape, i.dtype)) for i in raw_inputs]
         known = {name for name, _ in inputs}
         if len(known) != len(inputs):
-            raise ValueError("inputs: two graph inputs have the same name")
+            raise ValueError(f"{at[0]}: two graph inputs have the same name")
         names, nodes = set(known), []
         for i, raw in enumerate(raw_nodes):
-            try:
-                node = Node.from_json(raw)
-            except (TypeError, ValueError) as e:
-                raise type(e)(f"nodes[{i}]: {e}") from None
+            node = Node.from_schema(raw, f"{at[1]}[{i}]")
             for ref in node.input_refs:
                 if ref not in known:
-                    raise ValueError(f"nodes[{i}] ({node.name[:60]!r}) reads {_short(ref)}, which is no graph input "
+                    raise ValueError(f"{at[1]}[{i}] ({node.name[:60]!r}) reads {_short(ref)}, which is no graph input "
                                      "or output of an earlier node")
             if node.name in names or any(r in known for r in node.output_refs):
-                raise ValueError(f"nodes[{i}]: the name {node.name[:60]!r} is used twice")
+                raise ValueError(f"{at[1]}[{i}]: the name {node.name[:60]!r} is used twice")
             known.update(node.output_refs)
             names.add(node.name)
             nodes.append(node)
         for ref in outputs:
-            if not isinstance(ref, str) or ref not in known:
-                raise ValueError(f"outputs: {_short(ref)} is no graph input or node output")
+            if ref not in known:
+                raise ValueError(f"{at[2]}: {_short(ref)} is no graph input or node output")
         graph = cls(inputs=inputs, nodes=nodes, outputs=list(outputs))
-        graph.state = check_state(d.get("state", {}), graph)
+        graph.state = check_state(getattr(g, "state", {}), graph, f"{root}.state" if root else "state")
         return graph
 
 
-def check_state(state: Any, graph: Graph) -> dict[str, str]:
-    """Validate a ``state`` for ``graph`` (read from a file): each key a graph input, each value
-    a distinct graph output of the same shape and dtype as its input. Returns it as a dict;
-    ValueError/TypeError naming the entry otherwise."""
+def check_state(state: dict[str, str], graph: Graph, where: str = "state") -> dict[str, str]:
+    """Check a ``state`` for ``graph`` (read from a file, its types as a schema declares them):
+    each key a graph input, each value a distinct graph output of the same shape and dtype as
+    its input. Returns it as a dict; ValueError naming the entry (under ``where``) otherwise."""
     inputs = dict(graph.inputs)
-    if not isinstance(state, dict):
-        raise TypeError("field 'state' must be an object mapping graph inputs to graph outputs")
     taken = set()
     for name, ref in state.items():
         if name not in inputs:
-            raise ValueError(f"state: {_short(name)} is no graph input")
-        if not isinstance(ref, str) or ref not in graph.outputs or ref in taken:
-            raise ValueError(f"state[{name[:60]!r}]: {_short(ref)} is no graph output (or is taken by another input)")
+            raise ValueError(f"{where}: {_short(name)} is no graph input")
+        if ref not in graph.outputs or ref in taken:
+            raise ValueError(f"{where}[{name[:60]!r}]: {_short(ref)} is no graph output (or is taken by another input)")
         if graph.meta[ref] != inputs[name]:
-            raise ValueError(f"state[{name[:60]!r}]: output {ref[:60]!r} is {graph.meta[ref]}, the input is "
+            raise ValueError(f"{where}[{name[:60]!r}]: output {ref[:60]!r} is {graph.meta[ref]}, the input is "
                              f"{inputs[name]}; a state must keep its shape and dtype")
         taken.add(ref)
     return dict(state)

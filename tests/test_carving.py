@@ -192,6 +192,6 @@ def test_a_tensor_no_store_can_hold_is_exit_2_naming_the_node(tmp_path, factory,
 
 
 def test_the_carvable_dtypes_are_the_store_s():
-    from tapml.carving.store import _ST_DTYPES
+    from tapml.carving.manifest import STORE_DTYPES
     from tapml.graph import CARVABLE_DTYPES
-    assert set(_ST_DTYPES) == CARVABLE_DTYPES
+    assert set(STORE_DTYPES) == CARVABLE_DTYPES

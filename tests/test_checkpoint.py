@@ -140,6 +140,10 @@ def test_hub_name_at_a_revision_picks_that_snapshot_offline(llama, tmp_path, mon
 
     r = tapml("carve", f"hf:{ORG_NAME}@v2", "-o", tmp_path / "t")
     assert r.exit_code == 2 and f"hf download {ORG_NAME} --revision v2" in r.output, r.output
+    # what the cache does hold is listed, as specs: its refs and its snapshots' commits
+    flat = " ".join(r.output.split())
+    assert f"it holds hf:{ORG_NAME}@main, hf:{ORG_NAME}@v1, hf:{ORG_NAME}@{main.name}, hf:{ORG_NAME}@{'1' * 40};" \
+        in flat, r.output
     for bad, says in (("../../../etc", "is not a revision name"), ("", "nothing after '@'"),
                       ("v1/../main", "is not a revision name")):
         r = tapml("carve", f"hf:{ORG_NAME}@{bad}", "-o", tmp_path / "u")

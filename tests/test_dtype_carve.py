@@ -219,8 +219,9 @@ def test_a_store_without_dtype_opens_as_float32_and_a_bad_dtype_is_refused(carve
     (old / "manifest.json").write_text(json.dumps(manifest))
     store = CarveStore(old)
     assert store.dtype == "float32" and not anchored_by_default(store)
-    for bad, why in (("float8", "field 'dtype' must be one of"), (16, "field 'dtype' must be one of"),
-                     ("float16", "no value of the graph is float16")):
+    for bad, why in (("float8", "dtype is 'float8': input should be 'float32', 'float16' or 'bfloat16'"),
+                     (16, "dtype is 16: input should be 'float32', 'float16' or 'bfloat16'"),
+                     ("float16", "dtype says float16, but no value of the graph is float16")):
         (old / "manifest.json").write_text(json.dumps({**manifest, "dtype": bad}))
         with pytest.raises(TapmlError, match=why):
             CarveStore(old)

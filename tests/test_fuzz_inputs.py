@@ -122,3 +122,135 @@ def test_fuzzed_specs_and_options_fail_clearly(figure):
     check()
     figure("fuzzed specs and options tried", tried)
     assert tried >= 100
+
+
+# --- the manifest's schema: a wrong-typed value anywhere is refused, naming its path ------------
+
+#: Fields whose content the manifest leaves open (encoded arguments, the model's config): not walked.
+_OPEN_FIELDS = {"args", "kwargs", "hf_config"}
+#: Objects keyed by names (tensors, graph inputs, refs): their keys are data, not fields.
+_NAMED = {"tensors", "program_inputs", "model_outputs", "prefill_state", "state", "inputs"}
+_WRONG = [None, True, 7, 12.9, "x", [], {}]
+
+
+def _json_type(value) -> str:
+    return {bool: "bool", int: "int", float: "float", str: "str", list: "list", dict: "dict"}.get(type(value), "null")
+
+
+def _declared_paths(value, loc=()):
+    """``(loc, value)`` of every place of a manifest whose type its schema declares."""
+    if loc:
+        yield loc, value
+    if loc and loc[-1] in _OPEN_FIELDS:
+        return
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        yield from _declared_paths(item, loc + (key,))
+
+
+def _pattern(loc) -> tuple:
+    return tuple("*" if isinstance(k, int) or (i and loc[i - 1] in _NAMED) else k for i, k in enumerate(loc))
+
+
+def _through(value, locs: list[tuple], named: bool = False):
+    """``value`` with only what the places at ``locs`` (relative to it) go through: a list's items up
+    to the last they index, the entries they name of an object keyed by names (``named``); the
+    fields of an object and what no place goes into are kept whole, so the schema still holds."""
+    locs = [loc for loc in locs if loc]
+    if not locs:
+        return value
+    under = {}
+    for loc in locs:
+        under.setdefault(loc[0], []).append(loc[1:])
+    if isinstance(value, list):
+        return [_through(item, under.get(i, [])) for i, item in enumerate(value[:max(under) + 1])]
+    return {key: _through(item, under.get(key, []), key in _NAMED) for key, item in value.items()
+            if key in under or not named}
+
+
+def _put(document: dict, loc: tuple, value):
+    """Put ``value`` at ``loc`` of ``document``; returns what was there."""
+    parent = document
+    for key in loc[:-1]:
+        parent = parent[key]
+    kept, parent[loc[-1]] = parent[loc[-1]], value
+    return kept
+
+
+def _refused_at(manifest: dict, loc: tuple, wrong):
+    """Put ``wrong`` at ``loc``, check the manifest, put the value back; the SchemaError refusing it."""
+    from tapml.carving.manifest import check_manifest
+    from tapml.schema import SchemaError
+    kept = _put(manifest, loc, wrong)
+    try:
+        with pytest.raises(SchemaError) as e:
+            check_manifest(manifest)
+    finally:
+        _put(manifest, loc, kept)
+    return e.value
+
+
+def _is_wrong(loc: tuple, value, wrong) -> bool:
+    """Whether the schema must refuse ``wrong`` in place of ``value`` at ``loc``: another JSON type
+    (but a node's ``case`` may be null, and ``format_version`` is refused by its own rule, before
+    the schema)."""
+    return (_json_type(wrong) != _json_type(value) and loc != ("format_version",)
+            and not (wrong is None and loc[-1] == "case"))
+
+
+def test_wrong_typed_manifest_fields_are_refused_naming_their_path(gen_store, tmp_path, figure):
+    """Every field kind of a real generation store's manifest (the first place of each, by its path
+    with indices and names generalized), given a value of each other JSON type, is refused with the
+    field's path; then values of fuzzed JSON at random places; and on the command line, exit 2
+    naming the manifest and the path."""
+    from typer.testing import CliRunner
+
+    from tapml.carving.manifest import check_manifest
+    from tapml.cli import app
+    from tapml.schema import field_path
+    manifest = json.loads((gen_store / "manifest.json").read_text())
+    check_manifest(manifest)
+    places = list(_declared_paths(manifest))
+    first = {}
+    for loc, value in places:
+        first.setdefault(_pattern(loc), (loc, value))
+    # what the first places go through, so that each check reads a small manifest (a wrong type stops
+    # it at the schema, before the references that this cut breaks)
+    manifest = _through(manifest, [loc for loc, _ in first.values()])
+    places = list(_declared_paths(manifest))
+    tried = 0
+    for loc, value in first.values():
+        for wrong in (w for w in _WRONG if _is_wrong(loc, value, w)):
+            e = _refused_at(manifest, loc, wrong)
+            assert e.path == field_path(loc) and str(e).startswith(f"{e.path} is {wrong!r}: "), (loc, wrong, str(e))
+            tried += 1
+    kinds = {p[-1] for p in first if isinstance(p[-1], str)}
+    assert {"token", "reference_tokens", "alias", "shard", "view", "stride", "instances", "output_meta", "multi",
+            "prefill_state", "max_cache_len", "logits", "steps", "graph", "kind"} <= kinds, kinds
+
+    @FUZZ
+    @given(st.sampled_from(places), json_values)
+    def fuzzed(place, wrong):
+        nonlocal tried
+        loc, value = place
+        if not _is_wrong(loc, value, wrong):
+            return
+        assert _refused_at(manifest, loc, wrong).path == field_path(loc)
+        tried += 1
+
+    fuzzed()
+    figure("wrong-typed manifest fields refused", tried)
+
+    store = tmp_path / "store"
+    shutil.copytree(gen_store, store)
+    name = next(n for n in manifest["tensors"] if not n.isidentifier())
+    for loc, wrong, expected in [
+            (("generation", "steps", 1, "token"), 12.9, "generation.steps[1].token is 12.9: input should be a valid integer"),
+            (("tensors", name, "shape", 0), "2", f"tensors[{name!r}].shape[0] is '2': input should be a valid integer")]:
+        edited = json.loads((gen_store / "manifest.json").read_text())
+        _put(edited, loc, wrong)
+        (store / "manifest.json").write_text(json.dumps(edited))
+        r = CliRunner().invoke(app, ["inspect", str(store)])
+        text = " ".join(r.output.split())
+        assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+        assert f"manifest.json is malformed: {expected}; carve the model again" in text, text

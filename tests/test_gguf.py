@@ -5,7 +5,9 @@ before gguf's reader sees them.
 
 Every file is written here by gguf's GGUFWriter, laid out as llama.cpp's convert script lays out a
 llama: ``token_embd.weight``, ``blk.N.attn_q.weight``..., ``output_norm.weight``,
-``output.weight`` and the ``llama.*`` keys, in float32 and float16 with one Q8_0 tensor.
+``output.weight`` and the ``llama.*`` keys, in float32 and float16 with one Q8_0 tensor. The other
+architectures (:data:`ARCHITECTURES`) are tiny random transformers models written as the convert
+script writes each: its tensor names, q/k permutation, fused tensors, norms stored +1, tied heads.
 """
 
 import json
@@ -29,8 +31,8 @@ def tapml(*args, input=None):
     return CliRunner().invoke(app, [str(a) for a in args], input=input)
 
 
-def vocabulary() -> list[str]:
-    """llama's sentencepiece layout: specials, the 256 byte tokens, then every prefix and letter of
+def vocabulary(specials: tuple[str, ...] = ("<unk>", "<s>", "</s>")) -> list[str]:
+    """llama's sentencepiece layout: ``specials``, the 256 byte tokens, then every prefix and letter of
     WORDS (transformers rebuilds the merges from the pieces)."""
     pieces = []
     for word in WORDS:
@@ -38,7 +40,71 @@ def vocabulary() -> list[str]:
         for piece in [word[:i] for i in range(1, len(word) + 1)] + list(word):
             if piece not in pieces:
                 pieces.append(piece)
-    return ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    return [*specials, *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+
+
+def byte_level_vocabulary() -> tuple[list[str], list[str]]:
+    """GPT-2's byte-level BPE as Qwen's tokenizer has it: the 256 byte symbols, every WORD with and
+    without its leading space (``Ġ``) merged up letter by letter, then Qwen's three control tokens.
+    Returns ``(tokens, merges)``."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    tokens, merges = list(bytes_to_unicode().values()), []
+    for word in WORDS + ["Ġ" + w for w in WORDS]:
+        for end in range(2, len(word) + 1):
+            if word[:end] not in tokens:
+                merges.append(f"{word[:end - 1]} {word[end - 1]}")
+                tokens.append(word[:end])
+    return tokens + ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], merges
+
+
+def add_hyperparameters(writer, block_count: int = LAYERS, rope_theta: float = 10000.0,
+                        head_dim: int | None = None) -> None:
+    """The shape keys llama.cpp's convert script writes for these decoders: context, widths, ``block_count``
+    layers, heads, RMS norm epsilon, RoPE base, and the head size as ``attention.key_length`` where the
+    model's config states ``head_dim`` (else as llama's ``rope.dimension_count``)."""
+    writer.add_context_length(64)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_block_count(block_count)
+    writer.add_feed_forward_length(FFN)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(rope_theta)
+    if head_dim:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    else:
+        writer.add_rope_dimension_count(HIDDEN // HEADS)
+
+
+def add_tokenizer(writer, kind: str) -> list[str]:
+    """The ``tokenizer.ggml.*`` keys of a tokenizer of ``kind`` as the convert script writes it: ``llama``
+    (sentencepiece: <unk> <s> </s>, the byte tokens, pieces scored by length), ``gemma`` (sentencepiece:
+    <pad> <eos> <bos> <unk>, no space prefix) or ``gpt2`` (Qwen's byte-level BPE with its merges, no
+    BOS added); returns its tokens (the vocabulary size written with them)."""
+    if kind == "gpt2":
+        tokens, merges = byte_level_vocabulary()
+        types, special = [1] * (len(tokens) - 3) + [3] * 3, dict.fromkeys(("bos", "eos", "pad"), len(tokens) - 3)
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("qwen2")
+        writer.add_token_list(tokens)
+        writer.add_token_merges(merges)
+        writer.add_add_bos_token(False)
+    else:
+        specials, special = ((("<pad>", "<eos>", "<bos>", "<unk>"), {"bos": 2, "eos": 1, "unk": 3, "pad": 0})
+                             if kind == "gemma" else (("<unk>", "<s>", "</s>"), {"bos": 1, "eos": 2, "unk": 0}))
+        tokens, first = vocabulary(specials), len(specials) + 256
+        types = [2 if t == "<unk>" else 3 for t in specials] + [6] * 256 + [1] * (len(tokens) - first)
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(tokens)
+        writer.add_token_scores([0.0] * first + [-float(len(t)) for t in tokens[first:]])
+        if kind == "gemma":
+            writer.add_add_space_prefix(False)
+    writer.add_vocab_size(len(tokens))
+    writer.add_token_types(types)
+    for name, token_id in special.items():
+        getattr(writer, f"add_{name}_token_id")(token_id)
+    return tokens
 
 
 def write_gguf(path: Path, architecture: str = "llama", dtype=np.float32, quantized: bool = True,
@@ -49,26 +115,10 @@ def write_gguf(path: Path, architecture: str = "llama", dtype=np.float32, quanti
     written, by name."""
     import gguf
     rng = np.random.default_rng(0)
-    tokens = vocabulary()
     writer = gguf.GGUFWriter(str(path), architecture)
     writer.add_name("tiny-llama")
-    writer.add_context_length(64)
-    writer.add_embedding_length(HIDDEN)
-    writer.add_block_count(block_count)
-    writer.add_feed_forward_length(FFN)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_rope_dimension_count(HIDDEN // HEADS)
-    writer.add_vocab_size(len(tokens))
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores([0.0] * 259 + [-float(len(t)) for t in tokens[259:]])
-    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * (len(tokens) - 259))
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_unk_token_id(0)
+    add_hyperparameters(writer, block_count)
+    tokens = add_tokenizer(writer, "llama")
     written = {}
 
     def tensor(name, shape, as_=dtype):
@@ -96,6 +146,83 @@ def write_gguf(path: Path, architecture: str = "llama", dtype=np.float32, quanti
     writer.write_tensors_to_file()
     writer.close()
     return written
+
+
+#: GGUF architectures other than llama, each as llama.cpp's convert_hf_to_gguf.py writes it: the
+#: transformers model_type it converts, config keys beyond the tiny shared ones, and the tokenizer it
+#: writes (``llama``: sentencepiece with <unk> <s> </s>; ``gemma``: sentencepiece with <pad> <eos>
+#: <bos> <unk>; ``gpt2``: Qwen's byte-level BPE). "gemma" itself: transformers does not read it.
+ARCHITECTURES = {
+    "qwen2": ("qwen2", {}, "gpt2"),  # q/k/v biases
+    "qwen3": ("qwen3", {"head_dim": 8}, "gpt2"),  # q/k norms; its head size only in attention.key_length
+    "phi3": ("phi3", {"pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2}, "llama"),  # fused qkv, gate+up
+    "gemma2": ("gemma2", {"head_dim": 8, "sliding_window": 16}, "gemma"),  # norms +1, tied head
+    "gemma3": ("gemma3_text", {"head_dim": 8, "sliding_window": 16}, "gemma"),  # the same, q/k norms too
+    "mistral": ("mistral", {"sliding_window": None}, "llama"),  # written as a llama: q and k permuted
+    "gemma": ("gemma", {"head_dim": 8}, "gemma"),
+}
+#: What the convert script writes in a GGUF architecture's name that is no transformers model_type.
+_FILE_ARCHITECTURE = {"gemma3_text": "gemma3", "mistral": "llama"}
+
+
+def _llama_permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's order of a llama q or k projection's rows: each head's rotary halves interleaved."""
+    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2) \
+        .reshape(weight.shape)
+
+
+def write_architecture_gguf(path: Path, name: str, general_name: str = "") -> tuple[torch.nn.Module, dict]:
+    """A tiny random transformers model of ``ARCHITECTURES[name]`` (hidden 32, 2 layers, about 300 tokens,
+    norm weights away from their init) written to ``path`` as convert_hf_to_gguf.py writes it: the keys
+    it writes for the architecture and a tokenizer; each tensor named by gguf's own name map (what the
+    script maps with), a llama's q and k rows permuted, a Gemma's norm weights stored +1, no
+    ``output.weight`` for a head tied to the embedding. Returns the model and, by GGUF name, the
+    ``(transformers name, array written)`` of every tensor; ``general_name`` the model's name in the file."""
+    import gguf
+    from transformers import AutoConfig, AutoModelForCausalLM
+    model_type, extras, tokenizer = ARCHITECTURES[name]
+    architecture = _FILE_ARCHITECTURE.get(model_type, model_type)
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_name(general_name or f"{name.capitalize()} tiny")
+    tokens = add_tokenizer(writer, tokenizer)
+    config = AutoConfig.for_model(model_type, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                                  num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=len(tokens),
+                                  max_position_embeddings=64, rms_norm_eps=1e-5, **extras)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    gemma = model_type.startswith("gemma")  # its RMSNorm scales by 1 + weight (zeros at init)
+    with torch.no_grad():
+        for key, p in model.named_parameters():
+            p.copy_((1.0 if key.endswith("norm.weight") and not gemma else 0.0) + 0.1 * torch.randn_like(p))
+    llama = architecture == "llama"
+    rope = config.rope_parameters
+    add_hyperparameters(writer, rope_theta=float(rope.get("rope_theta") or rope["full_attention"]["rope_theta"]),
+                        head_dim=extras.get("head_dim"))
+    if extras.get("sliding_window"):
+        writer.add_sliding_window(extras["sliding_window"])
+    if getattr(config, "attn_logit_softcapping", None):
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+    if getattr(config, "final_logit_softcapping", None):
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == architecture), LAYERS)
+    written = {}
+    for key, tensor in model.state_dict().items():
+        if key == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        stem, suffix = key.rsplit(".", 1)
+        gguf_name = f"{names.get_name(stem)}.{suffix}"
+        array = tensor.numpy().copy()
+        if llama and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+            array = _llama_permute(array, HEADS if ".attn_q." in gguf_name else KV_HEADS)
+        if gemma and gguf_name.endswith("norm.weight"):
+            array = array + 1
+        writer.add_tensor(gguf_name, array)
+        written[gguf_name] = (key, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return model, written
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +276,57 @@ def test_gguf_loads_dequantized_weights_and_its_tokenizer(tiny, tmp_path):
         "LlamaForCausalLM"
 
 
+@pytest.mark.parametrize("name", [name for name in ARCHITECTURES if name != "gemma"])
+def test_gguf_of_each_architecture_loads_the_weights_written(name, tmp_path):
+    """tapml loads each architecture's file (transformers' GGUF reading) into the model class written, with
+    every weight of the written model back where it was: a llama layout's permuted q and k rows, Phi-3's
+    fused qkv and gate+up, Qwen2's q/k/v biases, Qwen3's q/k norms and its head size (only in
+    attention.key_length), Gemma's norms stored +1 (back within float32 rounding of the +1) and its head
+    tied to the embedding; Phi-3's default padding id, outside a small vocabulary, left unset as the file
+    names none. The file's own tokenizer turns words into ids and back."""
+    from tapml.frontends.models import load_model
+    from tapml.frontends.prompts import load_tokenizer
+    path = tmp_path / f"tiny-{name}.gguf"
+    model, written = write_architecture_gguf(path, name)
+    loaded, inputs = load_model(str(path))
+    built = "LlamaForCausalLM" if name == "mistral" else type(model).__name__  # llama.cpp writes a Mistral as a llama
+    assert type(loaded).__name__ == built and loaded.config.num_hidden_layers == LAYERS
+    expected, got = model.state_dict(), loaded.state_dict()
+    assert set(got) == set(expected)
+    stored_otherwise = set()
+    for gguf_name, (key, array) in written.items():
+        if torch.equal(torch.from_numpy(array), expected[key]):
+            assert torch.equal(got[key], expected[key]), (gguf_name, key)
+        else:  # written permuted or +1: transformers must undo it
+            stored_otherwise.add(gguf_name)
+            torch.testing.assert_close(got[key], expected[key], rtol=0, atol=2 ** -23, msg=f"{gguf_name} -> {key}")
+    if name == "mistral":
+        assert stored_otherwise == {n for n in written if n.endswith(("attn_q.weight", "attn_k.weight"))}
+    elif name.startswith("gemma"):
+        assert stored_otherwise == {n for n in written if n.endswith("norm.weight")} and "output.weight" not in written
+        assert loaded.config.tie_word_embeddings
+        assert torch.equal(got["lm_head.weight"], expected["model.embed_tokens.weight"])
+        assert ("blk.0.attn_q_norm.weight" in written) == (name == "gemma3")
+    else:
+        assert not stored_otherwise
+    if name == "phi3":
+        kv = HIDDEN // HEADS * KV_HEADS
+        assert written["blk.0.attn_qkv.weight"][1].shape == (HIDDEN + 2 * kv, HIDDEN)
+        assert written["blk.0.ffn_up.weight"][1].shape == (2 * FFN, HIDDEN) and loaded.config.pad_token_id is None
+    if name.startswith("qwen"):
+        assert ("blk.1.attn_v.bias" in written) == (name == "qwen2")
+        assert getattr(loaded.config, "head_dim", None) in (None, HIDDEN // HEADS)
+        assert ("blk.1.attn_k_norm.weight" in written) == (name == "qwen3")
+    with torch.no_grad():  # the same function: rms_norm_eps went through float32 metadata
+        torch.testing.assert_close(loaded(*inputs).logits, model(*inputs).logits)
+
+    tokenizer = load_tokenizer(str(path))
+    ids = tokenizer("hello world the cat")["input_ids"]
+    assert max(ids) < loaded.config.vocab_size
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "hello world the cat"
+    assert (ids[0] == tokenizer.bos_token_id) == (ARCHITECTURES[name][2] != "gpt2"), ids
+
+
 def _patch(data: bytearray, at: int, fmt: str, value) -> None:
     struct.pack_into(fmt if fmt[0] in "<>" else "<" + fmt, data, at, value)
 
@@ -195,7 +373,13 @@ def test_hostile_gguf_is_refused_and_nothing_is_written(tiny, tmp_path):
         assert sorted(p.name for p in tmp_path.iterdir()) == before, name
     write_gguf(tmp_path / "mamba.gguf", architecture="mamba9", quantized=False)
     write_gguf(tmp_path / "layers.gguf", quantized=False, block_count=10 ** 6)  # would be built before failing
+    write_architecture_gguf(tmp_path / "gemma.gguf", "gemma")  # transformers reads gemma2 and gemma3, not gemma
+    # transformers builds a Mistral from a llama file named exactly 'mistral', then has no tensor names for it
+    write_architecture_gguf(tmp_path / "mistral.gguf", "mistral", general_name="mistral")
     for name, says in (("mamba", "architecture 'mamba9' is not one transformers"),
+                       ("gemma", "architecture 'gemma' is not one transformers"),
+                       ("mistral", "builds a mistral model from this 'llama' file (general.name 'mistral') and knows "
+                                   "no GGUF tensor names for mistral"),
                        ("layers", "llama.block_count is 1000000, but the file holds tensors of 2 blocks")):
         r = tapml("carve", tmp_path / f"{name}.gguf", "-o", tmp_path / "out")
         assert r.exit_code == 2 and says in r.output, r.output
@@ -262,3 +446,35 @@ def test_a_gguf_generates_from_words_and_migrates_in_chromium(tiny, tmp_path):
     assert r.exit_code == 0, r.output
     state = json.loads((tmp_path / "s.json").read_text())
     assert state["passed"] and state["end_to_end"]["status"] == "pass"
+
+
+@pytest.mark.device
+@pytest.mark.slow
+@pytest.mark.xdist_group("wgpu")
+@pytest.mark.parametrize("name", [name for name in ARCHITECTURES if name not in ("gemma", "mistral")])
+def test_each_gguf_architecture_carves_and_migrates_on_vulkan(name, tmp_path):
+    """`tapml carve FILE.gguf -o s` and `tapml migrate FILE.gguf --target wgpu:vulkan` exit 0 for each
+    architecture (a Mistral file builds a llama: the llama tests carve that model), the whole model on
+    lavapipe end to end; Gemma 3's file (norms +1, q/k norms, sliding window, tied head) generates from a
+    prompt in words with every step checked."""
+    vulkan_or_skip()
+    path = tmp_path / f"tiny-{name}.gguf"
+    write_architecture_gguf(path, name)
+    r = tapml("carve", path, "-o", tmp_path / "s")
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "s" / "manifest.json").read_text())["cases"]
+    r = tapml("migrate", path, "--target", "wgpu:vulkan", "--state", tmp_path / "st.json")
+    assert r.exit_code == 0, r.output
+    state = json.loads((tmp_path / "st.json").read_text())
+    assert state["passed"] and state["end_to_end"]["status"] == "pass"
+    if name != "gemma3":
+        return
+    r = tapml("generate", path, "--prompt", "hello world the cat", "--target", "wgpu:vulkan", "--tokens", "4",
+              "--json", tmp_path / "g.json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "g.json").read_text())
+    assert doc["summary"]["steps"] == doc["summary"]["pass"] == 5 and doc["reference_tokens"] == doc["target_tokens"]
+    from tapml.frontends.prompts import load_tokenizer
+    assert doc["prompt_len"] == len(load_tokenizer(str(path))("hello world the cat")["input_ids"])
+    assert doc["summary"]["mismatch"] == doc["summary"]["error"] == 0 and "reference text" in r.output
+    assert doc["reference_text"] == doc["target_text"] and doc["reference_text"]

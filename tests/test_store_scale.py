@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tapml.carving import CarveStore, CarveStoreWriter
+from tapml.carving.manifest import tensor_store_manifest
 from tapml.errors import TapmlError
 
 LLAMA = {"hidden_size": 128, "num_hidden_layers": 2, "intermediate_size": 352, "vocab_size": 8000}
@@ -85,7 +86,7 @@ def test_writer_aliases_live_views_only(tmp_path):
     w.put("copy", weight.clone())  # equal bytes, but large and another tensor: stored
     w.put("small", torch.arange(8.0))
     w.put("small_again", torch.arange(8.0))
-    w.close({"model": "m", "cases": []})
+    w.close(tensor_store_manifest("m"))
     index = json.loads((tmp_path / "s" / "manifest.json").read_text())["tensors"]
     assert index["same"] == {"alias": "w", "shape": [600, 700], "dtype": "float32"}
     assert index["t"]["view"] == {"offset": 0, "stride": [1, 700]}
@@ -101,8 +102,7 @@ def _bare_store(tmp_path, tensors: dict, edit=None):
     w = CarveStoreWriter(tmp_path / "s")
     for name, t in tensors.items():
         w.put(name, t)
-    w.close({"model": "m", "torch_version": torch.__version__, "reference_device": "cpu", "seed": 0, "nodes": [],
-             "cases": [], "graph_inputs": [], "graph_outputs": [], "program_inputs": {}, "model_outputs": {}})
+    w.close(tensor_store_manifest("m"))
     path = tmp_path / "s" / MANIFEST
     m = json.loads(path.read_text())
     if edit:
@@ -138,12 +138,12 @@ def _set(name, **fields):
      "is an alias itself; an alias must name a stored tensor (no chains or cycles)"),
     (lambda ix: ix["v"].update(alias="v"), "is an alias itself"),
     (_set("v", alias="nowhere"), "field 'alias' 'nowhere' names no tensor of the store"),
-    (_set("v", alias=["w"]), "names no tensor of the store"),
+    (_set("v", alias=["w"]), "tensors.v.alias is ['w']: input should be a valid string"),
     (_set("same", shape=[700, 300]), "differs from its alias 'w' ([300, 700]) and no 'view' says how to read it"),
     (_set("same", dtype="float16"), "dtype float16 differs from its alias 'w'"),
     (_set("v", view={"offset": 1, "stride": [1, 700]}), "its view reads element 210000 of 'w', which has 210000"),
-    (_set("v", view={"offset": -1, "stride": [1, 700]}), "field 'view' must be"),
-    (_set("v", view={"offset": 0, "stride": [1]}), "field 'view' must be"),
+    (_set("v", view={"offset": -1, "stride": [1, 700]}), "tensors.v.view.offset is -1: input should be greater than or equal to 0"),
+    (_set("v", view={"offset": 0, "stride": [1]}), "tensors.v.view.stride has 1 strides for a shape of 2 dimensions"),
     (_set("v", shard="shards/tensors-00000.safetensors"), "a 'shard' or an 'alias', not both"),
 ])
 def test_hostile_aliases_are_refused(tmp_path, edit, message):

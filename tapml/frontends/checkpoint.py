@@ -141,13 +141,36 @@ def resolve_hub_name(spec: str) -> tuple[Path, Path]:
     except (LocalEntryNotFoundError, FileNotFoundError, OSError):
         where = cache or "the Hugging Face cache"
         download = f"{name} --revision {revision}" if revision else name
-        raise TapmlError(f"{spec} is not in {where}; tapml never downloads: run `hf download {download}` (or "
-                         f"`huggingface-cli download {download}`) first, or pass the checkpoint folder itself") \
+        held = cached_revisions(name, cache)
+        holds = f"; it holds {', '.join(f'hf:{name}@{r}' for r in held)}" if held else ""
+        raise TapmlError(f"{spec} is not in {where}{holds}; tapml never downloads: run `hf download {download}` "
+                         f"(or `huggingface-cli download {download}`) first, or pass the checkpoint folder itself") \
             from None
     folder = Path(folder)
     if folder.parent.name != "snapshots":  # a ref file's content names the snapshot: it must be one
         raise TapmlError(f"{spec}: the cache's ref names {folder}, which is not a snapshot of {name}")
     return folder, folder.parent.parent  # snapshots/REV -> models--ORG--NAME
+
+
+def cached_revisions(name: str, cache: str | None, most: int = 8) -> list[str]:
+    """The revisions of ``ORG/NAME`` the local hub cache holds, as ``hf:ORG/NAME@REV`` takes them:
+    its refs (branches and tags) and the commits it has snapshots of, at most ``most`` of each; only
+    names are read, never a file's content."""
+    from huggingface_hub.constants import HF_HUB_CACHE
+    from huggingface_hub.file_download import repo_folder_name
+
+    from tapml.text import shown
+    repo = Path(cache or HF_HUB_CACHE) / repo_folder_name(repo_id=name, repo_type="model")
+    found: list[str] = []
+    for folder, named in ((repo / "refs", lambda p: p.relative_to(repo / "refs").as_posix()),
+                          (repo / "snapshots", lambda p: p.name)):
+        try:
+            names = sorted(named(p) for p in folder.rglob("*") if p.is_file() and not p.is_symlink()) \
+                if folder.name == "refs" else sorted(named(p) for p in folder.iterdir() if p.is_dir())
+        except OSError:
+            continue
+        found += [shown(n[:80]) for n in names[:most]]
+    return list(dict.fromkeys(found))
 
 
 def open_checkpoint(spec: str) -> Checkpoint:
@@ -327,6 +350,9 @@ def checkpoint_config(ckpt: Checkpoint, hf_config: dict | None = None, use_cache
         what = f" with --hf-config {given}" if given else ""
         raise TapmlError(f"{ckpt.spec}: transformers cannot read its config.json{what}: {type(e).__name__}: "
                          f"{(str(e).strip().splitlines() or [''])[0][:300]}") from None
+    if ckpt.gguf:
+        from tapml.frontends.gguf import complete_gguf_config
+        complete_gguf_config(ckpt, config, hf_config or {})
     for part in (config, *_sub_configs(config)):
         _export_settings(part, use_cache=use_cache)
     return config

@@ -307,6 +307,33 @@ def gguf_config(spec: str, header: GGUFHeader) -> dict:
     return config
 
 
+def complete_gguf_config(ckpt, config, given: dict) -> None:
+    """Set on ``config`` (transformers' config of the GGUF checkpoint ``ckpt``) what the file
+    states but transformers' reading of it (``ckpt.config``) leaves to the config class's
+    defaults, unless ``--hf-config`` (``given``) sets it: the head size
+    ``ARCH.attention.key_length`` where transformers maps that key to nothing for the
+    architecture and set no head_dim (Qwen3's default is 128, whatever the file says), and no
+    padding token where the file names none and the class's default lies outside the vocabulary
+    (Phi-3's 32000: the embedding could not be built)."""
+    import inspect
+
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+    header = ckpt.gguf
+    arch = header.architecture
+    key_length = header.fields.get(f"{arch}.attention.key_length")
+    # transformers set head_dim from the file, or maps key_length to another setting (gemma4: global_head_dim);
+    # its mapping is keyed by the file's architecture or by its own name for it (qwen2moe: qwen2_moe)
+    mapped = "head_dim" in ckpt.config or any("attention.key_length" in GGUF_CONFIG_MAPPING.get(name, {})
+                                              for name in (arch, getattr(config, "model_type", None)))
+    if ("head_dim" not in given and not mapped and type(key_length) is int and 0 < key_length <= 1 << 16
+            and "head_dim" in inspect.signature(type(config).__init__).parameters):
+        config.head_dim = key_length
+    pad, vocab = getattr(config, "pad_token_id", None), getattr(config, "vocab_size", None)
+    if ("pad_token_id" not in given and "tokenizer.ggml.padding_token_id" not in header.fields
+            and type(pad) is int and type(vocab) is int and not 0 <= pad < vocab):
+        config.pad_token_id = None
+
+
 def load_gguf_weights(ckpt, model, dtype: str):
     """Load the GGUF file of ``ckpt`` into ``model`` (built from its config), dequantized to
     ``dtype``, with transformers' own GGUF reading (names mapped, llama's q/k permutation undone).
@@ -317,9 +344,12 @@ def load_gguf_weights(ckpt, model, dtype: str):
 
     from tapml.graph import torch_dtype
     try:
+        _check_tensor_names(ckpt, model)
         with contextlib.redirect_stderr(io.StringIO()):  # its progress bar (tqdm) is no output of tapml's
             tensors = load_gguf_checkpoint(str(ckpt.weights[0]), return_tensors=True, model_to_load=model,
                                            torch_dtype=torch_dtype(dtype))["tensors"]
+    except TapmlError:
+        raise
     except Exception as e:  # noqa: BLE001 - tensors transformers cannot read are bad input
         raise TapmlError(f"{ckpt.spec}: transformers cannot read its tensors: {type(e).__name__}: "
                          f"{(str(e).strip().splitlines() or [''])[0][:300]}") from None
@@ -333,6 +363,23 @@ def load_gguf_weights(ckpt, model, dtype: str):
         raise TapmlError(f"{ckpt.spec}: the weights do not fit the config: {len(missing)} tensors the model needs are "
                          f"not in the file (first: {missing[0][:120]}); {_FIX}")
     return model.to(torch_dtype(dtype)).eval()
+
+
+def _check_tensor_names(ckpt, model) -> None:
+    """TapmlError when transformers knows no GGUF tensor names for the model it built from the
+    file (a llama file named exactly 'mistral' builds a Mistral, which gguf-py has no names for);
+    its own error would advise installing gguf from source, which does not help."""
+    import transformers
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+    arch, model_type = ckpt.gguf.architecture, model.config.model_type
+    try:
+        get_gguf_hf_weights_map(model, TensorProcessor())
+    except NotImplementedError:
+        named = "" if model_type == arch else f" (general.name {str(ckpt.gguf.fields.get('general.name'))[:80]!r})"
+        raise TapmlError(f"{ckpt.spec}: transformers {transformers.__version__} builds a {model_type} model from this "
+                         f"{arch!r} file{named} and knows no GGUF tensor names for {model_type}, so it cannot load the "
+                         "weights; convert the model to a checkpoint folder (config.json and safetensors) instead") \
+            from None
 
 
 @contextlib.contextmanager
@@ -359,5 +406,6 @@ def load_gguf_tokenizer(ckpt):
                          f"{(str(e).strip().splitlines() or [''])[0][:300]}") from None
 
 
-__all__ = ["scan_gguf", "is_gguf_spec", "check_architecture", "gguf_config", "load_gguf_weights",
-           "load_gguf_tokenizer", "gguf_alone", "GGUFHeader", "GGUFTensor", "MAX_TENSORS", "MAX_FIELDS"]
+__all__ = ["scan_gguf", "is_gguf_spec", "check_architecture", "gguf_config", "complete_gguf_config",
+           "load_gguf_weights", "load_gguf_tokenizer", "gguf_alone", "GGUFHeader", "GGUFTensor", "MAX_TENSORS",
+           "MAX_FIELDS"]
