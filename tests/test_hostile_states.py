@@ -253,7 +253,7 @@ def _doctor(lines, index, change):
     (lambda x: {**x, "record": [x["record"]]}, "input should be an object"),
     (lambda x: {**x, "key": "case:"}, "is not device, case:ID or unit:ID"),
     (lambda x: {**x, "key": "secret"}, "is not device, case:ID or unit:ID"),
-    (lambda x: {**x, "key": 5}, "its key is an integer"),
+    (lambda x: {**x, "key": 5}, "line.key is 5: input should be a valid string"),
     (lambda x: {"key": x["key"]}, "is not a journal line"),
     (lambda x: [x], "is not a journal line"),
     (lambda x: json.dumps(x).replace('"max_abs_err": 0.0', '"max_abs_err": NaN'), "NaN"),

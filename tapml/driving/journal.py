@@ -18,10 +18,27 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from tapml.errors import TapmlError
 from tapml.io import MAX_JSON_BYTES, JsonSyntaxError, open_regular, parse_json, read_regular_file, write_text_atomic
 from tapml.judging.verdict import check_depth, document_kind, journal_record, stamp
+from tapml.schema import ClosedSchema, SchemaError, Str, validate
+
+
+class JournalHeaderLineJSON(ClosedSchema):
+    """The first line: the options the migration was started with (compared as a whole with the
+    options of a resume, never read field by field), with its ``kind`` and ``format_version``."""
+
+    header: dict[str, Any]
+
+
+class JournalRecordLineJSON(ClosedSchema):
+    """Every later line: a record under its key (``device``, ``case:ID``, ``unit:ID``), whose own
+    schema :func:`~tapml.judging.verdict.journal_record` reads it with."""
+
+    key: Str
+    record: Any
 
 #: What a refused journal's message tells the user to do.
 START_OVER = "remove it and its state file to start over"
@@ -124,17 +141,19 @@ class Journal:
                     break
                 raise TapmlError(f"journal {path} is corrupt at line {i + 1}; {START_OVER}") from None
             check_depth(item, where, START_OVER)
-            if isinstance(item, dict) and set(item) == {"header"} and isinstance(item["header"], dict) \
-                    and header is None and not records:
-                if "kind" in item["header"] and document_kind(item["header"], where) != "journal-header":
+            first = header is None and not records
+            try:
+                line = validate(JournalHeaderLineJSON if first else JournalRecordLineJSON, item, "line")
+            except SchemaError as e:
+                raise TapmlError(f"{where} is not a journal line (a header first, then {{\"key\", \"record\"}} "
+                                 f"lines): {e}; {START_OVER}") from None
+            if first:
+                if "kind" in line.header and document_kind(line.header, where) != "journal-header":
                     raise TapmlError(f"{where}: its header is not a journal header; {START_OVER}")
                 # kind and format_version say what the line is, not what the migration ran with
-                header = {k: v for k, v in item["header"].items() if k not in ("kind", "format_version")}
-            elif isinstance(item, dict) and set(item) == {"key", "record"} and header is not None:
-                records[item["key"]] = journal_record(item["key"], item["record"], where, START_OVER)
+                header = {k: v for k, v in line.header.items() if k not in ("kind", "format_version")}
             else:
-                raise TapmlError(f"{where} is not a journal line (a header first, then {{\"key\", \"record\"}} "
-                                 f"lines); {START_OVER}")
+                records[line.key] = journal_record(line.key, line.record, where, START_OVER)
         return header, records
 
     def get(self, key: str):
