@@ -18,8 +18,7 @@ from pydantic import AfterValidator, Discriminator, Field, Tag
 
 from tapml.dtypes import LOW_FLOATS, MODEL_DTYPES
 from tapml.graph import Graph, GraphInputJSON, GraphJSON, NodeJSON, ShortText, TensorMeta, TensorMetaJSON, \
-    arg_refs, check_arg, check_state
-from tapml.ops import check_op
+    arg_refs, check_call, check_state
 from tapml.schema import Bool, ClosedSchema, Count, Int, Schema, Str, field_path, validate
 
 #: The store format this tapml writes and reads; a manifest of another format is refused before its schema.
@@ -248,13 +247,7 @@ def _check_aliases(index: dict[str, StoredTensor | AliasTensor]) -> None:
 
 
 def _check_case(case: Case, m: Manifest, node_names: set[str], where: str) -> None:
-    try:
-        check_op(case.op)
-    except ValueError as e:
-        raise ValueError(f"{where}: field 'op': {e}") from None
-    check_arg(case.args, f"{where}: field 'args'")
-    for k, v in case.kwargs.items():
-        check_arg(v, f"{where}: field 'kwargs'[{k[:40]!r}]")
+    check_call(case.op, case.args, case.kwargs, where)
     if len(case.outputs) != len(case.output_meta) or (len(case.output_meta) > 1 and not case.multi):
         raise ValueError(f"{where}: fields 'outputs' and 'output_meta' must name the same tensors "
                          "(one, or several with 'multi')")

@@ -105,6 +105,19 @@ class TensorMeta:
         return cls(m.shape, m.dtype)
 
 
+def check_call(op: str, args: list, kwargs: dict, where: str) -> None:
+    """What a schema cannot say about a call read from a file (a node's, a carved case's): its op
+    is in the vocabulary of :mod:`tapml.ops` and its arguments follow :func:`check_arg`'s grammar;
+    ValueError/TypeError starting with ``where`` otherwise."""
+    try:
+        check_op(op)
+    except ValueError as e:
+        raise ValueError(f"{where}: field 'op': {e}") from None
+    check_arg(args, f"{where}: field 'args'")
+    for k, v in kwargs.items():
+        check_arg(v, f"{where}: field 'kwargs'[{k[:40]!r}]")
+
+
 def _short(value: Any, limit: int = 60) -> str:
     """``repr`` of a value read from a file, cut to ``limit`` characters (it may be huge or deep)."""
     try:
@@ -287,13 +300,7 @@ class Node:
         op against the vocabulary of :mod:`tapml.ops`, the argument grammar (:func:`check_arg`),
         one output unless ``multi``. ``where`` (``nodes[3]``) starts the messages."""
         where = f"{where} ({m.name[:60]!r})" if where else f"node {m.name[:60]!r}"
-        try:
-            check_op(m.op)
-        except ValueError as e:
-            raise ValueError(f"{where}: field 'op': {e}") from None
-        check_arg(m.args, f"{where}: field 'args'")
-        for k, v in m.kwargs.items():
-            check_arg(v, f"{where}: field 'kwargs'[{k[:40]!r}]")
+        check_call(m.op, m.args, m.kwargs, where)
         if len(m.outputs) > 1 and not m.multi:
             raise ValueError(f"{where}: field 'outputs' must hold one tensor, or several with 'multi'")
         return cls(name=m.name, op=m.op, args=m.args, kwargs=m.kwargs,
