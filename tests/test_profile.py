@@ -88,31 +88,43 @@ def test_unchanged_replay_flags_nothing(carved, baseline, tmp_path):
     assert "0 slower than the baseline" in r.output
 
 
+# The slowed-kernel tests time the 256x256 linears of MM_SOURCE (about 1.6 ms a kernel on lavapipe):
+# zoo:mlp's kernels are so small that dispatch overhead is their time, and a loaded CI run recorded
+# a baseline of that overhead that 50 dispatches of them did not clearly exceed.
+@pytest.fixture(scope="module")
+def mm_baseline(mm_store, tmp_path_factory, vulkan):
+    """A `replay --profile --json` of the mm store on wgpu:vulkan, recorded through the CLI."""
+    path = tmp_path_factory.mktemp("mm-baseline") / "old.json"
+    r = tapml("replay", mm_store.path, "-t", "wgpu:vulkan", "--profile", "--json", path, "-q")
+    assert r.exit_code == 0, r.output
+    return path
+
+
 @pytest.mark.device
-def test_slowed_kernel_is_slower_than_baseline(mlp, baseline, vulkan):
+def test_slowed_kernel_is_slower_than_baseline(mm_store, mm_baseline, vulkan):
     from tapml.driving.profile import RUNS, compare_with_baseline, read_baseline
     from tapml.driving.replay import replay
     slowed = SlowedPlatform(vulkan, SLOWED_OP)
-    result = replay(mlp, slowed, "wgpu:vulkan", profile=RUNS)
+    result = replay(mm_store, slowed, "wgpu:vulkan", profile=RUNS)
     assert result["summary"]["pass"] == len(result["cases"])  # slower, not wrong
-    slower = compare_with_baseline(mlp, slowed, result, read_baseline(str(baseline)))
-    addmm = {c["id"] for c in mlp.cases if c["op"] == SLOWED_OP}
-    # every case found is an addmm; the smallest addmm may stay under the absolute floor (MIN_DIFF_MS)
-    assert slower and {s["id"] for s in slower} <= addmm, slower
-    assert all(s["op"] == SLOWED_OP and s["ratio"] > 5 and s["device_ms"] > s["baseline_ms"] for s in slower)
+    slower = compare_with_baseline(mm_store, slowed, result, read_baseline(str(mm_baseline)))
+    # the slowed kernels come first, far above anything the load did to the others (on a machine as
+    # loaded as CI, an mm may itself measure 2-3x slower with confidence)
+    assert slower and slower[0]["op"] == SLOWED_OP and slower[0]["ratio"] > 5, slower
+    assert all(s["ratio"] > 5 and s["device_ms"] > s["baseline_ms"] for s in slower if s["op"] == SLOWED_OP), slower
+    assert all(s["ratio"] < slower[0]["ratio"] / 4 for s in slower if s["op"] != SLOWED_OP), slower
 
 
 @pytest.mark.device
-def test_pytest_plugin_fails_a_slowed_case_with_its_ratio(mlp, baseline, vulkan):
+def test_pytest_plugin_fails_a_slowed_case_with_its_ratio(mm_store, mm_baseline, vulkan):
     from tapml.driving.profile import read_baseline
     from tapml.pytest_plugin import CarvedCase, CaseFailure
-    old = read_baseline(str(baseline))
-    # the largest addmm: the smallest may stay under the absolute floor (MIN_DIFF_MS) on a loaded machine
-    case = max((c for c in mlp.cases if c["op"] == SLOWED_OP), key=lambda c: old_ms(old, c["id"]))
-    verdict = CarvedCase(mlp, case, vulkan, "wgpu:vulkan", None, None, baseline=old).check()
+    old = read_baseline(str(mm_baseline))
+    case = max((c for c in mm_store.cases if c["op"] == SLOWED_OP), key=lambda c: old_ms(old, c["id"]))
+    verdict = CarvedCase(mm_store, case, vulkan, "wgpu:vulkan", None, None, baseline=old).check()
     assert verdict["status"] == "pass" and verdict["device_ms"] > 0
     with pytest.raises(CaseFailure, match=r"\d+\.\d\dx slower than the baseline"):
-        CarvedCase(mlp, case, SlowedPlatform(vulkan, SLOWED_OP), "wgpu:vulkan", None, None, baseline=old).check()
+        CarvedCase(mm_store, case, SlowedPlatform(vulkan, SLOWED_OP), "wgpu:vulkan", None, None, baseline=old).check()
 
 
 @pytest.mark.device
@@ -160,15 +172,20 @@ def test_reference_profile_and_report_speed_section(carved, tmp_path):
 
 # --- a speed verdict that holds against noise (issue #29 item 6) ------------------------------
 
+# Two bias-free linears (aten.mm) stand beside the slowed addmm as control cases of the same kind of
+# work: the load a loaded machine puts on a compute-bound kernel is read from them, not from relu and
+# transposes, whose time is dispatch overhead that grows far more under load.
 MM_SOURCE = '''
 import torch
 class M(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.a = torch.nn.Linear(256, 256)
+        self.c = torch.nn.Linear(256, 256, bias=False)
+        self.d = torch.nn.Linear(256, 256, bias=False)
         self.b = torch.nn.Linear(256, 64)
     def forward(self, x):
-        return self.b(torch.relu(self.a(x)))
+        return self.b(torch.relu(self.d(self.c(self.a(x)))))
 def factory():
     torch.manual_seed(0)
     return M(), (torch.randn(256, 256),)
@@ -230,10 +247,11 @@ def test_a_kernel_made_twelve_times_as_slow_is_slower_and_says_exit_1_is_about_s
     slowed = SlowedPlatform(vulkan, SLOWED_OP, times=12)
     result = replay(mm_store, slowed, "wgpu:vulkan", profile=RUNS)
     slower = compare_with_baseline(mm_store, slowed, result, read_baseline(str(base)))
-    # what the sign test is sure of: on a loaded machine one of the two addmm may not be
-    assert slower and {s["id"] for s in slower} <= {c["id"] for c in mm_store.cases if c["op"] == SLOWED_OP}, slower
+    # what the sign test is sure of: the slowed kernel, first (on a loaded machine one of the two addmm
+    # may not be found, and an unslowed kernel may measure slower too, never as slow)
+    assert slower and slower[0]["op"] == SLOWED_OP, slower
     # twelve times the kernels: less than 12x where fixed costs count, more on a loaded machine
-    assert all(s["ratio"] > 1.5 and s["p_value"] <= 0.01 for s in slower), slower
+    assert all(s["ratio"] > 1.5 and s["p_value"] <= 0.01 for s in slower if s["op"] == SLOWED_OP), slower
     with out.capture() as shown:
         render_speed_verdict(result, slower, 25.0)
     assert "Exit 1 is about speed" in shown.get() and "values of every case pass" in shown.get()
