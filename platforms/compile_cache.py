@@ -122,7 +122,7 @@ class CompileCache:
             data = read_regular_file(path, max_bytes=MAX_ENTRY_BYTES + MAX_INDEX_BYTES + _HEADER.size,
                                      follow_links=False)
             entry = _decode(data, key)
-        except (TapmlError, ValueError, KeyError, TypeError, struct.error, UnicodeDecodeError):
+        except (TapmlError, ValueError, KeyError, TypeError, struct.error, UnicodeDecodeError, RecursionError):
             return None
         _touch(path)
         return entry

@@ -141,7 +141,7 @@ def unpack_blob(blob: bytes) -> tuple[list[dict], bytes]:
         raise ValueError("tapml IREE blob is truncated or its header is too long")
     try:
         metas = json.loads(bytes(blob[at + 4:at + 4 + n]))
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise ValueError(f"tapml IREE blob has a malformed header ({e})") from None
     try:
         metas = validate(BlobMetasJSON, metas, "metas").root

@@ -17,7 +17,6 @@ import re
 from dataclasses import dataclass
 
 from tapml.errors import Unsupported
-from tapml.platforms.base import WGSL_TYPES
 
 DEFAULT_MAX_INVOCATIONS = 1 << 32
 DEFAULT_MAX_BUFFER_BYTES = 4096 << 20
@@ -174,6 +173,7 @@ def _check_parts(program, buffers: dict) -> None:
     hold those elements, and cover the tensor's elements in order exactly once; the parts of an
     input or output stand in a row, in order, in the program's inputs or outputs, and nowhere else.
     ValueError otherwise."""
+    from tapml.platforms.base import WGSL_TYPES  # imported on first use: this module stays light
     if not program.parts:
         return
     if len(program.parts) > MAX_BUFFERS:

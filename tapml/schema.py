@@ -24,7 +24,9 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, Valid
 #: The leaf types of a schema. Every leaf is strict (an integer field takes no ``12.9``, ``12.0``,
 #: ``"12"`` or ``true``; a string field no number); containers are not, so a JSON list is a tuple.
 Int = Annotated[int, Strict()]
-Count = Annotated[int, Strict(), Field(ge=0, le=(1 << 63) - 1)]
+#: The largest count a document may hold (a signed 64-bit integer).
+MAX_COUNT = (1 << 63) - 1
+Count = Annotated[int, Strict(), Field(ge=0, le=MAX_COUNT)]
 Str = Annotated[str, Strict()]
 Bool = Annotated[bool, Strict()]
 
@@ -155,4 +157,4 @@ def validate(schema: type[M], data: Any, root: str = "") -> M:
         raise SchemaError(f"{root or 'the document'} nests too deeply", root) from None
 
 
-__all__ = ["Int", "Count", "Str", "Bool", "Number", "Schema", "ClosedSchema", "SchemaError", "validate", "describe", "field_path"]
+__all__ = ["MAX_COUNT", "Int", "Count", "Str", "Bool", "Number", "Schema", "ClosedSchema", "SchemaError", "validate", "describe", "field_path"]

@@ -140,6 +140,7 @@ def test_outputs_are_held_to_the_programs_dtype_and_shape(cpu, compiled_mixed):
     (pack_blob([{"shape": [2.5], "dtype": "float32"}], b"x"), "malformed output metas"),
     (b"TAPML-IREE-VMFB-1\n" + (14).to_bytes(4, "little") + b'[{"shape":-1}]', "malformed output metas"),
     (b"TAPML-IREE-VMFB-1\n" + (3).to_bytes(4, "little") + b'[{"', "malformed header"),
+    (b"TAPML-IREE-VMFB-1\n" + (60000).to_bytes(4, "little") + b"[" * 60000, "malformed header"),  # nests past Python's stack
 ])
 def test_a_blob_that_is_not_ours_is_refused(blob, message):
     with pytest.raises(ValueError, match=message):

@@ -205,6 +205,8 @@ def test_the_cache_reads_only_what_it_wrote(tmp_path):
         with pytest.raises(ValueError, match=re.escape(said)):
             _decode(path.read_bytes(), key)
         assert cache.get(key) is None
+    path.write_bytes(MAGIC + struct.pack("!I", 60000) + b"[" * 60000 + payload)  # an index nested past Python's stack
+    assert cache.get(key) is None
     text = json.dumps(index).encode()
     path.write_bytes(MAGIC + struct.pack("!I", len(text)) + text + payload)
     assert cache.get(key) == (b"blob", "program.mlir", b"mlir")  # the same entry, untouched, reads

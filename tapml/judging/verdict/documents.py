@@ -18,7 +18,7 @@ from tapml.dtypes import MODEL_DTYPES
 from tapml.errors import TapmlError
 from tapml.io import read_json_file
 from tapml.judging.verdict.kinds import KINDS, STATE_KEYS, document_kind, stamp
-from tapml.judging.verdict.reading import NonNegative, Scalar, Written, _a, _check_depth, _Reader
+from tapml.judging.verdict.reading import NonNegative, Scalar, Written, _check_depth, _Reader
 from tapml.judging.verdict.results import (CULPRIT_KINDS, GRAPH_KINDS, STATUSES, CaseVerdict, CaseVerdictJSON, Culprit,
                                            CulpritJSON, EndToEnd, EndToEndJSON, UnitVerdict, UnitVerdictJSON, passed,
                                            summary)
@@ -806,9 +806,7 @@ def journal_record(key, record, where: str, hint: str):
     ``case:ID`` -> a :class:`CaseVerdict` with that id, ``unit:ID`` -> a :class:`UnitVerdict` with
     that id; every field the writer writes must be there. TapmlError (naming ``where`` and the
     record's field) otherwise."""
-    r = _Reader(where, True, hint)
-    if not isinstance(key, str):
-        r.fail(f"its key is {_a(key)}, not a string")
+    r = _Reader(where, True, hint)  # the key is a string: the line's schema (JournalRecordLineJSON) said so
     _check_depth(record, r)
     if key == "device":
         return _device(r, r.check(DeviceJSON, record, "record"), "record")

@@ -17,11 +17,10 @@ from pydantic import AfterValidator, Field
 from pydantic_core import PydanticUndefined
 
 from tapml.errors import TapmlError
-from tapml.schema import Number, Schema, SchemaError, validate
+from tapml.schema import MAX_COUNT, Number, Schema, SchemaError, validate
 
 #: Bounds on what a reader accepts from a file.
 MAX_DEPTH = 32
-MAX_COUNT = (1 << 63) - 1
 
 #: A finite number of 0 or more (an error, a time, a rate, a bound).
 NonNegative = Annotated[Number, Field(ge=0)]
