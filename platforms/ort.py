@@ -22,81 +22,12 @@ names ``control = "ort"``, and a case that fails there and here too is the expor
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import logging
-import os
-import warnings
 from dataclasses import dataclass
 
 import torch
 
 from tapml.platforms.backend import Backend, BackendRefused, Compiled
-from tapml.schema import ClosedSchema, Count, Str, validate
-
-# ONNX Runtime's official wheels (1.2x on) start Microsoft's 1DS telemetry when the library loads: a
-# database under ~/.cache/Microsoft, a session file in $TMPDIR, uploads when online. This variable,
-# set before the first import, turns all of it off for the process and its children; a user who
-# sets it otherwise keeps their choice.
-os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
-
-#: torch dtype -> the ONNX element type that carries it (what the exporter and ONNX Runtime take).
-ONNX_DTYPES = {
-    torch.float32: "FLOAT", torch.float16: "FLOAT16", torch.bfloat16: "BFLOAT16", torch.float64: "DOUBLE",
-    torch.int64: "INT64", torch.int32: "INT32", torch.int16: "INT16", torch.int8: "INT8", torch.uint8: "UINT8",
-    torch.bool: "BOOL",
-}
-
-
-@functools.cache
-def _exporter() -> tuple:
-    """``(export, opset)``: torch's ONNX exporter bound to one registry of ONNX functions.
-
-    ``torch.onnx.export(dynamo=True)`` builds that registry on every call (most of its time for one
-    op); torch's ``_core.export`` takes a registry, so it is built once per process. When a torch
-    release moves that module, the public exporter is used (slower, same ONNX)."""
-    from torch.onnx import _constants
-
-    opset = _constants.ONNX_DEFAULT_OPSET
-    try:
-        from torch.onnx._internal.exporter import _core, _registration
-    except ImportError:
-        return (lambda program: torch.onnx.export(program, dynamo=True, verbose=False, opset_version=opset)), opset
-    with _quiet():
-        registry = _registration.ONNXRegistry.from_torchlib(opset_version=opset)
-    return (lambda program: _core.export(program, registry=registry, verbose=False, opset_version=opset)), opset
-
-
-@contextlib.contextmanager
-def _quiet():
-    # the exporter logs a warning per torchvision op it skips, its optimizer one per initializer it
-    # keeps, and torch warns per export: none of it is news to a tapml user
-    loggers = [logging.getLogger(name) for name in ("torch.onnx", "onnx_ir", "onnxscript")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
-
-
-def _root_cause(error: BaseException) -> BaseException:
-    # the exporter wraps the real reason (no ONNX function for an op, a NotImplementedError in
-    # torchlib) in a ConversionError whose own text is a page of advice
-    seen = set()
-    while error.__cause__ is not None and id(error) not in seen:
-        seen.add(id(error))
-        error = error.__cause__
-    return error
-
-
-#: The model.onnx metadata key holding the program's signature: ``{"inputs": [names], "outputs": N}``,
-#: so that :meth:`OrtBackend.load` feeds a cached model as :meth:`OrtBackend.compile` would.
-SIGNATURE_KEY = "tapml.program"
+from tapml.platforms.onnx_route import ONNX_DTYPES, SIGNATURE_KEY, onnx_model, opset, read_signature, refuse_dtypes
 
 
 @dataclass
@@ -107,34 +38,6 @@ class OrtProgram:
     session: object
     inputs: list[str | None]
     outputs: int
-
-
-def _signature(program) -> dict:
-    """The ExportedProgram's input names and output count; BackendRefused for a non-tensor output."""
-    node = next(n for n in program.graph.nodes if n.op == "output")
-    for i, value in enumerate(node.args[0]):
-        meta = value.meta.get("val") if isinstance(value, torch.fx.Node) else value
-        if not isinstance(meta, torch.Tensor):
-            raise BackendRefused(f"output {i} of the program is {type(meta).__name__}, not a tensor")
-    return {"inputs": [n.name for n in program.graph.nodes if n.op == "placeholder"], "outputs": len(node.args[0])}
-
-
-class SignatureJSON(ClosedSchema):
-    """The signature :meth:`OrtBackend.compile` writes into the ONNX model's metadata: the
-    ExportedProgram's input names and its number of outputs."""
-
-    inputs: list[Str]
-    outputs: Count
-
-
-def _read_signature(model) -> dict:
-    import json
-    text = next((p.value for p in model.metadata_props if p.key == SIGNATURE_KEY), None)
-    try:
-        return validate(SignatureJSON, json.loads(text) if text is not None else None, SIGNATURE_KEY).model_dump()
-    except ValueError as e:  # not JSON, or not the signature's schema
-        raise BackendRefused(f"model.onnx has no valid {SIGNATURE_KEY} metadata ({e}): it was not made by "
-                             "OrtBackend.compile") from None
 
 
 class OrtBackend(Backend):
@@ -162,46 +65,25 @@ class OrtBackend(Backend):
     def describe(self) -> dict:
         import onnx
         import onnxscript
-        _, opset = _exporter()
         ort = self._ort
         return {"device": f"{self.device} ({self.provider})", "providers": [self.provider],
                 "available_providers": ort.get_available_providers(),
                 "onnxruntime": ort.__version__, "onnx": onnx.__version__, "onnxscript": onnxscript.__version__,
-                "opset": opset, "route": "torch.onnx exporter (dynamo) -> ONNX -> onnxruntime",
+                "opset": opset(), "route": "torch.onnx exporter (dynamo) -> ONNX -> onnxruntime",
                 # the exporter's torch and onnxscript make the ONNX; onnxruntime runs it: all key the compile cache
                 "version": f"onnxruntime {ort.__version__}, torch {torch.__version__}, onnxscript {onnxscript.__version__}, "
-                           f"opset {opset}"}
+                           f"opset {opset()}"}
 
     def refuse(self, program) -> str | None:
-        for node in program.graph.nodes:
-            meta = node.meta.get("val")
-            for value in meta if isinstance(meta, (list, tuple)) else (meta,):
-                if isinstance(value, torch.Tensor) and value.dtype not in ONNX_DTYPES:
-                    return f"{node.name} is {str(value.dtype).removeprefix('torch.')}, which the ONNX route does not carry"
-        return None
+        return refuse_dtypes(program)
 
     def compile(self, program) -> Compiled:
-        signature = _signature(program)
-        export, _ = _exporter()
-        try:
-            with _quiet():
-                proto = export(program).model_proto
-        except Exception as e:  # noqa: BLE001 - any exporter failure is the route's verdict
-            root = _root_cause(e)
-            raise BackendRefused(f"the ONNX exporter could not convert the program: {type(root).__name__}: {root}") from None
-        import json
-        proto.metadata_props.add(key=SIGNATURE_KEY, value=json.dumps(signature))
-        model = proto.SerializeToString()
+        model, signature = onnx_model(program)
         return Compiled(handle=self._session(model, signature), artifact=model, artifact_name="model.onnx", blob=model)
 
     def load(self, blob: bytes) -> OrtProgram:
         """A session from the ONNX bytes :meth:`compile` made (its signature in the model's metadata)."""
-        import onnx
-        try:
-            model = onnx.load_model_from_string(blob)
-        except Exception as e:  # noqa: BLE001 - a damaged blob is refused, never run
-            raise BackendRefused(f"model.onnx does not parse: {e}") from None
-        return self._session(blob, _read_signature(model))
+        return self._session(blob, read_signature(blob))
 
     def _session(self, model: bytes, signature: dict) -> OrtProgram:
         ort = self._ort
@@ -272,4 +154,4 @@ def _node_input_types(model: bytes, name: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-__all__ = ["ONNX_DTYPES", "OrtBackend", "OrtProgram"]
+__all__ = ["ONNX_DTYPES", "SIGNATURE_KEY", "OrtBackend", "OrtProgram"]
