@@ -148,9 +148,25 @@ def read_signature(blob: bytes) -> dict:
     return read_signature_of(model)
 
 
+def feed_names(signature: dict, session_inputs: list[str], session_outputs: int) -> list[str | None]:
+    """The session input fed from each program input (None where the exporter dropped an unused one);
+    BackendRefused when the ONNX model takes inputs the program does not have or has another number
+    of outputs."""
+    names, outputs = signature["inputs"], signature["outputs"]
+    feeds = list(session_inputs)
+    if len(feeds) != len(names):  # the exporter dropped an unused input: feed the others by name
+        unknown = sorted(set(feeds) - set(names))
+        if unknown:
+            raise BackendRefused(f"model.onnx takes inputs the program does not have: {', '.join(unknown)}")
+        feeds = [n if n in feeds else None for n in names]
+    if session_outputs != outputs:
+        raise BackendRefused(f"model.onnx has {session_outputs} outputs; the program has {outputs}")
+    return feeds
+
+
 def opset() -> int:
     """The ONNX opset the exporter writes."""
     return exporter()[1]
 
 
-__all__ = ["ONNX_DTYPES", "SIGNATURE_KEY", "onnx_model", "opset", "read_signature", "refuse_dtypes"]
+__all__ = ["ONNX_DTYPES", "SIGNATURE_KEY", "feed_names", "onnx_model", "opset", "read_signature", "refuse_dtypes"]

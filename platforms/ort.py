@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from tapml.platforms.backend import Backend, BackendRefused, Compiled
-from tapml.platforms.onnx_route import ONNX_DTYPES, SIGNATURE_KEY, onnx_model, opset, read_signature, refuse_dtypes
+from tapml.platforms.onnx_route import ONNX_DTYPES, SIGNATURE_KEY, feed_names, onnx_model, opset, read_signature, refuse_dtypes
 
 
 @dataclass
@@ -106,16 +106,8 @@ class OrtBackend(Backend):
                                  f"silently): {', '.join(elsewhere[:5]) or 'every node'}"
                                  f"{f' and {len(elsewhere) - 5} more' if len(elsewhere) > 5 else ''} "
                                  f"on {', '.join(p for p in session.get_providers() if p != self.provider) or 'another provider'}")
-        names, outputs = signature["inputs"], signature["outputs"]
-        onnx_inputs = [i.name for i in session.get_inputs()]
-        if len(onnx_inputs) != len(names):  # the exporter dropped an unused input: feed the others by name
-            unknown = sorted(set(onnx_inputs) - set(names))
-            if unknown:
-                raise BackendRefused(f"model.onnx takes inputs the program does not have: {', '.join(unknown)}")
-            onnx_inputs = [n if n in onnx_inputs else None for n in names]
-        if len(session.get_outputs()) != outputs:
-            raise BackendRefused(f"model.onnx has {len(session.get_outputs())} outputs; the program has {outputs}")
-        return OrtProgram(session, onnx_inputs, outputs)
+        feeds = feed_names(signature, [i.name for i in session.get_inputs()], len(session.get_outputs()))
+        return OrtProgram(session, feeds, signature["outputs"])
 
     def run(self, compiled: Compiled, inputs: list) -> list:
         program: OrtProgram = compiled.handle

@@ -1,6 +1,6 @@
 """The page bridge of the ``browser`` target: the runtime page, its WebSocket, and the frame codec.
 
-:class:`PageBridge` serves ``platforms/web/index.html`` + ``runtime.js`` and one WebSocket
+:class:`PageBridge` serves a page (``platforms/web/index.html`` + ``runtime.js`` by default) and one WebSocket
 connection to the page from a background thread running its own asyncio loop. Tensors travel
 as binary frames with a 16-byte header (``TPT1``, run id, slot, kind) holding device bytes,
 never as JSON arrays (:func:`encode_frame`, :func:`decode_frame`). Once the page has reported
@@ -33,8 +33,10 @@ WEB_DIR = Path(__file__).with_name("web")
 FRAME = struct.Struct("<IIII")  # magic, run id, slot, kind
 FRAME_MAGIC = 0x31545054  # b"TPT1" as little-endian u32
 KIND_INPUT, KIND_CONST, KIND_OUTPUT = 0, 1, 2
-_STATIC = {"": ("index.html", "text/html; charset=utf-8"), "index.html": ("index.html", "text/html; charset=utf-8"),
-           "runtime.js": ("runtime.js", "text/javascript; charset=utf-8")}
+HTML, JS, WASM = "text/html; charset=utf-8", "text/javascript; charset=utf-8", "application/wasm"
+#: The files of the ``browser`` target's page: URL path under the token -> (file, content type).
+KERNEL_PAGE = {"": (WEB_DIR / "index.html", HTML), "index.html": (WEB_DIR / "index.html", HTML),
+               "runtime.js": (WEB_DIR / "runtime.js", JS), "frames.js": (WEB_DIR / "frames.js", JS)}
 
 
 def encode_frame(run_id: int, slot: int, kind: int, payload: bytes) -> bytes:
@@ -94,12 +96,16 @@ class PageBridge:
 
     ``program_cache`` (``{"max_programs", "max_bytes"}``, default: the ProgramCache limits of
     the environment) is sent to each page in ``welcome``, before it is told to run anything.
+    ``files`` is what the bridge serves under the token (URL path -> (file, content type)): the
+    ``browser`` target's kernel page by default; nothing else is ever read from the disk.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, rejoin: bool = False,
-                 on_url: Callable[[str], None] | None = None, program_cache: dict | None = None):
+                 on_url: Callable[[str], None] | None = None, program_cache: dict | None = None,
+                 files: dict[str, tuple[Path, str]] | None = None):
         from tapml.platforms.program_cache import default_limits
         self.host = host
+        self.files = dict(files if files is not None else KERNEL_PAGE)
         entries, nbytes = default_limits()
         #: sent to each page in ``welcome``: how many prepared programs (and bytes of their buffers) it keeps
         self.program_cache = program_cache or {"max_programs": entries, "max_bytes": nbytes}
@@ -179,9 +185,9 @@ class PageBridge:
             self._token_used = True
             self._session = connection
             return None  # go on with the WebSocket handshake
-        if rest in _STATIC:
-            name, ctype = _STATIC[rest]
-            return respond(200, "OK", (WEB_DIR / name).read_bytes(), ctype)
+        if rest in self.files:
+            file, ctype = self.files[rest]
+            return respond(200, "OK", Path(file).read_bytes(), ctype)
         return respond(404, "Not Found", b"no such file\n")
 
     @property
@@ -317,6 +323,12 @@ class PageBridge:
             finally:
                 self._run = None
 
+    def post(self, msg: dict) -> None:
+        """Send the page a text message that has no reply (best effort: a lost page drops it)."""
+        if self._ws is not None and not self.lost:
+            sent = self.call_soon(self._send([json.dumps(msg, separators=(",", ":"))]))
+            sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # observed: a lost page is no news here
+
     def close(self) -> None:
         """Stop serving and drop the page; waiting and later calls raise DeviceLost. Safe to call twice."""
         self._closing = True
@@ -345,5 +357,5 @@ class PageBridge:
         self.mark_lost("the browser platform was closed")
 
 
-__all__ = ["PageBridge", "encode_frame", "decode_frame", "FRAME", "FRAME_MAGIC", "KIND_INPUT", "KIND_CONST",
+__all__ = ["KERNEL_PAGE", "PageBridge", "encode_frame", "decode_frame", "FRAME", "FRAME_MAGIC", "KIND_INPUT", "KIND_CONST",
            "KIND_OUTPUT", "MAX_FRAME"]

@@ -35,3 +35,18 @@ if [ ! -f "$stamp" ] || [ requirements.lock -nt "$stamp" ] || [ pyproject.toml -
   .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e .
   touch "$stamp"
 fi
+
+# onnxruntime-web for the ort-web targets: the npm package exactly as platforms/web/ort/package-lock.json pins it
+# (its integrity hashes checked by npm ci), in platforms/web/ort/node_modules; redone when the lock changed.
+web=platforms/web/ort
+if [ ! -f "$web/node_modules/.tapml-installed" ] || [ "$web/package-lock.json" -nt "$web/node_modules/.tapml-installed" ]; then
+  if ! command -v npm >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "installing Debian package: npm"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends npm >/dev/null
+  fi
+  if command -v npm >/dev/null 2>&1; then
+    (cd "$web" && npm ci --ignore-scripts --no-audit --no-fund --loglevel=error >/dev/null) && touch "$web/node_modules/.tapml-installed"
+  else
+    echo "warning: npm is missing, so the ort-web targets cannot run (install npm, then rerun make setup)" >&2
+  fi
+fi
