@@ -142,6 +142,14 @@ class Backend:
         program (it needs torch, tapml's contract module and this backend)."""
         return None
 
+    def repro_page(self) -> dict[str, str] | None:
+        """For a compiler that runs in a browser: the files of a page that runs a repro folder's
+        :attr:`Compiled.artifact` with the backend's own web runtime alone, ``{"index.html": ..., NAME: ...}``
+        (plain file names). ``tapml repro`` writes them into the folder with ``check.js``, the repro pages'
+        shared script (the folder's files, ``.npy`` parsing, tapml's comparison rule, PASS/FAIL display), which
+        the page loads first. None (the default): no page."""
+        return None
+
     def close(self) -> None:
         """Release the device. Called once, when the worker ends."""
 

@@ -114,6 +114,9 @@ class BackendPlatform(RuntimePlatform):
         runner = self.backend.repro_runner()
         if isinstance(runner, str) and runner:
             caps["repro_runner"] = runner
+        page = self.backend.repro_page()
+        if isinstance(page, dict) and page:
+            caps["repro_page"] = {str(k): str(v) for k, v in page.items()}
         return caps
 
     def _supports(self, node) -> str | None:

@@ -294,6 +294,12 @@ class OrtWebBackend(Backend):
             outputs.append((flat.bool() if dtype == torch.bool else flat).reshape(dims))
         return outputs  # as onnxruntime-web made them: a changed dtype or shape is the comparison's finding
 
+    def repro_page(self) -> dict[str, str]:
+        """A page that runs a case's ``model.onnx`` with onnxruntime-web alone (this version, from the folder's
+        ``ort/`` or jsDelivr), on the provider the case ran on, and compares its outputs with the reference."""
+        return {"index.html": (WEB_DIR / "ort_repro.html").read_text(),
+                "ort_web.js": (WEB_DIR / "ort_repro.js").read_text().replace("__ORT_WEB_VERSION__", self.version)}
+
     def close(self) -> None:
         if self.browser is not None:
             self.browser.close()

@@ -2,6 +2,7 @@
 
 import contextlib
 import functools
+import http.server
 import os
 import shutil
 from pathlib import Path
@@ -416,3 +417,65 @@ def undeclared(model, data, path: str = "") -> list[str]:
         elif isinstance(value, dict) and isinstance(held, dict):
             out += [p for k, v in value.items() if isinstance(v, Schema) for p in undeclared(v, held[k], f"{path}.{key}.{k}")]
     return out
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+def repro_page_result(folder: Path, page: str = "index.html", timeout: float = 120) -> str:
+    """The text of #result once a repro folder's page, served over http on loopback, has a verdict."""
+    import json
+    import threading
+    import time
+
+    from websockets.sync.client import connect
+
+    from tapml.platforms.chromium import ChromiumProcess
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
+                                             functools.partial(_QuietHandler, directory=str(folder)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    chromium = ChromiumProcess(f"http://127.0.0.1:{server.server_port}/{page}",
+                               extra_flags=("--remote-debugging-port=0",))
+    try:
+        port_file = Path(chromium.profile) / "DevToolsActivePort"
+        deadline = time.monotonic() + 60
+        while not (port_file.exists() and len(port_file.read_text().splitlines()) >= 2):
+            assert chromium.exited() is None and time.monotonic() < deadline, "chromium opened no DevTools port"
+            time.sleep(0.1)
+        port, path = port_file.read_text().splitlines()[:2]
+        with connect(f"ws://127.0.0.1:{port}{path}", max_size=16 << 20) as ws:
+            calls = iter(range(1, 1 << 30))
+
+            def call(method, params=None, session=None):
+                n = next(calls)
+                ws.send(json.dumps({"id": n, "method": method, "params": params or {},
+                                    **({"sessionId": session} if session else {})}))
+                while True:
+                    msg = json.loads(ws.recv(timeout=30))
+                    if msg.get("id") == n:
+                        assert "error" not in msg, msg
+                        return msg["result"]
+
+            deadline = time.monotonic() + timeout
+            text = ""
+            while time.monotonic() < deadline:
+                pages = [t for t in call("Target.getTargets")["targetInfos"]
+                         if t["type"] == "page" and t["url"].startswith("http://127.0.0.1")]
+                if pages:
+                    session = call("Target.attachToTarget", {"targetId": pages[0]["targetId"], "flatten": True})
+                    expr = "document.getElementById('result')?.textContent ?? ''"
+                    while time.monotonic() < deadline:
+                        r = call("Runtime.evaluate", {"expression": expr, "returnByValue": True},
+                                 session["sessionId"])
+                        text = r["result"].get("value") or ""
+                        if text.startswith(("PASS", "FAIL", "CANNOT RUN")):
+                            return text
+                        time.sleep(0.2)
+                time.sleep(0.2)
+            raise AssertionError(f"the page gave no verdict in {timeout} s (last: {text!r})")
+    finally:
+        chromium.close()
+        server.shutdown()
+        server.server_close()

@@ -7,20 +7,16 @@ reports; its page runs in headless Chromium (served over http on loopback) and s
 
 from __future__ import annotations
 
-import functools
-import http.server
 import json
 import math
 import os
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from support import in_chromium
+from support import in_chromium, repro_page_result
 from typer.testing import CliRunner
 
 from tapml.cli import app
@@ -206,71 +202,13 @@ def test_plan_naming_a_file_outside_the_folder_is_refused(store, tanh_case, bare
 # --- browser tier -------------------------------------------------------------------------------
 
 
-class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
-
-def _page_result(folder: Path, timeout: float = 120) -> str:
-    """The text of #result once the repro page, served over http on loopback, has a verdict."""
-    from websockets.sync.client import connect
-
-    from tapml.platforms.chromium import ChromiumProcess
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
-                                             functools.partial(_QuietHandler, directory=str(folder)))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    chromium = ChromiumProcess(f"http://127.0.0.1:{server.server_port}/index.html",
-                               extra_flags=("--remote-debugging-port=0",))
-    try:
-        port_file = Path(chromium.profile) / "DevToolsActivePort"
-        deadline = time.monotonic() + 60
-        while not (port_file.exists() and len(port_file.read_text().splitlines()) >= 2):
-            assert chromium.exited() is None and time.monotonic() < deadline, "chromium opened no DevTools port"
-            time.sleep(0.1)
-        port, path = port_file.read_text().splitlines()[:2]
-        with connect(f"ws://127.0.0.1:{port}{path}", max_size=16 << 20) as ws:
-            calls = iter(range(1, 1 << 30))
-
-            def call(method, params=None, session=None):
-                n = next(calls)
-                ws.send(json.dumps({"id": n, "method": method, "params": params or {},
-                                    **({"sessionId": session} if session else {})}))
-                while True:
-                    msg = json.loads(ws.recv(timeout=30))
-                    if msg.get("id") == n:
-                        assert "error" not in msg, msg
-                        return msg["result"]
-
-            deadline = time.monotonic() + timeout
-            text = ""
-            while time.monotonic() < deadline:
-                pages = [t for t in call("Target.getTargets")["targetInfos"]
-                         if t["type"] == "page" and t["url"].startswith("http://127.0.0.1")]
-                if pages:
-                    session = call("Target.attachToTarget", {"targetId": pages[0]["targetId"], "flatten": True})
-                    expr = "document.getElementById('result')?.textContent ?? ''"
-                    while time.monotonic() < deadline:
-                        r = call("Runtime.evaluate", {"expression": expr, "returnByValue": True},
-                                 session["sessionId"])
-                        text = r["result"].get("value") or ""
-                        if text.startswith(("PASS", "FAIL", "CANNOT RUN")):
-                            return text
-                        time.sleep(0.2)
-                time.sleep(0.2)
-            raise AssertionError(f"the page gave no verdict in {timeout} s (last: {text!r})")
-    finally:
-        chromium.close()
-        server.shutdown()
-        server.server_close()
-
-
 @in_chromium
 def test_page_fails_for_the_injected_case_and_passes_for_the_healthy_one(store, tanh_case, tmp_path):
     bad, good = tmp_path / "bad", tmp_path / "good"
     plan = make_repro(store, tanh_case["id"], bad, "--inject", FAULT)
     make_repro(store, tanh_case["id"], good)
-    text = _page_result(bad)
+    text = repro_page_result(bad)
     assert text.startswith("FAIL mismatch"), text
     assert f"mismatch_fraction {plan['observed']['mismatch_fraction']:.6g}" in text, text
-    text = _page_result(good)
+    text = repro_page_result(good)
     assert text.startswith("PASS pass"), text

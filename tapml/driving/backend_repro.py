@@ -109,6 +109,15 @@ def write_backend_repro(store, subject, platform, out_dir: str | Path, *, target
     if not runner:
         files["program.pt2"] = _program_bytes(subject.graph)
     files["run.py"] = (templates / "run.py").read_bytes()
+    page = caps.get("repro_page")
+    if isinstance(page, dict) and page:
+        for name, text in page.items():
+            if not (isinstance(name, str) and isinstance(text, str) and ARTIFACT_NAME.fullmatch(name)) or \
+                    name in files or name in RESERVED or name == "check.js":
+                raise TapmlError(f"the backend's repro page names the file {name!r}, which a repro folder cannot hold")
+            files[name] = text.encode()
+        files["check.js"] = (resources.files("tapml") / "templates" / "repro" / "check.js").read_bytes()
+        plan["page"] = "index.html" if "index.html" in page else sorted(page)[0]
     files["README.md"] = _readme(plan).encode()
     files["plan.json"] = (json.dumps(plan, indent=1, allow_nan=False) + "\n").encode()
     write_folder(out, files)
@@ -129,7 +138,15 @@ def _readme(plan: dict) -> str:
         lines.append(f"- `{plan['artifact']}`: the backend's own input for this case")
     else:
         lines.append("- (the backend gave no artifact for this case)")
+    if plan.get("page"):
+        lines[lines.index("## Files"):lines.index("## Files")] = [
+            "In a browser, with the backend's own web runtime alone: serve this folder "
+            "(`python -m http.server -b 127.0.0.1 8000`) and open "
+            f"<http://127.0.0.1:8000/{plan['page'] if plan['page'] != 'index.html' else ''}>, or open "
+            f"`{plan['page']}` from disk and pick every file of this folder. The page prints PASS or FAIL the same way.", ""]
     lines += [f"- `runner.py`: {plan['runner']} runner", "- `plan.json`: the tensors, their dtypes, shapes and tolerances"]
+    if plan.get("page"):
+        lines.append(f"- `{plan['page']}` and its scripts (`check.js`, ...): the page that runs the case in a browser")
     lines += [f"- `{i['file']}`: input {i['dtype']}{i['shape']}" for i in plan["inputs"]]
     lines += [f"- `{o['expected']}`: reference output {o['dtype']}{o['shape']}, rtol {o['rtol']:g} atol {o['atol']:g}"
               for o in plan["outputs"]]

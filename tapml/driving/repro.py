@@ -38,7 +38,7 @@ from tapml.judging.verdict import outcome_verdict
 
 FORMAT = "tapml-repro/1"
 #: Files copied verbatim from the package's ``templates/repro`` folder.
-TEMPLATES = ("run.py", "run.js", "index.html")
+TEMPLATES = ("run.py", "check.js", "run.js", "index.html")
 # bfloat16 (numpy has none) travels as its raw 16-bit patterns on the device side and as
 # float32 (exact) on the host side.
 _DEVICE_NP = {"f32": np.float32, "f16": np.float16, "f16p": np.float16, "bf16p": np.uint16, "i32": np.int32,

@@ -129,6 +129,28 @@ class _Fp16Sum(torch.nn.Module):
         return self.proj(x).sum(-1)
 
 
+class _LlamaRope4k(torch.nn.Module):
+    """A llama's rotary embedding (transformers' own ``LlamaRotaryEmbedding`` and ``apply_rotary_pos_emb``)
+    applied to queries and keys at positions 0..4095: a long prompt, so ``sin``/``cos`` see angles up
+    to 4095 radians, where onnxruntime-web's WebGPU kernels lose digits (1.9e-4 at 200)."""
+
+    def __init__(self, heads: int = 2, head_dim: int = 16):
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+        config = LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads, max_position_embeddings=4096)
+        self.rotary = LlamaRotaryEmbedding(config)
+
+    def forward(self, q, k, positions):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+        cos, sin = self.rotary(q, positions)
+        return apply_rotary_pos_emb(q, k, cos, sin)
+
+
+def _zoo_llama_rope_4k():
+    return _LlamaRope4k(), (torch.randn(1, 2, 4096, 16), torch.randn(1, 2, 4096, 16), torch.arange(4096)[None])
+
+
 def _hf_zoo(model_type: str, **overrides) -> Callable:
     build = lambda: build_hf(model_type, overrides)  # noqa: E731
     build.hf = (model_type, overrides)  # what load_causal_lm rebuilds with its cache enabled
@@ -148,6 +170,8 @@ ZOO: dict[str, Callable[[], tuple]] = {
     "fp16-absorbed": lambda: (_Fp16Absorbed(), (torch.randn(4, 64),)),
     # A planted route bug, for `--dtype float16` on the `ort` target: the exporter drops a cast.
     "fp16-sum": lambda: (_Fp16Sum(), (torch.randn(4, 16),)),
+    # Rotary angles of a long prompt, for the `ort-web:webgpu` target: its sin and cos lose digits there.
+    "llama-rope-4k": _zoo_llama_rope_4k,
 }
 
 
