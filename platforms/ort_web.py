@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,17 +90,33 @@ class OrtWebProgram:
     outputs: int
 
 
-def _raise_gpu_errors(reply: dict) -> None:
-    """RuntimeError when the page saw WebGPU reject onnxruntime-web's own work during the job (a shader
-    that does not validate, a pipeline built on it): the run then "succeeds" with outputs nothing wrote,
-    so it is an error verdict carrying WebGPU's first message, never a mismatch of garbage."""
+_KERNEL_REFUSED = re.compile(r'ShaderModuleDescriptor ""?([^"\]]+)')
+_KERNEL_INVALID = re.compile(r'Invalid (?:ComputePipeline|ShaderModule) "([^"]+)"')
+
+
+def gpu_errors(reply: dict, first_seen: dict[str, str]) -> str | None:
+    """What WebGPU said when it rejected onnxruntime-web's own work during a job (a shader that does not
+    validate, a pipeline built on it), else None: the run then "succeeds" with outputs nothing wrote.
+
+    WebGPU names the reason once, when the shader is created; a later run of the same cached pipeline only
+    hears that it is invalid. ``first_seen`` (kernel label -> reason, kept by the caller) carries the reason
+    to those runs."""
     said = reply.get("said")
-    errors = [line for line in said if isinstance(line, str) and "WebGPU validation error" in line] \
+    errors = [" ".join(line.replace("An uncaught WebGPU validation error was raised:", "").split())
+              for line in said if isinstance(line, str) and "WebGPU validation error" in line] \
         if isinstance(said, list) else []
-    if errors:
-        first = " ".join(errors[0].replace("An uncaught WebGPU validation error was raised:", "").split())
-        raise RuntimeError(f"WebGPU rejected onnxruntime-web's kernel, so its outputs were never written: {first}"
-                           + (f" (and {len(errors) - 1} more WebGPU errors)" if len(errors) > 1 else ""))
+    if not errors:
+        return None
+    for error in errors:
+        refused = _KERNEL_REFUSED.search(error)
+        if refused and refused.group(1) not in first_seen:
+            first_seen[refused.group(1)] = error.split(" - While")[0]
+    label = next((m.group(1) for m in map(_KERNEL_REFUSED.search, errors) if m), None) or \
+        next((m.group(1) for m in map(_KERNEL_INVALID.search, errors) if m), None)
+    reason = first_seen.get(label) if label else None
+    kernel = f"{label} kernel" if label else "kernel"
+    return (f"WebGPU rejected onnxruntime-web's {kernel}, so its outputs were never written: "
+            f"{reason or errors[0].split(' - While')[0]}")
 
 
 class OrtWebBackend(Backend):
@@ -126,9 +143,12 @@ class OrtWebBackend(Backend):
         self._sessions: OrderedDict[str, None] = OrderedDict()  # keys the current page holds a session for
         self._sent: set[str] = set()  # digests of the inputs the current page holds
         self._run_id = 0
+        self._shader_errors: dict[str, str] = {}  # kernel label -> why WebGPU first refused its shader
         self.bridge = self.browser = None
         self.hello: dict = {}
         self.relaunches = 0
+        #: bytes of input tensors sent to the page so far (a tensor the page holds is not sent again)
+        self.sent_bytes = 0
         self._start()
 
     def _start(self) -> None:
@@ -263,8 +283,11 @@ class OrtWebBackend(Backend):
             frames = [lambda run, i=i, f=f: encode_frame(run, i, KIND_INPUT, f["data"]) for i, f in enumerate(send)]
             reply, got = self._request(msg, frames)
             self._sent.update(f["digest"] for f in send)
+            self.sent_bytes += sum(len(f["data"]) for f in send)
             if reply["type"] == "done":
-                _raise_gpu_errors(reply)
+                refused = gpu_errors(reply, self._shader_errors)
+                if refused:
+                    raise RuntimeError(refused)
                 return self._outputs(program, reply, got)
             if reply.get("code") in ("no-input", "no-session") and not retry:  # the page let go of them: send again
                 self._sent.clear()

@@ -220,6 +220,10 @@ def test_readme_runs_as_written(tmp_path, figure):
         said = "".join(printed_by(output, n) for n in lines)
         for line in shown:
             assert flat(line) in flat(said), f"README shows {line!r}; its commands printed:\n{said[-3000:]}"
+    # The ort-web example's migration: sin and cos named and kept on the reference, end to end passing.
+    state = json.loads((tmp_path / "clone" / "examples" / "rope4k.json").read_text())
+    assert sorted(c["op"] for c in state["culprits"]) == ["aten.cos.default", "aten.sin.default"]
+    assert state["end_to_end"]["status"] == "pass"
     # The ORT example's migration: the sum named and kept on the reference, the rest on ort, end to end passing.
     state = json.loads((tmp_path / "clone" / "examples" / "sum16.json").read_text())
     culprits = [(c["kind"], c["op"]) for c in state["culprits"]]
@@ -228,10 +232,11 @@ def test_readme_runs_as_written(tmp_path, figure):
 
 def test_the_output_the_readme_shows_is_found_for_the_ort_and_iree_examples():
     shown = shown_outputs(README.read_text())
-    assert len(shown) == 2 and all(lines and said for lines, said in shown)
-    ort, iree = shown
+    assert len(shown) == 3 and all(lines and said for lines, said in shown)
+    ort, iree, ort_web = shown
     assert "on ort (cpu (CPUExecutionProvider))" in ort[1][-1] and len(ort[0]) == 4
     assert "iree:vulkan cannot compile" in iree[1][0] and len(iree[0]) == 3
+    assert "finding: op aten.sin.default" in ort_web[1][1] and len(ort_web[0]) == 4
     output = "@@ README.md:7: $T replay x\nc2 aten.sum.dim_IntList:  dtype float32\n@@ README.md:8: next\nother\n"
     assert flat(printed_by(output, 7)) == "$T replay x c2 aten.sum.dim_IntList: dtype float32"
 
