@@ -112,13 +112,14 @@ def read_signature_of(model) -> dict:
                              "OrtBackend.compile") from None
 
 
-def refuse_dtypes(program) -> str | None:
-    """Why the ONNX route cannot carry ``program`` (a value of a dtype ONNX has no type for), else None."""
+def refuse_dtypes(program, carried=ONNX_DTYPES, carrier: str = "the ONNX route") -> str | None:
+    """Why ``carrier`` cannot carry ``program`` (a value of a dtype outside ``carried``: by default, one ONNX
+    has no type for), else None."""
     for node in program.graph.nodes:
         meta = node.meta.get("val")
         for value in meta if isinstance(meta, (list, tuple)) else (meta,):
-            if isinstance(value, torch.Tensor) and value.dtype not in ONNX_DTYPES:
-                return f"{node.name} is {str(value.dtype).removeprefix('torch.')}, which the ONNX route does not carry"
+            if isinstance(value, torch.Tensor) and value.dtype not in carried:
+                return f"{node.name} is {str(value.dtype).removeprefix('torch.')}, which {carrier} does not carry"
     return None
 
 

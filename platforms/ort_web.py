@@ -201,15 +201,7 @@ class OrtWebBackend(Backend):
                            f"onnxscript {onnxscript.__version__}, opset {opset()}"}
 
     def refuse(self, program) -> str | None:
-        reason = refuse_dtypes(program)
-        if reason:
-            return reason
-        for node in program.graph.nodes:
-            meta = node.meta.get("val")
-            for value in meta if isinstance(meta, (list, tuple)) else (meta,):
-                if isinstance(value, torch.Tensor) and value.dtype not in WEB_TYPES:
-                    return f"{node.name} is {str(value.dtype).removeprefix('torch.')}, which onnxruntime-web carries no tensors of"
-        return None
+        return refuse_dtypes(program) or refuse_dtypes(program, WEB_TYPES, "onnxruntime-web")
 
     def compile(self, program) -> Compiled:
         model, signature = onnx_model(program)

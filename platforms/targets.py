@@ -87,6 +87,24 @@ def installed_backends() -> dict[str, str]:
 TARGET_REQUIRES = {"reference": ("torch",), "wgpu": ("wgpu",), "browser": ("websockets",), "remote://": ("rpyc",),
                    "registry://": ("rpyc",), "iree": ("iree.compiler", "iree.runtime", "iree.turbine"),
                    "ort": ("onnxruntime", "onnx", "onnxscript"), "ort-web": ("websockets", "onnx", "onnxscript")}
+#: What each built-in backend needs besides its Python packages, for ``tapml targets`` (default: the extra).
+BUILTIN_BACKEND_NEEDS = {"ort-web": "onnxruntime-web from npm (the README's setup installs it into platforms/web/ort), "
+                                    "Chromium, and pip install 'tapml[backends]'"}
+
+
+def ort_web_missing() -> list[str]:
+    """What the ort-web targets lack here (onnxruntime-web's files, Chromium), found without importing them."""
+    import os
+    import shutil
+    from pathlib import Path
+    folder = Path(os.environ.get("TAPML_ORT_WEB") or Path(__file__).parent / "web" / "ort" / "node_modules" / "onnxruntime-web")
+    missing = [f"onnxruntime-web ({folder / 'dist' / 'ort.min.mjs'})"] if not (folder / "dist" / "ort.min.mjs").is_file() else []
+    from tapml.platforms.chromium import CHROMIUM_NAMES
+    if not (os.environ.get("TAPML_CHROMIUM") or any(shutil.which(name) for name in CHROMIUM_NAMES)):
+        missing.append("chromium")
+    return missing
+
+
 #: The TARGET specs each built-in backend takes (its class says so too; this table is read without importing it).
 BUILTIN_BACKEND_FORMS = {"iree": ("iree:vulkan", "iree:llvm-cpu"), "ort": ("ort",),
                          "ort-web": ("ort-web:webgpu", "ort-web:wasm")}
@@ -128,8 +146,10 @@ def describe_targets(specs: tuple[str, ...] = ()) -> list[dict]:
                      "control": None, **({"platform": kind.platform} if own else {})})
     for prefix, value in BUILTIN_BACKENDS.items():
         missing = _missing(TARGET_REQUIRES.get(prefix, ()) + (value.split(":")[0],))
+        if prefix == "ort-web":
+            missing += ort_web_missing()
         rows.append({"target": prefix, "kind": "backend", "forms": list(BUILTIN_BACKEND_FORMS.get(prefix, (prefix,))),
-                     "source": value, "needs": "pip install 'tapml[backends]' (the README's setup installs it)",
+                     "source": value, "needs": BUILTIN_BACKEND_NEEDS.get(prefix, "pip install 'tapml[backends]' (the README's setup installs it)"),
                      "importable": not missing, "missing": missing, "control": None})
     for ep in entry_points(group=BACKEND_ENTRY_POINTS):
         if ep.name in BUILTIN_BACKENDS or any(ep.name.startswith(p.rstrip(":/")) for p in TARGETS):

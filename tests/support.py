@@ -479,3 +479,12 @@ def repro_page_result(folder: Path, page: str = "index.html", timeout: float = 1
         chromium.close()
         server.shutdown()
         server.server_close()
+
+
+def exported(fn, *inputs):
+    """The core-ATen ExportedProgram of ``fn(*inputs)`` (a tuple of outputs), as BackendPlatform hands it
+    to a backend."""
+    class Program(torch.nn.Module):
+        def forward(self, *args):
+            return fn(*args)
+    return torch.export.export(Program(), inputs, strict=False).run_decompositions()

@@ -15,6 +15,7 @@ import re
 
 import pytest
 import torch
+from support import exported
 from typer.testing import CliRunner
 
 from tapml.cli import app
@@ -27,14 +28,6 @@ pytest.importorskip("onnxruntime", reason="the backends extra is not installed: 
 def tapml(*args):
     """``tapml ARGS`` in this process (an external backend still runs in its worker process)."""
     return CliRunner().invoke(app, [str(a) for a in args])
-
-
-def exported(fn, *inputs):
-    """The core-ATen ExportedProgram of ``fn(*inputs)`` (a tuple of outputs), as BackendPlatform hands it."""
-    class Program(torch.nn.Module):
-        def forward(self, *args):
-            return fn(*args)
-    return torch.export.export(Program(), inputs, strict=False).run_decompositions()
 
 
 @pytest.fixture(scope="module")
