@@ -54,7 +54,8 @@ TARGETS: dict[str, TargetKind] = {
 
 #: Built-in external backends (:mod:`tapml.platforms.backend`): TARGET prefix -> ``"module:Class"``.
 #: Installed packages add more through the :data:`BACKEND_ENTRY_POINTS` entry-point group.
-BUILTIN_BACKENDS = {"iree": "tapml.platforms.iree:IreeBackend", "ort": "tapml.platforms.ort:OrtBackend"}
+BUILTIN_BACKENDS = {"iree": "tapml.platforms.iree:IreeBackend", "ort": "tapml.platforms.ort:OrtBackend",
+                    "tinygrad": "tapml.platforms.tinygrad:TinygradBackend"}
 #: tapml's own compilers behind the Backend contract (:mod:`tapml.platforms.platform_backend`): table prefix
 #: -> ``"module:Class"``. ``--target wgpu:vulkan`` runs the platform itself; these classes are what a
 #: ``path/file.py:Class`` backend extends, and what :class:`~tapml.platforms.external.BackendPlatform` takes.
@@ -66,7 +67,7 @@ BACKEND_ENTRY_POINTS = "tapml.backends"
 FILE_BACKEND = re.compile(r"(?P<path>[^:]+\.py):(?P<name>[A-Za-z_][A-Za-z0-9_]*)")
 
 TARGET_HELP = ", ".join(form for kind in TARGETS.values() for form in (kind.forms or (kind.usage,))) + \
-    ", iree:vulkan, iree:llvm-cpu, ort, an installed backend's PREFIX[:DEVICE], path/to/file.py:Class"
+    ", iree:vulkan, iree:llvm-cpu, ort, tinygrad:webgpu, tinygrad:cpu, an installed backend's PREFIX[:DEVICE], path/to/file.py:Class"
 
 
 @functools.cache
@@ -85,9 +86,10 @@ def installed_backends() -> dict[str, str]:
 #: The top-level imports each built-in target needs, checked (found, never imported) by :func:`describe_targets`.
 TARGET_REQUIRES = {"reference": ("torch",), "wgpu": ("wgpu",), "browser": ("websockets",), "remote://": ("rpyc",),
                    "registry://": ("rpyc",), "iree": ("iree.compiler", "iree.runtime", "iree.turbine"),
-                   "ort": ("onnxruntime", "onnx", "onnxscript")}
+                   "ort": ("onnxruntime", "onnx", "onnxscript"), "tinygrad": ("tinygrad", "pydawn", "onnx", "onnxscript")}
 #: The TARGET specs each built-in backend takes (its class says so too; this table is read without importing it).
-BUILTIN_BACKEND_FORMS = {"iree": ("iree:vulkan", "iree:llvm-cpu"), "ort": ("ort",)}
+BUILTIN_BACKEND_FORMS = {"iree": ("iree:vulkan", "iree:llvm-cpu"), "ort": ("ort",),
+                         "tinygrad": ("tinygrad:webgpu", "tinygrad:cpu")}
 
 
 def _missing(modules) -> list[str]:
