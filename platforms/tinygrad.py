@@ -156,16 +156,16 @@ class TinygradBackend(Backend):
             runner = OnnxRunner(Tensor(model, device=parse_device())).to(self.device)
         except Exception as e:  # noqa: BLE001 - tinygrad's parser's refusal is the route's verdict
             raise BackendRefused(f"tinygrad's ONNX runner could not load model.onnx: {type(e).__name__}: {e}") from None
-        names = signature["inputs"]
-        unknown = sorted(set(runner.graph_inputs) - set(names))
-        if unknown:
-            raise BackendRefused(f"model.onnx takes inputs the program does not have: {', '.join(unknown)}")
+        try:
+            feeds = onnx_feeds(list(runner.graph_inputs), signature["inputs"])
+        except ValueError as e:
+            raise BackendRefused(str(e)) from None
         if len(runner.graph_outputs) != signature["outputs"]:
             raise BackendRefused(f"model.onnx has {len(runner.graph_outputs)} outputs; the program has {signature['outputs']}")
         missing = sorted({op for op in (n.op for n in runner.graph_nodes) if op not in runner.onnx_ops})
         if missing:
             raise BackendRefused(f"tinygrad's ONNX runner has no implementation of ONNX {', '.join(missing)}")
-        return TinygradProgram(runner, [n if n in runner.graph_inputs else None for n in names], runner.graph_outputs)
+        return TinygradProgram(runner, feeds, runner.graph_outputs)
 
     def run(self, compiled: Compiled, inputs: list) -> list:
         program: TinygradProgram = compiled.handle
@@ -184,7 +184,7 @@ class TinygradBackend(Backend):
         return ('"""Run model.onnx with tinygrad alone: pip install tinygrad dawn-python onnx (and clang for CPU)."""\n\n'
                 "import os\nimport platform\nimport shutil\nimport sys\n\n"
                 f"DEVICE = {self.device!r}\n_DAWN_LIBRARIES = {_DAWN_LIBRARIES!r}\n\n\n"
-                + inspect.getsource(dawn_environment) + "\n\n" + inspect.getsource(run_onnx) + "\n\n"
+                + "\n\n".join(inspect.getsource(f) for f in (dawn_environment, onnx_feeds, run_onnx)) + "\n\n\n"
                 "def run(artifact, inputs, dtypes):\n    return run_onnx(artifact, inputs, dtypes, DEVICE)\n")
 
     def close(self) -> None:
@@ -208,11 +208,23 @@ def run_onnx(artifact: bytes, inputs: list, dtypes: list, device: str) -> list:
     names = json.loads(next(p.value for p in model.metadata_props if p.key == "tapml.program"))["inputs"]
     runner = OnnxRunner(Tensor(artifact, device="CPU" if shutil.which("clang") else "PYTHON")).to(device)
     feeds = {name: Tensor(np.ascontiguousarray(a), device=device).cast(tiny.bfloat16) if d == "bfloat16"
-             else Tensor(np.ascontiguousarray(a), device=device) for name, a, d in zip(names, inputs, dtypes)
-             if name in runner.graph_inputs}
+             else Tensor(np.ascontiguousarray(a), device=device)
+             for name, a, d in zip(onnx_feeds(list(runner.graph_inputs), names), inputs, dtypes) if name}
     results = runner(feeds)
     return [results[name].float().numpy() if results[name].dtype == tiny.bfloat16 else results[name].numpy()
             for name in runner.graph_outputs]
+
+
+def onnx_feeds(onnx_inputs: list[str], names: list[str]) -> list[str | None]:
+    """The ONNX input fed from each program input (``names``): in order when the model takes them all
+    (the exporter may rename an input that is also an output), else by name, None for one the
+    exporter dropped as unused. ValueError when the model takes an input the program lacks."""
+    if len(onnx_inputs) == len(names):
+        return onnx_inputs
+    unknown = sorted(set(onnx_inputs) - set(names))
+    if unknown:
+        raise ValueError(f"model.onnx takes inputs the program does not have: {', '.join(unknown)}")
+    return [n if n in onnx_inputs else None for n in names]
 
 
 def parse_device() -> str:
@@ -238,5 +250,5 @@ def to_torch(tensor) -> torch.Tensor:
     return torch.from_numpy(tensor.numpy().copy())
 
 
-__all__ = ["DEVICES", "TinygradBackend", "TinygradProgram", "dawn_environment", "run_onnx", "to_tinygrad", "to_torch"]
+__all__ = ["DEVICES", "TinygradBackend", "TinygradProgram", "dawn_environment", "onnx_feeds", "run_onnx", "to_tinygrad", "to_torch"]
 
