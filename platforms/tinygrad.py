@@ -90,6 +90,9 @@ class TinygradBackend(Backend):
             raise BackendRefused(f"unknown target {spec!r}; tinygrad takes: {', '.join(DEVICES)}")
         self.control = self.CONTROLS[spec]
         self.device = DEVICES[spec]
+        # tinygrad keeps compiled kernels in a pickle database under ~/.cache/tinygrad; tapml's runs neither
+        # read nor write it (a value you set yourself is kept), as they read no pickle from anywhere
+        os.environ.setdefault("CACHELEVEL", "0")
         if self.device == "WEBGPU":
             dawn_environment()
         elif not shutil.which("clang"):

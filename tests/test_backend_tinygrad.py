@@ -40,10 +40,10 @@ def own_compile_cache(tmp_path_factory):
         yield
 
 
-def tapml(*args, timeout=600):
+def tapml(*args, timeout=600, env=None):
     """The tapml CLI in a subprocess (the backend runs in a worker process of its own anyway)."""
     return subprocess.run([sys.executable, "-m", "tapml.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ))
+                          timeout=timeout, env={**os.environ, **(env or {})})
 
 
 def exported(fn, *args):
@@ -181,9 +181,12 @@ def test_replay_names_the_op_tinygrad_webgpu_gets_wrong_and_blames_the_device_co
     control (tinygrad:cpu, the same route on a mature device) passes it, so the WGSL side is blamed. The
     comparison's int64 policy judges a wrong value past the i32 range ``unsupported`` on any target."""
     store = store_from_source(tmp_path_factory, "halve", FLOOR_DIVIDE_MODEL)
-    out = tmp_path / "v.json"
-    r = tapml("replay", store.path, "--target", "tinygrad:webgpu", "--json", out)
+    out, home = tmp_path / "v.json", tmp_path / "home"
+    home.mkdir()
+    r = tapml("replay", store.path, "--target", "tinygrad:webgpu", "--json", out,
+              env={"HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache")})
     assert r.returncode == 1, r.stdout + r.stderr
+    assert not list(home.rglob("*tinygrad*"))  # tinygrad's own kernel cache (pickles) is neither read nor written
     doc = json.loads(out.read_text())
     assert doc["device"]["adapter"].endswith("(Dawn on Vulkan)") and "tinygrad 0.14.0" in doc["device"]["backend"]
     failed = [c for c in doc["cases"] if c["status"] != "pass"]
