@@ -12,6 +12,7 @@ terminal and in HTML, and every case of zoo:tiny-llama's float32 and float16 sto
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -22,8 +23,9 @@ import pytest
 import torch
 from support import store_from_source
 
-pytest.importorskip("tinygrad", reason="the backends extra is not installed (pip install 'tapml[backends]')")
-pytest.importorskip("onnxscript", reason="the backends extra is not installed (pip install 'tapml[backends]')")
+# found, not imported: tinygrad reads its settings (CACHELEVEL, which the backend sets) when first imported
+if importlib.util.find_spec("tinygrad") is None or importlib.util.find_spec("onnxscript") is None:
+    pytest.skip("the backends extra is not installed (pip install 'tapml[backends]')", allow_module_level=True)
 
 from tapml.platforms.backend import BackendRefused, Compiled  # noqa: E402
 from tapml.platforms.onnx_route import SIGNATURE_KEY  # noqa: E402
@@ -119,6 +121,20 @@ def test_cpu_runs_every_dtype_as_torch_and_its_blob_and_repro_runner_run_the_sam
     assert all(np.array_equal(a, o.float().numpy() if o.dtype == torch.bfloat16 else o.numpy()) for a, o in zip(alone, out))
 
 
+def external_data_model(location: str) -> bytes:
+    """ONNX bytes with the route's signature whose one initializer lives in the file ``location``."""
+    from onnx import TensorProto, helper
+    weight = TensorProto(name="w", data_type=TensorProto.FLOAT, dims=[4])
+    weight.data_location = TensorProto.EXTERNAL
+    weight.external_data.add(key="location", value=location)
+    graph = helper.make_graph([helper.make_node("Add", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])], [weight])
+    model = helper.make_model(graph)
+    model.metadata_props.add(key=SIGNATURE_KEY, value=json.dumps({"inputs": ["x"], "outputs": 1}))
+    return model.SerializeToString()
+
+
 def test_what_tinygrad_cannot_take_is_refused_with_the_reason(cpu, monkeypatch):
     from tapml.errors import TapmlError
     from tapml.platforms.targets import backend_prefix, describe_targets, load_backend_class
@@ -129,6 +145,8 @@ def test_what_tinygrad_cannot_take_is_refused_with_the_reason(cpu, monkeypatch):
         cpu.compile(exported(lambda x: (x.bfloat16() * 2,), torch.randn(3)))  # its parser reads a bfloat16 constant
     with pytest.raises(BackendRefused, match="does not parse"):
         cpu.load(b"\x00 not onnx \xff")
+    with pytest.raises(BackendRefused, match="onnx external_data needs the origin file path"):
+        cpu.load(external_data_model("/etc/passwd"))  # a tensor whose bytes are in a file: no file is read
     assert backend_prefix("tinygrad:webgpu") == "tinygrad" and load_backend_class("tinygrad:cpu") is TinygradBackend
     with pytest.raises(TapmlError, match="TinygradBackend takes: tinygrad:webgpu, tinygrad:cpu"):
         load_backend_class("tinygrad:metal")
