@@ -81,8 +81,9 @@ class TinygradBackend(Backend):
     forms = tuple(DEVICES)
     needs = ("tinygrad and dawn-python (tinygrad:webgpu), clang (tinygrad:cpu), onnx and onnxscript: "
              "pip install 'tapml[backends]' and apt-get install clang (the README's setup installs them)")
-    #: See the module docstring: tinygrad:cpu for tinygrad:webgpu; ort for tinygrad:cpu.
+    #: The control of each form (see the module docstring); the class names tinygrad:webgpu's, as IreeBackend does.
     CONTROLS = {"tinygrad:webgpu": "tinygrad:cpu", "tinygrad:cpu": "ort"}
+    control = CONTROLS["tinygrad:webgpu"]
 
     def __init__(self, spec: str):
         super().__init__(spec)

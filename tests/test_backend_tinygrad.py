@@ -104,7 +104,8 @@ def test_cpu_runs_every_dtype_as_torch_and_its_blob_and_repro_runner_run_the_sam
     info = cpu.describe()
     assert info["device"].startswith("cpu (") and "clang" in info["device"] and info["tinygrad"] == "0.14.0"
     assert "tinygrad 0.14.0" in info["version"] and torch.__version__ in info["version"]
-    assert cpu.control == "ort" and TinygradBackend.forms == ("tinygrad:webgpu", "tinygrad:cpu")
+    assert cpu.control == "ort" and TinygradBackend.control == "tinygrad:cpu"
+    assert TinygradBackend.forms == ("tinygrad:webgpu", "tinygrad:cpu")
     assert cpu.refuse(program) is None
     compiled = cpu.compile(program)
     assert compiled.artifact_name == "model.onnx" and compiled.artifact == compiled.blob
