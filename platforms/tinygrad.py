@@ -70,6 +70,8 @@ class TinygradProgram:
         self.runner = runner
         self.feeds = feeds
         self.outputs = outputs
+        #: the model's own values (initializers); a run adds every intermediate tensor to them
+        self.constants = dict(runner.graph_values)
 
 
 class TinygradBackend(Backend):
@@ -178,8 +180,11 @@ class TinygradBackend(Backend):
         runner = program.runner
         runner._python_const_cache.clear()  # values read from the last run's tensors must not stand for this run's
         feeds = {name: to_tinygrad(t, self.device) for name, t in zip(program.feeds, inputs) if name}
-        results = runner(feeds)
-        return [to_torch(results[name]) for name in program.outputs]
+        try:
+            results = runner(feeds)
+            return [to_torch(results[name]) for name in program.outputs]
+        finally:  # the run's intermediate tensors hold device memory until the next run: let them go now
+            runner.graph_values = dict(program.constants)
 
     def repro_runner(self) -> str:
         """A module that runs a case's ``model.onnx`` with tinygrad alone on this device (for ``tapml

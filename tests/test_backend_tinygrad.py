@@ -114,6 +114,8 @@ def test_cpu_runs_every_dtype_as_torch_and_its_blob_and_repro_runner_run_the_sam
     check_mixed(out)
     again = cpu.run(Compiled(handle=cpu.load(compiled.blob)), list(MIXED_INPUTS))
     assert all(torch.equal(a, b) for a, b in zip(again, out))  # a cached blob runs the same
+    doubled = cpu.run(compiled, [MIXED_INPUTS[0] * 2, *MIXED_INPUTS[1:]])  # the same runner, other inputs
+    torch.testing.assert_close(doubled[0], (MIXED_INPUTS[0] * 2 @ MIXED_INPUTS[1]).relu())
     namespace = {}
     exec(compile(cpu.repro_runner(), "runner.py", "exec"), namespace)  # noqa: S102 - our own source
     alone = namespace["run"](compiled.artifact, [t.numpy() for t in MIXED_INPUTS],
