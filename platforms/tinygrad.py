@@ -102,6 +102,7 @@ class TinygradBackend(Backend):
             raise BackendRefused("tinygrad's CPU device compiles with clang, which is not on PATH: "
                                  "apt-get install clang (the README's setup installs it)")
         from tinygrad import Device
+        self._name = None
         try:
             self._device = Device[self.device]
         except Exception as e:  # noqa: BLE001 - a device tinygrad cannot open says why
@@ -110,7 +111,9 @@ class TinygradBackend(Backend):
     def describe(self) -> dict:
         from importlib.metadata import version
         tinygrad_version = version("tinygrad")
-        info = {"device": self._device_name(), "tinygrad_device": self.device, "tinygrad": tinygrad_version,
+        if self._name is None:
+            self._name = self._device_name()
+        info = {"device": self._name, "tinygrad_device": self.device, "tinygrad": tinygrad_version,
                 "opset": opset(), "route": f"torch.onnx exporter (dynamo) -> ONNX -> tinygrad OnnxRunner on {self.device}"}
         import onnxscript
         key = f"tinygrad {tinygrad_version}, torch {torch.__version__}, onnxscript {onnxscript.__version__}, opset {opset()}"
@@ -131,8 +134,11 @@ class TinygradBackend(Backend):
 
         def text(view) -> str:
             return ctypes.string_at(view.data, view.length).decode(errors="replace") if view.data else ""
-        backend = {webgpu.WGPUBackendType_Vulkan: "Vulkan", webgpu.WGPUBackendType_Metal: "Metal"}.get(info.backendType, "")
-        name = text(info.device) or text(info.description) or "unknown adapter"
+        try:
+            backend = {webgpu.WGPUBackendType_Vulkan: "Vulkan", webgpu.WGPUBackendType_Metal: "Metal"}.get(info.backendType, "")
+            name = text(info.device) or text(info.description) or "unknown adapter"
+        finally:
+            webgpu.wgpuAdapterInfoFreeMembers(info)
         return f"{name} (Dawn{f' on {backend}' if backend else ''})"
 
     def refuse(self, program) -> str | None:
