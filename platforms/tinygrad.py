@@ -96,6 +96,9 @@ class TinygradBackend(Backend):
         # tinygrad keeps compiled kernels in a pickle database under ~/.cache/tinygrad; tapml's runs neither
         # read nor write it (a value you set yourself is kept), as they read no pickle from anywhere
         os.environ.setdefault("CACHELEVEL", "0")
+        # nor does tinygrad spawn its pool of compiler processes: tapml kills a worker that hangs, and the
+        # pool's processes would outlive it
+        os.environ.setdefault("PARALLEL", "0")
         if self.device == "WEBGPU":
             dawn_environment()
         elif not shutil.which("clang"):
