@@ -202,7 +202,7 @@ class TinygradBackend(Backend):
         return ('"""Run model.onnx with tinygrad alone: pip install tinygrad dawn-python onnx (and clang for CPU)."""\n\n'
                 "import os\nimport platform\nimport shutil\nimport sys\n\n"
                 f"DEVICE = {self.device!r}\n_DAWN_LIBRARIES = {_DAWN_LIBRARIES!r}\n\n\n"
-                + "\n\n".join(inspect.getsource(f) for f in (dawn_environment, onnx_feeds, run_onnx)) + "\n\n\n"
+                + "\n\n".join(inspect.getsource(f) for f in (dawn_environment, onnx_feeds, parse_device, run_onnx)) + "\n\n\n"
                 "def run(artifact, inputs, dtypes):\n    return run_onnx(artifact, inputs, dtypes, DEVICE)\n")
 
     def close(self) -> None:
@@ -224,7 +224,7 @@ def run_onnx(artifact: bytes, inputs: list, dtypes: list, device: str) -> list:
     from tinygrad.nn.onnx import OnnxRunner
     model = onnx.load_model_from_string(artifact)
     names = json.loads(next(p.value for p in model.metadata_props if p.key == "tapml.program"))["inputs"]
-    runner = OnnxRunner(Tensor(artifact, device="CPU" if shutil.which("clang") else "PYTHON")).to(device)
+    runner = OnnxRunner(Tensor(artifact, device=parse_device())).to(device)
     feeds = {name: Tensor(np.ascontiguousarray(a), device=device).cast(tiny.bfloat16) if d == "bfloat16"
              else Tensor(np.ascontiguousarray(a), device=device)
              for name, a, d in zip(onnx_feeds(list(runner.graph_inputs), names), inputs, dtypes) if name}
