@@ -16,8 +16,9 @@ What the route does that a user must see rather than have hidden:
 - Outputs are returned as tinygrad made them (a dtype the exporter changed stays changed: the
   comparison reports it, as for ``ort``).
 - No TinyJit: the runner turns some tensors into Python values while it builds the graph (shapes,
-  Slice starts ...), and a JIT replays the first values it saw; a carved case runs once or twice per
-  replay, so a capture would cost more than it saves. The runner's own cache of those Python values
+  Slice starts ...), and a JIT replays the first values it saw; a carved case runs once per replay
+  (``--repeat N``: N times), and TinyJit replays only from its third call, so a capture would cost more
+  than it saves. The runner's own cache of those Python values
   is cleared before each run for the same reason.
 
 Controls: ``tinygrad:webgpu``'s control is ``tinygrad:cpu`` (the same exporter and ONNX runner, the
