@@ -11,8 +11,10 @@ What the route does that a user must see rather than have hidden:
 
 - tinygrad is lazy: the runner builds a graph of tinygrad tensors and its kernels are generated and
   compiled by the device when the outputs are read, i.e. in :meth:`TinygradBackend.run`. A kernel the
-  device's compiler rejects (Dawn refuses the WGSL tinygrad 0.14 writes for a bool constant) is an
-  ``error`` verdict of that case; an ONNX op tinygrad has no implementation for is one too.
+  device rejects (WGSL that Dawn will not compile, a buffer past its binding limit) is an ``error``
+  verdict of that case. An ONNX op tinygrad has no implementation of, or a model its parser cannot read
+  (tinygrad 0.14 cannot read a bfloat16 scalar constant), is refused in :meth:`TinygradBackend.compile`:
+  ``unsupported``.
 - Outputs are returned as tinygrad made them (a dtype the exporter changed stays changed: the
   comparison reports it, as for ``ort``).
 - No TinyJit: the runner turns some tensors into Python values while it builds the graph (shapes,
