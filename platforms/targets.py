@@ -55,7 +55,8 @@ TARGETS: dict[str, TargetKind] = {
 #: Built-in external backends (:mod:`tapml.platforms.backend`): TARGET prefix -> ``"module:Class"``.
 #: Installed packages add more through the :data:`BACKEND_ENTRY_POINTS` entry-point group.
 BUILTIN_BACKENDS = {"iree": "tapml.platforms.iree:IreeBackend", "ort": "tapml.platforms.ort:OrtBackend",
-                    "ort-web": "tapml.platforms.ort_web:OrtWebBackend"}
+                    "ort-web": "tapml.platforms.ort_web:OrtWebBackend",
+                    "tinygrad": "tapml.platforms.tinygrad:TinygradBackend"}
 #: tapml's own compilers behind the Backend contract (:mod:`tapml.platforms.platform_backend`): table prefix
 #: -> ``"module:Class"``. ``--target wgpu:vulkan`` runs the platform itself; these classes are what a
 #: ``path/file.py:Class`` backend extends, and what :class:`~tapml.platforms.external.BackendPlatform` takes.
@@ -67,7 +68,7 @@ BACKEND_ENTRY_POINTS = "tapml.backends"
 FILE_BACKEND = re.compile(r"(?P<path>[^:]+\.py):(?P<name>[A-Za-z_][A-Za-z0-9_]*)")
 
 TARGET_HELP = ", ".join(form for kind in TARGETS.values() for form in (kind.forms or (kind.usage,))) + \
-    ", iree:vulkan, iree:llvm-cpu, ort, ort-web:webgpu, ort-web:wasm, an installed backend's PREFIX[:DEVICE], path/to/file.py:Class"
+    ", iree:vulkan, iree:llvm-cpu, ort, ort-web:webgpu, ort-web:wasm, tinygrad:webgpu, tinygrad:cpu, an installed backend's PREFIX[:DEVICE], path/to/file.py:Class"
 
 
 @functools.cache
@@ -86,7 +87,8 @@ def installed_backends() -> dict[str, str]:
 #: The top-level imports each built-in target needs, checked (found, never imported) by :func:`describe_targets`.
 TARGET_REQUIRES = {"reference": ("torch",), "wgpu": ("wgpu",), "browser": ("websockets",), "remote://": ("rpyc",),
                    "registry://": ("rpyc",), "iree": ("iree.compiler", "iree.runtime", "iree.turbine"),
-                   "ort": ("onnxruntime", "onnx", "onnxscript"), "ort-web": ("websockets", "onnx", "onnxscript")}
+                   "ort": ("onnxruntime", "onnx", "onnxscript"), "ort-web": ("websockets", "onnx", "onnxscript"),
+                   "tinygrad": ("tinygrad", "pydawn", "onnx", "onnxscript")}
 #: What each built-in backend needs besides its Python packages, for ``tapml targets`` (default: the extra).
 BUILTIN_BACKEND_NEEDS = {"ort-web": "onnxruntime-web from npm (the README's setup installs it into platforms/web/ort), "
                                     "Chromium, and pip install 'tapml[backends]'"}
@@ -107,7 +109,7 @@ def ort_web_missing() -> list[str]:
 
 #: The TARGET specs each built-in backend takes (its class says so too; this table is read without importing it).
 BUILTIN_BACKEND_FORMS = {"iree": ("iree:vulkan", "iree:llvm-cpu"), "ort": ("ort",),
-                         "ort-web": ("ort-web:webgpu", "ort-web:wasm")}
+                         "ort-web": ("ort-web:webgpu", "ort-web:wasm"), "tinygrad": ("tinygrad:webgpu", "tinygrad:cpu")}
 
 
 def _missing(modules) -> list[str]:

@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-DEB_PACKAGES="mesa-vulkan-drivers libvulkan1 libegl1 libegl-mesa0 libgles2 libgl1-mesa-dri chromium"
+DEB_PACKAGES="mesa-vulkan-drivers libvulkan1 libegl1 libegl-mesa0 libgles2 libgl1-mesa-dri chromium clang"
 missing=""
 for p in $DEB_PACKAGES; do
   dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"

@@ -13,7 +13,8 @@ from tapml.cli.common import EXIT_OK, JsonOpt, TokenFileOpt, app, command, conso
 from tapml.text import shown
 
 SERVE_PLATFORMS = ("wgpu, wgpu:vulkan, wgpu:gl, wgpu:metal, wgpu:dx12, browser, reference, or an external backend "
-                   "(iree:vulkan, iree:llvm-cpu, ort, an installed PREFIX[:DEVICE], path/file.py:Class)")
+                   "(iree:vulkan, iree:llvm-cpu, ort, tinygrad:webgpu, tinygrad:cpu, an installed PREFIX[:DEVICE], "
+                   "path/file.py:Class)")
 
 
 def _log_to_stderr(verbose: bool) -> None:

@@ -20,7 +20,7 @@ def repro(store: str = typer.Argument(..., help="Carve store directory"),
           target: str = typer.Option("wgpu", "--target", "-t",
                                      help="wgpu[:vulkan|gl|metal|dx12], browser or remote://HOST:PORT: the device "
                                           "the WGSL is compiled for and run on once; or an external backend "
-                                          "(iree:vulkan, ort, PREFIX, file.py:Class): its own input and runner"),
+                                          "(iree:vulkan, ort, tinygrad:webgpu, PREFIX, file.py:Class): its own input and runner"),
           inject: Optional[List[str]] = InjectOpt, tol: Optional[List[str]] = TolOpt,
           token_file: Optional[str] = TokenFileOpt, json_out: Optional[str] = JsonOpt, quiet: bool = QuietOpt):
     """Write a self-contained folder that reproduces CASE_OR_NODE of STORE on TARGET without tapml:
