@@ -201,17 +201,25 @@ def flat(text: str) -> str:
 
 
 @pytest.mark.slow
-def test_the_cross_compiler_matrix_renders_in_the_terminal_and_in_html(carved, tmp_path):
+@pytest.mark.device
+def test_the_four_compiler_matrix_renders_in_the_terminal_and_in_html(carved, tmp_path):
+    """tapml's WGSL, IREE, onnxruntime-web and tinygrad, each on WebGPU or Vulkan, side by side on the float16
+    tiny llama's matmuls and products: which compiler is wrong on which op."""
     store = carved("zoo:tiny-llama", dtype="float16")
     out, page = tmp_path / "m.json", tmp_path / "m.html"
-    targets = ["wgpu:vulkan", "iree:vulkan", "ort-web:webgpu", "ort-web:wasm"]
-    r = tapml("replay", store, *[a for t in targets for a in ("--target", t)], "--json", out)
+    targets = ["wgpu:vulkan", "iree:vulkan", "ort-web:webgpu", "tinygrad:webgpu"]
+    r = tapml("replay", store, *[a for t in targets for a in ("--target", t)], "--op", "aten.mm.default",
+              "--op", "aten.mul.Tensor", "--json", out)
     assert r.exit_code == 1, r.output  # ort-web:webgpu's float16 errors
     shown = flat(r.output)
-    assert all(t in shown for t in targets) and "aten.mm.default" in shown
+    assert all(t in shown for t in targets) and "aten.mm.default" in shown and "differs between targets" in shown
+    doc = json.loads(out.read_text())
+    assert doc["targets"] == targets and [c["target"] for c in doc["matrix"]["columns"]] == targets
+    mm = next(row for row in doc["matrix"]["rows"] if row["op"] == "aten.mm.default")
+    assert len(mm["cells"]) == 4
     assert tapml("report", out, "-o", page).exit_code == 1  # rendered; exit 1: the document holds findings
     html = page.read_text()
-    assert all(t in html for t in targets) and "aten.mm.default" in html
+    assert all(t in html for t in targets) and "aten.mm.default" in html and 'id="coverage-table"' in html
 
 
 @pytest.mark.slow
