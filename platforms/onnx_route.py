@@ -165,9 +165,23 @@ def feed_names(signature: dict, session_inputs: list[str], session_outputs: int)
     return feeds
 
 
+def node_types(model: bytes, names) -> dict[str, tuple[list[str], list[str]]]:
+    """``{node name: (input dtypes, output dtypes)}`` of the named nodes of ONNX ``model`` (lower-case ONNX
+    type names, each once, as shape inference finds them)."""
+    import onnx
+    graph = onnx.shape_inference.infer_shapes(onnx.load_model_from_string(model)).graph
+    types = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.value_info, *graph.output)}
+    types.update({t.name: t.data_type for t in graph.initializer})
+    wanted = set(names)
+
+    def named(values):
+        return list(dict.fromkeys(onnx.TensorProto.DataType.Name(types[v]).lower() for v in values if v in types))
+    return {n.name: (named(n.input), named(n.output)) for n in graph.node if n.name in wanted}
+
+
 def opset() -> int:
     """The ONNX opset the exporter writes."""
     return exporter()[1]
 
 
-__all__ = ["ONNX_DTYPES", "SIGNATURE_KEY", "feed_names", "onnx_model", "opset", "read_signature", "refuse_dtypes"]
+__all__ = ["ONNX_DTYPES", "SIGNATURE_KEY", "feed_names", "node_types", "onnx_model", "opset", "read_signature", "refuse_dtypes"]

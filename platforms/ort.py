@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from tapml.platforms.backend import Backend, BackendRefused, Compiled
-from tapml.platforms.onnx_route import ONNX_DTYPES, SIGNATURE_KEY, feed_names, onnx_model, opset, read_signature, refuse_dtypes
+from tapml.platforms.onnx_route import ONNX_DTYPES, SIGNATURE_KEY, feed_names, node_types, onnx_model, opset, read_signature, refuse_dtypes
 
 
 @dataclass
@@ -131,19 +131,7 @@ def _session_error(error: Exception, model: bytes, provider: str) -> str:
         return f"onnxruntime could not load model.onnx: {text}"
     op, version, name = found.groups()
     return (f"onnxruntime's {provider} has no kernel for ONNX {op}({version}) on "
-            f"{', '.join(_node_input_types(model, name)) or 'these inputs'} (node {name!r})")
-
-
-def _node_input_types(model: bytes, name: str) -> list[str]:
-    import onnx
-    graph = onnx.shape_inference.infer_shapes(onnx.load_model_from_string(model)).graph
-    types = {v.name: v.type.tensor_type.elem_type for v in (*graph.input, *graph.value_info, *graph.output)}
-    types.update({t.name: t.data_type for t in graph.initializer})
-    node = next((n for n in graph.node if n.name == name), None)
-    if node is None:
-        return []
-    names = [onnx.TensorProto.DataType.Name(types[i]).lower() for i in node.input if i in types]
-    return list(dict.fromkeys(names))
+            f"{', '.join(node_types(model, [name]).get(name, ([], []))[0]) or 'these inputs'} (node {name!r})")
 
 
 __all__ = ["ONNX_DTYPES", "SIGNATURE_KEY", "OrtBackend", "OrtProgram"]

@@ -32,7 +32,7 @@ import torch
 
 from tapml.errors import DeviceLost, TapmlError
 from tapml.platforms.backend import Backend, BackendRefused, Compiled
-from tapml.platforms.onnx_route import feed_names, onnx_model, opset, read_signature, refuse_dtypes
+from tapml.platforms.onnx_route import feed_names, node_types, onnx_model, opset, read_signature, refuse_dtypes
 from tapml.platforms.page_bridge import HTML, JS, KIND_CONST, KIND_INPUT, WASM, WEB_DIR, encode_frame
 
 #: Where the README's setup installs onnxruntime-web (``npm ci`` in ``platforms/web/ort``); ``$TAPML_ORT_WEB``
@@ -239,6 +239,12 @@ class OrtWebBackend(Backend):
         reply, _ = self._request({"type": "load", "key": key}, [lambda run: encode_frame(run, 0, KIND_CONST, model)])
         if reply["type"] != "done":
             raise BackendRefused(f"onnxruntime-web ({self.provider}) could not create a session: {reply.get('message', '')}")
+        elsewhere = self._elsewhere(model, reply.get("placement"), reply.get("to_cpu"))
+        if elsewhere:
+            self.bridge.post({"type": "drop", "key": key})
+            raise BackendRefused(f"onnxruntime-web did not put the program on {self.provider} as asked (it falls back "
+                                 f"silently): {', '.join(elsewhere[:5])}{f' and {len(elsewhere) - 5} more' if len(elsewhere) > 5 else ''} "
+                                 "on its CPU (wasm) provider")
         self._sessions[key] = None
         while len(self._sessions) > MAX_SESSIONS:
             old, _ = self._sessions.popitem(last=False)
@@ -246,6 +252,27 @@ class OrtWebBackend(Backend):
         if not (isinstance(reply.get("inputs"), list) and isinstance(reply.get("outputs"), list)):
             raise RuntimeError("the ort-web page answered a load without its session's inputs and outputs")
         return reply
+
+    def _elsewhere(self, model: bytes, placement, to_cpu) -> list[str]:
+        """The nodes on floating-point data that ONNX Runtime placed on another provider than the one asked for
+        (``webgpu``'s is ``JsExecutionProvider``) because it could not take them: ``["Sin 'node_sin' (float16)"]``.
+
+        Not the nodes it put on the CPU on purpose (small shape computations, logged as a forced fallback), nor
+        nodes whose inputs are all integers or bools (a cast of positions to float included): onnxruntime-web's
+        WebGPU provider runs little int64 (positions, indices, masks) and leaves such nodes to its CPU provider
+        by design, as a deployed model runs them too. None on ``wasm``, where every node is on the CPU."""
+        if self.provider != "webgpu" or not isinstance(placement, dict):
+            return []
+        chosen = {str(name) for name in to_cpu} if isinstance(to_cpu, list) else set()
+        found = [re.fullmatch(r"(\S+) \((.*)\)", str(node)) for ep, nodes in placement.items()
+                 if ep != "JsExecutionProvider" and isinstance(nodes, list) for node in nodes]
+        found = [(m[1], m[2]) for m in found if m and m[2] not in chosen]
+        if not found:
+            return []
+        types = node_types(model, [name for _, name in found])
+        floats = ("float", "float16", "double", "bfloat16")
+        return [f"{op} '{name}' ({', '.join(t for t in types[name][0] if t in floats)})"
+                for op, name in found if name in types and any(t in floats for t in types[name][0])]
 
     def run(self, compiled: Compiled, inputs: list) -> list:
         program: OrtWebProgram = compiled.handle

@@ -119,6 +119,18 @@ def test_float16_where_webgpu_rejects_onnxruntime_webs_shaders_is_an_error_with_
         webgpu.run(compiled, [a])
 
 
+def test_a_float_node_left_to_the_cpu_is_refused_and_integer_ones_are_not(webgpu):
+    """onnxruntime-web leaves nodes its WebGPU provider has no kernel for to its wasm CPU provider without a
+    word: one on floating-point data (atan2's IsNaN) is refused naming it; int64 ones (a cumsum of positions)
+    are onnxruntime-web's design, as in every deployed model, and run."""
+    x = torch.randn(4, 6)
+    with pytest.raises(BackendRefused, match=r"did not put the program on webgpu.*IsNaN '\w+' \(float\) on its CPU"):
+        webgpu.compile(exported(lambda x: (torch.atan2(x, x + 1),), x))
+    ids = torch.arange(7)
+    compiled = webgpu.compile(exported(lambda ids: (torch.cumsum(ids, 0),), ids))
+    assert torch.equal(webgpu.run(compiled, [ids])[0], torch.cumsum(ids, 0))
+
+
 def test_bfloat16_is_refused_before_compiling(webgpu):
     assert "bfloat16" in webgpu.refuse(exported(lambda a: (a * 2,), torch.randn(3, dtype=torch.bfloat16)))
 

@@ -77,9 +77,15 @@ export async function start(statusElement) {
 
   // what onnxruntime-web (and the GPU device under it) says while a job runs: sent with the job's answer
   let said = [];
-  for (const level of ["error", "warn"]) {
+  let heard = null; // while a session is made: reads ONNX Runtime's log lines for its node placement
+  for (const level of ["error", "warn", "log", "info", "debug"]) {
     const original = console[level].bind(console);
-    console[level] = (...args) => { said.push(args.map(String).join(" ").slice(0, 400)); original(...args); };
+    console[level] = (...args) => {
+      const line = args.map(String).join(" ");
+      if (heard) { heard(line); return; }
+      if (level === "error" || level === "warn") said.push(line.slice(0, 400));
+      original(...args);
+    };
   }
   const sessions = new Map(); // key -> InferenceSession
   const held = new Map(); // digest -> ort.Tensor (insertion order = least recently used first)
@@ -105,15 +111,29 @@ export async function start(statusElement) {
     }
     if (msg.type === "load") {
       let session;
+      const placement = {}; // execution provider -> ["OpType (node name)"], as ONNX Runtime logs its placement
+      const toCpu = []; // nodes ONNX Runtime put on the CPU on purpose (shape computations), by name
+      let placedOn = null;
+      heard = (line) => {
+        const chosen = /Force fallback to CPU execution for node: (\S+)/.exec(line);
+        if (chosen) { toCpu.push(chosen[1]); return; }
+        const on = /Node\(s\) placed on \[(\w+)\]/.exec(line);
+        if (on) { placedOn = on[1]; placement[placedOn] = []; return; }
+        const node = /VerifyEachNodeIsAssignedToAnEp\]\s+(\S+ \(.*\))\s*$/.exec(line);
+        if (node && placedOn) placement[placedOn].push(node[1]);
+      };
       try {
+        // verbose while the session is made: ONNX Runtime logs where it put each node only then
         session = await ort.InferenceSession.create(frames[0], {
-          executionProviders: [provider], graphOptimizationLevel: "all", logSeverityLevel: 3 });
+          executionProviders: [provider], graphOptimizationLevel: "all", logSeverityLevel: 0, logVerbosityLevel: 0 });
       } catch (e) {
         return fail(msg.id, "load", `${e.message ?? e}`);
+      } finally {
+        heard = null;
       }
       sessions.set(msg.key, session);
       ws.send(JSON.stringify({ type: "done", id: msg.id, inputs: session.inputNames, outputs: session.outputNames,
-                               ms: performance.now() - t0, said: said.slice(0, 8) }));
+                               placement, to_cpu: toCpu, ms: performance.now() - t0, said: said.slice(0, 8) }));
       return;
     }
     const session = sessions.get(msg.key);
@@ -136,7 +156,7 @@ export async function start(statusElement) {
     if (missing.length) return fail(msg.id, "no-input", `the page no longer holds ${missing.length} input(s)`);
     let results;
     try {
-      results = await session.run(feeds);
+      results = await session.run(feeds, { logSeverityLevel: 3 });
     } catch (e) {
       return fail(msg.id, "run", `${e.message ?? e}`);
     }
