@@ -36,6 +36,8 @@ from tapml.remote import protocol as P
 _LEN = struct.Struct("!Q")
 MAX_FRAME = 1 << 30
 STARTUP_TIMEOUT_S = 120.0
+#: Seconds a closed worker gets to close its platform and exit before it is killed.
+CLOSE_GRACE_S = 5.0
 
 
 class _StateLost(Exception):
@@ -349,7 +351,16 @@ class WorkerPlatform(RuntimePlatform):
         return outputs[0]
 
     def close(self) -> None:
-        """Kill the worker (without waiting for a call in flight)."""
+        """End the worker: its socket is closed, so that it closes its platform (a browser the platform
+        started, and that browser's profile) and exits; one that has not exited within
+        :data:`CLOSE_GRACE_S` (busy with a call in flight) is killed."""
+        proc, sock = self._proc, self._sock
+        if proc is not None and sock is not None and proc.poll() is None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+                proc.wait(CLOSE_GRACE_S)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
         self._kill()
 
 
@@ -398,7 +409,6 @@ def worker_main(fd: int, spec: str, address_space: int = 0, memory_headroom: int
     # exported program) is not for them, as in the commands themselves
     warnings.filterwarnings("ignore")
     sock = socket.socket(fileno=fd)
-    from tapml.graph import Graph, Node
     from tapml.platforms.targets import open_platform
     try:
         platform = open_platform(spec)
@@ -421,6 +431,18 @@ def worker_main(fd: int, spec: str, address_space: int = 0, memory_headroom: int
 
     # the same limits as the parent's record of what this worker holds
     programs = ProgramCache(on_evict=forget)
+    try:
+        _serve_parent(sock, platform, programs, held, kept, forget)
+    finally:  # the parent closed the socket (or went away): release the device, as the platform contract says
+        try:
+            platform.close()
+        except Exception:  # noqa: BLE001 - the worker ends anyway
+            pass
+
+
+def _serve_parent(sock, platform, programs, held, kept, forget) -> None:
+    """Answer the parent's requests on ``sock`` until it closes."""
+    from tapml.graph import Graph, Node
     while True:
         try:
             req = _recv(sock)

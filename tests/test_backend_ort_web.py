@@ -30,7 +30,9 @@ from tapml.cli import app
 from tapml.platforms.backend import BackendRefused
 from tapml.platforms.ort_web import ORT_WEB_FILES, OrtWebBackend, ort_web_package
 
-pytestmark = [pytest.mark.browser, pytest.mark.xdist_group("browser")]
+# not in the one browser group: each test's Chromium has its own profile, port and token, and these runs
+# are long enough that xdist must be free to put them beside the browser group's
+pytestmark = [pytest.mark.browser]
 
 
 def _installed() -> bool:

@@ -189,7 +189,6 @@ def factory():
 
 @pytest.mark.slow  # 13 s: a carve, a worker and its control's worker
 @pytest.mark.device
-@pytest.mark.xdist_group("wgpu")
 def test_replay_names_the_op_tinygrad_webgpu_gets_wrong_and_blames_the_device_compiler(tmp_path_factory, tmp_path):
     """Over the CLI (the backend in its worker process): the failing case is named with its op, and its
     control (tinygrad:cpu, the same route on a mature device) passes it, so the WGSL side is blamed. The
@@ -212,7 +211,6 @@ def test_replay_names_the_op_tinygrad_webgpu_gets_wrong_and_blames_the_device_co
 
 @pytest.mark.slow  # 30 s: four workers (IREE compiles, two ONNX exporters) and tinygrad's control
 @pytest.mark.device
-@pytest.mark.xdist_group("wgpu")
 def test_the_four_target_matrix_names_the_op_the_onnx_route_gets_wrong_in_the_terminal_and_in_html(carved, tmp_path):
     """zoo:fp16-sum (the README's example): the exporter drops the float16 cast of the sum, so both
     compilers fed by ONNX (ort, tinygrad:webgpu) fail it where tapml's WGSL and IREE pass."""
@@ -237,7 +235,6 @@ def test_the_four_target_matrix_names_the_op_the_onnx_route_gets_wrong_in_the_te
 
 @pytest.mark.slow
 @pytest.mark.device
-@pytest.mark.xdist_group("wgpu")
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_every_case_of_tiny_llama_is_judged_on_tinygrad_webgpu(carved, tmp_path, dtype):
     store = carved("zoo:tiny-llama", dtype=dtype)
