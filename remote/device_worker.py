@@ -562,3 +562,8 @@ def _run_args(req: dict, inputs: list, held: list, kept: dict) -> tuple[list, li
 
 if __name__ == "__main__":
     worker_main(int(sys.argv[1]), sys.argv[2], *(int(a) for a in sys.argv[3:5]))
+    # the platform is closed: the interpreter's teardown (torch and the device libraries) is only time the
+    # parent would wait for
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
