@@ -149,19 +149,28 @@ def read_signature(blob: bytes) -> dict:
     return read_signature_of(model)
 
 
+def onnx_feeds(onnx_inputs: list[str], names: list[str]) -> list[str | None]:
+    """The ONNX input fed from each program input (``names``): in order when the model takes them all
+    (the exporter may rename an input that is also an output), else by name, None for one the
+    exporter dropped as unused. ValueError when the model takes an input the program lacks.
+    Self-contained (no tapml import in its body): repro runners carry its source."""
+    if len(onnx_inputs) == len(names):
+        return list(onnx_inputs)
+    unknown = sorted(set(onnx_inputs) - set(names))
+    if unknown:
+        raise ValueError(f"model.onnx takes inputs the program does not have: {', '.join(unknown)}")
+    return [n if n in onnx_inputs else None for n in names]
+
+
 def feed_names(signature: dict, session_inputs: list[str], session_outputs: int) -> list[str | None]:
-    """The session input fed from each program input (None where the exporter dropped an unused one);
-    BackendRefused when the ONNX model takes inputs the program does not have or has another number
-    of outputs."""
-    names, outputs = signature["inputs"], signature["outputs"]
-    feeds = list(session_inputs)
-    if len(feeds) != len(names):  # the exporter dropped an unused input: feed the others by name
-        unknown = sorted(set(feeds) - set(names))
-        if unknown:
-            raise BackendRefused(f"model.onnx takes inputs the program does not have: {', '.join(unknown)}")
-        feeds = [n if n in feeds else None for n in names]
-    if session_outputs != outputs:
-        raise BackendRefused(f"model.onnx has {session_outputs} outputs; the program has {outputs}")
+    """:func:`onnx_feeds` of a session for the program of ``signature``; BackendRefused when the ONNX model
+    takes inputs the program does not have or has another number of outputs."""
+    try:
+        feeds = onnx_feeds(list(session_inputs), signature["inputs"])
+    except ValueError as e:
+        raise BackendRefused(str(e)) from None
+    if session_outputs != signature["outputs"]:
+        raise BackendRefused(f"model.onnx has {session_outputs} outputs; the program has {signature['outputs']}")
     return feeds
 
 
@@ -184,4 +193,4 @@ def opset() -> int:
     return exporter()[1]
 
 
-__all__ = ["ONNX_DTYPES", "SIGNATURE_KEY", "feed_names", "node_types", "onnx_model", "opset", "read_signature", "refuse_dtypes"]
+__all__ = ["ONNX_DTYPES", "SIGNATURE_KEY", "feed_names", "node_types", "onnx_feeds", "onnx_model", "opset", "read_signature", "refuse_dtypes"]

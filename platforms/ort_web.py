@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -35,9 +34,6 @@ from tapml.platforms.backend import Backend, BackendRefused, Compiled
 from tapml.platforms.onnx_route import feed_names, node_types, onnx_model, opset, read_signature, refuse_dtypes
 from tapml.platforms.page_bridge import HTML, JS, KIND_CONST, KIND_INPUT, WASM, WEB_DIR, encode_frame
 
-#: Where the README's setup installs onnxruntime-web (``npm ci`` in ``platforms/web/ort``); ``$TAPML_ORT_WEB``
-#: may point at another onnxruntime-web package folder.
-ORT_WEB_FOLDER = WEB_DIR / "ort"
 #: The files of onnxruntime-web the page loads (its ES module, and the WebAssembly build with the WebGPU
 #: provider): nothing else of the package is served.
 ORT_WEB_FILES = ("ort.min.mjs", "ort-wasm-simd-threaded.jsep.mjs", "ort-wasm-simd-threaded.jsep.wasm")
@@ -54,8 +50,8 @@ TORCH_TYPES = {name: dtype for dtype, name in WEB_TYPES.items()} | {"uint16": to
 
 def ort_web_package() -> Path:
     """The onnxruntime-web package folder to serve; BackendRefused saying how to install it when it is missing."""
-    folder = Path(os.environ["TAPML_ORT_WEB"]) if os.environ.get("TAPML_ORT_WEB") else \
-        ORT_WEB_FOLDER / "node_modules" / "onnxruntime-web"
+    from tapml.platforms.targets import ort_web_folder
+    folder = ort_web_folder()
     missing = [name for name in ORT_WEB_FILES if not (folder / "dist" / name).is_file()]
     if missing:
         raise BackendRefused(f"onnxruntime-web is not installed (no {folder / 'dist' / missing[0]}): {INSTALL_HINT}")

@@ -94,12 +94,19 @@ BUILTIN_BACKEND_NEEDS = {"ort-web": "onnxruntime-web from npm (the README's setu
                                     "Chromium, and pip install 'tapml[backends]'"}
 
 
+def ort_web_folder():
+    """The onnxruntime-web package folder the ort-web targets serve: ``$TAPML_ORT_WEB``, else where the
+    README's setup installs it (``npm ci`` in platforms/web/ort)."""
+    import os
+    from pathlib import Path
+    return Path(os.environ.get("TAPML_ORT_WEB") or Path(__file__).parent / "web" / "ort" / "node_modules" / "onnxruntime-web")
+
+
 def ort_web_missing() -> list[str]:
     """What the ort-web targets lack here (onnxruntime-web's files, Chromium), found without importing them."""
     import os
     import shutil
-    from pathlib import Path
-    folder = Path(os.environ.get("TAPML_ORT_WEB") or Path(__file__).parent / "web" / "ort" / "node_modules" / "onnxruntime-web")
+    folder = ort_web_folder()
     missing = [f"onnxruntime-web ({folder / 'dist' / 'ort.min.mjs'})"] if not (folder / "dist" / "ort.min.mjs").is_file() else []
     from tapml.platforms.chromium import CHROMIUM_NAMES
     if not (os.environ.get("TAPML_CHROMIUM") or any(shutil.which(name) for name in CHROMIUM_NAMES)):

@@ -41,7 +41,7 @@ import sys
 import torch
 
 from tapml.platforms.backend import Backend, BackendRefused, Compiled
-from tapml.platforms.onnx_route import onnx_model, opset, read_signature, refuse_dtypes
+from tapml.platforms.onnx_route import feed_names, onnx_feeds, onnx_model, opset, read_signature, refuse_dtypes
 
 #: TARGET spec -> tinygrad's device name.
 DEVICES = {"tinygrad:webgpu": "WEBGPU", "tinygrad:cpu": "CPU"}
@@ -174,12 +174,7 @@ class TinygradBackend(Backend):
             runner = OnnxRunner(Tensor(model, device=parse_device())).to(self.device)
         except Exception as e:  # noqa: BLE001 - tinygrad's parser's refusal is the route's verdict
             raise BackendRefused(f"tinygrad's ONNX runner could not load model.onnx: {type(e).__name__}: {e}") from None
-        try:
-            feeds = onnx_feeds(list(runner.graph_inputs), signature["inputs"])
-        except ValueError as e:
-            raise BackendRefused(str(e)) from None
-        if len(runner.graph_outputs) != signature["outputs"]:
-            raise BackendRefused(f"model.onnx has {len(runner.graph_outputs)} outputs; the program has {signature['outputs']}")
+        feeds = feed_names(signature, list(runner.graph_inputs), len(runner.graph_outputs))
         missing = sorted({op for op in (n.op for n in runner.graph_nodes) if op not in runner.onnx_ops})
         if missing:
             raise BackendRefused(f"tinygrad's ONNX runner has no implementation of ONNX {', '.join(missing)}")
@@ -234,18 +229,6 @@ def run_onnx(artifact: bytes, inputs: list, dtypes: list, device: str) -> list:
     results = runner(feeds)
     return [results[name].float().numpy() if results[name].dtype == tiny.bfloat16 else results[name].numpy()
             for name in runner.graph_outputs]
-
-
-def onnx_feeds(onnx_inputs: list[str], names: list[str]) -> list[str | None]:
-    """The ONNX input fed from each program input (``names``): in order when the model takes them all
-    (the exporter may rename an input that is also an output), else by name, None for one the
-    exporter dropped as unused. ValueError when the model takes an input the program lacks."""
-    if len(onnx_inputs) == len(names):
-        return onnx_inputs
-    unknown = sorted(set(onnx_inputs) - set(names))
-    if unknown:
-        raise ValueError(f"model.onnx takes inputs the program does not have: {', '.join(unknown)}")
-    return [n if n in onnx_inputs else None for n in names]
 
 
 def parse_device() -> str:
