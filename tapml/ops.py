@@ -3,7 +3,9 @@
 Op names come from files other people send (stores, programs, server requests), so a name is
 never followed as an attribute chain. A name is accepted only when
 
-- it reads ``aten.NAME.OVERLOAD`` (lower-case name, no dunder, nothing else);
+- it reads ``aten.NAME.OVERLOAD`` (lower-case name, no dunder, nothing else), or names one of
+  tapml's own packed-weight ops, ``tapml.NAME.default`` (:mod:`tapml.quant`: their kernels check
+  the packed sizes and the indices themselves);
 - it resolves to a real ``torch._ops.OpOverload`` of the ``aten`` namespace;
 - the op is functional: no argument it writes to (in-place ops, ``out=`` variants, ``set_``);
 - it returns tensors and only tensors (what a graph node is);
@@ -83,9 +85,17 @@ def _refuse(name: str, why: str) -> ValueError:
     return ValueError(f"op {shown!r} is refused: {why}")
 
 
+_TAPML_NAME = re.compile(r"tapml\.([a-z][a-z0-9_]*)\.default")
+
+
 @functools.lru_cache(maxsize=4096)
 def _resolve(name: str):
     import torch
+    if (q := _TAPML_NAME.fullmatch(name) if len(name) <= _MAX_NAME else None) is not None:
+        from tapml import quant
+        if q.group(1) not in quant.OPS:
+            raise _refuse(name, f"tapml has no op {q.group(1)!r} (its own ops: {', '.join(sorted(quant.OPS))})")
+        return quant.op(q.group(1))
     m = _NAME.fullmatch(name) if len(name) <= _MAX_NAME else None
     if m is None:
         raise _refuse(name, "tapml accepts only functional core ATen ops named aten.NAME.OVERLOAD "

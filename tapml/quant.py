@@ -1,0 +1,247 @@
+"""Packed-weight formats and the ops that keep a quantized linear or embedding whole in a graph.
+
+A quantized model as it ships holds its weights as codes and scales; its linears dequantize inside
+their kernel. tapml keeps each such linear (and embedding) one node of the graph, of an op of its
+own namespace (``tapml.q4_0_linear.default``, ...), whose inputs are the packed tensors with their
+real bytes. The ops are part of the closed vocabulary (:mod:`tapml.ops`); their CPU kernels here are
+the reference: dequantize to float32, then the float32 product.
+
+Formats, each bit for bit as its project defines it:
+
+- ``q4_0``, ``q8_0``: llama.cpp's blocks of 32 weights along a row (ggml/src/ggml-common.h,
+  ``block_q4_0``/``block_q8_0``; written by ``gguf.quants.quantize``, gguf-py/gguf/quants.py).
+  ``q4_0``: 18 bytes, a float16 scale ``d`` then 16 bytes whose low nibbles are weights 0..15 and
+  high nibbles weights 16..31, ``w = d * (q - 8)``. ``q8_0``: 34 bytes, ``d`` then 32 int8 codes,
+  ``w = d * q``. The blocks of a ``[N, K]`` weight are the row-major bytes of ``N * K/32`` blocks,
+  held as an int32 tensor of those bytes (little-endian words, zero-padded to a whole word).
+- ``q4f16_1``, ``q4f32_1``: MLC-LLM's group quantization (python/mlc_llm/quantization/
+  group_quantization.py): groups of 32 along a row, eight 4-bit codes per u32 word, lowest nibble
+  first, ``w = (q - 7) * scale``; codes ``[N, K/8]`` (int32 holding the u32 bits), scales
+  ``[N, K/32]`` in float16 (q4f16_1) or float32 (q4f32_1).
+
+Example::
+
+    from tapml.quant import quantize_weight, dequantize
+    packed = quantize_weight(w, "q4_0")            # {"weight": int32 tensor of the blocks' bytes}
+    dequantize("q4_0", packed, *w.shape)           # float32, what the kernel computes with
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+GROUP = 32
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """A packed-weight format: ``family`` ``ggml`` (blocks with their own scale) or ``mlc`` (codes
+    and a separate scale tensor); ``block_bytes`` a ggml block's bytes; ``scale_dtype`` an mlc
+    format's scale dtype."""
+
+    name: str
+    family: str
+    bits: int
+    block_bytes: int = 0
+    scale_dtype: str = "float32"
+
+    @property
+    def linear_op(self) -> str:
+        return f"tapml.{self.name}_linear.default"
+
+    @property
+    def embedding_op(self) -> str:
+        return f"tapml.{self.name}_embedding.default"
+
+
+FORMATS = {
+    "q4_0": QuantFormat("q4_0", "ggml", 4, block_bytes=18),
+    "q8_0": QuantFormat("q8_0", "ggml", 8, block_bytes=34),
+    "q4f16_1": QuantFormat("q4f16_1", "mlc", 4, scale_dtype="float16"),
+    "q4f32_1": QuantFormat("q4f32_1", "mlc", 4, scale_dtype="float32"),
+}
+
+#: Op names (``NAME`` of ``tapml.NAME.default``) the vocabulary accepts, with their format.
+OPS = {f"{name}_{kind}": fmt for name, fmt in FORMATS.items() for kind in ("linear", "embedding")}
+
+
+def ggml_words(rows: int, cols: int, fmt: QuantFormat) -> int:
+    """int32 words holding the blocks of a ``[rows, cols]`` weight in ggml format ``fmt``."""
+    return -(-rows * (cols // GROUP) * fmt.block_bytes // 4)
+
+
+def check_packed(fmt: QuantFormat, tensors: dict, rows: int, cols: int) -> None:
+    """ValueError (saying what is wrong) unless ``tensors`` (``weight``, mlc: ``scales``) hold a
+    ``[rows, cols]`` weight in ``fmt``: group-aligned sizes, dtypes and element counts."""
+    import torch
+    if rows < 0 or cols <= 0 or cols % GROUP:
+        raise ValueError(f"{fmt.name}: a weight of {rows}x{cols} does not split into groups of {GROUP} along its rows")
+    w = tensors["weight"]
+    if not isinstance(w, torch.Tensor) or w.dtype != torch.int32:
+        raise ValueError(f"{fmt.name}: packed weight must be an int32 tensor")
+    if fmt.family == "ggml":
+        want = ggml_words(rows, cols, fmt)
+        if w.dim() != 1 or w.numel() != want:
+            raise ValueError(f"{fmt.name}: packed weight of {rows}x{cols} holds {want} int32 words "
+                             f"({rows * cols // GROUP} blocks of {fmt.block_bytes} bytes), not shape {list(w.shape)}")
+        return
+    s = tensors["scales"]
+    if tuple(w.shape) != (rows, cols // 8):
+        raise ValueError(f"{fmt.name}: codes of a {rows}x{cols} weight have shape [{rows}, {cols // 8}], "
+                         f"not {list(w.shape)}")
+    if not isinstance(s, torch.Tensor) or str(s.dtype) != f"torch.{fmt.scale_dtype}" \
+            or tuple(s.shape) != (rows, cols // GROUP):
+        raise ValueError(f"{fmt.name}: scales of a {rows}x{cols} weight are {fmt.scale_dtype} of shape "
+                         f"[{rows}, {cols // GROUP}], not {s.dtype} {list(s.shape)}")
+
+
+def quantize_weight(weight, scheme: str) -> dict:
+    """The packed tensors of a float ``[N, K]`` weight in format ``scheme``: ``{"weight": int32}``
+    (ggml: the blocks' bytes as ``gguf.quants.quantize`` writes them) or ``{"weight", "scales"}``
+    (mlc). K must be a multiple of 32."""
+    import torch
+    fmt = FORMATS[scheme]
+    rows, cols = weight.shape
+    if cols % GROUP:
+        raise ValueError(f"{scheme}: rows of {cols} weights do not split into groups of {GROUP}")
+    w = weight.detach().to(torch.float32)
+    if fmt.family == "ggml":
+        import gguf
+        qtype = gguf.GGMLQuantizationType[scheme.upper()]
+        blocks = gguf.quants.quantize(w.numpy(), qtype).reshape(-1)
+        return {"weight": ggml_tensor(blocks.tobytes())}
+    groups = w.reshape(rows, cols // GROUP, GROUP)
+    scale = groups.abs().amax(dim=-1) / 7.0
+    scale = scale.to(getattr(torch, fmt.scale_dtype))
+    s32 = scale.to(torch.float32).unsqueeze(-1)
+    q = torch.where(s32 > 0, torch.round(groups / torch.where(s32 > 0, s32, 1.0)), 0.0) + 7
+    q = q.clamp(0, 14).to(torch.int64).reshape(rows, cols // 8, 8)
+    shifts = torch.arange(8, dtype=torch.int64) * 4
+    words = (q << shifts).sum(dim=-1)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return {"weight": words.contiguous(), "scales": scale.contiguous()}
+
+
+def ggml_tensor(raw: bytes):
+    """The int32 tensor holding ggml blocks ``raw`` (little-endian words, zero-padded)."""
+    import numpy as np
+    import torch
+    raw = raw + b"\0" * (-len(raw) % 4)
+    return torch.from_numpy(np.frombuffer(raw, dtype="<i4").astype(np.int32))
+
+
+def ggml_bytes(packed):
+    """The bytes of the blocks an int32 ggml tensor holds, as a uint8 tensor."""
+    import torch
+    return packed.contiguous().view(torch.uint8) if packed.numel() else torch.zeros(0, dtype=torch.uint8)
+
+
+def dequantize(scheme: str, tensors: dict, rows: int, cols: int):
+    """The float32 ``[rows, cols]`` weight that the packed ``tensors`` of format ``scheme`` hold."""
+    import torch
+    fmt = FORMATS[scheme]
+    check_packed(fmt, tensors, rows, cols)
+    if fmt.family == "mlc":
+        words = tensors["weight"].to(torch.int64) & 0xFFFFFFFF
+        shifts = torch.arange(8, dtype=torch.int64) * 4
+        codes = ((words.unsqueeze(-1) >> shifts) & 0xF).reshape(rows, cols)
+        scale = tensors["scales"].to(torch.float32).repeat_interleave(GROUP, dim=1)
+        return (codes.to(torch.float32) - 7.0) * scale
+    nblocks = rows * cols // GROUP
+    raw = ggml_bytes(tensors["weight"])[:nblocks * fmt.block_bytes].reshape(nblocks, fmt.block_bytes)
+    d = raw[:, :2].contiguous().view(torch.float16).to(torch.float32)  # [nblocks, 1]
+    if scheme == "q8_0":
+        q = raw[:, 2:].contiguous().view(torch.int8).to(torch.float32)
+    else:
+        qs = raw[:, 2:].to(torch.int32)
+        q = torch.cat([qs & 0xF, qs >> 4], dim=1).to(torch.float32) - 8.0
+    return (d * q).reshape(rows, cols)
+
+
+# --- the ops ------------------------------------------------------------------------------
+
+def _linear(scheme: str, x, tensors: dict, rows: int, cols: int, bias):
+    import torch
+    if x.shape[-1] != cols:
+        raise ValueError(f"{scheme}_linear: input has {x.shape[-1]} features, the weight {cols}")
+    w = dequantize(scheme, tensors, rows, cols)
+    out = torch.nn.functional.linear(x.to(torch.float32), w, None if bias is None else bias.to(torch.float32))
+    return out.to(x.dtype)
+
+
+def _embedding(scheme: str, tensors: dict, indices, rows: int, cols: int, dtype):
+    import torch
+    if indices.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{scheme}_embedding: indices must be int64 or int32, not {indices.dtype}")
+    if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= rows):
+        raise ValueError(f"{scheme}_embedding: indices hold {int(indices.min())}..{int(indices.max())}, outside "
+                         f"the table's {rows} rows")
+    return dequantize(scheme, tensors, rows, cols)[indices].to(dtype)
+
+
+@functools.lru_cache(maxsize=1)
+def define_ops():
+    """Define the ``tapml`` ops in torch (once per process): each format's ``NAME_linear`` and
+    ``NAME_embedding``, with CPU kernels (the reference) and fake kernels (export, meta sizes)."""
+    import torch
+    lib = torch.library.Library("tapml", "DEF")
+    for name, fmt in FORMATS.items():
+        if fmt.family == "ggml":
+            lib.define(f"{name}_linear(Tensor input, Tensor weight, int out_features, int in_features, "
+                       "Tensor? bias=None) -> Tensor")
+            lib.define(f"{name}_embedding(Tensor weight, Tensor indices, int num_embeddings, int embedding_dim, "
+                       "ScalarType dtype) -> Tensor")
+        else:
+            lib.define(f"{name}_linear(Tensor input, Tensor weight, Tensor scales, Tensor? bias=None) -> Tensor")
+            lib.define(f"{name}_embedding(Tensor weight, Tensor scales, Tensor indices, ScalarType dtype) -> Tensor")
+        _implement(lib, name, fmt)
+    _LIBRARIES.append(lib)
+    return True
+
+
+_LIBRARIES: list = []  # a Library's definitions last as long as the object
+
+
+def _implement(lib, name: str, fmt: QuantFormat) -> None:
+    import torch
+    if fmt.family == "ggml":
+        def linear(x, weight, out_features, in_features, bias=None):
+            return _linear(name, x, {"weight": weight}, out_features, in_features, bias)
+
+        def embedding(weight, indices, num_embeddings, embedding_dim, dtype):
+            return _embedding(name, {"weight": weight}, indices, num_embeddings, embedding_dim, dtype)
+
+        def linear_fake(x, weight, out_features, in_features, bias=None):
+            return x.new_empty((*x.shape[:-1], out_features))
+
+        def embedding_fake(weight, indices, num_embeddings, embedding_dim, dtype):
+            return torch.empty((*indices.shape, embedding_dim), dtype=dtype, device=weight.device)
+    else:
+        def linear(x, weight, scales, bias=None):
+            return _linear(name, x, {"weight": weight, "scales": scales}, weight.shape[0], weight.shape[1] * 8, bias)
+
+        def embedding(weight, scales, indices, dtype):
+            return _embedding(name, {"weight": weight, "scales": scales}, indices, weight.shape[0],
+                              weight.shape[1] * 8, dtype)
+
+        def linear_fake(x, weight, scales, bias=None):
+            return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+        def embedding_fake(weight, scales, indices, dtype):
+            return torch.empty((*indices.shape, weight.shape[1] * 8), dtype=dtype, device=weight.device)
+    lib.impl(f"{name}_linear", linear, "CompositeExplicitAutograd")
+    lib.impl(f"{name}_embedding", embedding, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"tapml::{name}_linear", linear_fake, lib=lib)
+    torch.library.register_fake(f"tapml::{name}_embedding", embedding_fake, lib=lib)
+
+
+def op(name: str):
+    """``torch.ops.tapml.NAME.default`` for a name of :data:`OPS` (the ops defined first)."""
+    import torch
+    define_ops()
+    return getattr(getattr(torch.ops.tapml, name), "default")
+
+
+__all__ = ["FORMATS", "GROUP", "OPS", "QuantFormat", "check_packed", "define_ops", "dequantize", "ggml_bytes",
+           "ggml_tensor", "ggml_words", "op", "quantize_weight"]
