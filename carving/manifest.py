@@ -12,11 +12,12 @@ numbered in order, and the graphs' own refs (:meth:`tapml.graph.Graph.from_schem
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, Discriminator, Field, Tag
 
 from tapml.dtypes import LOW_FLOATS, MODEL_DTYPES
+from tapml.quant import SCHEMES as QUANT_SCHEMES
 from tapml.graph import Graph, GraphInputJSON, GraphJSON, NodeJSON, ShortText, TensorMeta, TensorMetaJSON, \
     arg_refs, check_call, check_state
 from tapml.schema import Bool, ClosedSchema, Count, Int, Schema, Str, field_path, validate
@@ -158,6 +159,7 @@ class Manifest(Schema):
     seed: Int
     hf_config: dict[Str, Any] = {}
     dtype: Literal[MODEL_DTYPES] = "float32"  # stores older than --dtype are float32
+    quantize: Optional[Literal[QUANT_SCHEMES]] = None  # --quantize: the packed-weight format of its linears
     graph_inputs: tuple[GraphInputJSON, ...]
     nodes: tuple[NodeJSON, ...]
     graph_outputs: tuple[Str, ...]

@@ -318,6 +318,11 @@ class CarveStore:
         than the ``dtype`` field), ``float16`` or ``bfloat16``."""
         return self.manifest.get("dtype", "float32")
 
+    @property
+    def quantize(self) -> str | None:
+        """The ``--quantize`` scheme the model's linears were packed in, or None."""
+        return self.manifest.get("quantize")
+
     def shard_files(self) -> dict[str, Path]:
         """Every shard the index names -> the file it was opened from (inside the store)."""
         return dict(self._shards_path)

@@ -62,6 +62,9 @@ FORMATS = {
     "q4f32_1": QuantFormat("q4f32_1", "mlc", 4, scale_dtype="float32"),
 }
 
+#: The ``--quantize`` schemes.
+SCHEMES = tuple(FORMATS)
+
 #: Op names (``NAME`` of ``tapml.NAME.default``) the vocabulary accepts, with their format.
 OPS = {f"{name}_{kind}": fmt for name, fmt in FORMATS.items() for kind in ("linear", "embedding")}
 
@@ -243,5 +246,5 @@ def op(name: str):
     return getattr(getattr(torch.ops.tapml, name), "default")
 
 
-__all__ = ["FORMATS", "GROUP", "OPS", "QuantFormat", "check_packed", "define_ops", "dequantize", "ggml_bytes",
+__all__ = ["FORMATS", "GROUP", "OPS", "SCHEMES", "QuantFormat", "check_packed", "define_ops", "dequantize", "ggml_bytes",
            "ggml_tensor", "ggml_words", "op", "quantize_weight"]

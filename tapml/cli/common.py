@@ -75,6 +75,10 @@ DtypeOpt = typer.Option(None, "--dtype", help="float32, float16 or bfloat16: the
                         "in, a GGUF with quantized tensors: float32; a STORE keeps its own). "
                         "Low-precision ops are judged fp64-anchored, regions and the whole model against float32")
 
+QuantizeOpt = typer.Option(None, "--quantize", help="q4_0, q8_0 (llama.cpp's blocks, as gguf writes them), q4f16_1 "
+                           "or q4f32_1 (MLC-LLM's): pack every nn.Linear and nn.Embedding of MODEL in that format, "
+                           "each one op whose inputs are the packed codes and scales; the reference runs the same "
+                           "codes. A model that is a module (not a .pt2 or a STORE); rows must split into groups of 32")
 KeepFloat32Opt = typer.Option(None, "--keep-float32", help="Run these in float32 on the target while the rest runs in "
                               "the low --dtype: a node name, a module path (its floating nodes), an op (aten.x.y: "
                               "every node of it) or a `tapml precision --json` file (its keep_float32 list); "
@@ -290,6 +294,24 @@ def check_dtype(dtype: Optional[str], model: Optional[str] = None, quiet: bool =
         fail(str(e))
 
 
+def check_quantize(quantize: Optional[str], model: str) -> Optional[str]:
+    """A ``--quantize`` scheme, validated against MODEL (exit 2 naming the schemes, or saying that a
+    STORE or a ``.pt2`` keeps the weights it holds)."""
+    if quantize is None:
+        return None
+    from tapml.quant import SCHEMES
+    from tapml.text import shown
+    if quantize not in SCHEMES:
+        fail(f"--quantize {shown(quantize[:40])}: choose one of {', '.join(SCHEMES)}")
+    if is_store_path(model):
+        fail(f"--quantize: {shown(model)} is a store, which keeps the weights it was carved with; give a MODEL spec "
+             "to carve quantized")
+    if str(model).endswith(".pt2"):
+        fail(f"--quantize: {shown(model)} is an exported program, whose weights are fixed; give a model that is a "
+             "module (zoo:, hf:, a checkpoint, FILE.gguf, file.py:factory)")
+    return quantize
+
+
 @contextlib.contextmanager
 def model_store(model: str, *, store_dir: Optional[str], hf_config, purpose: str, what: str, carve):
     """The CarveStore of MODEL|STORE for the block, as ``(store, carved)``: an existing store
@@ -360,6 +382,6 @@ def progress_bar(quiet: bool = False):
 
 
 __all__ = ["app", "console", "out", "make_console", "EXIT_OK", "EXIT_FINDING", "EXIT_USAGE", "EXIT_INTERNAL", "TargetOpt", "TolOpt",
-           "InjectOpt", "TokenFileOpt", "JsonOpt", "TrustRemoteCodeOpt", "DeviceLimitOpt", "parse_device_limits", "QuietOpt", "DtypeOpt", "KeepFloat32Opt", "check_dtype", "fail", "command", "write_crash_report", "write_json",
+           "InjectOpt", "TokenFileOpt", "JsonOpt", "TrustRemoteCodeOpt", "DeviceLimitOpt", "parse_device_limits", "QuietOpt", "DtypeOpt", "QuantizeOpt", "check_quantize", "KeepFloat32Opt", "check_dtype", "fail", "command", "write_crash_report", "write_json",
            "open_store", "is_store_path", "progress_bar", "read_prompt", "PromptOpt", "PromptFileOpt",
            "ChatOpt", "PromptIdsOpt"]

@@ -9,6 +9,7 @@ import typer
 
 from tapml.cli.common import (TrustRemoteCodeOpt, ChatOpt, PromptFileOpt, PromptIdsOpt, PromptOpt, read_prompt, EXIT_FINDING, EXIT_OK, DeviceLimitOpt, DtypeOpt, InjectOpt, JsonOpt, KernelOpt, QuietOpt,
                               TokenFileOpt, TokenMapOpt, TolOpt, app, check_dtype, command, console, fail, open_store,
+                              QuantizeOpt, check_quantize,
                               out, parse_device_limits, progress_bar, write_json)
 from tapml.render import keep_names_whole
 from tapml.text import shown
@@ -30,7 +31,8 @@ def carve(model: str = typer.Argument(..., help="zoo:NAME, hf:MODEL_TYPE, hf:ORG
                                                    "of the prefill (default 8)"),
           prompt: Optional[str] = PromptOpt, prompt_file: Optional[str] = PromptFileOpt, chat: bool = ChatOpt,
           prompt_ids: Optional[str] = PromptIdsOpt,
-          dtype: Optional[str] = DtypeOpt, trust_remote_code: bool = TrustRemoteCodeOpt, quiet: bool = QuietOpt, json_out: Optional[str] = JsonOpt):
+          dtype: Optional[str] = DtypeOpt, trust_remote_code: bool = TrustRemoteCodeOpt, quantize: Optional[str] = QuantizeOpt,
+          quiet: bool = QuietOpt, json_out: Optional[str] = JsonOpt):
     """Run MODEL on the reference and record every operator call as a test case. With
     --generate N, record a generation: prefill plus N decode steps (`tapml generate` checks it)."""
     from tapml.carving import carve as carve_model
@@ -41,6 +43,7 @@ def carve(model: str = typer.Argument(..., help="zoo:NAME, hf:MODEL_TYPE, hf:ORG
         fail(f"{output} exists and is not an empty directory or a carve store; choose another -o")
     overrides = parse_hf_overrides(hf_config)
     dtype = check_dtype(dtype, model, quiet) or "float32"
+    quantize = check_quantize(quantize, model)
     asked = any(v is not None for v in (prompt, prompt_file, prompt_ids)) or chat
     if generate is not None:
         tokenizer = None
@@ -53,18 +56,19 @@ def carve(model: str = typer.Argument(..., help="zoo:NAME, hf:MODEL_TYPE, hf:ORG
             prompt_len = len(ids)
         carve_generation_command(model, output, tokens=generate, prompt_len=8 if prompt_len is None else prompt_len,
                                  seed=seed, device=device, hf_config=overrides, quiet=quiet, json_out=json_out,
-                                 dtype=dtype, prompt_ids=ids)
+                                 dtype=dtype, prompt_ids=ids, quantize=quantize)
         return
     if asked or prompt_len is not None:
         fail("--prompt, --prompt-file, --chat, --prompt-ids and --prompt-len belong to a generation: add --generate N")
     with progress_bar(quiet) as bar:  # carve() leaves no half store behind
         task = bar.add_task(f"carving {shown(model)}", total=None)
-        info = carve_model(model, output, seed=seed, device=device, hf_config=overrides, dtype=dtype,
+        info = carve_model(model, output, seed=seed, device=device, hf_config=overrides, dtype=dtype, quantize=quantize,
                            on_start=lambda n: bar.update(task, total=n), on_node=lambda _: bar.advance(task))
     if json_out:
-        write_json({"model": model, "store": str(Path(output).resolve()), "dtype": dtype, **info}, json_out)
+        write_json({"model": model, "store": str(Path(output).resolve()), "dtype": dtype, "quantize": quantize,
+                    **info}, json_out)
     from tapml.driving.preflight import format_bytes
-    in_dtype = "" if dtype == "float32" else f" in {dtype}"
+    in_dtype = ("" if dtype == "float32" else f" in {dtype}") + (f", quantized {quantize}" if quantize else "")
     console.print(f"carved [bold]{shown(model)}[/]{in_dtype} -> {shown(output)}: {info['nodes']} nodes, {info['cases']} cases, "
                   f"{info['ops']} ops, {format_bytes(info['bytes'])} "
                   f"(export {info['export_s']:.1f}s, carve {info['carve_s']:.1f}s)", highlight=False)
@@ -72,7 +76,7 @@ def carve(model: str = typer.Argument(..., help="zoo:NAME, hf:MODEL_TYPE, hf:ORG
 
 def carve_generation_command(model: str, output: str, *, tokens: int, prompt_len: int, seed: int, device: str,
                              hf_config: dict, quiet: bool, json_out: Optional[str], dtype: str = "float32",
-                             prompt_ids: Optional[List[int]] = None) -> None:
+                             prompt_ids: Optional[List[int]] = None, quantize: Optional[str] = None) -> None:
     """``tapml carve MODEL --generate N``: carve the prefill and N decode steps into ``output``
     (the model in ``dtype``)."""
     from tapml.carving.generation import carve_generation
@@ -83,11 +87,12 @@ def carve_generation_command(model: str, output: str, *, tokens: int, prompt_len
         task = bar.add_task(f"carving a generation of {shown(model)}", total=tokens + 1)
         info = carve_generation(model, output, tokens=tokens, prompt_len=prompt_len, seed=seed, device=device,
                                 hf_config=hf_config or None, on_step=lambda _: bar.advance(task), dtype=dtype,
-                                prompt_ids=prompt_ids)
+                                prompt_ids=prompt_ids, quantize=quantize)
     if json_out:
-        write_json({"model": model, "store": str(Path(output).resolve()), "dtype": dtype, **info}, json_out)
+        write_json({"model": model, "store": str(Path(output).resolve()), "dtype": dtype, "quantize": quantize,
+                    **info}, json_out)
     from tapml.driving.preflight import format_bytes
-    in_dtype = "" if dtype == "float32" else f" in {dtype}"
+    in_dtype = ("" if dtype == "float32" else f" in {dtype}") + (f", quantized {quantize}" if quantize else "")
     console.print(f"carved a generation of [bold]{shown(model)}[/]{in_dtype} -> {shown(output)}: {info['steps']} steps (prefill + {tokens} "
                   f"decode), {info['nodes']} prefill and {info['decode_nodes']} decode nodes, {info['cases']} cases, "
                   f"{format_bytes(info['bytes'])} (export {info['export_s']:.1f}s, carve {info['carve_s']:.1f}s)",

@@ -202,6 +202,8 @@ class HybridRunner:
             program, sub, cached, compile_ms = self.program(names, keep & produced)
             args = [env[r] for r, _ in sub.inputs]
             kept = [i for i, r in enumerate(sub.outputs) if r in resident]
+            if kept:
+                self._read_back_outputs_of(program, env)
             start = time.perf_counter()
             if kept or any(isinstance(a, ResidentTensor) for a in args):
                 outs = self.platform.run(program, args, keep=kept)
@@ -221,6 +223,20 @@ class HybridRunner:
                          bytes_in=sum(int(t.nbytes) for t in args if not isinstance(t, ResidentTensor)),
                          bytes_out=sum(int(t.nbytes) for t in outs if not isinstance(t, ResidentTensor)),
                          compile_ms=compile_ms, run_ms=float(run_ms), cached=cached)
+
+
+    def _read_back_outputs_of(self, program, env: dict) -> None:
+        """Download the values an earlier run of ``program`` left on the device: running it again
+        overwrites them (regions of identical layers compile to one program, so layer 1's run of a
+        decode step would make layer 0's cache stale while the graph still needs it)."""
+        from tapml.platforms.base import ResidentTensor
+        device = program.device_program() if hasattr(program, "device_program") else program
+        key = getattr(device, "key", None)
+        if key is None:
+            return
+        for ref, value in list(env.items()):
+            if isinstance(value, ResidentTensor) and value.program == key:
+                env[ref] = self.platform.read(value)
 
 
 def _region_key(names: list[str], refs) -> str:

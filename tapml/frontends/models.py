@@ -557,13 +557,23 @@ def _archive_dtype(ep, args) -> str:
     return "float32"
 
 
-def load_model(spec: str, seed: int = 0, hf_config: dict | None = None, dtype: str = "float32"):
+def load_model(spec: str, seed: int = 0, hf_config: dict | None = None, dtype: str = "float32",
+               quantize: str | None = None):
     """Model and example inputs of a MODEL spec; a ``.pt2`` spec returns the ExportedProgram
     itself in place of the model, read by :func:`tapml.frontends.pt2.load_pt2` (nothing in it runs).
     ``dtype`` (``float32``, ``float16``, ``bfloat16``): the model's floating parameters and
     buffers and its floating example inputs are cast to it (``float32`` leaves the model as its
     spec makes it); a ``.pt2`` cannot be recast, so it must already be in a low ``dtype`` asked for.
-    Raises TapmlError for bad specs and dtypes."""
+    ``quantize``: a scheme of :mod:`tapml.frontends.quantize` applied to the model's linears and
+    embeddings after the cast. Raises TapmlError for bad specs, dtypes and schemes."""
+    model, inputs = _load_model_in_dtype(spec, seed, hf_config, dtype)
+    if quantize is not None:
+        from tapml.frontends.quantize import quantize_model
+        model = quantize_model(model, quantize)
+    return model, inputs
+
+
+def _load_model_in_dtype(spec: str, seed: int, hf_config: dict | None, dtype: str):
     to = _check_dtype(dtype)
     if not isinstance(spec, str) or not spec:
         raise TapmlError("empty model spec; use zoo:NAME, hf:MODEL_TYPE, hf:ORG/NAME, a checkpoint folder, FILE.gguf, "
@@ -638,10 +648,11 @@ _MAX_POSITIONS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequen
 
 
 def load_causal_lm(spec: str, *, tokens: int, prompt_len: int, seed: int = 0, hf_config: dict | None = None,
-                   dtype: str = "float32"):
+                   dtype: str = "float32", quantize: str | None = None):
     """A causal LM of a MODEL spec with its key/value cache enabled, for carving a generation of
     ``prompt_len`` prompt tokens and ``tokens`` generated ones, its floating parameters and
-    buffers in ``dtype`` (``float32``, ``float16``, ``bfloat16``).
+    buffers in ``dtype`` (``float32``, ``float16``, ``bfloat16``), its linears and embeddings
+    packed in ``quantize`` (a scheme of :mod:`tapml.frontends.quantize`) when given.
 
     ``spec`` is ``hf:MODEL_TYPE`` (shrunk like :func:`build_hf`, ``hf_config`` overrides) or a
     zoo model built from transformers (``zoo:tiny-llama``, ``zoo:tiny-gpt2``); the weights are
@@ -651,6 +662,14 @@ def load_causal_lm(spec: str, *, tokens: int, prompt_len: int, seed: int = 0, hf
     is below 1, or when ``prompt_len + tokens`` exceeds the model's positions.
     Example: ``load_causal_lm("zoo:tiny-llama", tokens=4, prompt_len=8)``.
     """
+    model = _load_causal_lm(spec, tokens=tokens, prompt_len=prompt_len, seed=seed, hf_config=hf_config, dtype=dtype)
+    if quantize is not None:
+        from tapml.frontends.quantize import quantize_model
+        model = quantize_model(model, quantize)
+    return model
+
+
+def _load_causal_lm(spec: str, *, tokens: int, prompt_len: int, seed: int, hf_config: dict | None, dtype: str):
     to = _check_dtype(dtype)
     for name, value in (("tokens", tokens), ("prompt_len", prompt_len)):
         if type(value) is not int or value < 1:
