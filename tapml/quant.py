@@ -90,7 +90,7 @@ def check_packed(fmt: QuantFormat, tensors: dict, rows: int, cols: int) -> None:
                              f"({rows * cols // GROUP} blocks of {fmt.block_bytes} bytes), not shape {list(w.shape)}")
         return
     s = tensors["scales"]
-    if tuple(w.shape) != (rows, cols // 8):
+    if w.dim() != 2 or tuple(w.shape) != (rows, cols // 8):
         raise ValueError(f"{fmt.name}: codes of a {rows}x{cols} weight have shape [{rows}, {cols // 8}], "
                          f"not {list(w.shape)}")
     if not isinstance(s, torch.Tensor) or str(s.dtype) != f"torch.{fmt.scale_dtype}" \
@@ -164,10 +164,19 @@ def dequantize(scheme: str, tensors: dict, rows: int, cols: int):
 
 # --- the ops ------------------------------------------------------------------------------
 
+def _check_linear(fmt: QuantFormat, x, tensors: dict, rows: int, cols: int, bias) -> None:
+    """ValueError unless ``x`` (float, ``[..., cols]``), the packed weight and ``bias`` (``[rows]``) fit together."""
+    if not x.dtype.is_floating_point or x.dim() < 1 or x.shape[-1] != cols:
+        raise ValueError(f"{fmt.name}_linear: the input ({x.dtype}, shape {list(x.shape)}) must be floating point "
+                         f"with {cols} features, as the weight has")
+    if bias is not None and (tuple(bias.shape) != (rows,) or not bias.dtype.is_floating_point):
+        raise ValueError(f"{fmt.name}_linear: bias must be a floating tensor of shape [{rows}], not {list(bias.shape)}")
+    check_packed(fmt, tensors, rows, cols)
+
+
 def _linear(scheme: str, x, tensors: dict, rows: int, cols: int, bias):
     import torch
-    if x.shape[-1] != cols:
-        raise ValueError(f"{scheme}_linear: input has {x.shape[-1]} features, the weight {cols}")
+    _check_linear(FORMATS[scheme], x, tensors, rows, cols, bias)
     w = dequantize(scheme, tensors, rows, cols)
     out = torch.nn.functional.linear(x.to(torch.float32), w, None if bias is None else bias.to(torch.float32))
     return out.to(x.dtype)
@@ -206,6 +215,13 @@ def define_ops():
 _LIBRARIES: list = []  # a Library's definitions last as long as the object
 
 
+def _mlc_dims(fmt: QuantFormat, codes) -> tuple[int, int]:
+    """``(rows, cols)`` of the weight whose codes are ``codes`` (``[rows, cols / 8]``)."""
+    if codes.dim() != 2:
+        raise ValueError(f"{fmt.name}: codes must be a 2-D tensor [rows, cols / 8], not shape {list(codes.shape)}")
+    return int(codes.shape[0]), int(codes.shape[1]) * 8
+
+
 def _implement(lib, name: str, fmt: QuantFormat) -> None:
     import torch
     if fmt.family == "ggml":
@@ -216,23 +232,27 @@ def _implement(lib, name: str, fmt: QuantFormat) -> None:
             return _embedding(name, {"weight": weight}, indices, num_embeddings, embedding_dim, dtype)
 
         def linear_fake(x, weight, out_features, in_features, bias=None):
+            _check_linear(fmt, x, {"weight": weight}, out_features, in_features, bias)
             return x.new_empty((*x.shape[:-1], out_features))
 
         def embedding_fake(weight, indices, num_embeddings, embedding_dim, dtype):
+            check_packed(fmt, {"weight": weight}, num_embeddings, embedding_dim)
             return torch.empty((*indices.shape, embedding_dim), dtype=dtype, device=weight.device)
     else:
         def linear(x, weight, scales, bias=None):
-            return _linear(name, x, {"weight": weight, "scales": scales}, weight.shape[0], weight.shape[1] * 8, bias)
+            return _linear(name, x, {"weight": weight, "scales": scales}, *_mlc_dims(fmt, weight), bias)
 
         def embedding(weight, scales, indices, dtype):
-            return _embedding(name, {"weight": weight, "scales": scales}, indices, weight.shape[0],
-                              weight.shape[1] * 8, dtype)
+            return _embedding(name, {"weight": weight, "scales": scales}, indices, *_mlc_dims(fmt, weight), dtype)
 
         def linear_fake(x, weight, scales, bias=None):
+            _check_linear(fmt, x, {"weight": weight, "scales": scales}, *_mlc_dims(fmt, weight), bias)
             return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
         def embedding_fake(weight, scales, indices, dtype):
-            return torch.empty((*indices.shape, weight.shape[1] * 8), dtype=dtype, device=weight.device)
+            rows, cols = _mlc_dims(fmt, weight)
+            check_packed(fmt, {"weight": weight, "scales": scales}, rows, cols)
+            return torch.empty((*indices.shape, cols), dtype=dtype, device=weight.device)
     lib.impl(f"{name}_linear", linear, "CompositeExplicitAutograd")
     lib.impl(f"{name}_embedding", embedding, "CompositeExplicitAutograd")
     torch.library.register_fake(f"tapml::{name}_linear", linear_fake, lib=lib)

@@ -1,0 +1,129 @@
+"""``--quantize`` (issue 33, items 1, 2 and 7): every Linear and Embedding of a model packed in
+llama.cpp's or MLC-LLM's format, one op per quantized linear in the exported graph whose inputs are
+the packed bytes, the reference running the same codes; bad schemes and models refused (exit 2)."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from tapml import quant
+from tapml.errors import TapmlError
+from tapml.ops import resolve_op
+
+
+def tapml(*args):
+    from tapml.cli import app
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def test_mlc_layout_is_eight_codes_per_word_lowest_nibble_first():
+    # one row of 32 weights whose codes are 0..14 then 14..0 (and a 7: zero) at a scale of 1
+    codes = list(range(15)) + list(range(14, -1, -1)) + [7, 7]
+    w = torch.tensor([c - 7.0 for c in codes]).reshape(1, 32)
+    for scheme in ("q4f16_1", "q4f32_1"):
+        packed = quant.quantize_weight(w, scheme)
+        assert packed["scales"].dtype == getattr(torch, quant.FORMATS[scheme].scale_dtype)
+        assert packed["scales"].tolist() == [[1.0]]
+        words = [x & 0xFFFFFFFF for x in packed["weight"].reshape(-1).tolist()]
+        expected = [sum(c << (4 * i) for i, c in enumerate(codes[j:j + 8])) for j in range(0, 32, 8)]
+        assert words == expected
+        assert torch.equal(quant.dequantize(scheme, packed, 1, 32), w)
+
+
+def test_ggml_blocks_are_gguf_bytes_and_round_trip():
+    import gguf
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(5, 96, generator=g)
+    w[1, 32:64] = 0.0  # an all-zero block: scale 0, every weight 0
+    for scheme in ("q4_0", "q8_0"):
+        packed = quant.quantize_weight(w, scheme)["weight"]
+        qtype = gguf.GGMLQuantizationType[scheme.upper()]
+        raw = gguf.quants.quantize(w.numpy(), qtype).tobytes()
+        assert packed.dtype == torch.int32 and packed.numel() == quant.ggml_words(5, 96, quant.FORMATS[scheme])
+        assert quant.ggml_bytes(packed).numpy().tobytes()[:len(raw)] == raw
+        theirs = gguf.quants.dequantize(quant.ggml_bytes(packed).numpy()[:len(raw)].reshape(5, -1), qtype)
+        assert torch.equal(quant.dequantize(scheme, {"weight": packed}, 5, 96), torch.from_numpy(theirs))
+        assert (quant.dequantize(scheme, {"weight": packed}, 5, 96)[1, 32:64] == 0).all()
+
+
+def test_ops_are_in_the_vocabulary_and_check_what_they_are_given():
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(6, 64, generator=g), torch.randn(3, 64, generator=g)
+    for scheme, fmt in quant.FORMATS.items():
+        op = resolve_op(fmt.linear_op)
+        packed = quant.quantize_weight(w, scheme)
+        args = (packed["weight"], 6, 64) if fmt.family == "ggml" else (packed["weight"], packed["scales"])
+        out = op(x, *args)
+        assert torch.allclose(out, x @ quant.dequantize(scheme, packed, 6, 64).T, atol=1e-5)
+        assert op(x.half(), *args).dtype == torch.float16
+        with pytest.raises(ValueError, match="features"):
+            op(x[:, :32], *args)
+        emb = resolve_op(fmt.embedding_op)
+        ids = torch.tensor([[5, 0, 2]])
+        eargs = (packed["weight"], ids, 6, 64, torch.float32) if fmt.family == "ggml" else \
+            (packed["weight"], packed["scales"], ids, torch.float32)
+        assert torch.equal(emb(*eargs), quant.dequantize(scheme, packed, 6, 64)[ids])
+        with pytest.raises(ValueError, match="outside"):
+            bad = list(eargs)
+            bad[1 if fmt.family == "ggml" else 2] = torch.tensor([6])
+            emb(*bad)
+    with pytest.raises(ValueError, match="holds 54 int32 words"):  # a packed tensor of the wrong size
+        resolve_op("tapml.q4_0_linear.default")(x, torch.zeros(53, dtype=torch.int32), 6, 64)
+    for name in ("tapml.q4_0_linear.Tensor", "tapml.linear.default", "tapml.q4_0_linear.default.x", "evil.q4_0.default"):
+        with pytest.raises(ValueError, match="refused"):
+            resolve_op(name)
+
+
+def test_quantized_llama_holds_packed_ops_and_runs_the_same_codes(tmp_path):
+    from tapml.carving import open_or_carve
+    from tapml.carving.store import CarveStore
+    from tapml.frontends.models import load_model
+    from tapml.frontends.quantize import QuantizedLinear, packed_bytes
+
+    plain, inputs = load_model("zoo:tiny-llama")
+    model, _ = load_model("zoo:tiny-llama", quantize="q4_0")
+    assert not any(type(m) in (torch.nn.Linear, torch.nn.Embedding) for m in model.modules())
+    sizes = packed_bytes(model)
+    floats = sum(p.numel() * 4 for name, p in plain.named_parameters() if p.dim() == 2)
+    assert sizes["packed"] <= floats * 0.15  # 4.5 bits a weight against 32
+    with torch.no_grad():
+        ref, out = plain(*inputs).logits, model(*inputs).logits
+    assert (ref - out).abs().max() > 0  # the codes, not the float weights
+    assert torch.nn.functional.cosine_similarity(ref.flatten(), out.flatten(), dim=0) > 0.95
+
+    out_dir = tmp_path / "store"
+    assert tapml("carve", "zoo:tiny-llama", "--quantize", "q4f16_1", "-o", out_dir).exit_code == 0
+    store = CarveStore(out_dir)
+    assert store.quantize == "q4f16_1"
+    ops = {n.op for n in store.graph.nodes}
+    assert {"tapml.q4f16_1_linear.default", "tapml.q4f16_1_embedding.default"} <= ops
+    assert not {"aten.mm.default", "aten.addmm.default", "aten.embedding.default"} & ops
+    linear = next(n for n in store.graph.nodes if n.op == "tapml.q4f16_1_linear.default")
+    metas = [store.graph.meta[a["ref"]] for a in linear.args[1:3]]
+    assert [m.dtype for m in metas] == ["int32", "float16"]
+    assert sum(isinstance(m, QuantizedLinear) for m in model.modules()) == len(
+        [n for n in store.graph.nodes if n.op == "tapml.q4f16_1_linear.default"])
+
+    # a store reused for a migration must have been carved with the same --quantize
+    with pytest.raises(TapmlError, match="is a store: --quantize"):
+        open_or_carve(str(out_dir), quantize="q4_0")
+    manifest = json.loads((out_dir / "manifest.json").read_text())
+    manifest["quantize"] = "q9_9"
+    (out_dir / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(TapmlError, match="quantize"):
+        CarveStore(out_dir)
+
+
+def test_bad_quantize_input_exits_2(tmp_path):
+    r = tapml("generate", "zoo:tiny-llama", "--quantize", "q5_1")
+    assert r.exit_code == 2 and "choose one of q4_0, q8_0, q4f16_1, q4f32_1" in r.output
+    r = tapml("carve", "zoo:cnn", "--quantize", "q8_0", "-o", tmp_path / "cnn")
+    assert r.exit_code == 2 and "rows of 16 weights" in r.output and "groups of 32" in r.output
+    assert not (tmp_path / "cnn").exists()
+    assert tapml("carve", "zoo:mlp", "-o", tmp_path / "mlp").exit_code == 0
+    r = tapml("migrate", tmp_path / "mlp", "--quantize", "q4_0", "--state", tmp_path / "s.json")
+    assert r.exit_code == 2 and "keeps the weights it was carved with" in r.output
+    r = tapml("carve", tmp_path / "model.pt2", "--quantize", "q4_0", "-o", tmp_path / "x")
+    assert r.exit_code == 2 and "exported program" in r.output
