@@ -20,6 +20,7 @@ import torch
 from support import in_chromium, vulkan_or_skip
 from typer.testing import CliRunner
 
+from tapml import quant
 from tapml.errors import TapmlError
 
 WORDS = ["hello", "world", "the", "cat", "dog", "is", "on", "a"]
@@ -108,11 +109,11 @@ def add_tokenizer(writer, kind: str) -> list[str]:
 
 
 def write_gguf(path: Path, architecture: str = "llama", dtype=np.float32, quantized: bool = True,
-               block_count: int = LAYERS, tied: bool = False) -> dict:
+               block_count: int = LAYERS, tied: bool = False, packed: dict | None = None) -> dict:
     """A two-layer llama GGUF (``dtype`` tensors, ``output.weight`` and ``attn_k`` in float16, and
-    ``blk.0.attn_v.weight`` in Q8_0 when ``quantized``; ``block_count`` the layers its metadata
-    claims; no ``output.weight`` when ``tied``: the head is the embedding); returns the arrays
-    written, by name."""
+    ``blk.0.attn_v.weight`` in Q8_0 when ``quantized``, or the tensors ``packed`` names in the ggml
+    type it gives them; ``block_count`` the layers its metadata claims; no ``output.weight`` when
+    ``tied``: the head is the embedding); returns the arrays written, by name."""
     import gguf
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), architecture)
@@ -120,12 +121,14 @@ def write_gguf(path: Path, architecture: str = "llama", dtype=np.float32, quanti
     add_hyperparameters(writer, block_count)
     tokens = add_tokenizer(writer, "llama")
     written = {}
+    packed = packed if packed is not None else {"blk.0.attn_v.weight": "Q8_0"} if quantized else {}
 
     def tensor(name, shape, as_=dtype):
         written[name] = (rng.standard_normal(shape) * 0.1).astype(as_)
-        if quantized and name == "blk.0.attn_v.weight":
-            written[name] = gguf.quants.quantize(written[name].astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
-            writer.add_tensor(name, written[name], raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        if name in packed:
+            qtype = gguf.GGMLQuantizationType[packed[name]]
+            written[name] = gguf.quants.quantize(written[name].astype(np.float32), qtype)
+            writer.add_tensor(name, written[name], raw_dtype=qtype)
         else:
             writer.add_tensor(name, written[name])
 
@@ -247,9 +250,11 @@ def test_gguf_loads_dequantized_weights_and_its_tokenizer(tiny, tmp_path):
     assert ckpt.dtype == "float32" and ckpt.gguf.quantized == ["Q8_0"] and ckpt.config["model_type"] == "llama"
     model, inputs = load_model(str(path), hf_config={"num_hidden_layers": 1})
     assert len(model.model.layers) == 1 and model.model.embed_tokens.weight.dtype == torch.float32
-    v = model.model.layers[0].self_attn.v_proj.weight
+    v = model.model.layers[0].self_attn.v_proj  # Q8_0: kept packed, the file's own blocks
     dequantized = gguf.quants.dequantize(written["blk.0.attn_v.weight"], gguf.GGMLQuantizationType.Q8_0)
-    assert torch.equal(v, torch.from_numpy(dequantized)) and v.shape == (HIDDEN // HEADS * KV_HEADS, HIDDEN)
+    assert v.scheme == "q8_0" and quant.ggml_bytes(v.weight).numpy().tobytes() == written["blk.0.attn_v.weight"].tobytes()
+    assert torch.equal(quant.dequantize("q8_0", {"weight": v.weight}, v.out_features, v.in_features),
+                       torch.from_numpy(dequantized)) and dequantized.shape == (HIDDEN // HEADS * KV_HEADS, HIDDEN)
     assert torch.equal(model.lm_head.weight, torch.from_numpy(written["output.weight"].astype(np.float32)))
     assert torch.equal(model.model.embed_tokens.weight, torch.from_numpy(written["token_embd.weight"]))
     assert int(inputs[0].max()) < model.config.vocab_size and torch.isfinite(model(*inputs).logits).all()
@@ -428,6 +433,53 @@ def test_carve_and_generate_a_gguf_from_a_prompt_in_words(tiny, tmp_path):
     r = tapml("session", path, "--target", "reference", "--hf-config", "num_hidden_layers=1", "--dtype", "float16",
               input="offload all\ncheck\n")  # carved through open_or_carve, as migrate carves
     assert r.exit_code == 0 and "end to end: pass" in r.output, r.output
+
+
+#: Tensors of the file below stored in the ggml types tapml keeps packed: llama's permuted q/k among them.
+PACKED = {"token_embd.weight": "Q4_0", "blk.0.attn_q.weight": "Q4_0", "blk.1.attn_k.weight": "Q4_0",
+          "blk.0.ffn_down.weight": "Q8_0", "output.weight": "Q8_0", "blk.1.ffn_up.weight": "Q8_0"}
+
+
+def test_gguf_q4_0_and_q8_0_blocks_stay_packed(tmp_path, monkeypatch):
+    """A GGUF whose linears and embedding are Q4_0 and Q8_0 keeps the file's blocks: each such module
+    becomes one packed op whose bytes are the file's rows (in the order transformers puts them: llama's
+    q/k permutation moves whole rows of blocks), computing exactly what the dequantized model computes;
+    its store holds the blocks (no float copy) and it generates on the reference."""
+    from tapml.carving.store import CarveStore
+    from tapml.frontends import gguf as tapml_gguf
+    from tapml.frontends.models import load_model
+    from tapml.frontends.quantize import QuantizedEmbedding, QuantizedLinear
+    path = tmp_path / "packed.gguf"
+    written = write_gguf(path, packed=PACKED)
+    model, inputs = load_model(str(path))
+    with monkeypatch.context() as m:
+        m.setattr(tapml_gguf, "keep_blocks_packed", lambda ckpt, model: [])
+        floats, _ = load_model(str(path))
+    modules, float_modules = dict(model.named_modules()), dict(floats.named_modules())
+    packed = {n: mod for n, mod in modules.items() if isinstance(mod, (QuantizedLinear, QuantizedEmbedding))}
+    assert sorted(packed) == ["lm_head", "model.embed_tokens", "model.layers.0.mlp.down_proj",
+                              "model.layers.0.self_attn.q_proj", "model.layers.1.mlp.up_proj",
+                              "model.layers.1.self_attn.k_proj"]
+    for name, mod in packed.items():
+        rows, cols = float_modules[name].weight.shape
+        assert torch.equal(quant.dequantize(mod.scheme, {"weight": mod.weight}, rows, cols), float_modules[name].weight)
+    q = packed["model.layers.0.self_attn.q_proj"]
+    file_blocks = written["blk.0.attn_q.weight"].tobytes()
+    ours = quant.ggml_bytes(q.weight).numpy().tobytes()
+    assert ours != file_blocks and sorted(ours[i:i + 18] for i in range(0, len(ours), 18)) == \
+        sorted(file_blocks[i:i + 18] for i in range(0, len(file_blocks), 18))  # the same blocks, rows permuted
+    with torch.no_grad():
+        assert torch.allclose(model(*inputs).logits, floats(*inputs).logits, atol=1e-5)
+
+    r = tapml("generate", path, "--prompt", "hello world the cat", "--tokens", "2", "--store", tmp_path / "g")
+    assert r.exit_code == 0 and "3/3 steps pass" in r.output, r.output
+    store = CarveStore(tmp_path / "g")
+    ops = {n.op for n in store.graph.nodes}
+    assert {"tapml.q4_0_linear.default", "tapml.q8_0_linear.default", "tapml.q4_0_embedding.default"} <= ops
+    stored = [t for t in store.program_inputs().values() if t.dtype == torch.int32]
+    assert any(torch.equal(t, q.weight) for t in stored)  # the blocks as the module holds them, bytes and all
+    assert not any(t.is_floating_point() and tuple(t.shape) == tuple(float_modules["lm_head"].weight.shape)
+                   for t in store.program_inputs().values())  # no float copy of a packed weight
 
 
 @pytest.mark.slow

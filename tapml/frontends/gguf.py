@@ -9,9 +9,11 @@ dimension and offset bounded by the file's size before anything is allocated, si
 reader trusts what the header says (a string or array length past the end, a tensor count in the
 billions, a tensor whose data lies outside the file). Reading a GGUF runs no code.
 
-The weights are dequantized to the dtype asked for; by default a file with quantized tensors
-loads in float32, any other in the floating dtype most of its weights are stored in. Keeping
-the packed blocks is not done here.
+The weights are read in the dtype asked for; by default a file with quantized tensors loads in
+float32, any other in the floating dtype most of its weights are stored in. A linear or embedding
+weight stored in a format tapml has kernels for (:data:`PACKED_TYPES`: Q4_0, Q8_0) keeps its blocks
+as the file holds them (:func:`keep_blocks_packed`): the module becomes a packed one of
+:mod:`tapml.frontends.quantize` whose op reads those bytes; other quantized types are dequantized.
 
 Example::
 
@@ -362,7 +364,71 @@ def load_gguf_weights(ckpt, model, dtype: str):
     if missing:
         raise TapmlError(f"{ckpt.spec}: the weights do not fit the config: {len(missing)} tensors the model needs are "
                          f"not in the file (first: {missing[0][:120]}); {_FIX}")
-    return model.to(torch_dtype(dtype)).eval()
+    model = model.to(torch_dtype(dtype)).eval()
+    keep_blocks_packed(ckpt, model)
+    return model
+
+
+#: ggml types whose blocks stay packed (a tapml op and kernels read them), with their scheme.
+PACKED_TYPES = {"Q4_0": "q4_0", "Q8_0": "q8_0"}
+
+
+def keep_blocks_packed(ckpt, model) -> list[str]:
+    """Replace every ``nn.Linear``/``nn.Embedding`` of ``model`` whose weight the file stores in a
+    type of :data:`PACKED_TYPES` by a packed module holding the file's own blocks (rows in the
+    order the model uses: a row permutation transformers applied, such as llama's q/k one, is
+    applied to whole rows of blocks). Returns the names of the modules replaced.
+
+    The row order is found by matching each loaded (dequantized) row to the file's row that
+    dequantizes to the same values, so whatever transformers did to a tensor other than permuting
+    its rows leaves that module as it loaded it (dequantized)."""
+    import torch
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+
+    from tapml.frontends.quantize import packed_module
+    from tapml.quant import GROUP, dequantize, ggml_tensor
+    wanted = [t for t in ckpt.gguf.tensors if t.type in PACKED_TYPES and len(t.shape) == 2]
+    if not wanted:
+        return []
+    names = get_gguf_hf_weights_map(model, TensorProcessor())
+    modules = dict(model.named_modules())
+    replaced = []
+    with open(ckpt.gguf.path, "rb") as f:
+        for t in wanted:
+            hf_weight = names.get(t.name) or ""
+            hf_name = hf_weight.removesuffix(".weight")
+            owner = modules.get(hf_name) if hf_weight.endswith(".weight") else None
+            if type(owner) not in (torch.nn.Linear, torch.nn.Embedding) or t.shape[0] % GROUP:
+                continue
+            cols, rows = t.shape  # ggml order: the fastest dimension first
+            if tuple(owner.weight.shape) != (rows, cols):
+                continue
+            scheme = PACKED_TYPES[t.type]
+            f.seek(ckpt.gguf.data_offset + t.offset)
+            raw = f.read(t.nbytes)
+            block_rows = torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(rows, -1)
+            order = _row_order(dequantize(scheme, {"weight": ggml_tensor(raw)}, rows, cols).to(owner.weight.dtype),
+                               owner.weight.detach())
+            if order is None:
+                continue
+            packed = {"weight": ggml_tensor(block_rows[order].numpy().tobytes())}
+            parent, _, attr = hf_name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, packed_module(owner, scheme, packed))
+            replaced.append(hf_name)
+    config = getattr(model, "config", None)
+    if replaced and config is not None and getattr(config, "tie_word_embeddings", False):
+        config.tie_word_embeddings = False
+    return replaced
+
+
+def _row_order(file_rows, loaded):
+    """Indices ``order`` with ``file_rows[order] == loaded`` row for row (bitwise), or None."""
+    import torch
+    where: dict[bytes, int] = {}
+    for i, row in enumerate(file_rows):
+        where.setdefault(row.numpy().tobytes(), i)
+    order = [where.get(row.numpy().tobytes()) for row in loaded]
+    return None if any(i is None for i in order) else torch.tensor(order, dtype=torch.long)
 
 
 def _check_tensor_names(ckpt, model) -> None:
@@ -407,5 +473,5 @@ def load_gguf_tokenizer(ckpt):
 
 
 __all__ = ["scan_gguf", "is_gguf_spec", "check_architecture", "gguf_config", "complete_gguf_config",
-           "load_gguf_weights", "load_gguf_tokenizer", "gguf_alone", "GGUFHeader", "GGUFTensor", "MAX_TENSORS",
+           "load_gguf_weights", "keep_blocks_packed", "PACKED_TYPES", "load_gguf_tokenizer", "gguf_alone", "GGUFHeader", "GGUFTensor", "MAX_TENSORS",
            "MAX_FIELDS"]

@@ -16,16 +16,16 @@ from __future__ import annotations
 import torch
 
 from tapml.errors import TapmlError
-from tapml.quant import FORMATS, GROUP, SCHEMES, op, quantize_weight
+from tapml.quant import FORMATS, GROUP, SCHEMES, check_packed, op, quantize_weight
 
 
 class QuantizedLinear(torch.nn.Module):
     """A linear whose weight is held packed in ``scheme``; forward is the format's linear op."""
 
-    def __init__(self, linear: torch.nn.Linear, scheme: str):
+    def __init__(self, linear: torch.nn.Linear, scheme: str, packed: dict | None = None):
         super().__init__()
         self.scheme, self.in_features, self.out_features = scheme, linear.in_features, linear.out_features
-        for name, t in quantize_weight(linear.weight, scheme).items():
+        for name, t in (packed or quantize_weight(linear.weight, scheme)).items():
             self.register_buffer(name, t)
         self.bias = linear.bias
         self._op = op(f"{scheme}_linear")
@@ -42,11 +42,11 @@ class QuantizedLinear(torch.nn.Module):
 class QuantizedEmbedding(torch.nn.Module):
     """A token embedding whose table is held packed in ``scheme``; rows come out in ``dtype``."""
 
-    def __init__(self, embedding: torch.nn.Embedding, scheme: str):
+    def __init__(self, embedding: torch.nn.Embedding, scheme: str, packed: dict | None = None):
         super().__init__()
         self.scheme, self.num_embeddings, self.embedding_dim = scheme, embedding.num_embeddings, embedding.embedding_dim
         self.dtype = embedding.weight.dtype
-        for name, t in quantize_weight(embedding.weight, scheme).items():
+        for name, t in (packed or quantize_weight(embedding.weight, scheme)).items():
             self.register_buffer(name, t)
         self._op = op(f"{scheme}_embedding")
 
@@ -57,6 +57,16 @@ class QuantizedEmbedding(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, scheme={self.scheme}"
+
+
+def packed_module(module: torch.nn.Module, scheme: str, packed: dict | None = None) -> torch.nn.Module:
+    """The packed replacement of an ``nn.Linear`` or ``nn.Embedding``: its weight quantized in
+    ``scheme``, or the ``packed`` tensors given (already in that format, e.g. a GGUF file's blocks)."""
+    if packed is not None:
+        rows, cols = module.weight.shape
+        check_packed(FORMATS[scheme], packed, rows, cols)
+    cls = QuantizedLinear if isinstance(module, torch.nn.Linear) else QuantizedEmbedding
+    return cls(module, scheme, packed)
 
 
 def check_scheme(scheme: str) -> str:
@@ -84,8 +94,7 @@ def quantize_model(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
             raise TapmlError(f"--quantize {scheme}: {name or 'the model'} has rows of {cols} weights, which do not "
                              f"split into groups of {GROUP}; this model cannot take {scheme}")
     for name, m in targets:
-        new = QuantizedLinear(m, scheme) if isinstance(m, torch.nn.Linear) else QuantizedEmbedding(m, scheme)
-        _replace(model, name, new)
+        _replace(model, name, packed_module(m, scheme))
     # tied weights (an LM head sharing the embedding) are now two packed copies; transformers must not re-tie
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "tie_word_embeddings", False):
@@ -118,4 +127,5 @@ def packed_bytes(model: torch.nn.Module) -> dict:
     return {"packed": packed, "float": float_}
 
 
-__all__ = ["SCHEMES", "QuantizedEmbedding", "QuantizedLinear", "check_scheme", "packed_bytes", "quantize_model"]
+__all__ = ["SCHEMES", "QuantizedEmbedding", "QuantizedLinear", "check_scheme", "packed_bytes", "packed_module",
+           "quantize_model"]
