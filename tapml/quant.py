@@ -93,8 +93,8 @@ def check_packed(fmt: QuantFormat, tensors: dict, rows: int, cols: int) -> None:
     if w.dim() != 2 or tuple(w.shape) != (rows, cols // 8):
         raise ValueError(f"{fmt.name}: codes of a {rows}x{cols} weight have shape [{rows}, {cols // 8}], "
                          f"not {list(w.shape)}")
-    if not isinstance(s, torch.Tensor) or str(s.dtype) != f"torch.{fmt.scale_dtype}" \
-            or tuple(s.shape) != (rows, cols // GROUP):
+    # the format stores scales in fmt.scale_dtype; a float32/float64 twin of a graph (tapml.dtypes) widens them
+    if not isinstance(s, torch.Tensor) or not s.dtype.is_floating_point or tuple(s.shape) != (rows, cols // GROUP):
         raise ValueError(f"{fmt.name}: scales of a {rows}x{cols} weight are {fmt.scale_dtype} of shape "
                          f"[{rows}, {cols // GROUP}], not {s.dtype} {list(s.shape)}")
 

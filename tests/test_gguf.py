@@ -481,6 +481,14 @@ def test_gguf_q4_0_and_q8_0_blocks_stay_packed(tmp_path, monkeypatch):
     assert not any(t.is_floating_point() and tuple(t.shape) == tuple(float_modules["lm_head"].weight.shape)
                    for t in store.program_inputs().values())  # no float copy of a packed weight
 
+    # the rest quantized too, judged on a text through the file's own tokenizer
+    (tmp_path / "t.txt").write_text("hello world the cat is on a dog")
+    r = tapml("precision", path, "--quantize", "q8_0", "--text-file", tmp_path / "t.txt", "--json", tmp_path / "p.json")
+    assert r.exit_code == 0, r.output
+    q = json.loads((tmp_path / "p.json").read_text())["quantization"]
+    assert q["text"] and q["tokens"] == 9 and q["perplexity"]["quantized"] > 1
+    assert "model.layers.0.self_attn.k_proj" in {layer["module"] for layer in q["layers"]}  # float in the file
+
 
 @pytest.mark.slow
 @in_chromium

@@ -127,3 +127,31 @@ def test_bad_quantize_input_exits_2(tmp_path):
     assert r.exit_code == 2 and "keeps the weights it was carved with" in r.output
     r = tapml("carve", tmp_path / "model.pt2", "--quantize", "q4_0", "-o", tmp_path / "x")
     assert r.exit_code == 2 and "exported program" in r.output
+
+
+def test_precision_reports_the_quality_of_a_scheme_apart_from_the_verdict(tmp_path):
+    """`tapml precision zoo:tiny-llama --quantize q4_0 --json p.json`: the float16 analysis of the quantized
+    model, and its quality against float32 (SQNR per quantized layer, mean KL, same top-1, perplexity), which
+    q8_0 beats; the document reads back into an HTML report that shows it."""
+    from tapml.driving.quantization import quantization_quality
+    r = tapml("precision", "zoo:tiny-llama", "--quantize", "q4_0", "--json", tmp_path / "p.json")
+    assert r.exit_code == 0, r.output
+    assert "quantization q4_0 (quality, not a verdict): mean KL" in r.output
+    q = json.loads((tmp_path / "p.json").read_text())["quantization"]
+    assert q["scheme"] == "q4_0" and q["tokens"] == 16 and len(q["layers"]) == 16  # 14 linears, embedding, head
+    assert q["layers"][0] == {"module": "model.embed_tokens", "kind": "embedding", "sqnr_db": q["layers"][0]["sqnr_db"]}
+    assert all(8 < layer["sqnr_db"] < 30 for layer in q["layers"])  # 4-bit: about 6 dB a bit, less the outliers
+    assert 0 < q["mean_kl"] <= q["max_kl"] and 0 <= q["top1_agreement"] <= 1
+    assert q["perplexity"]["float"] > 1 and q["perplexity"]["quantized"] > 1
+    assert q["weight_bytes"]["packed"] * 7 < q["weight_bytes"]["float_of_packed"]
+    q8 = quantization_quality("zoo:tiny-llama", "q8_0")
+    assert min(layer["sqnr_db"] for layer in q8["layers"]) > max(layer["sqnr_db"] for layer in q["layers"])
+    assert q8["mean_kl"] < q["mean_kl"] / 10
+    r = tapml("report", tmp_path / "p.json", "-o", tmp_path / "p.html")
+    assert r.exit_code == 0, r.output
+    html = (tmp_path / "p.html").read_text()
+    assert "Quantization q4_0 against float32" in html and "model.layers.1.mlp.down_proj" in html
+    r = tapml("precision", "zoo:tiny-llama", "--text-file", tmp_path / "p.json")
+    assert r.exit_code == 2 and "--text-file belongs to --quantize" in r.output
+    r = tapml("precision", "zoo:tiny-llama", "--quantize", "q4_0", "--text-file", tmp_path / "p.json")
+    assert r.exit_code == 2 and "needs a tokenizer" in r.output

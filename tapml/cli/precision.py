@@ -9,7 +9,7 @@ from typing import List, Optional
 import typer
 
 from tapml.cli.common import (TrustRemoteCodeOpt, check_dtype, is_store_path, EXIT_FINDING, EXIT_OK, JsonOpt, QuietOpt, StoreDirOpt, TargetOpt, TokenFileOpt, TolOpt,
-                              app, command, console, fail, model_store, out, write_json)
+                              app, command, console, fail, model_store, out, write_json, QuantizeOpt, check_quantize)
 from tapml.cli.migrate import HfConfigOpt
 from tapml.render import STATUS_STYLE, fmt_err
 from tapml.text import shown
@@ -29,13 +29,20 @@ def precision(model: str = typer.Argument(..., help="A store carved in float16/b
               store_dir: Optional[str] = StoreDirOpt,
               seed: int = typer.Option(0, "--seed", help="Seed for weights and inputs when carving MODEL"),
               hf_config: Optional[List[str]] = HfConfigOpt, tol: Optional[List[str]] = TolOpt,
-              trust_remote_code: bool = TrustRemoteCodeOpt,
+              trust_remote_code: bool = TrustRemoteCodeOpt, quantize: Optional[str] = QuantizeOpt,
+              text_file: Optional[str] = typer.Option(None, "--text-file", help="With --quantize: a UTF-8 text whose "
+                                                      "tokens (the model's own tokenizer) both models run for the "
+                                                      "quality figures and perplexity (default: the example inputs)"),
               token_file: Optional[str] = TokenFileOpt, json_out: Optional[str] = JsonOpt, quiet: bool = QuietOpt):
     """Run MODEL in float16 (or bfloat16) on TARGET with every intermediate kept and compare each op
     with the same model in float32 and float64: the largest activation and its headroom to the
     dtype's largest finite value, overflow to Inf/NaN, overflows a later op absorbed, the error.
     Lists the ops that must stay in float32 and checks the model end to end without and with them
-    in float32. Exit 0 when the model passes with that list applied, 1 when it does not, 2 on bad input."""
+    in float32. Exit 0 when the model passes with that list applied, 1 when it does not, 2 on bad input.
+
+    With --quantize SCHEME the model is carved quantized, and its quality against the float model is
+    added apart (never a verdict): per quantized layer the SQNR of its output, on the logits the mean
+    KL divergence and the share of the same top-1 token, and each model's perplexity on the tokens."""
     from tapml.judging.compare import Tolerances
     from tapml.dtypes import LOW_FLOATS
     from tapml.frontends.models import parse_hf_overrides
@@ -51,11 +58,19 @@ def precision(model: str = typer.Argument(..., help="A store carved in float16/b
         stored = check_dtype(None, model, quiet=True)
         dtype = stored if stored in LOW_FLOATS else None
     overrides = parse_hf_overrides(hf_config)
-    carve = functools.partial(_carve, model, dtype=dtype or DEFAULT_DTYPE, seed=seed, hf_config=overrides, quiet=quiet)
+    quantize = check_quantize(quantize, model)
+    if text_file is not None and quantize is None:
+        fail("--text-file belongs to --quantize: the text the float and the quantized model are compared on")
+    quality = _quality(model, quantize, seed=seed, hf_config=overrides, text_file=text_file, quiet=quiet) \
+        if quantize else None
+    carve = functools.partial(_carve, model, dtype=dtype or DEFAULT_DTYPE, seed=seed, hf_config=overrides, quiet=quiet,
+                              quantize=quantize)
     with model_store(model, store_dir=store_dir, hf_config=hf_config, purpose="precision", what="a carve store",
                      carve=carve) as (store, _), open_target(target, token=read_token(token_file)) as platform:
         doc = analyze(store, platform, target, dtype=dtype, tolerances=tolerances, device=device_info(platform),
                       on_round=None if quiet or json_out == "-" else _round_line)
+    if quality is not None:
+        doc["quantization"] = quality
     if json_out:
         write_json(doc, json_out)
     if json_out != "-":
@@ -63,12 +78,32 @@ def precision(model: str = typer.Argument(..., help="A store carved in float16/b
     raise typer.Exit(EXIT_OK if passed(doc) else EXIT_FINDING)
 
 
-def _carve(model: str, out_dir, *, dtype: str, seed: int, hf_config: dict, quiet: bool):
+def _carve(model: str, out_dir, *, dtype: str, seed: int, hf_config: dict, quiet: bool, quantize: Optional[str] = None):
     from tapml.carving import CarveStore, carve
     if not quiet:
-        console.print(f"carving {shown(model)} in {dtype}", highlight=False)
-    carve(model, out_dir, seed=seed, hf_config=hf_config or None, dtype=dtype)
+        console.print(f"carving {shown(model)} in {dtype}" + (f", quantized {quantize}" if quantize else ""),
+                      highlight=False)
+    carve(model, out_dir, seed=seed, hf_config=hf_config or None, dtype=dtype, quantize=quantize)
     return CarveStore(out_dir)
+
+
+def _quality(model: str, scheme: str, *, seed: int, hf_config: dict, text_file: Optional[str], quiet: bool) -> dict:
+    """The quantization quality part (tapml.driving.quantization), on the text's tokens when given."""
+    from tapml.driving.quantization import quantization_quality
+    ids = None
+    if text_file is not None:
+        from tapml.frontends.prompts import load_tokenizer, prompt_token_ids
+        tokenizer = load_tokenizer(model)
+        if tokenizer is None:
+            fail(f"--text-file needs a tokenizer, and {shown(model)} has none (zoo: and hf: models have random weights "
+                 "and no vocabulary; a checkpoint or GGUF brings its own)")
+        ids, _ = prompt_token_ids(model, tokenizer, file=text_file)
+        if len(ids) < 2:
+            fail(f"--text-file {shown(text_file)}: its text is {len(ids)} token(s); perplexity needs 2 or more")
+    if not quiet:
+        console.print(f"comparing {shown(model)} quantized {scheme} with it in float32 on the reference "
+                      f"({'the text' if ids else 'its example inputs'})", highlight=False)
+    return quantization_quality(model, scheme, seed=seed, hf_config=hf_config or None, token_ids=ids)
 
 
 def _round_line(round_: int, kept: int) -> None:
@@ -117,3 +152,29 @@ def render_precision(doc: dict, console, quiet: bool = False, max_rows: int = 60
         console.print(line, highlight=False, soft_wrap=True)
     if doc.get("cause"):
         console.print(f"[red]cause[/]: {shown(doc['cause']['message'])}", highlight=False, soft_wrap=True)
+    if doc.get("quantization"):
+        render_quantization(doc["quantization"], console, quiet, max_rows)
+
+
+def render_quantization(q: dict, console, quiet: bool = False, max_rows: int = 60) -> None:
+    """Print the ``quantization`` part of a precision document: SQNR per quantized layer, then one line
+    with the mean KL divergence, the top-1 agreement, the perplexities and the weight bytes."""
+    from rich.table import Table
+    if not quiet:
+        table = Table(title=f"{q['scheme']} against float32 ({shown(q['reference'])}), per quantized layer",
+                      title_justify="left")
+        for col, justify in (("module", "left"), ("kind", "left"), ("SQNR dB", "right")):
+            table.add_column(col, justify=justify, overflow="fold")
+        for layer in q["layers"][:max_rows]:
+            sqnr = "-" if layer["sqnr_db"] is None else f"{layer['sqnr_db']:.1f}"
+            table.add_row(shown(layer["module"]), layer["kind"], sqnr)
+        console.print(table)
+        if len(q["layers"]) > max_rows:
+            console.print(f"... and {len(q['layers']) - max_rows} more layers (--json has them all)")
+    b = q["weight_bytes"]
+    ppl = q.get("perplexity")
+    ppl_text = "" if not ppl or ppl.get("float") is None else \
+        f", perplexity {ppl['float']:.4g} (float32) -> {ppl['quantized']:.4g} ({q['scheme']})"
+    console.print(f"quantization {q['scheme']} (quality, not a verdict): mean KL {q['mean_kl']:.3g} nats, same top-1 "
+                  f"{q['top1_agreement']:.1%} of {q['tokens']} positions{ppl_text}; weights {b['packed']} bytes packed "
+                  f"for {b['float_of_packed']} in float32", highlight=False, soft_wrap=True)

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from tapml.dtypes import MODEL_DTYPES
+from tapml.quant import SCHEMES as QUANT_SCHEMES
 from tapml.errors import TapmlError
 from tapml.io import read_json_file
 from tapml.judging.verdict.kinds import KINDS, STATE_KEYS, document_kind, stamp
@@ -637,6 +638,47 @@ class CauseJSON(Written):
     message: Str | None = ""
 
 
+class QuantizedLayerJSON(Written):
+    """One quantized linear or embedding: the SQNR of its output against the float model's (null:
+    not defined, the outputs equal or the float one zero)."""
+
+    module: Str
+    kind: Literal["linear", "embedding"]
+    sqnr_db: Number | None = None
+
+
+class QuantizedBytesJSON(Written):
+    """Bytes of a quantized model's weights: ``packed`` (codes and scales), ``float`` (everything
+    left in float), ``float_of_packed`` (what the packed weights took in float)."""
+
+    packed: Count
+    float: Count
+    float_of_packed: Count
+
+
+class PerplexityJSON(Written):
+    """Perplexity of the float and of the quantized model on the tokens (null: fewer than 2)."""
+
+    float: NonNegative | None = None
+    quantized: NonNegative | None = None
+
+
+class QuantizationJSON(Written):
+    """``quantization`` of a Precision JSON (``tapml precision --quantize``): the quantized
+    model's quality against the float model, never a verdict (tapml/driving/quantization.py)."""
+
+    scheme: Literal[QUANT_SCHEMES]
+    reference: Str
+    tokens: Count
+    text: Bool = False
+    layers: list[QuantizedLayerJSON]
+    mean_kl: NonNegative
+    max_kl: NonNegative
+    top1_agreement: Annotated[Number, Field(ge=0, le=1)]
+    weight_bytes: QuantizedBytesJSON
+    perplexity: PerplexityJSON | None = None
+
+
 class PrecisionJSON(Written):
     """The Precision JSON of ``tapml precision --json``."""
 
@@ -651,6 +693,7 @@ class PrecisionJSON(Written):
     rounds: Count | None = 0
     end_to_end: PrecisionRunsJSON
     cause: CauseJSON | None = None
+    quantization: QuantizationJSON | None = None
 
 
 def read_precision_document(data, where: str = "<precision>", hint: str = "") -> dict:
@@ -699,6 +742,8 @@ def read_precision_document(data, where: str = "<precision>", hint: str = "") ->
             r.fail(f"cause.node {m.cause.node[:80]!r} is not a node of ops")
         c = r.values(m.cause, "cause")
         doc["cause"] = {k: c[k] for k in ("op", "node", "module", "err_vs_fp64", "ref_err_vs_fp64", "ratio", "message")}
+    if m.quantization is not None:
+        doc["quantization"] = m.quantization.model_dump()
     return doc
 
 
