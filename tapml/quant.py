@@ -62,11 +62,36 @@ FORMATS = {
     "q4f32_1": QuantFormat("q4f32_1", "mlc", 4, scale_dtype="float32"),
 }
 
-#: The ``--quantize`` schemes.
-SCHEMES = tuple(FORMATS)
 
-#: Op names (``NAME`` of ``tapml.NAME.default``) the vocabulary accepts, with their format.
-OPS = {f"{name}_{kind}": fmt for name, fmt in FORMATS.items() for kind in ("linear", "embedding")}
+
+@dataclass(frozen=True)
+class IntxScheme:
+    """A torchao scheme (torchao/quantization/quant_api.py): ``bits``-bit integer weight codes with an
+    affine scale and zero point per ``group`` weights of a row (None: per output channel),
+    ``dynamic_activation``: the input quantized to int8 per token on the fly (ExecuTorch's 8da4w).
+    Its linears are :data:`INTX_LINEAR` nodes; the codes are packed into int32 words, ``32 / bits``
+    per word, lowest bits first, two's complement."""
+
+    name: str
+    bits: int
+    group: int | None
+    dynamic_activation: bool = False
+
+
+INTX_SCHEMES = {
+    "int8": IntxScheme("int8", 8, None),
+    "int4": IntxScheme("int4", 4, 32),
+    "int4_g128": IntxScheme("int4_g128", 4, 128),
+    "8da4w": IntxScheme("8da4w", 4, 32, dynamic_activation=True),
+}
+INTX_LINEAR = "tapml.intx_linear.default"
+
+#: The ``--quantize`` schemes.
+SCHEMES = tuple(FORMATS) + tuple(INTX_SCHEMES)
+
+#: Op names (``NAME`` of ``tapml.NAME.default``) the vocabulary accepts, with their format (None: torchao's).
+OPS = {**{f"{name}_{kind}": fmt for name, fmt in FORMATS.items() for kind in ("linear", "embedding")},
+       "intx_linear": None}
 
 
 def ggml_words(rows: int, cols: int, fmt: QuantFormat) -> int:
@@ -162,6 +187,86 @@ def dequantize(scheme: str, tensors: dict, rows: int, cols: int):
     return (d * q).reshape(rows, cols)
 
 
+# --- torchao's integer schemes -------------------------------------------------------------
+
+def pack_codes(codes, bits: int):
+    """int32 words ``[N, K * bits / 32]`` holding the signed ``bits``-bit ``codes`` ``[N, K]`` (lowest bits first)."""
+    import torch
+    rows, cols = codes.shape
+    per = 32 // bits
+    if cols % per:
+        raise ValueError(f"rows of {cols} {bits}-bit codes do not fill whole 32-bit words")
+    lanes = (codes.to(torch.int64) & ((1 << bits) - 1)).reshape(rows, cols // per, per)
+    words = (lanes << (torch.arange(per, dtype=torch.int64) * bits)).sum(dim=-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
+
+
+def unpack_codes(words, bits: int):
+    """The signed codes ``[N, K]`` that :func:`pack_codes` packed into ``words``."""
+    import torch
+    per = 32 // bits
+    lanes = (words.to(torch.int64).unsqueeze(-1) >> (torch.arange(per, dtype=torch.int64) * bits)) & ((1 << bits) - 1)
+    lanes = torch.where(lanes >= 1 << (bits - 1), lanes - (1 << bits), lanes)
+    return lanes.reshape(words.shape[0], -1)
+
+
+def check_intx(weight, scale, zero_point, bits: int, group_size: int) -> tuple[int, int]:
+    """``(rows, cols)`` of an intx weight; ValueError unless the packed codes, the scales and the
+    zero points fit ``bits`` and ``group_size``."""
+    import torch
+    if bits not in (4, 8):
+        raise ValueError(f"intx_linear: bits must be 4 or 8, not {bits}")
+    if not isinstance(weight, torch.Tensor) or weight.dtype != torch.int32 or weight.dim() != 2:
+        raise ValueError("intx_linear: the packed codes must be a 2-D int32 tensor [out_features, in_features * bits / 32]")
+    rows, cols = int(weight.shape[0]), int(weight.shape[1]) * 32 // bits
+    if group_size < 1 or cols % group_size:
+        raise ValueError(f"intx_linear: group_size {group_size} does not divide the {cols} weights of a row")
+    want = (rows, cols // group_size)
+    if not scale.dtype.is_floating_point or tuple(scale.shape) != want:
+        raise ValueError(f"intx_linear: scale must be floating of shape {list(want)}, not {scale.dtype} {list(scale.shape)}")
+    if zero_point.dtype not in (torch.int8, torch.int32) or tuple(zero_point.shape) != want:
+        raise ValueError(f"intx_linear: zero_point must be int8 of shape {list(want)}, not {zero_point.dtype} "
+                         f"{list(zero_point.shape)}")
+    return rows, cols
+
+
+def dequantize_intx(weight, scale, zero_point, bits: int, group_size: int):
+    """The float32 weight of torchao's affine dequantization: ``(q - zero_point) * scale`` per group."""
+    import torch
+    rows, cols = check_intx(weight, scale, zero_point, bits, group_size)
+    q = unpack_codes(weight, bits).to(torch.float32).reshape(rows, cols // group_size, group_size)
+    zp = zero_point.to(torch.float32).unsqueeze(-1)
+    return ((q - zp) * scale.to(torch.float32).unsqueeze(-1)).reshape(rows, cols)
+
+
+def quantize_per_token_int8(x):
+    """torchao's int8 asymmetric per-token quantization (``int8_asym_per_token``), then back to
+    floats: per row of the last dimension, the range stretched to hold zero, 255 steps, the zero
+    point rounded, each value ``round(x * (1 / scale)) + zero_point`` clamped to int8."""
+    import torch
+    xf = x.to(torch.float32)
+    lo = torch.clamp(xf.amin(dim=-1, keepdim=True), max=0.0)
+    hi = torch.clamp(xf.amax(dim=-1, keepdim=True), min=0.0)
+    scale = torch.clamp((hi - lo) / 255.0, min=torch.finfo(torch.float32).smallest_normal)
+    zp = torch.clamp(-128 - torch.round(lo / scale), -128, 127)
+    q = torch.clamp(torch.round(xf * (1.0 / scale)) + zp, -128, 127)
+    return ((q - zp) * scale).to(x.dtype)
+
+
+def _intx_linear(x, weight, scale, zero_point, bits, group_size, dynamic_activation, bias=None):
+    import torch
+    rows, cols = check_intx(weight, scale, zero_point, bits, group_size)
+    if not x.dtype.is_floating_point or x.dim() < 1 or x.shape[-1] != cols:
+        raise ValueError(f"intx_linear: the input ({x.dtype}, shape {list(x.shape)}) must be floating point with "
+                         f"{cols} features, as the weight has")
+    if bias is not None and tuple(bias.shape) != (rows,):
+        raise ValueError(f"intx_linear: bias must have shape [{rows}], not {list(bias.shape)}")
+    if dynamic_activation:
+        x = quantize_per_token_int8(x)
+    w = dequantize_intx(weight, scale, zero_point, bits, group_size).to(x.dtype)
+    return torch.nn.functional.linear(x, w, bias)
+
+
 # --- the ops ------------------------------------------------------------------------------
 
 def _check_linear(fmt: QuantFormat, x, tensors: dict, rows: int, cols: int, bias) -> None:
@@ -208,6 +313,16 @@ def define_ops():
             lib.define(f"{name}_linear(Tensor input, Tensor weight, Tensor scales, Tensor? bias=None) -> Tensor")
             lib.define(f"{name}_embedding(Tensor weight, Tensor scales, Tensor indices, ScalarType dtype) -> Tensor")
         _implement(lib, name, fmt)
+    lib.define("intx_linear(Tensor input, Tensor weight, Tensor scale, Tensor zero_point, int bits, int group_size, "
+               "bool dynamic_activation, Tensor? bias=None) -> Tensor")
+    lib.impl("intx_linear", _intx_linear, "CompositeExplicitAutograd")
+
+    def intx_fake(x, weight, scale, zero_point, bits, group_size, dynamic_activation, bias=None):
+        rows, cols = check_intx(weight, scale, zero_point, bits, group_size)
+        if x.shape[-1] != cols:
+            raise ValueError(f"intx_linear: the input has {x.shape[-1]} features, the weight {cols}")
+        return x.new_empty((*x.shape[:-1], rows))
+    torch.library.register_fake("tapml::intx_linear", intx_fake, lib=lib)
     _LIBRARIES.append(lib)
     return True
 
@@ -266,5 +381,6 @@ def op(name: str):
     return getattr(getattr(torch.ops.tapml, name), "default")
 
 
-__all__ = ["FORMATS", "GROUP", "OPS", "SCHEMES", "QuantFormat", "check_packed", "define_ops", "dequantize", "ggml_bytes",
+__all__ = ["FORMATS", "GROUP", "INTX_LINEAR", "INTX_SCHEMES", "IntxScheme", "OPS", "SCHEMES", "check_intx",
+           "dequantize_intx", "pack_codes", "quantize_per_token_int8", "unpack_codes", "QuantFormat", "check_packed", "define_ops", "dequantize", "ggml_bytes",
            "ggml_tensor", "ggml_words", "op", "quantize_weight"]

@@ -155,3 +155,38 @@ def test_precision_reports_the_quality_of_a_scheme_apart_from_the_verdict(tmp_pa
     assert r.exit_code == 2 and "--text-file belongs to --quantize" in r.output
     r = tapml("precision", "zoo:tiny-llama", "--quantize", "q4_0", "--text-file", tmp_path / "p.json")
     assert r.exit_code == 2 and "needs a tokenizer" in r.output
+
+
+def test_torchao_schemes_run_torchaos_codes_as_one_op_each():
+    """int8, int4 and 8da4w go through torchao's own configs (quantize_): each linear becomes one
+    tapml.intx_linear node holding torchao's codes (packed into words), scales and zero points, and
+    computes what torchao's quantized model computes (8da4w's int8 per-token activations included)."""
+    from torchao.quantization import quantize_
+
+    from tapml.frontends.models import load_model
+    from tapml.frontends.quantize import IntxLinear, quantize_model, torchao_config
+    codes = torch.tensor([[-8, 7, 0, -1, 3, -5, 6, 1], [127, -128, 0, -1, 5, 9, -77, 64]])
+    assert torch.equal(quant.unpack_codes(quant.pack_codes(codes[:1], 4), 4), codes[:1])
+    assert torch.equal(quant.unpack_codes(quant.pack_codes(codes, 8), 8), codes)
+    assert quant.pack_codes(codes[:1], 4).tolist() == [[int.from_bytes(bytes([0x78, 0xF0, 0xB3, 0x16]), "little",
+                                                                      signed=True)]]
+    for scheme, tol in (("int8", 1e-6), ("int4", 0.0), ("8da4w", 0.0)):
+        model, inputs = load_model("zoo:tiny-llama", quantize=scheme)
+        theirs, _ = load_model("zoo:tiny-llama")
+        quantize_(theirs, torchao_config(scheme))
+        linears = [m for m in model.modules() if isinstance(m, IntxLinear)]
+        assert len(linears) == 15 and all(m.weight.dtype == torch.int32 for m in linears)
+        assert linears[0].group_size == (64 if scheme == "int8" else 32)
+        assert linears[0].weight.numel() * 32 == 64 * 64 * linears[0].bits  # packed: no int8 per weight
+        with torch.no_grad():
+            assert (model(*inputs).logits - theirs(*inputs).logits).abs().max() <= tol
+        ep = torch.export.export(model, inputs)
+        assert sum(n.target == torch.ops.tapml.intx_linear.default for n in ep.graph.nodes) == 15
+    x = torch.tensor([[0.5, -1.0, 3.0, 0.0]])
+    q = quant.quantize_per_token_int8(x)
+    assert torch.allclose(q, x, atol=4.0 / 255) and q[0, 3] == 0  # the range holds zero exactly
+    with pytest.raises(ValueError, match="group_size 48 does not divide"):
+        resolve_op(quant.INTX_LINEAR)(torch.randn(2, 64), torch.zeros(4, 8, dtype=torch.int32),
+                                      torch.ones(4, 2), torch.zeros(4, 2, dtype=torch.int8), 4, 48, False)
+    r = tapml("carve", "zoo:tiny-llama", "--quantize", "int4_g128", "-o", "/nonexistent/never")
+    assert r.exit_code == 2 and "groups of 128" in r.output

@@ -1,9 +1,13 @@
 """``--quantize SCHEME``: a model's linears and token embeddings replaced by packed-weight ones.
 
-Each ``nn.Linear`` (the LM head included) and each ``nn.Embedding`` becomes a module holding the
-packed tensors of its weight in the scheme's format (:mod:`tapml.quant`) and calling that format's
-op, so an exported graph holds one node per quantized linear or embedding whose inputs are the codes
-and scales as stored, and a carve stores their real bytes. The float weights are dropped.
+llama.cpp's and MLC-LLM's formats (``q4_0``, ``q8_0``, ``q4f16_1``, ``q4f32_1``): each ``nn.Linear``
+(the LM head included) and each ``nn.Embedding`` becomes a module holding the packed tensors of its
+weight in the scheme's format (:mod:`tapml.quant`) and calling that format's op. torchao's schemes
+(``int8``, ``int4``, ``int4_g128``, ``8da4w``): each ``nn.Linear`` is quantized by torchao's own
+config (``quantize_``) and becomes an :class:`IntxLinear` holding torchao's codes (packed into
+words), scales and zero points. Either way an exported graph holds one node per quantized linear or
+embedding whose inputs are the codes and scales as stored, and a carve stores their real bytes. The
+float weights are dropped.
 
 Example::
 
@@ -16,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from tapml.errors import TapmlError
-from tapml.quant import FORMATS, GROUP, SCHEMES, check_packed, op, quantize_weight
+from tapml.quant import FORMATS, GROUP, INTX_SCHEMES, SCHEMES, check_packed, op, pack_codes, quantize_weight
 
 
 class QuantizedLinear(torch.nn.Module):
@@ -59,6 +63,77 @@ class QuantizedEmbedding(torch.nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, scheme={self.scheme}"
 
 
+class IntxLinear(torch.nn.Module):
+    """A linear quantized by torchao (:data:`tapml.quant.INTX_SCHEMES`): its codes packed into
+    int32 words, torchao's scale and zero point per group; forward is ``tapml.intx_linear``."""
+
+    def __init__(self, linear: torch.nn.Linear, scheme: str, codes, scale, zero_point):
+        super().__init__()
+        s = INTX_SCHEMES[scheme]
+        self.scheme, self.in_features, self.out_features = scheme, linear.in_features, linear.out_features
+        self.bits, self.group_size, self.dynamic_activation = s.bits, int(linear.in_features // scale.shape[1]), \
+            s.dynamic_activation
+        self.register_buffer("weight", pack_codes(codes, s.bits))
+        self.register_buffer("scale", scale.detach().clone())
+        self.register_buffer("zero_point", zero_point.detach().to(torch.int8).clone())
+        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        self._op = op("intx_linear")
+
+    def forward(self, x):
+        return self._op(x, self.weight, self.scale, self.zero_point, self.bits, self.group_size,
+                        self.dynamic_activation, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, scheme={self.scheme}, group={self.group_size}"
+
+
+def _import_torchao():
+    """``torchao.quantization`` (imported here, not at tapml's import: it is heavy)."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import torchao.quantization as tq
+        import torchao.quantization.granularity  # noqa: F401
+    return tq
+
+
+def torchao_config(scheme: str):
+    """torchao's config of an :data:`INTX_SCHEMES` scheme."""
+    tq = _import_torchao()
+    from torchao.quantization.granularity import PerGroup
+    s = INTX_SCHEMES[scheme]
+    if s.bits == 8:
+        return tq.Int8WeightOnlyConfig()
+    if s.dynamic_activation:
+        return tq.Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(s.group))
+    return tq.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(s.group))
+
+
+def _quantize_with_torchao(model: torch.nn.Module, scheme: str, targets: list) -> None:
+    """Quantize the ``targets`` (``(name, nn.Linear)``) with torchao's config of ``scheme``, then
+    replace each by an :class:`IntxLinear` holding torchao's codes, scales and zero points."""
+    import contextlib
+    import io
+    quantize_ = _import_torchao().quantize_
+    for name, linear in targets:
+        holder = torch.nn.Sequential(torch.nn.Linear(linear.in_features, linear.out_features,
+                                                     bias=linear.bias is not None, dtype=linear.weight.dtype))
+        with torch.no_grad():
+            holder[0].weight.copy_(linear.weight)
+            if linear.bias is not None:
+                holder[0].bias.copy_(linear.bias)
+        with contextlib.redirect_stdout(io.StringIO()):
+            quantize_(holder, torchao_config(scheme))
+        w = holder[0].weight
+        codes, scale, zero_point = (getattr(w, k, None) for k in ("qdata", "scale", "zero_point"))
+        if codes is None or scale is None:
+            raise TapmlError(f"--quantize {scheme}: torchao left {name} as {type(w).__name__}, with no codes and scales")
+        if zero_point is None:
+            zero_point = torch.zeros_like(scale, dtype=torch.int8)
+        scale, zero_point = scale.reshape(linear.out_features, -1), zero_point.reshape(linear.out_features, -1)
+        _replace(model, name, IntxLinear(linear, scheme, codes, scale, zero_point))
+
+
 def packed_module(module: torch.nn.Module, scheme: str, packed: dict | None = None) -> torch.nn.Module:
     """The packed replacement of an ``nn.Linear`` or ``nn.Embedding``: its weight quantized in
     ``scheme``, or the ``packed`` tensors given (already in that format, e.g. a GGUF file's blocks)."""
@@ -71,7 +146,7 @@ def packed_module(module: torch.nn.Module, scheme: str, packed: dict | None = No
 
 def check_scheme(scheme: str) -> str:
     """``scheme`` when it is one of :data:`SCHEMES`, else TapmlError naming them."""
-    if scheme not in FORMATS:
+    if scheme not in SCHEMES:
         raise TapmlError(f"unknown --quantize scheme {str(scheme)[:40]!r}; choose one of {', '.join(SCHEMES)}")
     return scheme
 
@@ -84,15 +159,22 @@ def quantize_model(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
     if not isinstance(model, torch.nn.Module) or isinstance(model, torch.export.ExportedProgram):
         raise TapmlError("--quantize needs a model that is a module (zoo:, hf:, a checkpoint, FILE.gguf or "
                          "file.py:factory); an exported program (.pt2) or a store is already fixed")
-    targets = [(name, m) for name, m in model.named_modules()
-               if type(m) in (torch.nn.Linear, torch.nn.Embedding)]
+    intx = INTX_SCHEMES.get(scheme)
+    kinds = (torch.nn.Linear,) if intx else (torch.nn.Linear, torch.nn.Embedding)
+    targets = [(name, m) for name, m in model.named_modules() if type(m) in kinds]
     if not targets:
-        raise TapmlError(f"--quantize {scheme}: the model has no nn.Linear or nn.Embedding to quantize")
+        raise TapmlError(f"--quantize {scheme}: the model has no {' or '.join(k.__name__ for k in kinds)} to quantize")
+    group = (intx.group or 32 // intx.bits) if intx else GROUP
     for name, m in targets:
+        if not name:
+            raise TapmlError("--quantize needs a model that holds linears, not one that is a single nn.Linear")
         cols = m.in_features if isinstance(m, torch.nn.Linear) else m.embedding_dim
-        if cols % GROUP:
-            raise TapmlError(f"--quantize {scheme}: {name or 'the model'} has rows of {cols} weights, which do not "
-                             f"split into groups of {GROUP}; this model cannot take {scheme}")
+        if cols % group or cols % (32 // (intx.bits if intx else 4)):
+            raise TapmlError(f"--quantize {scheme}: {name} has rows of {cols} weights, which do not split into groups "
+                             f"of {group}; this model cannot take {scheme}")
+    if intx:
+        _quantize_with_torchao(model, scheme, targets)
+        return model
     for name, m in targets:
         _replace(model, name, packed_module(m, scheme))
     # tied weights (an LM head sharing the embedding) are now two packed copies; transformers must not re-tie
@@ -114,7 +196,7 @@ def packed_bytes(model: torch.nn.Module) -> dict:
     packed = float_ = 0
     seen = set()
     for module in model.modules():
-        quantized = isinstance(module, (QuantizedLinear, QuantizedEmbedding))
+        quantized = isinstance(module, (QuantizedLinear, QuantizedEmbedding, IntxLinear))
         for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
             if id(t) in seen:
                 continue
@@ -127,5 +209,5 @@ def packed_bytes(model: torch.nn.Module) -> dict:
     return {"packed": packed, "float": float_}
 
 
-__all__ = ["SCHEMES", "QuantizedEmbedding", "QuantizedLinear", "check_scheme", "packed_bytes", "packed_module",
+__all__ = ["SCHEMES", "IntxLinear", "QuantizedEmbedding", "QuantizedLinear", "torchao_config", "check_scheme", "packed_bytes", "packed_module",
            "quantize_model"]
