@@ -14,7 +14,7 @@ from tapml.judging.compare import Tolerances
 from tapml.driving.generate import generate, judge_step, passed
 
 runner = CliRunner()
-STEP_KEYS = {"step", "kind", "reference_token", "target_token", "max_abs_err", "status", "message"}
+STEP_KEYS = {"step", "kind", "reference_token", "target_token", "max_abs_err", "status", "message", "kl"}
 #: A decode step sends its token id and its cache position, nothing else (weights and cache stay).
 DECODE_STEP_MAX_BYTES = 64
 
@@ -72,6 +72,9 @@ def test_teacher_forced_on_the_reference_follows_the_json_contract(llama8, tmp_p
             "upload_bytes_per_decode_step", "tokens_per_s"} <= set(doc)
     assert set(doc["summary"]) == {"steps", "pass", "mismatch", "near_tie", "error", "first_failure"}
     assert all(set(row) == STEP_KEYS for row in doc["steps"])
+    assert all(0 <= row["kl"] < 1e-9 for row in doc["steps"])  # the reference against itself
+    assert doc["distribution"]["status"] == "pass" and not doc["distribution"]["judged"] and doc["quantize"] is None
+    assert doc["distribution"]["top1_agreement"] == 1.0
     assert doc["model"] == "zoo:tiny-llama" and doc["mode"] == "teacher-forced"
     _all_pass(doc, 9)
     assert [row["reference_token"] for row in doc["steps"]] == [s["token"] for s in llama8.steps]

@@ -240,6 +240,14 @@ def render_generation(doc: dict, quiet: bool = False, pieces: Optional[tuple[lis
         if doc.get("first_divergence") is not None:
             out.print(f"[yellow]the target's tokens leave the reference's at step {doc['first_divergence']}[/]",
                       highlight=False)
+    dist = doc.get("distribution")
+    if dist and (dist["judged"] or not quiet):
+        t = dist["thresholds"]
+        style = "green" if dist["status"] == "pass" else "red"
+        what = f"quantized {doc.get('quantize')}: judged" if dist["judged"] else "not judged (float)"
+        out.print(f"distribution: mean KL {dist['mean_kl']:.3g} nats (at most {t['mean_kl']:g}), same top-1 "
+                  f"{dist['top1_agreement']:.0%} (at least {t['top1_agreement']:.0%}): [{style}]{dist['status']}[/] "
+                  f"({what})", highlight=False)
     from tapml.driving.generate import passed
     color = "green" if passed(doc) else "red"
     where = "" if s["first_failure"] is None else f", first failure at step {s['first_failure']}"

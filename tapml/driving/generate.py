@@ -282,6 +282,7 @@ def generate(store, platform, target: str, *, tokens: int | None = None, free: b
                                                            anchor[refs[kind]][0, -1].detach().cpu())
             target_tokens.append(token)
             rows.append(_row(k, kind, reference_token, token, comparison.max_abs_err, status, comparison.message))
+            rows[-1]["kl"] = step_kl(logits, expected)
             if free and first_divergence is None and token != s["token"]:
                 first_divergence = k
         if on_step:
@@ -322,6 +323,8 @@ def generate(store, platform, target: str, *, tokens: int | None = None, free: b
         "upload_bytes_first_decode_step": uploads[0] if uploads else None,
         "tokens_per_s": {"target": _rate(decode_steps, target_decode_s),
                          "reference": _rate(tokens, reference.decode_s)},
+        "quantize": store.quantize,
+        "distribution": distribution_agreement(rows, judged=store.quantize is not None),
     })
 
 
@@ -360,16 +363,48 @@ def _float32_twin(store, graphs: dict[str, Graph], params: dict[str, dict]):
     return low, _ReferenceStepper(store, {k: as_float32(g, low) for k, g in graphs.items()}, twin_params)
 
 
+#: Distribution thresholds of a generation (:func:`distribution_agreement`): the mean KL divergence
+#: of the target's next-token distributions from the reference's, and the share of steps with the
+#: same top-1 token (a near-tie counts as the same). Against a reference running the same codes, a
+#: right port is far inside both; a quantized model is judged by them as well as by its logits.
+DISTRIBUTION_THRESHOLDS = {"mean_kl": 1e-3, "top1_agreement": 0.9}
+
+
+def step_kl(logits, expected) -> float:
+    """KL(reference || target) of one step's next-token distributions, in nats."""
+    import torch
+    p_log = torch.log_softmax(expected.double().reshape(-1), -1)
+    q_log = torch.log_softmax(logits.detach().cpu().double().reshape(-1), -1)
+    return max(float(torch.sum(p_log.exp() * (p_log - q_log))), 0.0)
+
+
+def distribution_agreement(rows: list[dict], judged: bool) -> dict | None:
+    """The ``distribution`` part of a Generation JSON from its step rows (their ``kl``), or None when
+    no step ran; ``judged``: its status counts in :func:`passed` (a quantized model's generation)."""
+    ran = [r for r in rows if r.get("kl") is not None]
+    if not ran:
+        return None
+    same = sum(r["target_token"] == r["reference_token"] or r["status"] == "near-tie" for r in ran)
+    doc = {"mean_kl": sum(r["kl"] for r in ran) / len(ran), "max_kl": max(r["kl"] for r in ran),
+           "top1_agreement": same / len(ran), "thresholds": dict(DISTRIBUTION_THRESHOLDS), "judged": judged}
+    ok = doc["mean_kl"] <= DISTRIBUTION_THRESHOLDS["mean_kl"] and \
+        doc["top1_agreement"] >= DISTRIBUTION_THRESHOLDS["top1_agreement"]
+    return {**doc, "status": "pass" if ok else "fail"}
+
+
 def passed(doc: dict) -> bool:
-    """Every step passed or was a near-tie (the exit code of ``tapml generate`` is 0)."""
+    """Every step passed or was a near-tie (the exit code of ``tapml generate`` is 0), and for a
+    quantized model the distributions agree within :data:`DISTRIBUTION_THRESHOLDS`."""
     s = doc["summary"]
-    return s["mismatch"] == 0 and s["error"] == 0 and s["steps"] == doc["tokens"] + 1
+    dist = doc.get("distribution")
+    return s["mismatch"] == 0 and s["error"] == 0 and s["steps"] == doc["tokens"] + 1 and \
+        not (dist and dist.get("judged") and dist["status"] != "pass")
 
 
 def _row(step: int, kind: str, reference_token: int, target_token: int | None, max_abs_err: float | None,
          status: str, message: str) -> dict:
     return {"step": step, "kind": kind, "reference_token": reference_token, "target_token": target_token,
-            "max_abs_err": max_abs_err, "status": status, "message": message or ""}
+            "max_abs_err": max_abs_err, "status": status, "message": message or "", "kl": None}
 
 
 def _token_tensor(token: int):

@@ -434,6 +434,20 @@ class StepJSON(Written):
     max_abs_err: Number | None = None
     status: Literal[STEP_STATUSES]
     message: Str | None = ""
+    kl: NonNegative | None = None
+
+
+class DistributionJSON(Written):
+    """How a generation's next-token distributions agree with the reference's, steps that ran:
+    mean and largest KL divergence (nats) and the share of steps with the same top-1 token; its
+    ``status`` judges them against ``thresholds`` (a verdict for a quantized model)."""
+
+    mean_kl: NonNegative
+    max_kl: NonNegative
+    top1_agreement: Annotated[Number, Field(ge=0, le=1)]
+    thresholds: dict[Literal["mean_kl", "top1_agreement"], NonNegative]
+    judged: Bool = False
+    status: Literal["pass", "fail"]
 
 
 class StepSummaryJSON(Written):
@@ -527,6 +541,8 @@ class GenerationJSON(Written):
     programs_compiled: Count | None = None
     upload_bytes_per_decode_step: Count | None = None
     tokens_per_s: RatesJSON | None = None
+    quantize: Literal[QUANT_SCHEMES] | None = None
+    distribution: DistributionJSON | None = None
 
 
 def _open_document(data, where: str, hint: str, kind: str, noun: str, older: bool = True) -> _Reader:
