@@ -179,14 +179,16 @@ def layout_of(scheme: str, packed: list[Value], rows: int, cols: int) -> PackedL
 
 MAIN = "fn main(@builtin(global_invocation_id) gid: vec3<u32>)"
 WORKGROUP_IDS = MAIN[:-1] + ", @builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>)"
-#: Rows one lane of the GEMM holds (each dequantized weight is used this many times).
-GEMM_ROWS = 4
+#: Rows and columns one lane of the GEMM holds: a weight it dequantizes serves GEMM_ROWS rows, an
+#: input element it loads GEMM_COLUMNS columns (on lavapipe every storage load is a loop over lanes,
+#: so loads per product are what counts).
+GEMM_ROWS, GEMM_COLUMNS = 8, 4
 
 
-def linear_plan(m: int, groups: int, words_per_group: int) -> tuple[str, int, int]:
-    """``(path, lanes per column, rows per lane)`` of a packed linear with ``m`` rows and ``groups``
-    groups along K: GEMV splits K over up to 32 lanes; GEMM only as far as the loop budget needs
-    (a lane runs ``ceil(groups / lanes) * (1 + words_per_group)`` iterations)."""
+def linear_plan(m: int, groups: int, words_per_group: int) -> tuple[str, int, int, int]:
+    """``(path, lanes per column, rows per lane, columns per lane)`` of a packed linear with ``m``
+    rows and ``groups`` groups along K: GEMV splits K over up to 32 lanes; GEMM only as far as the
+    loop budget needs (a lane runs ``ceil(groups / lanes) * (1 + words_per_group)`` iterations)."""
     need = 1
     while math.ceil(groups / need) * (1 + words_per_group) > LOOP_BUDGET:
         need *= 2
@@ -194,8 +196,8 @@ def linear_plan(m: int, groups: int, words_per_group: int) -> tuple[str, int, in
         raise Unsupported(f"a packed linear over {groups * GROUP} inputs needs more than {WORKGROUP} lanes per column "
                           f"to keep each within {LOOP_BUDGET} loop iterations")
     if m == 1:
-        return "gemv", max(need, min(32, 1 << (groups - 1).bit_length())), 1
-    return "gemm", need, GEMM_ROWS
+        return "gemv", max(need, min(32, 1 << (groups - 1).bit_length())), 1, 1
+    return "gemm", need, GEMM_ROWS, GEMM_COLUMNS
 
 
 def packed_linear(pb, node, scheme: str, x: Value, packed: list[Value], rows: int, cols: int,
@@ -215,60 +217,67 @@ def packed_linear(pb, node, scheme: str, x: Value, packed: list[Value], rows: in
     if M * N == 0:
         return [result]
     G = layout.groups
-    path, lanes, tm = linear_plan(M, G, layout.words_per_group)
-    cols_per_group = WORKGROUP // lanes
+    path, lanes, tm, tn = linear_plan(M, G, layout.words_per_group)
+    tiles_per_group = WORKGROUP // lanes  # column tiles of a workgroup, tn columns each
     k = pb.kernel(f"{scheme}_{path}")
-    blocks = -(-N // cols_per_group)
+    blocks = -(-N // (tiles_per_group * tn))
     gx = min(blocks, MAX_GROUPS)
     groups = (gx, -(-blocks // gx), -(-M // tm))
     k.emit("let lane: i32 = i32(lid.x);")
-    k.emit(f"let col: i32 = (i32(wid.y) * {gx} + i32(wid.x)) * {cols_per_group} + i32(lid.y);")
+    k.emit(f"let col0: i32 = ((i32(wid.y) * {gx} + i32(wid.x)) * {tiles_per_group} + i32(lid.y)) * {tn};")
     k.emit(f"let row0: i32 = i32(wid.z) * {tm};")
-    n = k.let(f"min(col, {N - 1})", "i32")  # lanes past the last column compute a real one, written nowhere
+    # tiles past the last row or column compute real ones (clamped reads) that are written nowhere
+    ns = [k.let(f"min(col0 + {c}, {N - 1})", "i32") for c in range(tn)]
     rows_read = [k.let(f"min(row0 + {r}, {M - 1})", "i32") for r in range(tm)]
+    acc = [[f"acc{r}_{c}" for c in range(tn)] for r in range(tm)]
     for r in range(tm):
-        k.emit(f"var acc{r}: f32 = 0.0;")
+        for c in range(tn):
+            k.emit(f"var {acc[r][c]}: f32 = 0.0;")
     k.loop("gi", -(-G // lanes))
     g = k.let(f"lane + gi * {lanes}", "i32")
     k.open(f"if ({g} < {G})")
-    s = layout.scale(k, n, g)
+    scales = [layout.scale(k, n, g) for n in ns]
     k.loop("j", layout.words_per_group)
-    word = layout.word(k, n, g, "j")
-    for position, code in layout.codes(word, "j"):
-        w = k.let(f"{s} * {code}", "f32")
+    codes = [layout.codes(layout.word(k, n, g, "j"), "j") for n in ns]
+    for slot, (position, _) in enumerate(codes[0]):
         kk = k.let(f"{g} * {GROUP} + {position}", "i32")
+        xs = [k.let(cast(x.read(k, [rows_read[r], kk]), x.ty, "f32"), "f32") for r in range(tm)]
+        for c in range(tn):
+            w = k.let(f"{scales[c]} * {codes[c][slot][1]}", "f32")
+            for r in range(tm):
+                k.emit(f"{acc[r][c]} = {acc[r][c]} + {xs[r]} * {w};")
+    k.close()
+    k.close()
+    k.close()
+    sums = acc
+    if lanes > 1:  # the lanes of a column tile add their partial sums in workgroup memory, as a tree
+        k.helpers["partial"] = f"var<workgroup> partial: array<f32, {WORKGROUP * tm * tn}>;"
+        base = k.let(f"(i32(lid.y) * {lanes} + lane) * {tm * tn}", "i32")
         for r in range(tm):
-            xv = cast(x.read(k, [rows_read[r], kk]), x.ty, "f32")
-            k.emit(f"acc{r} = acc{r} + {xv} * {w};")
-    k.close()
-    k.close()
-    k.close()
-    sums = [f"acc{r}" for r in range(tm)]
-    if lanes > 1:  # the lanes of a column add their partial sums in workgroup memory, as a tree
-        k.helpers["partial"] = f"var<workgroup> partial: array<f32, {WORKGROUP * tm}>;"
-        base = k.let(f"(i32(lid.y) * {lanes} + lane) * {tm}", "i32")
-        for r in range(tm):
-            k.emit(f"partial[{base} + {r}] = acc{r};")
+            for c in range(tn):
+                k.emit(f"partial[{base} + {r * tn + c}] = {acc[r][c]};")
         step = lanes // 2
         while step:
             k.emit("workgroupBarrier();")
             k.open(f"if (lane < {step})")
-            for r in range(tm):
-                k.emit(f"partial[{base} + {r}] = partial[{base} + {r}] + partial[{base} + {step * tm + r}];")
+            for e in range(tm * tn):
+                k.emit(f"partial[{base} + {e}] = partial[{base} + {e}] + partial[{base} + {step * tm * tn + e}];")
             k.close()
             step //= 2
         k.emit("workgroupBarrier();")
-        sums = [f"partial[{base} + {r}]" for r in range(tm)]
-    k.open(f"if (lane == 0 && col < {N})")
-    for r in range(tm):
-        k.open(f"if (row0 + {r} < {M})")
-        e = sums[r]
-        if bias is not None:
-            e = f"({e} + {cast(bias.read(k, ['col']), bias.ty, 'f32')})"
-        k.write(out, f"(row0 + {r}) * {N} + col", e, "f32")
+        sums = [[f"partial[{base} + {r * tn + c}]" for c in range(tn)] for r in range(tm)]
+    k.open("if (lane == 0)")
+    for c in range(tn):
+        k.open(f"if (col0 + {c} < {N})")
+        b = cast(bias.read(k, [ns[c]]), bias.ty, "f32") if bias is not None else None
+        for r in range(tm):
+            k.open(f"if (row0 + {r} < {M})")
+            e = sums[r][c] if b is None else f"({sums[r][c]} + {b})"
+            k.write(out, f"(row0 + {r}) * {N} + {ns[c]}", e, "f32")
+            k.close()
         k.close()
     k.close()
-    kern = k.finish(0, workgroup=(lanes, cols_per_group, 1), groups=groups)
+    kern = k.finish(0, workgroup=(lanes, tiles_per_group, 1), groups=groups)
     kern.wgsl = kern.wgsl.replace(MAIN, WORKGROUP_IDS)
     pb.add(kern)
     return [result]
