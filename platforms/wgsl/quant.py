@@ -8,8 +8,9 @@ point) -- the one piece of code that knows the format's bits, shared by all thre
 
 - **GEMV** (one row, decode): lanes of a workgroup split a column's groups, each lane
   dequantizes its groups' weights, and the partial sums are added in workgroup memory.
-- **GEMM** (several rows, prefill): each lane holds a tile of rows, so a weight it dequantizes is
-  used for every row of the tile; lanes split K only as far as the loop budget needs.
+- **GEMM** (several rows, prefill): each lane holds a tile of rows and columns, so a weight it
+  dequantizes serves every row of the tile and an input it loads every column; lanes split K only
+  as far as the loop budget needs.
 - **embedding**: one thread per code word of a picked row writes the word's weights (indices
   clamped into range, as :mod:`tapml.platforms.wgsl.index` does).
 
