@@ -7,19 +7,17 @@ in Chromium, tests/test_split.py with split bindings) run every sample of the ei
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
 
 from tapml.errors import Unsupported
-from tapml.graph import Graph, Node, TensorMeta, run_node
+from tapml.graph import Graph, Node, run_node
 from tapml.judging.compare import compare_tensor
 from tapml.platforms.wgsl import compile_graph, load_lowerings
 from tapml.platforms.wgsl import quant as wgsl_quant
 from tapml.platforms.wgsl.codegen import LOOP_BUDGET
-from tapml.platforms.wgsl.registry import case_graph, sample_cases
+from tapml.platforms.wgsl.registry import case_graph, node_flops, sample_cases
 from tapml.quant import FORMATS, dequantize, ggml_bytes, quantize_weight
 from support import own_wgpu, store_from_source
 
@@ -28,7 +26,6 @@ QUANT_OPS = sorted(op for op in REGISTRY if op.startswith("tapml."))
 LIMITS = {"max-storage-buffer-binding-size": 134217728, "max-storage-buffers-per-shader-stage": 8,
           "max-buffer-size": 268435456}
 VULKAN_CAPS = {"adapter": "test", "backend": "vulkan", "features": ["shader-f16"], "limits": LIMITS}
-DEVICE = [pytest.mark.device, pytest.mark.xdist_group("wgpu")]
 
 
 def _linear_case(scheme: str, m: int, n: int, k: int, seed: int = 0):
@@ -65,7 +62,8 @@ def test_ggml_dequantization_is_gguf_bit_for_bit():
 def test_kernels_count_their_loops_within_the_budget_and_pick_gemv_or_gemm():
     """K = 4096, 11008 and 14336 (llama's sizes): every loop has a trip count and a lane runs at most
     LOOP_BUDGET iterations (lavapipe cuts loops past 65 535 silently); one row takes the GEMV path,
-    several rows the row-tiled GEMM, and the embedding loops not at all."""
+    several rows the row-tiled GEMM, and the embedding loops not at all. The linears count as matrix
+    products in a placement's FLOPs."""
     for scheme in FORMATS:
         for k in (4096, 11008, 14336):
             for m, path in ((1, "gemv"), (17, "gemm")):
@@ -77,6 +75,8 @@ def test_kernels_count_their_loops_within_the_budget_and_pick_gemv_or_gemm():
                 assert "enable f16" not in kern.wgsl or FORMATS[scheme].scale_dtype == "float16"
         graph, _ = sample_cases(FORMATS[scheme].embedding_op)[0]
         assert all(kern.loop_iterations == 0 for kern in compile_graph(graph, VULKAN_CAPS).kernels)
+        graph, _ = _linear_case(scheme, 5, 3, 64)
+        assert node_flops(graph.nodes[0], graph.meta) == 2 * 5 * 3 * 64  # a matrix product's 2·M·N·K
 
 
 def test_the_device_holds_the_packed_weight_and_no_float_copy():

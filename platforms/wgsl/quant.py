@@ -312,10 +312,6 @@ def packed_embedding(pb, node, scheme: str, packed: list[Value], indices: Value,
 
 # --- registry entries -------------------------------------------------------------------------
 
-def _dtype_of(dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def edge_packed(scheme: str, weight: torch.Tensor) -> dict:
     """``weight`` (``[N, K]``, N >= 2, K >= 96) packed in ``scheme``, with the format's edge values
     planted: row 0's first group all zero, its second of the largest codes (15; q8_0: 127 and
