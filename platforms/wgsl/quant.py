@@ -315,7 +315,8 @@ def packed_embedding(pb, node, scheme: str, packed: list[Value], indices: Value,
 def edge_packed(scheme: str, weight: torch.Tensor) -> dict:
     """``weight`` (``[N, K]``, N >= 2, K >= 96) packed in ``scheme``, with the format's edge values
     planted: row 0's first group all zero, its second of the largest codes (15; q8_0: 127 and
-    -128) at a scale of 65504, its third at a scale of -0.0; row 1's first group at codes 0."""
+    -128) at a scale of 65504, its third at a scale of -0.0; row 1's first group of the smallest codes
+    (0; q8_0: -128)."""
     w = weight.clone()
     w[0, :GROUP] = 0.0
     packed = quantize_weight(w, scheme)
