@@ -120,16 +120,17 @@ def only_ties_reordered(graph: Graph, inputs, out, ref) -> bool:
 
 def low_precision_case(graph: Graph, inputs, dtype):
     """The sample ``graph`` with its float32 inputs in ``dtype``: (graph, inputs, torch's outputs,
-    float64 outputs), or None when torch refuses the op in that dtype."""
+    float64 outputs), or None when torch refuses the op in that dtype (or in float64: tapml.quant's
+    packed-weight ops take their scales in one dtype only)."""
     low = [t.to(dtype) if t.dtype == torch.float32 else t for t in inputs]
     node = graph.nodes[0]
     env = dict(zip([r for r, _ in graph.inputs], low))
+    wide = {r: t.double() if t.dtype == dtype else t for r, t in env.items()}
     try:
         ref = run_node(node, env.__getitem__)
-    except (RuntimeError, NotImplementedError):
+        ref64 = [r.double() if r.is_floating_point() else r for r in run_node(node, wide.__getitem__)]
+    except (RuntimeError, NotImplementedError, ValueError):  # ValueError: a packed format's scales are of one dtype
         return None
-    wide = {r: t.double() if t.dtype == dtype else t for r, t in env.items()}
-    ref64 = [r.double() if r.is_floating_point() else r for r in run_node(node, wide.__getitem__)]
     node = Node(node.name, node.op, node.args, node.kwargs, [TensorMeta.of(r) for r in ref], node.multi)
     g = Graph(inputs=[(r, TensorMeta.of(t)) for (r, _), t in zip(graph.inputs, low)], nodes=[node],
               outputs=graph.outputs)

@@ -28,7 +28,7 @@ def load_lowerings() -> dict:
     """Import every op-family module (they register themselves); returns the registry."""
     global _LOADED
     if not _LOADED:
-        from tapml.platforms.wgsl import backward, bilinear, elementwise, extra, fractional, index, matmul, nn, nn_more, order, random, reduce, resample, scatter, shape, sort, special, views  # noqa: F401
+        from tapml.platforms.wgsl import backward, bilinear, elementwise, extra, fractional, index, matmul, nn, nn_more, order, quant, random, reduce, resample, scatter, shape, sort, special, views  # noqa: F401
         _LOADED = True
     return REGISTRY
 
