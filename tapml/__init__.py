@@ -4,6 +4,15 @@
 ``import tapml`` stays light.
 """
 
+import logging as _logging
+
+# torchao (a dependency, for --quantize) logs a warning for each CUDA kernel library it cannot load
+# on a machine without CUDA, whoever imports it (transformers does, to build any model): noise that
+# says nothing about what tapml runs. torch's notes on torchao's enums likewise.
+for _name in ("torchao", "torch.utils._pytree"):
+    if _logging.getLogger(_name).level == _logging.NOTSET:
+        _logging.getLogger(_name).setLevel(_logging.ERROR)
+
 
 def version() -> str:
     """The installed tapml version (``"dev"`` when running from a source tree that is not installed)."""

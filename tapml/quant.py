@@ -8,11 +8,15 @@ the reference: dequantize to float32, then the float32 product.
 
 Formats, each bit for bit as its project defines it:
 
-- ``q4_0``, ``q8_0``: llama.cpp's blocks of 32 weights along a row (ggml/src/ggml-common.h,
+- ``q4_0``, ``q8_0``, ``q5_0``, ``q4_k``: llama.cpp's blocks along a row (32 weights; Q4_K 256) (ggml/src/ggml-common.h,
   ``block_q4_0``/``block_q8_0``; written by ``gguf.quants.quantize``, gguf-py/gguf/quants.py).
   ``q4_0``: 18 bytes, a float16 scale ``d`` then 16 bytes whose low nibbles are weights 0..15 and
   high nibbles weights 16..31, ``w = d * (q - 8)``. ``q8_0``: 34 bytes, ``d`` then 32 int8 codes,
-  ``w = d * q``. The blocks of a ``[N, K]`` weight are the row-major bytes of ``N * K/32`` blocks,
+  ``w = d * q``. ``q5_0``: 22 bytes, ``d``, 4 bytes of fifth bits (bit i for weight i), then the low
+  nibbles as in ``q4_0``, ``w = d * (q - 16)``. ``q4_k``: 144-byte super-blocks of 256 weights, a
+  float16 ``d`` and ``dmin``, 12 bytes of 6-bit scales and mins of 8 sub-blocks, 128 bytes of codes
+  (64 weights per 32 bytes, low nibbles first), ``w = d * sc * q - dmin * m``. The blocks of a
+  ``[N, K]`` weight are the row-major bytes of its blocks,
   held as an int32 tensor of those bytes (little-endian words, zero-padded to a whole word).
 - ``q4f16_1``, ``q4f32_1``: MLC-LLM's group quantization (python/mlc_llm/quantization/
   group_quantization.py): groups of 32 along a row, eight 4-bit codes per u32 word, lowest nibble
@@ -45,6 +49,7 @@ class QuantFormat:
     bits: int
     block_bytes: int = 0
     scale_dtype: str = "float32"
+    block_elems: int = 32  # weights of a row one ggml block holds (Q4_K's super-block: 256)
 
     @property
     def linear_op(self) -> str:
@@ -58,6 +63,8 @@ class QuantFormat:
 FORMATS = {
     "q4_0": QuantFormat("q4_0", "ggml", 4, block_bytes=18),
     "q8_0": QuantFormat("q8_0", "ggml", 8, block_bytes=34),
+    "q5_0": QuantFormat("q5_0", "ggml", 5, block_bytes=22),
+    "q4_k": QuantFormat("q4_k", "ggml", 4, block_bytes=144, block_elems=256),
     "q4f16_1": QuantFormat("q4f16_1", "mlc", 4, scale_dtype="float16"),
     "q4f32_1": QuantFormat("q4f32_1", "mlc", 4, scale_dtype="float32"),
 }
@@ -96,15 +103,16 @@ OPS = {**{f"{name}_{kind}": fmt for name, fmt in FORMATS.items() for kind in ("l
 
 def ggml_words(rows: int, cols: int, fmt: QuantFormat) -> int:
     """int32 words holding the blocks of a ``[rows, cols]`` weight in ggml format ``fmt``."""
-    return -(-rows * (cols // GROUP) * fmt.block_bytes // 4)
+    return -(-rows * (cols // fmt.block_elems) * fmt.block_bytes // 4)
 
 
 def check_packed(fmt: QuantFormat, tensors: dict, rows: int, cols: int) -> None:
     """ValueError (saying what is wrong) unless ``tensors`` (``weight``, mlc: ``scales``) hold a
     ``[rows, cols]`` weight in ``fmt``: group-aligned sizes, dtypes and element counts."""
     import torch
-    if rows < 0 or cols <= 0 or cols % GROUP:
-        raise ValueError(f"{fmt.name}: a weight of {rows}x{cols} does not split into groups of {GROUP} along its rows")
+    if rows < 0 or cols <= 0 or cols % fmt.block_elems:
+        raise ValueError(f"{fmt.name}: a weight of {rows}x{cols} does not split into blocks of {fmt.block_elems} "
+                         "along its rows")
     w = tensors["weight"]
     if not isinstance(w, torch.Tensor) or w.dtype != torch.int32:
         raise ValueError(f"{fmt.name}: packed weight must be an int32 tensor")
@@ -112,7 +120,8 @@ def check_packed(fmt: QuantFormat, tensors: dict, rows: int, cols: int) -> None:
         want = ggml_words(rows, cols, fmt)
         if w.dim() != 1 or w.numel() != want:
             raise ValueError(f"{fmt.name}: packed weight of {rows}x{cols} holds {want} int32 words "
-                             f"({rows * cols // GROUP} blocks of {fmt.block_bytes} bytes), not shape {list(w.shape)}")
+                             f"({rows * cols // fmt.block_elems} blocks of {fmt.block_bytes} bytes), not shape "
+                             f"{list(w.shape)}")
         return
     s = tensors["scales"]
     if w.dim() != 2 or tuple(w.shape) != (rows, cols // 8):
@@ -134,6 +143,10 @@ def quantize_weight(weight, scheme: str) -> dict:
     if cols % GROUP:
         raise ValueError(f"{scheme}: rows of {cols} weights do not split into groups of {GROUP}")
     w = weight.detach().to(torch.float32)
+    if cols % fmt.block_elems:
+        raise ValueError(f"{scheme}: rows of {cols} weights do not split into blocks of {fmt.block_elems}")
+    if scheme == "q4_k":
+        return {"weight": ggml_tensor(quantize_q4_k(w))}
     if fmt.family == "ggml":
         import gguf
         qtype = gguf.GGMLQuantizationType[scheme.upper()]
@@ -149,6 +162,64 @@ def quantize_weight(weight, scheme: str) -> dict:
     words = (q << shifts).sum(dim=-1)
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
     return {"weight": words.contiguous(), "scales": scale.contiguous()}
+
+
+def q4_k_scales(scales):
+    """``(sc, m)``, the 6-bit scale and min of each of the 8 sub-blocks of Q4_K super-blocks whose 12
+    scale bytes are ``scales`` (``[blocks, 12]`` int64; ggml-quants.c's ``get_scale_min_k4``)."""
+    import torch
+    q = scales
+    lo_sc, lo_m = q[:, 0:4] & 63, q[:, 4:8] & 63
+    hi_sc = (q[:, 8:12] & 0xF) | ((q[:, 0:4] >> 6) << 4)
+    hi_m = (q[:, 8:12] >> 4) | ((q[:, 4:8] >> 6) << 4)
+    return torch.cat([lo_sc, hi_sc], dim=1), torch.cat([lo_m, hi_m], dim=1)
+
+
+def _dequantize_q4_k(raw, d):
+    """Q4_K super-blocks (``[blocks, 144]`` uint8): ``d``, ``dmin``, 12 bytes of 6-bit scales and
+    mins, 128 bytes of codes; 64 weights per 32 code bytes, low nibbles first
+    (``w = d * sc * q - dmin * m`` per sub-block of 32)."""
+    import torch
+    dmin = raw[:, 2:4].contiguous().view(torch.float16).to(torch.float32)
+    sc, m = q4_k_scales(raw[:, 4:16].to(torch.int64))
+    qs = raw[:, 16:].to(torch.int64).reshape(-1, 4, 32)
+    q = torch.stack([qs & 0xF, qs >> 4], dim=2).reshape(-1, 8, 32).to(torch.float32)  # sub-block 2c, 2c+1
+    return (d.unsqueeze(-1) * sc.to(torch.float32).unsqueeze(-1) * q
+            - dmin.unsqueeze(-1) * m.to(torch.float32).unsqueeze(-1)).reshape(-1, 256)
+
+
+def quantize_q4_k(w) -> bytes:
+    """The Q4_K super-blocks of a float32 ``[N, K]`` weight (K a multiple of 256), laid out as
+    ``block_q4_K`` (ggml-common.h). The codes follow from a per-sub-block min/max fit: each sub-block
+    of 32 gets ``scale = (max - min) / 15`` and ``min = -min`` (its minimum held at or below zero),
+    the super-block's float16 ``d``/``dmin`` are the largest of those over 63, and each sub-block's
+    6-bit ``sc``/``m`` and 4-bit codes are rounded against them. (llama.cpp's own quantizer searches
+    the scales further; the blocks are the same format either way.)"""
+    import numpy as np
+    import torch
+    x = w.reshape(-1, 8, 32).to(torch.float32)
+    lo = torch.clamp(x.amin(dim=-1), max=0.0)
+    hi = x.amax(dim=-1)
+    scale, mn = (hi - lo) / 15.0, -lo
+    d = (scale.amax(dim=-1) / 63.0).to(torch.float16)
+    dmin = (mn.amax(dim=-1) / 63.0).to(torch.float16)
+    d32, dmin32 = d.to(torch.float32).unsqueeze(-1), dmin.to(torch.float32).unsqueeze(-1)
+    sc = torch.where(d32 > 0, torch.round(scale / torch.where(d32 > 0, d32, 1.0)), 0.0).clamp(0, 63).to(torch.int64)
+    m = torch.where(dmin32 > 0, torch.round(mn / torch.where(dmin32 > 0, dmin32, 1.0)), 0.0).clamp(0, 63)
+    m = m.to(torch.int64)
+    step = (d32 * sc).unsqueeze(-1)
+    offset = (dmin32 * m).unsqueeze(-1)
+    q = torch.where(step > 0, torch.round((x + offset) / torch.where(step > 0, step, 1.0)), 0.0).clamp(0, 15)
+    q = q.to(torch.int64).reshape(-1, 4, 2, 32)
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+    scales = torch.zeros(x.shape[0], 12, dtype=torch.int64)
+    scales[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
+    scales[:, 4:8] = m[:, 0:4] | ((m[:, 4:8] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:8] & 0xF) | ((m[:, 4:8] & 0xF) << 4)
+    halves = torch.stack([d, dmin], dim=1).view(torch.int16).to(torch.int64) & 0xFFFF
+    head = torch.stack([halves[:, 0] & 0xFF, halves[:, 0] >> 8, halves[:, 1] & 0xFF, halves[:, 1] >> 8], dim=1)
+    blocks = torch.cat([head, scales, qs], dim=1).to(torch.uint8)
+    return np.ascontiguousarray(blocks.numpy()).tobytes()
 
 
 def ggml_tensor(raw: bytes):
@@ -176,11 +247,18 @@ def dequantize(scheme: str, tensors: dict, rows: int, cols: int):
         codes = ((words.unsqueeze(-1) >> shifts) & 0xF).reshape(rows, cols)
         scale = tensors["scales"].to(torch.float32).repeat_interleave(GROUP, dim=1)
         return (codes.to(torch.float32) - 7.0) * scale
-    nblocks = rows * cols // GROUP
+    nblocks = rows * cols // fmt.block_elems
     raw = ggml_bytes(tensors["weight"])[:nblocks * fmt.block_bytes].reshape(nblocks, fmt.block_bytes)
     d = raw[:, :2].contiguous().view(torch.float16).to(torch.float32)  # [nblocks, 1]
+    if scheme == "q4_k":
+        return _dequantize_q4_k(raw, d).reshape(rows, cols)
     if scheme == "q8_0":
         q = raw[:, 2:].contiguous().view(torch.int8).to(torch.float32)
+    elif scheme == "q5_0":
+        high = raw[:, 2:6].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # qh: bit i is weight i's 5th
+        bits = ((high >> torch.arange(32, dtype=torch.int64)) & 1) << 4
+        qs = raw[:, 6:].to(torch.int64)
+        q = (torch.cat([qs & 0xF, qs >> 4], dim=1) | bits).to(torch.float32) - 16.0
     else:
         qs = raw[:, 2:].to(torch.int32)
         q = torch.cat([qs & 0xF, qs >> 4], dim=1).to(torch.float32) - 8.0

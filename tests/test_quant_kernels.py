@@ -44,18 +44,25 @@ def test_ggml_dequantization_is_gguf_bit_for_bit():
     edge blocks (zero group, largest and smallest codes, scales 65504 and -0.0) included."""
     import gguf
     gen = torch.Generator().manual_seed(1)
-    for scheme in ("q4_0", "q8_0"):
+    for scheme in ("q4_0", "q8_0", "q5_0", "q4_k"):
         qtype = gguf.GGMLQuantizationType[scheme.upper()]
-        for n, k, packed in [(7, 96, quantize_weight(torch.randn(7, 96, generator=gen) * 3, scheme)),
-                             (4, 96, wgsl_quant.edge_packed(scheme, torch.randn(4, 96, generator=gen))),
+        k0 = 96 if scheme != "q4_k" else 512
+        for n, k, packed in [(7, k0, quantize_weight(torch.randn(7, k0, generator=gen) * 3, scheme)),
+                             (4, k0, wgsl_quant.edge_packed(scheme, torch.randn(4, k0, generator=gen))),
                              (3, 4096, quantize_weight(torch.randn(3, 4096, generator=gen), scheme))]:
-            blocks = ggml_bytes(packed["weight"])[:n * k // 32 * FORMATS[scheme].block_bytes].numpy()
+            fmt = FORMATS[scheme]
+            blocks = ggml_bytes(packed["weight"])[:n * k // fmt.block_elems * fmt.block_bytes].numpy()
             theirs = gguf.quants.dequantize(blocks.reshape(n, -1), qtype).astype(np.float32)
             ours = dequantize(scheme, packed, n, k).numpy()
             assert theirs.shape == ours.shape == (n, k)
             assert np.array_equal(theirs.view(np.uint32), ours.view(np.uint32)), f"{scheme} {n}x{k}: bits differ"
+        if scheme == "q4_k":  # a super-block of the largest scale, mins and codes, and one all zero
+            edge = dequantize(scheme, wgsl_quant.edge_packed(scheme, torch.randn(2, 512, generator=gen)), 2, 512)
+            assert (edge[0, :256] == 65504 * 63 * 15).all() and (edge[1, :256] == 0).all()
+            continue
+        largest = {"q4_0": 7, "q8_0": 128, "q5_0": 15}[scheme]
         edge = dequantize(scheme, wgsl_quant.edge_packed(scheme, torch.randn(2, 96, generator=gen)), 2, 96)
-        assert (edge[0, :32] == 0).all() and edge[0, 32:64].abs().max() == 65504 * (7 if scheme == "q4_0" else 128)
+        assert (edge[0, :32] == 0).all() and edge[0, 32:64].abs().max() == 65504 * largest
         assert torch.signbit(edge[0, 64:96]).any() and (edge[0, 64:96] == 0).all()  # a -0.0 scale
 
 
@@ -75,8 +82,9 @@ def test_kernels_count_their_loops_within_the_budget_and_pick_gemv_or_gemm():
                 assert "enable f16" not in kern.wgsl or FORMATS[scheme].scale_dtype == "float16"
         graph, _ = sample_cases(FORMATS[scheme].embedding_op)[0]
         assert all(kern.loop_iterations == 0 for kern in compile_graph(graph, VULKAN_CAPS).kernels)
-        graph, _ = _linear_case(scheme, 5, 3, 64)
-        assert node_flops(graph.nodes[0], graph.meta) == 2 * 5 * 3 * 64  # a matrix product's 2·M·N·K
+        k = FORMATS[scheme].block_elems * 2
+        graph, _ = _linear_case(scheme, 5, 3, k)
+        assert node_flops(graph.nodes[0], graph.meta) == 2 * 5 * 3 * k  # a matrix product's 2·M·N·K
 
 
 def test_the_device_holds_the_packed_weight_and_no_float_copy():

@@ -50,27 +50,28 @@ def test_ggml_blocks_are_gguf_bytes_and_round_trip():
 
 def test_ops_are_in_the_vocabulary_and_check_what_they_are_given():
     g = torch.Generator().manual_seed(0)
-    w, x = torch.randn(6, 64, generator=g), torch.randn(3, 64, generator=g)
     for scheme, fmt in quant.FORMATS.items():
+        k = 2 * fmt.block_elems
+        w, x = torch.randn(6, k, generator=g), torch.randn(3, k, generator=g)
         op = resolve_op(fmt.linear_op)
         packed = quant.quantize_weight(w, scheme)
-        args = (packed["weight"], 6, 64) if fmt.family == "ggml" else (packed["weight"], packed["scales"])
+        args = (packed["weight"], 6, k) if fmt.family == "ggml" else (packed["weight"], packed["scales"])
         out = op(x, *args)
-        assert torch.allclose(out, x @ quant.dequantize(scheme, packed, 6, 64).T, atol=1e-5)
+        assert torch.allclose(out, x @ quant.dequantize(scheme, packed, 6, k).T, atol=1e-5)
         assert op(x.half(), *args).dtype == torch.float16
         with pytest.raises(ValueError, match="features"):
             op(x[:, :32], *args)
         emb = resolve_op(fmt.embedding_op)
         ids = torch.tensor([[5, 0, 2]])
-        eargs = (packed["weight"], ids, 6, 64, torch.float32) if fmt.family == "ggml" else \
+        eargs = (packed["weight"], ids, 6, k, torch.float32) if fmt.family == "ggml" else \
             (packed["weight"], packed["scales"], ids, torch.float32)
-        assert torch.equal(emb(*eargs), quant.dequantize(scheme, packed, 6, 64)[ids])
+        assert torch.equal(emb(*eargs), quant.dequantize(scheme, packed, 6, k)[ids])
         with pytest.raises(ValueError, match="outside"):
             bad = list(eargs)
             bad[1 if fmt.family == "ggml" else 2] = torch.tensor([6])
             emb(*bad)
     with pytest.raises(ValueError, match="holds 54 int32 words"):  # a packed tensor of the wrong size
-        resolve_op("tapml.q4_0_linear.default")(x, torch.zeros(53, dtype=torch.int32), 6, 64)
+        resolve_op("tapml.q4_0_linear.default")(torch.randn(3, 64), torch.zeros(53, dtype=torch.int32), 6, 64)
     for name in ("tapml.q4_0_linear.Tensor", "tapml.linear.default", "tapml.q4_0_linear.default.x", "evil.q4_0.default"):
         with pytest.raises(ValueError, match="refused"):
             resolve_op(name)
@@ -118,7 +119,7 @@ def test_quantized_llama_holds_packed_ops_and_runs_the_same_codes(tmp_path):
 
 def test_bad_quantize_input_exits_2(tmp_path):
     r = tapml("generate", "zoo:tiny-llama", "--quantize", "q5_1")
-    assert r.exit_code == 2 and "choose one of q4_0, q8_0, q4f16_1, q4f32_1" in r.output
+    assert r.exit_code == 2 and "choose one of q4_0, q8_0, q5_0, q4_k, q4f16_1, q4f32_1, int8, int4" in r.output
     r = tapml("carve", "zoo:cnn", "--quantize", "q8_0", "-o", tmp_path / "cnn")
     assert r.exit_code == 2 and "rows of 16 weights" in r.output and "groups of 32" in r.output
     assert not (tmp_path / "cnn").exists()

@@ -137,6 +137,73 @@ class Q8_0(GgmlBlocks):
         return [(f"4 * {j} + {t}", f"f32({signed_byte(word, t)})") for t in range(4)]
 
 
+class Q5_0(GgmlBlocks):
+    """``block_q5_0``: 4 bytes of fifth bits (bit i of the u32: weight i), then 16 bytes of codes
+    whose low nibbles are weights 0..15 and high nibbles 16..31; q - 16. A code word is carried with
+    the block's fifth bits as a ``vec2<u32>``."""
+
+    words_per_group, zero = 4, 16
+
+    def word(self, k, n, g, j):
+        base = self.block_byte(k, n, g)
+        codes = u32_at_even_byte(k, self.values[0], f"{base} + 6 + 4 * {j}")
+        fifth = u32_at_even_byte(k, self.values[0], f"{base} + 2")
+        return k.let(f"vec2<u32>({codes}, {fifth})", "vec2<u32>")
+
+    def codes(self, word, j):
+        out = []
+        for t in range(4):
+            for half in (0, 1):  # low nibble: weight 4j + t; high: 16 + 4j + t
+                position = f"{16 * half} + 4 * {j} + {t}"
+                bit = f"((({word}.y >> u32({position})) & 1u) << 4u)"
+                out.append((position, self.weight(f"({nibble(word + '.x', 2 * t + half)} | {bit})")))
+        return out
+
+
+class Q4_K(GgmlBlocks):
+    """``block_q4_K``: super-blocks of 256 weights (144 bytes, word-aligned): float16 ``d`` and
+    ``dmin``, 12 bytes of the 6-bit scales and mins of its 8 groups of 32 (``get_scale_min_k4``),
+    then 128 bytes of codes, 32 bytes per two groups (low nibbles the first, high the second);
+    ``w = d * sc * q - dmin * m``. :meth:`scale` works out a group's ``d * sc`` and ``dmin * m``
+    once; the code words carry them (``vec4<u32>``: the word, both as f32 bits, the nibble half)."""
+
+    words_per_group, zero = 8, 0
+
+    def __init__(self, fmt, rows, cols, values):
+        super().__init__(fmt, rows, cols, values)
+        self.factors: dict[tuple[str, str], tuple[str, str]] = {}
+
+    def super_byte(self, k, n, g):
+        return k.let(f"({n} * {self.groups // 8} + {g} / 8) * {self.fmt.block_bytes}", "i32")
+
+    def scale_byte(self, k, base: str, i: str) -> str:
+        word = word_at(k, self.values[0], k.let(f"({base} + 4 + {i}) >> 2u", "i32"))
+        return k.let(f"(({word} >> (u32(({base} + 4 + {i}) & 3) * 8u)) & 255u)", "u32")
+
+    def scale(self, k, n, g):
+        base = self.super_byte(k, n, g)
+        s = k.let(f"{g} % 8", "i32")
+        halves = k.let(f"unpack2x16float({word_at(k, self.values[0], k.let(f'{base} >> 2u', 'i32'))})", "vec2<f32>")
+        low = [self.scale_byte(k, base, f"{s} % 4"), self.scale_byte(k, base, f"{s} % 4 + 4")]
+        high = self.scale_byte(k, base, f"{s} % 4 + 8")
+        sc = k.let(f"select(({high} & 15u) | (({low[0]} >> 6u) << 4u), {low[0]} & 63u, {s} < 4)", "u32")
+        m = k.let(f"select(({high} >> 4u) | (({low[1]} >> 6u) << 4u), {low[1]} & 63u, {s} < 4)", "u32")
+        self.factors[(n, g)] = (k.let(f"{halves}.x * f32({sc})", "f32"), k.let(f"{halves}.y * f32({m})", "f32"))
+        return "1.0"
+
+    def word(self, k, n, g, j):
+        step, offset = self.factors[(n, g)]
+        base = self.super_byte(k, n, g)
+        s = k.let(f"{g} % 8", "i32")
+        codes = word_at(k, self.values[0], k.let(f"({base} + 16 + 32 * ({s} / 2) + 4 * {j}) >> 2u", "i32"))
+        return k.let(f"vec4<u32>({codes}, bitcast<u32>({step}), bitcast<u32>({offset}), u32({s} & 1) * 4u)",
+                     "vec4<u32>")
+
+    def codes(self, word, j):
+        return [(f"4 * {j} + {t}", f"(bitcast<f32>({word}.y) * f32(({word}.x >> ({8 * t}u + {word}.w)) & 15u) "
+                                   f"- bitcast<f32>({word}.z))") for t in range(4)]
+
+
 class MlcGroups(PackedLayout):
     """MLC-LLM's group quantization (group_quantization.py): codes ``[N, K/8]``, eight per word
     lowest nibble first, ``q - 7``; scales ``[N, K/32]``."""
@@ -155,15 +222,16 @@ class MlcGroups(PackedLayout):
         return [(f"8 * {j} + {t}", self.weight(nibble(word, t))) for t in range(8)]
 
 
-LAYOUTS = {"q4_0": Q4_0, "q8_0": Q8_0, "q4f16_1": MlcGroups, "q4f32_1": MlcGroups}
+LAYOUTS = {"q4_0": Q4_0, "q8_0": Q8_0, "q5_0": Q5_0, "q4_k": Q4_K, "q4f16_1": MlcGroups, "q4f32_1": MlcGroups}
 
 
 def layout_of(scheme: str, packed: list[Value], rows: int, cols: int) -> PackedLayout:
     """The :class:`PackedLayout` of ``packed`` (ggml: ``[weight]``, mlc: ``[codes, scales]``),
     or Unsupported saying how its sizes disagree with a ``[rows, cols]`` weight."""
     fmt = FORMATS[scheme]
-    if rows < 0 or cols <= 0 or cols % GROUP:
-        raise Unsupported(f"{scheme}: a weight of {rows}x{cols} does not split into groups of {GROUP} along its rows")
+    if rows < 0 or cols <= 0 or cols % fmt.block_elems:
+        raise Unsupported(f"{scheme}: a weight of {rows}x{cols} does not split into blocks of {fmt.block_elems} "
+                          "along its rows")
     if fmt.family == "ggml":
         want = ggml_words(rows, cols, fmt)
         if packed[0].shape != (want,):
@@ -322,6 +390,14 @@ def edge_packed(scheme: str, weight: torch.Tensor) -> dict:
     packed = quantize_weight(w, scheme)
     G = w.shape[1] // GROUP
     fmt = FORMATS[scheme]
+    if scheme == "q4_k":  # super-blocks: row 0's first of the largest everything, row 1's first all zero
+        raw = ggml_bytes(packed["weight"]).clone()
+        first = raw[:fmt.block_bytes]
+        first[:4] = torch.tensor([0xFF, 0x7B, 0x00, 0x80], dtype=torch.uint8)  # d 65504, dmin -0.0
+        first[4:] = 0xFF  # sc = m = 63, every code 15
+        per_row = w.shape[1] // fmt.block_elems * fmt.block_bytes
+        raw[per_row:per_row + fmt.block_bytes] = 0
+        return {"weight": ggml_tensor(raw.numpy().tobytes())}
     if fmt.family == "ggml":
         raw = ggml_bytes(packed["weight"]).clone()
         bb = fmt.block_bytes
@@ -371,13 +447,21 @@ def linear_samples(scheme: str):
                                  (3, 9, 64, True, torch.float32), (17, 67, 96, False, torch.float32),
                                  (1, 6, 96, True, torch.float16), (17, 5, 64, False, torch.float16),
                                  (3, 3, 4096, False, torch.float32)]:
+        k = _whole_blocks(scheme, k)
         packed = quantize_weight(weight(n, k), scheme)
         b = torch.randn(n, generator=gen).to(dtype) if bias else None
         out.append(_linear_args(scheme, _x(m, k, dtype), packed, n, k, b))
-    x = _x(6, 96, small=True).reshape(2, 3, 96)
-    out.append(_linear_args(scheme, x, edge_packed(scheme, weight(4, 96)), 4, 96, torch.randn(4, generator=gen)))
-    out.append(_linear_args(scheme, _x(1, 96, small=True), edge_packed(scheme, weight(3, 96)), 3, 96))
+    k = _whole_blocks(scheme, 96)
+    x = _x(6, k, small=True).reshape(2, 3, k)
+    out.append(_linear_args(scheme, x, edge_packed(scheme, weight(4, k)), 4, k, torch.randn(4, generator=gen)))
+    out.append(_linear_args(scheme, _x(1, k, small=True), edge_packed(scheme, weight(3, k)), 3, k))
     return out
+
+
+def _whole_blocks(scheme: str, k: int) -> int:
+    """``k`` rounded up to whole blocks of ``scheme`` (Q4_K: 256 weights, 512 and up for two or more)."""
+    per = FORMATS[scheme].block_elems
+    return k if per == GROUP else max(per, -(-k // per) * per) * (2 if k == 96 else 1)
 
 
 def embedding_samples(scheme: str):
@@ -390,6 +474,7 @@ def embedding_samples(scheme: str):
                                     (5, 32, torch.tensor([4, 0, 2], dtype=torch.int32), torch.float16, False),
                                     (6, 96, torch.tensor([1, 0, 5, 0]), torch.float32, True),
                                     (4, 96, torch.tensor([[0], [1]]), torch.bfloat16, True)]:
+        k = _whole_blocks(scheme, k)
         w = torch.randn(n, k, generator=gen)
         packed = edge_packed(scheme, w) if edges else quantize_weight(w, scheme)
         if fmt.family == "ggml":

@@ -143,9 +143,6 @@ def command(fn):
         from tapml.errors import TapmlError
         warnings.filterwarnings("ignore")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        import logging  # torchao logs its CUDA kernels that do not load, whoever imports it (transformers does)
-        for name in ("torchao", "torch.utils._pytree"):
-            logging.getLogger(name).setLevel(logging.ERROR)
         from tapml.frontends.checkpoint import remote_code_trusted
         interrupted, restore = _watch_interrupts()
         try:

@@ -144,6 +144,20 @@ def packed_module(module: torch.nn.Module, scheme: str, packed: dict | None = No
     return cls(module, scheme, packed)
 
 
+#: llama.cpp's stand-in for a k-quant whose rows do not split into 256-weight super-blocks
+#: (src/llama-quant.cpp, the fallback when a tensor's row length is not a multiple of QK_K).
+K_QUANT_FALLBACK = {"q4_k": "q5_0"}
+
+
+def row_scheme(scheme: str, cols: int) -> str:
+    """The format a weight with rows of ``cols`` takes under ``scheme``: the scheme itself, or
+    llama.cpp's fallback (:data:`K_QUANT_FALLBACK`) for a k-quant whose super-blocks do not fit."""
+    fmt = FORMATS.get(scheme)
+    if fmt is not None and cols % fmt.block_elems and scheme in K_QUANT_FALLBACK:
+        return K_QUANT_FALLBACK[scheme]
+    return scheme
+
+
 def check_scheme(scheme: str) -> str:
     """``scheme`` when it is one of :data:`SCHEMES`, else TapmlError naming them."""
     if scheme not in SCHEMES:
@@ -176,7 +190,7 @@ def quantize_model(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
         _quantize_with_torchao(model, scheme, targets)
         return model
     for name, m in targets:
-        _replace(model, name, packed_module(m, scheme))
+        _replace(model, name, packed_module(m, row_scheme(scheme, m.weight.shape[1])))
     # tied weights (an LM head sharing the embedding) are now two packed copies; transformers must not re-tie
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "tie_word_embeddings", False):
