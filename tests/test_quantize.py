@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from support import in_chromium, vulkan_or_skip
 from typer.testing import CliRunner
 
 from tapml import quant
@@ -191,3 +192,43 @@ def test_torchao_schemes_run_torchaos_codes_as_one_op_each():
                                       torch.ones(4, 2), torch.zeros(4, 2, dtype=torch.int8), 4, 48, False)
     r = tapml("carve", "zoo:tiny-llama", "--quantize", "int4_g128", "-o", "/nonexistent/never")
     assert r.exit_code == 2 and "groups of 128" in r.output
+
+
+def _migrated_quantized_ops(state) -> set[str]:
+    doc = json.loads(state.read_text())
+    assert doc["passed"] and doc["end_to_end"]["status"] == "pass"
+    return {c["op"] for c in doc["cases"] if c["op"].startswith("tapml.") and c["status"] == "pass"}
+
+
+@pytest.mark.device
+@pytest.mark.slow
+@pytest.mark.xdist_group("wgpu")
+def test_q4_k_model_migrates_whole_on_gl_and_generates_on_vulkan(tmp_path):
+    """`tapml migrate hf:qwen2 --quantize q4_k --target wgpu:gl` (hidden 256: Q4_K super-blocks for most
+    linears, q5_0 for the down projection whose rows of 288 are no whole super-blocks, as llama.cpp falls back) moves every op to
+    llvmpipe; a q4_0 tiny llama generates on lavapipe with every quantized linear a packed kernel."""
+    vulkan_or_skip()
+    state = tmp_path / "s.json"
+    r = tapml("migrate", "hf:qwen2", "--quantize", "q4_k", "--hf-config", "hidden_size=256",
+              "--hf-config", "intermediate_size=288", "--target", "wgpu:gl", "--state", state)
+    assert r.exit_code == 0, r.output
+    assert "100.0%" in r.output
+    assert {"tapml.q4_k_linear.default", "tapml.q4_k_embedding.default",
+            "tapml.q5_0_linear.default"} <= _migrated_quantized_ops(state)
+    r = tapml("generate", "zoo:tiny-llama", "--quantize", "q4f16_1", "--target", "wgpu:vulkan", "--tokens", "6",
+              "--json", tmp_path / "g.json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "g.json").read_text())
+    assert doc["placement"]["decode"]["fell_back"] == 0 and doc["summary"]["pass"] == 7
+    assert doc["distribution"]["judged"] and doc["distribution"]["status"] == "pass"
+    assert doc["distribution"]["mean_kl"] < 1e-9 and doc["upload_bytes_per_decode_step"] <= 64
+
+
+@pytest.mark.slow
+@in_chromium
+def test_q4_k_model_migrates_whole_in_chromium(tmp_path):
+    """The same quantized qwen2 (hidden 64: every row takes q5_0) migrates whole in headless Chromium."""
+    state = tmp_path / "s.json"
+    r = tapml("migrate", "hf:qwen2", "--quantize", "q4_k", "--target", "browser", "--state", state)
+    assert r.exit_code == 0, r.output
+    assert {"tapml.q5_0_linear.default", "tapml.q5_0_embedding.default"} <= _migrated_quantized_ops(state)
