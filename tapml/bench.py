@@ -338,7 +338,9 @@ class _TorchDecoder:
         from tapml.frontends.models import load_causal_lm
         gen = store.manifest["generation"]
         model = load_causal_lm(spec, tokens=gen["tokens"], prompt_len=gen["prompt_len"], seed=store.manifest["seed"],
-                               hf_config=hf_config, dtype=store.dtype)
+                               hf_config=hf_config, dtype=store.dtype, quantize=store.quantize)
+        from tapml.frontends.quantize import packed_bytes
+        self.weight_bytes = packed_bytes(model)
         # .model: the outer recipe's forward drops cache_position; the exported module takes it
         self.module = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=gen["max_cache_len"],
                                                             device=torch.device("cpu")).model
@@ -373,7 +375,7 @@ class _TorchDecoder:
 def generation_figure(platform, target: str, workdir: Path, spec: str = GENERATION_MODEL, *,
                       tokens: tuple[int, int] = GENERATION_TOKENS, prompt_len: int = GENERATION_PROMPT_LEN,
                       repeat: int = 5, hf_config: dict | None = None, dtype: str = "float32",
-                      prompt_ids: list[int] | None = None) -> dict:
+                      prompt_ids: list[int] | None = None, quantize: str | None = None) -> dict:
     """Decode tokens/s and prefill time of a greedy generation of ``spec`` on the target next to
     torch eager decoding of the same model, prompt and steps on the CPU, and the programs a
     generation compiles for ``tokens[0]`` and ``tokens[1]`` decode steps (static shapes: equal).
@@ -390,6 +392,8 @@ def generation_figure(platform, target: str, workdir: Path, spec: str = GENERATI
     faster); ``prefill`` = target ms over torch ms (below 1: the target prefills faster).
     ``dtype``: the model (and torch's decoding of it) in that dtype. ``prompt_ids``: the prompt's
     token ids (``--prompt``...; ``prompt_len`` is then their number), else random ones.
+    ``quantize``: the model's linears packed in that scheme (torch decodes the same packed model);
+    ``weight_bytes`` says what its weights take (``packed``: codes and scales, ``float``: the rest).
     Example: ``generation_figure(platform, "wgpu:vulkan", Path("/tmp/gen"), tokens=(2, 8))``.
     """
     import statistics
@@ -403,10 +407,10 @@ def generation_figure(platform, target: str, workdir: Path, spec: str = GENERATI
     start = time.perf_counter()
     prompt_len = len(prompt_ids) if prompt_ids else prompt_len
     carve_generation(spec, workdir, tokens=many, prompt_len=prompt_len, hf_config=hf_config, dtype=dtype,
-                     prompt_ids=prompt_ids)
+                     prompt_ids=prompt_ids, quantize=quantize)
     store = CarveStore(workdir)
-    row = {"model": spec, "prompt_len": prompt_len, "tokens": many, "runs": repeat, "statistic": "median",
-           "carve_s": round(time.perf_counter() - start, 3)}
+    row = {"model": spec, "dtype": dtype, "quantize": quantize, "prompt_len": prompt_len, "tokens": many,
+           "runs": repeat, "statistic": "median", "carve_s": round(time.perf_counter() - start, 3)}
     thread_counts = sorted({torch.get_num_threads(), 1}, reverse=True)
     try:
         checked = {n: generate(store, platform, target, tokens=n, localize=False) for n in (few, many)}
@@ -416,6 +420,7 @@ def generation_figure(platform, target: str, workdir: Path, spec: str = GENERATI
                     "upload_bytes_per_decode_step": checked[many]["upload_bytes_per_decode_step"]})
         row["compile_count_flat"] = checked[few]["programs_compiled"] == checked[many]["programs_compiled"]
         ours, theirs = _TargetDecoder(store, platform, many), _TorchDecoder(store, spec, many, hf_config)
+        row["weight_bytes"] = theirs.weight_bytes
         ours(), theirs(thread_counts[0])  # warm-up: compiles, first uploads, allocator
         runs: dict[str, list] = {"target": [], **{str(n): [] for n in thread_counts}}
         loads = []

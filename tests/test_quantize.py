@@ -232,3 +232,25 @@ def test_q4_k_model_migrates_whole_in_chromium(tmp_path):
     r = tapml("migrate", "hf:qwen2", "--quantize", "q4_k", "--target", "browser", "--state", state)
     assert r.exit_code == 0, r.output
     assert {"tapml.q5_0_linear.default", "tapml.q5_0_embedding.default"} <= _migrated_quantized_ops(state)
+
+
+@pytest.mark.device
+@pytest.mark.slow
+@pytest.mark.xdist_group("wgpu")
+def test_bench_generation_times_each_scheme_next_to_the_unquantized_model(tmp_path):
+    """`tapml bench generation --quantize q4_0,q8_0`: the unquantized run and one per scheme, each with
+    its decode tokens/s on lavapipe and in torch, the ratio to the unquantized target run, and what the
+    weights take (packed codes and scales a fraction of the float weights)."""
+    vulkan_or_skip()
+    r = tapml("bench", "generation", "--target", "wgpu:vulkan", "--tokens", "1,3", "--repeat", "1",
+              "--quantize", "q4_0,q8_0", "--json", tmp_path / "b.json")
+    assert r.exit_code == 0, r.output
+    assert "decode by weight format" in r.output
+    doc = json.loads((tmp_path / "b.json").read_text())
+    runs = {run["quantize"]: run for run in doc["quantized"]}
+    assert set(runs) == {"q4_0", "q8_0"} and doc["quantize"] is None
+    for run in runs.values():
+        assert run["passed"] and run["decode_tokens_per_s"]["target"] > 0 and run["decode_vs_unquantized"] > 0
+        assert run["upload_bytes_per_decode_step"] <= 64  # packed weights stay on the device
+    float_bytes = doc["weight_bytes"]["float"] + doc["weight_bytes"]["packed"]
+    assert runs["q4_0"]["weight_bytes"]["packed"] < runs["q8_0"]["weight_bytes"]["packed"] < float_bytes / 3

@@ -9,7 +9,7 @@ import typer
 
 from tapml.cli.common import (EXIT_FINDING, EXIT_OK, ChatOpt, DtypeOpt, JsonOpt, PromptFileOpt, PromptIdsOpt, PromptOpt,
                               QuietOpt, TokenFileOpt, TrustRemoteCodeOpt, app, check_dtype, command, console, fail, out,
-                              read_prompt, write_json)
+                              read_prompt, write_json, check_quantize)
 from tapml.cli.migrate import HfConfigOpt
 
 GenerationModelOpt = typer.Option("zoo:tiny-llama", "--generation-model",
@@ -334,6 +334,9 @@ def generation(target: str = typer.Option("wgpu", "--target", "-t", help="Target
                prompt: Optional[str] = PromptOpt, prompt_file: Optional[str] = PromptFileOpt, chat: bool = ChatOpt,
                prompt_ids: Optional[str] = PromptIdsOpt,
                repeat: int = typer.Option(5, "--repeat", help="Alternated target and torch runs (the median is kept)"),
+               quantize: Optional[str] = typer.Option(None, "--quantize", help="SCHEME[,SCHEME...]: also time the "
+                                                      "model with its linears packed in each scheme (tapml carve "
+                                                      "--quantize), next to the unquantized --dtype run"),
                token_file: Optional[str] = TokenFileOpt,
                trust_remote_code: bool = TrustRemoteCodeOpt,
                json_out: Optional[str] = JsonOpt):
@@ -359,14 +362,19 @@ def generation(target: str = typer.Option("wgpu", "--target", "-t", help="Target
     prompt_len = len(ids) if ids else 8 if prompt_len is None else prompt_len
     overrides = parse_hf_overrides(hf_config)
     dtype = check_dtype(dtype, model) or "float32"
+    schemes = [check_quantize(s.strip(), model) for s in quantize.split(",")] if quantize else []
     _check_json_dir(json_out)
     check_models((), model, overrides, tokens=int(many), prompt_len=prompt_len, dtype=dtype)
     with tempfile.TemporaryDirectory(prefix="tapml-bench-") as tmp, \
             open_target(target, token=read_token(token_file)) as platform:
-        figure = generation_figure(platform, target, Path(tmp) / "store", model, tokens=(int(few), int(many)),
-                                   prompt_len=prompt_len, repeat=repeat,
-                                   hf_config=overrides or None, dtype=dtype, prompt_ids=ids)
+        runs = [generation_figure(platform, target, Path(tmp) / f"store{i}", model, tokens=(int(few), int(many)),
+                                  prompt_len=prompt_len, repeat=repeat, hf_config=overrides or None, dtype=dtype,
+                                  prompt_ids=ids, quantize=scheme)
+                for i, scheme in enumerate([None, *schemes])]
+    figure = runs[0]
     figure["target"] = target
+    if schemes:
+        figure["quantized"] = [{**run, "decode_vs_unquantized": _quantized_ratio(run, figure)} for run in runs[1:]]
     if json_out:
         write_bench(figure, json_out)
     if json_out != "-":
@@ -378,8 +386,34 @@ def generation(target: str = typer.Option("wgpu", "--target", "-t", help="Target
         for row in _generation_rows(figure):
             table.add_row(*row)
         out.print(table)
-    ok = not figure.get("error") and figure["passed"] and figure["compile_count_flat"]
+        if schemes:
+            _print_quantized(figure, dtype)
+    ok = all(not run.get("error") and run["passed"] and run["compile_count_flat"] for run in runs)
     raise typer.Exit(EXIT_OK if ok else EXIT_FINDING)
+
+
+def _quantized_ratio(run: dict, unquantized: dict):
+    """Decode tokens/s of a quantized run over the unquantized one's, on the target (None if either failed)."""
+    a = (run.get("decode_tokens_per_s") or {}).get("target")
+    b = (unquantized.get("decode_tokens_per_s") or {}).get("target")
+    return round(a / b, 4) if a and b else None
+
+
+def _print_quantized(figure: dict, dtype: str) -> None:
+    """One row per run: decode tokens/s on the target and in torch, the ratio to the unquantized
+    run, and the bytes its weights take (medians of the alternated rounds; load average beside)."""
+    from rich.table import Table
+    table = Table(title=f"decode by weight format on {figure['target']} ({dtype} activations)")
+    for col in ("weights", "target tok/s", "torch tok/s", "vs unquantized", "weight bytes", "load avg"):
+        table.add_column(col, justify="left" if col == "weights" else "right")
+    for run in [figure, *figure["quantized"]]:
+        tps = run.get("decode_tokens_per_s") or {}
+        wb = run.get("weight_bytes") or {}
+        ratio = "1" if run is figure else ("-" if run.get("decode_vs_unquantized") is None
+                                           else f"{run['decode_vs_unquantized']:.3g}")
+        table.add_row(run.get("quantize") or dtype, _num(tps.get("target")), _num(tps.get("torch")), ratio,
+                      str(wb.get("packed", 0) + wb.get("float", 0)) if wb else "-", _num(run.get("load_avg_median")))
+    out.print(table)
 
 
 @bench_app.command()
