@@ -155,6 +155,18 @@ def check_store_dtype(store: CarveStore, dtype: str | None) -> None:
                          f"--dtype out, or carve the model again with --dtype {dtype}")
 
 
+def _model_inputs(graph) -> list:
+    """The graph's inputs less the packed weights and scales of quantized ops (q4f16_1's float16
+    scales are the format's, not the model's dtype)."""
+    packed = set()
+    for n in graph.nodes:
+        if n.op.startswith("tapml."):
+            refs = n.input_refs
+            packed.update(refs[1:] if n.op.endswith("_linear.default") else refs[:-1] if "embedding" in n.op else refs)
+    used_elsewhere = {r for n in graph.nodes if not n.op.startswith("tapml.") for r in n.input_refs}
+    return [(ref, meta) for ref, meta in graph.inputs if ref not in packed or ref in used_elsewhere]
+
+
 def _carve_into(spec: str, out: Path, *, seed: int, device: str, hf_config: dict | None, shard_bytes: int,
                 on_start: Callable[[int], None] | None, on_node: Callable[[str], None] | None,
                 dtype: str = "float32", quantize: str | None = None) -> dict:
@@ -208,7 +220,7 @@ def _carve_into(spec: str, out: Path, *, seed: int, device: str, hf_config: dict
         "model": spec, "hf_config": hf_config or {}, "torch_version": torch.__version__,
         "reference_device": device, "seed": seed,
         # float32 asked of a model that is low-precision itself (a .pt2, a factory): its own dtype
-        "dtype": dtype if dtype != "float32" else graph_dtype(Graph(inputs=graph.inputs, nodes=[], outputs=[])),
+        "dtype": dtype if dtype != "float32" else graph_dtype(Graph(inputs=_model_inputs(graph), nodes=[], outputs=[])),
         **({"quantize": quantize} if quantize else {}),
         "graph_inputs": graph_json["inputs"], "nodes": graph_json["nodes"], "graph_outputs": graph_json["outputs"],
         "program_inputs": stored_inputs, "model_outputs": model_outputs, "cases": interp.cases,

@@ -98,7 +98,7 @@ def test_quantized_llama_holds_packed_ops_and_runs_the_same_codes(tmp_path):
     out_dir = tmp_path / "store"
     assert tapml("carve", "zoo:tiny-llama", "--quantize", "q4f16_1", "-o", out_dir).exit_code == 0
     store = CarveStore(out_dir)
-    assert store.quantize == "q4f16_1"
+    assert store.quantize == "q4f16_1" and store.dtype == "float32"  # float16 scales are the format's
     ops = {n.op for n in store.graph.nodes}
     assert {"tapml.q4f16_1_linear.default", "tapml.q4f16_1_embedding.default"} <= ops
     assert not {"aten.mm.default", "aten.addmm.default", "aten.embedding.default"} & ops
