@@ -2,7 +2,7 @@
 CPU ops, the op stage naming planted kernel bugs, and the weight staying packed on the device.
 
 The registry's own device tiers (tests/test_wgsl_ops.py on lavapipe and llvmpipe GL, tests/test_browser.py
-in Chromium, tests/test_split.py with split bindings) run every sample of the eight ops as well.
+in Chromium, tests/test_split.py with split bindings) run every sample of the nine ops as well.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from tapml.platforms.wgsl import compile_graph, load_lowerings
 from tapml.platforms.wgsl import quant as wgsl_quant
 from tapml.platforms.wgsl.codegen import LOOP_BUDGET
 from tapml.platforms.wgsl.registry import case_graph, node_flops, sample_cases
-from tapml.quant import FORMATS, dequantize, ggml_bytes, quantize_weight
+from tapml.quant import FORMATS, INTX_LINEAR, dequantize, ggml_bytes, pack_codes, quantize_per_token_int8, quantize_weight
 from support import own_wgpu, store_from_source
 
 REGISTRY = load_lowerings()
@@ -35,6 +35,16 @@ def _linear_case(scheme: str, m: int, n: int, k: int, seed: int = 0):
     if FORMATS[scheme].family == "ggml":
         return case_graph(FORMATS[scheme].linear_op, [x, packed["weight"], n, k])
     return case_graph(FORMATS[scheme].linear_op, [x, packed["weight"], packed["scales"]])
+
+
+def _intx_case(bits: int, group: int, m: int, n: int, k: int, dynamic: bool, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    lo = -(1 << (bits - 1))
+    codes = torch.randint(lo, -lo, (n, k), generator=gen)
+    scale = torch.rand(n, k // group, generator=gen) * 0.1 + 0.01
+    zero_point = torch.randint(lo, -lo, (n, k // group), generator=gen).to(torch.int8)
+    x = torch.randn(m, k, generator=gen)
+    return case_graph(INTX_LINEAR, [x, pack_codes(codes, bits), scale, zero_point, bits, group, dynamic])
 
 
 # --- fast: the formats' bits and what the compiler emits ------------------------------------------
@@ -129,6 +139,8 @@ def test_device_kernels_match_the_cpu_ops_with_outputs_poisoned(guarded_vulkan):
     platform = guarded_vulkan
     cases = [(op, *case) for op in QUANT_OPS for case in sample_cases(op)]
     cases += [(f"{s} K={k}", *_linear_case(s, m, 3, k)) for s in ("q4_0", "q4f16_1") for k, m in ((11008, 1), (14336, 2))]
+    cases += [(f"intx {bits}-bit g{group} dynamic={dynamic} M={m}", *_intx_case(bits, group, m, 3, 11008, dynamic))
+              for bits, group, m, dynamic in ((4, 32, 1, True), (4, 32, 2, True), (8, 11008, 1, False), (4, 128, 2, False))]
     for name, graph, inputs in cases:
         out = platform.run(platform.compile(graph), inputs)[0]
         ref = run_node(graph.nodes[0], dict(zip([r for r, _ in graph.inputs], inputs)).__getitem__)[0]
@@ -145,15 +157,47 @@ def test_device_kernels_match_the_cpu_ops_with_outputs_poisoned(guarded_vulkan):
     assert written.any() and not written.all()  # the first workgroup's columns only: the rest is poison
 
 
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+def test_per_token_int8_codes_on_the_device_are_torchaos(guarded_vulkan):
+    """8da4w's activation quantization on lavapipe gives exactly torchao's codes: through an identity
+    weight of 8-bit codes (scale 1, zero point 0) intx_linear returns the quantized-then-dequantized input
+    itself, compared bit for bit with ``quantize_per_token_int8`` on every dynamic registry sample's input
+    (an all-zero row, one huge value, a row of exact .5 ties that round to even) and rows spanning six
+    decades, whole rows of 4096 included; the stats kernel's temp buffer is the only one added."""
+    platform = guarded_vulkan
+    xs = [args[0].reshape(-1, args[0].shape[-1]).float() for args, _ in wgsl_quant.intx_samples() if args[6]]
+    gen = torch.Generator().manual_seed(5)
+    xs.append(torch.randn(32, 128, generator=gen) * torch.logspace(-3, 3, 32).unsqueeze(1))
+    ties = wgsl_quant.intx_edge_input(torch.ones(3, 64))[2:]
+    assert (torch.frac((ties * 16).abs()[:, 2:]) == 0.5).all()  # every value a tie, as the docstring says
+    compared = 0
+    for x in xs + [ties]:
+        K = x.shape[1]
+        picked = torch.arange(0, K, max(1, K // 128))  # columns to read back (the whole row sets the scale)
+        eye = torch.zeros(len(picked), K, dtype=torch.int64)
+        eye[torch.arange(len(picked)), picked] = 1
+        graph, inputs = case_graph(INTX_LINEAR, [x, pack_codes(eye, 8), torch.ones(len(picked), 1),
+                                                 torch.zeros(len(picked), 1, dtype=torch.int8), 8, K, True])
+        program = platform.compile(graph)
+        assert [b.meta.shape for b in program.buffers if b.role == "temp"] == [(x.shape[0], 2)]
+        out = platform.run(program, inputs)[0]
+        expected = quantize_per_token_int8(x)[:, picked]
+        assert torch.equal(out, expected), f"{tuple(x.shape)}: {int((out != expected).sum())} codes differ"
+        compared += out.numel()
+    assert compared > 5000
+
+
 # --- the op stage names planted kernel bugs -----------------------------------------------------
 
 QUANT_MODEL = '''
 import torch
-from tapml.quant import define_ops, quantize_weight
+from tapml.quant import define_ops, pack_codes, quantize_weight
 
 
 class QuantModel(torch.nn.Module):
-    """An embedding and three linears, one per packed format, as a quantized model holds them."""
+    """An embedding and four linears, one per packed format (torchao's 8da4w the fourth), as a quantized
+    model holds them."""
 
     def __init__(self):
         super().__init__()
@@ -166,12 +210,16 @@ class QuantModel(torch.nn.Module):
         mlc = quantize_weight(w41, "q4f16_1")
         self.register_buffer("w41", mlc["weight"])
         self.register_buffer("s41", mlc["scales"])
+        self.register_buffer("wx", pack_codes(torch.randint(-8, 8, (8, 16), generator=gen), 4))
+        self.register_buffer("sx", torch.rand(8, 1, generator=gen) * 0.1 + 0.01)
+        self.register_buffer("zx", torch.randint(-8, 8, (8, 1), generator=gen).to(torch.int8))
 
     def forward(self, ids):
         h = torch.ops.tapml.q4_0_embedding(self.table, ids, 12, 64, torch.float32)
         a = torch.ops.tapml.q4_0_linear(h, self.w40, 32, 64)
         b = torch.ops.tapml.q8_0_linear(h, self.w80, 32, 64)
-        return torch.ops.tapml.q4f16_1_linear(torch.cat([a, b], -1), self.w41, self.s41)
+        c = torch.ops.tapml.q4f16_1_linear(torch.cat([a, b], -1), self.w41, self.s41)
+        return torch.ops.tapml.intx_linear(c, self.wx, self.sx, self.zx, 4, 16, True)
 
 
 def factory():
@@ -181,6 +229,10 @@ def factory():
 
 def _swapped_nibbles(word: str, i: int) -> str:
     return f"(({word} >> {4 * (i ^ 1)}u) & 15u)"  # the two nibbles of each byte read the wrong way round
+
+
+def _zero_extended(word: str, i: int, bits: int) -> str:
+    return f"bitcast<i32>(({word} >> {bits * i}u) & {(1 << bits) - 1}u)"  # the sign extension dropped
 
 
 def _scale_of_the_next_group(original):
@@ -199,6 +251,10 @@ PLANTED = {  # fault -> (how to plant it, the ops whose cases it must fail)
                                              for cls in (wgsl_quant.GgmlBlocks, wgsl_quant.MlcGroups)],
                                  {"tapml.q4_0_embedding.default", "tapml.q4_0_linear.default",
                                   "tapml.q8_0_linear.default", "tapml.q4f16_1_linear.default"}),
+    "sign extension dropped": (lambda mp: mp.setattr(wgsl_quant, "signed_code", _zero_extended),
+                               {"tapml.q8_0_linear.default", "tapml.intx_linear.default"}),
+    "intx zero point ignored": (lambda mp: mp.setattr(wgsl_quant.IntxGroups, "zero_point", lambda self, k, n, g: "0"),
+                                {"tapml.intx_linear.default"}),
 }
 
 
@@ -211,13 +267,14 @@ def quant_store(tmp_path_factory):
 @pytest.mark.xdist_group("wgpu")
 def test_the_op_stage_names_each_planted_kernel_bug(guarded_vulkan, quant_store, monkeypatch):
     """Replay of a carved model holding the packed-weight ops: it passes as lowered, and each bug planted
-    into the lowering (wrong nibble order, an off-by-one zero point, the scale of the wrong group) makes
+    into the lowering (wrong nibble order, an off-by-one zero point, the scale of the wrong group, the
+    sign extension of signed codes dropped, torchao's zero points ignored) makes
     exactly the cases of the ops it touches mismatch, each verdict naming its op and node."""
     from tapml.driving.replay import replay
     platform = guarded_vulkan
     ops = {c["op"] for c in quant_store.cases}
     assert {"tapml.q4_0_embedding.default", "tapml.q4_0_linear.default", "tapml.q8_0_linear.default",
-            "tapml.q4f16_1_linear.default"} <= ops
+            "tapml.q4f16_1_linear.default", "tapml.intx_linear.default"} <= ops
 
     def verdicts():
         platform.__dict__.pop("_compiled", None)  # compiled programs are kept by graph: compile again

@@ -577,12 +577,17 @@ def intx_edge_weight(codes: torch.Tensor, zero_point: torch.Tensor, bits: int) -
 
 
 def intx_edge_input(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (``[M >= 2, K]``) with row 0 all zero and row 1 small but for one huge value (1000 at
-    its fourth element: per token, every other value of that row rounds to the zero point)."""
+    """``x`` (``[M >= 3, K >= 2]``) with row 0 all zero, row 1 small but for one huge value (1000 at
+    its fourth element: per token, every other value of that row rounds to the zero point), and row 2
+    of exact ties: from -8 to 7.9375, so that the per-token scale is 1/16 and the zero point 0, its
+    other values ``(j + 0.5) / 16``, each ``x * (1 / scale)`` a half that rounds to even."""
     x = x.clone()
     x[0] = 0
     x[1] = x[1] * 0.01
     x[1, 3] = 1000.0
+    halves = torch.arange(x.shape[1]) % 255 - 127.5
+    x[2] = (halves / 16).to(x.dtype)
+    x[2, 0], x[2, 1] = -8.0, 7.9375
     return x
 
 
