@@ -87,12 +87,21 @@ def test_kernels_count_their_loops_within_the_budget_and_pick_gemv_or_gemm():
         assert all(kern.loop_iterations == 0 for kern in compile_graph(graph, VULKAN_CAPS).kernels)
         graph, _ = _linear_case(scheme, 5, 3, 64)
         assert node_flops(graph.nodes[0], graph.meta) == 2 * 5 * 3 * 64  # a matrix product's 2·M·N·K
+    for bits, group, dynamic in ((4, 32, True), (4, 128, False), (8, None, False)):
+        for k in (4096, 11008, 14336):
+            for m, path in ((1, "gemv"), (17, "gemm")):
+                kernels = compile_graph(_intx_case(bits, group or k, m, 3, k, dynamic)[0], VULKAN_CAPS).kernels
+                assert [kern.name.rsplit("_", 1)[0] for kern in kernels] == ["per_token_int8"] * dynamic + [f"intx_{path}"]
+                assert all(0 < kern.loop_iterations <= LOOP_BUDGET for kern in kernels), (bits, group, k, m)
+    graph, _ = _intx_case(4, 32, 5, 3, 64, True)
+    assert node_flops(graph.nodes[0], graph.meta) == 2 * 5 * 3 * 64
 
 
 def test_the_device_holds_the_packed_weight_and_no_float_copy():
     """The weight's buffer of a q4_0 linear is its blocks' bytes (N*K/32 blocks of 18 bytes, rounded up
     to a word), and no buffer of the program could hold a float copy: every buffer is an input as sent,
-    or the output. The same for each format's linear and embedding."""
+    or the output. The same for each format's linear and embedding; torchao's codes (intx_linear) are
+    their packed words, and 8da4w adds only each row's scale and zero point."""
     n, k, m = 40, 4096, 3
     graph, inputs = _linear_case("q4_0", m, n, k)
     program = compile_graph(graph, VULKAN_CAPS)
@@ -109,6 +118,15 @@ def test_the_device_holds_the_packed_weight_and_no_float_copy():
             held = sorted(b.size for b in program.buffers if b.role == "input")
             assert held == sent, (scheme, held, sent)
             assert [b.role for b in program.buffers].count("temp") == 0
+    for bits, group, dynamic in ((4, 32, True), (8, k, False)):
+        graph, inputs = _intx_case(bits, group, m, n, k, dynamic)
+        program = compile_graph(graph, VULKAN_CAPS)
+        sizes = {name: next(b.size for b in program.buffers if b.name == name) for name in program.inputs}
+        assert sizes[program.inputs[1]] == n * k * bits // 8 == inputs[1].numel() * 4  # the codes as packed
+        assert sizes[program.inputs[3]] == n * (k // group) * 4  # int8 zero points held as i32
+        temps = [b.meta.shape for b in program.buffers if b.role == "temp"]
+        assert temps == ([(m, 2)] if dynamic else [])  # 8da4w: each row's scale and zero point, nothing more
+        assert sum(b.size for b in program.buffers) < n * k * 2 + m * k * 4 + m * n * 4  # no float16 weight copy fits
 
 
 def test_packed_sizes_that_disagree_are_unsupported_with_the_reason():
@@ -291,3 +309,30 @@ def test_the_op_stage_names_each_planted_kernel_bug(guarded_vulkan, quant_store,
             if v["op"] in broken:
                 assert v["status"] == "mismatch" and v["node"] and v["max_abs_err"] > 0, (fault, v)
     assert all(v["status"] == "pass" for v in verdicts())  # nothing planted is left behind
+
+
+# --- whole model: torchao's schemes generate on the device, every node there ----------------------
+
+@pytest.mark.slow
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+def test_torchao_schemes_generate_on_vulkan_with_no_node_falling_back(tmp_path):
+    """`tapml generate zoo:tiny-llama --quantize int4|8da4w --target wgpu:vulkan --tokens 4` exits 0 with
+    every prefill and decode node on the target: the intx linears run as packed-weight kernels (8da4w's
+    per-token quantization on the device too), every step passes and the tokens are the reference's."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from tapml.cli import app
+    for scheme in ("int4", "8da4w"):
+        report = tmp_path / f"{scheme}.json"
+        r = CliRunner().invoke(app, ["generate", "zoo:tiny-llama", "--quantize", scheme, "--target", "wgpu:vulkan",
+                                     "--tokens", "4", "--json", str(report)])
+        assert r.exit_code == 0, r.output
+        doc = json.loads(report.read_text())
+        for stage in ("prefill", "decode"):
+            placement = doc["placement"][stage]
+            assert placement["fell_back"] == 0 and placement["on_target"] == placement["nodes"] > 0, (scheme, placement)
+        assert doc["target_tokens"] == doc["reference_tokens"] and len(doc["steps"]) == 5
+        assert all(step["status"] == "pass" for step in doc["steps"]), scheme
