@@ -14,8 +14,14 @@ point) -- the one piece of code that knows the format's bits, shared by all thre
 - **embedding**: one thread per code word of a picked row writes the word's weights (indices
   clamped into range, as :mod:`tapml.platforms.wgsl.index` does).
 
+torchao's codes (``tapml.intx_linear``, :class:`IntxGroups`) are one more layout: signed 4- and
+8-bit codes, a scale and a zero point per group; with ``dynamic_activation`` (8da4w) a first kernel
+(:func:`per_token_int8`) computes each row's int8 scale and zero point and the product kernel
+quantizes the input as it loads it.
+
 Products and sums are f32 (as the CPU reference: dequantize to float32, float32 product), the
-result is rounded once to the input's dtype. ggml's float16 scales sit inside the blocks and are
+result is rounded once to the input's dtype (``intx_linear``'s reference rounds each weight to the
+input's dtype first, and so does its kernel). ggml's float16 scales sit inside the blocks and are
 read with ``unpack2x16float``, so no kernel needs shader-f16; MLC's scales are a tensor of their
 own, read through the ordinary value readers (f16 or packed f16p storage, whichever the device
 has). Every loop has a known trip count within :data:`~tapml.platforms.wgsl.codegen.LOOP_BUDGET`.
