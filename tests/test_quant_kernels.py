@@ -125,7 +125,7 @@ def test_the_device_holds_the_packed_weight_and_no_float_copy():
         assert sizes[program.inputs[1]] == n * k * bits // 8 == inputs[1].numel() * 4  # the codes as packed
         assert sizes[program.inputs[3]] == n * (k // group) * 4  # int8 zero points held as i32
         temps = [b.meta.shape for b in program.buffers if b.role == "temp"]
-        assert temps == ([(m, 2)] if dynamic else [])  # 8da4w: each row's scale and zero point, nothing more
+        assert temps == ([(m, 3)] if dynamic else [])  # 8da4w: each row's scale and zero point, nothing more
         assert sum(b.size for b in program.buffers) < n * k * 2 + m * k * 4 + m * n * 4  # no float16 weight copy fits
 
 
@@ -198,12 +198,52 @@ def test_per_token_int8_codes_on_the_device_are_torchaos(guarded_vulkan):
         graph, inputs = case_graph(INTX_LINEAR, [x, pack_codes(eye, 8), torch.ones(len(picked), 1),
                                                  torch.zeros(len(picked), 1, dtype=torch.int8), 8, K, True])
         program = platform.compile(graph)
-        assert [b.meta.shape for b in program.buffers if b.role == "temp"] == [(x.shape[0], 2)]
+        assert [b.meta.shape for b in program.buffers if b.role == "temp"] == [(x.shape[0], 3)]
         out = platform.run(program, inputs)[0]
         expected = quantize_per_token_int8(x)[:, picked]
         assert torch.equal(out, expected), f"{tuple(x.shape)}: {int((out != expected).sum())} codes differ"
         compared += out.numel()
     assert compared > 5000
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+def test_division_is_moved_to_the_correctly_rounded_quotient(guarded_vulkan):
+    """tap_div_fix, which the per-token kernel's three divisions go through (WGSL lets a division be 2.5
+    ULP off; SwiftShader's is), turns a quotient up to two ULP off either way into torch's float32 a / b,
+    bit for bit: random operands over many binades, quotients at a binade's edge and exact ones."""
+    from tapml.graph import TensorMeta
+    from tapml.platforms.base import BufferSpec, Kernel, KernelProgram
+    from tapml.platforms.wgsl.helpers import HELPERS
+    gen = torch.Generator().manual_seed(9)
+    n = 20000
+    a = torch.exp2(torch.randint(-60, 60, (n,), generator=gen).float()) * (1 + torch.rand(n, generator=gen))
+    b = torch.exp2(torch.randint(-60, 60, (n,), generator=gen).float()) * (1 + torch.rand(n, generator=gen))
+    b[:2000] = 255.0
+    a[2000:3000] = b[2000:3000] * torch.randint(1, 300, (1000,), generator=gen).float()  # exact quotients
+    a[3000:4000] = b[3000:4000] * (2.0 - 2.0 ** -23)  # next to a binade's edge
+    off = torch.randint(-2, 3, (n,), generator=gen).to(torch.int32)  # how many ULP the start is off
+    helpers = [HELPERS[h][1] for h in ("tap_mul_u64", "tap_cmp_scaled", "tap_div_fix")]
+    wgsl = "\n".join(["@group(0) @binding(0) var<storage, read> a: array<f32>;",
+                      "@group(0) @binding(1) var<storage, read> b: array<f32>;",
+                      "@group(0) @binding(2) var<storage, read> off: array<i32>;",
+                      "@group(0) @binding(3) var<storage, read_write> q: array<f32>;", *helpers,
+                      "@compute @workgroup_size(64) fn main(@builtin(global_invocation_id) g: vec3<u32>) {",
+                      f"  let i = g.x; if (i >= {n}u) {{ return; }}",
+                      "  let start = bitcast<f32>(u32(i32(bitcast<u32>(a[i] / b[i])) + off[i]));",
+                      "  q[i] = tap_div_fix(a[i], b[i], start);", "}"])
+    f, i = TensorMeta((n,), "float32"), TensorMeta((n,), "int32")
+    program = KernelProgram(kind="wgsl", inputs=["a", "b", "off"], outputs=["q"],
+                            buffers=[BufferSpec("a", "f32", 4 * n, "input", f), BufferSpec("b", "f32", 4 * n, "input", f),
+                                     BufferSpec("off", "i32", 4 * n, "input", i), BufferSpec("q", "f32", 4 * n, "output", f)],
+                            kernels=[Kernel("div", wgsl, [("a", "read"), ("b", "read"), ("off", "read"), ("q", "read_write")],
+                                            (-(-n // 64), 1, 1))],
+                            input_meta=[f, f, i], output_meta=[f])
+    (q,) = guarded_vulkan.run(program, [a, b, off])
+    expected = a / b
+    wrong = (q.view(torch.int32) != expected.view(torch.int32)).nonzero().flatten()
+    assert not len(wrong), f"{len(wrong)} quotients wrong, e.g. {a[wrong[0]].item()!r} / {b[wrong[0]].item()!r}"
+    assert (off != 0).sum() > n // 2
 
 
 # --- the op stage names planted kernel bugs -----------------------------------------------------

@@ -292,12 +292,14 @@ SMALLEST_NORMAL = 1.1754943508222875e-38
 
 def per_token_int8(pb, x: Value) -> BufferView:
     """Each row's int8 quantization parameters, as :func:`tapml.quant.quantize_per_token_int8`
-    computes them (torchao's int8_asym_per_token), into a ``[M, 2]`` float32 temp buffer
-    (scale, zero point): one workgroup per row, its lanes splitting the row's min and max (a tree in
-    workgroup memory), then in f32 ``lo = min(min x, 0)``, ``hi = max(max x, 0)``,
-    ``scale = max((hi - lo) / 255, smallest normal)``, ``zero = clamp(-128 - round(lo / scale), -128, 127)``."""
+    computes them (torchao's int8_asym_per_token), into a ``[M, 3]`` float32 temp buffer
+    (scale, ``1 / scale``, zero point): one workgroup per row, its lanes splitting the row's min and max
+    (a tree in workgroup memory), then in f32 ``lo = min(min x, 0)``, ``hi = max(max x, 0)``,
+    ``scale = max((hi - lo) / 255, smallest normal)``, ``zero = clamp(-128 - round(lo / scale), -128, 127)``.
+    WGSL lets a division be 2.5 ULP off (Chromium's SwiftShader is, by an ULP or two), so each
+    quotient is moved to the correctly rounded one (``tap_div_rn``): the codes are torch's."""
     M, K = x.shape
-    meta = TensorMeta((M, 2), "float32")
+    meta = TensorMeta((M, 3), "float32")
     out = pb.buffer("temp", meta)
     if M == 0:
         return BufferView.whole(out, meta)
@@ -323,10 +325,12 @@ def per_token_int8(pb, x: Value) -> BufferView:
     lo, hi = combine_lanes(k, WORKGROUP, "lane", "lane", ["lo", "hi"],
                            lambda e, a, b: f"{'min' if e == 0 else 'max'}({a}, {b})")
     k.open(f"if (lane == 0 && row < {M})")
-    k.emit(f"let scale: f32 = max(({hi} - {lo}) / 255.0, {lit(SMALLEST_NORMAL, 'f32')});")
-    k.emit(f"let zero: f32 = clamp(-128.0 - round({lo} / scale), -128.0, 127.0);")
-    k.write(out, "row * 2", "scale", "f32")
-    k.write(out, "row * 2 + 1", "zero", "f32")
+    divide = k.need("tap_div_rn")  # lo <= 0 <= hi: the quotients it takes are of non-negative numbers
+    k.emit(f"let scale: f32 = max({divide}({hi} - {lo}, 255.0), {lit(SMALLEST_NORMAL, 'f32')});")
+    k.emit(f"let zero: f32 = clamp(-128.0 + round({divide}(-{lo}, scale)), -128.0, 127.0);")
+    k.write(out, "row * 3", "scale", "f32")
+    k.write(out, "row * 3 + 1", f"{divide}(1.0, scale)", "f32")
+    k.write(out, "row * 3 + 2", "zero", "f32")
     k.close()
     kern = k.finish(0, workgroup=(WORKGROUP, 1, 1), groups=(gx, -(-M // gx), 1))
     kern.wgsl = kern.wgsl.replace(MAIN, WORKGROUP_IDS)
@@ -377,8 +381,8 @@ def packed_linear(pb, node, name: str, x: Value, packed: list[Value], rows: int,
     rows_read = [k.let(f"min(row0 + {r}, {M - 1})", "i32") for r in range(tm)]
     if stats is not None:
         token_scale = [stats.read(k, [rows_read[r], "0"]) for r in range(tm)]
-        token_zero = [stats.read(k, [rows_read[r], "1"]) for r in range(tm)]
-        token_inverse = [k.let(f"1.0 / {s}", "f32") for s in token_scale]
+        token_inverse = [stats.read(k, [rows_read[r], "1"]) for r in range(tm)]
+        token_zero = [stats.read(k, [rows_read[r], "2"]) for r in range(tm)]
 
     def load_x(r: int, kk: str) -> str:
         v = k.let(cast(x.read(k, [rows_read[r], kk]), x.ty, "f32"), "f32")
