@@ -18,7 +18,8 @@ from tapml.platforms.wgsl import compile_graph, load_lowerings
 from tapml.platforms.wgsl import quant as wgsl_quant
 from tapml.platforms.wgsl.codegen import LOOP_BUDGET
 from tapml.platforms.wgsl.registry import case_graph, node_flops, sample_cases
-from tapml.quant import FORMATS, INTX_LINEAR, dequantize, ggml_bytes, pack_codes, quantize_per_token_int8, quantize_weight
+from tapml.quant import (FORMATS, INTX_LINEAR, dequantize, ggml_bytes, pack_codes, quantize_per_token_int8,
+                         quantize_weight)
 from support import own_wgpu, store_from_source
 
 REGISTRY = load_lowerings()

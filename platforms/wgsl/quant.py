@@ -278,15 +278,15 @@ def combine_lanes(k, lanes: int, lane: str, slot: str, values: list[str],
         k.emit("workgroupBarrier();")
         k.open(f"if ({lane} < {step})")
         for e in range(n):
-            k.emit(f"partial[{base} + {e}] = {combine(e, f'partial[{base} + {e}]', f'partial[{base} + {step * n + e}]')};")
+            joined = combine(e, f"partial[{base} + {e}]", f"partial[{base} + {step * n + e}]")
+            k.emit(f"partial[{base} + {e}] = {joined};")
         k.close()
         step //= 2
     k.emit("workgroupBarrier();")
     return [f"partial[{base} + {e}]" for e in range(n)]
 
 
-#: float32's smallest normal, torchao's floor of a per-token scale (``torch.finfo(torch.float32).eps``
-#: in name only: quant_primitives.py clamps with ``smallest_normal`` for int8_asym_per_token).
+#: float32's smallest normal: the floor of a per-token scale (:func:`tapml.quant.quantize_per_token_int8`).
 SMALLEST_NORMAL = 1.1754943508222875e-38
 
 
@@ -625,7 +625,8 @@ def intx_samples():
         out.append(((x, pack_codes(codes, bits), scale, zero_point, bits, group, dynamic, *b), {}))
 
     for params in [(4, 32, 1, 5, 64, False, torch.float32, False), (4, 128, 3, 9, 256, True, torch.float32, False),
-                   (8, None, 1, 7, 4096, True, torch.float32, False), (8, None, 17, 67, 256, False, torch.float16, False),
+                   (8, None, 1, 7, 4096, True, torch.float32, False),
+                   (8, None, 17, 67, 256, False, torch.float16, False),
                    (4, 32, 17, 5, 64, True, torch.float16, False), (4, 128, 1, 6, 4096, False, torch.float16, False),
                    (4, 32, 1, 3, 4096, False, torch.float32, True), (4, 32, 3, 9, 256, True, torch.float32, True),
                    (4, 128, 17, 6, 256, False, torch.float16, True), (8, None, 3, 5, 64, True, torch.float32, True),
