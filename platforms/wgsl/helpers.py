@@ -446,4 +446,55 @@ fn tap_erfc(x: f32) -> f32 {
   let r = tap_erfcx_pos(abs(x)) * tap_exp_mx2(x);
   return select(r, 2.0 - r, x < 0.0);
 }"""),
+    # a * b of two u32 as 64 bits (lo, hi), from 16-bit halves
+    "tap_mul_u64": ((), """
+fn tap_mul_u64(x: u32, y: u32) -> vec2<u32> {
+  let ll = (x & 0xffffu) * (y & 0xffffu);
+  let lh = (x & 0xffffu) * (y >> 16u);
+  let hl = (x >> 16u) * (y & 0xffffu);
+  let mid = (ll >> 16u) + (lh & 0xffffu) + (hl & 0xffffu);
+  return vec2<u32>((ll & 0xffffu) | (mid << 16u), (x >> 16u) * (y >> 16u) + (lh >> 16u) + (hl >> 16u) + (mid >> 16u));
+}"""),
+    # the sign of a * 2^d - m * b, exactly (a < 2^24, 0 <= d <= 40, m < 2^26, b < 2^24)
+    "tap_cmp_scaled": (("tap_mul_u64",), """
+fn tap_cmp_scaled(a: u32, d: i32, m: u32, b: u32) -> i32 {
+  let p = tap_mul_u64(m, b);
+  var lo: u32 = a;
+  var hi: u32 = 0u;
+  if (d >= 32) { lo = 0u; hi = a << u32(d - 32); } else if (d > 0) { lo = a << u32(d); hi = a >> u32(32 - d); }
+  if (hi != p.y) { return select(-1, 1, hi > p.y); }
+  if (lo != p.x) { return select(-1, 1, lo > p.x); }
+  return 0;
+}"""),
+    # r (a quotient a / b a few ULP off, as WGSL allows division to be) moved to a / b rounded to nearest
+    # even, by comparing a with b times the midpoints next to r in integers; a >= 0, b > 0, both normal, r
+    # normal (anything else comes back as it is)
+    "tap_div_fix": (("tap_cmp_scaled",), """
+fn tap_div_fix(a: f32, b: f32, approx: f32) -> f32 {
+  var r = approx;
+  let ab = bitcast<u32>(a);
+  let bb = bitcast<u32>(b);
+  if ((ab >> 23u) == 0u || (ab >> 23u) >= 255u || (bb >> 23u) == 0u || (bb >> 23u) >= 255u) { return r; }
+  let am = (ab & 0x7fffffu) | 0x800000u;
+  let bm = (bb & 0x7fffffu) | 0x800000u;
+  for (var i: i32 = 0; i < 4; i = i + 1) {
+    let rb = bitcast<u32>(r);
+    if ((rb >> 23u) == 0u || (rb >> 23u) >= 254u) { return r; }
+    let rm = (rb & 0x7fffffu) | 0x800000u;
+    let d = i32(ab >> 23u) - i32(rb >> 23u) - i32(bb >> 23u) + 151;
+    if (d < 1 || d > 39) { return r; }
+    let up = tap_cmp_scaled(am, d, 2u * rm + 1u, bm);
+    if (up > 0 || (up == 0 && (rm & 1u) == 1u)) { r = bitcast<f32>(rb + 1u); continue; }
+    var down: i32;
+    if (rm == 0x800000u) { down = tap_cmp_scaled(am, d + 1, 4u * rm - 1u, bm); }
+    else { down = tap_cmp_scaled(am, d, 2u * rm - 1u, bm); }
+    if (down < 0 || (down == 0 && (rm & 1u) == 1u)) { r = bitcast<f32>(rb - 1u); continue; }
+    break;
+  }
+  return r;
+}"""),
+    "tap_div_rn": (("tap_div_fix",), """
+fn tap_div_rn(a: f32, b: f32) -> f32 {
+  return tap_div_fix(a, b, a / b);
+}"""),
 }

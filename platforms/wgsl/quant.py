@@ -14,8 +14,14 @@ point) -- the one piece of code that knows the format's bits, shared by all thre
 - **embedding**: one thread per code word of a picked row writes the word's weights (indices
   clamped into range, as :mod:`tapml.platforms.wgsl.index` does).
 
+torchao's codes (``tapml.intx_linear``, :class:`IntxGroups`) are one more layout: signed 4- and
+8-bit codes, a scale and a zero point per group; with ``dynamic_activation`` (8da4w) a first kernel
+(:func:`per_token_int8`) computes each row's int8 scale and zero point and the product kernel
+quantizes the input as it loads it.
+
 Products and sums are f32 (as the CPU reference: dequantize to float32, float32 product), the
-result is rounded once to the input's dtype. ggml's float16 scales sit inside the blocks and are
+result is rounded once to the input's dtype (``intx_linear``'s reference rounds each weight to the
+input's dtype first, and so does its kernel). ggml's float16 scales sit inside the blocks and are
 read with ``unpack2x16float``, so no kernel needs shader-f16; MLC's scales are a tensor of their
 own, read through the ordinary value readers (f16 or packed f16p storage, whichever the device
 has). Every loop has a known trip count within :data:`~tapml.platforms.wgsl.codegen.LOOP_BUDGET`.
@@ -24,15 +30,17 @@ has). Every loop has a known trip count within :data:`~tapml.platforms.wgsl.code
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
 from tapml.errors import Unsupported
 from tapml.platforms.wgsl import views
-from tapml.platforms.wgsl.codegen import LOOP_BUDGET, MAX_GROUPS, WORKGROUP, BufferView, Value, cast
+from tapml.graph import TensorMeta
+from tapml.platforms.wgsl.codegen import LOOP_BUDGET, MAX_GROUPS, WORKGROUP, BufferView, Value, cast, lit, round_low
 from tapml.platforms.wgsl.index import wrapped_index
 from tapml.platforms.wgsl.registry import register
-from tapml.quant import FORMATS, GROUP, ggml_bytes, ggml_tensor, ggml_words, quantize_weight
+from tapml.quant import FORMATS, GROUP, INTX_LINEAR, ggml_bytes, ggml_tensor, ggml_words, pack_codes, quantize_weight
 
 LINEAR_DTYPES = ("float32", "float16", "bfloat16", "int32")
 EMBEDDING_DTYPES = LINEAR_DTYPES + ("int64",)
@@ -68,29 +76,36 @@ def nibble(word: str, i: int) -> str:
     return f"(({word} >> {4 * i}u) & 15u)"
 
 
-def signed_byte(word: str, i: int) -> str:
-    """The ``i``-th byte of ``word``, lowest first, as a signed integer (i32)."""
-    return f"(bitcast<i32>({word} << {24 - 8 * i}u) >> 24u)"
+def signed_code(word: str, i: int, bits: int) -> str:
+    """The ``i``-th ``bits``-bit field of ``word``, lowest first, sign-extended (i32): shifted to the
+    top of the word, then arithmetically back down."""
+    return f"(bitcast<i32>({word} << {32 - bits * (i + 1)}u) >> {32 - bits}u)"
 
 
 # --- formats --------------------------------------------------------------------------------
 
 class PackedLayout:
-    """Where the codes and scales of a ``[rows, cols]`` weight sit, by groups of 32 along a row.
+    """Where the codes, scales and zero points of a ``[rows, cols]`` weight sit, by groups of
+    ``block`` weights along a row (32 unless a layout says otherwise; the kernels' unit of work).
 
-    ``scale(k, n, g)``: group ``g`` of row ``n``'s scale (f32); ``word(k, n, g, j)``: its ``j``-th
-    code word (u32, ``j < words_per_group``); ``codes(word, j)``: ``[(position in the group,
-    q - zero as f32)]`` for each code the word holds."""
+    ``scale(k, n, g)``: group ``g`` of row ``n``'s scale (f32); ``zero_point(k, n, g)``: its zero
+    point (i32; the format's constant ``zero`` unless a layout stores them); ``word(k, n, g, j)``:
+    its ``j``-th code word (u32, ``j < words_per_group``); ``codes(word, j)``: ``[(position in the
+    group, q as i32)]`` for each code the word holds. A weight is ``scale * f32(q - zero_point)``."""
 
     words_per_group: int
-    zero: int
+    zero: int = 0
+    block: int = GROUP
 
     def __init__(self, fmt, rows: int, cols: int, values: list[Value]):
         self.fmt, self.rows, self.cols, self.values = fmt, rows, cols, values
-        self.groups = cols // GROUP
+        self.groups = cols // self.block
 
     def scale(self, k, n: str, g: str) -> str:
         raise NotImplementedError
+
+    def zero_point(self, k, n: str, g: str) -> str:
+        return str(self.zero)
 
     def word(self, k, n: str, g: str, j: str) -> str:
         raise NotImplementedError
@@ -98,8 +113,15 @@ class PackedLayout:
     def codes(self, word: str, j: str) -> list[tuple[str, str]]:
         raise NotImplementedError
 
-    def weight(self, code: str) -> str:
-        return f"f32(i32({code}) - {self.zero})"
+    def dequantized(self, scale: str, code: str, zero: str) -> str:
+        """The f32 weight of ``code`` with ``scale`` and ``zero`` (:func:`dequantized` unless a format says otherwise)."""
+        return dequantized(scale, code, zero)
+
+
+def dequantized(scale: str, code: str, zero: str) -> str:
+    """The f32 weight of code ``code`` (i32) with ``scale`` and ``zero`` (i32): ``(q - zero) * scale``
+    exactly as the CPU ops compute it (an integer difference, one rounding)."""
+    return f"{scale} * f32({code})" if zero == "0" else f"{scale} * f32({code} - {zero})"
 
 
 class GgmlBlocks(PackedLayout):
@@ -123,8 +145,8 @@ class Q4_0(GgmlBlocks):
     def codes(self, word, j):
         out = []
         for t in range(4):  # byte t of word j is byte 4j + t of the codes
-            out.append((f"4 * {j} + {t}", self.weight(nibble(word, 2 * t))))
-            out.append((f"16 + 4 * {j} + {t}", self.weight(nibble(word, 2 * t + 1))))
+            out.append((f"4 * {j} + {t}", f"i32({nibble(word, 2 * t)})"))
+            out.append((f"16 + 4 * {j} + {t}", f"i32({nibble(word, 2 * t + 1)})"))
         return out
 
 
@@ -134,7 +156,7 @@ class Q8_0(GgmlBlocks):
     words_per_group, zero = 8, 0
 
     def codes(self, word, j):
-        return [(f"4 * {j} + {t}", f"f32({signed_byte(word, t)})") for t in range(4)]
+        return [(f"4 * {j} + {t}", signed_code(word, t, 8)) for t in range(4)]
 
 
 class Q5_0(GgmlBlocks):
@@ -156,7 +178,7 @@ class Q5_0(GgmlBlocks):
             for half in (0, 1):  # low nibble: weight 4j + t; high: 16 + 4j + t
                 position = f"{16 * half} + 4 * {j} + {t}"
                 bit = f"((({word}.y >> u32({position})) & 1u) << 4u)"
-                out.append((position, self.weight(f"({nibble(word + '.x', 2 * t + half)} | {bit})")))
+                out.append((position, f"i32({nibble(word + '.x', 2 * t + half)} | {bit})"))
         return out
 
 
@@ -164,14 +186,15 @@ class Q4_K(GgmlBlocks):
     """``block_q4_K``: super-blocks of 256 weights (144 bytes, word-aligned): float16 ``d`` and
     ``dmin``, 12 bytes of the 6-bit scales and mins of its 8 groups of 32 (``get_scale_min_k4``),
     then 128 bytes of codes, 32 bytes per two groups (low nibbles the first, high the second);
-    ``w = d * sc * q - dmin * m``. :meth:`scale` works out a group's ``d * sc`` and ``dmin * m``
-    once; the code words carry them (``vec4<u32>``: the word, both as f32 bits, the nibble half)."""
+    ``w = d * sc * q - dmin * m``: :meth:`scale` is a group's ``d * sc``, :meth:`zero_point` its
+    ``dmin * m`` (an f32, subtracted after the product: :meth:`dequantized`). A code word is carried
+    with the shift of the group's nibble half (``vec2<u32>``)."""
 
-    words_per_group, zero = 8, 0
+    words_per_group = 8
 
     def __init__(self, fmt, rows, cols, values):
         super().__init__(fmt, rows, cols, values)
-        self.factors: dict[tuple[str, str], tuple[str, str]] = {}
+        self.offsets: dict[tuple[str, str], str] = {}
 
     def super_byte(self, k, n, g):
         return k.let(f"({n} * {self.groups // 8} + {g} / 8) * {self.fmt.block_bytes}", "i32")
@@ -188,38 +211,83 @@ class Q4_K(GgmlBlocks):
         high = self.scale_byte(k, base, f"{s} % 4 + 8")
         sc = k.let(f"select(({high} & 15u) | (({low[0]} >> 6u) << 4u), {low[0]} & 63u, {s} < 4)", "u32")
         m = k.let(f"select(({high} >> 4u) | (({low[1]} >> 6u) << 4u), {low[1]} & 63u, {s} < 4)", "u32")
-        self.factors[(n, g)] = (k.let(f"{halves}.x * f32({sc})", "f32"), k.let(f"{halves}.y * f32({m})", "f32"))
-        return "1.0"
+        self.offsets[(n, g)] = k.let(f"{halves}.y * f32({m})", "f32")
+        return k.let(f"{halves}.x * f32({sc})", "f32")
+
+    def zero_point(self, k, n, g):
+        return self.offsets[(n, g)]
+
+    def dequantized(self, scale: str, code: str, zero: str) -> str:
+        return f"({scale} * f32({code}) - {zero})"
 
     def word(self, k, n, g, j):
-        step, offset = self.factors[(n, g)]
         base = self.super_byte(k, n, g)
         s = k.let(f"{g} % 8", "i32")
         codes = word_at(k, self.values[0], k.let(f"({base} + 16 + 32 * ({s} / 2) + 4 * {j}) >> 2u", "i32"))
-        return k.let(f"vec4<u32>({codes}, bitcast<u32>({step}), bitcast<u32>({offset}), u32({s} & 1) * 4u)",
-                     "vec4<u32>")
+        return k.let(f"vec2<u32>({codes}, u32({s} & 1) * 4u)", "vec2<u32>")
 
     def codes(self, word, j):
-        return [(f"4 * {j} + {t}", f"(bitcast<f32>({word}.y) * f32(({word}.x >> ({8 * t}u + {word}.w)) & 15u) "
-                                   f"- bitcast<f32>({word}.z))") for t in range(4)]
+        return [(f"4 * {j} + {t}", f"i32(({word}.x >> ({8 * t}u + {word}.y)) & 15u)") for t in range(4)]
 
 
-class MlcGroups(PackedLayout):
+class WordCodes(PackedLayout):
+    """Codes in a tensor of their own, ``[N, K * bits / 32]`` int32 words (a group's
+    ``words_per_group`` words in a row), scales in another, ``[N, K / group]``: a group of the
+    kernels (``block`` weights) lies inside scale group ``g // blocks_per_group``."""
+
+    blocks_per_group = 1
+
+    def scale_group(self, k, g: str) -> str:
+        return g if self.blocks_per_group == 1 else k.let(f"{g} / {self.blocks_per_group}", "i32")
+
+    def scale(self, k, n, g):
+        scales = self.values[1]
+        return k.let(cast(scales.read(k, [n, self.scale_group(k, g)]), scales.ty, "f32"), "f32")
+
+    def word(self, k, n, g, j):
+        codes = self.values[0]
+        index = k.let(f"{g} * {self.words_per_group} + {j}", "i32")
+        return k.let(f"bitcast<u32>({codes.read(k, [n, index])})", "u32")
+
+
+class MlcGroups(WordCodes):
     """MLC-LLM's group quantization (group_quantization.py): codes ``[N, K/8]``, eight per word
     lowest nibble first, ``q - 7``; scales ``[N, K/32]``."""
 
     words_per_group, zero = 4, 7
 
-    def scale(self, k, n, g):
-        scales = self.values[1]
-        return k.let(cast(scales.read(k, [n, g]), scales.ty, "f32"), "f32")
+    def codes(self, word, j):
+        return [(f"8 * {j} + {t}", f"i32({nibble(word, t)})") for t in range(8)]
 
-    def word(self, k, n, g, j):
-        codes = self.values[0]
-        return k.let(f"bitcast<u32>({codes.read(k, [n, k.let(f'{g} * 4 + {j}', 'i32')])})", "u32")
+
+class IntxGroups(WordCodes):
+    """torchao's affine integer codes (``tapml.intx_linear``; torchao/quantization/quant_primitives.py,
+    ``dequantize_affine``): signed ``bits``-bit codes, ``32 / bits`` per word lowest first (two's
+    complement, :func:`tapml.quant.pack_codes`), a float scale and an int8 zero point per
+    ``group_size`` weights of a row (``[N, K / group_size]`` each), ``w = (q - zero_point) * scale``.
+    The kernels walk blocks of ``gcd(group_size, 32)`` weights, each inside one of torchao's groups."""
+
+    def __init__(self, rows: int, cols: int, values: list[Value], bits: int, group_size: int):
+        self.bits, self.per_word = bits, 32 // bits
+        if bits not in (4, 8) or group_size % self.per_word:
+            raise Unsupported(f"intx_linear: {bits}-bit codes in groups of {group_size} (the kernels take 4 or 8 bits "
+                              f"in groups of whole words, {self.per_word} codes each)")
+        self.block = math.gcd(group_size, GROUP)
+        self.words_per_group, self.blocks_per_group = self.block // self.per_word, group_size // self.block
+        super().__init__(None, rows, cols, values)
+        codes, scale, zero_point = values
+        want = (rows, cols // group_size)
+        if codes.shape != (rows, cols // self.per_word) or scale.shape != want or zero_point.shape != want:
+            raise Unsupported(f"intx_linear: codes {list(codes.shape)}, scale {list(scale.shape)} and zero point "
+                              f"{list(zero_point.shape)} do not hold a {rows}x{cols} weight of {bits}-bit codes in "
+                              f"groups of {group_size}")
+
+    def zero_point(self, k, n, g):
+        zero = self.values[2]
+        return k.let(zero.read(k, [n, self.scale_group(k, g)]), "i32")
 
     def codes(self, word, j):
-        return [(f"8 * {j} + {t}", self.weight(nibble(word, t))) for t in range(8)]
+        return [(f"{self.per_word} * {j} + {t}", signed_code(word, t, self.bits)) for t in range(self.per_word)]
 
 
 LAYOUTS = {"q4_0": Q4_0, "q8_0": Q8_0, "q5_0": Q5_0, "q4_k": Q4_K, "q4f16_1": MlcGroups, "q4f32_1": MlcGroups}
@@ -269,26 +337,115 @@ def linear_plan(m: int, groups: int, words_per_group: int) -> tuple[str, int, in
     return "gemm", need, GEMM_ROWS, GEMM_COLUMNS
 
 
-def packed_linear(pb, node, scheme: str, x: Value, packed: list[Value], rows: int, cols: int,
-                  bias: Value | None) -> list[Value]:
-    """``x @ dequantize(packed).T + bias`` with the weight dequantized inside the kernel."""
+def combine_lanes(k, lanes: int, lane: str, slot: str, values: list[str],
+                  combine: Callable[[int, str, str], str] = lambda e, a, b: f"{a} + {b}") -> list[str]:
+    """``values`` (f32 expressions) of ``lanes`` neighbouring lanes combined in workgroup memory, as
+    a barrier tree: ``slot`` is this lane's index among the workgroup's lanes (its partner ``step``
+    lanes on is ``slot + step``), ``combine(e, a, b)`` joins element ``e`` of two lanes (a sum by
+    default). Returns the combined elements as the first lane of the ``lanes`` reads them. The
+    barriers sit outside any branch: call it at the kernel's top level."""
+    n = len(values)
+    k.helpers["partial"] = f"var<workgroup> partial: array<f32, {WORKGROUP * n}>;"
+    base = k.let(f"({slot}) * {n}", "i32")
+    for e, v in enumerate(values):
+        k.emit(f"partial[{base} + {e}] = {v};")
+    step = lanes // 2
+    while step:
+        k.emit("workgroupBarrier();")
+        k.open(f"if ({lane} < {step})")
+        for e in range(n):
+            joined = combine(e, f"partial[{base} + {e}]", f"partial[{base} + {step * n + e}]")
+            k.emit(f"partial[{base} + {e}] = {joined};")
+        k.close()
+        step //= 2
+    k.emit("workgroupBarrier();")
+    return [f"partial[{base} + {e}]" for e in range(n)]
+
+
+#: float32's smallest normal: the floor of a per-token scale (:func:`tapml.quant.quantize_per_token_int8`).
+SMALLEST_NORMAL = 1.1754943508222875e-38
+
+
+def per_token_int8(pb, x: Value) -> BufferView:
+    """Each row's int8 quantization parameters, as :func:`tapml.quant.quantize_per_token_int8`
+    computes them (torchao's int8_asym_per_token), into a ``[M, 3]`` float32 temp buffer
+    (scale, ``1 / scale``, zero point): one workgroup per row, its lanes splitting the row's min and max
+    (a tree in workgroup memory), then in f32 ``lo = min(min x, 0)``, ``hi = max(max x, 0)``,
+    ``scale = max((hi - lo) / 255, smallest normal)``, ``zero = clamp(-128 - round(lo / scale), -128, 127)``.
+    WGSL lets a division be 2.5 ULP off (Chromium's SwiftShader is, by an ULP or two), so each
+    quotient is moved to the correctly rounded one (``tap_div_rn``): the codes are torch's."""
+    M, K = x.shape
+    meta = TensorMeta((M, 3), "float32")
+    out = pb.buffer("temp", meta)
+    if M == 0:
+        return BufferView.whole(out, meta)
+    if -(-K // WORKGROUP) > LOOP_BUDGET:
+        raise Unsupported(f"per-token int8 quantization of rows of {K} needs more than {LOOP_BUDGET} loop "
+                          f"iterations per lane")
+    (x,) = pb.fit([x], 1)
+    k = pb.kernel("per_token_int8")
+    gx = min(M, MAX_GROUPS)
+    k.emit("let lane: i32 = i32(lid.x);")
+    k.emit(f"let row: i32 = i32(wid.y) * {gx} + i32(wid.x);")
+    row = k.let(f"min(row, {M - 1})", "i32")
+    k.emit("var lo: f32 = 0.0;")  # starting at zero is torchao's widening of the range to hold it
+    k.emit("var hi: f32 = 0.0;")
+    k.loop("i", -(-K // WORKGROUP))
+    kk = k.let(f"lane + i * {WORKGROUP}", "i32")
+    k.open(f"if ({kk} < {K})")
+    v = k.let(cast(x.read(k, [row, kk]), x.ty, "f32"), "f32")
+    k.emit(f"lo = min(lo, {v});")
+    k.emit(f"hi = max(hi, {v});")
+    k.close()
+    k.close()
+    lo, hi = combine_lanes(k, WORKGROUP, "lane", "lane", ["lo", "hi"],
+                           lambda e, a, b: f"{'min' if e == 0 else 'max'}({a}, {b})")
+    k.open(f"if (lane == 0 && row < {M})")
+    divide = k.need("tap_div_rn")  # lo <= 0 <= hi: the quotients it takes are of non-negative numbers
+    k.emit(f"let scale: f32 = max({divide}({hi} - {lo}, 255.0), {lit(SMALLEST_NORMAL, 'f32')});")
+    k.emit(f"let zero: f32 = clamp(-128.0 + round({divide}(-{lo}, scale)), -128.0, 127.0);")
+    k.write(out, "row * 3", "scale", "f32")
+    k.write(out, "row * 3 + 1", f"{divide}(1.0, scale)", "f32")
+    k.write(out, "row * 3 + 2", "zero", "f32")
+    k.close()
+    kern = k.finish(0, workgroup=(WORKGROUP, 1, 1), groups=(gx, -(-M // gx), 1))
+    kern.wgsl = kern.wgsl.replace(MAIN, WORKGROUP_IDS)
+    pb.add(kern)
+    return BufferView.whole(out, meta)
+
+
+def packed_linear(pb, node, name: str, x: Value, packed: list[Value], rows: int, cols: int, bias: Value | None,
+                  make_layout: Callable[[list[Value]], PackedLayout], per_token: bool = False,
+                  operand_dtype: str = "float32") -> list[Value]:
+    """``x @ dequantize(packed).T + bias`` with the weight dequantized inside the kernel; ``make_layout``
+    gives the :class:`PackedLayout` of the packed values (as bound). ``per_token``: ``x`` is first
+    quantized to int8 per row (:func:`per_token_int8`'s parameters, applied to each element as the
+    kernel loads it: ``q = clamp(round(x * (1 / scale)) + zero, -128, 127)``, ``x = (q - zero) * scale``).
+    ``operand_dtype``: the dtype the reference rounds each dequantized weight (and quantized input) to
+    before its float32 product (``tapml.intx_linear``: the input's)."""
     meta = node.outputs[0]
     N, K = int(rows), int(cols)
     if x.shape[-1] != K:
-        raise Unsupported(f"{scheme}_linear: the input has {x.shape[-1]} features, the weight {K}")
+        raise Unsupported(f"{name}_linear: the input has {x.shape[-1]} features, the weight {K}")
     M = math.prod(x.shape[:-1])
     out = pb.buffer("temp", meta)
     result = BufferView.whole(out, meta)
     x = views.reshape(x, (M, K))
-    fitted = pb.fit([x, *packed] + ([bias] if bias is not None else []), 1)
-    x, packed, bias = fitted[0], fitted[1:1 + len(packed)], (fitted[-1] if bias is not None else None)
-    layout = layout_of(scheme, packed, N, K)
     if M * N == 0:
+        make_layout(packed)
         return [result]
-    G = layout.groups
+    extra = [bias] if bias is not None else []
+    if per_token:
+        extra.append(per_token_int8(pb, x))
+    fitted = pb.fit([x, *packed, *extra], 1)
+    x, packed = fitted[0], fitted[1:1 + len(packed)]
+    bias = fitted[1 + len(packed)] if bias is not None else None
+    stats = fitted[-1] if per_token else None
+    layout = make_layout(packed)
+    G, B = layout.groups, layout.block
     path, lanes, tm, tn = linear_plan(M, G, layout.words_per_group)
     tiles_per_group = WORKGROUP // lanes  # column tiles of a workgroup, tn columns each
-    k = pb.kernel(f"{scheme}_{path}")
+    k = pb.kernel(f"{name}_{path}")
     blocks = -(-N // (tiles_per_group * tn))
     gx = min(blocks, MAX_GROUPS)
     groups = (gx, -(-blocks // gx), -(-M // tm))
@@ -298,6 +455,18 @@ def packed_linear(pb, node, scheme: str, x: Value, packed: list[Value], rows: in
     # tiles past the last row or column compute real ones (clamped reads) that are written nowhere
     ns = [k.let(f"min(col0 + {c}, {N - 1})", "i32") for c in range(tn)]
     rows_read = [k.let(f"min(row0 + {r}, {M - 1})", "i32") for r in range(tm)]
+    if stats is not None:
+        token_scale = [stats.read(k, [rows_read[r], "0"]) for r in range(tm)]
+        token_inverse = [stats.read(k, [rows_read[r], "1"]) for r in range(tm)]
+        token_zero = [stats.read(k, [rows_read[r], "2"]) for r in range(tm)]
+
+    def load_x(r: int, kk: str) -> str:
+        v = k.let(cast(x.read(k, [rows_read[r], kk]), x.ty, "f32"), "f32")
+        if stats is None:
+            return v
+        q = k.let(f"clamp(round({v} * {token_inverse[r]}) + {token_zero[r]}, -128.0, 127.0)", "f32")
+        return k.let(round_low(k, f"({q} - {token_zero[r]}) * {token_scale[r]}", operand_dtype), "f32")
+
     acc = [[f"acc{r}_{c}" for c in range(tn)] for r in range(tm)]
     for r in range(tm):
         for c in range(tn):
@@ -306,35 +475,23 @@ def packed_linear(pb, node, scheme: str, x: Value, packed: list[Value], rows: in
     g = k.let(f"lane + gi * {lanes}", "i32")
     k.open(f"if ({g} < {G})")
     scales = [layout.scale(k, n, g) for n in ns]
+    zeros = [layout.zero_point(k, n, g) for n in ns]
     k.loop("j", layout.words_per_group)
     codes = [layout.codes(layout.word(k, n, g, "j"), "j") for n in ns]
     for slot, (position, _) in enumerate(codes[0]):
-        kk = k.let(f"{g} * {GROUP} + {position}", "i32")
-        xs = [k.let(cast(x.read(k, [rows_read[r], kk]), x.ty, "f32"), "f32") for r in range(tm)]
+        kk = k.let(f"{g} * {B} + {position}", "i32")
+        xs = [load_x(r, kk) for r in range(tm)]
         for c in range(tn):
-            w = k.let(f"{scales[c]} * {codes[c][slot][1]}", "f32")
+            w = k.let(round_low(k, layout.dequantized(scales[c], codes[c][slot][1], zeros[c]), operand_dtype), "f32")
             for r in range(tm):
                 k.emit(f"{acc[r][c]} = {acc[r][c]} + {xs[r]} * {w};")
     k.close()
     k.close()
     k.close()
     sums = acc
-    if lanes > 1:  # the lanes of a column tile add their partial sums in workgroup memory, as a tree
-        k.helpers["partial"] = f"var<workgroup> partial: array<f32, {WORKGROUP * tm * tn}>;"
-        base = k.let(f"(i32(lid.y) * {lanes} + lane) * {tm * tn}", "i32")
-        for r in range(tm):
-            for c in range(tn):
-                k.emit(f"partial[{base} + {r * tn + c}] = {acc[r][c]};")
-        step = lanes // 2
-        while step:
-            k.emit("workgroupBarrier();")
-            k.open(f"if (lane < {step})")
-            for e in range(tm * tn):
-                k.emit(f"partial[{base} + {e}] = partial[{base} + {e}] + partial[{base} + {step * tm * tn + e}];")
-            k.close()
-            step //= 2
-        k.emit("workgroupBarrier();")
-        sums = [[f"partial[{base} + {r * tn + c}]" for c in range(tn)] for r in range(tm)]
+    if lanes > 1:  # the lanes of a column tile add their partial sums in workgroup memory
+        flat = combine_lanes(k, lanes, "lane", f"i32(lid.y) * {lanes} + lane", [a for row in acc for a in row])
+        sums = [flat[r * tn:(r + 1) * tn] for r in range(tm)]
     k.open("if (lane == 0)")
     for c in range(tn):
         k.open(f"if (col0 + {c} < {N})")
@@ -372,8 +529,9 @@ def packed_embedding(pb, node, scheme: str, packed: list[Value], indices: Value,
     row = wrapped_index(k, indices, [t], rows, wrap=False)
     s = layout.scale(k, row, g)
     word = layout.word(k, row, g, j)
+    zero = layout.zero_point(k, row, g)
     for position, code in layout.codes(word, j):
-        k.write(out, f"{t} * {cols} + {g} * {GROUP} + {position}", f"{s} * {code}", "f32")
+        k.write(out, f"{t} * {cols} + {g} * {layout.block} + {position}", layout.dequantized(s, code, zero), "f32")
     pb.add(k.finish(T * G * W))
     return [result]
 
@@ -488,13 +646,16 @@ def _register(scheme: str) -> None:
     fmt = FORMATS[scheme]
     if fmt.family == "ggml":
         def linear(pb, node, x, weight, out_features, in_features, bias=None):
-            return packed_linear(pb, node, scheme, x, [weight], out_features, in_features, bias)
+            return packed_linear(pb, node, scheme, x, [weight], out_features, in_features, bias,
+                                 lambda packed: layout_of(scheme, packed, out_features, in_features))
 
         def embedding(pb, node, weight, indices, num_embeddings, embedding_dim, dtype):
             return packed_embedding(pb, node, scheme, [weight], indices, num_embeddings, embedding_dim)
     else:
         def linear(pb, node, x, weight, scales, bias=None):
-            return packed_linear(pb, node, scheme, x, [weight, scales], weight.shape[0], weight.shape[1] * 8, bias)
+            rows, cols = weight.shape[0], weight.shape[1] * 8
+            return packed_linear(pb, node, scheme, x, [weight, scales], rows, cols, bias,
+                                 lambda packed: layout_of(scheme, packed, rows, cols))
 
         def embedding(pb, node, weight, scales, indices, dtype):
             return packed_embedding(pb, node, scheme, [weight, scales], indices, weight.shape[0], weight.shape[1] * 8)
@@ -505,3 +666,76 @@ def _register(scheme: str) -> None:
 
 for _scheme in FORMATS:
     _register(_scheme)
+
+
+# --- torchao's integer codes (tapml.intx_linear) ---------------------------------------------
+
+def intx_edge_weight(codes: torch.Tensor, zero_point: torch.Tensor, bits: int) -> None:
+    """Plant the edge values into ``codes`` ``[N >= 2, K >= 16]`` and ``zero_point`` ``[N >= 2, G]``
+    (in place): row 0's first eight codes the smallest (-8; 8 bits: -128), its next eight the largest
+    (7; 127), at a zero point of -128; row 1's first group at a zero point of 127."""
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    codes[0, :8], codes[0, 8:16] = lo, hi
+    zero_point[0, 0], zero_point[1, 0] = -128, 127
+
+
+def intx_edge_input(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (``[M >= 3, K >= 2]``) with row 0 all zero, row 1 small but for one huge value (1000 at
+    its fourth element: per token, every other value of that row rounds to the zero point), and row 2
+    of exact ties: from -8 to 7.9375, so that the per-token scale is 1/16 and the zero point 0, its
+    other values ``(j + 0.5) / 16``, each ``x * (1 / scale)`` a half that rounds to even."""
+    x = x.clone()
+    x[0] = 0
+    x[1] = x[1] * 0.01
+    x[1, 3] = 1000.0
+    halves = torch.arange(x.shape[1]) % 255 - 127.5
+    x[2] = (halves / 16).to(x.dtype)
+    x[2, 0], x[2, 1] = -8.0, 7.9375
+    return x
+
+
+def intx_samples():
+    """Seeded samples of ``tapml.intx_linear``: codes of 4 and 8 bits packed by
+    :func:`tapml.quant.pack_codes`, groups of 32, 128 and a whole row (per channel), M = 1, 3, 17,
+    K = 64, 256 and 4096, N not a multiple of a workgroup's columns, with and without bias, float32 and
+    float16 inputs (scales in the input's dtype or float32, as torchao leaves them), the int8 per-token
+    activation quantization on and off, and the edge values of :func:`intx_edge_weight` and
+    :func:`intx_edge_input` (an all-zero row, a row with one huge value, 3-d inputs)."""
+    gen = torch.Generator().manual_seed(35)
+    out = []
+
+    def sample(bits, group, m, n, k, bias, dtype, dynamic, edges=False):
+        group = group or k
+        lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+        codes = torch.randint(lo, hi + 1, (n, k), generator=gen)
+        zero_point = torch.randint(lo, hi + 1, (n, k // group), generator=gen).to(torch.int8)
+        scale = (torch.rand(n, k // group, generator=gen) * (0.4 if bits == 4 else 0.03) + 0.002).to(dtype)
+        x = (torch.rand(m, k, generator=gen) * 4 - 2).to(dtype)
+        if edges:
+            intx_edge_weight(codes, zero_point, bits)
+            x = intx_edge_input(x).reshape(2, m // 2, k)
+        b = (torch.randn(n, generator=gen).to(dtype),) if bias else ()
+        out.append(((x, pack_codes(codes, bits), scale, zero_point, bits, group, dynamic, *b), {}))
+
+    for params in [(4, 32, 1, 5, 64, False, torch.float32, False), (4, 128, 3, 9, 256, True, torch.float32, False),
+                   (8, None, 1, 7, 4096, True, torch.float32, False),
+                   (8, None, 17, 67, 256, False, torch.float16, False),
+                   (4, 32, 17, 5, 64, True, torch.float16, False), (4, 128, 1, 6, 4096, False, torch.float16, False),
+                   (4, 32, 1, 3, 4096, False, torch.float32, True), (4, 32, 3, 9, 256, True, torch.float32, True),
+                   (4, 128, 17, 6, 256, False, torch.float16, True), (8, None, 3, 5, 64, True, torch.float32, True),
+                   (4, 32, 17, 3, 4096, True, torch.float32, True)]:
+        sample(*params)
+    for bits, group in ((4, 32), (8, None)):
+        for dynamic in (False, True):
+            sample(bits, group, 6, 4, 64, dynamic, torch.float32, dynamic, edges=True)
+    return out
+
+
+@register(INTX_LINEAR, LINEAR_DTYPES + ("int8",), samples=intx_samples, flops="matmul")
+def intx_linear(pb, node, x, weight, scale, zero_point, bits, group_size, dynamic_activation, bias=None):
+    if bits not in (4, 8):
+        raise Unsupported(f"intx_linear: {bits}-bit codes (the kernels take 4 and 8)")
+    rows, cols = weight.shape[0], weight.shape[1] * 32 // bits
+    return packed_linear(pb, node, "intx", x, [weight, scale, zero_point], rows, cols, bias,
+                         lambda packed: IntxGroups(rows, cols, packed, bits, group_size), per_token=dynamic_activation,
+                         operand_dtype=x.dtype)
