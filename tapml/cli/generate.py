@@ -228,6 +228,11 @@ def render_generation(doc: dict, quiet: bool = False, pieces: Optional[tuple[lis
         rates = doc["tokens_per_s"]
         out.print(f"placement: {fell['prefill']} prefill and {fell['decode']} decode nodes fell back to the reference; "
                   f"programs compiled: {doc['programs_compiled']} ({doc['compiled_per_shape']})", highlight=False)
+        quantized = {k: p for k, p in doc["placement"].items() if p.get("quantized")}
+        if quantized:
+            out.print("quantized (" + str(doc.get("quantize") or "packed blocks") + "): " + " and ".join(
+                f"{p['quantized_on_target']}/{p['quantized']} {k} linears and embeddings" for k, p in quantized.items())
+                + " ran on the target as packed-weight kernels", highlight=False)
         kept = doc.get("keep_float32") or {}
         if any(kept.values()):
             out.print(f"precision: {len(kept.get('prefill', []))} prefill and {len(kept.get('decode', []))} decode "

@@ -314,7 +314,8 @@ def generate(store, platform, target: str, *, tokens: int | None = None, free: b
         "first_divergence": first_divergence if free else None,
         "tokenizer": None, "tokenizer_note": NO_TOKENIZER,
         "placement": {k: {"nodes": len(graphs[k].nodes), "on_target": len(graphs[k].nodes) - len(fell_back[k]),
-                          "fell_back": len(fell_back[k]), "fell_back_nodes": fell_back[k][:50]} for k in KINDS},
+                          "fell_back": len(fell_back[k]), "fell_back_nodes": fell_back[k][:50],
+                          **_quantized_placement(graphs[k], fell_back[k])} for k in KINDS},
         "kv_cache": kv_cache(graphs["decode"], platform, target),
         "programs_compiled": sum(r.programs_compiled for r in runners.values()),
         "compiled_per_shape": COMPILED_PER_SHAPE,
@@ -399,6 +400,15 @@ def passed(doc: dict) -> bool:
     dist = doc.get("distribution")
     return s["mismatch"] == 0 and s["error"] == 0 and s["steps"] == doc["tokens"] + 1 and \
         not (dist and dist.get("judged") and dist["status"] != "pass")
+
+
+def _quantized_placement(graph: Graph, fell_back: list[str]) -> dict:
+    """``quantized`` (nodes of tapml's packed-weight ops) and ``quantized_on_target`` (those that ran
+    on the target: its packed-weight kernels) of a step graph; nothing for a graph with none."""
+    quantized = [n.name for n in graph.nodes if n.op.startswith("tapml.")]
+    if not quantized:
+        return {}
+    return {"quantized": len(quantized), "quantized_on_target": len(set(quantized) - set(fell_back))}
 
 
 def _row(step: int, kind: str, reference_token: int, target_token: int | None, max_abs_err: float | None,

@@ -500,6 +500,8 @@ class StepPlacementJSON(Written):
     on_target: Count | None = None
     fell_back: Count | None = None
     fell_back_nodes: list[Str] = []
+    quantized: Count | None = None
+    quantized_on_target: Count | None = None
 
 
 class KvCacheJSON(Written):
