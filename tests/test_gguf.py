@@ -440,6 +440,7 @@ PACKED = {"token_embd.weight": "Q4_0", "blk.0.attn_q.weight": "Q4_0", "blk.1.att
           "blk.0.ffn_down.weight": "Q8_0", "output.weight": "Q8_0", "blk.1.ffn_up.weight": "Q8_0"}
 
 
+@pytest.mark.slow
 def test_gguf_q4_0_and_q8_0_blocks_stay_packed(tmp_path, monkeypatch):
     """A GGUF whose linears and embedding are Q4_0 and Q8_0 keeps the file's blocks: each such module
     becomes one packed op whose bytes are the file's rows (in the order transformers puts them: llama's
@@ -488,6 +489,26 @@ def test_gguf_q4_0_and_q8_0_blocks_stay_packed(tmp_path, monkeypatch):
     q = json.loads((tmp_path / "p.json").read_text())["quantization"]
     assert q["text"] and q["tokens"] == 9 and q["perplexity"]["quantized"] > 1
     assert "model.layers.0.self_attn.k_proj" in {layer["module"] for layer in q["layers"]}  # float in the file
+
+
+@pytest.mark.device
+@pytest.mark.slow
+@pytest.mark.xdist_group("wgpu")
+def test_gguf_with_q4_0_and_q8_0_blocks_generates_on_vulkan_packed(tmp_path):
+    """The Q4_0/Q8_0 file generates from words on lavapipe, every step passing, with each of its packed
+    linears and its embedding run by the packed-weight kernels (no node falls back)."""
+    vulkan_or_skip()
+    path = tmp_path / "packed.gguf"
+    write_gguf(path, packed=PACKED)
+    r = tapml("generate", path, "--prompt", "hello world the cat", "--target", "wgpu:vulkan", "--tokens", "3",
+              "--json", tmp_path / "g.json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "g.json").read_text())
+    assert doc["summary"]["pass"] == 4 and doc["reference_tokens"] == doc["target_tokens"]
+    for graph in ("prefill", "decode"):
+        assert doc["placement"][graph]["fell_back"] == 0
+        assert doc["placement"][graph]["quantized"] == doc["placement"][graph]["quantized_on_target"] == 6
+    assert "ran on the target as packed-weight kernels" in r.output
 
 
 @pytest.mark.slow
