@@ -352,9 +352,9 @@ def _check_linear(fmt: QuantFormat, x, tensors: dict, rows: int, cols: int, bias
     if not x.dtype.is_floating_point or x.dim() < 1 or x.shape[-1] != cols:
         raise ValueError(f"{fmt.name}_linear: the input ({x.dtype}, shape {list(x.shape)}) must be floating point "
                          f"with {cols} features, as the weight has")
+    check_packed(fmt, tensors, rows, cols)
     if bias is not None and (tuple(bias.shape) != (rows,) or not bias.dtype.is_floating_point):
         raise ValueError(f"{fmt.name}_linear: bias must be a floating tensor of shape [{rows}], not {list(bias.shape)}")
-    check_packed(fmt, tensors, rows, cols)
 
 
 def _linear(scheme: str, x, tensors: dict, rows: int, cols: int, bias):

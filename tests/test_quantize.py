@@ -124,6 +124,13 @@ def test_bad_quantize_input_exits_2(tmp_path):
     r = tapml("carve", "zoo:cnn", "--quantize", "q8_0", "-o", tmp_path / "cnn")
     assert r.exit_code == 2 and "rows of 16 weights" in r.output and "groups of 32" in r.output
     assert not (tmp_path / "cnn").exists()
+    assert tapml("carve", "zoo:mlp", "--quantize", "q4_0", "-o", tmp_path / "q").exit_code == 0
+    manifest = json.loads((tmp_path / "q" / "manifest.json").read_text())
+    node = next(n for n in manifest["nodes"] if n["op"] == "tapml.q4_0_linear.default")
+    node["args"][2] += 1  # out_features: the packed blocks no longer hold the weight the node says
+    (tmp_path / "q" / "manifest.json").write_text(json.dumps(manifest))
+    r = tapml("replay", tmp_path / "q", "--target", "reference")
+    assert r.exit_code == 2 and "int32 words" in r.output and "carve the model again" in r.output, r.output
     assert tapml("carve", "zoo:mlp", "-o", tmp_path / "mlp").exit_code == 0
     r = tapml("migrate", tmp_path / "mlp", "--quantize", "q4_0", "--state", tmp_path / "s.json")
     assert r.exit_code == 2 and "keeps the weights it was carved with" in r.output
