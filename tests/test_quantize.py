@@ -263,3 +263,24 @@ def test_bench_generation_times_each_scheme_next_to_the_unquantized_model(tmp_pa
         assert run["upload_bytes_per_decode_step"] <= 64  # packed weights stay on the device
     float_bytes = doc["weight_bytes"]["float"] + doc["weight_bytes"]["packed"]
     assert runs["q4_0"]["weight_bytes"]["packed"] < runs["q8_0"]["weight_bytes"]["packed"] < float_bytes / 3
+
+
+@pytest.mark.device
+@pytest.mark.slow
+@pytest.mark.xdist_group("wgpu")
+def test_quantized_generation_over_a_device_server(tmp_path):
+    """A real `tapml serve --platform wgpu:vulkan` on loopback runs the packed-weight ops of an 8da4w
+    generation (the closed vocabulary takes tapml's own ops; the per-token quantization on its device)."""
+    vulkan_or_skip()
+    from tapml.remote.launcher import ServerProcess
+    token = "quantized-" + "x" * 24
+    (tmp_path / "tok").write_text(token)
+    srv = ServerProcess(platform="wgpu:vulkan", token=token)
+    try:
+        r = tapml("generate", "zoo:tiny-llama", "--quantize", "8da4w", "--target", f"remote://{srv.host}:{srv.port}",
+                  "--token-file", tmp_path / "tok", "--tokens", "3", "--json", tmp_path / "g.json")
+        assert r.exit_code == 0, r.output
+        doc = json.loads((tmp_path / "g.json").read_text())
+        assert doc["summary"]["pass"] == 4 and doc["placement"]["decode"]["quantized_on_target"] == 15
+    finally:
+        assert srv.stop() == 0
