@@ -209,6 +209,22 @@ def test_injected_fault_is_found_at_its_step_with_its_culprit(llama8, tmp_path):
 
 
 @pytest.mark.device
+def test_a_decode_step_with_nodes_on_the_reference_keeps_every_layers_cache(llama8, monkeypatch):
+    """With some nodes of every layer on the reference, each layer's regions compile to one program that
+    runs once per layer in a step: the cache a layer left on the device is read back before the next
+    layer's run of that program overwrites it (it used to make the step an error: a stale resident
+    tensor), so every step still passes."""
+    from tapml.driving.generate import generate
+    with _wgpu("vulkan") as platform:
+        supports = platform.supports
+        monkeypatch.setattr(platform, "supports", lambda node: "kept on the reference by this test"
+                            if node.op == "aten.mul.Tensor" else supports(node))
+        doc = generate(llama8, platform, "wgpu:vulkan", tokens=4, localize=False)
+    assert doc["placement"]["decode"]["fell_back"] > 2 and doc["placement"]["decode"]["on_target"] > 0
+    _all_pass(doc, 5)
+
+
+@pytest.mark.device
 def test_free_generation_on_gl_follows_the_reference(llama8):
     with _wgpu("gl") as platform:
         doc = generate(llama8, platform, "wgpu:gl", tokens=3, free=True)
