@@ -203,7 +203,7 @@ class HybridRunner:
             args = [env[r] for r, _ in sub.inputs]
             kept = [i for i, r in enumerate(sub.outputs) if r in resident]
             if kept:
-                self._read_back_outputs_of(program, env)
+                self._read_back_outputs_of(program, env, {r for r, _ in sub.inputs})
             start = time.perf_counter()
             if kept or any(isinstance(a, ResidentTensor) for a in args):
                 outs = self.platform.run(program, args, keep=kept)
@@ -225,17 +225,18 @@ class HybridRunner:
                          compile_ms=compile_ms, run_ms=float(run_ms), cached=cached)
 
 
-    def _read_back_outputs_of(self, program, env: dict) -> None:
-        """Download the values an earlier run of ``program`` left on the device: running it again
-        overwrites them (regions of identical layers compile to one program, so layer 1's run of a
-        decode step would make layer 0's cache stale while the graph still needs it)."""
+    def _read_back_outputs_of(self, program, env: dict, args: set[str]) -> None:
+        """Download the live values an earlier run of ``program`` left on the device that this run
+        does not take (``args``): running it again overwrites them (regions of identical layers
+        compile to one program, so layer 1's run of a decode step would make layer 0's cache stale
+        while the graph still needs it). Those it takes, the previous step's cache, stay resident."""
         from tapml.platforms.base import ResidentTensor
         device = program.device_program() if hasattr(program, "device_program") else program
         key = getattr(device, "key", None)
         if key is None:
             return
         for ref, value in list(env.items()):
-            if isinstance(value, ResidentTensor) and value.program == key:
+            if isinstance(value, ResidentTensor) and value.program == key and ref not in args:
                 env[ref] = self.platform.read(value)
 
 
