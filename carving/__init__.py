@@ -22,13 +22,15 @@ __all__ = ["carve", "open_or_carve", "check_store_dtype", "CarveStore", "CarveSt
 
 def carve(spec: str, out: str | Path, *, seed: int = 0, device: str = "cpu", hf_config: dict | None = None,
           shard_bytes: int = 64 << 20, on_start: Callable[[int], None] | None = None,
-          on_node: Callable[[str], None] | None = None, dtype: str = "float32", quantize: str | None = None) -> dict:
+          on_node: Callable[[str], None] | None = None, dtype: str = "float32", quantize: str | None = None,
+          quantized_ops: str = "whole") -> dict:
     """Capture ``spec``, run it on the reference and write a CarveStore at ``out``.
 
     ``dtype`` (``float32``, ``float16``, ``bfloat16``): the model's floating parameters and
     inputs are cast to it and the reference runs in it; the manifest records it as ``dtype``.
     ``quantize``: the packed-weight scheme its linears and embeddings take
-    (:mod:`tapml.frontends.quantize`), recorded as ``quantize``.
+    (:mod:`tapml.frontends.quantize`), recorded as ``quantize``; ``quantized_ops="expand"`` carves
+    each quantized op's float chain in its place (recorded as ``quantized_ops``).
 
     ``out`` may be missing, an empty folder or an older store (replaced). The store is written
     into a temporary folder beside ``out`` and renamed into place when complete; on any
@@ -40,7 +42,7 @@ def carve(spec: str, out: str | Path, *, seed: int = 0, device: str = "cpu", hf_
     """
     return write_store_atomically(out, lambda tmp: _carve_into(
         spec, tmp, seed=seed, device=device, hf_config=hf_config, shard_bytes=shard_bytes,
-        on_start=on_start, on_node=on_node, dtype=dtype, quantize=quantize))
+        on_start=on_start, on_node=on_node, dtype=dtype, quantize=quantize, quantized_ops=quantized_ops))
 
 
 def write_store_atomically(out: str | Path, fill: Callable[[Path], dict]) -> dict:
@@ -69,7 +71,8 @@ def write_store_atomically(out: str | Path, fill: Callable[[Path], dict]) -> dic
 def open_or_carve(model_or_store: str, state_path: str | Path | None = None,
                   on_carve: Callable[[str, Path], None] | None = None,
                   hf_config: dict | None = None, dtype: str | None = None,
-                  recorded: str | None = None, quantize: str | None = None) -> tuple[CarveStore, Path]:
+                  recorded: str | None = None, quantize: str | None = None,
+                  quantized_ops: str = "whole") -> tuple[CarveStore, Path]:
     """A CarveStore for MODEL|STORE: an existing store directory is opened as it is; a model
     spec is carved (:func:`carve`) into ``STATE.store/`` beside the state file, reused when it
     already holds that model, or into a new temporary folder without a state file.
@@ -118,7 +121,7 @@ def open_or_carve(model_or_store: str, state_path: str | Path | None = None,
         # zoo: and hf: models are float32 unless asked; a .pt2 or factory model may come in its own dtype.
         wanted = dtype or ("float32" if model_or_store.startswith(("zoo:", "hf:")) else store.dtype)
         if store.model != model_or_store or store.manifest.get("hf_config", {}) != (hf_config or {}) \
-                or store.dtype != wanted or store.quantize != quantize:
+                or store.dtype != wanted or store.quantize != quantize or store.quantized_ops != quantized_ops:
             raise TapmlError(f"{out} holds a store of {store.model} (--hf-config "
                              f"{store.manifest.get('hf_config') or 'none'}, --dtype {store.dtype}, --quantize "
                              f"{store.quantize or 'none'}), not {model_or_store} (--hf-config {hf_config or 'none'}, "
@@ -126,7 +129,8 @@ def open_or_carve(model_or_store: str, state_path: str | Path | None = None,
         return store, out
     if on_carve:
         on_carve(model_or_store, out)
-    carve(model_or_store, out, hf_config=hf_config, dtype=dtype or "float32", quantize=quantize)
+    carve(model_or_store, out, hf_config=hf_config, dtype=dtype or "float32", quantize=quantize,
+          quantized_ops=quantized_ops)
     return CarveStore(out), out
 
 
@@ -169,7 +173,7 @@ def _model_inputs(graph) -> list:
 
 def _carve_into(spec: str, out: Path, *, seed: int, device: str, hf_config: dict | None, shard_bytes: int,
                 on_start: Callable[[int], None] | None, on_node: Callable[[str], None] | None,
-                dtype: str = "float32", quantize: str | None = None) -> dict:
+                dtype: str = "float32", quantize: str | None = None, quantized_ops: str = "whole") -> dict:
     import torch
     from torch.export.graph_signature import OutputKind
 
@@ -185,7 +189,8 @@ def _carve_into(spec: str, out: Path, *, seed: int, device: str, hf_config: dict
     if device == "cuda" and not torch.cuda.is_available():
         raise TapmlError("--device cuda: no CUDA device on this machine; use --device cpu")
     t0 = time.perf_counter()
-    model, example = load_model(spec, seed=seed, hf_config=hf_config, dtype=dtype, quantize=quantize)
+    model, example = load_model(spec, seed=seed, hf_config=hf_config, dtype=dtype, quantize=quantize,
+                                quantized_ops=quantized_ops)
     loaded = time.perf_counter()
     ep = export(model, example)
     if device == "cuda":
@@ -222,6 +227,7 @@ def _carve_into(spec: str, out: Path, *, seed: int, device: str, hf_config: dict
         # float32 asked of a model that is low-precision itself (a .pt2, a factory): its own dtype
         "dtype": dtype if dtype != "float32" else graph_dtype(Graph(inputs=_model_inputs(graph), nodes=[], outputs=[])),
         **({"quantize": quantize} if quantize else {}),
+        **({"quantized_ops": quantized_ops} if quantize and quantized_ops != "whole" else {}),
         "graph_inputs": graph_json["inputs"], "nodes": graph_json["nodes"], "graph_outputs": graph_json["outputs"],
         "program_inputs": stored_inputs, "model_outputs": model_outputs, "cases": interp.cases,
     })

@@ -32,7 +32,8 @@ KINDS = ("prefill", "decode")
 def carve_generation(spec: str, out: str | Path, *, tokens: int, prompt_len: int = 8, seed: int = 0,
                      hf_config: dict | None = None, device: str = "cpu",
                      on_step: Callable[[dict], None] | None = None, dtype: str = "float32",
-                     prompt_ids: list[int] | None = None, quantize: str | None = None) -> dict:
+                     prompt_ids: list[int] | None = None, quantize: str | None = None,
+                     quantized_ops: str = "whole") -> dict:
     """Carve a greedy generation of ``tokens`` new tokens after a ``prompt_len``-token prompt.
 
     ``spec`` must be a causal LM (``zoo:tiny-llama``, ``zoo:tiny-gpt2``, ``hf:llama``,
@@ -48,7 +49,8 @@ def carve_generation(spec: str, out: str | Path, *, tokens: int, prompt_len: int
     (``{"step", "kind", "token", ...}``) as it completes. ``dtype`` (``float32``, ``float16``,
     ``bfloat16``): the model's parameters, its cache and the reference run in it (the
     manifest's ``dtype``). ``quantize``: the packed-weight scheme of its linears and embeddings
-    (:mod:`tapml.frontends.quantize`; the manifest's ``quantize``).
+    (:mod:`tapml.frontends.quantize`; the manifest's ``quantize``), ``quantized_ops`` whether each
+    quantized op is carved whole or as its float chain.
 
     Returns figures: ``export_s``, ``carve_s``, ``bytes``, ``cases``, ``nodes`` (prefill),
     ``decode_nodes``, ``steps``, ``reference_tokens`` (the ``tokens`` generated token ids) and
@@ -66,14 +68,14 @@ def carve_generation(spec: str, out: str | Path, *, tokens: int, prompt_len: int
             raise TapmlError("the prompt must be one or more token ids, each 0 or more")
         prompt_len = len(prompt_ids)
     model = load_causal_lm(spec, tokens=tokens, prompt_len=prompt_len, seed=seed, hf_config=hf_config, dtype=dtype,
-                           quantize=quantize)
+                           quantize=quantize, quantized_ops=quantized_ops)
     vocab = int(model.config.get_text_config().vocab_size)
     if prompt_ids is not None and max(prompt_ids) >= vocab:
         raise TapmlError(f"prompt token id {max(prompt_ids)} is not in {spec}'s vocabulary of {vocab} tokens "
                          f"(ids 0 to {vocab - 1})")
     return write_store_atomically(out, lambda tmp: _carve_generation_into(
         model, spec, tmp, tokens=tokens, prompt_len=prompt_len, seed=seed, hf_config=hf_config, device=device,
-        on_step=on_step, dtype=dtype, prompt_ids=prompt_ids, quantize=quantize))
+        on_step=on_step, dtype=dtype, prompt_ids=prompt_ids, quantize=quantize, quantized_ops=quantized_ops))
 
 
 def export_generation_programs(model, prompt_len: int, max_cache_len: int, spec: str = "the model"):
@@ -186,7 +188,7 @@ def _positions_as_inputs(exportable, max_cache_len: int):
 def _carve_generation_into(model, spec: str, out: Path, *, tokens: int, prompt_len: int, seed: int,
                            hf_config: dict | None, device: str, on_step: Callable[[dict], None] | None,
                            dtype: str = "float32", prompt_ids: list[int] | None = None,
-                           quantize: str | None = None) -> dict:
+                           quantize: str | None = None, quantized_ops: str = "whole") -> dict:
     import torch
 
     from tapml.frontends.capture import program_inputs
@@ -270,6 +272,7 @@ def _carve_generation_into(model, spec: str, out: Path, *, tokens: int, prompt_l
     writer.close({
         "model": spec, "hf_config": hf_config or {}, "torch_version": torch.__version__,
         "reference_device": device, "seed": seed, "dtype": dtype, **({"quantize": quantize} if quantize else {}),
+        **({"quantized_ops": quantized_ops} if quantize and quantized_ops != "whole" else {}),
         "graph_inputs": prefill_json["inputs"], "nodes": prefill_json["nodes"],
         "graph_outputs": prefill_json["outputs"], "program_inputs": prefill_stored, "model_outputs": model_outputs,
         "cases": recorder.cases,

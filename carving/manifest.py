@@ -160,6 +160,7 @@ class Manifest(Schema):
     hf_config: dict[Str, Any] = {}
     dtype: Literal[MODEL_DTYPES] = "float32"  # stores older than --dtype are float32
     quantize: Optional[Literal[QUANT_SCHEMES]] = None  # --quantize: the packed-weight format of its linears
+    quantized_ops: Literal["whole", "expand"] = "whole"  # --quantized-ops: the ops whole, or their float chain
     graph_inputs: tuple[GraphInputJSON, ...]
     nodes: tuple[NodeJSON, ...]
     graph_outputs: tuple[Str, ...]

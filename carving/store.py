@@ -323,6 +323,11 @@ class CarveStore:
         """The ``--quantize`` scheme the model's linears were packed in, or None."""
         return self.manifest.get("quantize")
 
+    @property
+    def quantized_ops(self) -> str:
+        """``whole`` (each quantized linear one op) or ``expand`` (carved as its float chain)."""
+        return self.manifest.get("quantized_ops", "whole")
+
     def shard_files(self) -> dict[str, Path]:
         """Every shard the index names -> the file it was opened from (inside the store)."""
         return dict(self._shards_path)

@@ -164,14 +164,21 @@ def quantize_weight(weight, scheme: str) -> dict:
     return {"weight": words.contiguous(), "scales": scale.contiguous()}
 
 
+def _shr(x, shift):
+    """``x >> shift`` as ``aten.bitwise_right_shift`` (torch's ``>>`` exports as ``aten.__rshift__``, a
+    dunder the op vocabulary refuses), so the dequantization traces as ops a graph may hold."""
+    import torch
+    return torch.bitwise_right_shift(x, shift)
+
+
 def q4_k_scales(scales):
     """``(sc, m)``, the 6-bit scale and min of each of the 8 sub-blocks of Q4_K super-blocks whose 12
     scale bytes are ``scales`` (``[blocks, 12]`` int64; ggml-quants.c's ``get_scale_min_k4``)."""
     import torch
     q = scales
     lo_sc, lo_m = q[:, 0:4] & 63, q[:, 4:8] & 63
-    hi_sc = (q[:, 8:12] & 0xF) | ((q[:, 0:4] >> 6) << 4)
-    hi_m = (q[:, 8:12] >> 4) | ((q[:, 4:8] >> 6) << 4)
+    hi_sc = (q[:, 8:12] & 0xF) | (_shr(q[:, 0:4], 6) * 16)
+    hi_m = _shr(q[:, 8:12], 4) | (_shr(q[:, 4:8], 6) * 16)
     return torch.cat([lo_sc, hi_sc], dim=1), torch.cat([lo_m, hi_m], dim=1)
 
 
@@ -183,7 +190,7 @@ def _dequantize_q4_k(raw, d):
     dmin = raw[:, 2:4].contiguous().view(torch.float16).to(torch.float32)
     sc, m = q4_k_scales(raw[:, 4:16].to(torch.int64))
     qs = raw[:, 16:].to(torch.int64).reshape(-1, 4, 32)
-    q = torch.stack([qs & 0xF, qs >> 4], dim=2).reshape(-1, 8, 32).to(torch.float32)  # sub-block 2c, 2c+1
+    q = torch.stack([qs & 0xF, _shr(qs, 4)], dim=2).reshape(-1, 8, 32).to(torch.float32)  # sub-block 2c, 2c+1
     return (d.unsqueeze(-1) * sc.to(torch.float32).unsqueeze(-1) * q
             - dmin.unsqueeze(-1) * m.to(torch.float32).unsqueeze(-1)).reshape(-1, 256)
 
@@ -244,7 +251,7 @@ def dequantize(scheme: str, tensors: dict, rows: int, cols: int):
     if fmt.family == "mlc":
         words = tensors["weight"].to(torch.int64) & 0xFFFFFFFF
         shifts = torch.arange(8, dtype=torch.int64) * 4
-        codes = ((words.unsqueeze(-1) >> shifts) & 0xF).reshape(rows, cols)
+        codes = (_shr(words.unsqueeze(-1), shifts) & 0xF).reshape(rows, cols)
         scale = tensors["scales"].to(torch.float32).repeat_interleave(GROUP, dim=1)
         return (codes.to(torch.float32) - 7.0) * scale
     nblocks = rows * cols // fmt.block_elems
@@ -256,12 +263,12 @@ def dequantize(scheme: str, tensors: dict, rows: int, cols: int):
         q = raw[:, 2:].contiguous().view(torch.int8).to(torch.float32)
     elif scheme == "q5_0":
         high = raw[:, 2:6].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # qh: bit i is weight i's 5th
-        bits = ((high >> torch.arange(32, dtype=torch.int64)) & 1) << 4
+        bits = (_shr(high, torch.arange(32, dtype=torch.int64)) & 1) * 16
         qs = raw[:, 6:].to(torch.int64)
-        q = (torch.cat([qs & 0xF, qs >> 4], dim=1) | bits).to(torch.float32) - 16.0
+        q = (torch.cat([qs & 0xF, _shr(qs, 4)], dim=1) | bits).to(torch.float32) - 16.0
     else:
         qs = raw[:, 2:].to(torch.int32)
-        q = torch.cat([qs & 0xF, qs >> 4], dim=1).to(torch.float32) - 8.0
+        q = torch.cat([qs & 0xF, _shr(qs, 4)], dim=1).to(torch.float32) - 8.0
     return (d * q).reshape(rows, cols)
 
 
@@ -283,7 +290,7 @@ def unpack_codes(words, bits: int):
     """The signed codes ``[N, K]`` that :func:`pack_codes` packed into ``words``."""
     import torch
     per = 32 // bits
-    lanes = (words.to(torch.int64).unsqueeze(-1) >> (torch.arange(per, dtype=torch.int64) * bits)) & ((1 << bits) - 1)
+    lanes = _shr(words.to(torch.int64).unsqueeze(-1), torch.arange(per, dtype=torch.int64) * bits) & ((1 << bits) - 1)
     lanes = torch.where(lanes >= 1 << (bits - 1), lanes - (1 << bits), lanes)
     return lanes.reshape(words.shape[0], -1)
 
@@ -355,6 +362,18 @@ def _check_linear(fmt: QuantFormat, x, tensors: dict, rows: int, cols: int, bias
     check_packed(fmt, tensors, rows, cols)
     if bias is not None and (tuple(bias.shape) != (rows,) or not bias.dtype.is_floating_point):
         raise ValueError(f"{fmt.name}_linear: bias must be a floating tensor of shape [{rows}], not {list(bias.shape)}")
+
+
+def linear_reference(scheme: str, x, tensors: dict, rows: int, cols: int, bias):
+    """What ``tapml.SCHEME_linear`` computes (its CPU kernel): the weight dequantized to float32, the
+    float32 product, cast to ``x``'s dtype. Plain torch ops, so it traces as the float chain."""
+    return _linear(scheme, x, tensors, rows, cols, bias)
+
+
+def intx_linear_reference(x, weight, scale, zero_point, bits: int, group_size: int, dynamic_activation: bool,
+                          bias=None):
+    """What ``tapml.intx_linear`` computes (its CPU kernel), in plain torch ops."""
+    return _intx_linear(x, weight, scale, zero_point, bits, group_size, dynamic_activation, bias)
 
 
 def _linear(scheme: str, x, tensors: dict, rows: int, cols: int, bias):
@@ -459,6 +478,6 @@ def op(name: str):
     return getattr(getattr(torch.ops.tapml, name), "default")
 
 
-__all__ = ["FORMATS", "GROUP", "INTX_LINEAR", "INTX_SCHEMES", "IntxScheme", "OPS", "SCHEMES", "check_intx",
+__all__ = ["FORMATS", "GROUP", "INTX_LINEAR", "linear_reference", "intx_linear_reference", "INTX_SCHEMES", "IntxScheme", "OPS", "SCHEMES", "check_intx",
            "dequantize_intx", "pack_codes", "quantize_per_token_int8", "unpack_codes", "QuantFormat", "check_packed", "define_ops", "dequantize", "ggml_bytes",
            "ggml_tensor", "ggml_words", "op", "quantize_weight"]

@@ -284,3 +284,26 @@ def test_quantized_generation_over_a_device_server(tmp_path):
         assert doc["summary"]["pass"] == 4 and doc["placement"]["decode"]["quantized_on_target"] == 15
     finally:
         assert srv.stop() == 0
+
+
+@pytest.mark.slow
+def test_quantized_ops_expand_carves_the_float_chain_in_place_of_each_op(tmp_path):
+    """`--quantized-ops expand`: each quantized op's own computation is carved in its place (the
+    bytes and nibbles picked with shifts and masks, the scales, the product), every step a case of the
+    vocabulary's aten ops, and the model's outputs are the whole ops' bit for bit."""
+    from tapml.carving.store import CarveStore
+    assert tapml("carve", "zoo:tiny-llama", "--quantize", "q4_0", "-o", tmp_path / "whole").exit_code == 0
+    r = tapml("carve", "zoo:tiny-llama", "--quantize", "q4_0", "--quantized-ops", "expand", "-o", tmp_path / "chain")
+    assert r.exit_code == 0, r.output
+    whole, chain = CarveStore(tmp_path / "whole"), CarveStore(tmp_path / "chain")
+    assert chain.quantize == "q4_0" and chain.quantized_ops == "expand" and whole.quantized_ops == "whole"
+    ops = {c["op"] for c in chain.cases}
+    assert not any(op.startswith("tapml.") for op in ops)
+    assert {"aten.bitwise_right_shift.Tensor_Scalar", "aten.bitwise_and.Scalar", "aten.view.dtype"} <= ops
+    mine, theirs = whole.model_outputs(), chain.model_outputs()
+    assert len(mine) == len(theirs) == 1
+    assert torch.equal(next(iter(mine.values())), next(iter(theirs.values())))
+    r = tapml("carve", "zoo:tiny-llama", "--quantized-ops", "expand", "-o", tmp_path / "x")
+    assert r.exit_code == 2 and "belongs to --quantize" in r.output
+    r = tapml("carve", "zoo:tiny-llama", "--quantize", "q4_0", "--quantized-ops", "both", "-o", tmp_path / "x")
+    assert r.exit_code == 2 and "choose whole or expand" in r.output

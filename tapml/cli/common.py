@@ -79,6 +79,10 @@ QuantizeOpt = typer.Option(None, "--quantize", help="q4_0, q8_0 (llama.cpp's blo
                            "or q4f32_1 (MLC-LLM's): pack every nn.Linear and nn.Embedding of MODEL in that format, "
                            "each one op whose inputs are the packed codes and scales; the reference runs the same "
                            "codes. A model that is a module (not a .pt2 or a STORE); rows must split into groups of 32")
+QuantizedOpsOpt = typer.Option("whole", "--quantized-ops", help="With --quantize: whole (each quantized linear "
+                               "and embedding one op, what a port runs) or expand (its float chain: the bytes and "
+                               "nibbles picked with shifts and masks, the scales applied, then the product, each an "
+                               "aten op and a case of its own)")
 KeepFloat32Opt = typer.Option(None, "--keep-float32", help="Run these in float32 on the target while the rest runs in "
                               "the low --dtype: a node name, a module path (its floating nodes), an op (aten.x.y: "
                               "every node of it) or a `tapml precision --json` file (its keep_float32 list); "
@@ -294,9 +298,13 @@ def check_dtype(dtype: Optional[str], model: Optional[str] = None, quiet: bool =
         fail(str(e))
 
 
-def check_quantize(quantize: Optional[str], model: str) -> Optional[str]:
+def check_quantize(quantize: Optional[str], model: str, quantized_ops: str = "whole") -> Optional[str]:
     """A ``--quantize`` scheme, validated against MODEL (exit 2 naming the schemes, or saying that a
-    STORE or a ``.pt2`` keeps the weights it holds)."""
+    STORE or a ``.pt2`` keeps the weights it holds), and ``--quantized-ops`` with it."""
+    if quantized_ops not in ("whole", "expand"):
+        fail(f"--quantized-ops {quantized_ops[:40]!r}: choose whole or expand")
+    if quantized_ops != "whole" and quantize is None:
+        fail("--quantized-ops expand belongs to --quantize SCHEME: the packed ops it expands")
     if quantize is None:
         return None
     from tapml.quant import SCHEMES
@@ -382,6 +390,6 @@ def progress_bar(quiet: bool = False):
 
 
 __all__ = ["app", "console", "out", "make_console", "EXIT_OK", "EXIT_FINDING", "EXIT_USAGE", "EXIT_INTERNAL", "TargetOpt", "TolOpt",
-           "InjectOpt", "TokenFileOpt", "JsonOpt", "TrustRemoteCodeOpt", "DeviceLimitOpt", "parse_device_limits", "QuietOpt", "DtypeOpt", "QuantizeOpt", "check_quantize", "KeepFloat32Opt", "check_dtype", "fail", "command", "write_crash_report", "write_json",
+           "InjectOpt", "TokenFileOpt", "JsonOpt", "TrustRemoteCodeOpt", "DeviceLimitOpt", "parse_device_limits", "QuietOpt", "DtypeOpt", "QuantizeOpt", "QuantizedOpsOpt", "check_quantize", "KeepFloat32Opt", "check_dtype", "fail", "command", "write_crash_report", "write_json",
            "open_store", "is_store_path", "progress_bar", "read_prompt", "PromptOpt", "PromptFileOpt",
            "ChatOpt", "PromptIdsOpt"]

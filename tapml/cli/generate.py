@@ -10,7 +10,7 @@ import typer
 
 from tapml.cli.common import (TrustRemoteCodeOpt, ChatOpt, PromptFileOpt, PromptIdsOpt, PromptOpt, read_prompt, EXIT_FINDING, EXIT_OK, DtypeOpt, InjectOpt, JsonOpt, KeepFloat32Opt, QuietOpt,
                               StoreDirOpt, TargetOpt, TokenFileOpt, TolOpt, app, check_dtype, command,
-                              QuantizeOpt, check_quantize,
+                              QuantizeOpt, QuantizedOpsOpt, check_quantize,
                               console, fail, is_store_path, model_store, out, write_json)
 from tapml.cli.migrate import HfConfigOpt
 from tapml.render import fmt_err, keep_names_whole
@@ -37,7 +37,7 @@ def generate(model: str = typer.Argument(..., help="A generation store (`tapml c
              store_dir: Optional[str] = StoreDirOpt,
              seed: int = typer.Option(0, "--seed", help="Seed for weights and the prompt when carving MODEL"),
              hf_config: Optional[List[str]] = HfConfigOpt, dtype: Optional[str] = DtypeOpt, trust_remote_code: bool = TrustRemoteCodeOpt,
-             quantize: Optional[str] = QuantizeOpt,
+             quantize: Optional[str] = QuantizeOpt, quantized_ops: str = QuantizedOpsOpt,
              localize: bool = typer.Option(True, "--localize/--no-localize", help="Find the culprit of the first "
                                            "failing step with the migration machinery"),
              keep_float32: Optional[List[str]] = KeepFloat32Opt,
@@ -65,7 +65,7 @@ def generate(model: str = typer.Argument(..., help="A generation store (`tapml c
     overrides = parse_hf_overrides(hf_config)
     is_store = is_store_path(model)
     dtype = check_dtype(dtype, None if is_store else model, quiet)
-    quantize = check_quantize(quantize, model)
+    quantize = check_quantize(quantize, model, quantized_ops)
     keep = read_keep_items(keep_float32 or [])
     if keep and not is_store and (dtype or "float32") == "float32":
         fail("--keep-float32 needs a float16/bfloat16 carve: add --dtype float16")
@@ -82,7 +82,8 @@ def generate(model: str = typer.Argument(..., help="A generation store (`tapml c
         tokens = DEFAULT_TOKENS if tokens is None else tokens
         prompt_len = len(ids) if ids else DEFAULT_PROMPT_LEN if prompt_len is None else prompt_len
     carve = functools.partial(_carve, model, tokens=tokens, prompt_len=prompt_len, seed=seed, hf_config=overrides,
-                              quiet=quiet, dtype=dtype or "float32", prompt_ids=ids, quantize=quantize)
+                              quiet=quiet, dtype=dtype or "float32", prompt_ids=ids, quantize=quantize,
+                              quantized_ops=quantized_ops)
     with model_store(model, store_dir=store_dir, hf_config=hf_config, purpose="generate",
                      what="a generation store", carve=carve) as (store, carved):
         if not carved:
@@ -116,7 +117,8 @@ def _add_texts(doc: dict, store, model: str, tokenizer) -> tuple[list[str], list
 
 
 def _carve(model: str, out_dir, *, tokens: int, prompt_len: int, seed: int, hf_config: dict, quiet: bool,
-           dtype: str = "float32", prompt_ids: Optional[list[int]] = None, quantize: Optional[str] = None):
+           dtype: str = "float32", prompt_ids: Optional[list[int]] = None, quantize: Optional[str] = None,
+           quantized_ops: str = "whole"):
     from tapml.carving.generation import carve_generation
     from tapml.carving.store import CarveStore
     if not quiet:
@@ -124,7 +126,7 @@ def _carve(model: str, out_dir, *, tokens: int, prompt_len: int, seed: int, hf_c
         console.print(f"carving a generation of {shown(model)}{in_dtype}: prompt {prompt_len} tokens, {tokens} decode steps",
                       highlight=False)
     carve_generation(model, out_dir, tokens=tokens, prompt_len=prompt_len, seed=seed, hf_config=hf_config or None,
-                     dtype=dtype, prompt_ids=prompt_ids, quantize=quantize)
+                     dtype=dtype, prompt_ids=prompt_ids, quantize=quantize, quantized_ops=quantized_ops)
     return CarveStore(out_dir)
 
 

@@ -8,7 +8,7 @@ import typer
 
 from tapml.cli.common import (TrustRemoteCodeOpt, DeviceLimitOpt, DtypeOpt, InjectOpt, JsonOpt, KeepFloat32Opt, KernelOpt, QuietOpt, TokenFileOpt,
                               TokenMapOpt, TolOpt, app, check_dtype, command, console, fail, is_store_path, out,
-                              write_json, QuantizeOpt, check_quantize)
+                              write_json, QuantizeOpt, QuantizedOpsOpt, check_quantize)
 from tapml.cli.store import check_device_limits, check_targets, limits_for, render_matrix_run, run_preflight
 from tapml.render import fmt_err, keep_names_whole
 from tapml.text import plain, shown
@@ -197,7 +197,7 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
             token_file: Optional[str] = TokenFileOpt, token_map: Optional[str] = TokenMapOpt,
             hf_config: Optional[List[str]] = HfConfigOpt, dtype: Optional[str] = DtypeOpt, trust_remote_code: bool = TrustRemoteCodeOpt,
             keep_float32: Optional[List[str]] = KeepFloat32Opt, device_limit: Optional[List[str]] = DeviceLimitOpt,
-            quantize: Optional[str] = QuantizeOpt, quiet: bool = QuietOpt, json_out: Optional[str] = JsonOpt):
+            quantize: Optional[str] = QuantizeOpt, quantized_ops: str = QuantizedOpsOpt, quiet: bool = QuietOpt, json_out: Optional[str] = JsonOpt):
     """Offload MODEL to TARGET: each op, then growing regions, then the whole model, checking each step.
     Before it starts, a limits preflight says which tensors the target's limits made split."""
     from pathlib import Path
@@ -221,7 +221,7 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
                  "add a wgpu, browser or remote:// target")
     keep = read_keep_items(keep_float32 or [])
     dtype = check_dtype(dtype, None if is_store_path(model) else model, quiet)
-    quantize = check_quantize(quantize, model)
+    quantize = check_quantize(quantize, model, quantized_ops)
     if keep and not is_store_path(model) and not model.endswith(".pt2") and (dtype or "float32") == "float32":
         fail("--keep-float32 needs a float16/bfloat16 carve: add --dtype float16")
     if Path(state).is_dir():
@@ -239,7 +239,7 @@ def migrate(model: str = ModelArg, target: List[str] = MigrateTargetsOpt,
     with ExclusiveLock(state, f"--state {state}"):
         store, store_path = open_or_carve(model, state, on_carve=lambda spec, path: None if quiet else console.print(
             f"carving {shown(spec)} into {shown(path)}", highlight=False), hf_config=parse_hf_overrides(hf_config),
-            dtype=dtype, recorded=recorded_store(state), quantize=quantize)
+            dtype=dtype, recorded=recorded_store(state), quantize=quantize, quantized_ops=quantized_ops)
         check_faults(store.graph, inject)
         resolve_keep_float32({"model": store.graph, **({"decode": store.step_graph("decode")}
                                                        if store.is_generation else {})}, keep)

@@ -14,7 +14,7 @@ from typing import List, Optional
 import typer
 
 from tapml.cli.common import (TrustRemoteCodeOpt, DtypeOpt, InjectOpt, KernelOpt, TargetOpt, TokenFileOpt, TolOpt, app, check_dtype, command, fail,
-                              make_console, QuantizeOpt, check_quantize)
+                              make_console, QuantizeOpt, QuantizedOpsOpt, check_quantize)
 from tapml.cli.migrate import HfConfigOpt, ModelArg
 from tapml.errors import TapmlError
 from tapml.render import fmt_err
@@ -32,14 +32,14 @@ def session(model: str = ModelArg, target: str = TargetOpt,
                                       "prefill, or decode (its first decode step, with the reference's cache "
                                       "after the prefill)"),
             dtype: Optional[str] = DtypeOpt, trust_remote_code: bool = TrustRemoteCodeOpt,
-            quantize: Optional[str] = QuantizeOpt):
+            quantize: Optional[str] = QuantizeOpt, quantized_ops: str = QuantizedOpsOpt):
     """Interactive offloading: place nodes, modules or ops on TARGET and check them step by step."""
     from tapml.frontends.models import parse_hf_overrides
     from tapml.driving.session import Session
     from tapml.driving.targets import read_token
     with Session(model, target=target, state=state, inject=inject, kernels=kernel, tol=tol, token=read_token(token_file),
                  hf_config=parse_hf_overrides(hf_config), graph=graph, dtype=check_dtype(dtype, model),
-                 quantize=check_quantize(quantize, model)) as s:
+                 quantize=check_quantize(quantize, model, quantized_ops), quantized_ops=quantized_ops) as s:
         shell = SessionShell(s)
         shell.cmdloop()
     if shell.errors and not shell.interactive:

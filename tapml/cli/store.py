@@ -9,7 +9,7 @@ import typer
 
 from tapml.cli.common import (TrustRemoteCodeOpt, ChatOpt, PromptFileOpt, PromptIdsOpt, PromptOpt, read_prompt, EXIT_FINDING, EXIT_OK, DeviceLimitOpt, DtypeOpt, InjectOpt, JsonOpt, KernelOpt, QuietOpt,
                               TokenFileOpt, TokenMapOpt, TolOpt, app, check_dtype, command, console, fail, open_store,
-                              QuantizeOpt, check_quantize,
+                              QuantizeOpt, QuantizedOpsOpt, check_quantize,
                               out, parse_device_limits, progress_bar, write_json)
 from tapml.render import keep_names_whole
 from tapml.text import shown
@@ -32,7 +32,7 @@ def carve(model: str = typer.Argument(..., help="zoo:NAME, hf:MODEL_TYPE, hf:ORG
           prompt: Optional[str] = PromptOpt, prompt_file: Optional[str] = PromptFileOpt, chat: bool = ChatOpt,
           prompt_ids: Optional[str] = PromptIdsOpt,
           dtype: Optional[str] = DtypeOpt, trust_remote_code: bool = TrustRemoteCodeOpt, quantize: Optional[str] = QuantizeOpt,
-          quiet: bool = QuietOpt, json_out: Optional[str] = JsonOpt):
+          quantized_ops: str = QuantizedOpsOpt, quiet: bool = QuietOpt, json_out: Optional[str] = JsonOpt):
     """Run MODEL on the reference and record every operator call as a test case. With
     --generate N, record a generation: prefill plus N decode steps (`tapml generate` checks it)."""
     from tapml.carving import carve as carve_model
@@ -43,7 +43,7 @@ def carve(model: str = typer.Argument(..., help="zoo:NAME, hf:MODEL_TYPE, hf:ORG
         fail(f"{output} exists and is not an empty directory or a carve store; choose another -o")
     overrides = parse_hf_overrides(hf_config)
     dtype = check_dtype(dtype, model, quiet) or "float32"
-    quantize = check_quantize(quantize, model)
+    quantize = check_quantize(quantize, model, quantized_ops)
     asked = any(v is not None for v in (prompt, prompt_file, prompt_ids)) or chat
     if generate is not None:
         tokenizer = None
@@ -56,14 +56,14 @@ def carve(model: str = typer.Argument(..., help="zoo:NAME, hf:MODEL_TYPE, hf:ORG
             prompt_len = len(ids)
         carve_generation_command(model, output, tokens=generate, prompt_len=8 if prompt_len is None else prompt_len,
                                  seed=seed, device=device, hf_config=overrides, quiet=quiet, json_out=json_out,
-                                 dtype=dtype, prompt_ids=ids, quantize=quantize)
+                                 dtype=dtype, prompt_ids=ids, quantize=quantize, quantized_ops=quantized_ops)
         return
     if asked or prompt_len is not None:
         fail("--prompt, --prompt-file, --chat, --prompt-ids and --prompt-len belong to a generation: add --generate N")
     with progress_bar(quiet) as bar:  # carve() leaves no half store behind
         task = bar.add_task(f"carving {shown(model)}", total=None)
         info = carve_model(model, output, seed=seed, device=device, hf_config=overrides, dtype=dtype, quantize=quantize,
-                           on_start=lambda n: bar.update(task, total=n), on_node=lambda _: bar.advance(task))
+                           quantized_ops=quantized_ops, on_start=lambda n: bar.update(task, total=n), on_node=lambda _: bar.advance(task))
     if json_out:
         write_json({"model": model, "store": str(Path(output).resolve()), "dtype": dtype, "quantize": quantize,
                     **info}, json_out)
@@ -76,7 +76,8 @@ def carve(model: str = typer.Argument(..., help="zoo:NAME, hf:MODEL_TYPE, hf:ORG
 
 def carve_generation_command(model: str, output: str, *, tokens: int, prompt_len: int, seed: int, device: str,
                              hf_config: dict, quiet: bool, json_out: Optional[str], dtype: str = "float32",
-                             prompt_ids: Optional[List[int]] = None, quantize: Optional[str] = None) -> None:
+                             prompt_ids: Optional[List[int]] = None, quantize: Optional[str] = None,
+                             quantized_ops: str = "whole") -> None:
     """``tapml carve MODEL --generate N``: carve the prefill and N decode steps into ``output``
     (the model in ``dtype``)."""
     from tapml.carving.generation import carve_generation
@@ -87,7 +88,7 @@ def carve_generation_command(model: str, output: str, *, tokens: int, prompt_len
         task = bar.add_task(f"carving a generation of {shown(model)}", total=tokens + 1)
         info = carve_generation(model, output, tokens=tokens, prompt_len=prompt_len, seed=seed, device=device,
                                 hf_config=hf_config or None, on_step=lambda _: bar.advance(task), dtype=dtype,
-                                prompt_ids=prompt_ids, quantize=quantize)
+                                prompt_ids=prompt_ids, quantize=quantize, quantized_ops=quantized_ops)
     if json_out:
         write_json({"model": model, "store": str(Path(output).resolve()), "dtype": dtype, "quantize": quantize,
                     **info}, json_out)

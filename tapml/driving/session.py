@@ -44,7 +44,8 @@ class Session:
     generation store to work on, ``"prefill"`` or ``"decode"`` (the first decode step, with the
     reference's cache after the prefill); ``dtype`` the ``--dtype`` a MODEL spec is carved in
     (``float32``, ``float16``, ``bfloat16``; a store given with another is refused), ``quantize``
-    the ``--quantize`` scheme it is carved with (:mod:`tapml.frontends.quantize`). A
+    the ``--quantize`` scheme it is carved with (:mod:`tapml.frontends.quantize`), ``quantized_ops``
+    whole or expand (``--quantized-ops``). A
     float16/bfloat16 model's regions and whole runs are judged against it in float32
     (:mod:`tapml.driving.regions`). Everything starts on the reference.
     """
@@ -52,7 +53,7 @@ class Session:
     def __init__(self, model: str, target: str = "reference", state: str | None = None,
                  inject: list[str] | None = None, tol=None, token: str | None = None, platform=None,
                  hf_config: dict | None = None, graph: str = "prefill", dtype: str | None = None,
-                 kernels: list[str] | None = None, quantize: str | None = None):
+                 kernels: list[str] | None = None, quantize: str | None = None, quantized_ops: str = "whole"):
         from tapml.judging.compare import Tolerances
         from tapml.driving.targets import check_target, open_target
         check_target(target)
@@ -68,7 +69,7 @@ class Session:
         from tapml.driving.journal import recorded_store
         self.store, self.store_path = open_or_carve(str(model), state, hf_config=hf_config, dtype=dtype,
                                                     recorded=recorded_store(state) if state else None,
-                                                    quantize=quantize)
+                                                    quantize=quantize, quantized_ops=quantized_ops)
         # A model carved without --state lives in a scratch folder, removed at close unless saved.
         self._scratch = self.store_path.parent if state is None and not Path(str(model)).is_dir() else None
         if graph == "decode" and not self.store.is_generation:

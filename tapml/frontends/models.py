@@ -558,18 +558,19 @@ def _archive_dtype(ep, args) -> str:
 
 
 def load_model(spec: str, seed: int = 0, hf_config: dict | None = None, dtype: str = "float32",
-               quantize: str | None = None):
+               quantize: str | None = None, quantized_ops: str = "whole"):
     """Model and example inputs of a MODEL spec; a ``.pt2`` spec returns the ExportedProgram
     itself in place of the model, read by :func:`tapml.frontends.pt2.load_pt2` (nothing in it runs).
     ``dtype`` (``float32``, ``float16``, ``bfloat16``): the model's floating parameters and
     buffers and its floating example inputs are cast to it (``float32`` leaves the model as its
     spec makes it); a ``.pt2`` cannot be recast, so it must already be in a low ``dtype`` asked for.
     ``quantize``: a scheme of :mod:`tapml.frontends.quantize` applied to the model's linears and
-    embeddings after the cast. Raises TapmlError for bad specs, dtypes and schemes."""
+    embeddings after the cast (``quantized_ops``: ``whole`` or ``expand``, see
+    :func:`tapml.frontends.quantize.quantize_model`). Raises TapmlError for bad specs, dtypes and schemes."""
     model, inputs = _load_model_in_dtype(spec, seed, hf_config, dtype)
     if quantize is not None:
         from tapml.frontends.quantize import quantize_model
-        model = quantize_model(model, quantize)
+        model = quantize_model(model, quantize, quantized_ops)
     return model, inputs
 
 
@@ -648,7 +649,7 @@ _MAX_POSITIONS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequen
 
 
 def load_causal_lm(spec: str, *, tokens: int, prompt_len: int, seed: int = 0, hf_config: dict | None = None,
-                   dtype: str = "float32", quantize: str | None = None):
+                   dtype: str = "float32", quantize: str | None = None, quantized_ops: str = "whole"):
     """A causal LM of a MODEL spec with its key/value cache enabled, for carving a generation of
     ``prompt_len`` prompt tokens and ``tokens`` generated ones, its floating parameters and
     buffers in ``dtype`` (``float32``, ``float16``, ``bfloat16``), its linears and embeddings
@@ -665,7 +666,7 @@ def load_causal_lm(spec: str, *, tokens: int, prompt_len: int, seed: int = 0, hf
     model = _load_causal_lm(spec, tokens=tokens, prompt_len=prompt_len, seed=seed, hf_config=hf_config, dtype=dtype)
     if quantize is not None:
         from tapml.frontends.quantize import quantize_model
-        model = quantize_model(model, quantize)
+        model = quantize_model(model, quantize, quantized_ops)
     return model
 
 

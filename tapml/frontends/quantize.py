@@ -20,24 +20,41 @@ from __future__ import annotations
 import torch
 
 from tapml.errors import TapmlError
-from tapml.quant import FORMATS, GROUP, INTX_SCHEMES, SCHEMES, check_packed, op, pack_codes, quantize_weight
+from tapml.quant import FORMATS, GROUP, INTX_SCHEMES, SCHEMES, check_packed, dequantize, op, pack_codes, quantize_weight
+from tapml.quant import intx_linear_reference as reference_intx_linear
+from tapml.quant import linear_reference as reference_linear
+
+
+#: ``--quantized-ops``: ``whole``, each quantized linear one tapml op (what a port runs), or
+#: ``expand``, the op's reference computation traced in its place, so the graph holds the float chain
+#: (bytes and nibbles picked with shifts and masks, scales, the dequantized weight, then the product)
+#: as aten ops, each a case of its own.
+QUANTIZED_OPS = ("whole", "expand")
 
 
 class QuantizedLinear(torch.nn.Module):
-    """A linear whose weight is held packed in ``scheme``; forward is the format's linear op."""
+    """A linear whose weight is held packed in ``scheme``; forward is the format's linear op (with
+    ``expand``: its reference computation, traced as aten ops)."""
 
-    def __init__(self, linear: torch.nn.Linear, scheme: str, packed: dict | None = None):
+    def __init__(self, linear: torch.nn.Linear, scheme: str, packed: dict | None = None, expand: bool = False):
         super().__init__()
         self.scheme, self.in_features, self.out_features = scheme, linear.in_features, linear.out_features
         for name, t in (packed or quantize_weight(linear.weight, scheme)).items():
             self.register_buffer(name, t)
         self.bias = linear.bias
+        self.expand = expand
         self._op = op(f"{scheme}_linear")
 
     def forward(self, x):
+        if self.expand:
+            return reference_linear(self.scheme, x, self._packed(), self.out_features, self.in_features, self.bias)
         if FORMATS[self.scheme].family == "ggml":
             return self._op(x, self.weight, self.out_features, self.in_features, self.bias)
         return self._op(x, self.weight, self.scales, self.bias)
+
+    def _packed(self) -> dict:
+        return {"weight": self.weight} if FORMATS[self.scheme].family == "ggml" else \
+            {"weight": self.weight, "scales": self.scales}
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, scheme={self.scheme}, bias={self.bias is not None}"
@@ -46,15 +63,20 @@ class QuantizedLinear(torch.nn.Module):
 class QuantizedEmbedding(torch.nn.Module):
     """A token embedding whose table is held packed in ``scheme``; rows come out in ``dtype``."""
 
-    def __init__(self, embedding: torch.nn.Embedding, scheme: str, packed: dict | None = None):
+    def __init__(self, embedding: torch.nn.Embedding, scheme: str, packed: dict | None = None, expand: bool = False):
         super().__init__()
         self.scheme, self.num_embeddings, self.embedding_dim = scheme, embedding.num_embeddings, embedding.embedding_dim
         self.dtype = embedding.weight.dtype
         for name, t in (packed or quantize_weight(embedding.weight, scheme)).items():
             self.register_buffer(name, t)
+        self.expand = expand
         self._op = op(f"{scheme}_embedding")
 
     def forward(self, indices):
+        if self.expand:
+            packed = {"weight": self.weight} if FORMATS[self.scheme].family == "ggml" else \
+                {"weight": self.weight, "scales": self.scales}
+            return dequantize(self.scheme, packed, self.num_embeddings, self.embedding_dim)[indices].to(self.dtype)
         if FORMATS[self.scheme].family == "ggml":
             return self._op(self.weight, indices, self.num_embeddings, self.embedding_dim, self.dtype)
         return self._op(self.weight, self.scales, indices, self.dtype)
@@ -67,7 +89,7 @@ class IntxLinear(torch.nn.Module):
     """A linear quantized by torchao (:data:`tapml.quant.INTX_SCHEMES`): its codes packed into
     int32 words, torchao's scale and zero point per group; forward is ``tapml.intx_linear``."""
 
-    def __init__(self, linear: torch.nn.Linear, scheme: str, codes, scale, zero_point):
+    def __init__(self, linear: torch.nn.Linear, scheme: str, codes, scale, zero_point, expand: bool = False):
         super().__init__()
         s = INTX_SCHEMES[scheme]
         self.scheme, self.in_features, self.out_features = scheme, linear.in_features, linear.out_features
@@ -77,9 +99,13 @@ class IntxLinear(torch.nn.Module):
         self.register_buffer("scale", scale.detach().clone())
         self.register_buffer("zero_point", zero_point.detach().to(torch.int8).clone())
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        self.expand = expand
         self._op = op("intx_linear")
 
     def forward(self, x):
+        if self.expand:
+            return reference_intx_linear(x, self.weight, self.scale, self.zero_point, self.bits, self.group_size,
+                                         self.dynamic_activation, self.bias)
         return self._op(x, self.weight, self.scale, self.zero_point, self.bits, self.group_size,
                         self.dynamic_activation, self.bias)
 
@@ -109,7 +135,7 @@ def torchao_config(scheme: str):
     return tq.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(s.group))
 
 
-def _quantize_with_torchao(model: torch.nn.Module, scheme: str, targets: list) -> None:
+def _quantize_with_torchao(model: torch.nn.Module, scheme: str, targets: list, expand: bool = False) -> None:
     """Quantize the ``targets`` (``(name, nn.Linear)``) with torchao's config of ``scheme``, then
     replace each by an :class:`IntxLinear` holding torchao's codes, scales and zero points."""
     import contextlib
@@ -131,17 +157,18 @@ def _quantize_with_torchao(model: torch.nn.Module, scheme: str, targets: list) -
         if zero_point is None:
             zero_point = torch.zeros_like(scale, dtype=torch.int8)
         scale, zero_point = scale.reshape(linear.out_features, -1), zero_point.reshape(linear.out_features, -1)
-        _replace(model, name, IntxLinear(linear, scheme, codes, scale, zero_point))
+        _replace(model, name, IntxLinear(linear, scheme, codes, scale, zero_point, expand))
 
 
-def packed_module(module: torch.nn.Module, scheme: str, packed: dict | None = None) -> torch.nn.Module:
+def packed_module(module: torch.nn.Module, scheme: str, packed: dict | None = None,
+                  expand: bool = False) -> torch.nn.Module:
     """The packed replacement of an ``nn.Linear`` or ``nn.Embedding``: its weight quantized in
     ``scheme``, or the ``packed`` tensors given (already in that format, e.g. a GGUF file's blocks)."""
     if packed is not None:
         rows, cols = module.weight.shape
         check_packed(FORMATS[scheme], packed, rows, cols)
     cls = QuantizedLinear if isinstance(module, torch.nn.Linear) else QuantizedEmbedding
-    return cls(module, scheme, packed)
+    return cls(module, scheme, packed, expand)
 
 
 #: llama.cpp's stand-in for a k-quant whose rows do not split into 256-weight super-blocks
@@ -165,11 +192,16 @@ def check_scheme(scheme: str) -> str:
     return scheme
 
 
-def quantize_model(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
+def quantize_model(model: torch.nn.Module, scheme: str, quantized_ops: str = "whole") -> torch.nn.Module:
     """``model`` with every ``nn.Linear`` and ``nn.Embedding`` replaced in place by a packed one of
     ``scheme``. TapmlError when ``model`` is no module (a ``.pt2``), holds none of them, or one of
-    them has rows that do not split into groups of 32 (naming it)."""
+    them has rows that do not split into groups of 32 (naming it). ``quantized_ops`` (one of
+    :data:`QUANTIZED_OPS`): ``expand`` traces each quantized module's reference computation (the float
+    chain) in place of its op."""
     check_scheme(scheme)
+    if quantized_ops not in QUANTIZED_OPS:
+        raise TapmlError(f"--quantized-ops {str(quantized_ops)[:40]!r}: choose {' or '.join(QUANTIZED_OPS)}")
+    expand = quantized_ops == "expand"
     if not isinstance(model, torch.nn.Module) or isinstance(model, torch.export.ExportedProgram):
         raise TapmlError("--quantize needs a model that is a module (zoo:, hf:, a checkpoint, FILE.gguf or "
                          "file.py:factory); an exported program (.pt2) or a store is already fixed")
@@ -187,10 +219,10 @@ def quantize_model(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
             raise TapmlError(f"--quantize {scheme}: {name} has rows of {cols} weights, which do not split into groups "
                              f"of {group}; this model cannot take {scheme}")
     if intx:
-        _quantize_with_torchao(model, scheme, targets)
+        _quantize_with_torchao(model, scheme, targets, expand)
         return model
     for name, m in targets:
-        _replace(model, name, packed_module(m, row_scheme(scheme, m.weight.shape[1])))
+        _replace(model, name, packed_module(m, row_scheme(scheme, m.weight.shape[1]), expand=expand))
     # tied weights (an LM head sharing the embedding) are now two packed copies; transformers must not re-tie
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "tie_word_embeddings", False):
@@ -223,5 +255,5 @@ def packed_bytes(model: torch.nn.Module) -> dict:
     return {"packed": packed, "float": float_}
 
 
-__all__ = ["SCHEMES", "IntxLinear", "QuantizedEmbedding", "QuantizedLinear", "torchao_config", "check_scheme", "packed_bytes", "packed_module",
+__all__ = ["QUANTIZED_OPS", "SCHEMES", "IntxLinear", "QuantizedEmbedding", "QuantizedLinear", "torchao_config", "check_scheme", "packed_bytes", "packed_module",
            "quantize_model"]
