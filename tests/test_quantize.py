@@ -228,7 +228,7 @@ def test_q4_k_model_migrates_whole_on_gl_and_generates_on_vulkan(tmp_path):
     doc = json.loads((tmp_path / "g.json").read_text())
     assert doc["placement"]["decode"]["fell_back"] == 0 and doc["summary"]["pass"] == 7
     assert doc["placement"]["decode"]["quantized"] == doc["placement"]["decode"]["quantized_on_target"] == 16
-    assert "16/16 decode linears and embeddings ran on the target as packed-weight kernels" in r.output.replace("\n", " ")
+    assert "16/16 decode linears and embeddings ran on the target as packed-weight kernels" in " ".join(r.output.split())
     assert doc["distribution"]["judged"] and doc["distribution"]["status"] == "pass"
     assert doc["distribution"]["mean_kl"] < 1e-9 and doc["upload_bytes_per_decode_step"] <= 64
 
