@@ -419,7 +419,7 @@ def define_ops():
         if x.shape[-1] != cols:
             raise ValueError(f"intx_linear: the input has {x.shape[-1]} features, the weight {cols}")
         return x.new_empty((*x.shape[:-1], rows))
-    torch.library.register_fake("tapml::intx_linear", intx_fake, lib=lib)
+    _register_fake(lib, "intx_linear", intx_fake)
     _LIBRARIES.append(lib)
     return True
 
@@ -467,8 +467,24 @@ def _implement(lib, name: str, fmt: QuantFormat) -> None:
             return torch.empty((*indices.shape, cols), dtype=dtype, device=weight.device)
     lib.impl(f"{name}_linear", linear, "CompositeExplicitAutograd")
     lib.impl(f"{name}_embedding", embedding, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"tapml::{name}_linear", linear_fake, lib=lib)
-    torch.library.register_fake(f"tapml::{name}_embedding", embedding_fake, lib=lib)
+    _register_fake(lib, f"{name}_linear", linear_fake)
+    _register_fake(lib, f"{name}_embedding", embedding_fake)
+
+
+def _register_fake(lib, name: str, fake) -> None:
+    """Register ``fake`` as the meta kernel of ``tapml::NAME``, its refusals raised as RuntimeError,
+    as torch's own meta kernels refuse arguments (:func:`tapml.meta_sizes.meta_results`)."""
+    import functools
+
+    import torch
+
+    @functools.wraps(fake)
+    def refusing(*args, **kwargs):
+        try:
+            return fake(*args, **kwargs)
+        except ValueError as e:
+            raise RuntimeError(str(e)) from None
+    torch.library.register_fake(f"tapml::{name}", refusing, lib=lib)
 
 
 def op(name: str):
