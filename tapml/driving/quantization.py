@@ -30,12 +30,14 @@ def quantization_quality(spec: str, scheme: str, *, seed: int = 0, hf_config: di
     docstring). ``token_ids``: the tokens to run (a text through the model's tokenizer); None runs
     the model's example inputs. TapmlError when the model takes no such tokens or has no outputs
     to compare."""
+    import copy
+
     import torch
 
     from tapml.frontends.models import load_model
-    from tapml.frontends.quantize import QuantizedEmbedding, QuantizedLinear, packed_bytes
+    from tapml.frontends.quantize import QuantizedEmbedding, QuantizedLinear, packed_bytes, quantize_model
     float_model, inputs = load_model(spec, seed=seed, hf_config=hf_config)
-    quantized, _ = load_model(spec, seed=seed, hf_config=hf_config, quantize=scheme)
+    quantized = quantize_model(copy.deepcopy(float_model), scheme)  # the same weights, loaded once
     if token_ids is not None:
         vocab = getattr(getattr(float_model, "config", None), "vocab_size", None)
         if not isinstance(vocab, int):

@@ -32,6 +32,14 @@ from tapml.quant import linear_reference as reference_linear
 QUANTIZED_OPS = ("whole", "expand")
 
 
+def _packed_tensors(module) -> dict:
+    """The packed tensors a :class:`QuantizedLinear` or :class:`QuantizedEmbedding` holds, as
+    :mod:`tapml.quant` takes them (ggml: ``weight``; mlc: ``weight`` and ``scales``)."""
+    if FORMATS[module.scheme].family == "ggml":
+        return {"weight": module.weight}
+    return {"weight": module.weight, "scales": module.scales}
+
+
 class QuantizedLinear(torch.nn.Module):
     """A linear whose weight is held packed in ``scheme``; forward is the format's linear op (with
     ``expand``: its reference computation, traced as aten ops)."""
@@ -47,14 +55,11 @@ class QuantizedLinear(torch.nn.Module):
 
     def forward(self, x):
         if self.expand:
-            return reference_linear(self.scheme, x, self._packed(), self.out_features, self.in_features, self.bias)
+            return reference_linear(self.scheme, x, _packed_tensors(self), self.out_features, self.in_features,
+                                    self.bias)
         if FORMATS[self.scheme].family == "ggml":
             return self._op(x, self.weight, self.out_features, self.in_features, self.bias)
         return self._op(x, self.weight, self.scales, self.bias)
-
-    def _packed(self) -> dict:
-        return {"weight": self.weight} if FORMATS[self.scheme].family == "ggml" else \
-            {"weight": self.weight, "scales": self.scales}
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, scheme={self.scheme}, bias={self.bias is not None}"
@@ -74,9 +79,8 @@ class QuantizedEmbedding(torch.nn.Module):
 
     def forward(self, indices):
         if self.expand:
-            packed = {"weight": self.weight} if FORMATS[self.scheme].family == "ggml" else \
-                {"weight": self.weight, "scales": self.scales}
-            return dequantize(self.scheme, packed, self.num_embeddings, self.embedding_dim)[indices].to(self.dtype)
+            table = dequantize(self.scheme, _packed_tensors(self), self.num_embeddings, self.embedding_dim)
+            return table[indices].to(self.dtype)
         if FORMATS[self.scheme].family == "ggml":
             return self._op(self.weight, indices, self.num_embeddings, self.embedding_dim, self.dtype)
         return self._op(self.weight, self.scales, indices, self.dtype)
