@@ -140,8 +140,6 @@ def quantize_weight(weight, scheme: str) -> dict:
     import torch
     fmt = FORMATS[scheme]
     rows, cols = weight.shape
-    if cols % GROUP:
-        raise ValueError(f"{scheme}: rows of {cols} weights do not split into groups of {GROUP}")
     w = weight.detach().to(torch.float32)
     if cols % fmt.block_elems:
         raise ValueError(f"{scheme}: rows of {cols} weights do not split into blocks of {fmt.block_elems}")
@@ -338,7 +336,9 @@ def quantize_per_token_int8(x):
     return ((q - zp) * scale).to(x.dtype)
 
 
-def _intx_linear(x, weight, scale, zero_point, bits, group_size, dynamic_activation, bias=None):
+def intx_linear_reference(x, weight, scale, zero_point, bits: int, group_size: int, dynamic_activation: bool,
+                          bias=None):
+    """What ``tapml.intx_linear`` computes (its CPU kernel), in plain torch ops."""
     import torch
     rows, cols = check_intx(weight, scale, zero_point, bits, group_size)
     if not x.dtype.is_floating_point or x.dim() < 1 or x.shape[-1] != cols:
@@ -366,17 +366,7 @@ def _check_linear(fmt: QuantFormat, x, tensors: dict, rows: int, cols: int, bias
 
 def linear_reference(scheme: str, x, tensors: dict, rows: int, cols: int, bias):
     """What ``tapml.SCHEME_linear`` computes (its CPU kernel): the weight dequantized to float32, the
-    float32 product, cast to ``x``'s dtype. Plain torch ops, so it traces as the float chain."""
-    return _linear(scheme, x, tensors, rows, cols, bias)
-
-
-def intx_linear_reference(x, weight, scale, zero_point, bits: int, group_size: int, dynamic_activation: bool,
-                          bias=None):
-    """What ``tapml.intx_linear`` computes (its CPU kernel), in plain torch ops."""
-    return _intx_linear(x, weight, scale, zero_point, bits, group_size, dynamic_activation, bias)
-
-
-def _linear(scheme: str, x, tensors: dict, rows: int, cols: int, bias):
+    float32 product, cast to ``x``'s dtype. Plain torch ops, so it also traces as the float chain."""
     import torch
     _check_linear(FORMATS[scheme], x, tensors, rows, cols, bias)
     w = dequantize(scheme, tensors, rows, cols)
@@ -412,7 +402,7 @@ def define_ops():
         _implement(lib, name, fmt)
     lib.define("intx_linear(Tensor input, Tensor weight, Tensor scale, Tensor zero_point, int bits, int group_size, "
                "bool dynamic_activation, Tensor? bias=None) -> Tensor")
-    lib.impl("intx_linear", _intx_linear, "CompositeExplicitAutograd")
+    lib.impl("intx_linear", intx_linear_reference, "CompositeExplicitAutograd")
 
     def intx_fake(x, weight, scale, zero_point, bits, group_size, dynamic_activation, bias=None):
         rows, cols = check_intx(weight, scale, zero_point, bits, group_size)
@@ -438,7 +428,7 @@ def _implement(lib, name: str, fmt: QuantFormat) -> None:
     import torch
     if fmt.family == "ggml":
         def linear(x, weight, out_features, in_features, bias=None):
-            return _linear(name, x, {"weight": weight}, out_features, in_features, bias)
+            return linear_reference(name, x, {"weight": weight}, out_features, in_features, bias)
 
         def embedding(weight, indices, num_embeddings, embedding_dim, dtype):
             return _embedding(name, {"weight": weight}, indices, num_embeddings, embedding_dim, dtype)
@@ -452,7 +442,7 @@ def _implement(lib, name: str, fmt: QuantFormat) -> None:
             return torch.empty((*indices.shape, embedding_dim), dtype=dtype, device=weight.device)
     else:
         def linear(x, weight, scales, bias=None):
-            return _linear(name, x, {"weight": weight, "scales": scales}, *_mlc_dims(fmt, weight), bias)
+            return linear_reference(name, x, {"weight": weight, "scales": scales}, *_mlc_dims(fmt, weight), bias)
 
         def embedding(weight, scales, indices, dtype):
             return _embedding(name, {"weight": weight, "scales": scales}, indices, *_mlc_dims(fmt, weight), dtype)

@@ -20,9 +20,8 @@ from __future__ import annotations
 import torch
 
 from tapml.errors import TapmlError
-from tapml.quant import FORMATS, GROUP, INTX_SCHEMES, SCHEMES, check_packed, dequantize, op, pack_codes, quantize_weight
-from tapml.quant import intx_linear_reference as reference_intx_linear
-from tapml.quant import linear_reference as reference_linear
+from tapml.quant import (FORMATS, GROUP, INTX_SCHEMES, SCHEMES, check_packed, dequantize, intx_linear_reference,
+                         linear_reference, op, pack_codes, quantize_weight)
 
 
 #: ``--quantized-ops``: ``whole``, each quantized linear one tapml op (what a port runs), or
@@ -55,7 +54,7 @@ class QuantizedLinear(torch.nn.Module):
 
     def forward(self, x):
         if self.expand:
-            return reference_linear(self.scheme, x, _packed_tensors(self), self.out_features, self.in_features,
+            return linear_reference(self.scheme, x, _packed_tensors(self), self.out_features, self.in_features,
                                     self.bias)
         if FORMATS[self.scheme].family == "ggml":
             return self._op(x, self.weight, self.out_features, self.in_features, self.bias)
@@ -108,7 +107,7 @@ class IntxLinear(torch.nn.Module):
 
     def forward(self, x):
         if self.expand:
-            return reference_intx_linear(x, self.weight, self.scale, self.zero_point, self.bits, self.group_size,
+            return intx_linear_reference(x, self.weight, self.scale, self.zero_point, self.bits, self.group_size,
                                          self.dynamic_activation, self.bias)
         return self._op(x, self.weight, self.scale, self.zero_point, self.bits, self.group_size,
                         self.dynamic_activation, self.bias)
