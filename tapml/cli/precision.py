@@ -92,12 +92,12 @@ def _quality(model: str, scheme: str, *, seed: int, hf_config: dict, text_file: 
     from tapml.driving.quantization import quantization_quality
     ids = None
     if text_file is not None:
-        from tapml.frontends.prompts import load_tokenizer, prompt_token_ids
+        from tapml.frontends.prompts import load_tokenizer, read_text_file
         tokenizer = load_tokenizer(model)
         if tokenizer is None:
             fail(f"--text-file needs a tokenizer, and {shown(model)} has none (zoo: and hf: models have random weights "
                  "and no vocabulary; a checkpoint or GGUF brings its own)")
-        ids, _ = prompt_token_ids(model, tokenizer, file=text_file)
+        ids = list(tokenizer(read_text_file(text_file, "--text-file"))["input_ids"])
         if len(ids) < 2:
             fail(f"--text-file {shown(text_file)}: its text is {len(ids)} token(s); perplexity needs 2 or more")
     if not quiet:

@@ -85,6 +85,17 @@ def parse_prompt_ids(text: str) -> list[int]:
     return ids
 
 
+def read_text_file(path: str, option: str) -> str:
+    """The UTF-8 text of the regular file ``path`` given with ``option`` (at most
+    :data:`MAX_PROMPT_BYTES`); TapmlError (exit 2) naming the option otherwise."""
+    from tapml.io import read_regular_file
+    raw = read_regular_file(path, f"{option} {path}", max_bytes=MAX_PROMPT_BYTES)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise TapmlError(f"{option} {path} is not UTF-8 text") from None
+
+
 def prompt_token_ids(spec: str, tokenizer, *, text: str | None = None, file: str | None = None,
                      chat: bool = False, ids: str | None = None) -> tuple[list[int] | None, str | None]:
     """``(token ids, prompt text)`` of the prompt asked for, ``(None, None)`` when none was.
@@ -105,12 +116,7 @@ def prompt_token_ids(spec: str, tokenizer, *, text: str | None = None, file: str
     if text is None and file is None:
         return None, None
     if file is not None:
-        from tapml.io import read_regular_file
-        raw = read_regular_file(file, f"--prompt-file {file}", max_bytes=MAX_PROMPT_BYTES)
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise TapmlError(f"--prompt-file {file} is not UTF-8 text") from None
+        text = read_text_file(file, "--prompt-file")
     if tokenizer is None:
         raise TapmlError(f"{spec} has no tokenizer (a checkpoint folder with tokenizer.json has one, a GGUF file "
                          "with tokenizer.ggml.* metadata too), so a prompt in words cannot be tokenized; give token "
@@ -153,5 +159,5 @@ def token_pieces(tokenizer, tokens: list[int]) -> list[str]:
     return pieces
 
 
-__all__ = ["load_tokenizer", "prompt_token_ids", "parse_prompt_ids", "generation_texts", "token_pieces",
+__all__ = ["load_tokenizer", "prompt_token_ids", "read_text_file", "parse_prompt_ids", "generation_texts", "token_pieces",
            "TOKENIZER_FILES", "MAX_PROMPT_BYTES"]
