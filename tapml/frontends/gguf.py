@@ -411,7 +411,8 @@ def keep_blocks_packed(ckpt, model) -> list[str]:
                                owner.weight.detach())
             if order is None:
                 continue
-            packed = {"weight": ggml_tensor(block_rows[order].numpy().tobytes())}
+            packed = {"weight": ggml_tensor(raw) if isinstance(order, slice) else
+                      ggml_tensor(block_rows[order].numpy().tobytes())}
             parent, _, attr = hf_name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, attr, packed_module(owner, scheme, packed))
             replaced.append(hf_name)
@@ -422,8 +423,11 @@ def keep_blocks_packed(ckpt, model) -> list[str]:
 
 
 def _row_order(file_rows, loaded):
-    """Indices ``order`` with ``file_rows[order] == loaded`` row for row (bitwise), or None."""
+    """Indices ``order`` with ``file_rows[order] == loaded`` row for row (bitwise), or None; a slice of
+    every row for a tensor transformers left in the file's order (most of them), without matching rows."""
     import torch
+    if torch.equal(file_rows, loaded):
+        return slice(None)
     where: dict[bytes, int] = {}
     for i, row in enumerate(file_rows):
         where.setdefault(row.numpy().tobytes(), i)
