@@ -50,6 +50,8 @@ class QuantFormat:
     block_bytes: int = 0
     scale_dtype: str = "float32"
     block_elems: int = 32  # weights of a row one ggml block holds (Q4_K's super-block: 256)
+    #: tapml can write this format itself (``--quantize``); False for a type only read from GGUF files
+    quantizable: bool = True
 
     @property
     def linear_op(self) -> str:
@@ -68,6 +70,15 @@ FORMATS = {
     "q4f16_1": QuantFormat("q4f16_1", "mlc", 4, scale_dtype="float16"),
     "q4f32_1": QuantFormat("q4f32_1", "mlc", 4, scale_dtype="float32"),
 }
+#: ggml block types a GGUF file may hold that tapml reads but does not write: (bits, weights and bytes
+#: per block) as ggml-common.h defines them. Their linears and embeddings stay packed too, ops of
+#: their own whose CPU kernel dequantizes with the ``gguf`` package's own dequantizer; a target
+#: with no kernel for one gives its nodes an ``unsupported`` verdict naming the op, and the rest of
+#: the model is still checked.
+_READ_ONLY = {"q4_1": (4, 32, 20), "q5_1": (5, 32, 24), "q2_k": (2, 256, 84), "q3_k": (3, 256, 110),
+              "q5_k": (5, 256, 176), "q6_k": (6, 256, 210), "iq4_nl": (4, 32, 18), "iq4_xs": (4, 256, 136)}
+FORMATS.update({name: QuantFormat(name, "ggml", bits, block_bytes=nbytes, block_elems=elems, quantizable=False)
+                for name, (bits, elems, nbytes) in _READ_ONLY.items()})
 
 
 
@@ -94,7 +105,7 @@ INTX_SCHEMES = {
 INTX_LINEAR = "tapml.intx_linear.default"
 
 #: The ``--quantize`` schemes.
-SCHEMES = tuple(FORMATS) + tuple(INTX_SCHEMES)
+SCHEMES = tuple(name for name, fmt in FORMATS.items() if fmt.quantizable) + tuple(INTX_SCHEMES)
 
 #: Op names (``NAME`` of ``tapml.NAME.default``) the vocabulary accepts, with their format (None: torchao's).
 OPS = {**{f"{name}_{kind}": fmt for name, fmt in FORMATS.items() for kind in ("linear", "embedding")},
@@ -143,6 +154,8 @@ def quantize_weight(weight, scheme: str) -> dict:
     w = weight.detach().to(torch.float32)
     if cols % fmt.block_elems:
         raise ValueError(f"{scheme}: rows of {cols} weights do not split into blocks of {fmt.block_elems}")
+    if not fmt.quantizable:
+        raise ValueError(f"{scheme}: tapml reads this format from GGUF files but does not write it")
     if scheme == "q4_k":
         return {"weight": ggml_tensor(quantize_q4_k(w))}
     if fmt.family == "ggml":
@@ -254,6 +267,10 @@ def dequantize(scheme: str, tensors: dict, rows: int, cols: int):
         return (codes.to(torch.float32) - 7.0) * scale
     nblocks = rows * cols // fmt.block_elems
     raw = ggml_bytes(tensors["weight"])[:nblocks * fmt.block_bytes].reshape(nblocks, fmt.block_bytes)
+    if not fmt.quantizable:
+        import gguf
+        qtype = gguf.GGMLQuantizationType[scheme.upper()]
+        return torch.from_numpy(gguf.quants.dequantize(raw.reshape(rows, -1).numpy(), qtype)).reshape(rows, cols)
     d = raw[:, :2].contiguous().view(torch.float16).to(torch.float32)  # [nblocks, 1]
     if scheme == "q4_k":
         return _dequantize_q4_k(raw, d).reshape(rows, cols)

@@ -511,6 +511,39 @@ def test_gguf_with_q4_0_and_q8_0_blocks_generates_on_vulkan_packed(tmp_path):
     assert "ran on the target as packed-weight kernels" in " ".join(r.output.split())
 
 
+#: A file mixing a ggml type tapml has kernels for (Q5_0) with two it only reads (Q4_1, Q5_1).
+WITHOUT_KERNELS = {"blk.0.attn_q.weight": "Q4_1", "blk.0.ffn_down.weight": "Q5_1", "blk.1.ffn_up.weight": "Q5_0",
+                   "output.weight": "Q4_1"}
+
+
+@pytest.mark.device
+@pytest.mark.slow
+@pytest.mark.xdist_group("wgpu")
+def test_gguf_types_without_a_kernel_are_named_unsupported_and_the_rest_is_checked(tmp_path):
+    """Q4_1 and Q5_1 blocks stay packed too (ops of their own, the gguf package's dequantizer their
+    reference); on lavapipe each such node gets an ``unsupported`` verdict naming its block type, falls
+    back, and everything else -- the Q5_0 linear among it, on its kernel -- is checked and passes."""
+    vulkan_or_skip()
+    from tapml.carving.store import CarveStore
+    path = tmp_path / "mixed.gguf"
+    write_gguf(path, packed=WITHOUT_KERNELS)
+    r = tapml("migrate", path, "--target", "wgpu:vulkan", "--state", tmp_path / "m.json")
+    assert r.exit_code == 1, r.output  # unsupported nodes are findings, not a crash
+    state = json.loads((tmp_path / "m.json").read_text())
+    named = {(c["kind"], c["op"], c["module"]) for c in state["culprits"]}
+    assert named == {("unsupported", "tapml.q4_1_linear.default", "model.layers.0.self_attn.q_proj"),
+                     ("unsupported", "tapml.q5_1_linear.default", "model.layers.0.mlp.down_proj"),
+                     ("unsupported", "tapml.q4_1_linear.default", "lm_head")}
+    assert all("ggml's Q4_1 blocks" in c["message"] or "ggml's Q5_1 blocks" in c["message"] for c in state["culprits"])
+    nodes = {n.name: n.op for n in CarveStore(state["store"]).graph.nodes}
+    placement = state["placement"]["nodes"]
+    assert sorted(op for name, op in nodes.items() if placement[name] != "target") == \
+        ["tapml.q4_1_linear.default", "tapml.q4_1_linear.default", "tapml.q5_1_linear.default"]
+    assert [placement[name] for name, op in nodes.items() if op == "tapml.q5_0_linear.default"] == ["target"]
+    assert state["end_to_end"]["status"] == "pass"
+    assert sum(u["status"] == "pass" for u in state["units"] if u["kind"] == "region") >= 1
+
+
 @pytest.mark.slow
 @in_chromium
 def test_a_gguf_generates_from_words_and_migrates_in_chromium(tiny, tmp_path):

@@ -52,6 +52,8 @@ def test_ggml_blocks_are_gguf_bytes_and_round_trip():
 def test_ops_are_in_the_vocabulary_and_check_what_they_are_given():
     g = torch.Generator().manual_seed(0)
     for scheme, fmt in quant.FORMATS.items():
+        if not fmt.quantizable:
+            continue
         k = 2 * fmt.block_elems
         w, x = torch.randn(6, k, generator=g), torch.randn(3, k, generator=g)
         op = resolve_op(fmt.linear_op)
@@ -76,6 +78,33 @@ def test_ops_are_in_the_vocabulary_and_check_what_they_are_given():
     for name in ("tapml.q4_0_linear.Tensor", "tapml.linear.default", "tapml.q4_0_linear.default.x", "evil.q4_0.default"):
         with pytest.raises(ValueError, match="refused"):
             resolve_op(name)
+
+
+def test_formats_read_from_gguf_only_are_ops_whose_reference_is_ggufs_dequantizer():
+    """Q6_K, Q4_1 and the other types tapml reads but does not write: their blocks (here random bytes
+    with a small float16 scale, as no gguf quantizer writes Q6_K) are one op's input, the op computes
+    with exactly what gguf dequantizes, the sizes are checked, and ``--quantize`` does not offer them."""
+    import gguf
+    g = torch.Generator().manual_seed(3)
+    for scheme in ("q6_k", "q4_1", "q5_k", "q2_k"):
+        fmt = quant.FORMATS[scheme]
+        assert not fmt.quantizable and scheme not in quant.SCHEMES
+        rows, cols = 3, 2 * fmt.block_elems
+        raw = torch.randint(0, 256, (rows * cols // fmt.block_elems, fmt.block_bytes), generator=g, dtype=torch.uint8)
+        halves = {"q6_k": [fmt.block_bytes - 2], "q4_1": [0, 2], "q5_k": [0, 2], "q2_k": [80, 82]}[scheme]
+        for at in halves:  # the blocks' float16 scales: small, finite
+            raw[:, at:at + 2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
+        packed = {"weight": quant.ggml_tensor(raw.numpy().tobytes())}
+        theirs = gguf.quants.dequantize(raw.reshape(rows, -1).numpy(), gguf.GGMLQuantizationType[scheme.upper()])
+        w = quant.dequantize(scheme, packed, rows, cols)
+        assert torch.equal(w, torch.from_numpy(theirs)) and w.abs().max() > 0
+        x = torch.randn(2, cols, generator=g)
+        out = resolve_op(fmt.linear_op)(x, packed["weight"], rows, cols)
+        assert torch.allclose(out, x @ w.T, atol=1e-4)
+        with pytest.raises(ValueError, match="int32 words"):
+            resolve_op(fmt.linear_op)(x, packed["weight"][:-1], rows, cols)
+        with pytest.raises(ValueError, match="does not write"):
+            quant.quantize_weight(torch.randn(rows, cols), scheme)
 
 
 def test_quantized_llama_holds_packed_ops_and_runs_the_same_codes(tmp_path):

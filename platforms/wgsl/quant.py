@@ -664,7 +664,7 @@ def _register(scheme: str) -> None:
     register(fmt.embedding_op, EMBEDDING_DTYPES, samples=lambda: embedding_samples(scheme))(embedding)
 
 
-for _scheme in FORMATS:
+for _scheme in LAYOUTS:
     _register(_scheme)
 
 

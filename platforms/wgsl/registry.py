@@ -178,13 +178,25 @@ def supports_node(node: Node, caps: dict, input_metas: Sequence[TensorMeta] = ()
             return reason
     low = (REGISTRY if registry is None else registry).get(node.op)
     if low is None:
-        return f"no WGSL lowering for {node.op}"
+        return f"no WGSL lowering for {node.op}{_packed_type_note(node.op)}"
     for m in input_metas:
         if m.dtype not in low.dtypes:
             return f"{node.op} takes {', '.join(low.dtypes)} tensors, not {m.dtype}"
     if low.check is not None:
         return low.check(node)
     return None
+
+
+def _packed_type_note(op: str) -> str:
+    """For a packed-weight op of a format tapml only reads (:data:`tapml.quant.FORMATS`), which
+    block type it has no kernel for; empty for any other op."""
+    from tapml.quant import FORMATS
+    name = op.removeprefix("tapml.").removesuffix(".default").rpartition("_")[0]
+    fmt = FORMATS.get(name) if op.startswith("tapml.") else None
+    if fmt is None or fmt.quantizable:
+        return ""
+    return (f" (no WGSL kernel reads ggml's {name.upper()} blocks, {fmt.block_bytes} bytes per {fmt.block_elems} "
+            "weights; kernels exist for " + ", ".join(n.upper() for n, f in FORMATS.items() if f.quantizable) + ")")
 
 
 # --- samples for tests -------------------------------------------------------------------

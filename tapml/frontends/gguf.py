@@ -11,9 +11,11 @@ billions, a tensor whose data lies outside the file). Reading a GGUF runs no cod
 
 The weights are read in the dtype asked for; by default a file with quantized tensors loads in
 float32, any other in the floating dtype most of its weights are stored in. A linear or embedding
-weight stored in a format tapml has kernels for (:data:`PACKED_TYPES`: Q4_0, Q8_0) keeps its blocks
-as the file holds them (:func:`keep_blocks_packed`): the module becomes a packed one of
-:mod:`tapml.frontends.quantize` whose op reads those bytes; other quantized types are dequantized.
+weight stored in a quantized type of :data:`PACKED_TYPES` keeps its blocks as the file holds them
+(:func:`keep_blocks_packed`): the module becomes a packed one of :mod:`tapml.frontends.quantize`
+whose op reads those bytes. tapml has WGSL kernels for Q4_0, Q8_0, Q5_0 and Q4_K; the others (Q6_K,
+Q5_K, Q4_1...) are ops without one, so a migration names each such node ``unsupported`` with its
+type and checks the rest. A quantized tensor that is no linear's or embedding's weight is dequantized.
 
 Example::
 
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tapml.errors import TapmlError
+from tapml.quant import FORMATS
 
 MAGIC = b"GGUF"
 #: Bounds on a header's counts and lengths (beyond the file's own size, which bounds them all).
@@ -369,8 +372,8 @@ def load_gguf_weights(ckpt, model, dtype: str):
     return model
 
 
-#: ggml types whose blocks stay packed (a tapml op and kernels read them), with their scheme.
-PACKED_TYPES = {"Q4_0": "q4_0", "Q8_0": "q8_0"}
+#: ggml types whose blocks stay packed (a tapml op reads them), with their format in :data:`tapml.quant.FORMATS`.
+PACKED_TYPES = {name.upper(): name for name, fmt in FORMATS.items() if fmt.family == "ggml"}
 
 
 def keep_blocks_packed(ckpt, model) -> list[str]:
@@ -386,7 +389,7 @@ def keep_blocks_packed(ckpt, model) -> list[str]:
     from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
 
     from tapml.frontends.quantize import packed_module
-    from tapml.quant import GROUP, dequantize, ggml_tensor
+    from tapml.quant import dequantize, ggml_tensor
     wanted = [t for t in ckpt.gguf.tensors if t.type in PACKED_TYPES and len(t.shape) == 2]
     if not wanted:
         return []
@@ -398,12 +401,12 @@ def keep_blocks_packed(ckpt, model) -> list[str]:
             hf_weight = names.get(t.name) or ""
             hf_name = hf_weight.removesuffix(".weight")
             owner = modules.get(hf_name) if hf_weight.endswith(".weight") else None
-            if type(owner) not in (torch.nn.Linear, torch.nn.Embedding) or t.shape[0] % GROUP:
+            scheme = PACKED_TYPES[t.type]
+            if type(owner) not in (torch.nn.Linear, torch.nn.Embedding) or t.shape[0] % FORMATS[scheme].block_elems:
                 continue
             cols, rows = t.shape  # ggml order: the fastest dimension first
             if tuple(owner.weight.shape) != (rows, cols):
                 continue
-            scheme = PACKED_TYPES[t.type]
             f.seek(ckpt.gguf.data_offset + t.offset)
             raw = f.read(t.nbytes)
             block_rows = torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(rows, -1)
