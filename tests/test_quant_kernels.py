@@ -82,7 +82,7 @@ def test_kernels_count_their_loops_within_the_budget_and_pick_gemv_or_gemm():
     LOOP_BUDGET iterations (lavapipe cuts loops past 65 535 silently); one row takes the GEMV path,
     several rows the row-tiled GEMM, and the embedding loops not at all. The linears count as matrix
     products in a placement's FLOPs."""
-    for scheme in FORMATS:
+    for scheme in wgsl_quant.LAYOUTS:  # the formats with kernels
         for k in (4096, 11008, 14336):
             for m, path in ((1, "gemv"), (17, "gemm")):
                 program = compile_graph(_linear_case(scheme, m, 3, k)[0], VULKAN_CAPS)
@@ -119,7 +119,7 @@ def test_the_device_holds_the_packed_weight_and_no_float_copy():
     assert sizes[weight] == -(-n * k // 32 * 18 // 4) * 4 == inputs[1].numel() * 4 == 92160
     assert sorted(sizes.values()) == sorted([m * k * 4, 92160, m * n * 4])  # x, the blocks, the output
     assert max(sizes.values()) < n * k * 2  # not even a float16 copy of the weight would fit
-    for scheme, fmt in FORMATS.items():
+    for scheme, fmt in ((s, FORMATS[s]) for s in wgsl_quant.LAYOUTS):
         for graph, inputs in [_linear_case(scheme, 1, n, k)] + sample_cases(fmt.embedding_op)[:1]:
             program = compile_graph(graph, VULKAN_CAPS)
             sent = sorted(-(-t.numel() * t.element_size() // 4) * 4 if t.dtype != torch.int64 else t.numel() * 4
