@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from tapml import quant
 from tapml.errors import TapmlError
+from tapml.judging.verdict import MigrationState
 from tapml.ops import resolve_op
 
 
@@ -105,6 +106,28 @@ def test_formats_read_from_gguf_only_are_ops_whose_reference_is_ggufs_dequantize
             resolve_op(fmt.linear_op)(x, packed["weight"][:-1], rows, cols)
         with pytest.raises(ValueError, match="does not write"):
             quant.quantize_weight(torch.randn(rows, cols), scheme)
+
+
+def test_logits_judged_as_distributions_name_the_planted_faults_a_tolerance_may_miss():
+    """The whole-model judge of a quantized model: logits of the same codes agree far inside the
+    thresholds; a wrong nibble order or a scale of the wrong group moves the distributions past them,
+    while a near-tie (the reference's top two within the tolerance) is no disagreement."""
+    from tapml.judging.compare import LOGITS_THRESHOLDS, logits_agreement
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(64, 96, generator=g), torch.randn(12, 96, generator=g)
+    packed = quant.quantize_weight(w, "q4f16_1")
+    right = x @ quant.dequantize("q4f16_1", packed, 64, 96).T
+    same = logits_agreement(right + 1e-6 * torch.randn(right.shape, generator=g), right, 1e-4, 1e-5)
+    assert same["status"] == "pass" and same["positions"] == 12 and same["mean_kl"] < 1e-9
+    assert same["top1_agreement"] == 1.0 and same["thresholds"] == LOGITS_THRESHOLDS
+    swapped = packed["weight"].view(torch.uint8).reshape(-1, 4)  # each byte's nibbles swapped
+    swapped = (((swapped & 0xF) << 4) | (swapped >> 4)).reshape(64, -1).view(torch.int32)
+    wrong_scales = packed["scales"].roll(1, dims=1)
+    for fault in ({"weight": swapped, "scales": packed["scales"]}, {"weight": packed["weight"], "scales": wrong_scales}):
+        bad = logits_agreement(x @ quant.dequantize("q4f16_1", fault, 64, 96).T, right, 1e-4, 1e-5)
+        assert bad["status"] == "fail" and bad["mean_kl"] > LOGITS_THRESHOLDS["mean_kl"], bad
+    tie = torch.tensor([[1.0, 1.0 - 1e-7, -3.0]])
+    assert logits_agreement(torch.tensor([[1.0 - 1e-7, 1.0, -3.0]]), tie, 1e-4, 1e-5)["top1_agreement"] == 1.0
 
 
 def test_quantized_llama_holds_packed_ops_and_runs_the_same_codes(tmp_path):
@@ -251,6 +274,14 @@ def test_q4_k_model_migrates_whole_on_gl_and_generates_on_vulkan(tmp_path):
     assert "100.0%" in r.output
     assert {"tapml.q4_k_linear.default", "tapml.q4_k_embedding.default",
             "tapml.q5_0_linear.default"} <= _migrated_quantized_ops(state)
+    # the whole model is judged by its logits as distributions too, kept in the state and read back
+    doc = json.loads(state.read_text())
+    agreement = doc["end_to_end"]["distribution"]
+    assert agreement["status"] == "pass" and agreement["positions"] == 16 and agreement["mean_kl"] < 1e-6
+    assert agreement["top1_agreement"] == 1.0 and agreement["thresholds"] == {"mean_kl": 1e-3, "top1_agreement": 0.9}
+    assert next(u for u in doc["units"] if u["kind"] == "model")["distribution"] == agreement
+    assert MigrationState.from_json(doc, strict=True).end_to_end.distribution == agreement
+    assert "logits as distributions over 16 positions" in " ".join(r.output.split())
     r = tapml("generate", "zoo:tiny-llama", "--quantize", "q4f16_1", "--target", "wgpu:vulkan", "--tokens", "6",
               "--json", tmp_path / "g.json")
     assert r.exit_code == 0, r.output

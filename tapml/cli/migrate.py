@@ -129,6 +129,9 @@ def render_state(state: dict, quiet: bool = False) -> None:
     out.print(f"end to end: [{color}]{shown(e['status'])}[/] max_abs_err {fmt_err(e['max_abs_err'])} "
               f"max_rel_err {fmt_err(e['max_rel_err'])}" + (f" ({shown(e['message'])})" if e.get("message") else ""),
               highlight=False)
+    if e.get("distribution") and e["status"] == "pass":  # a failing one's message says it already
+        from tapml.judging.compare import agreement_note
+        out.print(f"  a quantized model: its {agreement_note(e['distribution'])}", highlight=False)
     decode = next((u for u in state["units"] if u["kind"] == "model" and u.get("graph") == "decode"), None)
     if decode is not None:  # a generation store: its decode graph was a second pass
         d = p.get("decode") or {}

@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
-from tapml.judging.compare import Comparison, Tolerances, anchored_rule, compare_tensor
+from tapml.judging.compare import LOGITS_THRESHOLDS, Comparison, Tolerances, anchored_rule, compare_tensor, kl_rows
 from tapml.errors import DeviceLost, PlatformError, TapmlError
 from tapml.graph import Graph, dtype_name, step as reference_step
 from tapml.driving.hybrid import REFERENCE, TARGET, HybridRunner
@@ -364,19 +364,14 @@ def _float32_twin(store, graphs: dict[str, Graph], params: dict[str, dict]):
     return low, _ReferenceStepper(store, {k: as_float32(g, low) for k, g in graphs.items()}, twin_params)
 
 
-#: Distribution thresholds of a generation (:func:`distribution_agreement`): the mean KL divergence
-#: of the target's next-token distributions from the reference's, and the share of steps with the
-#: same top-1 token (a near-tie counts as the same). Against a reference running the same codes, a
-#: right port is far inside both; a quantized model is judged by them as well as by its logits.
-DISTRIBUTION_THRESHOLDS = {"mean_kl": 1e-3, "top1_agreement": 0.9}
+#: Distribution thresholds of a generation (:func:`distribution_agreement`): those a quantized
+#: model's logits are judged by everywhere (:data:`tapml.judging.compare.LOGITS_THRESHOLDS`).
+DISTRIBUTION_THRESHOLDS = LOGITS_THRESHOLDS
 
 
 def step_kl(logits, expected) -> float:
     """KL(reference || target) of one step's next-token distributions, in nats."""
-    import torch
-    p_log = torch.log_softmax(expected.double().reshape(-1), -1)
-    q_log = torch.log_softmax(logits.detach().cpu().double().reshape(-1), -1)
-    return max(float(torch.sum(p_log.exp() * (p_log - q_log))), 0.0)
+    return float(kl_rows(logits.reshape(-1), expected.reshape(-1))[0])
 
 
 def distribution_agreement(rows: list[dict], judged: bool) -> dict | None:

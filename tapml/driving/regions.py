@@ -29,7 +29,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from tapml.judging.compare import (Comparison, Tolerances, anchored_rule, compare_outputs, compare_tensor, is_random_op,
+from tapml.judging.compare import (Comparison, Tolerances, agreement_note, anchored_rule, logits_agreement, compare_outputs, compare_tensor, is_random_op,
                            is_uninitialized_op, merge)
 from tapml.dtypes import LOW_FLOATS, as_float32, upcast
 from tapml.graph import Graph, dtype_name, run_graph
@@ -360,6 +360,7 @@ def _run_and_compare(store, runner: HybridRunner, placement: dict[str, str], tol
         return outcome_verdict(e), None
     expected = store.model_outputs() if expected is None else expected
     low = low_dtype(store)
+    twin = None
     with measured(clock, "compare"):
         if low is None:
             c = compare_outputs([result.values[r] for r in expected], list(expected.values()), tolerances=tolerances)
@@ -368,7 +369,45 @@ def _run_and_compare(store, runner: HybridRunner, placement: dict[str, str], tol
         else:
             twin = float32_twin_values(runner.graph, inputs, expected, low)
             c = merge([judge_low(result.values[r], twin[r], low, tolerances, None) for r in expected])
-    return outcome_verdict(c, round(sum(r.run_ms for r in result.regions) + result.reference_ms, 4)), result
+        agreement = _logits_agreement(store, runner.graph, result.values, twin or expected, tolerances)
+    verdict = outcome_verdict(c, round(sum(r.run_ms for r in result.regions) + result.reference_ms, 4))
+    if agreement is not None:
+        verdict.distribution = agreement
+        if agreement["status"] != "pass" and verdict.status == "pass":
+            verdict.status = "mismatch"
+        if agreement["status"] != "pass" or verdict.status != "pass":
+            verdict.message = _with_note(verdict.message, agreement_note(agreement))
+    return verdict, result
+
+
+def is_quantized(store, graph: Graph) -> bool:
+    """Whether the model is a quantized one: carved with ``--quantize``, or holding packed-weight
+    ops (a GGUF file's blocks)."""
+    return getattr(store, "quantize", None) is not None or any(n.op.startswith("tapml.") for n in graph.nodes)
+
+
+def logits_output(graph: Graph, refs: Iterable[str]) -> str | None:
+    """The output of ``refs`` a model's logits are: the first floating one with a last dimension of
+    more than one that is no state of the graph (a generation's cache); None when there is none."""
+    meta, state = graph.meta, set(graph.state.values())
+    for ref in refs:
+        m = meta.get(ref)
+        if m is not None and ref not in state and m.dtype in ("float32", "float16", "bfloat16") \
+                and len(m.shape) >= 1 and m.shape[-1] > 1:
+            return ref
+    return None
+
+
+def _logits_agreement(store, graph: Graph, values: dict, expected: dict, tolerances: Tolerances) -> dict | None:
+    """A quantized model's logits (:func:`logits_output`) judged as distributions against ``expected``
+    (:func:`tapml.judging.compare.logits_agreement`); None for a model that is not quantized or has none."""
+    if not is_quantized(store, graph):
+        return None
+    ref = logits_output(graph, expected)
+    if ref is None or ref not in values:
+        return None
+    rtol, atol = tolerances.get(None, dtype_name(expected[ref].dtype))
+    return logits_agreement(values[ref].to(expected[ref].dtype), expected[ref], rtol, atol)
 
 
 def _judge_model_anchored(graph: Graph, inputs: dict, values: dict, expected: dict, tolerances: Tolerances,

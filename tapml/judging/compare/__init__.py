@@ -8,6 +8,7 @@
   norms, softmax): the error a correct kernel's rounding can make, from the reduction length.
 - :mod:`tapml.judging.compare.ties`: index outputs that may order equal values any way.
 - :mod:`tapml.judging.compare.distribution`: random ops, judged by distribution.
+- :mod:`tapml.judging.compare.logits`: logits judged as next-token distributions (KL, top-1 agreement).
 
 Every public name of those modules is importable from ``tapml.judging.compare``.
 """
@@ -16,6 +17,7 @@ from tapml.judging.compare.anchored import ANCHOR_FACTOR, ANCHOR_FLOOR, anchor_b
 from tapml.judging.compare.bounds import ACCUMULATING, DECIDED_BY_BOUND, LAMBDA, UNIT_ROUNDOFF, accumulates, arithmetic_bounds, growth
 from tapml.judging.compare.distribution import (KS_CONSTANT, NORMAL_ARGUMENTS, RANDOM_NOTE, RANDOM_OPS, RANDOM_PACKETS, SIGMAS,
                                         compare_distribution, is_random_op)
+from tapml.judging.compare.logits import LOGITS_THRESHOLDS, agreement_note, kl_rows, logits_agreement, same_top1
 from tapml.judging.compare.ties import TIE_ORDERED, indices_pick_equal_values, tie_dim
 from tapml.judging.compare.values import (CHUNK, DEFAULT_TOLERANCES, I32_RANGE, INT64_OUTSIDE_I32, 
                                   UNINITIALIZED_NOTE, UNINITIALIZED_PACKETS, Comparison, Rule, Tolerances,
@@ -25,7 +27,7 @@ from tapml.judging.compare.values import (CHUNK, DEFAULT_TOLERANCES, I32_RANGE, 
 __all__ = ["ANCHOR_FACTOR", "ANCHOR_FLOOR", "anchor_bound", "anchored_rule", "compare_anchored", "ACCUMULATING", "DECIDED_BY_BOUND",
            "LAMBDA", "UNIT_ROUNDOFF", "accumulates", "arithmetic_bounds", "growth", "KS_CONSTANT",
            "NORMAL_ARGUMENTS", "RANDOM_NOTE", "RANDOM_OPS", "RANDOM_PACKETS", "SIGMAS", "compare_distribution",
-           "is_random_op", "TIE_ORDERED", "indices_pick_equal_values", "tie_dim", "CHUNK", "DEFAULT_TOLERANCES",
+           "is_random_op", "LOGITS_THRESHOLDS", "agreement_note", "kl_rows", "logits_agreement", "same_top1", "TIE_ORDERED", "indices_pick_equal_values", "tie_dim", "CHUNK", "DEFAULT_TOLERANCES",
            "I32_RANGE", "INT64_OUTSIDE_I32", "UNINITIALIZED_NOTE", "UNINITIALIZED_PACKETS",
            "Comparison", "Rule", "Tolerances", "compare_metadata", "compare_outputs", "compare_tensor",
            "first_outside_i32", "float_model_note", "is_uninitialized_op", "merge", "metadata_mismatch", "outside_i32"]

@@ -6,7 +6,9 @@ mapping from a run's outcome to a verdict (:func:`outcome_verdict`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, ClassVar, Iterable, Literal
+from typing import TYPE_CHECKING, Annotated, ClassVar, Iterable, Literal
+
+from pydantic import Field
 
 from tapml.errors import DeviceLost, PlatformError, Unsupported
 from tapml.judging.verdict.reading import NonNegative, Scalar, Written, _Reader
@@ -68,6 +70,18 @@ class EvidenceJSON(Written):
     margin: NonNegative | None = None
 
 
+class LogitsAgreementJSON(Written):
+    """How a model's logits agree with the reference's as next-token distributions
+    (:func:`tapml.judging.compare.logits_agreement`): a quantized model's whole-model verdict."""
+
+    positions: Count
+    mean_kl: NonNegative
+    max_kl: NonNegative
+    top1_agreement: Annotated[Number, Field(ge=0, le=1)]
+    thresholds: dict[Literal["mean_kl", "top1_agreement"], NonNegative]
+    status: Literal["pass", "fail"]
+
+
 class VerdictJSON(EvidenceJSON):
     """A :class:`Verdict`: a status of :data:`STATUSES`, its evidence and run time."""
 
@@ -75,6 +89,7 @@ class VerdictJSON(EvidenceJSON):
     status: Literal[STATUSES]
     time_ms: Number | None = None
     worst_output: Str | None = None
+    distribution: LogitsAgreementJSON | None = None
 
 
 class CaseVerdictJSON(VerdictJSON):
@@ -148,6 +163,12 @@ class CulpritJSON(EvidenceJSON):
     step: Count | None = None
 
 
+def _agreement(m: LogitsAgreementJSON | None) -> dict | None:
+    return None if m is None else {"positions": m.positions, "mean_kl": m.mean_kl, "max_kl": m.max_kl,
+                                   "top1_agreement": m.top1_agreement, "thresholds": dict(m.thresholds),
+                                   "status": m.status}
+
+
 def _worst(worst: list[WorstJSON]) -> list[dict]:
     return [{"index": w.index, "target": w.target, "reference": w.reference} for w in worst]
 
@@ -172,6 +193,8 @@ class Verdict:
     rule: str | None = None
     bound: float | None = None
     margin: float | None = None
+    #: A quantized model's logits judged as distributions (:class:`LogitsAgreementJSON`); None elsewhere.
+    distribution: dict | None = None
 
     def outcome(self) -> dict:
         """The verdict's own fields as keyword arguments (for a :class:`CaseVerdict` or
@@ -185,6 +208,8 @@ class Verdict:
         if self.worst_output is not None:
             out["worst_output"] = self.worst_output
         out.update({k: getattr(self, k) for k in JUDGE_KEYS if getattr(self, k) is not None})
+        if self.distribution is not None:
+            out["distribution"] = dict(self.distribution)
         return out
 
     #: The schema a verdict of this class is read by.
@@ -199,7 +224,7 @@ class Verdict:
     @classmethod
     def _read(cls, r: _Reader, m: VerdictJSON, path: str = "") -> "Verdict":
         """The verdict of the validated ``m`` (at ``path`` of its document)."""
-        return cls(**{**r.values(m, path), "worst": _worst(m.worst)})
+        return cls(**{**r.values(m, path), "worst": _worst(m.worst), "distribution": _agreement(m.distribution)})
 
 
 @dataclass(kw_only=True)
@@ -299,7 +324,8 @@ class UnitVerdict(Verdict):
     @classmethod
     def _read(cls, r: _Reader, m: UnitVerdictJSON, path: str = "") -> "UnitVerdict":
         checks = m.region_checks
-        return cls(**{**r.values(m, path), "worst": _worst(m.worst), "region_checks": None if checks is None else
+        return cls(**{**r.values(m, path), "worst": _worst(m.worst), "distribution": _agreement(m.distribution),
+                      "region_checks": None if checks is None else
                       [RegionCheck._read(r, c, f"{path}.region_checks[{i}]") for i, c in enumerate(checks)]})
 
 
