@@ -162,12 +162,10 @@ def check_store_dtype(store: CarveStore, dtype: str | None) -> None:
 def _model_inputs(graph) -> list:
     """The graph's inputs less the packed weights and scales of quantized ops (q4f16_1's float16
     scales are the format's, not the model's dtype)."""
-    packed = set()
-    for n in graph.nodes:
-        if n.op.startswith("tapml."):
-            refs = n.input_refs
-            packed.update(refs[1:] if n.op.endswith("_linear.default") else refs[:-1] if "embedding" in n.op else refs)
-    used_elsewhere = {r for n in graph.nodes if not n.op.startswith("tapml.") for r in n.input_refs}
+    from tapml.quant import packed_positions
+    packed = {n.args[i]["ref"] for n in graph.nodes for i in packed_positions(n.op)
+              if i < len(n.args) and isinstance(n.args[i], dict) and "ref" in n.args[i]}
+    used_elsewhere = {r for n in graph.nodes if not packed_positions(n.op) for r in n.input_refs}
     return [(ref, meta) for ref, meta in graph.inputs if ref not in packed or ref in used_elsewhere]
 
 

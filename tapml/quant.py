@@ -494,6 +494,21 @@ def _register_fake(lib, name: str, fake) -> None:
     torch.library.register_fake(f"tapml::{name}", refusing, lib=lib)
 
 
+def packed_positions(op_name: str) -> tuple[int, ...]:
+    """Positions of the arguments of packed-weight op ``op_name`` (``tapml.NAME.default``) that hold
+    its packed tensors -- codes, scales, zero points, never the input or the bias -- by its schema
+    in :func:`define_ops`; empty for any other op."""
+    name = op_name.removeprefix("tapml.").removesuffix(".default") if op_name.startswith("tapml.") else ""
+    if name == "intx_linear":
+        return (1, 2, 3)
+    fmt_name, _, kind = name.rpartition("_")
+    fmt = FORMATS.get(fmt_name)
+    if fmt is None or kind not in ("linear", "embedding"):
+        return ()
+    first = 1 if kind == "linear" else 0
+    return (first,) if fmt.family == "ggml" else (first, first + 1)
+
+
 def op(name: str):
     """``torch.ops.tapml.NAME.default`` for a name of :data:`OPS` (the ops defined first)."""
     import torch
@@ -503,4 +518,4 @@ def op(name: str):
 
 __all__ = ["FORMATS", "GROUP", "INTX_LINEAR", "linear_reference", "intx_linear_reference", "INTX_SCHEMES", "IntxScheme", "OPS", "SCHEMES", "check_intx",
            "dequantize_intx", "pack_codes", "quantize_per_token_int8", "unpack_codes", "QuantFormat", "check_packed", "define_ops", "dequantize", "ggml_bytes",
-           "ggml_tensor", "ggml_words", "op", "quantize_weight"]
+           "ggml_tensor", "ggml_words", "op", "packed_positions", "quantize_weight"]

@@ -81,6 +81,17 @@ def test_ops_are_in_the_vocabulary_and_check_what_they_are_given():
             resolve_op(name)
 
 
+def test_packed_positions_are_the_ops_packed_arguments_by_their_schemas():
+    """Every packed-weight op's packed arguments, as its torch schema names them; none for others."""
+    quant.define_ops()
+    for name in quant.OPS:
+        schema = quant.op(name)._schema
+        named = [schema.arguments[i].name for i in quant.packed_positions(f"tapml.{name}.default")]
+        assert named and set(named) <= {"weight", "scales", "scale", "zero_point"}, name
+        assert {a.name for a in schema.arguments} & {"weight", "scales", "scale", "zero_point"} == set(named), name
+    assert quant.packed_positions("aten.mm.default") == quant.packed_positions("tapml.nothing.default") == ()
+
+
 def test_formats_read_from_gguf_only_are_ops_whose_reference_is_ggufs_dequantizer():
     """Q6_K, Q4_1 and the other types tapml reads but does not write: their blocks (here random bytes
     with a small float16 scale, as no gguf quantizer writes Q6_K) are one op's input, the op computes
