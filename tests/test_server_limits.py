@@ -40,7 +40,8 @@ def from_file_graph(path: str, shared: bool):
 
 
 def mm_chain(n: int, size: int):
-    """x @ x @ x ... (n matmuls of size x size): seconds of CPU work for the reference."""
+    """x @ x @ x ... (n matmuls of size x size): seconds of CPU work for the reference (400 of 1024 took 2.4 s
+    here on a quiet day: a run meant to pass a limit of seconds takes 2000)."""
     from tapml.graph import Graph, Node, TensorMeta
     meta = TensorMeta((size, size), "float32")
     nodes, prev = [], "x"
@@ -210,10 +211,10 @@ def test_buffer_cap_refuses_before_running():
 
 
 def test_run_past_the_timeout_is_an_error_and_the_next_client_is_served():
-    srv = server("reference", "--run-timeout", "2")
+    srv = server("reference", "--run-timeout", "2", "--max-buffer-mib", "16384")
     try:
         with remote(srv) as slow:
-            program = slow.compile(mm_chain(400, 1024))
+            program = slow.compile(mm_chain(2000, 1024))
             start = time.monotonic()
             with pytest.raises(PlatformError, match="run-timeout"):
                 slow.run(program, [torch.randn(1024, 1024)])
@@ -231,10 +232,10 @@ def test_run_past_the_timeout_is_an_error_and_the_next_client_is_served():
 
 
 def test_waiting_client_gets_device_busy_not_a_hang():
-    srv = server("reference", "--run-timeout", "3")
+    srv = server("reference", "--run-timeout", "3", "--max-buffer-mib", "16384")
     try:
         with remote(srv) as slow, remote(srv) as waiting:
-            program = slow.compile(mm_chain(400, 1024))
+            program = slow.compile(mm_chain(2000, 1024))
             small = waiting.compile(mm_chain(1, 8))
             errors = []
             holder = threading.Thread(target=lambda: errors.append(_run_error(slow, program, torch.randn(1024, 1024))))
