@@ -494,18 +494,30 @@ def _register_fake(lib, name: str, fake) -> None:
     torch.library.register_fake(f"tapml::{name}", refusing, lib=lib)
 
 
+def packed_op_name(op_name: str) -> str | None:
+    """``NAME`` of a packed-weight op ``tapml.NAME.default`` (a key of :data:`OPS`), None for any other op."""
+    name = op_name.removeprefix("tapml.").removesuffix(".default")
+    return name if op_name.startswith("tapml.") and op_name.endswith(".default") and name in OPS else None
+
+
+def packed_op_format(op_name: str) -> QuantFormat | None:
+    """The format of a packed linear or embedding op (``tapml.q4_0_linear.default`` -> q4_0); None for
+    torchao's ``intx_linear`` and any other op."""
+    name = packed_op_name(op_name)
+    return OPS.get(name) if name is not None else None
+
+
 def packed_positions(op_name: str) -> tuple[int, ...]:
     """Positions of the arguments of packed-weight op ``op_name`` (``tapml.NAME.default``) that hold
     its packed tensors -- codes, scales, zero points, never the input or the bias -- by its schema
     in :func:`define_ops`; empty for any other op."""
-    name = op_name.removeprefix("tapml.").removesuffix(".default") if op_name.startswith("tapml.") else ""
+    name = packed_op_name(op_name)
+    if name is None:
+        return ()
     if name == "intx_linear":
         return (1, 2, 3)
-    fmt_name, _, kind = name.rpartition("_")
-    fmt = FORMATS.get(fmt_name)
-    if fmt is None or kind not in ("linear", "embedding"):
-        return ()
-    first = 1 if kind == "linear" else 0
+    fmt = OPS[name]
+    first = 1 if name.endswith("_linear") else 0
     return (first,) if fmt.family == "ggml" else (first, first + 1)
 
 
@@ -518,4 +530,4 @@ def op(name: str):
 
 __all__ = ["FORMATS", "GROUP", "INTX_LINEAR", "linear_reference", "intx_linear_reference", "INTX_SCHEMES", "IntxScheme", "OPS", "SCHEMES", "check_intx",
            "dequantize_intx", "pack_codes", "quantize_per_token_int8", "unpack_codes", "QuantFormat", "check_packed", "define_ops", "dequantize", "ggml_bytes",
-           "ggml_tensor", "ggml_words", "op", "packed_positions", "quantize_weight"]
+           "ggml_tensor", "ggml_words", "op", "packed_op_format", "packed_op_name", "packed_positions", "quantize_weight"]

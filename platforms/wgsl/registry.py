@@ -190,12 +190,11 @@ def supports_node(node: Node, caps: dict, input_metas: Sequence[TensorMeta] = ()
 def _packed_type_note(op: str) -> str:
     """For a packed-weight op of a format tapml only reads (:data:`tapml.quant.FORMATS`), which
     block type it has no kernel for; empty for any other op."""
-    from tapml.quant import FORMATS
-    name = op.removeprefix("tapml.").removesuffix(".default").rpartition("_")[0]
-    fmt = FORMATS.get(name) if op.startswith("tapml.") else None
+    from tapml.quant import FORMATS, packed_op_format
+    fmt = packed_op_format(op)
     if fmt is None or fmt.quantizable:
         return ""
-    return (f" (no WGSL kernel reads ggml's {name.upper()} blocks, {fmt.block_bytes} bytes per {fmt.block_elems} "
+    return (f" (no WGSL kernel reads ggml's {fmt.name.upper()} blocks, {fmt.block_bytes} bytes per {fmt.block_elems} "
             "weights; kernels exist for " + ", ".join(n.upper() for n, f in FORMATS.items() if f.quantizable) + ")")
 
 

@@ -49,6 +49,7 @@ from tapml.judging.compare import LOGITS_THRESHOLDS, Comparison, Tolerances, anc
 from tapml.errors import DeviceLost, PlatformError, TapmlError
 from tapml.graph import Graph, dtype_name, step as reference_step
 from tapml.driving.hybrid import REFERENCE, TARGET, HybridRunner
+from tapml.driving.regions import is_quantized
 from tapml.judging.verdict import outcome_verdict, stamp
 
 KINDS = ("prefill", "decode")
@@ -325,7 +326,7 @@ def generate(store, platform, target: str, *, tokens: int | None = None, free: b
         "tokens_per_s": {"target": _rate(decode_steps, target_decode_s),
                          "reference": _rate(tokens, reference.decode_s)},
         "quantize": store.quantize,
-        "distribution": distribution_agreement(rows, judged=store.quantize is not None),
+        "distribution": distribution_agreement(rows, judged=is_quantized(store, graphs["prefill"])),
     })
 
 
@@ -400,7 +401,8 @@ def passed(doc: dict) -> bool:
 def _quantized_placement(graph: Graph, fell_back: list[str]) -> dict:
     """``quantized`` (nodes of tapml's packed-weight ops) and ``quantized_on_target`` (those that ran
     on the target: its packed-weight kernels) of a step graph; nothing for a graph with none."""
-    quantized = [n.name for n in graph.nodes if n.op.startswith("tapml.")]
+    from tapml.quant import packed_op_name
+    quantized = [n.name for n in graph.nodes if packed_op_name(n.op)]
     if not quantized:
         return {}
     return {"quantized": len(quantized), "quantized_on_target": len(set(quantized) - set(fell_back))}

@@ -29,8 +29,8 @@ from typing import Callable, Iterable
 
 import torch
 
-from tapml.judging.compare import (Comparison, Tolerances, agreement_note, anchored_rule, logits_agreement, compare_outputs, compare_tensor, is_random_op,
-                           is_uninitialized_op, merge)
+from tapml.judging.compare import (Comparison, Tolerances, agreement_note, anchored_rule, compare_outputs, compare_tensor,
+                                   is_random_op, is_uninitialized_op, logits_agreement, merge)
 from tapml.dtypes import LOW_FLOATS, as_float32, upcast
 from tapml.graph import Graph, dtype_name, run_graph
 from tapml.driving.hybrid import HybridResult, HybridRunner, reference_values
@@ -383,7 +383,8 @@ def _run_and_compare(store, runner: HybridRunner, placement: dict[str, str], tol
 def is_quantized(store, graph: Graph) -> bool:
     """Whether the model is a quantized one: carved with ``--quantize``, or holding packed-weight
     ops (a GGUF file's blocks)."""
-    return getattr(store, "quantize", None) is not None or any(n.op.startswith("tapml.") for n in graph.nodes)
+    from tapml.quant import packed_op_name
+    return getattr(store, "quantize", None) is not None or any(packed_op_name(n.op) for n in graph.nodes)
 
 
 def logits_output(graph: Graph, refs: Iterable[str]) -> str | None:

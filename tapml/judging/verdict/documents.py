@@ -20,7 +20,7 @@ from tapml.errors import TapmlError
 from tapml.io import read_json_file
 from tapml.judging.verdict.kinds import KINDS, STATE_KEYS, document_kind, stamp
 from tapml.judging.verdict.reading import NonNegative, Scalar, Written, _check_depth, _Reader
-from tapml.judging.verdict.results import (CULPRIT_KINDS, GRAPH_KINDS, STATUSES, CaseVerdict, CaseVerdictJSON, Culprit,
+from tapml.judging.verdict.results import (AgreementJSON, CULPRIT_KINDS, GRAPH_KINDS, STATUSES, CaseVerdict, CaseVerdictJSON, Culprit,
                                            CulpritJSON, EndToEnd, EndToEndJSON, UnitVerdict, UnitVerdictJSON, passed,
                                            summary)
 from tapml.schema import Bool, ClosedSchema, Count, Number, Str
@@ -437,17 +437,11 @@ class StepJSON(Written):
     kl: NonNegative | None = None
 
 
-class DistributionJSON(Written):
-    """How a generation's next-token distributions agree with the reference's, steps that ran:
-    mean and largest KL divergence (nats) and the share of steps with the same top-1 token; its
-    ``status`` judges them against ``thresholds`` (a verdict for a quantized model)."""
+class DistributionJSON(AgreementJSON):
+    """How a generation's next-token distributions agree with the reference's, over the steps that
+    ran; ``judged``: its status is a verdict (a quantized model's)."""
 
-    mean_kl: NonNegative
-    max_kl: NonNegative
-    top1_agreement: Annotated[Number, Field(ge=0, le=1)]
-    thresholds: dict[Literal["mean_kl", "top1_agreement"], NonNegative]
     judged: Bool = False
-    status: Literal["pass", "fail"]
 
 
 class StepSummaryJSON(Written):

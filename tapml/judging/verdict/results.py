@@ -70,16 +70,22 @@ class EvidenceJSON(Written):
     margin: NonNegative | None = None
 
 
-class LogitsAgreementJSON(Written):
-    """How a model's logits agree with the reference's as next-token distributions
-    (:func:`tapml.judging.compare.logits_agreement`): a quantized model's whole-model verdict."""
+class AgreementJSON(Written):
+    """Next-token distributions against the reference's: mean and largest KL divergence (nats), the
+    share with the same top-1 token, and the ``status`` they get against ``thresholds``."""
 
-    positions: Count
     mean_kl: NonNegative
     max_kl: NonNegative
     top1_agreement: Annotated[Number, Field(ge=0, le=1)]
     thresholds: dict[Literal["mean_kl", "top1_agreement"], NonNegative]
     status: Literal["pass", "fail"]
+
+
+class LogitsAgreementJSON(AgreementJSON):
+    """How a model's logits agree with the reference's at each of its ``positions``
+    (:func:`tapml.judging.compare.logits_agreement`): a quantized model's whole-model verdict."""
+
+    positions: Count
 
 
 class VerdictJSON(EvidenceJSON):
@@ -164,9 +170,7 @@ class CulpritJSON(EvidenceJSON):
 
 
 def _agreement(m: LogitsAgreementJSON | None) -> dict | None:
-    return None if m is None else {"positions": m.positions, "mean_kl": m.mean_kl, "max_kl": m.max_kl,
-                                   "top1_agreement": m.top1_agreement, "thresholds": dict(m.thresholds),
-                                   "status": m.status}
+    return None if m is None else m.model_dump()
 
 
 def _worst(worst: list[WorstJSON]) -> list[dict]:
