@@ -137,6 +137,11 @@ def test_logits_judged_as_distributions_name_the_planted_faults_a_tolerance_may_
     for fault in ({"weight": swapped, "scales": packed["scales"]}, {"weight": packed["weight"], "scales": wrong_scales}):
         bad = logits_agreement(x @ quant.dequantize("q4f16_1", fault, 64, 96).T, right, 1e-4, 1e-5)
         assert bad["status"] == "fail" and bad["mean_kl"] > LOGITS_THRESHOLDS["mean_kl"], bad
+    poisoned = right.clone()
+    poisoned[3, 7], poisoned[5, 0] = float("nan"), float("inf")  # no distribution: a failure, and JSON-safe
+    bad = logits_agreement(poisoned, right, 1e-4, 1e-5)
+    assert bad["status"] == "fail" and bad["nonfinite"] == 2 and bad["top1_agreement"] == 10 / 12
+    assert json.loads(json.dumps(bad, allow_nan=False)) == bad and bad["mean_kl"] < 1e-9
     tie = torch.tensor([[1.0, 1.0 - 1e-7, -3.0]])
     assert logits_agreement(torch.tensor([[1.0 - 1e-7, 1.0, -3.0]]), tie, 1e-4, 1e-5)["top1_agreement"] == 1.0
 
@@ -378,3 +383,18 @@ def test_quantized_ops_expand_carves_the_float_chain_in_place_of_each_op(tmp_pat
     assert r.exit_code == 2 and "belongs to --quantize" in r.output
     r = tapml("carve", "zoo:tiny-llama", "--quantize", "q4_0", "--quantized-ops", "both", "-o", tmp_path / "x")
     assert r.exit_code == 2 and "choose whole or expand" in r.output
+
+
+@pytest.mark.device
+@pytest.mark.slow
+@pytest.mark.xdist_group("wgpu")
+def test_nan_from_a_quantized_op_is_a_failing_generation_not_a_crash(tmp_path):
+    """A packed linear that writes NaN: every step a mismatch (exit 1), the distribution a failure that
+    counts the NaN steps, and the Generation JSON still valid JSON."""
+    vulkan_or_skip()
+    r = tapml("generate", "zoo:tiny-llama", "--quantize", "q4_0", "--target", "wgpu:vulkan", "--tokens", "2",
+              "--inject", "tapml.q4_0_linear.default=nan", "--json", tmp_path / "g.json")
+    assert r.exit_code == 1, r.output
+    doc = json.loads((tmp_path / "g.json").read_text())
+    assert doc["summary"]["mismatch"] == 3 and all(step["kl"] is None for step in doc["steps"])
+    assert doc["distribution"]["status"] == "fail" and doc["distribution"]["nonfinite"] == 3

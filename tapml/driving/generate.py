@@ -40,6 +40,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -370,21 +371,26 @@ def _float32_twin(store, graphs: dict[str, Graph], params: dict[str, dict]):
 DISTRIBUTION_THRESHOLDS = LOGITS_THRESHOLDS
 
 
-def step_kl(logits, expected) -> float:
-    """KL(reference || target) of one step's next-token distributions, in nats."""
-    return float(kl_rows(logits.reshape(-1), expected.reshape(-1))[0])
+def step_kl(logits, expected) -> float | None:
+    """KL(reference || target) of one step's next-token distributions, in nats; None when the
+    target's logits hold NaN or infinity (they are no distribution)."""
+    kl = float(kl_rows(logits.reshape(-1), expected.reshape(-1))[0])
+    return kl if math.isfinite(kl) else None
 
 
 def distribution_agreement(rows: list[dict], judged: bool) -> dict | None:
     """The ``distribution`` part of a Generation JSON from its step rows (their ``kl``), or None when
     no step ran; ``judged``: its status counts in :func:`passed` (a quantized model's generation)."""
-    ran = [r for r in rows if r.get("kl") is not None]
+    ran = [r for r in rows if r["target_token"] is not None]  # steps that gave logits
     if not ran:
         return None
-    same = sum(r["target_token"] == r["reference_token"] or r["status"] == "near-tie" for r in ran)
-    doc = {"mean_kl": sum(r["kl"] for r in ran) / len(ran), "max_kl": max(r["kl"] for r in ran),
-           "top1_agreement": same / len(ran), "thresholds": dict(DISTRIBUTION_THRESHOLDS), "judged": judged}
-    ok = doc["mean_kl"] <= DISTRIBUTION_THRESHOLDS["mean_kl"] and \
+    kls = [r["kl"] for r in ran if r.get("kl") is not None]  # None: NaN or infinite logits
+    same = sum(r.get("kl") is not None and (r["target_token"] == r["reference_token"] or r["status"] == "near-tie")
+               for r in ran)
+    doc = {"mean_kl": sum(kls) / len(kls) if kls else 0.0, "max_kl": max(kls, default=0.0),
+           "top1_agreement": same / len(ran), "nonfinite": len(ran) - len(kls),
+           "thresholds": dict(DISTRIBUTION_THRESHOLDS), "judged": judged}
+    ok = doc["nonfinite"] == 0 and doc["mean_kl"] <= DISTRIBUTION_THRESHOLDS["mean_kl"] and \
         doc["top1_agreement"] >= DISTRIBUTION_THRESHOLDS["top1_agreement"]
     return {**doc, "status": "pass" if ok else "fail"}
 

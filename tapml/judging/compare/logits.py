@@ -43,23 +43,32 @@ def same_top1(target: torch.Tensor, reference: torch.Tensor, rtol: float, atol: 
 
 def logits_agreement(target: torch.Tensor, reference: torch.Tensor, rtol: float, atol: float) -> dict:
     """How ``target`` logits ``[..., vocab]`` agree with ``reference``'s as distributions, every
-    position: ``{"positions", "mean_kl", "max_kl", "top1_agreement", "thresholds", "status"}``, the
-    status ``pass`` when both are within :data:`LOGITS_THRESHOLDS`. ``rtol``/``atol``: the logits'
-    tolerance, which decides near-ties."""
+    position: ``{"positions", "mean_kl", "max_kl", "top1_agreement", "nonfinite", "thresholds",
+    "status"}``, the status ``pass`` when both are within :data:`LOGITS_THRESHOLDS` and no position's
+    logits hold NaN or infinity (``nonfinite`` counts those: they have no distribution, count as a
+    different top-1, and stay out of the KL figures). ``rtol``/``atol``: the logits' tolerance,
+    which decides near-ties."""
     kl = kl_rows(target, reference)
-    same = same_top1(target, reference, rtol, atol)
-    rows = int(kl.numel())
-    doc = {"positions": rows, "mean_kl": float(kl.mean()) if rows else 0.0, "max_kl": float(kl.max()) if rows else 0.0,
-           "top1_agreement": float(same.double().mean()) if rows else 1.0, "thresholds": dict(LOGITS_THRESHOLDS)}
-    ok = doc["mean_kl"] <= LOGITS_THRESHOLDS["mean_kl"] and doc["top1_agreement"] >= LOGITS_THRESHOLDS["top1_agreement"]
+    finite = torch.isfinite(kl)
+    same = same_top1(target, reference, rtol, atol) & finite
+    rows, nonfinite = int(kl.numel()), int((~finite).sum())
+    kept = kl[finite]
+    doc = {"positions": rows, "mean_kl": float(kept.mean()) if kept.numel() else 0.0,
+           "max_kl": float(kept.max()) if kept.numel() else 0.0,
+           "top1_agreement": float(same.double().mean()) if rows else 1.0, "nonfinite": nonfinite,
+           "thresholds": dict(LOGITS_THRESHOLDS)}
+    ok = nonfinite == 0 and doc["mean_kl"] <= LOGITS_THRESHOLDS["mean_kl"] and \
+        doc["top1_agreement"] >= LOGITS_THRESHOLDS["top1_agreement"]
     return {**doc, "status": "pass" if ok else "fail"}
 
 
 def agreement_note(agreement: dict) -> str:
     """One line saying what :func:`logits_agreement` found, against its thresholds."""
     t = agreement["thresholds"]
+    bad = agreement.get("nonfinite", 0)
     return (f"logits as distributions over {agreement['positions']} positions: mean KL {agreement['mean_kl']:.3g} "
-            f"(≤ {t['mean_kl']:g}), top-1 agreement {agreement['top1_agreement']:.3f} (≥ {t['top1_agreement']:g})")
+            f"(≤ {t['mean_kl']:g}), top-1 agreement {agreement['top1_agreement']:.3f} (≥ {t['top1_agreement']:g})"
+            + (f"; {bad} position(s) with NaN or infinite logits" if bad else ""))
 
 
 __all__ = ["LOGITS_THRESHOLDS", "agreement_note", "kl_rows", "logits_agreement", "same_top1"]

@@ -72,11 +72,13 @@ class EvidenceJSON(Written):
 
 class AgreementJSON(Written):
     """Next-token distributions against the reference's: mean and largest KL divergence (nats), the
-    share with the same top-1 token, and the ``status`` they get against ``thresholds``."""
+    share with the same top-1 token, how many had NaN or infinite logits (no distribution: a failure,
+    left out of the KL figures), and the ``status`` they get against ``thresholds``."""
 
     mean_kl: NonNegative
     max_kl: NonNegative
     top1_agreement: Annotated[Number, Field(ge=0, le=1)]
+    nonfinite: Count = 0
     thresholds: dict[Literal["mean_kl", "top1_agreement"], NonNegative]
     status: Literal["pass", "fail"]
 
