@@ -33,7 +33,7 @@ def carve_generation(spec: str, out: str | Path, *, tokens: int, prompt_len: int
                      hf_config: dict | None = None, device: str = "cpu",
                      on_step: Callable[[dict], None] | None = None, dtype: str = "float32",
                      prompt_ids: list[int] | None = None, quantize: str | None = None,
-                     quantized_ops: str = "whole") -> dict:
+                     quantized_ops: str = "whole", cache: int | None = None) -> dict:
     """Carve a greedy generation of ``tokens`` new tokens after a ``prompt_len``-token prompt.
 
     ``spec`` must be a causal LM (``zoo:tiny-llama``, ``zoo:tiny-gpt2``, ``hf:llama``,
@@ -50,7 +50,9 @@ def carve_generation(spec: str, out: str | Path, *, tokens: int, prompt_len: int
     ``bfloat16``): the model's parameters, its cache and the reference run in it (the
     manifest's ``dtype``). ``quantize``: the packed-weight scheme of its linears and embeddings
     (:mod:`tapml.frontends.quantize`; the manifest's ``quantize``), ``quantized_ops`` whether each
-    quantized op is carved whole or as its float chain.
+    quantized op is carved whole or as its float chain. ``cache``: positions of the static
+    key/value cache (the manifest's ``max_cache_len``), at least ``prompt_len + tokens``, which is
+    the default; a larger cache is what a deployment allocates once for its longest context.
 
     Returns figures: ``export_s``, ``carve_s``, ``bytes``, ``cases``, ``nodes`` (prefill),
     ``decode_nodes``, ``steps``, ``reference_tokens`` (the ``tokens`` generated token ids) and
@@ -59,7 +61,8 @@ def carve_generation(spec: str, out: str | Path, *, tokens: int, prompt_len: int
     Example: ``carve_generation("zoo:tiny-llama", "stores/gen", tokens=4, prompt_len=5)``.
     """
     from tapml.carving import write_store_atomically
-    from tapml.frontends.models import load_causal_lm
+    from tapml.carving.manifest import MAX_GENERATION_TOKENS
+    from tapml.frontends.models import load_causal_lm, model_positions
 
     if device not in ("cpu", "cuda"):
         raise TapmlError(f"--device must be cpu or cuda, not {device!r}")
@@ -67,15 +70,24 @@ def carve_generation(spec: str, out: str | Path, *, tokens: int, prompt_len: int
         if not prompt_ids or not all(type(i) is int and i >= 0 for i in prompt_ids):
             raise TapmlError("the prompt must be one or more token ids, each 0 or more")
         prompt_len = len(prompt_ids)
+    if cache is not None and not prompt_len + tokens <= cache <= 2 * MAX_GENERATION_TOKENS:
+        raise TapmlError(f"--cache {cache}: the cache must hold the prompt and every generated token "
+                         f"({prompt_len} + {tokens} = {prompt_len + tokens} positions) and at most "
+                         f"{2 * MAX_GENERATION_TOKENS}")
     model = load_causal_lm(spec, tokens=tokens, prompt_len=prompt_len, seed=seed, hf_config=hf_config, dtype=dtype,
                            quantize=quantize, quantized_ops=quantized_ops)
     vocab = int(model.config.get_text_config().vocab_size)
+    positions = model_positions(model.config.get_text_config())
+    if cache is not None and positions is not None and cache > positions:
+        raise TapmlError(f"--cache {cache} exceeds {spec}'s {positions} positions; give a smaller --cache, or raise "
+                         "max_position_embeddings with --hf-config")
     if prompt_ids is not None and max(prompt_ids) >= vocab:
         raise TapmlError(f"prompt token id {max(prompt_ids)} is not in {spec}'s vocabulary of {vocab} tokens "
                          f"(ids 0 to {vocab - 1})")
     return write_store_atomically(out, lambda tmp: _carve_generation_into(
         model, spec, tmp, tokens=tokens, prompt_len=prompt_len, seed=seed, hf_config=hf_config, device=device,
-        on_step=on_step, dtype=dtype, prompt_ids=prompt_ids, quantize=quantize, quantized_ops=quantized_ops))
+        on_step=on_step, dtype=dtype, prompt_ids=prompt_ids, quantize=quantize, quantized_ops=quantized_ops,
+        cache=cache))
 
 
 def export_generation_programs(model, prompt_len: int, max_cache_len: int, spec: str = "the model"):
@@ -188,7 +200,7 @@ def _positions_as_inputs(exportable, max_cache_len: int):
 def _carve_generation_into(model, spec: str, out: Path, *, tokens: int, prompt_len: int, seed: int,
                            hf_config: dict | None, device: str, on_step: Callable[[dict], None] | None,
                            dtype: str = "float32", prompt_ids: list[int] | None = None,
-                           quantize: str | None = None, quantized_ops: str = "whole") -> dict:
+                           quantize: str | None = None, quantized_ops: str = "whole", cache: int | None = None) -> dict:
     import torch
 
     from tapml.frontends.capture import program_inputs
@@ -198,7 +210,7 @@ def _carve_generation_into(model, spec: str, out: Path, *, tokens: int, prompt_l
     if device == "cuda" and not torch.cuda.is_available():
         raise TapmlError("--device cuda: no CUDA device on this machine; use --device cpu")
     t0 = time.perf_counter()
-    max_cache_len = prompt_len + tokens
+    max_cache_len = cache or prompt_len + tokens
     vocab = int(model.config.get_text_config().vocab_size)
     prompt = torch.tensor([prompt_ids]) if prompt_ids is not None else \
         torch.randint(0, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(seed))

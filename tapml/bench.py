@@ -451,6 +451,111 @@ def generation_figure(platform, target: str, workdir: Path, spec: str = GENERATI
             "timed_programs_compiled": ours.programs_compiled}
 
 
+#: Decode steps timed per context (after one untimed step that uploads the cache).
+CONTEXT_STEPS = 8
+
+
+def decode_step_rows(store, platform, contexts: list[int], repeat: int = 5) -> list[dict]:
+    """Decode step time of a generation ``store`` at each cache position in ``contexts``: per
+    round, for each context, ``CONTEXT_STEPS`` teacher-forced decode steps at positions ``t ..
+    t + CONTEXT_STEPS - 1`` on the platform (the cache resident between steps, after one
+    untimed step that uploads it) and the same steps in torch eager's static-cache module on 1
+    and on 2 threads, alternately; each figure is the median over ``repeat`` rounds of each run's
+    median step, torch's its better thread count. A step at position ``t`` of a cache of
+    ``max_cache_len`` positions is what a generation pays ``t`` tokens in. Rows: ``{"context",
+    "cache", "step_ms", "tokens_per_s", "torch_step_ms", "torch_tokens_per_s", "torch_threads",
+    "kernels_per_step", "programs_compiled", "load_avg"}``."""
+    import statistics
+
+    import torch
+
+    from tapml.driving.generate import logits_ref, shared_program_inputs, target_placement
+    from tapml.driving.hybrid import REFERENCE, HybridRunner, segments
+    gen = store.manifest["generation"]
+    cache = gen["max_cache_len"]
+    graph = store.step_graph("decode")
+    params = shared_program_inputs(store)["decode"]
+    fixed = {n: v for n, v in params.items() if n not in graph.state}
+    placement = target_placement(graph, platform)[0]
+    runner = HybridRunner(graph, platform)
+    logits = logits_ref(graph)
+    ids = store.step_inputs(1)["input_ids"]
+    module = _TorchDecoder(store, store.manifest["model"], 0, store.manifest.get("hf_config") or None).module
+    contexts = [t for t in contexts if 0 <= t and t + CONTEXT_STEPS < cache]
+
+    def ours(t: int) -> float:
+        state, spent = {n: params[n] for n in graph.state}, []
+        for i in range(CONTEXT_STEPS + 1):
+            start = time.perf_counter()
+            out, state = runner.step({**fixed, "input_ids": ids, "cache_position": torch.tensor([t + i])}, state,
+                                     placement)
+            int(out[logits][0, -1].argmax())
+            spent.append(time.perf_counter() - start)
+        return statistics.median(spent[1:])
+
+    def theirs(t: int, threads: int) -> float:
+        before, spent = torch.get_num_threads(), []
+        torch.set_num_threads(threads)
+        try:
+            with torch.no_grad():
+                for i in range(CONTEXT_STEPS + 1):
+                    start = time.perf_counter()
+                    int(module(input_ids=ids, cache_position=torch.tensor([t + i]))[0, -1].argmax())
+                    spent.append(time.perf_counter() - start)
+        finally:
+            torch.set_num_threads(before)
+        return statistics.median(spent[1:])
+
+    runs = {t: {"target": [], 1: [], 2: []} for t in contexts}
+    loads = []
+    for t in contexts[:1]:
+        ours(t), theirs(t, 1)  # warm-up: compiles, first uploads, allocator
+    for _ in range(max(1, repeat)):
+        loads.append(round(os.getloadavg()[0], 2))
+        for t in contexts:
+            runs[t]["target"].append(ours(t))
+            for threads in (1, 2):
+                runs[t][threads].append(theirs(t, threads))
+    kernels = sum(len(getattr(runner.program(seg.names)[0], "kernels", ()))
+                  for seg in segments(graph, placement) if seg.where != REFERENCE)
+    rows = []
+    for t in contexts:
+        step = statistics.median(runs[t]["target"])
+        threads = min((1, 2), key=lambda n: statistics.median(runs[t][n]))
+        torch_step = statistics.median(runs[t][threads])
+        rows.append({"context": t, "cache": cache, "step_ms": _sig(step * 1e3), "tokens_per_s": _sig(1 / step),
+                     "torch_step_ms": _sig(torch_step * 1e3), "torch_tokens_per_s": _sig(1 / torch_step),
+                     "torch_threads": threads, "kernels_per_step": kernels,
+                     "programs_compiled": runner.programs_compiled, "load_avg": loads})
+    return rows
+
+
+def context_figure(platform, target: str, workdir: Path, spec: str = GENERATION_MODEL, *, contexts: list[int],
+                   caches: list[int], repeat: int = 5, hf_config: dict | None = None,
+                   dtype: str = "float32") -> list[dict]:
+    """:func:`decode_step_rows` of ``spec`` for each cache size in ``caches``: a generation of 4
+    decode steps after an 8-token prompt is carved with that cache into ``workdir`` and checked
+    with ``tapml generate`` (``passed``: every step must pass for the speed to count), then timed
+    at every context that fits the cache. Rows as decode_step_rows' plus ``model`` and ``passed``
+    (a cache whose generation cannot be carved or run is one row with ``error``)."""
+    from tapml.carving.generation import carve_generation
+    from tapml.carving.store import CarveStore
+    from tapml.driving.generate import generate, passed
+    rows = []
+    for cache in caches:
+        out = Path(workdir) / f"cache{cache}"
+        try:
+            carve_generation(spec, out, tokens=4, prompt_len=GENERATION_PROMPT_LEN, hf_config=hf_config,
+                             dtype=dtype, cache=cache)
+            store = CarveStore(out)
+            ok = passed(generate(store, platform, target, tokens=4, localize=False))
+            rows += [{"model": spec, "passed": ok, **row}
+                     for row in decode_step_rows(store, platform, contexts, repeat)]
+        except Exception as e:  # noqa: BLE001 - a cache that fails is a figure, not a crash
+            rows.append({"model": spec, "cache": cache, "passed": False, "error": f"{type(e).__name__}: {e}"})
+    return rows
+
+
 # --- carving -------------------------------------------------------------------------------
 
 def tensor_mix(total_bytes: int, seed: int = 0) -> list:

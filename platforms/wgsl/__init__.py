@@ -56,6 +56,8 @@ def compile_graph(graph: Graph, caps: dict, lowerings: Mapping[str, Lowering] | 
     lowering fails.
     """
     load_lowerings()
+    from tapml.platforms.wgsl.attention import find_attention, fused_attention
+    from tapml.platforms.wgsl.scatter import put_in_place
     registry = REGISTRY if not lowerings else ChainMap(dict(lowerings), REGISTRY)
     caps = caps or {}
     pb = ProgramBuilder(caps)
@@ -70,16 +72,33 @@ def compile_graph(graph: Graph, caps: dict, lowerings: Mapping[str, Lowering] | 
         env[ref] = BufferView.whole(buf, meta)
     uses = Counter(r for n in graph.nodes for r in set(n.input_refs))
     wanted = set(graph.outputs)
+    in_place: set[str] = set()  # input buffers written in place, listed as outputs too
+
+    attention = {} if lowerings else find_attention(graph, uses, wanted)
+    folded = {name for match in attention.values() for name in match.nodes[:-1]}
 
     for node in graph.nodes:
+        if node.name in folded:  # inside a fused pattern: written by its last node
+            continue
         reason = supports_node(node, caps, [graph.meta[r] for r in node.input_refs], registry)
         if reason:
             raise Unsupported(f"{node.op}: {reason}")
         low = registry[node.op]
         try:
-            args = decode_arg(node.args, env.__getitem__)
-            kwargs = {k: decode_arg(v, env.__getitem__) for k, v in node.kwargs.items()}
-            values = low.fn(pb, node, *args, **kwargs)
+            if node.name in attention:
+                values = [fused_attention(pb, attention[node.name], env, node.outputs[0])]
+            else:
+                values = None
+                args = decode_arg(node.args, env.__getitem__)
+                kwargs = {k: decode_arg(v, env.__getitem__) for k, v in node.kwargs.items()}
+            if values is None and node.op == "aten.index_put.default" and node.op not in (lowerings or {}) and \
+                    _sole_reader_of_input(node, graph, uses, env):
+                put = put_in_place(pb, node, *args, **kwargs)
+                if put is not None:
+                    in_place.add(put.buf.name)
+                    values = [put]
+            if values is None:
+                values = low.fn(pb, node, *args, **kwargs)
         except (Unsupported, PlatformError):
             raise
         except Exception as e:  # a lowering bug is a verdict on this op, not a crash
@@ -92,7 +111,7 @@ def compile_graph(graph: Graph, caps: dict, lowerings: Mapping[str, Lowering] | 
                                     f"torch says {list(meta.shape)}")
             if v.dtype != meta.dtype:
                 v = _cast_value(v, meta.dtype)
-            if ref in wanted:
+            if ref in wanted and not (isinstance(v, BufferView) and v.buf.name in in_place):
                 v = _output(pb, v, meta)
             elif v.cost > 0 and (uses[ref] > 1 or v.cost > MAX_FUSED_COST):
                 v = pb.materialize(v)
@@ -101,7 +120,8 @@ def compile_graph(graph: Graph, caps: dict, lowerings: Mapping[str, Lowering] | 
     outputs, claimed = [], set()
     for ref in graph.outputs:
         v, meta = env[ref], graph.meta[ref]
-        if not (isinstance(v, BufferView) and v.buf.role == "output" and v.buf.name not in claimed and v.is_whole):
+        owned = isinstance(v, BufferView) and (v.buf.role == "output" or v.buf.name in in_place)
+        if not (owned and v.buf.name not in claimed and v.is_whole):
             v = _output(pb, v, meta, force=True)
         claimed.add(v.buf.name)
         outputs.append(v.buf.name)
@@ -111,6 +131,17 @@ def compile_graph(graph: Graph, caps: dict, lowerings: Mapping[str, Lowering] | 
     program = KernelProgram(kind="wgsl", inputs=inputs, outputs=outputs, buffers=pb.buffers, kernels=pb.kernels,
                             input_meta=[m for _, m in graph.inputs], output_meta=[graph.meta[r] for r in graph.outputs])
     return pb.into_parts(program)  # tensors over max-buffer-size: held in several buffers
+
+
+def _sole_reader_of_input(node, graph: Graph, uses: Counter, env: dict) -> bool:
+    """Whether ``node``'s first argument is a whole graph input that no other node and no graph
+    output reads, so that ``node`` may write into its buffer."""
+    ref = node.input_refs[0] if node.input_refs else None
+    if ref is None or not (isinstance(node.args[0], dict) and node.args[0].get("ref") == ref):
+        return False
+    v = env.get(ref)
+    return (uses[ref] == 1 and ref not in graph.outputs and isinstance(v, BufferView) and v.buf.role == "input"
+            and v.is_whole and any(r == ref for r, _ in graph.inputs))
 
 
 def _output(pb: ProgramBuilder, v: Value, meta: TensorMeta, force: bool = False) -> BufferView:

@@ -17,7 +17,7 @@ import torch
 from tapml.errors import Unsupported
 from tapml.platforms.wgsl import views
 from tapml.graph import TensorMeta
-from tapml.platforms.wgsl.codegen import BufferView, Compute, Custom, Value, cast, lit, round_low
+from tapml.platforms.wgsl.codegen import BufferView, Compute, Custom, Value, cast, index_sum, lit, round_low
 from tapml.platforms.wgsl.index import advanced_layout, wrapped_index
 from tapml.platforms.wgsl.registry import ALL, edge_floats, edge_ints, rand, randbool, randint, register
 
@@ -57,6 +57,41 @@ def _scatter(pb, meta, x, indices: list, values, accumulate: bool):
         k.close()
         return acc
     return Custom(meta.shape, meta.dtype, [x, values] + ivals, fn)
+
+
+def put_in_place(pb, node, x: BufferView, indices, values, accumulate=False) -> BufferView | None:
+    """``index_put(x, indices, values)`` written into ``x``'s own buffer: one thread per put
+    element, nothing else of ``x`` is touched, so a step that writes one row of a key/value cache
+    costs that row, not the cache. The compiler chooses this form for a graph input that nothing
+    else reads (:func:`tapml.platforms.wgsl.compile_graph`); the program lists the input's buffer
+    as the output too, so a resident cache stays where it is from step to step. None where the
+    lazy form must be kept: a boolean mask, ``accumulate``, a buffer held in several parts, or
+    more than one index entry (a decode step puts one position; entries that repeat would race,
+    where the lazy form lets the last one win)."""
+    if accumulate or boolean_mask(indices, "index_put") is not None or x.buf.size > pb.max_buffer_size:
+        return None
+    indices, pos, bshape, adjacent, start, rest = advanced_layout(x.shape, indices, "index_put")
+    if math.prod(bshape) != 1:
+        return None
+    indexed = (list(x.shape[:start]) + list(bshape) + list(x.shape[pos[-1] + 1:]) if adjacent
+               else list(bshape) + [x.shape[d] for d in rest])
+    total = math.prod(indexed)
+    if total == 0:
+        return x
+    fitted = pb.fit([views.expand_to(values, indexed)] + [views.expand_to(indices[d], bshape) for d in pos], 1)
+    values, ivals = fitted[0], fitted[1:]
+    nb = len(bshape)
+    k = pb.kernel("put_in_place")
+    vidx = k.unravel("n", indexed)
+    bidx, other = (vidx[start:start + nb], vidx[:start] + vidx[start + nb:]) if adjacent else (vidx[:nb], vidx[nb:])
+    xidx = [""] * len(x.shape)
+    for d, iv in zip(pos, ivals):
+        xidx[d] = wrapped_index(k, iv, bidx, x.shape[d])
+    for d, e in zip(rest, other):
+        xidx[d] = e
+    k.write(x.buf, index_sum(xidx, x.strides, x.offset), cast(values.read(k, vidx), values.ty, x.ty), x.ty)
+    pb.add(k.finish(total))
+    return x
 
 
 def _index_put_samples():
@@ -604,5 +639,5 @@ def masked_scatter(pb, node, x, mask, source):
     return [Custom(shape, meta.dtype, [x, mask, source, positions], fn)]
 
 
-__all__ = ["index_put", "index_copy", "slice_scatter", "scatter_dim", "scatter", "scatter_legacy_reduce", "scatter_add",
+__all__ = ["index_put", "put_in_place", "index_copy", "slice_scatter", "scatter_dim", "scatter", "scatter_legacy_reduce", "scatter_add",
            "scatter_reduce", "select_scatter", "diagonal_scatter", "masked_scatter"]

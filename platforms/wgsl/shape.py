@@ -7,7 +7,7 @@ import math
 
 from tapml.errors import Unsupported
 from tapml.platforms.wgsl import views
-from tapml.platforms.wgsl.codegen import BufferView, Compute, Remap, Value, cast, ctype, index_sum, lit
+from tapml.platforms.wgsl.codegen import BufferView, Compute, Custom, Remap, Value, cast, ctype, index_sum, lit
 from tapml.platforms.wgsl.registry import ALL, ALL_INT, NUMERIC, rand, randbool, randint, register
 
 
@@ -107,6 +107,8 @@ def cat(pb, node, tensors, dim=0):
     meta = node.outputs[0]
     parts = [t for t in tensors if not (len(t.shape) == 1 and t.shape[0] == 0)]
     dim = views.norm_dim(dim, len(meta.shape))
+    if meta.numel and len([t for t in parts if t.shape[dim]]) <= LAZY_CAT_PARTS:
+        return [_lazy_cat(pb, meta, [t for t in parts if t.shape[dim]], dim)]
     out = pb.buffer("temp", meta)
     whole = BufferView.whole(out, meta)
     start = 0
@@ -123,6 +125,32 @@ def cat(pb, node, tensors, dim=0):
             pb.add(k.finish(t.numel))
         start += n
     return [whole]
+
+
+#: Most parts a cat is read through lazily (an element picks its part where it is read, so a
+#: rotary embedding's ``cat((-x2, x1))`` fuses into the kernel that reads it); more are copied.
+LAZY_CAT_PARTS = 4
+
+
+def _lazy_cat(pb, meta, parts: list, dim: int) -> Value:
+    parts = pb.fit(parts, 1)
+    ty = ctype(meta.dtype)
+    starts = [0]
+    for t in parts[:-1]:
+        starts.append(starts[-1] + t.shape[dim])
+
+    def fn(k, idx):
+        element = k.var(ty, lit(0, ty), "cat")
+        for j, (t, start) in enumerate(zip(parts, starts)):
+            last = j == len(parts) - 1
+            cond = f"({idx[dim]} < {start + t.shape[dim]})"
+            k.open("else" if last and j else "if (true)" if last else ("if " if j == 0 else "else if ") + cond)
+            at = list(idx)
+            at[dim] = f"({idx[dim]} - {start})" if start else idx[dim]
+            k.emit(f"{element} = {cast(t.read(k, at), t.ty, ty)};")
+            k.close()
+        return element
+    return Custom(meta.shape, meta.dtype, parts, fn)
 
 
 @register("aten.split_with_sizes.default", ALL,

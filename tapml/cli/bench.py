@@ -334,6 +334,10 @@ def generation(target: str = typer.Option("wgpu", "--target", "-t", help="Target
                prompt: Optional[str] = PromptOpt, prompt_file: Optional[str] = PromptFileOpt, chat: bool = ChatOpt,
                prompt_ids: Optional[str] = PromptIdsOpt,
                repeat: int = typer.Option(5, "--repeat", help="Alternated target and torch runs (the median is kept)"),
+               context: Optional[str] = typer.Option(None, "--context", help="T[,T...]: also time decode steps at "
+                                                     "these cache positions (the tokens so far), e.g. 16,256,1024,4096"),
+               cache: Optional[str] = typer.Option(None, "--cache", help="C[,C...]: static cache sizes of the --context "
+                                                   "timings (default 4096), one carved generation each"),
                quantize: Optional[str] = typer.Option(None, "--quantize", help="SCHEME[,SCHEME...]: also time the "
                                                       "model with its linears packed in each scheme (tapml carve "
                                                       "--quantize), next to the unquantized --dtype run"),
@@ -347,7 +351,7 @@ def generation(target: str = typer.Option("wgpu", "--target", "-t", help="Target
     import tempfile
     from pathlib import Path
 
-    from tapml.bench import check_models, generation_figure
+    from tapml.bench import CONTEXT_STEPS, check_models, context_figure, generation_figure
     from tapml.frontends.models import parse_hf_overrides
     from tapml.driving.targets import check_target, open_target, read_token
     check_target(target)
@@ -363,6 +367,13 @@ def generation(target: str = typer.Option("wgpu", "--target", "-t", help="Target
     overrides = parse_hf_overrides(hf_config)
     dtype = check_dtype(dtype, model) or "float32"
     schemes = [check_quantize(s.strip(), model) for s in quantize.split(",")] if quantize else []
+    contexts = _positive_list("--context", context) if context is not None else []
+    caches = _positive_list("--cache", cache) if cache is not None else [4096] if contexts else []
+    if caches and not contexts:
+        fail("--cache sizes the caches of the --context timings: add --context T[,T...]")
+    for c in caches:
+        if not any(t + CONTEXT_STEPS < c for t in contexts):
+            fail(f"--cache {c}: no --context fits it (a context T needs T + {CONTEXT_STEPS} < {c})")
     _check_json_dir(json_out)
     check_models((), model, overrides, tokens=int(many), prompt_len=prompt_len, dtype=dtype)
     with tempfile.TemporaryDirectory(prefix="tapml-bench-") as tmp, \
@@ -371,8 +382,15 @@ def generation(target: str = typer.Option("wgpu", "--target", "-t", help="Target
                                   prompt_len=prompt_len, repeat=repeat, hf_config=overrides or None, dtype=dtype,
                                   prompt_ids=ids, quantize=scheme)
                 for i, scheme in enumerate([None, *schemes])]
+        rows = context_figure(platform, target, Path(tmp) / "contexts", model, contexts=contexts, caches=caches,
+                              repeat=repeat, hf_config=overrides or None, dtype=dtype) if contexts else None
     figure = runs[0]
     figure["target"] = target
+    if not figure.get("error"):
+        figure["prefill"] = {"tokens": prompt_len, "ms": figure["prefill_ms"]["target"],
+                             "torch_ms": figure["prefill_ms"]["torch"]}
+    if rows is not None:
+        figure["contexts"] = rows
     if schemes:
         figure["quantized"] = [{**run, "decode_vs_unquantized": _quantized_ratio(run, figure)} for run in runs[1:]]
     if json_out:
@@ -388,8 +406,38 @@ def generation(target: str = typer.Option("wgpu", "--target", "-t", help="Target
         out.print(table)
         if schemes:
             _print_quantized(figure, dtype)
+        if rows:
+            _print_contexts(rows, target)
     ok = all(not run.get("error") and run["passed"] and run["compile_count_flat"] for run in runs)
+    ok = ok and all(row.get("passed") and not row.get("error") for row in rows or [])
     raise typer.Exit(EXIT_OK if ok else EXIT_FINDING)
+
+
+def _positive_list(option: str, text: str) -> list[int]:
+    """``16,256,1024`` as ints, each at least 1; exit 2 naming ``option`` otherwise."""
+    items = [p.strip() for p in text.split(",")]
+    if not items or not all(p.isdigit() and int(p) >= 1 for p in items):
+        fail(f"{option} {text!r}: give whole numbers of 1 or more separated by commas, e.g. 16,256,1024")
+    return [int(p) for p in items]
+
+
+def _print_contexts(rows: list[dict], target: str) -> None:
+    """The --context table: per cache size and context, the decode step on the target and in torch."""
+    from rich.table import Table
+    table = Table(title=f"decode step by context on {target} (median of {len(rows[0].get('load_avg') or [0])} "
+                        f"alternated runs)")
+    for col in ("model", "cache", "context", "step ms", "tokens/s", "torch tokens/s", "ratio", "kernels/step", "load"):
+        table.add_column(col, justify="left" if col == "model" else "right")
+    for r in rows:
+        if r.get("error"):
+            table.add_row(r["model"], str(r["cache"]), "", f"[red]{r['error'][:60]}[/]", "", "", "", "", "")
+            continue
+        ratio = r["tokens_per_s"] / r["torch_tokens_per_s"] if r["torch_tokens_per_s"] else None
+        load = r.get("load_avg") or []
+        table.add_row(r["model"] + ("" if r["passed"] else " [red](steps failed)[/]"), str(r["cache"]),
+                      str(r["context"]), _num(r["step_ms"]), _num(r["tokens_per_s"]), _num(r["torch_tokens_per_s"]),
+                      _num(ratio), str(r["kernels_per_step"]), _num(sorted(load)[len(load) // 2] if load else None))
+    out.print(table)
 
 
 def _quantized_ratio(run: dict, unquantized: dict):

@@ -96,6 +96,8 @@ PromptFileOpt = typer.Option(None, "--prompt-file", help="The prompt read from t
 ChatOpt = typer.Option(False, "--chat", help="Wrap --prompt/--prompt-file as a user message in the tokenizer's chat "
                        "template first")
 PromptIdsOpt = typer.Option(None, "--prompt-ids", help="The prompt as token ids, e.g. 1,2,3 (no tokenizer needed)")
+CacheOpt = typer.Option(None, "--cache", help="Positions of the static key/value cache (default: the prompt plus "
+                        "the generated tokens); a deployment's longest context, e.g. 4096")
 DeviceLimitOpt = typer.Option(None, "--device-limit", help="NAME=VALUE: lower a device limit the compiler sees, to "
                               "emulate a smaller device (VALUE in bytes or with KiB/MiB/GiB, e.g. "
                               "max-storage-buffer-binding-size=128MiB); repeatable; a value laxer than the "

@@ -8,7 +8,7 @@ from typing import List, Optional
 
 import typer
 
-from tapml.cli.common import (TrustRemoteCodeOpt, ChatOpt, PromptFileOpt, PromptIdsOpt, PromptOpt, read_prompt, EXIT_FINDING, EXIT_OK, DtypeOpt, InjectOpt, JsonOpt, KeepFloat32Opt, QuietOpt,
+from tapml.cli.common import (CacheOpt, TrustRemoteCodeOpt, ChatOpt, PromptFileOpt, PromptIdsOpt, PromptOpt, read_prompt, EXIT_FINDING, EXIT_OK, DtypeOpt, InjectOpt, JsonOpt, KeepFloat32Opt, QuietOpt,
                               StoreDirOpt, TargetOpt, TokenFileOpt, TolOpt, app, check_dtype, command,
                               QuantizeOpt, QuantizedOpsOpt, check_quantize,
                               console, fail, is_store_path, model_store, out, write_json)
@@ -31,7 +31,7 @@ def generate(model: str = typer.Argument(..., help="A generation store (`tapml c
              prompt_len: Optional[int] = typer.Option(None, "--prompt-len", help="Prompt tokens of the prefill "
                                                       f"(default {DEFAULT_PROMPT_LEN}; a STORE has its own)"),
              prompt: Optional[str] = PromptOpt, prompt_file: Optional[str] = PromptFileOpt, chat: bool = ChatOpt,
-             prompt_ids: Optional[str] = PromptIdsOpt,
+             prompt_ids: Optional[str] = PromptIdsOpt, cache: Optional[int] = CacheOpt,
              free: bool = typer.Option(False, "--free", help="The target feeds its own tokens (default: every step "
                                        "gets the reference's tokens, teacher-forced)"),
              store_dir: Optional[str] = StoreDirOpt,
@@ -71,6 +71,9 @@ def generate(model: str = typer.Argument(..., help="A generation store (`tapml c
         fail("--keep-float32 needs a float16/bfloat16 carve: add --dtype float16")
     asked = [name for name, value in (("--prompt", prompt), ("--prompt-file", prompt_file), ("--prompt-ids", prompt_ids))
              if value is not None]
+    if is_store and cache is not None:
+        fail(f"--cache: store {model} holds the cache it was carved with ({max_cache_len_of(model)} positions); "
+             "give --cache with a MODEL to carve")
     if is_store and asked:
         fail(f"{asked[0]}: store {model} holds the prompt it was carved with; give {asked[0]} with a MODEL to carve")
     from tapml.frontends.checkpoint import is_checkpoint_spec
@@ -83,7 +86,7 @@ def generate(model: str = typer.Argument(..., help="A generation store (`tapml c
         prompt_len = len(ids) if ids else DEFAULT_PROMPT_LEN if prompt_len is None else prompt_len
     carve = functools.partial(_carve, model, tokens=tokens, prompt_len=prompt_len, seed=seed, hf_config=overrides,
                               quiet=quiet, dtype=dtype or "float32", prompt_ids=ids, quantize=quantize,
-                              quantized_ops=quantized_ops)
+                              quantized_ops=quantized_ops, cache=cache)
     with model_store(model, store_dir=store_dir, hf_config=hf_config, purpose="generate",
                      what="a generation store", carve=carve) as (store, carved):
         if not carved:
@@ -105,6 +108,15 @@ def generate(model: str = typer.Argument(..., help="A generation store (`tapml c
     raise typer.Exit(EXIT_OK if passed(doc) else EXIT_FINDING)
 
 
+def max_cache_len_of(store_dir: str):
+    """The cache positions a generation store was carved with ("?" when it is not one)."""
+    from tapml.carving.store import CarveStore
+    try:
+        return (CarveStore(store_dir).manifest.get("generation") or {}).get("max_cache_len", "?")
+    except Exception:  # noqa: BLE001 - only for the message; opening it for real reports what is wrong
+        return "?"
+
+
 def _add_texts(doc: dict, store, model: str, tokenizer) -> tuple[list[str], list[str]]:
     """Add the decoded ``prompt``, ``reference_text`` and ``target_text`` to the Generation JSON;
     returns each stream's per-token pieces for the terminal."""
@@ -118,7 +130,7 @@ def _add_texts(doc: dict, store, model: str, tokenizer) -> tuple[list[str], list
 
 def _carve(model: str, out_dir, *, tokens: int, prompt_len: int, seed: int, hf_config: dict, quiet: bool,
            dtype: str = "float32", prompt_ids: Optional[list[int]] = None, quantize: Optional[str] = None,
-           quantized_ops: str = "whole"):
+           quantized_ops: str = "whole", cache: Optional[int] = None):
     from tapml.carving.generation import carve_generation
     from tapml.carving.store import CarveStore
     if not quiet:
@@ -126,7 +138,7 @@ def _carve(model: str, out_dir, *, tokens: int, prompt_len: int, seed: int, hf_c
         console.print(f"carving a generation of {shown(model)}{in_dtype}: prompt {prompt_len} tokens, {tokens} decode steps",
                       highlight=False)
     carve_generation(model, out_dir, tokens=tokens, prompt_len=prompt_len, seed=seed, hf_config=hf_config or None,
-                     dtype=dtype, prompt_ids=prompt_ids, quantize=quantize, quantized_ops=quantized_ops)
+                     dtype=dtype, prompt_ids=prompt_ids, quantize=quantize, quantized_ops=quantized_ops, cache=cache)
     return CarveStore(out_dir)
 
 

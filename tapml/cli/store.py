@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from tapml.cli.common import (TrustRemoteCodeOpt, ChatOpt, PromptFileOpt, PromptIdsOpt, PromptOpt, read_prompt, EXIT_FINDING, EXIT_OK, DeviceLimitOpt, DtypeOpt, InjectOpt, JsonOpt, KernelOpt, QuietOpt,
+from tapml.cli.common import (CacheOpt, TrustRemoteCodeOpt, ChatOpt, PromptFileOpt, PromptIdsOpt, PromptOpt, read_prompt, EXIT_FINDING, EXIT_OK, DeviceLimitOpt, DtypeOpt, InjectOpt, JsonOpt, KernelOpt, QuietOpt,
                               TokenFileOpt, TokenMapOpt, TolOpt, app, check_dtype, command, console, fail, open_store,
                               QuantizeOpt, QuantizedOpsOpt, check_quantize,
                               out, parse_device_limits, progress_bar, write_json)
@@ -30,7 +30,7 @@ def carve(model: str = typer.Argument(..., help="zoo:NAME, hf:MODEL_TYPE, hf:ORG
           prompt_len: Optional[int] = typer.Option(None, "--prompt-len", help="With --generate: random prompt tokens "
                                                    "of the prefill (default 8)"),
           prompt: Optional[str] = PromptOpt, prompt_file: Optional[str] = PromptFileOpt, chat: bool = ChatOpt,
-          prompt_ids: Optional[str] = PromptIdsOpt,
+          prompt_ids: Optional[str] = PromptIdsOpt, cache: Optional[int] = CacheOpt,
           dtype: Optional[str] = DtypeOpt, trust_remote_code: bool = TrustRemoteCodeOpt, quantize: Optional[str] = QuantizeOpt,
           quantized_ops: str = QuantizedOpsOpt, quiet: bool = QuietOpt, json_out: Optional[str] = JsonOpt):
     """Run MODEL on the reference and record every operator call as a test case. With
@@ -56,10 +56,11 @@ def carve(model: str = typer.Argument(..., help="zoo:NAME, hf:MODEL_TYPE, hf:ORG
             prompt_len = len(ids)
         carve_generation_command(model, output, tokens=generate, prompt_len=8 if prompt_len is None else prompt_len,
                                  seed=seed, device=device, hf_config=overrides, quiet=quiet, json_out=json_out,
-                                 dtype=dtype, prompt_ids=ids, quantize=quantize, quantized_ops=quantized_ops)
+                                 dtype=dtype, prompt_ids=ids, quantize=quantize, quantized_ops=quantized_ops, cache=cache)
         return
-    if asked or prompt_len is not None:
-        fail("--prompt, --prompt-file, --chat, --prompt-ids and --prompt-len belong to a generation: add --generate N")
+    if asked or prompt_len is not None or cache is not None:
+        fail("--prompt, --prompt-file, --chat, --prompt-ids, --prompt-len and --cache belong to a generation: "
+             "add --generate N")
     with progress_bar(quiet) as bar:  # carve() leaves no half store behind
         task = bar.add_task(f"carving {shown(model)}", total=None)
         info = carve_model(model, output, seed=seed, device=device, hf_config=overrides, dtype=dtype, quantize=quantize,
@@ -77,7 +78,7 @@ def carve(model: str = typer.Argument(..., help="zoo:NAME, hf:MODEL_TYPE, hf:ORG
 def carve_generation_command(model: str, output: str, *, tokens: int, prompt_len: int, seed: int, device: str,
                              hf_config: dict, quiet: bool, json_out: Optional[str], dtype: str = "float32",
                              prompt_ids: Optional[List[int]] = None, quantize: Optional[str] = None,
-                             quantized_ops: str = "whole") -> None:
+                             quantized_ops: str = "whole", cache: Optional[int] = None) -> None:
     """``tapml carve MODEL --generate N``: carve the prefill and N decode steps into ``output``
     (the model in ``dtype``)."""
     from tapml.carving.generation import carve_generation
@@ -88,7 +89,7 @@ def carve_generation_command(model: str, output: str, *, tokens: int, prompt_len
         task = bar.add_task(f"carving a generation of {shown(model)}", total=tokens + 1)
         info = carve_generation(model, output, tokens=tokens, prompt_len=prompt_len, seed=seed, device=device,
                                 hf_config=hf_config or None, on_step=lambda _: bar.advance(task), dtype=dtype,
-                                prompt_ids=prompt_ids, quantize=quantize, quantized_ops=quantized_ops)
+                                prompt_ids=prompt_ids, quantize=quantize, quantized_ops=quantized_ops, cache=cache)
     if json_out:
         write_json({"model": model, "store": str(Path(output).resolve()), "dtype": dtype, "quantize": quantize,
                     **info}, json_out)

@@ -648,6 +648,11 @@ def check_model_spec(spec: str) -> None:
 _MAX_POSITIONS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
 
 
+def model_positions(config) -> int | None:
+    """The most positions ``config`` (a transformers config) gives its model, None when it says none."""
+    return next((getattr(config, k) for k in _MAX_POSITIONS if isinstance(getattr(config, k, None), int)), None)
+
+
 def load_causal_lm(spec: str, *, tokens: int, prompt_len: int, seed: int = 0, hf_config: dict | None = None,
                    dtype: str = "float32", quantize: str | None = None, quantized_ops: str = "whole"):
     """A causal LM of a MODEL spec with its key/value cache enabled, for carving a generation of
@@ -689,8 +694,7 @@ def _load_causal_lm(spec: str, *, tokens: int, prompt_len: int, seed: int, hf_co
             or type(config) not in transformers.AutoModelForCausalLM._model_mapping):
         raise TapmlError(f"{spec} is not a decoder-only causal LM (no text generation with a key/value cache); "
                          f"{fits}")
-    max_positions = next((getattr(config, k) for k in _MAX_POSITIONS if isinstance(getattr(config, k, None), int)),
-                         None)
+    max_positions = model_positions(config)
     if max_positions is not None and prompt_len + tokens > max_positions:
         raise TapmlError(f"{spec}: prompt_len {prompt_len} + tokens {tokens} exceeds the model's {max_positions} "
                          f"positions; ask for at most {max_positions - prompt_len} tokens, a shorter prompt, or "

@@ -1,0 +1,272 @@
+"""Fused attention for decode: one lowering of a pattern, not of an op.
+
+The exported graph of a transformers decoder spells attention as its decomposition::
+
+    scores = bmm(q, k_t)               # [BH, Lq, D] x [BH, D, Lk]
+    view(scores) -> [.., Lq, Lk]       # the heads' dims back
+    mul(., scale)                      # optional
+    add(., mask)                       # optional: the causal/padding mask, -inf-like past the tokens
+    _softmax(., -1, False)
+    clone / expand / view -> [BH, Lq, Lk]
+    out = bmm(probs, v)                # [BH, Lk, Dv]
+
+Compiled op by op, each step is a kernel over the whole static cache: the scores, the
+softmax and both products all cost ``Lk`` per query, and ``k_t``/``v`` (the cache read through
+the grouped-query expand) are materialized first. :func:`find_attention` finds the pattern
+in a graph being compiled (every intermediate used once, inside it, and not an output), and
+:func:`fused_attention` writes it as two kernels in the manner of flash-decoding:
+
+1. one invocation per (head, query, chunk of keys): the chunk's scores (float32), their max,
+   the sum of exponentials and the weighted sum of the values rows;
+2. one invocation per output element: the chunks combined (online softmax).
+
+A key whose mask is ``-inf`` or at or below :data:`MASKED` (transformers fills masked
+positions with the dtype's minimum) adds exactly zero to the softmax of a row that has any
+other key, so it is skipped without reading the cache: a decode step at position ``t`` of
+a 4096-position cache reads ``t + 1`` rows of it, and ``t`` reaches the kernel as data (the
+mask computed from the step's ``cache_position``), so one compiled program serves every step.
+A row whose every key is masked gets what torch gives it: the mean of the values rows (every
+score rounds to the same minimum), or NaN when the mask is ``-inf``.
+
+Only float32, and at most :data:`MAX_QUERIES` queries (decode; a prefill keeps the tiled
+products); anything else compiles as the separate ops. An injected fault sits between two
+nodes of the pattern and breaks it, so the fault stays where ``--inject`` put it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tapml.graph import Graph
+from tapml.graph import TensorMeta
+from tapml.platforms.wgsl.codegen import LOOP_BUDGET, BufferView, cast, lit
+
+#: Mask values at or below this are "masked" (transformers uses finfo(float32).min).
+MASKED = -1.0e38
+#: Most queries per head the fused kernel takes (decode steps; speculative decoding).
+MAX_QUERIES = 8
+#: Most keys: the combine's fallback for a fully masked row loops over every key.
+MAX_KEYS = 16384
+_RESHAPES = ("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.clone.default",
+             "aten.alias.default", "aten.expand.default")
+
+
+@dataclass
+class AttentionMatch:
+    """One attention pattern: the refs its kernel reads, its scale, and its nodes."""
+
+    q: str
+    k_t: str
+    v: str
+    mask: str | float | None
+    scale: float | None
+    scores_shape: tuple[int, ...]
+    nodes: list[str]  # every node of the pattern; the last (the second bmm) carries the result
+
+
+def find_attention(graph: Graph, uses, wanted: set[str]) -> dict[str, AttentionMatch]:
+    """The attention patterns of ``graph``, by the name of each one's last node."""
+    producer = {n.name: n for n in graph.nodes}
+    found: dict[str, AttentionMatch] = {}
+    for node in graph.nodes:
+        if node.op == "aten.bmm.default":
+            match = _match(node, producer, uses, wanted, graph)
+            if match is not None:
+                found[node.name] = match
+    return found
+
+
+def _ref(arg) -> str | None:
+    return arg.get("ref") if isinstance(arg, dict) else None
+
+
+def _match(out, producer, uses, wanted, graph) -> AttentionMatch | None:
+    nodes = [out.name]
+
+    def inner(ref):
+        """The node making ``ref`` when it may be folded into the pattern (used once, not kept)."""
+        node = producer.get(ref) if ref is not None else None
+        if node is None or node.multi or uses[ref] != 1 or ref in wanted:
+            return None
+        return node
+
+    def through_reshapes(ref):
+        node = inner(ref)
+        while node is not None and node.op in _RESHAPES:
+            meta_in = graph.meta.get(_ref(node.args[0]))
+            if meta_in is None or meta_in.numel != node.outputs[0].numel:  # an expand that broadcasts
+                return None
+            nodes.append(node.name)
+            node = inner(_ref(node.args[0]))
+        return node
+
+    probs, v = _ref(out.args[0]), _ref(out.args[1])
+    softmax = through_reshapes(probs)
+    if softmax is None or softmax.op != "aten._softmax.default" or v is None:
+        return None
+    shape = softmax.outputs[0].shape
+    if len(shape) < 3 or softmax.args[1] not in (-1, len(shape) - 1) or softmax.args[2]:
+        return None
+    nodes.append(softmax.name)
+    node, mask, scale = inner(_ref(softmax.args[0])), None, None
+    if node is not None and node.op == "aten.add.Tensor" and len(node.args) == 2 and not node.kwargs:
+        a, b = node.args
+        first = inner(_ref(a))
+        if first is not None and first.op in ("aten.mul.Tensor", "aten.bmm.default", *_RESHAPES):
+            mask = b
+        else:
+            first, mask = inner(_ref(b)), a
+        nodes.append(node.name)
+        node = first
+    if node is not None and node.op in ("aten.mul.Tensor", "aten.div.Tensor") and len(node.args) == 2 and \
+            not node.kwargs and isinstance(node.args[1], (int, float)) and not isinstance(node.args[1], bool):
+        scale = float(node.args[1]) if node.op == "aten.mul.Tensor" else 1.0 / float(node.args[1])
+        nodes.append(node.name)
+        node = inner(_ref(node.args[0]))
+    if node is not None and node.op in _RESHAPES:
+        node = through_reshapes(node.name)
+    if node is None or node.op != "aten.bmm.default":
+        return None
+    nodes.append(node.name)
+    q, k_t = _ref(node.args[0]), _ref(node.args[1])
+    metas = [graph.meta.get(r) for r in (q, k_t, v)]
+    mask_meta = graph.meta.get(_ref(mask)) if isinstance(mask, dict) else None
+    if q is None or k_t is None or None in metas or (isinstance(mask, dict) and mask_meta is None):
+        return None
+    if isinstance(mask, (int, float)) and not isinstance(mask, bool):
+        mask = float(mask)
+    elif mask is not None and not isinstance(mask, dict):
+        return None
+    (bh, lq, d), (bh_k, d_k, lk), (bh_v, lk_v, dv) = (m.shape if len(m.shape) == 3 else (0, 0, 0) for m in metas)
+    floats = all(m.dtype == "float32" for m in [*metas, mask_meta, softmax.outputs[0]] if m is not None)
+    if not (floats and bh == bh_k == bh_v and d == d_k and lk == lk_v and 1 <= lq <= MAX_QUERIES
+            and 1 <= lk <= MAX_KEYS and d >= 1 and dv >= 1 and tuple(shape[-2:]) == (lq, lk)
+            and math.prod(shape[:-2]) == bh and tuple(out.outputs[0].shape) == (bh, lq, dv)):
+        return None
+    if mask_meta is not None and len(mask_meta.shape) > len(shape):
+        return None
+    return AttentionMatch(q=q, k_t=k_t, v=v, mask=_ref(mask) if isinstance(mask, dict) else mask, scale=scale,
+                          scores_shape=tuple(shape), nodes=list(reversed(nodes)))
+
+
+def chunk_keys(d: int, dv: int) -> int:
+    """Keys one invocation of the first kernel takes: its loops stay within LOOP_BUDGET."""
+    return max(1, (LOOP_BUDGET - d - dv) // (d + dv + 2))
+
+
+def fused_attention(pb, match: AttentionMatch, env: dict, meta: TensorMeta) -> BufferView:
+    """The pattern's output (``meta``: the second bmm's ``[BH, Lq, Dv]``) by the two kernels of
+    the module docstring."""
+    from tapml.platforms.wgsl import views
+    q, k_t, v = env[match.q], env[match.k_t], env[match.v]
+    (bh, lq, d), lk, dv = q.shape, k_t.shape[2], v.shape[2]
+    shape = match.scores_shape
+    mask = views.expand_to(env[match.mask], shape) if isinstance(match.mask, str) else None
+    NEG_INF, NAN = lit(-math.inf, "f32"), lit(math.nan, "f32")
+    chunk = chunk_keys(d, dv)
+    chunks = -(-lk // chunk)
+    rows = bh * lq
+    q, k_t, v, *rest = pb.fit([q, k_t, v] + ([mask] if mask is not None else []), 3)
+    mask = rest[0] if rest else None
+    stats = TensorMeta((rows * chunks,), "float32")
+    acc_meta = TensorMeta((rows * chunks * dv,), "float32")
+    part_m, part_l, part_acc = pb.buffer("temp", stats), pb.buffer("temp", stats), pb.buffer("temp", acc_meta)
+
+    def mask_at(k, head, query, key):
+        """The mask's value (float32) at this head, query and key; a constant when there is none."""
+        if mask is None:
+            return "0.0" if match.mask is None else lit(float(match.mask), "f32")
+        lead = k.unravel(head, shape[:-2]) if len(shape) > 2 else []
+        return cast(mask.read(k, [*lead, query, key]), mask.ty, "f32")
+
+    k = pb.kernel("attention_part")
+    head, query, c = (k.let(e, "i32") for e in (f"n / {lq * chunks}", f"(n / {chunks}) % {lq}", f"n % {chunks}"))
+    k.emit(f"var qrow: array<f32, {d}>;")
+    k.loop("i", d)
+    k.emit(f"qrow[i] = {cast(q.read(k, [head, query, 'i']), q.ty, 'f32')};")
+    k.close()
+    k.emit(f"var score: array<f32, {chunk}>;")
+    mx = k.var("f32", f"{NEG_INF}", "mx")
+    k.loop("jj", chunk)
+    key = k.let(f"{c} * {chunk} + jj", "i32")
+    k.open(f"if ({key} >= {lk})")
+    k.emit("break;")
+    k.close()
+    mv = k.let(mask_at(k, head, query, key), "f32")
+    k.open(f"if ({mv} <= {lit(MASKED, 'f32')})")  # also -inf; NaN is not masked
+    k.emit(f"score[jj] = {NEG_INF};")
+    k.emit("continue;")
+    k.close()
+    dot = k.var("f32", "0.0", "dot")
+    k.loop("i", d)
+    k.emit(f"{dot} = {dot} + qrow[i] * {cast(k_t.read(k, [head, 'i', key]), k_t.ty, 'f32')};")
+    k.close()
+    scaled = dot if match.scale is None else f"({dot} * {lit(match.scale, 'f32')})"
+    k.emit(f"score[jj] = {scaled} + {mv};")
+    k.emit(f"{mx} = max({mx}, score[jj]);")
+    k.close()
+    total = k.var("f32", "0.0", "l")
+    k.emit(f"var acc: array<f32, {dv}>;")
+    k.open(f"if ({mx} > {NEG_INF})")
+    k.loop("jj", chunk)
+    key = k.let(f"{c} * {chunk} + jj", "i32")
+    k.open(f"if ({key} >= {lk})")
+    k.emit("break;")
+    k.close()
+    k.open(f"if (score[jj] == {NEG_INF})")
+    k.emit("continue;")
+    k.close()
+    p = k.let(f"exp(score[jj] - {mx})", "f32")
+    k.emit(f"{total} = {total} + {p};")
+    k.loop("e", dv)
+    k.emit(f"acc[e] = acc[e] + {p} * {cast(v.read(k, [head, key, 'e']), v.ty, 'f32')};")
+    k.close()
+    k.close()
+    k.close()
+    k.write(part_m, "n", mx, "f32")
+    k.write(part_l, "n", total, "f32")
+    k.loop("e", dv)
+    k.write(part_acc, f"n * {dv} + e", "acc[e]", "f32")
+    k.close()
+    pb.add(k.finish(rows * chunks))
+
+    out = pb.buffer("temp", meta)
+    k = pb.kernel("attention_combine")
+    row, e = k.let(f"n / {dv}", "i32"), k.let(f"n % {dv}", "i32")
+    head, query = k.let(f"{row} / {lq}", "i32"), k.let(f"{row} % {lq}", "i32")
+    bm, bl, ba = BufferView.whole(part_m, stats), BufferView.whole(part_l, stats), BufferView.whole(part_acc, acc_meta)
+    big = k.var("f32", f"{NEG_INF}", "big")
+    k.loop("c", chunks)
+    k.emit(f"{big} = max({big}, {bm.read(k, [f'{row} * {chunks} + c'])});")
+    k.close()
+    result = k.var("f32", "0.0", "o")
+    k.open(f"if ({big} > {NEG_INF})")
+    num, den = k.var("f32", "0.0", "num"), k.var("f32", "0.0", "den")
+    k.loop("c", chunks)
+    at = k.let(f"{row} * {chunks} + c", "i32")
+    w = k.let(f"exp({bm.read(k, [at])} - {big})", "f32")
+    k.emit(f"{den} = {den} + {bl.read(k, [at])} * {w};")
+    k.emit(f"{num} = {num} + {ba.read(k, [f'{at} * {dv} + {e}'])} * {w};")
+    k.close()
+    k.emit(f"{result} = {num} / {den};")
+    k.close()
+    k.open("else")  # every key masked: torch's softmax of equal minima is uniform; of -inf, NaN
+    first = k.let(mask_at(k, head, query, "0"), "f32")
+    k.open(f"if ({first} == {NEG_INF})")
+    k.emit(f"{result} = {NAN};")
+    k.close()
+    k.open("else")
+    total = k.var("f32", "0.0", "sum")
+    k.loop("j", lk)
+    k.emit(f"{total} = {total} + {cast(v.read(k, [head, 'j', e]), v.ty, 'f32')};")
+    k.close()
+    k.emit(f"{result} = {total} / {lit(float(lk), 'f32')};")
+    k.close()
+    k.close()
+    k.write(out, "n", result, "f32")
+    pb.add(k.finish(rows * dv))
+    return BufferView.whole(out, meta)
+
+
+__all__ = ["AttentionMatch", "find_attention", "fused_attention", "MASKED", "MAX_QUERIES"]

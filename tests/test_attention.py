@@ -1,0 +1,155 @@
+"""Fused decode attention (platforms/wgsl/attention.py) and the key/value put written in place
+(platforms/wgsl/scatter.py put_in_place), issue 34.
+
+The attention pattern is exported from the code transformers runs (matmul, scale, mask,
+softmax, matmul, grouped-query heads expanded), compiled for a real adapter, run, and compared
+with torch on seeded random inputs: one and several queries, keys in one chunk and in several,
+masks of the dtype's minimum and of -inf, rows with every key masked, no mask, a divided scale,
+values of another width than the keys. The runtime poisons outputs, so an element the kernels
+skip shows. Device tier: lavapipe and llvmpipe; browser tier: Chromium."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tapml.graph import graph_from_fx
+from tests.support import exported, in_chromium, own_wgpu
+
+MIN = torch.finfo(torch.float32).min
+
+
+def _attention(q, k, v, mask, *, rep: int, scale: float, divide: bool = False):
+    b, hkv, lk, d = k.shape
+    k = k[:, :, None].expand(b, hkv, rep, lk, d).reshape(b, hkv * rep, lk, d)
+    v = v[:, :, None].expand(b, hkv, rep, lk, v.shape[-1]).reshape(b, hkv * rep, lk, v.shape[-1])
+    scores = torch.matmul(q, k.transpose(2, 3))
+    scores = scores / (1 / scale) if divide else scores * scale
+    if mask is not None:
+        scores = scores + mask
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+def _case(seed: int, *, heads=4, rep=2, lq=1, lk=16, d=16, dv=16, mask="causal", divide=False):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, heads, lq, d, generator=gen) * 3
+    k = torch.randn(1, heads // rep, lk, d, generator=gen)
+    v = torch.randn(1, heads // rep, lk, dv, generator=gen)
+    if mask is None:
+        m = None
+    elif mask == "causal":  # a decode step at position t of the cache: keys past t masked
+        t = torch.randint(0, lk, (lq,), generator=gen)
+        m = torch.where(torch.arange(lk)[None, :] <= t[:, None], 0.0, MIN)[None, None]
+    elif mask == "random-inf":
+        m = torch.where(torch.rand(1, 1, lq, lk, generator=gen) < 0.7, -float("inf"), torch.randn(1, 1, lq, lk, generator=gen))
+        m[..., 0] = 0.0
+    elif mask in ("all-min", "all-inf"):  # the first query row has no key at all
+        m = torch.where(torch.rand(1, 1, lq, lk, generator=gen) < 0.5, 0.0, MIN)
+        m[..., 0, :] = MIN if mask == "all-min" else -float("inf")
+    else:
+        raise ValueError(mask)
+    inputs = [q, k, v] + ([m] if m is not None else [])
+
+    def fn(*args):
+        return (_attention(args[0], args[1], args[2], args[3] if m is not None else None, rep=rep,
+                           scale=d ** -0.5, divide=divide),)
+    ep = exported(fn, *inputs)
+    return graph_from_fx(ep.graph, ep.graph_signature), inputs, fn(*inputs)[0]
+
+
+CASES = {
+    "decode-causal": dict(),
+    "decode-one-key": dict(lk=1),
+    "several-queries-several-chunks": dict(lq=3, lk=300, mask="random-inf"),
+    "no-mask-divided-scale-wider-values": dict(lk=37, d=64, dv=32, mask=None, divide=True),
+    "mha-long-cache": dict(heads=2, rep=1, lk=1000, d=64, dv=64),
+    "row-all-minimum": dict(lq=2, lk=50, mask="all-min"),
+    "row-all-inf": dict(lq=2, lk=50, mask="all-inf"),
+}
+
+
+def _check_cases(platform):
+    for name, kw in CASES.items():
+        graph, inputs, want = _case(len(name), **kw)
+        program = platform.compile(graph)
+        kernels = [k.name for k in program.kernels]
+        assert any(n.startswith("attention_part") for n in kernels), (name, kernels)
+        assert not any(n.startswith(("bmm", "softmax")) for n in kernels), (name, kernels)
+        got = platform.run(program, inputs)[0]
+        assert got.shape == want.shape, name
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, equal_nan=True, msg=name)
+        if kw.get("mask") == "all-inf":
+            assert got[0, :, 0].isnan().all() and not got[0, :, 1].isnan().any(), name
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+@pytest.mark.parametrize("backend", ["vulkan", "gl"])
+def test_fused_attention_equals_torch(backend):
+    _check_cases(own_wgpu(backend))
+
+
+@in_chromium
+def test_fused_attention_equals_torch_in_chromium():
+    from tapml.platforms.browser import BrowserPlatform
+    with BrowserPlatform() as browser:
+        _check_cases(browser)
+
+
+def test_the_pattern_is_found_only_where_it_may_be_folded():
+    from collections import Counter
+
+    from tapml.platforms.wgsl.attention import find_attention
+    graph, _, _ = _case(0)
+    uses = Counter(r for n in graph.nodes for r in set(n.input_refs))
+    found = find_attention(graph, uses, set(graph.outputs))
+    assert len(found) == 1
+    match = next(iter(found.values()))
+    op_of = {n.name: n.op for n in graph.nodes}
+    ops = [op_of[n] for n in match.nodes]
+    assert ops[-1] == "aten.bmm.default" and "aten._softmax.default" in ops and ops.count("aten.bmm.default") == 2
+    softmax = next(n for n in graph.nodes if n.op == "aten._softmax.default")
+    # an intermediate the caller keeps (an output, a comparison point) leaves the ops separate
+    assert find_attention(graph, uses, set(graph.outputs) | {softmax.name}) == {}
+    # more queries than MAX_QUERIES (a prefill) stay unfused
+    long, _, _ = _case(0, lq=16)
+    assert find_attention(long, Counter(r for n in long.nodes for r in set(n.input_refs)), set(long.outputs)) == {}
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+def test_an_injected_fault_inside_the_pattern_stays_visible():
+    """``--inject`` puts an op after the faulty node: the pattern is broken there, the ops compile
+    separately, and the fault changes the result."""
+    from tapml.driving.inject import InjectedPlatform, parse_faults
+    platform = own_wgpu("vulkan")
+    graph, inputs, want = _case(3)
+    faulty = InjectedPlatform(platform, parse_faults(["aten._softmax.default=scale:1.5"]))
+    program = faulty.compile(graph)
+    assert not any(k.name.startswith("attention_part") for k in program.kernels)
+    got = faulty.run(program, inputs)[0]
+    torch.testing.assert_close(got, want * 1.5, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+def test_the_cache_put_of_a_decode_step_writes_one_row_in_place():
+    """A graph input that only an index_put of one position reads is written in place: the program
+    lists that input's buffer as the output, and the run returns the whole updated cache."""
+    platform = own_wgpu("vulkan")
+    cache = torch.randn(1, 2, 64, 8)
+    pos = torch.tensor([5])
+    row = torch.randn(1, 2, 1, 8)
+    ep = exported(lambda c, p, r: (torch.ops.aten.index_put.default(c, [None, None, p], r),), cache, pos, row)
+    graph = graph_from_fx(ep.graph, ep.graph_signature)
+    program = platform.compile(graph)
+    assert program.outputs[0] == program.inputs[0]
+    assert [k.name for k in program.kernels] == ["put_in_place_0"]
+    want = cache.clone()
+    want[:, :, 5] = row[:, :, 0]
+    assert torch.equal(platform.run(program, [cache, pos, row])[0], want)
+    # two positions (a prefill) keep the lazy put into a new output buffer
+    ep = exported(lambda c, p, r: (torch.ops.aten.index_put.default(c, [None, None, p], r),), cache,
+                  torch.tensor([5, 9]), torch.randn(1, 2, 2, 8))
+    program = platform.compile(graph_from_fx(ep.graph, ep.graph_signature))
+    assert program.outputs[0] != program.inputs[0]
