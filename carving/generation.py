@@ -79,8 +79,8 @@ def carve_generation(spec: str, out: str | Path, *, tokens: int, prompt_len: int
     vocab = int(model.config.get_text_config().vocab_size)
     positions = model_positions(model.config.get_text_config())
     if cache is not None and positions is not None and cache > positions:
-        raise TapmlError(f"--cache {cache} exceeds {spec}'s {positions} positions; give a smaller --cache, or raise "
-                         "max_position_embeddings with --hf-config")
+        raise TapmlError(f"--cache {cache} exceeds {spec}'s {positions} positions; give a smaller --cache"
+                         + ("" if spec.startswith("zoo:") else ", or raise max_position_embeddings with --hf-config"))
     if prompt_ids is not None and max(prompt_ids) >= vocab:
         raise TapmlError(f"prompt token id {max(prompt_ids)} is not in {spec}'s vocabulary of {vocab} tokens "
                          f"(ids 0 to {vocab - 1})")
