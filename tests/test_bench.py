@@ -159,6 +159,34 @@ def test_kernel_figure_on_reference_and_its_ratio():
     assert row["ratio"] == pytest.approx(row["ours_gflops"] / row["torch_gflops"], rel=1e-2)
 
 
+@pytest.mark.device
+@pytest.mark.xdist_group("vulkan")
+@pytest.mark.parametrize("target", [pytest.param(TARGET, marks=_SKIP)])
+def test_decode_step_rows_by_context_and_cache(tmp_path, target):
+    """`bench generation --context`'s rows: one checked generation per cache size, a row per context
+    that fits it, each with the target's and torch's step and the kernels per step."""
+    from tapml.bench import CONTEXT_STEPS, context_figure
+    from tapml.driving.targets import open_target
+    with open_target(target) as platform:
+        rows = context_figure(platform, target, tmp_path, "zoo:tiny-llama", contexts=[2, 40, 100], caches=[48, 128],
+                              repeat=2)
+    assert [(r["cache"], r["context"]) for r in rows] == [(48, 2), (128, 2), (128, 40), (128, 100)], rows
+    for r in rows:
+        assert "error" not in r and r["passed"] and r["model"] == "zoo:tiny-llama"
+        assert r["context"] + CONTEXT_STEPS < r["cache"]
+        assert r["step_ms"] > 0 and r["tokens_per_s"] == pytest.approx(1e3 / r["step_ms"], rel=1e-2)
+        assert r["torch_tokens_per_s"] > 0 and r["torch_threads"] in (1, 2) and len(r["load_avg"]) == 2
+        # the decode program is one region: the key/value puts and attention run as their fused kernels
+        assert r["programs_compiled"] == 1 and r["kernels_per_step"] > 0
+    from tapml.carving.store import CarveStore
+    from tapml.platforms.wgsl import compile_graph
+    graph = CarveStore(tmp_path / "cache128").step_graph("decode")
+    with open_target(target) as platform:
+        names = [k.name for k in compile_graph(graph, platform.caps()).kernels]
+    assert sum(n.startswith("attention_part") for n in names) == 2 and sum(n.startswith("put_in_place") for n in names) == 4
+    assert rows[1]["kernels_per_step"] == len(names)
+
+
 @pytest.mark.parametrize("args, message", [
     (("--target", "tpu"), "unknown target"),
     (("--model", "zoo:nope"), "unknown zoo model"),
@@ -171,6 +199,9 @@ def test_kernel_figure_on_reference_and_its_ratio():
     (("generation", "--tokens", "8,2"), "FEW < MANY"),
     (("generation", "--model", "zoo:mlp"), "causal LM"),
     (("--json", "/no/such/dir/b.json"), "does not exist"),
+    (("generation", "--context", "16,x"), "whole numbers"),
+    (("generation", "--cache", "256"), "add --context"),
+    (("generation", "--context", "300", "--cache", "256"), "no --context fits it"),
 ])
 def test_bad_usage_exits_2(args, message):
     r = tapml("bench", *args, timeout=60)
