@@ -72,7 +72,7 @@ def generate(model: str = typer.Argument(..., help="A generation store (`tapml c
     asked = [name for name, value in (("--prompt", prompt), ("--prompt-file", prompt_file), ("--prompt-ids", prompt_ids))
              if value is not None]
     if is_store and cache is not None:
-        fail(f"--cache: store {model} holds the cache it was carved with ({max_cache_len_of(model)} positions); "
+        fail(f"--cache: store {model} holds the cache it was carved with ({_max_cache_len_of(model)} positions); "
              "give --cache with a MODEL to carve")
     if is_store and asked:
         fail(f"{asked[0]}: store {model} holds the prompt it was carved with; give {asked[0]} with a MODEL to carve")
@@ -108,7 +108,7 @@ def generate(model: str = typer.Argument(..., help="A generation store (`tapml c
     raise typer.Exit(EXIT_OK if passed(doc) else EXIT_FINDING)
 
 
-def max_cache_len_of(store_dir: str):
+def _max_cache_len_of(store_dir: str):
     """The cache positions a generation store was carved with ("?" when it is not one)."""
     from tapml.carving.store import CarveStore
     try:
