@@ -4,8 +4,8 @@ positions ``t`` on the target and in torch eager (``tapml.bench.decode_step_rows
 ``tapml bench generation --context``), in the same process.
 
 ``after`` is the compiler as it is; ``before`` turns off what issue 34 added (the key/value put
-written in place, the fused attention, the lazy cat), so the compiler emits the kernels it emitted
-before. One process per measurement, so that farm-bench alternates them::
+written in place, the fused attention, the lazy cat, the GEMV), so the compiler emits the kernels it
+emitted before; ``tiled`` turns off only the GEMV (one-row products through the tiled matmul). One process per measurement, so that farm-bench alternates them::
 
     farm-bench -n 5 --vs "sh -c 'exec .venv/bin/python benchmarks/decode_context.py before STORE 16,256 >>/tmp/b'" \\
         -- sh -c 'exec .venv/bin/python benchmarks/decode_context.py after STORE 16,256 >>/tmp/a'
@@ -26,12 +26,18 @@ def measure(variant: str, store_dir: str, contexts: list[int], backend: str = "v
     from tapml.bench import decode_step_rows
     from tapml.carving.store import CarveStore
     from tapml.platforms.wgpu_native import shared_platform
+    import contextlib
+
+    from tapml.platforms.wgsl import matmul
     if variant == "before":
         from tapml.platforms.wgsl import attention, scatter, shape
         attention.find_attention = lambda *a, **k: {}
         scatter.put_in_place = lambda *a, **k: None
         shape.LAZY_CAT_PARTS = 0
-    rows = decode_step_rows(CarveStore(store_dir), shared_platform(backend), contexts, repeat=1)
+    # "tiled": one-row products through the tiled matmul (its small tiles, which M = 1 got before the GEMV)
+    tiled = matmul.forced_tiles(matmul.SMALL_TILES) if variant in ("before", "tiled") else contextlib.nullcontext()
+    with tiled:
+        rows = decode_step_rows(CarveStore(store_dir), shared_platform(backend), contexts, repeat=1)
     return {"variant": variant, "store": store_dir, "contexts": rows}
 
 

@@ -490,7 +490,7 @@ class KernelBuilder:
             header.insert(0, "enable f16;")
         src = "\n".join(header) + "\n\n" + \
             f"@compute @workgroup_size({', '.join(map(str, workgroup))})\n" + \
-            "fn main(@builtin(global_invocation_id) gid: vec3<u32>) {\n" + \
+            f"fn main({', '.join(_builtins(body))}) {{\n" + \
             body + "\n}\n"
         limit = self.program.max_bindings
         if len(self.bindings) > limit:
@@ -668,3 +668,38 @@ class Custom(Compute):
 
     def read(self, k, idx):
         return k.let(self.fn(k, idx), self.ty)
+
+
+#: The builtins a kernel body may name besides ``gid``: its lane within the workgroup and the workgroup's id.
+_GROUP_BUILTINS = {"lid": "local_invocation_id", "wid": "workgroup_id"}
+
+
+def _builtins(body: str) -> list[str]:
+    """``main``'s parameters: ``gid`` always, ``lid`` and ``wid`` where the body names them."""
+    names = ["gid", *(n for n in _GROUP_BUILTINS if re.search(rf"\b{n}\b", body))]
+    return [f"@builtin({_GROUP_BUILTINS.get(n, 'global_invocation_id')}) {n}: vec3<u32>" for n in names]
+
+
+def combine_lanes(k: Compute, lanes: int, lane: str, slot: str, values: list[str],
+                  combine: Callable[[int, str, str], str] = lambda e, a, b: f"{a} + {b}") -> list[str]:
+    """``values`` (f32 expressions) of ``lanes`` neighbouring lanes combined in workgroup memory, as
+    a barrier tree: ``slot`` is this lane's index among the workgroup's lanes (its partner ``step``
+    lanes on is ``slot + step``), ``combine(e, a, b)`` joins element ``e`` of two lanes (a sum by
+    default). Returns the combined elements as the first lane of the ``lanes`` reads them. The
+    barriers sit outside any branch: call it at the kernel's top level."""
+    n = len(values)
+    k.helpers["partial"] = f"var<workgroup> partial: array<f32, {WORKGROUP * n}>;"
+    base = k.let(f"({slot}) * {n}", "i32")
+    for e, v in enumerate(values):
+        k.emit(f"partial[{base} + {e}] = {v};")
+    step = lanes // 2
+    while step:
+        k.emit("workgroupBarrier();")
+        k.open(f"if ({lane} < {step})")
+        for e in range(n):
+            joined = combine(e, f"partial[{base} + {e}]", f"partial[{base} + {step * n + e}]")
+            k.emit(f"partial[{base} + {e}] = {joined};")
+        k.close()
+        step //= 2
+    k.emit("workgroupBarrier();")
+    return [f"partial[{base} + {e}]" for e in range(n)]

@@ -27,7 +27,8 @@ import os
 from pathlib import Path
 
 from tapml.platforms.wgsl import views
-from tapml.platforms.wgsl.codegen import BufferView, Compute, Value, cast, ctype, lit, load_at
+from tapml.platforms.wgsl.codegen import (MAX_GROUPS, WORKGROUP, BufferView, Compute, Value, cast, combine_lanes, ctype,
+                                          lit, load_at)
 from tapml.platforms.wgsl.registry import ALL_INT, NUMERIC, edge_floats, edge_ints, rand, randint, register
 
 #: (TM, TN, workgroup x, workgroup y, subgroup): rows and columns per thread, threads per
@@ -212,10 +213,12 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
         return result
     if K == 0:  # an empty sum: torch gives beta * bias (zeros without one); the operands are empty buffers
         return _empty_product(pb, out, meta, (Z, M, N), bias if beta != 0 else None, beta)
-    k = pb.kernel(name)
     vec_a = _vec_ok(a, 2, K)
     vec_bn = _vec_ok(b, 2, N)
     vec_bk = not vec_bn and _vec_ok(b, 1, K)
+    if M == 1 and vec_a and vec_bk and _FORCED is None:
+        return _gemv(pb, name, a, b, out, result, (Z, K, N), bias, alpha, beta)
+    k = pb.kernel(name)
     A = k.bind(a.buf, elem=f"vec4<{a.buf.dtype}>" if vec_a else None)
     B = k.bind(b.buf, elem=f"vec4<{b.buf.dtype}>" if (vec_bn or vec_bk) else None)
     sab, sam, sak = a.strides
@@ -341,6 +344,59 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
     return result
 
 
+#: Lanes that split K for one output column, and columns per lane group, of the one-row product
+#: (:func:`_gemv`); 8 x 4 measured fastest on lavapipe (benchmarks/NOTES.md, "One-row products").
+GEMV_LANES, GEMV_COLUMNS = 8, 4
+
+
+def _gemv(pb, name: str, a: BufferView, b: BufferView, out, result, sizes, bias, alpha, beta) -> BufferView:
+    """:func:`matmul` of one row by a matrix read along K (decode's linears and LM head): the
+    ``GEMV_LANES`` lanes of a column split K, so neighbouring lanes load neighbouring vec4s of
+    the weight's row (the tiled kernel's lanes each stream rows of their own), and add their sums
+    in workgroup memory."""
+    Z, K, N = sizes
+    lanes, tn = GEMV_LANES, GEMV_COLUMNS
+    per_group = WORKGROUP // lanes
+    k = pb.kernel(name + "_gemv")
+    A = k.bind(a.buf, elem=f"vec4<{a.buf.dtype}>")
+    B = k.bind(b.buf, elem=f"vec4<{b.buf.dtype}>")
+    blocks = -(-N // (per_group * tn))
+    gx = min(blocks, MAX_GROUPS)
+    k.emit("let lane: i32 = i32(lid.x);")
+    k.emit("let z: i32 = i32(wid.z);")
+    k.emit(f"let n0: i32 = ((i32(wid.y) * {gx} + i32(wid.x)) * {per_group} + i32(lid.y)) * {tn};")
+    k.emit(f"let ra: i32 = {a.offset} + z * {a.strides[0]};")
+    for j in range(tn):  # columns past the end read the last one; their sums are written nowhere
+        k.emit(f"let cb{j}: i32 = {b.offset} + z * {b.strides[0]} + min(n0 + {j}, {N - 1}) * {b.strides[2]};")
+        k.emit(f"var acc{j}: vec4<f32> = vec4<f32>(0.0);")
+
+    def f4(e, dt):
+        return e if dt == "f32" else f"vec4<f32>({e})"
+
+    k.loop("i", -(-K // (4 * lanes)))
+    kk = k.let(f"(lane + i * {lanes}) * 4", "i32")
+    k.open(f"if ({kk} < {K})")
+    k.emit(f"let x = {f4(A[f'(ra + {kk}) / 4'], a.buf.dtype)};")
+    for j in range(tn):
+        k.emit(f"acc{j} = acc{j} + x * {f4(B[f'(cb{j} + {kk}) / 4'], b.buf.dtype)};")
+    k.close()
+    k.close()
+    sums = combine_lanes(k, lanes, "lane", f"i32(lid.y) * {lanes} + lane",
+                         [f"(acc{j}.x + acc{j}.y + acc{j}.z + acc{j}.w)" for j in range(tn)])
+    k.open("if (lane == 0)")
+    for j in range(tn):
+        k.open(f"if (n0 + {j} < {N})")
+        e = sums[j] if alpha == 1 else f"({lit(alpha, 'f32')} * {sums[j]})"
+        if bias is not None and beta != 0:
+            bv = cast(bias.read(k, ["z", "0", k.let(f"n0 + {j}", "i32")]), bias.ty, "f32")
+            e = f"({e} + {bv})" if beta == 1 else f"({e} + {lit(beta, 'f32')} * {bv})"
+        k.write(out, f"z * {N} + n0 + {j}", e, "f32")
+        k.close()
+    k.close()
+    pb.add(k.finish(0, workgroup=(lanes, per_group, 1), groups=(gx, -(-blocks // gx), Z)))
+    return result
+
+
 def _empty_product(pb, out, meta, shape, bias: Value | None, beta) -> BufferView:
     """``out`` filled with ``beta * bias`` (or zeros): a matrix product over K = 0."""
     if bias is None:
@@ -391,6 +447,8 @@ def _mm_samples():
             # K = 0 (OpInfo's mm and linalg.multi_dot samples): zeros, no read of the empty operands
             ((rand(5, 0), rand(0, 10)), {}), ((rand(0, 4), rand(4, 3)), {}),
             ((edge_floats(4, 6), rand(6, 5)), {}),
+            # one row (a decode step's shape), K and columns past whole vec4s and lane groups
+            ((rand(1, 300), rand(37, 300).t()), {}), ((edge_floats(1, 36), rand(70, 36).t()), {}),
             *[((a, b), {}) for a, b in _int_operands(5, 7, 3)],
             ((randint(20, 12, lo=-100, hi=100, dtype=torch.int32).t(),
               randint(20, 9, lo=-100, hi=100, dtype=torch.int32)), {}),
@@ -405,7 +463,7 @@ def mm(pb, node, a, b):
 def _bmm_samples():
     return [((rand(2, 5, 7), rand(2, 7, 3)), {}), ((rand(4, 16, 16), rand(4, 16, 16)), {}),
             ((rand(3, 8, 6), rand(3, 5, 6).transpose(1, 2)), {}), ((rand(2, 3, 0), rand(2, 0, 4)), {}),
-            ((edge_floats(2, 3, 4), rand(2, 4, 5)), {}),
+            ((edge_floats(2, 3, 4), rand(2, 4, 5)), {}), ((rand(3, 1, 40), rand(3, 70, 40).transpose(1, 2)), {}),
             *[((a.reshape(2, 3, 5), b.reshape(2, 5, 4)), {}) for a, b in _int_operands(6, 5, 8)[:-1]]]
 
 
@@ -421,6 +479,7 @@ def _addmm_samples():
     ints.append(((randint(5, 3, lo=-9, hi=9), a64, b64), {}))
     return [((rand(3), rand(5, 7), rand(7, 3)), {}), ((rand(64), rand(16, 32), rand(64, 32).t()), {}),
             ((rand(5, 1), rand(5, 4), rand(4, 6)), {"beta": 0.5, "alpha": 2.0}),
+            ((rand(45), rand(1, 28), rand(45, 28).t()), {"beta": 0.5, "alpha": 2.0}),
             ((rand(3), rand(2, 0), rand(0, 3)), {"beta": 0.5}),
             ((edge_floats(2, 3), rand(2, 0), rand(0, 3)), {"beta": 0}),
             ((edge_floats(2, 3), rand(2, 4), rand(4, 3)), {}),

@@ -37,7 +37,8 @@ import torch
 from tapml.errors import Unsupported
 from tapml.platforms.wgsl import views
 from tapml.graph import TensorMeta
-from tapml.platforms.wgsl.codegen import LOOP_BUDGET, MAX_GROUPS, WORKGROUP, BufferView, Value, cast, lit, round_low
+from tapml.platforms.wgsl.codegen import (LOOP_BUDGET, MAX_GROUPS, WORKGROUP, BufferView, Value, cast, combine_lanes,
+                                          lit, round_low)
 from tapml.platforms.wgsl.index import wrapped_index
 from tapml.platforms.wgsl.registry import register
 from tapml.quant import FORMATS, GROUP, INTX_LINEAR, ggml_bytes, ggml_tensor, ggml_words, pack_codes, quantize_weight
@@ -314,8 +315,6 @@ def layout_of(scheme: str, packed: list[Value], rows: int, cols: int) -> PackedL
 
 # --- kernels --------------------------------------------------------------------------------
 
-MAIN = "fn main(@builtin(global_invocation_id) gid: vec3<u32>)"
-WORKGROUP_IDS = MAIN[:-1] + ", @builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>)"
 #: Rows and columns one lane of the GEMM holds: a weight it dequantizes serves GEMM_ROWS rows, an
 #: input element it loads GEMM_COLUMNS columns (on lavapipe every storage load is a loop over lanes,
 #: so loads per product are what counts).
@@ -335,31 +334,6 @@ def linear_plan(m: int, groups: int, words_per_group: int) -> tuple[str, int, in
     if m == 1:
         return "gemv", max(need, min(32, 1 << (groups - 1).bit_length())), 1, 1
     return "gemm", need, GEMM_ROWS, GEMM_COLUMNS
-
-
-def combine_lanes(k, lanes: int, lane: str, slot: str, values: list[str],
-                  combine: Callable[[int, str, str], str] = lambda e, a, b: f"{a} + {b}") -> list[str]:
-    """``values`` (f32 expressions) of ``lanes`` neighbouring lanes combined in workgroup memory, as
-    a barrier tree: ``slot`` is this lane's index among the workgroup's lanes (its partner ``step``
-    lanes on is ``slot + step``), ``combine(e, a, b)`` joins element ``e`` of two lanes (a sum by
-    default). Returns the combined elements as the first lane of the ``lanes`` reads them. The
-    barriers sit outside any branch: call it at the kernel's top level."""
-    n = len(values)
-    k.helpers["partial"] = f"var<workgroup> partial: array<f32, {WORKGROUP * n}>;"
-    base = k.let(f"({slot}) * {n}", "i32")
-    for e, v in enumerate(values):
-        k.emit(f"partial[{base} + {e}] = {v};")
-    step = lanes // 2
-    while step:
-        k.emit("workgroupBarrier();")
-        k.open(f"if ({lane} < {step})")
-        for e in range(n):
-            joined = combine(e, f"partial[{base} + {e}]", f"partial[{base} + {step * n + e}]")
-            k.emit(f"partial[{base} + {e}] = {joined};")
-        k.close()
-        step //= 2
-    k.emit("workgroupBarrier();")
-    return [f"partial[{base} + {e}]" for e in range(n)]
 
 
 #: float32's smallest normal: the floor of a per-token scale (:func:`tapml.quant.quantize_per_token_int8`).
@@ -409,7 +383,6 @@ def per_token_int8(pb, x: Value) -> BufferView:
     k.write(out, "row * 3 + 2", "zero", "f32")
     k.close()
     kern = k.finish(0, workgroup=(WORKGROUP, 1, 1), groups=(gx, -(-M // gx), 1))
-    kern.wgsl = kern.wgsl.replace(MAIN, WORKGROUP_IDS)
     pb.add(kern)
     return BufferView.whole(out, meta)
 
@@ -504,7 +477,6 @@ def packed_linear(pb, node, name: str, x: Value, packed: list[Value], rows: int,
         k.close()
     k.close()
     kern = k.finish(0, workgroup=(lanes, tiles_per_group, 1), groups=groups)
-    kern.wgsl = kern.wgsl.replace(MAIN, WORKGROUP_IDS)
     pb.add(kern)
     return [result]
 

@@ -98,6 +98,7 @@ class HybridRunner:
         self.programs_compiled = 0
         #: the HybridResult of the last :meth:`step`
         self.last_result: HybridResult | None = None
+        self._plans: dict = {}
 
     def program(self, names: list[str], keep: Iterable[str] = ()) -> tuple[object, Graph, bool, float]:
         """(program, subgraph, cached, compile_ms) of the region made of ``names``."""
@@ -132,17 +133,7 @@ class HybridRunner:
         if missing:
             raise ValueError(f"hybrid run lacks graph inputs: {', '.join(missing[:5])}")
         keep = set(keep)
-        wanted = set(self.graph.outputs) | keep
-        segs = segments(self.graph, placement)
-        last_use: dict[str, int] = {}
-        for i, seg in enumerate(segs):
-            for n in seg.nodes:
-                for r in n.input_refs:
-                    last_use[r] = i
-        free_after: dict[int, list[str]] = {}
-        for r, i in last_use.items():
-            if r not in wanted:
-                free_after.setdefault(i, []).append(r)
+        segs, free_after = self._plan(placement, keep)
         env = {r: inputs[r] for r, _ in self.graph.inputs}
         result = HybridResult(values={})
         for i, seg in enumerate(segs):
@@ -161,6 +152,29 @@ class HybridRunner:
         result.values = {r: env[r] for r in self.graph.outputs}
         result.values.update({r: env[r] for r in keep if r in env})
         return result
+
+    def _plan(self, placement: dict[str, str], keep: set[str]) -> tuple[list[Segment], dict[int, list[str]]]:
+        """The segments of ``placement`` and, per segment, the values no later segment reads (freed
+        after it), kept per placement and ``keep``: a generation runs every step under the same ones."""
+        key = (tuple(n.name for n in self.graph.nodes if placement.get(n.name) == TARGET), frozenset(keep))
+        plans = self._plans
+        if key in plans:
+            return plans[key]
+        segs = segments(self.graph, placement)
+        last_use: dict[str, int] = {}
+        for i, seg in enumerate(segs):
+            for n in seg.nodes:
+                for r in n.input_refs:
+                    last_use[r] = i
+        wanted = set(self.graph.outputs) | keep
+        free_after: dict[int, list[str]] = {}
+        for r, i in last_use.items():
+            if r not in wanted:
+                free_after.setdefault(i, []).append(r)
+        if len(plans) >= 16:  # a migration tries many placements; a generation one
+            plans.clear()
+        plans[key] = segs, free_after
+        return segs, free_after
 
     def step(self, inputs: dict, state_values: dict, placement: dict[str, str],
              keep: Iterable[str] = ()) -> tuple[dict, dict]:

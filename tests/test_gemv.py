@@ -1,0 +1,77 @@
+"""One-row products (platforms/wgsl/matmul.py ``_gemv``), issue 34: a decode step's linears and LM
+head, exported from ``F.linear`` (so the weight reaches ``mm``/``addmm`` as a transposed view, read
+along K), compiled for a real adapter and compared with torch on seeded random inputs. Shapes put
+K and the columns past whole vec4s and lane groups; one case has more columns than one dispatch
+dimension holds workgroups. The runtime poisons outputs, so a column the kernel skips shows.
+Device tier: lavapipe and llvmpipe; browser tier: Chromium."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tapml.graph import graph_from_fx
+from tests.support import exported, in_chromium, own_wgpu
+
+#: name -> (batch: 0 for a linear, else a bmm of that many one-row products; K; columns; bias)
+CASES = {
+    "decode-linear": (0, 64, 96, False),
+    "k-past-lane-groups": (0, 300, 37, True),
+    "edge-values": (0, 36, 70, False),
+    "batched-rows-of-one": (3, 40, 45, True),
+    "many-columns": (0, 8, 2_200_000, False),
+}
+
+
+def _case(name: str):
+    batch, k, n, bias = CASES[name]
+    gen = torch.Generator().manual_seed(len(name))
+    x = torch.randn(max(batch, 1), 1, k, generator=gen)
+    if name == "edge-values":  # large, tiny, subnormal and signed-zero operands
+        x[0, 0, :6] = torch.tensor([1e20, -1e20, 1e-40, -0.0, 3.4e18, -3.4e18])
+    w = torch.randn(*([batch] if batch else []), n, k, generator=gen)
+    inputs = [x, w] + ([torch.randn(n, generator=gen)] if bias else [])
+
+    def fn(*args):
+        if batch:
+            return (torch.matmul(args[0], args[1].transpose(1, 2)) + (args[2] if bias else 0),)
+        return (torch.nn.functional.linear(*args),)
+    ep = exported(fn, *inputs)
+    return graph_from_fx(ep.graph, ep.graph_signature), inputs, fn(*inputs)[0]
+
+
+def _check(platform):
+    for name in CASES:
+        graph, inputs, want = _case(name)
+        program = platform.compile(graph)
+        assert any("_gemv" in k.name for k in program.kernels), (name, [k.name for k in program.kernels])
+        got = platform.run(program, inputs)[0]
+        assert got.shape == want.shape and not got.isnan().any(), name
+        # float32 sums in another order: the error follows K and the operands' size
+        atol = 1e-5 * CASES[name][1] * float(inputs[0].abs().max() * inputs[1].abs().max())
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=atol, msg=name)
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+@pytest.mark.parametrize("backend", ["vulkan", "gl"])
+def test_one_row_products_equal_torch(backend):
+    _check(own_wgpu(backend))
+
+
+@in_chromium
+def test_one_row_products_equal_torch_in_chromium():
+    from tapml.platforms.browser import BrowserPlatform
+    with BrowserPlatform() as browser:
+        _check(browser)
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+def test_several_rows_keep_the_tiled_kernel():
+    platform = own_wgpu("vulkan")
+    x, w = torch.randn(4, 64), torch.randn(32, 64)
+    ep = exported(lambda a, b: (torch.nn.functional.linear(a, b),), x, w)
+    program = platform.compile(graph_from_fx(ep.graph, ep.graph_signature))
+    assert not any("_gemv" in k.name for k in program.kernels)
+    torch.testing.assert_close(platform.run(program, [x, w])[0], x @ w.t(), rtol=1e-5, atol=1e-4)
