@@ -75,3 +75,54 @@ def test_several_rows_keep_the_tiled_kernel():
     program = platform.compile(graph_from_fx(ep.graph, ep.graph_signature))
     assert not any("_gemv" in k.name for k in program.kernels)
     torch.testing.assert_close(platform.run(program, [x, w])[0], x @ w.t(), rtol=1e-5, atol=1e-4)
+
+
+def _residual_case(rows: int, seed: int = 0):
+    """``h + linear(x, w)``: a residual connection after a linear, as a decoder layer ends."""
+    gen = torch.Generator().manual_seed(seed)
+    h, x, w = torch.randn(1, rows, 48, generator=gen), torch.randn(1, rows, 40, generator=gen), torch.randn(48, 40, generator=gen)
+    ep = exported(lambda h, x, w: (h + torch.nn.functional.linear(x, w),), h, x, w)
+    return graph_from_fx(ep.graph, ep.graph_signature), [h, x, w], h + torch.nn.functional.linear(x, w)
+
+
+def _check_residual(platform):
+    for rows in (1, 5):  # the GEMV and the tiled product both add the residual as they store
+        graph, inputs, want = _residual_case(rows)
+        program = platform.compile(graph)
+        assert len(program.kernels) == 1, (rows, [k.name for k in program.kernels])
+        torch.testing.assert_close(platform.run(program, inputs)[0], want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+@pytest.mark.parametrize("backend", ["vulkan", "gl"])
+def test_the_residual_add_after_a_linear_is_written_by_the_product(backend):
+    _check_residual(own_wgpu(backend))
+
+
+@in_chromium
+def test_the_residual_add_after_a_linear_is_written_by_the_product_in_chromium():
+    from tapml.platforms.browser import BrowserPlatform
+    with BrowserPlatform() as browser:
+        _check_residual(browser)
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+def test_the_residual_fold_leaves_kept_and_injected_values_visible():
+    """A product kept for comparison, or an injected fault after it, keeps the product and the add
+    apart, so the fault shows in the product's own value."""
+    from tapml.driving.inject import InjectedPlatform, parse_faults
+    from tapml.platforms.wgsl.matmul import find_residual_products
+    from collections import Counter
+    platform = own_wgpu("vulkan")
+    graph, inputs, want = _residual_case(1, seed=1)
+    uses = Counter(r for n in graph.nodes for r in set(n.input_refs))
+    (match,) = find_residual_products(graph, uses, set(graph.outputs)).values()
+    assert find_residual_products(graph, uses, set(graph.outputs) | {match.mm}) == {}
+    faulty = InjectedPlatform(platform, parse_faults(["aten.mm.default=scale:2"]))
+    program = faulty.compile(graph)
+    assert len(program.kernels) > 1
+    h, x, w = inputs
+    torch.testing.assert_close(faulty.run(program, inputs)[0], h + 2 * torch.nn.functional.linear(x, w),
+                               rtol=1e-5, atol=1e-4)

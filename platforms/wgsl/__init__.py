@@ -57,6 +57,7 @@ def compile_graph(graph: Graph, caps: dict, lowerings: Mapping[str, Lowering] | 
     """
     load_lowerings()
     from tapml.platforms.wgsl.attention import find_attention, fused_attention
+    from tapml.platforms.wgsl.matmul import find_residual_products, residual_product
     from tapml.platforms.wgsl.scatter import put_in_place
     registry = REGISTRY if not lowerings else ChainMap(dict(lowerings), REGISTRY)
     caps = caps or {}
@@ -75,7 +76,9 @@ def compile_graph(graph: Graph, caps: dict, lowerings: Mapping[str, Lowering] | 
     in_place: set[str] = set()  # input buffers written in place, listed as outputs too
 
     attention = {} if lowerings else find_attention(graph, uses, wanted)
+    residuals = {} if lowerings else find_residual_products(graph, uses, wanted)
     folded = {name for match in attention.values() for name in match.nodes[:-1]}
+    folded |= {name for match in residuals.values() for name in match.nodes}
 
     for node in graph.nodes:
         if node.name in folded:  # inside a fused pattern: written by its last node
@@ -87,6 +90,8 @@ def compile_graph(graph: Graph, caps: dict, lowerings: Mapping[str, Lowering] | 
         try:
             if node.name in attention:
                 values = [fused_attention(pb, attention[node.name], env, node.outputs[0])]
+            elif node.name in residuals:
+                values = [residual_product(pb, residuals[node.name], graph, env, node.outputs[0])]
             else:
                 values = None
                 args = decode_arg(node.args, env.__getitem__)

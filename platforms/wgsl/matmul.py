@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from tapml.platforms.wgsl import views
@@ -395,6 +396,60 @@ def _gemv(pb, name: str, a: BufferView, b: BufferView, out, result, sizes, bias,
     k.close()
     pb.add(k.finish(0, workgroup=(lanes, per_group, 1), groups=(gx, -(-blocks // gx), Z)))
     return result
+
+
+@dataclass
+class ResidualProduct:
+    """``add(other, views of mm(a, b))``: the product written with ``other`` added as it is stored
+    (a residual connection after a linear), instead of a product kernel and an add kernel."""
+
+    mm: str  # the mm node
+    other: str  # the ref added to the product
+    nodes: list[str]  # the mm and the views between it and the add (folded into the add)
+
+
+#: Views a product's result may pass through on its way to the add (same elements, same order).
+_VIEWS = ("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.alias.default")
+
+
+def find_residual_products(graph, uses, wanted: set[str]) -> dict[str, ResidualProduct]:
+    """The float32 ``add.Tensor`` nodes of ``graph`` that add a same-shaped value to an ``mm``'s
+    result (through views), every intermediate used once and not an output (a value kept for
+    comparison, or an ``--inject`` op between them, leaves the ops separate), by the add's name.
+    Rounding is unchanged: the product's float32 sum plus the value, rounded once, as torch does."""
+    producer = {n.name: n for n in graph.nodes}
+    found: dict[str, ResidualProduct] = {}
+    for add in graph.nodes:
+        if add.op != "aten.add.Tensor" or add.kwargs or len(add.args) != 2 or add.outputs[0].dtype != "float32":
+            continue
+        refs = [a.get("ref") if isinstance(a, dict) else None for a in add.args]
+        if None in refs or refs[0] == refs[1]:
+            continue
+        for side in (1, 0):
+            chain, ref = [], refs[side]
+            node = producer.get(ref)
+            while node is not None and not node.multi and uses[ref] == 1 and ref not in wanted and node.op in _VIEWS:
+                chain.append(node.name)
+                ref = node.args[0].get("ref") if isinstance(node.args[0], dict) else None
+                node = producer.get(ref)
+            other = graph.meta.get(refs[1 - side])
+            if node is None or node.op != "aten.mm.default" or node.multi or uses[ref] != 1 or ref in wanted or \
+                    node.outputs[0].dtype != "float32" or other is None or other.dtype != "float32" or \
+                    tuple(other.shape) != tuple(add.outputs[0].shape) or node.outputs[0].numel != other.numel:
+                continue
+            found[add.name] = ResidualProduct(node.name, refs[1 - side], [node.name, *chain])
+            break
+    return found
+
+
+def residual_product(pb, match: ResidualProduct, graph, env: dict, meta) -> BufferView:
+    """The value of the add that ``match`` folds: ``mm(a, b)`` with ``other`` as its bias."""
+    mm_node = next(n for n in graph.nodes if n.name == match.mm)
+    a, b = (env[arg["ref"]] for arg in mm_node.args)
+    out_meta = mm_node.outputs[0]
+    bias = views.reshape(env[match.other], out_meta.shape)
+    result = product(pb, "mm", views.unsqueeze(a, 0), views.unsqueeze(b, 0), out_meta, bias=views.unsqueeze(bias, 0))
+    return views.reshape(result, meta.shape)
 
 
 def _empty_product(pb, out, meta, shape, bias: Value | None, beta) -> BufferView:
