@@ -1,8 +1,9 @@
 """One-row products (platforms/wgsl/matmul.py ``_gemv``), issue 34: a decode step's linears and LM
 head, exported from ``F.linear`` (so the weight reaches ``mm``/``addmm`` as a transposed view, read
-along K), compiled for a real adapter and compared with torch on seeded random inputs. Shapes put
-K and the columns past whole vec4s and lane groups; one case has more columns than one dispatch
-dimension holds workgroups. The runtime poisons outputs, so a column the kernel skips shows.
+along K), compiled for a real adapter and compared with torch on seeded random inputs, and the residual
+add after a linear that the product writes (``find_residual_products``). Shapes put K and the
+columns past whole vec4s and lane groups; one case has more columns than one dispatch dimension
+holds workgroups. The runtime poisons outputs, so a column the kernel skips shows.
 Device tier: lavapipe and llvmpipe; browser tier: Chromium."""
 
 from __future__ import annotations
@@ -50,17 +51,18 @@ def _check(platform):
         # float32 sums in another order: the error follows K and the operands' size
         atol = 1e-5 * CASES[name][1] * float(inputs[0].abs().max() * inputs[1].abs().max())
         torch.testing.assert_close(got, want, rtol=1e-5, atol=atol, msg=name)
+    _check_residual(platform)
 
 
 @pytest.mark.device
 @pytest.mark.xdist_group("wgpu")
 @pytest.mark.parametrize("backend", ["vulkan", "gl"])
-def test_one_row_products_equal_torch(backend):
+def test_one_row_products_and_residual_folds_equal_torch(backend):
     _check(own_wgpu(backend))
 
 
 @in_chromium
-def test_one_row_products_equal_torch_in_chromium():
+def test_one_row_products_and_residual_folds_equal_torch_in_chromium():
     from tapml.platforms.browser import BrowserPlatform
     with BrowserPlatform() as browser:
         _check(browser)
@@ -92,19 +94,6 @@ def _check_residual(platform):
         assert len(program.kernels) == 1, (rows, [k.name for k in program.kernels])
         torch.testing.assert_close(platform.run(program, inputs)[0], want, rtol=1e-5, atol=1e-4)
 
-
-@pytest.mark.device
-@pytest.mark.xdist_group("wgpu")
-@pytest.mark.parametrize("backend", ["vulkan", "gl"])
-def test_the_residual_add_after_a_linear_is_written_by_the_product(backend):
-    _check_residual(own_wgpu(backend))
-
-
-@in_chromium
-def test_the_residual_add_after_a_linear_is_written_by_the_product_in_chromium():
-    from tapml.platforms.browser import BrowserPlatform
-    with BrowserPlatform() as browser:
-        _check_residual(browser)
 
 
 @pytest.mark.device
