@@ -675,8 +675,10 @@ _GROUP_BUILTINS = {"lid": "local_invocation_id", "wid": "workgroup_id"}
 
 
 def _builtins(body: str) -> list[str]:
-    """``main``'s parameters: ``gid`` always, ``lid`` and ``wid`` where the body names them."""
-    names = ["gid", *(n for n in _GROUP_BUILTINS if re.search(rf"\b{n}\b", body))]
+    """``main``'s parameters: ``gid`` always, ``lid`` and ``wid`` where the body reads their
+    components and declares no variable of that name."""
+    names = ["gid", *(n for n in _GROUP_BUILTINS
+                      if re.search(rf"\b{n}\.[xyz]\b", body) and not re.search(rf"\b(let|var) {n}\b", body))]
     return [f"@builtin({_GROUP_BUILTINS.get(n, 'global_invocation_id')}) {n}: vec3<u32>" for n in names]
 
 
