@@ -4,12 +4,21 @@ positions ``t`` on the target and in torch eager (``tapml.bench.decode_step_rows
 ``tapml bench generation --context``), in the same process.
 
 ``after`` is the compiler as it is; ``before`` turns off what issue 34 added (the key/value put
-written in place, the fused attention, the lazy cat, the GEMV), so the compiler emits the kernels it
-emitted before; ``tiled`` turns off only the GEMV (one-row products through the tiled matmul). One process per measurement, so that farm-bench alternates them::
+written in place, the fused attention, the lazy cat, the GEMV, the residual add in the product), so
+the compiler emits the kernels it emitted before; ``tiled`` turns off only the GEMV (one-row products
+through the tiled matmul). One process per measurement, so that farm-bench alternates them::
 
-    farm-bench -n 5 --vs "sh -c 'exec .venv/bin/python benchmarks/decode_context.py before STORE 16,256 >>/tmp/b'" \\
-        -- sh -c 'exec .venv/bin/python benchmarks/decode_context.py after STORE 16,256 >>/tmp/a'
+    farm-bench -n 5 --vs "sh -c '.venv/bin/python benchmarks/decode_context.py before STORE 16,256 >>/tmp/b'" \\
+        -- sh -c '.venv/bin/python benchmarks/decode_context.py after STORE 16,256 >>/tmp/a'
     .venv/bin/python benchmarks/decode_context.py summary /tmp/a /tmp/b
+
+To compare with an older commit instead, run ``after`` from a worktree of it with its own packages
+first on the path (the editable install maps ``tapml.platforms`` and the other top-level folders to
+this checkout, so link them inside the worktree's ``tapml/``)::
+
+    git worktree add /tmp/base OLD && (cd /tmp/base/tapml && for d in carving platforms remote reports; do ln -s ../$d $d; done)
+    farm-bench -n 5 --vs "sh -c 'cd /tmp/base && PYTHONPATH=/tmp/base $PWD/.venv/bin/python benchmarks/decode_context.py after STORE 16,256 >>/tmp/b'" \\
+        -- sh -c '.venv/bin/python benchmarks/decode_context.py after STORE 16,256 >>/tmp/a'
 
 Each run prints one JSON line: per context the median decode step in ms on the target and in
 torch (its better thread count of 1 and 2), the kernels per step and the load average.
@@ -34,6 +43,7 @@ def measure(variant: str, store_dir: str, contexts: list[int], backend: str = "v
         attention.find_attention = lambda *a, **k: {}
         scatter.put_in_place = lambda *a, **k: None
         shape.LAZY_CAT_PARTS = 0
+        matmul.find_residual_products = lambda *a, **k: {}
     # "tiled": one-row products through the tiled matmul (its small tiles, which M = 1 got before the GEMV)
     tiled = matmul.forced_tiles(matmul.SMALL_TILES) if variant in ("before", "tiled") else contextlib.nullcontext()
     with tiled:
