@@ -122,6 +122,12 @@ def command_line(pid: int) -> str:
         return "?"
 
 
+#: The walk takes about 7 minutes alone on 2 cores, and took over 20 beside the device tier of a full
+#: run (2026-11-27). The test's own timeout must exceed the walk's: pytest-timeout's ends the worker,
+#: and the walk's output with it, where the walk's own ends in a failure that prints it.
+WALK_TIMEOUT_S = 2100
+
+
 def walk(tmp_path: Path, commands) -> tuple[str, list[str], list[str]]:
     """Run the walk; returns (its output, the failures found, what was left behind)."""
     clone, logs = tmp_path / "clone", tmp_path / "logs"
@@ -141,8 +147,14 @@ def walk(tmp_path: Path, commands) -> tuple[str, list[str], list[str]]:
            "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR") or str(runtime), "COLUMNS": "100",
            marker.split("=")[0]: marker.split("=")[1]}
     env.pop("TAPML_TOKEN", None)
-    r = subprocess.run(["bash", str(script)], cwd=clone, env=env, stdin=subprocess.DEVNULL, capture_output=True,
-                       text=True, timeout=1500)
+    try:
+        r = subprocess.run(["bash", str(script)], cwd=clone, env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                           text=True, timeout=WALK_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:  # what it printed so far says where it stood
+        def text(b):
+            return b.decode(errors="replace") if isinstance(b, bytes) else (b or "")
+        r = subprocess.CompletedProcess(e.cmd, -9, text(e.stdout) + f"\n@@FAIL the walk ran past {WALK_TIMEOUT_S} s\n",
+                                        text(e.stderr))
     output = r.stdout + r.stderr + "".join(f"\n@@ {log.name}\n{log.read_text(errors='replace')}"
                                            for log in sorted(logs.iterdir()))
     failures = re.findall(r"^@@FAIL (.*)$", r.stdout, re.M)
@@ -208,6 +220,7 @@ def test_readme_commands_are_parsed_with_their_exit_codes():
 @pytest.mark.device
 @pytest.mark.browser
 @pytest.mark.xdist_group("browser")
+@pytest.mark.timeout(WALK_TIMEOUT_S + 300)
 @NEEDS_CHROMIUM
 def test_readme_runs_as_written(tmp_path, figure):
     vulkan_or_skip()
