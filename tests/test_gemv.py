@@ -108,7 +108,7 @@ def test_the_residual_fold_leaves_kept_and_injected_values_visible():
     graph, inputs, want = _residual_case(1, seed=1)
     uses = Counter(r for n in graph.nodes for r in set(n.input_refs))
     (match,) = find_residual_products(graph, uses, set(graph.outputs)).values()
-    assert find_residual_products(graph, uses, set(graph.outputs) | {match.mm}) == {}
+    assert find_residual_products(graph, uses, set(graph.outputs) | {match.mm.name}) == {}
     faulty = InjectedPlatform(platform, parse_faults(["aten.mm.default=scale:2"]))
     program = faulty.compile(graph)
     assert len(program.kernels) > 1

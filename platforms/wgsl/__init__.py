@@ -91,7 +91,7 @@ def compile_graph(graph: Graph, caps: dict, lowerings: Mapping[str, Lowering] | 
             if node.name in attention:
                 values = [fused_attention(pb, attention[node.name], env, node.outputs[0])]
             elif node.name in residuals:
-                values = [residual_product(pb, residuals[node.name], graph, env, node.outputs[0])]
+                values = [residual_product(pb, residuals[node.name], env, node.outputs[0])]
             else:
                 values = None
                 args = decode_arg(node.args, env.__getitem__)

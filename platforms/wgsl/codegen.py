@@ -461,9 +461,10 @@ class KernelBuilder:
         return idx
 
     def finish(self, threads: int, workgroup: tuple[int, int, int] | None = None,
-               groups: tuple[int, int, int] | None = None) -> Kernel:
+               groups: tuple[int, int, int] | None = None, group_ids: bool = False) -> Kernel:
         """Wrap the body: with ``threads`` (1-D kernels) the body sees ``n`` (the thread's
-        linear index, < threads) on a 2-D grid when one dimension is not enough."""
+        linear index, < threads) on a 2-D grid when one dimension is not enough. ``group_ids``:
+        the body also sees ``lid`` (its lane in the workgroup) and ``wid`` (the workgroup's id)."""
         if groups is None:
             wg = WORKGROUP
             total = max(1, -(-threads // wg))
@@ -490,7 +491,7 @@ class KernelBuilder:
             header.insert(0, "enable f16;")
         src = "\n".join(header) + "\n\n" + \
             f"@compute @workgroup_size({', '.join(map(str, workgroup))})\n" + \
-            f"fn main({', '.join(_builtins(body))}) {{\n" + \
+            f"fn main({MAIN_WITH_GROUP_IDS if group_ids else MAIN}) {{\n" + \
             body + "\n}\n"
         limit = self.program.max_bindings
         if len(self.bindings) > limit:
@@ -670,16 +671,10 @@ class Custom(Compute):
         return k.let(self.fn(k, idx), self.ty)
 
 
-#: The builtins a kernel body may name besides ``gid``: its lane within the workgroup and the workgroup's id.
-_GROUP_BUILTINS = {"lid": "local_invocation_id", "wid": "workgroup_id"}
-
-
-def _builtins(body: str) -> list[str]:
-    """``main``'s parameters: ``gid`` always, ``lid`` and ``wid`` where the body reads their
-    components and declares no variable of that name."""
-    names = ["gid", *(n for n in _GROUP_BUILTINS
-                      if re.search(rf"\b{n}\.[xyz]\b", body) and not re.search(rf"\b(let|var) {n}\b", body))]
-    return [f"@builtin({_GROUP_BUILTINS.get(n, 'global_invocation_id')}) {n}: vec3<u32>" for n in names]
+#: ``main``'s parameters: the invocation's global id, and with :meth:`finish`'s ``group_ids`` its
+#: lane in the workgroup and the workgroup's id.
+MAIN = "@builtin(global_invocation_id) gid: vec3<u32>"
+MAIN_WITH_GROUP_IDS = MAIN + ", @builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>"
 
 
 def combine_lanes(k: Compute, lanes: int, lane: str, slot: str, values: list[str],

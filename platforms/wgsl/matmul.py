@@ -27,6 +27,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from tapml.graph import Node
 from tapml.platforms.wgsl import views
 from tapml.platforms.wgsl.codegen import (MAX_GROUPS, WORKGROUP, BufferView, Compute, Value, cast, combine_lanes, ctype,
                                           lit, load_at)
@@ -145,6 +146,11 @@ def tune(platform, n: int = 512, repeat: int = 3, candidates=None) -> dict:
             **data["devices"][key]}
 
 
+def _vec4_f32(e: str, dt: str) -> str:
+    """A vec4 load ``e`` of storage type ``dt`` as a vec4<f32>."""
+    return e if dt == "f32" else f"vec4<f32>({e})"
+
+
 def _vec_ok(v: BufferView, axis: int, size: int) -> bool:
     """Whether 4 consecutive elements along ``axis`` can be one aligned vec4 load."""
     others = [s for i, s in enumerate(v.strides) if i != axis and v.shape[i] > 1]
@@ -225,8 +231,7 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
     sab, sam, sak = a.strides
     sbb, sbk, sbn = b.strides
 
-    def f4(e, dt):
-        return e if dt == "f32" else f"vec4<f32>({e})"
+    f4 = _vec4_f32
 
     def f1(name, index, dt):
         return load_at(name, index, dt, "f32")
@@ -370,10 +375,7 @@ def _gemv(pb, name: str, a: BufferView, b: BufferView, out, result, sizes, bias,
     for j in range(tn):  # columns past the end read the last one; their sums are written nowhere
         k.emit(f"let cb{j}: i32 = {b.offset} + z * {b.strides[0]} + min(n0 + {j}, {N - 1}) * {b.strides[2]};")
         k.emit(f"var acc{j}: vec4<f32> = vec4<f32>(0.0);")
-
-    def f4(e, dt):
-        return e if dt == "f32" else f"vec4<f32>({e})"
-
+    f4 = _vec4_f32
     k.loop("i", -(-K // (4 * lanes)))
     kk = k.let(f"(lane + i * {lanes}) * 4", "i32")
     k.open(f"if ({kk} < {K})")
@@ -394,7 +396,7 @@ def _gemv(pb, name: str, a: BufferView, b: BufferView, out, result, sizes, bias,
         k.write(out, f"z * {N} + n0 + {j}", e, "f32")
         k.close()
     k.close()
-    pb.add(k.finish(0, workgroup=(lanes, per_group, 1), groups=(gx, -(-blocks // gx), Z)))
+    pb.add(k.finish(0, workgroup=(lanes, per_group, 1), groups=(gx, -(-blocks // gx), Z), group_ids=True))
     return result
 
 
@@ -403,7 +405,7 @@ class ResidualProduct:
     """``add(other, views of mm(a, b))``: the product written with ``other`` added as it is stored
     (a residual connection after a linear), instead of a product kernel and an add kernel."""
 
-    mm: str  # the mm node
+    mm: Node  # the mm node
     other: str  # the ref added to the product
     nodes: list[str]  # the mm and the views between it and the add (folded into the add)
 
@@ -437,16 +439,15 @@ def find_residual_products(graph, uses, wanted: set[str]) -> dict[str, ResidualP
                     node.outputs[0].dtype != "float32" or other is None or other.dtype != "float32" or \
                     tuple(other.shape) != tuple(add.outputs[0].shape) or node.outputs[0].numel != other.numel:
                 continue
-            found[add.name] = ResidualProduct(node.name, refs[1 - side], [node.name, *chain])
+            found[add.name] = ResidualProduct(node, refs[1 - side], [node.name, *chain])
             break
     return found
 
 
-def residual_product(pb, match: ResidualProduct, graph, env: dict, meta) -> BufferView:
+def residual_product(pb, match: ResidualProduct, env: dict, meta) -> BufferView:
     """The value of the add that ``match`` folds: ``mm(a, b)`` with ``other`` as its bias."""
-    mm_node = next(n for n in graph.nodes if n.name == match.mm)
-    a, b = (env[arg["ref"]] for arg in mm_node.args)
-    out_meta = mm_node.outputs[0]
+    a, b = (env[arg["ref"]] for arg in match.mm.args)
+    out_meta = match.mm.outputs[0]
     bias = views.reshape(env[match.other], out_meta.shape)
     result = product(pb, "mm", views.unsqueeze(a, 0), views.unsqueeze(b, 0), out_meta, bias=views.unsqueeze(bias, 0))
     return views.reshape(result, meta.shape)

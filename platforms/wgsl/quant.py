@@ -382,7 +382,7 @@ def per_token_int8(pb, x: Value) -> BufferView:
     k.write(out, "row * 3 + 1", f"{divide}(1.0, scale)", "f32")
     k.write(out, "row * 3 + 2", "zero", "f32")
     k.close()
-    kern = k.finish(0, workgroup=(WORKGROUP, 1, 1), groups=(gx, -(-M // gx), 1))
+    kern = k.finish(0, workgroup=(WORKGROUP, 1, 1), groups=(gx, -(-M // gx), 1), group_ids=True)
     pb.add(kern)
     return BufferView.whole(out, meta)
 
@@ -476,7 +476,7 @@ def packed_linear(pb, node, name: str, x: Value, packed: list[Value], rows: int,
             k.close()
         k.close()
     k.close()
-    kern = k.finish(0, workgroup=(lanes, tiles_per_group, 1), groups=groups)
+    kern = k.finish(0, workgroup=(lanes, tiles_per_group, 1), groups=groups, group_ids=True)
     pb.add(kern)
     return [result]
 
