@@ -58,6 +58,7 @@ def compile_graph(graph: Graph, caps: dict, lowerings: Mapping[str, Lowering] | 
     load_lowerings()
     from tapml.platforms.wgsl.attention import find_attention, fused_attention
     from tapml.platforms.wgsl.matmul import find_product_groups, find_residual_products, product_group, residual_product
+    from tapml.platforms.wgsl.norms import find_rms_norms, rms_norm
     from tapml.platforms.wgsl.scatter import put_in_place
     registry = REGISTRY if not lowerings else ChainMap(dict(lowerings), REGISTRY)
     caps = caps or {}
@@ -79,6 +80,8 @@ def compile_graph(graph: Graph, caps: dict, lowerings: Mapping[str, Lowering] | 
     residuals = {} if lowerings else find_residual_products(graph, uses, wanted)
     folded = {name for match in attention.values() for name in match.nodes[:-1]}
     folded |= {name for match in residuals.values() for name in match.nodes}
+    norms = {} if lowerings else find_rms_norms(graph, uses, wanted)
+    folded |= {name for match in norms.values() for name in match.nodes[:-1]}
 
     groups = {} if lowerings else find_product_groups(graph, folded)
     by_name = {n.name: n for n in graph.nodes}
@@ -97,6 +100,8 @@ def compile_graph(graph: Graph, caps: dict, lowerings: Mapping[str, Lowering] | 
                 values = [fused_attention(pb, attention[node.name], env, node.outputs[0])]
             elif node.name in residuals:
                 values = [residual_product(pb, residuals[node.name], graph, env, node.outputs[0])]
+            elif node.name in norms:
+                values = [rms_norm(pb, norms[node.name], env, node.outputs[0])]
             else:
                 args = decode_arg(node.args, env.__getitem__)
                 kwargs = {k: decode_arg(v, env.__getitem__) for k, v in node.kwargs.items()}
