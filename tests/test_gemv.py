@@ -41,6 +41,32 @@ def _case(name: str):
     return graph_from_fx(ep.graph, ep.graph_signature), inputs, fn(*inputs)[0]
 
 
+def _group_case(rows: int, plain_partner: bool = False):
+    """Three linears of one input, as q, k and v are (``plain_partner``: the third multiplies by a
+    matrix stored K-major, which the GEMV does not read)."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(1, rows, 64, generator=gen)
+    wq, wk = torch.randn(96, 64, generator=gen), torch.randn(40, 64, generator=gen)
+    wv = torch.randn(64, 33, generator=gen) if plain_partner else torch.randn(33, 64, generator=gen)
+
+    def fn(x, wq, wk, wv):
+        v = x @ wv if plain_partner else torch.nn.functional.linear(x, wv)
+        return (torch.nn.functional.linear(x, wq).relu(), torch.nn.functional.linear(x, wk) * 2, v)
+    ep = exported(fn, x, wq, wk, wv)
+    return graph_from_fx(ep.graph, ep.graph_signature), [x, wq, wk, wv], fn(x, wq, wk, wv)
+
+
+def _check_groups(platform):
+    # (rows, third weight K-major, GEMV kernels, tiled product kernels)
+    for rows, plain, gemv, tiled in ((1, False, 1, 0), (1, True, 1, 1), (5, False, 0, 3)):
+        graph, inputs, want = _group_case(rows, plain)
+        program = platform.compile(graph)
+        names = [k.name for k in program.kernels if k.name.startswith("mm")]
+        assert sum("_gemv" in n for n in names) == gemv and len(names) == gemv + tiled, (rows, plain, names)
+        for got, expected in zip(platform.run(program, inputs), want):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+
+
 def _check(platform):
     for name in CASES:
         graph, inputs, want = _case(name)
@@ -52,6 +78,7 @@ def _check(platform):
         atol = 1e-5 * CASES[name][1] * float(inputs[0].abs().max() * inputs[1].abs().max())
         torch.testing.assert_close(got, want, rtol=1e-5, atol=atol, msg=name)
     _check_residual(platform)
+    _check_groups(platform)
 
 
 @pytest.mark.device

@@ -57,7 +57,8 @@ def compile_graph(graph: Graph, caps: dict, lowerings: Mapping[str, Lowering] | 
     """
     load_lowerings()
     from tapml.platforms.wgsl.attention import find_attention, fused_attention
-    from tapml.platforms.wgsl.matmul import find_residual_products, residual_product
+    from tapml.platforms.wgsl.matmul import find_product_groups, find_residual_products, product_group, residual_product
+    from tapml.platforms.wgsl.norms import find_rms_norms, rms_norm
     from tapml.platforms.wgsl.scatter import put_in_place
     registry = REGISTRY if not lowerings else ChainMap(dict(lowerings), REGISTRY)
     caps = caps or {}
@@ -79,31 +80,39 @@ def compile_graph(graph: Graph, caps: dict, lowerings: Mapping[str, Lowering] | 
     residuals = {} if lowerings else find_residual_products(graph, uses, wanted)
     folded = {name for match in attention.values() for name in match.nodes[:-1]}
     folded |= {name for match in residuals.values() for name in match.nodes}
+    norms = {} if lowerings else find_rms_norms(graph, uses, wanted)
+    folded |= {name for match in norms.values() for name in match.nodes[:-1]}
 
-    for node in graph.nodes:
-        if node.name in folded:  # inside a fused pattern: written by its last node
-            continue
+    groups = {} if lowerings else find_product_groups(graph, folded)
+    by_name = {n.name: n for n in graph.nodes}
+    done: set[str] = set()
+
+    def lower(node, values: list | None = None) -> None:
+        """Lower ``node`` (or take its ``values``, computed with others) into ``env``."""
         reason = supports_node(node, caps, [graph.meta[r] for r in node.input_refs], registry)
         if reason:
             raise Unsupported(f"{node.op}: {reason}")
         low = registry[node.op]
         try:
-            if node.name in attention:
+            if values is not None:
+                pass
+            elif node.name in attention:
                 values = [fused_attention(pb, attention[node.name], env, node.outputs[0])]
             elif node.name in residuals:
                 values = [residual_product(pb, residuals[node.name], env, node.outputs[0])]
+            elif node.name in norms:
+                values = [rms_norm(pb, norms[node.name], env, node.outputs[0])]
             else:
-                values = None
                 args = decode_arg(node.args, env.__getitem__)
                 kwargs = {k: decode_arg(v, env.__getitem__) for k, v in node.kwargs.items()}
-            if values is None and node.op == "aten.index_put.default" and node.op not in (lowerings or {}) and \
-                    _sole_reader_of_input(node, graph, uses, env):
-                put = put_in_place(pb, node, *args, **kwargs)
-                if put is not None:
-                    in_place.add(put.buf.name)
-                    values = [put]
-            if values is None:
-                values = low.fn(pb, node, *args, **kwargs)
+                if node.op == "aten.index_put.default" and node.op not in (lowerings or {}) and \
+                        _sole_reader_of_input(node, graph, uses, env):
+                    put = put_in_place(pb, node, *args, **kwargs)
+                    if put is not None:
+                        in_place.add(put.buf.name)
+                        values = [put]
+                if values is None:
+                    values = low.fn(pb, node, *args, **kwargs)
         except (Unsupported, PlatformError):
             raise
         except Exception as e:  # a lowering bug is a verdict on this op, not a crash
@@ -121,6 +130,28 @@ def compile_graph(graph: Graph, caps: dict, lowerings: Mapping[str, Lowering] | 
             elif v.cost > 0 and (uses[ref] > 1 or v.cost > MAX_FUSED_COST):
                 v = pb.materialize(v)
             env[ref] = v
+        done.add(node.name)
+
+    for node in graph.nodes:
+        if node.name in folded or node.name in done:  # folded: inside a fused pattern, written by its last node
+            continue
+        group = groups.get(node.name)
+        if group is not None:  # products sharing their row: their views first, then one kernel
+            for name in group.early:
+                if name not in done:
+                    lower(by_name[name])
+            try:
+                members = product_group(pb, group, graph, env)
+            except (Unsupported, PlatformError):
+                raise
+            except Exception as e:  # noqa: BLE001 - as a lowering bug above
+                raise PlatformError(f"lowering the products of {', '.join(group.members)} failed: "
+                                    f"{type(e).__name__}: {e}") from e
+            for name, value in members.items():
+                lower(by_name[name], [value])
+            if node.name in done:
+                continue
+        lower(node)
 
     outputs, claimed = [], set()
     for ref in graph.outputs:

@@ -355,49 +355,85 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
 GEMV_LANES, GEMV_COLUMNS = 8, 4
 
 
+@dataclass
+class GemvPart:
+    """One product of a GEMV kernel: ``out[z, 0, n] = beta * bias + alpha * sum_k a[z, 0, k] * b[z, k, n]``."""
+
+    b: BufferView
+    out: object  # the output buffer
+    n: int
+    bias: Value | None = None
+    alpha: float = 1
+    beta: float = 1
+
+
 def _gemv(pb, name: str, a: BufferView, b: BufferView, out, result, sizes, bias, alpha, beta) -> BufferView:
-    """:func:`matmul` of one row by a matrix read along K (decode's linears and LM head): the
-    ``GEMV_LANES`` lanes of a column split K, so neighbouring lanes load neighbouring vec4s of
-    the weight's row (the tiled kernel's lanes each stream rows of their own), and add their sums
-    in workgroup memory."""
+    """:func:`matmul` of one row by a matrix read along K (decode's linears and LM head)."""
     Z, K, N = sizes
+    gemv_kernel(pb, name, a, [GemvPart(b, out, N, bias, alpha, beta)], Z, K)
+    return result
+
+
+def gemv_kernel(pb, name: str, a: BufferView, parts: list[GemvPart], Z: int, K: int) -> None:
+    """One kernel for the products of one row ``a`` by each part's matrix, read along K: the
+    ``GEMV_LANES`` lanes of a column split K, so neighbouring lanes load neighbouring vec4s of the
+    weight's row (the tiled kernel's lanes each stream rows of their own), and add their sums in
+    workgroup memory. Each part has its own column blocks; a workgroup's block says which part it
+    computes (uniform), so products that share their input (q, k and v; gate and up) run as one
+    dispatch reading that input once per block."""
     lanes, tn = GEMV_LANES, GEMV_COLUMNS
     per_group = WORKGROUP // lanes
     k = pb.kernel(name + "_gemv")
     A = k.bind(a.buf, elem=f"vec4<{a.buf.dtype}>")
-    B = k.bind(b.buf, elem=f"vec4<{b.buf.dtype}>")
-    blocks = -(-N // (per_group * tn))
+    starts, blocks = [], 0
+    for part in parts:
+        starts.append(blocks)
+        blocks += -(-part.n // (per_group * tn))
     gx = min(blocks, MAX_GROUPS)
+    f4 = _vec4_f32
+
     k.emit("let lane: i32 = i32(lid.x);")
     k.emit("let z: i32 = i32(wid.z);")
-    k.emit(f"let n0: i32 = ((i32(wid.y) * {gx} + i32(wid.x)) * {per_group} + i32(lid.y)) * {tn};")
+    k.emit(f"let block: i32 = i32(wid.y) * {gx} + i32(wid.x);")
     k.emit(f"let ra: i32 = {a.offset} + z * {a.strides[0]};")
-    for j in range(tn):  # columns past the end read the last one; their sums are written nowhere
-        k.emit(f"let cb{j}: i32 = {b.offset} + z * {b.strides[0]} + min(n0 + {j}, {N - 1}) * {b.strides[2]};")
-        k.emit(f"var acc{j}: vec4<f32> = vec4<f32>(0.0);")
-    f4 = _vec4_f32
-    k.loop("i", -(-K // (4 * lanes)))
-    kk = k.let(f"(lane + i * {lanes}) * 4", "i32")
-    k.open(f"if ({kk} < {K})")
-    k.emit(f"let x = {f4(A[f'(ra + {kk}) / 4'], a.buf.dtype)};")
     for j in range(tn):
-        k.emit(f"acc{j} = acc{j} + x * {f4(B[f'(cb{j} + {kk}) / 4'], b.buf.dtype)};")
-    k.close()
-    k.close()
+        k.emit(f"var acc{j}: vec4<f32> = vec4<f32>(0.0);")
+    k.emit("var n0: i32 = 0;")
+    for i, part in enumerate(parts):
+        end = starts[i + 1] if i + 1 < len(parts) else blocks
+        if len(parts) > 1:
+            k.open(f"if (block >= {starts[i]} && block < {end})")
+        B = k.bind(part.b.buf, elem=f"vec4<{part.b.buf.dtype}>")
+        b = part.b
+        k.emit(f"n0 = ((block - {starts[i]}) * {per_group} + i32(lid.y)) * {tn};")
+        # columns past the end read the last one; their sums are written nowhere
+        cb = [k.let(f"{b.offset} + z * {b.strides[0]} + min(n0 + {j}, {part.n - 1}) * {b.strides[2]}", "i32")
+              for j in range(tn)]
+        k.loop("i", -(-K // (4 * lanes)))
+        kk = k.let(f"(lane + i * {lanes}) * 4", "i32")
+        k.open(f"if ({kk} < {K})")
+        x = k.let(f4(A[f"(ra + {kk}) / 4"], a.buf.dtype), "vec4<f32>")
+        for j in range(tn):
+            k.emit(f"acc{j} = acc{j} + {x} * {f4(B[f'({cb[j]} + {kk}) / 4'], b.buf.dtype)};")
+        k.close()
+        k.close()
+        if len(parts) > 1:
+            k.close()
     sums = combine_lanes(k, lanes, "lane", f"i32(lid.y) * {lanes} + lane",
                          [f"(acc{j}.x + acc{j}.y + acc{j}.z + acc{j}.w)" for j in range(tn)])
-    k.open("if (lane == 0)")
-    for j in range(tn):
-        k.open(f"if (n0 + {j} < {N})")
-        e = sums[j] if alpha == 1 else f"({lit(alpha, 'f32')} * {sums[j]})"
-        if bias is not None and beta != 0:
-            bv = cast(bias.read(k, ["z", "0", k.let(f"n0 + {j}", "i32")]), bias.ty, "f32")
-            e = f"({e} + {bv})" if beta == 1 else f"({e} + {lit(beta, 'f32')} * {bv})"
-        k.write(out, f"z * {N} + n0 + {j}", e, "f32")
+    for i, part in enumerate(parts):
+        end = starts[i + 1] if i + 1 < len(parts) else blocks
+        k.open(f"if (lane == 0 && block >= {starts[i]} && block < {end})")
+        for j in range(tn):
+            k.open(f"if (n0 + {j} < {part.n})")
+            e = sums[j] if part.alpha == 1 else f"({lit(part.alpha, 'f32')} * {sums[j]})"
+            if part.bias is not None and part.beta != 0:
+                bv = cast(part.bias.read(k, ["z", "0", k.let(f"n0 + {j}", "i32")]), part.bias.ty, "f32")
+                e = f"({e} + {bv})" if part.beta == 1 else f"({e} + {lit(part.beta, 'f32')} * {bv})"
+            k.write(part.out, f"z * {part.n} + n0 + {j}", e, "f32")
+            k.close()
         k.close()
-    k.close()
     pb.add(k.finish(0, workgroup=(lanes, per_group, 1), groups=(gx, -(-blocks // gx), Z), group_ids=True))
-    return result
 
 
 @dataclass
@@ -442,6 +478,102 @@ def find_residual_products(graph, uses, wanted: set[str]) -> dict[str, ResidualP
             found[add.name] = ResidualProduct(node, refs[1 - side], [node.name, *chain])
             break
     return found
+
+
+@dataclass
+class ProductGroup:
+    """``mm`` nodes that multiply the same row by different matrices (q, k and v; gate and up),
+    lowered together at the first of them as one GEMV kernel where each is one."""
+
+    members: list[str]  # the mm nodes, in graph order
+    early: list[str]  # view nodes after the first member that its partners read, lowered before it
+
+
+#: Ops that only view their first argument: a product's operands may pass through them.
+_OPERAND_VIEWS = (*_VIEWS, "aten.permute.default", "aten.t.default", "aten.transpose.int")
+
+
+def find_product_groups(graph, skip: set[str]) -> dict[str, ProductGroup]:
+    """Groups of float32 ``mm`` nodes (none in ``skip``) whose first operand is a view of the same
+    value in the same shape, by the name of each group's first member. A partner joins only where
+    its operands are views of values that exist at the first member (its views are then lowered
+    there), so the group computes nothing out of order."""
+    producer = {n.name: n for n in graph.nodes}
+    pos = {n.name: i for i, n in enumerate(graph.nodes)}
+
+    def first_ref(node):
+        return node.args[0].get("ref") if node.args and isinstance(node.args[0], dict) else None
+
+    def root(ref):
+        node = producer.get(ref)
+        while node is not None and node.op in _OPERAND_VIEWS and not node.multi and first_ref(node):
+            ref = first_ref(node)
+            node = producer.get(ref)
+        return ref
+
+    def views_after(ref, at: int):
+        """The view nodes after position ``at`` that ``ref`` is made by, or None when it needs more."""
+        chain, node = [], producer.get(ref)
+        while node is not None and pos[node.name] > at:
+            if node.op not in _OPERAND_VIEWS or node.multi or not first_ref(node) or \
+                    any(isinstance(x, dict) for x in node.args[1:]):
+                return None
+            chain.append(node.name)
+            node = producer.get(first_ref(node))
+        return chain
+
+    by_input: dict[tuple, list] = {}
+    for node in graph.nodes:
+        if node.op != "aten.mm.default" or node.name in skip or node.outputs[0].dtype != "float32" or \
+                not all(isinstance(x, dict) and "ref" in x for x in node.args):
+            continue
+        a = node.args[0]["ref"]
+        by_input.setdefault((root(a), tuple(graph.meta[a].shape)), []).append(node)
+    groups: dict[str, ProductGroup] = {}
+    for nodes in by_input.values():
+        first, members, early = nodes[0], [nodes[0].name], []
+        for node in nodes[1:]:
+            chains = [views_after(x["ref"], pos[first.name]) for x in node.args]
+            if any(c is None for c in chains):
+                continue
+            members.append(node.name)
+            early.extend(n for c in chains for n in c)
+        if len(members) > 1:
+            groups[first.name] = ProductGroup(members, sorted(set(early), key=pos.__getitem__))
+    return groups
+
+
+def product_group(pb, group: ProductGroup, graph, env: dict) -> dict[str, BufferView]:
+    """The values of the members that are one-row products read along K of the first member's
+    row, from one GEMV kernel, by member name; none where fewer than two are (the others are
+    lowered one by one, each where it stands)."""
+    if _FORCED is not None:
+        return {}
+    by_name = {n.name: n for n in graph.nodes}
+    chosen, a0 = [], None
+    for name in group.members:
+        node = by_name[name]
+        a, b = (views.unsqueeze(env[x["ref"]], 0) for x in node.args)
+        if not (isinstance(a, BufferView) and isinstance(b, BufferView)):
+            continue
+        _, M, K = a.shape
+        if M != 1 or K == 0 or b.shape[2] == 0 or not _vec_ok(a, 2, K) or _vec_ok(b, 2, b.shape[2]) or \
+                not _vec_ok(b, 1, K):
+            continue
+        if a0 is None:
+            a0 = a
+        elif (a.buf.name, a.offset, a.shape, a.strides) != (a0.buf.name, a0.offset, a0.shape, a0.strides):
+            continue
+        chosen.append((node, b))
+    if len(chosen) < 2:
+        return {}
+    parts, results = [], {}
+    for node, b in chosen:
+        out = pb.buffer("temp", node.outputs[0])
+        parts.append(GemvPart(b, out, b.shape[2]))
+        results[node.name] = BufferView.whole(out, node.outputs[0])
+    gemv_kernel(pb, "mm", a0, parts, 1, a0.shape[2])
+    return results
 
 
 def residual_product(pb, match: ResidualProduct, env: dict, meta) -> BufferView:

@@ -1,0 +1,75 @@
+"""RMSNorm as one kernel (platforms/wgsl/norms.py), issue 34: the norm of transformers' Llama
+family, exported from its own module code, compiled for a real adapter and compared with torch on
+seeded random inputs: one row and several, rows longer than a workgroup's lanes and not a multiple
+of them, large and small magnitudes. The runtime poisons outputs, so an element the kernel skips
+shows. Device tier: lavapipe and llvmpipe; browser tier: Chromium."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from tapml.graph import graph_from_fx
+from tests.support import exported, in_chromium, own_wgpu
+
+#: name -> (shape of x, scale of x)
+CASES = {"decode-row": ((1, 1, 512), 1.0), "prefill-rows": ((1, 7, 200), 3.0), "long-row": ((2, 5000), 1e-3),
+         "large-values": ((3, 64), 1e15), "one-element-rows": ((4, 1), 1.0)}
+
+
+def _case(name: str):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    shape, scale = CASES[name]
+    gen = torch.Generator().manual_seed(len(name))
+    norm = LlamaRMSNorm(shape[-1], eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(shape[-1], generator=gen))
+    x = torch.randn(*shape, generator=gen) * scale
+    ep = exported(lambda x, w: (torch.func.functional_call(norm, {"weight": w}, (x,)),), x, norm.weight.detach())
+    return graph_from_fx(ep.graph, ep.graph_signature), [x, norm.weight.detach()], norm(x).detach()
+
+
+def _check(platform):
+    for name in CASES:
+        graph, inputs, want = _case(name)
+        program = platform.compile(graph)
+        assert [k.name.rsplit("_", 1)[0] for k in program.kernels] == ["rms_norm"], (name, [k.name for k in program.kernels])
+        got = platform.run(program, inputs)[0]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+@pytest.mark.parametrize("backend", ["vulkan", "gl"])
+def test_rms_norm_is_one_kernel_equal_to_torch(backend):
+    _check(own_wgpu(backend))
+
+
+@in_chromium
+def test_rms_norm_is_one_kernel_equal_to_torch_in_chromium():
+    from tapml.platforms.browser import BrowserPlatform
+    with BrowserPlatform() as browser:
+        _check(browser)
+
+
+def test_the_norm_is_found_only_where_it_may_be_folded():
+    from tapml.platforms.wgsl.norms import find_rms_norms
+    graph, _, _ = _case("decode-row")
+    uses = Counter(r for n in graph.nodes for r in set(n.input_refs))
+    (match,) = find_rms_norms(graph, uses, set(graph.outputs)).values()
+    assert len(match.nodes) == 6 and match.eps == 1e-6
+    # a node kept for comparison (here the mean) leaves the ops separate
+    assert find_rms_norms(graph, uses, set(graph.outputs) | {match.nodes[1]}) == {}
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+def test_an_injected_fault_inside_the_norm_stays_visible():
+    from tapml.driving.inject import InjectedPlatform, parse_faults
+    graph, inputs, want = _case("prefill-rows")
+    faulty = InjectedPlatform(own_wgpu("vulkan"), parse_faults(["aten.rsqrt.default=scale:2"]))
+    program = faulty.compile(graph)
+    assert not any(k.name.startswith("rms_norm") for k in program.kernels)
+    torch.testing.assert_close(faulty.run(program, inputs)[0], want * 2, rtol=1e-5, atol=1e-5)
