@@ -4,7 +4,8 @@ positions ``t`` on the target and in torch eager (``tapml.bench.decode_step_rows
 ``tapml bench generation --context``), in the same process.
 
 ``after`` is the compiler as it is; ``before`` turns off what issue 34 added (the key/value put
-written in place, the fused attention, the lazy cat, the GEMV, the residual add in the product), so
+written in place, the fused attention, the lazy cat, the GEMV, the residual add in the product, the product groups, the RMSNorm
+kernel), so
 the compiler emits the kernels it emitted before; ``tiled`` turns off only the GEMV (one-row products
 through the tiled matmul). One process per measurement, so that farm-bench alternates them::
 
@@ -44,6 +45,9 @@ def measure(variant: str, store_dir: str, contexts: list[int], backend: str = "v
         scatter.put_in_place = lambda *a, **k: None
         shape.LAZY_CAT_PARTS = 0
         matmul.find_residual_products = lambda *a, **k: {}
+        matmul.find_product_groups = lambda *a, **k: {}
+        from tapml.platforms.wgsl import norms
+        norms.find_rms_norms = lambda *a, **k: {}
     # "tiled": one-row products through the tiled matmul (its small tiles, which M = 1 got before the GEMV)
     tiled = matmul.forced_tiles(matmul.SMALL_TILES) if variant in ("before", "tiled") else contextlib.nullcontext()
     with tiled:

@@ -67,7 +67,61 @@ def _check_groups(platform):
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
 
 
+def _mlp_case(rows: int, dtype=torch.float32):
+    """A Llama MLP: ``down(silu(gate(x)) * up(x))``, whose one-row ``silu * up`` the down projection's
+    GEMV computes as it reads it."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(1, rows, 64, generator=gen).to(dtype)
+    wg, wu, wd = (torch.randn(*s, generator=gen).to(dtype) for s in ((88, 64), (88, 64), (48, 88)))
+    x[0, 0, :4] = torch.tensor([30.0, -30.0, 1e-30, -0.0])  # sigmoid's saturated and tiny arguments
+
+    def fn(x, wg, wu, wd):
+        f = torch.nn.functional
+        return (f.linear(f.silu(f.linear(x, wg)) * f.linear(x, wu), wd),)
+    ep = exported(fn, x, wg, wu, wd)
+    return graph_from_fx(ep.graph, ep.graph_signature), [x, wg, wu, wd], fn(x, wg, wu, wd)[0]
+
+
+def _check_mlp(platform):
+    # (rows, dtype, kernels): one row of float32: gate/up as one GEMV, the down projection computing
+    # silu * up; of float16: gate and up apart (groups are float32), the gate's float32 copy that silu
+    # reads twice written, the down projection computing the rest; several rows: two tiled products,
+    # the elementwise product written, the down projection. Without shader-f16 (GL) float16 is
+    # stored packed, which the GEMV does not read: then silu * up is written for the tiled kernel.
+    for rows, dtype, kernels in ((1, torch.float32, 2), (1, torch.float16, 4), (3, torch.float32, 4)):
+        graph, inputs, want = _mlp_case(rows, dtype)
+        program = platform.compile(graph)
+        if program.buffers[0].dtype == "f16p":
+            kernels += 1
+        assert len(program.kernels) == kernels, (rows, dtype, [k.name for k in program.kernels])
+        got = platform.run(program, inputs)[0]
+        tol = dict(rtol=1e-5, atol=1e-3) if dtype == torch.float32 else dict(rtol=1e-2, atol=0.5)
+        torch.testing.assert_close(got, want, **tol, msg=f"{rows} rows, {dtype}")
+
+
+def _small_values_case():
+    """A one-element position used by several readers, as a decode step's cache position is: each
+    reader computes it (no kernel of its own); the mask of 40 positions it also makes is larger work."""
+    pos, a, b = torch.tensor([5]), torch.randn(40), torch.randn(40)
+
+    def fn(pos, a, b):
+        p = pos + 1
+        return (a * p, b - p, torch.arange(40) <= p)
+    ep = exported(fn, pos, a, b)
+    return graph_from_fx(ep.graph, ep.graph_signature), [pos, a, b], fn(pos, a, b)
+
+
+def _check_small_values(platform):
+    graph, inputs, want = _small_values_case()
+    program = platform.compile(graph)
+    assert len(program.kernels) == 3, [k.name for k in program.kernels]
+    for got, expected in zip(platform.run(program, inputs), want):
+        torch.testing.assert_close(got, expected)
+
+
 def _check(platform):
+    _check_mlp(platform)
+    _check_small_values(platform)
     for name in CASES:
         graph, inputs, want = _case(name)
         program = platform.compile(graph)

@@ -22,6 +22,10 @@ from tapml.platforms.wgsl.registry import REGISTRY, Lowering, case_graph, dtype_
 _LOADED = False
 # a fused expression larger than this is written to a buffer instead of growing further
 MAX_FUSED_COST = 160
+# a value of at most this many elements that costs at most this much is recomputed by each reader
+# instead of written to a buffer: a dispatch (0.03-0.04 ms on lavapipe) costs more than a few
+# operations per read (the cache position's copies, rotary embedding's cos and sin in a decode step)
+RECOMPUTED_NUMEL, RECOMPUTED_COST = 64, 8
 
 
 def load_lowerings() -> dict:
@@ -127,7 +131,7 @@ def compile_graph(graph: Graph, caps: dict, lowerings: Mapping[str, Lowering] | 
                 v = _cast_value(v, meta.dtype)
             if ref in wanted and not (isinstance(v, BufferView) and v.buf.name in in_place):
                 v = _output(pb, v, meta)
-            elif v.cost > 0 and (uses[ref] > 1 or v.cost > MAX_FUSED_COST):
+            elif v.cost > MAX_FUSED_COST or (v.cost > 0 and uses[ref] > 1 and not _recomputed(v)):
                 v = pb.materialize(v)
             env[ref] = v
         done.add(node.name)
@@ -167,6 +171,11 @@ def compile_graph(graph: Graph, caps: dict, lowerings: Mapping[str, Lowering] | 
     program = KernelProgram(kind="wgsl", inputs=inputs, outputs=outputs, buffers=pb.buffers, kernels=pb.kernels,
                             input_meta=[m for _, m in graph.inputs], output_meta=[graph.meta[r] for r in graph.outputs])
     return pb.into_parts(program)  # tensors over max-buffer-size: held in several buffers
+
+
+def _recomputed(v: Value) -> bool:
+    """Whether a value read by several nodes is cheap enough to recompute in each of them."""
+    return v.numel <= RECOMPUTED_NUMEL and v.cost <= RECOMPUTED_COST
 
 
 def _sole_reader_of_input(node, graph: Graph, uses: Counter, env: dict) -> bool:

@@ -171,10 +171,10 @@ def wrap_int(expr: str, dtype: str) -> str:
     return expr
 
 
-def _operands(pb, a: Value, b: Value, meta, bias: Value | None):
-    """A matrix product's plain 3-d operands, its bias expanded to the output, the output buffer
-    and its view, and the sizes ``(Z, M, K, N)``."""
-    a, b = pb.plain(a), pb.plain(b)
+def _operands(pb, a: Value, b: Value, meta, bias: Value | None, plain_a: bool = True):
+    """A matrix product's plain 3-d operands (``a`` as it is unless ``plain_a``), its bias
+    expanded to the output, the output buffer and its view, and the sizes ``(Z, M, K, N)``."""
+    a, b = pb.plain(a) if plain_a else a, pb.plain(b)
     Z, M, K = a.shape
     N = b.shape[2]
     out = pb.buffer("temp", meta)
@@ -215,14 +215,19 @@ def int_matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = Non
 def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, alpha=1, beta=1) -> BufferView:
     """out[z, m, n] = beta * bias[z, m, n] + alpha * sum_k a[z, m, k] * b[z, k, n]; ``a`` and
     ``b`` are 3-d (batch first), ``meta`` the output's (2-d or 3-d) meta."""
-    a, b, bias, out, result, (Z, M, K, N) = _operands(pb, a, b, meta, bias)
+    lazy_row = _FORCED is None and not isinstance(a, BufferView) and a.shape[1] == 1 and \
+        a.dtype in ("float32", "float16") and a.cost <= LAZY_ROW_COST
+    a, b, bias, out, result, (Z, M, K, N) = _operands(pb, a, b, meta, bias, plain_a=not lazy_row)
     if M * N * Z == 0:
         return result
     if K == 0:  # an empty sum: torch gives beta * bias (zeros without one); the operands are empty buffers
         return _empty_product(pb, out, meta, (Z, M, N), bias if beta != 0 else None, beta)
-    vec_a = _vec_ok(a, 2, K)
     vec_bn = _vec_ok(b, 2, N)
     vec_bk = not vec_bn and _vec_ok(b, 1, K)
+    if lazy_row and vec_bk:  # the row is computed where the GEMV reads it (SiLU x up in the down projection)
+        return _gemv(pb, name, a, b, out, result, (Z, K, N), bias, alpha, beta)
+    a = pb.plain(a)
+    vec_a = _vec_ok(a, 2, K)
     if M == 1 and vec_a and vec_bk and _FORCED is None:
         return _gemv(pb, name, a, b, out, result, (Z, K, N), bias, alpha, beta)
     k = pb.kernel(name)
@@ -353,6 +358,9 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
 #: Lanes that split K for one output column, and columns per lane group, of the one-row product
 #: (:func:`_gemv`); 8 x 4 measured fastest on lavapipe (benchmarks/NOTES.md, "One-row products").
 GEMV_LANES, GEMV_COLUMNS = 8, 4
+# a computed one-row operand of at most this cost is read by the GEMV itself, not written first:
+# every column block recomputes its elements, which costs less than a kernel of its own
+LAZY_ROW_COST = 24
 
 
 @dataclass
@@ -374,17 +382,19 @@ def _gemv(pb, name: str, a: BufferView, b: BufferView, out, result, sizes, bias,
     return result
 
 
-def gemv_kernel(pb, name: str, a: BufferView, parts: list[GemvPart], Z: int, K: int) -> None:
+def gemv_kernel(pb, name: str, a: Value, parts: list[GemvPart], Z: int, K: int) -> None:
     """One kernel for the products of one row ``a`` by each part's matrix, read along K: the
     ``GEMV_LANES`` lanes of a column split K, so neighbouring lanes load neighbouring vec4s of the
     weight's row (the tiled kernel's lanes each stream rows of their own), and add their sums in
     workgroup memory. Each part has its own column blocks; a workgroup's block says which part it
     computes (uniform), so products that share their input (q, k and v; gate and up) run as one
-    dispatch reading that input once per block."""
+    dispatch reading that input once per block. A computed ``a`` (not a buffer) is computed
+    where it is read, four elements at a time."""
     lanes, tn = GEMV_LANES, GEMV_COLUMNS
     per_group = WORKGROUP // lanes
     k = pb.kernel(name + "_gemv")
-    A = k.bind(a.buf, elem=f"vec4<{a.buf.dtype}>")
+    plain = isinstance(a, BufferView)
+    A = k.bind(a.buf, elem=f"vec4<{a.buf.dtype}>") if plain else None
     starts, blocks = [], 0
     for part in parts:
         starts.append(blocks)
@@ -395,7 +405,8 @@ def gemv_kernel(pb, name: str, a: BufferView, parts: list[GemvPart], Z: int, K: 
     k.emit("let lane: i32 = i32(lid.x);")
     k.emit("let z: i32 = i32(wid.z);")
     k.emit(f"let block: i32 = i32(wid.y) * {gx} + i32(wid.x);")
-    k.emit(f"let ra: i32 = {a.offset} + z * {a.strides[0]};")
+    if plain:
+        k.emit(f"let ra: i32 = {a.offset} + z * {a.strides[0]};")
     for j in range(tn):
         k.emit(f"var acc{j}: vec4<f32> = vec4<f32>(0.0);")
     k.emit("var n0: i32 = 0;")
@@ -412,7 +423,11 @@ def gemv_kernel(pb, name: str, a: BufferView, parts: list[GemvPart], Z: int, K: 
         k.loop("i", -(-K // (4 * lanes)))
         kk = k.let(f"(lane + i * {lanes}) * 4", "i32")
         k.open(f"if ({kk} < {K})")
-        x = k.let(f4(A[f"(ra + {kk}) / 4"], a.buf.dtype), "vec4<f32>")
+        if plain:
+            x = k.let(f4(A[f"(ra + {kk}) / 4"], a.buf.dtype), "vec4<f32>")
+        else:
+            row = [cast(a.read(k, ["z", "0", k.let(f"{kk} + {c}", "i32")]), a.ty, "f32") for c in range(4)]
+            x = k.let(f"vec4<f32>({', '.join(row)})", "vec4<f32>")
         for j in range(tn):
             k.emit(f"acc{j} = acc{j} + {x} * {f4(B[f'({cb[j]} + {kk}) / 4'], b.buf.dtype)};")
         k.close()
