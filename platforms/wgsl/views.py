@@ -91,12 +91,37 @@ def reshape(v: Value, shape: Sequence[int]) -> Value:
         st = _view_strides(v.shape, v.strides, shape) if v.shape else contiguous_strides(shape)
         if st is not None:
             return BufferView(v.buf, shape, st, v.offset, v.dtype)
-    src_shape, new_strides = v.shape, contiguous_strides(shape)
+    src_shape = tuple(v.shape)
+    groups = _reshape_groups(src_shape, shape) if v.numel else [(range(len(src_shape)), range(len(shape)))]
 
     def fn(k, idx):
-        linear = k.let(f"({' + '.join(f'{i} * {s}' for i, s in zip(idx, new_strides) if i != '0') or '0'})", "i32")
-        return k.unravel(linear, src_shape)
+        # each group of dims maps on its own: only a group that merges source dims divides
+        out: list[str] = []
+        for src, dst in groups:
+            sizes = [shape[d] for d in dst]
+            terms = [f"{idx[d]} * {s}" if s != 1 else idx[d]
+                     for d, s in zip(dst, contiguous_strides(sizes)) if idx[d] != "0"]
+            linear = "0" if not terms else terms[0] if len(terms) == 1 else k.let(f"({' + '.join(terms)})", "i32")
+            out.extend([linear] if len(src) == 1 else k.unravel(linear, [src_shape[d] for d in src]))
+        return out
     return Remap(v, shape, fn)
+
+
+def _reshape_groups(src: tuple, dst: tuple) -> list[tuple[range, range]]:
+    """The shortest runs of source and target dims whose sizes multiply to the same number, in
+    order (sizes all at least 1): ``(2, 2, 8) -> (4, 8)`` is ``[(0..1, 0), (2, 1)]``."""
+    groups, i, j = [], 0, 0
+    while i < len(src) or j < len(dst):
+        i0, j0 = i, j
+        ps, pd = (src[i] if i < len(src) else 1), (dst[j] if j < len(dst) else 1)
+        i, j = min(i + 1, len(src)), min(j + 1, len(dst))
+        while ps != pd:
+            if ps < pd:
+                ps, i = ps * src[i], i + 1
+            else:
+                pd, j = pd * dst[j], j + 1
+        groups.append((range(i0, i), range(j0, j)))
+    return groups
 
 
 def slice_(v: Value, dim: int, start, end, step: int = 1) -> Value:
