@@ -165,6 +165,7 @@ def compile_graph(graph: Graph, caps: dict, lowerings: Mapping[str, Lowering] | 
             v = _output(pb, v, meta, force=True)
         claimed.add(v.buf.name)
         outputs.append(v.buf.name)
+    pb.merge_independent()
     used = {binding[0] for kern in pb.kernels for binding in kern.bindings}
     # a temp no kernel touches (an unused multi-output element) needs no device memory
     pb.buffers = [b for b in pb.buffers if b.role != "temp" or b.name in used]

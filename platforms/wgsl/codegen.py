@@ -501,9 +501,19 @@ class KernelBuilder:
         loops = sum(len(re.findall(r"(?:^|[;{]\s*)(?:for\s*\(|loop\s*\{|while\b)", line.strip()))
                     for line in self.lines)
         iterations = self.iterations if loops <= self.counted_loops else None
-        return Kernel(name=self.name, wgsl=src, bindings=[(b.name, acc, *(window or ())) for _, b, acc, window
-                                                          in self.bindings.values()],
-                      workgroups=tuple(int(g) for g in groups), loop_iterations=iterations)
+        kernel = Kernel(name=self.name, wgsl=src, bindings=[(b.name, acc, *(window or ())) for _, b, acc, window
+                                                            in self.bindings.values()],
+                        workgroups=tuple(int(g) for g in groups), loop_iterations=iterations)
+        if pre and not re.search(r"workgroupBarrier|var<workgroup>|subgroup", src):
+            self.program.one_dimensional[id(kernel)] = (self, threads, iterations)
+        return kernel
+
+    def accesses(self) -> tuple[set[str], set[str]]:
+        """The buffers this kernel reads and the ones it writes, by name."""
+        reads, writes = set(), set()
+        for _, buf, access, _ in self.bindings.values():
+            (writes if access == "read_write" else reads).add(buf.name)
+        return reads, writes
 
 
 # --- program -----------------------------------------------------------------------------
@@ -526,6 +536,8 @@ class ProgramBuilder:
         self.sizes: dict[str, int] = {}  # buffer name -> bytes
         self.kernels: list[Kernel] = []
         self.names: dict[str, int] = {}
+        # id of a finished 1-D kernel -> (its builder, threads, loop iterations): what merge_independent joins
+        self.one_dimensional: dict[int, tuple] = {}
 
     def storage(self, dtype: str) -> str:
         """The WGSL storage type of torch dtype ``dtype`` on this device (Unsupported if none)."""
@@ -559,6 +571,59 @@ class ProgramBuilder:
 
     def add(self, kernel: Kernel) -> None:
         self.kernels.append(kernel)
+
+    def merge_independent(self) -> None:
+        """Run neighbouring one-dimensional kernels that share no written buffer (neither writes
+        what the other reads or writes) as one dispatch: its invocations are the first kernel's,
+        then the second's, each running its own body. On CPU adapters a dispatch costs more than a
+        small kernel's work (a decode step's cache puts and scalar outputs); a kernel with
+        workgroup memory or barriers, or one past the device's bindings, keeps its own."""
+        merged: list[Kernel] = []
+        run: list[tuple] = []  # (builder, threads, iterations) of the kernels in the current run
+
+        def flush():
+            if len(run) == 1:
+                merged.append(run[0][3])
+            elif run:
+                merged.append(self._merged(run))
+            run.clear()
+
+        for kernel in self.kernels:
+            info = self.one_dimensional.get(id(kernel))
+            if info is None:
+                flush()
+                merged.append(kernel)
+                continue
+            builder = info[0]
+            if run:
+                reads, writes = builder.accesses()
+                run_reads = set().union(*(r[0].accesses()[0] for r in run))
+                run_writes = set().union(*(r[0].accesses()[1] for r in run))
+                keys = set().union(*(r[0].bindings for r in run)) | set(builder.bindings)
+                if writes & (run_reads | run_writes) or reads & run_writes or len(keys) > self.max_bindings:
+                    flush()
+            run.append((*info, kernel))
+        flush()
+        self.kernels = merged
+
+    def _merged(self, run: list[tuple]) -> Kernel:
+        k = KernelBuilder(self, "+".join(r[0].name for r in run))
+        start = 0
+        for i, (builder, threads, iterations, _) in enumerate(run):
+            k.bindings.update(builder.bindings)
+            k.helpers.update(builder.helpers)
+            if i == 0:
+                k.lines.append(f"  if (n < {threads}) {{")
+            else:
+                k.lines.append("  } else {" if i == len(run) - 1 else f"  }} else if (n < {start + threads}) {{")
+                k.lines.append(f"  let n: i32 = n - {start};")  # the body's own index, as in its own kernel
+            k.lines.extend(builder.lines)
+            k.counted_loops += builder.counted_loops
+            start += threads
+        k.lines.append("  }")
+        counts = [r[2] for r in run]
+        k.iterations = None if None in counts else max(counts)
+        return k.finish(start)
 
     def materialize(self, value: Value, out: BufferSpec | None = None, name: str = "copy") -> BufferView:
         """Write ``value`` contiguously into ``out`` (a new temp buffer by default)."""
