@@ -31,7 +31,41 @@ def _case(name: str):
     return graph_from_fx(ep.graph, ep.graph_signature), [x, norm.weight.detach()], norm(x).detach()
 
 
+def _block_case(hidden: int, extra_reader: bool):
+    """A decode row through a Llama norm into q and k projections (one GEMV that computes the norm
+    itself); ``extra_reader``: the normed row is also an output, so its own kernel writes it."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    gen = torch.Generator().manual_seed(hidden)
+    norm = LlamaRMSNorm(hidden, eps=1e-5)
+    x = torch.randn(1, 1, hidden, generator=gen) * 4
+    x[0, 0, :3] = torch.tensor([1e4, -1e-30, 0.0])
+    w, wq, wk = torch.randn(hidden, generator=gen), torch.randn(48, hidden, generator=gen), \
+        torch.randn(20, hidden, generator=gen)
+
+    def fn(x, w, wq, wk):
+        h = torch.func.functional_call(norm, {"weight": w}, (x,))
+        outs = (torch.nn.functional.linear(h, wq), torch.nn.functional.linear(h, wk))
+        return outs + ((h,) if extra_reader else ())
+    ep = exported(fn, x, w, wq, wk)
+    return graph_from_fx(ep.graph, ep.graph_signature), [x, w, wq, wk], fn(x, w, wq, wk)
+
+
+def _check_blocks(platform):
+    # (hidden, normed row also an output, kernels): the GEMV computes the norm; an output, or a product
+    # the GEMV does not take, reads the row from the norm's own kernel
+    for hidden, extra, kernels in ((512, False, ["mm_gemv"]), (1000, False, ["mm_gemv"]),
+                                   (512, True, ["rms_norm", "mm_gemv"]),
+                                   (998, False, ["rms_norm", "mm", "mm"])):  # K past vec4s: the tiled kernel
+        graph, inputs, want = _block_case(hidden, extra)
+        program = platform.compile(graph)
+        assert [k.name.rsplit("_", 1)[0] for k in program.kernels] == kernels, [k.name for k in program.kernels]
+        for got, expected in zip(platform.run(program, inputs), want):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4 * float(expected.abs().max()),
+                                       msg=f"hidden {hidden}")
+
+
 def _check(platform):
+    _check_blocks(platform)
     for name in CASES:
         graph, inputs, want = _case(name)
         program = platform.compile(graph)

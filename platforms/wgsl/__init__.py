@@ -192,6 +192,8 @@ def _sole_reader_of_input(node, graph: Graph, uses: Counter, env: dict) -> bool:
 
 def _output(pb: ProgramBuilder, v: Value, meta: TensorMeta, force: bool = False) -> BufferView:
     """``v`` in an output buffer: a temp buffer holding exactly ``v`` becomes the output."""
+    if not isinstance(v, BufferView):
+        v = v.written(pb) or v  # a value with a kernel of its own writes itself, not a copy
     if isinstance(v, BufferView) and v.buf.role == "temp" and v.is_whole and not force:
         v.buf.role = "output"
         v.buf.meta = meta

@@ -233,6 +233,16 @@ class Value:
     def bufs(self) -> frozenset:
         return frozenset()
 
+    def reshaped(self, shape) -> "Value | None":
+        """This value as ``shape`` (same elements in the same order) where it keeps its own kind
+        (see :class:`tapml.platforms.wgsl.norms.NormedRow`); None: a reshape remaps it."""
+        return None
+
+    def written(self, pb: "ProgramBuilder") -> "BufferView | None":
+        """The buffer this value is written to where it has a kernel of its own that
+        :meth:`ProgramBuilder.plain` should use instead of a copy; None otherwise."""
+        return None
+
 
 class BufferView(Value):
     """A strided window on a device buffer."""
@@ -643,7 +653,7 @@ class ProgramBuilder:
         """The value as a strided buffer (materializing computed values)."""
         if isinstance(value, BufferView):
             return value
-        return self.materialize(value)
+        return value.written(self) or self.materialize(value)
 
     def bindings_of(self, names) -> int:
         """How many bindings a kernel needs to read the buffers ``names`` (a split one needs one per window)."""
@@ -750,7 +760,8 @@ def combine_lanes(k: Compute, lanes: int, lane: str, slot: str, values: list[str
     default). Returns the combined elements as the first lane of the ``lanes`` reads them. The
     barriers sit outside any branch: call it at the kernel's top level."""
     n = len(values)
-    k.helpers["partial"] = f"var<workgroup> partial: array<f32, {WORKGROUP * n}>;"
+    size = max(WORKGROUP * n, int(re.findall(r"\d+", k.helpers.get("partial", "0"))[-1]))
+    k.helpers["partial"] = f"var<workgroup> partial: array<f32, {size}>;"  # the largest of the kernel's trees
     base = k.let(f"({slot}) * {n}", "i32")
     for e, v in enumerate(values):
         k.emit(f"partial[{base} + {e}] = {v};")

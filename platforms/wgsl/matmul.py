@@ -31,6 +31,7 @@ from tapml.graph import Node
 from tapml.platforms.wgsl import views
 from tapml.platforms.wgsl.codegen import (MAX_GROUPS, WORKGROUP, BufferView, Compute, Value, cast, combine_lanes, ctype,
                                           lit, load_at)
+from tapml.platforms.wgsl.norms import NormedRow
 from tapml.platforms.wgsl.registry import ALL_INT, NUMERIC, edge_floats, edge_ints, rand, randint, register
 
 #: (TM, TN, workgroup x, workgroup y, subgroup): rows and columns per thread, threads per
@@ -393,7 +394,7 @@ def gemv_kernel(pb, name: str, a: Value, parts: list[GemvPart], Z: int, K: int) 
     lanes, tn = GEMV_LANES, GEMV_COLUMNS
     per_group = WORKGROUP // lanes
     k = pb.kernel(name + "_gemv")
-    plain = isinstance(a, BufferView)
+    plain, normed = isinstance(a, BufferView), isinstance(a, NormedRow)
     A = k.bind(a.buf, elem=f"vec4<{a.buf.dtype}>") if plain else None
     starts, blocks = [], 0
     for part in parts:
@@ -407,6 +408,8 @@ def gemv_kernel(pb, name: str, a: Value, parts: list[GemvPart], Z: int, K: int) 
     k.emit(f"let block: i32 = i32(wid.y) * {gx} + i32(wid.x);")
     if plain:
         k.emit(f"let ra: i32 = {a.offset} + z * {a.strides[0]};")
+    if normed:  # the row's RMSNorm scale, computed by this workgroup's lanes
+        scale = a.prologue(k, k.let(f"i32(lid.y) * {lanes} + lane", "i32"), lanes * per_group)
     for j in range(tn):
         k.emit(f"var acc{j}: vec4<f32> = vec4<f32>(0.0);")
     k.emit("var n0: i32 = 0;")
@@ -425,6 +428,8 @@ def gemv_kernel(pb, name: str, a: Value, parts: list[GemvPart], Z: int, K: int) 
         k.open(f"if ({kk} < {K})")
         if plain:
             x = k.let(f4(A[f"(ra + {kk}) / 4"], a.buf.dtype), "vec4<f32>")
+        elif normed:
+            x = k.let(a.read4(k, kk, scale), "vec4<f32>")
         else:
             row = [cast(a.read(k, ["z", "0", k.let(f"{kk} + {c}", "i32")]), a.ty, "f32") for c in range(4)]
             x = k.let(f"vec4<f32>({', '.join(row)})", "vec4<f32>")
@@ -569,14 +574,17 @@ def product_group(pb, group: ProductGroup, graph, env: dict) -> dict[str, Buffer
     for name in group.members:
         node = by_name[name]
         a, b = (views.unsqueeze(env[x["ref"]], 0) for x in node.args)
-        if not (isinstance(a, BufferView) and isinstance(b, BufferView)):
+        if not (isinstance(a, (BufferView, NormedRow)) and isinstance(b, BufferView)):
             continue
         _, M, K = a.shape
-        if M != 1 or K == 0 or b.shape[2] == 0 or not _vec_ok(a, 2, K) or _vec_ok(b, 2, b.shape[2]) or \
-                not _vec_ok(b, 1, K):
+        if M != 1 or K == 0 or b.shape[2] == 0 or (isinstance(a, BufferView) and not _vec_ok(a, 2, K)) or \
+                _vec_ok(b, 2, b.shape[2]) or not _vec_ok(b, 1, K):
             continue
         if a0 is None:
             a0 = a
+        elif isinstance(a, NormedRow) or isinstance(a0, NormedRow):
+            if not (isinstance(a0, NormedRow) and a0.same_row(a)):
+                continue
         elif (a.buf.name, a.offset, a.shape, a.strides) != (a0.buf.name, a0.offset, a0.shape, a0.strides):
             continue
         chosen.append((node, b))

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tapml.platforms.wgsl import views
-from tapml.platforms.wgsl.codegen import MAX_GROUPS, WORKGROUP, BufferView, cast, combine_lanes, lit
+from tapml.platforms.wgsl.codegen import MAX_GROUPS, WORKGROUP, BufferView, Value, cast, combine_lanes, lit
 
 
 @dataclass
@@ -76,41 +76,103 @@ def find_rms_norms(graph, uses, wanted: set[str]) -> dict[str, RmsNormMatch]:
     return found
 
 
-def rms_norm(pb, match: RmsNormMatch, env: dict, meta) -> BufferView:
-    """The pattern's value (``meta``: the last ``mul``'s) in one kernel."""
+def rms_norm(pb, match: RmsNormMatch, env: dict, meta) -> Value:
+    """The pattern's value (``meta``: the last ``mul``'s): one row is a :class:`NormedRow` (a
+    GEMV that reads it computes the norm itself); more rows are written by one kernel."""
     shape = tuple(meta.shape)
     K = shape[-1]
     rows = meta.numel // K if K else 0
+    x, w = env[match.x], env[match.w]
+    if rows == 1 and isinstance(x, BufferView) and isinstance(w, BufferView):
+        return NormedRow(views.reshape(x, (K,)), w, match.eps, meta, shape, {})
     out = pb.buffer("temp", meta)
     result = BufferView.whole(out, meta)
-    if rows == 0:
-        return result
-    x = views.reshape(env[match.x], (rows, K))
-    x, w = pb.fit([x, env[match.w]], 1)
+    if rows:
+        _write(pb, views.reshape(x, (rows, K)), w, match.eps, out, rows, K)
+    return result
+
+
+def _write(pb, x: Value, w: Value, eps: float, out, rows: int, K: int) -> None:
+    """The kernel: one workgroup a row; its lanes add the squares, then each writes its elements."""
+    x, w = pb.fit([x, w], 1)
     k = pb.kernel("rms_norm")
     gx = min(rows, MAX_GROUPS)
     per_lane = -(-K // WORKGROUP)
     k.emit("let lane: i32 = i32(lid.x);")
     k.emit(f"let row: i32 = min(i32(wid.y) * {gx} + i32(wid.x), {rows - 1});")
-    k.emit("var squares: f32 = 0.0;")
-    k.loop("i", per_lane)
-    idx = k.let(f"lane + i * {WORKGROUP}", "i32")
-    k.open(f"if ({idx} < {K})")
-    v = k.let(cast(x.read(k, ["row", idx]), x.ty, "f32"), "f32")
-    k.emit(f"squares = squares + {v} * {v};")
-    k.close()
-    k.close()
-    combine_lanes(k, WORKGROUP, "lane", "lane", ["squares"])  # the row's sum ends in lane 0's slot
-    k.emit(f"let scale: f32 = inverseSqrt(partial[0] / {lit(float(K), 'f32')} + {lit(match.eps, 'f32')});")
+    scale = row_scale(k, lambda i: x.read(k, ["row", i]), x.ty, K, eps, "lane", WORKGROUP)
     k.open(f"if (i32(wid.y) * {gx} + i32(wid.x) < {rows})")  # past the last row: computed, written nowhere
     k.loop("i", per_lane)
     idx = k.let(f"lane + i * {WORKGROUP}", "i32")
     k.open(f"if ({idx} < {K})")
     xv = cast(x.read(k, ["row", idx]), x.ty, "f32")
     wv = cast(w.read(k, [idx]), w.ty, "f32")
-    k.write(out, f"row * {K} + {idx}", f"{wv} * ({xv} * scale)", "f32")
+    k.write(out, f"row * {K} + {idx}", f"{wv} * ({xv} * {scale})", "f32")
     k.close()
     k.close()
     k.close()
     pb.add(k.finish(0, workgroup=(WORKGROUP, 1, 1), groups=(gx, -(-rows // gx), 1), group_ids=True))
-    return result
+
+
+def row_scale(k, element, ty: str, K: int, eps: float, lane: str, lanes: int) -> str:
+    """Emit, at the kernel's top level, ``1 / sqrt(mean(x * x) + eps)`` of one row of ``K``
+    elements (``element(i)``: element ``i`` as an expression of type ``ty``), its squares added by
+    the ``lanes`` lanes of the workgroup (``lane``: this lane's index); returns its name. Ends
+    with a barrier, so the workgroup memory may be used again."""
+    k.emit("var squares: f32 = 0.0;")
+    k.loop("i", -(-K // lanes))
+    idx = k.let(f"{lane} + i * {lanes}", "i32")
+    k.open(f"if ({idx} < {K})")
+    v = k.let(cast(element(idx), ty, "f32"), "f32")
+    k.emit(f"squares = squares + {v} * {v};")
+    k.close()
+    k.close()
+    combine_lanes(k, lanes, lane, lane, ["squares"])  # the row's sum ends in lane 0's slot, partial[0]
+    k.emit(f"let scale: f32 = inverseSqrt(partial[0] / {lit(float(K), 'f32')} + {lit(eps, 'f32')});")
+    k.emit("workgroupBarrier();")  # every lane has read the sum before the memory is reused
+    return "scale"
+
+
+class NormedRow(Value):
+    """One row's RMSNorm, not written yet: ``w * (x * scale)`` with ``scale`` the row's
+    ``1 / sqrt(mean(x * x) + eps)``. A GEMV reading it (``matmul.gemv_kernel``) computes ``scale``
+    in each workgroup (:meth:`prologue`), so the norm needs no kernel of its own; any other reader
+    reads the row as :func:`rms_norm` writes it, written once at the first such read. Reshapes
+    keep it a NormedRow (the elements stay in order)."""
+
+    def __init__(self, x: BufferView, w: BufferView, eps: float, meta, shape, state: dict):
+        self.x, self.w, self.eps, self.meta, self.state = x, w, eps, meta, state
+        self.shape, self.dtype, self.cost = tuple(shape), "float32", 0
+
+    @property
+    def K(self) -> int:
+        return self.x.shape[0]
+
+    def reshaped(self, shape):
+        return NormedRow(self.x, self.w, self.eps, self.meta, shape, self.state)
+
+    def written(self, pb) -> BufferView:
+        if "row" not in self.state:  # shared by every reshape of this row
+            out = pb.buffer("temp", self.meta)
+            _write(pb, views.reshape(self.x, (1, self.K)), self.w, self.eps, out, 1, self.K)
+            self.state["row"] = BufferView.whole(out, self.meta)
+        return views.reshape(self.state["row"], self.shape)
+
+    def read(self, k, idx):
+        return self.written(k.program).read(k, idx)
+
+    def bufs(self):
+        return self.x.bufs() | self.w.bufs() | (self.state["row"].bufs() if "row" in self.state else frozenset())
+
+    def same_row(self, other) -> bool:
+        return isinstance(other, NormedRow) and other.state is self.state
+
+    def prologue(self, k, lane: str, lanes: int) -> str:
+        """Emit the row's scale into a kernel whose ``lanes`` lanes all run this (top level)."""
+        return row_scale(k, lambda i: self.x.read(k, [i]), self.x.ty, self.K, self.eps, lane, lanes)
+
+    def read4(self, k, i: str, scale: str) -> str:
+        """Elements ``i .. i + 3`` as a ``vec4<f32>`` expression, rounded as torch rounds them."""
+        xs = [cast(self.x.read(k, [k.let(f"{i} + {c}", "i32")]), self.x.ty, "f32") for c in range(4)]
+        ws = [cast(self.w.read(k, [k.let(f"{i} + {c}", "i32")]), self.w.ty, "f32") for c in range(4)]
+        return f"(vec4<f32>({', '.join(ws)}) * (vec4<f32>({', '.join(xs)}) * {scale}))"

@@ -87,6 +87,9 @@ def reshape(v: Value, shape: Sequence[int]) -> Value:
         return v
     if math.prod(shape) != v.numel:
         raise ValueError(f"cannot view {v.shape} as {shape}")
+    same_kind = v.reshaped(shape)
+    if same_kind is not None:
+        return same_kind
     if isinstance(v, BufferView):
         st = _view_strides(v.shape, v.strides, shape) if v.shape else contiguous_strides(shape)
         if st is not None:
@@ -169,6 +172,9 @@ def unsqueeze(v: Value, dim: int) -> Value:
     shape = v.shape[:dim] + (1,) + v.shape[dim:]
     if isinstance(v, BufferView):
         return BufferView(v.buf, shape, v.strides[:dim] + (0,) + v.strides[dim:], v.offset, v.dtype)
+    same_kind = v.reshaped(shape)
+    if same_kind is not None:
+        return same_kind
     return Remap(v, shape, lambda k, idx: list(idx[:dim]) + list(idx[dim + 1:]))
 
 
