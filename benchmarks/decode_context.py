@@ -4,9 +4,10 @@ positions ``t`` on the target and in torch eager (``tapml.bench.decode_step_rows
 ``tapml bench generation --context``), in the same process.
 
 ``after`` is the compiler as it is; ``before`` turns off what issue 34 added (the key/value put
-written in place, the fused attention, the lazy cat, the GEMV, the residual add in the product, the product groups, the RMSNorm
-kernel), so
-the compiler emits the kernels it emitted before; ``tiled`` turns off only the GEMV (one-row products
+written in place, the fused attention, the lazy cat, the GEMV, the residual add in the product, the
+product groups, the RMSNorm kernel and its fold into the GEMV, the lazy row, tiny values recomputed,
+merged dispatches; not the grouped reshape), so the compiler emits about the kernels it emitted
+before; ``tiled`` turns off only the GEMV (one-row products
 through the tiled matmul). One process per measurement, so that farm-bench alternates them::
 
     farm-bench -n 5 --vs "sh -c '.venv/bin/python benchmarks/decode_context.py before STORE 16,256 >>/tmp/b'" \\
@@ -46,8 +47,12 @@ def measure(variant: str, store_dir: str, contexts: list[int], backend: str = "v
         shape.LAZY_CAT_PARTS = 0
         matmul.find_residual_products = lambda *a, **k: {}
         matmul.find_product_groups = lambda *a, **k: {}
-        from tapml.platforms.wgsl import norms
+        from tapml.platforms.wgsl import codegen, norms
+        import tapml.platforms.wgsl as wgsl
         norms.find_rms_norms = lambda *a, **k: {}
+        matmul.LAZY_ROW_COST = -1
+        wgsl.RECOMPUTED_NUMEL = 0
+        codegen.ProgramBuilder.merge_independent = lambda self: None
     # "tiled": one-row products through the tiled matmul (its small tiles, which M = 1 got before the GEMV)
     tiled = matmul.forced_tiles(matmul.SMALL_TILES) if variant in ("before", "tiled") else contextlib.nullcontext()
     with tiled:

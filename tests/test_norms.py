@@ -31,15 +31,16 @@ def _case(name: str):
     return graph_from_fx(ep.graph, ep.graph_signature), [x, norm.weight.detach()], norm(x).detach()
 
 
-def _block_case(hidden: int, extra_reader: bool):
+def _block_case(hidden: int, extra_reader: bool, columns: int = 48):
     """A decode row through a Llama norm into q and k projections (one GEMV that computes the norm
-    itself); ``extra_reader``: the normed row is also an output, so its own kernel writes it."""
+    itself); ``extra_reader``: the normed row is also an output, so its own kernel writes it;
+    ``columns`` of q past ``COMPUTED_ROW_BLOCKS`` blocks (an LM head): the norm is written first."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
     gen = torch.Generator().manual_seed(hidden)
     norm = LlamaRMSNorm(hidden, eps=1e-5)
     x = torch.randn(1, 1, hidden, generator=gen) * 4
     x[0, 0, :3] = torch.tensor([1e4, -1e-30, 0.0])
-    w, wq, wk = torch.randn(hidden, generator=gen), torch.randn(48, hidden, generator=gen), \
+    w, wq, wk = torch.randn(hidden, generator=gen), torch.randn(columns, hidden, generator=gen), \
         torch.randn(20, hidden, generator=gen)
 
     def fn(x, w, wq, wk):
@@ -53,10 +54,11 @@ def _block_case(hidden: int, extra_reader: bool):
 def _check_blocks(platform):
     # (hidden, normed row also an output, kernels): the GEMV computes the norm; an output, or a product
     # the GEMV does not take, reads the row from the norm's own kernel
-    for hidden, extra, kernels in ((512, False, ["mm_gemv"]), (1000, False, ["mm_gemv"]),
-                                   (512, True, ["rms_norm", "mm_gemv"]),
-                                   (998, False, ["rms_norm", "mm", "mm"])):  # K past vec4s: the tiled kernel
-        graph, inputs, want = _block_case(hidden, extra)
+    for hidden, extra, columns, kernels in ((512, False, 48, ["mm_gemv"]), (1000, False, 48, ["mm_gemv"]),
+                                            (512, True, 48, ["rms_norm", "mm_gemv"]),
+                                            (64, False, 5000, ["rms_norm", "mm_gemv"]),
+                                            (998, False, 48, ["rms_norm", "mm", "mm"])):  # K past vec4s: tiled
+        graph, inputs, want = _block_case(hidden, extra, columns)
         program = platform.compile(graph)
         assert [k.name.rsplit("_", 1)[0] for k in program.kernels] == kernels, [k.name for k in program.kernels]
         for got, expected in zip(platform.run(program, inputs), want):

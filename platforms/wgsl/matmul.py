@@ -362,6 +362,9 @@ GEMV_LANES, GEMV_COLUMNS = 8, 4
 # a computed one-row operand of at most this cost is read by the GEMV itself, not written first:
 # every column block recomputes its elements, which costs less than a kernel of its own
 LAZY_ROW_COST = 24
+# ... and at most this many column blocks recompute it: an LM head of 128 256 columns has 4008, each
+# recomputing the row (a norm's squares: a barrier tree) cost more than its own kernel (NOTES.md)
+COMPUTED_ROW_BLOCKS = 128
 
 
 @dataclass
@@ -390,16 +393,19 @@ def gemv_kernel(pb, name: str, a: Value, parts: list[GemvPart], Z: int, K: int) 
     workgroup memory. Each part has its own column blocks; a workgroup's block says which part it
     computes (uniform), so products that share their input (q, k and v; gate and up) run as one
     dispatch reading that input once per block. A computed ``a`` (not a buffer) is computed
-    where it is read, four elements at a time."""
+    where it is read, four elements at a time, by each workgroup: past ``COMPUTED_ROW_BLOCKS``
+    column blocks (an LM head) it is written first instead."""
     lanes, tn = GEMV_LANES, GEMV_COLUMNS
     per_group = WORKGROUP // lanes
-    k = pb.kernel(name + "_gemv")
-    plain, normed = isinstance(a, BufferView), isinstance(a, NormedRow)
-    A = k.bind(a.buf, elem=f"vec4<{a.buf.dtype}>") if plain else None
     starts, blocks = [], 0
     for part in parts:
         starts.append(blocks)
         blocks += -(-part.n // (per_group * tn))
+    if not isinstance(a, BufferView) and blocks > COMPUTED_ROW_BLOCKS:
+        a = views.reshape(pb.plain(a), a.shape)
+    k = pb.kernel(name + "_gemv")
+    plain, normed = isinstance(a, BufferView), isinstance(a, NormedRow)
+    A = k.bind(a.buf, elem=f"vec4<{a.buf.dtype}>") if plain else None
     gx = min(blocks, MAX_GROUPS)
     f4 = _vec4_f32
 
