@@ -61,8 +61,8 @@ def measure(variant: str, store_dir: str, contexts: list[int], backend: str = "v
 
 
 def summary(after_file: str, before_file: str) -> None:
-    def rows(path):
-        return [json.loads(line) for line in open(path) if line.startswith("{")]
+    def rows(path):  # the first line is farm-bench's warm-up run: not counted
+        return [json.loads(line) for line in open(path) if line.startswith("{")][1:]
     a, b = rows(after_file), rows(before_file)
     loads = [x for r in a + b for x in r["contexts"][0]["load_avg"]]
     print(f"runs: {len(a)} after, {len(b)} before; load average {min(loads)}-{max(loads)}")
