@@ -178,13 +178,21 @@ def test_matmul_reads_transposed_weight_in_place():
 
 
 def test_value_used_twice_is_computed_once():
-    g = graph_of([("x", (8,), "float32")], [
-        node("e", "aten.exp.default", [{"ref": "x"}], (8,)),
-        node("a", "aten.add.Tensor", [{"ref": "e"}, 1.0], (8,)),
-        node("m", "aten.mul.Tensor", [{"ref": "e"}, 2.0], (8,))], ["a", "m"])
-    program = compile_graph(g, VULKAN)
-    assert sum("exp(" in k.wgsl for k in program.kernels) == 1
+    """...unless it is tiny (at most RECOMPUTED_NUMEL elements, cheap): then each reader computes it."""
+    from tapml.platforms.wgsl import RECOMPUTED_NUMEL
+
+    def program_of(n):
+        g = graph_of([("x", (n,), "float32")], [
+            node("e", "aten.exp.default", [{"ref": "x"}], (n,)),
+            node("a", "aten.add.Tensor", [{"ref": "e"}, 1.0], (n,)),
+            node("m", "aten.mul.Tensor", [{"ref": "e"}, 2.0], (n,))], ["a", "m"])
+        return compile_graph(g, VULKAN)
+    program = program_of(RECOMPUTED_NUMEL + 1)
+    assert sum(k.wgsl.count("exp(") for k in program.kernels) == 1
     assert any(b.role == "temp" for b in program.buffers)
+    program = program_of(RECOMPUTED_NUMEL)
+    assert sum(k.wgsl.count("exp(") for k in program.kernels) == 2
+    assert not any(b.role == "temp" for b in program.buffers)
 
 
 def test_fusion_respects_binding_limit():
