@@ -92,6 +92,18 @@ def test_a_run_past_the_bindings_limit_is_cut():
     assert all(len(k.bindings) <= 8 for k in program.kernels)
 
 
+def test_a_run_is_cut_at_the_most_bodies_a_merged_kernel_takes():
+    from tapml.platforms.wgsl import compile_graph
+    from tapml.platforms.wgsl.codegen import MAX_MERGED_BODIES
+    gen = torch.Generator().manual_seed(5)
+    xs = [torch.randn(10, generator=gen) for _ in range(3)]
+    n = 3 * MAX_MERGED_BODIES  # outputs reading the same three inputs: few bindings, many bodies
+    graph, _, _ = _graph(lambda a, b, c: tuple(a * i + b - c for i in range(n)), *xs)
+    program = compile_graph(graph, {"limits": {"max-storage-buffers-per-shader-stage": 64}, "features": []})
+    assert _bodies(program) == n and all(len(k.name.split("+")) <= MAX_MERGED_BODIES for k in program.kernels)
+    assert len(program.kernels) == 3
+
+
 def test_a_kernel_that_reads_what_the_run_wrote_starts_a_new_run():
     """Kernels built by hand: A writes x; B reads x; C reads y; D writes y. B cannot join A, C can join
     B, D cannot join B+C (C reads what D writes), and a kernel with a barrier joins nothing."""

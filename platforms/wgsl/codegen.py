@@ -528,6 +528,11 @@ class KernelBuilder:
 
 # --- program -----------------------------------------------------------------------------
 
+#: a merged dispatch takes at most this many kernels' bodies, of at most this many lines in all, so
+#: that no shader grows past what a compiler (Tint, lavapipe's LLVM) builds quickly
+MAX_MERGED_BODIES, MAX_MERGED_LINES = 8, 400
+
+
 class ProgramBuilder:
     """Buffers and kernels of one KernelProgram, with the device's limits."""
 
@@ -610,7 +615,9 @@ class ProgramBuilder:
                 run_reads = set().union(*(r[0].accesses()[0] for r in run))
                 run_writes = set().union(*(r[0].accesses()[1] for r in run))
                 keys = set().union(*(r[0].bindings for r in run)) | set(builder.bindings)
-                if writes & (run_reads | run_writes) or reads & run_writes or len(keys) > self.max_bindings:
+                lines = sum(len(r[0].lines) for r in run) + len(builder.lines)
+                if writes & (run_reads | run_writes) or reads & run_writes or len(keys) > self.max_bindings or \
+                        len(run) >= MAX_MERGED_BODIES or lines > MAX_MERGED_LINES:
                     flush()
             run.append((*info, kernel))
         flush()

@@ -112,7 +112,8 @@ def reshape(v: Value, shape: Sequence[int]) -> Value:
 
 def _reshape_groups(src: tuple, dst: tuple) -> list[tuple[range, range]]:
     """The shortest runs of source and target dims whose sizes multiply to the same number, in
-    order (sizes all at least 1): ``(2, 2, 8) -> (4, 8)`` is ``[(0..1, 0), (2, 1)]``."""
+    order (sizes all at least 1): ``(2, 2, 8) -> (4, 8)`` is ``[(range(0, 2), range(0, 1)),
+    (range(2, 3), range(1, 2))]`` (source dims 0 and 1 merge into target dim 0)."""
     groups, i, j = [], 0, 0
     while i < len(src) or j < len(dst):
         i0, j0 = i, j
