@@ -333,6 +333,7 @@ class KernelBuilder:
         # (buffer, element type, window) -> (WGSL name, buffer, access, (offset, size) or None)
         self.bindings: dict[tuple[str, str, int], tuple[str, BufferSpec, str, tuple[int, int] | None]] = {}
         self.helpers: dict[str, str] = {}
+        self.partial_floats = 0  # size of the workgroup array ``partial`` (combine_lanes): its largest tree
         self.lines: list[str] = []
         self.scopes: list[dict] = [{}]
         self.counter = 0
@@ -594,14 +595,19 @@ class ProgramBuilder:
         small kernel's work (a decode step's cache puts and scalar outputs); a kernel with
         workgroup memory or barriers, or one past the device's bindings, keeps its own."""
         merged: list[Kernel] = []
-        run: list[tuple] = []  # (builder, threads, iterations) of the kernels in the current run
+        run: list[tuple] = []  # (builder, threads, iterations, kernel) of the kernels in the current run
+        reads: set[str] = set()
+        writes: set[str] = set()
+        keys: set = set()
+        lines = 0
 
         def flush():
-            if len(run) == 1:
-                merged.append(run[0][3])
-            elif run:
-                merged.append(self._merged(run))
-            run.clear()
+            nonlocal lines
+            if run:
+                merged.append(run[0][3] if len(run) == 1 else self._merged(run))
+            for held in (run, reads, writes, keys):
+                held.clear()
+            lines = 0
 
         for kernel in self.kernels:
             info = self.one_dimensional.get(id(kernel))
@@ -610,16 +616,16 @@ class ProgramBuilder:
                 merged.append(kernel)
                 continue
             builder = info[0]
-            if run:
-                reads, writes = builder.accesses()
-                run_reads = set().union(*(r[0].accesses()[0] for r in run))
-                run_writes = set().union(*(r[0].accesses()[1] for r in run))
-                keys = set().union(*(r[0].bindings for r in run)) | set(builder.bindings)
-                lines = sum(len(r[0].lines) for r in run) + len(builder.lines)
-                if writes & (run_reads | run_writes) or reads & run_writes or len(keys) > self.max_bindings or \
-                        len(run) >= MAX_MERGED_BODIES or lines > MAX_MERGED_LINES:
-                    flush()
+            its_reads, its_writes = builder.accesses()
+            if run and (its_writes & (reads | writes) or its_reads & writes or
+                        len(keys | set(builder.bindings)) > self.max_bindings or len(run) >= MAX_MERGED_BODIES or
+                        lines + len(builder.lines) > MAX_MERGED_LINES):
+                flush()
             run.append((*info, kernel))
+            reads |= its_reads
+            writes |= its_writes
+            keys |= set(builder.bindings)
+            lines += len(builder.lines)
         flush()
         self.kernels = merged
 
@@ -767,8 +773,8 @@ def combine_lanes(k: Compute, lanes: int, lane: str, slot: str, values: list[str
     default). Returns the combined elements as the first lane of the ``lanes`` reads them. The
     barriers sit outside any branch: call it at the kernel's top level."""
     n = len(values)
-    size = max(WORKGROUP * n, int(re.findall(r"\d+", k.helpers.get("partial", "0"))[-1]))
-    k.helpers["partial"] = f"var<workgroup> partial: array<f32, {size}>;"  # the largest of the kernel's trees
+    k.partial_floats = max(k.partial_floats, WORKGROUP * n)
+    k.helpers["partial"] = f"var<workgroup> partial: array<f32, {k.partial_floats}>;"
     base = k.let(f"({slot}) * {n}", "i32")
     for e, v in enumerate(values):
         k.emit(f"partial[{base} + {e}] = {v};")

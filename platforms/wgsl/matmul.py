@@ -402,7 +402,7 @@ def gemv_kernel(pb, name: str, a: Value, parts: list[GemvPart], Z: int, K: int) 
         starts.append(blocks)
         blocks += -(-part.n // (per_group * tn))
     if not isinstance(a, BufferView) and blocks > COMPUTED_ROW_BLOCKS:
-        a = views.reshape(pb.plain(a), a.shape)
+        a = pb.plain(a)
     k = pb.kernel(name + "_gemv")
     plain, normed = isinstance(a, BufferView), isinstance(a, NormedRow)
     A = k.bind(a.buf, elem=f"vec4<{a.buf.dtype}>") if plain else None
@@ -588,10 +588,7 @@ def product_group(pb, group: ProductGroup, graph, env: dict) -> dict[str, Buffer
             continue
         if a0 is None:
             a0 = a
-        elif isinstance(a, NormedRow) or isinstance(a0, NormedRow):
-            if not (isinstance(a0, NormedRow) and a0.same_row(a)):
-                continue
-        elif (a.buf.name, a.offset, a.shape, a.strides) != (a0.buf.name, a0.offset, a0.shape, a0.strides):
+        elif not _same_row(a, a0):
             continue
         chosen.append((node, b))
     if len(chosen) < 2:
@@ -603,6 +600,14 @@ def product_group(pb, group: ProductGroup, graph, env: dict) -> dict[str, Buffer
         results[node.name] = BufferView.whole(out, node.outputs[0])
     gemv_kernel(pb, "mm", a0, parts, 1, a0.shape[2])
     return results
+
+
+def _same_row(a: Value, b: Value) -> bool:
+    """Whether two one-row operands are the same row: the same window of one buffer, or reshapes
+    of one :class:`NormedRow`."""
+    if isinstance(a, NormedRow) or isinstance(b, NormedRow):
+        return isinstance(a, NormedRow) and a.same_row(b)
+    return (a.buf.name, a.offset, a.shape, a.strides) == (b.buf.name, b.offset, b.shape, b.strides)
 
 
 def residual_product(pb, match: ResidualProduct, env: dict, meta) -> BufferView:

@@ -173,6 +173,7 @@ class NormedRow(Value):
 
     def read4(self, k, i: str, scale: str) -> str:
         """Elements ``i .. i + 3`` as a ``vec4<f32>`` expression, rounded as torch rounds them."""
-        xs = [cast(self.x.read(k, [k.let(f"{i} + {c}", "i32")]), self.x.ty, "f32") for c in range(4)]
-        ws = [cast(self.w.read(k, [k.let(f"{i} + {c}", "i32")]), self.w.ty, "f32") for c in range(4)]
+        at = [k.let(f"{i} + {c}", "i32") for c in range(4)]
+        xs = [cast(self.x.read(k, [j]), self.x.ty, "f32") for j in at]
+        ws = [cast(self.w.read(k, [j]), self.w.ty, "f32") for j in at]
         return f"(vec4<f32>({', '.join(ws)}) * (vec4<f32>({', '.join(xs)}) * {scale}))"
