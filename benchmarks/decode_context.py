@@ -8,7 +8,9 @@ written in place, the fused attention, the lazy cat, the GEMV, the residual add 
 product groups, the RMSNorm kernel and its fold into the GEMV, the lazy row, tiny values recomputed,
 merged dispatches; not the grouped reshape), so the compiler emits about the kernels it emitted
 before; ``tiled`` turns off only the GEMV (one-row products
-through the tiled matmul). One process per measurement, so that farm-bench alternates them::
+through the tiled matmul); ``rows-written`` writes the norm and SiLU x up before the GEMVs;
+``computed-head`` lets every GEMV compute its row, an LM head's too; ``ungrouped`` unravels every
+dim of a reshape that cannot stay strided (before ``views._reshape_groups``). One process per measurement, so that farm-bench alternates them::
 
     farm-bench -n 5 --vs "sh -c '.venv/bin/python benchmarks/decode_context.py before STORE 16,256 >>/tmp/b'" \\
         -- sh -c '.venv/bin/python benchmarks/decode_context.py after STORE 16,256 >>/tmp/a'
@@ -53,6 +55,13 @@ def measure(variant: str, store_dir: str, contexts: list[int], backend: str = "v
         matmul.LAZY_ROW_COST = -1
         wgsl.RECOMPUTED_NUMEL = 0
         codegen.ProgramBuilder.merge_independent = lambda self: None
+    if variant == "rows-written":  # the norm and SiLU x up in kernels of their own, not in the GEMV
+        matmul.COMPUTED_ROW_BLOCKS = -1
+    if variant == "computed-head":  # every GEMV computes its row, an LM head of 4008 blocks too
+        matmul.COMPUTED_ROW_BLOCKS = 1 << 30
+    if variant == "ungrouped":  # a reshape that cannot stay strided unravels every dim again
+        from tapml.platforms.wgsl import views
+        views._reshape_groups = lambda src, dst: [(range(len(src)), range(len(dst)))]
     # "tiled": one-row products through the tiled matmul (its small tiles, which M = 1 got before the GEMV)
     tiled = matmul.forced_tiles(matmul.SMALL_TILES) if variant in ("before", "tiled") else contextlib.nullcontext()
     with tiled:
