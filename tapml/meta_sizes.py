@@ -69,7 +69,7 @@ def meta_results(op_name: str, args, kwargs) -> list | None:
         else:
             kwargs["device"] = torch.device("meta")
     try:
-        out = op(*args, **kwargs)
+        out = _call_without_dynamo(op, args, kwargs)
     except NotImplementedError:
         return None
     except RuntimeError as e:
@@ -81,6 +81,67 @@ def meta_results(op_name: str, args, kwargs) -> list | None:
     except Exception:  # noqa: BLE001 - a meta kernel's own failure (training batch norm: TypeError, ZeroDivisionError)
         return None
     return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+#: False once a meta kernel asked the stand-in of :func:`_call_without_dynamo` for more than ``disable``:
+#: from then on this process imports the real ``torch._dynamo``.
+_dynamo_stand_in_fits = True
+
+
+def _call_without_dynamo(op, args, kwargs):
+    """``op(*args, **kwargs)`` without importing ``torch._dynamo`` (over a second of CPU, which every
+    command that opens a store would pay for nothing).
+
+    torch's Python meta kernels are wrapped by ``torch._compile._disable_dynamo``, which imports
+    ``torch._dynamo`` on a wrapped kernel's first call only to ask ``torch._dynamo.disable`` for a
+    wrapper that keeps Dynamo from tracing into it; outside a compilation that wrapper changes
+    nothing. So while ``torch._dynamo`` is not imported yet, the call runs with a stand-in module
+    whose ``disable`` returns the kernel itself, and afterwards the stand-in and the kernels' cached
+    wrappers are removed: a later real import of ``torch._dynamo`` (``torch.export``) wraps them as
+    torch would. A kernel that asks the stand-in for anything else runs again with the real module.
+    Only the main thread uses the stand-in."""
+    global _dynamo_stand_in_fits
+    import sys
+    import threading
+    import types
+    if not _dynamo_stand_in_fits or "torch._dynamo" in sys.modules \
+            or threading.current_thread() is not threading.main_thread():
+        return op(*args, **kwargs)
+    import torch
+    wrapped, asked = [], []
+
+    def disable(fn=None, recursive=True, wrapping=True):
+        if fn is None:  # decorator form
+            return lambda f: disable(f, recursive, wrapping)
+        wrapped.append(fn)
+        return fn
+
+    class StandIn(types.ModuleType):
+        def __getattr__(self, name):
+            asked.append(name)
+            raise AttributeError(f"torch._dynamo stand-in has no {name!r}")
+
+    stand_in = StandIn("torch._dynamo")
+    stand_in.disable = disable
+    sys.modules["torch._dynamo"] = stand_in
+    out = error = None
+    try:
+        out = op(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - raised again below, unless the stand-in was the cause
+        error = e
+    finally:
+        if sys.modules.get("torch._dynamo") is stand_in:
+            del sys.modules["torch._dynamo"]
+        if torch.__dict__.get("_dynamo") is stand_in:
+            del torch._dynamo
+        for fn in wrapped:
+            getattr(fn, "__dict__", {}).pop("__dynamo_disable", None)
+    if asked:
+        _dynamo_stand_in_fits = False
+        return op(*args, **kwargs)
+    if error is not None:
+        raise error
+    return out
 
 
 def _nbytes(shape, dtype) -> int:

@@ -7,7 +7,7 @@ tier: ``tinygrad:webgpu`` (Dawn on lavapipe Vulkan) in this process: the adapter
 programs, its own faults (int64 floor division past 2**32 is wrong; a tensor past the device's binding
 limit fails). Slow tier, over the CLI: that wrong division named with its op and blamed on the device
 compiler by the control, the four-target matrix (wgpu:vulkan, iree:vulkan, ort, tinygrad:webgpu) naming the
-op the ONNX route gets wrong, in the terminal and in HTML, and every case of zoo:tiny-llama's float32 and float16 stores.
+op the ONNX route gets wrong, in the terminal and in HTML, and every case of zoo:tiny-llama's float16 store.
 """
 
 from __future__ import annotations
@@ -233,11 +233,12 @@ def test_the_four_target_matrix_names_the_op_the_onnx_route_gets_wrong_in_the_te
     assert 'id="coverage-table"' in html and html.count('data-group="differs"') == 1 and all(t in html for t in targets)
 
 
+# float16 only: float32 programs run on tinygrad:webgpu in the device tier above, and each whole store
+# costs ~100 s of tinygrad compiles on 2 cores.
 @pytest.mark.slow
 @pytest.mark.device
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_every_case_of_tiny_llama_is_judged_on_tinygrad_webgpu(carved, tmp_path, dtype):
-    store = carved("zoo:tiny-llama", dtype=dtype)
+def test_every_case_of_tiny_llama_float16_is_judged_on_tinygrad_webgpu(carved, tmp_path):
+    store = carved("zoo:tiny-llama", dtype="float16")
     out = tmp_path / "v.json"
     r = tapml("replay", store, "--target", "tinygrad:webgpu", "--json", out)
     assert r.returncode in (0, 1), r.stdout + r.stderr

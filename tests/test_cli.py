@@ -207,4 +207,5 @@ def test_ctrl_c_that_a_finalizer_swallows_still_stops_the_command(tmp_path, afte
     assert r.returncode == 130, r.stderr
     assert "interrupted" in r.stderr and "Traceback" not in r.stderr
     assert time.monotonic() - started < 50
-    assert not (tmp_path / "out").exists()
+    if after == "sleep":  # interrupted long before the carve; after `return`, the tiny carve may finish first
+        assert not (tmp_path / "out").exists()

@@ -6,6 +6,8 @@ check is fuzzed here with out-of-range values (below the range, = the size, huge
 call that torch runs. Bad values must be refused before the op runs, never reach the kernel.
 """
 
+import textwrap
+
 import pytest
 import torch
 
@@ -443,3 +445,32 @@ def test_bad_budget_settings_say_what_to_fix(monkeypatch, env, value):
     monkeypatch.setenv(env, value)
     with pytest.raises(TapmlError, match=f"{env}=.*give a positive number of MiB"):
         open_reference("reference")
+
+
+def test_the_size_check_of_a_fresh_process_leaves_torch_dynamo_unimported_and_export_still_works():
+    """Opening a store checks its sizes on the meta device; torch's Python meta kernels would import
+    ``torch._dynamo`` there (over a second of CPU for every command). The check still refuses what it
+    must, Dynamo is not imported, and a later ``torch.export`` in the same process works as usual."""
+    import subprocess
+    import sys
+    code = textwrap.dedent('''
+        import sys, torch
+        from tapml.graph import Graph, Node, TensorMeta
+        from tapml.meta_sizes import check_graph_sizes
+        x, w = ("ids", TensorMeta((64, 512), "int64")), ("w", TensorMeta((1000, 64), "float32"))
+        good = Node("emb", "aten.embedding.default", [{"ref": "w"}, {"ref": "ids"}], {}, [TensorMeta((64, 512, 64), "float32")])
+        assert check_graph_sizes(Graph([w, x], [good], ["emb"])) == 8 << 20
+        lying = Node("emb", "aten.embedding.default", [{"ref": "w"}, {"ref": "ids"}], {}, [TensorMeta((1,), "float32")])
+        try:
+            check_graph_sizes(Graph([w, x], [lying], ["emb"]))
+            raise SystemExit("a node declaring less than it computes passed")
+        except ValueError as e:
+            assert "node 'emb'" in str(e), e
+        assert "torch._dynamo" not in sys.modules and "_dynamo" not in torch.__dict__
+        ep = torch.export.export(torch.nn.Embedding(10, 4), (torch.tensor([[1, 2]]),))
+        assert "torch._dynamo" in sys.modules and type(sys.modules["torch._dynamo"]).__name__ == "module"
+        assert check_graph_sizes(Graph([w, x], [good], ["emb"])) == 8 << 20 and len(ep.graph.nodes) > 2
+        print("ok")
+    ''')
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
