@@ -67,9 +67,50 @@ def _load_triton_first() -> None:
             pass
 
 
+def _parse_types_quickly() -> None:
+    """Make cffi parse wgpu-py's C type names against only the typedefs they name.
+
+    wgpu-py asks cffi for each struct it builds by name (``ffi.new("WGPUTextureDescriptor *")``,
+    about 40 names per process). cffi parses each name once, but together with a ``typedef int``
+    line for every typedef of wgpu's header: 14 ms a name, half a second of every process that
+    opens a device. Only the typedef names that occur in a type name change how it parses (what
+    they stand for is looked up afterwards, in the full table), so the parse of a type name here
+    declares only those. cffi parses types under its FFI lock; anything unexpected falls back to
+    cffi's own parse."""
+    try:
+        from wgpu.backends.wgpu_native._ffi import ffi
+        parser = ffi._parser
+        full_parse = type(parser).parse_type_and_quals
+    except (ImportError, AttributeError):
+        return
+    if getattr(parser, "_tapml_quick_types", False):
+        return
+    identifier = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+    def parse_type_and_quals(cdecl):
+        names = set(identifier.findall(cdecl))
+        declarations = parser._declarations
+        try:
+            parser._declarations = {key: value for key, value in declarations.items()
+                                    if key.startswith("typedef ") and key[8:] in names}
+            ast, macros = parser._parse("void __dummy(\n%s\n);" % cdecl)[:2]
+        except Exception:  # noqa: BLE001 - cffi's own parse says what is wrong with the name
+            return full_parse(parser, cdecl)
+        finally:
+            parser._declarations = declarations
+        node = ast.ext[-1].type.args.params[0]
+        if macros or not hasattr(node, "type"):
+            return full_parse(parser, cdecl)
+        return parser._get_type_and_quals(node.type)
+
+    parser.parse_type_and_quals = parse_type_and_quals
+    parser._tapml_quick_types = True
+
+
 def _adapters():
     _load_triton_first()
     import wgpu
+    _parse_types_quickly()
     try:
         return wgpu.gpu.enumerate_adapters_sync()
     except Exception as e:  # noqa: BLE001 - no driver at all is "no adapters"
