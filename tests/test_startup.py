@@ -20,7 +20,7 @@ def test_wgpu_type_names_parse_as_cffi_parses_them():
     code = textwrap.dedent('''
         import cffi.cparser
         from wgpu.backends.wgpu_native._ffi import ffi
-        from platforms.wgpu_native import _parse_types_quickly
+        from tapml.platforms.wgpu_native import _parse_types_quickly
         own = cffi.cparser.Parser.parse_type_and_quals
         _parse_types_quickly()
         parser = ffi._parser
