@@ -11,9 +11,10 @@ output stands, held to the budget, and :mod:`tapml.op_bounds` bounds the real on
 
 :func:`guard_call` is the same check for one call with real arguments, made right before the
 carving tracer runs it (a ``.pt2`` whose sizes depend on the data runs before its graph is known).
-:func:`tapml.graph.run_node` checks only the bounds of :mod:`tapml.op_bounds` (cheap; the first meta
-call of a process imports ``torch._dynamo``, over a second of CPU): the graphs it runs were checked
-here when they were read (a store when it is opened, a server's graph when it is compiled or loaded).
+:func:`tapml.graph.run_node` checks only the bounds of :mod:`tapml.op_bounds` (cheaper than a meta
+call per node): the graphs it runs were checked here when they were read (a store when it is opened,
+a server's graph when it is compiled or loaded). The meta calls leave ``torch._dynamo`` unimported
+(:func:`_call_without_dynamo`): importing it would cost every command that opens a store a second.
 
 The budget (:func:`memory_budget`) is ``$TAPML_MEMORY_BUDGET_MIB`` MiB, or half of this machine's
 physical memory; a device server holds graphs to its ``--max-buffer-mib`` on top.
