@@ -14,7 +14,7 @@ carving tracer runs it (a ``.pt2`` whose sizes depend on the data runs before it
 :func:`tapml.graph.run_node` checks only the bounds of :mod:`tapml.op_bounds` (cheaper than a meta
 call per node): the graphs it runs were checked here when they were read (a store when it is opened,
 a server's graph when it is compiled or loaded). The meta calls leave ``torch._dynamo`` unimported
-(:func:`_call_without_dynamo`): importing it would cost every command that opens a store a second.
+(:func:`_dynamo_left_unimported`): importing it would cost every command that opens a store a second.
 
 The budget (:func:`memory_budget`) is ``$TAPML_MEMORY_BUDGET_MIB`` MiB, or half of this machine's
 physical memory; a device server holds graphs to its ``--max-buffer-mib`` on top.
@@ -26,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from tapml.op_bounds import BUDGET_ENV, OutOfBounds, check_call, memory_budget
@@ -70,7 +71,7 @@ def meta_results(op_name: str, args, kwargs) -> list | None:
         else:
             kwargs["device"] = torch.device("meta")
     try:
-        out = _call_without_dynamo(op, args, kwargs)
+        out = op(*args, **kwargs)
     except NotImplementedError:
         return None
     except RuntimeError as e:
@@ -84,32 +85,35 @@ def meta_results(op_name: str, args, kwargs) -> list | None:
     return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
-#: False once a meta kernel asked the stand-in of :func:`_call_without_dynamo` for more than ``disable``:
-#: from then on this process imports the real ``torch._dynamo``.
+#: False once a meta kernel asked the stand-in of :func:`_dynamo_left_unimported` for more than
+#: ``disable``: from then on this process imports the real ``torch._dynamo``.
 _dynamo_stand_in_fits = True
 
 
-def _call_without_dynamo(op, args, kwargs):
-    """``op(*args, **kwargs)`` without importing ``torch._dynamo`` (over a second of CPU, which every
-    command that opens a store would pay for nothing).
+@contextlib.contextmanager
+def _dynamo_left_unimported():
+    """Meta calls inside run without importing ``torch._dynamo`` (over a second of CPU, which every
+    command that opens a store would pay for nothing). Yields a list that is empty unless a kernel
+    asked the stand-in for more than ``disable``: then what ran inside must run again.
 
     torch's Python meta kernels are wrapped by ``torch._compile._disable_dynamo``, which imports
     ``torch._dynamo`` on a wrapped kernel's first call only to ask ``torch._dynamo.disable`` for a
     wrapper that keeps Dynamo from tracing into it; outside a compilation that wrapper changes
-    nothing. So while ``torch._dynamo`` is not imported yet, the call runs with a stand-in module
-    whose ``disable`` returns the kernel itself, and afterwards the stand-in and the kernels' cached
-    wrappers are removed: a later real import of ``torch._dynamo`` (``torch.export``) wraps them as
-    torch would. A kernel that asks the stand-in for anything else runs again with the real module.
+    nothing. So while ``torch._dynamo`` is not imported yet, a stand-in module whose ``disable``
+    returns the kernel itself takes its place; afterwards the stand-in and the kernels' cached
+    wrappers are removed, and a later real import (``torch.export``) wraps them as torch would.
     Only the main thread uses the stand-in."""
     global _dynamo_stand_in_fits
     import sys
     import threading
     import types
+    asked = []
     if not _dynamo_stand_in_fits or "torch._dynamo" in sys.modules \
             or threading.current_thread() is not threading.main_thread():
-        return op(*args, **kwargs)
+        yield asked
+        return
     import torch
-    wrapped, asked = [], []
+    wrapped = []
 
     def disable(fn=None, recursive=True, wrapping=True):
         if fn is None:  # decorator form
@@ -125,11 +129,8 @@ def _call_without_dynamo(op, args, kwargs):
     stand_in = StandIn("torch._dynamo")
     stand_in.disable = disable
     sys.modules["torch._dynamo"] = stand_in
-    out = error = None
     try:
-        out = op(*args, **kwargs)
-    except Exception as e:  # noqa: BLE001 - raised again below, unless the stand-in was the cause
-        error = e
+        yield asked
     finally:
         if sys.modules.get("torch._dynamo") is stand_in:
             del sys.modules["torch._dynamo"]
@@ -137,12 +138,8 @@ def _call_without_dynamo(op, args, kwargs):
             del torch._dynamo
         for fn in wrapped:
             getattr(fn, "__dict__", {}).pop("__dynamo_disable", None)
-    if asked:
-        _dynamo_stand_in_fits = False
-        return op(*args, **kwargs)
-    if error is not None:
-        raise error
-    return out
+        if asked:
+            _dynamo_stand_in_fits = False
 
 
 def _nbytes(shape, dtype) -> int:
@@ -178,10 +175,21 @@ def check_graph_sizes(graph, budget: int | None = None) -> int:
     (default :func:`memory_budget`). Returns the bytes of all tensors the graph computes. Raises
     ValueError naming the node: arguments that do not fit the op's schema, an output other than
     declared, or one over the budget."""
+    with _dynamo_left_unimported() as asked:
+        try:
+            total = _check_graph_sizes(graph, memory_budget() if budget is None else budget)
+        except ValueError:
+            if not asked:
+                raise
+    if asked:  # a meta kernel needed the real torch._dynamo: check again with it
+        return check_graph_sizes(graph, budget)
+    return total
+
+
+def _check_graph_sizes(graph, budget: int) -> int:
     import torch
 
     from tapml.graph import TensorMeta, decode_arg, node_results, torch_dtype
-    budget = memory_budget() if budget is None else budget
     env = {}
     for name, meta in graph.inputs:
         _check_budget(f"graph input {name[:60]!r}", meta.shape, torch_dtype(meta.dtype), budget)

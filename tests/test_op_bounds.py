@@ -457,19 +457,45 @@ def test_the_size_check_of_a_fresh_process_leaves_torch_dynamo_unimported_and_ex
         import sys, torch
         from tapml.graph import Graph, Node, TensorMeta
         from tapml.meta_sizes import check_graph_sizes
-        x, w = ("ids", TensorMeta((64, 512), "int64")), ("w", TensorMeta((1000, 64), "float32"))
-        good = Node("emb", "aten.embedding.default", [{"ref": "w"}, {"ref": "ids"}], {}, [TensorMeta((64, 512, 64), "float32")])
-        assert check_graph_sizes(Graph([w, x], [good], ["emb"])) == 8 << 20
-        lying = Node("emb", "aten.embedding.default", [{"ref": "w"}, {"ref": "ids"}], {}, [TensorMeta((1,), "float32")])
+        # aten.add.Tensor's meta kernel is torch's Python reference, wrapped by _disable_dynamo (the
+        # next test shows that it imports torch._dynamo without the stand-in)
+        a, b = ("a", TensorMeta((64, 512, 64), "float32")), ("b", TensorMeta((64, 512, 64), "float32"))
+        good = Node("add", "aten.add.Tensor", [{"ref": "a"}, {"ref": "b"}], {}, [TensorMeta((64, 512, 64), "float32")])
+        assert check_graph_sizes(Graph([a, b], [good], ["add"])) == 8 << 20
+        lying = Node("add", "aten.add.Tensor", [{"ref": "a"}, {"ref": "b"}], {}, [TensorMeta((1,), "float32")])
         try:
-            check_graph_sizes(Graph([w, x], [lying], ["emb"]))
+            check_graph_sizes(Graph([a, b], [lying], ["add"]))
             raise SystemExit("a node declaring less than it computes passed")
         except ValueError as e:
-            assert "node 'emb'" in str(e), e
+            assert "node 'add'" in str(e), e
         assert "torch._dynamo" not in sys.modules and "_dynamo" not in torch.__dict__
         ep = torch.export.export(torch.nn.Embedding(10, 4), (torch.tensor([[1, 2]]),))
         assert "torch._dynamo" in sys.modules and type(sys.modules["torch._dynamo"]).__name__ == "module"
-        assert check_graph_sizes(Graph([w, x], [good], ["emb"])) == 8 << 20 and len(ep.graph.nodes) > 2
+        assert check_graph_sizes(Graph([a, b], [good], ["add"])) == 8 << 20 and len(ep.graph.nodes) > 2
+        print("ok")
+    ''')
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+
+
+def test_a_kernel_that_needs_more_of_torch_dynamo_than_disable_gets_the_real_module():
+    """A meta kernel that asks the stand-in for anything but ``disable`` (a later torch may) is
+    recorded, and from then on the process checks sizes with the real ``torch._dynamo``."""
+    import subprocess
+    import sys
+    code = textwrap.dedent('''
+        import sys
+        from tapml import meta_sizes
+        from tapml.graph import Graph, Node, TensorMeta
+        with meta_sizes._dynamo_left_unimported() as asked:
+            import torch._dynamo as stand_in
+            assert not hasattr(stand_in, "is_compiling")
+        assert asked == ["is_compiling"] and not meta_sizes._dynamo_stand_in_fits
+        assert "torch._dynamo" not in sys.modules
+        a, b = ("a", TensorMeta((64, 512, 64), "float32")), ("b", TensorMeta((64, 512, 64), "float32"))
+        node = Node("add", "aten.add.Tensor", [{"ref": "a"}, {"ref": "b"}], {}, [TensorMeta((64, 512, 64), "float32")])
+        assert meta_sizes.check_graph_sizes(Graph([a, b], [node], ["add"])) == 8 << 20
+        assert type(sys.modules["torch._dynamo"]).__name__ == "module"
         print("ok")
     ''')
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
