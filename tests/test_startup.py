@@ -13,7 +13,7 @@ import pytest
 
 
 def test_wgpu_type_names_parse_as_cffi_parses_them():
-    """Typedefs of wgpu's header (every 7th), bare, as a pointer and as a const pointer, parses to the same
+    """Typedefs of wgpu's header (every 7th), bare, as a pointer and as a const pointer, parse to the same
     cffi type quickly as with cffi's own parse (run in a fresh process: the shortcut is installed
     once per process, and cffi caches what it parsed)."""
     pytest.importorskip("wgpu")
