@@ -29,15 +29,17 @@ class WgslPlatform(RuntimePlatform):
         return supports(node, self.caps())
 
     def _compile(self, graph: Graph) -> KernelProgram:
-        """Compiled once per graph and caps: a run's limits preflight and the run itself compile
+        """Compiled once per graph, caps and matmul tile choice: a run's limits preflight and the run itself compile
         the same cases (:mod:`tapml.driving.preflight`), as do repeated replays in a session."""
         import hashlib
         import json
 
         from tapml.platforms.program_cache import ProgramCache
         from tapml.platforms.wgsl import compile_graph
+        from tapml.platforms.wgsl.matmul import tiles_state
         caps = self.caps()
-        key = hashlib.sha256(json.dumps([graph.to_json(), caps], sort_keys=True, default=str).encode()).hexdigest()
+        key = hashlib.sha256(json.dumps([graph.to_json(), caps, tiles_state(caps)], sort_keys=True,
+                                        default=str).encode()).hexdigest()
         compiled = self.__dict__.setdefault("_compiled", ProgramCache(max_entries=COMPILED_PROGRAMS))
         program = compiled.get(key)
         if program is None:

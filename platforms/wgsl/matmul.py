@@ -34,14 +34,22 @@ from tapml.platforms.wgsl.codegen import (MAX_GROUPS, WORKGROUP, BufferView, Com
 from tapml.platforms.wgsl.norms import NormedRow
 from tapml.platforms.wgsl.registry import ALL_INT, NUMERIC, edge_floats, edge_ints, rand, randint, register
 
-#: (TM, TN, workgroup x, workgroup y, subgroup): rows and columns per thread, threads per
-#: workgroup, and 0 or the subgroup size S over which lanes share B's tile (subgroupBroadcast).
-SMALL_TILES = (4, 4, 8, 8, 0)
-DEFAULT_TILES = (8, 16, 8, 4, 0)
-CANDIDATES = [(4, 4, 8, 8, 0), (8, 8, 8, 4, 0), (16, 8, 8, 4, 0), (8, 16, 8, 4, 0), (16, 8, 16, 2, 0),
-              (8, 16, 16, 2, 0), (16, 16, 8, 2, 0)]
+#: (TM, TN, workgroup x, workgroup y, subgroup, K tile): rows and columns per thread, threads per
+#: workgroup, 0 or the subgroup size S over which lanes share B's tile (subgroupBroadcast), and 0
+#: or the depth of the K slices that the workgroup stages in workgroup memory.
+SMALL_TILES = (4, 4, 8, 8, 0, 0)
+DEFAULT_TILES = (8, 16, 8, 4, 0, 0)
+CANDIDATES = [(4, 4, 8, 8, 0, 0), (8, 8, 8, 4, 0, 0), (16, 8, 8, 4, 0, 0), (8, 16, 8, 4, 0, 0), (16, 8, 16, 2, 0, 0),
+              (8, 16, 16, 2, 0, 0), (16, 16, 8, 2, 0, 0)]
 #: Tried only on devices with the ``subgroup`` feature; kept only where their results are right.
-SUBGROUP_CANDIDATES = [(4, 32, 8, 1, 8), (4, 32, 16, 1, 8), (8, 32, 8, 1, 8), (8, 32, 16, 1, 8), (8, 16, 8, 1, 8)]
+SUBGROUP_CANDIDATES = [(4, 32, 8, 1, 8, 0), (4, 32, 16, 1, 8, 0), (8, 32, 8, 1, 8, 0), (8, 32, 16, 1, 8, 0),
+                       (8, 16, 8, 1, 8, 0)]
+#: Tiles of A and B staged in workgroup memory (:func:`_workgroup_tiled`): what GPUs want; on
+#: llvmpipe every workgroup-memory load is a per-lane loop like a storage load, so these lose
+#: there (benchmarks/NOTES.md) and the tuner keeps the register tiles.
+WORKGROUP_CANDIDATES = [(4, 4, 16, 16, 0, 16), (8, 8, 8, 8, 0, 16), (4, 8, 16, 8, 0, 16), (8, 8, 16, 16, 0, 8)]
+#: The workgroup memory every WebGPU device offers (maxComputeWorkgroupStorageSize's default).
+WORKGROUP_BYTES = 16384
 #: Outputs with fewer rows or columns than this use SMALL_TILES (more threads for small work).
 LARGE = 64
 _FORCED: tuple | None = None
@@ -75,29 +83,47 @@ def _read_cache() -> dict:
     return _CACHE["devices"]
 
 
+def full_tiles(tiles) -> tuple[int, ...]:
+    """``tiles`` with the fields an older cache entry lacks (subgroup, K tile) as 0."""
+    tiles = tuple(tiles)
+    return tiles + (0,) * (6 - len(tiles))
+
+
 def tiles_label(tiles) -> str:
-    """``(8, 16, 8, 4, 0)`` -> ``"8x16/8x4"``; subgroup variants end in ``"/sg8"``."""
-    tm, tn, wx, wy, sg = tuple(tiles) + (0,) * (5 - len(tiles))
-    return f"{tm}x{tn}/{wx}x{wy}" + (f"/sg{sg}" if sg else "")
+    """``(8, 16, 8, 4, 0, 0)`` -> ``"8x16/8x4"``; subgroup variants end in ``"/sg8"``, workgroup-
+    memory ones in ``"/wm16"`` (the K tile)."""
+    tm, tn, wx, wy, sg, bk = full_tiles(tiles)
+    return f"{tm}x{tn}/{wx}x{wy}" + (f"/sg{sg}" if sg else "") + (f"/wm{bk}" if bk else "")
 
 
-def tiles_for(caps: dict, m: int, n: int) -> tuple[int, int, int, int, int]:
+def tiles_for(caps: dict, m: int, n: int) -> tuple[int, int, int, int, int, int]:
     """Tile sizes for an m x n output on a device with ``caps``."""
     if _FORCED is not None:
         return _FORCED
     if m < LARGE or n < LARGE:
         return SMALL_TILES
     entry = _read_cache().get(device_key(caps or {}))
-    known = [list(c) for c in CANDIDATES + SUBGROUP_CANDIDATES]
-    tiles = tuple(entry["tiles"]) if isinstance(entry, dict) and entry.get("tiles") in known else None
-    return tiles or DEFAULT_TILES
+    known = [tuple(c) for c in CANDIDATES + SUBGROUP_CANDIDATES + WORKGROUP_CANDIDATES]
+    tiles = entry.get("tiles") if isinstance(entry, dict) else None
+    if isinstance(tiles, list) and 5 <= len(tiles) <= 6 and all(type(t) is int for t in tiles) \
+            and full_tiles(tiles) in known:
+        return full_tiles(tiles)
+    return DEFAULT_TILES
+
+
+def tiles_state(caps: dict) -> list:
+    """What the tile choice for a device with ``caps`` depends on besides the graph: the forced
+    tiles and the tuned entry for the device. A compiled program is reused only while this is
+    unchanged (tuning compiles one graph under several forced tiles)."""
+    entry = _read_cache().get(device_key(caps or {}))
+    return [_FORCED, entry.get("tiles") if isinstance(entry, dict) else None]
 
 
 @contextlib.contextmanager
 def forced_tiles(tiles: tuple[int, ...]):
     """Compile every matmul with ``tiles`` inside the block (for tuning)."""
     global _FORCED
-    old, _FORCED = _FORCED, tuple(tiles) + (0,) * (5 - len(tiles))
+    old, _FORCED = _FORCED, full_tiles(tiles)
     try:
         yield
     finally:
@@ -119,8 +145,9 @@ def tune(platform, n: int = 512, repeat: int = 3, candidates=None) -> dict:
     expected = a @ b
     results = {}
     if candidates is None:
-        candidates = CANDIDATES + (SUBGROUP_CANDIDATES if "subgroup" in platform.caps().get("features", []) else [])
-    for tiles in candidates:
+        candidates = CANDIDATES + WORKGROUP_CANDIDATES + \
+            (SUBGROUP_CANDIDATES if "subgroup" in platform.caps().get("features", []) else [])
+    for tiles in map(full_tiles, candidates):
         with forced_tiles(tiles):
             program = platform.compile(graph)
         got = platform.run(program, [a, b])[0]
@@ -231,6 +258,10 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
     vec_a = _vec_ok(a, 2, K)
     if M == 1 and vec_a and vec_bk and _FORCED is None:
         return _gemv(pb, name, a, b, out, result, (Z, K, N), bias, alpha, beta)
+    tiles = tiles_for(pb.caps, M, N)
+    if tiles[5]:
+        _workgroup_tiled(pb, name, a, b, bias, alpha, beta, out, (Z, M, K, N), tiles)
+        return result
     k = pb.kernel(name)
     A = k.bind(a.buf, elem=f"vec4<{a.buf.dtype}>" if vec_a else None)
     B = k.bind(b.buf, elem=f"vec4<{b.buf.dtype}>" if (vec_bn or vec_bk) else None)
@@ -242,7 +273,7 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
     def f1(name, index, dt):
         return load_at(name, index, dt, "f32")
 
-    tm, tn, wx, wy, sg = tiles_for(pb.caps, M, N)
+    tm, tn, wx, wy, sg, _ = tiles
     nb = tn // 4
     sg = sg if (sg and "subgroup" in pb.features and (vec_bn or vec_bk) and tn % sg == 0) else 0
     k.emit("let z: i32 = i32(gid.z);")
@@ -326,22 +357,12 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
             for jb in range(nb):
                 k.emit(f"  acc{i}_{jb} = acc{i}_{jb} + ak{i} * bk{jb};")
         k.close()
-    comps = "xyzw"
     for i in range(tm):
-        k.open(f"if (m0 + {i} < {M})")
         for j in range(tn):
-            k.open(f"if (n0 + {j} < {N})")
-            e = f"acc{i}_{j // 4}.{comps[j % 4]}"
+            e = f"acc{i}_{j // 4}.{'xyzw'[j % 4]}"
             if sg:  # another subgroup size would have shared the wrong tiles: NaN, never a quiet error
                 e = f"select(bitcast<f32>(0x7fc00000u), {e}, sg_size == {sg}u)"
-            if alpha != 1:
-                e = f"({lit(alpha, 'f32')} * {e})"
-            if bias is not None and beta != 0:
-                bv = cast(bias.read(k, ["z", k.let(f"m0 + {i}", "i32"), k.let(f"n0 + {j}", "i32")]), bias.ty, "f32")
-                e = f"({e} + {bv})" if beta == 1 else f"({e} + {lit(beta, 'f32')} * {bv})"
-            k.write(out, f"(z * {M} + m0 + {i}) * {N} + n0 + {j}", e, "f32")
-            k.close()
-        k.close()
+            _write_tile(k, out, i, j, e, "m0", "n0", (M, N), bias, alpha, beta)
     if sg:
         groups = (-(-N // tn), -(-M // (tm * wx)), Z)
     else:
@@ -354,6 +375,99 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
                                                      "@builtin(subgroup_size) sg_size: u32)")
     pb.add(kern)
     return result
+
+
+def _write_tile(k, out, i: int, j: int, e: str, rows: str, cols: str, sizes, bias, alpha, beta) -> None:
+    """Write output element ``(rows + i, cols + j)`` of the current batch from the f32 sum ``e``
+    (scaled by ``alpha``, plus ``beta * bias``) when it lies inside the ``(M, N)`` output."""
+    M, N = sizes
+    m, n = k.let(f"{rows} + {i}", "i32"), k.let(f"{cols} + {j}", "i32")
+    k.open(f"if ({m} < {M} && {n} < {N})")
+    if alpha != 1:
+        e = f"({lit(alpha, 'f32')} * {e})"
+    if bias is not None and beta != 0:
+        bv = cast(bias.read(k, ["z", m, n]), bias.ty, "f32")
+        e = f"({e} + {bv})" if beta == 1 else f"({e} + {lit(beta, 'f32')} * {bv})"
+    k.write(out, f"(z * {M} + {m}) * {N} + {n}", e, "f32")
+    k.close()
+
+
+def _workgroup_tiled(pb, name: str, a: BufferView, b: BufferView, bias, alpha, beta, out, sizes, tiles) -> None:
+    """:func:`matmul` with A and B staged in workgroup memory: for each slice of ``bk`` along K,
+    the workgroup's lanes load the (BM x bk) tile of A and the (bk x BN) tile of B together (the
+    lanes that load neighbouring elements are those whose addresses are neighbours, for either
+    operand layout), wait at a barrier, and every lane computes its TM x TN register tile from
+    the shared copies. Elements past K are zeros; rows and columns past the output are clamped
+    for loads and dropped at the write. Control flow stays uniform around the barriers."""
+    Z, M, K, N = sizes
+    tm, tn, wx, wy, _, bk = tiles
+    BM, BN, lanes = wy * tm, wx * tn, wx * wy
+    if tm % 4 or tn % 4 or bk * (BM + BN) * 4 > WORKGROUP_BYTES:
+        raise ValueError(f"workgroup-memory tiles {tiles_label(tiles)} need TM and TN multiples of 4 and "
+                         f"{bk * (BM + BN) * 4} bytes of workgroup memory (at most {WORKGROUP_BYTES})")
+    k = pb.kernel(name)
+    A, B = k.bind(a.buf), k.bind(b.buf)
+    sab, sam, sak = a.strides
+    sbb, sbk, sbn = b.strides
+    k.helpers["mm_tiles"] = (f"var<workgroup> tile_a: array<vec4<f32>, {bk * BM // 4}>;\n"
+                             f"var<workgroup> tile_b: array<vec4<f32>, {bk * BN // 4}>;")
+    k.emit("let z: i32 = i32(wid.z);")
+    k.emit("let tx: i32 = i32(lid.x);")
+    k.emit("let ty: i32 = i32(lid.y);")
+    k.emit(f"let lane: i32 = ty * {wx} + tx;")
+    k.emit(f"let m0: i32 = i32(wid.y) * {BM};")
+    k.emit(f"let n0: i32 = i32(wid.x) * {BN};")
+    for i in range(tm):
+        for j in range(tn // 4):
+            k.emit(f"var acc{i}_{j}: vec4<f32> = vec4<f32>(0.0);")
+
+    def fill(tile: str, slots_per_k: int, along_k: bool, element) -> None:
+        """Each lane stores its share of the ``bk x slots_per_k`` vec4 slots of ``tile``;
+        ``element(kk, q)`` is the load of the slot's ``q``-th element at K index ``kk``."""
+        slots = bk * slots_per_k
+        for r in range(-(-slots // lanes)):
+            k.open("")
+            k.emit(f"let e: i32 = lane + {r * lanes};")
+            if (r + 1) * lanes > slots:
+                k.open(f"if (e < {slots})")
+            if along_k:  # neighbouring lanes take neighbouring K indices
+                k.emit(f"let kk: i32 = e % {bk};")
+                k.emit(f"let q4: i32 = (e / {bk}) * 4;")
+            else:
+                k.emit(f"let kk: i32 = e / {slots_per_k};")
+                k.emit(f"let q4: i32 = (e % {slots_per_k}) * 4;")
+            k.emit(f"let kc: i32 = min(k0 + kk, {K - 1});")
+            parts = ", ".join(element("kc", q) for q in range(4))
+            k.emit(f"{tile}[kk * {slots_per_k} + q4 / 4] = select(vec4<f32>(0.0), vec4<f32>({parts}), k0 + kk < {K});")
+            if (r + 1) * lanes > slots:
+                k.close()
+            k.close()
+
+    k.open(f"for (var k0: i32 = 0; k0 < {K}; k0 = k0 + {bk})", -(-K // bk))
+    fill("tile_a", BM // 4, sak == 1,
+         lambda kk, q: load_at(A, f"{a.offset} + z * {sab} + min(m0 + q4 + {q}, {M - 1}) * {sam} + {kk} * {sak}",
+                               a.buf.dtype, "f32"))
+    fill("tile_b", BN // 4, sbn != 1,
+         lambda kk, q: load_at(B, f"{b.offset} + z * {sbb} + {kk} * {sbk} + min(n0 + q4 + {q}, {N - 1}) * {sbn}",
+                               b.buf.dtype, "f32"))
+    k.emit("workgroupBarrier();")
+    k.open(f"for (var kk: i32 = 0; kk < {bk}; kk = kk + 1)", bk)
+    for i in range(tm // 4):
+        k.emit(f"let a{i} = tile_a[kk * {BM // 4} + ty * {tm // 4} + {i}];")
+    for j in range(tn // 4):  # a lane's columns are wx vec4s apart: neighbouring lanes, neighbouring slots
+        k.emit(f"let b{j} = tile_b[kk * {BN // 4} + tx + {j * wx}];")
+    for i in range(tm):
+        for j in range(tn // 4):
+            k.emit(f"acc{i}_{j} = acc{i}_{j} + a{i // 4}.{'xyzw'[i % 4]} * b{j};")
+    k.close()
+    k.emit("workgroupBarrier();")
+    k.close()
+    for i in range(tm):
+        for j in range(tn // 4):
+            for q in range(4):
+                _write_tile(k, out, i, q, f"acc{i}_{j}.{'xyzw'[q]}", f"m0 + ty * {tm}", f"n0 + (tx + {j * wx}) * 4",
+                            (M, N), bias, alpha, beta)
+    pb.add(k.finish(0, workgroup=(wx, wy, 1), groups=(-(-N // BN), -(-M // BM), Z), group_ids=True))
 
 
 #: Lanes that split K for one output column, and columns per lane group, of the one-row product

@@ -1,0 +1,118 @@
+"""The matrix product's tile variants (platforms/wgsl/matmul.py), issue 35: the kernel that stages
+tiles of A and B in workgroup memory, forced for every product of a graph, against torch on seeded
+random inputs whose sizes cross tile boundaries (rows, columns and K that are not multiples of the
+tiles, one row, one column, batches), transposed operands read in place, a bias with alpha and
+beta, in float32, float16 and bfloat16. The runtime poisons outputs, so an element no lane writes
+shows. Also the tuner's bookkeeping: a compiled program is not reused under other tiles, and a
+cached choice is honoured only when it is one of the candidates.
+Device tier: lavapipe and llvmpipe; browser tier: Chromium."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tapml.graph import graph_from_fx
+from tapml.platforms.wgsl import matmul
+from tests.support import exported, in_chromium, own_wgpu
+
+#: name -> (function, input shapes, K); the function's operands are what the graph's product reads
+CASES = {
+    "ragged-tiles": (lambda a, b: (a @ b,), [(130, 70), (70, 67)], 70),
+    "both-transposed": (lambda a, b: (a.t() @ b.t(),), [(37, 130), (67, 37)], 37),
+    "one-row": (lambda a, b: (a @ b,), [(1, 50), (50, 90)], 50),
+    "one-column": (lambda a, b: (a @ b,), [(90, 33), (33, 1)], 33),
+    "batched": (lambda a, b: (torch.bmm(a, b),), [(3, 65, 40), (3, 40, 66)], 40),
+    "bias-alpha-beta": (lambda c, a, b: (torch.addmm(c, a, b, beta=0.5, alpha=2.0),), [(67,), (129, 20), (20, 67)],
+                        20),
+    "batched-bias": (lambda c, a, b: (torch.baddbmm(c, a, b.transpose(1, 2), alpha=-1.5),),
+                     [(2, 1, 70), (2, 66, 9), (2, 70, 9)], 9),
+}
+EPS = {torch.float32: 1.2e-7, torch.float16: 9.8e-4, torch.bfloat16: 7.8e-3}
+
+
+def _case(name: str, dtype):
+    fn, shapes, _ = CASES[name]
+    gen = torch.Generator().manual_seed(len(name))
+    inputs = [torch.randn(*s, generator=gen) for s in shapes]
+    if name == "ragged-tiles" and dtype == torch.float32:  # large, tiny, subnormal and signed-zero operands
+        inputs[0][0, :6] = torch.tensor([1e18, -1e18, 1e-40, -0.0, 3.4e15, -3.4e15])
+    inputs = [t.to(dtype) for t in inputs]
+    ep = exported(fn, *inputs)
+    want = fn(*[t.double() for t in inputs])[0]
+    return graph_from_fx(ep.graph, ep.graph_signature), inputs, want
+
+
+def _check(platform, tiles, dtypes=(torch.float32, torch.float16, torch.bfloat16), names=tuple(CASES)):
+    for dtype in dtypes:
+        for name in names:
+            graph, inputs, want = _case(name, dtype)
+            with matmul.forced_tiles(tiles):
+                program = platform.compile(graph)
+            assert any("tile_a" in k.wgsl and "workgroupBarrier" in k.wgsl for k in program.kernels), name
+            got = platform.run(program, inputs)[0]
+            assert got.dtype == dtype and got.shape == want.shape and not got.isnan().any(), (name, dtype)
+            # one rounding of a float32 sum taken in another order: the error follows K and the operands
+            k = CASES[name][2]
+            scale = float(inputs[-2].double().abs().max() * inputs[-1].double().abs().max())
+            atol = 2 * EPS[dtype] * abs(float(want.abs().max())) + 1e-6 * k * scale
+            torch.testing.assert_close(got.double(), want, rtol=2 * EPS[dtype], atol=atol, msg=f"{name} {dtype}")
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+@pytest.mark.parametrize("tiles", matmul.WORKGROUP_CANDIDATES, ids=matmul.tiles_label)
+def test_workgroup_memory_tiles_equal_torch_on_vulkan(tiles):
+    """Every candidate in float32; the first in float16 and bfloat16 as well (the loads and the
+    write are the same code for every candidate)."""
+    first = tiles == matmul.WORKGROUP_CANDIDATES[0]
+    _check(own_wgpu("vulkan"), tiles, dtypes=(torch.float32, torch.float16, torch.bfloat16) if first else (torch.float32,))
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+def test_workgroup_memory_tiles_equal_torch_on_gl():
+    _check(own_wgpu("gl"), matmul.WORKGROUP_CANDIDATES[1])
+
+
+@in_chromium
+def test_workgroup_memory_tiles_equal_torch_in_chromium():
+    from tapml.platforms.browser import BrowserPlatform
+    with BrowserPlatform() as browser:
+        _check(browser, matmul.WORKGROUP_CANDIDATES[0])
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+def test_a_program_compiled_under_other_tiles_is_not_reused():
+    """The tuner compiles one graph under each candidate: each must be that candidate's kernel
+    (a compiled-program cache keyed by the graph alone once timed one kernel as all of them)."""
+    platform = own_wgpu("vulkan")
+    graph = _case("ragged-tiles", torch.float32)[0]
+    seen = {}
+    for tiles in (matmul.CANDIDATES[0], matmul.CANDIDATES[3], matmul.WORKGROUP_CANDIDATES[0]):
+        with matmul.forced_tiles(tiles):
+            seen[tiles] = platform.compile(graph).kernels[-1].workgroups
+    assert len(set(seen.values())) == 3, seen
+
+
+def test_a_cached_tile_choice_counts_only_when_it_is_a_candidate(tmp_path, monkeypatch):
+    monkeypatch.setenv("TAPML_CACHE_DIR", str(tmp_path))
+    caps = {"backend": "vulkan", "adapter": "llvmpipe"}
+    key = matmul.device_key(caps)
+
+    def cached(tiles):
+        (tmp_path / "matmul-tiles.json").write_text(json.dumps({"format": 1, "devices": {key: {"tiles": tiles}}}))
+        return matmul.tiles_for(caps, 512, 512)
+
+    assert cached(list(matmul.WORKGROUP_CANDIDATES[2])) == matmul.WORKGROUP_CANDIDATES[2]
+    assert cached([8, 32, 8, 1, 8]) == (8, 32, 8, 1, 8, 0)  # an entry written before the K tile existed
+    for bad in ([8, 8, 8, 8, 0, 4096], [8, 16, 8, 4, 0, True], ["8"], None, [8, 16, 8, 4, 0, 0, 0]):
+        assert cached(bad) == matmul.DEFAULT_TILES, bad
+    assert matmul.tiles_for(caps, 8, 512) == matmul.SMALL_TILES
+    assert matmul.tiles_label(matmul.WORKGROUP_CANDIDATES[0]) == "4x4/16x16/wm16"
+    for tiles in matmul.WORKGROUP_CANDIDATES:  # each fits the workgroup memory every WebGPU device has
+        tm, tn, wx, wy, _, bk = tiles
+        assert bk * (wy * tm + wx * tn) * 4 <= matmul.WORKGROUP_BYTES and wx * wy <= 256
