@@ -440,6 +440,22 @@ class Platform:
                    and power[1:3].tolist() == [math.inf, 0.0])
         return {"nan_inf": nan_inf, "subnormals": product[3:5].tolist() == x[3:5].tolist()}
 
+    def roofline(self) -> dict:
+        """What the device can do at best, measured once by probe kernels
+        (:mod:`tapml.platforms.roofline`): ``{"peak_gflops", "storage_gbps", "workgroup_gbps",
+        "dispatch_us", "timing"}``; an empty dict when the probes cannot run (a platform that runs
+        no kernels)."""
+        if "_roofline" not in self.__dict__:
+            from tapml.errors import DeviceLost
+            from tapml.platforms import roofline
+            try:
+                self.__dict__["_roofline"] = roofline.probe(self)
+            except DeviceLost:
+                raise
+            except (PlatformError, Unsupported, ValueError, TypeError):
+                self.__dict__["_roofline"] = {}
+        return self.__dict__["_roofline"]
+
     def loop_limits(self) -> dict:
         """How many loop iterations the device runs in one invocation, measured once by running a
         probe that asks for :data:`LOOP_PROBE_ITERATIONS`: ``{"loop_cap": N}`` when the device

@@ -260,16 +260,19 @@ def _speed_number(x) -> float | None:
 
 def op_speeds(cases: list[dict]) -> list[dict]:
     """Per op of the profiled cases (those with ``device_ms``, ``replay --profile``): cases, the
-    sum of their device ms, GFLOP/s and GB/s over that time, and against a baseline (cases with
-    ``baseline_ms``) the sum of their baseline ms and the ratio of their device time to it;
-    the slowest op first."""
+    sum of their device ms, GFLOP/s and GB/s over that time, where the device's roofline was
+    known the ``roofline_bound`` of most of the op's least time and the ``roofline_fraction`` reached
+    (the sum of the cases' ``roofline_ms`` over the sum of their device ms), and against a baseline
+    (cases with ``baseline_ms``) the sum of their baseline ms and the ratio of their device time
+    to it; the slowest op first."""
     rows: dict[str, dict] = {}
     for c in cases:
         ms = _speed_number(c.get("device_ms"))
         if ms is None:
             continue
         r = rows.setdefault(c.get("op", "?"), {"op": c.get("op", "?"), "cases": 0, "device_ms": 0.0, "gflop": 0.0,
-                                               "gbytes": 0.0, "rated": 0.0, "baseline_ms": None, "compared_ms": 0.0})
+                                               "gbytes": 0.0, "rated": 0.0, "baseline_ms": None, "compared_ms": 0.0,
+                                               "bounds": {}, "placed_ms": 0.0})
         r["cases"] += 1
         r["device_ms"] += ms
         gflops, gbps = _speed_number(c.get("gflops")), _speed_number(c.get("gbps"))
@@ -277,6 +280,10 @@ def op_speeds(cases: list[dict]) -> list[dict]:
             r["gflop"] += gflops * ms / 1e3
             r["gbytes"] += gbps * ms / 1e3
             r["rated"] += ms
+        bound, bound_ms = c.get("roofline_bound"), _speed_number(c.get("roofline_ms"))
+        if isinstance(bound, str) and bound_ms is not None:
+            r["bounds"][bound] = r["bounds"].get(bound, 0.0) + bound_ms
+            r["placed_ms"] += ms
         base = _speed_number(c.get("baseline_ms"))
         if base is not None:
             r["baseline_ms"] = (r["baseline_ms"] or 0.0) + base
@@ -288,6 +295,8 @@ def op_speeds(cases: list[dict]) -> list[dict]:
         out.append({"op": r["op"], "cases": r["cases"], "device_ms": r["device_ms"],
                     "gflops": None if per_s is None else r["gflop"] * per_s,
                     "gbps": None if per_s is None else r["gbytes"] * per_s, "baseline_ms": base,
+                    "roofline_bound": max(r["bounds"], key=r["bounds"].get) if r["bounds"] else None,
+                    "roofline_fraction": sum(r["bounds"].values()) / r["placed_ms"] if r["placed_ms"] > 0 else None,
                     "ratio": r["compared_ms"] / base if base else None})
     out.sort(key=lambda r: (-r["device_ms"], r["op"]))
     return out

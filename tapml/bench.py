@@ -134,7 +134,19 @@ def matmul_figure(platform, n: int, batch: int = 0, repeat: int = 3) -> dict:
     ours, ref = flops / s / 1e9, flops / torch_s / 1e9
     return {**row, "ours_gflops": _sig(ours), "torch_gflops": _sig(ref), "ratio": _ratio(ours, ref),
             "timing": timing, "max_abs_err": float((got - expected).abs().max()),
-            "kernel": getattr(program, "kernels", [None])[0].name if getattr(program, "kernels", None) else None}
+            "kernel": getattr(program, "kernels", [None])[0].name if getattr(program, "kernels", None) else None,
+            **roofline_figure(platform, program, flops, s, timing)}
+
+
+def roofline_figure(platform, program, flops: float, seconds: float, timing: str) -> dict:
+    """Where a timed program stands on its device's roofline (Platform.roofline, probed once per
+    platform): ``{"roofline_bound", "roofline_ms", "roofline_fraction"}``; {} for a round-trip
+    time (transfers are not on the roofline) or a device without a roofline."""
+    from tapml.driving.profile import device_roofline, program_bytes, roofline_place
+    if timing != "device":
+        return {}
+    return roofline_place(device_roofline(platform), flops, program_bytes(program), seconds * 1e3,
+                          max(1, len(getattr(program, "kernels", []))))
 
 
 #: Long rows (``tapml bench``): one figure each, name -> (op, arguments built from a seeded generator).
@@ -172,9 +184,10 @@ def long_row_figure(platform, name: str, repeat: int = 3) -> dict:
         return {"case": name, "op": op, "error": f"{type(e).__name__}: {e}", "ours_ms": None,
                 "torch_ms": _sig(torch_s * 1e3), "ratio": None}
     right = all(compare_tensor(o, r).passed for o, r in zip(got, expected))
+    from tapml.driving.profile import graph_flops
     return {"case": name, "op": op, "ours_ms": _sig(s * 1e3), "torch_ms": _sig(torch_s * 1e3),
             "ratio": _ratio(torch_s, s), "timing": timing, "matches_torch": right,
-            "kernels": len(program.kernels)}
+            "kernels": len(program.kernels), **roofline_figure(platform, program, graph_flops(graph), s, timing)}
 
 
 def matmul_figures(platform, sizes=MATMUL_SIZES, repeat: int = 3, batch: int = BMM_BATCH) -> list[dict]:
@@ -1018,7 +1031,8 @@ def run_suite(target: str = "wgpu", *, quick: bool = False, token: str | None = 
         "load_avg": [round(x, 2) for x in os.getloadavg()]}}
     try:
         with open_target(target, token=token) as platform:
-            report["device"] = device_info(platform)
+            step("probing the device's roofline")
+            report["device"] = device_info(platform, roofline=True)
             report["autotune"] = None
             if callable(getattr(platform, "benchmark", None)):
                 step("tuning matmul tile sizes for this device")

@@ -18,6 +18,20 @@ def fmt_err(x: float | None) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
+def fmt_percent(x: float | None) -> str:
+    """A fraction as a percentage with one decimal, ``-`` when unknown: ``fmt_percent(0.4567)`` -> ``'45.7%'``."""
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def roofline_text(peaks: dict) -> str:
+    """A device's probed roofline (tapml.platforms.roofline) in one phrase, empty when unknown:
+    ``'peak 105 GFLOP/s, loads 10.4 GB/s, workgroup memory 17.6 GB/s, dispatch 28 us'``."""
+    if not peaks.get("peak_gflops"):
+        return ""
+    return (f"peak {peaks['peak_gflops']:.3g} GFLOP/s, loads {peaks.get('storage_gbps') or 0:.3g} GB/s, "
+            f"workgroup memory {peaks.get('workgroup_gbps') or 0:.3g} GB/s, dispatch {peaks.get('dispatch_us') or 0:.3g} us")
+
+
 def keep_names_whole(table, headers=("op",)) -> None:
     """Never wrap or cut the cells of the columns named ``headers`` of a rich ``table`` (op names are
     what a user greps for): at 80 columns (CI logs, pipes) the other columns fold instead. Call it

@@ -195,6 +195,28 @@ def _render_suite(r: dict) -> None:
         table.add_row("empty call ms vs socket round trip", _num(t["empty_call_ms"]), _num(t["socket"]["round_trip_ms"]),
                       "", goal("empty_call_ms"))
     out.print(table)
+    _render_roofline(r)
+
+
+def _render_roofline(r: dict) -> None:
+    """Each timed kernel on the device's roofline: what bounds its least time there and the
+    fraction of that bound it reached (tapml.platforms.roofline)."""
+    from rich.table import Table
+
+    from tapml.render import fmt_percent, roofline_text
+    peaks = (r.get("device") or {}).get("roofline") or {}
+    rows = [(f"{m['op']} {m['n']}" + (f" x{m['batch']}" if m["op"] == "bmm" else ""), m) for m in r.get("matmul", [])]
+    rows += [(row["case"], row) for row in r.get("long_rows", [])]
+    rows = [(name, row) for name, row in rows if row.get("roofline_bound")]
+    if not peaks or not rows:
+        return
+    table = Table(title=f"roofline of {r['target']}: {roofline_text(peaks)} ({peaks.get('timing', '')})")
+    for col in ("kernel", "ms", "bound", "least ms", "of roofline"):
+        table.add_column(col, justify="left" if col in ("kernel", "bound") else "right")
+    for name, row in rows:
+        ms = row["ours_ms"] if "ours_ms" in row else row["roofline_ms"] / row["roofline_fraction"]
+        table.add_row(name, _num(ms), row["roofline_bound"], _num(row["roofline_ms"]), fmt_percent(row["roofline_fraction"]))
+    out.print(table)
 
 
 def _scale_rows(f: dict) -> list[tuple[str, str]]:

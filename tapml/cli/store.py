@@ -11,7 +11,7 @@ from tapml.cli.common import (CacheOpt, TrustRemoteCodeOpt, ChatOpt, PromptFileO
                               TokenFileOpt, TokenMapOpt, TolOpt, app, check_dtype, command, console, fail, open_store,
                               QuantizeOpt, QuantizedOpsOpt, check_quantize,
                               out, parse_device_limits, progress_bar, write_json)
-from tapml.render import keep_names_whole
+from tapml.render import fmt_percent, keep_names_whole, roofline_text
 from tapml.text import shown
 
 
@@ -469,11 +469,17 @@ def render_speed(result: dict, slower: list[dict], baseline: Optional[str], slow
     rows = op_speeds(result["cases"])
     if rows and not quiet:
         timing = ", ".join(sorted({c["timing"] for c in result["cases"] if c.get("timing")}))
-        table = Table(title=f"device time per op on {shown(result['target'])} ({timing}; median of each case's runs)")
-        for col in ("op", "cases", "device ms", "GFLOP/s", "GB/s") + (("baseline ms", "ratio") if baseline else ()):
-            table.add_column(col, justify="left" if col == "op" else "right")
+        placed = any(r["roofline_bound"] for r in rows)
+        table = Table(title=f"device time per op on {shown(result['target'])} ({timing}; median of each case's runs)"
+                            + (f"; roofline {roofline_text((result.get('device') or {}).get('roofline') or {})}"
+                               if placed else ""))
+        for col in ("op", "cases", "device ms", "GFLOP/s", "GB/s") + (("bound", "of roofline") if placed else ()) + \
+                (("baseline ms", "ratio") if baseline else ()):
+            table.add_column(col, justify="left" if col in ("op", "bound") else "right")
         for r in rows:
             cells = [shown(r["op"]), str(r["cases"]), f"{r['device_ms']:.4f}", _num(r["gflops"]), _num(r["gbps"])]
+            if placed:
+                cells += [r["roofline_bound"] or "", fmt_percent(r["roofline_fraction"])]
             if baseline:
                 cells += [_num(r["baseline_ms"], ".4f"), _num(r["ratio"], ".2f")]
             table.add_row(*cells)

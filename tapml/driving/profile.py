@@ -97,17 +97,37 @@ def shapes_text(graph) -> str:
     return ",".join("x".join(map(str, m.shape)) or "()" for _, m in graph.inputs)
 
 
+def device_roofline(platform) -> dict:
+    """The roofline of the device under ``platform``'s wrappers (Platform.roofline: probed once
+    per platform), {} where it has none."""
+    probe = getattr(runtime_of(platform), "roofline", None)
+    return probe() if callable(probe) else {}
+
+
+def roofline_place(roofline: dict, flops: float, nbytes: float, ms: float, kernels: int = 1) -> dict:
+    """``{"roofline_bound", "roofline_ms", "roofline_fraction"}`` of a program that did ``flops`` and moved
+    ``nbytes`` in ``ms`` over ``kernels`` dispatches (tapml.platforms.roofline.attained); {}
+    without a roofline or a time."""
+    from tapml.platforms.roofline import attained
+    place = attained(roofline, flops, nbytes, ms / 1e3, kernels)
+    return {"roofline_bound": place["bound"], "roofline_ms": place["bound_ms"],
+            "roofline_fraction": place["fraction"]} if place else {}
+
+
 def profile_program(platform, program, inputs: list, graph, runs: int = RUNS) -> dict:
     """``{"device_ms", "gflops", "gbps", "timing", "shapes"}`` of one compiled case: the median
-    of ``runs`` device times, and FLOPs and bytes per that time (None for a zero time)."""
+    of ``runs`` device times, and FLOPs and bytes per that time (None for a zero time); where
+    the device's roofline is known, also what bounds the case there and the fraction of that
+    bound it reached (:func:`roofline_place`)."""
     from tapml.platforms.base import wrap_errors
     times, timing = wrap_errors(device_times, platform, program, inputs, runs)
     ms = statistics.median(times)
     flops, nbytes = graph_flops(graph), program_bytes(program)
     per_s = 1e3 / ms if ms > 0 else None
+    place = roofline_place(device_roofline(platform), flops, nbytes, ms, max(1, len(getattr(program, "kernels", []))))
     return {"device_ms": round(ms, 6), "timing": timing, "shapes": shapes_text(graph),
             "gflops": None if per_s is None else round(flops * per_s / 1e9, 6),
-            "gbps": None if per_s is None else round(nbytes * per_s / 1e9, 6)}
+            "gbps": None if per_s is None else round(nbytes * per_s / 1e9, 6), **place}
 
 
 def read_baseline(path: str):

@@ -14,11 +14,13 @@ from tapml.driving.profile import measured
 from tapml.judging.verdict import STATUSES, CaseVerdict, Verdict, VerdictDocument, outcome_verdict, summary  # noqa: F401 - re-exported
 
 
-def device_info(platform, probe: bool = True) -> dict:
+def device_info(platform, probe: bool = True, roofline: bool = False) -> dict:
     """``{adapter, backend, features, limits}`` of a platform, for verdict files (with
     ``error`` when the platform cannot say), and with ``probe`` its measured ``float_model``
     (a run on the device, once per platform) and ``loop_cap``: the loop iterations one invocation
-    runs before the device stops it, null when it did not (Platform.loop_limits); DeviceLost is raised."""
+    runs before the device stops it, null when it did not (Platform.loop_limits); with
+    ``roofline`` its probed ``roofline`` (Platform.roofline, about a second of probes); DeviceLost
+    is raised."""
     try:
         caps = platform.caps()
     except DeviceLost:
@@ -31,6 +33,10 @@ def device_info(platform, probe: bool = True) -> dict:
         info["float_model"] = model
     if probe:
         info.update(loop_limits(platform))
+    if roofline:
+        from tapml.driving.profile import device_roofline
+        if peaks := device_roofline(platform):
+            info["roofline"] = peaks
     return info
 
 
@@ -382,7 +388,7 @@ def replay(store, platform, target: str, tolerances: Tolerances | None = None, a
     from tapml.driving.targets import spread
     verdicts = []
     try:
-        device = device_info(platform)
+        device = device_info(platform, roofline=bool(profile))
     except DeviceLost as e:
         device = {"adapter": "unknown", "backend": "unknown", "features": [], "limits": {}, "error": str(e)}
     todo = store.cases if cases is None else cases

@@ -54,9 +54,19 @@ class FloatModelJSON(ClosedSchema):
     subnormals: Bool = False
 
 
+class RooflineJSON(ClosedSchema):
+    """What a device does at best, as its probes measured it (tapml.platforms.roofline)."""
+
+    peak_gflops: NonNegative | None = None
+    storage_gbps: NonNegative | None = None
+    workgroup_gbps: NonNegative | None = None
+    dispatch_us: NonNegative | None = None
+    timing: Literal["device", "round trip"] | None = None
+
+
 class DeviceJSON(Written):
     """A device description: adapter, backend, features, limits (name -> a number, string or
-    boolean), and where known how it holds low floats, its float model and loop cap."""
+    boolean), and where known how it holds low floats, its float model, loop cap and roofline."""
 
     adapter: Str | None = ""
     backend: Str | None = ""
@@ -65,6 +75,7 @@ class DeviceJSON(Written):
     low_precision: LowPrecisionJSON | None = None
     float_model: FloatModelJSON | None = None
     loop_cap: Count | None = None
+    roofline: RooflineJSON | None = None
     error: Str = ""
 
 
@@ -233,6 +244,8 @@ def _device(r: _Reader, m: DeviceJSON | None, path: str = "device") -> dict | No
     if m.float_model is not None:
         out["float_model"] = {k: getattr(m.float_model, k) for k in ("nan_inf", "subnormals")
                               if k in m.float_model.model_fields_set}
+    if m.roofline is not None:
+        out["roofline"] = {k: getattr(m.roofline, k) for k in m.roofline.model_fields_set}
     out.update({k: v[k] for k in ("loop_cap", "error") if k in m.model_fields_set})
     return out
 

@@ -35,6 +35,8 @@ NEAR_FAILING = 0.5
 BLAME = ("route", "device compiler")
 #: How a profiled case's ``device_ms`` was taken (tapml.driving.profile): GPU timestamps or the host clock.
 TIMINGS = ("timestamp", "wall")
+#: What bounds a profiled case's least time on its device's roofline (tapml.platforms.roofline).
+BOUNDS = ("compute", "memory", "dispatch")
 #: Kinds of culprit, in the order reports list them: a wrong op (alone), a wrong node (in its
 #: model's context), an op that fails to compile or run, a window of nodes that fails to run
 #: together (fusion), error that builds up along a window of nodes that each pass, and last an
@@ -112,6 +114,9 @@ class CaseVerdictJSON(VerdictJSON):
     device_ms: NonNegative | None = None
     gflops: NonNegative | None = None
     gbps: NonNegative | None = None
+    roofline_bound: Literal[BOUNDS] | None = None
+    roofline_ms: NonNegative | None = None
+    roofline_fraction: NonNegative | None = None
     baseline_ms: NonNegative | None = None
     compile_s: NonNegative | None = None
     run_s: NonNegative | None = None
@@ -238,8 +243,11 @@ class CaseVerdict(Verdict):
     """The verdict on one carved case run alone (``id``, ``op``, ``node``, ``module`` of the
     case, ``instances``: how many calls of the model it stands for). A profiled case
     (``replay --profile``, :mod:`tapml.driving.profile`) adds its median ``device_ms``, ``gflops``,
-    ``gbps``, ``timing`` (one of :data:`TIMINGS`), input ``shapes`` and, compared with a
-    baseline, ``baseline_ms``; all None otherwise and then not written."""
+    ``gbps``, ``timing`` (one of :data:`TIMINGS`), input ``shapes``, where the device's roofline
+    is known the ``roofline_bound`` (one of :data:`BOUNDS`) of the least time ``roofline_ms`` the
+    device allows it and the ``roofline_fraction`` reached (``roofline_ms / device_ms``), and,
+    compared with a baseline,
+    ``baseline_ms``; all None otherwise and then not written."""
 
     id: str = ""
     op: str = "?"
@@ -251,6 +259,9 @@ class CaseVerdict(Verdict):
     gbps: float | None = None
     timing: str | None = None
     shapes: str | None = None
+    roofline_bound: str | None = None
+    roofline_ms: float | None = None
+    roofline_fraction: float | None = None
     baseline_ms: float | None = None
     device: str | None = None  # the pool device (remote://HOST:PORT) that ran it; None off a pool
     #: on an external backend: seconds its compile took (a load when ``compile_cached``: from the
@@ -274,7 +285,8 @@ class CaseVerdict(Verdict):
                        shapes=self.shapes)
         if self.baseline_ms is not None:
             out["baseline_ms"] = self.baseline_ms
-        for k in ("compile_s", "run_s", "compile_cached", "blame", "control", "control_status"):
+        for k in ("roofline_bound", "roofline_ms", "roofline_fraction", "compile_s", "run_s", "compile_cached", "blame", "control",
+                  "control_status"):
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
         return out
