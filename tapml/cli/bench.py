@@ -29,9 +29,13 @@ bench_app = typer.Typer(help="Measure tapml's moving parts: the whole suite, or 
 @bench_app.callback(invoke_without_command=True)
 @command
 def bench(ctx: typer.Context,
-          target: str = typer.Option("wgpu", "--target", "-t",
-                                     help="Target whose kernels and runtime are measured: wgpu[:vulkan|gl|...], "
-                                          "reference, browser, remote://HOST:PORT"),
+          targets: Optional[List[str]] = typer.Option(None, "--target", "-t",
+                                                      help="Target whose kernels and runtime are measured: "
+                                                           "wgpu[:vulkan|gl|...], reference, browser, remote://HOST:PORT, "
+                                                           "an external backend (iree:vulkan...). Repeat it to run the "
+                                                           "same workloads on each target side by side (peers)"),
+          rounds: int = typer.Option(5, "--rounds", min=1, max=100, help="With several --target: alternated rounds "
+                                                                          "(medians of them are printed)"),
           json_out: Optional[str] = JsonOpt,
           quick: bool = typer.Option(False, "--quick", help="Smoke run: few repetitions, small payloads, "
                                                             "migrate zoo:mlp only (figures not to be quoted)"),
@@ -51,6 +55,11 @@ def bench(ctx: typer.Context,
     one benchmark alone."""
     if ctx.invoked_subcommand is not None:
         return
+    targets = list(targets or ["wgpu"])
+    if len(targets) > 1:
+        _check_json_dir(json_out)
+        return _bench_peers(targets, rounds, quick, token_file, json_out, quiet)
+    target = targets[0]
     from tapml.bench import check_models, run_suite
     from tapml.frontends.models import parse_hf_overrides
     from tapml.driving.targets import check_target, read_token
@@ -69,6 +78,64 @@ def bench(ctx: typer.Context,
         render_suite_notes(report, check)
     missed = [k for k, g in report["goals"].items() if g["met"] is False]
     raise typer.Exit(EXIT_FINDING if check and missed else EXIT_OK)
+
+
+def _bench_peers(targets: list[str], rounds: int, quick: bool, token_file: Optional[str], json_out: Optional[str],
+                 quiet: bool) -> None:
+    """``tapml bench --target A --target B ...``: the peers' workloads on each target (tapml.peers)."""
+    from tapml.driving.targets import check_target, read_token
+    from tapml.peers import run_peers
+    for spec in targets:
+        check_target(spec)
+    if len(set(targets)) != len(targets):
+        fail(f"--target {' '.join(targets)}: name each target once")
+    doc = run_peers(targets, rounds=rounds, quick=quick, token=read_token(token_file),
+                    on_step=None if quiet else (lambda msg: console.print(f"[dim]bench:[/] {msg}", highlight=False)))
+    if json_out:
+        write_bench({"peers": doc}, json_out)
+    if json_out != "-":
+        _render_peers(doc)
+    raise typer.Exit(EXIT_OK)
+
+
+def _render_peers(doc: dict) -> None:
+    """One row per workload: torch eager's ms, then each target's ms with its ratio to the first
+    target's (and to torch's), a workload a target failed marked so."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    first = doc["targets"][0]
+    load = doc.get("load_avg_median")
+    table = Table(title=f"peers: median of {doc['rounds']} alternated rounds (each the best of 3 runs), ms per run, "
+                        f"host tensors in and out; load {load if load is not None else '?'}"
+                        + (" --quick" if doc.get("quick") else ""))
+    table.add_column("workload")
+    table.add_column("torch eager", justify="right")
+    for spec in doc["targets"]:
+        table.add_column(escape(spec) + ("" if spec == first else f" (/ {escape(first)})"), justify="right")
+    for w in doc["workloads"]:
+        cells = [w["what"], _num(w.get("torch_ms"))]
+        for spec in doc["targets"]:
+            e = w["targets"].get(spec, {})
+            if "ms" not in e:
+                cells.append(f"[red]{escape((e.get('error') or 'not run')[:40])}[/]")
+                continue
+            cell = _num(e["ms"]) + (f" ({w['ratios'][spec]:.2f}x)" if spec != first and w["ratios"].get(spec) else "")
+            if not e.get("matches_torch", True):
+                cell += " [red]wrong[/]"
+            cells.append(cell)
+        table.add_row(*cells)
+    out.print(table)
+    rows = [(w["what"], spec, e) for w in doc["workloads"] for spec, e in w["targets"].items() if "device_ms" in e]
+    if rows:
+        device = Table(title="device time, inputs resident (where a target can measure it), on its roofline")
+        for col in ("workload", "target", "device ms", "bound", "of roofline"):
+            device.add_column(col, justify="left" if col in ("workload", "target", "bound") else "right")
+        from tapml.render import fmt_percent
+        for what, spec, e in rows:
+            device.add_row(what, escape(spec), _num(e["device_ms"]), e.get("roofline_bound") or "-",
+                           fmt_percent(e.get("roofline_fraction")))
+        out.print(device)
 
 
 def render_suite_notes(report: dict, check: bool) -> None:

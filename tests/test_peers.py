@@ -1,0 +1,113 @@
+"""Peers in the same run (`tapml bench --target A --target B`, tapml/peers.py), issue 35: the same
+workloads on each target side by side with torch eager, checked against torch, timed in alternated
+rounds, with ratios to the first target; a workload a target fails is an error in its cell, and bad
+target lists are refused with exit 2. IREE runs as itself through the backend seam."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from tapml.cli import app
+from tests.support import vulkan_or_skip
+
+runner = CliRunner()
+
+FAILING_BACKEND = '''
+from tapml.platforms.backend import Backend
+
+
+class Broken(Backend):
+    """Compiles everything and fails every run: a compiler whose output crashes."""
+
+    control = None
+
+    def describe(self):
+        return {"device": "nowhere", "version": "0"}
+
+    def compile(self, program):
+        from tapml.platforms.backend import Compiled
+        return Compiled(handle=None)
+
+    def run(self, compiled, inputs):
+        raise RuntimeError("the device fell over")
+'''
+
+
+def _bench(tmp_path, *targets, rounds=2):
+    out = tmp_path / "peers.json"
+    args = ["bench", "--quick", "--rounds", str(rounds), "--json", str(out)]
+    for t in targets:
+        args += ["--target", t]
+    r = runner.invoke(app, args)
+    return r, (json.loads(out.read_text()) if out.is_file() else None)
+
+
+def _check_doc(doc, targets, rounds):
+    from tapml.peers import QUICK_WORKLOADS
+    peers = doc["peers"]
+    assert doc["kind"] == "bench" and peers["targets"] == list(targets) and peers["rounds"] == rounds
+    assert len(peers["load_avg"]) == rounds and set(peers["devices"]) == set(targets)
+    assert [w["name"] for w in peers["workloads"]] == list(QUICK_WORKLOADS)
+    for w in peers["workloads"]:
+        assert w["torch_ms"] > 0
+        assert w["ratios"][targets[0]] == 1.0
+    return peers
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+def test_peers_run_the_same_workloads_side_by_side(tmp_path):
+    vulkan_or_skip()
+    r, doc = _bench(tmp_path, "wgpu:vulkan", "reference")
+    assert r.exit_code == 0, r.output
+    peers = _check_doc(doc, ("wgpu:vulkan", "reference"), 2)
+    for w in peers["workloads"]:
+        ours, ref = w["targets"]["wgpu:vulkan"], w["targets"]["reference"]
+        assert ours["matches_torch"] and ref["matches_torch"] and ref["max_abs_err"] == 0.0, w
+        assert ours["ms"] > 0 and ref["ms"] > 0
+        assert w["ratios"]["reference"] == pytest.approx(ref["ms"] / ours["ms"], rel=1e-3)
+        assert w["vs_torch"]["wgpu:vulkan"] == pytest.approx(ours["ms"] / w["torch_ms"], rel=1e-3)
+        # our own platform also times its kernels with the inputs resident, on the device's roofline
+        assert ours["device_ms"] > 0 and ours["roofline_bound"] in ("compute", "memory", "dispatch")
+        assert "device_ms" not in ref
+    assert peers["devices"]["wgpu:vulkan"]["roofline"]["peak_gflops"] > 0
+    text = " ".join(r.output.split())
+    assert "peers: median of 2 alternated rounds" in text and "MLP 64 -> 256 -> 64" in text
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+def test_a_workload_a_peer_fails_is_an_error_in_its_cell(tmp_path):
+    vulkan_or_skip()
+    (tmp_path / "broken.py").write_text(FAILING_BACKEND)
+    spec = f"{tmp_path / 'broken.py'}:Broken"
+    r, doc = _bench(tmp_path, "wgpu:vulkan", spec, rounds=1)
+    assert r.exit_code == 0, r.output
+    for w in doc["peers"]["workloads"]:
+        assert "the device fell over" in w["targets"][spec]["error"] and w["ratios"][spec] is None
+        assert w["targets"]["wgpu:vulkan"]["matches_torch"]
+    assert "fell over" in " ".join(r.output.split()) or "RuntimeError" in r.output
+
+
+@pytest.mark.parametrize("targets, says", [(("wgpu:vulkan", "wgpu:vulkan"), "name each target once"),
+                                           (("wgpu:vulkan", "nonsense:thing"), "nonsense")])
+def test_a_bad_list_of_targets_is_refused(tmp_path, targets, says):
+    r, doc = _bench(tmp_path, *targets)
+    assert r.exit_code == 2 and says in r.output and doc is None
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+def test_iree_runs_beside_tapml_through_the_seam(tmp_path):
+    pytest.importorskip("iree.runtime", reason="the backends extra is not installed (pip install 'tapml[backends]')")
+    vulkan_or_skip()
+    r, doc = _bench(tmp_path, "wgpu:vulkan", "iree:vulkan", rounds=1)
+    assert r.exit_code == 0, r.output
+    peers = _check_doc(doc, ("wgpu:vulkan", "iree:vulkan"), 1)
+    for w in peers["workloads"]:
+        theirs = w["targets"]["iree:vulkan"]
+        assert theirs["matches_torch"] and theirs["ms"] > 0, w
+        assert w["ratios"]["iree:vulkan"] > 0
