@@ -320,7 +320,9 @@ def _conv_samples():
 
 @register("aten.convolution.default", NUMERIC, samples=_conv_samples, flops="conv")
 def convolution(pb, node, x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
-    """Direct convolution, one thread per output element. Transposed, each output gathers the
+    """A plain float convolution with enough outputs is an implicit GEMM (register tiles of output
+    channels by positions, :mod:`tapml.platforms.wgsl.conv_gemm`). Otherwise a direct
+    convolution, one thread per output element. Transposed, each output gathers the
     inputs that scatter onto it: ``o = i * stride - padding + k * dilation`` solved for ``i``.
     Integers accumulate in i32 wrapping as torch's integer arithmetic does. A sum of more than
     LOOP_BUDGET terms (Cin/groups x kernel taps) is split: about CHUNK terms per invocation (whole
@@ -335,6 +337,9 @@ def convolution(pb, node, x, w, bias, stride, padding, dilation, transposed, out
     # torch applies a one-element list to every spatial dim (padding="valid" exports as [0])
     stride, padding, dilation, output_padding = (list(v) * nsp if len(v) == 1 else list(v)
                                                  for v in (stride, padding, dilation, output_padding))
+    from tapml.platforms.wgsl import conv_gemm
+    if meta.numel and conv_gemm.fits(x, w, meta, transposed, groups):
+        return [conv_gemm.conv_gemm(pb, "conv", x, w, bias, meta, stride, padding, dilation, groups)]
     Cin = x.shape[1]
     Cout = meta.shape[1]
     cig, cog = Cin // groups, Cout // groups
