@@ -140,13 +140,14 @@ def matmul_figure(platform, n: int, batch: int = 0, repeat: int = 3) -> dict:
 
 def roofline_figure(platform, program, flops: float, seconds: float, timing: str) -> dict:
     """Where a timed program stands on its device's roofline (Platform.roofline, probed once per
-    platform): ``{"roofline_bound", "roofline_ms", "roofline_fraction"}``; {} for a round-trip
-    time (transfers are not on the roofline) or a device without a roofline."""
+    platform): ``{"roofline_bound", "roofline_ms", "roofline_fraction"}``. A round-trip time is
+    placed only on a roofline probed by round trips too (the browser's; its transfers then count
+    against the kernel, so the fraction is a floor); {} on a device without a roofline."""
     from tapml.driving.profile import device_roofline, program_bytes, roofline_place
-    if timing != "device":
+    roof = device_roofline(platform)
+    if timing != "device" and roof.get("timing") != "round trip":
         return {}
-    return roofline_place(device_roofline(platform), flops, program_bytes(program), seconds * 1e3,
-                          max(1, len(getattr(program, "kernels", []))))
+    return roofline_place(roof, flops, program_bytes(program), seconds * 1e3, max(1, len(getattr(program, "kernels", []))))
 
 
 #: Long rows (``tapml bench``): one figure each, name -> (op, arguments built from a seeded generator).

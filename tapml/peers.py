@@ -166,15 +166,19 @@ def run_peers(targets: list[str], *, rounds: int = 5, quick: bool = False, token
     Each target is open only while it is timed (a round opens it again: compiled programs come
     from the compile caches), and torch is timed with none open: a runtime's threads that stay
     busy between runs (IREE's on lavapipe wait on the device by spinning, both cores) would
-    otherwise be timed as the others' slowness."""
+    otherwise be timed as the others' slowness. Scratch files (a carved store) go under ``workdir``,
+    a temporary folder removed at the end by default."""
     from tapml.driving.profile import graph_flops
     from tapml.driving.replay import device_info
     from tapml.driving.targets import check_target, open_target
     for spec in targets:
         check_target(spec)
+    if workdir is None:
+        with tempfile.TemporaryDirectory(prefix="tapml-peers-") as scratch:
+            return run_peers(targets, rounds=rounds, quick=quick, token=token, workdir=scratch, on_step=on_step)
     step = on_step or (lambda _msg: None)
     names = QUICK_WORKLOADS if quick else PEER_WORKLOADS
-    root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="tapml-peers-"))
+    root = Path(workdir)
     root.mkdir(parents=True, exist_ok=True)
     step("building the workloads")
     loads = workloads(names, root)

@@ -41,6 +41,27 @@ def in_chromium(test):
     return pytest.mark.browser(pytest.mark.xdist_group("browser")(NEEDS_CHROMIUM(test)))
 
 
+def on_every_webgpu(check):
+    """The two tests a lowering owes every WebGPU runtime here, from ``check(platform)``: lavapipe
+    Vulkan and llvmpipe GL (device tier, one platform with its own device each) and Chromium
+    (browser tier). Name them in the test module::
+
+        test_x_equals_torch, test_x_equals_torch_in_chromium = on_every_webgpu(_check)
+    """
+    @pytest.mark.device
+    @pytest.mark.xdist_group("wgpu")
+    @pytest.mark.parametrize("backend", ["vulkan", "gl"])
+    def on_adapters(backend):
+        check(own_wgpu(backend))
+
+    @in_chromium
+    def in_browser():
+        from tapml.platforms.browser import BrowserPlatform
+        with BrowserPlatform() as browser:
+            check(browser)
+    return on_adapters, in_browser
+
+
 def own_wgpu(backend: str):
     """A WgpuPlatform on ``backend`` with its own device (forced limits stay out of the shared
     platform); skips where the adapter is missing."""

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tapml.graph import graph_from_fx
-from tests.support import exported, in_chromium, own_wgpu
+from tests.support import exported, on_every_webgpu, own_wgpu
 
 MIN = torch.finfo(torch.float32).min
 
@@ -82,18 +82,8 @@ def _check_cases(platform):
             assert got[0, :, 0].isnan().all() and not got[0, :, 1].isnan().any(), name
 
 
-@pytest.mark.device
-@pytest.mark.xdist_group("wgpu")
-@pytest.mark.parametrize("backend", ["vulkan", "gl"])
-def test_fused_attention_equals_torch(backend):
-    _check_cases(own_wgpu(backend))
-
-
-@in_chromium
-def test_fused_attention_equals_torch_in_chromium():
-    from tapml.platforms.browser import BrowserPlatform
-    with BrowserPlatform() as browser:
-        _check_cases(browser)
+(test_fused_attention_equals_torch,
+ test_fused_attention_equals_torch_in_chromium) = on_every_webgpu(_check_cases)
 
 
 def test_the_pattern_is_found_only_where_it_may_be_folded():

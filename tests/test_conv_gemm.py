@@ -12,7 +12,7 @@ import torch
 
 from tapml.platforms.wgsl.conv_gemm import MIN_TILES, fits
 from tapml.platforms.wgsl.registry import case_graph
-from tests.support import in_chromium, own_wgpu
+from tests.support import on_every_webgpu
 
 #: name -> (input shape, weight shape, bias, stride, padding, dilation, groups, kernel the case runs as)
 CASES = {
@@ -70,15 +70,5 @@ def test_the_implicit_gemm_takes_only_what_it_should():
     assert MIN_TILES > 1
 
 
-@pytest.mark.device
-@pytest.mark.xdist_group("wgpu")
-@pytest.mark.parametrize("backend", ["vulkan", "gl"])
-def test_implicit_gemm_convolutions_equal_torch(backend):
-    _check(own_wgpu(backend))
-
-
-@in_chromium
-def test_implicit_gemm_convolutions_equal_torch_in_chromium():
-    from tapml.platforms.browser import BrowserPlatform
-    with BrowserPlatform() as browser:
-        _check(browser)
+(test_implicit_gemm_convolutions_equal_torch,
+ test_implicit_gemm_convolutions_equal_torch_in_chromium) = on_every_webgpu(_check)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tapml.graph import graph_from_fx
-from tests.support import exported, in_chromium, own_wgpu
+from tests.support import exported, on_every_webgpu
 
 
 def _graph(fn, *inputs):
@@ -66,18 +66,8 @@ def _check(platform):
     assert all("+" not in k.name for k in program.kernels if "workgroupBarrier" in k.wgsl)
 
 
-@pytest.mark.device
-@pytest.mark.xdist_group("wgpu")
-@pytest.mark.parametrize("backend", ["vulkan", "gl"])
-def test_independent_kernels_merge_and_equal_torch(backend):
-    _check(own_wgpu(backend))
-
-
-@in_chromium
-def test_independent_kernels_merge_and_equal_torch_in_chromium():
-    from tapml.platforms.browser import BrowserPlatform
-    with BrowserPlatform() as browser:
-        _check(browser)
+(test_independent_kernels_merge_and_equal_torch,
+ test_independent_kernels_merge_and_equal_torch_in_chromium) = on_every_webgpu(_check)
 
 
 def test_a_run_past_the_bindings_limit_is_cut():

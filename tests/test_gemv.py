@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tapml.graph import graph_from_fx
-from tests.support import exported, in_chromium, own_wgpu
+from tests.support import exported, on_every_webgpu, own_wgpu
 
 #: name -> (batch: 0 for a linear, else a bmm of that many one-row products; K; columns; bias)
 CASES = {
@@ -136,18 +136,8 @@ def _check(platform):
     _check_groups(platform)
 
 
-@pytest.mark.device
-@pytest.mark.xdist_group("wgpu")
-@pytest.mark.parametrize("backend", ["vulkan", "gl"])
-def test_one_row_products_and_residual_folds_equal_torch(backend):
-    _check(own_wgpu(backend))
-
-
-@in_chromium
-def test_one_row_products_and_residual_folds_equal_torch_in_chromium():
-    from tapml.platforms.browser import BrowserPlatform
-    with BrowserPlatform() as browser:
-        _check(browser)
+(test_one_row_products_and_residual_folds_equal_torch,
+ test_one_row_products_and_residual_folds_equal_torch_in_chromium) = on_every_webgpu(_check)
 
 
 @pytest.mark.device

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tapml.graph import graph_from_fx
-from tests.support import exported, in_chromium, own_wgpu
+from tests.support import exported, on_every_webgpu, own_wgpu
 
 #: name -> (shape of x, scale of x)
 CASES = {"decode-row": ((1, 1, 512), 1.0), "prefill-rows": ((1, 7, 200), 3.0), "long-row": ((2, 5000), 1e-3),
@@ -76,18 +76,8 @@ def _check(platform):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
 
 
-@pytest.mark.device
-@pytest.mark.xdist_group("wgpu")
-@pytest.mark.parametrize("backend", ["vulkan", "gl"])
-def test_rms_norm_is_one_kernel_equal_to_torch(backend):
-    _check(own_wgpu(backend))
-
-
-@in_chromium
-def test_rms_norm_is_one_kernel_equal_to_torch_in_chromium():
-    from tapml.platforms.browser import BrowserPlatform
-    with BrowserPlatform() as browser:
-        _check(browser)
+(test_rms_norm_is_one_kernel_equal_to_torch,
+ test_rms_norm_is_one_kernel_equal_to_torch_in_chromium) = on_every_webgpu(_check)
 
 
 def test_the_norm_is_found_only_where_it_may_be_folded():

@@ -56,8 +56,13 @@ def test_probes_bound_what_a_matmul_reaches(backend):
 @in_chromium
 def test_probes_run_in_chromium():
     from tapml.platforms.browser import BrowserPlatform
+    from tapml.bench import long_row_figure, matmul_figure
     with BrowserPlatform() as browser:
         _check_probes(browser, "round trip")
+        # what `tapml bench --target browser` prints: each kernel on the page's roofline
+        for row in (matmul_figure(browser, 256, repeat=1), long_row_figure(browser, "softmax_131072", repeat=1)):
+            assert row["timing"] == "round trip" and row["roofline_bound"] in ("compute", "memory", "dispatch"), row
+            assert 0 < row["roofline_fraction"] <= 1.5, row
 
 
 def test_a_platform_that_runs_no_kernels_has_no_roofline():
