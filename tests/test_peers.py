@@ -99,6 +99,13 @@ def test_a_bad_list_of_targets_is_refused(tmp_path, targets, says):
     assert r.exit_code == 2 and says in r.output and doc is None
 
 
+def test_options_of_the_whole_suite_are_refused_with_several_targets(tmp_path):
+    r = runner.invoke(app, ["bench", "--quick", "--target", "wgpu:vulkan", "--target", "reference", "--model", "zoo:mlp",
+                            "--check", "--json", str(tmp_path / "x.json")])
+    text = " ".join(r.output.split())
+    assert r.exit_code == 2 and "--model, --check apply to one --target" in text and not (tmp_path / "x.json").exists()
+
+
 @pytest.mark.device
 @pytest.mark.xdist_group("wgpu")
 def test_iree_runs_beside_tapml_through_the_seam(tmp_path):

@@ -57,6 +57,13 @@ def bench(ctx: typer.Context,
         return
     targets = list(targets or ["wgpu"])
     if len(targets) > 1:
+        suite_only = [flag for flag, given in (("--model", model), ("--hf-config", hf_config), ("--dtype", dtype),
+                                               ("--scale", scale), ("--check", check),
+                                               ("--generation-model", generation_model != GenerationModelOpt.default))
+                      if given]
+        if suite_only:
+            fail(f"{', '.join(suite_only)} apply to one --target (the whole suite); with several targets "
+                 "`tapml bench` runs the peers' workloads on each: drop them or name one target")
         _check_json_dir(json_out)
         return _bench_peers(targets, rounds, quick, token_file, json_out, quiet)
     target = targets[0]
@@ -92,7 +99,7 @@ def _bench_peers(targets: list[str], rounds: int, quick: bool, token_file: Optio
     doc = run_peers(targets, rounds=rounds, quick=quick, token=read_token(token_file),
                     on_step=None if quiet else (lambda msg: console.print(f"[dim]bench:[/] {msg}", highlight=False)))
     if json_out:
-        write_bench({"peers": doc}, json_out)
+        write_bench({"target": " vs ".join(targets), "peers": doc}, json_out)
     if json_out != "-":
         _render_peers(doc)
     raise typer.Exit(EXIT_OK)
@@ -281,7 +288,7 @@ def _render_roofline(r: dict) -> None:
     for col in ("kernel", "ms", "bound", "least ms", "of roofline"):
         table.add_column(col, justify="left" if col in ("kernel", "bound") else "right")
     for name, row in rows:
-        ms = row["ours_ms"] if "ours_ms" in row else row["roofline_ms"] / row["roofline_fraction"]
+        ms = row["ours_ms"] if "ours_ms" in row else row["gflop"] / row["ours_gflops"] * 1e3
         table.add_row(name, _num(ms), row["roofline_bound"], _num(row["roofline_ms"]), fmt_percent(row["roofline_fraction"]))
     out.print(table)
 
