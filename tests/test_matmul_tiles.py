@@ -112,6 +112,14 @@ def test_a_cached_tile_choice_counts_only_when_it_is_a_candidate(tmp_path, monke
     for bad in ([8, 8, 8, 8, 0, 4096], [8, 16, 8, 4, 0, True], ["8"], None, [8, 16, 8, 4, 0, 0, 0]):
         assert cached(bad) == matmul.DEFAULT_TILES, bad
     assert matmul.tiles_for(caps, 8, 512) == matmul.SMALL_TILES
+    # tiles tuned on 512 x 512 whose workgroup covers 128 rows: a 64-row output takes the fastest
+    # timed candidate that fits it, and the tuned one where it fits
+    table = {"8x32/16x1/sg8": 50.3, "8x32/8x1/sg8": 46.0, "4x32/8x1/sg8": 39.1, "16x16/8x2": 26.6, "4x4/8x8": "fast"}
+    (tmp_path / "matmul-tiles.json").write_text(json.dumps({"format": 1, "devices": {key: {
+        "tiles": [8, 32, 16, 1, 8, 0], "gflops": table}}}))
+    assert matmul.workgroup_span((8, 32, 16, 1, 8, 0)) == (128, 32)
+    assert matmul.tiles_for(caps, 64, 4096) == (8, 32, 8, 1, 8, 0)
+    assert matmul.tiles_for(caps, 512, 512) == (8, 32, 16, 1, 8, 0)
     assert matmul.tiles_label(matmul.WORKGROUP_CANDIDATES[0]) == "4x4/16x16/wm16"
     for tiles in matmul.WORKGROUP_CANDIDATES:  # each fits the workgroup memory every WebGPU device has
         tm, tn, wx, wy, _, bk = tiles

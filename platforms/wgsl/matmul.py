@@ -96,19 +96,40 @@ def tiles_label(tiles) -> str:
     return f"{tm}x{tn}/{wx}x{wy}" + (f"/sg{sg}" if sg else "") + (f"/wm{bk}" if bk else "")
 
 
+def workgroup_span(tiles) -> tuple[int, int]:
+    """Output rows and columns one workgroup of ``tiles`` covers (a subgroup variant stacks its
+    lanes along the rows)."""
+    tm, tn, wx, wy, sg, _ = full_tiles(tiles)
+    return (tm * wx, tn) if sg else (tm * wy, tn * wx)
+
+
 def tiles_for(caps: dict, m: int, n: int) -> tuple[int, int, int, int, int, int]:
-    """Tile sizes for an m x n output on a device with ``caps``."""
+    """Tile sizes for an m x n output on a device with ``caps``: the tuned choice, or where one
+    of its workgroups would cover more rows or columns than the output has (a linear over 64
+    tokens under tiles tuned on 512 x 512), the fastest tuned candidate whose workgroup fits."""
     if _FORCED is not None:
         return _FORCED
     if m < LARGE or n < LARGE:
         return SMALL_TILES
     entry = _read_cache().get(device_key(caps or {}))
-    known = [tuple(c) for c in CANDIDATES + SUBGROUP_CANDIDATES + WORKGROUP_CANDIDATES]
+    known = {tuple(c): c for c in CANDIDATES + SUBGROUP_CANDIDATES + WORKGROUP_CANDIDATES}
     tiles = entry.get("tiles") if isinstance(entry, dict) else None
-    if isinstance(tiles, list) and 5 <= len(tiles) <= 6 and all(type(t) is int for t in tiles) \
-            and full_tiles(tiles) in known:
-        return full_tiles(tiles)
-    return DEFAULT_TILES
+    if not (isinstance(tiles, list) and 5 <= len(tiles) <= 6 and all(type(t) is int for t in tiles)
+            and full_tiles(tiles) in known):
+        return DEFAULT_TILES
+    best = full_tiles(tiles)
+    rows, cols = workgroup_span(best)
+    if rows <= m and cols <= n:
+        return best
+    table = entry.get("gflops")
+    timed = {tiles_label(c): c for c in known} if isinstance(table, dict) else {}
+    ranked = sorted((c for label, c in timed.items() if type(table.get(label)) in (int, float)),
+                    key=lambda c: -table[tiles_label(c)])
+    for c in ranked:
+        rows, cols = workgroup_span(c)
+        if rows <= m and cols <= n:
+            return c
+    return best
 
 
 def tiles_state(caps: dict) -> list:
@@ -116,7 +137,7 @@ def tiles_state(caps: dict) -> list:
     tiles and the tuned entry for the device. A compiled program is reused only while this is
     unchanged (tuning compiles one graph under several forced tiles)."""
     entry = _read_cache().get(device_key(caps or {}))
-    return [_FORCED, entry.get("tiles") if isinstance(entry, dict) else None]
+    return [_FORCED] + ([entry.get("tiles"), entry.get("gflops")] if isinstance(entry, dict) else [None])
 
 
 @contextlib.contextmanager
