@@ -188,7 +188,7 @@ def run_mlir(artifact: bytes, inputs: list, dtypes: list, driver: str, flags: li
     import ml_dtypes
     import numpy as np
     vmfb = iree.compiler.compile_str(artifact.decode(), input_type="torch", extra_args=flags)
-    config = rt.Config(driver)
+    config = own_config(driver)
     context = rt.SystemContext(config=config)
     context.add_vm_module(rt.VmModule.copy_buffer(config.vm_instance, vmfb))
     args = [np.asarray(a).astype(ml_dtypes.bfloat16) if d == "bfloat16" else np.asarray(a) for a, d in zip(inputs, dtypes)]
@@ -196,6 +196,17 @@ def run_mlir(artifact: bytes, inputs: list, dtypes: list, driver: str, flags: li
     results = results if isinstance(results, (list, tuple)) else [results]
     out = [read_back(config.device, r) for r in results]
     return [o.astype(np.float32) if o.dtype == ml_dtypes.bfloat16 else o for o in out]
+
+
+def own_config(driver: str):
+    """An ``iree.runtime.Config`` on a device of ``driver`` that nothing else holds: freed with the
+    Config. ``Config(driver)`` would open the device through iree.runtime's process-wide cache,
+    which keeps it, and the threads of a Vulkan device on lavapipe spin without pause (2 CPU-seconds
+    per second, runs or not) until the process ends (benchmarks/NOTES.md, "IREE's lavapipe
+    threads never rest")."""
+    import iree.runtime as rt
+    from iree.runtime.system_setup import get_device
+    return rt.Config(device=get_device(driver, cache=False))
 
 
 class _Loaded:
@@ -234,7 +245,7 @@ class IreeBackend(Backend):
             raise RuntimeError(f"IREE's {self.driver} driver finds no device")
         # Config opens the driver's default device: the first one it lists (the CPU's is named "default")
         self.device_name = str(devices[0].get("name") or "") if self.driver == "vulkan" else f"{_cpu_name()} (local-task)"
-        self.config = rt.Config(self.driver)
+        self.config = own_config(self.driver)
         self.compile_flags = self._compile_flags()
 
     def _compile_flags(self) -> list[str]:

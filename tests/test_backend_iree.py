@@ -183,6 +183,31 @@ def vulkan():
 
 @pytest.mark.device
 @pytest.mark.xdist_group("wgpu")
+def test_a_closed_vulkan_backend_leaves_no_thread_spinning():
+    """iree.runtime keeps the devices it opens in a process-wide cache, and a Vulkan device on lavapipe
+    has two threads that spin while it lives: a backend owns its device, so closing it stops them
+    (before, every test process that had opened one burnt both cores to its end)."""
+    import gc
+    import time
+    from support import vulkan_or_skip
+    vulkan_or_skip()
+
+    def busy_seconds(window: float = 1.0) -> float:
+        start = os.times()
+        time.sleep(window)
+        end = os.times()
+        return (end.user + end.system) - (start.user + start.system)
+
+    backend = IreeBackend("iree:vulkan")
+    ones = [torch.ones(4, 4), torch.ones(4, 4)]
+    assert torch.equal(backend.run(backend.compile(exported(lambda a, b: (a @ b,), *ones)), ones)[0], ones[0] * 4)
+    backend.close()
+    gc.collect()
+    assert busy_seconds() < 0.2  # an idle process; the spinning threads took 2 CPU-seconds a second
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
 def test_vulkan_compiles_for_the_adapter_it_opens_and_reads_results_back(vulkan):
     info = vulkan.describe()
     assert info["driver"] == "vulkan" and "llvmpipe" in info["device"]  # lavapipe names its device llvmpipe
