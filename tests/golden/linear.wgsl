@@ -36,108 +36,76 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
       acc2_0 = acc2_0 + vec4<f32>(dot(a2, b0), dot(a2, b1), dot(a2, b2), dot(a2, b3));
       acc3_0 = acc3_0 + vec4<f32>(dot(a3, b0), dot(a3, b1), dot(a3, b2), dot(a3, b3));
   }
-  if (m0 + 0 < 4) {
-    if (n0 + 0 < 8) {
-      let t1: i32 = m0 + 0;
-      let t2: i32 = n0 + 0;
-      let t3: f32 = buf_i2[t2];
-      buf_t3[(z * 4 + m0 + 0) * 8 + n0 + 0] = (acc0_0.x + t3);
-    }
-    if (n0 + 1 < 8) {
-      let t4: i32 = m0 + 0;
-      let t5: i32 = n0 + 1;
-      let t6: f32 = buf_i2[t5];
-      buf_t3[(z * 4 + m0 + 0) * 8 + n0 + 1] = (acc0_0.y + t6);
-    }
-    if (n0 + 2 < 8) {
-      let t7: i32 = m0 + 0;
-      let t8: i32 = n0 + 2;
-      let t9: f32 = buf_i2[t8];
-      buf_t3[(z * 4 + m0 + 0) * 8 + n0 + 2] = (acc0_0.z + t9);
-    }
-    if (n0 + 3 < 8) {
-      let t10: i32 = m0 + 0;
-      let t11: i32 = n0 + 3;
-      let t12: f32 = buf_i2[t11];
-      buf_t3[(z * 4 + m0 + 0) * 8 + n0 + 3] = (acc0_0.w + t12);
-    }
+  let t1: i32 = m0 + 0;
+  let t2: i32 = n0 + 0;
+  if (t1 < 4 && t2 < 8) {
+    let t3: f32 = buf_i2[t2];
+    buf_t3[(z * 4 + t1) * 8 + t2] = (acc0_0.x + t3);
   }
-  if (m0 + 1 < 4) {
-    if (n0 + 0 < 8) {
-      let t13: i32 = m0 + 1;
-      let t14: i32 = n0 + 0;
-      let t15: f32 = buf_i2[t14];
-      buf_t3[(z * 4 + m0 + 1) * 8 + n0 + 0] = (acc1_0.x + t15);
-    }
-    if (n0 + 1 < 8) {
-      let t16: i32 = m0 + 1;
-      let t17: i32 = n0 + 1;
-      let t18: f32 = buf_i2[t17];
-      buf_t3[(z * 4 + m0 + 1) * 8 + n0 + 1] = (acc1_0.y + t18);
-    }
-    if (n0 + 2 < 8) {
-      let t19: i32 = m0 + 1;
-      let t20: i32 = n0 + 2;
-      let t21: f32 = buf_i2[t20];
-      buf_t3[(z * 4 + m0 + 1) * 8 + n0 + 2] = (acc1_0.z + t21);
-    }
-    if (n0 + 3 < 8) {
-      let t22: i32 = m0 + 1;
-      let t23: i32 = n0 + 3;
-      let t24: f32 = buf_i2[t23];
-      buf_t3[(z * 4 + m0 + 1) * 8 + n0 + 3] = (acc1_0.w + t24);
-    }
+  let t4: i32 = n0 + 1;
+  if (t1 < 4 && t4 < 8) {
+    let t5: f32 = buf_i2[t4];
+    buf_t3[(z * 4 + t1) * 8 + t4] = (acc0_0.y + t5);
   }
-  if (m0 + 2 < 4) {
-    if (n0 + 0 < 8) {
-      let t25: i32 = m0 + 2;
-      let t26: i32 = n0 + 0;
-      let t27: f32 = buf_i2[t26];
-      buf_t3[(z * 4 + m0 + 2) * 8 + n0 + 0] = (acc2_0.x + t27);
-    }
-    if (n0 + 1 < 8) {
-      let t28: i32 = m0 + 2;
-      let t29: i32 = n0 + 1;
-      let t30: f32 = buf_i2[t29];
-      buf_t3[(z * 4 + m0 + 2) * 8 + n0 + 1] = (acc2_0.y + t30);
-    }
-    if (n0 + 2 < 8) {
-      let t31: i32 = m0 + 2;
-      let t32: i32 = n0 + 2;
-      let t33: f32 = buf_i2[t32];
-      buf_t3[(z * 4 + m0 + 2) * 8 + n0 + 2] = (acc2_0.z + t33);
-    }
-    if (n0 + 3 < 8) {
-      let t34: i32 = m0 + 2;
-      let t35: i32 = n0 + 3;
-      let t36: f32 = buf_i2[t35];
-      buf_t3[(z * 4 + m0 + 2) * 8 + n0 + 3] = (acc2_0.w + t36);
-    }
+  let t6: i32 = n0 + 2;
+  if (t1 < 4 && t6 < 8) {
+    let t7: f32 = buf_i2[t6];
+    buf_t3[(z * 4 + t1) * 8 + t6] = (acc0_0.z + t7);
   }
-  if (m0 + 3 < 4) {
-    if (n0 + 0 < 8) {
-      let t37: i32 = m0 + 3;
-      let t38: i32 = n0 + 0;
-      let t39: f32 = buf_i2[t38];
-      buf_t3[(z * 4 + m0 + 3) * 8 + n0 + 0] = (acc3_0.x + t39);
-    }
-    if (n0 + 1 < 8) {
-      let t40: i32 = m0 + 3;
-      let t41: i32 = n0 + 1;
-      let t42: f32 = buf_i2[t41];
-      buf_t3[(z * 4 + m0 + 3) * 8 + n0 + 1] = (acc3_0.y + t42);
-    }
-    if (n0 + 2 < 8) {
-      let t43: i32 = m0 + 3;
-      let t44: i32 = n0 + 2;
-      let t45: f32 = buf_i2[t44];
-      buf_t3[(z * 4 + m0 + 3) * 8 + n0 + 2] = (acc3_0.z + t45);
-    }
-    if (n0 + 3 < 8) {
-      let t46: i32 = m0 + 3;
-      let t47: i32 = n0 + 3;
-      let t48: f32 = buf_i2[t47];
-      buf_t3[(z * 4 + m0 + 3) * 8 + n0 + 3] = (acc3_0.w + t48);
-    }
+  let t8: i32 = n0 + 3;
+  if (t1 < 4 && t8 < 8) {
+    let t9: f32 = buf_i2[t8];
+    buf_t3[(z * 4 + t1) * 8 + t8] = (acc0_0.w + t9);
+  }
+  let t10: i32 = m0 + 1;
+  if (t10 < 4 && t2 < 8) {
+    let t11: f32 = buf_i2[t2];
+    buf_t3[(z * 4 + t10) * 8 + t2] = (acc1_0.x + t11);
+  }
+  if (t10 < 4 && t4 < 8) {
+    let t12: f32 = buf_i2[t4];
+    buf_t3[(z * 4 + t10) * 8 + t4] = (acc1_0.y + t12);
+  }
+  if (t10 < 4 && t6 < 8) {
+    let t13: f32 = buf_i2[t6];
+    buf_t3[(z * 4 + t10) * 8 + t6] = (acc1_0.z + t13);
+  }
+  if (t10 < 4 && t8 < 8) {
+    let t14: f32 = buf_i2[t8];
+    buf_t3[(z * 4 + t10) * 8 + t8] = (acc1_0.w + t14);
+  }
+  let t15: i32 = m0 + 2;
+  if (t15 < 4 && t2 < 8) {
+    let t16: f32 = buf_i2[t2];
+    buf_t3[(z * 4 + t15) * 8 + t2] = (acc2_0.x + t16);
+  }
+  if (t15 < 4 && t4 < 8) {
+    let t17: f32 = buf_i2[t4];
+    buf_t3[(z * 4 + t15) * 8 + t4] = (acc2_0.y + t17);
+  }
+  if (t15 < 4 && t6 < 8) {
+    let t18: f32 = buf_i2[t6];
+    buf_t3[(z * 4 + t15) * 8 + t6] = (acc2_0.z + t18);
+  }
+  if (t15 < 4 && t8 < 8) {
+    let t19: f32 = buf_i2[t8];
+    buf_t3[(z * 4 + t15) * 8 + t8] = (acc2_0.w + t19);
+  }
+  let t20: i32 = m0 + 3;
+  if (t20 < 4 && t2 < 8) {
+    let t21: f32 = buf_i2[t2];
+    buf_t3[(z * 4 + t20) * 8 + t2] = (acc3_0.x + t21);
+  }
+  if (t20 < 4 && t4 < 8) {
+    let t22: f32 = buf_i2[t4];
+    buf_t3[(z * 4 + t20) * 8 + t4] = (acc3_0.y + t22);
+  }
+  if (t20 < 4 && t6 < 8) {
+    let t23: f32 = buf_i2[t6];
+    buf_t3[(z * 4 + t20) * 8 + t6] = (acc3_0.z + t23);
+  }
+  if (t20 < 4 && t8 < 8) {
+    let t24: f32 = buf_i2[t8];
+    buf_t3[(z * 4 + t20) * 8 + t8] = (acc3_0.w + t24);
   }
 }
