@@ -323,7 +323,8 @@ class IreeBackend(Backend):
         import inspect
         return ('"""Run program.mlir with IREE alone: pip install iree-base-compiler iree-base-runtime ml_dtypes."""\n\n'
                 f"DRIVER = {self.driver!r}\nFLAGS = {self.compile_flags!r}\n\n\n"
-                + inspect.getsource(read_back) + "\n\n" + inspect.getsource(run_mlir) + "\n\n"
+                + inspect.getsource(read_back) + "\n\n" + inspect.getsource(own_config) + "\n\n"
+                + inspect.getsource(run_mlir) + "\n\n"
                 "def run(artifact, inputs, dtypes):\n    return run_mlir(artifact, inputs, dtypes, DRIVER, FLAGS)\n")
 
     def close(self) -> None:
