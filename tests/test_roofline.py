@@ -32,7 +32,9 @@ def test_a_kernel_is_placed_by_the_bound_that_takes_longest():
 
 def _check_probes(platform, timing: str):
     roof = platform.roofline()
-    assert set(PEAKS) <= set(roof) and all(roof[k] > 0 for k in PEAKS), roof
+    # in round trips (the browser) the jitter of a whole run can exceed one more dispatch's cost: 0 then
+    assert set(PEAKS) <= set(roof) and all(roof[k] > 0 for k in PEAKS[:3]), roof
+    assert roof["dispatch_us"] > 0 if timing == "device" else roof["dispatch_us"] >= 0, roof
     assert roof["timing"] == timing
     assert platform.roofline() is roof  # probed once per platform
     return roof
