@@ -168,7 +168,7 @@ def run_peers(targets: list[str], *, rounds: int = 5, quick: bool = False, token
     busy between runs (IREE's on lavapipe wait on the device by spinning, both cores) would
     otherwise be timed as the others' slowness. Scratch files (a carved store) go under ``workdir``,
     a temporary folder removed at the end by default."""
-    from tapml.driving.profile import graph_flops
+    from tapml.driving.profile import device_roofline, graph_flops
     from tapml.driving.replay import device_info
     from tapml.driving.targets import check_target, open_target
     for spec in targets:
@@ -196,7 +196,7 @@ def run_peers(targets: list[str], *, rounds: int = 5, quick: bool = False, token
                 continue
             with open_target(who, token=token) as platform:
                 if r == 0:
-                    doc["devices"][who] = device_info(platform, probe=False, roofline=r == rounds - 1)
+                    doc["devices"][who] = device_info(platform, probe=False)
                 for name, (graph, inputs, _torch_fn, want) in loads.items():
                     entry = rows[name]["targets"].setdefault(who, {})
                     if "error" in entry:
@@ -214,7 +214,7 @@ def run_peers(targets: list[str], *, rounds: int = 5, quick: bool = False, token
                     except Exception as e:  # noqa: BLE001 - a workload a target fails is a figure, not a crash
                         entry.clear()
                         entry["error"] = f"{type(e).__name__}: {e}"[:500]
-                if r == rounds - 1 and (peaks := device_info(platform, probe=False, roofline=True).get("roofline")):
+                if r == rounds - 1 and (peaks := device_roofline(platform)):
                     doc["devices"][who]["roofline"] = peaks
     doc["workloads"] = []
     for name, row in rows.items():
