@@ -8,6 +8,8 @@ a runtime (wgpu-native in-process, a browser page) only implements the
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from tapml.graph import Graph, Node
 from tapml.platforms.base import KernelProgram, RuntimePlatform, check_workgroups
 
@@ -24,6 +26,9 @@ class WgslPlatform(RuntimePlatform):
     the device refuses fails ``compile`` rather than the first run) does so in ``_check_compiled``.
     """
 
+    #: The int64 tensors the last run held in two words (refs of its graph), see :meth:`run`.
+    last_wide: tuple[str, ...] = ()
+
     def _supports(self, node: Node) -> str | None:
         from tapml.platforms.wgsl import supports
         return supports(node, self.caps())
@@ -36,8 +41,12 @@ class WgslPlatform(RuntimePlatform):
 
         from tapml.platforms.program_cache import ProgramCache
         from tapml.platforms.wgsl import compile_graph
+        from tapml.platforms.wgsl.int64 import static_wide_refs, widen
         from tapml.platforms.wgsl.matmul import tiles_state
         caps = self.caps()
+        original, static = graph, static_wide_refs(graph)
+        if static:  # ints no i32 literal holds: their results in two words from the start
+            graph = widen(graph, static)
         key = hashlib.sha256(json.dumps([graph.to_json(), caps, tiles_state(caps)], sort_keys=True,
                                         default=str).encode()).hexdigest()
         compiled = self.__dict__.setdefault("_compiled", ProgramCache(max_entries=COMPILED_PROGRAMS))
@@ -46,7 +55,36 @@ class WgslPlatform(RuntimePlatform):
             program = compile_graph(graph, caps)
             self._check_compiled(program)
             compiled.put(key, program, sum(len(b.data or b"") for b in program.buffers))
+        graphs = self.__dict__.setdefault("_graphs", OrderedDict())
+        graphs[program.key] = (original, static)
+        graphs.move_to_end(program.key)
+        while len(graphs) > COMPILED_PROGRAMS:
+            graphs.popitem(last=False)
         return program
+
+    def run(self, program: KernelProgram, inputs: list, keep=()) -> list:
+        """:meth:`Platform.run`, with int64 values past i32 held in two words: where an int64
+        input, or an int64 value the graph computes from these inputs, does not fit in i32,
+        the program's graph is compiled again with those tensors in two words
+        (:mod:`tapml.platforms.wgsl.int64`) and that program runs instead. ``last_wide`` names
+        them (empty when the run held every int64 in i32)."""
+        return super().run(self.for_values(program, inputs), inputs, keep)
+
+    def for_values(self, program: KernelProgram, inputs: list) -> KernelProgram:
+        """The program to run for ``inputs``: ``program``, or its graph compiled with the int64
+        tensors whose values do not fit in i32 in two words."""
+        from tapml.platforms.base import wrap_errors
+        from tapml.platforms.wgsl.int64 import wide_refs, widen
+        self.last_wide = ()
+        known = self.__dict__.get("_graphs", {}).get(program.key)
+        if known is None:  # a program compiled elsewhere runs as it is
+            return program
+        graph, static = known
+        wide = wide_refs(graph, inputs) | static
+        self.last_wide = tuple(sorted(wide))
+        if wide == static:
+            return program
+        return wrap_errors(self._compile, widen(graph, wide))
 
     def _check_compiled(self, program: KernelProgram) -> None:
         """Hook: device-side checks of a freshly compiled program (nothing by default)."""

@@ -16,7 +16,7 @@ from typing import Mapping
 from tapml.errors import PlatformError, Unsupported
 from tapml.graph import Graph, Node, TensorMeta, decode_arg
 from tapml.platforms.base import KernelProgram
-from tapml.platforms.wgsl.codegen import BufferView, Compute, ProgramBuilder, Value, cast, ctype
+from tapml.platforms.wgsl.codegen import WIDE, BufferView, Compute, ProgramBuilder, Value, cast, ctype
 from tapml.platforms.wgsl.registry import REGISTRY, Lowering, case_graph, dtype_reason, supports_node
 
 _LOADED = False
@@ -32,7 +32,7 @@ def load_lowerings() -> dict:
     """Import every op-family module (they register themselves); returns the registry."""
     global _LOADED
     if not _LOADED:
-        from tapml.platforms.wgsl import backward, bilinear, elementwise, extra, fractional, index, matmul, nn, nn_more, order, quant, random, reduce, resample, scatter, shape, sort, special, views  # noqa: F401
+        from tapml.platforms.wgsl import backward, bilinear, elementwise, extra, fractional, index, int64, matmul, nn, nn_more, order, quant, random, reduce, resample, scatter, shape, sort, special, views  # noqa: F401
         _LOADED = True
     return REGISTRY
 
@@ -63,6 +63,7 @@ def compile_graph(graph: Graph, caps: dict, lowerings: Mapping[str, Lowering] | 
     from tapml.platforms.wgsl.attention import find_attention, fused_attention
     from tapml.platforms.wgsl.matmul import find_product_groups, find_residual_products, product_group, residual_product
     from tapml.platforms.wgsl.norms import find_rms_norms, rms_norm
+    from tapml.platforms.wgsl.int64 import narrowed, wide_lowering, wide_scalar
     from tapml.platforms.wgsl.scatter import put_in_place
     registry = REGISTRY if not lowerings else ChainMap(dict(lowerings), REGISTRY)
     caps = caps or {}
@@ -93,10 +94,18 @@ def compile_graph(graph: Graph, caps: dict, lowerings: Mapping[str, Lowering] | 
 
     def lower(node, values: list | None = None) -> None:
         """Lower ``node`` (or take its ``values``, computed with others) into ``env``."""
-        reason = supports_node(node, caps, [graph.meta[r] for r in node.input_refs], registry)
+        in_metas = [graph.meta[r] for r in node.input_refs]
+        value_of = env.__getitem__
+        if any(m.dtype == WIDE for m in in_metas + list(node.outputs)) or wide_scalar(node):  # int64 in two words
+            low, low_words = wide_lowering(node, in_metas, registry)
+            reason = low.check(node) if low.check is not None else None
+            if low_words:
+                value_of = lambda ref: narrowed(env[ref])  # noqa: E731
+        else:
+            reason = supports_node(node, caps, in_metas, registry)
+            low = registry.get(node.op)
         if reason:
             raise Unsupported(f"{node.op}: {reason}")
-        low = registry[node.op]
         try:
             if values is not None:
                 pass
@@ -107,8 +116,8 @@ def compile_graph(graph: Graph, caps: dict, lowerings: Mapping[str, Lowering] | 
             elif node.name in norms:
                 values = [rms_norm(pb, norms[node.name], env, node.outputs[0])]
             else:
-                args = decode_arg(node.args, env.__getitem__)
-                kwargs = {k: decode_arg(v, env.__getitem__) for k, v in node.kwargs.items()}
+                args = decode_arg(node.args, value_of)
+                kwargs = {k: decode_arg(v, value_of) for k, v in node.kwargs.items()}
                 if node.op == "aten.index_put.default" and node.op not in (lowerings or {}) and \
                         _sole_reader_of_input(node, graph, uses, env):
                     put = put_in_place(pb, node, *args, **kwargs)
@@ -169,9 +178,17 @@ def compile_graph(graph: Graph, caps: dict, lowerings: Mapping[str, Lowering] | 
     used = {binding[0] for kern in pb.kernels for binding in kern.bindings}
     # a temp no kernel touches (an unused multi-output element) needs no device memory
     pb.buffers = [b for b in pb.buffers if b.role != "temp" or b.name in used]
+    for b in pb.buffers:  # programs and buffers say int64; the storage type says how it is held
+        b.meta = _torch_meta(b.meta)
     program = KernelProgram(kind="wgsl", inputs=inputs, outputs=outputs, buffers=pb.buffers, kernels=pb.kernels,
-                            input_meta=[m for _, m in graph.inputs], output_meta=[graph.meta[r] for r in graph.outputs])
+                            input_meta=[_torch_meta(m) for _, m in graph.inputs],
+                            output_meta=[_torch_meta(graph.meta[r]) for r in graph.outputs])
     return pb.into_parts(program)  # tensors over max-buffer-size: held in several buffers
+
+
+def _torch_meta(meta: TensorMeta | None) -> TensorMeta | None:
+    """``meta`` as torch names its dtype (a two-word int64 is an int64)."""
+    return TensorMeta(meta.shape, "int64") if meta is not None and meta.dtype == WIDE else meta
 
 
 def _recomputed(v: Value) -> bool:

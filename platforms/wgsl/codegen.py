@@ -52,19 +52,27 @@ LOOP_BUDGET = 4096
 CHUNK = 1024
 
 FLOATS = ("float32", "float16", "bfloat16")
+#: The compiler's name for an int64 tensor held in two 32-bit words (``i64`` storage, the
+#: ``tap_i64`` expression type: ``vec2<u32>`` of the low and high word, two's complement):
+#: a tensor whose values do not all fit in i32 (platforms/wgsl/int64.py decides which).
+#: It never leaves the compiler: programs and buffers say ``int64``.
+WIDE = "int64w"
+#: The WGSL type of a two-word int64 (an ``alias`` every kernel that uses it declares).
+I64 = "tap_i64"
 INTS = ("int64", "int32", "int16", "int8", "uint8")
 #: torch dtype -> WGSL storage type. float16 is ``f16`` on devices with shader-f16 and packed
 #: (``f16p``) elsewhere; see :meth:`ProgramBuilder.storage`.
-STORAGE = {"float32": "f32", "float16": "f16", "bfloat16": "bf16p", "bool": "u32", **{d: "i32" for d in INTS}}
+STORAGE = {"float32": "f32", "float16": "f16", "bfloat16": "bf16p", "bool": "u32", **{d: "i32" for d in INTS},
+           WIDE: "i64"}
 #: Storage types holding two 16-bit floats per u32 word (element i in word i / 2, low half
 #: first): float16 without shader-f16 (``f16p``, read with unpack2x16float) and bfloat16
 #: (``bf16p``, the high half of an f32 bit pattern). Arithmetic is f32; stores round to
 #: nearest even (tap_f16_bits, tap_bf16_bits) and write their half with atomicAnd/atomicOr,
 #: since the other half of the word belongs to another thread.
 PACKED = ("f16p", "bf16p")
-ITEMSIZE = {"f32": 4, "f16": 2, "f16p": 2, "bf16p": 2, "i32": 4, "u32": 4}
+ITEMSIZE = {"f32": 4, "f16": 2, "f16p": 2, "bf16p": 2, "i32": 4, "u32": 4, "i64": 8}
 #: Bytes of one element of a binding's WGSL array type.
-ELEM_BYTES = {"f32": 4, "i32": 4, "u32": 4, "f16": 2, "vec4<f32>": 16, "vec4<f16>": 8, "atomic<u32>": 4}
+ELEM_BYTES = {"f32": 4, "i32": 4, "u32": 4, "f16": 2, "vec4<f32>": 16, "vec4<f16>": 8, "atomic<u32>": 4, I64: 8}
 #: Window offsets are multiples of the device's min-storage-buffer-offset-alignment (never less
 #: than one vec4); WebGPU's largest when the device does not say.
 WINDOW_ALIGN = MAX_OFFSET_ALIGNMENT
@@ -81,6 +89,8 @@ def ctype(dtype: str) -> str:
         return "bool"
     if dtype in INTS:
         return "i32"
+    if dtype == WIDE:
+        return I64
     raise Unsupported(f"dtype {dtype} has no WGSL lowering")
 
 
@@ -111,6 +121,14 @@ def lit(v, ty: str) -> str:
         return f"i32({v})" if v != -2**31 else "i32(-2147483647 - 1)"
     if ty == "u32":
         return f"{int(v)}u"
+    if ty == I64:
+        if isinstance(v, float) and not v.is_integer():
+            raise Unsupported(f"value {v} is not an integer")
+        v = int(v)
+        if not -2**63 <= v < 2**63:
+            raise Unsupported(f"value {v} does not fit in int64")
+        v &= 2**64 - 1
+        return f"{I64}({v & 0xffffffff}u, {v >> 32}u)"
     v = float(v)
     if math.isnan(v):
         return "tap_bits_f32(0x7fc00000u)"
@@ -127,6 +145,9 @@ def cast(expr: str, src: str, dst: str) -> str:
     """Convert an expression between expression types (f32, i32, bool)."""
     if src == dst:
         return expr
+    if I64 in (src, dst):
+        from tapml.platforms.wgsl.int64 import cast_wide
+        return cast_wide(expr, src, dst)
     if dst == "bool" and src == "f32":  # NaN is true; drivers may compile != as an ordered compare
         return f"((bitcast<u32>({expr}) & 0x7fffffffu) != 0u)"
     if dst == "bool":
@@ -136,7 +157,7 @@ def cast(expr: str, src: str, dst: str) -> str:
 
 def elem_type(storage: str) -> str:
     """The WGSL array element type a buffer of ``storage`` is bound as (u32 for packed ones)."""
-    return "u32" if storage in PACKED else storage
+    return "u32" if storage in PACKED else I64 if storage == "i64" else storage
 
 
 def window_bytes(max_binding_size: int, align: int = WINDOW_ALIGN) -> int:
@@ -187,7 +208,7 @@ def load(raw: str, storage: str, ty: str) -> str:
         return cast(f"({raw} != 0u)", "bool", ty)
     if storage == "f16":
         return cast(f"f32({raw})", "f32", ty)
-    return cast(raw, storage, ty)
+    return cast(raw, elem_type(storage), ty)
 
 
 def store(expr: str, ty: str, storage: str) -> str:
@@ -196,7 +217,7 @@ def store(expr: str, ty: str, storage: str) -> str:
         return f"select(0u, 1u, {cast(expr, ty, 'bool')})"
     if storage == "f16":
         return f"f16({cast(expr, ty, 'f32')})"
-    return cast(expr, ty, storage)
+    return cast(expr, ty, elem_type(storage))
 
 
 def index_sum(idx: Sequence[str], strides: Sequence[int], offset: int = 0) -> str:
@@ -495,9 +516,15 @@ class KernelBuilder:
         body = "\n".join(pre + self.lines)
         if "tap_bits_f32(" in body:  # literals of Inf and NaN (see lit) call it
             self.need("tap_bits_f32")
+        if I64 in body:
+            from tapml.platforms.wgsl.int64 import helpers_called
+            for helper in helpers_called(body):
+                self.need(helper)
         header = [f"@group(0) @binding({i}) var<storage, {access}> {name}: array<{elem}>;"
                   for i, ((_, elem, _), (name, _, access, _)) in enumerate(self.bindings.items())]
         header.extend(self.helpers.values())
+        if I64 in body or any(I64 in h for h in header):
+            header.insert(0, f"alias {I64} = vec2<u32>;")
         if re.search(r"\bf16\b", body) or any(re.search(r"\bf16\b", key[1]) for key in self.bindings):
             header.insert(0, "enable f16;")
         src = "\n".join(header) + "\n\n" + \

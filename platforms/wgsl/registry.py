@@ -146,7 +146,7 @@ def dtype_reason(dtype: str, caps: dict) -> str | None:
         return "float64: WGSL has no 64-bit floats"
     if dtype.startswith("complex"):
         return f"{dtype}: WGSL has no complex types"
-    if dtype not in ALL:
+    if dtype not in ALL and dtype != "int64w":  # int64w: two-word int64 (platforms/wgsl/int64.py)
         return f"dtype {dtype} has no WGSL lowering"
     return None
 

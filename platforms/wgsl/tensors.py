@@ -1,7 +1,8 @@
 """Host <-> device tensor conversion for WGSL buffers.
 
 WGSL has no 64-bit integers, no bool storage and no f64: int64 travels as i32 (checked at
-upload: a value that does not fit raises, it is never wrapped silently), bool as one u32 per
+upload: a value that does not fit raises, it is never wrapped silently) or, where a program
+holds it in two words (platforms/wgsl/int64.py), as ``i64``: its own bytes, bool as one u32 per
 element, float16 as f16 with shader-f16 and else packed two to a u32 (``f16p``: the same
 bytes), bfloat16 packed two to a u32 (``bf16p``: the same bytes as torch's bfloat16).
 """
@@ -35,6 +36,8 @@ def to_device(t: torch.Tensor, storage: str, name: str = "tensor") -> bytes:
             raise Unsupported(f"{name}: {INT64_OUTSIDE_I32}: int64 value {bad} does not fit in i32 "
                               f"(values must lie in [{I32_RANGE[0]}, {I32_RANGE[1]}])")
         arr = t.to(torch.int32).numpy()
+    elif storage == "i64":  # two words, low first: the bytes of a little-endian int64
+        arr = t.to(torch.int64).numpy().astype("<i8")
     else:
         raise ValueError(f"unknown storage type {storage!r}")
     data = arr.tobytes()
@@ -44,7 +47,7 @@ def to_device(t: torch.Tensor, storage: str, name: str = "tensor") -> bytes:
 
 
 #: the bytes one element takes in each WGSL storage type (packed halves: two to a u32)
-STORAGE_BYTES = {"f32": 4, "f16": 2, "f16p": 2, "bf16p": 2, "i32": 4, "u32": 4}
+STORAGE_BYTES = {"f32": 4, "f16": 2, "f16p": 2, "bf16p": 2, "i32": 4, "u32": 4, "i64": 8}
 
 
 def to_device_chunks(t: torch.Tensor, storage: str, name: str = "tensor", chunk_bytes: int = 64 << 20):
@@ -94,7 +97,7 @@ _madvise = None
 
 
 _NP = {"f32": np.float32, "f16": np.float16, "f16p": np.float16, "bf16p": np.int16, "i32": np.int32,
-       "u32": np.uint32}
+       "u32": np.uint32, "i64": np.dtype("<i8")}
 
 
 def from_device(data, storage: str, meta: TensorMeta) -> torch.Tensor:

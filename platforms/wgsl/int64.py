@@ -1,0 +1,599 @@
+"""int64 in two 32-bit words, where a tensor's values do not fit in i32.
+
+WGSL has no 64-bit integers. An int64 tensor is held as i32 (one word, the fast path) unless
+one of its values does not fit; then it is held as two words: the ``i64`` storage type, read
+as the ``tap_i64`` expression type (``vec2<u32>``: low word, high word, two's complement;
+the same bytes as torch's little-endian int64, so uploads and read-backs copy bytes).
+
+Which tensors get two words is decided per run from values (:func:`wide_refs`): an int64
+graph input whose values do not fit, and every int64 value the graph computes that does not
+fit when torch computes it from those inputs (the int64 part of the graph is evaluated on the
+host; it is small: positions, buckets, indices). Such a ref is compiled with the dtype
+:data:`~tapml.platforms.wgsl.codegen.WIDE` (``int64w``), a name that never leaves the
+compiler. For a node that touches one, :func:`wide_lowering` chooses:
+
+- the op's two-word lowering (:data:`WIDE_LOWERINGS`): arithmetic, comparisons, min/max,
+  bitwise ops, shifts, division and remainder as torch defines them for int64;
+- the registry's own lowering where it is correct for two words as it is
+  (:data:`TAKES_WIDE`: views, copies, casts, fills, ``where``);
+- the registry's lowering on the low words, where no output is wide and the op's result
+  depends only on its inputs' low words (:data:`LOW_WORD_EXACT`: ring arithmetic modulo
+  2**32, selections, shapes);
+
+and otherwise refuses the node (``unsupported``, with the reason).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tapml.errors import Unsupported
+from tapml.platforms.wgsl.codegen import I64, WIDE, Compute, Value, ctype
+from tapml.platforms.wgsl.helpers import HELPERS
+from tapml.platforms.wgsl.registry import Lowering, randbool
+
+I32_MIN, I32_MAX = -2**31, 2**31 - 1
+I64_MIN, I64_MAX = -2**63, 2**63 - 1
+
+_HELPERS = {
+    "tap_i64_of": ((), f"""
+fn tap_i64_of(v: i32) -> {I64} {{
+  return {I64}(bitcast<u32>(v), select(0u, 0xffffffffu, v < 0));
+}}"""),
+    "tap_i64_add": ((), f"""
+fn tap_i64_add(a: {I64}, b: {I64}) -> {I64} {{
+  let lo = a.x + b.x;
+  return {I64}(lo, a.y + b.y + select(0u, 1u, lo < a.x));
+}}"""),
+    "tap_i64_sub": ((), f"""
+fn tap_i64_sub(a: {I64}, b: {I64}) -> {I64} {{
+  return {I64}(a.x - b.x, a.y - b.y - select(0u, 1u, a.x < b.x));
+}}"""),
+    "tap_i64_neg": (("tap_i64_sub",), f"""
+fn tap_i64_neg(a: {I64}) -> {I64} {{
+  return tap_i64_sub({I64}(0u, 0u), a);
+}}"""),
+    "tap_i64_is_neg": ((), f"""
+fn tap_i64_is_neg(a: {I64}) -> bool {{
+  return bitcast<i32>(a.y) < 0;
+}}"""),
+    "tap_i64_abs": (("tap_i64_neg", "tap_i64_is_neg"), f"""
+fn tap_i64_abs(a: {I64}) -> {I64} {{
+  return select(a, tap_i64_neg(a), tap_i64_is_neg(a));
+}}"""),
+    # the full 64-bit product of two u32, from 16-bit halves
+    "tap_u32_mul_wide": ((), f"""
+fn tap_u32_mul_wide(a: u32, b: u32) -> {I64} {{
+  let a0 = a & 0xffffu; let a1 = a >> 16u; let b0 = b & 0xffffu; let b1 = b >> 16u;
+  let p00 = a0 * b0; let p01 = a0 * b1; let p10 = a1 * b0; let p11 = a1 * b1;
+  let mid = (p00 >> 16u) + (p01 & 0xffffu) + (p10 & 0xffffu);
+  return {I64}((p00 & 0xffffu) | (mid << 16u), p11 + (p01 >> 16u) + (p10 >> 16u) + (mid >> 16u));
+}}"""),
+    "tap_i64_mul": (("tap_u32_mul_wide",), f"""
+fn tap_i64_mul(a: {I64}, b: {I64}) -> {I64} {{
+  let p = tap_u32_mul_wide(a.x, b.x);
+  return {I64}(p.x, p.y + a.x * b.y + a.y * b.x);
+}}"""),
+    "tap_i64_lt": ((), f"""
+fn tap_i64_lt(a: {I64}, b: {I64}) -> bool {{
+  let ah = bitcast<i32>(a.y); let bh = bitcast<i32>(b.y);
+  return ah < bh || (ah == bh && a.x < b.x);
+}}"""),
+    "tap_u64_lt": ((), f"""
+fn tap_u64_lt(a: {I64}, b: {I64}) -> bool {{
+  return a.y < b.y || (a.y == b.y && a.x < b.x);
+}}"""),
+    # torch: a shift by a negative amount or by 64 or more gives 0 (left) or the sign (right)
+    "tap_i64_shl": ((), f"""
+fn tap_i64_shl(a: {I64}, s: {I64}) -> {I64} {{
+  if (s.y != 0u || s.x >= 64u) {{ return {I64}(0u, 0u); }}
+  let n = s.x;
+  if (n == 0u) {{ return a; }}
+  if (n < 32u) {{ return {I64}(a.x << n, (a.y << n) | (a.x >> (32u - n))); }}
+  return {I64}(0u, a.x << (n - 32u));
+}}"""),
+    "tap_i64_shr": ((), f"""
+fn tap_i64_shr(a: {I64}, s: {I64}) -> {I64} {{
+  let fill = select(0u, 0xffffffffu, bitcast<i32>(a.y) < 0);
+  if (s.y != 0u || s.x >= 64u) {{ return {I64}(fill, fill); }}
+  let n = s.x;
+  if (n == 0u) {{ return a; }}
+  if (n < 32u) {{ return {I64}((a.x >> n) | (a.y << (32u - n)), bitcast<u32>(bitcast<i32>(a.y) >> n)); }}
+  return {I64}(bitcast<u32>(bitcast<i32>(a.y) >> (n - 32u)), fill);
+}}"""),
+    "tap_u64_shr": ((), f"""
+fn tap_u64_shr(a: {I64}, n: u32) -> {I64} {{
+  if (n == 0u) {{ return a; }}
+  if (n < 32u) {{ return {I64}((a.x >> n) | (a.y << (32u - n)), a.y >> n); }}
+  return {I64}(a.y >> (n - 32u), 0u);
+}}"""),
+    # unsigned long division, one quotient bit per step: (quotient, remainder)
+    "tap_u64_divmod": (("tap_u64_lt", "tap_i64_sub"), f"""
+fn tap_u64_divmod(n: {I64}, d: {I64}) -> vec4<u32> {{
+  var q = {I64}(0u, 0u);
+  var r = {I64}(0u, 0u);
+  for (var i: i32 = 63; i >= 0; i = i - 1) {{
+    let word = select(n.x, n.y, i >= 32);
+    r = {I64}((r.x << 1u) | ((word >> u32(i & 31)) & 1u), (r.y << 1u) | (r.x >> 31u));
+    if (!tap_u64_lt(r, d)) {{
+      r = tap_i64_sub(r, d);
+      if (i >= 32) {{ q.y = q.y | (1u << u32(i - 32)); }} else {{ q.x = q.x | (1u << u32(i)); }}
+    }}
+  }}
+  return vec4<u32>(q, r);
+}}"""),
+    # truncating division (C's): quotient toward zero, remainder with the dividend's sign
+    "tap_i64_divmod_trunc": (("tap_u64_divmod", "tap_i64_abs", "tap_i64_neg", "tap_i64_is_neg"), f"""
+fn tap_i64_divmod_trunc(a: {I64}, b: {I64}) -> vec4<u32> {{
+  let qr = tap_u64_divmod(tap_i64_abs(a), tap_i64_abs(b));
+  var q = qr.xy;
+  var r = qr.zw;
+  if (tap_i64_is_neg(a) != tap_i64_is_neg(b)) {{ q = tap_i64_neg(q); }}
+  if (tap_i64_is_neg(a)) {{ r = tap_i64_neg(r); }}
+  return vec4<u32>(q, r);
+}}"""),
+    # floor division (Python's): quotient toward -inf, remainder with the divisor's sign
+    "tap_i64_divmod_floor": (("tap_i64_divmod_trunc", "tap_i64_add", "tap_i64_sub", "tap_i64_is_neg"), f"""
+fn tap_i64_divmod_floor(a: {I64}, b: {I64}) -> vec4<u32> {{
+  let qr = tap_i64_divmod_trunc(a, b);
+  var q = qr.xy;
+  var r = qr.zw;
+  if (any(r != {I64}(0u, 0u)) && tap_i64_is_neg(r) != tap_i64_is_neg(b)) {{
+    q = tap_i64_sub(q, {I64}(1u, 0u));
+    r = tap_i64_add(r, b);
+  }}
+  return vec4<u32>(q, r);
+}}"""),
+    # int64 -> float32 rounded once, to nearest even, as torch converts
+    "tap_i64_to_f32": (("tap_i64_neg", "tap_i64_is_neg", "tap_u64_shr", "tap_u64_lt", "tap_i64_sub"), f"""
+fn tap_i64_to_f32(a: {I64}) -> f32 {{
+  let negative = tap_i64_is_neg(a);
+  let m = select(a, tap_i64_neg(a), negative);
+  var f: f32;
+  if (m.y == 0u && m.x < 16777216u) {{
+    f = f32(m.x);
+  }} else {{
+    let lz = select(countLeadingZeros(m.x) + 32u, countLeadingZeros(m.y), m.y != 0u);
+    let s = 40u - lz;
+    var q = tap_u64_shr(m, s).x;
+    let low = select({I64}(m.x & ((1u << s) - 1u), 0u), {I64}(m.x, m.y & ((1u << (s - 32u)) - 1u)), s >= 32u);
+    let half = select({I64}(1u << (s - 1u), 0u), {I64}(0u, 1u << (s - 33u)), s >= 33u);
+    if (tap_u64_lt(half, low) || (all(low == half) && (q & 1u) == 1u)) {{ q = q + 1u; }}
+    f = ldexp(f32(q), i32(s));
+  }}
+  return select(f, -f, negative);
+}}"""),
+    # float32 -> int64 toward zero; NaN, infinities and values outside int64 give -2**63 (x86's
+    # conversion, which torch's CPU kernels use)
+    "tap_f32_to_i64": (("tap_i64_neg",), f"""
+fn tap_f32_to_i64(x: f32) -> {I64} {{
+  if (!(x >= -9223372036854775808.0 && x < 9223372036854775808.0)) {{ return {I64}(0u, 0x80000000u); }}
+  let t = trunc(x);
+  let m = abs(t);
+  var r = {I64}(0u, 0u);
+  if (m < 4294967296.0) {{
+    r = {I64}(u32(m), 0u);
+  }} else {{
+    let hi = floor(m / 4294967296.0);
+    r = {I64}(u32(m - hi * 4294967296.0), u32(hi));
+  }}
+  return select(r, tap_i64_neg(r), t < 0.0);
+}}"""),
+}
+HELPERS.update(_HELPERS)
+
+
+def _need(k, *names: str) -> None:
+    for name in names:
+        k.need(name)
+
+
+def cast_wide(expr: str, src: str, dst: str) -> str:
+    """``expr`` converted between expression types where one of them is ``tap_i64``. Narrowing
+    keeps the low word (torch's int64 -> int32 conversion wraps the same way)."""
+    from tapml.platforms.wgsl.codegen import cast
+    if src == I64:
+        if dst == "i32":
+            return f"bitcast<i32>(({expr}).x)"
+        if dst == "u32":
+            return f"({expr}).x"
+        if dst == "bool":
+            return f"any(({expr}) != {I64}(0u, 0u))"
+        if dst == "f32":
+            return f"tap_i64_to_f32({expr})"
+    if dst == I64:
+        if src == "i32":
+            return f"tap_i64_of({expr})"
+        if src == "u32":
+            return f"{I64}({expr}, 0u)"
+        if src == "bool":
+            return f"{I64}(select(0u, 1u, {expr}), 0u)"
+        if src == "f32":
+            return f"tap_f32_to_i64({expr})"
+    raise Unsupported(f"no conversion from {src} to {dst}")
+
+
+def helpers_called(source: str) -> list[str]:
+    """The two-word helpers ``source`` calls: a kernel pulls them in by name, since casts
+    (:func:`cast_wide`) are written where no kernel is at hand."""
+    return [name for name in _HELPERS if name + "(" in source]
+
+
+# --- which refs get two words --------------------------------------------------------------
+
+#: Ops whose int64 outputs are indices into their input (or counts of its elements): they fit in
+#: i32 whenever the tensor does, so the values they are computed from need not be evaluated.
+INDEX_OUTPUTS = frozenset({
+    "aten.argmax.default", "aten.argmin.default", "aten.max.dim", "aten.min.dim", "aten.sort.default",
+    "aten.sort.stable", "aten.topk.default", "aten.kthvalue.default", "aten.median.dim", "aten.mode.default",
+    "aten.nanmedian.dim", "aten.cummax.default", "aten.cummin.default", "aten.max_pool2d_with_indices.default",
+    "aten.max_pool3d_with_indices.default", "aten.nonzero.default", "aten.argsort.default",
+    "aten.searchsorted.Tensor", "aten.bucketize.Tensor", "aten.multinomial.default"})
+#: The most FLOPs of host work :func:`wide_refs` spends on one node: the int64 part of a graph is
+#: small; a node past this (a product, a convolution) is not evaluated, and the int64 values
+#: computed from it stay in i32, as before two words existed (their outputs are still compared).
+EVAL_FLOPS = 1 << 22
+
+
+def wide_refs(graph, inputs) -> frozenset[str]:
+    """The int64 refs of ``graph`` whose values, for these ``inputs`` (tensors, or resident
+    handles whose values are not known here), do not all fit in i32."""
+    from tapml.graph import run_node
+    from tapml.judging.compare import first_outside_i32
+    from tapml.platforms.wgsl.registry import node_flops
+    metas = graph.meta
+    if not any(m.dtype == "int64" for m in metas.values()):
+        return frozenset()
+    wide: set[str] = set()
+    values: dict[str, torch.Tensor] = {}
+    for (ref, meta), t in zip(graph.inputs, inputs):
+        if isinstance(t, torch.Tensor):
+            values[ref] = t
+            if meta.dtype == "int64" and first_outside_i32(t) is not None:
+                wide.add(ref)
+    producer = graph.producer()
+    needed: set[str] = set()
+    stack = [n for n in graph.nodes if n.op not in INDEX_OUTPUTS and any(m.dtype == "int64" for m in n.outputs)]
+    while stack:
+        node = stack.pop()
+        if node.name in needed:
+            continue
+        needed.add(node.name)
+        stack.extend(producer[r] for r in node.input_refs if r in producer)
+    if not needed:
+        return frozenset(wide)
+    for node in graph.nodes:
+        if node.name not in needed or any(r not in values for r in node.input_refs):
+            continue
+        try:
+            if node_flops(node, metas) > EVAL_FLOPS:
+                continue
+            outs = run_node(node, values.__getitem__)
+        except Exception:  # noqa: BLE001 - a node the host cannot run leaves its values unknown (i32)
+            continue
+        for ref, meta, t in zip(node.output_refs, node.outputs, outs):
+            if isinstance(t, torch.Tensor):
+                values[ref] = t
+                if meta.dtype == "int64" and first_outside_i32(t) is not None:
+                    wide.add(ref)
+    return frozenset(wide)
+
+
+def widen(graph, wide):
+    """``graph`` with the int64 refs in ``wide`` typed :data:`WIDE` (two words)."""
+    from tapml.graph import Graph, Node, TensorMeta
+
+    def meta(ref, m):
+        return TensorMeta(m.shape, WIDE) if ref in wide and m.dtype == "int64" else m
+    nodes = [Node(n.name, n.op, n.args, n.kwargs, [meta(r, m) for r, m in zip(n.output_refs, n.outputs)],
+                  multi=n.multi, module=n.module, module_type=n.module_type, case=n.case) for n in graph.nodes]
+    return Graph(inputs=[(r, meta(r, m)) for r, m in graph.inputs], nodes=nodes, outputs=list(graph.outputs),
+                 state=dict(graph.state))
+
+
+# --- lowerings ------------------------------------------------------------------------------
+
+#: Registry lowerings that are right for two-word values as they are: they move, select, fill or
+#: convert elements through the generic read, write, literal and cast of the value's type.
+TAKES_WIDE = frozenset({
+    "aten._to_copy.default", "aten.to.dtype", "aten.clone.default", "aten.copy.default", "aten.alias.default",
+    "aten.lift_fresh_copy.default", "aten.full.default", "aten.full_like.default", "aten.new_full.default",
+    "aten.scalar_tensor.default", "aten.zeros_like.default", "aten.new_zeros.default", "aten.zeros.default",
+    "aten.ones_like.default", "aten.new_ones.default", "aten.ones.default", "aten.where.self",
+    "aten.where.ScalarSelf", "aten.where.ScalarOther", "aten.where.Scalar", "aten.cat.default",
+    "aten.index.Tensor", "aten.index_select.default", "aten.gather.default", "aten.expand_copy.default",
+    "aten.permute_copy.default", "aten.view_copy.default", "aten.slice_copy.Tensor", "aten.unsqueeze_copy.default",
+    "aten.squeeze_copy.dims", "aten.t_copy.default", "aten.select_copy.int", "aten.flip.default",
+    "aten.roll.default", "aten.repeat.default", "aten.stack.default",
+})
+#: Ops whose result, where it fits in i32, depends only on the low words of their int64 inputs
+#: (ring arithmetic modulo 2**32, selection, shape): run on the low words when no output is wide.
+LOW_WORD_EXACT = frozenset({
+    "aten.add.Tensor", "aten.add.Scalar", "aten.sub.Tensor", "aten.sub.Scalar", "aten.rsub.Scalar",
+    "aten.rsub.Tensor", "aten.mul.Tensor", "aten.mul.Scalar", "aten.neg.default", "aten.bitwise_and.Tensor",
+    "aten.bitwise_and.Scalar", "aten.bitwise_or.Tensor", "aten.bitwise_or.Scalar", "aten.bitwise_xor.Tensor",
+    "aten.bitwise_xor.Scalar", "aten.bitwise_not.default", "aten.sum.default", "aten.sum.dim_IntList",
+    "aten.cumsum.default", "aten.empty_like.default", "aten.new_empty.default",
+    *(op for op in TAKES_WIDE if op not in ("aten._to_copy.default", "aten.to.dtype")),
+})
+
+
+def _wide_type(v) -> bool:
+    return isinstance(v, Value) and v.dtype == WIDE
+
+
+def _scalar(v) -> bool:
+    return isinstance(v, (int, float, bool)) and not isinstance(v, Value)
+
+
+def _int_args(node, args):
+    """Refuse float operands: an int64 op with a float operand computes in float (not here)."""
+    for a in args:
+        if isinstance(a, float) or isinstance(a, Value) and ctype(a.dtype) == "f32":
+            raise Unsupported(f"{node.op} with a float operand and two-word int64 values is not lowered")
+
+
+def _binary(helper, result=None, swap=False, negate=False):
+    """A two-word lowering ``helper(a, b)`` (``swap``: ``helper(b, a)``; ``negate``: ``!``)."""
+    from tapml.platforms.wgsl.elementwise import elementwise
+
+    def lower(pb, node, a, b, alpha=1):
+        _int_args(node, [a, b, alpha])
+
+        def fn(k, x, y, *al):
+            k.need(helper)
+            if al:
+                k.need("tap_i64_mul")
+                y = f"tap_i64_mul({y}, {al[0]})"
+            e = f"{helper}({y}, {x})" if swap else f"{helper}({x}, {y})"
+            return f"!{e}" if negate else e
+        args = [a, b] + ([alpha] if alpha != 1 else [])
+        return [elementwise(pb, node, args, fn, compute=I64, result=result)]
+    return lower
+
+
+def _expr(template, *helpers, result=None):
+    from tapml.platforms.wgsl.elementwise import elementwise
+
+    def lower(pb, node, *args):
+        _int_args(node, args)
+
+        def fn(k, *xs):
+            _need(k, *helpers)
+            return template.format(*xs)
+        return [elementwise(pb, node, list(args), fn, compute=I64, result=result)]
+    return lower
+
+
+def _clamp(pb, node, x, min=None, max=None):
+    from tapml.platforms.wgsl.elementwise import elementwise
+    _int_args(node, [x, min, max])
+    bounds = [b for b in (min, max) if b is not None]
+
+    def fn(k, e, *bs):
+        k.need("tap_i64_lt")
+        bs = list(bs)
+        if min is not None:
+            lo = bs.pop(0)
+            e = f"select({e}, {lo}, tap_i64_lt({e}, {lo}))"
+        if max is not None:
+            hi = bs.pop(0)
+            e = f"select({e}, {hi}, tap_i64_lt({hi}, {e}))"
+        return e
+    return [elementwise(pb, node, [x, *bounds], fn, compute=I64)]
+
+
+def _division(mode, part):
+    from tapml.platforms.wgsl.elementwise import elementwise
+
+    def lower(pb, node, a, b, rounding_mode=None):
+        _int_args(node, [a, b])
+        m = rounding_mode if mode == "given" else mode
+        if m is None:
+            raise Unsupported(f"{node.op}: true division of two-word int64 values is not lowered")
+        helper = f"tap_i64_divmod_{m}"
+
+        def fn(k, x, y):
+            k.need(helper)
+            return f"{helper}({x}, {y}).{part}"
+        c = elementwise(pb, node, [a, b], fn, compute=I64, cost=64)
+        return [pb.materialize(c)]  # 64 steps per element: never fused into another kernel's loop
+    return lower
+
+
+#: int64 shifts: also the registry's lowering of int64 held in i32 (the two-word arithmetic, whose
+#: result is narrowed), so that a shift by 32 or more behaves as torch's on int64
+SHIFTS = {"left": ["aten.bitwise_left_shift.Tensor", "aten.bitwise_left_shift.Tensor_Scalar"],
+          "right": ["aten.bitwise_right_shift.Tensor", "aten.bitwise_right_shift.Tensor_Scalar"]}
+
+_CMP = {"lt": ("tap_i64_lt", False, False), "gt": ("tap_i64_lt", True, False), "ge": ("tap_i64_lt", False, True),
+        "le": ("tap_i64_lt", True, True)}
+
+
+def _lowerings() -> dict[str, Lowering]:
+    out: dict[str, Lowering] = {}
+
+    def add(ops, fn, samples):
+        for op in [ops] if isinstance(ops, str) else ops:
+            out[op] = Lowering(op, fn, (WIDE,), samples, family="int64")
+
+    add(["aten.add.Tensor", "aten.add.Scalar"], _binary("tap_i64_add"), _binary_samples("add"))
+    add(["aten.sub.Tensor", "aten.sub.Scalar"], _binary("tap_i64_sub"), _binary_samples("sub"))
+    add("aten.rsub.Scalar", _binary("tap_i64_sub", swap=True), _binary_samples("rsub"))
+    add(["aten.mul.Tensor", "aten.mul.Scalar"], _binary("tap_i64_mul"), _binary_samples("mul"))
+    add("aten.neg.default", _expr("tap_i64_neg({0})", "tap_i64_neg"), _unary_samples)
+    add("aten.abs.default", _expr("tap_i64_abs({0})", "tap_i64_abs"), _unary_samples)
+    add("aten.sign.default", _expr(f"select(select({I64}(0u, 0u), {I64}(1u, 0u), any({{0}} != {I64}(0u, 0u))), "
+                                   f"{I64}(0xffffffffu, 0xffffffffu), tap_i64_is_neg({{0}}))", "tap_i64_is_neg"),
+        _unary_samples)
+    for name, (helper, swap, negate) in _CMP.items():
+        add([f"aten.{name}.Tensor", f"aten.{name}.Scalar"], _binary(helper, "bool", swap, negate), _binary_samples(name))
+    add(["aten.eq.Tensor", "aten.eq.Scalar"], _expr("all({0} == {1})", result="bool"), _binary_samples("eq"))
+    add(["aten.ne.Tensor", "aten.ne.Scalar"], _expr("any({0} != {1})", result="bool"), _binary_samples("ne"))
+    add("aten.minimum.default", _expr("select({1}, {0}, tap_i64_lt({0}, {1}))", "tap_i64_lt"), _binary_samples("min"))
+    add("aten.maximum.default", _expr("select({1}, {0}, tap_i64_lt({1}, {0}))", "tap_i64_lt"), _binary_samples("max"))
+    add(["aten.clamp.default", "aten.clamp.Tensor"], _clamp, _clamp_samples)
+    add("aten.clamp_min.default", lambda pb, node, x, m: _clamp(pb, node, x, min=m), _unary_scalar_samples)
+    add("aten.clamp_max.default", lambda pb, node, x, m: _clamp(pb, node, x, max=m), _unary_scalar_samples)
+    for name, sym in (("and", "&"), ("or", "|"), ("xor", "^")):
+        add([f"aten.bitwise_{name}.Tensor", f"aten.bitwise_{name}.Scalar"], _expr(f"({{0}} {sym} {{1}})"),
+            _binary_samples(name))
+    add("aten.bitwise_not.default", _expr("(~{0})"), _unary_samples)
+    add(SHIFTS["left"], _expr("tap_i64_shl({0}, {1})", "tap_i64_shl"), _shift_samples)
+    add(SHIFTS["right"], _expr("tap_i64_shr({0}, {1})", "tap_i64_shr"), _shift_samples)
+    add(["aten.div.Tensor_mode", "aten.div.Scalar_mode"], _division("given", "xy"), _divmode_samples)
+    add(["aten.floor_divide.default", "aten.floor_divide.Scalar"], _division("floor", "xy"), _division_samples)
+    add(["aten.remainder.Tensor", "aten.remainder.Scalar"], _division("floor", "zw"), _division_samples)
+    add(["aten.fmod.Tensor", "aten.fmod.Scalar"], _division("trunc", "zw"), _division_samples)
+    return out
+
+
+def wide_scalar(node) -> bool:
+    """Whether ``node`` takes a Python int outside the i32 range (a literal i32 cannot hold)."""
+    def walk(a):
+        if isinstance(a, bool):
+            return False
+        if isinstance(a, int):
+            return not I32_MIN <= a <= I32_MAX
+        if isinstance(a, list):
+            return any(walk(x) for x in a)
+        return False
+    return any(walk(a) for a in node.args) or any(walk(v) for v in node.kwargs.values())
+
+
+def static_wide_refs(graph) -> frozenset[str]:
+    """The int64 outputs of nodes that take an int outside i32 (``x * 2**40``, ``full(.., -2**63)``):
+    held in two words whatever the inputs, since no i32 literal holds that int."""
+    return frozenset(r for n in graph.nodes if wide_scalar(n)
+                     for r, m in zip(n.output_refs, n.outputs) if m.dtype == "int64")
+
+
+def wide_lowering(node, input_metas, registry) -> tuple[Lowering, bool]:
+    """The lowering of ``node``, which has a two-word input or output, and whether its wide
+    inputs are to be read as their low words (i32); :class:`Unsupported` when there is none."""
+    outputs_wide = any(m.dtype == WIDE for m in node.outputs)
+    low = registry.get(node.op)
+    if node.op in WIDE_LOWERINGS and (outputs_wide or node.op not in LOW_WORD_EXACT):
+        return WIDE_LOWERINGS[node.op], False
+    if low is not None and (low.view or node.op in TAKES_WIDE):
+        return low, False
+    if low is not None and not outputs_wide and node.op in LOW_WORD_EXACT:
+        return low, True
+    raise Unsupported(f"{node.op} has no lowering for int64 values outside the i32 range (held in two 32-bit "
+                      "words on WGSL targets)")
+
+
+def narrowed(v: Value) -> Value:
+    """A two-word value read as its low word (an int64 held in i32)."""
+    if not _wide_type(v):
+        return v
+    return Compute(v.shape, "int64", [v], lambda k, e, idx: f"bitcast<i32>(({e[0]}).x)", cost=0)
+
+
+# --- samples: values at and past the i32 limits and at the int64 limits ---------------------
+
+LIMITS = (I64_MIN, I64_MAX, I64_MIN + 1, I64_MAX - 1, I32_MIN - 1, I32_MAX + 1, I32_MIN, I32_MAX, -2**32,
+          2**32, 2**32 - 1, -(2**32 - 1), 2**53 + 1, -(2**40) - 7, 0, 1, -1)
+
+
+def wide_ints(*shape, lo: int = -2**62, hi: int = 2**62, limits=LIMITS) -> torch.Tensor:
+    """Seeded int64 values spread over ``[lo, hi)`` with :data:`LIMITS` in the first elements."""
+    n = math.prod(shape)
+    g = torch.Generator().manual_seed(n * 31 + len(shape))
+    t = torch.randint(lo, hi, (n,), dtype=torch.int64, generator=g)
+    lim = torch.tensor(limits, dtype=torch.int64)[:n]
+    t[:len(lim)] = lim
+    return t.reshape(shape)
+
+
+def _binary_samples(kind):
+    def samples():
+        a = wide_ints(6, 7)
+        b = wide_ints(6, 7, limits=tuple(reversed(LIMITS)))
+        out = [((a, b), {}), ((a, wide_ints(7, limits=(5, -3, 2**33))), {}), ((a, 5), {}), ((a, -(2**40)), {}),
+               ((wide_ints(3, 1, 4), torch.randint(-50, 50, (5, 1), dtype=torch.int64)), {})]
+        if kind in ("add", "sub"):
+            out.append(((a, b), {"alpha": 3}))
+        if kind in ("min", "max"):
+            out = [s for s in out if all(isinstance(x, torch.Tensor) for x in s[0])]
+        return out
+    return samples
+
+
+def _unary_samples():
+    return [((wide_ints(5, 6),), {}), ((wide_ints(17),), {})]
+
+
+def _unary_scalar_samples():
+    return [((wide_ints(5, 6), -(2**33)), {}), ((wide_ints(17), 7), {})]
+
+
+def _clamp_samples():
+    return [((wide_ints(5, 6), -(2**33), 2**40), {}), ((wide_ints(17), None, 7), {}),
+            ((wide_ints(4, 5), wide_ints(5, limits=()), wide_ints(4, 1, limits=(I64_MAX,))), {})]
+
+
+def _shift_samples():
+    amounts = torch.tensor([0, 1, 31, 32, 33, 63, 64, 70, -1, 5], dtype=torch.int64)
+    return [((wide_ints(7, 10), amounts), {}), ((wide_ints(13), 3), {}), ((wide_ints(13), 40), {})]
+
+
+def _nonzero(*shape, limits=LIMITS):
+    t = wide_ints(*shape, limits=tuple(v for v in limits if v != 0))
+    return torch.where(t == 0, torch.ones_like(t), t)
+
+
+def _division_samples():
+    a = wide_ints(6, 7, limits=tuple(v for v in LIMITS if v != I64_MIN))
+    b = _nonzero(6, 7, limits=tuple(reversed(LIMITS)))
+    return [((a, b), {}), ((a, torch.tensor([3, -3, 7, 2**33, -(2**35), 1, -1], dtype=torch.int64)), {}),
+            ((a, 10), {}), ((a, -(2**33)), {})]
+
+
+def _divmode_samples():
+    a, b = _division_samples()[0][0]
+    return [((a, b), {"rounding_mode": "trunc"}), ((a, b), {"rounding_mode": "floor"}),
+            ((a, 9), {"rounding_mode": "floor"}), ((a, -(2**34)), {"rounding_mode": "trunc"})]
+
+
+def cast_samples() -> list:
+    """``_to_copy`` from and to two words: every dtype from int64 limits, int64 from float32
+    values past i32, infinities and NaN."""
+    floats = torch.tensor([-math.inf, math.inf, math.nan, 3e19, -3e19, 9.2e18, -9.2e18, 1.5e10, -2.7, 0.5,
+                           -9.223372036854775808e18, 4294967296.0, -4294967295.0, 2.0**40 + 2**17], dtype=torch.float32)
+    a = wide_ints(4, 5)
+    return [((floats,), {"dtype": torch.int64}), ((floats.to(torch.float16)[:9],), {"dtype": torch.int64}),
+            ((a,), {"dtype": torch.float32}), ((a,), {"dtype": torch.int32}), ((a,), {"dtype": torch.int16}),
+            ((a,), {"dtype": torch.int8}), ((a,), {"dtype": torch.uint8}), ((a,), {"dtype": torch.bool}),
+            ((a,), {"dtype": torch.float16}), ((a,), {"dtype": torch.bfloat16}),
+            ((wide_ints(40, limits=(2**40 + 1, -(2**53 + 1), I64_MAX, 2**24 + 1, 2**25 + 3, 2**25 + 1, -(2**63))),),
+             {"dtype": torch.float32})]
+
+
+def where_samples() -> list:
+    return [((randbool(4, 5), wide_ints(4, 5), wide_ints(5, limits=(3, -(2**40)))), {}),
+            ((randbool(6), wide_ints(6), 7), {})]
+
+
+WIDE_LOWERINGS: dict[str, Lowering] = _lowerings()
+
+
+def _register_shifts() -> None:
+    from tapml.platforms.wgsl.registry import register
+    for op in SHIFTS["left"] + SHIFTS["right"]:
+        low = WIDE_LOWERINGS[op]
+        register(op, ("int64",), samples=_i32_shift_samples)(low.fn)
+
+
+def _i32_shift_samples():
+    x = torch.randint(-1000, 1000, (6, 10), dtype=torch.int64)
+    amounts = torch.tensor([0, 1, 3, 7, 2, 64, 70, -1, 5, 33], dtype=torch.int64)
+    return [((x, amounts), {}), ((x, 3), {}), ((x >> 40, 40), {})]
+
+
+_register_shifts()
+
+__all__ = ["WIDE_LOWERINGS", "SHIFTS", "wide_scalar", "static_wide_refs", "TAKES_WIDE", "LOW_WORD_EXACT", "wide_refs", "widen", "wide_lowering", "narrowed",
+           "cast_wide", "wide_ints", "LIMITS", "helpers_called"]
