@@ -730,6 +730,10 @@ class PlatformWrapper(Platform):
     def last_artifact(self):
         return getattr(self.inner, "last_artifact", None)
 
+    @property
+    def last_wide(self) -> tuple:
+        return getattr(self.inner, "last_wide", ())
+
     def float_model(self) -> dict:
         return self.inner.float_model()
 

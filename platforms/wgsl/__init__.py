@@ -63,7 +63,7 @@ def compile_graph(graph: Graph, caps: dict, lowerings: Mapping[str, Lowering] | 
     from tapml.platforms.wgsl.attention import find_attention, fused_attention
     from tapml.platforms.wgsl.matmul import find_product_groups, find_residual_products, product_group, residual_product
     from tapml.platforms.wgsl.norms import find_rms_norms, rms_norm
-    from tapml.platforms.wgsl.int64 import narrowed, wide_lowering, wide_scalar
+    from tapml.platforms.wgsl.int64 import WIDE_LOWERINGS, narrowed, wide_lowering, wide_scalar
     from tapml.platforms.wgsl.scatter import put_in_place
     registry = REGISTRY if not lowerings else ChainMap(dict(lowerings), REGISTRY)
     caps = caps or {}
@@ -96,7 +96,9 @@ def compile_graph(graph: Graph, caps: dict, lowerings: Mapping[str, Lowering] | 
         """Lower ``node`` (or take its ``values``, computed with others) into ``env``."""
         in_metas = [graph.meta[r] for r in node.input_refs]
         value_of = env.__getitem__
-        if any(m.dtype == WIDE for m in in_metas + list(node.outputs)) or wide_scalar(node):  # int64 in two words
+        if any(m.dtype == WIDE for m in in_metas + list(node.outputs)) or \
+                (node.op in WIDE_LOWERINGS and wide_scalar(node) and
+                 any(m.dtype == "int64" for m in in_metas + list(node.outputs))):  # int64 in two words
             low, low_words = wide_lowering(node, in_metas, registry)
             reason = low.check(node) if low.check is not None else None
             if low_words:

@@ -255,7 +255,11 @@ def wide_refs(graph, inputs) -> frozenset[str]:
                 wide.add(ref)
     producer = graph.producer()
     needed: set[str] = set()
-    stack = [n for n in graph.nodes if n.op not in INDEX_OUTPUTS and any(m.dtype == "int64" for m in n.outputs)]
+    from tapml.platforms.wgsl import load_lowerings
+    registry = load_lowerings()
+    # index outputs fit by construction; an empty tensor's values are whatever memory held
+    skip = INDEX_OUTPUTS | {op for op, low in registry.items() if not low.compare_values}
+    stack = [n for n in graph.nodes if n.op not in skip and any(m.dtype == "int64" for m in n.outputs)]
     while stack:
         node = stack.pop()
         if node.name in needed:
@@ -265,7 +269,7 @@ def wide_refs(graph, inputs) -> frozenset[str]:
     if not needed:
         return frozenset(wide)
     for node in graph.nodes:
-        if node.name not in needed or any(r not in values for r in node.input_refs):
+        if node.name not in needed or node.op in skip or any(r not in values for r in node.input_refs):
             continue
         try:
             if node_flops(node, metas) > EVAL_FLOPS:
@@ -466,7 +470,7 @@ def wide_scalar(node) -> bool:
 def static_wide_refs(graph) -> frozenset[str]:
     """The int64 outputs of nodes that take an int outside i32 (``x * 2**40``, ``full(.., -2**63)``):
     held in two words whatever the inputs, since no i32 literal holds that int."""
-    return frozenset(r for n in graph.nodes if wide_scalar(n)
+    return frozenset(r for n in graph.nodes if (n.op in WIDE_LOWERINGS or n.op in TAKES_WIDE) and wide_scalar(n)
                      for r, m in zip(n.output_refs, n.outputs) if m.dtype == "int64")
 
 
@@ -574,7 +578,7 @@ def cast_samples() -> list:
 
 def where_samples() -> list:
     return [((randbool(4, 5), wide_ints(4, 5), wide_ints(5, limits=(3, -(2**40)))), {}),
-            ((randbool(6), wide_ints(6), 7), {})]
+            ((randbool(6), wide_ints(6), torch.tensor(7)), {})]
 
 
 WIDE_LOWERINGS: dict[str, Lowering] = _lowerings()

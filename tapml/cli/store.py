@@ -216,13 +216,18 @@ def inspect_target(s, store: str, target: str, *, limits: dict, token_file, toke
         table = Table(title=shown(title))
         largest = "largest binding" + (f" (limit {format_limit(binding)})" if binding else "")
         split_col = any(o.splits for o in report.ops)
+        wide_col = any(o.int64_two_words for o in report.ops)
         problem_col = not report.fits
-        for col in ("op", "cases", "kernels", largest) + (("split",) if split_col else ()) + \
+        for col in ("op", "cases", "kernels", largest) + (("int64 in two words",) if wide_col else ()) + \
+                (("split",) if split_col else ()) + \
                 (("over a limit / unsupported",) if problem_col else ()):
-            table.add_column(col, justify="right" if col in ("cases", "kernels", largest) else "left", overflow="fold")
+            table.add_column(col, justify="right" if col in ("cases", "kernels", largest, "int64 in two words") else "left",
+                             overflow="fold")
         for o in report.ops:
             j = o.to_json()
             cells = [shown(o.op), str(o.cases), str(o.kernels), format_bytes(j["largest_binding"])]
+            if wide_col:
+                cells.append(f"{o.int64_two_words} cases" if o.int64_two_words else "")
             if split_col:
                 cells.append(shown("; ".join(x["message"] + (f" ({x['cases']} cases)" if x["cases"] > 1 else "")
                                               for x in j["splits"][:3])

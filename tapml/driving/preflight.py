@@ -268,6 +268,8 @@ class OpPreflight:
     violations: dict[str, dict] = field(default_factory=dict)
     unsupported: dict[str, int] = field(default_factory=dict)
     errors: dict[str, int] = field(default_factory=dict)
+    #: cases whose int64 values, past i32, the target holds in two 32-bit words (64-bit emulation)
+    int64_two_words: int = 0
 
     @property
     def fits(self) -> bool:
@@ -290,7 +292,8 @@ class OpPreflight:
                 "splits": sorted(self.splits.values(), key=lambda s: -s["bytes"]),
                 "violations": list(self.violations.values()),
                 "unsupported": [{"reason": r, "cases": n} for r, n in self.unsupported.items()],
-                "errors": [{"reason": r, "cases": n} for r, n in self.errors.items()], "fits": self.fits}
+                "errors": [{"reason": r, "cases": n} for r, n in self.errors.items()], "fits": self.fits,
+                "int64_two_words": self.int64_two_words}
 
 
 @dataclass
@@ -381,7 +384,12 @@ def preflight_store(store, platform, target: str = "", cases: list[dict] | None 
         row = ops.setdefault(case["op"], OpPreflight(case["op"]))
         row.cases += 1
         try:
-            program = platform.compile(store.case_graph(case))
+            graph = store.case_graph(case)
+            program = platform.compile(graph)
+            if hasattr(platform, "for_values") and any(m.dtype == "int64" for m in graph.meta.values()):
+                # the program a run would use: int64 values past i32 in two words
+                program = platform.for_values(program, store.case_inputs(case))
+                row.int64_two_words += bool(platform.last_wide)
         except Unsupported as e:
             reason = str(e).splitlines()[0][:300]
             row.unsupported[reason] = row.unsupported.get(reason, 0) + 1

@@ -233,7 +233,7 @@ def replay_case(platform, store, case: dict, tolerances: Tolerances | None = Non
     ``flaky`` (:func:`repeat_runs`), whatever the first run's comparison says.
     ``clock``: a :class:`tapml.driving.profile.StageClock` that the comparison's seconds are added to."""
     start = time.perf_counter()
-    speed, timing, first_ms = {}, {}, None
+    speed, timing, first_ms, two_words = {}, {}, None, None
     try:
         graph = store.case_graph(case)
         try:
@@ -243,6 +243,7 @@ def replay_case(platform, store, case: dict, tolerances: Tolerances | None = Non
         inputs = store.case_inputs(case)
         outputs = platform.run(program, inputs)
         first_ms = getattr(platform, "last_run_ms", None)
+        two_words = list(getattr(platform, "last_wide", ()) or ()) or None
         varied = repeat_runs(platform, program, inputs, outputs, repeat)
     except (Unsupported, PlatformError) as e:
         outcome = outcome_verdict(e)
@@ -257,6 +258,10 @@ def replay_case(platform, store, case: dict, tolerances: Tolerances | None = Non
             outcome.message = "; ".join(m for m in (outcome.message, note, loop_cap_note(platform, program)) if m)
         if varied:
             outcome = flaky_verdict(outcome, varied)
+        if two_words:
+            note = f"int64 past i32 held in two 32-bit words: {', '.join(two_words[:6])}" + \
+                (f" (+{len(two_words) - 6})" if len(two_words) > 6 else "")
+            outcome.message = "; ".join(m for m in (outcome.message, note) if m)
         if profile:
             from tapml.driving.profile import profile_program
             try:
@@ -266,7 +271,8 @@ def replay_case(platform, store, case: dict, tolerances: Tolerances | None = Non
     if timing and first_ms is not None:
         timing["run_s"] = round(first_ms / 1e3, 6)
     return CaseVerdict(id=case["id"], op=case["op"], node=case["node"], module=case["module"],
-                       instances=case.get("instances", 1), **outcome.outcome(), **speed, **timing)
+                       instances=case.get("instances", 1), **outcome.outcome(), **speed, **timing,
+                       int64_two_words=two_words)
 
 
 def backend_timing(platform) -> dict:

@@ -154,6 +154,7 @@ class PreflightOpJSON(Written):
     unsupported: list[FindingJSON] = []
     errors: list[FindingJSON] = []
     fits: Bool | None = None  # derived: recomputed on read
+    int64_two_words: Count | None = 0
 
 
 class PreflightSummaryJSON(Written):
@@ -794,6 +795,7 @@ def read_preflight_document(data, where: str = "<preflight>", hint: str = "") ->
     for i, x in enumerate(m.ops):
         v = r.values(x, f"ops[{i}]")
         entry = {k: v[k] for k in ("op", "cases", "kernels", "largest_binding")}
+        entry["int64_two_words"] = v.get("int64_two_words") or 0
         for key in ("splits", "violations", "unsupported", "errors"):
             keys = ("cases", "message", "limit", "bytes") if key in ("splits", "violations") else ("cases", "reason")
             entry[key] = [{k: f[k] for k in keys}

@@ -127,6 +127,7 @@ class CaseVerdictJSON(VerdictJSON):
     blame: Literal[BLAME] | None = None
     control: Str | None = None
     control_status: Literal[STATUSES] | None = None
+    int64_two_words: list[Str] | None = None
 
 
 class RegionCheckJSON(VerdictJSON):
@@ -274,6 +275,9 @@ class CaseVerdict(Verdict):
     blame: str | None = None
     control: str | None = None
     control_status: str | None = None
+    #: the case's int64 tensors (refs of its graph) a WGSL target held in two 32-bit words, their
+    #: values being past i32 (64-bit emulation, platforms/wgsl/int64.py); None when none was
+    int64_two_words: list[str] | None = None
 
     def to_json(self) -> dict:
         out = {"id": self.id, "op": self.op, "node": self.node, "module": self.module,
@@ -286,7 +290,7 @@ class CaseVerdict(Verdict):
         if self.baseline_ms is not None:
             out["baseline_ms"] = self.baseline_ms
         for k in ("roofline_bound", "roofline_ms", "roofline_fraction", "compile_s", "run_s", "compile_cached", "blame", "control",
-                  "control_status"):
+                  "control_status", "int64_two_words"):
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
         return out

@@ -1,0 +1,162 @@
+"""int64 past i32 in two 32-bit words (platforms/wgsl/int64.py, issue 36 item 1-3).
+
+Every two-word lowering's samples (values at and past the i32 limits and at the int64 limits,
+overflow wrapping as torch wraps) run on lavapipe Vulkan, llvmpipe GL (device tier) and Chromium
+(browser tier) and must equal torch exactly, casts to and from every dtype included. A T5-style
+bucket function (the values of ``-inf.to(long)`` pass through ``minimum`` and ``where``) runs as
+one region. The fast path stays: values that fit keep i32. Split buffers, resident outputs and a
+loopback ``tapml serve`` carry the two-word form. Fast tier: the choice of refs, the WGSL arithmetic
+against Python's on the host (no device), the verdict's field."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tapml.graph import graph_from_fx, run_graph
+from tapml.platforms.wgsl.int64 import (I64_MIN, WIDE_LOWERINGS, cast_samples, static_wide_refs, where_samples,
+                                        wide_ints, wide_refs)
+from tapml.platforms.wgsl.registry import case_graph
+from tests.support import exported, on_every_webgpu, own_wgpu
+
+
+def _cases():
+    """(op, args, kwargs) of every two-word sample that its op's schema accepts."""
+    out = []
+    for op, low in sorted(WIDE_LOWERINGS.items()):
+        for args, kwargs in low.samples():
+            try:
+                case_graph(op, args, kwargs)
+            except (RuntimeError, TypeError, ValueError):  # a sample shared with a sibling overload
+                continue
+            out.append((op, args, kwargs))
+    out += [("aten._to_copy.default", a, k) for a, k in cast_samples()]
+    out += [("aten.where.self", a, k) for a, k in where_samples()]
+    out += [("aten.cat.default", ([wide_ints(2, 3), wide_ints(4, 3)],), {}),
+            ("aten.index_select.default", (wide_ints(6, 4), 0, torch.tensor([5, 0, 3])), {}),
+            ("aten.permute.default", (wide_ints(2, 3, 4), [2, 0, 1]), {}),
+            ("aten.full.default", ([3, 2], I64_MIN), {"dtype": torch.int64}),
+            ("aten.full_like.default", (wide_ints(5), 15), {})]
+    return out
+
+
+def _expected(graph, inputs):
+    got = run_graph(graph, dict(zip([r for r, _ in graph.inputs], inputs)))
+    return [got[r] for r in graph.outputs]
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.nan_to_num(), b.nan_to_num()) and \
+        torch.equal(a.isnan(), b.isnan())
+
+
+def _check_samples(platform):
+    ran, bad = set(), []
+    for op, args, kwargs in _cases():
+        graph, inputs = case_graph(op, args, kwargs)
+        outputs = platform.run(platform.compile(graph), inputs)
+        assert platform.last_wide, f"{op} {kwargs}: no tensor held in two words"
+        for got, want in zip(outputs, _expected(graph, inputs)):
+            if not _equal(got, want):
+                bad.append((op, kwargs, got.flatten()[:4].tolist(), want.flatten()[:4].tolist()))
+        ran.add(op)
+    assert not bad, bad[:5]
+    assert ran >= set(WIDE_LOWERINGS), set(WIDE_LOWERINGS) - ran  # every two-word lowering ran
+
+
+def _buckets(relative_position: torch.Tensor) -> torch.Tensor:
+    """T5's relative-position buckets (bidirectional=False, 32 buckets, max distance 128)."""
+    relative_position = -torch.min(relative_position, torch.zeros_like(relative_position))
+    max_exact = 16
+    is_small = relative_position < max_exact
+    large = max_exact + (torch.log(relative_position.float() / max_exact) / math.log(128 / max_exact)
+                         * (32 - max_exact)).to(torch.long)
+    large = torch.min(large, torch.full_like(large, 31))
+    return torch.where(is_small, relative_position, large)
+
+
+def _check_t5_region(platform):
+    pos = torch.arange(40)
+    relative = pos[None, :] - pos[:, None]
+    ep = exported(lambda r: (_buckets(r),), relative)
+    graph = graph_from_fx(ep.graph, ep.graph_signature)
+    out = platform.run(platform.compile(graph), [relative])
+    assert torch.equal(out[0], _buckets(relative))
+    assert platform.last_wide  # -inf.to(long) is -2**63: held in two words inside the region
+    assert graph.outputs[0] not in platform.last_wide  # the buckets themselves fit: i32
+
+
+def _check(platform):
+    with platform:
+        _check_samples(platform)
+        _check_t5_region(platform)
+
+
+test_two_word_int64_equals_torch, test_two_word_int64_equals_torch_in_chromium = on_every_webgpu(_check)
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+def test_values_that_fit_keep_i32():
+    with own_wgpu("vulkan") as vulkan:
+        graph, inputs = case_graph("aten.add.Tensor", [torch.tensor([1, 2**31 - 2]), torch.tensor([1, 1])])
+        program = vulkan.compile(graph)
+        out = vulkan.run(program, inputs)
+        assert out[0].tolist() == [2, 2**31 - 1] and vulkan.last_wide == ()
+        assert {b.dtype for b in program.buffers} == {"i32"}
+        # one past: the sum (not the inputs) needs two words
+        inputs = [torch.tensor([1, 2**31 - 1]), torch.tensor([1, 1])]
+        assert vulkan.run(program, inputs)[0].tolist() == [2, 2**31]
+        assert vulkan.last_wide == ("n0",)
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+def test_two_words_across_split_buffers_and_resident_outputs():
+    from tapml.platforms.base import ResidentTensor
+    with own_wgpu("vulkan") as vulkan:
+        vulkan.force_limits({"max-storage-buffer-binding-size": 4096, "max-buffer-size": 8192})
+        a, b = wide_ints(3000), wide_ints(3000, limits=(7, -1))
+        graph, inputs = case_graph("aten.mul.Tensor", [a, b])
+        program = vulkan.compile(graph)
+        assert torch.equal(vulkan.run(program, inputs)[0], a * b)
+        wide_program = vulkan.for_values(program, inputs)
+        assert len(wide_program.parts) == 3  # a, b and the product: each over max-buffer-size
+        graph, inputs = case_graph("aten.sub.Tensor", [wide_ints(500), wide_ints(500, limits=(3,))])
+        program = vulkan.compile(graph)
+        kept = vulkan.run(program, inputs, keep=[0])[0]
+        assert isinstance(kept, ResidentTensor) and kept.dtype == "int64"
+        assert torch.equal(vulkan.read(kept), inputs[0] - inputs[1])
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+def test_two_words_through_a_loopback_server(tmp_path):
+    from tapml.remote.client import RemotePlatform
+    from tapml.remote.launcher import ServerProcess
+    with ServerProcess(platform="wgpu:vulkan", token="two-words") as server:
+        with RemotePlatform(server.host, server.port, token="two-words") as remote:
+            x = torch.tensor([float("-inf"), 3e19, -2.5, 7e12])
+            graph, inputs = case_graph("aten._to_copy.default", [x], {"dtype": torch.int64})
+            out = remote.run(remote.compile(graph), inputs)
+            assert out[0].tolist() == x.to(torch.int64).tolist()
+
+
+# --- fast tier: no device -----------------------------------------------------------------
+
+def test_wide_refs_follow_the_values():
+    graph, inputs = case_graph("aten.mul.Tensor", [torch.tensor([3, 4]), torch.tensor([5, 6])])
+    assert wide_refs(graph, inputs) == frozenset()
+    assert wide_refs(graph, [torch.tensor([3, 2**20]), torch.tensor([5, 2**20])]) == {"n0"}
+    assert wide_refs(graph, [torch.tensor([2**40]), torch.tensor([0])]) == {"x0"}
+    graph, _ = case_graph("aten.full.default", [[2], 2**40], {"dtype": torch.int64})
+    assert static_wide_refs(graph) == {"n0"}
+
+
+def test_a_verdict_names_the_refs_held_in_two_words():
+    from tapml.judging.verdict import CaseVerdict
+    v = CaseVerdict(id="c", op="aten.add.Tensor", status="pass", int64_two_words=["x0", "n0"])
+    assert v.to_json()["int64_two_words"] == ["x0", "n0"]
+    assert "int64_two_words" not in CaseVerdict(id="c", op="aten.add.Tensor", status="pass").to_json()
