@@ -379,6 +379,7 @@ class RemotePlatform(RuntimePlatform):
             if type(pos) is not int or type(rid) is not int or pos not in keep:
                 raise self._lost(P.ProtocolError(f"the server kept output {pos!r} as {rid!r}; asked for {keep}"))
             self._resident_ids[(program.key, pos)] = rid
+        self.last_wide = P.two_word_refs(reply.get("int64_two_words"))
         outputs = reply["outputs"]
         if len(outputs) != len(program.outputs) or any((slot is None) != (i in keep) for i, (slot, _) in enumerate(outputs)):
             raise self._lost(P.ProtocolError("the server's outputs do not match the program's"))

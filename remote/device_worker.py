@@ -323,6 +323,7 @@ class WorkerPlatform(RuntimePlatform):
                 else:
                     self._kept.pop((program.key, i), None)
             self._device_ms = reply.get("device_ms")
+            self.last_wide = P.two_word_refs(reply.get("int64_two_words"))
             out = iter(outputs)
             return [None if i in keep else next(out) for i in range(len(program.outputs))]
         raise PlatformError(f"the device worker kept dropping program {program.key[:12]} (its program cache is "
@@ -484,7 +485,8 @@ def _serve_parent(sock, platform, programs, held, kept, forget) -> None:
                     kept.pop((program.key, i), None)
                 kept.update({(program.key, i): outputs[i] for i in keep})
                 payloads = [P.tensor_bytes(t) for i, t in enumerate(outputs) if i not in keep]
-                reply = {"tensors": len(payloads), "device_ms": getattr(platform, "last_run_ms", None)}
+                reply = {"tensors": len(payloads), "device_ms": getattr(platform, "last_run_ms", None),
+                         "int64_two_words": list(getattr(platform, "last_wide", ()) or ())}
             elif op == "read":
                 handle = kept.get((program.key, req["output"]))
                 if handle is None:

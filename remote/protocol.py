@@ -534,3 +534,11 @@ class FrameRejected(EOFError):
 
 class MessageTooLarge(EOFError):
     """A control frame over the size limit: the connection is closed (EOFError ends rpyc's loop)."""
+
+
+def two_word_refs(value) -> tuple[str, ...]:
+    """The refs a peer's run reply says it held in two 32-bit words (``int64_two_words``): a list
+    of short strings, else none (a reply's field is never trusted)."""
+    if not isinstance(value, list) or len(value) > 10_000 or not all(isinstance(r, str) and len(r) <= 200 for r in value):
+        return ()
+    return tuple(value)

@@ -176,6 +176,7 @@ def make_service(device: Device):
                     outputs = device.platform.run(program, args, keep=keep) if resident \
                         else device.platform.run(program, args)
                     ms = getattr(device.platform, "last_run_ms", None)
+                    two_words = list(getattr(device.platform, "last_wide", ()) or ())
             except Exception as e:  # noqa: BLE001 - becomes the case's verdict
                 # what the program held is unknown after a failed run: the client sends it all again
                 session.held.pop(key)
@@ -193,7 +194,7 @@ def make_service(device: Device):
                         if slot is not None:
                             session.pop(slot)
                 return _error_of(e)
-            return json.dumps({"outputs": reply, "resident": ids, "device_ms": ms})
+            return json.dumps({"outputs": reply, "resident": ids, "device_ms": ms, "int64_two_words": two_words})
 
         def exposed_read(self, resident_id) -> str:
             """Download a resident tensor (by the id a run gave it): ``{"outputs": [[slot, meta]]}``

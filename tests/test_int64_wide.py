@@ -142,6 +142,7 @@ def test_two_words_through_a_loopback_server(tmp_path):
             graph, inputs = case_graph("aten._to_copy.default", [x], {"dtype": torch.int64})
             out = remote.run(remote.compile(graph), inputs)
             assert out[0].tolist() == x.to(torch.int64).tolist()
+            assert remote.last_wide == ("n0",)  # the server says what it held in two words
 
 
 # --- fast tier: no device -----------------------------------------------------------------
@@ -160,3 +161,45 @@ def test_a_verdict_names_the_refs_held_in_two_words():
     v = CaseVerdict(id="c", op="aten.add.Tensor", status="pass", int64_two_words=["x0", "n0"])
     assert v.to_json()["int64_two_words"] == ["x0", "n0"]
     assert "int64_two_words" not in CaseVerdict(id="c", op="aten.add.Tensor", status="pass").to_json()
+
+
+TO_INT = '''
+import torch
+
+class ToInt(torch.nn.Module):
+    def forward(self, x):
+        big = torch.log(x).to(torch.int64) * 3
+        return torch.minimum(big, torch.full_like(big, 7)) + 2**40
+
+def factory():
+    return ToInt(), (torch.tensor([0.0, 1.0, 20.0, 1000.0, float("inf")]),)
+'''
+
+
+@pytest.fixture(scope="module")
+def wide_repro(tmp_path_factory):
+    """A repro folder of a region whose int64 values (log(0) as int64 is -2**63) pass i32."""
+    from tests.test_repro import make_repro
+    from tests.support import store_from_source
+    store = store_from_source(tmp_path_factory, "to_int", TO_INT)
+    folder = tmp_path_factory.mktemp("repro") / "wide"
+    plan = make_repro(store.path, "_to_copy..add", folder)
+    return folder, plan
+
+
+@pytest.mark.device
+def test_a_repro_folder_carries_two_words_and_passes_outside_tapml(wide_repro):
+    import subprocess
+    import sys
+    folder, plan = wide_repro
+    assert {i["device_type"] for i in plan["inputs"]} == {"f32"}
+    assert [o["device_type"] for o in plan["outputs"]] == ["i64"]
+    r = subprocess.run([sys.executable, "run.py", "--backend", "vulkan"], cwd=folder, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.browser
+def test_a_repro_page_compares_two_word_int64_exactly(wide_repro):
+    from tests.support import repro_page_result
+    assert repro_page_result(wide_repro[0]).startswith("PASS")

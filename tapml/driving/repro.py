@@ -191,6 +191,9 @@ def observe(platform, program, subject: ReproSubject, refusal: Exception | None 
 def _conversion(host: str, device: str) -> str:
     if host == "int64" and device == "i32":
         return "int64 -> i32: every value checked to fit in i32, then narrowed (WGSL has no 64-bit integers)"
+    if host == "int64" and device == "i64":
+        return ("int64 -> i64: the same bytes, read as two u32 words per value (low word first), since values "
+                "lie outside i32")
     if host == "bool" and device == "u32":
         return "bool -> u32: one 32-bit word per element, 1 for True, 0 for False (WGSL has no bool storage)"
     if host in ("int32", "int16", "int8", "uint8") and device == "i32":
@@ -342,6 +345,8 @@ def write_repro(store, subject: ReproSubject, platform, out_dir: str | Path, *, 
     folder exists and is not empty, or the target cannot run WGSL; DeviceLost is raised."""
     out = check_output_dir(out_dir)
     program, refusal = compile_for_repro(platform, subject.graph)
+    if refusal is None and hasattr(platform, "for_values"):  # int64 past i32: the two-word program runs
+        program = platform.for_values(program, subject.inputs)
     _require_wgsl(program, target)
     device = device_description(platform)
     observed = observe(platform, program, subject, refusal)

@@ -75,7 +75,8 @@ function numbers(kind, data, count) {
     case "<i2": return take(Int16Array);
     case "|i1": return take(Int8Array);
     case "|u1": case "|b1": return take(Uint8Array);
-    case "<i8": return Array.from(new BigInt64Array(data, 0, count), Number);
+    // int64 stays exact as BigInt (i64: the two-word int64 of values past i32, low word first)
+    case "<i8": case "i64": return Array.from(new BigInt64Array(data, 0, count));
     default: throw new CannotRun(`unsupported element type ${kind}`);
   }
 }
@@ -97,9 +98,10 @@ function compare(t, r, shape, dtype, rtol, atol) {
   for (let i = 0; i < n; i++) {
     const a = t[i], b = r[i];
     if (!isFloat(dtype)) {
-      diff[i] = Math.abs(a - b);
-      rel[i] = diff[i] / Math.max(Math.abs(b), 1e-300);
-      bad[i] = a !== b ? 1 : 0;
+      const d = BigInt(a) - BigInt(b);
+      diff[i] = Math.abs(Number(d));
+      rel[i] = diff[i] / Math.max(Math.abs(Number(b)), 1e-300);
+      bad[i] = d !== 0n ? 1 : 0;
       continue;
     }
     const sp = Number.isNaN(a) !== Number.isNaN(b) || (!Number.isFinite(a) && !Number.isNaN(a)) !== (!Number.isFinite(b) && !Number.isNaN(b))
@@ -116,7 +118,8 @@ function compare(t, r, shape, dtype, rtol, atol) {
   const order = [];
   for (let i = 0; i < n; i++) if (bad[i]) order.push(i);
   order.sort((x, y) => diff[y] - diff[x] || x - y);
-  const fmt = (v) => (Number.isFinite(v) ? v : String(v));
+  const fmt = (v) => (typeof v === "bigint" ? (Number.isSafeInteger(Number(v)) ? Number(v) : String(v))
+    : Number.isFinite(v) ? v : String(v));
   const worst = order.slice(0, WORST).map((i) => ({ index: unravel(i, shape), target: fmt(t[i]), reference: fmt(r[i]) }));
   let msg = isFloat(dtype) ? `values exceed rtol=${rtol} atol=${atol}` : "values differ (exact match required)";
   if (special) msg += `; NaN/Inf differ at ${special} positions`;
