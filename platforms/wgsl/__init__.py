@@ -32,7 +32,7 @@ def load_lowerings() -> dict:
     """Import every op-family module (they register themselves); returns the registry."""
     global _LOADED
     if not _LOADED:
-        from tapml.platforms.wgsl import backward, bilinear, elementwise, extra, fractional, index, int64, matmul, nn, nn_more, order, quant, random, reduce, resample, scatter, shape, sort, special, views  # noqa: F401
+        from tapml.platforms.wgsl import backward, bilinear, complex, elementwise, extra, fractional, index, int64, matmul, nn, nn_more, order, quant, random, reduce, resample, scatter, shape, sort, special, views  # noqa: F401
         _LOADED = True
     return REGISTRY
 
@@ -63,6 +63,7 @@ def compile_graph(graph: Graph, caps: dict, lowerings: Mapping[str, Lowering] | 
     from tapml.platforms.wgsl.attention import find_attention, fused_attention
     from tapml.platforms.wgsl.matmul import find_product_groups, find_residual_products, product_group, residual_product
     from tapml.platforms.wgsl.norms import find_rms_norms, rms_norm
+    from tapml.platforms.wgsl.complex import complex_lowering, touches_complex
     from tapml.platforms.wgsl.int64 import WIDE_LOWERINGS, narrowed, wide_lowering, wide_scalar
     from tapml.platforms.wgsl.scatter import put_in_place
     registry = REGISTRY if not lowerings else ChainMap(dict(lowerings), REGISTRY)
@@ -96,7 +97,10 @@ def compile_graph(graph: Graph, caps: dict, lowerings: Mapping[str, Lowering] | 
         """Lower ``node`` (or take its ``values``, computed with others) into ``env``."""
         in_metas = [graph.meta[r] for r in node.input_refs]
         value_of = env.__getitem__
-        if any(m.dtype == WIDE for m in in_metas + list(node.outputs)) or \
+        if touches_complex(node, in_metas):  # complex64: pairs of float32
+            low = complex_lowering(node, in_metas, registry)
+            reason = low.check(node) if low.check is not None else None
+        elif any(m.dtype == WIDE for m in in_metas + list(node.outputs)) or \
                 (node.op in WIDE_LOWERINGS and wide_scalar(node) and
                  any(m.dtype == "int64" for m in in_metas + list(node.outputs))):  # int64 in two words
             low, low_words = wide_lowering(node, in_metas, registry)

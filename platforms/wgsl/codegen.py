@@ -59,20 +59,24 @@ FLOATS = ("float32", "float16", "bfloat16")
 WIDE = "int64w"
 #: The WGSL type of a two-word int64 (an ``alias`` every kernel that uses it declares).
 I64 = "tap_i64"
+#: complex64: a pair of float32 (real, imaginary), ``c64`` storage (torch's own bytes), the
+#: ``tap_c64`` expression type (``vec2<f32>``); platforms/wgsl/complex.py
+COMPLEX = "complex64"
+C64 = "tap_c64"
 INTS = ("int64", "int32", "int16", "int8", "uint8")
 #: torch dtype -> WGSL storage type. float16 is ``f16`` on devices with shader-f16 and packed
 #: (``f16p``) elsewhere; see :meth:`ProgramBuilder.storage`.
 STORAGE = {"float32": "f32", "float16": "f16", "bfloat16": "bf16p", "bool": "u32", **{d: "i32" for d in INTS},
-           WIDE: "i64"}
+           WIDE: "i64", COMPLEX: "c64"}
 #: Storage types holding two 16-bit floats per u32 word (element i in word i / 2, low half
 #: first): float16 without shader-f16 (``f16p``, read with unpack2x16float) and bfloat16
 #: (``bf16p``, the high half of an f32 bit pattern). Arithmetic is f32; stores round to
 #: nearest even (tap_f16_bits, tap_bf16_bits) and write their half with atomicAnd/atomicOr,
 #: since the other half of the word belongs to another thread.
 PACKED = ("f16p", "bf16p")
-ITEMSIZE = {"f32": 4, "f16": 2, "f16p": 2, "bf16p": 2, "i32": 4, "u32": 4, "i64": 8}
+ITEMSIZE = {"f32": 4, "f16": 2, "f16p": 2, "bf16p": 2, "i32": 4, "u32": 4, "i64": 8, "c64": 8}
 #: Bytes of one element of a binding's WGSL array type.
-ELEM_BYTES = {"f32": 4, "i32": 4, "u32": 4, "f16": 2, "vec4<f32>": 16, "vec4<f16>": 8, "atomic<u32>": 4, I64: 8}
+ELEM_BYTES = {"f32": 4, "i32": 4, "u32": 4, "f16": 2, "vec4<f32>": 16, "vec4<f16>": 8, "atomic<u32>": 4, I64: 8, C64: 8}
 #: Window offsets are multiples of the device's min-storage-buffer-offset-alignment (never less
 #: than one vec4); WebGPU's largest when the device does not say.
 WINDOW_ALIGN = MAX_OFFSET_ALIGNMENT
@@ -91,6 +95,8 @@ def ctype(dtype: str) -> str:
         return "i32"
     if dtype == WIDE:
         return I64
+    if dtype == COMPLEX:
+        return C64
     raise Unsupported(f"dtype {dtype} has no WGSL lowering")
 
 
@@ -121,6 +127,9 @@ def lit(v, ty: str) -> str:
         return f"i32({v})" if v != -2**31 else "i32(-2147483647 - 1)"
     if ty == "u32":
         return f"{int(v)}u"
+    if ty == C64:
+        v = complex(v)
+        return f"{C64}({lit(v.real, 'f32')}, {lit(v.imag, 'f32')})"
     if ty == I64:
         if isinstance(v, float) and not v.is_integer():
             raise Unsupported(f"value {v} is not an integer")
@@ -145,6 +154,10 @@ def cast(expr: str, src: str, dst: str) -> str:
     """Convert an expression between expression types (f32, i32, bool)."""
     if src == dst:
         return expr
+    if C64 in (src, dst):
+        if src == C64:  # torch keeps the real part
+            return f"any(({expr}) != {C64}(0.0, 0.0))" if dst == "bool" else cast(f"({expr}).x", "f32", dst)
+        return f"{C64}({cast(expr, src, 'f32')}, 0.0)"
     if I64 in (src, dst):
         from tapml.platforms.wgsl.int64 import cast_wide
         return cast_wide(expr, src, dst)
@@ -157,7 +170,7 @@ def cast(expr: str, src: str, dst: str) -> str:
 
 def elem_type(storage: str) -> str:
     """The WGSL array element type a buffer of ``storage`` is bound as (u32 for packed ones)."""
-    return "u32" if storage in PACKED else I64 if storage == "i64" else storage
+    return "u32" if storage in PACKED else {"i64": I64, "c64": C64}.get(storage, storage)
 
 
 def window_bytes(max_binding_size: int, align: int = WINDOW_ALIGN) -> int:
@@ -520,11 +533,17 @@ class KernelBuilder:
             from tapml.platforms.wgsl.int64 import helpers_called
             for helper in helpers_called(body):
                 self.need(helper)
+        if C64 in body:
+            from tapml.platforms.wgsl.complex import helpers_called as complex_helpers
+            for helper in complex_helpers(body):
+                self.need(helper)
         header = [f"@group(0) @binding({i}) var<storage, {access}> {name}: array<{elem}>;"
                   for i, ((_, elem, _), (name, _, access, _)) in enumerate(self.bindings.items())]
         header.extend(self.helpers.values())
         if I64 in body or any(I64 in h for h in header):
             header.insert(0, f"alias {I64} = vec2<u32>;")
+        if C64 in body or any(C64 in h for h in header):
+            header.insert(0, f"alias {C64} = vec2<f32>;")
         if re.search(r"\bf16\b", body) or any(re.search(r"\bf16\b", key[1]) for key in self.bindings):
             header.insert(0, "enable f16;")
         src = "\n".join(header) + "\n\n" + \

@@ -144,9 +144,9 @@ def dtype_reason(dtype: str, caps: dict) -> str | None:
     """Why a tensor of ``dtype`` cannot live on a device with ``caps`` (None when it can)."""
     if dtype == "float64":
         return "float64: WGSL has no 64-bit floats"
-    if dtype.startswith("complex"):
-        return f"{dtype}: WGSL has no complex types"
-    if dtype not in ALL and dtype != "int64w":  # int64w: two-word int64 (platforms/wgsl/int64.py)
+    if dtype.startswith("complex") and dtype != "complex64":
+        return f"{dtype}: WGSL has no complex types (complex64 is held as pairs of float32; {dtype} is not)"
+    if dtype not in ALL and dtype not in ("int64w", "complex64"):  # two-word int64, float32 pairs
         return f"dtype {dtype} has no WGSL lowering"
     return None
 
@@ -160,8 +160,8 @@ def low_precision_paths(features) -> dict[str, str]:
                                         "rounded to nearest even on store"}
 
 
-#: Ops whose input or output is always complex (the FFTs): refused by design, like float64,
-#: whatever dtypes a node's metadata shows.
+#: Ops whose input or output is always complex (the FFTs): lowered for complex64 held as pairs
+#: of float32 (platforms/wgsl/complex.py).
 COMPLEX_OPS = frozenset({"aten._fft_r2c.default", "aten._fft_c2r.default", "aten._fft_c2c.default"})
 
 
@@ -170,12 +170,18 @@ def supports_node(node: Node, caps: dict, input_metas: Sequence[TensorMeta] = ()
     """None when the registry (or ``registry``, one laid over it) can lower ``node`` for a device
     with ``caps``, else the reason. A refusal by design (float64, complex) is said before a
     missing lowering."""
-    if node.op in COMPLEX_OPS:
-        return f"{node.op} computes on complex tensors: WGSL has no complex types (refused by design)"
     for m in list(input_metas) + list(node.outputs):
         reason = dtype_reason(m.dtype, caps)
         if reason:
             return reason
+    if any(m.dtype == "complex64" for m in list(input_metas) + list(node.outputs)):
+        from tapml.platforms.wgsl.complex import complex_lowering
+        from tapml.errors import Unsupported
+        try:
+            low = complex_lowering(node, input_metas, REGISTRY if registry is None else registry)
+        except Unsupported as e:
+            return str(e)
+        return low.check(node) if low.check is not None else None
     low = (REGISTRY if registry is None else registry).get(node.op)
     if low is None:
         return f"no WGSL lowering for {node.op}{_packed_type_note(node.op)}"
@@ -330,6 +336,6 @@ def coverage_markdown() -> str:
     by_design = [op for op in core if op not in registry and op in COMPLEX_OPS]
     missing = [op for op in core if op not in registry and op not in COMPLEX_OPS]
     lines += ["", f"{sum(op in registry for op in core)} of the {len(core)} functional core ATen overloads are lowered; "
-              f"refused by design: {', '.join(f'`{op}`' for op in by_design) or 'none'} (complex tensors) and every "
-              "float64 tensor; not lowered yet: " + (", ".join(f"`{op}`" for op in missing) or "none") + "."]
+              f"refused by design: {', '.join(f'`{op}`' for op in by_design) or 'none'}, every "
+              "float64 tensor and complex128; not lowered yet: " + (", ".join(f"`{op}`" for op in missing) or "none") + "."]
     return "\n".join(lines)

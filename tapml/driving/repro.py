@@ -42,7 +42,7 @@ TEMPLATES = ("run.py", "check.js", "run.js", "index.html")
 # bfloat16 (numpy has none) travels as its raw 16-bit patterns on the device side and as
 # float32 (exact) on the host side.
 _DEVICE_NP = {"f32": np.float32, "f16": np.float16, "f16p": np.float16, "bf16p": np.uint16, "i32": np.int32,
-              "u32": np.uint32, "i64": np.dtype("<i8")}
+              "u32": np.uint32, "i64": np.dtype("<i8"), "c64": np.complex64}
 _HOST_NP = {"float32": np.float32, "float16": np.float16, "bfloat16": np.float32, "int64": np.int64, "int32": np.int32,
             "int16": np.int16, "int8": np.int8, "uint8": np.uint8, "bool": np.bool_}
 

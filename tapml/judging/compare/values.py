@@ -174,6 +174,13 @@ class Rule:
         return exact, float(self.allowed)
 
 
+def _pairs(rule: Rule) -> Rule:
+    """``rule`` for a complex output compared as (real, imaginary) pairs: its bound holds for each part."""
+    exact = torch.view_as_real(rule.exact.resolve_conj()) if rule.exact.is_complex() else rule.exact
+    allowed = rule.allowed.unsqueeze(-1).expand(exact.shape) if isinstance(rule.allowed, torch.Tensor) else rule.allowed
+    return Rule(rule.name, exact, allowed, rule.why)
+
+
 def _ratio(err: torch.Tensor, allowed) -> torch.Tensor:
     """``err / allowed`` with 0/0 = 0 and x/0 = inf (NaN, from an error or a bound, counts as inf)."""
     allowed = torch.as_tensor(allowed, dtype=torch.float64)
@@ -197,6 +204,10 @@ def compare_tensor(target: torch.Tensor, ref: torch.Tensor, rtol: float | None =
         raise ValueError("in_float64 compares a floating target with a float64 reference")
     if target.dtype != ref.dtype and not in_float64:
         return Comparison(False, message=f"dtype {dtype_name(target.dtype)} != reference {dtype_name(ref.dtype)}")
+    if ref.is_complex() and not in_float64:  # real and imaginary parts, each as a float of that width
+        return compare_tensor(torch.view_as_real(target.detach().cpu().resolve_conj()),
+                              torch.view_as_real(ref.detach().cpu().resolve_conj()), rtol, atol, worst,
+                              [_pairs(rule) for rule in rules], fast)
     n = ref.numel()
     if n == 0:
         return Comparison(True, 0.0, 0.0, 0.0)
