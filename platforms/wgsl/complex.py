@@ -46,12 +46,30 @@ fn tap_c64_div(a: {C64}, b: {C64}) -> {C64} {{
   let d = b.y + b.x * r;
   return {C64}((a.x * r + a.y) / d, (a.y * r - a.x) / d);
 }}"""),
+    # (sin x, cos x) of our own (Cephes' sinf and cosf after a three-part Cody-Waite reduction by
+    # pi/2, good to a few ulp for |x| < 8192): WGSL lets sin and cos be off by 2**-11 absolute,
+    # which polar's products carry into every bin of an inverse STFT
+    "tap_sincos": (("tap_bits_f32",), """
+fn tap_sincos(x: f32) -> vec2<f32> {
+  if (!(abs(x) <= 3.4028234e38)) { return vec2<f32>(tap_bits_f32(0x7fc00000u)); }
+  let j = round(x * 0.636619772367581343);
+  let r = ((x - j * 1.5703125) - j * 4.837512969970703125e-4) - j * 7.549789948768648e-8;
+  let z = r * r;
+  let s = r + r * z * ((-1.9515295891e-4 * z + 8.3321608736e-3) * z - 1.6666654611e-1);
+  let c = 1.0 - 0.5 * z + z * z * ((2.443315711809948e-5 * z - 1.388731625493765e-3) * z + 4.166664568298827e-2);
+  let q = i32(j - 4.0 * floor(j * 0.25));
+  if (q == 0) { return vec2<f32>(s, c); }
+  if (q == 1) { return vec2<f32>(c, -s); }
+  if (q == 2) { return vec2<f32>(-s, -c); }
+  return vec2<f32>(-c, s);
+}"""),
     # |z| without overflow or underflow in the squares (hypot)
-    "tap_c64_abs": (("tap_isnan",), f"""
+    # (Inf is made at run time: WGSL refuses a constant expression that evaluates to it)
+    "tap_c64_abs": (("tap_isnan", "tap_bits_f32"), f"""
 fn tap_c64_abs(z: {C64}) -> f32 {{
   let a = abs(z.x);
   let b = abs(z.y);
-  if (a > 3.4028234663852886e38 || b > 3.4028234663852886e38) {{ return bitcast<f32>(0x7f800000u); }}
+  if (a > 3.4028234663852886e38 || b > 3.4028234663852886e38) {{ return tap_bits_f32(0x7f800000u); }}
   if (tap_isnan(a) || tap_isnan(b)) {{ return a + b; }}
   let m = max(a, b);
   if (m == 0.0) {{ return 0.0; }}
@@ -142,9 +160,9 @@ def _polar(pb, node, r, theta):
     from tapml.platforms.wgsl.elementwise import elementwise
 
     def fn(k, a, b):
-        k.need("tap_cos")
-        k.need("tap_sin")
-        return f"{C64}({a} * tap_cos({b}), {a} * tap_sin({b}))"
+        k.need("tap_sincos")
+        sc = k.let(f"tap_sincos({b})", "vec2<f32>")
+        return f"{C64}({a} * {sc}.y, {a} * {sc}.x)"
     return [elementwise(pb, node, [r, theta], fn, arg_types=("f32", "f32"), compute=C64)]
 
 
