@@ -69,9 +69,14 @@ def _reference64(store, case) -> list[torch.Tensor]:
     casts to the low dtype is still anchored)."""
     from tapml.dtypes import as_float32
     graph = as_float32(store.case_graph(case), store_dtype(store), to="float64")
-    inputs = {r: (t.double() if t.is_floating_point() else t) for (r, _), t in zip(graph.inputs, store.case_inputs(case))}
+    inputs = {r: _in_float64(t) for (r, _), t in zip(graph.inputs, store.case_inputs(case))}
     out = run_graph(graph, inputs)
     return [out[r] for r in graph.outputs]
+
+
+def _in_float64(t: torch.Tensor) -> torch.Tensor:
+    """A floating input in float64, a complex one in complex128 (its float64 pairs), others as they are."""
+    return t.to(torch.complex128) if t.is_complex() else t.double() if t.is_floating_point() else t
 
 
 def store_dtype(store) -> str:
@@ -172,13 +177,15 @@ def arithmetic_rules(store, case: dict, expected: list[torch.Tensor]) -> tuple[l
     from tapml.judging.compare import Rule, accumulates, arithmetic_bounds
     from tapml.dtypes import as_float32
     from tapml.graph import decode_arg
-    floats = [dtype_name(e.dtype) for e in expected if e.is_floating_point()]
+    # a complex64 output's parts are float32s
+    floats = [dtype_name(e.dtype) if e.is_floating_point() else "float32" for e in expected
+              if e.is_floating_point() or e.dtype == torch.complex64]
     if not accumulates(case["op"]) or not floats:
         return None
     graph = as_float32(store.case_graph(case), store_dtype(store), to="float64")
     if len(graph.nodes) != 1:
         return None
-    env = {r: (t.double() if t.is_floating_point() else t) for (r, _), t in zip(graph.inputs, store.case_inputs(case))}
+    env = {r: _in_float64(t) for (r, _), t in zip(graph.inputs, store.case_inputs(case))}
     node = graph.nodes[0]
     args = decode_arg(node.args, env.__getitem__)
     kwargs = {k: decode_arg(v, env.__getitem__) for k, v in node.kwargs.items()}
@@ -190,7 +197,7 @@ def arithmetic_rules(store, case: dict, expected: list[torch.Tensor]) -> tuple[l
     if bounds is None:
         return None
     rules = [[Rule("arithmetic", r, b, f"c(n) u sum|terms| in {floats[0]}")] if b is not None
-             and e.is_floating_point() else [] for r, b, e in zip(ref64, bounds, expected)]
+             and (e.is_floating_point() or e.is_complex()) else [] for r, b, e in zip(ref64, bounds, expected)]
     return (ref64, rules) if any(rules) else None
 
 

@@ -151,6 +151,36 @@ def _products(length: Callable) -> Callable:
     return bound
 
 
+# --- FFTs ---------------------------------------------------------------------------------------
+
+def _fft(op, args, kwargs, outs):
+    """An FFT's output element sums ``n`` input elements times unit twiddles (tapml's FFT is a sum
+    of products per output: platforms/wgsl/complex.py), so ``c(n) u sum|x|`` over the transformed
+    dims, scaled as the ``normalization`` scales; ``n`` the product of the transform lengths. For
+    ``_fft_c2r`` a bin standing for its conjugate twin counts twice."""
+    x, dims = args[0], [int(d) % args[0].dim() for d in _arg(args, kwargs, 1, "dim")]
+    norm = int(_arg(args, kwargs, 2, "normalization", 0))
+    magnitude = x.abs().double()
+    if op == "aten._fft_c2r.default":
+        n_last = int(_arg(args, kwargs, 3, "last_dim_size"))
+        last = dims[-1]
+        weight = torch.full((x.shape[last],), 2.0, dtype=torch.float64)
+        weight[0] = 1.0
+        if n_last % 2 == 0 and n_last // 2 < x.shape[last]:
+            weight[n_last // 2] = 1.0
+        weight[n_last // 2 + 1:] = 0.0
+        magnitude = magnitude * weight.view([-1 if d == last else 1 for d in range(x.dim())])
+        n = n_last * _prod(x.shape[d] for d in dims[:-1])
+    else:
+        n = _prod(x.shape[d] for d in dims)
+    scale = {0: 1.0, 1: 1.0 / math.sqrt(n), 2: 1.0 / n}[norm]
+    total = magnitude.sum(dim=dims, keepdim=True) * scale
+    return [growth(n) * total]
+
+
+_fft.exact_terms = True
+
+
 # --- variance ----------------------------------------------------------------------------------
 
 def _dims(x: torch.Tensor, dim) -> list[int]:
@@ -272,6 +302,7 @@ def _vector_norm(op, args, kwargs, outs):
 #: Accumulating ops (aten overload name) -> their bound: ``bound(op, args, kwargs, outputs64)``
 #: returns, per output, the allowed error against float64 in units of ``u`` (None: no bound).
 ACCUMULATING: dict[str, Callable] = {
+    **dict.fromkeys(("aten._fft_r2c.default", "aten._fft_c2r.default", "aten._fft_c2c.default"), _fft),
     **dict.fromkeys(("aten.mm.default", "aten.bmm.default", "aten.matmul.default", "aten.mv.default"), _terms(_inner)),
     "aten.dot.default": _terms(lambda a, k, o: int(a[0].numel())),
     "aten.addmm.default": _terms(_inner_plus_one(1)), "aten.addmv.default": _terms(_inner_plus_one(1)),
