@@ -426,6 +426,8 @@ def fft_c2c_samples():
 
 
 COMPLEX_LOWERINGS: dict[str, Lowering] = _lowerings()
+#: Complex-only ops whose inputs and outputs are all complex64 (the registry says so).
+COMPLEX_IN_AND_OUT = ("aten._conj.default", "aten.conj_physical.default", "aten._fft_c2c.default")
 #: The ops of :data:`COMPLEX_LOWERINGS` that take or make complex tensors only: registry entries.
 COMPLEX_ONLY = ("aten.view_as_complex.default", "aten.view_as_real.default", "aten.polar.default",
                 "aten.complex.default", "aten._conj.default", "aten.conj_physical.default", "aten.real.default",
@@ -438,7 +440,8 @@ def _register_complex_only() -> None:
     from tapml.platforms.wgsl.registry import REGISTRY, register
     for op in COMPLEX_ONLY:
         low = COMPLEX_LOWERINGS[op]
-        register(op, low.dtypes, samples=low.samples)(low.fn)
+        dtypes = (COMPLEX,) if op in COMPLEX_IN_AND_OUT else low.dtypes
+        register(op, dtypes, samples=low.samples)(low.fn)
         REGISTRY[op].family = "complex"
 
 

@@ -324,7 +324,7 @@ def coverage_markdown() -> str:
     core ATen overloads are lowered, which are refused by design and which are not lowered yet."""
     from tapml.platforms.wgsl import load_lowerings
     registry = load_lowerings()
-    dtypes = ALL_FLOAT + ALL_INT + ("bool",)
+    dtypes = ALL_FLOAT + ALL_INT + ("bool", "complex64")
     families: dict[str, list[Lowering]] = {}
     for low in registry.values():
         families.setdefault(low.family.rsplit(".", 1)[-1], []).append(low)
