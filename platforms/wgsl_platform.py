@@ -79,8 +79,16 @@ class WgslPlatform(RuntimePlatform):
         known = self.__dict__.get("_graphs", {}).get(program.key)
         if known is None:  # a program compiled elsewhere runs as it is
             return program
-        graph, static = known
-        wide = wide_refs(graph, inputs) | static
+        graph, static = known[:2]
+        if len(known) == 2:  # worked out on the first run, kept with the program
+            from tapml.platforms.wgsl.int64 import wide_plan
+            plan = wide_plan(graph) if any(m.dtype == "int64" for m in graph.meta.values()) else None
+            known = self._graphs[program.key] = (graph, static, plan)
+        plan = known[2]
+        if plan is None or not (plan.int64_inputs or plan.dynamic or plan.const_wide):
+            self.last_wide = tuple(sorted(static))
+            return program
+        wide = wide_refs(graph, inputs, plan) | static
         self.last_wide = tuple(sorted(wide))
         if wide == static:
             return program

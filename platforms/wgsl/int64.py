@@ -237,52 +237,191 @@ INDEX_OUTPUTS = frozenset({
 EVAL_FLOPS = 1 << 22
 
 
-def wide_refs(graph, inputs) -> frozenset[str]:
-    """The int64 refs of ``graph`` whose values, for these ``inputs`` (tensors, or resident
-    handles whose values are not known here), do not all fit in i32."""
-    from tapml.graph import run_node
-    from tapml.judging.compare import first_outside_i32
-    from tapml.platforms.wgsl.registry import node_flops
-    metas = graph.meta
-    if not any(m.dtype == "int64" for m in metas.values()):
-        return frozenset()
-    wide: set[str] = set()
-    values: dict[str, torch.Tensor] = {}
-    for (ref, meta), t in zip(graph.inputs, inputs):
-        if isinstance(t, torch.Tensor):
-            values[ref] = t
-            if meta.dtype == "int64" and first_outside_i32(t) is not None:
-                wide.add(ref)
-    producer = graph.producer()
-    needed: set[str] = set()
-    from tapml.platforms.wgsl import load_lowerings
-    registry = load_lowerings()
-    # index outputs fit by construction; an empty tensor's values are whatever memory held
-    skip = INDEX_OUTPUTS | {op for op, low in registry.items() if not low.compare_values}
-    stack = [n for n in graph.nodes if n.op not in skip and any(m.dtype == "int64" for m in n.outputs)]
-    while stack:
-        node = stack.pop()
-        if node.name in needed:
-            continue
-        needed.add(node.name)
-        stack.extend(producer[r] for r in node.input_refs if r in producer)
-    if not needed:
-        return frozenset(wide)
-    for node in graph.nodes:
-        if node.name not in needed or node.op in skip or any(r not in values for r in node.input_refs):
-            continue
-        try:
-            if node_flops(node, metas) > EVAL_FLOPS:
+class WidePlan:
+    """What :func:`wide_refs` needs of one graph, worked out once: the int64 graph inputs to check
+    per run, the int64 values that do not depend on any input (evaluated here, once: arange,
+    constants, what shapes give), and the nodes whose int64 values do (evaluated per run)."""
+
+    def __init__(self, graph):
+        from tapml.platforms.wgsl import load_lowerings
+        from tapml.platforms.wgsl.registry import node_flops
+        self.int64_inputs = [(i, r) for i, (r, m) in enumerate(graph.inputs) if m.dtype == "int64"]
+        self.const_wide: set[str] = set()
+        self.dynamic: list = []
+        registry = load_lowerings()
+        # index outputs fit by construction; an empty tensor's values are whatever memory held
+        skip = INDEX_OUTPUTS | {op for op, low in registry.items() if not low.compare_values}
+        producer = graph.producer()
+        needed: set[str] = set()
+        stack = [n for n in graph.nodes if n.op not in skip and any(m.dtype == "int64" for m in n.outputs)]
+        while stack:
+            node = stack.pop()
+            if node.name in needed:
                 continue
+            needed.add(node.name)
+            stack.extend(producer[r] for r in node.input_refs if r in producer)
+        inputs = {r for r, _ in graph.inputs}
+        varying: set[str] = set(inputs)  # refs whose values depend on the graph's inputs
+        known: dict[str, torch.Tensor] = {}
+        for node in graph.nodes:
+            if node.name not in needed or node.op in skip or node_flops(node, graph.meta) > EVAL_FLOPS:
+                continue  # its values stay unknown: what is computed from them stays in i32
+            if any(r in varying for r in node.input_refs):
+                varying.update(node.output_refs)
+                self.dynamic.append(node)
+            elif all(r in known for r in node.input_refs):
+                self._evaluate(node, known, self.const_wide)
+        read = {r for n in self.dynamic for r in n.input_refs}
+        self.const_values = {r: t for r, t in known.items() if r in read}
+        self.const_ranges = {r: _range_of(t) for r, t in self.const_values.items()}
+        self.read_inputs = read & inputs
+
+    @staticmethod
+    def _evaluate(node, values: dict, wide: set) -> None:
+        from tapml.graph import run_node
+        from tapml.judging.compare import first_outside_i32
+        try:
             outs = run_node(node, values.__getitem__)
         except Exception:  # noqa: BLE001 - a node the host cannot run leaves its values unknown (i32)
-            continue
+            return
         for ref, meta, t in zip(node.output_refs, node.outputs, outs):
             if isinstance(t, torch.Tensor):
                 values[ref] = t
                 if meta.dtype == "int64" and first_outside_i32(t) is not None:
                     wide.add(ref)
-    return frozenset(wide)
+
+    def wide(self, inputs) -> frozenset[str]:
+        """The int64 refs whose values, for these inputs, do not all fit in i32: first by ranges
+        (each input's least and greatest value carried through the dynamic nodes, which is cheap
+        and, where every range fits, exact enough), else by evaluating those nodes."""
+        wide = set(self.const_wide)
+        ranges = dict(self.const_ranges)
+        for i, ref in self.int64_inputs:
+            t = inputs[i] if i < len(inputs) else None
+            if isinstance(t, torch.Tensor):
+                ranges[ref] = lo_hi = _range_of(t)
+                if not I32_MIN <= lo_hi[0] <= lo_hi[1] <= I32_MAX:
+                    wide.add(ref)
+        if self.dynamic and not wide - self.const_wide and self._ranges_fit(inputs, ranges):
+            return frozenset(wide)
+        if self.dynamic:
+            values = dict(self.const_values)
+            values.update({ref: t for (ref, _), t in zip(self.graph_inputs, inputs) if isinstance(t, torch.Tensor)})
+            for node in self.dynamic:
+                if all(r in values for r in node.input_refs):
+                    self._evaluate(node, values, wide)
+        return frozenset(wide)
+
+
+    def _ranges_fit(self, inputs, ranges: dict) -> bool:
+        """Whether every int64 value of the dynamic nodes lies in i32, by interval arithmetic from
+        the inputs' ranges (False also where a node's op has no interval rule here)."""
+        for (ref, meta), t in zip(self.graph_inputs, inputs):
+            if isinstance(t, torch.Tensor) and ref in self.read_inputs and ref not in ranges:
+                ranges[ref] = _range_of(t)
+        for node in self.dynamic:
+            rule = _RANGE_RULES.get(node.op)
+            if rule is None:
+                return False
+            try:
+                out = rule(*[_arg_range(a, ranges) for a in node.args],
+                           **{k: _arg_range(v, ranges) for k, v in node.kwargs.items()})
+            except (KeyError, TypeError, ValueError):
+                return False
+            if out is None or not I32_MIN <= out[0] <= out[1] <= I32_MAX:
+                return False
+            for ref in node.output_refs:
+                ranges[ref] = out
+        return True
+
+
+def _range_of(t: torch.Tensor) -> tuple:
+    if t.numel() == 0:
+        return (0, 0)
+    if t.dtype == torch.bool:
+        return (0, 1)
+    if t.is_floating_point():
+        return (float(t.min()), float(t.max()))
+    lo, hi = torch.aminmax(t)
+    return (int(lo), int(hi))
+
+
+def _arg_range(a, ranges):
+    if isinstance(a, dict) and "ref" in a:
+        return ranges[a["ref"]]
+    if isinstance(a, list):
+        return [_arg_range(x, ranges) for x in a]
+    if isinstance(a, (bool, int, float)) or a is None:
+        return a
+    raise TypeError("an argument without a range")
+
+
+def _as_range(a):
+    if isinstance(a, tuple):
+        return a
+    if isinstance(a, bool) or not isinstance(a, (int, float)):
+        raise TypeError("no range")
+    return (a, a)
+
+
+def _sum_range(a, b, alpha=1):
+    (al, ah), (bl, bh) = _as_range(a), _as_range(b)
+    if not isinstance(alpha, (int, float)):
+        raise TypeError("alpha")
+    return (al + min(alpha * bl, alpha * bh), ah + max(alpha * bl, alpha * bh))
+
+
+def _product_range(a, b):
+    (al, ah), (bl, bh) = _as_range(a), _as_range(b)
+    p = [al * bl, al * bh, ah * bl, ah * bh]
+    return (min(p), max(p))
+
+
+def _first_range(x, *args, **kwargs):
+    return _as_range(x)
+
+
+def _union_range(tensors, *args, **kwargs):
+    rs = [_as_range(t) for t in tensors]
+    return (min(r[0] for r in rs), max(r[1] for r in rs))
+
+
+#: Interval rules (on ``(least, greatest)``) of the ops int64 positions and lengths go through
+#: in a step: arithmetic, and the views and copies that keep their input's values.
+_RANGE_RULES = {
+    "aten.add.Tensor": _sum_range, "aten.add.Scalar": _sum_range,
+    "aten.sub.Tensor": lambda a, b, alpha=1: _sum_range(a, b, -alpha),
+    "aten.sub.Scalar": lambda a, b, alpha=1: _sum_range(a, b, -alpha),
+    "aten.rsub.Scalar": lambda a, b, alpha=1: _sum_range(b, a, -alpha),
+    "aten.mul.Tensor": _product_range, "aten.mul.Scalar": _product_range,
+    "aten.neg.default": lambda a: (-_as_range(a)[1], -_as_range(a)[0]),
+    "aten.copy.default": lambda dst, src, *args: _as_range(src),
+    **dict.fromkeys(("aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.dims", "aten.squeeze.default",
+                     "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.select.int",
+                     "aten.slice.Tensor", "aten.expand.default", "aten.permute.default", "aten.clone.default",
+                     "aten.alias.default", "aten.t.default", "aten.transpose.int", "aten.index.Tensor",
+                     "aten.index_select.default", "aten.gather.default", "aten._to_copy.default",
+                     "aten.lift_fresh_copy.default"), _first_range),
+    "aten.cat.default": _union_range,
+}
+
+
+def wide_refs(graph, inputs, plan: WidePlan | None = None) -> frozenset[str]:
+    """The int64 refs of ``graph`` whose values, for these ``inputs`` (tensors, or resident
+    handles whose values are not known here), do not all fit in i32 (``plan``: the graph's
+    :class:`WidePlan`, made here when not given)."""
+    if plan is None:
+        if not any(m.dtype == "int64" for m in graph.meta.values()):
+            return frozenset()
+        plan = wide_plan(graph)
+    return plan.wide(inputs)
+
+
+def wide_plan(graph) -> WidePlan:
+    """The :class:`WidePlan` of ``graph``."""
+    plan = WidePlan(graph)
+    plan.graph_inputs = list(graph.inputs)
+    return plan
 
 
 def widen(graph, wide):
@@ -599,5 +738,5 @@ def _i32_shift_samples():
 
 _register_shifts()
 
-__all__ = ["WIDE_LOWERINGS", "SHIFTS", "wide_scalar", "static_wide_refs", "TAKES_WIDE", "LOW_WORD_EXACT", "wide_refs", "widen", "wide_lowering", "narrowed",
+__all__ = ["WidePlan", "wide_plan", "WIDE_LOWERINGS", "SHIFTS", "wide_scalar", "static_wide_refs", "TAKES_WIDE", "LOW_WORD_EXACT", "wide_refs", "widen", "wide_lowering", "narrowed",
            "cast_wide", "wide_ints", "LIMITS", "helpers_called"]
