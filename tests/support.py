@@ -62,6 +62,21 @@ def on_every_webgpu(check):
     return on_adapters, in_browser
 
 
+def accepted_samples(lowerings: dict) -> list:
+    """``(op, args, kwargs)`` of every sample of ``lowerings`` (op -> Lowering) that its op's schema
+    accepts: a sample list may be shared with a sibling overload that takes other arguments."""
+    from tapml.platforms.wgsl.registry import case_graph
+    out = []
+    for op, low in sorted(lowerings.items()):
+        for args, kwargs in low.samples():
+            try:
+                case_graph(op, args, kwargs)
+            except (RuntimeError, TypeError, ValueError):
+                continue
+            out.append((op, args, kwargs))
+    return out
+
+
 def own_wgpu(backend: str):
     """A WgpuPlatform on ``backend`` with its own device (forced limits stay out of the shared
     platform); skips where the adapter is missing."""

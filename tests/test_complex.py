@@ -24,20 +24,13 @@ from tapml.graph import run_graph
 from tapml.judging.compare import compare_outputs, compare_tensor
 from tapml.platforms.wgsl.complex import COMPLEX_LOWERINGS, FFT_SIZES
 from tapml.platforms.wgsl.registry import case_graph
-from tests.support import on_every_webgpu
+from tests.support import accepted_samples, on_every_webgpu
 
 MODELS = Path(__file__).parent / "models" / "complex_models.py"
 
 
 def _cases():
-    out = []
-    for op, low in sorted(COMPLEX_LOWERINGS.items()):
-        for args, kwargs in low.samples():
-            try:
-                case_graph(op, args, kwargs)
-            except (RuntimeError, TypeError, ValueError):  # a sample shared with a sibling overload
-                continue
-            out.append((op, args, kwargs))
+    out = accepted_samples(COMPLEX_LOWERINGS)
     z = torch.complex(torch.randn(3, 4), torch.randn(3, 4))
     out += [("aten.cat.default", ([z, z * 2], 0), {}), ("aten.permute.default", (z, [1, 0]), {}),
             ("aten.clone.default", (z,), {}), ("aten._to_copy.default", (z,), {"dtype": torch.float32}),

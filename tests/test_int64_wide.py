@@ -19,19 +19,12 @@ from tapml.graph import graph_from_fx, run_graph
 from tapml.platforms.wgsl.int64 import (I64_MIN, WIDE_LOWERINGS, cast_samples, static_wide_refs, where_samples,
                                         wide_ints, wide_refs)
 from tapml.platforms.wgsl.registry import case_graph
-from tests.support import exported, on_every_webgpu, own_wgpu
+from tests.support import accepted_samples, exported, on_every_webgpu, own_wgpu
 
 
 def _cases():
     """(op, args, kwargs) of every two-word sample that its op's schema accepts."""
-    out = []
-    for op, low in sorted(WIDE_LOWERINGS.items()):
-        for args, kwargs in low.samples():
-            try:
-                case_graph(op, args, kwargs)
-            except (RuntimeError, TypeError, ValueError):  # a sample shared with a sibling overload
-                continue
-            out.append((op, args, kwargs))
+    out = accepted_samples(WIDE_LOWERINGS)
     out += [("aten._to_copy.default", a, k) for a, k in cast_samples()]
     out += [("aten.where.self", a, k) for a, k in where_samples()]
     out += [("aten.cat.default", ([wide_ints(2, 3), wide_ints(4, 3)],), {}),

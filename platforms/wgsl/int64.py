@@ -190,29 +190,20 @@ def _need(k, *names: str) -> None:
         k.need(name)
 
 
+#: (source, destination) expression types -> the conversion; narrowing keeps the low word
+#: (torch's int64 -> int32 conversion wraps the same way)
+_CASTS = {(I64, "i32"): "bitcast<i32>(({e}).x)", (I64, "u32"): "({e}).x",
+          (I64, "bool"): f"any(({{e}}) != {I64}(0u, 0u))", (I64, "f32"): "tap_i64_to_f32({e})",
+          ("i32", I64): "tap_i64_of({e})", ("u32", I64): f"{I64}({{e}}, 0u)",
+          ("bool", I64): f"{I64}(select(0u, 1u, {{e}}), 0u)", ("f32", I64): "tap_f32_to_i64({e})"}
+
+
 def cast_wide(expr: str, src: str, dst: str) -> str:
-    """``expr`` converted between expression types where one of them is ``tap_i64``. Narrowing
-    keeps the low word (torch's int64 -> int32 conversion wraps the same way)."""
-    from tapml.platforms.wgsl.codegen import cast
-    if src == I64:
-        if dst == "i32":
-            return f"bitcast<i32>(({expr}).x)"
-        if dst == "u32":
-            return f"({expr}).x"
-        if dst == "bool":
-            return f"any(({expr}) != {I64}(0u, 0u))"
-        if dst == "f32":
-            return f"tap_i64_to_f32({expr})"
-    if dst == I64:
-        if src == "i32":
-            return f"tap_i64_of({expr})"
-        if src == "u32":
-            return f"{I64}({expr}, 0u)"
-        if src == "bool":
-            return f"{I64}(select(0u, 1u, {expr}), 0u)"
-        if src == "f32":
-            return f"tap_f32_to_i64({expr})"
-    raise Unsupported(f"no conversion from {src} to {dst}")
+    """``expr`` converted between expression types where one of them is ``tap_i64``."""
+    template = _CASTS.get((src, dst))
+    if template is None:
+        raise Unsupported(f"no conversion from {src} to {dst}")
+    return template.format(e=expr)
 
 
 def helpers_called(source: str) -> list[str]:
