@@ -8,11 +8,13 @@ parts, elementwise arithmetic, ``mm``/``bmm``, the FFTs), or the registry's own 
 for any element type (:data:`TAKES_COMPLEX`: views, copies, casts, fills, cat, index, where);
 otherwise it is refused, naming the op.
 
-The FFTs (``_fft_r2c``, ``_fft_c2r``, ``_fft_c2c``) transform one dim at a time, each a kernel
-whose invocations compute one output element as the sum over the transformed dim of input times
-twiddle, the twiddles a table the host computes in float64 (one per residue ``j*k mod n``), so
-each output is a sum of ``n`` products: its error bound is a sum of products' (the comparison's
-arithmetic bound with the transform length). Every ``norm`` mode scales at the end.
+The FFTs (``_fft_r2c``, ``_fft_c2r``, ``_fft_c2c``) transform one dim at a time: a power-of-two
+length by a radix-2 Stockham FFT (log2 n kernels of one butterfly per invocation, natural order out,
+no length limit); any other length (up to ``LOOP_BUDGET``) by a kernel whose invocations compute one
+output as the sum over the dim of input times twiddle. Twiddles are a table the host computes in
+float64 (one per residue ``j*k mod n``). Either way an output's error is within a sum of ``n``
+products' (the comparison's arithmetic bound with the transform length; a radix-2 FFT's is smaller,
+growing like log n). Every ``norm`` mode scales at the end.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from tapml.errors import Unsupported
 from tapml.graph import TensorMeta
 from tapml.platforms.base import BufferSpec
-from tapml.platforms.wgsl.codegen import C64, COMPLEX, LOOP_BUDGET, BufferView, Value
+from tapml.platforms.wgsl.codegen import C64, COMPLEX, LOOP_BUDGET, BufferView, Compute, Value
 from tapml.platforms.wgsl.helpers import HELPERS
 from tapml.platforms.wgsl.registry import Lowering, rand
 
@@ -225,14 +227,84 @@ def _twiddles(pb, n: int, sign: int) -> BufferView:
     return BufferView.whole(buf, meta)
 
 
-def _dft(pb, x: Value, dim: int, n_out: int, sign: int, mode: str, n: int, scale: float) -> BufferView:
+def _stockham(pb, x: Value, dim: int, n_out: int, sign: int, mode: str, n: int, scale: float) -> Value:
+    """:func:`_dft` for a power-of-two ``n``: a radix-2 Stockham FFT (log2 n kernels, each one
+    butterfly per invocation, ping-ponging between buffers; the output comes out in natural order).
+    ``c2r`` first rebuilds the Hermitian spectrum from its onesided bins (imaginary parts of DC and
+    Nyquist dropped, as torch's does), then takes the real part."""
+    from tapml.platforms.wgsl.codegen import cast, lit
+    from tapml.platforms.wgsl.views import permute, slice_
+    nd = len(x.shape)
+    order = [d for d in range(nd) if d != dim] + [dim]
+    lead = [x.shape[d] for d in order[:-1]]
+    rows = math.prod(lead)
+    back = [order.index(d) for d in range(nd)]
+    src = permute(x, order)  # the transformed dim last: rows of n
+    table = _twiddles(pb, n, sign)
+    meta = TensorMeta((rows, n), COMPLEX)  # stages index rows flat; the last is viewed as lead + (n,)
+    half, stage, current = n // 2, 0, None
+    while (1 << stage) < n:
+        s = 1 << stage
+        m = n // (2 * s)
+        out = pb.buffer("temp", meta)
+        k = pb.kernel("fft_stage")
+        k.emit(f"let row: i32 = n / {half};")
+        k.emit(f"let t: i32 = n % {half};")
+        k.emit(f"let p: i32 = t / {s};")
+        k.emit(f"let q: i32 = t % {s};")
+        ia, ib = f"q + {s} * p", f"q + {s} * (p + {m})"
+        if current is None:  # the first stage reads the input as it is, whatever its layout
+            row_idx = k.unravel("row", lead) if lead else []
+            if mode == "c2r":  # bin j of the full spectrum from the onesided ones
+                def read(i):
+                    j = k.let(f"({i})", "i32")
+                    mirror = k.let(f"select({j}, {n} - {j}, {j} > {n // 2})", "i32")
+                    z = src.read(k, row_idx + [mirror])
+                    z = k.let(z if src.ty == C64 else f"{C64}({cast(z, src.ty, 'f32')}, 0.0)", C64)
+                    return k.let(f"select(select({z}, {C64}({z}.x, -{z}.y), {j} > {n // 2}), {C64}({z}.x, 0.0), "
+                                 f"{j} == 0 || {j} * 2 == {n})", C64)
+            else:
+                def read(i):
+                    z = src.read(k, row_idx + [k.let(f"({i})", "i32")])
+                    return k.let(z if src.ty == C64 else f"{C64}({cast(z, src.ty, 'f32')}, 0.0)", C64)
+            a, b = read(ia), read(ib)
+        else:
+            a = k.let(current.read(k, ["row", ia]), C64)
+            b = k.let(current.read(k, ["row", ib]), C64)
+        w = table.read(k, [f"p * {s}"])
+        k.need("tap_c64_mul")
+        last = (1 << (stage + 1)) >= n
+        factor = lit(scale, "f32") if last and scale != 1.0 else None
+        sum_, diff = f"({a} + {b})", f"tap_c64_mul({a} - {b}, {w})"
+        if factor:
+            sum_, diff = f"({sum_} * {factor})", f"({diff} * {factor})"
+        k.write(out, f"row * {n} + q + {s} * (2 * p)", sum_, C64)
+        k.write(out, f"row * {n} + q + {s} * (2 * p + 1)", diff, C64)
+        pb.add(k.finish(rows * half))
+        current = BufferView.whole(out, meta)
+        stage += 1
+    if current is None:  # n == 1: the transform is the identity (times the scale)
+        return None
+    from tapml.platforms.wgsl.codegen import contiguous_strides
+    shape = tuple(lead) + (n,)
+    result: Value = BufferView(current.buf, shape, contiguous_strides(shape), 0, COMPLEX)
+    if mode == "c2r":
+        result = Compute(result.shape, "float32", [result], lambda kb, e, idx: f"({e[0]}).x", cost=0)
+    elif n_out != n:
+        result = slice_(result, nd - 1, 0, n_out)
+    return permute(result, back)
+
+
+def _dft(pb, x: Value, dim: int, n_out: int, sign: int, mode: str, n: int, scale: float) -> Value:
     """One 1-D transform of ``x`` along ``dim`` into a complex64 buffer whose ``dim`` has
     ``n_out`` entries: ``out[k] = scale * sum_j x[j] w**(j k)``, ``w = exp(sign 2 pi i / n)``.
     ``mode``: ``"c2c"`` (x complex or real, n entries along dim), ``"c2r"`` (x holds the
     ``n // 2 + 1`` onesided bins of a Hermitian sequence; the output is its real part, a float32
     tensor)."""
+    if n >= 2 and n & (n - 1) == 0:
+        return _stockham(pb, x, dim, n_out, sign, mode, n, scale)
     if n > LOOP_BUDGET:
-        raise Unsupported(f"an FFT of length {n} > {LOOP_BUDGET} is not lowered")
+        raise Unsupported(f"an FFT of length {n} > {LOOP_BUDGET} that is not a power of two is not lowered")
     shape = list(x.shape)
     shape[dim] = n_out
     out_dtype = "float32" if mode == "c2r" else COMPLEX
