@@ -153,14 +153,25 @@ def _products(length: Callable) -> Callable:
 
 # --- FFTs ---------------------------------------------------------------------------------------
 
+def fft_growth(n: int) -> float:
+    """How many unit roundoffs of ``sqrt(n) ||x||_2`` an FFT of ``n`` points may be off by, per
+    output: a radix-2 FFT's norm-wise error grows like ``log2 n`` (Higham, *Accuracy and Stability*,
+    §24.1: ``||X' - X|| <= log2(n) eta ||X||``, ``||X|| = sqrt(n) ||x||``, ``eta`` a few ``u`` with
+    twiddles correct to ``u``): ``LAMBDA * (log2 n + 2)``; Bluestein's FFT of a length that is not a
+    power of two runs three of length ``m < 4n``: three times that. Example: ``fft_growth(512)`` ->
+    88, ``fft_growth(400)`` -> 264."""
+    n = max(int(n), 1)
+    passes = 1 if n & (n - 1) == 0 else 3
+    return LAMBDA * passes * (math.ceil(math.log2(n)) + 2)
+
+
 def _fft(op, args, kwargs, outs):
-    """An FFT's output element sums ``n`` input elements times unit twiddles (tapml's FFT is a sum
-    of products per output: platforms/wgsl/complex.py), so ``c(n) u sum|x|`` over the transformed
-    dims, scaled as the ``normalization`` scales; ``n`` the product of the transform lengths. For
-    ``_fft_c2r`` a bin standing for its conjugate twin counts twice."""
+    """An FFT's outputs each within ``fft_growth(n) u sqrt(n) ||x||_2`` of the float64 result, the
+    norm over the transformed dims, scaled as the ``normalization`` scales; ``n`` the product of the
+    transform lengths. For ``_fft_c2r`` a bin standing for its conjugate twin counts twice."""
     x, dims = args[0], [int(d) % args[0].dim() for d in _arg(args, kwargs, 1, "dim")]
     norm = int(_arg(args, kwargs, 2, "normalization", 0))
-    magnitude = x.abs().double()
+    magnitude = x.abs().double() ** 2
     if op == "aten._fft_c2r.default":
         n_last = int(_arg(args, kwargs, 3, "last_dim_size"))
         last = dims[-1]
@@ -174,8 +185,8 @@ def _fft(op, args, kwargs, outs):
     else:
         n = _prod(x.shape[d] for d in dims)
     scale = {0: 1.0, 1: 1.0 / math.sqrt(n), 2: 1.0 / n}[norm]
-    total = magnitude.sum(dim=dims, keepdim=True) * scale
-    return [growth(n) * total]
+    total = (magnitude.sum(dim=dims, keepdim=True) * n).sqrt() * scale
+    return [fft_growth(n) * total]
 
 
 _fft.exact_terms = True
