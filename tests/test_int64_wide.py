@@ -196,3 +196,22 @@ def test_a_repro_folder_carries_two_words_and_passes_outside_tapml(wide_repro):
 def test_a_repro_page_compares_two_word_int64_exactly(wide_repro):
     from tests.support import repro_page_result
     assert repro_page_result(wide_repro[0]).startswith("PASS")
+
+
+@pytest.mark.slow
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+@pytest.mark.parametrize("target", ["wgpu:vulkan", "wgpu:gl"])
+def test_t5_migrates_with_every_op_on_the_target(tmp_path, target):
+    """hf:t5's relative-position buckets hold ``-inf.to(long)`` = -2**63 on the way (issue 36's first
+    "Done when"): every op on the target, and the cases that held int64 in two words say so."""
+    import json
+    from typer.testing import CliRunner
+    from tapml.cli import app
+    state = tmp_path / "t5.json"
+    r = CliRunner().invoke(app, ["migrate", "hf:t5", "--target", target, "--state", str(state), "--quiet"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(state.read_text())
+    assert doc["placement"]["ops_on_target"] == doc["placement"]["ops_total"], doc["placement"]
+    wide = {c["op"] for c in doc["cases"] if c.get("int64_two_words")}
+    assert {"aten._to_copy.default", "aten.minimum.default"} <= wide, wide
