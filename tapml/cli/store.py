@@ -227,7 +227,8 @@ def inspect_target(s, store: str, target: str, *, limits: dict, token_file, toke
             j = o.to_json()
             cells = [shown(o.op), str(o.cases), str(o.kernels), format_bytes(j["largest_binding"])]
             if wide_col:
-                cells.append(f"{o.int64_two_words} cases" if o.int64_two_words else "")
+                n = o.int64_two_words
+                cells.append(f"{n} case{'s' * (n != 1)}" if n else "")
             if split_col:
                 cells.append(shown("; ".join(x["message"] + (f" ({x['cases']} cases)" if x["cases"] > 1 else "")
                                               for x in j["splits"][:3])
