@@ -215,3 +215,18 @@ def test_t5_migrates_with_every_op_on_the_target(tmp_path, target):
     assert doc["placement"]["ops_on_target"] == doc["placement"]["ops_total"], doc["placement"]
     wide = {c["op"] for c in doc["cases"] if c.get("int64_two_words")}
     assert {"aten._to_copy.default", "aten.minimum.default"} <= wide, wide
+
+
+@pytest.mark.device
+def test_inspect_target_counts_the_cases_held_in_two_words(tmp_path_factory, tmp_path):
+    import json
+    from typer.testing import CliRunner
+    from tapml.cli import app
+    from tests.support import store_from_source
+    store = store_from_source(tmp_path_factory, "to_int_inspect", TO_INT)
+    r = CliRunner().invoke(app, ["inspect", str(store.path), "--target", "wgpu:vulkan", "--json", str(tmp_path / "p.json")])
+    assert r.exit_code == 0, r.output
+    counts = {o["op"]: o["int64_two_words"] for o in json.loads((tmp_path / "p.json").read_text())["ops"]}
+    assert counts["aten._to_copy.default"] == 1 and counts["aten.log.default"] == 0, counts
+    r = CliRunner().invoke(app, ["inspect", str(store.path), "--target", "wgpu:vulkan"], env={"COLUMNS": "200"})
+    assert "int64 in two words" in r.output and "1 case" in r.output
