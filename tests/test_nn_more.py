@@ -1,8 +1,9 @@
 """3-D and adaptive pooling, pairwise distances, embedding bags, batch norm from batch statistics
 (without running stats, and a CNN left in train() mode, also as a joint training graph) and
 nonzero in model code: each family's small model is carved with ``tapml carve path.py:factory``
-and every case replayed on lavapipe Vulkan (device tier). The FFTs are refused by design
-(complex tensors), which needs no device.
+and every case replayed on lavapipe Vulkan (device tier). The FFTs are lowered for complex64 held as
+float32 pairs (tests/test_complex.py runs them); complex128 stays refused by design, which needs no
+device.
 """
 
 from __future__ import annotations
@@ -266,19 +267,23 @@ def test_joint_training_graph_with_batch_norm_migrates_wholly(factories, tmp_pat
         {c["op"] for c in state["cases"]}
 
 
-def test_fft_is_refused_by_design():
-    """The FFTs compute on complex tensors, which WGSL lacks: a reason by design, not 'no lowering',
-    also where a node's metadata shows no complex dtype (c2r's output is real)."""
+def test_fft_is_lowered_for_complex64_and_refused_for_complex128():
+    """The FFTs take complex64 (float32 pairs on the device); complex128 is refused by design, with
+    the reason, not 'no lowering'."""
     from tapml.platforms.wgsl import supports
-    x = torch.randn(8)
-    spec = torch.fft.rfft(x)
-    r2c = Node("f", "aten._fft_r2c.default", [{"ref": "x"}, [0], 0, True], {}, [TensorMeta.of(spec)])
-    c2r = Node("g", "aten._fft_c2r.default", [{"ref": "s"}, [0], 0, 8], {}, [TensorMeta.of(x)])
-    c2c = Node("h", "aten._fft_c2c.default", [{"ref": "s"}, [0], 0, True], {}, [TensorMeta.of(spec)])
-    for node, ins in ((r2c, [TensorMeta.of(x)]), (c2r, []), (c2c, [TensorMeta.of(spec)])):
-        reason = supports(node, {"features": [], "limits": {}}, ins)
-        assert reason and "WGSL has no complex types" in reason and "refused by design" in reason, reason
-        assert "no WGSL lowering" not in reason
+    caps = {"features": [], "limits": {}}
+    for real, cplx in ((torch.randn(8), None), (torch.randn(8, dtype=torch.float64), None)):
+        spec = torch.fft.rfft(real)
+        r2c = Node("f", "aten._fft_r2c.default", [{"ref": "x"}, [0], 0, True], {}, [TensorMeta.of(spec)])
+        c2r = Node("g", "aten._fft_c2r.default", [{"ref": "s"}, [0], 0, 8], {}, [TensorMeta.of(real)])
+        c2c = Node("h", "aten._fft_c2c.default", [{"ref": "s"}, [0], 0, True], {}, [TensorMeta.of(spec)])
+        for node, ins in ((r2c, [TensorMeta.of(real)]), (c2r, [TensorMeta.of(spec)]), (c2c, [TensorMeta.of(spec)])):
+            reason = supports(node, caps, ins)
+            if real.dtype == torch.float32:
+                assert reason is None, reason
+            else:
+                assert reason and ("64-bit floats" in reason or "complex128" in reason), reason
+                assert "no WGSL lowering" not in reason
 
 
 def test_variants_torch_cannot_run_are_refused_with_the_reason():
