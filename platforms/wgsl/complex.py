@@ -219,13 +219,7 @@ def _matmul(pb, node, a, b):
 def _twiddles(pb, n: int, sign: int) -> BufferView:
     """A const table of ``exp(sign * 2 pi i m / n)``, m < n, computed in float64 and rounded once."""
     m = torch.arange(n, dtype=torch.float64) * (2 * math.pi / n)
-    table = torch.complex(torch.cos(m), sign * torch.sin(m)).to(torch.complex64)
-    meta = TensorMeta((n,), COMPLEX)
-    data = torch.view_as_real(table).numpy().tobytes()
-    buf = BufferSpec(name=f"w{len(pb.buffers)}", dtype="c64", size=len(data), role="const", meta=meta, data=data)
-    pb.buffers.append(buf)
-    pb.sizes[buf.name] = buf.size
-    return BufferView.whole(buf, meta)
+    return _const_table(pb, torch.complex(torch.cos(m), sign * torch.sin(m)))
 
 
 def _stockham(pb, x: Value, dim: int, n_out: int, sign: int, mode: str, n: int, scale: float) -> Value:
@@ -284,8 +278,6 @@ def _stockham(pb, x: Value, dim: int, n_out: int, sign: int, mode: str, n: int, 
         pb.add(k.finish(rows * half))
         current = BufferView.whole(out, meta)
         stage += 1
-    if current is None:  # n == 1: the transform is the identity (times the scale)
-        return None
     from tapml.platforms.wgsl.codegen import contiguous_strides
     shape = tuple(lead) + (n,)
     result: Value = BufferView(current.buf, shape, contiguous_strides(shape), 0, COMPLEX)
