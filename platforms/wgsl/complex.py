@@ -227,7 +227,7 @@ def _stockham(pb, x: Value, dim: int, n_out: int, sign: int, mode: str, n: int, 
     butterfly per invocation, ping-ponging between buffers; the output comes out in natural order).
     ``c2r`` first rebuilds the Hermitian spectrum from its onesided bins (imaginary parts of DC and
     Nyquist dropped, as torch's does), then takes the real part."""
-    from tapml.platforms.wgsl.codegen import cast, lit
+    from tapml.platforms.wgsl.codegen import lit
     from tapml.platforms.wgsl.views import permute, slice_
     nd = len(x.shape)
     order = [d for d in range(nd) if d != dim] + [dim]
@@ -255,13 +255,13 @@ def _stockham(pb, x: Value, dim: int, n_out: int, sign: int, mode: str, n: int, 
                     j = k.let(f"({i})", "i32")
                     mirror = k.let(f"select({j}, {n} - {j}, {j} > {n // 2})", "i32")
                     z = src.read(k, row_idx + [mirror])
-                    z = k.let(z if src.ty == C64 else f"{C64}({cast(z, src.ty, 'f32')}, 0.0)", C64)
+                    z = k.let(_as_c64(z, src.ty), C64)
                     return k.let(f"select(select({z}, {C64}({z}.x, -{z}.y), {j} > {n // 2}), {C64}({z}.x, 0.0), "
                                  f"{j} == 0 || {j} * 2 == {n})", C64)
             else:
                 def read(i):
                     z = src.read(k, row_idx + [k.let(f"({i})", "i32")])
-                    return k.let(z if src.ty == C64 else f"{C64}({cast(z, src.ty, 'f32')}, 0.0)", C64)
+                    return k.let(_as_c64(z, src.ty), C64)
             a, b = read(ia), read(ib)
         else:
             a = k.let(current.read(k, ["row", ia]), C64)
@@ -406,7 +406,7 @@ def _dft(pb, x: Value, dim: int, n_out: int, sign: int, mode: str, n: int, scale
     at = list(idx)
     at[dim] = "j"
     e = x.read(k, at)
-    z = e if x.ty == C64 else f"{C64}({ctype_cast(e, x.ty)}, 0.0)"
+    z = _as_c64(e, x.ty)
     w = table.read(k, [f"(j * {kk}) % {n}"])
     if mode == "c2r":  # bins 1 .. ceil(n/2)-1 stand for their conjugate twins too; DC and Nyquist once, real
         k.emit(f"let zw = tap_c64_mul({z}, {w});")
@@ -422,11 +422,6 @@ def _dft(pb, x: Value, dim: int, n_out: int, sign: int, mode: str, n: int, scale
     k.write(out, "n", f"{result}.x" if mode == "c2r" else result, "f32" if mode == "c2r" else C64)
     pb.add(k.finish(meta.numel))
     return BufferView.whole(out, meta)
-
-
-def ctype_cast(e: str, ty: str) -> str:
-    from tapml.platforms.wgsl.codegen import cast
-    return cast(e, ty, "f32")
 
 
 def _norm_scale(normalization: int, n: int, forward: bool) -> float:
