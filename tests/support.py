@@ -525,3 +525,53 @@ def exported(fn, *inputs):
         def forward(self, *args):
             return fn(*args)
     return torch.export.export(Program(), inputs, strict=False).run_decompositions()
+
+
+# --- int64 past i32: limit-value cases of any op that claims int64 --------------------------
+
+def _single_case(graph, inputs):
+    """``(graph, inputs, torch's outputs)`` of a one-node case, its metas taken from these inputs;
+    None where torch refuses them."""
+    node = graph.nodes[0]
+    env = dict(zip([r for r, _ in graph.inputs], inputs))
+    try:
+        ref = run_node(node, env.__getitem__)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError, IndexError):
+        return None
+    node = Node(node.name, node.op, node.args, node.kwargs, [TensorMeta.of(r) for r in ref], node.multi)
+    return (Graph(inputs=[(r, TensorMeta.of(t)) for (r, _), t in zip(graph.inputs, inputs)], nodes=[node],
+                  outputs=graph.outputs), inputs, ref)
+
+
+def wide_limit_cases(op: str, most: int = 4):
+    """Up to ``most`` cases of ``op`` whose int64 operands hold values past the i32 range: the
+    registry's samples (and their float inputs turned into int64), with one int64 operand at a
+    time (then all of them) replaced by values at the i32 and int64 limits (``wide_ints``) or
+    moved past i32. A replacement torch refuses (an index past the tensor, a count past memory)
+    is skipped: such an operand can never hold those values. ``(graph, inputs, torch's outputs)``."""
+    from tapml.platforms.wgsl.int64 import I32_MAX, I32_MIN, wide_ints
+    torch.manual_seed(0)
+    bases = [(g, i) for g, i in sample_cases(op) if any(t.dtype == torch.int64 for t in i)]
+    bases += [(g, i) for g, i, _ in derived_dtype_cases(op, "int64")]
+
+    def moved(t, how):
+        if t.dtype != torch.int64 or not t.numel():
+            return t
+        return wide_ints(*t.shape) if how == "limits" else t + 3 * 2**31
+
+    out, seen = [], set()
+    for graph, inputs in bases:
+        slots = [i for i, t in enumerate(inputs) if t.dtype == torch.int64 and t.numel()]
+        for chosen in [[i] for i in slots] + ([slots] if len(slots) > 1 else []):
+            for how in ("limits", "shifted"):
+                wide = [moved(t, how) if i in chosen else t for i, t in enumerate(inputs)]
+                if not any(((t < I32_MIN) | (t > I32_MAX)).any() for t in wide if t.dtype == torch.int64):
+                    continue
+                case = _single_case(graph, wide)
+                key = (graph.nodes[0].args.__repr__(), tuple(chosen), how)
+                if case is not None and key not in seen:
+                    seen.add(key)
+                    out.append(case)
+                    if len(out) >= most:
+                        return out
+    return out

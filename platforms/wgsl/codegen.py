@@ -168,6 +168,34 @@ def cast(expr: str, src: str, dst: str) -> str:
     return f"{dst}({expr})"
 
 
+_I64_ARITH = {"+": "tap_i64_add", "-": "tap_i64_sub", "*": "tap_i64_mul"}
+
+
+def arith(op: str, a: str, b: str, ty: str) -> str:
+    """``a op b`` (``op`` one of ``+ - *``) of expression type ``ty``: two-word int64 through its
+    helpers (a kernel pulls them in by name), wrapping as torch's int64 does."""
+    if ty == I64:
+        return f"{_I64_ARITH[op]}({a}, {b})"
+    return f"({a} {op} {b})"
+
+
+def less(a: str, b: str, ty: str) -> str:
+    """``a < b`` of expression type ``ty`` (two-word int64 compared as signed)."""
+    return f"tap_i64_lt({a}, {b})" if ty == I64 else f"({a} < {b})"
+
+
+def equal(a: str, b: str, ty: str) -> str:
+    """``a == b`` of expression type ``ty`` as one bool (two-word values: both words)."""
+    return f"all({a} == {b})" if ty in (I64, C64) else f"({a} == {b})"
+
+
+def extreme_lit(ty: str, greatest: bool) -> str:
+    """The greatest (or least) value of integer expression type ``ty``: a max's (min's) identity."""
+    if ty == I64:
+        return lit(2**63 - 1 if greatest else -2**63, I64)
+    return "2147483647" if greatest else "i32(-2147483647 - 1)"
+
+
 def elem_type(storage: str) -> str:
     """The WGSL array element type a buffer of ``storage`` is bound as (u32 for packed ones)."""
     return "u32" if storage in PACKED else {"i64": I64, "c64": C64}.get(storage, storage)

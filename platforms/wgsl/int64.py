@@ -32,7 +32,7 @@ import torch
 from tapml.errors import Unsupported
 from tapml.platforms.wgsl.codegen import I64, WIDE, Compute, Value, ctype
 from tapml.platforms.wgsl.helpers import HELPERS
-from tapml.platforms.wgsl.registry import Lowering, randbool
+from tapml.platforms.wgsl.registry import REGISTRY, Lowering, randbool
 
 I32_MIN, I32_MAX = -2**31, 2**31 - 1
 I64_MIN, I64_MAX = -2**63, 2**63 - 1
@@ -86,6 +86,27 @@ fn tap_u64_lt(a: {I64}, b: {I64}) -> bool {{
   return a.y < b.y || (a.y == b.y && a.x < b.x);
 }}"""),
     # torch: a shift by a negative amount or by 64 or more gives 0 (left) or the sign (right)
+    # exponent by squaring over the exponent's bits; torch refuses negative powers of integers
+    # other than 1 and -1 (0 here)
+    "tap_i64_pow": (("tap_i64_mul", "tap_u64_shr"), f"""
+fn tap_i64_pow(a: {I64}, e: {I64}) -> {I64} {{
+  let one = {I64}(1u, 0u);
+  if (bitcast<i32>(e.y) < 0) {{
+    if (all(a == one)) {{ return one; }}
+    if (all(a == {I64}(0xffffffffu, 0xffffffffu))) {{ return select(one, a, (e.x & 1u) == 1u); }}
+    return {I64}(0u, 0u);
+  }}
+  var r = one;
+  var b = a;
+  var n = e;
+  for (var i: i32 = 0; i < 64; i = i + 1) {{
+    if (n.x == 0u && n.y == 0u) {{ break; }}
+    if ((n.x & 1u) == 1u) {{ r = tap_i64_mul(r, b); }}
+    b = tap_i64_mul(b, b);
+    n = tap_u64_shr(n, 1u);
+  }}
+  return r;
+}}"""),
     "tap_i64_shl": ((), f"""
 fn tap_i64_shl(a: {I64}, s: {I64}) -> {I64} {{
   if (s.y != 0u || s.x >= 64u) {{ return {I64}(0u, 0u); }}
@@ -222,6 +243,11 @@ INDEX_OUTPUTS = frozenset({
     "aten.nanmedian.dim", "aten.cummax.default", "aten.cummin.default", "aten.max_pool2d_with_indices.default",
     "aten.max_pool3d_with_indices.default", "aten.nonzero.default", "aten.argsort.default",
     "aten.searchsorted.Tensor", "aten.bucketize.Tensor", "aten.multinomial.default"})
+#: Those of :data:`INDEX_OUTPUTS` whose first output holds values of their first input (the
+#: maximum, the sorted row, the median): held in two words whenever that input is.
+SELECTS_VALUES = frozenset(INDEX_OUTPUTS - {
+    "aten.argmax.default", "aten.argmin.default", "aten.nonzero.default", "aten.argsort.default",
+    "aten.searchsorted.Tensor", "aten.bucketize.Tensor", "aten.multinomial.default"})
 #: The most FLOPs of host work :func:`wide_refs` spends on one node: the int64 part of a graph is
 #: small; a node past this (a product, a convolution) is not evaluated, and the int64 values
 #: computed from it stay in i32, as before two words existed (their outputs are still compared).
@@ -242,6 +268,8 @@ class WidePlan:
         registry = load_lowerings()
         # index outputs fit by construction; an empty tensor's values are whatever memory held
         skip = INDEX_OUTPUTS | {op for op, low in registry.items() if not low.compare_values}
+        self.selections = [(n.input_refs[0], n.output_refs[0]) for n in graph.nodes
+                           if n.op in SELECTS_VALUES and n.input_refs and n.outputs[0].dtype == "int64"]
         producer = graph.producer()
         needed: set[str] = set()
         stack = [n for n in graph.nodes if n.op not in skip and any(m.dtype == "int64" for m in n.outputs)]
@@ -294,13 +322,19 @@ class WidePlan:
                 if not I32_MIN <= lo_hi[0] <= lo_hi[1] <= I32_MAX:
                     wide.add(ref)
         if self.dynamic and not wide - self.const_wide and self._ranges_fit(inputs, ranges):
-            return frozenset(wide)
+            return self._with_selections(wide)
         if self.dynamic:
             values = dict(self.const_values)
             values.update({ref: t for (ref, _), t in zip(self.graph_inputs, inputs) if isinstance(t, torch.Tensor)})
             for node in self.dynamic:
                 if all(r in values for r in node.input_refs):
                     self._evaluate(node, values, wide)
+        return self._with_selections(wide)
+
+    def _with_selections(self, wide: set) -> frozenset[str]:
+        for source, selected in self.selections:  # in graph order: a selection of a selection follows
+            if source in wide:
+                wide.add(selected)
         return frozenset(wide)
 
 
@@ -440,7 +474,31 @@ TAKES_WIDE = frozenset({
     "aten.index.Tensor", "aten.index_select.default", "aten.gather.default", "aten.expand_copy.default",
     "aten.permute_copy.default", "aten.view_copy.default", "aten.slice_copy.Tensor", "aten.unsqueeze_copy.default",
     "aten.squeeze_copy.dims", "aten.t_copy.default", "aten.select_copy.int", "aten.flip.default",
-    "aten.roll.default", "aten.repeat.default", "aten.stack.default",
+    "aten.roll.default", "aten.repeat.default", "aten.stack.default", "aten.contiguous.default",
+    "aten.tril.default", "aten.triu.default", "aten.fill.Scalar", "aten.narrow_copy.default", "aten.unbind_copy.int",
+    "aten.as_strided_copy.default", "aten.masked_select.default", "aten.masked_fill.Tensor", "aten.nonzero.default",
+    "aten.nonzero_static.default", "aten._pad_circular.default",
+    *(f"aten.{kind}_pad{n}d.default" for kind in ("reflection", "replication") for n in (1, 2, 3)),
+    # truth tests (a cast to bool: either word nonzero)
+    "aten.any.default", "aten.any.dim", "aten.any.dims", "aten.all.default", "aten.all.dim", "aten.all.dims",
+    "aten.logical_not.default", "aten.logical_and.default", "aten.logical_or.default", "aten.logical_xor.default",
+    # reductions and scans whose arithmetic and comparisons follow the value's type (codegen.arith, less)
+    "aten.sum.default", "aten.sum.dim_IntList", "aten.prod.default", "aten.prod.dim_int", "aten.cumsum.default",
+    "aten.cumprod.default", "aten.amax.default", "aten.amin.default", "aten.max.default", "aten.min.default",
+    "aten.max.dim", "aten.min.dim", "aten.argmax.default", "aten.argmin.default",
+})
+#: Ops whose floating result torch computes from their integer operands converted to float32 (the
+#: default dtype): the registry's lowering reads a two-word operand through the exact conversion
+#: (``tap_i64_to_f32``, round to nearest even), so it is right as it is whenever no output is an integer.
+READS_AS_FLOAT = frozenset({
+    *(f"aten.{name}.default" for name in (
+        "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt", "reciprocal", "tanh", "sigmoid",
+        "erf", "erfc", "erfinv", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "atan2",
+        "lgamma", "digamma", "polygamma", "i0", "angle", "special_erfcx", "special_ndtri", "special_i0e",
+        "special_i1", "special_i1e", "special_modified_bessel_i0", "special_modified_bessel_i1",
+        "special_hermite_polynomial_h", "special_hermite_polynomial_he", "isnan", "isinf")),
+    "aten.div.Tensor", "aten.div.Scalar", "aten.copysign.Tensor", "aten.copysign.Scalar",
+    "aten.pow.Tensor_Tensor", "aten.pow.Tensor_Scalar", "aten.pow.Scalar",
 })
 #: Ops whose result, where it fits in i32, depends only on the low words of their int64 inputs
 #: (ring arithmetic modulo 2**32, selection, shape): run on the low words when no output is wide.
@@ -466,7 +524,8 @@ def _int_args(node, args):
     """Refuse float operands: an int64 op with a float operand computes in float (not here)."""
     for a in args:
         if isinstance(a, float) or isinstance(a, Value) and ctype(a.dtype) == "f32":
-            raise Unsupported(f"{node.op} with a float operand and two-word int64 values is not lowered")
+            raise Unsupported(f"{node.op} with a float operand and int64 values held in two 32-bit words is not "
+                              "lowered")
 
 
 def _binary(helper, result=None, swap=False, negate=False):
@@ -537,6 +596,34 @@ def _division(mode, part):
     return lower
 
 
+def _truncated(node, v):
+    """A float scalar given to an op on integers, converted as torch converts it (toward zero)."""
+    return int(v) if isinstance(v, float) and not isinstance(v, bool) and math.isfinite(v) else v
+
+
+def _hardtanh(pb, node, x, min_val=-1.0, max_val=1.0):
+    return _clamp(pb, node, x, min=_truncated(node, min_val), max=_truncated(node, max_val))
+
+
+def _masked_fill(pb, node, x, mask, value):
+    return REGISTRY["aten.masked_fill.Scalar"].fn(pb, node, x, mask, _truncated(node, value))
+
+
+def _constant_pad(pb, node, x, pad, value=0):
+    return REGISTRY["aten.constant_pad_nd.default"].fn(pb, node, x, pad, _truncated(node, value))
+
+
+def _addcmul(pb, node, x, a, b, value=1):
+    from tapml.platforms.wgsl.elementwise import elementwise
+    _int_args(node, [x, a, b, value])
+
+    def fn(k, e, p, q, *v):
+        _need(k, "tap_i64_add", "tap_i64_mul")
+        product = f"tap_i64_mul({p}, {q})"
+        return f"tap_i64_add({e}, {f'tap_i64_mul({product}, {v[0]})' if v else product})"
+    return [elementwise(pb, node, [x, a, b] + ([value] if value != 1 else []), fn, compute=I64)]
+
+
 #: int64 shifts: also the registry's lowering of int64 held in i32 (the two-word arithmetic, whose
 #: result is narrowed), so that a shift by 32 or more behaves as torch's on int64
 SHIFTS = {"left": ["aten.bitwise_left_shift.Tensor", "aten.bitwise_left_shift.Tensor_Scalar"],
@@ -581,6 +668,19 @@ def _lowerings() -> dict[str, Lowering]:
     add(["aten.floor_divide.default", "aten.floor_divide.Scalar"], _division("floor", "xy"), _division_samples)
     add(["aten.remainder.Tensor", "aten.remainder.Scalar"], _division("floor", "zw"), _division_samples)
     add(["aten.fmod.Tensor", "aten.fmod.Scalar"], _division("trunc", "zw"), _division_samples)
+    # on integers torch's rounding ops are the identity, relu and hardtanh clamp, fmax/fmin are max/min
+    add([f"aten.{name}.default" for name in ("floor", "ceil", "trunc", "round")], _expr("{0}"), _unary_samples)
+    add("aten.relu.default", _expr(f"select({{0}}, {I64}(0u, 0u), tap_i64_is_neg({{0}}))", "tap_i64_is_neg"),
+        _unary_samples)
+    add("aten.hardtanh.default", _hardtanh, _hardtanh_samples)
+    add("aten.signbit.default", _expr("tap_i64_is_neg({0})", "tap_i64_is_neg", result="bool"), _unary_samples)
+    add("aten.fmin.default", _expr("select({1}, {0}, tap_i64_lt({0}, {1}))", "tap_i64_lt"), _binary_samples("min"))
+    add("aten.fmax.default", _expr("select({1}, {0}, tap_i64_lt({1}, {0}))", "tap_i64_lt"), _binary_samples("max"))
+    add(["aten.pow.Tensor_Tensor", "aten.pow.Tensor_Scalar", "aten.pow.Scalar"],
+        _expr("tap_i64_pow({0}, {1})", "tap_i64_pow"), _pow_samples)
+    add("aten.masked_fill.Scalar", _masked_fill, _masked_fill_samples)
+    add("aten.constant_pad_nd.default", _constant_pad, _pad_samples)
+    add("aten.addcmul.default", _addcmul, _addcmul_samples)
     return out
 
 
@@ -609,14 +709,35 @@ def wide_lowering(node, input_metas, registry) -> tuple[Lowering, bool]:
     inputs are to be read as their low words (i32); :class:`Unsupported` when there is none."""
     outputs_wide = any(m.dtype == WIDE for m in node.outputs)
     low = registry.get(node.op)
+    if low is not None and (node.op in READS_AS_FLOAT and not any(ctype(m.dtype) in ("i32", I64) for m in node.outputs)
+                            or node.op in WIDE_LOWERINGS and node.op not in _NO_FLOAT_PATH
+                            and _float_operand(node, input_metas)):
+        return low, False
     if node.op in WIDE_LOWERINGS and (outputs_wide or node.op not in LOW_WORD_EXACT):
         return WIDE_LOWERINGS[node.op], False
     if low is not None and (low.view or node.op in TAKES_WIDE):
         return low, False
-    if low is not None and not outputs_wide and node.op in LOW_WORD_EXACT:
+    if low is not None and not outputs_wide and node.op in LOW_WORD_EXACT and \
+            all(ctype(m.dtype) in ("i32", "bool") for m in node.outputs):
         return low, True
     raise Unsupported(f"{node.op} has no lowering for int64 values outside the i32 range (held in two 32-bit "
                       "words on WGSL targets)")
+
+
+#: Two-word lowerings whose float operand is not a promotion to float: a fill value or bound
+#: torch converts to the tensor's integer dtype; and float remainders, which the registry computes
+#: as ``x - trunc(x / y) * y``, wrong where the quotient passes 2**24 (refused instead).
+_NO_FLOAT_PATH = frozenset({"aten.masked_fill.Scalar", "aten.constant_pad_nd.default", "aten.hardtanh.default",
+                            "aten.fmod.Tensor", "aten.fmod.Scalar", "aten.remainder.Tensor", "aten.remainder.Scalar"})
+
+
+def _float_operand(node, input_metas) -> bool:
+    """Whether ``node`` has a floating operand: torch then computes in float, from its int64
+    operands converted to float32, as the registry's lowerings read two words."""
+    def walk(a):
+        return isinstance(a, float) or isinstance(a, (list, tuple)) and any(walk(x) for x in a)
+    return any(walk(a) for a in node.args) or any(walk(v) for v in node.kwargs.values()) or \
+        any(ctype(m.dtype) == "f32" for m in input_metas)
 
 
 def narrowed(v: Value) -> Value:
@@ -692,6 +813,32 @@ def _divmode_samples():
             ((a, 9), {"rounding_mode": "floor"}), ((a, -(2**34)), {"rounding_mode": "trunc"})]
 
 
+def _hardtanh_samples():
+    return [((wide_ints(5, 6), -(2**33), 2**40), {}), ((wide_ints(17), -2.5, 3.7), {})]
+
+
+def _pow_samples():
+    exps = torch.tensor([0, 1, 2, 3, 31, 32, 33, 62, 63, 64, 5, 7], dtype=torch.int64)
+    bases = torch.tensor([3, -3, 2, -2, 1, -1, 0, 2**32 + 1, -(2**40), I64_MIN, 7, 2**31], dtype=torch.int64)
+    return [((bases, exps), {}), ((wide_ints(3, 12), exps), {}), ((bases, 3), {}), ((bases, 40), {}),
+            ((3, exps), {}), ((-(2**33), exps), {}), ((torch.tensor([1, -1, -1, 1]), torch.tensor([-3, -3, -4, -9])), {})]
+
+
+def _masked_fill_samples():
+    return [((wide_ints(4, 5), randbool(4, 5), -(2**40)), {}), ((wide_ints(4, 5), randbool(5), -1.5), {}),
+            ((wide_ints(6), randbool(6), I64_MAX), {})]
+
+
+def _pad_samples():
+    return [((wide_ints(3, 4), [1, 2]), {}), ((wide_ints(3, 4), [2, 0, 1, 1], -(2**45)), {}),
+            ((wide_ints(2, 3, 4), [1, 1], 7.9), {})]
+
+
+def _addcmul_samples():
+    a, b, c = wide_ints(4, 5), wide_ints(4, 5, limits=(3, -1, 2**31, I64_MAX)), wide_ints(5, limits=(-(2**33), 5))
+    return [((a, b, c), {}), ((a, b, c), {"value": 3}), ((a, b, c), {"value": -(2**40)})]
+
+
 def cast_samples() -> list:
     """``_to_copy`` from and to two words: every dtype from int64 limits, int64 from float32
     values past i32, infinities and NaN."""
@@ -729,5 +876,6 @@ def _i32_shift_samples():
 
 _register_shifts()
 
-__all__ = ["WidePlan", "wide_plan", "WIDE_LOWERINGS", "SHIFTS", "wide_scalar", "static_wide_refs", "TAKES_WIDE", "LOW_WORD_EXACT", "wide_refs", "widen", "wide_lowering", "narrowed",
+__all__ = ["WidePlan", "wide_plan", "WIDE_LOWERINGS", "SHIFTS", "wide_scalar", "static_wide_refs", "TAKES_WIDE",
+           "READS_AS_FLOAT", "LOW_WORD_EXACT", "wide_refs", "widen", "wide_lowering", "narrowed",
            "cast_wide", "wide_ints", "LIMITS", "helpers_called"]

@@ -15,7 +15,8 @@ from typing import Callable, Sequence
 import torch
 
 from tapml.graph import TensorMeta
-from tapml.platforms.wgsl.codegen import LOOP_BUDGET, BufferView, Custom, Value, cast, ctype, lit
+from tapml.platforms.wgsl.codegen import (LOOP_BUDGET, BufferView, Custom, Value, arith, cast, ctype, equal,
+                                         extreme_lit, less, lit)
 from tapml.platforms.wgsl.folds import Fold, fold_rows, interleave_index, moments_fold, scan_lines
 from tapml.platforms.wgsl.registry import (ALL, ALL_FLOAT, ALL_INT, NUMERIC, edge_floats, edge_ints, rand, randbool, randint,
                                            register)
@@ -97,14 +98,15 @@ def _sum_like(kind):
             return k.var(t, lit(ident, t), "acc")
 
         def step(k, acc, v, r):
-            k.emit(f"{acc} = {acc} {op} {cast(v, x.ty, t)};")
+            k.emit(f"{acc} = {arith(op, acc, cast(v, x.ty, t), t)};")
 
         def final(k, acc):
             if kind == "mean":
                 return [(divide(acc, count), t)]
             return [(acc, t)]
         fold = Fold([("acc", t, lit(ident, t))], lambda k, v, r: [cast(v, x.ty, t)],
-                    lambda k, st, o, empty: k.emit(f"{st[0]} = {st[0]} {op} {o[0]};"), lambda k, st: final(k, st[0]))
+                    lambda k, st, o, empty: k.emit(f"{st[0]} = {arith(op, st[0], o[0], t)};"),
+                    lambda k, st: final(k, st[0]))
         return reduction(pb, kind, x, dims, node.outputs, init, [step], final, fold)
     return lower
 
@@ -143,8 +145,8 @@ def _extreme(t, is_max):
         return ident, lambda v, b: f"({v} {cmp} {b} || ({_isnan(v)} && !{_isnan(b)}))"
     if t == "bool":
         return ("false" if is_max else "true"), lambda v, b: (f"({v} && !{b})" if is_max else f"(!{v} && {b})")
-    ident = "i32(-2147483647 - 1)" if is_max else "2147483647"
-    return ident, lambda v, b: f"({v} {'>' if is_max else '<'} {b})"
+    # integers (two-word int64 included): the extreme of the type, an exact comparison
+    return extreme_lit(t, not is_max), lambda v, b: less(b, v, t) if is_max else less(v, b, t)
 
 
 def _amax_like(is_max):
@@ -191,7 +193,7 @@ def _arg_like(is_max, values):
             # a later part wins only with a better value, or an equal one (NaN equals NaN here)
             # at a smaller index: the first occurrence, as torch picks
             best, arg = st
-            tie = f"({o[0]} == {best} || ({_isnan(o[0])} && {_isnan(best)}))" if t == "f32" else f"({o[0]} == {best})"
+            tie = f"({o[0]} == {best} || ({_isnan(o[0])} && {_isnan(best)}))" if t == "f32" else equal(o[0], best, t)
             k.emit(f"if ({o[1]} >= 0 && ({arg} < 0 || {better(o[0], best)} || ({tie} && {o[1]} < {arg}))) "
                    f"{{ {best} = {o[0]}; {arg} = {o[1]}; }}")
         fold = Fold([("best", t, ident), ("arg", "i32", "-1")], lambda k, v, r: [v, r], absorb, final)
@@ -358,7 +360,7 @@ def _scan(kind):
             return [x]
         op = "*" if kind == "cumprod" else "+"
         fold = Fold([("acc", t, lit(1 if kind == "cumprod" else 0, t))], lambda k, v, r: [cast(v, x.ty, t)],
-                    lambda k, st, o, empty: k.emit(f"{st[0]} = {st[0]} {op} {o[0]};"), lambda k, st: [(st[0], t)])
+                    lambda k, st, o, empty: k.emit(f"{st[0]} = {arith(op, st[0], o[0], t)};"), lambda k, st: [(st[0], t)])
         return scan_lines(pb, kind, x, dim, [meta], fold)
     return lower
 
