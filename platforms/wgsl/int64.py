@@ -486,6 +486,14 @@ TAKES_WIDE = frozenset({
     "aten.sum.default", "aten.sum.dim_IntList", "aten.prod.default", "aten.prod.dim_int", "aten.cumsum.default",
     "aten.cumprod.default", "aten.amax.default", "aten.amin.default", "aten.max.default", "aten.min.default",
     "aten.max.dim", "aten.min.dim", "aten.argmax.default", "aten.argmin.default",
+    # sorts (keys of two words, compared as signed) and what is built on them; binary searches
+    "aten.sort.default", "aten.sort.stable", "aten.topk.default", "aten.kthvalue.default", "aten.median.default",
+    "aten.median.dim", "aten.nanmedian.default", "aten.nanmedian.dim", "aten.mode.default", "aten._unique2.default",
+    "aten.unique_consecutive.default", "aten.cummax.default", "aten.cummin.default", "aten.searchsorted.Tensor",
+    "aten.searchsorted.Scalar", "aten.bucketize.Tensor", "aten.bucketize.Scalar",
+    # gathers; random draws and uninitialized tensors, whose values do not depend on their input's
+    "aten.embedding.default", "aten.bernoulli.p", "aten.bernoulli.Tensor", "aten.geometric.default",
+    "aten.randint_like.default", "aten.randint_like.low_dtype", "aten.new_empty_strided.default",
 })
 #: Ops whose floating result torch computes from their integer operands converted to float32 (the
 #: default dtype): the registry's lowering reads a two-word operand through the exact conversion

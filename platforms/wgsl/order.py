@@ -18,7 +18,8 @@ import torch
 from tapml.errors import Unsupported
 from tapml.graph import TensorMeta
 from tapml.platforms.wgsl import views
-from tapml.platforms.wgsl.codegen import BufferView, Compute, Custom, Remap, Value, cast, index_sum, lit, round_low
+from tapml.platforms.wgsl.codegen import (I64, BufferView, Compute, Custom, Remap, Value, cast, equal, index_sum, less, lit,
+                                         round_low)
 from tapml.platforms.wgsl.folds import Fold, scan_lines
 from tapml.platforms.wgsl.registry import (ALL, ALL_FLOAT, NUMERIC, edge_floats, edge_ints, rand, randbool,
                                            randint, register)
@@ -44,7 +45,7 @@ def _same(k, a: str, b: str, ty: str) -> str:
     """``a == b`` as torch's ``==``: NaN equals nothing, -0 equals +0."""
     if ty == "f32":
         return f"(!{_isnan(k, a, ty)} && !{_isnan(k, b, ty)} && {a} == {b})"
-    return f"({a} == {b})"
+    return equal(a, b, ty)
 
 
 def _num(e: str, ty: str) -> str:
@@ -75,13 +76,17 @@ def _cum_extreme(is_max: bool):
             return [x, Compute((), "int64", [], lambda k, e, idx: "i32(0)")]
         dim = views.norm_dim(dim, nd)
         ty = x.ty
-        cmp = ">=" if is_max else "<="
+
+        def at_least_as_good(a, b):  # a >= b (a <= b for the minimum)
+            if ty == I64:
+                return f"!{less(a, b, ty) if is_max else less(b, a, ty)}"
+            return f"{_num(a, ty)} {'>=' if is_max else '<='} {_num(b, ty)}"
 
         def absorb(k, st, o, empty):
             # a later (value, index) takes the place when equal or better, or NaN (which then
             # keeps it): associative, so chunks of a long line merge as the elements do
             best, arg = st
-            take = f"{empty} || {_isnan(k, o[0], ty)} || (!{_isnan(k, best, ty)} && {_num(o[0], ty)} {cmp} {_num(best, ty)})"
+            take = f"{empty} || {_isnan(k, o[0], ty)} || (!{_isnan(k, best, ty)} && {at_least_as_good(o[0], best)})"
             k.emit(f"if ({take}) {{ {best} = {o[0]}; {arg} = {o[1]}; }}")
         fold = Fold([("best", ty, lit(0, ty)), ("arg", "i32", "0")], lambda k, v, r: [v, r], absorb,
                     lambda k, st: [(st[0], ty), (st[1], "i32")])
@@ -325,12 +330,15 @@ def _bound_search(pb, node, boundaries: Value, values, right: bool, sorter: Valu
     """For each of ``values`` (a Value, or a Python number for the Scalar overloads), torch's
     binary search over its row of ``boundaries`` (1-d: one row for all; else the values' leading
     indices): the first position whose boundary is >= the value (> with ``right``), comparisons
-    as in C (false with NaN), in f32 when either side is a float and in i32 otherwise."""
+    as in C (false with NaN), in f32 when either side is a float, in two words where an int64 side is
+    held so, and in i32 otherwise."""
     meta = node.outputs[0]
     m = boundaries.shape[-1] if boundaries.shape else 1
     scalar = not isinstance(values, Value)
     is_float = boundaries.ty == "f32" or (isinstance(values, float) if scalar else values.ty == "f32")
-    ty = "f32" if is_float else "i32"
+    wide = boundaries.ty == I64 or (not scalar and values.ty == I64) or \
+        (scalar and not isinstance(values, float) and not -2**31 <= int(values) < 2**31)
+    ty = "f32" if is_float else I64 if wide else "i32"
     ins = [boundaries] + ([] if scalar else [values]) + ([sorter] if sorter is not None else [])
 
     def fn(k, idx):
@@ -343,6 +351,8 @@ def _bound_search(pb, node, boundaries: Value, values, right: bool, sorter: Valu
         pos = mid if sorter is None else k.let(f"clamp({sorter.read(k, lead + [mid])}, 0, {m - 1})", "i32")
         b = k.let(cast(boundaries.read(k, lead + [pos]), boundaries.ty, ty), ty)
         cmp = f"{b} {'>' if right else '>='} {v}"
+        if ty == I64:  # b > v, or b >= v
+            cmp = less(v, b, ty) if right else f"!{less(b, v, ty)}"
         if ty == "f32":
             cmp = f"!{_isnan(k, b, ty)} && !{_isnan(k, v, ty)} && {b} {'>' if right else '>='} {v}"
         k.emit(f"if ({cmp}) {{ {hi} = {mid}; }} else {{ {lo} = {mid} + 1; }}")

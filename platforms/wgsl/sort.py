@@ -23,7 +23,8 @@ import torch
 from tapml.errors import Unsupported
 from tapml.graph import Node, TensorMeta
 from tapml.platforms.wgsl import views
-from tapml.platforms.wgsl.codegen import MAX_GROUPS, BufferView, Compute, Custom, Value, contiguous_strides
+from tapml.platforms.wgsl.codegen import (I64, MAX_GROUPS, WIDE, BufferView, Compute, Custom, Value, contiguous_strides,
+                                         equal, less)
 from tapml.platforms.wgsl.registry import ALL, NUMERIC, randint, register
 
 _KEY_F32 = """
@@ -36,22 +37,29 @@ fn sort_key_f32(x: f32) -> i32 {
 }"""
 
 
-def block_size(caps_limits: dict) -> int:
-    """Elements one workgroup sorts in workgroup memory (a key and an index of 4 bytes each):
-    the largest power of two that fits ``max-compute-workgroup-storage-size``, at most 2048."""
+def block_size(caps_limits: dict, key_bytes: int = 4) -> int:
+    """Elements one workgroup sorts in workgroup memory (a key of ``key_bytes`` and an index of 4
+    bytes each): the largest power of two that fits ``max-compute-workgroup-storage-size``, at most 2048."""
     storage = int(caps_limits.get("max-compute-workgroup-storage-size", 16384))
-    return max(2, min(2048, 1 << int(math.log2(max(storage // 8, 2)))))
+    return max(2, min(2048, 1 << int(math.log2(max(storage // (key_bytes + 4), 2)))))
 
 
-def _before(count: int, descending: bool) -> str:
+def _key_type(ty: str) -> str:
+    """The WGSL type of a sort key of expression type ``ty``: i32 (floats and bools mapped to
+    ordered i32), or the two-word int64 itself."""
+    return I64 if ty == I64 else "i32"
+
+
+def _before(count: int, descending: bool, key_type: str = "i32") -> str:
     """WGSL ``sort_before(a, ai, b, bi)``: element (key a, index ai) goes before (b, bi) in the
     sorted row; indices >= ``count`` are padding and go last."""
+    first = less("b", "a", key_type) if descending else less("a", "b", key_type)
     return f"""
-fn sort_before(a: i32, ai: i32, b: i32, bi: i32) -> bool {{
+fn sort_before(a: {key_type}, ai: i32, b: {key_type}, bi: i32) -> bool {{
   let pad_a = ai >= {count};
   let pad_b = bi >= {count};
   if (pad_a || pad_b) {{ return select(!pad_a, ai < bi, pad_a && pad_b); }}
-  if (a != b) {{ return a {'>' if descending else '<'} b; }}
+  if (!{equal("a", "b", key_type)}) {{ return {first}; }}
   return ai < bi;
 }}"""
 
@@ -65,15 +73,17 @@ def _key(k, expr: str, ty: str) -> str:
     return expr
 
 
-def _compare_exchange(k, keys: str, idxs: str, i: str, j: str, kk: str, P: int, base: str) -> None:
+def _compare_exchange(k, keys: str, idxs: str, i: str, j: str, kk: str, P: int, base: str, key_type: str) -> None:
     """Compare and maybe swap elements ``i`` and ``i + j`` of the arrays named ``keys``/``idxs``
     (WGSL accessors: ``keys[i]``), for bitonic stage ``kk``; ``base`` is the flat position of
     element 0 of the arrays, so the direction follows the element's position in its row."""
     k.emit(f"let l: i32 = {i} + {j};")
     k.emit(f"let up: bool = ((({base} + {i}) & {P - 1}) & {kk}) == 0;")
-    k.emit(f"let a: i32 = {keys.format(i)};")
+    if key_type == I64:
+        k.need("tap_i64_lt")  # sort_before's, which the body scan does not see
+    k.emit(f"let a: {key_type} = {keys.format(i)};")
     k.emit(f"let ai: i32 = {idxs.format(i)};")
-    k.emit(f"let b: i32 = {keys.format('l')};")
+    k.emit(f"let b: {key_type} = {keys.format('l')};")
     k.emit(f"let bi: i32 = {idxs.format('l')};")
     k.open("if (select(sort_before(a, ai, b, bi), sort_before(b, bi, a, ai), up))")
 
@@ -82,9 +92,10 @@ class _Plan:
     """Sizes of one sort: ``rows`` rows of ``count`` elements padded to ``P``; workgroups of
     ``W`` threads each sort a block of ``Bl`` elements (``R`` whole rows, or a part of one)."""
 
-    def __init__(self, pb, rows: int, count: int):
+    def __init__(self, pb, rows: int, count: int, key_type: str = "i32"):
         limits = pb.caps.get("limits") or {}
-        bmax = block_size(limits)
+        self.key_type = key_type
+        bmax = block_size(limits, 8 if key_type == I64 else 4)
         threads = int(min(limits.get("max-compute-invocations-per-workgroup", 256),
                           limits.get("max-compute-workgroup-size-x", 256)))
         self.rows, self.count = rows, count
@@ -107,7 +118,7 @@ def _block_kernel(pb, plan: _Plan, name: str, kfrom: int, kto: int, before: str,
     size) run in workgroup memory; ``store(k, i, g)`` writes slot ``i`` back."""
     k = pb.kernel(name)
     Bl, W = plan.Bl, plan.W
-    k.helpers["sort_shared"] = (f"var<workgroup> sort_keys: array<i32, {Bl}>;\n"
+    k.helpers["sort_shared"] = (f"var<workgroup> sort_keys: array<{plan.key_type}, {Bl}>;\n"
                                 f"var<workgroup> sort_idx: array<i32, {Bl}>;")
     k.helpers["sort_before"] = before
     # the workgroup's linear id; the dispatch may round up past the last block, and barriers
@@ -127,7 +138,7 @@ def _block_kernel(pb, plan: _Plan, name: str, kfrom: int, kto: int, before: str,
     k.loop("q", Bl // 2 // W)
     k.emit(f"let p: i32 = q * {W} + lid;")
     k.emit("let i: i32 = (p / jj) * 2 * jj + (p & (jj - 1));")
-    _compare_exchange(k, "sort_keys[{}]", "sort_idx[{}]", "i", "jj", "kk", plan.P, "base")
+    _compare_exchange(k, "sort_keys[{}]", "sort_idx[{}]", "i", "jj", "kk", plan.P, "base", plan.key_type)
     k.emit("sort_keys[i] = b; sort_idx[i] = bi; sort_keys[l] = a; sort_idx[l] = ai;")
     k.close()
     k.close()
@@ -149,9 +160,9 @@ def _global_step(pb, plan: _Plan, keys_buf, idx_buf, kk: int, jj: int, before: s
     k.helpers["sort_before"] = before
     kb, ib = k.bind(keys_buf, "read_write"), k.bind(idx_buf, "read_write")
     k.emit(f"let i: i32 = (n / {jj}) * {2 * jj} + (n & {jj - 1});")
-    _compare_exchange(k, kb["{}"], ib["{}"], "i", str(jj), str(kk), plan.P, "0")
+    _compare_exchange(k, kb["{}"], ib["{}"], "i", str(jj), str(kk), plan.P, "0", plan.key_type)
     for buf, pos, v in ((keys_buf, "i", "b"), (idx_buf, "i", "bi"), (keys_buf, "l", "a"), (idx_buf, "l", "ai")):
-        k.write(buf, pos, v, "i32")
+        k.write(buf, pos, v, plan.key_type if buf is keys_buf else "i32")
     k.close()
     pb.add(k.finish(plan.rows * plan.P // 2))
 
@@ -176,12 +187,13 @@ def sorted_indices(pb, x: Value, dim: int, descending: bool, keep: int) -> Buffe
     view = BufferView(out, out_shape, strides, 0, "int64")
     if rows == 0 or keep == 0:
         return view
-    plan = _Plan(pb, rows, count)
+    key_type = _key_type(x.ty)
+    plan = _Plan(pb, rows, count, key_type)
     P = plan.P
     if rows * P >= 2 ** 31:  # kernels index elements with i32
         raise Unsupported(f"sorting {rows} rows of {count} elements pads them to {rows} x {P}, past the 2**31 "
                           "elements WGSL kernels can index with i32")
-    before = _before(count, descending)
+    before = _before(count, descending, key_type)
     multi = P > plan.Bl
 
     def load_input(k, i, g):
@@ -204,14 +216,15 @@ def sorted_indices(pb, x: Value, dim: int, descending: bool, keep: int) -> Buffe
         _block_kernel(pb, plan, "sort_rows", 2, P, before, load_input, store_out)
         return view
     work = TensorMeta((rows, P), "int32")
-    keys_buf, idx_buf = pb.buffer("temp", work, "t"), pb.buffer("temp", work, "t")
+    keys_buf = pb.buffer("temp", TensorMeta((rows, P), WIDE if key_type == I64 else "int32"), "t")
+    idx_buf = pb.buffer("temp", work, "t")
 
     def load_work(k, i, g):
         k.emit(f"sort_keys[{i}] = {k.bind(keys_buf)[g]};")
         k.emit(f"sort_idx[{i}] = {k.bind(idx_buf)[g]};")
 
     def store_work(k, i, g):
-        k.write(keys_buf, g, f"sort_keys[{i}]", "i32")
+        k.write(keys_buf, g, f"sort_keys[{i}]", key_type)
         k.write(idx_buf, g, f"sort_idx[{i}]", "i32")
 
     _block_kernel(pb, plan, "sort_blocks", 2, plan.Bl, before, load_input, store_work)
