@@ -31,7 +31,15 @@ def _cases():
             ("aten.index_select.default", (wide_ints(6, 4), 0, torch.tensor([5, 0, 3])), {}),
             ("aten.permute.default", (wide_ints(2, 3, 4), [2, 0, 1]), {}),
             ("aten.full.default", ([3, 2], I64_MIN), {"dtype": torch.int64}),
-            ("aten.full_like.default", (wide_ints(5), 15), {})]
+            ("aten.full_like.default", (wide_ints(5), 15), {}),
+            # rows past the loop budget: split across invocations, partial states in two words
+            ("aten.sum.dim_IntList", (wide_ints(3, 6000), [1]), {}),
+            ("aten.prod.dim_int", (wide_ints(2, 5000, lo=-3, hi=4), 1), {}),
+            ("aten.cumsum.default", (wide_ints(2, 5000), 1), {}),
+            ("aten.argmax.default", (wide_ints(2, 9000), 1), {}),
+            ("aten.min.dim", (wide_ints(2, 9000), 1), {}),
+            ("aten.sort.default", (wide_ints(3, 5000), 1, True), {}),
+            ("aten.topk.default", (wide_ints(2, 3000), 9), {})]
     return out
 
 

@@ -29,10 +29,10 @@ from typing import Callable, Sequence
 
 from tapml.errors import Unsupported
 from tapml.graph import TensorMeta
-from tapml.platforms.wgsl.codegen import CHUNK, LOOP_BUDGET, BufferView, Value, contiguous_strides, index_sum
+from tapml.platforms.wgsl.codegen import CHUNK, I64, LOOP_BUDGET, WIDE, BufferView, Value, contiguous_strides, index_sum
 
 #: WGSL state type -> the torch dtype of the temp buffer holding partial states.
-_STATE_DTYPE = {"f32": "float32", "i32": "int32", "bool": "bool"}
+_STATE_DTYPE = {"f32": "float32", "i32": "int32", "bool": "bool", I64: WIDE}
 
 
 @dataclass

@@ -632,6 +632,74 @@ def _addcmul(pb, node, x, a, b, value=1):
     return [elementwise(pb, node, [x, a, b] + ([value] if value != 1 else []), fn, compute=I64)]
 
 
+def _contraction(pb, node, a, b, a_at, b_at, shape, reduced: int, meta):
+    """``sum over the last reduced dims of a[a_at(idx)] * b[b_at(idx)]`` over the index space
+    ``shape`` (the output's dims, then the ``reduced`` ones), as torch's int64 products: each
+    product and the running sum in two words (low words when ``meta``'s values fit in i32), the sum
+    a reduction kernel (split across invocations when long)."""
+    from tapml.graph import Node, TensorMeta
+    from tapml.platforms.wgsl.codegen import Custom, cast
+    t = ctype(meta.dtype)
+
+    def product(k, idx):
+        x = cast(a.read(k, a_at(list(idx))), a.ty, I64)
+        y = cast(b.read(k, b_at(list(idx))), b.ty, I64)
+        k.need("tap_i64_mul")
+        return cast(f"tap_i64_mul({x}, {y})", I64, t)
+    terms = Custom(tuple(shape), meta.dtype, [a, b], product)
+    dims = list(range(len(shape) - reduced, len(shape)))
+    out = TensorMeta(tuple(shape[:len(shape) - reduced]), meta.dtype)
+    total = Node(node.name, "aten.sum.dim_IntList", (), {}, [out])
+    return REGISTRY["aten.sum.dim_IntList"].fn(pb, total, terms, dims)[0]
+
+
+def _scaled_sum(pb, node, product, bias=None, beta=1, alpha=1):
+    """``beta * bias + alpha * product`` in two words (torch skips the bias when ``beta`` is 0)."""
+    from tapml.platforms.wgsl.elementwise import elementwise
+    _int_args(node, [bias, beta, alpha])
+    if bias is None or beta == 0:
+        if alpha == 1:
+            return [product]
+        return [elementwise(pb, node, [product, alpha], lambda k, p, al: f"tap_i64_mul({p}, {al})", compute=I64)]
+    return [elementwise(pb, node, [product, bias, alpha, beta],
+                        lambda k, p, c, al, be: f"tap_i64_add(tap_i64_mul({p}, {al}), tap_i64_mul({c}, {be}))",
+                        compute=I64)]
+
+
+def _mm(pb, node, a, b):
+    (m, kk), n = a.shape, b.shape[1]
+    return [_contraction(pb, node, a, b, lambda i: [i[0], i[2]], lambda i: [i[2], i[1]], (m, n, kk), 1,
+                         node.outputs[0])]
+
+
+def _bmm(pb, node, a, b):
+    (batch, m, kk), n = a.shape, b.shape[2]
+    return [_contraction(pb, node, a, b, lambda i: [i[0], i[1], i[3]], lambda i: [i[0], i[3], i[2]],
+                         (batch, m, n, kk), 1, node.outputs[0])]
+
+
+def _addmm(pb, node, bias, a, b, *, beta=1, alpha=1):
+    return _scaled_sum(pb, node, _mm(pb, node, a, b)[0], bias, beta, alpha)
+
+
+def _baddbmm(pb, node, bias, a, b, *, beta=1, alpha=1):
+    return _scaled_sum(pb, node, _bmm(pb, node, a, b)[0], bias, beta, alpha)
+
+
+def _addmv(pb, node, bias, mat, vec, *, beta=1, alpha=1):
+    m, kk = mat.shape
+    product = _contraction(pb, node, mat, vec, lambda i: [i[0], i[1]], lambda i: [i[1]], (m, kk), 1,
+                           node.outputs[0])
+    return _scaled_sum(pb, node, product, bias, beta, alpha)
+
+
+def _addbmm(pb, node, bias, a, b, *, beta=1, alpha=1):
+    (batch, m, kk), n = a.shape, b.shape[2]
+    product = _contraction(pb, node, a, b, lambda i: [i[2], i[0], i[3]], lambda i: [i[2], i[3], i[1]],
+                           (m, n, batch, kk), 2, node.outputs[0])
+    return _scaled_sum(pb, node, product, bias, beta, alpha)
+
+
 #: int64 shifts: also the registry's lowering of int64 held in i32 (the two-word arithmetic, whose
 #: result is narrowed), so that a shift by 32 or more behaves as torch's on int64
 SHIFTS = {"left": ["aten.bitwise_left_shift.Tensor", "aten.bitwise_left_shift.Tensor_Scalar"],
@@ -689,6 +757,17 @@ def _lowerings() -> dict[str, Lowering]:
     add("aten.masked_fill.Scalar", _masked_fill, _masked_fill_samples)
     add("aten.constant_pad_nd.default", _constant_pad, _pad_samples)
     add("aten.addcmul.default", _addcmul, _addcmul_samples)
+    add("aten.mm.default", _mm, lambda: [((wide_ints(3, 5), wide_ints(5, 4, limits=(3, -1, 2**33))), {}),
+                                         ((wide_ints(2, 5000, lo=-2**20, hi=2**20), wide_ints(5000, 3, lo=-2**20, hi=2**20)), {})])
+    add("aten.bmm.default", _bmm, lambda: [((wide_ints(2, 3, 5), wide_ints(2, 5, 4, limits=(7, -(2**35)))), {})])
+    add("aten.addmm.default", _addmm, lambda: [((wide_ints(4), wide_ints(3, 5), wide_ints(5, 4)), {}),
+                                               ((wide_ints(3, 4), wide_ints(3, 5), wide_ints(5, 4)),
+                                                {"beta": 3, "alpha": -(2**33)}),
+                                               ((wide_ints(3, 4), wide_ints(3, 5), wide_ints(5, 4)), {"beta": 0})])
+    add("aten.baddbmm.default", _baddbmm, lambda: [((wide_ints(2, 3, 4), wide_ints(2, 3, 5), wide_ints(2, 5, 4)),
+                                                    {"beta": -2, "alpha": 5})])
+    add("aten.addmv.default", _addmv, lambda: [((wide_ints(3), wide_ints(3, 6), wide_ints(6)), {"alpha": 2})])
+    add("aten.addbmm.default", _addbmm, lambda: [((wide_ints(3, 4), wide_ints(2, 3, 5), wide_ints(2, 5, 4)), {})])
     return out
 
 
@@ -829,7 +908,7 @@ def _pow_samples():
     exps = torch.tensor([0, 1, 2, 3, 31, 32, 33, 62, 63, 64, 5, 7], dtype=torch.int64)
     bases = torch.tensor([3, -3, 2, -2, 1, -1, 0, 2**32 + 1, -(2**40), I64_MIN, 7, 2**31], dtype=torch.int64)
     return [((bases, exps), {}), ((wide_ints(3, 12), exps), {}), ((bases, 3), {}), ((bases, 40), {}),
-            ((3, exps), {}), ((-(2**33), exps), {}), ((torch.tensor([1, -1, -1, 1]), torch.tensor([-3, -3, -4, -9])), {})]
+            ((3, exps), {}), ((-(2**33), exps), {}), ((torch.tensor([1, -1, -1, 1, 2**40, 0, 5]), torch.tensor([-3, -3, -4, -9, -1, -2, -1])), {})]
 
 
 def _masked_fill_samples():
