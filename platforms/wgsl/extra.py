@@ -13,7 +13,7 @@ import torch
 from tapml.errors import Unsupported
 from tapml.graph import TensorMeta
 from tapml.platforms.wgsl import views
-from tapml.platforms.wgsl.codegen import BufferView, Compute, Custom, Remap, Value, cast, lit
+from tapml.platforms.wgsl.codegen import BufferView, Compute, Custom, Remap, Value, cast, ctype, lit
 from tapml.platforms.wgsl.matmul import product
 from tapml.platforms.wgsl.reduce import vector_norm
 from tapml.platforms.wgsl.registry import (ALL, ALL_FLOAT, NUMERIC, edge_floats, edge_ints, rand, randbool, randint,
@@ -296,12 +296,12 @@ def as_strided_scatter(pb, node, x, src, size, stride, storage_offset=None):
         return [x]
     x, src = pb.fit([x, views.reshape(src, size)], 1)
     strides = [math.prod(meta.shape[d + 1:]) for d in range(len(meta.shape))]
-    ty = x.ty
+    ty = ctype(meta.dtype)  # the output's: x may hold i32 where the output needs two words
     nested = _nested(size, stride)
     order = sorted(range(len(size)), key=lambda d: -stride[d])
 
     def fn(k, idx):
-        old = x.read(k, list(idx))
+        old = cast(x.read(k, list(idx)), x.ty, ty)
         p = k.let(" + ".join([f"{i} * {s}" for i, s in zip(idx, strides) if i != "0"] or ["0"]), "i32")
         if nested:
             rem = k.var("i32", f"{p} - {base}", "rem")

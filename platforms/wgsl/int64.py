@@ -494,6 +494,11 @@ TAKES_WIDE = frozenset({
     # gathers; random draws and uninitialized tensors, whose values do not depend on their input's
     "aten.embedding.default", "aten.bernoulli.p", "aten.bernoulli.Tensor", "aten.geometric.default",
     "aten.randint_like.default", "aten.randint_like.low_dtype", "aten.new_empty_strided.default",
+    # scatters (gather-formulated: each output element combines the entries aimed at it, in the output's type)
+    "aten.index_copy.default", "aten.index_put.default", "aten.put.default", "aten.scatter.src", "aten.scatter.value",
+    "aten.scatter.reduce", "aten.scatter.value_reduce", "aten.scatter_add.default", "aten.scatter_reduce.two",
+    "aten.index_reduce.default", "aten.slice_scatter.default", "aten.select_scatter.default",
+    "aten.diagonal_scatter.default", "aten.as_strided_scatter.default", "aten.masked_scatter.default",
 })
 #: Ops whose floating result torch computes from their integer operands converted to float32 (the
 #: default dtype): the registry's lowering reads a two-word operand through the exact conversion

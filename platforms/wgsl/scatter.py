@@ -17,7 +17,8 @@ import torch
 from tapml.errors import Unsupported
 from tapml.platforms.wgsl import views
 from tapml.graph import TensorMeta
-from tapml.platforms.wgsl.codegen import BufferView, Compute, Custom, Value, cast, index_sum, lit, round_low
+from tapml.platforms.wgsl.codegen import (I64, WIDE, BufferView, Compute, Custom, Value, arith, cast, ctype,
+                                         extreme_lit, index_sum, less, lit, round_low)
 from tapml.platforms.wgsl.index import advanced_layout, wrapped_index
 from tapml.platforms.wgsl.registry import ALL, edge_floats, edge_ints, rand, randbool, randint, register
 
@@ -34,10 +35,10 @@ def _scatter(pb, meta, x, indices: list, values, accumulate: bool):
     fitted = pb.fit([x, views.expand_to(values, indexed)] + [views.expand_to(indices[d], bshape) for d in pos], 1)
     x, values, ivals = fitted[0], fitted[1], fitted[2:]
     nb = len(bshape)
-    ty = x.ty
+    ty = ctype(meta.dtype)  # the output's: x may hold i32 where the output needs two words
 
     def fn(k, idx):
-        acc = k.var(ty, x.read(k, list(idx)), "put")
+        acc = k.var(ty, cast(x.read(k, list(idx)), x.ty, ty), "put")
         if count == 0:
             return acc
         k.loop("b", count)
@@ -52,7 +53,7 @@ def _scatter(pb, meta, x, indices: list, values, accumulate: bool):
         elif ty == "bool":
             k.emit(f"{acc} = {acc} || {v};")
         else:  # rounded per step in float16/bfloat16, as torch accumulates in the tensor's dtype
-            k.emit(f"{acc} = {round_low(k, f'({acc} + {v})', meta.dtype)};")
+            k.emit(f"{acc} = {round_low(k, arith('+', acc, v, ty), meta.dtype)};")
         k.close()
         k.close()
         return acc
@@ -208,10 +209,10 @@ def _masked_put(pb, meta, x, d: int, mask, values, accumulate: bool):
     ranked = Compute(tuple(mask.shape), "int32", [held, ranks],
                      lambda k, e, idx: f"select(-1, {e[1]}, {cast(e[0], held.ty, 'bool')})")
     x, ranked, values = pb.fit([x, ranked, values], len(pb.windows(meta.nbytes)))  # the output, in windows too
-    ty = x.ty
+    ty = ctype(meta.dtype)  # the output's: x may hold i32 where the output needs two words
 
     def fn(k, idx):
-        acc = k.var(ty, x.read(k, list(idx)), "put")
+        acc = k.var(ty, cast(x.read(k, list(idx)), x.ty, ty), "put")
         at = list(idx[d:d + nm])
         rank = k.let(ranked.read(k, at), "i32")
         k.open(f"if ({rank} >= 0)")
@@ -225,7 +226,7 @@ def _masked_put(pb, meta, x, d: int, mask, values, accumulate: bool):
         elif ty == "bool":
             k.emit(f"{acc} = {acc} || {v};")
         else:
-            k.emit(f"{acc} = {round_low(k, f'({acc} + {v})', meta.dtype)};")
+            k.emit(f"{acc} = {round_low(k, arith('+', acc, v, ty), meta.dtype)};")
         k.close()
         return acc
     return Custom(meta.shape, meta.dtype, [x, ranked, values], fn)
@@ -250,7 +251,7 @@ def slice_scatter(pb, node, x, src, dim=0, start=None, end=None, step=1):
     size = x.shape[dim]
     first, stop, _ = slice(start, end, step).indices(size)
     x, src = pb.fit([x, src], 1)
-    ty = x.ty
+    ty = ctype(meta.dtype)  # the output's: x may hold i32 where the output needs two words
 
     def fn(k, idx):
         i = idx[dim]
@@ -259,8 +260,8 @@ def slice_scatter(pb, node, x, src, dim=0, start=None, end=None, step=1):
         sidx = list(idx)
         sidx[dim] = k.let(f"clamp({j}, 0, {max(src.shape[dim] - 1, 0)})", "i32")
         if src.shape[dim] == 0:
-            return x.read(k, list(idx))
-        return f"select({x.read(k, list(idx))}, {cast(src.read(k, sidx), src.ty, ty)}, {inside})"
+            return cast(x.read(k, list(idx)), x.ty, ty)
+        return f"select({cast(x.read(k, list(idx)), x.ty, ty)}, {cast(src.read(k, sidx), src.ty, ty)}, {inside})"
     return [Custom(meta.shape, meta.dtype, [x, src], fn)]
 
 
@@ -293,7 +294,7 @@ def _identity(reduce: str, ty: str) -> str:
         return lit(int(reduce == "prod"), ty)
     if ty == "f32":
         return lit(-math.inf if reduce == "amax" else math.inf, ty)
-    return lit(-2**31 if reduce == "amax" else 2**31 - 1, ty)
+    return extreme_lit(ty, reduce != "amax")
 
 
 #: Bits of the int dtypes narrower than the i32 that holds them.
@@ -317,11 +318,13 @@ def _combine(k, reduce: str | None, ty: str, acc: str, v: str) -> str:
     if ty == "bool":  # torch reduces bools as logic: sum and amax are or, prod and amin are and
         return f"({acc} || {v})" if reduce in ("sum", "mean", "amax") else f"({acc} && {v})"
     if reduce in ("sum", "mean"):
-        e = f"({acc} + {v})"
+        e = arith("+", acc, v, ty)
     elif reduce == "prod":
-        e = f"({acc} * {v})"
+        e = arith("*", acc, v, ty)
     elif ty == "f32":  # amax/amin propagate NaN, as torch's do
         e = f"{k.need('tap_max' if reduce == 'amax' else 'tap_min')}({acc}, {v})"
+    elif ty == I64:
+        e = f"select({acc}, {v}, {less(acc, v, ty) if reduce == 'amax' else less(v, acc, ty)})"
     else:
         e = f"{'max' if reduce == 'amax' else 'min'}({acc}, {v})"
     return e
@@ -343,9 +346,9 @@ def scatter_dim(pb, meta, x, dim: int, index, src, reduce: str | None = None, in
     ishape = index.shape
     if len(ishape) != len(shape):
         raise Unsupported(f"scatter: index has {len(ishape)} dims, self {len(shape)}")
-    ty, dtype = x.ty, meta.dtype
+    ty, dtype = ctype(meta.dtype), meta.dtype
     if scalar:
-        value = lit(_scalar_as(src, dtype), ty)
+        value = lit(_scalar_as(src, "int64" if dtype == WIDE else dtype), ty)
         fitted = pb.fit([x, index], 1)
     else:
         fitted = pb.fit([x, index, src], 1)
@@ -357,7 +360,7 @@ def scatter_dim(pb, meta, x, dim: int, index, src, reduce: str | None = None, in
 
     def fn(k, idx):
         idx = list(idx) or ["0"]
-        acc = k.var(ty, x.read(k, idx), "acc")
+        acc = k.var(ty, cast(x.read(k, idx), x.ty, ty), "acc")
         if count == 0:
             return acc
         hits = k.var("i32", "0", "hits")
@@ -380,6 +383,7 @@ def scatter_dim(pb, meta, x, dim: int, index, src, reduce: str | None = None, in
         if reduce == "mean":  # torch divides the sum rounded (or wrapped) to the dtype; ints floor
             n = hits if not include_self else f"({hits} + 1)"
             mean = (f"{k.need('tap_floordiv_i')}({total}, {n})" if ty == "i32" else
+                    f"{k.need('tap_i64_divmod_floor')}({total}, tap_i64_of({n})).xy" if ty == I64 else
                     round_low(k, f"({total} / f32({n}))", dtype))
             return k.let(f"select({total}, {mean}, {hits} > 0)", ty)
         return total
@@ -515,11 +519,11 @@ def select_scatter(pb, node, x, src, dim, index):
     dim = views.norm_dim(dim, len(x.shape))
     index = index + x.shape[dim] if index < 0 else index
     x, src = pb.fit([x, src], 1)
-    ty = x.ty
+    ty = ctype(meta.dtype)  # the output's: x may hold i32 where the output needs two words
 
     def fn(k, idx):
         v = cast(src.read(k, list(idx[:dim]) + list(idx[dim + 1:])), src.ty, ty)
-        return f"select({x.read(k, list(idx))}, {v}, {idx[dim]} == {index})"
+        return f"select({cast(x.read(k, list(idx)), x.ty, ty)}, {v}, {idx[dim]} == {index})"
     return [Custom(meta.shape, meta.dtype, [x, src], fn)]
 
 
@@ -547,11 +551,11 @@ def diagonal_scatter(pb, node, x, src, offset=0, dim1=0, dim2=1):
     nd = len(x.shape)
     d1, d2 = views.norm_dim(dim1, nd), views.norm_dim(dim2, nd)
     x, src = pb.fit([x, src], 1)
-    ty = x.ty
+    ty = ctype(meta.dtype)  # the output's: x may hold i32 where the output needs two words
     rest = [d for d in range(nd) if d not in (d1, d2)]
 
     def fn(k, idx):
-        old = x.read(k, list(idx))
+        old = cast(x.read(k, list(idx)), x.ty, ty)
         if src.numel == 0:
             return old
         # element (i, i + offset) of the (d1, d2) planes is the diagonal's element i (last dim of src)
@@ -630,12 +634,12 @@ def masked_scatter(pb, node, x, mask, source):
     positions = _mask_positions(pb, mask, shape)
     x, mask, source = views.expand_to(x, shape), views.expand_to(mask, shape), views.reshape(source, [source.numel])
     x, mask, source = pb.fit([x, mask, source], 2)
-    ty = x.ty
+    ty = ctype(meta.dtype)  # the output's: x may hold i32 where the output needs two words
 
     def fn(k, idx):
         at = k.let(f"clamp({positions.read(k, list(idx))}, 0, {source.numel - 1})", "i32")
         taken = cast(source.read(k, [at]), source.ty, ty)
-        return f"select({x.read(k, list(idx))}, {taken}, {cast(mask.read(k, list(idx)), mask.ty, 'bool')})"
+        return f"select({cast(x.read(k, list(idx)), x.ty, ty)}, {taken}, {cast(mask.read(k, list(idx)), mask.ty, 'bool')})"
     return [Custom(shape, meta.dtype, [x, mask, source, positions], fn)]
 
 
