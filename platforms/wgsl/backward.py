@@ -19,7 +19,7 @@ import torch
 
 from tapml.errors import PlatformError
 from tapml.platforms.wgsl import views
-from tapml.platforms.wgsl.codegen import BufferView, Custom, cast, lit, round_low
+from tapml.platforms.wgsl.codegen import I64, WIDE, BufferView, Custom, arith, cast, ctype, lit, round_low
 from tapml.platforms.wgsl.matmul import wrap_int
 from tapml.platforms.wgsl.registry import ALL_FLOAT, edge_floats, edge_ints, rand, randint, register
 
@@ -104,7 +104,7 @@ def embedding_dense_backward(pb, node, grad, indices, num_weights, padding_idx, 
     meta = node.outputs[0]
     count, D = indices.numel, meta.shape[-1]
     g2, i1 = pb.fit([views.reshape(grad, (count, D)), views.reshape(indices, (count,))], 1)
-    ty = "i32" if meta.dtype in ("int64", "int32") else "f32"
+    ty = ctype(meta.dtype) if meta.dtype in ("int64", "int32", WIDE) else "f32"
     skip_row = 0 <= padding_idx < num_weights
 
     def fn(k, idx):
@@ -124,9 +124,9 @@ def embedding_dense_backward(pb, node, grad, indices, num_weights, padding_idx, 
         k.loop(j, count)
         k.open(f"if ({i1.read(k, [j])} == {w})")
         g = cast(g2.read(k, [j, d]), g2.ty, ty)
-        if ty == "i32":
-            term = f"select(0, {g}, {hits} == 1)" if scale_grad_by_freq else g
-            k.emit(f"{acc} = {acc} + {term};")
+        if ty in ("i32", I64):
+            term = f"select({lit(0, ty)}, {g}, {hits} == 1)" if scale_grad_by_freq else g
+            k.emit(f"{acc} = {arith('+', acc, term, ty)};")
         else:
             term = f"{g} * (1.0 / f32({hits}))" if scale_grad_by_freq else g
             k.emit(f"{acc} = {round_low(k, f'({acc} + {term})', meta.dtype)};")
@@ -172,8 +172,8 @@ def avg_pool2d_backward(pb, node, grad, x, kernel_size, stride, padding, ceil_mo
     H, W = x.shape[-2:]
     OH, OW = grad.shape[-2:]
     (grad,) = pb.fit([grad], 1)
-    integer = meta.dtype == "int64"
-    ty = "i32" if integer else "f32"
+    integer = meta.dtype in ("int64", WIDE)
+    ty = ctype(meta.dtype) if integer else "f32"
 
     def fn(k, idx):
         lead, h, w = idx[:-2], idx[-2], idx[-1]
@@ -190,7 +190,9 @@ def avg_pool2d_backward(pb, node, grad, x, kernel_size, stride, padding, ceil_mo
         else:
             div = f"(min({he}, {H}) - max({hs}, 0)) * (min({we}, {W}) - max({ws}, 0))"
         g = cast(grad.read(k, list(lead) + [oh, ow]), grad.ty, ty)
-        if integer:
+        if ty == I64:
+            k.emit(f"{acc} = {arith('+', acc, f'tap_i64_divmod_trunc({g}, tap_i64_of({div})).xy', ty)};")
+        elif integer:
             k.emit(f"{acc} = {acc} + {k.need('tap_div_i')}({g}, {div});")
         else:  # torch rounds the share to the dtype, then each sum
             share = round_low(k, f"({g} / f32({div}))", meta.dtype)

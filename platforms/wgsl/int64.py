@@ -499,6 +499,12 @@ TAKES_WIDE = frozenset({
     "aten.scatter.reduce", "aten.scatter.value_reduce", "aten.scatter_add.default", "aten.scatter_reduce.two",
     "aten.index_reduce.default", "aten.slice_scatter.default", "aten.select_scatter.default",
     "aten.diagonal_scatter.default", "aten.as_strided_scatter.default", "aten.masked_scatter.default",
+    # pools and their gradients: comparisons, sums and truncating divisions in the values' type
+    "aten.max_pool2d_with_indices.default", "aten.max_pool3d_with_indices.default", "aten.avg_pool1d.default",
+    "aten.avg_pool2d.default", "aten.avg_pool3d.default", "aten.avg_pool2d_backward.default",
+    "aten.embedding_dense_backward.default",
+    # creation: ranges and draws past i32 in two words
+    "aten.arange.default", "aten.arange.start", "aten.arange.start_step", "aten.randint.default", "aten.randint.low",
 })
 #: Ops whose floating result torch computes from their integer operands converted to float32 (the
 #: default dtype): the registry's lowering reads a two-word operand through the exact conversion

@@ -12,8 +12,8 @@ import math
 
 from tapml.platforms.wgsl import views
 from tapml.graph import TensorMeta
-from tapml.platforms.wgsl.codegen import (CHUNK, LOOP_BUDGET, BufferView, Compute, Custom, Value, cast,
-                                          contiguous_strides, index_sum, lit)
+from tapml.platforms.wgsl.codegen import (CHUNK, I64, LOOP_BUDGET, BufferView, Compute, Custom, Value, arith, cast,
+                                          contiguous_strides, ctype, extreme_lit, index_sum, less, lit)
 from tapml.platforms.wgsl.folds import Fold, fold_rows, moments_fold, softmax_fold
 from tapml.platforms.wgsl.matmul import wrap_int
 from tapml.platforms.wgsl.registry import ALL_FLOAT, ALL_INT, NUMERIC, edge_floats, edge_ints, rand, randint, register
@@ -471,8 +471,7 @@ def max_pool2d(pb, node, x, kernel_size, stride=(), padding=0, dilation=1, ceil_
     k = pb.kernel("max_pool2d")
     idx = k.unravel("n", vmeta.shape)
     lead, oh, ow = idx[:-2], idx[-2], idx[-1]
-    ty = "i32" if vmeta.dtype in ALL_INT else "f32"
-    best = k.var(ty, lit(-2**31 if ty == "i32" else -math.inf, ty), "best")
+    ty, best = _pool_max_start(k, vmeta)
     arg = k.var("i32", "-1", "arg")
     k.loop("a", kh)
     k.loop("b", kw)
@@ -483,7 +482,7 @@ def max_pool2d(pb, node, x, kernel_size, stride=(), padding=0, dilation=1, ceil_
     # as in torch, a NaN always takes the place (the last NaN's index wins); tested on the bits,
     # since drivers may fold v != v to false
     nan = f" || {k.need('tap_isnan')}({v})" if ty == "f32" else ""
-    k.emit(f"if ({arg} < 0 || {v} > {best}{nan}) {{ {best} = {v}; {arg} = ih * {W} + iw; }}")
+    k.emit(f"if ({arg} < 0 || {less(best, v, ty)}{nan}) {{ {best} = {v}; {arg} = ih * {W} + iw; }}")
     k.close()
     k.close()
     k.close()
@@ -491,6 +490,13 @@ def max_pool2d(pb, node, x, kernel_size, stride=(), padding=0, dilation=1, ceil_
     k.write(ib, "n", arg, "i32")
     pb.add(k.finish(vmeta.numel))
     return res
+
+
+def _pool_max_start(k, vmeta) -> tuple[str, str]:
+    """The expression type of a max pool's values and its running maximum, declared at the least
+    value of that type."""
+    ty = ctype(vmeta.dtype)
+    return ty, k.var(ty, lit(-math.inf, ty) if ty == "f32" else extreme_lit(ty, False), "best")
 
 
 def _loops(k, names, starts, ends) -> None:
@@ -503,16 +509,20 @@ def _window_sum(k, x, lead, names, starts, ends, ty: str) -> str:
     """Emit the sum (in ``ty``) of ``x[lead..., starts:ends]``; returns the accumulator's name."""
     acc = k.var(ty, lit(0, ty), "acc")
     _loops(k, names, starts, ends)
-    k.emit(f"{acc} = {acc} + {cast(x.read(k, list(lead) + names), x.ty, ty)};")
+    k.emit(f"{acc} = {arith('+', acc, cast(x.read(k, list(lead) + names), x.ty, ty), ty)};")
     for _ in names:
         k.close()
     return acc
 
 
-def _int_window_mean(k, x, lead, names, starts, ends, div: str) -> str:
+def _int_window_mean(k, x, lead, names, starts, ends, div: str, out_ty: str = "i32") -> str:
     """torch's integer mean ``sum / div`` (truncated) of a window, exact although the sum may
     pass the i32 range (int64 in torch): the quotients and remainders of the elements by ``div``
-    are summed apart, the remainders' sum divided after."""
+    are summed apart, the remainders' sum divided after. Values held in two words: their sum in
+    two words (wrapping as torch's int64 sum), divided after."""
+    if x.ty == I64:
+        total = _window_sum(k, x, lead, names, starts, ends, I64)
+        return cast(f"tap_i64_divmod_trunc({total}, tap_i64_of({div})).xy", I64, out_ty)
     div_i, rem_i = k.need("tap_div_i"), k.need("tap_rem_i")
     d = k.let(div, "i32")
     q, r = k.var("i32", "0", "q"), k.var("i32", "0", "r")
@@ -526,7 +536,7 @@ def _int_window_mean(k, x, lead, names, starts, ends, div: str) -> str:
     big_q = k.let(f"{q} + {div_i}({r}, {d})", "i32")
     big_r = k.let(f"{rem_i}({r}, {d})", "i32")
     wrong_sign = f"{big_q} != 0 && {big_r} != 0 && sign({big_r}) != sign({big_q}) * sign({d})"
-    return k.let(f"{big_q} - select(0, sign({big_q}), {wrong_sign})", "i32")
+    return cast(k.let(f"{big_q} - select(0, sign({big_q}), {wrong_sign})", "i32"), "i32", out_ty)
 
 
 def _avg_pool_samples():
@@ -569,8 +579,8 @@ def avg_pool2d(pb, node, x, kernel_size, stride=(), padding=0, ceil_mode=False, 
             div = pool
         else:
             div = f"({h1} - {h0}) * ({w1} - {w0})"
-        if meta.dtype in ALL_INT:
-            return _int_window_mean(k, x, lead, ["a", "b"], [h0, w0], [h1, w1], div)
+        if ctype(meta.dtype) in ("i32", I64):
+            return _int_window_mean(k, x, lead, ["a", "b"], [h0, w0], [h1, w1], div, ctype(meta.dtype))
         acc = _window_sum(k, x, lead, ["a", "b"], [h0, w0], [h1, w1], "f32")
         return f"({acc} / f32({div}))"
     return [Custom(meta.shape, meta.dtype, [x], fn, cost=9)]

@@ -10,12 +10,13 @@ import torch
 
 from tapml.graph import Node, TensorMeta, decode_arg
 from tapml.platforms.wgsl import views
-from tapml.platforms.wgsl.codegen import LOOP_BUDGET, BufferView, Compute, Custom, cast, lit, round_low
+from tapml.platforms.wgsl.codegen import (I64, LOOP_BUDGET, BufferView, Compute, Custom, cast, ctype, less, lit,
+                                         round_low)
 from tapml.platforms.wgsl.folds import fold_rows, moments_fold
 from tapml.platforms.wgsl.registry import (ALL, ALL_FLOAT, ALL_INT, edge_floats, edge_ints, rand, randbool, randint,
                                            register)
-from tapml.platforms.wgsl.nn import (_int_window_mean, _mean_and_square_sum, _window_sum, adaptive_avg_pool2d,
-                                     avg_pool2d, batch_norm, normalize_channels)
+from tapml.platforms.wgsl.nn import (_int_window_mean, _mean_and_square_sum, _pool_max_start, _window_sum,
+                                     adaptive_avg_pool2d, avg_pool2d, batch_norm, normalize_channels)
 # the coordinates of a mask's True elements, shared with x[mask]
 from tapml.platforms.wgsl.scatter import mask_coordinates, truth_of
 
@@ -53,8 +54,7 @@ def _max_pool(pb, node, x, nsp: int, window, name: str):
     k = pb.kernel(name)
     idx = k.unravel("n", vmeta.shape)
     lead, out = idx[:-nsp], idx[-nsp:]
-    ty = "i32" if vmeta.dtype in ALL_INT else "f32"
-    best = k.var(ty, lit(-2**31 if ty == "i32" else -math.inf, ty), "best")
+    ty, best = _pool_max_start(k, vmeta)
     arg = k.var("i32", "-1", "arg")
     names = [f"i{d}" for d in range(nsp)]
     for d in range(nsp):
@@ -62,7 +62,7 @@ def _max_pool(pb, node, x, nsp: int, window, name: str):
         k.open(f"for (var i{d}: i32 = {s}; i{d} < {e}; i{d} = i{d} + {step})")
     v = cast(x.read(k, list(lead) + names), x.ty, ty)
     nan = f" || {k.need('tap_isnan')}({v})" if ty == "f32" else ""
-    k.emit(f"if ({arg} < 0 || {v} > {best}{nan}) {{ {best} = {v}; {arg} = {_flat(names, sizes)}; }}")
+    k.emit(f"if ({arg} < 0 || {less(best, v, ty)}{nan}) {{ {best} = {v}; {arg} = {_flat(names, sizes)}; }}")
     for _ in range(nsp):
         k.close()
     k.write(vb, "n", best, ty)
@@ -183,8 +183,8 @@ def avg_pool3d(pb, node, x, kernel_size, stride=(), padding=0, ceil_mode=False, 
         else:
             div = " * ".join(f"({e} - {s})" for s, e in zip(clipped_s, clipped_e))
         names = [k.fresh("p") for _ in range(3)]
-        if meta.dtype in ALL_INT:
-            return _int_window_mean(k, x, lead, names, clipped_s, clipped_e, div)
+        if ctype(meta.dtype) in ("i32", I64):
+            return _int_window_mean(k, x, lead, names, clipped_s, clipped_e, div, ctype(meta.dtype))
         acc = _window_sum(k, x, lead, names, clipped_s, clipped_e, "f32")
         return f"({acc} / f32({div}))"
     return [Custom(meta.shape, meta.dtype, [x], fn, cost=9)]

@@ -39,7 +39,7 @@ import torch
 from tapml.judging.compare import NORMAL_ARGUMENTS
 from tapml.errors import Unsupported
 from tapml.graph import Node, decode_arg
-from tapml.platforms.wgsl.codegen import Compute, Custom, Value, cast, contiguous_strides, index_sum, lit
+from tapml.platforms.wgsl.codegen import I64, WIDE, Compute, Custom, Value, cast, contiguous_strides, index_sum, lit
 from tapml.platforms.wgsl.elementwise import typed
 from tapml.platforms.wgsl.registry import ALL, ALL_FLOAT, NUMERIC, edge_floats, rand, randbool, register
 from tapml.platforms.wgsl.views import expand_to
@@ -260,8 +260,8 @@ def _randint_check(node: Node) -> str | None:
         return f"{node.op}: low and high must be integers, not {low!r} and {high!r}"
     if not low < high:
         return f"{node.op}: empty range [{low}, {high})"
-    if low < -2**31 or high > 2**31:
-        return f"{node.op}: the range [{low}, {high}) leaves i32 (WGSL has no 64-bit integers)"
+    if (low < -2**31 or high > 2**31) and node.outputs[0].dtype not in ("int64", WIDE):
+        return f"{node.op}: the range [{low}, {high}) leaves i32, and the output is {node.outputs[0].dtype}"
     if node.outputs[0].dtype == "float64":
         return "float64: WGSL has no 64-bit floats"
     return None
@@ -292,6 +292,14 @@ def randint(pb, node, *args, **kwargs):
     meta = node.outputs[0]
     low, high = _randint_bounds(node)
     span = high - low
+    if meta.dtype == WIDE:  # low + a 64-bit draw mod the span, in two words
+        wrapped = lit(span - 2**64 if span >= 2**63 else span, I64)
+
+        def wide(k, r, ex):
+            r64 = f"{I64}({r}.x, {r}.y)"
+            drawn = r64 if span == 2**64 else f"tap_u64_divmod({r64}, {wrapped}).zw"
+            return f"tap_i64_add({lit(low, I64)}, {drawn})"
+        return [_random(node, meta.dtype, meta.shape, wide)]
     drawn = "{r}.x" if span == 2**32 else f"({{r}}.x % {span}u)"
     value = f"bitcast<i32>({low % 2**32}u + {drawn})"
 

@@ -7,7 +7,7 @@ import math
 
 from tapml.errors import Unsupported
 from tapml.platforms.wgsl import views
-from tapml.platforms.wgsl.codegen import BufferView, Compute, Custom, Remap, Value, cast, ctype, index_sum, lit
+from tapml.platforms.wgsl.codegen import I64, BufferView, Compute, Custom, Remap, Value, cast, ctype, index_sum, lit
 from tapml.platforms.wgsl.registry import ALL, ALL_INT, NUMERIC, rand, randbool, randint, register
 
 
@@ -341,6 +341,10 @@ def arange(pb, node, *args, **kwargs):
         # torch computes start + i * step in double; f32 rounding of that matches for small i
         s, st = lit(start, "f32"), lit(step, "f32")
         return [Compute(meta.shape, meta.dtype, [], lambda k, e, idx: f"({s} + f32({idx[0]}) * {st})", cost=0)]
+    if ty == I64:  # past i32: start + i * step in two words
+        s, st = lit(start, I64), lit(step, I64)
+        return [Compute(meta.shape, meta.dtype, [], lambda k, e, idx: f"tap_i64_add({s}, tap_i64_mul(tap_i64_of({idx[0]}), {st}))",
+                        cost=0)]
     s, st = lit(start, "i32"), lit(step, "i32")
     return [Compute(meta.shape, meta.dtype, [], lambda k, e, idx: f"({s} + {idx[0]} * {st})", cost=0)]
 
