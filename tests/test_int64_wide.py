@@ -246,9 +246,6 @@ def test_inspect_target_counts_the_cases_held_in_two_words(tmp_path_factory, tmp
 #: refused (``unsupported``, naming the op and two words), never run wrong.
 NOT_YET: frozenset[str] = frozenset({
     "aten.convolution.default",
-    # float results whose float lowering is wrong for arguments this large (not an int64 matter):
-    # sin/cos/tan reduce their argument only near [-pi, pi]; fmod/remainder compute x - trunc(x/y)*y
-    "aten.sin.default", "aten.cos.default", "aten.tan.default", "aten.fmod.Scalar", "aten.remainder.Scalar",
     "aten.ldexp.Tensor", "aten.special_laguerre_polynomial_l.default", "aten.special_legendre_polynomial_p.default",
 })
 #: Ops that claim int64 but no int64 operand of which can hold a value past i32 (``wide_limit_cases``

@@ -49,23 +49,6 @@ fn tap_c64_div(a: {C64}, b: {C64}) -> {C64} {{
   let d = b.y + b.x * r;
   return {C64}((a.x * r + a.y) / d, (a.y * r - a.x) / d);
 }}"""),
-    # (sin x, cos x) of our own (Cephes' sinf and cosf after a three-part Cody-Waite reduction by
-    # pi/2, good to a few ulp for |x| < 8192): WGSL lets sin and cos be off by 2**-11 absolute,
-    # which polar's products carry into every bin of an inverse STFT
-    "tap_sincos": (("tap_bits_f32",), """
-fn tap_sincos(x: f32) -> vec2<f32> {
-  if (!(abs(x) <= 3.4028234e38)) { return vec2<f32>(tap_bits_f32(0x7fc00000u)); }
-  let j = round(x * 0.636619772367581343);
-  let r = ((x - j * 1.5703125) - j * 4.837512969970703125e-4) - j * 7.549789948768648e-8;
-  let z = r * r;
-  let s = r + r * z * ((-1.9515295891e-4 * z + 8.3321608736e-3) * z - 1.6666654611e-1);
-  let c = 1.0 - 0.5 * z + z * z * ((2.443315711809948e-5 * z - 1.388731625493765e-3) * z + 4.166664568298827e-2);
-  let q = i32(j - 4.0 * floor(j * 0.25));
-  if (q == 0) { return vec2<f32>(s, c); }
-  if (q == 1) { return vec2<f32>(c, -s); }
-  if (q == 2) { return vec2<f32>(-s, -c); }
-  return vec2<f32>(-c, s);
-}"""),
     # |z| without overflow or underflow in the squares (hypot)
     # (Inf is made at run time: WGSL refuses a constant expression that evaluates to it)
     "tap_c64_abs": (("tap_isnan", "tap_bits_f32"), f"""

@@ -132,9 +132,7 @@ for _name, (_tpl, _helpers, (_lo, _hi)) in {**UNARY_FLOAT, **UNARY_FLOAT_ONLY}.i
     def _lower(pb, node, x, _fn=_fn):
         return [elementwise(pb, node, [x], _fn, compute="f32", cost=2)]
     _dtypes = ALL if _name in UNARY_FLOAT else ALL_FLOAT
-    # WGSL's sin, cos and tan are accurate only near [-pi, pi]: integer edges stay at +-1000 for them
-    _edges = (-1000, 1000, -1, 0, 1) if _name in ("sin", "cos", "tan") else True
-    register(f"aten.{_name}.default", _dtypes, samples=_unary_samples(_lo, _hi, _dtypes, _edges))(_lower)
+    register(f"aten.{_name}.default", _dtypes, samples=_unary_samples(_lo, _hi, _dtypes))(_lower)
 
 for _name, _tpl in UNARY_ROUND.items():
     def _lower_round(pb, node, x, _fn=_f(_tpl)):

@@ -279,11 +279,36 @@ fn tap_mod_f(a: f32, b: f32) -> f32 {
   let r = tap_fmod_f(a, b);
   return select(r, r + b, (r != 0.0) && ((r < 0.0) != (b < 0.0)));
 }"""),
-    # C's fmod: x for an infinite divisor (a - b * trunc(a / b) would be NaN), NaN for an infinite x.
-    "tap_fmod_f": ((), """
+    # C's fmod, exact (as C's is): the significands' long division, one bit per step of the
+    # exponents' difference (a - b * trunc(a / b) loses everything once a / b passes 2**24);
+    # a for an infinite divisor, NaN for an infinite a, a zero or a NaN divisor
+    "tap_fmod_f": (("tap_bits_f32",), """
 fn tap_fmod_f(a: f32, b: f32) -> f32 {
-  if (abs(b) > 3.4028234e38 && abs(a) <= 3.4028234e38) { return a; }
-  return a - b * trunc(a / b);
+  let ua = bitcast<u32>(a) & 0x7fffffffu;
+  let ub = bitcast<u32>(b) & 0x7fffffffu;
+  if (ua > 0x7f800000u) { return a; }
+  if (ua == 0x7f800000u || ub > 0x7f800000u || ub == 0u) { return tap_bits_f32(0x7fc00000u); }
+  if (ub == 0x7f800000u || ua < ub) { return a; }
+  var ea = i32(ua >> 23u);
+  var eb = i32(ub >> 23u);
+  var ma = ua & 0x7fffffu;
+  var mb = ub & 0x7fffffu;
+  if (ea == 0) { ea = 1; } else { ma = ma | 0x800000u; }
+  if (eb == 0) { eb = 1; } else { mb = mb | 0x800000u; }
+  for (var i: i32 = ea - eb; i > 0; i = i - 1) {
+    if (ma >= mb) { ma = ma - mb; }
+    ma = ma << 1u;
+  }
+  if (ma >= mb) { ma = ma - mb; }
+  let sign = bitcast<u32>(a) & 0x80000000u;
+  if (ma == 0u) { return bitcast<f32>(sign); }
+  var e = eb;
+  for (var i: i32 = 0; i < 24 && ma < 0x800000u && e > 1; i = i + 1) {
+    ma = ma << 1u;
+    e = e - 1;
+  }
+  if (ma < 0x800000u) { return bitcast<f32>(sign | ma); }
+  return bitcast<f32>(sign | (u32(e) << 23u) | (ma & 0x7fffffu));
 }"""),
     # torch's div_floor_floating: floor of (a - fmod(a, b)) / b, rounded to the nearer integer,
     # so that an infinite dividend gives NaN and a finite one over an infinite divisor 0 or -1.
@@ -345,20 +370,101 @@ fn tap_log(x: f32) -> f32 {
   return p.x * 0.693138122558593750 + (p.y + p.x * 9.05800061445916e-06);
 }"""),
     # sin, cos, tan of an infinity are NaN (drivers return anything)
-    "tap_sin": (("tap_bits_f32",), """
+    # the full 64-bit product of two u32 (low word, high word), from 16-bit halves
+    "tap_u32_mul_wide": ((), """
+fn tap_u32_mul_wide(a: u32, b: u32) -> vec2<u32> {
+  let a0 = a & 0xffffu; let a1 = a >> 16u; let b0 = b & 0xffffu; let b1 = b >> 16u;
+  let p00 = a0 * b0; let p01 = a0 * b1; let p10 = a1 * b0; let p11 = a1 * b1;
+  let mid = (p00 >> 16u) + (p01 & 0xffffu) + (p10 & 0xffffu);
+  return vec2<u32>((p00 & 0xffffu) | (mid << 16u), p11 + (p01 >> 16u) + (p10 >> 16u) + (mid >> 16u));
+}"""),
+    # x = r + q * pi/2 (|r| <= pi/4, q mod 4) for |x| >= 8192, by Payne and Hanek: x's 24-bit
+    # significand times four 32-bit words of 2/pi (the words whose products are not multiples of 4),
+    # exact in integers; 64 bits of that product past the binary point give q and r
+    "tap_rem_pio2_large": (("tap_u32_mul_wide",), """
+fn tap_rem_pio2_large(x: f32) -> vec2<f32> {
+  var two_over_pi = array<u32, 7>(0xa2f9836eu, 0x4e441529u, 0xfc2757d1u, 0xf534ddc0u, 0xdb629599u, 0x3c439041u,
+                                  0xfe5163abu);
+  let bits = bitcast<u32>(x);
+  let m = (bits & 0x7fffffu) | 0x800000u;
+  let e = i32((bits >> 23u) & 0xffu) - 150;
+  let j0 = max(0, (e - 2) >> 5u);
+  let a0 = tap_u32_mul_wide(m, two_over_pi[j0]);
+  let a1 = tap_u32_mul_wide(m, two_over_pi[j0 + 1]);
+  let a2 = tap_u32_mul_wide(m, two_over_pi[j0 + 2]);
+  let a3 = tap_u32_mul_wide(m, two_over_pi[j0 + 3]);
+  var p = array<u32, 6>(a3.x, 0u, 0u, 0u, 0u, 0u);
+  var carry = 0u;
+  let s1 = a3.y + a2.x; p[1] = s1; carry = select(0u, 1u, s1 < a3.y);
+  let s2 = a2.y + a1.x; let s2c = s2 + carry; p[2] = s2c;
+  carry = select(0u, 1u, s2 < a2.y) + select(0u, 1u, s2c < s2);
+  let s3 = a1.y + a0.x; let s3c = s3 + carry; p[3] = s3c;
+  carry = select(0u, 1u, s3 < a1.y) + select(0u, 1u, s3c < s3);
+  p[4] = a0.y + carry;
+  // the product times 2**(e - 32 (j0 + 4)): its binary point is t bits up; take bits t+1 .. t-62
+  let sh = u32(32 * (j0 + 4) - e - 62);
+  let wi = sh >> 5u;
+  let b = sh & 31u;
+  var lo = p[wi];
+  var hi = p[wi + 1u];
+  if (b != 0u) {
+    lo = (lo >> b) | (hi << (32u - b));
+    hi = (hi >> b) | (p[wi + 2u] << (32u - b));
+  }
+  var q = hi >> 30u;
+  var fhi = hi & 0x3fffffffu;
+  var flo = lo;
+  var sign = 1.0;
+  if ((fhi & 0x20000000u) != 0u) {  // a fraction past 1/2: one more quadrant, the fraction minus 1
+    q = q + 1u;
+    fhi = 0x40000000u - fhi - select(0u, 1u, flo != 0u);
+    flo = 0u - flo;
+    sign = -1.0;
+  }
+  var r = sign * (f32(fhi) * 9.313225746154785e-10 + f32(flo) * 2.168404344971009e-19) * 1.5707963267948966;
+  if ((bits >> 31u) == 1u) {
+    r = -r;
+    q = 4u - q;
+  }
+  return vec2<f32>(r, f32(q & 3u));
+}"""),
+    # (sin x, cos x) of our own (Cephes' sinf and cosf after a three-part Cody-Waite reduction by
+    # pi/2, good to a few ulp for |x| < 8192; Payne-Hanek past that): WGSL lets sin and cos be off
+    # by 2**-11 absolute (Chromium's are), and drivers reduce large arguments poorly or not at all
+    "tap_sincos": (("tap_bits_f32", "tap_rem_pio2_large"), """
+fn tap_sincos(x: f32) -> vec2<f32> {
+  if (!(abs(x) <= 3.4028234e38)) { return vec2<f32>(tap_bits_f32(0x7fc00000u)); }
+  var r: f32;
+  var q: i32;
+  if (abs(x) < 8192.0) {
+    let j = round(x * 0.636619772367581343);
+    r = ((x - j * 1.5703125) - j * 4.837512969970703125e-4) - j * 7.549789948768648e-8;
+    q = i32(j - 4.0 * floor(j * 0.25));
+  } else {
+    let rq = tap_rem_pio2_large(x);
+    r = rq.x;
+    q = i32(rq.y);
+  }
+  let z = r * r;
+  let s = r + r * z * ((-1.9515295891e-4 * z + 8.3321608736e-3) * z - 1.6666654611e-1);
+  let c = 1.0 - 0.5 * z + z * z * ((2.443315711809948e-5 * z - 1.388731625493765e-3) * z + 4.166664568298827e-2);
+  if (q == 0) { return vec2<f32>(s, c); }
+  if (q == 1) { return vec2<f32>(c, -s); }
+  if (q == 2) { return vec2<f32>(-s, -c); }
+  return vec2<f32>(-c, s);
+}"""),
+    "tap_sin": (("tap_sincos",), """
 fn tap_sin(x: f32) -> f32 {
-  if (abs(x) > 3.4028234e38) { return tap_bits_f32(0x7fc00000u); }
-  return sin(x);
+  return tap_sincos(x).x;
 }"""),
-    "tap_cos": (("tap_bits_f32",), """
+    "tap_cos": (("tap_sincos",), """
 fn tap_cos(x: f32) -> f32 {
-  if (abs(x) > 3.4028234e38) { return tap_bits_f32(0x7fc00000u); }
-  return cos(x);
+  return tap_sincos(x).y;
 }"""),
-    "tap_tan": (("tap_bits_f32",), """
+    "tap_tan": (("tap_sincos",), """
 fn tap_tan(x: f32) -> f32 {
-  if (abs(x) > 3.4028234e38) { return tap_bits_f32(0x7fc00000u); }
-  return tan(x);
+  let sc = tap_sincos(x);
+  return sc.x / sc.y;
 }"""),
     # atan, asin, acos of our own (Cephes' atanf, asinf): WGSL allows the drivers' 4096 ulp. pi/2 and
     # pi are each an f32 plus a correction, so that results near them lose nothing to the constant.

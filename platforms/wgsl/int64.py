@@ -63,14 +63,6 @@ fn tap_i64_is_neg(a: {I64}) -> bool {{
 fn tap_i64_abs(a: {I64}) -> {I64} {{
   return select(a, tap_i64_neg(a), tap_i64_is_neg(a));
 }}"""),
-    # the full 64-bit product of two u32, from 16-bit halves
-    "tap_u32_mul_wide": ((), f"""
-fn tap_u32_mul_wide(a: u32, b: u32) -> {I64} {{
-  let a0 = a & 0xffffu; let a1 = a >> 16u; let b0 = b & 0xffffu; let b1 = b >> 16u;
-  let p00 = a0 * b0; let p01 = a0 * b1; let p10 = a1 * b0; let p11 = a1 * b1;
-  let mid = (p00 >> 16u) + (p01 & 0xffffu) + (p10 & 0xffffu);
-  return {I64}((p00 & 0xffffu) | (mid << 16u), p11 + (p01 >> 16u) + (p10 >> 16u) + (mid >> 16u));
-}}"""),
     "tap_i64_mul": (("tap_u32_mul_wide",), f"""
 fn tap_i64_mul(a: {I64}, b: {I64}) -> {I64} {{
   let p = tap_u32_mul_wide(a.x, b.x);
@@ -511,7 +503,7 @@ TAKES_WIDE = frozenset({
 #: (``tap_i64_to_f32``, round to nearest even), so it is right as it is whenever no output is an integer.
 READS_AS_FLOAT = frozenset({
     *(f"aten.{name}.default" for name in (
-        "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt", "reciprocal", "tanh", "sigmoid",
+        "sin", "cos", "tan", "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt", "reciprocal", "tanh", "sigmoid",
         "erf", "erfc", "erfinv", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "atan2",
         "lgamma", "digamma", "polygamma", "i0", "angle", "special_erfcx", "special_ndtri", "special_i0e",
         "special_i1", "special_i1e", "special_modified_bessel_i0", "special_modified_bessel_i1",
@@ -823,10 +815,8 @@ def wide_lowering(node, input_metas, registry) -> tuple[Lowering, bool]:
 
 
 #: Two-word lowerings whose float operand is not a promotion to float: a fill value or bound
-#: torch converts to the tensor's integer dtype; and float remainders, which the registry computes
-#: as ``x - trunc(x / y) * y``, wrong where the quotient passes 2**24 (refused instead).
-_NO_FLOAT_PATH = frozenset({"aten.masked_fill.Scalar", "aten.constant_pad_nd.default", "aten.hardtanh.default",
-                            "aten.fmod.Tensor", "aten.fmod.Scalar", "aten.remainder.Tensor", "aten.remainder.Scalar"})
+#: torch converts to the tensor's integer dtype.
+_NO_FLOAT_PATH = frozenset({"aten.masked_fill.Scalar", "aten.constant_pad_nd.default", "aten.hardtanh.default"})
 
 
 def _float_operand(node, input_metas) -> bool:
