@@ -244,10 +244,7 @@ def test_inspect_target_counts_the_cases_held_in_two_words(tmp_path_factory, tmp
 
 #: Ops that claim int64 whose two-word path is not written yet: with values past i32 they are
 #: refused (``unsupported``, naming the op and two words), never run wrong.
-NOT_YET: frozenset[str] = frozenset({
-    "aten.convolution.default",
-    "aten.ldexp.Tensor", "aten.special_laguerre_polynomial_l.default", "aten.special_legendre_polynomial_p.default",
-})
+NOT_YET: frozenset[str] = frozenset()
 #: Ops that claim int64 but no int64 operand of which can hold a value past i32 (``wide_limit_cases``
 #: finds none torch accepts), with the reason; their creation siblings are in EXTRA_CASES.
 NO_WIDE_OPERAND: dict[str, str] = {

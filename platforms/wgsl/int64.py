@@ -507,7 +507,8 @@ READS_AS_FLOAT = frozenset({
         "erf", "erfc", "erfinv", "asin", "acos", "atan", "sinh", "cosh", "asinh", "acosh", "atanh", "atan2",
         "lgamma", "digamma", "polygamma", "i0", "angle", "special_erfcx", "special_ndtri", "special_i0e",
         "special_i1", "special_i1e", "special_modified_bessel_i0", "special_modified_bessel_i1",
-        "special_hermite_polynomial_h", "special_hermite_polynomial_he", "isnan", "isinf")),
+        "special_hermite_polynomial_h", "special_hermite_polynomial_he", "special_laguerre_polynomial_l",
+        "special_legendre_polynomial_p", "isnan", "isinf")),
     "aten.div.Tensor", "aten.div.Scalar", "aten.copysign.Tensor", "aten.copysign.Scalar",
     "aten.pow.Tensor_Tensor", "aten.pow.Tensor_Scalar", "aten.pow.Scalar",
 })
@@ -616,6 +617,12 @@ def _hardtanh(pb, node, x, min_val=-1.0, max_val=1.0):
     return _clamp(pb, node, x, min=_truncated(node, min_val), max=_truncated(node, max_val))
 
 
+def _ldexp(pb, node, x, e):
+    """torch scales a float by ``std::ldexp``, converting an int64 exponent to a C int (the low word);
+    an integer ``x`` it multiplies by ``pow(2.0, e)`` in float32 (an exponent past 127 gives inf)."""
+    return REGISTRY["aten.ldexp.Tensor"].fn(pb, node, x, narrowed(e) if x.ty == "f32" else e)
+
+
 def _masked_fill(pb, node, x, mask, value):
     return REGISTRY["aten.masked_fill.Scalar"].fn(pb, node, x, mask, _truncated(node, value))
 
@@ -635,25 +642,65 @@ def _addcmul(pb, node, x, a, b, value=1):
     return [elementwise(pb, node, [x, a, b] + ([value] if value != 1 else []), fn, compute=I64)]
 
 
-def _contraction(pb, node, a, b, a_at, b_at, shape, reduced: int, meta):
-    """``sum over the last reduced dims of a[a_at(idx)] * b[b_at(idx)]`` over the index space
-    ``shape`` (the output's dims, then the ``reduced`` ones), as torch's int64 products: each
-    product and the running sum in two words (low words when ``meta``'s values fit in i32), the sum
-    a reduction kernel (split across invocations when long)."""
+def _summed(pb, node, inputs, term, shape, reduced: int, meta):
+    """The sum over the last ``reduced`` dims of the index space ``shape`` (the output's dims, then
+    the summed ones) of ``term(k, idx)``, a two-word product, as torch sums int64: in two words (in
+    the low words when ``meta``'s values fit in i32), by the reduction kernel (split across
+    invocations when long)."""
     from tapml.graph import Node, TensorMeta
     from tapml.platforms.wgsl.codegen import Custom, cast
     t = ctype(meta.dtype)
-
-    def product(k, idx):
-        x = cast(a.read(k, a_at(list(idx))), a.ty, I64)
-        y = cast(b.read(k, b_at(list(idx))), b.ty, I64)
-        k.need("tap_i64_mul")
-        return cast(f"tap_i64_mul({x}, {y})", I64, t)
-    terms = Custom(tuple(shape), meta.dtype, [a, b], product)
-    dims = list(range(len(shape) - reduced, len(shape)))
+    terms = Custom(tuple(shape), meta.dtype, inputs, lambda k, idx: cast(term(k, list(idx)), I64, t))
     out = TensorMeta(tuple(shape[:len(shape) - reduced]), meta.dtype)
     total = Node(node.name, "aten.sum.dim_IntList", (), {}, [out])
-    return REGISTRY["aten.sum.dim_IntList"].fn(pb, total, terms, dims)[0]
+    return REGISTRY["aten.sum.dim_IntList"].fn(pb, total, terms, list(range(len(shape) - reduced, len(shape))))[0]
+
+
+def _contraction(pb, node, a, b, a_at, b_at, shape, reduced: int, meta):
+    """``sum of a[a_at(idx)] * b[b_at(idx)]`` over the last ``reduced`` dims of ``shape`` (:func:`_summed`)."""
+    from tapml.platforms.wgsl.codegen import cast
+
+    def term(k, idx):
+        k.need("tap_i64_mul")
+        return f"tap_i64_mul({cast(a.read(k, a_at(idx)), a.ty, I64)}, {cast(b.read(k, b_at(idx)), b.ty, I64)})"
+    return _summed(pb, node, [a, b], term, shape, reduced, meta)
+
+
+def _convolution(pb, node, x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
+    """A direct convolution (or transposed convolution) in two words: each output element sums
+    input times weight over its group's channels and the kernel window (padding reads as 0)."""
+    from tapml.platforms.wgsl import views
+    from tapml.platforms.wgsl.codegen import cast
+    meta = node.outputs[0]
+    nsp = len(x.shape) - 2
+    ksize = list(w.shape[2:])
+    # weights: (out, in / groups, k...), transposed (in, out / groups, k...)
+    cin_g = x.shape[1] // groups if transposed else w.shape[1]
+    cout_g = w.shape[1] if transposed else w.shape[0] // groups
+    stride, padding, dilation = ([int(v) for v in (p if len(p) == nsp else list(p) * nsp)]
+                                 for p in (stride, padding, dilation))
+
+    def term(k, idx):
+        n, co, out, ci, kk = idx[0], idx[1], idx[2:2 + nsp], idx[2 + nsp], idx[3 + nsp:]
+        channel = k.let(f"({co} / {cout_g}) * {cin_g} + {ci}", "i32")
+        if transposed:  # input position i feeds output i * stride - padding + k * dilation
+            num = [k.let(f"{o} + {p} - {q} * {d}", "i32") for o, p, q, d in zip(out, padding, kk, dilation)]
+            pos = [k.let(f"{m} / {s}", "i32") for m, s in zip(num, stride)]
+            conds = [f"{m} >= 0 && {m} % {s} == 0" for m, s in zip(num, stride)]
+            wv = cast(w.read(k, [channel, f"{co} % {cout_g}"] + list(kk)), w.ty, I64)
+        else:
+            pos = [k.let(f"{o} * {s} - {p} + {q} * {d}", "i32") for o, s, p, q, d in zip(out, stride, padding, kk, dilation)]
+            conds = [f"{p} >= 0" for p in pos]
+            wv = cast(w.read(k, [co, ci] + list(kk)), w.ty, I64)
+        inside = " && ".join(conds + [f"{p} < {size}" for p, size in zip(pos, x.shape[2:])]) or "true"
+        at = [k.let(f"clamp({p}, 0, {size - 1})", "i32") for p, size in zip(pos, x.shape[2:])]
+        xv = cast(x.read(k, [n, channel] + at), x.ty, I64)
+        k.need("tap_i64_mul")
+        return f"select({I64}(0u, 0u), tap_i64_mul({xv}, {wv}), {inside})"
+    product = _summed(pb, node, [x, w], term, tuple(meta.shape) + (cin_g, *ksize), 1 + nsp, meta)
+    if bias is not None:
+        bias = views.reshape(bias, [bias.shape[0]] + [1] * nsp)
+    return _scaled_sum(pb, node, product, bias)
 
 
 def _scaled_sum(pb, node, product, bias=None, beta=1, alpha=1):
@@ -760,6 +807,10 @@ def _lowerings() -> dict[str, Lowering]:
     add("aten.masked_fill.Scalar", _masked_fill, _masked_fill_samples)
     add("aten.constant_pad_nd.default", _constant_pad, _pad_samples)
     add("aten.addcmul.default", _addcmul, _addcmul_samples)
+    add("aten.ldexp.Tensor", _ldexp,
+        lambda: [((torch.tensor([1.5, -2.0, 0.0, 3.0, 1.0, 1.0, 1.0]),
+                   torch.tensor([2**40, 2**40 + 3, 2**40, -(2**40), 2**32 + 1, -(2**32) + 3, 100])), {}),
+                 ((wide_ints(2, 4), torch.tensor([1, -3, 0, 2**35 + 2])), {})])
     add("aten.mm.default", _mm, lambda: [((wide_ints(3, 5), wide_ints(5, 4, limits=(3, -1, 2**33))), {}),
                                          ((wide_ints(2, 5000, lo=-2**20, hi=2**20), wide_ints(5000, 3, lo=-2**20, hi=2**20)), {})])
     add("aten.bmm.default", _bmm, lambda: [((wide_ints(2, 3, 5), wide_ints(2, 5, 4, limits=(7, -(2**35)))), {})])
@@ -770,6 +821,12 @@ def _lowerings() -> dict[str, Lowering]:
     add("aten.baddbmm.default", _baddbmm, lambda: [((wide_ints(2, 3, 4), wide_ints(2, 3, 5), wide_ints(2, 5, 4)),
                                                     {"beta": -2, "alpha": 5})])
     add("aten.addmv.default", _addmv, lambda: [((wide_ints(3), wide_ints(3, 6), wide_ints(6)), {"alpha": 2})])
+    add("aten.convolution.default", _convolution, lambda: [
+        ((wide_ints(2, 4, 7, 6), wide_ints(6, 2, 3, 2, lo=-2**20, hi=2**20), wide_ints(6), [2, 1], [1, 0], [1, 2],
+          False, [0, 0], 2), {}),
+        ((wide_ints(1, 3, 9), wide_ints(4, 3, 3), None, [1], [2], [1], False, [0], 1), {}),
+        ((wide_ints(2, 4, 5, 4), wide_ints(4, 3, 3, 2), wide_ints(6), [2, 1], [1, 0], [1, 2], True, [1, 0], 2), {}),
+        ((wide_ints(1, 2, 6), wide_ints(2, 3, 4), None, [3], [1], [2], True, [2], 1), {})])
     add("aten.addbmm.default", _addbmm, lambda: [((wide_ints(3, 4), wide_ints(2, 3, 5), wide_ints(2, 5, 4)), {})])
     return out
 
@@ -816,7 +873,8 @@ def wide_lowering(node, input_metas, registry) -> tuple[Lowering, bool]:
 
 #: Two-word lowerings whose float operand is not a promotion to float: a fill value or bound
 #: torch converts to the tensor's integer dtype.
-_NO_FLOAT_PATH = frozenset({"aten.masked_fill.Scalar", "aten.constant_pad_nd.default", "aten.hardtanh.default"})
+_NO_FLOAT_PATH = frozenset({"aten.masked_fill.Scalar", "aten.constant_pad_nd.default", "aten.hardtanh.default",
+                            "aten.ldexp.Tensor"})
 
 
 def _float_operand(node, input_metas) -> bool:
