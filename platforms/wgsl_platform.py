@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import torch
+
 from tapml.graph import Graph, Node
 from tapml.platforms.base import KernelProgram, RuntimePlatform, check_workgroups
 
@@ -67,7 +69,12 @@ class WgslPlatform(RuntimePlatform):
         input, or an int64 value the graph computes from these inputs, does not fit in i32,
         the program's graph is compiled again with those tensors in two words
         (:mod:`tapml.platforms.wgsl.int64`) and that program runs instead. ``last_wide`` names
-        them (empty when the run held every int64 in i32)."""
+        them (empty when the run held every int64 in i32). A float64 input (a constant the
+        program holds as float32, :func:`~tapml.platforms.wgsl.registry.float64_held_as_float32`)
+        is converted here, and refused (``Unsupported``) unless float32 holds its values exactly."""
+        from tapml.platforms.wgsl.registry import exact_float32
+        inputs = [exact_float32(t, f"input {i}") if getattr(t, "dtype", None) is torch.float64 else t
+                  for i, t in enumerate(inputs)]
         return super().run(self.for_values(program, inputs), inputs, keep)
 
     def for_values(self, program: KernelProgram, inputs: list) -> KernelProgram:

@@ -17,7 +17,8 @@ from tapml.errors import PlatformError, Unsupported
 from tapml.graph import Graph, Node, TensorMeta, decode_arg
 from tapml.platforms.base import KernelProgram
 from tapml.platforms.wgsl.codegen import WIDE, BufferView, Compute, ProgramBuilder, Value, cast, ctype
-from tapml.platforms.wgsl.registry import REGISTRY, Lowering, case_graph, dtype_reason, supports_node
+from tapml.platforms.wgsl.registry import (REGISTRY, Lowering, case_graph, dtype_reason, float64_held_as_float32,
+                                          supports_node)
 
 _LOADED = False
 # a fused expression larger than this is written to a buffer instead of growing further
@@ -71,7 +72,12 @@ def compile_graph(graph: Graph, caps: dict, lowerings: Mapping[str, Lowering] | 
     pb = ProgramBuilder(caps)
     env: dict[str, Value] = {}
     inputs = []
+    held32 = float64_held_as_float32(graph)
+    input_metas = []  # as the program takes them: float64 constants as float32
     for ref, meta in graph.inputs:
+        if held32 and meta.dtype == "float64":
+            meta = TensorMeta(meta.shape, "float32")
+        input_metas.append(meta)
         reason = dtype_reason(meta.dtype, caps)
         if reason:
             raise Unsupported(f"input {ref}: {reason}")
@@ -187,7 +193,7 @@ def compile_graph(graph: Graph, caps: dict, lowerings: Mapping[str, Lowering] | 
     for b in pb.buffers:  # programs and buffers say int64; the storage type says how it is held
         b.meta = _torch_meta(b.meta)
     program = KernelProgram(kind="wgsl", inputs=inputs, outputs=outputs, buffers=pb.buffers, kernels=pb.kernels,
-                            input_meta=[_torch_meta(m) for _, m in graph.inputs],
+                            input_meta=[_torch_meta(m) for m in input_metas],
                             output_meta=[_torch_meta(graph.meta[r]) for r in graph.outputs])
     return pb.into_parts(program)  # tensors over max-buffer-size: held in several buffers
 

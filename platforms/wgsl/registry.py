@@ -151,6 +151,28 @@ def dtype_reason(dtype: str, caps: dict) -> str | None:
     return None
 
 
+def float64_held_as_float32(graph: Graph) -> bool:
+    """Whether ``graph``'s float64 tensors can be held as float32: they are all graph inputs (the
+    constants a model keeps in float64), no node computes a float64 value and no output is one. Each
+    such input is converted when a program runs, and refused there unless float32 holds its values
+    exactly (:func:`exact_float32`); the nodes reading them compute in their own output's dtype,
+    which torch does too (or compare, which exact values do alike in either)."""
+    return any(m.dtype == "float64" for _, m in graph.inputs) and \
+        not any(m.dtype == "float64" for n in graph.nodes for m in n.outputs) and \
+        not any(graph.meta[r].dtype == "float64" for r in graph.outputs)
+
+
+def exact_float32(t: torch.Tensor, where: str) -> torch.Tensor:
+    """``t`` (float64) as float32, which must hold every value exactly (NaN and infinities included)."""
+    from tapml.errors import Unsupported
+    held = t.to(torch.float32)
+    back = held.to(torch.float64)
+    if not bool(((back == t) | (back.isnan() & t.isnan())).all()):
+        raise Unsupported(f"{where}: float64 values that float32 does not hold exactly (WGSL has no 64-bit "
+                          "floats; float64 constants that float32 holds exactly run as float32)")
+    return held
+
+
 def low_precision_paths(features) -> dict[str, str]:
     """How float16 and bfloat16 are held and computed on a device with ``features``: the
     ``low_precision`` entry of its caps (shown in verdicts' device info)."""
@@ -170,6 +192,8 @@ def supports_node(node: Node, caps: dict, input_metas: Sequence[TensorMeta] = ()
     """None when the registry (or ``registry``, one laid over it) can lower ``node`` for a device
     with ``caps``, else the reason. A refusal by design (float64, complex) is said before a
     missing lowering."""
+    if not any(m.dtype == "float64" for m in node.outputs):  # float64 inputs: constants held as float32
+        input_metas = [TensorMeta(m.shape, "float32") if m.dtype == "float64" else m for m in input_metas]
     for m in list(input_metas) + list(node.outputs):
         reason = dtype_reason(m.dtype, caps)
         if reason:

@@ -390,6 +390,14 @@ def preflight_store(store, platform, target: str = "", cases: list[dict] | None 
                 # the program a run would use: int64 values past i32 in two words
                 program = platform.for_values(program, store.case_inputs(case))
                 row.int64_two_words += bool(platform.last_wide)
+            if hasattr(platform, "for_values") and any(m.dtype == "float64" for _, m in graph.inputs):
+                # float64 constants run as float32 only where float32 holds their values exactly
+                import torch
+
+                from tapml.platforms.wgsl.registry import exact_float32
+                for i, t in enumerate(store.case_inputs(case)):
+                    if getattr(t, "dtype", None) is torch.float64:
+                        exact_float32(t, f"input {i}")
         except Unsupported as e:
             reason = str(e).splitlines()[0][:300]
             row.unsupported[reason] = row.unsupported.get(reason, 0) + 1
