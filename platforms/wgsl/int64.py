@@ -12,10 +12,14 @@ host; it is small: positions, buckets, indices). Such a ref is compiled with the
 :data:`~tapml.platforms.wgsl.codegen.WIDE` (``int64w``), a name that never leaves the
 compiler. For a node that touches one, :func:`wide_lowering` chooses:
 
+- the registry's lowering reading two words through the exact conversion to float32, where torch
+  computes in float (:data:`READS_AS_FLOAT`, and a two-word op given a float operand);
 - the op's two-word lowering (:data:`WIDE_LOWERINGS`): arithmetic, comparisons, min/max,
-  bitwise ops, shifts, division and remainder as torch defines them for int64;
+  bitwise ops, shifts, division and remainder, pow, products and convolution as torch defines
+  them for int64;
 - the registry's own lowering where it is correct for two words as it is
-  (:data:`TAKES_WIDE`: views, copies, casts, fills, ``where``);
+  (:data:`TAKES_WIDE`: views, copies, casts, fills, ``where``, gathers, scatters, reductions,
+  scans, sorts, pools: they compute in their values' type);
 - the registry's lowering on the low words, where no output is wide and the op's result
   depends only on its inputs' low words (:data:`LOW_WORD_EXACT`: ring arithmetic modulo
   2**32, selections, shapes);
