@@ -138,7 +138,8 @@ def op_name(target: Any) -> str:
 # --- argument encoding -------------------------------------------------------------------
 # Arguments are JSON values; what JSON cannot say is a one-key dict:
 # {"ref": r} a tensor value, {"dtype": "float32"}, {"device": "cpu"}, {"layout": "strided"},
-# {"memory_format": "contiguous_format"}, {"float": "inf"|"-inf"|"nan"}.
+# {"memory_format": "contiguous_format"}, {"float": "inf"|"-inf"|"nan"}, {"complex": [re, im]} (each
+# part a float or one of those strings).
 
 def encode_arg(a: Any, ref_of) -> Any:
     """Encode an fx argument; ``ref_of(fx_node)`` names tensor values."""
@@ -158,6 +159,8 @@ def encode_arg(a: Any, ref_of) -> Any:
         return {"memory_format": str(a).removeprefix("torch.")}
     if isinstance(a, float) and not math.isfinite(a):
         return {"float": str(a)}
+    if isinstance(a, complex):
+        return {"complex": [x if math.isfinite(x) else str(x) for x in (a.real, a.imag)]}
     if isinstance(a, (bool, int, float, str)) or a is None:
         return a
     if isinstance(a, torch.Tensor):
@@ -193,6 +196,11 @@ def check_arg(a: Any, where: str = "args", depth: int = 0) -> None:
     if not isinstance(a, dict) or len(a) != 1:
         raise ValueError(f"{where}: {_short(a)} is not an encoded argument")
     (key, v), = a.items()
+    if key == "complex":
+        if not (isinstance(v, list) and len(v) == 2 and all(
+                isinstance(x, float) and math.isfinite(x) or x in ("inf", "-inf", "nan") for x in v)):
+            raise ValueError(f"{where}: {_short(a)} is not an encoded complex number (two floats)")
+        return
     if key == "dict" and isinstance(v, dict):
         for k, x in v.items():
             if not isinstance(k, str) or len(k) > MAX_TEXT:
@@ -224,6 +232,8 @@ def decode_arg(a: Any, value_of) -> Any:
             return _MEMORY_FORMATS[v]
         if key == "float" and isinstance(v, str) and v in ("inf", "-inf", "nan"):
             return float(v)
+        if key == "complex" and isinstance(v, list) and len(v) == 2:
+            return complex(float(v[0]), float(v[1]))
         if key == "dict":
             return {k: decode_arg(x, value_of) for k, x in v.items()}
         raise ValueError(f"unknown encoded argument {_short(a)}")

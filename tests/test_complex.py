@@ -95,6 +95,15 @@ def test_complex_model_code_migrates_whole(tmp_path, factory, target):
                   {"aten._fft_r2c.default", "aten._fft_c2r.default"})
 
 
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+def test_a_python_complex_constant_is_carved_and_runs_on_the_target(tmp_path):
+    doc = _migrate(tmp_path, "rotate_by_constant", "wgpu:vulkan")
+    assert doc["placement"]["ops_on_target"] == doc["placement"]["ops_total"], doc["placement"]
+    assert doc["end_to_end"]["status"] == "pass"
+    assert any(c["op"] in ("aten.mul.Tensor", "aten.mul.Scalar") and c["status"] == "pass" for c in doc["cases"])
+
+
 @pytest.mark.slow
 @pytest.mark.browser
 @pytest.mark.parametrize("factory", ["llama_block", "stft400", "stft512"])

@@ -160,6 +160,8 @@ ATTACKS = {
                            "cases[0].args[2]: an integer of 22 digits"),
     "layout-as-attribute": (_edit(lambda m: _first_case(m)["args"].append({"layout": "load"})),
                             "not an encoded argument"),
+    "complex-of-strings": (_edit(lambda m: _first_case(m)["args"].append({"complex": ["1", 2.0]})),
+                           "not an encoded complex number"),
     # fields migrate and replay trust
     "missing-program-inputs": (_drop("program_inputs"), "program_inputs"),
     "missing-program-input": (_drop("program_inputs", "p_0_weight"), "program_inputs"),

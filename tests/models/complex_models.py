@@ -123,3 +123,17 @@ def stft400():
 def stft512():
     torch.manual_seed(0)
     return SpectralRoundTrip(512).eval(), (torch.randn(1, 2400),)
+
+
+class RotateByConstant(nn.Module):
+    """Pairs of features turned by a Python complex constant (``z * (0.6 + 0.8j)``), as rotary or
+    phase-shift code writes it: a complex scalar in the graph's arguments."""
+
+    def forward(self, x):
+        z = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(z * (0.6 + 0.8j) + 1j).flatten(-2)
+
+
+def rotate_by_constant():
+    torch.manual_seed(0)
+    return RotateByConstant(), (torch.randn(2, 5, 8),)
