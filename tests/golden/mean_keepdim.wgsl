@@ -9,7 +9,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
   var acc1: f32 = f32(0.0);
   for (var r: i32 = 0; r < 16; r = r + 1) {
     let t2: f32 = buf_i0[n * 16 + r];
-    acc1 = acc1 + t2;
+    acc1 = (acc1 + t2);
   }
   buf_t1[n] = (acc1 / f32(16.0));
 }
