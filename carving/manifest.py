@@ -26,7 +26,8 @@ from tapml.schema import Bool, ClosedSchema, Count, Int, Schema, Str, field_path
 FORMAT_VERSION = 1
 #: safetensors dtype codes of the torch dtypes a store holds.
 STORE_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
-                "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "complex64": "C64"}
+                "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "uint64": "U64", "bool": "BOOL",
+                "complex64": "C64"}
 #: Bounds on a generation read from a store.
 MAX_GENERATION_TOKENS = 1 << 20
 #: The graphs of a generation, in the order of its steps.

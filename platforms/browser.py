@@ -162,7 +162,7 @@ class BrowserPlatform(WgslPlatform):
         if info.get("description"):
             adapter += f" ({info['description']})"
         features = list(hello.get("features") or [])
-        dtypes = ["float32", "float16", "bfloat16", "int32", "int64", "int16", "int8", "uint8", "bool"]
+        dtypes = ["float32", "float16", "bfloat16", "int32", "int64", "int16", "int8", "uint8", "uint64", "bool"]
         return {"adapter": adapter, "backend": "browser-webgpu", "browser": hello.get("userAgent", ""),
                 "adapter_info": info, "features": features, "limits": dict(hello.get("limits") or {}),
                 "dtypes": dtypes, "low_precision": low_precision_paths(features), "url": self.url}

@@ -53,7 +53,7 @@ AUTH_TIMEOUT_S = 10.0
 
 # Wire codes are fixed forever: append, never reorder.
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool",
-          "complex64")
+          "complex64", "uint64")
 DTYPE_CODE = {name: i for i, name in enumerate(DTYPES)}
 
 HEADER = struct.Struct("!4sQBBQ")

@@ -576,3 +576,28 @@ def wide_limit_cases(op: str, most: int = 4):
                     if len(out) >= most:
                         return out
     return out
+
+
+def uint64_cases(op: str, most: int = 4):
+    """Up to ``most`` cases of ``op`` on uint64 operands holding values past 2**63 and near 2**64:
+    the int64 limit-value cases of :func:`wide_limit_cases` (and the registry's int64 samples) with
+    one int64 operand at a time, then all, converted to uint64 (negative values wrap, as torch
+    converts them), where torch computes the op on them. ``(graph, inputs, torch's outputs)``."""
+    from tapml.platforms.wgsl.registry import sample_cases
+    torch.manual_seed(0)
+    bases = [(g, i) for g, i, _ in wide_limit_cases(op, most=8)]
+    bases += [(g, i) for g, i in sample_cases(op) if any(t.dtype == torch.int64 for t in i)]
+    out, seen = [], set()
+    for graph, inputs in bases:
+        slots = [i for i, t in enumerate(inputs) if t.dtype == torch.int64 and t.numel()]
+        for chosen in [[i] for i in slots] + ([slots] if len(slots) > 1 else []):
+            converted = [t.to(torch.uint64) if i in chosen else t for i, t in enumerate(inputs)]
+            case = _single_case(graph, converted)
+            key = (repr(graph.nodes[0].args), tuple(chosen), tuple(tuple(t.shape) for t in inputs))
+            if case is None or key in seen or not any(m.dtype == "uint64" for m in case[0].meta.values()):
+                continue
+            seen.add(key)
+            out.append(case)
+            if len(out) >= most:
+                return out
+    return out

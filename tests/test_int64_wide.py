@@ -276,15 +276,16 @@ def _int64_claims() -> list[str]:
     return sorted(op for op, low in load_lowerings().items() if "int64" in low.dtypes and not low.view)
 
 
-def _outcome(platform, graph, inputs, ref, compare_values: bool) -> str | None:
-    """None when the device gives torch's outputs (exactly, for integers), else what went wrong."""
+def _outcome(platform, graph, inputs, ref, compare_values: bool, held_wide: bool = True) -> str | None:
+    """None when the device gives torch's outputs (exactly, for integers), else what went wrong
+    (``held_wide``: some int64 tensor must have been held in two words)."""
     from tapml.errors import Unsupported
     from tapml.judging.compare import compare_tensor
     try:
         outputs = platform.run(platform.compile(graph), inputs)
     except Unsupported as e:
         return f"unsupported: {e}"
-    if not platform.last_wide:
+    if held_wide and not platform.last_wide:
         return "no tensor was held in two words"
     for got, want in zip(outputs, ref):
         if got.dtype != want.dtype or got.shape != want.shape:
@@ -335,3 +336,107 @@ def test_random_draws_past_i32_stay_in_their_range():
 
 test_every_int64_claim_holds_past_i32, test_every_int64_claim_holds_past_i32_in_chromium = \
     on_every_webgpu(_check_every_claim)
+
+
+# --- uint64: two words read as unsigned ------------------------------------------------------
+
+U64_LIMITS = torch.tensor([0, 1, 2**63 - 1, 2**63, 2**63 + 1, 2**64 - 1, 2**32, 2**32 - 1, 2**31, 12345],
+                          dtype=torch.uint64)
+
+#: Ops with no uint64 operand among the int64 samples: their own cases.
+UINT64_EXTRA_CASES = {
+    "aten.full.default": [([[3, 2], 2**64 - 1], {"dtype": torch.uint64}), ([[2], 2**63 + 5], {"dtype": torch.uint64})],
+    "aten.ones.default": [([[4]], {"dtype": torch.uint64})],
+    "aten.zeros.default": [([[4]], {"dtype": torch.uint64})],
+    "aten.scalar_tensor.default": [([2**63 + 1], {"dtype": torch.uint64})],
+    "aten.flip.default": [([U64_LIMITS.reshape(2, 5), [0]], {})],
+    "aten._to_copy.default": [([U64_LIMITS], {"dtype": d}) for d in (torch.float32, torch.int64, torch.int32, torch.bool,
+                                                                      torch.float16, torch.uint8)] + [
+        ([torch.tensor([0.0, 1.5, 2.0**63, 2.0**64 - 2.0**40, 9.2e18, 1e19, 3.0e9])], {"dtype": torch.uint64}),
+        ([torch.tensor([0, -1, 2**62, -(2**63), 7])], {"dtype": torch.uint64}),
+        ([torch.tensor([0, -1, 2**31 - 1, -5], dtype=torch.int32)], {"dtype": torch.uint64})],
+    "aten.sort.default": [([U64_LIMITS.reshape(2, 5), 1, True], {}), ([U64_LIMITS, 0], {})],
+    "aten.mul.Scalar": [([U64_LIMITS, 2**64 - 1], {}), ([U64_LIMITS, 0xFF51AFD7ED558CCD], {})],
+    "aten.sum.dim_IntList": [([U64_LIMITS.reshape(2, 5), [1]], {})],
+}
+
+
+def _uint64_claims() -> list[str]:
+    from tapml.platforms.wgsl.int64 import UINT64_AS_ANY, UINT64_SAME_BITS
+    return sorted(UINT64_SAME_BITS | UINT64_AS_ANY)
+
+
+def _check_uint64(platform):
+    from tapml.platforms.wgsl import load_lowerings
+    from tests.support import uint64_cases
+    registry = load_lowerings()
+    wrong, without = [], []
+    with platform:
+        for op in _uint64_claims():
+            cases = uint64_cases(op, most=3)
+            for args, kwargs in UINT64_EXTRA_CASES.get(op, []):
+                graph, inputs = case_graph(op, args, kwargs)
+                cases.append((graph, inputs, _expected(graph, inputs)))
+            if not cases:
+                without.append(op)
+            for graph, inputs, ref in cases:
+                problem = _outcome(platform, graph, inputs, ref, registry[op].compare_values, held_wide=False)
+                if problem is not None:
+                    wrong.append((op, problem[:200]))
+    assert not wrong, wrong
+    assert not without, without  # every op routed for uint64 ran on uint64 values past 2**63
+
+
+test_uint64_equals_torch, test_uint64_equals_torch_in_chromium = on_every_webgpu(_check_uint64)
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+def test_a_uint64_hash_migrates_whole(tmp_path):
+    """Feature hashing on uint64 (tests/models/uint64_hash.py): carved, then every op on the target."""
+    import json
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from tapml.cli import app
+    store, state = tmp_path / "store", tmp_path / "state.json"
+    model = Path(__file__).parent / "models" / "uint64_hash.py"
+    r = CliRunner().invoke(app, ["carve", f"{model}:model", "-o", str(store)])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(app, ["migrate", str(store), "--target", "wgpu:vulkan", "--state", str(state), "--quiet"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(state.read_text())
+    assert doc["placement"]["ops_on_target"] == doc["placement"]["ops_total"], doc["placement"]
+    assert {"aten.mul.Tensor", "aten.bitwise_xor.Tensor"} <= {c["op"] for c in doc["cases"] if c["status"] == "pass"}
+
+
+@pytest.fixture(scope="module")
+def uint64_repro(tmp_path_factory):
+    """A repro folder of the uint64 hash's mixing region (uint64 in, uint64 out)."""
+    from pathlib import Path
+
+    from tests.test_repro import make_repro
+    from tapml.carving import CarveStore, carve
+    base = tmp_path_factory.mktemp("u64")
+    carve(f"{Path(__file__).parent / 'models' / 'uint64_hash.py'}:model", base / "store")
+    folder = base / "repro"
+    plan = make_repro(CarveStore(base / "store").path, "_to_copy..bitwise_xor", folder)
+    return folder, plan
+
+
+@pytest.mark.device
+def test_a_repro_folder_carries_uint64_and_passes_outside_tapml(uint64_repro):
+    import subprocess
+    import sys
+    folder, plan = uint64_repro
+    assert [o["device_type"] for o in plan["outputs"]] == ["u64"]
+    r = subprocess.run([sys.executable, "run.py", "--backend", "vulkan"], cwd=folder, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and r.stdout.startswith("PASS"), r.stdout + r.stderr
+
+
+@pytest.mark.browser
+def test_a_repro_page_compares_uint64_exactly(uint64_repro):
+    from tests.support import repro_page_result
+    assert repro_page_result(uint64_repro[0]).startswith("PASS")

@@ -65,7 +65,8 @@ def compile_graph(graph: Graph, caps: dict, lowerings: Mapping[str, Lowering] | 
     from tapml.platforms.wgsl.matmul import find_product_groups, find_residual_products, product_group, residual_product
     from tapml.platforms.wgsl.norms import find_rms_norms, rms_norm
     from tapml.platforms.wgsl.complex import complex_lowering, touches_complex
-    from tapml.platforms.wgsl.int64 import WIDE_LOWERINGS, narrowed, wide_lowering, wide_scalar
+    from tapml.platforms.wgsl.int64 import (WIDE_LOWERINGS, narrowed, touches_uint64, uint64_lowering, wide_lowering,
+                                            wide_scalar)
     from tapml.platforms.wgsl.scatter import put_in_place
     registry = REGISTRY if not lowerings else ChainMap(dict(lowerings), REGISTRY)
     caps = caps or {}
@@ -105,6 +106,9 @@ def compile_graph(graph: Graph, caps: dict, lowerings: Mapping[str, Lowering] | 
         value_of = env.__getitem__
         if touches_complex(node, in_metas):  # complex64: pairs of float32
             low = complex_lowering(node, in_metas, registry)
+            reason = low.check(node) if low.check is not None else None
+        elif touches_uint64(node, in_metas):  # uint64: two words read as unsigned
+            low = uint64_lowering(node, in_metas, registry)
             reason = low.check(node) if low.check is not None else None
         elif any(m.dtype == WIDE for m in in_metas + list(node.outputs)) or \
                 (node.op in WIDE_LOWERINGS and wide_scalar(node) and

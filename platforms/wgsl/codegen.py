@@ -59,6 +59,9 @@ FLOATS = ("float32", "float16", "bfloat16")
 WIDE = "int64w"
 #: The WGSL type of a two-word int64 (an ``alias`` every kernel that uses it declares).
 I64 = "tap_i64"
+#: uint64 (where torch computes on it): always two words, ``u64`` storage (torch's own bytes), the
+#: ``tap_u64`` expression type (``vec2<u32>``, read as unsigned; the two-word arithmetic is shared)
+U64 = "tap_u64"
 #: complex64: a pair of float32 (real, imaginary), ``c64`` storage (torch's own bytes), the
 #: ``tap_c64`` expression type (``vec2<f32>``); platforms/wgsl/complex.py
 COMPLEX = "complex64"
@@ -67,16 +70,16 @@ INTS = ("int64", "int32", "int16", "int8", "uint8")
 #: torch dtype -> WGSL storage type. float16 is ``f16`` on devices with shader-f16 and packed
 #: (``f16p``) elsewhere; see :meth:`ProgramBuilder.storage`.
 STORAGE = {"float32": "f32", "float16": "f16", "bfloat16": "bf16p", "bool": "u32", **{d: "i32" for d in INTS},
-           WIDE: "i64", COMPLEX: "c64"}
+           WIDE: "i64", COMPLEX: "c64", "uint64": "u64"}
 #: Storage types holding two 16-bit floats per u32 word (element i in word i / 2, low half
 #: first): float16 without shader-f16 (``f16p``, read with unpack2x16float) and bfloat16
 #: (``bf16p``, the high half of an f32 bit pattern). Arithmetic is f32; stores round to
 #: nearest even (tap_f16_bits, tap_bf16_bits) and write their half with atomicAnd/atomicOr,
 #: since the other half of the word belongs to another thread.
 PACKED = ("f16p", "bf16p")
-ITEMSIZE = {"f32": 4, "f16": 2, "f16p": 2, "bf16p": 2, "i32": 4, "u32": 4, "i64": 8, "c64": 8}
+ITEMSIZE = {"f32": 4, "f16": 2, "f16p": 2, "bf16p": 2, "i32": 4, "u32": 4, "i64": 8, "c64": 8, "u64": 8}
 #: Bytes of one element of a binding's WGSL array type.
-ELEM_BYTES = {"f32": 4, "i32": 4, "u32": 4, "f16": 2, "vec4<f32>": 16, "vec4<f16>": 8, "atomic<u32>": 4, I64: 8, C64: 8}
+ELEM_BYTES = {"f32": 4, "i32": 4, "u32": 4, "f16": 2, "vec4<f32>": 16, "vec4<f16>": 8, "atomic<u32>": 4, I64: 8, C64: 8, U64: 8}
 #: Window offsets are multiples of the device's min-storage-buffer-offset-alignment (never less
 #: than one vec4); WebGPU's largest when the device does not say.
 WINDOW_ALIGN = MAX_OFFSET_ALIGNMENT
@@ -95,6 +98,8 @@ def ctype(dtype: str) -> str:
         return "i32"
     if dtype == WIDE:
         return I64
+    if dtype == "uint64":
+        return U64
     if dtype == COMPLEX:
         return C64
     raise Unsupported(f"dtype {dtype} has no WGSL lowering")
@@ -130,14 +135,14 @@ def lit(v, ty: str) -> str:
     if ty == C64:
         v = complex(v)
         return f"{C64}({lit(v.real, 'f32')}, {lit(v.imag, 'f32')})"
-    if ty == I64:
+    if ty in (I64, U64):  # two words: an int64, or a uint64 (up to 2**64 - 1)
         if isinstance(v, float) and not v.is_integer():
             raise Unsupported(f"value {v} is not an integer")
         v = int(v)
-        if not -2**63 <= v < 2**63:
-            raise Unsupported(f"value {v} does not fit in int64")
+        if not -2**63 <= v < 2**64:
+            raise Unsupported(f"value {v} does not fit in 64 bits")
         v &= 2**64 - 1
-        return f"{I64}({v & 0xffffffff}u, {v >> 32}u)"
+        return f"{ty}({v & 0xffffffff}u, {v >> 32}u)"
     v = float(v)
     if math.isnan(v):
         return "tap_bits_f32(0x7fc00000u)"
@@ -158,7 +163,7 @@ def cast(expr: str, src: str, dst: str) -> str:
         if src == C64:  # torch keeps the real part
             return f"any(({expr}) != {C64}(0.0, 0.0))" if dst == "bool" else cast(f"({expr}).x", "f32", dst)
         return f"{C64}({cast(expr, src, 'f32')}, 0.0)"
-    if I64 in (src, dst):
+    if I64 in (src, dst) or U64 in (src, dst):
         from tapml.platforms.wgsl.int64 import cast_wide
         return cast_wide(expr, src, dst)
     if dst == "bool" and src == "f32":  # NaN is true; drivers may compile != as an ordered compare
@@ -174,31 +179,33 @@ _I64_ARITH = {"+": "tap_i64_add", "-": "tap_i64_sub", "*": "tap_i64_mul"}
 def arith(op: str, a: str, b: str, ty: str) -> str:
     """``a op b`` (``op`` one of ``+ - *``) of expression type ``ty``: two-word int64 through its
     helpers (a kernel pulls them in by name), wrapping as torch's int64 does."""
-    if ty == I64:
+    if ty in (I64, U64):  # the same bits either way
         return f"{_I64_ARITH[op]}({a}, {b})"
     return f"({a} {op} {b})"
 
 
 def less(a: str, b: str, ty: str) -> str:
     """``a < b`` of expression type ``ty`` (two-word int64 compared as signed)."""
-    return f"tap_i64_lt({a}, {b})" if ty == I64 else f"({a} < {b})"
+    return f"tap_i64_lt({a}, {b})" if ty == I64 else f"tap_u64_lt({a}, {b})" if ty == U64 else f"({a} < {b})"
 
 
 def equal(a: str, b: str, ty: str) -> str:
     """``a == b`` of expression type ``ty`` as one bool (two-word values: both words)."""
-    return f"all({a} == {b})" if ty in (I64, C64) else f"({a} == {b})"
+    return f"all({a} == {b})" if ty in (I64, C64, U64) else f"({a} == {b})"
 
 
 def extreme_lit(ty: str, greatest: bool) -> str:
     """The greatest (or least) value of integer expression type ``ty``: a max's (min's) identity."""
     if ty == I64:
         return lit(2**63 - 1 if greatest else -2**63, I64)
+    if ty == U64:
+        return lit(2**64 - 1 if greatest else 0, U64)
     return "2147483647" if greatest else "i32(-2147483647 - 1)"
 
 
 def elem_type(storage: str) -> str:
     """The WGSL array element type a buffer of ``storage`` is bound as (u32 for packed ones)."""
-    return "u32" if storage in PACKED else {"i64": I64, "c64": C64}.get(storage, storage)
+    return "u32" if storage in PACKED else {"i64": I64, "c64": C64, "u64": U64}.get(storage, storage)
 
 
 def window_bytes(max_binding_size: int, align: int = WINDOW_ALIGN) -> int:
@@ -557,7 +564,7 @@ class KernelBuilder:
         body = "\n".join(pre + self.lines)
         if "tap_bits_f32(" in body:  # literals of Inf and NaN (see lit) call it
             self.need("tap_bits_f32")
-        if I64 in body:
+        if I64 in body or U64 in body:
             from tapml.platforms.wgsl.int64 import helpers_called
             for helper in helpers_called(body):
                 self.need(helper)
@@ -570,6 +577,8 @@ class KernelBuilder:
         header.extend(self.helpers.values())
         if I64 in body or any(I64 in h for h in header):
             header.insert(0, f"alias {I64} = vec2<u32>;")
+        if re.search(rf"\b{U64}\b", body) or any(re.search(rf"\b{U64}\b", h) for h in header):
+            header.insert(0, f"alias {U64} = vec2<u32>;")
         if C64 in body or any(C64 in h for h in header):
             header.insert(0, f"alias {C64} = vec2<f32>;")
         if re.search(r"\bf16\b", body) or any(re.search(r"\bf16\b", key[1]) for key in self.bindings):

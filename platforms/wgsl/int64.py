@@ -34,7 +34,7 @@ import math
 import torch
 
 from tapml.errors import Unsupported
-from tapml.platforms.wgsl.codegen import I64, WIDE, Compute, Value, ctype
+from tapml.platforms.wgsl.codegen import I64, U64, WIDE, Compute, Value, ctype
 from tapml.platforms.wgsl.helpers import HELPERS
 from tapml.platforms.wgsl.registry import REGISTRY, Lowering, randbool
 
@@ -164,22 +164,22 @@ fn tap_i64_divmod_floor(a: {I64}, b: {I64}) -> vec4<u32> {{
   return vec4<u32>(q, r);
 }}"""),
     # int64 -> float32 rounded once, to nearest even, as torch converts
-    "tap_i64_to_f32": (("tap_i64_neg", "tap_i64_is_neg", "tap_u64_shr", "tap_u64_lt", "tap_i64_sub"), f"""
+    # an unsigned 64-bit value to the nearest float32 (ties to even)
+    "tap_u64_to_f32": (("tap_u64_shr", "tap_u64_lt"), f"""
+fn tap_u64_to_f32(m: {I64}) -> f32 {{
+  if (m.y == 0u && m.x < 16777216u) {{ return f32(m.x); }}
+  let lz = select(countLeadingZeros(m.x) + 32u, countLeadingZeros(m.y), m.y != 0u);
+  let s = 40u - lz;
+  var q = tap_u64_shr(m, s).x;
+  let low = select({I64}(m.x & ((1u << s) - 1u), 0u), {I64}(m.x, m.y & ((1u << (s - 32u)) - 1u)), s >= 32u);
+  let half = select({I64}(1u << (s - 1u), 0u), {I64}(0u, 1u << (s - 33u)), s >= 33u);
+  if (tap_u64_lt(half, low) || (all(low == half) && (q & 1u) == 1u)) {{ q = q + 1u; }}
+  return ldexp(f32(q), i32(s));
+}}"""),
+    "tap_i64_to_f32": (("tap_u64_to_f32", "tap_i64_neg", "tap_i64_is_neg"), f"""
 fn tap_i64_to_f32(a: {I64}) -> f32 {{
   let negative = tap_i64_is_neg(a);
-  let m = select(a, tap_i64_neg(a), negative);
-  var f: f32;
-  if (m.y == 0u && m.x < 16777216u) {{
-    f = f32(m.x);
-  }} else {{
-    let lz = select(countLeadingZeros(m.x) + 32u, countLeadingZeros(m.y), m.y != 0u);
-    let s = 40u - lz;
-    var q = tap_u64_shr(m, s).x;
-    let low = select({I64}(m.x & ((1u << s) - 1u), 0u), {I64}(m.x, m.y & ((1u << (s - 32u)) - 1u)), s >= 32u);
-    let half = select({I64}(1u << (s - 1u), 0u), {I64}(0u, 1u << (s - 33u)), s >= 33u);
-    if (tap_u64_lt(half, low) || (all(low == half) && (q & 1u) == 1u)) {{ q = q + 1u; }}
-    f = ldexp(f32(q), i32(s));
-  }}
+  let f = tap_u64_to_f32(select(a, tap_i64_neg(a), negative));
   return select(f, -f, negative);
 }}"""),
     # float32 -> int64 toward zero; NaN, infinities and values outside int64 give -2**63 (x86's
@@ -198,6 +198,15 @@ fn tap_f32_to_i64(x: f32) -> {I64} {{
   }}
   return select(r, tap_i64_neg(r), t < 0.0);
 }}"""),
+    # float32 -> uint64 toward zero for [0, 2**64); below that as the int64 conversion wraps (x86)
+    "tap_f32_to_u64": (("tap_f32_to_i64",), f"""
+fn tap_f32_to_u64(x: f32) -> {I64} {{
+  if (x >= 9223372036854775808.0 && x < 18446744073709551616.0) {{
+    let r = tap_f32_to_i64(x - 9223372036854775808.0);
+    return {I64}(r.x, r.y | 0x80000000u);
+  }}
+  return tap_f32_to_i64(x);
+}}"""),
 }
 HELPERS.update(_HELPERS)
 
@@ -212,7 +221,12 @@ def _need(k, *names: str) -> None:
 _CASTS = {(I64, "i32"): "bitcast<i32>(({e}).x)", (I64, "u32"): "({e}).x",
           (I64, "bool"): f"any(({{e}}) != {I64}(0u, 0u))", (I64, "f32"): "tap_i64_to_f32({e})",
           ("i32", I64): "tap_i64_of({e})", ("u32", I64): f"{I64}({{e}}, 0u)",
-          ("bool", I64): f"{I64}(select(0u, 1u, {{e}}), 0u)", ("f32", I64): "tap_f32_to_i64({e})"}
+          ("bool", I64): f"{I64}(select(0u, 1u, {{e}}), 0u)", ("f32", I64): "tap_f32_to_i64({e})",
+          # uint64: the same two words read as unsigned; to and from int64 the bits are kept (as torch)
+          (U64, "i32"): "bitcast<i32>(({e}).x)", (U64, "u32"): "({e}).x", (U64, "bool"): f"any(({{e}}) != {U64}(0u, 0u))",
+          (U64, "f32"): "tap_u64_to_f32({e})", (U64, I64): "({e})", (I64, U64): "({e})",
+          ("i32", U64): "tap_i64_of({e})", ("u32", U64): f"{U64}({{e}}, 0u)",
+          ("bool", U64): f"{U64}(select(0u, 1u, {{e}}), 0u)", ("f32", U64): "tap_f32_to_u64({e})"}
 
 
 def cast_wide(expr: str, src: str, dst: str) -> str:
@@ -363,6 +377,8 @@ def _range_of(t: torch.Tensor) -> tuple:
         return (0, 1)
     if t.is_floating_point():
         return (float(t.min()), float(t.max()))
+    if t.dtype == torch.uint64:  # torch has no min/max for it: the whole range, so that nodes are evaluated
+        return (0, 2**64 - 1)
     lo, hi = torch.aminmax(t)
     return (int(lo), int(hi))
 
@@ -888,6 +904,48 @@ def _float_operand(node, input_metas) -> bool:
         return isinstance(a, float) or isinstance(a, (list, tuple)) and any(walk(x) for x in a)
     return any(walk(a) for a in node.args) or any(walk(v) for v in node.kwargs.values()) or \
         any(ctype(m.dtype) == "f32" for m in input_metas)
+
+
+#: Ops torch's CPU kernels compute on uint64 whose two-word lowering is the same on the unsigned
+#: reading of the words (products and sums wrap alike; equality and bitwise ops see bits).
+UINT64_SAME_BITS = frozenset({
+    "aten.mul.Tensor", "aten.mul.Scalar", "aten.eq.Tensor", "aten.eq.Scalar", "aten.ne.Tensor", "aten.ne.Scalar",
+    "aten.constant_pad_nd.default",  # its fill value converted as torch converts it
+    *(f"aten.bitwise_{name}.{kind}" for name in ("and", "or", "xor") for kind in ("Tensor", "Scalar"))})
+#: The other ops torch computes on uint64: the registry's lowering, right for any element type (their
+#: comparisons go through ``codegen.less``, unsigned for ``tap_u64``: sorts, unique).
+UINT64_AS_ANY = frozenset({
+    "aten._to_copy.default", "aten.to.dtype", "aten.clone.default", "aten.copy.default", "aten.alias.default",
+    "aten.lift_fresh_copy.default", "aten.full.default", "aten.full_like.default", "aten.new_full.default",
+    "aten.scalar_tensor.default", "aten.zeros_like.default", "aten.zeros.default", "aten.ones_like.default",
+    "aten.ones.default", "aten.new_zeros.default", "aten.new_ones.default", "aten.empty_like.default",
+    "aten.new_empty.default", "aten.where.self", "aten.where.ScalarSelf", "aten.where.ScalarOther", "aten.cat.default",
+    "aten.index.Tensor", "aten.index_select.default", "aten.embedding.default", "aten.permute_copy.default",
+    "aten.view_copy.default", "aten.flip.default", "aten.repeat.default", "aten.contiguous.default", "aten.sum.default", "aten.sum.dim_IntList", "aten.prod.default", "aten.prod.dim_int",
+    "aten.cumsum.default", "aten.cumprod.default", "aten.sort.default", "aten.sort.stable", "aten._unique2.default",
+    "aten.unique_consecutive.default"})
+
+
+def touches_uint64(node, input_metas) -> bool:
+    """Whether ``node`` reads or makes a uint64 tensor (held in two words, read as unsigned)."""
+    return any(m.dtype == "uint64" for m in list(input_metas) + list(node.outputs))
+
+
+def uint64_lowering(node, input_metas, registry) -> Lowering:
+    """The lowering of ``node``, which touches uint64: :data:`UINT64_SAME_BITS` two-word ones, the
+    registry's own for :data:`UINT64_AS_ANY` (and views), the registry's reading the exact unsigned
+    conversion to float32 where torch computes in float; :class:`Unsupported` otherwise."""
+    low = registry.get(node.op)
+    if low is not None and (node.op in READS_AS_FLOAT and not any(ctype(m.dtype) in ("i32", I64, U64)
+                                                                  for m in node.outputs)
+                            or node.op in UINT64_SAME_BITS and node.op not in _NO_FLOAT_PATH
+                            and _float_operand(node, input_metas)):
+        return low
+    if node.op in UINT64_SAME_BITS:
+        return WIDE_LOWERINGS[node.op]
+    if low is not None and (low.view or node.op in UINT64_AS_ANY):
+        return low
+    raise Unsupported(f"{node.op} has no lowering for uint64 (held in two 32-bit words on WGSL targets)")
 
 
 def narrowed(v: Value) -> Value:

@@ -146,7 +146,7 @@ def dtype_reason(dtype: str, caps: dict) -> str | None:
         return "float64: WGSL has no 64-bit floats"
     if dtype.startswith("complex") and dtype != "complex64":
         return f"{dtype}: WGSL has no complex types (complex64 is held as pairs of float32; {dtype} is not)"
-    if dtype not in ALL and dtype not in ("int64w", "complex64"):  # two-word int64, float32 pairs
+    if dtype not in ALL and dtype not in ("int64w", "complex64", "uint64"):  # two words, float32 pairs
         return f"dtype {dtype} has no WGSL lowering"
     return None
 
@@ -198,6 +198,14 @@ def supports_node(node: Node, caps: dict, input_metas: Sequence[TensorMeta] = ()
         reason = dtype_reason(m.dtype, caps)
         if reason:
             return reason
+    if any(m.dtype == "uint64" for m in list(input_metas) + list(node.outputs)):
+        from tapml.platforms.wgsl.int64 import uint64_lowering
+        from tapml.errors import Unsupported
+        try:
+            low = uint64_lowering(node, input_metas, REGISTRY if registry is None else registry)
+        except Unsupported as e:
+            return str(e)
+        return low.check(node) if low.check is not None else None
     if any(m.dtype == "complex64" for m in list(input_metas) + list(node.outputs)):
         from tapml.platforms.wgsl.complex import complex_lowering
         from tapml.errors import Unsupported

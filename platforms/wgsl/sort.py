@@ -23,7 +23,7 @@ import torch
 from tapml.errors import Unsupported
 from tapml.graph import Node, TensorMeta
 from tapml.platforms.wgsl import views
-from tapml.platforms.wgsl.codegen import (I64, MAX_GROUPS, WIDE, BufferView, Compute, Custom, Value, contiguous_strides,
+from tapml.platforms.wgsl.codegen import (I64, MAX_GROUPS, U64, WIDE, BufferView, Compute, Custom, Value, contiguous_strides,
                                          equal, less)
 from tapml.platforms.wgsl.registry import ALL, NUMERIC, randint, register
 
@@ -46,8 +46,8 @@ def block_size(caps_limits: dict, key_bytes: int = 4) -> int:
 
 def _key_type(ty: str) -> str:
     """The WGSL type of a sort key of expression type ``ty``: i32 (floats and bools mapped to
-    ordered i32), or the two-word int64 itself."""
-    return I64 if ty == I64 else "i32"
+    ordered i32), or the two-word int64 or uint64 itself."""
+    return ty if ty in (I64, U64) else "i32"
 
 
 def _before(count: int, descending: bool, key_type: str = "i32") -> str:
@@ -79,8 +79,8 @@ def _compare_exchange(k, keys: str, idxs: str, i: str, j: str, kk: str, P: int, 
     element 0 of the arrays, so the direction follows the element's position in its row."""
     k.emit(f"let l: i32 = {i} + {j};")
     k.emit(f"let up: bool = ((({base} + {i}) & {P - 1}) & {kk}) == 0;")
-    if key_type == I64:
-        k.need("tap_i64_lt")  # sort_before's, which the body scan does not see
+    if key_type in (I64, U64):
+        k.need("tap_i64_lt" if key_type == I64 else "tap_u64_lt")  # sort_before's, which the body scan does not see
     k.emit(f"let a: {key_type} = {keys.format(i)};")
     k.emit(f"let ai: i32 = {idxs.format(i)};")
     k.emit(f"let b: {key_type} = {keys.format('l')};")
@@ -95,7 +95,7 @@ class _Plan:
     def __init__(self, pb, rows: int, count: int, key_type: str = "i32"):
         limits = pb.caps.get("limits") or {}
         self.key_type = key_type
-        bmax = block_size(limits, 8 if key_type == I64 else 4)
+        bmax = block_size(limits, 8 if key_type in (I64, U64) else 4)
         threads = int(min(limits.get("max-compute-invocations-per-workgroup", 256),
                           limits.get("max-compute-workgroup-size-x", 256)))
         self.rows, self.count = rows, count
@@ -216,7 +216,7 @@ def sorted_indices(pb, x: Value, dim: int, descending: bool, keep: int) -> Buffe
         _block_kernel(pb, plan, "sort_rows", 2, P, before, load_input, store_out)
         return view
     work = TensorMeta((rows, P), "int32")
-    keys_buf = pb.buffer("temp", TensorMeta((rows, P), WIDE if key_type == I64 else "int32"), "t")
+    keys_buf = pb.buffer("temp", TensorMeta((rows, P), {I64: WIDE, U64: "uint64"}.get(key_type, "int32")), "t")
     idx_buf = pb.buffer("temp", work, "t")
 
     def load_work(k, i, g):

@@ -38,6 +38,8 @@ def to_device(t: torch.Tensor, storage: str, name: str = "tensor") -> bytes:
         arr = t.to(torch.int32).numpy()
     elif storage == "i64":  # two words, low first: the bytes of a little-endian int64
         arr = t.to(torch.int64).numpy().astype("<i8")
+    elif storage == "u64":  # the same for a uint64
+        arr = t.to(torch.uint64).numpy().astype("<u8")
     elif storage == "c64":  # real, imaginary: torch's own complex64 bytes
         arr = torch.view_as_real(t.to(torch.complex64)).numpy()
     else:
@@ -49,7 +51,7 @@ def to_device(t: torch.Tensor, storage: str, name: str = "tensor") -> bytes:
 
 
 #: the bytes one element takes in each WGSL storage type (packed halves: two to a u32)
-STORAGE_BYTES = {"f32": 4, "f16": 2, "f16p": 2, "bf16p": 2, "i32": 4, "u32": 4, "i64": 8, "c64": 8}
+STORAGE_BYTES = {"f32": 4, "f16": 2, "f16p": 2, "bf16p": 2, "i32": 4, "u32": 4, "i64": 8, "c64": 8, "u64": 8}
 
 
 def to_device_chunks(t: torch.Tensor, storage: str, name: str = "tensor", chunk_bytes: int = 64 << 20):
@@ -99,7 +101,7 @@ _madvise = None
 
 
 _NP = {"f32": np.float32, "f16": np.float16, "f16p": np.float16, "bf16p": np.int16, "i32": np.int32,
-       "u32": np.uint32, "i64": np.dtype("<i8"), "c64": np.complex64}
+       "u32": np.uint32, "i64": np.dtype("<i8"), "c64": np.complex64, "u64": np.dtype("<u8")}
 
 
 def from_device(data, storage: str, meta: TensorMeta) -> torch.Tensor:

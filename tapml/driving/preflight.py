@@ -33,7 +33,8 @@ CHECKED_LIMITS = ("max-buffer-size", "max-storage-buffer-binding-size", "min-sto
                   "max-compute-invocations-per-workgroup")
 
 _SHORT_DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", "int64": "i64",
-                 "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "bool": "bool"}
+                 "int32": "i32", "int16": "i16", "int8": "i8", "uint8": "u8", "uint64": "u64",
+                 "bool": "bool"}
 
 
 def format_bytes(n: int) -> str:

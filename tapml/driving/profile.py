@@ -81,7 +81,7 @@ def program_bytes(program) -> int:
 
 
 def _itemsize(dtype: str) -> int:
-    return {"float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "bool": 1, "uint8": 1, "int8": 1,
+    return {"float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "uint64": 8, "bool": 1, "uint8": 1, "int8": 1,
             "int16": 2}.get(dtype, 4)
 
 

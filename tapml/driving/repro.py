@@ -42,9 +42,9 @@ TEMPLATES = ("run.py", "check.js", "run.js", "index.html")
 # bfloat16 (numpy has none) travels as its raw 16-bit patterns on the device side and as
 # float32 (exact) on the host side.
 _DEVICE_NP = {"f32": np.float32, "f16": np.float16, "f16p": np.float16, "bf16p": np.uint16, "i32": np.int32,
-              "u32": np.uint32, "i64": np.dtype("<i8"), "c64": np.complex64}
+              "u32": np.uint32, "i64": np.dtype("<i8"), "c64": np.complex64, "u64": np.dtype("<u8")}
 _HOST_NP = {"float32": np.float32, "float16": np.float16, "bfloat16": np.float32, "int64": np.int64, "int32": np.int32,
-            "int16": np.int16, "int8": np.int8, "uint8": np.uint8, "bool": np.bool_}
+            "int16": np.int16, "int8": np.int8, "uint8": np.uint8, "uint64": np.uint64, "bool": np.bool_}
 
 
 @dataclass
@@ -191,6 +191,8 @@ def observe(platform, program, subject: ReproSubject, refusal: Exception | None 
 def _conversion(host: str, device: str) -> str:
     if host == "int64" and device == "i32":
         return "int64 -> i32: every value checked to fit in i32, then narrowed (WGSL has no 64-bit integers)"
+    if host == "uint64" and device == "u64":
+        return "uint64 -> u64: the same bytes, read as two u32 words per value (low word first), unsigned"
     if host == "int64" and device == "i64":
         return ("int64 -> i64: the same bytes, read as two u32 words per value (low word first), since values "
                 "lie outside i32")

@@ -88,7 +88,7 @@ _EXPR_NAMES = {
 
 # torch._export.serde.schema.ScalarType values -> torch dtype names (raw tensor records).
 _SCALAR_TYPES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "float16", 7: "float32",
-                 8: "float64", 12: "bool", 13: "bfloat16"}
+                 8: "float64", 12: "bool", 13: "bfloat16", 35: "uint64"}
 _STRIDED_LAYOUT = 7
 # torch.save storage classes -> dtype names (example inputs).
 _STORAGE_TYPES = {"FloatStorage": "float32", "DoubleStorage": "float64", "HalfStorage": "float16",

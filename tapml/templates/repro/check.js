@@ -77,6 +77,7 @@ function numbers(kind, data, count) {
     case "|u1": case "|b1": return take(Uint8Array);
     // int64 stays exact as BigInt (i64: the two-word int64 of values past i32, low word first)
     case "<i8": case "i64": return Array.from(new BigInt64Array(data, 0, count));
+    case "<u8": case "u64": return Array.from(new BigUint64Array(data, 0, count));
     default: throw new CannotRun(`unsupported element type ${kind}`);
   }
 }

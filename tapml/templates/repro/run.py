@@ -34,9 +34,11 @@ HERE = Path(__file__).resolve().parent
 BACKENDS = {"vulkan": "Vulkan", "gl": "OpenGL", "metal": "Metal", "dx12": "D3D12"}
 # f16p: float16 two per u32 word (no shader-f16); bf16p: bfloat16 bit patterns, two per word.
 DEVICE_TYPES = {"f32": np.float32, "f16": np.float16, "f16p": np.float16, "bf16p": np.uint16, "i32": np.int32,
-                "u32": np.uint32, "i64": np.dtype("<i8"), "c64": np.complex64}  # i64: int64 as two u32 words, low first; c64: (re, im) float32
+                "u32": np.uint32, "i64": np.dtype("<i8"), "c64": np.complex64,
+                "u64": np.dtype("<u8")}  # i64/u64: int64/uint64 as two u32 words, low first; c64: (re, im) float32
 HOST_TYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.float32, "int64": np.int64, "int32": np.int32,
-              "int16": np.int16, "int8": np.int8, "uint8": np.uint8, "bool": np.bool_}
+              "int16": np.int16, "int8": np.int8, "uint8": np.uint8, "uint64": np.uint64,
+              "bool": np.bool_}
 FILE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,120}")
 POISON = 0xFF  # outputs start as 0xFF bytes: NaN for floats, -1 for i32, an invalid bool, so unwritten elements show
 WORST = 5
