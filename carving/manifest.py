@@ -27,7 +27,10 @@ FORMAT_VERSION = 1
 #: safetensors dtype codes of the torch dtypes a store holds.
 STORE_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
                 "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "uint64": "U64", "bool": "BOOL",
-                "complex64": "C64"}
+                "complex64": "C64", "complex32": "F16"}
+#: Dtypes safetensors has no code for, held in a shard as another dtype with a last dim more:
+#: complex32 as float16 pairs (real, imaginary), torch's own bytes.
+STORED_AS_PAIRS = {"complex32": "float16"}
 #: Bounds on a generation read from a store.
 MAX_GENERATION_TOKENS = 1 << 20
 #: The graphs of a generation, in the order of its steps.
@@ -351,4 +354,4 @@ def _check_generation(g: Generation, prefill: Graph, m: Manifest) -> dict[str, G
     return graphs
 
 
-__all__ = ["Manifest", "check_manifest", "tensor_store_manifest", "FORMAT_VERSION", "STORE_DTYPES", "GRAPH_KINDS", "MAX_GENERATION_TOKENS"]
+__all__ = ["Manifest", "check_manifest", "tensor_store_manifest", "FORMAT_VERSION", "STORE_DTYPES", "STORED_AS_PAIRS", "GRAPH_KINDS", "MAX_GENERATION_TOKENS"]

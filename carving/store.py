@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from tapml.carving.manifest import FORMAT_VERSION, GRAPH_KINDS, STORE_DTYPES, Manifest, check_manifest
+from tapml.carving.manifest import FORMAT_VERSION, GRAPH_KINDS, STORE_DTYPES, STORED_AS_PAIRS, Manifest, check_manifest
 from tapml.errors import TapmlError
 from tapml.graph import Graph, Node, TensorMeta
 from tapml.io import open_regular, parse_json, read_regular_file, write_json_atomic
@@ -65,6 +65,7 @@ class CarveStoreWriter:
         self.shard_bytes = shard_bytes
         self.tensors: dict[str, dict] = {}
         self._pending: dict[str, dict] = {}
+        self._pending_dtypes: dict[str, str] = {}  # the dtype of each pending tensor, as the index records it
         self._pending_bytes = 0
         self._header_bytes = 2
         self._file = None
@@ -88,7 +89,7 @@ class CarveStoreWriter:
             raise ValueError(f"tensor {name!r}: a store cannot hold dtype {meta.dtype}")
         alias, digest = self._same_memory(tensor), None
         if alias is None:
-            t = tensor.detach().to("cpu").contiguous()
+            t = tensor.detach().to("cpu").resolve_conj().resolve_neg().contiguous()  # a conj view: its values
             nbytes = t.numel() * t.element_size()
             if 0 < nbytes <= CONTENT_DEDUP_BYTES:
                 digest = (meta.dtype, meta.shape, hashlib.blake2b(
@@ -102,7 +103,9 @@ class CarveStoreWriter:
             self.aliases += 1
             self.alias_bytes += meta.nbytes
             return name
-        entry = {"dtype": code, "shape": list(meta.shape), "data_offsets": [self._pending_bytes, self._pending_bytes + nbytes]}
+        shape = list(meta.shape) + ([2] if meta.dtype in STORED_AS_PAIRS else [])  # safetensors' view of it
+        entry = {"dtype": code, "shape": shape, "data_offsets": [self._pending_bytes, self._pending_bytes + nbytes]}
+        self._pending_dtypes[name] = meta.dtype
         size = len(json.dumps({name: entry}, separators=(",", ":")))
         if self._file is not None and (self._header_bytes + size + 32 > HEADER_RESERVE):
             self.flush()
@@ -132,7 +135,7 @@ class CarveStoreWriter:
     def _same_memory(self, tensor: torch.Tensor) -> tuple[str, dict | None] | None:
         """``(name, view)`` of a written tensor, still alive and unmodified, whose elements
         ``tensor`` reads (``view`` None when it is that tensor exactly), else None."""
-        if tensor.numel() == 0:
+        if tensor.numel() == 0 or tensor.is_conj() or tensor.is_neg():  # a lazy conj: other values, same memory
             return None
         entries = self._live.get((str(tensor.device), tensor.untyped_storage().data_ptr()))
         for entry in list(entries or ()):
@@ -164,8 +167,9 @@ class CarveStoreWriter:
         self._file.close()
         self._file = None
         for name, entry in self._pending.items():
-            self.tensors[name] = {"shard": shard, "shape": entry["shape"],
-                                  "dtype": next(k for k, v in STORE_DTYPES.items() if v == entry["dtype"])}
+            dtype = self._pending_dtypes.pop(name)
+            self.tensors[name] = {"shard": shard, "dtype": dtype,
+                                  "shape": entry["shape"][:-1] if dtype in STORED_AS_PAIRS else entry["shape"]}
         self.bytes_written += self._pending_bytes
         self._shard += 1
         self._pending, self._pending_bytes, self._header_bytes = {}, 0, 2
@@ -288,7 +292,8 @@ class CarveStore:
                 raise TapmlError(f"shard {shown_shard} {what}; the store is corrupt")
             for name, info in names.items():
                 entry = shard_file.get_slice(name)
-                if list(entry.get_shape()) != list(info["shape"]) or entry.get_dtype() != STORE_DTYPES[info["dtype"]]:
+                held = list(info["shape"]) + ([2] if info["dtype"] in STORED_AS_PAIRS else [])
+                if list(entry.get_shape()) != held or entry.get_dtype() != STORE_DTYPES[info["dtype"]]:
                     raise TapmlError(f"tensor {name[:60]!r} has another shape or dtype in {shown_shard} than in the "
                                      "index; the store is corrupt")
             self._shards[shard], self._shards_path[shard] = shard_file, shard_path
@@ -355,10 +360,10 @@ class CarveStore:
         shard = info["shard"]
         try:
             if _meta(info).nbytes < MMAP_MIN_BYTES:
-                return self._shards[shard].get_tensor(name).clone()
+                return _as_stored(self._shards[shard].get_tensor(name).clone(), info)
             # A handle of its own: tensors of one handle share its copy-on-write mapping, so a
             # change to one read would show in the next read of the same tensor.
-            return _open_shard(self._shards_path[shard], repr(shard[:80])).get_tensor(name)
+            return _as_stored(_open_shard(self._shards_path[shard], repr(shard[:80])).get_tensor(name), info)
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise TapmlError(f"reading {name[:60]!r} from {shard[:80]} failed ({str(e)[:200]}); "
                              "the store is corrupt") from None
@@ -435,6 +440,11 @@ class CarveStore:
     def model_outputs(self) -> dict[str, torch.Tensor]:
         """The reference's outputs of the whole model, by graph output ref."""
         return {ref: self.tensor(name) for ref, name in self.manifest["model_outputs"].items()}
+
+
+def _as_stored(t: torch.Tensor, info: dict) -> torch.Tensor:
+    """A shard's tensor as the index says it is: complex32 from its float16 pairs."""
+    return torch.view_as_complex(t) if info["dtype"] in STORED_AS_PAIRS else t
 
 
 __all__ = ["CarveStore", "CarveStoreWriter"]

@@ -39,7 +39,7 @@ LIMIT_NAMES = ("max-storage-buffer-binding-size", "max-buffer-size", "max-storag
 
 #: The WGSL element types a buffer holds, with their sizes in bytes (``f16p``/``bf16p``: 16-bit
 #: values packed two to a ``u32``, for devices without ``shader-f16``).
-WGSL_TYPES = {"f32": 4, "f16": 2, "f16p": 2, "bf16p": 2, "i32": 4, "u32": 4, "i64": 8, "c64": 8, "u64": 8}
+WGSL_TYPES = {"f32": 4, "f16": 2, "f16p": 2, "bf16p": 2, "i32": 4, "u32": 4, "i64": 8, "c64": 8, "u64": 8, "c32": 4}
 BUFFER_ROLES = ("input", "output", "temp", "const")
 ACCESS = ("read", "read_write")
 #: An entry point's name: a WGSL identifier of at most 128 characters.
@@ -54,7 +54,7 @@ class BufferJSON(ClosedSchema):
     """A :class:`BufferSpec` as a program's JSON holds it; ``data`` (const buffers) is hex."""
 
     name: _Name
-    dtype: Literal["f32", "f16", "f16p", "bf16p", "i32", "u32", "i64", "c64", "u64"]
+    dtype: Literal["f32", "f16", "f16p", "bf16p", "i32", "u32", "i64", "c64", "u64", "c32"]
     size: Annotated[Count, Field(multiple_of=4)]
     role: _Role
     meta: TensorMetaJSON | None = None

@@ -53,7 +53,7 @@ AUTH_TIMEOUT_S = 10.0
 
 # Wire codes are fixed forever: append, never reorder.
 DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool",
-          "complex64", "uint64")
+          "complex64", "uint64", "complex32")
 DTYPE_CODE = {name: i for i, name in enumerate(DTYPES)}
 
 HEADER = struct.Struct("!4sQBBQ")
@@ -440,7 +440,7 @@ def tensor_bytes(t):
     name = dtype_name(t.dtype)
     if name not in DTYPE_CODE:
         raise ValueError(f"tensors of dtype {name} cannot be sent to a device server")
-    t = t.detach().cpu().contiguous()
+    t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()  # a conj view travels as its values
     shape = tuple(int(s) for s in t.shape)
     if t.numel() == 0:
         return DTYPE_CODE[name], shape, b""

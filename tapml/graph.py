@@ -35,6 +35,7 @@ _DTYPE_NAMES = {
     torch.uint64: "uint64",
     torch.bool: "bool",
     torch.complex64: "complex64",
+    torch.complex32: "complex32",
 }
 _DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
 _LAYOUTS = {"strided": torch.strided, "sparse_coo": torch.sparse_coo, "sparse_csr": torch.sparse_csr,
@@ -661,13 +662,13 @@ def _state_from_signature(signature, ref_of_name: dict[str, str]) -> dict[str, s
 
 
 #: The dtypes a carve can hold (a store's tensors; the WGSL platforms refuse float64 and complex64).
-CARVABLE_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "complex64", "int64", "int32", "int16",
-                             "int8", "uint8", "uint64", "bool"})
+CARVABLE_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "complex64", "complex32", "int64", "int32",
+                             "int16", "int8", "uint8", "uint64", "bool"})
 
 
 def _check_carvable(n: torch.fx.Node, metas: list[TensorMeta], val: Any) -> None:
     """ValueError naming the node for a tensor no store can hold: a dtype outside
-    :data:`CARVABLE_DTYPES` (complex128, complex32, uint16 and uint32, float8) or a sparse layout."""
+    :data:`CARVABLE_DTYPES` (complex128, uint16 and uint32, float8) or a sparse layout."""
     what = f"input {n.name}" if n.op == "placeholder" else f"node {n.name} ({op_name(n.target)})"
     for m in metas:
         if m.dtype not in CARVABLE_DTYPES:

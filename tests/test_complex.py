@@ -70,6 +70,54 @@ def _fft_judged(op, args, kwargs, outputs, expected):
 test_complex_lowerings_equal_torch, test_complex_lowerings_equal_torch_in_chromium = on_every_webgpu(_check)
 
 
+# --- complex32: pairs of float16, computed as complex64 and rounded per part at each op -------
+
+def _c32(*shape) -> torch.Tensor:
+    """Seeded complex32 values with float16 edges among them: zeros of both signs, infinities, NaN,
+    a part past float16's range (inf once rounded), subnormal parts."""
+    g = torch.Generator().manual_seed(math.prod(shape) + 7)
+    z = torch.complex(torch.randn(*shape, generator=g) * 4, torch.randn(*shape, generator=g) * 4).reshape(-1)
+    edges = [complex(0.0, -0.0), complex(math.inf, 1.0), complex(-2.0, -math.inf), complex(math.nan, 0.5),
+             complex(70000.0, 3.0), complex(3e-6, -1e-7), complex(65504.0, -65504.0)]
+    z[:len(edges)] = torch.tensor(edges[:z.numel()], dtype=torch.complex64)
+    return z.to(torch.complex32).reshape(shape)
+
+
+def _complex32_cases() -> list:
+    """(op, args, kwargs) of every op torch computes on complex32 (its CPU kernels implement few)."""
+    a, b, h = _c32(4, 6), _c32(6), torch.randn(4, 6, 2).half()
+    return [("aten.add.Tensor", (a, b), {}), ("aten.add.Tensor", (a, b), {"alpha": 3}), ("aten.sub.Tensor", (a, b), {}),
+            ("aten.mul.Tensor", (a, b), {}), ("aten.mul.Scalar", (a, 1.5 - 0.25j), {}), ("aten.mul.Tensor", (a, h[..., 0]), {}),
+            ("aten.neg.default", (a,), {}), ("aten._conj.default", (a,), {}), ("aten.abs.default", (a,), {}),
+            ("aten.real.default", (a,), {}), ("aten.imag.default", (a,), {}), ("aten.view_as_real.default", (a,), {}),
+            ("aten.view_as_complex.default", (h,), {}), ("aten.complex.default", (h[..., 0], h[..., 1]), {}),
+            ("aten.cat.default", ([a, a * 2],), {}), ("aten.where.self", (h[..., 0] > 0, a, b), {}),
+            ("aten.index_select.default", (a, 0, torch.tensor([3, 0, 3])), {}),
+            ("aten._to_copy.default", (a,), {"dtype": torch.complex64}),
+            ("aten._to_copy.default", (_c32(5).to(torch.complex64) * 1.0009765625,), {"dtype": torch.complex32}),
+            ("aten._to_copy.default", (h[..., 0],), {"dtype": torch.complex32}),
+            ("aten._to_copy.default", (a,), {"dtype": torch.float16}), ("aten.clone.default", (a,), {})]
+
+
+def _check_complex32(platform):
+    bad = []
+    with platform:
+        for op, args, kwargs in _complex32_cases():
+            graph, inputs = case_graph(op, args, kwargs)
+            assert any(m.dtype == "complex32" for m in graph.meta.values()), op
+            got = platform.run(platform.compile(graph), inputs)
+            want = run_graph(graph, dict(zip([r for r, _ in graph.inputs], inputs)))
+            for g, ref in zip(got, [want[r] for r in graph.outputs]):
+                # torch computes complex32 as complex64 rounded to float16 per part, as the device does
+                result = compare_tensor(g, ref, rtol=0, atol=0)
+                if g.dtype != ref.dtype or not result.passed:
+                    bad.append((op, kwargs, g.dtype, result.message))
+    assert not bad, bad
+
+
+test_complex32_equals_torch, test_complex32_equals_torch_in_chromium = on_every_webgpu(_check_complex32)
+
+
 def _migrate(tmp_path, factory: str, target: str) -> dict:
     runner = CliRunner()
     store = tmp_path / factory
@@ -93,6 +141,25 @@ def test_complex_model_code_migrates_whole(tmp_path, factory, target):
     ops = {c["op"] for c in doc["cases"]}
     assert ops & ({"aten.polar.default", "aten.view_as_complex.default"} if factory == "llama_block" else
                   {"aten._fft_r2c.default", "aten._fft_c2r.default"})
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+@pytest.mark.parametrize("target", ["wgpu:vulkan", "wgpu:gl"])
+def test_complex32_model_code_migrates_whole(tmp_path, target):
+    """Half-precision rotary pairs in complex32 (tests/models/complex_models.py ``half_rotation``):
+    carved (the store holds complex32 as float16 pairs, and a conj view as its values), then every op
+    on the target."""
+    doc = _migrate(tmp_path, "half_rotation", target)
+    assert doc["placement"]["ops_on_target"] == doc["placement"]["ops_total"], doc["placement"]
+    assert doc["end_to_end"]["status"] == "pass"
+    assert {"aten.mul.Tensor", "aten._conj.default", "aten.view_as_complex.default"} <= {c["op"] for c in doc["cases"]}
+
+
+@pytest.mark.browser
+def test_complex32_model_code_migrates_whole_in_chromium(tmp_path):
+    doc = _migrate(tmp_path, "half_rotation", "browser")
+    assert doc["placement"]["ops_on_target"] == doc["placement"]["ops_total"], doc["placement"]
 
 
 @pytest.mark.device

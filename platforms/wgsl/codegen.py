@@ -66,18 +66,21 @@ U64 = "tap_u64"
 #: ``tap_c64`` expression type (``vec2<f32>``); platforms/wgsl/complex.py
 COMPLEX = "complex64"
 C64 = "tap_c64"
+#: complex32: a pair of float16 in one u32 word (``c32`` storage, torch's own bytes), computed as
+#: ``tap_c64`` and rounded to float16 per part at each op, as torch computes it
+COMPLEX32 = "complex32"
 INTS = ("int64", "int32", "int16", "int8", "uint8")
 #: torch dtype -> WGSL storage type. float16 is ``f16`` on devices with shader-f16 and packed
 #: (``f16p``) elsewhere; see :meth:`ProgramBuilder.storage`.
 STORAGE = {"float32": "f32", "float16": "f16", "bfloat16": "bf16p", "bool": "u32", **{d: "i32" for d in INTS},
-           WIDE: "i64", COMPLEX: "c64", "uint64": "u64"}
+           WIDE: "i64", COMPLEX: "c64", "uint64": "u64", COMPLEX32: "c32"}
 #: Storage types holding two 16-bit floats per u32 word (element i in word i / 2, low half
 #: first): float16 without shader-f16 (``f16p``, read with unpack2x16float) and bfloat16
 #: (``bf16p``, the high half of an f32 bit pattern). Arithmetic is f32; stores round to
 #: nearest even (tap_f16_bits, tap_bf16_bits) and write their half with atomicAnd/atomicOr,
 #: since the other half of the word belongs to another thread.
 PACKED = ("f16p", "bf16p")
-ITEMSIZE = {"f32": 4, "f16": 2, "f16p": 2, "bf16p": 2, "i32": 4, "u32": 4, "i64": 8, "c64": 8, "u64": 8}
+ITEMSIZE = {"f32": 4, "f16": 2, "f16p": 2, "bf16p": 2, "i32": 4, "u32": 4, "i64": 8, "c64": 8, "u64": 8, "c32": 4}
 #: Bytes of one element of a binding's WGSL array type.
 ELEM_BYTES = {"f32": 4, "i32": 4, "u32": 4, "f16": 2, "vec4<f32>": 16, "vec4<f16>": 8, "atomic<u32>": 4, I64: 8, C64: 8, U64: 8}
 #: Window offsets are multiples of the device's min-storage-buffer-offset-alignment (never less
@@ -100,7 +103,7 @@ def ctype(dtype: str) -> str:
         return I64
     if dtype == "uint64":
         return U64
-    if dtype == COMPLEX:
+    if dtype in (COMPLEX, COMPLEX32):
         return C64
     raise Unsupported(f"dtype {dtype} has no WGSL lowering")
 
@@ -205,7 +208,7 @@ def extreme_lit(ty: str, greatest: bool) -> str:
 
 def elem_type(storage: str) -> str:
     """The WGSL array element type a buffer of ``storage`` is bound as (u32 for packed ones)."""
-    return "u32" if storage in PACKED else {"i64": I64, "c64": C64, "u64": U64}.get(storage, storage)
+    return "u32" if storage in PACKED or storage == "c32" else {"i64": I64, "c64": C64, "u64": U64}.get(storage, storage)
 
 
 def window_bytes(max_binding_size: int, align: int = WINDOW_ALIGN) -> int:
@@ -254,6 +257,8 @@ def load(raw: str, storage: str, ty: str) -> str:
     """Expression of type ``ty`` reading ``raw``, an element of a ``storage`` buffer (not packed)."""
     if storage == "u32":
         return cast(f"({raw} != 0u)", "bool", ty)
+    if storage == "c32":
+        return cast(f"{C64}(unpack2x16float({raw}))", C64, ty)
     if storage == "f16":
         return cast(f"f32({raw})", "f32", ty)
     return cast(raw, elem_type(storage), ty)
@@ -263,6 +268,8 @@ def store(expr: str, ty: str, storage: str) -> str:
     """``expr`` (of type ``ty``) converted for writing into a ``storage`` buffer."""
     if storage == "u32":
         return f"select(0u, 1u, {cast(expr, ty, 'bool')})"
+    if storage == "c32":
+        return f"tap_c32_bits({cast(expr, ty, C64)})"
     if storage == "f16":
         return f"f16({cast(expr, ty, 'f32')})"
     return cast(expr, ty, elem_type(storage))
@@ -389,6 +396,8 @@ def round_low(k: "KernelBuilder", e: str, dtype: str) -> str:
         return f"f32(f16({e}))" if k.program.storage(dtype) == "f16" else f"{k.need('tap_round_f16')}({e})"
     if dtype == "bfloat16":
         return f"{k.need('tap_round_bf16')}({e})"
+    if dtype == COMPLEX32:
+        return f"{k.need('tap_round_c32')}({e})"
     return e
 
 
@@ -564,6 +573,8 @@ class KernelBuilder:
         body = "\n".join(pre + self.lines)
         if "tap_bits_f32(" in body:  # literals of Inf and NaN (see lit) call it
             self.need("tap_bits_f32")
+        if "tap_c32_bits(" in body:  # complex32 stores (see store) call it
+            self.need("tap_c32_bits")
         if I64 in body or U64 in body:
             from tapml.platforms.wgsl.int64 import helpers_called
             for helper in helpers_called(body):

@@ -27,7 +27,7 @@ import torch
 from tapml.errors import Unsupported
 from tapml.graph import TensorMeta
 from tapml.platforms.base import BufferSpec
-from tapml.platforms.wgsl.codegen import C64, COMPLEX, LOOP_BUDGET, BufferView, Compute, Value
+from tapml.platforms.wgsl.codegen import C64, COMPLEX, COMPLEX32, LOOP_BUDGET, BufferView, Compute, Value
 from tapml.platforms.wgsl.helpers import HELPERS
 from tapml.platforms.wgsl.registry import Lowering, rand
 
@@ -48,6 +48,13 @@ fn tap_c64_div(a: {C64}, b: {C64}) -> {C64} {{
   let r = b.x / b.y;
   let d = b.y + b.x * r;
   return {C64}((a.x * r + a.y) / d, (a.y * r - a.x) / d);
+}}"""),
+    # z times a real a as the complex product (a + 0i) z: an infinite or NaN part makes the other NaN
+    "tap_c64_scale": (("tap_bits_f32",), f"""
+fn tap_c64_scale(z: {C64}, a: f32) -> {C64} {{
+  let nan = tap_bits_f32(0x7fc00000u);
+  let finite = (bitcast<vec2<u32>>(z) & vec2<u32>(0x7fffffffu)) < vec2<u32>(0x7f800000u);
+  return {C64}(select(nan, z.x * a, finite.y), select(nan, z.y * a, finite.x));
 }}"""),
     # |z| without overflow or underflow in the squares (hypot)
     # (Inf is made at run time: WGSL refuses a constant expression that evaluates to it)
@@ -73,7 +80,7 @@ def helpers_called(source: str) -> list[str]:
 
 
 def _is_complex(v) -> bool:
-    return isinstance(v, Value) and v.dtype == COMPLEX
+    return isinstance(v, Value) and v.dtype in (COMPLEX, COMPLEX32)
 
 
 # --- views between complex and float pairs --------------------------------------------------
@@ -82,7 +89,8 @@ class _AsComplex(Value):
     """``view_as_complex``: a float tensor [..., 2] read as complex [...]."""
 
     def __init__(self, src: Value):
-        self.src, self.shape, self.dtype, self.cost = src, tuple(src.shape[:-1]), COMPLEX, src.cost
+        self.src, self.shape, self.cost = src, tuple(src.shape[:-1]), src.cost
+        self.dtype = COMPLEX32 if src.dtype == "float16" else COMPLEX
 
     def read(self, k, idx):
         re = self.src.read(k, list(idx) + ["0"])
@@ -97,7 +105,8 @@ class _AsReal(Value):
     """``view_as_real``: a complex tensor [...] read as float [..., 2]."""
 
     def __init__(self, src: Value):
-        self.src, self.shape, self.dtype, self.cost = src, tuple(src.shape) + (2,), "float32", src.cost
+        self.src, self.shape, self.cost = src, tuple(src.shape) + (2,), src.cost
+        self.dtype = "float16" if src.dtype == COMPLEX32 else "float32"
 
     def read(self, k, idx):
         z = self.src.read(k, list(idx[:-1]))
@@ -111,8 +120,8 @@ class _AsReal(Value):
 
 
 def _view_as_complex(pb, node, x):
-    if x.dtype != "float32":
-        raise Unsupported(f"view_as_complex of {x.dtype}: only float32 pairs (complex64) are held")
+    if x.dtype not in ("float32", "float16"):
+        raise Unsupported(f"view_as_complex of {x.dtype}: only float32 and float16 pairs (complex64, complex32) are held")
     return [_AsComplex(x)]
 
 
@@ -122,7 +131,11 @@ def _view_as_real(pb, node, z):
 
 # --- elementwise ------------------------------------------------------------------------------
 
-def _elementwise(template, *, arg_types=None, result=None, helpers=()):
+def _elementwise(template, *, arg_types=None, result=None, helpers=(), scaled=False):
+    """``scaled``: the last operand times ``alpha`` (1 too) as a complex product, as torch's add and
+    sub compute it: an infinite or NaN part makes the other part NaN (``1 + (inf + 1j)`` is
+    ``inf + nan j``). A real ``alpha`` goes through ``tap_c64_scale``, which spells that out: a
+    compiler folds ``x * 0.0`` of a literal to 0."""
     from tapml.platforms.wgsl.elementwise import elementwise
 
     def lower(pb, node, *args, **kwargs):
@@ -132,14 +145,35 @@ def _elementwise(template, *, arg_types=None, result=None, helpers=()):
         def fn(k, *xs):
             for h in helpers:
                 k.need(h)
-            if alpha != 1:
+            if isinstance(alpha, complex) and alpha.imag != 0:
                 k.need("tap_c64_mul")
-                xs = list(xs[:-1]) + [f"tap_c64_mul({xs[-1]}, {lit_alpha})"]
+                xs = list(xs[:-1]) + [f"tap_c64_mul({xs[-1]}, {lit(alpha, C64)})"]
+            elif alpha != 1 or scaled:
+                k.need("tap_c64_scale")
+                xs = list(xs[:-1]) + [f"tap_c64_scale({xs[-1]}, {lit(complex(alpha).real, 'f32')})"]
             return template.format(*xs)
         from tapml.platforms.wgsl.codegen import lit
-        lit_alpha = lit(alpha, C64)
         return [elementwise(pb, node, values, fn, compute=C64, result=result, arg_types=arg_types)]
     return lower
+
+
+def _real_operand(v) -> bool:
+    """A real operand of a complex product: a real tensor, or a number with no imaginary part."""
+    if isinstance(v, Value):
+        return not _is_complex(v)
+    return not isinstance(v, complex) or v.imag == 0
+
+
+def _mul(pb, node, a, b):
+    """A complex product; with a real operand ``r`` torch computes ``(r + 0i) z``, whose infinite or
+    NaN part makes the other NaN: ``tap_c64_scale`` spells that out (a literal 0.0 would be folded)."""
+    from tapml.platforms.wgsl.elementwise import elementwise
+    if _real_operand(a) or _real_operand(b):
+        z, r = (b, a) if _real_operand(a) else (a, b)
+        r = r if isinstance(r, Value) else complex(r).real
+        return [elementwise(pb, node, [z, r], lambda k, x, y: f"{k.need('tap_c64_scale')}({x}, {y})",
+                            arg_types=(C64, "f32"), compute=C64)]
+    return _elementwise("tap_c64_mul({0}, {1})", helpers=("tap_c64_mul",))(pb, node, a, b)
 
 
 def _polar(pb, node, r, theta):
@@ -477,10 +511,9 @@ def _lowerings() -> dict[str, Lowering]:
     add("aten.view_as_real.default", _view_as_real, lambda: [((_c(3, 4),), {})])
     add("aten.polar.default", _polar, lambda: [((rand(3, 4, lo=0.1, hi=3), rand(3, 4, lo=-7, hi=7)), {})])
     add("aten.complex.default", _complex, lambda: [((rand(3, 4), rand(4)), {})])
-    add(["aten.add.Tensor", "aten.add.Scalar"], _elementwise("({0} + {1})"), _binary_samples)
-    add(["aten.sub.Tensor", "aten.sub.Scalar"], _elementwise("({0} - {1})"), _binary_samples)
-    add(["aten.mul.Tensor", "aten.mul.Scalar"], _elementwise("tap_c64_mul({0}, {1})", helpers=("tap_c64_mul",)),
-        _binary_samples)
+    add(["aten.add.Tensor", "aten.add.Scalar"], _elementwise("({0} + {1})", scaled=True), _binary_samples)
+    add(["aten.sub.Tensor", "aten.sub.Scalar"], _elementwise("({0} - {1})", scaled=True), _binary_samples)
+    add(["aten.mul.Tensor", "aten.mul.Scalar"], _mul, _binary_samples)
     add(["aten.div.Tensor", "aten.div.Scalar"], _elementwise("tap_c64_div({0}, {1})", helpers=("tap_c64_div",)),
         _binary_samples)
     add("aten.neg.default", _elementwise("(-{0})"), _unary_samples)
@@ -498,18 +531,21 @@ def _lowerings() -> dict[str, Lowering]:
 
 
 def complex_lowering(node, input_metas, registry) -> Lowering:
-    """The lowering of ``node``, which has a complex64 input or output; Unsupported when none."""
+    """The lowering of ``node``, which has a complex64 or complex32 input or output (complex32 is
+    computed as complex64 and rounded to float16 per part at each op, as torch does); Unsupported
+    when none."""
     if node.op in COMPLEX_LOWERINGS:
         return COMPLEX_LOWERINGS[node.op]
     low = registry.get(node.op)
     if low is not None and (low.view or node.op in TAKES_COMPLEX):
         return low
-    raise Unsupported(f"{node.op} has no lowering for complex64 tensors (held as pairs of float32 on WGSL targets)")
+    raise Unsupported(f"{node.op} has no lowering for complex tensors (held as pairs of float32 or float16 on WGSL "
+                      "targets)")
 
 
 def touches_complex(node, input_metas) -> bool:
-    """Whether ``node`` has a complex64 input or output."""
-    return any(m.dtype == COMPLEX for m in list(input_metas) + list(node.outputs))
+    """Whether ``node`` has a complex64 or complex32 input or output."""
+    return any(m.dtype in (COMPLEX, COMPLEX32) for m in list(input_metas) + list(node.outputs))
 
 
 # --- samples ----------------------------------------------------------------------------------

@@ -56,6 +56,15 @@ fn tap_bf16_bits(x: f32) -> u32 {
 fn tap_round_f16(x: f32) -> f32 {
   return unpack2x16float(tap_f16_bits(x)).x;
 }"""),
+    # complex32: both parts rounded to float16 (nearest even), as one u32 word or as values
+    "tap_c32_bits": (("tap_f16_bits",), """
+fn tap_c32_bits(z: vec2<f32>) -> u32 {
+  return tap_f16_bits(z.x) | (tap_f16_bits(z.y) << 16u);
+}"""),
+    "tap_round_c32": (("tap_c32_bits",), """
+fn tap_round_c32(z: vec2<f32>) -> vec2<f32> {
+  return unpack2x16float(tap_c32_bits(z));
+}"""),
     "tap_round_bf16": (("tap_bf16_bits",), """
 fn tap_round_bf16(x: f32) -> f32 {
   return bitcast<f32>(tap_bf16_bits(x) << 16u);

@@ -144,9 +144,10 @@ def dtype_reason(dtype: str, caps: dict) -> str | None:
     """Why a tensor of ``dtype`` cannot live on a device with ``caps`` (None when it can)."""
     if dtype == "float64":
         return "float64: WGSL has no 64-bit floats"
-    if dtype.startswith("complex") and dtype != "complex64":
-        return f"{dtype}: WGSL has no complex types (complex64 is held as pairs of float32; {dtype} is not)"
-    if dtype not in ALL and dtype not in ("int64w", "complex64", "uint64"):  # two words, float32 pairs
+    if dtype.startswith("complex") and dtype not in ("complex64", "complex32"):
+        return (f"{dtype}: WGSL has no complex types (complex64 and complex32 are held as pairs of float32 and "
+                f"float16; {dtype} is not)")
+    if dtype not in ALL and dtype not in ("int64w", "complex64", "uint64", "complex32"):  # two words, pairs
         return f"dtype {dtype} has no WGSL lowering"
     return None
 
@@ -206,7 +207,7 @@ def supports_node(node: Node, caps: dict, input_metas: Sequence[TensorMeta] = ()
         except Unsupported as e:
             return str(e)
         return low.check(node) if low.check is not None else None
-    if any(m.dtype == "complex64" for m in list(input_metas) + list(node.outputs)):
+    if any(m.dtype in ("complex64", "complex32") for m in list(input_metas) + list(node.outputs)):
         from tapml.platforms.wgsl.complex import complex_lowering
         from tapml.errors import Unsupported
         try:

@@ -42,6 +42,8 @@ def to_device(t: torch.Tensor, storage: str, name: str = "tensor") -> bytes:
         arr = t.to(torch.uint64).numpy().astype("<u8")
     elif storage == "c64":  # real, imaginary: torch's own complex64 bytes
         arr = torch.view_as_real(t.to(torch.complex64)).numpy()
+    elif storage == "c32":  # real, imaginary float16 in one word: torch's own complex32 bytes
+        arr = torch.view_as_real(t.to(torch.complex32).resolve_conj()).numpy()
     else:
         raise ValueError(f"unknown storage type {storage!r}")
     data = arr.tobytes()
@@ -51,7 +53,7 @@ def to_device(t: torch.Tensor, storage: str, name: str = "tensor") -> bytes:
 
 
 #: the bytes one element takes in each WGSL storage type (packed halves: two to a u32)
-STORAGE_BYTES = {"f32": 4, "f16": 2, "f16p": 2, "bf16p": 2, "i32": 4, "u32": 4, "i64": 8, "c64": 8, "u64": 8}
+STORAGE_BYTES = {"f32": 4, "f16": 2, "f16p": 2, "bf16p": 2, "i32": 4, "u32": 4, "i64": 8, "c64": 8, "u64": 8, "c32": 4}
 
 
 def to_device_chunks(t: torch.Tensor, storage: str, name: str = "tensor", chunk_bytes: int = 64 << 20):
@@ -107,6 +109,9 @@ _NP = {"f32": np.float32, "f16": np.float16, "f16p": np.float16, "bf16p": np.int
 def from_device(data, storage: str, meta: TensorMeta) -> torch.Tensor:
     """The tensor ``meta`` describes, from a buffer's bytes (int results back to int64)."""
     n = meta.numel
+    if storage == "c32":  # float16 pairs
+        pairs = np.frombuffer(bytes(data), dtype=np.float16, count=2 * n) if n else np.zeros(0, np.float16)
+        return torch.view_as_complex(torch.from_numpy(pairs.copy()).reshape(*meta.shape, 2))
     arr = np.frombuffer(bytes(data), dtype=_NP[storage], count=n) if n else np.zeros(0, _NP[storage])
     dtype = torch_dtype(meta.dtype)
     if storage == "u32":

@@ -137,3 +137,24 @@ class RotateByConstant(nn.Module):
 def rotate_by_constant():
     torch.manual_seed(0)
     return RotateByConstant(), (torch.randn(2, 5, 8),)
+
+
+class HalfRotation(nn.Module):
+    """Rotary pairs in complex32, as half-precision code that keeps its angles as ``chalf`` writes
+    it: float16 pairs viewed as complex, multiplied by unit complex32 factors (a buffer), added to a
+    complex shift, back to float16 pairs, and the magnitude (what torch computes on complex32)."""
+
+    def __init__(self, n: int = 4):
+        super().__init__()
+        angles = torch.arange(n) * 0.7
+        self.register_buffer("turn", torch.polar(torch.ones(n), angles).to(torch.complex32))
+
+    def forward(self, x):
+        z = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))
+        r = z * self.turn - z.conj()
+        return torch.view_as_real(r).flatten(-2), r.abs(), torch.cat([r, z], -1).to(torch.complex64)
+
+
+def half_rotation():
+    torch.manual_seed(0)
+    return HalfRotation(), (torch.randn(3, 8).half(),)
