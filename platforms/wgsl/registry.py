@@ -370,5 +370,5 @@ def coverage_markdown() -> str:
     missing = [op for op in core if op not in registry and op not in COMPLEX_OPS]
     lines += ["", f"{sum(op in registry for op in core)} of the {len(core)} functional core ATen overloads are lowered; "
               f"refused by design: {', '.join(f'`{op}`' for op in by_design) or 'none'}, every "
-              "float64 tensor and complex128; not lowered yet: " + (", ".join(f"`{op}`" for op in missing) or "none") + "."]
+              "float64 tensor but the constants float32 holds exactly, and complex128; not lowered yet: " + (", ".join(f"`{op}`" for op in missing) or "none") + "."]
     return "\n".join(lines)
