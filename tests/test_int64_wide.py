@@ -144,6 +144,14 @@ def test_two_words_through_a_loopback_server(tmp_path):
             out = remote.run(remote.compile(graph), inputs)
             assert out[0].tolist() == x.to(torch.int64).tolist()
             assert remote.last_wide == ("n0",)  # the server says what it held in two words
+            # uint64 and complex32 cross the wire as their bytes, and run there
+            u = torch.tensor([1, 2**63 + 5, 2**64 - 1], dtype=torch.uint64)
+            graph, inputs = case_graph("aten.mul.Tensor", [u, u])
+            assert torch.equal(remote.run(remote.compile(graph), inputs)[0], u * u)
+            z = torch.tensor([1 + 2j, -0.5 + 3j], dtype=torch.complex64).to(torch.complex32)
+            graph, inputs = case_graph("aten.mul.Tensor", [z, z])
+            assert torch.equal(torch.view_as_real(remote.run(remote.compile(graph), inputs)[0]),
+                               torch.view_as_real(z * z))
 
 
 # --- fast tier: no device -----------------------------------------------------------------
