@@ -303,26 +303,33 @@ def _outcome(platform, graph, inputs, ref, compare_values: bool, held_wide: bool
     return None
 
 
+def _cases_of(op: str, generated, extra: dict) -> list:
+    """``generated(op, most=3)``'s cases of ``op`` and its own ``extra`` ones: ``(graph, inputs, torch's outputs)``."""
+    cases = generated(op, most=3)
+    for args, kwargs in extra.get(op, []):
+        graph, inputs = case_graph(op, args, kwargs)
+        cases.append((graph, inputs, _expected(graph, inputs)))
+    return cases
+
+
 def _check_every_claim(platform):
     from tapml.platforms.wgsl import load_lowerings
     from tests.support import wide_limit_cases
     registry = load_lowerings()
     wrong, refused, without = [], set(), []
-    for op in _int64_claims():
-        cases = wide_limit_cases(op, most=3)
-        for args, kwargs in EXTRA_CASES.get(op, []):
-            graph, inputs = case_graph(op, args, kwargs)
-            cases.append((graph, inputs, _expected(graph, inputs)))
-        if not cases:
-            without.append(op)
-        for graph, inputs, ref in cases:
-            problem = _outcome(platform, graph, inputs, ref, registry[op].compare_values)
-            if problem is None:
-                continue
-            if op in NOT_YET and problem.startswith("unsupported") and "two 32-bit words" in problem:
-                refused.add(op)
-            else:
-                wrong.append((op, problem[:200]))
+    with platform:
+        for op in _int64_claims():
+            cases = _cases_of(op, wide_limit_cases, EXTRA_CASES)
+            if not cases:
+                without.append(op)
+            for graph, inputs, ref in cases:
+                problem = _outcome(platform, graph, inputs, ref, registry[op].compare_values)
+                if problem is None:
+                    continue
+                if op in NOT_YET and problem.startswith("unsupported") and "two 32-bit words" in problem:
+                    refused.add(op)
+                else:
+                    wrong.append((op, problem[:200]))
     assert not wrong, wrong
     assert refused == NOT_YET, sorted(NOT_YET - refused)  # the list is current
     assert set(without) == set(NO_WIDE_OPERAND), set(without) ^ set(NO_WIDE_OPERAND)
@@ -381,10 +388,7 @@ def _check_uint64(platform):
     wrong, without = [], []
     with platform:
         for op in _uint64_claims():
-            cases = uint64_cases(op, most=3)
-            for args, kwargs in UINT64_EXTRA_CASES.get(op, []):
-                graph, inputs = case_graph(op, args, kwargs)
-                cases.append((graph, inputs, _expected(graph, inputs)))
+            cases = _cases_of(op, uint64_cases, UINT64_EXTRA_CASES)
             if not cases:
                 without.append(op)
             for graph, inputs, ref in cases:
