@@ -384,8 +384,10 @@ def _range_of(t: torch.Tensor) -> tuple:
 
 
 def _arg_range(a, ranges):
+    """``a`` with each tensor ref replaced by its range (None where unknown: a resident tensor; a
+    rule that needs it raises TypeError, one that does not, such as copy's destination, goes on)."""
     if isinstance(a, dict) and "ref" in a:
-        return ranges[a["ref"]]
+        return ranges.get(a["ref"])
     if isinstance(a, list):
         return [_arg_range(x, ranges) for x in a]
     if isinstance(a, (bool, int, float)) or a is None:
