@@ -362,8 +362,10 @@ def test_every_random_lowering_is_judged_by_distribution():
 
 def test_what_cannot_be_drawn_is_refused_with_the_reason():
     caps = {"features": [], "limits": {}}
-    graph, _ = case_graph("aten.randint.low", [0, 2**31 + 5, [4]])
-    assert "leaves i32" in supports_node(graph.nodes[0], caps)
+    graph, _ = case_graph("aten.randint.low", [0, 2**31 + 5, [4]], {"dtype": torch.float32})
+    assert "leaves i32, and the output is float32" in supports_node(graph.nodes[0], caps)
+    graph, _ = case_graph("aten.randint.low", [0, 2**31 + 5, [4]])  # int64: drawn in two words
+    assert supports_node(graph.nodes[0], caps) is None
     graph, _ = case_graph("aten.rand.default", [[4]], {"dtype": torch.float64})
     assert "float64" in supports_node(graph.nodes[0], caps)
     graph, _ = case_graph("aten.bernoulli.p", [torch.rand(4), 0.5])
