@@ -630,13 +630,13 @@ def _division(mode, part):
     return lower
 
 
-def _truncated(node, v):
+def _truncated(v):
     """A float scalar given to an op on integers, converted as torch converts it (toward zero)."""
     return int(v) if isinstance(v, float) and not isinstance(v, bool) and math.isfinite(v) else v
 
 
 def _hardtanh(pb, node, x, min_val=-1.0, max_val=1.0):
-    return _clamp(pb, node, x, min=_truncated(node, min_val), max=_truncated(node, max_val))
+    return _clamp(pb, node, x, min=_truncated(min_val), max=_truncated(max_val))
 
 
 def _ldexp(pb, node, x, e):
@@ -646,11 +646,11 @@ def _ldexp(pb, node, x, e):
 
 
 def _masked_fill(pb, node, x, mask, value):
-    return REGISTRY["aten.masked_fill.Scalar"].fn(pb, node, x, mask, _truncated(node, value))
+    return REGISTRY["aten.masked_fill.Scalar"].fn(pb, node, x, mask, _truncated(value))
 
 
 def _constant_pad(pb, node, x, pad, value=0):
-    return REGISTRY["aten.constant_pad_nd.default"].fn(pb, node, x, pad, _truncated(node, value))
+    return REGISTRY["aten.constant_pad_nd.default"].fn(pb, node, x, pad, _truncated(value))
 
 
 def _addcmul(pb, node, x, a, b, value=1):
@@ -878,9 +878,7 @@ def wide_lowering(node, input_metas, registry) -> tuple[Lowering, bool]:
     inputs are to be read as their low words (i32); :class:`Unsupported` when there is none."""
     outputs_wide = any(m.dtype == WIDE for m in node.outputs)
     low = registry.get(node.op)
-    if low is not None and (node.op in READS_AS_FLOAT and not any(ctype(m.dtype) in ("i32", I64) for m in node.outputs)
-                            or node.op in WIDE_LOWERINGS and node.op not in _NO_FLOAT_PATH
-                            and _float_operand(node, input_metas)):
+    if low is not None and _computes_in_float(node, input_metas, WIDE_LOWERINGS):
         return low, False
     if node.op in WIDE_LOWERINGS and (outputs_wide or node.op not in LOW_WORD_EXACT):
         return WIDE_LOWERINGS[node.op], False
@@ -897,6 +895,15 @@ def wide_lowering(node, input_metas, registry) -> tuple[Lowering, bool]:
 #: torch converts to the tensor's integer dtype.
 _NO_FLOAT_PATH = frozenset({"aten.masked_fill.Scalar", "aten.constant_pad_nd.default", "aten.hardtanh.default",
                             "aten.ldexp.Tensor"})
+
+
+def _computes_in_float(node, input_metas, two_word_ops) -> bool:
+    """Whether torch computes ``node`` in float from its 64-bit integer operands, so that the
+    registry's lowering, reading them through the exact conversion to float32, is right: a
+    :data:`READS_AS_FLOAT` op with no integer output, or one of ``two_word_ops`` given a float operand."""
+    if node.op in READS_AS_FLOAT and not any(ctype(m.dtype) in ("i32", I64, U64) for m in node.outputs):
+        return True
+    return node.op in two_word_ops and node.op not in _NO_FLOAT_PATH and _float_operand(node, input_metas)
 
 
 def _float_operand(node, input_metas) -> bool:
@@ -938,10 +945,7 @@ def uint64_lowering(node, input_metas, registry) -> Lowering:
     registry's own for :data:`UINT64_AS_ANY` (and views), the registry's reading the exact unsigned
     conversion to float32 where torch computes in float; :class:`Unsupported` otherwise."""
     low = registry.get(node.op)
-    if low is not None and (node.op in READS_AS_FLOAT and not any(ctype(m.dtype) in ("i32", I64, U64)
-                                                                  for m in node.outputs)
-                            or node.op in UINT64_SAME_BITS and node.op not in _NO_FLOAT_PATH
-                            and _float_operand(node, input_metas)):
+    if low is not None and _computes_in_float(node, input_metas, UINT64_SAME_BITS):
         return low
     if node.op in UINT64_SAME_BITS:
         return WIDE_LOWERINGS[node.op]
