@@ -134,6 +134,14 @@ class Backend:
         tensors, one per program output, in order."""
         raise NotImplementedError
 
+    def time_resident(self, compiled: Compiled, inputs: list, repeat: int) -> float | None:
+        """Optional: seconds one run of ``compiled`` takes with ``inputs`` already on the backend's
+        device and the outputs left there, each run launched and waited for alone (wall clock; the
+        best of a few batches of ``repeat`` runs). ``tapml bench --target A --target B`` puts it beside
+        every target's run time, so compilers compare without their host transfers. None (the
+        default): the backend cannot tell."""
+        return None
+
     def repro_runner(self) -> str | None:
         """Python source of a module that runs this backend's :attr:`Compiled.artifact` with the
         backend's own package alone, for ``tapml repro`` folders: it defines ``run(artifact: bytes,

@@ -193,6 +193,14 @@ class BackendPlatform(RuntimePlatform):
             raise PlatformError(f"{self.name} returned {len(outputs)} outputs; the program has {len(program.outputs)}")
         return [torch.as_tensor(o) for o in outputs]
 
+    def time_resident(self, program: KernelProgram, inputs: list[torch.Tensor], repeat: int = 3) -> float | None:
+        """Seconds per run with the inputs on the backend's device (:meth:`Backend.time_resident`);
+        None when the backend cannot tell or answers with something that is not a time."""
+        seconds = self.backend.time_resident(self.prepared(program), [t.contiguous() for t in inputs], repeat)
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < float("inf"):
+            return None
+        return float(seconds)
+
     def close(self) -> None:
         super().close()
         self.backend.close()

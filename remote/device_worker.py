@@ -38,6 +38,8 @@ MAX_FRAME = 1 << 30
 STARTUP_TIMEOUT_S = 120.0
 #: Seconds a closed worker gets to close its platform and exit before it is killed.
 CLOSE_GRACE_S = 5.0
+#: the most runs one ``time_resident`` request may ask of the worker
+MAX_TIMED_REPEAT = 100
 
 
 class _StateLost(Exception):
@@ -329,6 +331,23 @@ class WorkerPlatform(RuntimePlatform):
         raise PlatformError(f"the device worker kept dropping program {program.key[:12]} (its program cache is "
                             "too small for it; raise TAPML_PROGRAM_CACHE / TAPML_PROGRAM_CACHE_MIB)")
 
+    def time_resident(self, program: KernelProgram, inputs: list, repeat: int = 3) -> float | None:
+        """The worker's platform's :meth:`time_resident` for ``program`` (seconds per run with the
+        inputs on its device); None when that platform cannot tell."""
+        for _attempt in range(2):
+            if program.key not in self.programs:
+                self.prepared(program)
+            try:
+                reply, _ = self._call({"op": "time_resident", "key": program.key, "inputs": len(inputs),
+                                       "repeat": int(repeat)}, list(inputs), what="timing")
+            except _UnknownProgram:  # a restarted worker: hand it the program again
+                self.forget(program.key)
+                continue
+            seconds = reply.get("seconds")
+            ok = isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and 0 < seconds < float("inf")
+            return float(seconds) if ok else None
+        raise PlatformError(f"the device worker kept dropping program {program.key[:12]}")
+
     def _forget_state(self, key: str) -> None:
         """A failed run leaves the program's buffers unknown: rely on nothing it held."""
         self._sent.pop(key, None)
@@ -452,7 +471,7 @@ def _serve_parent(sock, platform, programs, held, kept, forget) -> None:
         op, outputs, payloads = req.get("op"), [], []
         try:
             # a run's inputs follow its frame whatever becomes of it: read them first
-            inputs = _recv_tensors(sock, int(req.get("inputs", 0))) if op == "run" else []
+            inputs = _recv_tensors(sock, int(req.get("inputs", 0))) if op in ("run", "time_resident") else []
         except (OSError, EOFError, ValueError, P.ProtocolError):
             return
         try:
@@ -470,7 +489,7 @@ def _serve_parent(sock, platform, programs, held, kept, forget) -> None:
                 program = KernelProgram.from_json(req["program"])
                 programs.put(program.key, program)
                 reply = {"key": program.key}
-            elif op in ("run", "read") and (program := programs.get(req["key"])) is None:
+            elif op in ("run", "read", "time_resident") and (program := programs.get(req["key"])) is None:
                 reply = {"error": {"kind": "unknown-program", "message": "send the program"}}
             elif op == "run":
                 args, keep = _run_args(req, inputs, held.get(program.key) or [], kept)
@@ -487,6 +506,10 @@ def _serve_parent(sock, platform, programs, held, kept, forget) -> None:
                 payloads = [P.tensor_bytes(t) for i, t in enumerate(outputs) if i not in keep]
                 reply = {"tensors": len(payloads), "device_ms": getattr(platform, "last_run_ms", None),
                          "int64_two_words": list(getattr(platform, "last_wide", ()) or ())}
+            elif op == "time_resident":
+                timer = getattr(platform, "time_resident", None)
+                repeat = min(max(int(req.get("repeat", 3)), 1), MAX_TIMED_REPEAT)
+                reply = {"seconds": timer(program, inputs, repeat) if callable(timer) else None}
             elif op == "read":
                 handle = kept.get((program.key, req["output"]))
                 if handle is None:

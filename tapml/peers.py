@@ -10,8 +10,12 @@ each round, so a burst of load on a shared machine hits them alike.
 
 A target's time is its ``run``'s own (``Platform.last_run_ms``): host tensors in, host tensors out,
 the device's transfers included, the hop to a backend's worker process not; the same for every
-target. Where a platform can also time its kernels with the inputs resident (``benchmark``), that
-``device_ms`` is reported beside it, with its place on the device's roofline. Figures are
+target. ``resident_ms`` is the other figure every compiler can give: one run with its inputs already
+in device buffers and its outputs left there, launched and waited for alone (``time_resident``: tapml's
+own platforms, and backends that implement :meth:`~tapml.platforms.backend.Backend.time_resident`, as
+IREE and tinygrad do), so the compilers compare without the host transfers. Where a platform can also
+time its kernels alone (``benchmark``: several runs in one submission, GPU timestamps), that
+``device_ms`` is reported too, with its place on the device's roofline. Figures are
 medians over rounds of each round's best of :data:`RUNS_PER_ROUND` runs; ratios are of medians.
 Only the target being timed is open (see :func:`run_peers`).
 
@@ -144,6 +148,15 @@ def _run_ms(platform, program, inputs) -> float:
     return best
 
 
+def _resident_ms(platform, program, inputs) -> float | None:
+    """Milliseconds per run with the inputs already on the target's device, each run launched and
+    waited for alone (``time_resident``, best of its batches of :data:`RUNS_PER_ROUND`); None
+    where the target cannot tell (the reference, a browser, a remote device, a backend without it)."""
+    timer = getattr(platform, "time_resident", None)
+    seconds = timer(program, inputs, RUNS_PER_ROUND) if callable(timer) else None
+    return None if seconds is None else seconds * 1e3
+
+
 def _torch_ms(fn) -> float:
     import torch
     best = float("inf")
@@ -159,8 +172,9 @@ def run_peers(targets: list[str], *, rounds: int = 5, quick: bool = False, token
               workdir: str | Path | None = None, on_step: Callable[[str], None] | None = None) -> dict:
     """Time every workload on every target and torch eager, alternated over ``rounds``; returns
     ``{"targets", "devices", "rounds", "load_avg", "workloads": [{"name", "what", "torch_ms",
-    "targets": {spec: {"ms", "max_abs_err", "matches_torch", "device_ms"?, "roofline_*"?} or {"error"}},
-    "ratios": {spec: ms over the first target's ms}, "vs_torch": {spec: ms over torch's}}]}``. A
+    "targets": {spec: {"ms", "max_abs_err", "matches_torch", "resident_ms"?, "device_ms"?, "roofline_*"?}
+    or {"error"}}, "ratios": {spec: ms over the first target's ms}, "resident_ratios": {spec: resident_ms over
+    the first target's, or None}, "vs_torch": {spec: ms over torch's}}]}``. A
     workload a target cannot compile or run is an ``error`` there, not the end of the run.
 
     Each target is open only while it is timed (a round opens it again: compiled programs come
@@ -184,6 +198,7 @@ def run_peers(targets: list[str], *, rounds: int = 5, quick: bool = False, token
     loads = workloads(names, root)
     rows = {name: {"name": name, "what": names[name], "targets": {}} for name in loads}
     times = {name: {who: [] for who in [*targets, "torch"]} for name in loads}
+    resident = {name: {who: [] for who in targets} for name in loads}
     doc = {"targets": list(targets), "rounds": rounds, "quick": quick, "devices": {}, "load_avg": []}
     order = [*targets, "torch"]
     for r in range(rounds):
@@ -207,6 +222,8 @@ def run_peers(targets: list[str], *, rounds: int = 5, quick: bool = False, token
                         if r == 0:
                             entry.update(max_abs_err=_largest_error(got, want), matches_torch=_matches(got, want))
                         times[name][who].append(_run_ms(platform, program, inputs))
+                        if (ms := _resident_ms(platform, program, inputs)) is not None:
+                            resident[name][who].append(ms)
                         if r == rounds - 1 and callable(getattr(platform, "benchmark", None)):
                             s, timing = device_seconds(platform, program, inputs, 3)
                             entry["device_ms"] = round(s * 1e3, 4)
@@ -223,9 +240,14 @@ def run_peers(targets: list[str], *, rounds: int = 5, quick: bool = False, token
         for spec, entry in row["targets"].items():
             if "error" not in entry and ts[spec]:
                 entry["ms"] = round(statistics.median(ts[spec]), 4)
+            if "error" not in entry and resident[name][spec]:
+                entry["resident_ms"] = round(statistics.median(resident[name][spec]), 4)
         first = row["targets"].get(targets[0], {}).get("ms")
         row["ratios"] = {spec: round(e["ms"] / first, 4) if first and "ms" in e else None
                          for spec, e in row["targets"].items()}
+        first = row["targets"].get(targets[0], {}).get("resident_ms")
+        row["resident_ratios"] = {spec: round(e["resident_ms"] / first, 4) if first and "resident_ms" in e else None
+                                  for spec, e in row["targets"].items()}
         row["vs_torch"] = {spec: round(e["ms"] / row["torch_ms"], 4) if row["torch_ms"] and "ms" in e else None
                            for spec, e in row["targets"].items()}
         doc["workloads"].append(row)

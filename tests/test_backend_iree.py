@@ -335,3 +335,16 @@ def test_migrate_hf_llama_on_iree_vulkan_killed_and_resumed_ends_with_a_placemen
     fell_back = [n for n, where in doc["placement"]["nodes"].items() if where != "target"]
     assert fell_back and len(fell_back) < len(doc["placement"]["nodes"])  # the rest runs on IREE
     assert "iree:vulkan" in flat(done.stdout) and "culprit" in flat(done.stdout).lower()
+
+
+def test_time_resident_times_runs_on_device_buffers_and_grows_with_the_work(cpu):
+    """`tapml bench --target A --target B` compares compilers without their host transfers through
+    :meth:`Backend.time_resident`; IREE's times runs on device arrays made once."""
+    def product(n):
+        gen = torch.Generator().manual_seed(n)
+        a, b = torch.rand(n, n, generator=gen), torch.rand(n, n, generator=gen)
+        compiled = cpu.compile(exported(lambda x, y: (x @ y,), a, b))
+        torch.testing.assert_close(cpu.run(compiled, [a, b])[0], a @ b)
+        return cpu.time_resident(compiled, [a, b], 3)
+    small, large = product(32), product(384)
+    assert 0 < small < large < 60  # 1728 times the multiply-adds

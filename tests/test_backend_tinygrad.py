@@ -250,3 +250,16 @@ def test_every_case_of_tiny_llama_float16_is_judged_on_tinygrad_webgpu(carved, t
     assert (r.returncode == 1) == bool(failed), r.stdout
     for case in failed:  # each one named by its op, in the JSON and in what the terminal shows
         assert case["op"].startswith("aten.") and case["op"] in r.stdout, case
+
+
+def test_time_resident_times_runs_on_realized_device_tensors_and_grows_with_the_work(cpu):
+    """:meth:`Backend.time_resident` (what `tapml bench --target A --target B` puts beside run times)."""
+    def product(n):
+        gen = torch.Generator().manual_seed(n)
+        a, b = torch.rand(n, n, generator=gen), torch.rand(n, n, generator=gen)
+        compiled = cpu.compile(exported(lambda x, y: (x @ y,), a, b))
+        seconds = cpu.time_resident(compiled, [a, b], 3)
+        torch.testing.assert_close(cpu.run(compiled, [a, b])[0], a @ b, rtol=1e-4, atol=1e-3)
+        return seconds
+    small, large = product(16), product(256)
+    assert 0 < small < large < 60

@@ -73,9 +73,14 @@ def test_peers_run_the_same_workloads_side_by_side(tmp_path):
         # our own platform also times its kernels with the inputs resident, on the device's roofline
         assert ours["device_ms"] > 0 and ours["roofline_bound"] in ("compute", "memory", "dispatch")
         assert "device_ms" not in ref
+        # every run with the inputs already on the device, launched and waited for alone; the
+        # reference cannot tell, so it has no such figure and no ratio of it
+        assert ours["resident_ms"] > 0 and "resident_ms" not in ref
+        assert w["resident_ratios"] == {"wgpu:vulkan": 1.0, "reference": None}
     assert peers["devices"]["wgpu:vulkan"]["roofline"]["peak_gflops"] > 0
     text = " ".join(r.output.split())
     assert "peers: median of 2 alternated rounds" in text and "MLP 64 -> 256 -> 64" in text
+    assert "inputs resident: ms per run" in text
 
 
 @pytest.mark.device
@@ -118,3 +123,56 @@ def test_iree_runs_beside_tapml_through_the_seam(tmp_path):
         theirs = w["targets"]["iree:vulkan"]
         assert theirs["matches_torch"] and theirs["ms"] > 0, w
         assert w["ratios"]["iree:vulkan"] > 0
+        # IREE's own resident figure crosses the worker: its runs on device arrays, no transfers
+        assert 0 < theirs["resident_ms"] < theirs["ms"], theirs
+        assert w["resident_ratios"]["iree:vulkan"] == pytest.approx(
+            theirs["resident_ms"] / w["targets"]["wgpu:vulkan"]["resident_ms"], rel=1e-3)
+
+
+TIMED_BACKEND = '''
+import time
+
+import torch
+
+from tapml.platforms.backend import Backend, Compiled
+
+
+class Timed(Backend):
+    """torch eager behind the seam, whose resident time is its own run's, or an answer that is no time."""
+
+    control = None
+    ANSWER = {answer}
+
+    def describe(self):
+        return {{"device": "torch", "version": "1"}}
+
+    def compile(self, program):
+        return Compiled(handle=program.module())
+
+    def run(self, compiled, inputs):
+        with torch.no_grad():
+            return list(compiled.handle(*inputs))
+
+    def time_resident(self, compiled, inputs, repeat):
+        if self.ANSWER is not None:
+            return self.ANSWER
+        start = time.perf_counter()
+        for _ in range(repeat):
+            self.run(compiled, inputs)
+        return (time.perf_counter() - start) / repeat
+'''
+
+
+@pytest.mark.parametrize("answer, timed", [("None", True), ("'fast'", False), ("-1.0", False), ("float('nan')", False),
+                                           ("True", False)])
+def test_a_backends_resident_time_crosses_its_worker_and_an_answer_that_is_no_time_is_dropped(tmp_path, answer, timed):
+    (tmp_path / "timed.py").write_text(TIMED_BACKEND.format(answer=answer))
+    spec = f"{tmp_path / 'timed.py'}:Timed"
+    r, doc = _bench(tmp_path, spec, "reference", rounds=1)
+    assert r.exit_code == 0, r.output
+    for w in doc["peers"]["workloads"]:
+        theirs = w["targets"][spec]
+        assert theirs["matches_torch"], w
+        assert ("resident_ms" in theirs) == timed and (w["resident_ratios"][spec] == 1.0) == timed, w
+        if timed:
+            assert theirs["resident_ms"] > 0

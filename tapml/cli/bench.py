@@ -133,6 +133,21 @@ def _render_peers(doc: dict) -> None:
             cells.append(cell)
         table.add_row(*cells)
     out.print(table)
+    resident = [w for w in doc["workloads"] if any("resident_ms" in e for e in w["targets"].values())]
+    if resident:
+        held = Table(title="inputs resident: ms per run with the inputs already in device buffers and the outputs "
+                           "left there, each run launched and waited for alone (where a target can tell)")
+        held.add_column("workload")
+        for spec in doc["targets"]:
+            held.add_column(escape(spec) + ("" if spec == first else f" (/ {escape(first)})"), justify="right")
+        for w in resident:
+            cells = [w["what"]]
+            for spec in doc["targets"]:
+                e, ratio = w["targets"].get(spec, {}), w.get("resident_ratios", {}).get(spec)
+                cells.append(_num(e["resident_ms"]) + (f" ({ratio:.2f}x)" if spec != first and ratio else "")
+                             if "resident_ms" in e else "-")
+            held.add_row(*cells)
+        out.print(held)
     rows = [(w["what"], spec, e) for w in doc["workloads"] for spec, e in w["targets"].items() if "device_ms" in e]
     if rows:
         device = Table(title="device time, inputs resident (where a target can measure it), on its roofline")
