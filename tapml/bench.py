@@ -207,6 +207,23 @@ def autotune_figure(platform, n: int = 512, repeat: int = 3) -> dict:
     return {**result, "cache": str(cache_path())}
 
 
+def tuned_tiles(platform, on_step=None) -> dict | None:
+    """The matmul tiles tapml's compiler uses on ``platform``'s device: tuned now (and cached) when
+    none are cached for it yet, as `tapml bench` does, so that a comparison meets the compiler as a
+    tuned device runs it. None for a target that compiles no WGSL of tapml's here (a backend, the
+    reference, a browser or remote device, whose own caches are theirs)."""
+    from tapml.platforms.wgsl.matmul import is_tuned, tiles_for, tiles_label
+    if not callable(getattr(platform, "benchmark", None)):
+        return None
+    caps = platform.caps()
+    if is_tuned(caps):
+        return {"tiles": tiles_label(tiles_for(caps, 512, 512)), "tuned_now": False}
+    if on_step:
+        on_step("tuning tapml's matmul tile sizes for this device (once: they are cached)")
+    figure = autotune_figure(platform)
+    return {"tiles": figure.get("label"), "tuned_now": True} if "error" not in figure else {"error": figure["error"]}
+
+
 # --- dispatch ------------------------------------------------------------------------------
 
 def chain_graph(length: int):
@@ -1137,7 +1154,7 @@ def ratios(report: dict) -> dict:
 
 
 __all__ = ["run_suite", "ratios", "GOALS", "LONG_ROW_CASES", "long_row_figure", "matmul_figure", "matmul_figures", "dispatch_figures", "e2e_figure",
-           "carve_write_figure", "carve_model_figure", "autotune_figure", "migrate_figure", "transport_figure", "best_of",
+           "carve_write_figure", "carve_model_figure", "autotune_figure", "tuned_tiles", "migrate_figure", "transport_figure", "best_of",
            "device_seconds", "matmul_graph", "chain_graph", "tensor_mix", "torch_eager_ms", "generation_figure",
            "check_models", "GENERATION_MODEL", "GENERATION_TOKENS", "GENERATION_PROMPT_LEN", "scale_figure",
            "StageClock", "TimedPlatform", "alternated", "wgpu_backends", "run_child", "peak_rss_bytes", "param_bytes", "SCALE_MODEL", "SCALE_CONFIG",

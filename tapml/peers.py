@@ -17,7 +17,9 @@ IREE and tinygrad do), so the compilers compare without the host transfers. Wher
 time its kernels alone (``benchmark``: several runs in one submission, GPU timestamps), that
 ``device_ms`` is reported too, with its place on the device's roofline. Figures are
 medians over rounds of each round's best of :data:`RUNS_PER_ROUND` runs; ratios are of medians.
-Only the target being timed is open (see :func:`run_peers`).
+Only the target being timed is open (see :func:`run_peers`). A target of tapml's own compiler whose
+device has no tuned matmul tiles yet is tuned first, as `tapml bench` does (``--quick`` keeps what
+is cached); its ``devices`` entry names the tiles (``matmul_tiles``).
 
 Example::
 
@@ -34,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from tapml.bench import LONG_ROW_CASES, device_seconds, matmul_graph, roofline_figure
+from tapml.bench import LONG_ROW_CASES, device_seconds, matmul_graph, roofline_figure, tuned_tiles
 
 #: name -> what it is, in the order `tapml bench` prints them.
 PEER_WORKLOADS = {
@@ -212,6 +214,8 @@ def run_peers(targets: list[str], *, rounds: int = 5, quick: bool = False, token
             with open_target(who, token=token) as platform:
                 if r == 0:
                     doc["devices"][who] = device_info(platform, probe=False)
+                    if not quick and (tiles := tuned_tiles(platform, step)) is not None:
+                        doc["devices"][who]["matmul_tiles"] = tiles
                 for name, (graph, inputs, _torch_fn, want) in loads.items():
                     entry = rows[name]["targets"].setdefault(who, {})
                     if "error" in entry:

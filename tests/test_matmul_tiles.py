@@ -29,7 +29,14 @@ CASES = {
                         20),
     "batched-bias": (lambda c, a, b: (torch.baddbmm(c, a, b.transpose(1, 2), alpha=-1.5),),
                      [(2, 1, 70), (2, 66, 9), (2, 70, 9)], 9),
+    # vec4 rows of B (N and K multiples of 4, M and N not of any tile): what the subgroup tiles need
+    "vec-rows": (lambda a, b: (a @ b,), [(130, 72), (72, 68)], 72),
+    "vec-rows-transposed": (lambda a, b: (a @ b.t(),), [(75, 36), (100, 36)], 36),
+    "vec-rows-batched-bias": (lambda c, a, b: (torch.baddbmm(c, a, b, beta=-1.0),), [(2, 65, 136), (2, 65, 12),
+                                                                                     (2, 12, 136)], 12),
 }
+#: the cases whose B the subgroup tiles can share (vec4 rows or columns)
+VEC_CASES = ("vec-rows", "vec-rows-transposed", "vec-rows-batched-bias")
 EPS = {torch.float32: 1.2e-7, torch.float16: 9.8e-4, torch.bfloat16: 7.8e-3}
 
 
@@ -45,13 +52,14 @@ def _case(name: str, dtype):
     return graph_from_fx(ep.graph, ep.graph_signature), inputs, want
 
 
-def _check(platform, tiles, dtypes=(torch.float32, torch.float16, torch.bfloat16), names=tuple(CASES)):
+def _check(platform, tiles, dtypes=(torch.float32, torch.float16, torch.bfloat16), names=tuple(CASES),
+           kernel_says=("tile_a", "workgroupBarrier")):
     for dtype in dtypes:
         for name in names:
             graph, inputs, want = _case(name, dtype)
             with matmul.forced_tiles(tiles):
                 program = platform.compile(graph)
-            assert any("tile_a" in k.wgsl and "workgroupBarrier" in k.wgsl for k in program.kernels), name
+            assert any(all(w in k.wgsl for w in kernel_says) for k in program.kernels), name
             got = platform.run(program, inputs)[0]
             assert got.dtype == dtype and got.shape == want.shape and not got.isnan().any(), (name, dtype)
             # one rounding of a float32 sum taken in another order: the error follows K and the operands
@@ -82,6 +90,24 @@ def test_workgroup_memory_tiles_equal_torch_in_chromium():
     from tapml.platforms.browser import BrowserPlatform
     with BrowserPlatform() as browser:
         _check(browser, matmul.WORKGROUP_CANDIDATES[0])
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+@pytest.mark.parametrize("tiles", matmul.SUBGROUP_CANDIDATES, ids=matmul.tiles_label)
+def test_subgroup_tiles_equal_torch_on_vulkan(tiles):
+    """The tiles the tuner picks on lavapipe share B's rows across a subgroup (subgroupBroadcast):
+    every candidate in float32 on the shapes it takes, the first in float16 too; bfloat16 and the
+    other shapes fall back to the register tiles and must be right as well."""
+    platform = own_wgpu("vulkan")
+    if "subgroup" not in platform.caps().get("features", []):
+        pytest.skip("this Vulkan adapter has no subgroup feature")
+    first = tiles == matmul.SUBGROUP_CANDIDATES[0]
+    dtypes = (torch.float32, torch.float16) if first else (torch.float32,)
+    _check(platform, tiles, dtypes=dtypes, names=VEC_CASES, kernel_says=("subgroupBroadcast",))
+    # bfloat16 has no vec4 loads, so it takes the register tiles, as every other shape does
+    _check(platform, tiles, dtypes=(torch.bfloat16,) if first else (), names=VEC_CASES, kernel_says=("acc0_0",))
+    _check(platform, tiles, dtypes=(torch.float32,), names=[n for n in CASES if n not in VEC_CASES], kernel_says=("acc0_0",))
 
 
 @pytest.mark.device

@@ -176,3 +176,27 @@ def test_a_backends_resident_time_crosses_its_worker_and_an_answer_that_is_no_ti
         assert ("resident_ms" in theirs) == timed and (w["resident_ratios"][spec] == 1.0) == timed, w
         if timed:
             assert theirs["resident_ms"] > 0
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+def test_tapmls_target_is_tuned_once_before_it_meets_its_peers(tmp_path, monkeypatch):
+    """A device with no tuned matmul tiles is tuned first (`tapml bench` does the same), so a peer
+    meets tapml's compiler as a tuned device runs it; the next time the cached choice is named."""
+    from tapml.bench import tuned_tiles
+    from tapml.platforms.reference import ReferencePlatform
+    from tapml.platforms.wgsl import matmul
+    from tests.support import own_wgpu
+    vulkan_or_skip()
+    monkeypatch.setenv("TAPML_CACHE_DIR", str(tmp_path))
+    # two real candidates keep the tuning short; both are compiled, checked and timed
+    monkeypatch.setattr(matmul, "CANDIDATES", [matmul.DEFAULT_TILES, matmul.SMALL_TILES])
+    monkeypatch.setattr(matmul, "WORKGROUP_CANDIDATES", [])
+    monkeypatch.setattr(matmul, "SUBGROUP_CANDIDATES", [])
+    platform, said = own_wgpu("vulkan"), []
+    first = tuned_tiles(platform, said.append)
+    assert first["tuned_now"] and first["tiles"] in ("8x16/8x4", "4x4/8x8") and "tuning" in said[0]
+    entry = json.loads(matmul.cache_path().read_text())["devices"][matmul.device_key(platform.caps())]
+    assert set(entry["gflops"]) == {"8x16/8x4", "4x4/8x8"} and all(g > 0 for g in entry["gflops"].values())
+    assert tuned_tiles(platform, said.append) == {"tiles": first["tiles"], "tuned_now": False} and len(said) == 1
+    assert tuned_tiles(ReferencePlatform()) is None

@@ -43,7 +43,7 @@ CANDIDATES = [(4, 4, 8, 8, 0, 0), (8, 8, 8, 4, 0, 0), (16, 8, 8, 4, 0, 0), (8, 1
               (8, 16, 16, 2, 0, 0), (16, 16, 8, 2, 0, 0)]
 #: Tried only on devices with the ``subgroup`` feature; kept only where their results are right.
 SUBGROUP_CANDIDATES = [(4, 32, 8, 1, 8, 0), (4, 32, 16, 1, 8, 0), (8, 32, 8, 1, 8, 0), (8, 32, 16, 1, 8, 0),
-                       (8, 16, 8, 1, 8, 0)]
+                       (8, 16, 8, 1, 8, 0), (8, 64, 8, 1, 8, 0)]
 #: Tiles of A and B staged in workgroup memory (:func:`_workgroup_tiled`): what GPUs want; on
 #: llvmpipe every workgroup-memory load is a per-lane loop like a storage load, so these lose
 #: there (benchmarks/NOTES.md) and the tuner keeps the register tiles.
@@ -81,6 +81,11 @@ def _read_cache() -> dict:
             devices = {}
         _CACHE.update(stamp=(str(path), stamp), devices=devices)
     return _CACHE["devices"]
+
+
+def is_tuned(caps: dict) -> bool:
+    """Whether the tile cache holds a choice for the device with ``caps`` (:func:`tune` made one)."""
+    return device_key(caps) in _read_cache()
 
 
 def full_tiles(tiles) -> tuple[int, ...]:
