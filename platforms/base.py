@@ -767,6 +767,14 @@ def check_workgroups(program: KernelProgram, caps: dict) -> None:
                               f"the device allows {max_groups} per dimension")
 
 
+def seconds_or_none(value) -> float | None:
+    """``value`` as a duration in seconds when it is one (a finite number above 0), else None: what
+    a backend or a worker said a run took is checked before it is reported."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        return None
+    return float(value)
+
+
 def wrap_errors(fn, *args):
     """Call fn, turning unexpected exceptions into PlatformError (keeping Unsupported)."""
     try:
@@ -777,6 +785,6 @@ def wrap_errors(fn, *args):
         raise PlatformError(f"{type(e).__name__}: {e}") from e
 
 
-__all__ = ["LIMIT_NAMES", "LOOP_PROBE_ITERATIONS", "WGSL_TYPES", "BUFFER_ROLES", "ACCESS", "ProgramJSON", "MAX_OFFSET_ALIGNMENT", "BufferSpec", "Kernel", "KernelProgram", "Platform",
+__all__ = ["seconds_or_none", "LIMIT_NAMES", "LOOP_PROBE_ITERATIONS", "WGSL_TYPES", "BUFFER_ROLES", "ACCESS", "ProgramJSON", "MAX_OFFSET_ALIGNMENT", "BufferSpec", "Kernel", "KernelProgram", "Platform",
            "PlatformWrapper", "ResidentTensor", "RuntimePlatform",
            "SplitTensor", "check_workgroups", "graph_program", "wrap_errors"]

@@ -17,7 +17,7 @@ import torch
 from tapml.errors import PlatformError, Unsupported
 from tapml.graph import Graph, decode_arg, node_results, resolve_op, run_graph, torch_dtype
 from tapml.platforms.backend import Backend, Compiled
-from tapml.platforms.base import KernelProgram, RuntimePlatform, graph_program
+from tapml.platforms.base import KernelProgram, RuntimePlatform, graph_program, seconds_or_none
 from tapml.platforms.compile_cache import CompileCache, cache_enabled, cache_key
 
 #: A backend's message is cut to this many characters in a verdict (compilers print pages).
@@ -196,10 +196,7 @@ class BackendPlatform(RuntimePlatform):
     def time_resident(self, program: KernelProgram, inputs: list[torch.Tensor], repeat: int = 3) -> float | None:
         """Seconds per run with the inputs on the backend's device (:meth:`Backend.time_resident`);
         None when the backend cannot tell or answers with something that is not a time."""
-        seconds = self.backend.time_resident(self.prepared(program), [t.contiguous() for t in inputs], repeat)
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < float("inf"):
-            return None
-        return float(seconds)
+        return seconds_or_none(self.backend.time_resident(self.prepared(program), [t.contiguous() for t in inputs], repeat))
 
     def close(self) -> None:
         super().close()

@@ -29,7 +29,7 @@ import time
 import warnings
 
 from tapml.errors import DeviceLost, PlatformError, TapmlError, Unsupported
-from tapml.platforms.base import KernelProgram, ResidentTensor, RuntimePlatform, wrap_errors
+from tapml.platforms.base import KernelProgram, ResidentTensor, RuntimePlatform, seconds_or_none, wrap_errors
 from tapml.platforms.program_cache import ProgramCache
 from tapml.remote import protocol as P
 
@@ -343,9 +343,7 @@ class WorkerPlatform(RuntimePlatform):
             except _UnknownProgram:  # a restarted worker: hand it the program again
                 self.forget(program.key)
                 continue
-            seconds = reply.get("seconds")
-            ok = isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and 0 < seconds < float("inf")
-            return float(seconds) if ok else None
+            return seconds_or_none(reply.get("seconds"))
         raise PlatformError(f"the device worker kept dropping program {program.key[:12]}")
 
     def _forget_state(self, key: str) -> None:

@@ -174,8 +174,8 @@ def run_peers(targets: list[str], *, rounds: int = 5, quick: bool = False, token
               workdir: str | Path | None = None, on_step: Callable[[str], None] | None = None) -> dict:
     """Time every workload on every target and torch eager, alternated over ``rounds``; returns
     ``{"targets", "devices", "rounds", "load_avg", "workloads": [{"name", "what", "torch_ms",
-    "targets": {spec: {"ms", "max_abs_err", "matches_torch", "resident_ms"?, "device_ms"?, "roofline_*"?}
-    or {"error"}}, "ratios": {spec: ms over the first target's ms}, "resident_ratios": {spec: resident_ms over
+    "targets": {spec: {"ms", "max_abs_err", "matches_torch", "resident_ms"? or "resident_error"?, "device_ms"?,
+    "roofline_*"?} or {"error"}}, "ratios": {spec: ms over the first target's ms}, "resident_ratios": {spec: resident_ms over
     the first target's, or None}, "vs_torch": {spec: ms over torch's}}]}``. A
     workload a target cannot compile or run is an ``error`` there, not the end of the run.
 
@@ -226,8 +226,12 @@ def run_peers(targets: list[str], *, rounds: int = 5, quick: bool = False, token
                         if r == 0:
                             entry.update(max_abs_err=_largest_error(got, want), matches_torch=_matches(got, want))
                         times[name][who].append(_run_ms(platform, program, inputs))
-                        if (ms := _resident_ms(platform, program, inputs)) is not None:
-                            resident[name][who].append(ms)
+                        if "resident_error" not in entry:
+                            try:
+                                if (ms := _resident_ms(platform, program, inputs)) is not None:
+                                    resident[name][who].append(ms)
+                            except Exception as e:  # noqa: BLE001 - the run is timed; only this figure is missing
+                                entry["resident_error"] = f"{type(e).__name__}: {e}"[:500]
                         if r == rounds - 1 and callable(getattr(platform, "benchmark", None)):
                             s, timing = device_seconds(platform, program, inputs, 3)
                             entry["device_ms"] = round(s * 1e3, 4)

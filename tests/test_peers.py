@@ -154,6 +154,8 @@ class Timed(Backend):
             return list(compiled.handle(*inputs))
 
     def time_resident(self, compiled, inputs, repeat):
+        if isinstance(self.ANSWER, Exception):
+            raise self.ANSWER
         if self.ANSWER is not None:
             return self.ANSWER
         start = time.perf_counter()
@@ -164,7 +166,7 @@ class Timed(Backend):
 
 
 @pytest.mark.parametrize("answer, timed", [("None", True), ("'fast'", False), ("-1.0", False), ("float('nan')", False),
-                                           ("True", False)])
+                                           ("True", False), ("RuntimeError('no clock here')", False)])
 def test_a_backends_resident_time_crosses_its_worker_and_an_answer_that_is_no_time_is_dropped(tmp_path, answer, timed):
     (tmp_path / "timed.py").write_text(TIMED_BACKEND.format(answer=answer))
     spec = f"{tmp_path / 'timed.py'}:Timed"
@@ -176,6 +178,8 @@ def test_a_backends_resident_time_crosses_its_worker_and_an_answer_that_is_no_ti
         assert ("resident_ms" in theirs) == timed and (w["resident_ratios"][spec] == 1.0) == timed, w
         if timed:
             assert theirs["resident_ms"] > 0
+        # a timing that fails is said beside the figures it leaves standing
+        assert ("no clock here" in theirs.get("resident_error", "")) == answer.startswith("RuntimeError"), theirs
 
 
 @pytest.mark.device
