@@ -48,6 +48,7 @@ my_backend.py:EagerBackend``)::
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from tapml.errors import Unsupported
@@ -85,6 +86,21 @@ class Compiled:
     artifact: bytes = b""
     artifact_name: str = ""
     blob: bytes | None = None
+
+
+def seconds_per_run(run_once, repeat: int, batches: int = 3) -> float:
+    """Seconds one call of ``run_once`` takes: it is called once to warm up, then in ``batches``
+    batches of ``repeat`` calls, and the best batch's mean is returned (what
+    :meth:`Backend.time_resident` reports; ``run_once`` must return only when the device is done)."""
+    repeat = max(1, int(repeat))
+    run_once()
+    best = float("inf")
+    for _ in range(batches):
+        start = time.perf_counter()
+        for _ in range(repeat):
+            run_once()
+        best = min(best, (time.perf_counter() - start) / repeat)
+    return best
 
 
 class Backend:
@@ -138,8 +154,8 @@ class Backend:
         """Optional: seconds one run of ``compiled`` takes with ``inputs`` already on the backend's
         device and the outputs left there, each run launched and waited for alone (wall clock; the
         best of a few batches of ``repeat`` runs). ``tapml bench --target A --target B`` puts it beside
-        every target's run time, so compilers compare without their host transfers. None (the
-        default): the backend cannot tell."""
+        every target's run time, so compilers compare without their host transfers.
+        :func:`seconds_per_run` does the timing around one run. None (the default): the backend cannot tell."""
         return None
 
     def repro_runner(self) -> str | None:
@@ -162,4 +178,4 @@ class Backend:
         """Release the device. Called once, when the worker ends."""
 
 
-__all__ = ["CONTRACT_VERSION", "Backend", "BackendRefused", "Compiled"]
+__all__ = ["CONTRACT_VERSION", "Backend", "BackendRefused", "Compiled", "seconds_per_run"]

@@ -24,13 +24,12 @@ import json
 import os
 import re
 import struct
-import time
 
 import torch
 from pydantic import RootModel
 
 from tapml.graph import dtype_name, torch_dtype
-from tapml.platforms.backend import Backend, BackendRefused, Compiled
+from tapml.platforms.backend import Backend, BackendRefused, Compiled, seconds_per_run
 from tapml.schema import ClosedSchema, Count, SchemaError, Str, validate
 
 #: env: the IREE Vulkan target to compile for (``--iree-vulkan-target``) instead of the one detected;
@@ -325,15 +324,7 @@ class IreeBackend(Backend):
         import iree.runtime as rt
         loaded = compiled.handle if isinstance(compiled, Compiled) else compiled
         args = [rt.asdevicearray(self.config.device, _to_numpy(t)) for t in inputs]
-        loaded.function(*args)  # the first run loads the executables
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            for _ in range(max(1, repeat)):
-                results = loaded.function(*args)
-            best = min(best, (time.perf_counter() - start) / max(1, repeat))
-            del results
-        return best
+        return seconds_per_run(lambda: loaded.function(*args), repeat)
 
     def repro_runner(self) -> str:
         """A module that runs a case's ``program.mlir`` with IREE alone (for ``tapml repro`` folders):

@@ -37,11 +37,10 @@ import os
 import platform
 import shutil
 import sys
-import time
 
 import torch
 
-from tapml.platforms.backend import Backend, BackendRefused, Compiled
+from tapml.platforms.backend import Backend, BackendRefused, Compiled, seconds_per_run
 from tapml.platforms.onnx_route import feed_names, onnx_feeds, onnx_model, opset, read_signature, refuse_dtypes
 
 #: TARGET spec -> tinygrad's device name.
@@ -210,14 +209,7 @@ class TinygradBackend(Backend):
                 Device[self.device].synchronize()
             finally:
                 runner.graph_values = dict(program.constants)
-        once()
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            for _ in range(max(1, repeat)):
-                once()
-            best = min(best, (time.perf_counter() - start) / max(1, repeat))
-        return best
+        return seconds_per_run(once, repeat)
 
     def repro_runner(self) -> str:
         """A module that runs a case's ``model.onnx`` with tinygrad alone on this device (for ``tapml

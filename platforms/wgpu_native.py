@@ -305,6 +305,17 @@ class WgpuPlatform(WgslPlatform):
         """Seconds one run of ``program``'s kernels takes on the device, inputs already
         resident: ``repeat`` runs are recorded into one submission and waited for together,
         so host transfers and submission overhead are left out (best of three such batches)."""
+        return self._seconds_per_run(program, inputs, repeat, together=True)
+
+    def time_resident(self, program: KernelProgram, inputs: list[torch.Tensor], repeat: int = 3) -> float:
+        """Seconds one run of ``program`` takes with its inputs resident and its outputs left on the
+        device, each run recorded, submitted and waited for alone (wall clock, best of three batches
+        of ``repeat``): what :meth:`Backend.time_resident` measures for another compiler."""
+        return self._seconds_per_run(program, inputs, repeat, together=False)
+
+    def _seconds_per_run(self, program: KernelProgram, inputs: list[torch.Tensor], repeat: int, together: bool) -> float:
+        """Best of three batches of ``repeat`` runs with the inputs resident: recorded into one
+        submission (``together``) or each submitted and waited for alone."""
         if repeat < 1:
             raise ValueError("repeat must be at least 1")
         self.run(program, inputs)  # validates, uploads, compiles pipelines, warms up
@@ -312,28 +323,9 @@ class WgpuPlatform(WgslPlatform):
         best = float("inf")
         for _ in range(3):
             start = time.perf_counter()
-            encoder = self.device.create_command_encoder()
-            res.record(encoder, repeat=repeat, poison=False, readback=False)
-            res.fence(encoder)
-            self.device.queue.submit([encoder.finish()])
-            res.wait_fence()
-            best = min(best, (time.perf_counter() - start) / repeat)
-        return best
-
-    def time_resident(self, program: KernelProgram, inputs: list[torch.Tensor], repeat: int = 3) -> float:
-        """Seconds one run of ``program`` takes with its inputs resident and its outputs left on the
-        device, each run recorded, submitted and waited for alone (wall clock, best of three batches
-        of ``repeat``): what :meth:`Backend.time_resident` measures for another compiler."""
-        if repeat < 1:
-            raise ValueError("repeat must be at least 1")
-        self.run(program, inputs)  # validates, uploads, compiles pipelines, warms up
-        res = self.prepared(program.device_program())
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            for _ in range(repeat):
+            for runs in ([repeat] if together else [1] * repeat):
                 encoder = self.device.create_command_encoder()
-                res.record(encoder, repeat=1, poison=False, readback=False)
+                res.record(encoder, repeat=runs, poison=False, readback=False)
                 res.fence(encoder)
                 self.device.queue.submit([encoder.finish()])
                 res.wait_fence()

@@ -159,6 +159,11 @@ def _resident_ms(platform, program, inputs) -> float | None:
     return None if seconds is None else seconds * 1e3
 
 
+def _ratios(entries: dict, key: str, base: float | None) -> dict:
+    """spec -> its ``key`` figure over ``base`` (None where either is missing)."""
+    return {spec: round(e[key] / base, 4) if base and key in e else None for spec, e in entries.items()}
+
+
 def _torch_ms(fn) -> float:
     import torch
     best = float("inf")
@@ -250,14 +255,10 @@ def run_peers(targets: list[str], *, rounds: int = 5, quick: bool = False, token
                 entry["ms"] = round(statistics.median(ts[spec]), 4)
             if "error" not in entry and resident[name][spec]:
                 entry["resident_ms"] = round(statistics.median(resident[name][spec]), 4)
-        first = row["targets"].get(targets[0], {}).get("ms")
-        row["ratios"] = {spec: round(e["ms"] / first, 4) if first and "ms" in e else None
-                         for spec, e in row["targets"].items()}
-        first = row["targets"].get(targets[0], {}).get("resident_ms")
-        row["resident_ratios"] = {spec: round(e["resident_ms"] / first, 4) if first and "resident_ms" in e else None
-                                  for spec, e in row["targets"].items()}
-        row["vs_torch"] = {spec: round(e["ms"] / row["torch_ms"], 4) if row["torch_ms"] and "ms" in e else None
-                           for spec, e in row["targets"].items()}
+        row["ratios"] = _ratios(row["targets"], "ms", row["targets"].get(targets[0], {}).get("ms"))
+        row["resident_ratios"] = _ratios(row["targets"], "resident_ms",
+                                         row["targets"].get(targets[0], {}).get("resident_ms"))
+        row["vs_torch"] = _ratios(row["targets"], "ms", row["torch_ms"])
         doc["workloads"].append(row)
     doc["load_avg_median"] = statistics.median(doc["load_avg"])
     return doc

@@ -123,8 +123,10 @@ def test_iree_runs_beside_tapml_through_the_seam(tmp_path):
         theirs = w["targets"]["iree:vulkan"]
         assert theirs["matches_torch"] and theirs["ms"] > 0, w
         assert w["ratios"]["iree:vulkan"] > 0
-        # IREE's own resident figure crosses the worker: its runs on device arrays, no transfers
-        assert 0 < theirs["resident_ms"] < theirs["ms"], theirs
+        # IREE's own resident figure crosses the worker: its runs on device arrays, no transfers. It is
+        # not asserted below the run time: IREE's runtime threads spin against the load, and a loaded
+        # machine gave 7.99 ms resident against 7.58 run for the quick MLP
+        assert 0 < theirs["resident_ms"] < float("inf"), theirs
         assert w["resident_ratios"]["iree:vulkan"] == pytest.approx(
             theirs["resident_ms"] / w["targets"]["wgpu:vulkan"]["resident_ms"], rel=1e-3)
 

@@ -347,7 +347,6 @@ class WidePlan:
                 wide.add(selected)
         return frozenset(wide)
 
-
     def _ranges_fit(self, inputs, ranges: dict) -> bool:
         """Whether every int64 value of the dynamic nodes lies in i32, by interval arithmetic from
         the inputs' ranges (False also where a node's op has no interval rule here)."""

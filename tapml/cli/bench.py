@@ -116,10 +116,13 @@ def _render_peers(doc: dict) -> None:
     table = Table(title=f"peers: median of {doc['rounds']} alternated rounds (each the best of 3 runs), ms per run, "
                         f"host tensors in and out; load {load if load is not None else '?'}"
                         + (" --quick" if doc.get("quick") else ""))
+    def heading(spec: str) -> str:
+        return escape(spec) + ("" if spec == first else f" (/ {escape(first)})")
+
     table.add_column("workload")
     table.add_column("torch eager", justify="right")
     for spec in doc["targets"]:
-        table.add_column(escape(spec) + ("" if spec == first else f" (/ {escape(first)})"), justify="right")
+        table.add_column(heading(spec), justify="right")
     for w in doc["workloads"]:
         cells = [w["what"], _num(w.get("torch_ms"))]
         for spec in doc["targets"]:
@@ -139,7 +142,7 @@ def _render_peers(doc: dict) -> None:
                            "left there, each run launched and waited for alone (where a target can tell)")
         held.add_column("workload")
         for spec in doc["targets"]:
-            held.add_column(escape(spec) + ("" if spec == first else f" (/ {escape(first)})"), justify="right")
+            held.add_column(heading(spec), justify="right")
         for w in resident:
             cells = [w["what"]]
             for spec in doc["targets"]:
