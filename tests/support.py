@@ -4,6 +4,7 @@ import contextlib
 import functools
 import http.server
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -75,6 +76,14 @@ def accepted_samples(lowerings: dict) -> list:
                 continue
             out.append((op, args, kwargs))
     return out
+
+
+def attention_kernels(names) -> list[str]:
+    """The fused attention's kernels among kernel ``names`` (a merged dispatch's name is its bodies'
+    joined by ``+``): one kernel where a workgroup takes a row, or the partial results and their
+    combination (platforms/wgsl/attention.py)."""
+    bodies = [part for n in names for part in n.split("+")]
+    return [n for n in bodies if re.fullmatch(r"attention(_part|_combine)?_\d+", n)]
 
 
 def own_wgpu(backend: str):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tapml.graph import graph_from_fx
-from tests.support import exported, on_every_webgpu, own_wgpu
+from tests.support import attention_kernels, exported, on_every_webgpu, own_wgpu
 
 MIN = torch.finfo(torch.float32).min
 
@@ -65,15 +65,23 @@ CASES = {
     "mha-long-cache": dict(heads=2, rep=1, lk=1000, d=64, dv=64),
     "row-all-minimum": dict(lq=2, lk=50, mask="all-min"),
     "row-all-inf": dict(lq=2, lk=50, mask="all-inf"),
+    # more chunks than a workgroup has lanes: the partial results and their combination in two kernels
+    "two-kernels-long-cache": dict(heads=2, rep=1, lk=3000, d=64, dv=64, mask="random-inf"),
 }
 
 
+
 def _check_cases(platform):
+    from tapml.platforms.wgsl.attention import chunk_keys
+    from tapml.platforms.wgsl.codegen import WORKGROUP
+    assert {-(-kw.get("lk", 16) // chunk_keys(kw.get("d", 16), kw.get("dv", 16))) <= WORKGROUP
+            for kw in CASES.values()} == {True, False}  # both forms are run
     for name, kw in CASES.items():
         graph, inputs, want = _case(len(name), **kw)
         program = platform.compile(graph)
         kernels = [k.name for k in program.kernels]
-        assert any(n.startswith("attention_part") for n in kernels), (name, kernels)
+        one_kernel = -(-kw.get("lk", 16) // chunk_keys(kw.get("d", 16), kw.get("dv", 16))) <= WORKGROUP
+        assert len(attention_kernels(kernels)) == (1 if one_kernel else 2), (name, kernels)
         assert not any(n.startswith(("bmm", "softmax")) for n in kernels), (name, kernels)
         got = platform.run(program, inputs)[0]
         assert got.shape == want.shape, name
@@ -116,7 +124,7 @@ def test_an_injected_fault_inside_the_pattern_stays_visible():
     graph, inputs, want = _case(3)
     faulty = InjectedPlatform(platform, parse_faults(["aten._softmax.default=scale:1.5"]))
     program = faulty.compile(graph)
-    assert not any(k.name.startswith("attention_part") for k in program.kernels)
+    assert not attention_kernels(k.name for k in program.kernels)
     got = faulty.run(program, inputs)[0]
     torch.testing.assert_close(got, want * 1.5, rtol=1e-4, atol=1e-5)
 

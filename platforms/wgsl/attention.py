@@ -28,6 +28,12 @@ mask computed from the step's ``cache_position``), so one compiled program serve
 A row whose every key is masked gets what torch gives it: the mean of the values rows (every
 score rounds to the same minimum), or NaN when the mask is ``-inf``.
 
+Before either kernel, one small kernel (:func:`chunk_flags`) says for each chunk of keys of each
+row of the mask whether any key of it is unmasked. Both kernels skip a chunk that has none, so the
+mask of a long cache is scanned once per step, not once per layer and head, and a chunk past the
+tokens costs one load. The flags are computed once per mask per program: the layers of a decoder
+share theirs.
+
 Only float32, and at most :data:`MAX_QUERIES` queries (decode; a prefill keeps the tiled
 products); anything else compiles as the separate ops. An injected fault sits between two
 nodes of the pattern and breaks it, so the fault stays where ``--inject`` put it.
@@ -40,7 +46,7 @@ from dataclasses import dataclass
 
 from tapml.graph import Graph
 from tapml.graph import TensorMeta
-from tapml.platforms.wgsl.codegen import LOOP_BUDGET, BufferView, cast, lit
+from tapml.platforms.wgsl.codegen import LOOP_BUDGET, MAX_GROUPS, WORKGROUP, BufferView, Value, cast, lit
 
 #: Mask values at or below this are "masked" (transformers uses finfo(float32).min).
 MASKED = -1.0e38
@@ -155,6 +161,39 @@ def chunk_keys(d: int, dv: int) -> int:
     return max(1, (LOOP_BUDGET - d - dv) // (d + dv + 2))
 
 
+def chunk_flags(pb, ref: str, mask: Value, lk: int, chunk: int) -> BufferView:
+    """For each row of ``mask`` (its shape but the last dim) and each chunk of ``chunk`` keys of
+    ``lk``: 1 where a key of the chunk is unmasked (above :data:`MASKED`, or NaN), else 0. One
+    kernel per mask ``ref`` per program; later attentions reading the same mask reuse it."""
+    from tapml.platforms.wgsl import views
+    chunks = -(-lk // chunk)
+    key = ("attention chunk flags", ref, lk, chunk)
+    if key in pb.memo:
+        return pb.memo[key]
+    lead = tuple(mask.shape[:-1])
+    mask = views.expand_to(mask, lead + (lk,))
+    meta = TensorMeta(lead + (chunks,), "int32")
+    out = pb.buffer("temp", meta)
+    k = pb.kernel("attention_flags")
+    row, c = k.let(f"n / {chunks}", "i32"), k.let(f"n % {chunks}", "i32")
+    idx = k.unravel(row, lead)
+    found = k.var("i32", "0", "any")
+    k.loop("jj", chunk)
+    at = k.let(f"{c} * {chunk} + jj", "i32")
+    k.open(f"if ({at} >= {lk})")
+    k.emit("break;")
+    k.close()
+    k.open(f"if (!({cast(mask.read(k, [*idx, at]), mask.ty, 'f32')} <= {lit(MASKED, 'f32')}))")
+    k.emit(f"{found} = 1;")
+    k.emit("break;")
+    k.close()
+    k.close()
+    k.write(out, "n", found, "i32")
+    pb.add(k.finish(math.prod(lead) * chunks))
+    pb.memo[key] = BufferView.whole(out, meta)
+    return pb.memo[key]
+
+
 def fused_attention(pb, match: AttentionMatch, env: dict, meta: TensorMeta) -> BufferView:
     """The pattern's output (``meta``: the second bmm's ``[BH, Lq, Dv]``) by the two kernels of
     the module docstring."""
@@ -167,11 +206,24 @@ def fused_attention(pb, match: AttentionMatch, env: dict, meta: TensorMeta) -> B
     chunk = chunk_keys(d, dv)
     chunks = -(-lk // chunk)
     rows = bh * lq
-    q, k_t, v, *rest = pb.fit([q, k_t, v] + ([mask] if mask is not None else []), 3)
+    # the chunk flags are a buffer of their own: one more binding beside the three partial results
+    q, k_t, v, *rest = pb.fit([q, k_t, v] + ([mask] if mask is not None else []), 3 + (mask is not None))
     mask = rest[0] if rest else None
     stats = TensorMeta((rows * chunks,), "float32")
     acc_meta = TensorMeta((rows * chunks * dv,), "float32")
     part_m, part_l, part_acc = pb.buffer("temp", stats), pb.buffer("temp", stats), pb.buffer("temp", acc_meta)
+
+    flags = chunk_flags(pb, match.mask, env[match.mask], lk, chunk) if mask is not None else None
+    if flags is not None:
+        flags = views.expand_to(flags, tuple(shape[:-1]) + (chunks,))
+
+    def skip_masked(k, head, query, c, stmt):
+        """``stmt`` (``return;``, ``continue;``) for a chunk whose every key is masked."""
+        if flags is not None:
+            lead = k.unravel(head, shape[:-2]) if len(shape) > 2 else []
+            k.open(f"if ({flags.read(k, [*lead, query, c])} == 0)")
+            k.emit(stmt)
+            k.close()
 
     def mask_at(k, head, query, key):
         """The mask's value (float32) at this head, query and key; a constant when there is none."""
@@ -180,93 +232,127 @@ def fused_attention(pb, match: AttentionMatch, env: dict, meta: TensorMeta) -> B
         lead = k.unravel(head, shape[:-2]) if len(shape) > 2 else []
         return cast(mask.read(k, [*lead, query, key]), mask.ty, "f32")
 
-    k = pb.kernel("attention_part")
-    head, query, c = (k.let(e, "i32") for e in (f"n / {lq * chunks}", f"(n / {chunks}) % {lq}", f"n % {chunks}"))
-    k.emit(f"var qrow: array<f32, {d}>;")
-    k.loop("i", d)
-    k.emit(f"qrow[i] = {cast(q.read(k, [head, query, 'i']), q.ty, 'f32')};")
-    k.close()
-    k.emit(f"var score: array<f32, {chunk}>;")
-    mx = k.var("f32", f"{NEG_INF}", "mx")
-    k.loop("jj", chunk)
-    key = k.let(f"{c} * {chunk} + jj", "i32")
-    k.open(f"if ({key} >= {lk})")
-    k.emit("break;")
-    k.close()
-    mv = k.let(mask_at(k, head, query, key), "f32")
-    k.open(f"if ({mv} <= {lit(MASKED, 'f32')})")  # also -inf; NaN is not masked
-    k.emit(f"score[jj] = {NEG_INF};")
-    k.emit("continue;")
-    k.close()
-    dot = k.var("f32", "0.0", "dot")
-    k.loop("i", d)
-    k.emit(f"{dot} = {dot} + qrow[i] * {cast(k_t.read(k, [head, 'i', key]), k_t.ty, 'f32')};")
-    k.close()
-    scaled = dot if match.scale is None else f"({dot} * {lit(match.scale, 'f32')})"
-    k.emit(f"score[jj] = {scaled} + {mv};")
-    k.emit(f"{mx} = max({mx}, score[jj]);")
-    k.close()
-    total = k.var("f32", "0.0", "l")
-    k.emit(f"var acc: array<f32, {dv}>;")
-    k.open(f"if ({mx} > {NEG_INF})")
-    k.loop("jj", chunk)
-    key = k.let(f"{c} * {chunk} + jj", "i32")
-    k.open(f"if ({key} >= {lk})")
-    k.emit("break;")
-    k.close()
-    k.open(f"if (score[jj] == {NEG_INF})")
-    k.emit("continue;")
-    k.close()
-    p = k.let(f"exp(score[jj] - {mx})", "f32")
-    k.emit(f"{total} = {total} + {p};")
-    k.loop("e", dv)
-    k.emit(f"acc[e] = acc[e] + {p} * {cast(v.read(k, [head, key, 'e']), v.ty, 'f32')};")
-    k.close()
-    k.close()
-    k.close()
-    k.write(part_m, "n", mx, "f32")
-    k.write(part_l, "n", total, "f32")
-    k.loop("e", dv)
-    k.write(part_acc, f"n * {dv} + e", "acc[e]", "f32")
-    k.close()
-    pb.add(k.finish(rows * chunks))
+    def part(k, n, head, query, c):
+        """The chunk's partial results (max, sum of exponentials, weighted values) at ``n``."""
+        k.emit(f"var qrow: array<f32, {d}>;")
+        k.loop("i", d)
+        k.emit(f"qrow[i] = {cast(q.read(k, [head, query, 'i']), q.ty, 'f32')};")
+        k.close()
+        k.emit(f"var score: array<f32, {chunk}>;")
+        mx = k.var("f32", f"{NEG_INF}", "mx")
+        k.loop("jj", chunk)
+        key = k.let(f"{c} * {chunk} + jj", "i32")
+        k.open(f"if ({key} >= {lk})")
+        k.emit("break;")
+        k.close()
+        mv = k.let(mask_at(k, head, query, key), "f32")
+        k.open(f"if ({mv} <= {lit(MASKED, 'f32')})")  # also -inf; NaN is not masked
+        k.emit(f"score[jj] = {NEG_INF};")
+        k.emit("continue;")
+        k.close()
+        dot = k.var("f32", "0.0", "dot")
+        k.loop("i", d)
+        k.emit(f"{dot} = {dot} + qrow[i] * {cast(k_t.read(k, [head, 'i', key]), k_t.ty, 'f32')};")
+        k.close()
+        scaled = dot if match.scale is None else f"({dot} * {lit(match.scale, 'f32')})"
+        k.emit(f"score[jj] = {scaled} + {mv};")
+        k.emit(f"{mx} = max({mx}, score[jj]);")
+        k.close()
+        total = k.var("f32", "0.0", "l")
+        k.emit(f"var acc: array<f32, {dv}>;")
+        k.open(f"if ({mx} > {NEG_INF})")
+        k.loop("jj", chunk)
+        key = k.let(f"{c} * {chunk} + jj", "i32")
+        k.open(f"if ({key} >= {lk})")
+        k.emit("break;")
+        k.close()
+        k.open(f"if (score[jj] == {NEG_INF})")
+        k.emit("continue;")
+        k.close()
+        p = k.let(f"exp(score[jj] - {mx})", "f32")
+        k.emit(f"{total} = {total} + {p};")
+        k.loop("e", dv)
+        k.emit(f"acc[e] = acc[e] + {p} * {cast(v.read(k, [head, key, 'e']), v.ty, 'f32')};")
+        k.close()
+        k.close()
+        k.close()
+        k.write(part_m, n, mx, "f32")
+        k.write(part_l, n, total, "f32")
+        k.loop("e", dv)
+        k.write(part_acc, f"{n} * {dv} + e", "acc[e]", "f32")
+        k.close()
 
     out = pb.buffer("temp", meta)
-    k = pb.kernel("attention_combine")
-    row, e = k.let(f"n / {dv}", "i32"), k.let(f"n % {dv}", "i32")
-    head, query = k.let(f"{row} / {lq}", "i32"), k.let(f"{row} % {lq}", "i32")
     bm, bl, ba = BufferView.whole(part_m, stats), BufferView.whole(part_l, stats), BufferView.whole(part_acc, acc_meta)
-    big = k.var("f32", f"{NEG_INF}", "big")
-    k.loop("c", chunks)
-    k.emit(f"{big} = max({big}, {bm.read(k, [f'{row} * {chunks} + c'])});")
-    k.close()
-    result = k.var("f32", "0.0", "o")
-    k.open(f"if ({big} > {NEG_INF})")
-    num, den = k.var("f32", "0.0", "num"), k.var("f32", "0.0", "den")
-    k.loop("c", chunks)
-    at = k.let(f"{row} * {chunks} + c", "i32")
-    w = k.let(f"exp({bm.read(k, [at])} - {big})", "f32")
-    k.emit(f"{den} = {den} + {bl.read(k, [at])} * {w};")
-    k.emit(f"{num} = {num} + {ba.read(k, [f'{at} * {dv} + {e}'])} * {w};")
-    k.close()
-    k.emit(f"{result} = {num} / {den};")
-    k.close()
-    k.open("else")  # every key masked: torch's softmax of equal minima is uniform; of -inf, NaN
-    first = k.let(mask_at(k, head, query, "0"), "f32")
-    k.open(f"if ({first} == {NEG_INF})")
-    k.emit(f"{result} = {NAN};")
-    k.close()
-    k.open("else")
-    total = k.var("f32", "0.0", "sum")
-    k.loop("j", lk)
-    k.emit(f"{total} = {total} + {cast(v.read(k, [head, 'j', e]), v.ty, 'f32')};")
-    k.close()
-    k.emit(f"{result} = {total} / {lit(float(lk), 'f32')};")
-    k.close()
-    k.close()
-    k.write(out, "n", result, "f32")
+
+    def combine(k, row, e):
+        """Output element ``e`` of ``row`` from the row's partial results."""
+        head, query = k.let(f"{row} / {lq}", "i32"), k.let(f"{row} % {lq}", "i32")
+        big = k.var("f32", f"{NEG_INF}", "big")
+        k.loop("c", chunks)
+        skip_masked(k, head, query, "c", "continue;")
+        k.emit(f"{big} = max({big}, {bm.read(k, [f'{row} * {chunks} + c'])});")
+        k.close()
+        result = k.var("f32", "0.0", "o")
+        k.open(f"if ({big} > {NEG_INF})")
+        num, den = k.var("f32", "0.0", "num"), k.var("f32", "0.0", "den")
+        k.loop("c", chunks)
+        skip_masked(k, head, query, "c", "continue;")
+        at = k.let(f"{row} * {chunks} + c", "i32")
+        w = k.let(f"exp({bm.read(k, [at])} - {big})", "f32")
+        k.emit(f"{den} = {den} + {bl.read(k, [at])} * {w};")
+        k.emit(f"{num} = {num} + {ba.read(k, [f'{at} * {dv} + {e}'])} * {w};")
+        k.close()
+        k.emit(f"{result} = {num} / {den};")
+        k.close()
+        k.open("else")  # every key masked: torch's softmax of equal minima is uniform; of -inf, NaN
+        first = k.let(mask_at(k, head, query, "0"), "f32")
+        k.open(f"if ({first} == {NEG_INF})")
+        k.emit(f"{result} = {NAN};")
+        k.close()
+        k.open("else")
+        total = k.var("f32", "0.0", "sum")
+        k.loop("j", lk)
+        k.emit(f"{total} = {total} + {cast(v.read(k, [head, 'j', e]), v.ty, 'f32')};")
+        k.close()
+        k.emit(f"{result} = {total} / {lit(float(lk), 'f32')};")
+        k.close()
+        k.close()
+        k.write(out, f"{row} * {dv} + {e}", result, "f32")
+
+    if chunks <= WORKGROUP:  # one workgroup a row: its lanes take a chunk each, then combine them
+        k = pb.kernel("attention")
+        gx = min(rows, MAX_GROUPS)
+        k.emit(f"let row: i32 = i32(wid.y) * {gx} + i32(wid.x);")
+        k.emit("let lane: i32 = i32(lid.x);")
+        k.open(f"if (row < {rows} && lane < {chunks})")
+        n = k.let(f"row * {chunks} + lane", "i32")
+        head, query = k.let(f"row / {lq}", "i32"), k.let(f"row % {lq}", "i32")
+        k.open("loop")  # a block that a masked chunk leaves by break
+        skip_masked(k, head, query, "lane", "break;")
+        part(k, n, head, query, "lane")
+        k.emit("break;")
+        k.close()
+        k.close()
+        k.emit("storageBarrier();")  # the row's partial results, written by its lanes, are visible
+        k.open(f"if (row < {rows})")
+        k.open(f"for (var e: i32 = lane; e < {dv}; e = e + {WORKGROUP})", -(-dv // WORKGROUP))
+        combine(k, "row", "e")
+        k.close()
+        k.close()
+        pb.add(k.finish(0, workgroup=(WORKGROUP, 1, 1), groups=(gx, -(-rows // gx), 1), group_ids=True))
+        return BufferView.whole(out, meta)
+
+    k = pb.kernel("attention_part")
+    head, query, c = (k.let(e, "i32") for e in (f"n / {lq * chunks}", f"(n / {chunks}) % {lq}", f"n % {chunks}"))
+    skip_masked(k, head, query, c, "return;")  # its partial results are not read
+    part(k, "n", head, query, c)
+    pb.add(k.finish(rows * chunks))
+
+    k = pb.kernel("attention_combine")
+    combine(k, k.let(f"n / {dv}", "i32"), k.let(f"n % {dv}", "i32"))
     pb.add(k.finish(rows * dv))
     return BufferView.whole(out, meta)
 
 
-__all__ = ["AttentionMatch", "find_attention", "fused_attention", "MASKED", "MAX_QUERIES"]
+__all__ = ["AttentionMatch", "chunk_flags", "find_attention", "fused_attention", "MASKED", "MAX_QUERIES"]

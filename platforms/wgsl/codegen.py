@@ -253,6 +253,23 @@ def load_at(b: Binding, index: str, storage: str, ty: str) -> str:
     return load(b[index], storage, ty)
 
 
+def vec4_view(v: Value) -> bool:
+    """Whether :func:`vec4_at` reads ``v`` four elements a load."""
+    return isinstance(v, BufferView) and len(v.shape) == 1 and v.strides[0] == 1 and v.offset % 4 == 0 and \
+        v.shape[0] % 4 == 0 and v.buf.dtype in ("f32", "f16")
+
+
+def vec4_at(k, v: Value, i: str) -> str | None:
+    """Elements ``i .. i + 3`` of the 1-D value ``v`` (``i`` a multiple of 4) as one aligned
+    ``vec4<f32>`` load where ``v`` is a contiguous float32 or float16 buffer view that starts on
+    a vec4; None otherwise. On CPU adapters each load costs a loop over the SIMD lanes, so one
+    vec4 load costs far less than four scalar ones (benchmarks/NOTES.md, "Attention's chunk flags")."""
+    if not vec4_view(v):
+        return None
+    raw = k.bind(v.buf, elem=f"vec4<{v.buf.dtype}>")[f"({v.offset} + {i}) / 4"]
+    return raw if v.buf.dtype == "f32" else f"vec4<f32>({raw})"
+
+
 def load(raw: str, storage: str, ty: str) -> str:
     """Expression of type ``ty`` reading ``raw``, an element of a ``storage`` buffer (not packed)."""
     if storage == "u32":
@@ -648,6 +665,8 @@ class ProgramBuilder:
         self.names: dict[str, int] = {}
         # id of a finished 1-D kernel -> (its builder, threads, loop iterations): what merge_independent joins
         self.one_dimensional: dict[int, tuple] = {}
+        # values computed once per program and read by several kernels (attention's chunk flags)
+        self.memo: dict = {}
 
     def storage(self, dtype: str) -> str:
         """The WGSL storage type of torch dtype ``dtype`` on this device (Unsupported if none)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tapml.platforms.wgsl import views
-from tapml.platforms.wgsl.codegen import MAX_GROUPS, WORKGROUP, BufferView, Value, cast, combine_lanes, lit
+from tapml.platforms.wgsl.codegen import MAX_GROUPS, WORKGROUP, BufferView, Value, cast, combine_lanes, lit, vec4_at, vec4_view
 
 
 @dataclass
@@ -114,17 +114,23 @@ def _write(pb, x: Value, w: Value, eps: float, out, rows: int, K: int) -> None:
     pb.add(k.finish(0, workgroup=(WORKGROUP, 1, 1), groups=(gx, -(-rows // gx), 1), group_ids=True))
 
 
-def row_scale(k, element, ty: str, K: int, eps: float, lane: str, lanes: int) -> str:
+def row_scale(k, element, ty: str, K: int, eps: float, lane: str, lanes: int, element4=None) -> str:
     """Emit, at the kernel's top level, ``1 / sqrt(mean(x * x) + eps)`` of one row of ``K``
-    elements (``element(i)``: element ``i`` as an expression of type ``ty``), its squares added by
-    the ``lanes`` lanes of the workgroup (``lane``: this lane's index); returns its name. Ends
-    with a barrier, so the workgroup memory may be used again."""
+    elements (``element(i)``: element ``i`` as an expression of type ``ty``; ``element4(i)``, where
+    given, elements ``i .. i + 3`` as one ``vec4<f32>``), its squares added by the ``lanes`` lanes of
+    the workgroup (``lane``: this lane's index); returns its name. Ends with a barrier, so the
+    workgroup memory may be used again."""
     k.emit("var squares: f32 = 0.0;")
-    k.loop("i", -(-K // lanes))
+    step = 4 if element4 is not None else 1
+    k.loop("i", -(-K // (lanes * step)))
     idx = k.let(f"{lane} + i * {lanes}", "i32")
-    k.open(f"if ({idx} < {K})")
-    v = k.let(cast(element(idx), ty, "f32"), "f32")
-    k.emit(f"squares = squares + {v} * {v};")
+    k.open(f"if ({idx} < {K // step})")
+    if element4 is not None:
+        v = k.let(element4(f"{idx} * 4"), "vec4<f32>")
+        k.emit(f"squares = squares + dot({v}, {v});")
+    else:
+        v = k.let(cast(element(idx), ty, "f32"), "f32")
+        k.emit(f"squares = squares + {v} * {v};")
     k.close()
     k.close()
     combine_lanes(k, lanes, lane, lane, ["squares"])  # the row's sum ends in lane 0's slot, partial[0]
@@ -169,11 +175,14 @@ class NormedRow(Value):
 
     def prologue(self, k, lane: str, lanes: int) -> str:
         """Emit the row's scale into a kernel whose ``lanes`` lanes all run this (top level)."""
-        return row_scale(k, lambda i: self.x.read(k, [i]), self.x.ty, self.K, self.eps, lane, lanes)
+        four = (lambda i: vec4_at(k, self.x, i)) if vec4_view(self.x) else None
+        return row_scale(k, lambda i: self.x.read(k, [i]), self.x.ty, self.K, self.eps, lane, lanes, four)
 
     def read4(self, k, i: str, scale: str) -> str:
         """Elements ``i .. i + 3`` as a ``vec4<f32>`` expression, rounded as torch rounds them."""
-        at = [k.let(f"{i} + {c}", "i32") for c in range(4)]
-        xs = [cast(self.x.read(k, [j]), self.x.ty, "f32") for j in at]
-        ws = [cast(self.w.read(k, [j]), self.w.ty, "f32") for j in at]
-        return f"(vec4<f32>({', '.join(ws)}) * (vec4<f32>({', '.join(xs)}) * {scale}))"
+        def four(v: Value) -> str:
+            whole = vec4_at(k, v, i)
+            if whole is not None:
+                return whole
+            return f"vec4<f32>({', '.join(cast(v.read(k, [k.let(f'{i} + {c}', 'i32')]), v.ty, 'f32') for c in range(4))})"
+        return f"({four(self.w)} * ({four(self.x)} * {scale}))"
