@@ -336,6 +336,11 @@ class Value:
         :meth:`ProgramBuilder.plain` should use instead of a copy; None otherwise."""
         return None
 
+    def read4(self, k: "KernelBuilder", idx: list[str], axis: int) -> list[str]:
+        """The elements at ``idx`` and the three after it along ``axis`` (``idx[axis]`` a multiple
+        of 4, ``shape[axis]`` too): a buffer read contiguously along ``axis`` is one vec4 load."""
+        return [self.read(k, _shifted(k, idx, axis, c)) for c in range(4)]
+
 
 class BufferView(Value):
     """A strided window on a device buffer."""
@@ -370,19 +375,36 @@ class BufferView(Value):
             index = k.let(index, "i32")
         return k.let(load_at(b, index, self.buf.dtype, self.ty), self.ty, key=raw)
 
+    def read4(self, k, idx, axis):
+        others = [st for d, (st, n) in enumerate(zip(self.strides, self.shape)) if d != axis and n > 1]
+        if not (self.strides[axis] == 1 and self.shape[axis] % 4 == 0 and self.offset % 4 == 0 and
+                all(st % 4 == 0 for st in others) and self.buf.dtype == "f32" and self.ty == "f32" and self.numel):
+            return super().read4(k, idx, axis)
+        b = k.bind(self.buf, elem="vec4<f32>")
+        four = k.let(b[f"({index_sum(idx, self.strides, self.offset)}) / 4"], "vec4<f32>")
+        return [f"{four}.{c}" for c in "xyzw"]
+
     def bufs(self):
         return frozenset([self.buf.name])
 
 
 class Remap(Value):
-    """``src`` read at ``fn(k, idx)``: reshapes and views of computed values."""
+    """``src`` read at ``fn(k, idx)``: reshapes and views of computed values. ``in_order``: the
+    elements are ``src``'s in the same row-major order (a reshape)."""
 
-    def __init__(self, src: Value, shape, fn: Callable):
+    def __init__(self, src: Value, shape, fn: Callable, in_order: bool = False):
         self.src, self.shape, self.fn, self.dtype = src, tuple(shape), fn, src.dtype
-        self.cost = src.cost
+        self.cost, self.in_order = src.cost, in_order
 
     def read(self, k, idx):
         return self.src.read(k, self.fn(k, idx))
+
+    def read4(self, k, idx, axis):
+        # four elements in order, from a multiple of 4, stay in one row of a source whose rows are
+        # multiples of 4 long
+        if self.in_order and axis == len(self.shape) - 1 and self.src.shape and self.src.shape[-1] % 4 == 0:
+            return self.src.read4(k, self.fn(k, idx), len(self.src.shape) - 1)
+        return super().read4(k, idx, axis)
 
     def bufs(self):
         return self.src.bufs()
@@ -402,8 +424,18 @@ class Compute(Value):
         e = round_low(k, self.fn(k, exprs, idx), self.dtype)
         return k.let(e, self.ty)
 
+    def read4(self, k, idx, axis):
+        fours = [v.read4(k, idx, axis) for v in self.inputs]
+        return [k.let(round_low(k, self.fn(k, [f[c] for f in fours], _shifted(k, idx, axis, c)), self.dtype), self.ty)
+                for c in range(4)]
+
     def bufs(self):
         return self._bufs
+
+
+def _shifted(k: "KernelBuilder", idx: list[str], axis: int, c: int) -> list[str]:
+    """``idx`` with ``c`` added along ``axis``."""
+    return [k.let(f"{i} + {c}", "i32") if d == axis and c else i for d, i in enumerate(idx)]
 
 
 def round_low(k: "KernelBuilder", e: str, dtype: str) -> str:

@@ -577,7 +577,7 @@ def gemv_kernel(pb, name: str, a: Value, parts: list[GemvPart], Z: int, K: int) 
         elif normed:
             x = k.let(a.read4(k, kk, scale), "vec4<f32>")
         else:
-            row = [cast(a.read(k, ["z", "0", k.let(f"{kk} + {c}", "i32")]), a.ty, "f32") for c in range(4)]
+            row = [cast(e, a.ty, "f32") for e in a.read4(k, ["z", "0", kk], 2)]
             x = k.let(f"vec4<f32>({', '.join(row)})", "vec4<f32>")
         for j in range(tn):
             k.emit(f"acc{j} = acc{j} + {x} * {f4(B[f'({cb[j]} + {kk}) / 4'], b.buf.dtype)};")

@@ -36,7 +36,7 @@ def expand_to(v: Value, shape: Sequence[int]) -> Value:
 
     def fn(k, idx):
         return ["0" if bcast[i] else idx[i] for i in range(lead, len(shape))]
-    return Remap(v, shape, fn)
+    return Remap(v, shape, fn, in_order=math.prod(shape) == v.numel)  # only new dims of size 1
 
 
 def permute(v: Value, dims: Sequence[int]) -> Value:
@@ -107,7 +107,7 @@ def reshape(v: Value, shape: Sequence[int]) -> Value:
             linear = "0" if not terms else terms[0] if len(terms) == 1 else k.let(f"({' + '.join(terms)})", "i32")
             out.extend([linear] if len(src) == 1 else k.unravel(linear, [src_shape[d] for d in src]))
         return out
-    return Remap(v, shape, fn)
+    return Remap(v, shape, fn, in_order=True)
 
 
 def _reshape_groups(src: tuple, dst: tuple) -> list[tuple[range, range]]:
@@ -176,7 +176,7 @@ def unsqueeze(v: Value, dim: int) -> Value:
     same_kind = v.reshaped(shape)
     if same_kind is not None:
         return same_kind
-    return Remap(v, shape, lambda k, idx: list(idx[:dim]) + list(idx[dim + 1:]))
+    return Remap(v, shape, lambda k, idx: list(idx[:dim]) + list(idx[dim + 1:]), in_order=True)
 
 
 def squeeze(v: Value, dims: Sequence[int] | None = None) -> Value:
