@@ -17,6 +17,8 @@ Example::
 
 from __future__ import annotations
 
+import functools
+
 import time
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -36,6 +38,11 @@ class Segment:
     @property
     def names(self) -> list[str]:
         return [n.name for n in self.nodes]
+
+    @functools.cached_property
+    def produced(self) -> frozenset[str]:
+        """Every ref the segment's nodes make."""
+        return frozenset(r for n in self.nodes for r in n.output_refs)
 
 
 @dataclass
@@ -99,6 +106,7 @@ class HybridRunner:
         #: the HybridResult of the last :meth:`step`
         self.last_result: HybridResult | None = None
         self._plans: dict = {}
+        self._last_plan: tuple | None = None  # (placement, keep, plan) of the last _plan call
 
     def program(self, names: list[str], keep: Iterable[str] = ()) -> tuple[object, Graph, bool, float]:
         """(program, subgraph, cached, compile_ms) of the region made of ``names``."""
@@ -156,9 +164,13 @@ class HybridRunner:
     def _plan(self, placement: dict[str, str], keep: set[str]) -> tuple[list[Segment], dict[int, list[str]]]:
         """The segments of ``placement`` and, per segment, the values no later segment reads (freed
         after it), kept per placement and ``keep``: a generation runs every step under the same ones."""
+        last = self._last_plan  # a generation asks again with an equal placement every step
+        if last is not None and last[1] == keep and last[0] == placement:
+            return last[2]
         key = (tuple(n.name for n in self.graph.nodes if placement.get(n.name) == TARGET), frozenset(keep))
         plans = self._plans
         if key in plans:
+            self._last_plan = (dict(placement), set(keep), plans[key])
             return plans[key]
         segs = segments(self.graph, placement)
         last_use: dict[str, int] = {}
@@ -174,6 +186,7 @@ class HybridRunner:
         if len(plans) >= 16:  # a migration tries many placements; a generation one
             plans.clear()
         plans[key] = segs, free_after
+        self._last_plan = (dict(placement), set(keep), plans[key])
         return segs, free_after
 
     def step(self, inputs: dict, state_values: dict, placement: dict[str, str],
@@ -211,7 +224,7 @@ class HybridRunner:
     def _run_region(self, seg: Segment, env: dict, keep: set[str], resident: set[str] = frozenset()) -> RegionRun:
         from tapml.platforms.base import ResidentTensor
         names = seg.names
-        produced = {r for n in seg.nodes for r in n.output_refs}
+        produced = seg.produced
         try:
             program, sub, cached, compile_ms = self.program(names, keep & produced)
             args = [env[r] for r, _ in sub.inputs]
