@@ -65,6 +65,8 @@ CASES = {
     "mha-long-cache": dict(heads=2, rep=1, lk=1000, d=64, dv=64),
     "row-all-minimum": dict(lq=2, lk=50, mask="all-min"),
     "row-all-inf": dict(lq=2, lk=50, mask="all-inf"),
+    # short rows share a workgroup (21 rows of 3 chunks each), 80 rows over 4 workgroups, the last one partly
+    "rows-sharing-workgroups": dict(heads=16, rep=4, lq=5, lk=300),
     # more chunks than a workgroup has lanes: the partial results and their combination in two kernels
     "two-kernels-long-cache": dict(heads=2, rep=1, lk=3000, d=64, dv=64, mask="random-inf"),
 }

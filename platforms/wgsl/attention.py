@@ -320,27 +320,31 @@ def fused_attention(pb, match: AttentionMatch, env: dict, meta: TensorMeta) -> B
         k.close()
         k.write(out, f"{row} * {dv} + {e}", result, "f32")
 
-    if chunks <= WORKGROUP:  # one workgroup a row: its lanes take a chunk each, then combine them
+    if chunks <= WORKGROUP:  # a workgroup takes whole rows: its lanes a chunk each, then combine them
+        per = WORKGROUP // chunks  # rows per workgroup: short rows share one, so their lanes stay busy
+        groups = -(-rows // per)
         k = pb.kernel("attention")
-        gx = min(rows, MAX_GROUPS)
-        k.emit(f"let row: i32 = i32(wid.y) * {gx} + i32(wid.x);")
+        gx = min(groups, MAX_GROUPS)
+        k.emit(f"let first: i32 = (i32(wid.y) * {gx} + i32(wid.x)) * {per};")
         k.emit("let lane: i32 = i32(lid.x);")
-        k.open(f"if (row < {rows} && lane < {chunks})")
-        n = k.let(f"row * {chunks} + lane", "i32")
-        head, query = k.let(f"row / {lq}", "i32"), k.let(f"row % {lq}", "i32")
+        row, c = k.let(f"first + lane / {chunks}", "i32"), k.let(f"lane % {chunks}", "i32")
+        k.open(f"if (lane < {per * chunks} && {row} < {rows})")
+        n = k.let(f"{row} * {chunks} + {c}", "i32")
+        head, query = k.let(f"{row} / {lq}", "i32"), k.let(f"{row} % {lq}", "i32")
         k.open("loop")  # a block that a masked chunk leaves by break
-        skip_masked(k, head, query, "lane", "break;")
-        part(k, n, head, query, "lane")
+        skip_masked(k, head, query, c, "break;")
+        part(k, n, head, query, c)
         k.emit("break;")
         k.close()
         k.close()
-        k.emit("storageBarrier();")  # the row's partial results, written by its lanes, are visible
-        k.open(f"if (row < {rows})")
-        k.open(f"for (var e: i32 = lane; e < {dv}; e = e + {WORKGROUP})", -(-dv // WORKGROUP))
-        combine(k, "row", "e")
+        k.emit("storageBarrier();")  # the rows' partial results, written by their lanes, are visible
+        k.open(f"for (var at: i32 = lane; at < {per * dv}; at = at + {WORKGROUP})", -(-per * dv // WORKGROUP))
+        out_row = k.let(f"first + at / {dv}", "i32")
+        k.open(f"if ({out_row} < {rows})")
+        combine(k, out_row, k.let(f"at % {dv}", "i32"))
         k.close()
         k.close()
-        pb.add(k.finish(0, workgroup=(WORKGROUP, 1, 1), groups=(gx, -(-rows // gx), 1), group_ids=True))
+        pb.add(k.finish(0, workgroup=(WORKGROUP, 1, 1), groups=(gx, -(-groups // gx), 1), group_ids=True))
         return BufferView.whole(out, meta)
 
     k = pb.kernel("attention_part")
