@@ -206,12 +206,12 @@ def fused_attention(pb, match: AttentionMatch, env: dict, meta: TensorMeta) -> B
     chunk = chunk_keys(d, dv)
     chunks = -(-lk // chunk)
     rows = bh * lq
-    # the chunk flags are a buffer of their own: one more binding beside the three partial results
-    q, k_t, v, *rest = pb.fit([q, k_t, v] + ([mask] if mask is not None else []), 3 + (mask is not None))
+    # besides these, a kernel binds the partial results, the output and the chunk flags
+    q, k_t, v, *rest = pb.fit([q, k_t, v] + ([mask] if mask is not None else []), 2 + (mask is not None))
     mask = rest[0] if rest else None
-    stats = TensorMeta((rows * chunks,), "float32")
-    acc_meta = TensorMeta((rows * chunks * dv,), "float32")
-    part_m, part_l, part_acc = pb.buffer("temp", stats), pb.buffer("temp", stats), pb.buffer("temp", acc_meta)
+    width = dv + 2  # a chunk's partial result: its max, its sum of exponentials, its weighted values
+    parts_meta = TensorMeta((rows * chunks * width,), "float32")
+    parts = pb.buffer("temp", parts_meta)
 
     flags = chunk_flags(pb, match.mask, env[match.mask], lk, chunk) if mask is not None else None
     if flags is not None:
@@ -276,14 +276,14 @@ def fused_attention(pb, match: AttentionMatch, env: dict, meta: TensorMeta) -> B
         k.close()
         k.close()
         k.close()
-        k.write(part_m, n, mx, "f32")
-        k.write(part_l, n, total, "f32")
+        k.write(parts, f"{n} * {width}", mx, "f32")
+        k.write(parts, f"{n} * {width} + 1", total, "f32")
         k.loop("e", dv)
-        k.write(part_acc, f"{n} * {dv} + e", "acc[e]", "f32")
+        k.write(parts, f"{n} * {width} + 2 + e", "acc[e]", "f32")
         k.close()
 
     out = pb.buffer("temp", meta)
-    bm, bl, ba = BufferView.whole(part_m, stats), BufferView.whole(part_l, stats), BufferView.whole(part_acc, acc_meta)
+    partial = BufferView.whole(parts, parts_meta)
 
     def combine(k, row, e):
         """Output element ``e`` of ``row`` from the row's partial results."""
@@ -291,7 +291,7 @@ def fused_attention(pb, match: AttentionMatch, env: dict, meta: TensorMeta) -> B
         big = k.var("f32", f"{NEG_INF}", "big")
         k.loop("c", chunks)
         skip_masked(k, head, query, "c", "continue;")
-        k.emit(f"{big} = max({big}, {bm.read(k, [f'{row} * {chunks} + c'])});")
+        k.emit(f"{big} = max({big}, {partial.read(k, [f'({row} * {chunks} + c) * {width}'])});")
         k.close()
         result = k.var("f32", "0.0", "o")
         k.open(f"if ({big} > {NEG_INF})")
@@ -299,9 +299,9 @@ def fused_attention(pb, match: AttentionMatch, env: dict, meta: TensorMeta) -> B
         k.loop("c", chunks)
         skip_masked(k, head, query, "c", "continue;")
         at = k.let(f"{row} * {chunks} + c", "i32")
-        w = k.let(f"exp({bm.read(k, [at])} - {big})", "f32")
-        k.emit(f"{den} = {den} + {bl.read(k, [at])} * {w};")
-        k.emit(f"{num} = {num} + {ba.read(k, [f'{at} * {dv} + {e}'])} * {w};")
+        w = k.let(f"exp({partial.read(k, [f'{at} * {width}'])} - {big})", "f32")
+        k.emit(f"{den} = {den} + {partial.read(k, [f'{at} * {width} + 1'])} * {w};")
+        k.emit(f"{num} = {num} + {partial.read(k, [f'{at} * {width} + 2 + {e}'])} * {w};")
         k.close()
         k.emit(f"{result} = {num} / {den};")
         k.close()
