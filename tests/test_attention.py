@@ -148,8 +148,25 @@ def test_the_cache_put_of_a_decode_step_writes_one_row_in_place():
     want = cache.clone()
     want[:, :, 5] = row[:, :, 0]
     assert torch.equal(platform.run(program, [cache, pos, row])[0], want)
-    # two positions (a prefill) keep the lazy put into a new output buffer
-    ep = exported(lambda c, p, r: (torch.ops.aten.index_put.default(c, [None, None, p], r),), cache,
-                  torch.tensor([5, 9]), torch.randn(1, 2, 2, 8))
-    program = platform.compile(graph_from_fx(ep.graph, ep.graph_signature))
-    assert program.outputs[0] != program.inputs[0]
+
+
+def _check_prompt_puts(platform):
+    """Several positions (a prefill's prompt) are put in place too; where one repeats, the last
+    entry wins, as in torch's sequential put (and tapml's lazy put)."""
+    gen = torch.Generator().manual_seed(7)
+    cache = torch.randn(1, 2, 64, 8, generator=gen)
+    put = (lambda c, p, r: (torch.ops.aten.index_put.default(c, [None, None, p], r),))
+    for positions in (torch.arange(3, 40), torch.tensor([5, 9, 5, -1, 63, 9, 0]), torch.randint(0, 64, (100,), generator=gen)):
+        rows = torch.randn(1, 2, len(positions), 8, generator=gen)
+        ep = exported(put, cache, positions, rows)
+        program = platform.compile(graph_from_fx(ep.graph, ep.graph_signature))
+        assert program.outputs[0] == program.inputs[0]
+        assert [k.name for k in program.kernels][-1].endswith("put_in_place_0"), [k.name for k in program.kernels]
+        want = cache.clone()
+        for i, at in enumerate(positions.tolist()):  # one entry after another: the last one wins
+            want[:, :, at] = rows[:, :, i]
+        assert torch.equal(platform.run(program, [cache, positions, rows])[0], want), positions
+
+
+(test_prompt_puts_in_place_equal_torch,
+ test_prompt_puts_in_place_equal_torch_in_chromium) = on_every_webgpu(_check_prompt_puts)

@@ -51,7 +51,7 @@ from tapml.platforms.wgsl.codegen import LOOP_BUDGET, MAX_GROUPS, WORKGROUP, Buf
 #: Mask values at or below this are "masked" (transformers uses finfo(float32).min).
 MASKED = -1.0e38
 #: Most queries per head the fused kernel takes (decode steps; speculative decoding).
-MAX_QUERIES = 8
+MAX_QUERIES = 1024
 #: Most keys: the combine's fallback for a fully masked row loops over every key.
 MAX_KEYS = 16384
 _RESHAPES = ("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.clone.default",

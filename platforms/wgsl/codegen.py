@@ -82,7 +82,7 @@ STORAGE = {"float32": "f32", "float16": "f16", "bfloat16": "bf16p", "bool": "u32
 PACKED = ("f16p", "bf16p")
 ITEMSIZE = {"f32": 4, "f16": 2, "f16p": 2, "bf16p": 2, "i32": 4, "u32": 4, "i64": 8, "c64": 8, "u64": 8, "c32": 4}
 #: Bytes of one element of a binding's WGSL array type.
-ELEM_BYTES = {"f32": 4, "i32": 4, "u32": 4, "f16": 2, "vec4<f32>": 16, "vec4<f16>": 8, "atomic<u32>": 4, I64: 8, C64: 8, U64: 8}
+ELEM_BYTES = {"f32": 4, "i32": 4, "u32": 4, "f16": 2, "vec4<f32>": 16, "vec4<f16>": 8, "atomic<u32>": 4, "atomic<i32>": 4, I64: 8, C64: 8, U64: 8}
 #: Window offsets are multiples of the device's min-storage-buffer-offset-alignment (never less
 #: than one vec4); WebGPU's largest when the device does not say.
 WINDOW_ALIGN = MAX_OFFSET_ALIGNMENT

@@ -66,31 +66,57 @@ def put_in_place(pb, node, x: BufferView, indices, values, accumulate=False) -> 
     costs that row, not the cache. The compiler chooses this form for a graph input that nothing
     else reads (:func:`tapml.platforms.wgsl.compile_graph`); the program lists the input's buffer
     as the output too, so a resident cache stays where it is from step to step. None where the
-    lazy form must be kept: a boolean mask, ``accumulate``, a buffer held in several parts, or
-    more than one index entry (a decode step puts one position; entries that repeat would race,
-    where the lazy form lets the last one win)."""
+    lazy form must be kept: a boolean mask, ``accumulate``, or a buffer held in several parts.
+
+    Several index entries (a prefill puts its prompt's positions) may repeat a position, and then
+    the last entry wins, as in the lazy form: a first kernel sets one slot per indexed position to
+    -1, a second writes each entry's number into its position's slot with ``atomicMax``, and an
+    element is written only by the entry whose number its slot holds."""
     if accumulate or boolean_mask(indices, "index_put") is not None or x.buf.size > pb.max_buffer_size:
         return None
     indices, pos, bshape, adjacent, start, rest = advanced_layout(x.shape, indices, "index_put")
-    if math.prod(bshape) != 1:
-        return None
+    count = math.prod(bshape)
     indexed = (list(x.shape[:start]) + list(bshape) + list(x.shape[pos[-1] + 1:]) if adjacent
                else list(bshape) + [x.shape[d] for d in rest])
     total = math.prod(indexed)
     if total == 0:
         return x
-    fitted = pb.fit([views.expand_to(values, indexed)] + [views.expand_to(indices[d], bshape) for d in pos], 1)
+    fitted = pb.fit([views.expand_to(values, indexed)] + [views.expand_to(indices[d], bshape) for d in pos],
+                    1 if count == 1 else 2)
     values, ivals = fitted[0], fitted[1:]
     nb = len(bshape)
+    positions = [x.shape[d] for d in pos]
+
+    def position(k, bidx) -> list[str]:
+        """The wrapped, clamped index along each indexed dim of entry ``bidx``."""
+        return [wrapped_index(k, iv, bidx, x.shape[d]) for d, iv in zip(pos, ivals)]
+
+    winners = None
+    if count > 1:
+        winners = pb.buffer("temp", TensorMeta((math.prod(positions),), "int32"))
+        k = pb.kernel("put_slots")
+        k.write(winners, "n", "-1", "i32")
+        pb.add(k.finish(math.prod(positions)))
+        k = pb.kernel("put_claim")
+        slots = k.bind(winners, "read_write", elem="atomic<i32>")
+        slot = index_sum(position(k, k.unravel("n", bshape)), [math.prod(positions[i + 1:]) for i in range(len(pos))])
+        k.emit(f"atomicMax(&{slots[slot]}, n);")
+        pb.add(k.finish(count))
     k = pb.kernel("put_in_place")
     vidx = k.unravel("n", indexed)
     bidx, other = (vidx[start:start + nb], vidx[:start] + vidx[start + nb:]) if adjacent else (vidx[:nb], vidx[nb:])
     xidx = [""] * len(x.shape)
-    for d, iv in zip(pos, ivals):
-        xidx[d] = wrapped_index(k, iv, bidx, x.shape[d])
+    for d, i in zip(pos, position(k, bidx)):
+        xidx[d] = i
     for d, e in zip(rest, other):
         xidx[d] = e
+    if winners is not None:  # only the last entry putting this position writes it
+        entry = index_sum(bidx, [math.prod(bshape[i + 1:]) for i in range(nb)])
+        slot = index_sum([xidx[d] for d in pos], [math.prod(positions[i + 1:]) for i in range(len(pos))])
+        k.open(f"if ({k.bind(winners)[slot]} == {entry})")
     k.write(x.buf, index_sum(xidx, x.strides, x.offset), cast(values.read(k, vidx), values.ty, x.ty), x.ty)
+    if winners is not None:
+        k.close()
     pb.add(k.finish(total))
     return x
 
