@@ -67,6 +67,9 @@ CASES = {
     "row-all-inf": dict(lq=2, lk=50, mask="all-inf"),
     # short rows share a workgroup (21 rows of 3 chunks each), 80 rows over 4 workgroups, the last one partly
     "rows-sharing-workgroups": dict(heads=16, rep=4, lq=5, lk=300),
+    # a prefill: blocks of QUERY_BLOCK queries share their key and value loads, the last block part-full
+    "prefill-query-blocks": dict(lq=37, lk=300),
+    "prefill-blocks-two-kernels": dict(heads=2, rep=1, lq=6, lk=3000, d=64, dv=64),
     # more chunks than a workgroup has lanes: the partial results and their combination in two kernels
     "two-kernels-long-cache": dict(heads=2, rep=1, lk=3000, d=64, dv=64, mask="random-inf"),
 }
@@ -111,8 +114,9 @@ def test_the_pattern_is_found_only_where_it_may_be_folded():
     softmax = next(n for n in graph.nodes if n.op == "aten._softmax.default")
     # an intermediate the caller keeps (an output, a comparison point) leaves the ops separate
     assert find_attention(graph, uses, set(graph.outputs) | {softmax.name}) == {}
-    # more queries than MAX_QUERIES (a prefill) stay unfused
-    long, _, _ = _case(0, lq=16)
+    # more queries than MAX_QUERIES stay unfused
+    from tapml.platforms.wgsl.attention import MAX_QUERIES
+    long, _, _ = _case(0, lq=MAX_QUERIES + 1)
     assert find_attention(long, Counter(r for n in long.nodes for r in set(n.input_refs)), set(long.outputs)) == {}
 
 

@@ -34,8 +34,10 @@ mask of a long cache is scanned once per step, not once per layer and head, and 
 tokens costs one load. The flags are computed once per mask per program: the layers of a decoder
 share theirs.
 
-Only float32, and at most :data:`MAX_QUERIES` queries (decode; a prefill keeps the tiled
-products); anything else compiles as the separate ops. An injected fault sits between two
+Only float32, and at most :data:`MAX_QUERIES` queries; anything else compiles as the separate
+ops. A prefill's queries go :data:`QUERY_BLOCK` to an invocation, which share every key and value
+row it loads, and the chunks of keys past a query's position are skipped by their flags, so a
+causal prefill reads about half the keys its tiled products would. An injected fault sits between two
 nodes of the pattern and breaks it, so the fault stays where ``--inject`` put it.
 """
 
@@ -50,8 +52,10 @@ from tapml.platforms.wgsl.codegen import LOOP_BUDGET, MAX_GROUPS, WORKGROUP, Buf
 
 #: Mask values at or below this are "masked" (transformers uses finfo(float32).min).
 MASKED = -1.0e38
-#: Most queries per head the fused kernel takes (decode steps; speculative decoding).
+#: Most queries per head the fused kernel takes (decode steps, speculative decoding, a prefill).
 MAX_QUERIES = 1024
+#: Queries one invocation takes (a prefill's): they share each key and value row it loads.
+QUERY_BLOCK = 4
 #: Most keys: the combine's fallback for a fully masked row loops over every key.
 MAX_KEYS = 16384
 _RESHAPES = ("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.clone.default",
@@ -206,6 +210,9 @@ def fused_attention(pb, match: AttentionMatch, env: dict, meta: TensorMeta) -> B
     chunk = chunk_keys(d, dv)
     chunks = -(-lk // chunk)
     rows = bh * lq
+    QB = min(QUERY_BLOCK, lq)  # queries of a head one invocation takes: they share the key and value loads
+    blocks_per_head = -(-lq // QB)
+    blocks = bh * blocks_per_head
     # besides these, a kernel binds the partial results, the output and the chunk flags
     q, k_t, v, *rest = pb.fit([q, k_t, v] + ([mask] if mask is not None else []), 2 + (mask is not None))
     mask = rest[0] if rest else None
@@ -217,13 +224,12 @@ def fused_attention(pb, match: AttentionMatch, env: dict, meta: TensorMeta) -> B
     if flags is not None:
         flags = views.expand_to(flags, tuple(shape[:-1]) + (chunks,))
 
-    def skip_masked(k, head, query, c, stmt):
-        """``stmt`` (``return;``, ``continue;``) for a chunk whose every key is masked."""
-        if flags is not None:
-            lead = k.unravel(head, shape[:-2]) if len(shape) > 2 else []
-            k.open(f"if ({flags.read(k, [*lead, query, c])} == 0)")
-            k.emit(stmt)
-            k.close()
+    def live_chunk(k, head, queries, c) -> str:
+        """A WGSL bool: some query of ``queries`` ((index, valid) pairs) has an unmasked key in chunk ``c``."""
+        if flags is None:
+            return "true"
+        lead = k.unravel(head, shape[:-2]) if len(shape) > 2 else []
+        return " || ".join(f"({ok} && {flags.read(k, [*lead, qi, c])} != 0)" for qi, ok in queries)
 
     def mask_at(k, head, query, key):
         """The mask's value (float32) at this head, query and key; a constant when there is none."""
@@ -232,55 +238,84 @@ def fused_attention(pb, match: AttentionMatch, env: dict, meta: TensorMeta) -> B
         lead = k.unravel(head, shape[:-2]) if len(shape) > 2 else []
         return cast(mask.read(k, [*lead, query, key]), mask.ty, "f32")
 
-    def part(k, n, head, query, c):
-        """The chunk's partial results (max, sum of exponentials, weighted values) at ``n``."""
-        k.emit(f"var qrow: array<f32, {d}>;")
+    def part(k, head, queries, c):
+        """Chunk ``c``'s partial results (max, sum of exponentials, weighted values) for each valid
+        query of ``queries`` ((index, valid) pairs, the index clamped into range): the queries of a
+        block share every key and value load."""
+        nq = len(queries)
+        k.emit(f"var qrow: array<f32, {nq * d}>;")
         k.loop("i", d)
-        k.emit(f"qrow[i] = {cast(q.read(k, [head, query, 'i']), q.ty, 'f32')};")
+        for j, (qi, _) in enumerate(queries):
+            k.emit(f"qrow[{j * d} + i] = {cast(q.read(k, [head, qi, 'i']), q.ty, 'f32')};")
         k.close()
-        k.emit(f"var score: array<f32, {chunk}>;")
-        mx = k.var("f32", f"{NEG_INF}", "mx")
+        k.emit(f"var score: array<f32, {nq * chunk}>;")
+        mx = [k.var("f32", f"{NEG_INF}", "mx") for _ in queries]
         k.loop("jj", chunk)
         key = k.let(f"{c} * {chunk} + jj", "i32")
         k.open(f"if ({key} >= {lk})")
         k.emit("break;")
         k.close()
-        mv = k.let(mask_at(k, head, query, key), "f32")
-        k.open(f"if ({mv} <= {lit(MASKED, 'f32')})")  # also -inf; NaN is not masked
-        k.emit(f"score[jj] = {NEG_INF};")
+        mv = [k.let(mask_at(k, head, qi, key), "f32") for qi, _ in queries]
+        # a key is live for a valid query whose mask is above MASKED (so not -inf; NaN is not masked)
+        live = [k.let(f"{ok} && !({m} <= {lit(MASKED, 'f32')})", "bool") for (_, ok), m in zip(queries, mv)]
+        k.open(f"if (!({' || '.join(live)}))")
+        for j in range(nq):
+            k.emit(f"score[{j * chunk} + jj] = {NEG_INF};")
         k.emit("continue;")
         k.close()
-        dot = k.var("f32", "0.0", "dot")
+        dots = [k.var("f32", "0.0", "dot") for _ in queries]
         k.loop("i", d)
-        k.emit(f"{dot} = {dot} + qrow[i] * {cast(k_t.read(k, [head, 'i', key]), k_t.ty, 'f32')};")
+        kv = k.let(cast(k_t.read(k, [head, "i", key]), k_t.ty, "f32"), "f32")
+        for j, dot in enumerate(dots):
+            k.emit(f"{dot} = {dot} + qrow[{j * d} + i] * {kv};")
         k.close()
-        scaled = dot if match.scale is None else f"({dot} * {lit(match.scale, 'f32')})"
-        k.emit(f"score[jj] = {scaled} + {mv};")
-        k.emit(f"{mx} = max({mx}, score[jj]);")
+        for j, (dot, m, ok) in enumerate(zip(dots, mv, live)):
+            scaled = dot if match.scale is None else f"({dot} * {lit(match.scale, 'f32')})"
+            k.emit(f"score[{j * chunk} + jj] = select({NEG_INF}, {scaled} + {m}, {ok});")
+            k.emit(f"{mx[j]} = max({mx[j]}, score[{j * chunk} + jj]);")
         k.close()
-        total = k.var("f32", "0.0", "l")
-        k.emit(f"var acc: array<f32, {dv}>;")
-        k.open(f"if ({mx} > {NEG_INF})")
+        totals = [k.var("f32", "0.0", "l") for _ in queries]
+        k.emit(f"var acc: array<f32, {nq * dv}>;")
+        k.open(f"if ({' || '.join(f'{m} > {NEG_INF}' for m in mx)})")
         k.loop("jj", chunk)
         key = k.let(f"{c} * {chunk} + jj", "i32")
         k.open(f"if ({key} >= {lk})")
         k.emit("break;")
         k.close()
-        k.open(f"if (score[jj] == {NEG_INF})")
+        seen = [k.let(f"score[{j * chunk} + jj] != {NEG_INF}", "bool") for j in range(nq)]
+        k.open(f"if (!({' || '.join(seen)}))")
         k.emit("continue;")
         k.close()
-        p = k.let(f"exp(score[jj] - {mx})", "f32")
-        k.emit(f"{total} = {total} + {p};")
+        ps = [k.let(f"select(0.0, exp(score[{j * chunk} + jj] - {mx[j]}), {ok})", "f32") for j, ok in enumerate(seen)]
+        for total, p_ in zip(totals, ps):
+            k.emit(f"{total} = {total} + {p_};")
         k.loop("e", dv)
-        k.emit(f"acc[e] = acc[e] + {p} * {cast(v.read(k, [head, key, 'e']), v.ty, 'f32')};")
+        vv = k.let(cast(v.read(k, [head, key, "e"]), v.ty, "f32"), "f32")
+        for j, p_ in enumerate(ps):
+            k.emit(f"acc[{j * dv} + e] = acc[{j * dv} + e] + {p_} * {vv};")
         k.close()
         k.close()
         k.close()
-        k.write(parts, f"{n} * {width}", mx, "f32")
-        k.write(parts, f"{n} * {width} + 1", total, "f32")
-        k.loop("e", dv)
-        k.write(parts, f"{n} * {width} + 2 + e", "acc[e]", "f32")
-        k.close()
+        for j, (qi, ok) in enumerate(queries):
+            k.open(f"if ({ok})")
+            at = k.let(f"(({head} * {lq} + {qi}) * {chunks} + {c}) * {width}", "i32")
+            k.write(parts, at, mx[j], "f32")
+            k.write(parts, f"{at} + 1", totals[j], "f32")
+            k.loop("e", dv)
+            k.write(parts, f"{at} + 2 + e", f"acc[{j * dv} + e]", "f32")
+            k.close()
+            k.close()
+
+    def block_queries(k, block) -> tuple[str, list[tuple[str, str]]]:
+        """The head of query block ``block`` and its queries ((index, valid) pairs)."""
+        head = k.let(f"{block} / {blocks_per_head}", "i32")
+        first = k.let(f"({block} % {blocks_per_head}) * {QB}", "i32")
+        queries = []
+        for j in range(QB):
+            qi = k.let(f"{first} + {j}", "i32") if j else first
+            queries.append((k.let(f"min({qi}, {lq - 1})", "i32") if lq % QB else qi,
+                            k.let(f"{qi} < {lq}", "bool") if lq % QB else "true"))
+        return head, queries
 
     out = pb.buffer("temp", meta)
     partial = BufferView.whole(parts, parts_meta)
@@ -290,14 +325,18 @@ def fused_attention(pb, match: AttentionMatch, env: dict, meta: TensorMeta) -> B
         head, query = k.let(f"{row} / {lq}", "i32"), k.let(f"{row} % {lq}", "i32")
         big = k.var("f32", f"{NEG_INF}", "big")
         k.loop("c", chunks)
-        skip_masked(k, head, query, "c", "continue;")
+        k.open(f"if (!({live_chunk(k, head, [(query, 'true')], 'c')}))")
+        k.emit("continue;")
+        k.close()
         k.emit(f"{big} = max({big}, {partial.read(k, [f'({row} * {chunks} + c) * {width}'])});")
         k.close()
         result = k.var("f32", "0.0", "o")
         k.open(f"if ({big} > {NEG_INF})")
         num, den = k.var("f32", "0.0", "num"), k.var("f32", "0.0", "den")
         k.loop("c", chunks)
-        skip_masked(k, head, query, "c", "continue;")
+        k.open(f"if (!({live_chunk(k, head, [(query, 'true')], 'c')}))")
+        k.emit("continue;")
+        k.close()
         at = k.let(f"{row} * {chunks} + c", "i32")
         w = k.let(f"exp({partial.read(k, [f'{at} * {width}'])} - {big})", "f32")
         k.emit(f"{den} = {den} + {partial.read(k, [f'{at} * {width} + 1'])} * {w};")
@@ -320,38 +359,38 @@ def fused_attention(pb, match: AttentionMatch, env: dict, meta: TensorMeta) -> B
         k.close()
         k.write(out, f"{row} * {dv} + {e}", result, "f32")
 
-    if chunks <= WORKGROUP:  # a workgroup takes whole rows: its lanes a chunk each, then combine them
-        per = WORKGROUP // chunks  # rows per workgroup: short rows share one, so their lanes stay busy
-        groups = -(-rows // per)
+    if chunks <= WORKGROUP:  # a workgroup takes whole query blocks: its lanes a chunk each, then combine them
+        per = WORKGROUP // chunks  # blocks per workgroup: short rows share one, so their lanes stay busy
+        groups = -(-blocks // per)
         k = pb.kernel("attention")
         gx = min(groups, MAX_GROUPS)
         k.emit(f"let first: i32 = (i32(wid.y) * {gx} + i32(wid.x)) * {per};")
         k.emit("let lane: i32 = i32(lid.x);")
-        row, c = k.let(f"first + lane / {chunks}", "i32"), k.let(f"lane % {chunks}", "i32")
-        k.open(f"if (lane < {per * chunks} && {row} < {rows})")
-        n = k.let(f"{row} * {chunks} + {c}", "i32")
-        head, query = k.let(f"{row} / {lq}", "i32"), k.let(f"{row} % {lq}", "i32")
-        k.open("loop")  # a block that a masked chunk leaves by break
-        skip_masked(k, head, query, c, "break;")
-        part(k, n, head, query, c)
-        k.emit("break;")
+        block, c = k.let(f"first + lane / {chunks}", "i32"), k.let(f"lane % {chunks}", "i32")
+        k.open(f"if (lane < {per * chunks} && {block} < {blocks})")
+        head, queries = block_queries(k, block)
+        k.open(f"if ({live_chunk(k, head, queries, c)})")  # a chunk with every key masked is not read
+        part(k, head, queries, c)
         k.close()
         k.close()
-        k.emit("storageBarrier();")  # the rows' partial results, written by their lanes, are visible
-        k.open(f"for (var at: i32 = lane; at < {per * dv}; at = at + {WORKGROUP})", -(-per * dv // WORKGROUP))
-        out_row = k.let(f"first + at / {dv}", "i32")
-        k.open(f"if ({out_row} < {rows})")
-        combine(k, out_row, k.let(f"at % {dv}", "i32"))
+        k.emit("storageBarrier();")  # the blocks' partial results, written by their lanes, are visible
+        k.open(f"for (var at: i32 = lane; at < {per * QB * dv}; at = at + {WORKGROUP})", -(-per * QB * dv // WORKGROUP))
+        out_block = k.let(f"first + at / {QB * dv}", "i32")
+        out_query = k.let(f"({out_block} % {blocks_per_head}) * {QB} + (at / {dv}) % {QB}", "i32")
+        k.open(f"if ({out_block} < {blocks} && {out_query} < {lq})")
+        combine(k, k.let(f"({out_block} / {blocks_per_head}) * {lq} + {out_query}", "i32"), k.let(f"at % {dv}", "i32"))
         k.close()
         k.close()
         pb.add(k.finish(0, workgroup=(WORKGROUP, 1, 1), groups=(gx, -(-groups // gx), 1), group_ids=True))
         return BufferView.whole(out, meta)
 
     k = pb.kernel("attention_part")
-    head, query, c = (k.let(e, "i32") for e in (f"n / {lq * chunks}", f"(n / {chunks}) % {lq}", f"n % {chunks}"))
-    skip_masked(k, head, query, c, "return;")  # its partial results are not read
-    part(k, "n", head, query, c)
-    pb.add(k.finish(rows * chunks))
+    block, c = k.let(f"n / {chunks}", "i32"), k.let(f"n % {chunks}", "i32")
+    head, queries = block_queries(k, block)
+    k.open(f"if ({live_chunk(k, head, queries, c)})")  # else its partial results are not read
+    part(k, head, queries, c)
+    k.close()
+    pb.add(k.finish(blocks * chunks))
 
     k = pb.kernel("attention_combine")
     combine(k, k.let(f"n / {dv}", "i32"), k.let(f"n % {dv}", "i32"))
