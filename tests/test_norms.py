@@ -16,7 +16,9 @@ from tests.support import exported, on_every_webgpu, own_wgpu
 
 #: name -> (shape of x, scale of x)
 CASES = {"decode-row": ((1, 1, 512), 1.0), "prefill-rows": ((1, 7, 200), 3.0), "long-row": ((2, 5000), 1e-3),
-         "large-values": ((3, 64), 1e15), "one-element-rows": ((4, 1), 1.0)}
+         "large-values": ((3, 64), 1e15), "one-element-rows": ((4, 1), 1.0),
+         # rows of a length that is no multiple of 4: read and written an element at a time
+         "rows-past-vec4s": ((3, 6, 30), 2.0)}
 
 
 def _case(name: str):

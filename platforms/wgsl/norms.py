@@ -100,14 +100,28 @@ def _write(pb, x: Value, w: Value, eps: float, out, rows: int, K: int) -> None:
     per_lane = -(-K // WORKGROUP)
     k.emit("let lane: i32 = i32(lid.x);")
     k.emit(f"let row: i32 = min(i32(wid.y) * {gx} + i32(wid.x), {rows - 1});")
-    scale = row_scale(k, lambda i: x.read(k, ["row", i]), x.ty, K, eps, "lane", WORKGROUP)
-    k.open(f"if (i32(wid.y) * {gx} + i32(wid.x) < {rows})")  # past the last row: computed, written nowhere
-    k.loop("i", per_lane)
-    idx = k.let(f"lane + i * {WORKGROUP}", "i32")
-    k.open(f"if ({idx} < {K})")
-    xv = cast(x.read(k, ["row", idx]), x.ty, "f32")
-    wv = cast(w.read(k, [idx]), w.ty, "f32")
-    k.write(out, f"row * {K} + {idx}", f"{wv} * ({xv} * {scale})", "f32")
+    def four(v: Value, idx: list[str], axis: int) -> str:
+        return f"vec4<f32>({', '.join(cast(e, v.ty, 'f32') for e in v.read4(k, idx, axis))})"
+    if K % 4 == 0 and out.dtype == "f32":  # four elements a load and a store (codegen.vec4_at)
+        scale = row_scale(k, lambda i: x.read(k, ["row", i]), x.ty, K, eps, "lane", WORKGROUP,
+                          lambda i: four(x, ["row", i], 1))
+        k.open(f"if (i32(wid.y) * {gx} + i32(wid.x) < {rows})")  # past the last row: computed, written nowhere
+        k.loop("i", -(-K // (4 * WORKGROUP)))
+        idx = k.let(f"(lane + i * {WORKGROUP}) * 4", "i32")
+        k.open(f"if ({idx} < {K})")
+        o = k.bind(out, "read_write", elem="vec4<f32>")
+        value = f"{four(w, [idx], 0)} * ({four(x, ['row', idx], 1)} * {scale})"
+        at = f"(row * {K} + {idx}) / 4"
+        k.emit(f"{o.name}_set({at}, {value});" if o.split else f"{o[at]} = {value};")
+    else:
+        scale = row_scale(k, lambda i: x.read(k, ["row", i]), x.ty, K, eps, "lane", WORKGROUP)
+        k.open(f"if (i32(wid.y) * {gx} + i32(wid.x) < {rows})")  # past the last row: computed, written nowhere
+        k.loop("i", per_lane)
+        idx = k.let(f"lane + i * {WORKGROUP}", "i32")
+        k.open(f"if ({idx} < {K})")
+        xv = cast(x.read(k, ["row", idx]), x.ty, "f32")
+        wv = cast(w.read(k, [idx]), w.ty, "f32")
+        k.write(out, f"row * {K} + {idx}", f"{wv} * ({xv} * {scale})", "f32")
     k.close()
     k.close()
     k.close()
