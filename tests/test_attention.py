@@ -114,10 +114,16 @@ def test_the_pattern_is_found_only_where_it_may_be_folded():
     softmax = next(n for n in graph.nodes if n.op == "aten._softmax.default")
     # an intermediate the caller keeps (an output, a comparison point) leaves the ops separate
     assert find_attention(graph, uses, set(graph.outputs) | {softmax.name}) == {}
-    # more queries than MAX_QUERIES stay unfused
-    from tapml.platforms.wgsl.attention import MAX_QUERIES
-    long, _, _ = _case(0, lq=MAX_QUERIES + 1)
-    assert find_attention(long, Counter(r for n in long.nodes for r in set(n.input_refs)), set(long.outputs)) == {}
+    from tapml.platforms.wgsl.attention import FEW_QUERIES, MAX_QUERIES
+
+    def found(**kw) -> bool:
+        g, _, _ = _case(0, **kw)
+        return bool(find_attention(g, Counter(r for n in g.nodes for r in set(n.input_refs)), set(g.outputs)))
+    # a prefill into a longer cache is fused; self-attention of many queries (an encoder, a forward
+    # without a cache) and more queries than MAX_QUERIES keep the separate ops
+    assert found(lq=FEW_QUERIES + 8, lk=64) and not found(lq=FEW_QUERIES + 8, lk=FEW_QUERIES + 8)
+    assert not found(lq=FEW_QUERIES + 8, lk=64, mask=None) and found(lq=FEW_QUERIES, lk=FEW_QUERIES, mask=None)
+    assert not found(lq=MAX_QUERIES + 1, lk=MAX_QUERIES + 8)
 
 
 @pytest.mark.device

@@ -34,8 +34,8 @@ mask of a long cache is scanned once per step, not once per layer and head, and 
 tokens costs one load. The flags are computed once per mask per program: the layers of a decoder
 share theirs.
 
-Only float32, and at most :data:`MAX_QUERIES` queries; anything else compiles as the separate
-ops. A prefill's queries go :data:`QUERY_BLOCK` to an invocation, which share every key and value
+Only float32, and at most :data:`MAX_QUERIES` queries (past :data:`FEW_QUERIES`, only a masked
+prefill into a longer cache); anything else compiles as the separate ops. A prefill's queries go :data:`QUERY_BLOCK` to an invocation, which share every key and value
 row it loads, and the chunks of keys past a query's position are skipped by their flags, so a
 causal prefill reads about half the keys its tiled products would. An injected fault sits between two
 nodes of the pattern and breaks it, so the fault stays where ``--inject`` put it.
@@ -54,6 +54,8 @@ from tapml.platforms.wgsl.codegen import LOOP_BUDGET, MAX_GROUPS, WORKGROUP, Buf
 MASKED = -1.0e38
 #: Most queries per head the fused kernel takes (decode steps, speculative decoding, a prefill).
 MAX_QUERIES = 1024
+#: Most queries the fused kernel takes unless they are a prefill into a longer cache.
+FEW_QUERIES = 8
 #: Queries one invocation takes (a prefill's): they share each key and value row it loads.
 QUERY_BLOCK = 4
 #: Most keys: the combine's fallback for a fully masked row loops over every key.
@@ -155,6 +157,11 @@ def _match(out, producer, uses, wanted, graph) -> AttentionMatch | None:
             and math.prod(shape[:-2]) == bh and tuple(out.outputs[0].shape) == (bh, lq, dv)):
         return None
     if mask_meta is not None and len(mask_meta.shape) > len(shape):
+        return None
+    # past a few queries, only a prefill into a longer cache (whose masked chunks are skipped) is
+    # fused; self-attention over the queries themselves (an encoder, a forward without a cache) keeps
+    # the tiled products, which share their loads across queries and keys alike and were faster there
+    if lq > FEW_QUERIES and (mask_meta is None or lk <= lq):
         return None
     return AttentionMatch(q=q, k_t=k_t, v=v, mask=_ref(mask) if isinstance(mask, dict) else mask, scale=scale,
                           scores_shape=tuple(shape), nodes=list(reversed(nodes)))
