@@ -68,8 +68,28 @@ def _check_blocks(platform):
                                        msg=f"hidden {hidden}")
 
 
+def _check_computed_rows(platform):
+    """A row the norm kernel reads as it is computed (a decode step's embedding gather, a tiny value
+    recomputed where it is read, as a decoder's first norm reads it): the gather is read an element
+    at a time inside a four-element read."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    gen = torch.Generator().manual_seed(11)
+    norm = LlamaRMSNorm(64, eps=1e-6)
+    table, ids = torch.randn(50, 64, generator=gen), torch.randint(0, 50, (1, 1), generator=gen)
+
+    def fn(table, ids, w):
+        x = torch.nn.functional.embedding(ids, table)
+        return (torch.func.functional_call(norm, {"weight": w}, (x,)),)
+    inputs = [table, ids, torch.randn(64, generator=gen)]
+    ep = exported(fn, *inputs)
+    program = platform.compile(graph_from_fx(ep.graph, ep.graph_signature))
+    assert [k.name.rsplit("_", 1)[0] for k in program.kernels] == ["rms_norm"], [k.name for k in program.kernels]
+    torch.testing.assert_close(platform.run(program, inputs)[0], fn(*inputs)[0], rtol=1e-5, atol=1e-5)
+
+
 def _check(platform):
     _check_blocks(platform)
+    _check_computed_rows(platform)
     for name in CASES:
         graph, inputs, want = _case(name)
         program = platform.compile(graph)

@@ -377,7 +377,7 @@ class BufferView(Value):
 
     def read4(self, k, idx, axis):
         others = [st for d, (st, n) in enumerate(zip(self.strides, self.shape)) if d != axis and n > 1]
-        if not (self.strides[axis] == 1 and self.shape[axis] % 4 == 0 and self.offset % 4 == 0 and
+        if not (axis < len(self.shape) and len(idx) == len(self.shape) and self.strides[axis] == 1 and self.shape[axis] % 4 == 0 and self.offset % 4 == 0 and
                 all(st % 4 == 0 for st in others) and self.buf.dtype == "f32" and self.ty == "f32" and self.numel):
             return super().read4(k, idx, axis)
         b = k.bind(self.buf, elem="vec4<f32>")
@@ -425,7 +425,11 @@ class Compute(Value):
         return k.let(e, self.ty)
 
     def read4(self, k, idx, axis):
-        fours = [v.read4(k, idx, axis) for v in self.inputs]
+        if type(self).read is not Compute.read:  # a subclass that reads its inputs itself (Custom)
+            return Value.read4(self, k, idx, axis)
+        # an input of another shape (a scalar, a broadcast) is read an element at a time
+        fours = [v.read4(k, idx, axis) if tuple(v.shape) == self.shape else Value.read4(v, k, idx, axis)
+                 for v in self.inputs]
         return [k.let(round_low(k, self.fn(k, [f[c] for f in fours], _shifted(k, idx, axis, c)), self.dtype), self.ty)
                 for c in range(4)]
 
