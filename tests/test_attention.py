@@ -5,8 +5,11 @@ The attention pattern is exported from the code transformers runs (matmul, scale
 softmax, matmul, grouped-query heads expanded), compiled for a real adapter, run, and compared
 with torch on seeded random inputs: one and several queries, keys in one chunk and in several,
 masks of the dtype's minimum and of -inf, rows with every key masked, no mask, a divided scale,
-values of another width than the keys. The runtime poisons outputs, so an element the kernels
-skip shows. Device tier: lavapipe and llvmpipe; browser tier: Chromium."""
+values of another width than the keys, rows sharing a workgroup, a prefill's query blocks (the last
+one part-full), and the two-kernel form of a long cache. The puts of a prompt's positions written
+in place are checked against torch's sequential put, repeated and negative positions included. The
+runtime poisons outputs, so an element the kernels skip shows. Device tier: lavapipe and llvmpipe;
+browser tier: Chromium."""
 
 from __future__ import annotations
 
