@@ -34,11 +34,15 @@ mask of a long cache is scanned once per step, not once per layer and head, and 
 tokens costs one load. The flags are computed once per mask per program: the layers of a decoder
 share theirs.
 
+Where a row's chunks fit a workgroup (at most ``WORKGROUP``), both kernels are one: its lanes
+take a chunk each, a ``storageBarrier()`` makes their partial results visible, and the lanes
+combine them. An invocation takes :data:`QUERY_BLOCK` queries of a head (a prefill's), which
+share every key and value row it loads.
+
 Only float32, and at most :data:`MAX_QUERIES` queries (past :data:`FEW_QUERIES`, only a masked
-prefill into a longer cache); anything else compiles as the separate ops. A prefill's queries go :data:`QUERY_BLOCK` to an invocation, which share every key and value
-row it loads, and the chunks of keys past a query's position are skipped by their flags, so a
-causal prefill reads about half the keys its tiled products would. An injected fault sits between two
-nodes of the pattern and breaks it, so the fault stays where ``--inject`` put it.
+prefill into a longer cache, whose chunks past a query's position its flags skip); anything else
+compiles as the separate ops. An injected fault sits between two nodes of the pattern and breaks
+it, so the fault stays where ``--inject`` put it.
 """
 
 from __future__ import annotations
@@ -182,7 +186,7 @@ def chunk_flags(pb, ref: str, mask: Value, lk: int, chunk: int) -> BufferView:
     if key in pb.memo:
         return pb.memo[key]
     lead = tuple(mask.shape[:-1])
-    mask = views.expand_to(mask, lead + (lk,))
+    (mask,) = pb.fit([views.expand_to(mask, lead + (lk,))], 1)
     meta = TensorMeta(lead + (chunks,), "int32")
     out = pb.buffer("temp", meta)
     k = pb.kernel("attention_flags")
@@ -206,8 +210,9 @@ def chunk_flags(pb, ref: str, mask: Value, lk: int, chunk: int) -> BufferView:
 
 
 def fused_attention(pb, match: AttentionMatch, env: dict, meta: TensorMeta) -> BufferView:
-    """The pattern's output (``meta``: the second bmm's ``[BH, Lq, Dv]``) by the two kernels of
-    the module docstring."""
+    """The pattern's output (``meta``: the second bmm's ``[BH, Lq, Dv]``) by the kernels of the
+    module docstring: one where a row's chunks fit a workgroup, else the partial results and
+    their combination."""
     from tapml.platforms.wgsl import views
     q, k_t, v = env[match.q], env[match.k_t], env[match.v]
     (bh, lq, d), lk, dv = q.shape, k_t.shape[2], v.shape[2]

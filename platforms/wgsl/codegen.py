@@ -253,21 +253,23 @@ def load_at(b: Binding, index: str, storage: str, ty: str) -> str:
     return load(b[index], storage, ty)
 
 
-def vec4_view(v: Value) -> bool:
-    """Whether :func:`vec4_at` reads ``v`` four elements a load."""
-    return isinstance(v, BufferView) and len(v.shape) == 1 and v.strides[0] == 1 and v.offset % 4 == 0 and \
-        v.shape[0] % 4 == 0 and v.buf.dtype in ("f32", "f16")
+def vec4_ok(v: "BufferView", axis: int, size: int) -> bool:
+    """Whether 4 consecutive elements along ``axis`` (of ``size``) of ``v`` can be one aligned vec4
+    load. On CPU adapters each load is a loop over the SIMD lanes, so one vec4 load costs far less
+    than four scalar ones."""
+    others = [s for i, s in enumerate(v.strides) if i != axis and v.shape[i] > 1]
+    return (v.strides[axis] == 1 and size % 4 == 0 and v.offset % 4 == 0 and all(s % 4 == 0 for s in others)
+            and v.buf.dtype in ("f32", "f16"))
 
 
-def vec4_at(k, v: Value, i: str) -> str | None:
-    """Elements ``i .. i + 3`` of the 1-D value ``v`` (``i`` a multiple of 4) as one aligned
-    ``vec4<f32>`` load where ``v`` is a contiguous float32 or float16 buffer view that starts on
-    a vec4; None otherwise. On CPU adapters each load costs a loop over the SIMD lanes, so one
-    vec4 load costs far less than four scalar ones (benchmarks/NOTES.md, "Attention's chunk flags")."""
-    if not vec4_view(v):
-        return None
-    raw = k.bind(v.buf, elem=f"vec4<{v.buf.dtype}>")[f"({v.offset} + {i}) / 4"]
-    return raw if v.buf.dtype == "f32" else f"vec4<f32>({raw})"
+def vec4_f32(e: str, dt: str) -> str:
+    """A vec4 load ``e`` of storage type ``dt`` as a vec4<f32>."""
+    return e if dt == "f32" else f"vec4<f32>({e})"
+
+
+def vec4_read(k, v: "Value", idx: list[str], axis: int) -> str:
+    """:meth:`Value.read4` of ``v`` as one ``vec4<f32>`` expression."""
+    return f"vec4<f32>({', '.join(cast(e, v.ty, 'f32') for e in v.read4(k, idx, axis))})"
 
 
 def load(raw: str, storage: str, ty: str) -> str:
@@ -376,9 +378,8 @@ class BufferView(Value):
         return k.let(load_at(b, index, self.buf.dtype, self.ty), self.ty, key=raw)
 
     def read4(self, k, idx, axis):
-        others = [st for d, (st, n) in enumerate(zip(self.strides, self.shape)) if d != axis and n > 1]
-        if not (axis < len(self.shape) and len(idx) == len(self.shape) and self.strides[axis] == 1 and self.shape[axis] % 4 == 0 and self.offset % 4 == 0 and
-                all(st % 4 == 0 for st in others) and self.buf.dtype == "f32" and self.ty == "f32" and self.numel):
+        if not (axis < len(self.shape) == len(idx) and self.numel and self.buf.dtype == self.ty == "f32"
+                and vec4_ok(self, axis, self.shape[axis])):
             return super().read4(k, idx, axis)
         b = k.bind(self.buf, elem="vec4<f32>")
         four = k.let(b[f"({index_sum(idx, self.strides, self.offset)}) / 4"], "vec4<f32>")

@@ -30,7 +30,7 @@ from pathlib import Path
 from tapml.graph import Node
 from tapml.platforms.wgsl import views
 from tapml.platforms.wgsl.codegen import (MAX_GROUPS, WORKGROUP, BufferView, Compute, Value, cast, combine_lanes, ctype,
-                                          lit, load_at)
+                                          lit, load_at, vec4_f32, vec4_ok)
 from tapml.platforms.wgsl.norms import NormedRow
 from tapml.platforms.wgsl.registry import ALL_INT, NUMERIC, edge_floats, edge_ints, rand, randint, register
 
@@ -200,18 +200,6 @@ def tune(platform, n: int = 512, repeat: int = 3, candidates=None) -> dict:
             **data["devices"][key]}
 
 
-def _vec4_f32(e: str, dt: str) -> str:
-    """A vec4 load ``e`` of storage type ``dt`` as a vec4<f32>."""
-    return e if dt == "f32" else f"vec4<f32>({e})"
-
-
-def _vec_ok(v: BufferView, axis: int, size: int) -> bool:
-    """Whether 4 consecutive elements along ``axis`` can be one aligned vec4 load."""
-    others = [s for i, s in enumerate(v.strides) if i != axis and v.shape[i] > 1]
-    return (v.strides[axis] == 1 and size % 4 == 0 and v.offset % 4 == 0 and all(s % 4 == 0 for s in others)
-            and v.buf.dtype in ("f32", "f16"))
-
-
 def wrap_int(expr: str, dtype: str) -> str:
     """The i32 expression ``expr`` wrapped to the range of the integer ``dtype`` (two's
     complement, as torch's integer arithmetic wraps): int8, uint8 and int16 results live in i32
@@ -276,12 +264,12 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
         return result
     if K == 0:  # an empty sum: torch gives beta * bias (zeros without one); the operands are empty buffers
         return _empty_product(pb, out, meta, (Z, M, N), bias if beta != 0 else None, beta)
-    vec_bn = _vec_ok(b, 2, N)
-    vec_bk = not vec_bn and _vec_ok(b, 1, K)
+    vec_bn = vec4_ok(b, 2, N)
+    vec_bk = not vec_bn and vec4_ok(b, 1, K)
     if lazy_row and vec_bk:  # the row is computed where the GEMV reads it (SiLU x up in the down projection)
         return _gemv(pb, name, a, b, out, result, (Z, K, N), bias, alpha, beta)
     a = pb.plain(a)
-    vec_a = _vec_ok(a, 2, K)
+    vec_a = vec4_ok(a, 2, K)
     if M == 1 and vec_a and vec_bk and _FORCED is None:
         return _gemv(pb, name, a, b, out, result, (Z, K, N), bias, alpha, beta)
     tiles = tiles_for(pb.caps, M, N)
@@ -294,7 +282,7 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
     sab, sam, sak = a.strides
     sbb, sbk, sbn = b.strides
 
-    f4 = _vec4_f32
+    f4 = vec4_f32
 
     def f1(name, index, dt):
         return load_at(name, index, dt, "f32")
@@ -547,7 +535,7 @@ def gemv_kernel(pb, name: str, a: Value, parts: list[GemvPart], Z: int, K: int) 
     plain, normed = isinstance(a, BufferView), isinstance(a, NormedRow)
     A = k.bind(a.buf, elem=f"vec4<{a.buf.dtype}>") if plain else None
     gx = min(blocks, MAX_GROUPS)
-    f4 = _vec4_f32
+    f4 = vec4_f32
 
     k.emit("let lane: i32 = i32(lid.x);")
     k.emit("let z: i32 = i32(wid.z);")
@@ -723,8 +711,8 @@ def product_group(pb, group: ProductGroup, graph, env: dict) -> dict[str, Buffer
         if not (isinstance(a, (BufferView, NormedRow)) and isinstance(b, BufferView)):
             continue
         _, M, K = a.shape
-        if M != 1 or K == 0 or b.shape[2] == 0 or (isinstance(a, BufferView) and not _vec_ok(a, 2, K)) or \
-                _vec_ok(b, 2, b.shape[2]) or not _vec_ok(b, 1, K):
+        if M != 1 or K == 0 or b.shape[2] == 0 or (isinstance(a, BufferView) and not vec4_ok(a, 2, K)) or \
+                vec4_ok(b, 2, b.shape[2]) or not vec4_ok(b, 1, K):
             continue
         if a0 is None:
             a0 = a

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tapml.platforms.wgsl import views
-from tapml.platforms.wgsl.codegen import MAX_GROUPS, WORKGROUP, BufferView, Value, cast, combine_lanes, lit, vec4_at, vec4_view
+from tapml.platforms.wgsl.codegen import MAX_GROUPS, WORKGROUP, BufferView, Value, cast, combine_lanes, lit, vec4_read
 
 
 @dataclass
@@ -100,17 +100,15 @@ def _write(pb, x: Value, w: Value, eps: float, out, rows: int, K: int) -> None:
     per_lane = -(-K // WORKGROUP)
     k.emit("let lane: i32 = i32(lid.x);")
     k.emit(f"let row: i32 = min(i32(wid.y) * {gx} + i32(wid.x), {rows - 1});")
-    def four(v: Value, idx: list[str], axis: int) -> str:
-        return f"vec4<f32>({', '.join(cast(e, v.ty, 'f32') for e in v.read4(k, idx, axis))})"
-    if K % 4 == 0 and out.dtype == "f32":  # four elements a load and a store (codegen.vec4_at)
+    if K % 4 == 0 and out.dtype == "f32":  # four elements a load and a store (Value.read4)
         scale = row_scale(k, lambda i: x.read(k, ["row", i]), x.ty, K, eps, "lane", WORKGROUP,
-                          lambda i: four(x, ["row", i], 1))
+                          lambda i: vec4_read(k, x, ["row", i], 1))
         k.open(f"if (i32(wid.y) * {gx} + i32(wid.x) < {rows})")  # past the last row: computed, written nowhere
         k.loop("i", -(-K // (4 * WORKGROUP)))
         idx = k.let(f"(lane + i * {WORKGROUP}) * 4", "i32")
         k.open(f"if ({idx} < {K})")
         o = k.bind(out, "read_write", elem="vec4<f32>")
-        value = f"{four(w, [idx], 0)} * ({four(x, ['row', idx], 1)} * {scale})"
+        value = f"{vec4_read(k, w, [idx], 0)} * ({vec4_read(k, x, ['row', idx], 1)} * {scale})"
         at = f"(row * {K} + {idx}) / 4"
         k.emit(f"{o.name}_set({at}, {value});" if o.split else f"{o[at]} = {value};")
     else:
@@ -189,14 +187,9 @@ class NormedRow(Value):
 
     def prologue(self, k, lane: str, lanes: int) -> str:
         """Emit the row's scale into a kernel whose ``lanes`` lanes all run this (top level)."""
-        four = (lambda i: vec4_at(k, self.x, i)) if vec4_view(self.x) else None
+        four = (lambda i: vec4_read(k, self.x, [i], 0)) if self.K % 4 == 0 else None
         return row_scale(k, lambda i: self.x.read(k, [i]), self.x.ty, self.K, self.eps, lane, lanes, four)
 
     def read4(self, k, i: str, scale: str) -> str:
         """Elements ``i .. i + 3`` as a ``vec4<f32>`` expression, rounded as torch rounds them."""
-        def four(v: Value) -> str:
-            whole = vec4_at(k, v, i)
-            if whole is not None:
-                return whole
-            return f"vec4<f32>({', '.join(cast(v.read(k, [k.let(f'{i} + {c}', 'i32')]), v.ty, 'f32') for c in range(4))})"
-        return f"({four(self.w)} * ({four(self.x)} * {scale}))"
+        return f"({vec4_read(k, self.w, [i], 0)} * ({vec4_read(k, self.x, [i], 0)} * {scale}))"

@@ -17,8 +17,8 @@ import torch
 from tapml.errors import Unsupported
 from tapml.platforms.wgsl import views
 from tapml.graph import TensorMeta
-from tapml.platforms.wgsl.codegen import (I64, WIDE, BufferView, Compute, Custom, Value, arith, cast, ctype,
-                                         extreme_lit, index_sum, less, lit, round_low)
+from tapml.platforms.wgsl.codegen import (I64, WIDE, BufferView, Compute, Custom, Value, arith, cast,
+                                         contiguous_strides, ctype, extreme_lit, index_sum, less, lit, round_low)
 from tapml.platforms.wgsl.index import advanced_layout, wrapped_index
 from tapml.platforms.wgsl.registry import ALL, edge_floats, edge_ints, rand, randbool, randint, register
 
@@ -86,6 +86,7 @@ def put_in_place(pb, node, x: BufferView, indices, values, accumulate=False) -> 
     values, ivals = fitted[0], fitted[1:]
     nb = len(bshape)
     positions = [x.shape[d] for d in pos]
+    slot_strides = contiguous_strides(positions)  # one slot per indexed position, row-major
 
     def position(k, bidx) -> list[str]:
         """The wrapped, clamped index along each indexed dim of entry ``bidx``."""
@@ -99,7 +100,7 @@ def put_in_place(pb, node, x: BufferView, indices, values, accumulate=False) -> 
         pb.add(k.finish(math.prod(positions)))
         k = pb.kernel("put_claim")
         slots = k.bind(winners, "read_write", elem="atomic<i32>")
-        slot = index_sum(position(k, k.unravel("n", bshape)), [math.prod(positions[i + 1:]) for i in range(len(pos))])
+        slot = index_sum(position(k, k.unravel("n", bshape)), slot_strides)
         k.emit(f"atomicMax(&{slots[slot]}, n);")
         pb.add(k.finish(count))
     k = pb.kernel("put_in_place")
@@ -111,8 +112,8 @@ def put_in_place(pb, node, x: BufferView, indices, values, accumulate=False) -> 
     for d, e in zip(rest, other):
         xidx[d] = e
     if winners is not None:  # only the last entry putting this position writes it
-        entry = index_sum(bidx, [math.prod(bshape[i + 1:]) for i in range(nb)])
-        slot = index_sum([xidx[d] for d in pos], [math.prod(positions[i + 1:]) for i in range(len(pos))])
+        entry = index_sum(bidx, contiguous_strides(bshape))
+        slot = index_sum([xidx[d] for d in pos], slot_strides)
         k.open(f"if ({k.bind(winners)[slot]} == {entry})")
     k.write(x.buf, index_sum(xidx, x.strides, x.offset), cast(values.read(k, vidx), values.ty, x.ty), x.ty)
     if winners is not None:

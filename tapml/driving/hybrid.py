@@ -18,7 +18,6 @@ Example::
 from __future__ import annotations
 
 import functools
-
 import time
 from dataclasses import dataclass, field
 from typing import Iterable
