@@ -163,7 +163,8 @@ class BrowserPlatform(WgslPlatform):
             adapter += f" ({info['description']})"
         features = list(hello.get("features") or [])
         dtypes = ["float32", "float16", "bfloat16", "int32", "int64", "int16", "int8", "uint8", "uint64", "bool"]
-        return {"adapter": adapter, "backend": "browser-webgpu", "browser": hello.get("userAgent", ""),
+        cpu = "swiftshader" in adapter.lower()  # Chromium's software adapter
+        return {"adapter": adapter, "backend": "browser-webgpu", "cpu_adapter": cpu, "browser": hello.get("userAgent", ""),
                 "adapter_info": info, "features": features, "limits": dict(hello.get("limits") or {}),
                 "dtypes": dtypes, "low_precision": low_precision_paths(features), "url": self.url}
 

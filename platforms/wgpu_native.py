@@ -123,6 +123,27 @@ _BINDING = re.compile(r"var<storage,[^>]*>\s*([A-Za-z_][A-Za-z0-9_]*)\s*:")
 _BUFFER_NAME = re.compile(r"\b(buf_[A-Za-z0-9_]*)\b")
 
 
+_NOSYNC = ["READ_NOSYNC"]  # emptied when this wgpu-py lacks the mode
+
+
+def map_for_read(buffer) -> None:
+    """Map a MAP_READ ``buffer`` that a copy already submitted has filled. wgpu-py's map for READ
+    first submits an empty command buffer (for wgpu-native#305: data a ``write_buffer`` queued that
+    no submit has flushed yet), one more round trip through the queue on every read: 0.2-0.3 ms of
+    a 2.3 ms decode step on lavapipe (benchmarks/NOTES.md). Every buffer mapped here was filled
+    by a submitted copy, so it maps without that submit where wgpu-py has the mode for it."""
+    import wgpu
+    if _NOSYNC:
+        try:
+            buffer.map_sync(_NOSYNC[0])
+            return
+        except (KeyError, ValueError, TypeError, AttributeError):
+            if buffer.map_state != "unmapped":
+                raise
+            _NOSYNC.clear()
+    buffer.map_sync(wgpu.MapMode.READ)
+
+
 def canonical_bindings(wgsl: str) -> str:
     """``wgsl`` with its storage bindings renamed ``tap_b0``, ``tap_b1``... in the order they are
     declared: two kernels that differ only in the names of the buffers they bind (one op at two
@@ -191,7 +212,8 @@ class WgpuPlatform(WgslPlatform):
             features = sorted(str(f) for f in self.device.features)
             self._caps_cache = {
                 "adapter": f"{info.get('device')} ({info.get('description')})".strip(),
-                "backend": self.backend, "features": features,
+                "backend": self.backend, "cpu_adapter": str(info.get("adapter_type", "")).upper() == "CPU",
+                "features": features,
                 "limits": {k: int(lim[k]) for k in _LIMITS if k in lim},
                 "dtypes": ["float32", "float16", "bfloat16", "int64", "int32", "bool"],
                 "low_precision": low_precision_paths(features)}
@@ -294,7 +316,7 @@ class WgpuPlatform(WgslPlatform):
             encoder = self.device.create_command_encoder()
             encoder.copy_buffer_to_buffer(res.buffers[name], 0, rb, 0, spec.size)
             self.device.queue.submit([encoder.finish()])
-            rb.map_sync(wgpu.MapMode.READ)
+            map_for_read(rb)
             data = rb.read_mapped()
             rb.unmap()
         finally:
@@ -359,7 +381,7 @@ class WgpuPlatform(WgslPlatform):
             encoder.resolve_query_set(queries, 0, 2 * runs, resolved, 0)
             encoder.copy_buffer_to_buffer(resolved, 0, readback, 0, 16 * runs)
             self.device.queue.submit([encoder.finish()])
-            readback.map_sync(wgpu.MapMode.READ)
+            map_for_read(readback)
             ticks = memoryview(readback.read_mapped()).cast("Q").tolist()
             readback.unmap()
         finally:
@@ -515,10 +537,9 @@ class _Resident:
     def check_guards(self) -> None:
         """After a submitted ``record(guards=True)``: PlatformError naming the first kernel that
         wrote into a guard, the buffer and the first bad byte (nothing when guards are off)."""
-        import wgpu
         if not self.snapshots:
             return
-        self.guard_readback.map_sync(wgpu.MapMode.READ)
+        map_for_read(self.guard_readback)
         try:
             data = bytes(self.guard_readback.read_mapped())
         finally:
@@ -537,13 +558,12 @@ class _Resident:
     def read_outputs(self, skip=()) -> list:
         """Bytes of each program output (None for an empty one or one in ``skip``), after a
         submitted record()."""
-        import wgpu
         data = {}
         for n in self.outputs:
             if n in skip:
                 continue
             rb = self.readback[n]
-            rb.map_sync(wgpu.MapMode.READ)
+            map_for_read(rb)
             data[n] = rb.read_mapped()
             rb.unmap()
             if rb.size > _STAGING_BYTES:
@@ -561,9 +581,8 @@ class _Resident:
             encoder.copy_buffer_to_buffer(src, 0, self.fence_buf, 0, 4)
 
     def wait_fence(self) -> None:
-        import wgpu
         if self.fence_buf is not None and self.buffers:
-            self.fence_buf.map_sync(wgpu.MapMode.READ)
+            map_for_read(self.fence_buf)
             self.fence_buf.unmap()
 
     def release(self) -> None:

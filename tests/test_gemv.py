@@ -121,8 +121,15 @@ def _check_small_values(platform):
 
 
 def _check(platform):
-    _check_mlp(platform)
+    from tapml.platforms.wgsl.matmul import forced_gemv
+    for shape in ("split", "lane"):  # lanes splitting K (GPUs), one lane a column group (CPU adapters)
+        with forced_gemv(shape):
+            _check_shape(platform)
     _check_small_values(platform)
+
+
+def _check_shape(platform):
+    _check_mlp(platform)
     for name in CASES:
         graph, inputs, want = _case(name)
         program = platform.compile(graph)
@@ -187,3 +194,22 @@ def test_the_residual_fold_leaves_kept_and_injected_values_visible():
     h, x, w = inputs
     torch.testing.assert_close(faulty.run(program, inputs)[0], h + 2 * torch.nn.functional.linear(x, w),
                                rtol=1e-5, atol=1e-4)
+
+
+def test_a_cpu_adapter_gets_one_lane_a_column_where_the_row_is_cheap():
+    from tapml.platforms.wgsl.codegen import LANE_GROUP, LANE_ROW_K
+    from tapml.platforms.wgsl.matmul import GEMV_COLUMNS, GEMV_LANES, forced_gemv, gemv_shape
+    cpu, gpu = {"cpu_adapter": True}, {"cpu_adapter": False}
+    split = (GEMV_LANES, 64 // GEMV_LANES, GEMV_COLUMNS)
+    assert gemv_shape(gpu, False, 512, 4096) == split and gemv_shape(None, True, 64, 64) == split
+    assert gemv_shape(cpu, False, 4096, 100) == (1, LANE_GROUP, 4)
+    assert gemv_shape(cpu, False, 512, 128_256) == (1, LANE_GROUP, 8)  # wide: 8 columns share each row load
+    assert gemv_shape(cpu, True, LANE_ROW_K, 64)[0] == 1  # a short normed row: each lane adds its squares
+    assert gemv_shape(cpu, True, LANE_ROW_K + 4, 64) == split  # a long one: the workgroup adds them
+    with forced_gemv("lane"):
+        assert gemv_shape(gpu, True, 4096, 64)[0] == 1
+    with forced_gemv("split"):
+        assert gemv_shape(cpu, False, 64, 64) == split
+    with pytest.raises(ValueError, match="'lane' or 'split'"):
+        with forced_gemv("wide"):
+            pass

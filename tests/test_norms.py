@@ -1,7 +1,7 @@
 """RMSNorm as one kernel (platforms/wgsl/norms.py), issue 34: the norm of transformers' Llama
 family, exported from its own module code, compiled for a real adapter and compared with torch on
 seeded random inputs: one row and several, rows longer than a workgroup's lanes and not a multiple
-of them, large and small magnitudes. The runtime poisons outputs, so an element the kernel skips
+of them, more rows than two workgroups of one lane a row hold, large and small magnitudes. The runtime poisons outputs, so an element the kernel skips
 shows. Device tier: lavapipe and llvmpipe; browser tier: Chromium."""
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from tests.support import exported, on_every_webgpu, own_wgpu
 #: name -> (shape of x, scale of x)
 CASES = {"decode-row": ((1, 1, 512), 1.0), "prefill-rows": ((1, 7, 200), 3.0), "long-row": ((2, 5000), 1e-3),
          "large-values": ((3, 64), 1e15), "one-element-rows": ((4, 1), 1.0),
+         # a prefill's rows: on a CPU adapter one lane a row, 70 rows past two workgroups of 32
+         "many-rows": ((1, 70, 200), 1.0),
          # rows of a length that is no multiple of 4: read and written an element at a time
          "rows-past-vec4s": ((3, 6, 30), 2.0)}
 
@@ -88,7 +90,10 @@ def _check_computed_rows(platform):
 
 
 def _check(platform):
-    _check_blocks(platform)
+    from tapml.platforms.wgsl.matmul import forced_gemv
+    for shape in ("split", "lane"):  # the norm's squares added across a workgroup, or by each lane alone
+        with forced_gemv(shape):
+            _check_blocks(platform)
     _check_computed_rows(platform)
     for name in CASES:
         graph, inputs, want = _case(name)

@@ -40,6 +40,12 @@ from tapml.graph import TensorMeta
 from tapml.platforms.base import MAX_OFFSET_ALIGNMENT, BufferSpec, Kernel, KernelProgram, SplitTensor
 
 WORKGROUP = 64
+#: On a CPU adapter (``caps["cpu_adapter"]``: lavapipe, llvmpipe, SwiftShader) a workgroup barrier
+#: switches every SIMD group of the workgroup, and a barrier tree that adds a row across lanes costs
+#: more than a short row: there one lane takes a whole row (a GEMV's column group, a norm's row),
+#: ``LANE_GROUP`` lanes a workgroup along x (the axis llvmpipe packs into SIMD groups). A row of at
+#: most ``LANE_ROW_K`` elements whose squares every lane needs is added by each lane alone.
+LANE_GROUP, LANE_ROW_K = 32, 128
 MAX_GROUPS = 65535
 #: The most loop iterations a kernel tapml emits runs in one invocation over data of any
 #: length: a longer reduction, scan or convolution sum is split across invocations and

@@ -29,8 +29,8 @@ from pathlib import Path
 
 from tapml.graph import Node
 from tapml.platforms.wgsl import views
-from tapml.platforms.wgsl.codegen import (MAX_GROUPS, WORKGROUP, BufferView, Compute, Value, cast, combine_lanes, ctype,
-                                          lit, load_at, vec4_f32, vec4_ok)
+from tapml.platforms.wgsl.codegen import (LANE_GROUP, LANE_ROW_K, MAX_GROUPS, WORKGROUP, BufferView, Compute, Value, cast,
+                                          combine_lanes, ctype, lit, load_at, vec4_f32, vec4_ok)
 from tapml.platforms.wgsl.norms import NormedRow
 from tapml.platforms.wgsl.registry import ALL_INT, NUMERIC, edge_floats, edge_ints, rand, randint, register
 
@@ -53,6 +53,7 @@ WORKGROUP_BYTES = 16384
 #: Outputs with fewer rows or columns than this use SMALL_TILES (more threads for small work).
 LARGE = 64
 _FORCED: tuple | None = None
+_FORCED_GEMV: str | None = None
 _CACHE: dict = {}
 
 
@@ -139,10 +140,10 @@ def tiles_for(caps: dict, m: int, n: int) -> tuple[int, int, int, int, int, int]
 
 def tiles_state(caps: dict) -> list:
     """What the tile choice for a device with ``caps`` depends on besides the graph: the forced
-    tiles and the tuned entry for the device. A compiled program is reused only while this is
+    tiles and GEMV shape and the tuned entry for the device. A compiled program is reused only while this is
     unchanged (tuning compiles one graph under several forced tiles)."""
     entry = _read_cache().get(device_key(caps or {}))
-    return [_FORCED] + ([entry.get("tiles"), entry.get("gflops")] if isinstance(entry, dict) else [None])
+    return [_FORCED, _FORCED_GEMV] + ([entry.get("tiles"), entry.get("gflops")] if isinstance(entry, dict) else [None])
 
 
 @contextlib.contextmanager
@@ -154,6 +155,20 @@ def forced_tiles(tiles: tuple[int, ...]):
         yield
     finally:
         _FORCED = old
+
+
+@contextlib.contextmanager
+def forced_gemv(shape: str):
+    """Compile every GEMV inside the block with one lane a column group (``"lane"``) or with
+    ``GEMV_LANES`` lanes splitting K (``"split"``), whatever the device (for tests and probes)."""
+    global _FORCED_GEMV
+    if shape not in ("lane", "split"):
+        raise ValueError(f"GEMV shape is 'lane' or 'split', not {shape!r}")
+    old, _FORCED_GEMV = _FORCED_GEMV, shape
+    try:
+        yield
+    finally:
+        _FORCED_GEMV = old
 
 
 def tune(platform, n: int = 512, repeat: int = 3, candidates=None) -> dict:
@@ -490,9 +505,24 @@ GEMV_LANES, GEMV_COLUMNS = 8, 4
 # a computed one-row operand of at most this cost is read by the GEMV itself, not written first:
 # every column block recomputes its elements, which costs less than a kernel of its own
 LAZY_ROW_COST = 24
-# ... and at most this many column blocks recompute it: an LM head of 128 256 columns has 4008, each
-# recomputing the row (a norm's squares: a barrier tree) cost more than its own kernel (NOTES.md)
+# ... and at most this many column blocks (of GEMV_LANES x GEMV_COLUMNS columns) recompute it: an
+# LM head of 128 256 columns has 4008, each recomputing the row (a norm's squares: a barrier tree)
+# cost more than its own kernel (NOTES.md)
 COMPUTED_ROW_BLOCKS = 128
+
+
+def gemv_shape(caps: dict | None, normed: bool, K: int, N: int) -> tuple[int, int, int]:
+    """``(lanes per column group, column groups per workgroup, columns per group)`` of a GEMV
+    over ``K`` with ``N`` columns in all on a device with ``caps``: on a CPU adapter one lane a
+    group of 4 columns (8 where there are enough to fill two workgroups: 8 share each load of the
+    row), with no barrier, unless the row is normed and longer than ``LANE_ROW_K`` (each lane
+    would add all its squares); elsewhere ``GEMV_LANES`` lanes split K (codegen.LANE_GROUP)."""
+    one_lane = (caps or {}).get("cpu_adapter") and (not normed or K <= LANE_ROW_K)
+    if _FORCED_GEMV is not None:
+        one_lane = _FORCED_GEMV == "lane"
+    if one_lane:
+        return 1, LANE_GROUP, 8 if N >= 2 * LANE_GROUP * 8 else 4
+    return GEMV_LANES, WORKGROUP // GEMV_LANES, GEMV_COLUMNS
 
 
 @dataclass
@@ -518,32 +548,36 @@ def gemv_kernel(pb, name: str, a: Value, parts: list[GemvPart], Z: int, K: int) 
     """One kernel for the products of one row ``a`` by each part's matrix, read along K: the
     ``GEMV_LANES`` lanes of a column split K, so neighbouring lanes load neighbouring vec4s of the
     weight's row (the tiled kernel's lanes each stream rows of their own), and add their sums in
-    workgroup memory. Each part has its own column blocks; a workgroup's block says which part it
+    workgroup memory; on a CPU adapter one lane takes all of K (:func:`gemv_shape`). Each part has its own column blocks; a workgroup's block says which part it
     computes (uniform), so products that share their input (q, k and v; gate and up) run as one
     dispatch reading that input once per block. A computed ``a`` (not a buffer) is computed
     where it is read, four elements at a time, by each workgroup: past ``COMPUTED_ROW_BLOCKS``
     column blocks (an LM head) it is written first instead."""
-    lanes, tn = GEMV_LANES, GEMV_COLUMNS
-    per_group = WORKGROUP // lanes
+    if not isinstance(a, BufferView) and \
+            sum(-(-part.n // (WORKGROUP // GEMV_LANES * GEMV_COLUMNS)) for part in parts) > COMPUTED_ROW_BLOCKS:
+        a = pb.plain(a)
+    plain, normed = isinstance(a, BufferView), isinstance(a, NormedRow)
+    lanes, per_group, tn = gemv_shape(pb.caps, normed, K, sum(part.n for part in parts))
     starts, blocks = [], 0
     for part in parts:
         starts.append(blocks)
         blocks += -(-part.n // (per_group * tn))
-    if not isinstance(a, BufferView) and blocks > COMPUTED_ROW_BLOCKS:
-        a = pb.plain(a)
     k = pb.kernel(name + "_gemv")
-    plain, normed = isinstance(a, BufferView), isinstance(a, NormedRow)
     A = k.bind(a.buf, elem=f"vec4<{a.buf.dtype}>") if plain else None
     gx = min(blocks, MAX_GROUPS)
     f4 = vec4_f32
 
-    k.emit("let lane: i32 = i32(lid.x);")
+    k.emit("let lane: i32 = i32(lid.x);" if lanes > 1 else "let lane: i32 = 0;")
+    column = "i32(lid.y)" if lanes > 1 else "i32(lid.x)"
     k.emit("let z: i32 = i32(wid.z);")
     k.emit(f"let block: i32 = i32(wid.y) * {gx} + i32(wid.x);")
     if plain:
         k.emit(f"let ra: i32 = {a.offset} + z * {a.strides[0]};")
     if normed:  # the row's RMSNorm scale, computed by this workgroup's lanes
-        scale = a.prologue(k, k.let(f"i32(lid.y) * {lanes} + lane", "i32"), lanes * per_group)
+        if lanes == 1:  # no barriers: each lane adds the whole row's squares itself
+            scale = a.prologue(k, "0", 1)
+        else:
+            scale = a.prologue(k, k.let(f"i32(lid.y) * {lanes} + lane", "i32"), lanes * per_group)
     for j in range(tn):
         k.emit(f"var acc{j}: vec4<f32> = vec4<f32>(0.0);")
     k.emit("var n0: i32 = 0;")
@@ -553,13 +587,15 @@ def gemv_kernel(pb, name: str, a: Value, parts: list[GemvPart], Z: int, K: int) 
             k.open(f"if (block >= {starts[i]} && block < {end})")
         B = k.bind(part.b.buf, elem=f"vec4<{part.b.buf.dtype}>")
         b = part.b
-        k.emit(f"n0 = ((block - {starts[i]}) * {per_group} + i32(lid.y)) * {tn};")
+        k.emit(f"n0 = ((block - {starts[i]}) * {per_group} + {column}) * {tn};")
         # columns past the end read the last one; their sums are written nowhere
         cb = [k.let(f"{b.offset} + z * {b.strides[0]} + min(n0 + {j}, {part.n - 1}) * {b.strides[2]}", "i32")
               for j in range(tn)]
         k.loop("i", -(-K // (4 * lanes)))
-        kk = k.let(f"(lane + i * {lanes}) * 4", "i32")
-        k.open(f"if ({kk} < {K})")
+        kk = k.let("i * 4" if lanes == 1 else f"(lane + i * {lanes}) * 4", "i32")
+        ragged = K % (4 * lanes) != 0
+        if ragged:
+            k.open(f"if ({kk} < {K})")
         if plain:
             x = k.let(f4(A[f"(ra + {kk}) / 4"], a.buf.dtype), "vec4<f32>")
         elif normed:
@@ -569,12 +605,14 @@ def gemv_kernel(pb, name: str, a: Value, parts: list[GemvPart], Z: int, K: int) 
             x = k.let(f"vec4<f32>({', '.join(row)})", "vec4<f32>")
         for j in range(tn):
             k.emit(f"acc{j} = acc{j} + {x} * {f4(B[f'({cb[j]} + {kk}) / 4'], b.buf.dtype)};")
-        k.close()
+        if ragged:
+            k.close()
         k.close()
         if len(parts) > 1:
             k.close()
-    sums = combine_lanes(k, lanes, "lane", f"i32(lid.y) * {lanes} + lane",
-                         [f"(acc{j}.x + acc{j}.y + acc{j}.z + acc{j}.w)" for j in range(tn)])
+    sums = [f"(acc{j}.x + acc{j}.y + acc{j}.z + acc{j}.w)" for j in range(tn)]
+    if lanes > 1:
+        sums = combine_lanes(k, lanes, "lane", f"i32(lid.y) * {lanes} + lane", sums)
     for i, part in enumerate(parts):
         end = starts[i + 1] if i + 1 < len(parts) else blocks
         k.open(f"if (lane == 0 && block >= {starts[i]} && block < {end})")
@@ -587,7 +625,8 @@ def gemv_kernel(pb, name: str, a: Value, parts: list[GemvPart], Z: int, K: int) 
             k.write(part.out, f"z * {part.n} + n0 + {j}", e, "f32")
             k.close()
         k.close()
-    pb.add(k.finish(0, workgroup=(lanes, per_group, 1), groups=(gx, -(-blocks // gx), Z), group_ids=True))
+    pb.add(k.finish(0, workgroup=(lanes, per_group, 1) if lanes > 1 else (per_group, 1, 1),
+                    groups=(gx, -(-blocks // gx), Z), group_ids=True))
 
 
 @dataclass

@@ -6,7 +6,8 @@ in a decode step both are tiny, and on CPU adapters a dispatch costs more than t
 (benchmarks/NOTES.md). :func:`find_rms_norms` finds the pattern, float32 only, every intermediate
 used once inside it and not kept (a kept value or an ``--inject`` op between two of its nodes
 leaves the ops separate); :func:`rms_norm` writes it with one workgroup per row: its lanes add the
-squares (a tree in workgroup memory), then each writes its elements.
+squares (a tree in workgroup memory), then each writes its elements; on a CPU adapter short rows, and
+many rows, take one lane each, without barriers.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tapml.platforms.wgsl import views
-from tapml.platforms.wgsl.codegen import MAX_GROUPS, WORKGROUP, BufferView, Value, cast, combine_lanes, lit, vec4_read
+from tapml.platforms.wgsl.codegen import (LANE_GROUP, LANE_ROW_K, MAX_GROUPS, WORKGROUP, BufferView, Value, cast,
+                                          combine_lanes, lit, vec4_read)
 
 
 @dataclass
@@ -92,38 +94,55 @@ def rms_norm(pb, match: RmsNormMatch, env: dict, meta) -> Value:
     return result
 
 
+#: On a CPU adapter a norm of at least this many rows (a prefill) takes one lane a row, as a row of
+#: at most ``LANE_ROW_K`` elements always does (codegen.LANE_GROUP).
+LANE_ROWS = 64
+
+
 def _write(pb, x: Value, w: Value, eps: float, out, rows: int, K: int) -> None:
-    """The kernel: one workgroup a row; its lanes add the squares, then each writes its elements."""
+    """The kernel: one workgroup a row, whose lanes add the squares and then each write their
+    elements; on a CPU adapter, for short rows or many of them, one lane a row."""
     x, w = pb.fit([x, w], 1)
     k = pb.kernel("rms_norm")
-    gx = min(rows, MAX_GROUPS)
-    per_lane = -(-K // WORKGROUP)
-    k.emit("let lane: i32 = i32(lid.x);")
-    k.emit(f"let row: i32 = min(i32(wid.y) * {gx} + i32(wid.x), {rows - 1});")
-    if K % 4 == 0 and out.dtype == "f32":  # four elements a load and a store (Value.read4)
-        scale = row_scale(k, lambda i: x.read(k, ["row", i]), x.ty, K, eps, "lane", WORKGROUP,
-                          lambda i: vec4_read(k, x, ["row", i], 1))
+    four = K % 4 == 0 and out.dtype == "f32"  # four elements a load and a store (Value.read4)
+    if (pb.caps or {}).get("cpu_adapter") and (K <= LANE_ROW_K or rows >= LANE_ROWS):
+        lanes, groups = 1, -(-rows // LANE_GROUP)
+        gx = min(groups, MAX_GROUPS)
+        k.emit(f"let row: i32 = (i32(wid.y) * {gx} + i32(wid.x)) * {LANE_GROUP} + i32(lid.x);")
+        k.emit("let lane: i32 = 0;")
+        k.open(f"if (row < {rows})")  # no barrier follows: a lane past the last row does nothing
+        workgroup = (LANE_GROUP, 1, 1)
+    else:
+        lanes, groups = WORKGROUP, rows
+        gx = min(groups, MAX_GROUPS)
+        k.emit("let lane: i32 = i32(lid.x);")
+        k.emit(f"let row: i32 = min(i32(wid.y) * {gx} + i32(wid.x), {rows - 1});")
+        workgroup = (WORKGROUP, 1, 1)
+    row_first = lanes == 1
+    scale = row_scale(k, lambda i: x.read(k, ["row", i]), x.ty, K, eps, "lane", lanes,
+                      (lambda i: vec4_read(k, x, ["row", i], 1)) if four else None)
+    if not row_first:
         k.open(f"if (i32(wid.y) * {gx} + i32(wid.x) < {rows})")  # past the last row: computed, written nowhere
-        k.loop("i", -(-K // (4 * WORKGROUP)))
-        idx = k.let(f"(lane + i * {WORKGROUP}) * 4", "i32")
+    step = 4 if four else 1
+    k.loop("i", -(-K // (step * lanes)))
+    idx = k.let(f"(lane + i * {lanes}) * {step}" if lanes > 1 else f"i * {step}", "i32")
+    ragged = K % (step * lanes) != 0
+    if ragged:
         k.open(f"if ({idx} < {K})")
+    if four:
         o = k.bind(out, "read_write", elem="vec4<f32>")
         value = f"{vec4_read(k, w, [idx], 0)} * ({vec4_read(k, x, ['row', idx], 1)} * {scale})"
         at = f"(row * {K} + {idx}) / 4"
         k.emit(f"{o.name}_set({at}, {value});" if o.split else f"{o[at]} = {value};")
     else:
-        scale = row_scale(k, lambda i: x.read(k, ["row", i]), x.ty, K, eps, "lane", WORKGROUP)
-        k.open(f"if (i32(wid.y) * {gx} + i32(wid.x) < {rows})")  # past the last row: computed, written nowhere
-        k.loop("i", per_lane)
-        idx = k.let(f"lane + i * {WORKGROUP}", "i32")
-        k.open(f"if ({idx} < {K})")
         xv = cast(x.read(k, ["row", idx]), x.ty, "f32")
         wv = cast(w.read(k, [idx]), w.ty, "f32")
         k.write(out, f"row * {K} + {idx}", f"{wv} * ({xv} * {scale})", "f32")
+    if ragged:
+        k.close()
     k.close()
     k.close()
-    k.close()
-    pb.add(k.finish(0, workgroup=(WORKGROUP, 1, 1), groups=(gx, -(-rows // gx), 1), group_ids=True))
+    pb.add(k.finish(0, workgroup=workgroup, groups=(gx, -(-groups // gx), 1), group_ids=True))
 
 
 def row_scale(k, element, ty: str, K: int, eps: float, lane: str, lanes: int, element4=None) -> str:
@@ -145,6 +164,9 @@ def row_scale(k, element, ty: str, K: int, eps: float, lane: str, lanes: int, el
         k.emit(f"squares = squares + {v} * {v};")
     k.close()
     k.close()
+    if lanes == 1:
+        k.emit(f"let scale: f32 = inverseSqrt(squares / {lit(float(K), 'f32')} + {lit(eps, 'f32')});")
+        return "scale"
     combine_lanes(k, lanes, lane, lane, ["squares"])  # the row's sum ends in lane 0's slot, partial[0]
     k.emit(f"let scale: f32 = inverseSqrt(partial[0] / {lit(float(K), 'f32')} + {lit(eps, 'f32')});")
     k.emit("workgroupBarrier();")  # every lane has read the sum before the memory is reused
