@@ -46,6 +46,10 @@ WORKGROUP = 64
 #: ``LANE_GROUP`` lanes a workgroup along x (the axis llvmpipe packs into SIMD groups). A row of at
 #: most ``LANE_ROW_K`` elements whose squares every lane needs is added by each lane alone.
 LANE_GROUP, LANE_ROW_K = 32, 128
+#: A computed one-row operand of at most this cost is computed by the kernels that read it (a GEMV,
+#: a norm's squares) instead of written first: each reader recomputes its elements, which costs less
+#: than a kernel of its own (a decode step's embedding row, SiLU(gate) x up).
+LAZY_ROW_COST = 24
 MAX_GROUPS = 65535
 #: The most loop iterations a kernel tapml emits runs in one invocation over data of any
 #: length: a longer reduction, scan or convolution sum is split across invocations and

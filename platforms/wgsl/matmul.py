@@ -29,7 +29,7 @@ from pathlib import Path
 
 from tapml.graph import Node
 from tapml.platforms.wgsl import views
-from tapml.platforms.wgsl.codegen import (LANE_GROUP, LANE_ROW_K, MAX_GROUPS, WORKGROUP, BufferView, Compute, Value, cast,
+from tapml.platforms.wgsl.codegen import (LANE_GROUP, LANE_ROW_K, LAZY_ROW_COST, MAX_GROUPS, WORKGROUP, BufferView, Compute, Value, cast,
                                           combine_lanes, ctype, lit, load_at, vec4_f32, vec4_ok)
 from tapml.platforms.wgsl.norms import NormedRow
 from tapml.platforms.wgsl.registry import ALL_INT, NUMERIC, edge_floats, edge_ints, rand, randint, register
@@ -502,12 +502,9 @@ def _workgroup_tiled(pb, name: str, a: BufferView, b: BufferView, bias, alpha, b
 #: Lanes that split K for one output column, and columns per lane group, of the one-row product
 #: (:func:`_gemv`); 8 x 4 measured fastest on lavapipe (benchmarks/NOTES.md, "One-row products").
 GEMV_LANES, GEMV_COLUMNS = 8, 4
-# a computed one-row operand of at most this cost is read by the GEMV itself, not written first:
-# every column block recomputes its elements, which costs less than a kernel of its own
-LAZY_ROW_COST = 24
-# ... and at most this many column blocks (of GEMV_LANES x GEMV_COLUMNS columns) recompute it: an
-# LM head of 128 256 columns has 4008, each recomputing the row (a norm's squares: a barrier tree)
-# cost more than its own kernel (NOTES.md)
+# a computed row (codegen.LAZY_ROW_COST) is recomputed by at most this many column blocks (of
+# GEMV_LANES x GEMV_COLUMNS columns): an LM head of 128 256 columns has 4008, each recomputing the
+# row (a norm's squares: a barrier tree) cost more than its own kernel (NOTES.md)
 COMPUTED_ROW_BLOCKS = 128
 
 

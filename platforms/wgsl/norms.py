@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tapml.platforms.wgsl import views
-from tapml.platforms.wgsl.codegen import (LANE_GROUP, LANE_ROW_K, MAX_GROUPS, WORKGROUP, BufferView, Value, cast,
+from tapml.platforms.wgsl.codegen import (LANE_GROUP, LANE_ROW_K, LAZY_ROW_COST, MAX_GROUPS, WORKGROUP, BufferView, Value, cast,
                                           combine_lanes, lit, vec4_read)
 
 
@@ -85,7 +85,7 @@ def rms_norm(pb, match: RmsNormMatch, env: dict, meta) -> Value:
     K = shape[-1]
     rows = meta.numel // K if K else 0
     x, w = env[match.x], env[match.w]
-    if rows == 1 and isinstance(x, BufferView) and isinstance(w, BufferView):
+    if rows == 1 and isinstance(w, BufferView) and (isinstance(x, BufferView) or x.cost <= LAZY_ROW_COST):
         return NormedRow(views.reshape(x, (K,)), w, match.eps, meta, shape, {})
     out = pb.buffer("temp", meta)
     result = BufferView.whole(out, meta)
@@ -178,9 +178,10 @@ class NormedRow(Value):
     ``1 / sqrt(mean(x * x) + eps)``. A GEMV reading it (``matmul.gemv_kernel``) computes ``scale``
     in each workgroup (:meth:`prologue`), so the norm needs no kernel of its own; any other reader
     reads the row as :func:`rms_norm` writes it, written once at the first such read. Reshapes
-    keep it a NormedRow (the elements stay in order)."""
+    keep it a NormedRow (the elements stay in order). ``x`` is a buffer, or a row cheap enough to
+    compute where it is read (``LAZY_ROW_COST``: a decode step's embedding row)."""
 
-    def __init__(self, x: BufferView, w: BufferView, eps: float, meta, shape, state: dict):
+    def __init__(self, x: Value, w: BufferView, eps: float, meta, shape, state: dict):
         self.x, self.w, self.eps, self.meta, self.state = x, w, eps, meta, state
         self.shape, self.dtype, self.cost = tuple(shape), "float32", 0
 
