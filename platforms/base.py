@@ -387,8 +387,9 @@ class Platform:
     upload_bytes = 0
 
     def caps(self) -> dict:
-        """``{"adapter", "backend", "features", "limits", "dtypes"}`` of the device; limits lowered
-        by :meth:`force_limits` are applied, and listed under ``forced_limits``."""
+        """``{"adapter", "backend", "features", "limits", "dtypes"}`` of the device (a WGSL device adds
+        ``cpu_adapter``: whether it runs on the CPU, which picks kernel shapes); limits lowered by
+        :meth:`force_limits` are applied, and listed under ``forced_limits``."""
         caps = self._caps()
         forced = self.__dict__.get("forced_limits")
         if not forced:

@@ -5,8 +5,9 @@ The attention pattern is exported from the code transformers runs (matmul, scale
 softmax, matmul, grouped-query heads expanded), compiled for a real adapter, run, and compared
 with torch on seeded random inputs: one and several queries, keys in one chunk and in several,
 masks of the dtype's minimum and of -inf, rows with every key masked, no mask, a divided scale,
-values of another width than the keys, rows sharing a workgroup, a prefill's query blocks (the last
-one part-full), and the two-kernel form of a long cache. The puts of a prompt's positions written
+values of another width than the keys, widths that are no multiple of 4 (the cache read an element
+at a time, not as vec4s), rows sharing a workgroup, a prefill's query blocks (the last one
+part-full), and the two-kernel form of a long cache. The puts of a prompt's positions written
 in place are checked against torch's sequential put, repeated and negative positions included. The
 runtime poisons outputs, so an element the kernels skip shows. Device tier: lavapipe and llvmpipe;
 browser tier: Chromium."""
@@ -75,6 +76,9 @@ CASES = {
     "prefill-blocks-two-kernels": dict(heads=2, rep=1, lq=6, lk=3000, d=64, dv=64),
     # more chunks than a workgroup has lanes: the partial results and their combination in two kernels
     "two-kernels-long-cache": dict(heads=2, rep=1, lk=3000, d=64, dv=64, mask="random-inf"),
+    # widths that are no multiple of 4: keys and values read an element at a time, not four a load
+    "widths-past-vec4s": dict(lq=2, lk=40, d=10, dv=6, mask="all-min"),
+    "keys-in-vec4s-values-not": dict(lk=40, d=12, dv=10),
 }
 
 
@@ -94,6 +98,13 @@ def _check_cases(platform):
         got = platform.run(program, inputs)[0]
         assert got.shape == want.shape, name
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, equal_nan=True, msg=name)
+        # the cache rows, read through the grouped-query expand and the transpose, are four
+        # elements a load where their width allows, and bound once
+        wgsl = "".join(k.wgsl for k in program.kernels if attention_kernels([k.name]))
+        key_in = program.inputs[1]
+        vec4 = kw.get("d", 16) % 4 == 0 and platform.caps()["backend"] != "gl"  # GL: compile time (attention.py)
+        assert (f"buf_{key_in}_v4:" in wgsl) == vec4, name
+        assert not (f"buf_{key_in}_v4:" in wgsl and f"buf_{key_in}:" in wgsl), name
         if kw.get("mask") == "all-inf":
             assert got[0, :, 0].isnan().all() and not got[0, :, 1].isnan().any(), name
 

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 from tapml.graph import Graph
 from tapml.graph import TensorMeta
-from tapml.platforms.wgsl.codegen import LOOP_BUDGET, MAX_GROUPS, WORKGROUP, BufferView, Value, cast, lit
+from tapml.platforms.wgsl.codegen import LOOP_BUDGET, MAX_GROUPS, WORKGROUP, BufferView, Value, cast, lit, vec4_read
 
 #: Mask values at or below this are "masked" (transformers uses finfo(float32).min).
 MASKED = -1.0e38
@@ -233,6 +233,7 @@ def fused_attention(pb, match: AttentionMatch, env: dict, meta: TensorMeta) -> B
     parts = pb.buffer("temp", parts_meta)
 
     flags = chunk_flags(pb, match.mask, env[match.mask], lk, chunk) if mask is not None else None
+    vec4_rows = (pb.caps or {}).get("backend") != "gl"
     if flags is not None:
         flags = views.expand_to(flags, tuple(shape[:-1]) + (chunks,))
 
@@ -255,10 +256,20 @@ def fused_attention(pb, match: AttentionMatch, env: dict, meta: TensorMeta) -> B
         query of ``queries`` ((index, valid) pairs, the index clamped into range): the queries of a
         block share every key and value load."""
         nq = len(queries)
-        k.emit(f"var qrow: array<f32, {nq * d}>;")
-        k.loop("i", d)
-        for j, (qi, _) in enumerate(queries):
-            k.emit(f"qrow[{j * d} + i] = {cast(q.read(k, [head, qi, 'i']), q.ty, 'f32')};")
+        # where the widths allow, rows, keys, values and sums go four at a time (a vec4 load of the
+        # cache): not on GL, where llvmpipe took 12 s to compile each loop of vec4 loads inside the
+        # key loop (a d = 64 decode's kernel 40 s instead of 0.2)
+        d4, dv4 = vec4_rows and d % 4 == 0, vec4_rows and dv % 4 == 0
+        if d4:
+            k.emit(f"var qrow: array<vec4<f32>, {nq * d // 4}>;")
+            k.loop("i", d // 4)
+            for j, (qi, _) in enumerate(queries):
+                k.emit(f"qrow[{j * d // 4} + i] = {vec4_read(k, q, [head, qi, 'i * 4'], 2)};")
+        else:
+            k.emit(f"var qrow: array<f32, {nq * d}>;")
+            k.loop("i", d)
+            for j, (qi, _) in enumerate(queries):
+                k.emit(f"qrow[{j * d} + i] = {cast(q.read(k, [head, qi, 'i']), q.ty, 'f32')};")
         k.close()
         k.emit(f"var score: array<f32, {nq * chunk}>;")
         mx = [k.var("f32", f"{NEG_INF}", "mx") for _ in queries]
@@ -276,10 +287,16 @@ def fused_attention(pb, match: AttentionMatch, env: dict, meta: TensorMeta) -> B
         k.emit("continue;")
         k.close()
         dots = [k.var("f32", "0.0", "dot") for _ in queries]
-        k.loop("i", d)
-        kv = k.let(cast(k_t.read(k, [head, "i", key]), k_t.ty, "f32"), "f32")
-        for j, dot in enumerate(dots):
-            k.emit(f"{dot} = {dot} + qrow[{j * d} + i] * {kv};")
+        if d4:  # four dims a load
+            k.loop("i", d // 4)
+            kv = k.let(vec4_read(k, k_t, [head, "i * 4", key], 1), "vec4<f32>")
+            for j, dot in enumerate(dots):
+                k.emit(f"{dot} = {dot} + dot(qrow[{j * d // 4} + i], {kv});")
+        else:
+            k.loop("i", d)
+            kv = k.let(cast(k_t.read(k, [head, "i", key]), k_t.ty, "f32"), "f32")
+            for j, dot in enumerate(dots):
+                k.emit(f"{dot} = {dot} + qrow[{j * d} + i] * {kv};")
         k.close()
         for j, (dot, m, ok) in enumerate(zip(dots, mv, live)):
             scaled = dot if match.scale is None else f"({dot} * {lit(match.scale, 'f32')})"
@@ -287,7 +304,7 @@ def fused_attention(pb, match: AttentionMatch, env: dict, meta: TensorMeta) -> B
             k.emit(f"{mx[j]} = max({mx[j]}, score[{j * chunk} + jj]);")
         k.close()
         totals = [k.var("f32", "0.0", "l") for _ in queries]
-        k.emit(f"var acc: array<f32, {nq * dv}>;")
+        k.emit(f"var acc: array<{'vec4<f32>' if dv4 else 'f32'}, {nq * dv // 4 if dv4 else nq * dv}>;")
         k.open(f"if ({' || '.join(f'{m} > {NEG_INF}' for m in mx)})")
         k.loop("jj", chunk)
         key = k.let(f"{c} * {chunk} + jj", "i32")
@@ -301,10 +318,16 @@ def fused_attention(pb, match: AttentionMatch, env: dict, meta: TensorMeta) -> B
         ps = [k.let(f"select(0.0, exp(score[{j * chunk} + jj] - {mx[j]}), {ok})", "f32") for j, ok in enumerate(seen)]
         for total, p_ in zip(totals, ps):
             k.emit(f"{total} = {total} + {p_};")
-        k.loop("e", dv)
-        vv = k.let(cast(v.read(k, [head, key, "e"]), v.ty, "f32"), "f32")
-        for j, p_ in enumerate(ps):
-            k.emit(f"acc[{j * dv} + e] = acc[{j * dv} + e] + {p_} * {vv};")
+        if dv4:
+            k.loop("e", dv // 4)
+            vv = k.let(vec4_read(k, v, [head, key, "e * 4"], 2), "vec4<f32>")
+            for j, p_ in enumerate(ps):
+                k.emit(f"acc[{j * dv // 4} + e] = acc[{j * dv // 4} + e] + {p_} * {vv};")
+        else:
+            k.loop("e", dv)
+            vv = k.let(cast(v.read(k, [head, key, "e"]), v.ty, "f32"), "f32")
+            for j, p_ in enumerate(ps):
+                k.emit(f"acc[{j * dv} + e] = acc[{j * dv} + e] + {p_} * {vv};")
         k.close()
         k.close()
         k.close()
@@ -313,8 +336,13 @@ def fused_attention(pb, match: AttentionMatch, env: dict, meta: TensorMeta) -> B
             at = k.let(f"(({head} * {lq} + {qi}) * {chunks} + {c}) * {width}", "i32")
             k.write(parts, at, mx[j], "f32")
             k.write(parts, f"{at} + 1", totals[j], "f32")
-            k.loop("e", dv)
-            k.write(parts, f"{at} + 2 + e", f"acc[{j * dv} + e]", "f32")
+            if dv4:
+                k.loop("e", dv // 4)
+                for x in range(4):
+                    k.write(parts, f"{at} + 2 + e * 4 + {x}", f"acc[{j * dv // 4} + e].{'xyzw'[x]}", "f32")
+            else:
+                k.loop("e", dv)
+                k.write(parts, f"{at} + 2 + e", f"acc[{j * dv} + e]", "f32")
             k.close()
             k.close()
 
@@ -364,7 +392,11 @@ def fused_attention(pb, match: AttentionMatch, env: dict, meta: TensorMeta) -> B
         k.open("else")
         total = k.var("f32", "0.0", "sum")
         k.loop("j", lk)
-        k.emit(f"{total} = {total} + {cast(v.read(k, [head, 'j', e]), v.ty, 'f32')};")
+        if vec4_rows and dv % 4 == 0:  # as the values are read above (one binding of them, not two)
+            four = vec4_read(k, v, [head, "j", f"({e} / 4) * 4"], 2)
+            k.emit(f"{total} = {total} + {four}[{e} % 4];")
+        else:
+            k.emit(f"{total} = {total} + {cast(v.read(k, [head, 'j', e]), v.ty, 'f32')};")
         k.close()
         k.emit(f"{result} = {total} / {lit(float(lk), 'f32')};")
         k.close()

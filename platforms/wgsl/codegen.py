@@ -401,11 +401,13 @@ class BufferView(Value):
 
 class Remap(Value):
     """``src`` read at ``fn(k, idx)``: reshapes and views of computed values. ``in_order``: the
-    elements are ``src``'s in the same row-major order (a reshape)."""
+    elements are ``src``'s in the same row-major order (a reshape). ``axes``: the axes whose index
+    ``fn`` passes unchanged to an axis of ``src`` of the same size (a permute's, or a reshape's
+    dims that no merge or split touches), by axis."""
 
-    def __init__(self, src: Value, shape, fn: Callable, in_order: bool = False):
+    def __init__(self, src: Value, shape, fn: Callable, in_order: bool = False, axes: dict[int, int] | None = None):
         self.src, self.shape, self.fn, self.dtype = src, tuple(shape), fn, src.dtype
-        self.cost, self.in_order = src.cost, in_order
+        self.cost, self.in_order, self.axes = src.cost, in_order, dict(axes or {})
 
     def read(self, k, idx):
         return self.src.read(k, self.fn(k, idx))
@@ -415,6 +417,8 @@ class Remap(Value):
         # multiples of 4 long
         if self.in_order and axis == len(self.shape) - 1 and self.src.shape and self.src.shape[-1] % 4 == 0:
             return self.src.read4(k, self.fn(k, idx), len(self.src.shape) - 1)
+        if axis in self.axes:  # the four are four neighbours along the source's axis
+            return self.src.read4(k, self.fn(k, idx), self.axes[axis])
         return super().read4(k, idx, axis)
 
     def bufs(self):

@@ -36,7 +36,8 @@ def expand_to(v: Value, shape: Sequence[int]) -> Value:
 
     def fn(k, idx):
         return ["0" if bcast[i] else idx[i] for i in range(lead, len(shape))]
-    return Remap(v, shape, fn, in_order=math.prod(shape) == v.numel)  # only new dims of size 1
+    return Remap(v, shape, fn, in_order=math.prod(shape) == v.numel,  # only new dims of size 1
+                 axes={i: i - lead for i in range(lead, len(shape)) if not bcast[i]})
 
 
 def permute(v: Value, dims: Sequence[int]) -> Value:
@@ -47,7 +48,7 @@ def permute(v: Value, dims: Sequence[int]) -> Value:
     if isinstance(v, BufferView):
         return BufferView(v.buf, shape, [v.strides[d] for d in dims], v.offset, v.dtype)
     inv = [dims.index(i) for i in range(nd)]
-    return Remap(v, shape, lambda k, idx: [idx[inv[i]] for i in range(nd)])
+    return Remap(v, shape, lambda k, idx: [idx[inv[i]] for i in range(nd)], axes=dict(enumerate(dims)))
 
 
 def _view_strides(shape, strides, new_shape):
@@ -107,7 +108,7 @@ def reshape(v: Value, shape: Sequence[int]) -> Value:
             linear = "0" if not terms else terms[0] if len(terms) == 1 else k.let(f"({' + '.join(terms)})", "i32")
             out.extend([linear] if len(src) == 1 else k.unravel(linear, [src_shape[d] for d in src]))
         return out
-    return Remap(v, shape, fn, in_order=True)
+    return Remap(v, shape, fn, in_order=True, axes={dst[0]: src[0] for src, dst in groups if len(src) == len(dst) == 1})
 
 
 def _reshape_groups(src: tuple, dst: tuple) -> list[tuple[range, range]]:
