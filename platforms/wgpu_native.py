@@ -132,7 +132,6 @@ def map_for_read(buffer) -> None:
     no submit has flushed yet), one more round trip through the queue on every read: 0.2-0.3 ms of
     a 2.3 ms decode step on lavapipe (benchmarks/NOTES.md). Every buffer mapped here was filled
     by a submitted copy, so it maps without that submit where wgpu-py has the mode for it."""
-    import wgpu
     if _NOSYNC:
         try:
             buffer.map_sync(_NOSYNC[0])
@@ -141,6 +140,7 @@ def map_for_read(buffer) -> None:
             if buffer.map_state != "unmapped":
                 raise
             _NOSYNC.clear()
+    import wgpu
     buffer.map_sync(wgpu.MapMode.READ)
 
 

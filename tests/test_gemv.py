@@ -197,10 +197,10 @@ def test_the_residual_fold_leaves_kept_and_injected_values_visible():
 
 
 def test_a_cpu_adapter_gets_one_lane_a_column_where_the_row_is_cheap():
-    from tapml.platforms.wgsl.codegen import LANE_GROUP, LANE_ROW_K
+    from tapml.platforms.wgsl.codegen import LANE_GROUP, LANE_ROW_K, WORKGROUP
     from tapml.platforms.wgsl.matmul import GEMV_COLUMNS, GEMV_LANES, forced_gemv, gemv_shape
     cpu, gpu = {"cpu_adapter": True}, {"cpu_adapter": False}
-    split = (GEMV_LANES, 64 // GEMV_LANES, GEMV_COLUMNS)
+    split = (GEMV_LANES, WORKGROUP // GEMV_LANES, GEMV_COLUMNS)
     assert gemv_shape(gpu, False, 512, 4096) == split and gemv_shape(None, True, 64, 64) == split
     assert gemv_shape(cpu, False, 4096, 100) == (1, LANE_GROUP, 4)
     assert gemv_shape(cpu, False, 512, 128_256) == (1, LANE_GROUP, 8)  # wide: 8 columns share each row load

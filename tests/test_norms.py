@@ -1,8 +1,8 @@
 """RMSNorm as one kernel (platforms/wgsl/norms.py), issue 34: the norm of transformers' Llama
 family, exported from its own module code, compiled for a real adapter and compared with torch on
 seeded random inputs: one row and several, rows longer than a workgroup's lanes and not a multiple
-of them, more rows than two workgroups of one lane a row hold, large and small magnitudes. The runtime poisons outputs, so an element the kernel skips
-shows. Device tier: lavapipe and llvmpipe; browser tier: Chromium."""
+of them, more rows than two workgroups of one lane a row hold, large and small magnitudes. The
+runtime poisons outputs, so an element the kernel skips shows. Device tier: lavapipe and llvmpipe; browser tier: Chromium."""
 
 from __future__ import annotations
 

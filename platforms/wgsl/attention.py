@@ -233,7 +233,11 @@ def fused_attention(pb, match: AttentionMatch, env: dict, meta: TensorMeta) -> B
     parts = pb.buffer("temp", parts_meta)
 
     flags = chunk_flags(pb, match.mask, env[match.mask], lk, chunk) if mask is not None else None
+    # where the widths allow, rows, keys, values and sums go four at a time (a vec4 load of the
+    # cache): not on GL, where llvmpipe took 12 s to compile each loop of vec4 loads inside the key
+    # loop (a d = 64 decode's kernel 40 s instead of 0.2; benchmarks/NOTES.md)
     vec4_rows = (pb.caps or {}).get("backend") != "gl"
+    d4, dv4 = vec4_rows and d % 4 == 0, vec4_rows and dv % 4 == 0
     if flags is not None:
         flags = views.expand_to(flags, tuple(shape[:-1]) + (chunks,))
 
@@ -256,10 +260,6 @@ def fused_attention(pb, match: AttentionMatch, env: dict, meta: TensorMeta) -> B
         query of ``queries`` ((index, valid) pairs, the index clamped into range): the queries of a
         block share every key and value load."""
         nq = len(queries)
-        # where the widths allow, rows, keys, values and sums go four at a time (a vec4 load of the
-        # cache): not on GL, where llvmpipe took 12 s to compile each loop of vec4 loads inside the
-        # key loop (a d = 64 decode's kernel 40 s instead of 0.2)
-        d4, dv4 = vec4_rows and d % 4 == 0, vec4_rows and dv % 4 == 0
         if d4:
             k.emit(f"var qrow: array<vec4<f32>, {nq * d // 4}>;")
             k.loop("i", d // 4)
@@ -392,7 +392,7 @@ def fused_attention(pb, match: AttentionMatch, env: dict, meta: TensorMeta) -> B
         k.open("else")
         total = k.var("f32", "0.0", "sum")
         k.loop("j", lk)
-        if vec4_rows and dv % 4 == 0:  # as the values are read above (one binding of them, not two)
+        if dv4:  # as the values are read above (one binding of them, not two)
             four = vec4_read(k, v, [head, "j", f"({e} / 4) * 4"], 2)
             k.emit(f"{total} = {total} + {four}[{e} % 4];")
         else:

@@ -29,8 +29,8 @@ from pathlib import Path
 
 from tapml.graph import Node
 from tapml.platforms.wgsl import views
-from tapml.platforms.wgsl.codegen import (LANE_GROUP, LANE_ROW_K, LAZY_ROW_COST, MAX_GROUPS, WORKGROUP, BufferView, Compute, Value, cast,
-                                          combine_lanes, ctype, lit, load_at, vec4_f32, vec4_ok)
+from tapml.platforms.wgsl.codegen import (LANE_GROUP, LANE_ROW_K, LAZY_ROW_COST, MAX_GROUPS, WORKGROUP, BufferView,
+                                          Compute, Value, cast, combine_lanes, ctype, lit, load_at, vec4_f32, vec4_ok)
 from tapml.platforms.wgsl.norms import NormedRow
 from tapml.platforms.wgsl.registry import ALL_INT, NUMERIC, edge_floats, edge_ints, rand, randint, register
 
@@ -140,8 +140,8 @@ def tiles_for(caps: dict, m: int, n: int) -> tuple[int, int, int, int, int, int]
 
 def tiles_state(caps: dict) -> list:
     """What the tile choice for a device with ``caps`` depends on besides the graph: the forced
-    tiles and GEMV shape and the tuned entry for the device. A compiled program is reused only while this is
-    unchanged (tuning compiles one graph under several forced tiles)."""
+    tiles and GEMV shape and the tuned entry for the device. A compiled program is reused only while
+    this is unchanged (tuning compiles one graph under several forced tiles)."""
     entry = _read_cache().get(device_key(caps or {}))
     return [_FORCED, _FORCED_GEMV] + ([entry.get("tiles"), entry.get("gflops")] if isinstance(entry, dict) else [None])
 
@@ -545,8 +545,8 @@ def gemv_kernel(pb, name: str, a: Value, parts: list[GemvPart], Z: int, K: int) 
     """One kernel for the products of one row ``a`` by each part's matrix, read along K: the
     ``GEMV_LANES`` lanes of a column split K, so neighbouring lanes load neighbouring vec4s of the
     weight's row (the tiled kernel's lanes each stream rows of their own), and add their sums in
-    workgroup memory; on a CPU adapter one lane takes all of K (:func:`gemv_shape`). Each part has its own column blocks; a workgroup's block says which part it
-    computes (uniform), so products that share their input (q, k and v; gate and up) run as one
+    workgroup memory; on a CPU adapter one lane takes all of K (:func:`gemv_shape`). Each part has
+    its own column blocks; a workgroup's block says which part it computes (uniform), so products that share their input (q, k and v; gate and up) run as one
     dispatch reading that input once per block. A computed ``a`` (not a buffer) is computed
     where it is read, four elements at a time, by each workgroup: past ``COMPUTED_ROW_BLOCKS``
     column blocks (an LM head) it is written first instead."""

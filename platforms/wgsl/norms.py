@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tapml.platforms.wgsl import views
-from tapml.platforms.wgsl.codegen import (LANE_GROUP, LANE_ROW_K, LAZY_ROW_COST, MAX_GROUPS, WORKGROUP, BufferView, Value, cast,
-                                          combine_lanes, lit, vec4_read)
+from tapml.platforms.wgsl.codegen import (LANE_GROUP, LANE_ROW_K, LAZY_ROW_COST, MAX_GROUPS, WORKGROUP, BufferView,
+                                          Value, cast, combine_lanes, lit, vec4_read)
 
 
 @dataclass
@@ -105,24 +105,22 @@ def _write(pb, x: Value, w: Value, eps: float, out, rows: int, K: int) -> None:
     x, w = pb.fit([x, w], 1)
     k = pb.kernel("rms_norm")
     four = K % 4 == 0 and out.dtype == "f32"  # four elements a load and a store (Value.read4)
-    if (pb.caps or {}).get("cpu_adapter") and (K <= LANE_ROW_K or rows >= LANE_ROWS):
-        lanes, groups = 1, -(-rows // LANE_GROUP)
-        gx = min(groups, MAX_GROUPS)
-        k.emit(f"let row: i32 = (i32(wid.y) * {gx} + i32(wid.x)) * {LANE_GROUP} + i32(lid.x);")
+    one_lane = (pb.caps or {}).get("cpu_adapter") and (K <= LANE_ROW_K or rows >= LANE_ROWS)
+    lanes = 1 if one_lane else WORKGROUP
+    groups = -(-rows // LANE_GROUP) if one_lane else rows
+    gx = min(groups, MAX_GROUPS)
+    group = f"(i32(wid.y) * {gx} + i32(wid.x))"
+    if one_lane:
+        k.emit(f"let row: i32 = {group} * {LANE_GROUP} + i32(lid.x);")
         k.emit("let lane: i32 = 0;")
         k.open(f"if (row < {rows})")  # no barrier follows: a lane past the last row does nothing
-        workgroup = (LANE_GROUP, 1, 1)
     else:
-        lanes, groups = WORKGROUP, rows
-        gx = min(groups, MAX_GROUPS)
         k.emit("let lane: i32 = i32(lid.x);")
-        k.emit(f"let row: i32 = min(i32(wid.y) * {gx} + i32(wid.x), {rows - 1});")
-        workgroup = (WORKGROUP, 1, 1)
-    row_first = lanes == 1
+        k.emit(f"let row: i32 = min({group}, {rows - 1});")
     scale = row_scale(k, lambda i: x.read(k, ["row", i]), x.ty, K, eps, "lane", lanes,
                       (lambda i: vec4_read(k, x, ["row", i], 1)) if four else None)
-    if not row_first:
-        k.open(f"if (i32(wid.y) * {gx} + i32(wid.x) < {rows})")  # past the last row: computed, written nowhere
+    if not one_lane:
+        k.open(f"if ({group} < {rows})")  # past the last row: computed, written nowhere
     step = 4 if four else 1
     k.loop("i", -(-K // (step * lanes)))
     idx = k.let(f"(lane + i * {lanes}) * {step}" if lanes > 1 else f"i * {step}", "i32")
@@ -142,7 +140,8 @@ def _write(pb, x: Value, w: Value, eps: float, out, rows: int, K: int) -> None:
         k.close()
     k.close()
     k.close()
-    pb.add(k.finish(0, workgroup=workgroup, groups=(gx, -(-groups // gx), 1), group_ids=True))
+    pb.add(k.finish(0, workgroup=(LANE_GROUP if one_lane else WORKGROUP, 1, 1), groups=(gx, -(-groups // gx), 1),
+                    group_ids=True))
 
 
 def row_scale(k, element, ty: str, K: int, eps: float, lane: str, lanes: int, element4=None) -> str:
