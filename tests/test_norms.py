@@ -35,15 +35,17 @@ def _case(name: str):
     return graph_from_fx(ep.graph, ep.graph_signature), [x, norm.weight.detach()], norm(x).detach()
 
 
-def _block_case(hidden: int, extra_reader: bool, columns: int = 48):
-    """A decode row through a Llama norm into q and k projections (one GEMV that computes the norm
-    itself); ``extra_reader``: the normed row is also an output, so its own kernel writes it;
-    ``columns`` of q past ``COMPUTED_ROW_BLOCKS`` blocks (an LM head): the norm is written first."""
+def _block_case(hidden: int, extra_reader: bool, columns: int = 48, rows: int = 1):
+    """A decode row (or ``rows`` rows of a short prompt) through a Llama norm into q and k
+    projections (one GEMV that computes the norm itself); ``extra_reader``: the normed rows are also
+    an output, so their own kernel writes them; ``columns`` of q past ``COMPUTED_ROW_BLOCKS`` blocks
+    (an LM head): the norm is written first."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
-    gen = torch.Generator().manual_seed(hidden)
+    gen = torch.Generator().manual_seed(hidden + rows)
     norm = LlamaRMSNorm(hidden, eps=1e-5)
-    x = torch.randn(1, 1, hidden, generator=gen) * 4
+    x = torch.randn(1, rows, hidden, generator=gen) * 4
     x[0, 0, :3] = torch.tensor([1e4, -1e-30, 0.0])
+    x[0, -1, :2] = torch.tensor([-3e3, 1e-20])
     w, wq, wk = torch.randn(hidden, generator=gen), torch.randn(columns, hidden, generator=gen), \
         torch.randn(20, hidden, generator=gen)
 
@@ -56,18 +58,23 @@ def _block_case(hidden: int, extra_reader: bool, columns: int = 48):
 
 
 def _check_blocks(platform):
-    # (hidden, normed row also an output, kernels): the GEMV computes the norm; an output, or a product
-    # the GEMV does not take, reads the row from the norm's own kernel
-    for hidden, extra, columns, kernels in ((512, False, 48, ["mm_gemv"]), (1000, False, 48, ["mm_gemv"]),
-                                            (512, True, 48, ["rms_norm", "mm_gemv"]),
-                                            (64, False, 5000, ["rms_norm", "mm_gemv"]),
-                                            (998, False, 48, ["rms_norm", "mm", "mm"])):  # K past vec4s: tiled
-        graph, inputs, want = _block_case(hidden, extra, columns)
+    # (hidden, normed rows also an output, columns, rows, kernels): the GEMV computes the norm, for
+    # one row or a few (13: a block of 8 rows and a part-full one); an output, or a product the GEMV
+    # does not take (K past vec4s, more rows than codegen.GEMV_ROWS), reads the rows the norm's own
+    # kernel writes
+    for hidden, extra, columns, rows, kernels in ((512, False, 48, 1, ["mm_gemv"]), (1000, False, 48, 1, ["mm_gemv"]),
+                                                  (512, True, 48, 1, ["rms_norm", "mm_gemv"]),
+                                                  (64, False, 5000, 1, ["rms_norm", "mm_gemv"]),
+                                                  (998, False, 48, 1, ["rms_norm", "mm", "mm"]),
+                                                  (200, False, 48, 13, ["mm_gemv"]),
+                                                  (64, True, 48, 5, ["rms_norm", "mm_gemv"]),
+                                                  (64, False, 48, 70, ["rms_norm", "mm", "mm"])):
+        graph, inputs, want = _block_case(hidden, extra, columns, rows)
         program = platform.compile(graph)
         assert [k.name.rsplit("_", 1)[0] for k in program.kernels] == kernels, [k.name for k in program.kernels]
         for got, expected in zip(platform.run(program, inputs), want):
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4 * float(expected.abs().max()),
-                                       msg=f"hidden {hidden}")
+                                       msg=f"hidden {hidden}, {rows} rows")
 
 
 def _check_computed_rows(platform):

@@ -50,6 +50,20 @@ LANE_GROUP, LANE_ROW_K = 32, 128
 #: a norm's squares) instead of written first: each reader recomputes its elements, which costs less
 #: than a kernel of its own (a decode step's embedding row, SiLU(gate) x up).
 LAZY_ROW_COST = 24
+#: A product of at most ``GEMV_ROWS`` rows and ``GEMV_ROWS_MACS`` multiply-adds runs as a GEMV:
+#: one workgroup per row and block of columns, each weight read once per row. A short prompt
+#: through a small model then takes one kernel for its norm, its products sharing a row (q, k and v;
+#: gate and up) and its SiLU x up, where the tiled kernel took one for each; on a CPU adapter a
+#: dispatch costs more than such a product. Past these sizes the tiled kernel, which reads each
+#: weight once per tile of rows, is faster.
+GEMV_ROWS, GEMV_ROWS_MACS = 64, 1 << 21
+
+
+def gemv_rows(M: int, K: int, N: int) -> bool:
+    """Whether an ``M`` by ``K`` by ``N`` product runs as a GEMV (see ``GEMV_ROWS``)."""
+    return M == 1 or (M <= GEMV_ROWS and M * K * N <= GEMV_ROWS_MACS)
+
+
 MAX_GROUPS = 65535
 #: The most loop iterations a kernel tapml emits runs in one invocation over data of any
 #: length: a longer reduction, scan or convolution sum is split across invocations and

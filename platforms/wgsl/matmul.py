@@ -30,7 +30,8 @@ from pathlib import Path
 from tapml.graph import Node
 from tapml.platforms.wgsl import views
 from tapml.platforms.wgsl.codegen import (LANE_GROUP, LANE_ROW_K, LAZY_ROW_COST, MAX_GROUPS, WORKGROUP, BufferView,
-                                          Compute, Value, cast, combine_lanes, ctype, lit, load_at, vec4_f32, vec4_ok)
+                                          Compute, Value, cast, combine_lanes, ctype, gemv_rows, lit, load_at, vec4_f32,
+                                          vec4_ok)
 from tapml.platforms.wgsl.norms import NormedRow
 from tapml.platforms.wgsl.registry import ALL_INT, NUMERIC, edge_floats, edge_ints, rand, randint, register
 
@@ -272,8 +273,9 @@ def int_matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = Non
 def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, alpha=1, beta=1) -> BufferView:
     """out[z, m, n] = beta * bias[z, m, n] + alpha * sum_k a[z, m, k] * b[z, k, n]; ``a`` and
     ``b`` are 3-d (batch first), ``meta`` the output's (2-d or 3-d) meta."""
-    lazy_row = _FORCED is None and not isinstance(a, BufferView) and a.shape[1] == 1 and \
-        a.dtype in ("float32", "float16") and a.cost <= LAZY_ROW_COST
+    lazy_row = _FORCED is None and not isinstance(a, BufferView) and gemv_rows(*a.shape[1:], b.shape[2]) and \
+        a.dtype in ("float32", "float16") and a.cost <= LAZY_ROW_COST and \
+        (not isinstance(a, NormedRow) or a.rows == a.shape[0] * a.shape[1])
     a, b, bias, out, result, (Z, M, K, N) = _operands(pb, a, b, meta, bias, plain_a=not lazy_row)
     if M * N * Z == 0:
         return result
@@ -281,12 +283,13 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
         return _empty_product(pb, out, meta, (Z, M, N), bias if beta != 0 else None, beta)
     vec_bn = vec4_ok(b, 2, N)
     vec_bk = not vec_bn and vec4_ok(b, 1, K)
-    if lazy_row and vec_bk:  # the row is computed where the GEMV reads it (SiLU x up in the down projection)
-        return _gemv(pb, name, a, b, out, result, (Z, K, N), bias, alpha, beta)
+    lazy_row = lazy_row and Z * -(-M // GEMV_ROW_BLOCK) <= MAX_GROUPS
+    if lazy_row and vec_bk:  # the rows are computed where the GEMV reads them (a norm, SiLU x up)
+        return _gemv(pb, name, a, b, out, result, (Z, M, K, N), bias, alpha, beta)
     a = pb.plain(a)
     vec_a = vec4_ok(a, 2, K)
-    if M == 1 and vec_a and vec_bk and _FORCED is None:
-        return _gemv(pb, name, a, b, out, result, (Z, K, N), bias, alpha, beta)
+    if gemv_rows(M, K, N) and Z * -(-M // GEMV_ROW_BLOCK) <= MAX_GROUPS and vec_a and vec_bk and _FORCED is None:
+        return _gemv(pb, name, a, b, out, result, (Z, M, K, N), bias, alpha, beta)
     tiles = tiles_for(pb.caps, M, N)
     if tiles[5]:
         _workgroup_tiled(pb, name, a, b, bias, alpha, beta, out, (Z, M, K, N), tiles)
@@ -506,6 +509,10 @@ GEMV_LANES, GEMV_COLUMNS = 8, 4
 # GEMV_LANES x GEMV_COLUMNS columns): an LM head of 128 256 columns has 4008, each recomputing the
 # row (a norm's squares: a barrier tree) cost more than its own kernel (NOTES.md)
 COMPUTED_ROW_BLOCKS = 128
+#: Rows a GEMV workgroup takes (codegen.gemv_rows): each load of the weight serves all of them.
+GEMV_ROW_BLOCK = 8
+#: Lanes of a SIMD group on the CPU adapters here (llvmpipe's 256-bit vectors of f32).
+SIMD_GROUP = 8
 
 
 def gemv_shape(caps: dict | None, normed: bool, K: int, N: int) -> tuple[int, int, int]:
@@ -535,26 +542,34 @@ class GemvPart:
 
 
 def _gemv(pb, name: str, a: BufferView, b: BufferView, out, result, sizes, bias, alpha, beta) -> BufferView:
-    """:func:`matmul` of one row by a matrix read along K (decode's linears and LM head)."""
-    Z, K, N = sizes
-    gemv_kernel(pb, name, a, [GemvPart(b, out, N, bias, alpha, beta)], Z, K)
+    """:func:`matmul` of a few rows by a matrix read along K (decode's linears and LM head, a
+    short prompt through a small model: ``codegen.gemv_rows``)."""
+    Z, M, K, N = sizes
+    gemv_kernel(pb, name, a, [GemvPart(b, out, N, bias, alpha, beta)], Z, K, M)
     return result
 
 
-def gemv_kernel(pb, name: str, a: Value, parts: list[GemvPart], Z: int, K: int) -> None:
-    """One kernel for the products of one row ``a`` by each part's matrix, read along K: the
-    ``GEMV_LANES`` lanes of a column split K, so neighbouring lanes load neighbouring vec4s of the
-    weight's row (the tiled kernel's lanes each stream rows of their own), and add their sums in
-    workgroup memory; on a CPU adapter one lane takes all of K (:func:`gemv_shape`). Each part has
-    its own column blocks; a workgroup's block says which part it computes (uniform), so products that share their input (q, k and v; gate and up) run as one
-    dispatch reading that input once per block. A computed ``a`` (not a buffer) is computed
-    where it is read, four elements at a time, by each workgroup: past ``COMPUTED_ROW_BLOCKS``
-    column blocks (an LM head) it is written first instead."""
+def gemv_kernel(pb, name: str, a: Value, parts: list[GemvPart], Z: int, K: int, M: int = 1) -> None:
+    """One kernel for the products of the ``M`` rows of ``a`` (a ``Z, M, K`` value) by each part's
+    matrix, read along K: the ``GEMV_LANES`` lanes of a column split K, so neighbouring lanes load
+    neighbouring vec4s of the weight's row (the tiled kernel's lanes each stream rows of their
+    own), and add their sums in workgroup memory; on a CPU adapter one lane takes all of K
+    (:func:`gemv_shape`). A workgroup takes up to ``GEMV_ROW_BLOCK`` rows (``wid.z`` spans batches
+    and row blocks), each weight load serving all of them. Each part has its own column blocks; a
+    workgroup's block says which part it computes (uniform), so products that share their input
+    (q, k and v; gate and up) run as one dispatch reading that input once per block. A computed
+    ``a`` (not a buffer) is computed where it is read, four elements at a time, by each workgroup:
+    past ``COMPUTED_ROW_BLOCKS`` column blocks (an LM head) it is written first instead."""
     if not isinstance(a, BufferView) and \
             sum(-(-part.n // (WORKGROUP // GEMV_LANES * GEMV_COLUMNS)) for part in parts) > COMPUTED_ROW_BLOCKS:
         a = pb.plain(a)
     plain, normed = isinstance(a, BufferView), isinstance(a, NormedRow)
     lanes, per_group, tn = gemv_shape(pb.caps, normed, K, sum(part.n for part in parts))
+    if lanes == 1:  # narrow products (a small model's k and v) fill a SIMD group or two, not 32 lanes
+        widest = max(-(-part.n // tn) for part in parts)
+        per_group = min(per_group, max(SIMD_GROUP, 1 << (widest - 1).bit_length()))
+    rows = min(M, GEMV_ROW_BLOCK)
+    row_blocks = -(-M // rows)
     starts, blocks = [], 0
     for part in parts:
         starts.append(blocks)
@@ -566,17 +581,21 @@ def gemv_kernel(pb, name: str, a: Value, parts: list[GemvPart], Z: int, K: int) 
 
     k.emit("let lane: i32 = i32(lid.x);" if lanes > 1 else "let lane: i32 = 0;")
     column = "i32(lid.y)" if lanes > 1 else "i32(lid.x)"
-    k.emit("let z: i32 = i32(wid.z);")
+    k.emit(f"let z: i32 = i32(wid.z) / {row_blocks};")
+    k.emit(f"let mb: i32 = i32(wid.z) % {row_blocks} * {rows};")
+    for r in range(rows):  # rows past the end read the last one; their sums are written nowhere
+        k.emit(f"let m{r}: i32 = min(mb + {r}, {M - 1});")
+        if plain:
+            k.emit(f"let ra{r}: i32 = {a.offset} + z * {a.strides[0]} + m{r} * {a.strides[1]};")
     k.emit(f"let block: i32 = i32(wid.y) * {gx} + i32(wid.x);")
-    if plain:
-        k.emit(f"let ra: i32 = {a.offset} + z * {a.strides[0]};")
-    if normed:  # the row's RMSNorm scale, computed by this workgroup's lanes
-        if lanes == 1:  # no barriers: each lane adds the whole row's squares itself
-            scale = a.prologue(k, "0", 1)
-        else:
-            scale = a.prologue(k, k.let(f"i32(lid.y) * {lanes} + lane", "i32"), lanes * per_group)
-    for j in range(tn):
-        k.emit(f"var acc{j}: vec4<f32> = vec4<f32>(0.0);")
+    scales = []
+    if normed:  # each row's RMSNorm scale (row z * M + m of the norm's rows), computed by the workgroup's lanes
+        slot = "0" if lanes == 1 else k.let(f"i32(lid.y) * {lanes} + lane", "i32")
+        for r in range(rows):  # one lane: no barriers, each lane adds the whole row's squares itself
+            scales.append(a.prologue(k, slot, lanes * per_group if lanes > 1 else 1, f"z * {M} + m{r}", tag=str(r)))
+    for r in range(rows):
+        for j in range(tn):
+            k.emit(f"var acc{r}_{j}: vec4<f32> = vec4<f32>(0.0);")
     k.emit("var n0: i32 = 0;")
     for i, part in enumerate(parts):
         end = starts[i + 1] if i + 1 < len(parts) else blocks
@@ -593,37 +612,49 @@ def gemv_kernel(pb, name: str, a: Value, parts: list[GemvPart], Z: int, K: int) 
         ragged = K % (4 * lanes) != 0
         if ragged:
             k.open(f"if ({kk} < {K})")
-        if plain:
-            x = k.let(f4(A[f"(ra + {kk}) / 4"], a.buf.dtype), "vec4<f32>")
-        elif normed:
-            x = k.let(a.read4(k, kk, scale), "vec4<f32>")
-        else:
-            row = [cast(e, a.ty, "f32") for e in a.read4(k, ["z", "0", kk], 2)]
-            x = k.let(f"vec4<f32>({', '.join(row)})", "vec4<f32>")
+        xs = []
+        w4 = k.let(a.weight4(k, kk), "vec4<f32>") if normed and rows > 1 else None
+        for r in range(rows):
+            if plain:
+                xs.append(k.let(f4(A[f"(ra{r} + {kk}) / 4"], a.buf.dtype), "vec4<f32>"))
+            elif normed:
+                xs.append(k.let(a.read4(k, kk, scales[r], f"z * {M} + m{r}", w4), "vec4<f32>"))
+            else:
+                row = [cast(e, a.ty, "f32") for e in a.read4(k, ["z", f"m{r}", kk], 2)]
+                xs.append(k.let(f"vec4<f32>({', '.join(row)})", "vec4<f32>"))
         for j in range(tn):
-            k.emit(f"acc{j} = acc{j} + {x} * {f4(B[f'({cb[j]} + {kk}) / 4'], b.buf.dtype)};")
+            w = k.let(f4(B[f"({cb[j]} + {kk}) / 4"], b.buf.dtype), "vec4<f32>") if rows > 1 else \
+                f4(B[f"({cb[j]} + {kk}) / 4"], b.buf.dtype)
+            for r in range(rows):
+                k.emit(f"acc{r}_{j} = acc{r}_{j} + {xs[r]} * {w};")
         if ragged:
             k.close()
         k.close()
         if len(parts) > 1:
             k.close()
-    sums = [f"(acc{j}.x + acc{j}.y + acc{j}.z + acc{j}.w)" for j in range(tn)]
+    sums = [f"(acc{r}_{j}.x + acc{r}_{j}.y + acc{r}_{j}.z + acc{r}_{j}.w)" for r in range(rows) for j in range(tn)]
     if lanes > 1:
         sums = combine_lanes(k, lanes, "lane", f"i32(lid.y) * {lanes} + lane", sums)
     for i, part in enumerate(parts):
         end = starts[i + 1] if i + 1 < len(parts) else blocks
         k.open(f"if (lane == 0 && block >= {starts[i]} && block < {end})")
-        for j in range(tn):
-            k.open(f"if (n0 + {j} < {part.n})")
-            e = sums[j] if part.alpha == 1 else f"({lit(part.alpha, 'f32')} * {sums[j]})"
-            if part.bias is not None and part.beta != 0:
-                bv = cast(part.bias.read(k, ["z", "0", k.let(f"n0 + {j}", "i32")]), part.bias.ty, "f32")
-                e = f"({e} + {bv})" if part.beta == 1 else f"({e} + {lit(part.beta, 'f32')} * {bv})"
-            k.write(part.out, f"z * {part.n} + n0 + {j}", e, "f32")
-            k.close()
+        for r in range(rows):
+            if M % rows:
+                k.open(f"if (mb + {r} < {M})")
+            for j in range(tn):
+                k.open(f"if (n0 + {j} < {part.n})")
+                e = sums[r * tn + j]
+                e = e if part.alpha == 1 else f"({lit(part.alpha, 'f32')} * {e})"
+                if part.bias is not None and part.beta != 0:
+                    bv = cast(part.bias.read(k, ["z", f"m{r}", k.let(f"n0 + {j}", "i32")]), part.bias.ty, "f32")
+                    e = f"({e} + {bv})" if part.beta == 1 else f"({e} + {lit(part.beta, 'f32')} * {bv})"
+                k.write(part.out, f"(z * {M} + m{r}) * {part.n} + n0 + {j}", e, "f32")
+                k.close()
+            if M % rows:
+                k.close()
         k.close()
     pb.add(k.finish(0, workgroup=(lanes, per_group, 1) if lanes > 1 else (per_group, 1, 1),
-                    groups=(gx, -(-blocks // gx), Z), group_ids=True))
+                    groups=(gx, -(-blocks // gx), Z * row_blocks), group_ids=True))
 
 
 @dataclass
@@ -746,9 +777,10 @@ def product_group(pb, group: ProductGroup, graph, env: dict) -> dict[str, Buffer
         a, b = (views.unsqueeze(env[x["ref"]], 0) for x in node.args)
         if not (isinstance(a, (BufferView, NormedRow)) and isinstance(b, BufferView)):
             continue
-        _, M, K = a.shape
-        if M != 1 or K == 0 or b.shape[2] == 0 or (isinstance(a, BufferView) and not vec4_ok(a, 2, K)) or \
-                vec4_ok(b, 2, b.shape[2]) or not vec4_ok(b, 1, K):
+        Z, M, K = a.shape
+        if Z != 1 or not gemv_rows(M, K, b.shape[2]) or K == 0 or b.shape[2] == 0 or \
+                (isinstance(a, BufferView) and not vec4_ok(a, 2, K)) or \
+                (isinstance(a, NormedRow) and a.rows != M) or vec4_ok(b, 2, b.shape[2]) or not vec4_ok(b, 1, K):
             continue
         if a0 is None:
             a0 = a
@@ -762,7 +794,7 @@ def product_group(pb, group: ProductGroup, graph, env: dict) -> dict[str, Buffer
         out = pb.buffer("temp", node.outputs[0])
         parts.append(GemvPart(b, out, b.shape[2]))
         results[node.name] = BufferView.whole(out, node.outputs[0])
-    gemv_kernel(pb, "mm", a0, parts, 1, a0.shape[2])
+    gemv_kernel(pb, "mm", a0, parts, 1, a0.shape[2], a0.shape[1])
     return results
 
 

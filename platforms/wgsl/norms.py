@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tapml.platforms.wgsl import views
-from tapml.platforms.wgsl.codegen import (LANE_GROUP, LANE_ROW_K, LAZY_ROW_COST, MAX_GROUPS, WORKGROUP, BufferView,
-                                          Value, cast, combine_lanes, lit, vec4_read)
+from tapml.platforms.wgsl.codegen import (GEMV_ROWS, LANE_GROUP, LANE_ROW_K, LAZY_ROW_COST, MAX_GROUPS, WORKGROUP,
+                                          BufferView, Value, cast, combine_lanes, lit, vec4_read)
 
 
 @dataclass
@@ -79,14 +79,16 @@ def find_rms_norms(graph, uses, wanted: set[str]) -> dict[str, RmsNormMatch]:
 
 
 def rms_norm(pb, match: RmsNormMatch, env: dict, meta) -> Value:
-    """The pattern's value (``meta``: the last ``mul``'s): one row is a :class:`NormedRow` (a
-    GEMV that reads it computes the norm itself); more rows are written by one kernel."""
+    """The pattern's value (``meta``: the last ``mul``'s): rows few enough for a GEMV
+    (``gemv_rows``) are a :class:`NormedRow` (a GEMV that reads them computes the norm itself);
+    more rows are written by one kernel."""
     shape = tuple(meta.shape)
     K = shape[-1]
     rows = meta.numel // K if K else 0
     x, w = env[match.x], env[match.w]
-    if rows == 1 and isinstance(w, BufferView) and (isinstance(x, BufferView) or x.cost <= LAZY_ROW_COST):
-        return NormedRow(views.reshape(x, (K,)), w, match.eps, meta, shape, {})
+    if 1 <= rows <= GEMV_ROWS and isinstance(w, BufferView) and \
+            (isinstance(x, BufferView) or (rows == 1 and x.cost <= LAZY_ROW_COST)):
+        return NormedRow(views.reshape(x, (rows, K)), w, match.eps, meta, shape, {})
     out = pb.buffer("temp", meta)
     result = BufferView.whole(out, meta)
     if rows:
@@ -144,41 +146,42 @@ def _write(pb, x: Value, w: Value, eps: float, out, rows: int, K: int) -> None:
                     group_ids=True))
 
 
-def row_scale(k, element, ty: str, K: int, eps: float, lane: str, lanes: int, element4=None) -> str:
+def row_scale(k, element, ty: str, K: int, eps: float, lane: str, lanes: int, element4=None, tag: str = "") -> str:
     """Emit, at the kernel's top level, ``1 / sqrt(mean(x * x) + eps)`` of one row of ``K``
     elements (``element(i)``: element ``i`` as an expression of type ``ty``; ``element4(i)``, where
     given, elements ``i .. i + 3`` as one ``vec4<f32>``), its squares added by the ``lanes`` lanes of
     the workgroup (``lane``: this lane's index); returns its name. Ends with a barrier, so the
     workgroup memory may be used again."""
-    k.emit("var squares: f32 = 0.0;")
+    k.emit(f"var squares{tag}: f32 = 0.0;")
     step = 4 if element4 is not None else 1
     k.loop("i", -(-K // (lanes * step)))
     idx = k.let(f"{lane} + i * {lanes}", "i32")
     k.open(f"if ({idx} < {K // step})")
     if element4 is not None:
         v = k.let(element4(f"{idx} * 4"), "vec4<f32>")
-        k.emit(f"squares = squares + dot({v}, {v});")
+        k.emit(f"squares{tag} = squares{tag} + dot({v}, {v});")
     else:
         v = k.let(cast(element(idx), ty, "f32"), "f32")
-        k.emit(f"squares = squares + {v} * {v};")
+        k.emit(f"squares{tag} = squares{tag} + {v} * {v};")
     k.close()
     k.close()
     if lanes == 1:
-        k.emit(f"let scale: f32 = inverseSqrt(squares / {lit(float(K), 'f32')} + {lit(eps, 'f32')});")
-        return "scale"
-    combine_lanes(k, lanes, lane, lane, ["squares"])  # the row's sum ends in lane 0's slot, partial[0]
-    k.emit(f"let scale: f32 = inverseSqrt(partial[0] / {lit(float(K), 'f32')} + {lit(eps, 'f32')});")
+        k.emit(f"let scale{tag}: f32 = inverseSqrt(squares{tag} / {lit(float(K), 'f32')} + {lit(eps, 'f32')});")
+        return f"scale{tag}"
+    combine_lanes(k, lanes, lane, lane, [f"squares{tag}"])  # the row's sum ends in lane 0's slot, partial[0]
+    k.emit(f"let scale{tag}: f32 = inverseSqrt(partial[0] / {lit(float(K), 'f32')} + {lit(eps, 'f32')});")
     k.emit("workgroupBarrier();")  # every lane has read the sum before the memory is reused
-    return "scale"
+    return f"scale{tag}"
 
 
 class NormedRow(Value):
-    """One row's RMSNorm, not written yet: ``w * (x * scale)`` with ``scale`` the row's
-    ``1 / sqrt(mean(x * x) + eps)``. A GEMV reading it (``matmul.gemv_kernel``) computes ``scale``
-    in each workgroup (:meth:`prologue`), so the norm needs no kernel of its own; any other reader
-    reads the row as :func:`rms_norm` writes it, written once at the first such read. Reshapes
-    keep it a NormedRow (the elements stay in order). ``x`` is a buffer, or a row cheap enough to
-    compute where it is read (``LAZY_ROW_COST``: a decode step's embedding row)."""
+    """A few rows' RMSNorm, not written yet: ``w * (x * scale)`` with ``scale`` each row's
+    ``1 / sqrt(mean(x * x) + eps)``. A GEMV reading it (``matmul.gemv_kernel``) computes a row's
+    ``scale`` in each workgroup that reads the row (:meth:`prologue`), so the norm needs no kernel
+    of its own; any other reader reads the rows as :func:`rms_norm` writes them, written once at
+    the first such read. Reshapes that keep the rows' length keep it a NormedRow (the elements stay
+    in order, row ``r`` of the flattened rows is ``x[r]``). ``x`` (rows by ``K``) is a buffer, or
+    rows cheap enough to compute where they are read (``LAZY_ROW_COST``: a decode step's embedding row)."""
 
     def __init__(self, x: Value, w: BufferView, eps: float, meta, shape, state: dict):
         self.x, self.w, self.eps, self.meta, self.state = x, w, eps, meta, state
@@ -186,15 +189,21 @@ class NormedRow(Value):
 
     @property
     def K(self) -> int:
+        return self.x.shape[1]
+
+    @property
+    def rows(self) -> int:
         return self.x.shape[0]
 
     def reshaped(self, shape):
+        if not shape or shape[-1] != self.K:  # a row split or merged: read as written
+            return None
         return NormedRow(self.x, self.w, self.eps, self.meta, shape, self.state)
 
     def written(self, pb) -> BufferView:
-        if "row" not in self.state:  # shared by every reshape of this row
+        if "row" not in self.state:  # shared by every reshape of these rows
             out = pb.buffer("temp", self.meta)
-            _write(pb, views.reshape(self.x, (1, self.K)), self.w, self.eps, out, 1, self.K)
+            _write(pb, self.x, self.w, self.eps, out, self.rows, self.K)
             self.state["row"] = BufferView.whole(out, self.meta)
         return views.reshape(self.state["row"], self.shape)
 
@@ -207,11 +216,17 @@ class NormedRow(Value):
     def same_row(self, other) -> bool:
         return isinstance(other, NormedRow) and other.state is self.state
 
-    def prologue(self, k, lane: str, lanes: int) -> str:
-        """Emit the row's scale into a kernel whose ``lanes`` lanes all run this (top level)."""
-        four = (lambda i: vec4_read(k, self.x, [i], 0)) if self.K % 4 == 0 else None
-        return row_scale(k, lambda i: self.x.read(k, [i]), self.x.ty, self.K, self.eps, lane, lanes, four)
+    def prologue(self, k, lane: str, lanes: int, row: str = "0", tag: str = "") -> str:
+        """Emit the scale of row ``row`` into a kernel whose ``lanes`` lanes all run this (top
+        level), named with ``tag`` (one per row of the kernel)."""
+        four = (lambda i: vec4_read(k, self.x, [row, i], 1)) if self.K % 4 == 0 else None
+        return row_scale(k, lambda i: self.x.read(k, [row, i]), self.x.ty, self.K, self.eps, lane, lanes, four, tag)
 
-    def read4(self, k, i: str, scale: str) -> str:
-        """Elements ``i .. i + 3`` as a ``vec4<f32>`` expression, rounded as torch rounds them."""
-        return f"({vec4_read(k, self.w, [i], 0)} * ({vec4_read(k, self.x, [i], 0)} * {scale}))"
+    def read4(self, k, i: str, scale: str, row: str = "0", w: str | None = None) -> str:
+        """Elements ``i .. i + 3`` of row ``row`` as a ``vec4<f32>`` expression, rounded as torch
+        rounds them (``w``: the scale's elements ``i .. i + 3`` where already read, see :meth:`weight4`)."""
+        return f"({w or self.weight4(k, i)} * ({vec4_read(k, self.x, [row, i], 1)} * {scale}))"
+
+    def weight4(self, k, i: str) -> str:
+        """The norm's weight at ``i .. i + 3`` (the same for every row) as a ``vec4<f32>``."""
+        return vec4_read(k, self.w, [i], 0)
