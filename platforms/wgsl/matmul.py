@@ -581,8 +581,10 @@ def gemv_kernel(pb, name: str, a: Value, parts: list[GemvPart], Z: int, K: int, 
 
     k.emit("let lane: i32 = i32(lid.x);" if lanes > 1 else "let lane: i32 = 0;")
     column = "i32(lid.y)" if lanes > 1 else "i32(lid.x)"
-    k.emit(f"let z: i32 = i32(wid.z) / {row_blocks};")
-    k.emit(f"let mb: i32 = i32(wid.z) % {row_blocks} * {rows};")
+    if row_blocks == 1:
+        k.emit("let z: i32 = i32(wid.z);\nlet mb: i32 = 0;")
+    else:
+        k.emit(f"let z: i32 = i32(wid.z) / {row_blocks};\nlet mb: i32 = i32(wid.z) % {row_blocks} * {rows};")
     for r in range(rows):  # rows past the end read the last one; their sums are written nowhere
         k.emit(f"let m{r}: i32 = min(mb + {r}, {M - 1});")
         if plain:
