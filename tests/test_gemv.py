@@ -164,7 +164,8 @@ def test_many_rows_and_large_products_keep_the_tiled_kernel():
     multiply-adds, the tiled kernel (each weight once per tile of rows) takes the product."""
     from tapml.platforms.wgsl.codegen import GEMV_ROWS, GEMV_ROWS_MACS, gemv_rows
     assert gemv_rows(1, 4096, 128256) and gemv_rows(16, 64, 64)
-    assert not gemv_rows(GEMV_ROWS + 1, 8, 8) and not gemv_rows(4, 1024, GEMV_ROWS_MACS // 4096 + 1)
+    assert not gemv_rows(GEMV_ROWS + 1, 64, 64) and not gemv_rows(4, 1024, GEMV_ROWS_MACS // 4096 + 1)
+    assert not gemv_rows(4, 64, 8)  # too narrow: most lanes of a row block would idle
     platform = own_wgpu("vulkan")
     gen = torch.Generator().manual_seed(3)
     for (m, k, n), gemv in (((GEMV_ROWS + 1, 64, 32), False), ((4, 1024, 1024), False), ((16, 64, 32), True)):

@@ -56,12 +56,13 @@ LAZY_ROW_COST = 24
 #: gate and up) and its SiLU x up, where the tiled kernel took one for each; on a CPU adapter a
 #: dispatch costs more than such a product. Past these sizes the tiled kernel, which reads each
 #: weight once per tile of rows, is faster.
-GEMV_ROWS, GEMV_ROWS_MACS = 64, 1 << 21
+GEMV_ROWS, GEMV_ROWS_MACS = 32, 1 << 21
 
 
 def gemv_rows(M: int, K: int, N: int) -> bool:
-    """Whether an ``M`` by ``K`` by ``N`` product runs as a GEMV (see ``GEMV_ROWS``)."""
-    return M == 1 or (M <= GEMV_ROWS and M * K * N <= GEMV_ROWS_MACS)
+    """Whether an ``M`` by ``K`` by ``N`` product runs as a GEMV (see ``GEMV_ROWS``); several rows
+    need 16 columns or more (fewer leave a GEMV's lanes idle)."""
+    return M == 1 or (M <= GEMV_ROWS and N >= 16 and M * K * N <= GEMV_ROWS_MACS)
 
 
 MAX_GROUPS = 65535

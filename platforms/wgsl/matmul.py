@@ -513,6 +513,8 @@ COMPUTED_ROW_BLOCKS = 128
 GEMV_ROW_BLOCK = 8
 #: Lanes of a SIMD group on the CPU adapters here (llvmpipe's 256-bit vectors of f32).
 SIMD_GROUP = 8
+#: Columns a lane takes in a GEMV of several rows on a CPU adapter, where the products are wide enough.
+GEMV_ROW_COLUMNS = 8
 
 
 def gemv_shape(caps: dict | None, normed: bool, K: int, N: int) -> tuple[int, int, int]:
@@ -565,11 +567,13 @@ def gemv_kernel(pb, name: str, a: Value, parts: list[GemvPart], Z: int, K: int, 
         a = pb.plain(a)
     plain, normed = isinstance(a, BufferView), isinstance(a, NormedRow)
     lanes, per_group, tn = gemv_shape(pb.caps, normed, K, sum(part.n for part in parts))
+    if lanes == 1 and M > 1 and max(part.n for part in parts) >= GEMV_ROW_COLUMNS * SIMD_GROUP:
+        tn = GEMV_ROW_COLUMNS  # each load of a row serves as many columns as the rows a weight load serves
     if lanes == 1:  # narrow products (a small model's k and v) fill a SIMD group or two, not 32 lanes
         widest = max(-(-part.n // tn) for part in parts)
         per_group = min(per_group, max(SIMD_GROUP, 1 << (widest - 1).bit_length()))
-    rows = min(M, GEMV_ROW_BLOCK)
-    row_blocks = -(-M // rows)
+    row_blocks = -(-M // GEMV_ROW_BLOCK)
+    rows = -(-M // row_blocks)  # 17 rows: three blocks of 6, not 8, 8 and 1
     starts, blocks = [], 0
     for part in parts:
         starts.append(blocks)
