@@ -283,12 +283,12 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
         return _empty_product(pb, out, meta, (Z, M, N), bias if beta != 0 else None, beta)
     vec_bn = vec4_ok(b, 2, N)
     vec_bk = not vec_bn and vec4_ok(b, 1, K)
-    lazy_row = lazy_row and Z * -(-M // GEMV_ROW_BLOCK) <= MAX_GROUPS
+    lazy_row = lazy_row and Z * M <= MAX_GROUPS  # wid.z: batches and blocks of rows
     if lazy_row and vec_bk:  # the rows are computed where the GEMV reads them (a norm, SiLU x up)
         return _gemv(pb, name, a, b, out, result, (Z, M, K, N), bias, alpha, beta)
     a = pb.plain(a)
     vec_a = vec4_ok(a, 2, K)
-    if gemv_rows(M, K, N) and Z * -(-M // GEMV_ROW_BLOCK) <= MAX_GROUPS and vec_a and vec_bk and _FORCED is None:
+    if gemv_rows(M, K, N) and Z * M <= MAX_GROUPS and vec_a and vec_bk and _FORCED is None:
         return _gemv(pb, name, a, b, out, result, (Z, M, K, N), bias, alpha, beta)
     tiles = tiles_for(pb.caps, M, N)
     if tiles[5]:
@@ -511,6 +511,10 @@ GEMV_LANES, GEMV_COLUMNS = 8, 4
 COMPUTED_ROW_BLOCKS = 128
 #: Rows a GEMV workgroup takes (codegen.gemv_rows): each load of the weight serves all of them.
 GEMV_ROW_BLOCK = 8
+#: The same on GL, with 4 columns a lane: llvmpipe's GLSL path took 3.3 s to compile a normed q/k/v
+#: GEMV of 8 rows and 8 columns a lane (0.14 s on Vulkan), tiny-llama's forward 8.4 s in all against
+#: 1.1 s with 2 rows (benchmarks/NOTES.md).
+GL_ROW_BLOCK = 2
 #: Lanes of a SIMD group on the CPU adapters here (llvmpipe's 256-bit vectors of f32).
 SIMD_GROUP = 8
 #: Columns a lane takes in a GEMV of several rows on a CPU adapter, where the products are wide enough.
@@ -567,12 +571,13 @@ def gemv_kernel(pb, name: str, a: Value, parts: list[GemvPart], Z: int, K: int, 
         a = pb.plain(a)
     plain, normed = isinstance(a, BufferView), isinstance(a, NormedRow)
     lanes, per_group, tn = gemv_shape(pb.caps, normed, K, sum(part.n for part in parts))
-    if lanes == 1 and M > 1 and max(part.n for part in parts) >= GEMV_ROW_COLUMNS * SIMD_GROUP:
+    gl = (pb.caps or {}).get("backend") == "gl"
+    if lanes == 1 and M > 1 and max(part.n for part in parts) >= GEMV_ROW_COLUMNS * SIMD_GROUP and not gl:
         tn = GEMV_ROW_COLUMNS  # each load of a row serves as many columns as the rows a weight load serves
     if lanes == 1:  # narrow products (a small model's k and v) fill a SIMD group or two, not 32 lanes
         widest = max(-(-part.n // tn) for part in parts)
         per_group = min(per_group, max(SIMD_GROUP, 1 << (widest - 1).bit_length()))
-    row_blocks = -(-M // GEMV_ROW_BLOCK)
+    row_blocks = -(-M // (GL_ROW_BLOCK if gl else GEMV_ROW_BLOCK))
     rows = -(-M // row_blocks)  # 17 rows: three blocks of 6, not 8, 8 and 1
     starts, blocks = [], 0
     for part in parts:
