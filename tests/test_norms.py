@@ -96,11 +96,25 @@ def _check_computed_rows(platform):
     torch.testing.assert_close(platform.run(program, inputs)[0], fn(*inputs)[0], rtol=1e-5, atol=1e-5)
 
 
+def _check_long_rows_on_cpu_adapters(platform):
+    """Several rows longer than ``LANE_ROW_K`` on a CPU adapter: a GEMV would add each row's squares
+    through a barrier tree, so the norm's kernel writes the rows and the GEMV reads them, one lane a
+    column group; one such row is still folded into the GEMV."""
+    assert platform.caps().get("cpu_adapter")
+    for rows, kernels in ((13, ["rms_norm", "mm_gemv"]), (1, ["mm_gemv"])):
+        graph, inputs, want = _block_case(200, False, 48, rows)
+        program = platform.compile(graph)
+        assert [k.name.rsplit("_", 1)[0] for k in program.kernels] == kernels, [k.name for k in program.kernels]
+        for got, expected in zip(platform.run(program, inputs), want):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4 * float(expected.abs().max()))
+
+
 def _check(platform):
     from tapml.platforms.wgsl.matmul import forced_gemv
     for shape in ("split", "lane"):  # the norm's squares added across a workgroup, or by each lane alone
         with forced_gemv(shape):
             _check_blocks(platform)
+    _check_long_rows_on_cpu_adapters(platform)
     _check_computed_rows(platform)
     for name in CASES:
         graph, inputs, want = _case(name)

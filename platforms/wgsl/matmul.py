@@ -571,6 +571,11 @@ def gemv_kernel(pb, name: str, a: Value, parts: list[GemvPart], Z: int, K: int, 
         a = pb.plain(a)
     plain, normed = isinstance(a, BufferView), isinstance(a, NormedRow)
     lanes, per_group, tn = gemv_shape(pb.caps, normed, K, sum(part.n for part in parts))
+    if normed and M > 1 and lanes > 1 and gemv_shape(pb.caps, False, K, 1)[0] == 1:
+        # rows too long for one lane's squares on a CPU adapter: a barrier tree for each row's
+        # squares costs more there than the norm's own kernel, and the rows written take one lane
+        a, plain, normed = pb.plain(a), True, False
+        lanes, per_group, tn = gemv_shape(pb.caps, False, K, sum(part.n for part in parts))
     gl = (pb.caps or {}).get("backend") == "gl"
     if lanes == 1 and M > 1 and max(part.n for part in parts) >= GEMV_ROW_COLUMNS * SIMD_GROUP and not gl:
         tn = GEMV_ROW_COLUMNS  # each load of a row serves as many columns as the rows a weight load serves
