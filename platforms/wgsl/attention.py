@@ -52,7 +52,8 @@ from dataclasses import dataclass
 
 from tapml.graph import Graph
 from tapml.graph import TensorMeta
-from tapml.platforms.wgsl.codegen import LOOP_BUDGET, MAX_GROUPS, WORKGROUP, BufferView, Value, cast, lit, vec4_read
+from tapml.platforms.wgsl.codegen import (LOOP_BUDGET, MAX_GROUPS, WORKGROUP, BufferView, Value, cast, lit,
+                                          slow_wide_compiles, vec4_read)
 
 #: Mask values at or below this are "masked" (transformers uses finfo(float32).min).
 MASKED = -1.0e38
@@ -234,9 +235,8 @@ def fused_attention(pb, match: AttentionMatch, env: dict, meta: TensorMeta) -> B
 
     flags = chunk_flags(pb, match.mask, env[match.mask], lk, chunk) if mask is not None else None
     # where the widths allow, rows, keys, values and sums go four at a time (a vec4 load of the
-    # cache): not on GL, where llvmpipe took 12 s to compile each loop of vec4 loads inside the key
-    # loop (a d = 64 decode's kernel 40 s instead of 0.2; benchmarks/NOTES.md)
-    vec4_rows = (pb.caps or {}).get("backend") != "gl"
+    # cache), except where wide loops compile slowly (vec4 loads inside the key loop)
+    vec4_rows = not slow_wide_compiles(pb.caps)
     d4, dv4 = vec4_rows and d % 4 == 0, vec4_rows and dv % 4 == 0
     if flags is not None:
         flags = views.expand_to(flags, tuple(shape[:-1]) + (chunks,))

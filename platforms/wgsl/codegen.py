@@ -65,6 +65,15 @@ def gemv_rows(M: int, K: int, N: int) -> bool:
     return M == 1 or (M <= GEMV_ROWS and N >= 16 and M * K * N <= GEMV_ROWS_MACS)
 
 
+def slow_wide_compiles(caps: dict | None) -> bool:
+    """Whether the device compiles wide unrolled kernels slowly, so lowerings keep narrow forms:
+    llvmpipe's GLSL path (``caps["backend"] == "gl"``) took 37-42 s to compile a d = 64 attention
+    kernel's vec4 loops and 3.3 s a GEMV of 8 rows by 8 columns a lane, where Vulkan took 0.2 and
+    0.14 s (benchmarks/NOTES.md). A backend-name rule: a probe of compile time per device would be
+    the better depth."""
+    return (caps or {}).get("backend") == "gl"
+
+
 MAX_GROUPS = 65535
 #: The most loop iterations a kernel tapml emits runs in one invocation over data of any
 #: length: a longer reduction, scan or convolution sum is split across invocations and

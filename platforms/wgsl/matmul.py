@@ -30,8 +30,8 @@ from pathlib import Path
 from tapml.graph import Node
 from tapml.platforms.wgsl import views
 from tapml.platforms.wgsl.codegen import (LANE_GROUP, LANE_ROW_K, LAZY_ROW_COST, MAX_GROUPS, WORKGROUP, BufferView,
-                                          Compute, Value, cast, combine_lanes, ctype, gemv_rows, lit, load_at, vec4_f32,
-                                          vec4_ok)
+                                          Compute, Value, cast, combine_lanes, ctype, gemv_rows, lit, load_at,
+                                          slow_wide_compiles, vec4_f32, vec4_ok)
 from tapml.platforms.wgsl.norms import NormedRow
 from tapml.platforms.wgsl.registry import ALL_INT, NUMERIC, edge_floats, edge_ints, rand, randint, register
 
@@ -273,9 +273,11 @@ def int_matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = Non
 def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, alpha=1, beta=1) -> BufferView:
     """out[z, m, n] = beta * bias[z, m, n] + alpha * sum_k a[z, m, k] * b[z, k, n]; ``a`` and
     ``b`` are 3-d (batch first), ``meta`` the output's (2-d or 3-d) meta."""
-    lazy_row = _FORCED is None and not isinstance(a, BufferView) and gemv_rows(*a.shape[1:], b.shape[2]) and \
-        a.dtype in ("float32", "float16") and a.cost <= LAZY_ROW_COST and \
-        (not isinstance(a, NormedRow) or a.rows == a.shape[0] * a.shape[1])
+    Z, M, K = a.shape
+    # a GEMV takes the product (wid.z: its batches and blocks of rows)
+    few_rows = _FORCED is None and gemv_rows(M, K, b.shape[2]) and Z * M <= MAX_GROUPS
+    lazy_row = few_rows and not isinstance(a, BufferView) and a.dtype in ("float32", "float16") and \
+        a.cost <= LAZY_ROW_COST and (not isinstance(a, NormedRow) or a.rows == Z * M)
     a, b, bias, out, result, (Z, M, K, N) = _operands(pb, a, b, meta, bias, plain_a=not lazy_row)
     if M * N * Z == 0:
         return result
@@ -283,12 +285,11 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
         return _empty_product(pb, out, meta, (Z, M, N), bias if beta != 0 else None, beta)
     vec_bn = vec4_ok(b, 2, N)
     vec_bk = not vec_bn and vec4_ok(b, 1, K)
-    lazy_row = lazy_row and Z * M <= MAX_GROUPS  # wid.z: batches and blocks of rows
     if lazy_row and vec_bk:  # the rows are computed where the GEMV reads them (a norm, SiLU x up)
         return _gemv(pb, name, a, b, out, result, (Z, M, K, N), bias, alpha, beta)
     a = pb.plain(a)
     vec_a = vec4_ok(a, 2, K)
-    if gemv_rows(M, K, N) and Z * M <= MAX_GROUPS and vec_a and vec_bk and _FORCED is None:
+    if few_rows and vec_a and vec_bk:
         return _gemv(pb, name, a, b, out, result, (Z, M, K, N), bias, alpha, beta)
     tiles = tiles_for(pb.caps, M, N)
     if tiles[5]:
@@ -511,10 +512,10 @@ GEMV_LANES, GEMV_COLUMNS = 8, 4
 COMPUTED_ROW_BLOCKS = 128
 #: Rows a GEMV workgroup takes (codegen.gemv_rows): each load of the weight serves all of them.
 GEMV_ROW_BLOCK = 8
-#: The same on GL, with 4 columns a lane: llvmpipe's GLSL path took 3.3 s to compile a normed q/k/v
-#: GEMV of 8 rows and 8 columns a lane (0.14 s on Vulkan), tiny-llama's forward 8.4 s in all against
-#: 1.1 s with 2 rows (benchmarks/NOTES.md).
-GL_ROW_BLOCK = 2
+#: The same, with 4 columns a lane, where wide kernels compile slowly (codegen.slow_wide_compiles):
+#: tiny-llama's forward took 8.4 s to compile on llvmpipe's GL with 8 rows and 8 columns, 1.1 s with
+#: 2 and 4 (benchmarks/NOTES.md).
+NARROW_ROW_BLOCK = 2
 #: Lanes of a SIMD group on the CPU adapters here (llvmpipe's 256-bit vectors of f32).
 SIMD_GROUP = 8
 #: Columns a lane takes in a GEMV of several rows on a CPU adapter, where the products are wide enough.
@@ -576,13 +577,13 @@ def gemv_kernel(pb, name: str, a: Value, parts: list[GemvPart], Z: int, K: int, 
         # squares costs more there than the norm's own kernel, and the rows written take one lane
         a, plain, normed = pb.plain(a), True, False
         lanes, per_group, tn = gemv_shape(pb.caps, False, K, sum(part.n for part in parts))
-    gl = (pb.caps or {}).get("backend") == "gl"
-    if lanes == 1 and M > 1 and max(part.n for part in parts) >= GEMV_ROW_COLUMNS * SIMD_GROUP and not gl:
+    narrow = slow_wide_compiles(pb.caps)
+    if lanes == 1 and M > 1 and max(part.n for part in parts) >= GEMV_ROW_COLUMNS * SIMD_GROUP and not narrow:
         tn = GEMV_ROW_COLUMNS  # each load of a row serves as many columns as the rows a weight load serves
     if lanes == 1:  # narrow products (a small model's k and v) fill a SIMD group or two, not 32 lanes
         widest = max(-(-part.n // tn) for part in parts)
         per_group = min(per_group, max(SIMD_GROUP, 1 << (widest - 1).bit_length()))
-    row_blocks = -(-M // (GL_ROW_BLOCK if gl else GEMV_ROW_BLOCK))
+    row_blocks = -(-M // (NARROW_ROW_BLOCK if narrow else GEMV_ROW_BLOCK))
     rows = -(-M // row_blocks)  # 17 rows: three blocks of 6, not 8, 8 and 1
     starts, blocks = [], 0
     for part in parts:
@@ -629,7 +630,7 @@ def gemv_kernel(pb, name: str, a: Value, parts: list[GemvPart], Z: int, K: int, 
         if ragged:
             k.open(f"if ({kk} < {K})")
         xs = []
-        w4 = k.let(a.weight4(k, kk), "vec4<f32>") if normed and rows > 1 else None
+        w4 = k.let(a.weight4(k, kk), "vec4<f32>") if normed else None  # the norm's weight: one load for every row
         for r in range(rows):
             if plain:
                 xs.append(k.let(f4(A[f"(ra{r} + {kk}) / 4"], a.buf.dtype), "vec4<f32>"))
@@ -639,8 +640,7 @@ def gemv_kernel(pb, name: str, a: Value, parts: list[GemvPart], Z: int, K: int, 
                 row = [cast(e, a.ty, "f32") for e in a.read4(k, ["z", f"m{r}", kk], 2)]
                 xs.append(k.let(f"vec4<f32>({', '.join(row)})", "vec4<f32>"))
         for j in range(tn):
-            w = k.let(f4(B[f"({cb[j]} + {kk}) / 4"], b.buf.dtype), "vec4<f32>") if rows > 1 else \
-                f4(B[f"({cb[j]} + {kk}) / 4"], b.buf.dtype)
+            w = k.let(f4(B[f"({cb[j]} + {kk}) / 4"], b.buf.dtype), "vec4<f32>")
             for r in range(rows):
                 k.emit(f"acc{r}_{j} = acc{r}_{j} + {xs[r]} * {w};")
         if ragged:
