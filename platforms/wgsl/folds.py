@@ -16,6 +16,13 @@ absorbs another that follows it (``absorb``; associative, so the split order giv
 result up to rounding) and the outputs of the final state. No workgroup barriers: they are
 expensive on CPU adapters, and passes spread a row over as many invocations as a tree would.
 
+On a device known not to be a CPU adapter (a GPU: ``caps["cpu_adapter"]`` False), a row of at
+least :data:`WORKGROUP_FOLD_K` elements is folded by workgroups instead (:func:`workgroup_fold`):
+the ``WORKGROUP`` lanes of a workgroup fold interleaved elements of a part of the row, up to
+:data:`LANE_FOLD` each, and combine their states in workgroup memory through a barrier tree; the
+parts' states of a longer row are folded by the passes above. :func:`forced_fold` picks either
+form whatever the device (for tests and probes).
+
 A scan (cumsum, cumprod, cummax, logcumsumexp) over a line longer than the budget runs three
 passes: each chunk of :data:`CHUNK` consecutive elements folded to a state, the states of a
 line scanned in order, then each chunk scanned again from the state before it.
@@ -23,16 +30,56 @@ line scanned in order, then each chunk scanned again from the state before it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from tapml.errors import Unsupported
 from tapml.graph import TensorMeta
-from tapml.platforms.wgsl.codegen import CHUNK, I64, LOOP_BUDGET, WIDE, BufferView, Value, contiguous_strides, index_sum
+from tapml.platforms.wgsl.codegen import (CHUNK, I64, LOOP_BUDGET, MAX_GROUPS, WIDE, WORKGROUP, BufferView, Value,
+                                         contiguous_strides, index_sum, lit)
 
 #: WGSL state type -> the torch dtype of the temp buffer holding partial states.
 _STATE_DTYPE = {"f32": "float32", "i32": "int32", "bool": "bool", I64: WIDE}
+#: On a GPU a row of at least this many elements is folded by a workgroup: one invocation looping
+#: over it leaves the device's other lanes idle (see the module).
+WORKGROUP_FOLD_K = 256
+#: Elements one lane of a workgroup fold takes at most: a longer row spreads over several
+#: workgroups, whose states the merge passes fold.
+LANE_FOLD = 64
+_FORCED_FOLD: str | None = None
+
+
+def workgroup_fold(caps: dict | None, count: int) -> bool:
+    """Whether a fold over rows of ``count`` elements runs as a workgroup fold on a device with
+    ``caps``: a device known not to be a CPU adapter (whose barriers switch every SIMD group of a
+    workgroup) and rows of at least :data:`WORKGROUP_FOLD_K` elements, unless :func:`forced_fold`
+    says otherwise."""
+    if _FORCED_FOLD is not None:  # an empty row keeps its reduction's own form (its 0/0, its identity)
+        return _FORCED_FOLD == "workgroup" and count > 0
+    return (caps or {}).get("cpu_adapter") is False and count >= WORKGROUP_FOLD_K
+
+
+@contextlib.contextmanager
+def forced_fold(form: str):
+    """Compile every fold inside the block as a workgroup fold (``"workgroup"``) or with one
+    invocation per row and part (``"invocation"``), whatever the device and the row's length (for
+    tests and probes); a reduction short enough for one loop then folds too, unless its rows are empty."""
+    global _FORCED_FOLD
+    if form not in ("workgroup", "invocation"):
+        raise ValueError(f"fold form is 'workgroup' or 'invocation', not {form!r}")
+    old, _FORCED_FOLD = _FORCED_FOLD, form
+    try:
+        yield
+    finally:
+        _FORCED_FOLD = old
+
+
+def fold_state() -> list:
+    """What a fold's form depends on besides the graph and the caps (a compiled program is reused
+    only while this is unchanged)."""
+    return [_FORCED_FOLD]
 
 
 @dataclass
@@ -83,6 +130,9 @@ def moments_fold(value: Callable, outputs: Callable) -> Fold:
         k.emit(f"{mu} = {mu} + d * ({o[0]} / nn);")
         k.emit(f"{m2} = {m2} + {o[2]} + d * d * ({n} * {o[0]} / nn);")
         k.emit(f"{n} = nn;")
+        # an Inf or NaN element makes torch's deviations, and so M2, NaN; merged in some orders
+        # (+Inf and -Inf each in a part) the update above leaves M2 at +Inf
+        k.emit(f"if ((bitcast<u32>({mu}) & 0x7fffffffu) >= 0x7f800000u) {{ {m2} = {lit(math.nan, 'f32')}; }}")
     return Fold([("n", "f32", "0.0"), ("mu", "f32", "0.0"), ("m2", "f32", "0.0")],
                 lambda k, v, r: ["1.0", value(k, v), "0.0"], absorb, outputs)
 
@@ -132,6 +182,9 @@ def fold_rows(pb, name: str, x: Value, dims: Sequence[int], outs: Sequence[Tenso
     views = [BufferView.whole(b, m) for b, m in zip(bufs, outs)]
     if rows == 0:
         return views
+    if workgroup_fold(pb.caps, count):
+        _workgroup_fold(pb, name, x, dims, bufs, fold)
+        return views
     chunks = 1 if count <= LOOP_BUDGET else -(-count // CHUNK)
     (x,) = pb.fit([x], len(outs) if chunks == 1 else len(fold.state))
     k, kidx, state, seen = _chunk_kernel(pb, name, "row", kept_shape, chunks, fold)
@@ -142,17 +195,23 @@ def fold_rows(pb, name: str, x: Value, dims: Sequence[int], outs: Sequence[Tenso
     _absorb(k, fold, state, fold.lift(k, x.read(k, interleave_index(nd, kept, kidx, dims, ridx)), "r"), seen)
     k.close()
     k.close()
-    parts = chunks
+    if chunks == 1:
+        for b, (e, ty) in zip(bufs, fold.outputs(k, state)):
+            k.write(b, "row", e, ty)
+        pb.add(k.finish(rows))
+        return views
+    partial = _partials(pb, fold, rows * chunks)
+    for b, s, (_, ty, _) in zip(partial, state, fold.state):
+        k.write(b, "n", s, ty)
+    pb.add(k.finish(rows * chunks))
+    _merge_parts(pb, name, fold, partial, rows, chunks, bufs)
+    return views
+
+
+def _merge_parts(pb, name: str, fold: Fold, partial: list, rows: int, parts: int, bufs: list) -> None:
+    """Fold ``parts`` partial states a row (in ``partial``, row-major) into the outputs ``bufs``, in
+    as many passes as keep every invocation within LOOP_BUDGET iterations."""
     while True:
-        if parts == 1:
-            for b, (e, ty) in zip(bufs, fold.outputs(k, state)):
-                k.write(b, "row", e, ty)
-            pb.add(k.finish(rows * chunks))
-            return views
-        partial = _partials(pb, fold, rows * parts)
-        for b, s, (_, ty, _) in zip(partial, state, fold.state):
-            k.write(b, "n", s, ty)
-        pb.add(k.finish(rows * chunks))
         chunks = 1 if parts <= LOOP_BUDGET else -(-parts // CHUNK)
         k = pb.kernel(f"{name}_merge")
         k.emit(f"let row: i32 = n / {chunks};")
@@ -166,7 +225,84 @@ def fold_rows(pb, name: str, x: Value, dims: Sequence[int], outs: Sequence[Tenso
         _absorb(k, fold, state, other, seen)
         k.close()
         k.close()
+        if chunks == 1:
+            for b, (e, ty) in zip(bufs, fold.outputs(k, state)):
+                k.write(b, "row", e, ty)
+            pb.add(k.finish(rows))
+            return
+        partial = _partials(pb, fold, rows * chunks)
+        for b, s, (_, ty, _) in zip(partial, state, fold.state):
+            k.write(b, "n", s, ty)
+        pb.add(k.finish(rows * chunks))
         parts = chunks
+
+
+def _workgroup_fold(pb, name: str, x: Value, dims: Sequence[int], bufs: list, fold: Fold) -> None:
+    """:func:`fold_rows` as workgroups: one a part of a row, its lanes folding interleaved elements
+    (neighbouring lanes read neighbouring elements) and then each other's states in workgroup
+    memory; the last lane standing writes the row's outputs, or its part's state for
+    :func:`_merge_parts`. Lanes whose elements ran out hold no state and are skipped."""
+    nd = len(x.shape)
+    kept = [d for d in range(nd) if d not in dims]
+    kept_shape = [x.shape[d] for d in kept]
+    red_shape = [x.shape[d] for d in dims]
+    count, rows = math.prod(red_shape), math.prod(kept_shape)
+    lanes = WORKGROUP
+    parts = max(1, -(-count // (lanes * LANE_FOLD)))
+    total = rows * parts
+    gx = min(total, MAX_GROUPS)
+    (x,) = pb.fit([x], len(bufs) if parts == 1 else len(fold.state))
+    k = pb.kernel(name)
+    k.emit("let lane: i32 = i32(lid.x);")
+    k.emit(f"let part: i32 = i32(wid.y) * {gx} + i32(wid.x);")
+    # a dispatch rounded up past the last part runs along on it (barriers need every lane) and writes nothing
+    k.emit(f"let at: i32 = min(part, {total - 1});")
+    k.emit(f"let row: i32 = at / {parts};")
+    k.emit(f"let c: i32 = at % {parts};")
+    kidx = k.unravel("row", kept_shape)
+    state = _declare(k, fold)
+    seen = k.var("bool", "false", "seen")
+    k.loop("j", -(-count // (lanes * parts)))
+    k.emit(f"let r: i32 = (j * {parts} + c) * {lanes} + lane;")
+    k.open(f"if (r < {count})")
+    ridx = k.unravel("r", red_shape)
+    _absorb(k, fold, state, fold.lift(k, x.read(k, interleave_index(nd, kept, kidx, dims, ridx)), "r"), seen)
+    k.close()
+    k.close()
+    # workgroup memory holds no bool: a bool state (and whether a lane holds one) as a u32
+    shared = [(f"fold_lanes{i}", "u32" if ty == "bool" else ty) for i, (_, ty, _) in enumerate(fold.state)]
+    for (arr, wty), (_, ty, _) in zip(shared, fold.state):
+        k.helpers[arr] = f"var<workgroup> {arr}: array<{wty}, {lanes}>;"
+    k.helpers["fold_seen"] = f"var<workgroup> fold_seen: array<u32, {lanes}>;"
+
+    def put(slot: str) -> None:
+        for (arr, wty), s, (_, ty, _) in zip(shared, state, fold.state):
+            k.emit(f"{arr}[{slot}] = {'select(0u, 1u, ' + s + ')' if ty == 'bool' else s};")
+        k.emit(f"fold_seen[{slot}] = select(0u, 1u, {seen});")
+    put("lane")
+    step = lanes // 2
+    while step:
+        k.emit("workgroupBarrier();")
+        k.open(f"if (lane < {step} && fold_seen[lane + {step}] != 0u)")
+        other = [k.let(f"({arr}[lane + {step}] != 0u)" if ty == "bool" else f"{arr}[lane + {step}]", ty)
+                 for (arr, _), (_, ty, _) in zip(shared, fold.state)]
+        _absorb(k, fold, state, other, seen)
+        if step > 1:
+            put("lane")
+        k.close()
+        step //= 2
+    k.open(f"if (part < {total} && lane == 0)")
+    if parts == 1:
+        for b, (e, ty) in zip(bufs, fold.outputs(k, state)):
+            k.write(b, "row", e, ty)
+    else:
+        partial = _partials(pb, fold, total)
+        for b, s, (_, ty, _) in zip(partial, state, fold.state):
+            k.write(b, "at", s, ty)
+    k.close()
+    pb.add(k.finish(0, workgroup=(lanes, 1, 1), groups=(gx, -(-total // gx), 1), group_ids=True))
+    if parts > 1:
+        _merge_parts(pb, name, fold, partial, rows, parts, bufs)
 
 
 def scan_lines(pb, name: str, x: Value, dim: int, outs: Sequence[TensorMeta], fold: Fold) -> list[BufferView]:

@@ -4,7 +4,8 @@ var, vector norm, bincount) and scans (cumsum, cumprod).
 One thread per output element loops over the reduced elements: no workgroup barriers,
 which are expensive on CPU adapters (lavapipe); the input may be a fused expression. Past
 LOOP_BUDGET elements the reduction is split across invocations and passes by its
-:class:`~tapml.platforms.wgsl.folds.Fold` (platforms/wgsl/folds.py).
+:class:`~tapml.platforms.wgsl.folds.Fold` (platforms/wgsl/folds.py); on a GPU, rows of
+``WORKGROUP_FOLD_K`` elements or more are folded by workgroups in workgroup memory instead.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from tapml.graph import TensorMeta
 from tapml.platforms.wgsl.codegen import (LOOP_BUDGET, BufferView, Custom, Value, arith, cast, ctype, equal,
                                          extreme_lit, less, lit)
-from tapml.platforms.wgsl.folds import Fold, fold_rows, interleave_index, moments_fold, scan_lines
+from tapml.platforms.wgsl.folds import Fold, fold_rows, interleave_index, moments_fold, scan_lines, workgroup_fold
 from tapml.platforms.wgsl.registry import (ALL, ALL_FLOAT, ALL_INT, NUMERIC, edge_floats, edge_ints, rand, randbool, randint,
                                            register)
 from tapml.platforms.wgsl.views import norm_dim
@@ -53,7 +54,7 @@ def reduction(pb, name: str, x: Value, dims: Sequence[int], outs: Sequence[Tenso
     kept_shape = [x.shape[d] for d in kept]
     red_shape = [x.shape[d] for d in dims]
     count = math.prod(red_shape)
-    if count * len(passes) > LOOP_BUDGET:
+    if count * len(passes) > LOOP_BUDGET or workgroup_fold(pb.caps, count):
         return fold_rows(pb, name, x, dims, outs, fold)
     bufs = [pb.buffer("temp", m) for m in outs]
     views = [BufferView.whole(b, m) for b, m in zip(bufs, outs)]
