@@ -156,3 +156,23 @@ def _check(platform):
 
 
 test_workgroup_folds_equal_torch, test_workgroup_folds_equal_torch_in_chromium = on_every_webgpu(_check)
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+def test_two_word_int64_states_fold_in_workgroups():
+    """int64 values past i32 (test_int64_wide's reductions): their states are two words in workgroup memory."""
+    from test_int64_wide import _cases, _equal, _expected
+    from support import own_wgpu
+    reductions = ("sum", "prod", "argmax", "argmin", "min.dim", "max.dim", "amax", "amin")
+    folded = 0
+    with own_wgpu("vulkan") as vulkan, forced_fold("workgroup"):
+        for op, args, kwargs in _cases():
+            if not op.removeprefix("aten.").startswith(reductions):
+                continue
+            graph, inputs = case_graph(op, args, kwargs)
+            program = vulkan.for_values(vulkan.compile(graph), inputs)  # the program that runs: two words
+            folded += any("fold_seen" in k.wgsl and "tap_i64" in k.wgsl for k in program.kernels)
+            for got, want in zip(vulkan.run(vulkan.compile(graph), inputs), _expected(graph, inputs)):
+                assert _equal(got, want), (op, got.flatten()[:4].tolist(), want.flatten()[:4].tolist())
+    assert folded >= 3
