@@ -188,13 +188,7 @@ def fold_rows(pb, name: str, x: Value, dims: Sequence[int], outs: Sequence[Tenso
     chunks = 1 if count <= LOOP_BUDGET else -(-count // CHUNK)
     (x,) = pb.fit([x], len(outs) if chunks == 1 else len(fold.state))
     k, kidx, state, seen = _chunk_kernel(pb, name, "row", kept_shape, chunks, fold)
-    k.loop("j", -(-count // chunks))
-    k.emit(f"let r: i32 = c + j * {chunks};")
-    k.open(f"if (r < {count})")
-    ridx = k.unravel("r", red_shape)
-    _absorb(k, fold, state, fold.lift(k, x.read(k, interleave_index(nd, kept, kidx, dims, ridx)), "r"), seen)
-    k.close()
-    k.close()
+    _fold_elements(k, fold, state, seen, x, dims, kidx, -(-count // chunks), f"c + j * {chunks}")
     if chunks == 1:
         for b, (e, ty) in zip(bufs, fold.outputs(k, state)):
             k.write(b, "row", e, ty)
@@ -206,6 +200,23 @@ def fold_rows(pb, name: str, x: Value, dims: Sequence[int], outs: Sequence[Tenso
     pb.add(k.finish(rows * chunks))
     _merge_parts(pb, name, fold, partial, rows, chunks, bufs)
     return views
+
+
+def _fold_elements(k, fold: Fold, state: list[str], seen: str, x: Value, dims: Sequence[int], kidx: list[str],
+                   trips: int, position: str) -> None:
+    """Emit the loop of ``trips`` iterations folding into ``state`` element ``position`` (an i32
+    expression of the loop's ``j``) of the reduced elements of the row at kept index ``kidx``,
+    where it is inside the row."""
+    nd = len(x.shape)
+    kept = [d for d in range(nd) if d not in dims]
+    red_shape = [x.shape[d] for d in dims]
+    k.loop("j", trips)
+    k.emit(f"let r: i32 = {position};")
+    k.open(f"if (r < {math.prod(red_shape)})")
+    ridx = k.unravel("r", red_shape)
+    _absorb(k, fold, state, fold.lift(k, x.read(k, interleave_index(nd, kept, kidx, dims, ridx)), "r"), seen)
+    k.close()
+    k.close()
 
 
 def _merge_parts(pb, name: str, fold: Fold, partial: list, rows: int, parts: int, bufs: list) -> None:
@@ -240,7 +251,7 @@ def _merge_parts(pb, name: str, fold: Fold, partial: list, rows: int, parts: int
 def _workgroup_fold(pb, name: str, x: Value, dims: Sequence[int], bufs: list, fold: Fold) -> None:
     """:func:`fold_rows` as workgroups: one a part of a row, its lanes folding interleaved elements
     (neighbouring lanes read neighbouring elements) and then each other's states in workgroup
-    memory; the last lane standing writes the row's outputs, or its part's state for
+    memory; lane 0 writes the row's outputs, or its part's state for
     :func:`_merge_parts`. Lanes whose elements ran out hold no state and are skipped."""
     nd = len(x.shape)
     kept = [d for d in range(nd) if d not in dims]
@@ -262,13 +273,7 @@ def _workgroup_fold(pb, name: str, x: Value, dims: Sequence[int], bufs: list, fo
     kidx = k.unravel("row", kept_shape)
     state = _declare(k, fold)
     seen = k.var("bool", "false", "seen")
-    k.loop("j", -(-count // (lanes * parts)))
-    k.emit(f"let r: i32 = (j * {parts} + c) * {lanes} + lane;")
-    k.open(f"if (r < {count})")
-    ridx = k.unravel("r", red_shape)
-    _absorb(k, fold, state, fold.lift(k, x.read(k, interleave_index(nd, kept, kidx, dims, ridx)), "r"), seen)
-    k.close()
-    k.close()
+    _fold_elements(k, fold, state, seen, x, dims, kidx, -(-count // (lanes * parts)), f"(j * {parts} + c) * {lanes} + lane")
     # workgroup memory holds no bool: a bool state (and whether a lane holds one) as a u32
     shared = [(f"fold_lanes{i}", "u32" if ty == "bool" else ty) for i, (_, ty, _) in enumerate(fold.state)]
     for (arr, wty), (_, ty, _) in zip(shared, fold.state):
