@@ -183,7 +183,7 @@ def fold_rows(pb, name: str, x: Value, dims: Sequence[int], outs: Sequence[Tenso
     if rows == 0:
         return views
     if workgroup_fold(pb.caps, count):
-        _workgroup_fold(pb, name, x, dims, bufs, fold)
+        _workgroup_fold(pb, name, x, dims, kept_shape, count, bufs, fold)
         return views
     chunks = 1 if count <= LOOP_BUDGET else -(-count // CHUNK)
     (x,) = pb.fit([x], len(outs) if chunks == 1 else len(fold.state))
@@ -248,16 +248,14 @@ def _merge_parts(pb, name: str, fold: Fold, partial: list, rows: int, parts: int
         parts = chunks
 
 
-def _workgroup_fold(pb, name: str, x: Value, dims: Sequence[int], bufs: list, fold: Fold) -> None:
+def _workgroup_fold(pb, name: str, x: Value, dims: Sequence[int], kept_shape: list[int], count: int, bufs: list,
+                    fold: Fold) -> None:
     """:func:`fold_rows` as workgroups: one a part of a row, its lanes folding interleaved elements
     (neighbouring lanes read neighbouring elements) and then each other's states in workgroup
     memory; lane 0 writes the row's outputs, or its part's state for
-    :func:`_merge_parts`. Lanes whose elements ran out hold no state and are skipped."""
-    nd = len(x.shape)
-    kept = [d for d in range(nd) if d not in dims]
-    kept_shape = [x.shape[d] for d in kept]
-    red_shape = [x.shape[d] for d in dims]
-    count, rows = math.prod(red_shape), math.prod(kept_shape)
+    :func:`_merge_parts`. Lanes whose elements ran out hold no state and are skipped. ``kept_shape``
+    and ``count``: the shape of the rows and the elements of each, as :func:`fold_rows` found them."""
+    rows = math.prod(kept_shape)
     lanes = WORKGROUP
     parts = max(1, -(-count // (lanes * LANE_FOLD)))
     total = rows * parts
