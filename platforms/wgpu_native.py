@@ -198,6 +198,8 @@ class WgpuPlatform(WgslPlatform):
             self.device = chosen.request_device_sync(required_features=features, required_limits=limits)
         except Exception as e:  # noqa: BLE001
             raise TapmlError(f"wgpu could not open a device on {_describe(chosen)}: {e}") from None
+        # a platform dropped without close() drains its device the same way before it is released
+        weakref.finalize(self, _stop_polling, self.device).atexit = False
         self._caps_cache = None
         self.guards = False
         super().__init__()
@@ -395,10 +397,32 @@ class WgpuPlatform(WgslPlatform):
         self._pipelines.clear()
         dev, self.device = getattr(self, "device", None), None
         if dev is not None:
-            try:
-                dev.destroy()
-            except Exception:  # noqa: BLE001
-                pass
+            if _stop_polling(dev):  # else leave it alive rather than pull it from under a poll
+                try:
+                    dev.destroy()
+                except Exception:  # noqa: BLE001
+                    pass
+
+
+def _stop_polling(dev) -> bool:
+    """Wait for ``dev``'s queue to drain and its poll thread to end, so that destroying the device
+    never happens under a poll. wgpu-py's own stop joins that thread for 1 s only, and a blocking
+    poll still running on a destroyed or released device can abort the process (seen once in a
+    full test run; benchmarks/NOTES.md). The poller is wgpu-py's per-device thread (0.30+); where a
+    wgpu-py has none, there is nothing to wait for."""
+    poller = getattr(dev, "_poller", None)
+    if poller is None:
+        return True
+    try:
+        dev._poll_wait()  # a blocking poll here: the queue's work is done when it returns
+    except Exception:  # noqa: BLE001
+        pass
+    poller.stop()
+    poller.join(timeout=30)
+    if poller.is_alive():
+        return False
+    dev._poller = None
+    return True
 
 
 class _Resident:

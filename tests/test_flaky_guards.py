@@ -4,7 +4,8 @@ Two planted defects, built here as KernelPrograms and run through the real wgpu-
 path on lavapipe: a racy kernel whose workgroups race for an atomic ticket (its outputs vary
 from run to run), and a kernel whose index math goes past its tensor's end (it writes into the
 guard behind the tensor). Neither is reachable from the product CLI. A healthy zoo:mlp store
-replayed with ``--repeat 5`` and ``--guards`` finds nothing.
+replayed with ``--repeat 5`` and ``--guards`` finds nothing. Last, a flake of the tests' own: a
+device closed while wgpu-py's poll thread still waits on its queue.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -300,3 +302,56 @@ def test_the_pytest_plugin_repeats_cases(carved, tmp_path):
     assert r.returncode == 0 and " passed" in r.stdout, r.stdout + r.stderr
     r = subprocess.run(base + ["--tapml-repeat", "0"], capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 4 and "--tapml-repeat 0: give a number of runs of 1 or more" in r.stderr
+
+
+# --- closing a device while its poll thread is busy ---------------------------------------------
+
+_BUSY = """
+@group(0) @binding(0) var<storage, read_write> out: array<f32>;
+@compute @workgroup_size(64) fn main(@builtin(global_invocation_id) g: vec3<u32>) {
+  var s = 0.0;
+  for (var i = 0u; i < 20000u; i++) { s = s * 0.999 + f32(i ^ g.x); }
+  out[g.x] = s;
+}"""
+
+
+def _busy_platform():
+    """A Vulkan platform whose queue holds a few seconds of lavapipe work, with wgpu-py's poll
+    thread inside a blocking poll for it (a poll token outstanding)."""
+    import wgpu
+    from tapml.platforms.wgpu_native import WgpuPlatform
+    platform = WgpuPlatform("vulkan")
+    dev = platform.device
+    out = dev.create_buffer(size=4 * 64 * 64, usage=wgpu.BufferUsage.STORAGE)
+    pipe = dev.create_compute_pipeline(layout="auto", compute={
+        "module": dev.create_shader_module(code=_BUSY), "entry_point": "main"})
+    group = dev.create_bind_group(layout=pipe.get_bind_group_layout(0),
+                                  entries=[{"binding": 0, "resource": {"buffer": out}}])
+    encoder = dev.create_command_encoder()
+    compute = encoder.begin_compute_pass()
+    compute.set_pipeline(pipe)
+    compute.set_bind_group(0, group)
+    for _ in range(100):
+        compute.dispatch_workgroups(64)
+    compute.end()
+    dev.queue.submit([encoder.finish()])
+    token = dev._poller.get_token()
+    time.sleep(0.3)  # the thread wakes and enters its blocking poll
+    assert dev._poller.is_alive()
+    return platform, dev._poller, token
+
+
+@pytest.mark.device
+def test_closing_or_dropping_a_busy_device_ends_its_poll_thread_first():
+    """wgpu-py's own stop() waits 1 s for the poll thread; destroying the device under a poll that
+    is still running can abort the process. close(), and a platform dropped without it, wait for
+    the queue and the thread."""
+    import gc
+    vulkan_or_skip()
+    platform, poller, token = _busy_platform()
+    platform.close()
+    assert not poller.is_alive() and platform.device is None
+    platform, poller, token = _busy_platform()
+    del platform
+    gc.collect()
+    assert not poller.is_alive()
