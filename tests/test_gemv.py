@@ -135,7 +135,34 @@ def _check(platform):
     for shape in ("split", "lane"):  # lanes splitting K (GPUs), one lane a column group (CPU adapters)
         with forced_gemv(shape):
             _check_shape(platform)
+            _check_split_weight(platform)
     _check_small_values(platform)
+
+
+#: A weight over the forced binding limit: rows of 160 bytes in windows of 64 KiB, so that most column
+#: blocks lie in one window (read directly) and some straddle two (read through the accessor), and
+#: one row itself straddles the first boundary (64 KiB is no whole number of rows).
+SPLIT_WEIGHT = (40, 2000, 1 << 16)
+
+
+def _check_split_weight(platform):
+    k, n, limit = SPLIT_WEIGHT
+    platform.force_limits({"max-storage-buffer-binding-size": limit})
+    try:
+        for rows in (1, 5):
+            gen = torch.Generator().manual_seed(rows)
+            x, w, bias = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+            x[0, :4] = torch.tensor([1e20, -1e-40, -0.0, 3.0])
+            ep = exported(lambda a, b, c: (torch.nn.functional.linear(a, b, c),), x, w, bias)
+            program = platform.compile(graph_from_fx(ep.graph, ep.graph_signature))
+            (gemv,) = [kern for kern in program.kernels if "_gemv" in kern.name]
+            # read in the kernel's own loop, not only in the accessor (``_wJ[i - ...]``)
+            assert "_w0[(" in gemv.wgsl and "_w1[((" in gemv.wgsl, "no window read directly"
+            got, want = platform.run(program, [x, w, bias])[0], torch.nn.functional.linear(x, w, bias)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * k * float(x.abs().max() * w.abs().max()),
+                                       msg=f"{rows} rows, weight in windows")
+    finally:
+        platform.force_limits({})
 
 
 def _check_shape(platform):
@@ -212,6 +239,22 @@ def test_the_residual_fold_leaves_kept_and_injected_values_visible():
     h, x, w = inputs
     torch.testing.assert_close(faulty.run(program, inputs)[0], h + 2 * torch.nn.functional.linear(x, w),
                                rtol=1e-5, atol=1e-4)
+
+
+def test_a_split_weight_is_read_window_by_window_where_a_block_fits_one():
+    from types import SimpleNamespace
+    from tapml.platforms.wgsl.codegen import Binding
+    from tapml.platforms.wgsl.matmul import window_runs
+    k, n, limit = SPLIT_WEIGHT
+    weight = SimpleNamespace(offset=0, strides=(0, 1, k))  # [N, K] read along K, as F.linear's weight
+    split = Binding("buf_w_v4", split=True, per_window=limit // 16)
+    # 409.6 rows a window: blocks of 256 columns, 0 in window 0, 1 across the boundary, 2 in window 1, ...
+    runs = window_runs(split, weight, n, 256, k, 1)
+    assert runs[:3] == [(0, 1), (None, 2), (1, 3)] and runs[-1][1] == 8
+    assert {w for w, _ in runs} == {0, 1, 3, 4, None}  # no block lies wholly in window 2
+    assert window_runs(Binding("buf_w_v4"), weight, n, 256, k, 1) == [(None, 8)]  # bound whole
+    assert split.window(2)["i + 4"] == f"buf_w_v4_w2[(i + 4) - {2 * limit // 16}]"
+    assert split.window(0)["i"] == "buf_w_v4_w0[i]"
 
 
 def test_a_cpu_adapter_gets_one_lane_a_column_where_the_row_is_cheap():

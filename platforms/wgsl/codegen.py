@@ -266,11 +266,22 @@ class Binding:
     (an i32 expression) of its array. A buffer bound whole is ``name[i]``; a split one is a call
     of the accessor function that reads the right window (:meth:`KernelBuilder.bind`)."""
 
-    def __init__(self, name: str, split: bool = False):
+    def __init__(self, name: str, split: bool = False, per_window: int = 0, offset: int = 0):
         self.name, self.split = name, split
+        self.per_window = per_window  # a split buffer's elements per window
+        self.offset = offset  # the first element of a window read directly (:meth:`window`)
 
     def __getitem__(self, index: str) -> str:
-        return f"{self.name}({index})" if self.split else f"{self.name}[{index}]"
+        if self.split:
+            return f"{self.name}({index})"
+        return f"{self.name}[({index}) - {self.offset}]" if self.offset else f"{self.name}[{index}]"
+
+    def window(self, j: int) -> "Binding":
+        """Window ``j`` of a split buffer, read directly: indices stay the buffer's own, and an
+        index outside the window is the caller's error. A kernel that knows which window a
+        stretch of its reads falls in (uniformly, per workgroup) reads it without the accessor's
+        per-element choice, which a CPU adapter pays as a masked load of every window."""
+        return Binding(f"{self.name}_w{j}", offset=self.per_window * j)
 
     def __str__(self) -> str:
         return self.name
@@ -547,7 +558,7 @@ class KernelBuilder:
             setter = (f"fn {name}_set(i: i32, v: {elem})", "{w}[{j}] = v; return;")
         if access == "read_write":
             self.helpers.setdefault(f"{name}_set", setter[0] + " {\n" + by_window(setter[1]) + "\n}")
-        return Binding(name, split=True)
+        return Binding(name, split=True, per_window=per)
 
     def write(self, buf: BufferSpec, index: str, expr: str, ty: str) -> None:
         """Emit the store of ``expr`` (of expression type ``ty``) into element ``index`` (an i32

@@ -624,28 +624,39 @@ def gemv_kernel(pb, name: str, a: Value, parts: list[GemvPart], Z: int, K: int, 
         # columns past the end read the last one; their sums are written nowhere
         cb = [k.let(f"{b.offset} + z * {b.strides[0]} + min(n0 + {j}, {part.n - 1}) * {b.strides[2]}", "i32")
               for j in range(tn)]
-        k.loop("i", -(-K // (4 * lanes)))
-        kk = k.let("i * 4" if lanes == 1 else f"(lane + i * {lanes}) * 4", "i32")
-        ragged = K % (4 * lanes) != 0
-        if ragged:
-            k.open(f"if ({kk} < {K})")
-        xs = []
-        w4 = k.let(a.weight4(k, kk), "vec4<f32>") if normed else None  # the norm's weight: one load for every row
-        for r in range(rows):
-            if plain:
-                xs.append(k.let(f4(A[f"(ra{r} + {kk}) / 4"], a.buf.dtype), "vec4<f32>"))
-            elif normed:
-                xs.append(k.let(a.read4(k, kk, scales[r], f"z * {M} + m{r}", w4), "vec4<f32>"))
-            else:
-                row = [cast(e, a.ty, "f32") for e in a.read4(k, ["z", f"m{r}", kk], 2)]
-                xs.append(k.let(f"vec4<f32>({', '.join(row)})", "vec4<f32>"))
-        for j in range(tn):
-            w = k.let(f4(B[f"({cb[j]} + {kk}) / 4"], b.buf.dtype), "vec4<f32>")
+
+        def products(weights):
+            """The K loop: each lane's sums of its rows times its columns of ``weights``."""
+            k.loop("i", -(-K // (4 * lanes)))
+            kk = k.let("i * 4" if lanes == 1 else f"(lane + i * {lanes}) * 4", "i32")
+            ragged = K % (4 * lanes) != 0
+            if ragged:
+                k.open(f"if ({kk} < {K})")
+            xs = []
+            w4 = k.let(a.weight4(k, kk), "vec4<f32>") if normed else None  # the norm's weight: one load for every row
             for r in range(rows):
-                k.emit(f"acc{r}_{j} = acc{r}_{j} + {xs[r]} * {w};")
-        if ragged:
+                if plain:
+                    xs.append(k.let(f4(A[f"(ra{r} + {kk}) / 4"], a.buf.dtype), "vec4<f32>"))
+                elif normed:
+                    xs.append(k.let(a.read4(k, kk, scales[r], f"z * {M} + m{r}", w4), "vec4<f32>"))
+                else:
+                    row = [cast(e, a.ty, "f32") for e in a.read4(k, ["z", f"m{r}", kk], 2)]
+                    xs.append(k.let(f"vec4<f32>({', '.join(row)})", "vec4<f32>"))
+            for j in range(tn):
+                w = k.let(f4(weights[f"({cb[j]} + {kk}) / 4"], b.buf.dtype), "vec4<f32>")
+                for r in range(rows):
+                    k.emit(f"acc{r}_{j} = acc{r}_{j} + {xs[r]} * {w};")
+            if ragged:
+                k.close()
             k.close()
-        k.close()
+
+        runs = window_runs(B, b, part.n, per_group * tn, K, Z)
+        for r, (window, end_block) in enumerate(runs):
+            if len(runs) > 1:
+                k.open(("" if r == 0 else "else ") + (f"if (block < {starts[i] + end_block})" if r < len(runs) - 1 else ""))
+            products(B if window is None else B.window(window))
+            if len(runs) > 1:
+                k.close()
         if len(parts) > 1:
             k.close()
     sums = [f"(acc{r}_{j}.x + acc{r}_{j}.y + acc{r}_{j}.z + acc{r}_{j}.w)" for r in range(rows) for j in range(tn)]
@@ -671,6 +682,33 @@ def gemv_kernel(pb, name: str, a: Value, parts: list[GemvPart], Z: int, K: int, 
         k.close()
     pb.add(k.finish(0, workgroup=(lanes, per_group, 1) if lanes > 1 else (per_group, 1, 1),
                     groups=(gx, -(-blocks // gx), Z * row_blocks), group_ids=True))
+
+
+def window_runs(binding, b: BufferView, n: int, block_columns: int, K: int, Z: int) -> list[tuple[int | None, int]]:
+    """The GEMV's column blocks of one weight (``b``, read along K, ``n`` columns in blocks of
+    ``block_columns``) as runs of consecutive blocks: ``(window, end)`` where every column of the
+    run's blocks lies wholly in that window of a split weight, or ``(None, end)`` where a block's
+    columns straddle windows (read through the accessor). One run ``(None, blocks)`` for a
+    weight bound whole. Each run's end is its exclusive last block."""
+    blocks = -(-n // block_columns)
+    if not binding.split or not binding.per_window or (Z > 1 and b.strides[0]):
+        return [(None, blocks)]
+    per = 4 * binding.per_window  # elements of the weight's dtype per window (vec4 bindings)
+
+    def window(column: int) -> int | None:
+        first = b.offset + column * b.strides[2]
+        return first // per if first // per == (first + K - 1) // per else None
+
+    runs: list[tuple[int | None, int]] = []
+    for block in range(blocks):
+        first, last = block * block_columns, min((block + 1) * block_columns, n) - 1
+        w = window(first)
+        w = w if w is not None and window(last) == w else None
+        if runs and runs[-1][0] == w:
+            runs[-1] = (w, block + 1)
+        else:
+            runs.append((w, block + 1))
+    return runs
 
 
 @dataclass
