@@ -312,6 +312,14 @@ def vec4_f32(e: str, dt: str) -> str:
     return e if dt == "f32" else f"vec4<f32>({e})"
 
 
+def quarter(index: str) -> str:
+    """The vec4 index of element ``index`` (an i32 expression, a multiple of 4 where it is read):
+    ``index >> 2``. Not ``index / 4``: a signed division by 4 is a shift plus a sign correction in
+    every lane, and on a CPU adapter, where it sits in the address of every load, it cost a GEMV
+    a quarter of its time (benchmarks/NOTES.md). The two agree on every index that is not negative."""
+    return f"({index}) >> 2u"
+
+
 def vec4_read(k, v: "Value", idx: list[str], axis: int) -> str:
     """:meth:`Value.read4` of ``v`` as one ``vec4<f32>`` expression."""
     return f"vec4<f32>({', '.join(cast(e, v.ty, 'f32') for e in v.read4(k, idx, axis))})"
@@ -427,7 +435,7 @@ class BufferView(Value):
                 and vec4_ok(self, axis, self.shape[axis])):
             return super().read4(k, idx, axis)
         b = k.bind(self.buf, elem="vec4<f32>")
-        four = k.let(b[f"({index_sum(idx, self.strides, self.offset)}) / 4"], "vec4<f32>")
+        four = k.let(b[quarter(index_sum(idx, self.strides, self.offset))], "vec4<f32>")
         return [f"{four}.{c}" for c in "xyzw"]
 
     def bufs(self):

@@ -30,7 +30,7 @@ from pathlib import Path
 from tapml.graph import Node
 from tapml.platforms.wgsl import views
 from tapml.platforms.wgsl.codegen import (LANE_GROUP, LANE_ROW_K, LAZY_ROW_COST, MAX_GROUPS, WORKGROUP, BufferView,
-                                          Compute, Value, cast, combine_lanes, ctype, gemv_rows, lit, load_at,
+                                          Compute, Value, cast, combine_lanes, ctype, gemv_rows, lit, load_at, quarter,
                                           slow_wide_compiles, vec4_f32, vec4_ok)
 from tapml.platforms.wgsl.norms import NormedRow
 from tapml.platforms.wgsl.registry import ALL_INT, NUMERIC, edge_floats, edge_ints, rand, randint, register
@@ -336,7 +336,7 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
     def b_row(jb: int, kk: str) -> str:
         """Columns 4jb..4jb+3 of B's row ``kk`` as a vec4<f32>."""
         if vec_bn:
-            return f4(B[f"(cb{jb} + ({kk}) * {sbk}) / 4"], b.buf.dtype)
+            return f4(B[quarter(f"cb{jb} + ({kk}) * {sbk}")], b.buf.dtype)
         return "vec4<f32>(" + ", ".join(f1(B, f"cb{4 * jb + j} + ({kk}) * {sbk}", b.buf.dtype) for j in range(4)) + ")"
 
     k4 = K - K % 4
@@ -344,7 +344,7 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
         k.open(f"for (var k: i32 = 0; k < {k4}; k = k + 4)", k4 // 4)
         for i in range(tm):
             if vec_a:
-                k.emit(f"  let a{i} = {f4(A[f'(ra{i} + k) / 4'], a.buf.dtype)};")
+                k.emit(f"  let a{i} = {f4(A[quarter(f'ra{i} + k')], a.buf.dtype)};")
             else:
                 parts = ", ".join(f1(A, f"ra{i} + (k + {q}) * {sak}", a.buf.dtype) for q in range(4))
                 k.emit(f"  let a{i} = vec4<f32>({parts});")
@@ -354,16 +354,16 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
             for r in range(tn // sg):
                 k.emit(f"  let e{r}: i32 = lane + {sg * r};")
                 if vec_bn:
-                    addr = f"({b.offset} + z * {sbb} + min(n0 + 4 * (e{r} % {nb}), {N - 4}) + (k + e{r} / {nb}) * {sbk}) / 4"
+                    addr = quarter(f"{b.offset} + z * {sbb} + min(n0 + 4 * (e{r} % {nb}), {N - 4}) + (k + e{r} / {nb}) * {sbk}")
                 else:
-                    addr = f"({b.offset} + z * {sbb} + min(n0 + e{r}, {N - 1}) * {sbn} + k) / 4"
+                    addr = quarter(f"{b.offset} + z * {sbb} + min(n0 + e{r}, {N - 1}) * {sbn} + k")
                 k.emit(f"  let mine{r} = {f4(B[addr], b.buf.dtype)};")
         if vec_bk:
             for j in range(tn):
                 if sg:
                     k.emit(f"  let b{j} = subgroupBroadcast(mine{j // sg}, {j % sg}u);")
                 else:
-                    k.emit(f"  let b{j} = {f4(B[f'(cb{j} + k) / 4'], b.buf.dtype)};")
+                    k.emit(f"  let b{j} = {f4(B[quarter(f'cb{j} + k')], b.buf.dtype)};")
             for i in range(tm):
                 for jb in range(nb):
                     dots = ", ".join(f"dot(a{i}, b{4 * jb + j})" for j in range(4))
@@ -636,14 +636,14 @@ def gemv_kernel(pb, name: str, a: Value, parts: list[GemvPart], Z: int, K: int, 
             w4 = k.let(a.weight4(k, kk), "vec4<f32>") if normed else None  # the norm's weight: one load for every row
             for r in range(rows):
                 if plain:
-                    xs.append(k.let(f4(A[f"(ra{r} + {kk}) / 4"], a.buf.dtype), "vec4<f32>"))
+                    xs.append(k.let(f4(A[quarter(f"ra{r} + {kk}")], a.buf.dtype), "vec4<f32>"))
                 elif normed:
                     xs.append(k.let(a.read4(k, kk, scales[r], f"z * {M} + m{r}", w4), "vec4<f32>"))
                 else:
                     row = [cast(e, a.ty, "f32") for e in a.read4(k, ["z", f"m{r}", kk], 2)]
                     xs.append(k.let(f"vec4<f32>({', '.join(row)})", "vec4<f32>"))
             for j in range(tn):
-                w = k.let(f4(weights[f"({cb[j]} + {kk}) / 4"], b.buf.dtype), "vec4<f32>")
+                w = k.let(f4(weights[quarter(f"{cb[j]} + {kk}")], b.buf.dtype), "vec4<f32>")
                 for r in range(rows):
                     k.emit(f"acc{r}_{j} = acc{r}_{j} + {xs[r]} * {w};")
             if ragged:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from tapml.platforms.wgsl import views
 from tapml.platforms.wgsl.codegen import (GEMV_ROWS, LANE_GROUP, LANE_ROW_K, LAZY_ROW_COST, MAX_GROUPS, WORKGROUP,
-                                          BufferView, Value, cast, combine_lanes, lit, vec4_read)
+                                          BufferView, Value, cast, combine_lanes, lit, quarter, vec4_read)
 
 
 @dataclass
@@ -132,7 +132,7 @@ def _write(pb, x: Value, w: Value, eps: float, out, rows: int, K: int) -> None:
     if four:
         o = k.bind(out, "read_write", elem="vec4<f32>")
         value = f"{vec4_read(k, w, [idx], 0)} * ({vec4_read(k, x, ['row', idx], 1)} * {scale})"
-        at = f"(row * {K} + {idx}) / 4"
+        at = quarter(f"row * {K} + {idx}")
         k.emit(f"{o.name}_set({at}, {value});" if o.split else f"{o[at]} = {value};")
     else:
         xv = cast(x.read(k, ["row", idx]), x.ty, "f32")

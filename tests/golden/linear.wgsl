@@ -23,14 +23,14 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
   var acc2_0: vec4<f32> = vec4<f32>(0.0);
   var acc3_0: vec4<f32> = vec4<f32>(0.0);
   for (var k: i32 = 0; k < 16; k = k + 4) {
-      let a0 = buf_i0_v4[(ra0 + k) / 4];
-      let a1 = buf_i0_v4[(ra1 + k) / 4];
-      let a2 = buf_i0_v4[(ra2 + k) / 4];
-      let a3 = buf_i0_v4[(ra3 + k) / 4];
-      let b0 = buf_i1_v4[(cb0 + k) / 4];
-      let b1 = buf_i1_v4[(cb1 + k) / 4];
-      let b2 = buf_i1_v4[(cb2 + k) / 4];
-      let b3 = buf_i1_v4[(cb3 + k) / 4];
+      let a0 = buf_i0_v4[(ra0 + k) >> 2u];
+      let a1 = buf_i0_v4[(ra1 + k) >> 2u];
+      let a2 = buf_i0_v4[(ra2 + k) >> 2u];
+      let a3 = buf_i0_v4[(ra3 + k) >> 2u];
+      let b0 = buf_i1_v4[(cb0 + k) >> 2u];
+      let b1 = buf_i1_v4[(cb1 + k) >> 2u];
+      let b2 = buf_i1_v4[(cb2 + k) >> 2u];
+      let b3 = buf_i1_v4[(cb3 + k) >> 2u];
       acc0_0 = acc0_0 + vec4<f32>(dot(a0, b0), dot(a0, b1), dot(a0, b2), dot(a0, b3));
       acc1_0 = acc1_0 + vec4<f32>(dot(a1, b0), dot(a1, b1), dot(a1, b2), dot(a1, b3));
       acc2_0 = acc2_0 + vec4<f32>(dot(a2, b0), dot(a2, b1), dot(a2, b2), dot(a2, b3));
