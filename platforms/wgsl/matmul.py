@@ -321,14 +321,17 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
         k.emit(f"let m0: i32 = i32(gid.y) * {tm};")
         k.emit(f"let n0: i32 = i32(gid.x) * {tn};")
         k.emit(f"if (m0 >= {M} || n0 >= {N}) {{ return; }}")
-    for i in range(tm):  # rows past the end are clamped for loads; their results are dropped
-        k.emit(f"let ra{i}: i32 = {a.offset} + z * {sab} + min(m0 + {i}, {M - 1}) * {sam};")
+    # rows and columns past the end read past the operands (WGSL's bounds-checked loads give a value
+    # of the buffer or zero); their results are dropped. Not clamped, a lane's rows and columns stay
+    # one stride apart, which lavapipe loads faster (benchmarks/NOTES.md)
+    for i in range(tm):
+        k.emit(f"let ra{i}: i32 = {a.offset} + z * {sab} + (m0 + {i}) * {sam};")
     if vec_bn:
         for jb in range(nb):
-            k.emit(f"let cb{jb}: i32 = {b.offset} + z * {sbb} + min(n0 + {4 * jb}, {N - 4});")
+            k.emit(f"let cb{jb}: i32 = {b.offset} + z * {sbb} + n0 + {4 * jb};")
     else:
         for j in range(tn):
-            k.emit(f"let cb{j}: i32 = {b.offset} + z * {sbb} + min(n0 + {j}, {N - 1}) * {sbn};")
+            k.emit(f"let cb{j}: i32 = {b.offset} + z * {sbb} + (n0 + {j}) * {sbn};")
     for i in range(tm):
         for jb in range(nb):
             k.emit(f"var acc{i}_{jb}: vec4<f32> = vec4<f32>(0.0);")
@@ -354,9 +357,9 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
             for r in range(tn // sg):
                 k.emit(f"  let e{r}: i32 = lane + {sg * r};")
                 if vec_bn:
-                    addr = quarter(f"{b.offset} + z * {sbb} + min(n0 + 4 * (e{r} % {nb}), {N - 4}) + (k + e{r} / {nb}) * {sbk}")
+                    addr = quarter(f"{b.offset} + z * {sbb} + n0 + 4 * (e{r} % {nb}) + (k + e{r} / {nb}) * {sbk}")
                 else:
-                    addr = quarter(f"{b.offset} + z * {sbb} + min(n0 + e{r}, {N - 1}) * {sbn} + k")
+                    addr = quarter(f"{b.offset} + z * {sbb} + (n0 + e{r}) * {sbn} + k")
                 k.emit(f"  let mine{r} = {f4(B[addr], b.buf.dtype)};")
         if vec_bk:
             for j in range(tn):
@@ -621,8 +624,10 @@ def gemv_kernel(pb, name: str, a: Value, parts: list[GemvPart], Z: int, K: int, 
         B = k.bind(part.b.buf, elem=f"vec4<{part.b.buf.dtype}>")
         b = part.b
         k.emit(f"n0 = ((block - {starts[i]}) * {per_group} + {column}) * {tn};")
-        # columns past the end read the last one; their sums are written nowhere
-        cb = [k.let(f"{b.offset} + z * {b.strides[0]} + min(n0 + {j}, {part.n - 1}) * {b.strides[2]}", "i32")
+        # columns past the end (the last lanes of the last block) read past the weight, where WGSL's
+        # bounds-checked loads give a value of the buffer or zero; their sums are written nowhere.
+        # Not clamped, a lane's rows stay one stride apart: lavapipe's loads were 12% faster so
+        cb = [k.let(f"{b.offset} + z * {b.strides[0]} + (n0 + {j}) * {b.strides[2]}", "i32")
               for j in range(tn)]
 
         def products(weights):

@@ -10,14 +10,14 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
   let m0: i32 = i32(gid.y) * 4;
   let n0: i32 = i32(gid.x) * 4;
   if (m0 >= 4 || n0 >= 8) { return; }
-  let ra0: i32 = 0 + z * 0 + min(m0 + 0, 3) * 16;
-  let ra1: i32 = 0 + z * 0 + min(m0 + 1, 3) * 16;
-  let ra2: i32 = 0 + z * 0 + min(m0 + 2, 3) * 16;
-  let ra3: i32 = 0 + z * 0 + min(m0 + 3, 3) * 16;
-  let cb0: i32 = 0 + z * 0 + min(n0 + 0, 7) * 16;
-  let cb1: i32 = 0 + z * 0 + min(n0 + 1, 7) * 16;
-  let cb2: i32 = 0 + z * 0 + min(n0 + 2, 7) * 16;
-  let cb3: i32 = 0 + z * 0 + min(n0 + 3, 7) * 16;
+  let ra0: i32 = 0 + z * 0 + (m0 + 0) * 16;
+  let ra1: i32 = 0 + z * 0 + (m0 + 1) * 16;
+  let ra2: i32 = 0 + z * 0 + (m0 + 2) * 16;
+  let ra3: i32 = 0 + z * 0 + (m0 + 3) * 16;
+  let cb0: i32 = 0 + z * 0 + (n0 + 0) * 16;
+  let cb1: i32 = 0 + z * 0 + (n0 + 1) * 16;
+  let cb2: i32 = 0 + z * 0 + (n0 + 2) * 16;
+  let cb3: i32 = 0 + z * 0 + (n0 + 3) * 16;
   var acc0_0: vec4<f32> = vec4<f32>(0.0);
   var acc1_0: vec4<f32> = vec4<f32>(0.0);
   var acc2_0: vec4<f32> = vec4<f32>(0.0);
