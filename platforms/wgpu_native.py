@@ -198,8 +198,9 @@ class WgpuPlatform(WgslPlatform):
             self.device = chosen.request_device_sync(required_features=features, required_limits=limits)
         except Exception as e:  # noqa: BLE001
             raise TapmlError(f"wgpu could not open a device on {_describe(chosen)}: {e}") from None
-        # a platform dropped without close() drains its device the same way before it is released
-        weakref.finalize(self, _stop_polling, self.device).atexit = False
+        # close() drains the device through this, once; a platform dropped without close() too
+        self._drain = weakref.finalize(self, _stop_polling, self.device)
+        self._drain.atexit = False
         self._caps_cache = None
         self.guards = False
         super().__init__()
@@ -396,12 +397,13 @@ class WgpuPlatform(WgslPlatform):
         super().close()  # releases every program's buffers
         self._pipelines.clear()
         dev, self.device = getattr(self, "device", None), None
-        if dev is not None:
-            if _stop_polling(dev):  # else leave it alive rather than pull it from under a poll
-                try:
-                    dev.destroy()
-                except Exception:  # noqa: BLE001
-                    pass
+        drain = getattr(self, "_drain", None)
+        # a device whose poll thread did not end is left alive rather than pulled from under a poll
+        if dev is not None and drain is not None and drain():
+            try:
+                dev.destroy()
+            except Exception:  # noqa: BLE001
+                pass
 
 
 def _stop_polling(dev) -> bool:
