@@ -316,7 +316,7 @@ def quarter(index: str) -> str:
     """The vec4 index of element ``index`` (an i32 expression, a multiple of 4 where it is read):
     ``index >> 2``. Not ``index / 4``: a signed division by 4 is a shift plus a sign correction in
     every lane, and on a CPU adapter, where it sits in the address of every load, it cost a GEMV
-    a quarter of its time (benchmarks/NOTES.md). The two agree on every index that is not negative."""
+    a fifth of its time (benchmarks/NOTES.md). The two agree on every index that is not negative."""
     return f"({index}) >> 2u"
 
 
