@@ -36,7 +36,7 @@ class WgslPlatform(RuntimePlatform):
         return supports(node, self.caps())
 
     def _compile(self, graph: Graph) -> KernelProgram:
-        """Compiled once per graph, caps, matmul tile choice and fold form: a run's limits preflight and the run itself compile
+        """Compiled once per graph, caps, tuned matmul tiles and forced compile settings: a run's limits preflight and the run itself compile
         the same cases (:mod:`tapml.driving.preflight`), as do repeated replays in a session."""
         import hashlib
         import json
@@ -44,13 +44,13 @@ class WgslPlatform(RuntimePlatform):
         from tapml.platforms.program_cache import ProgramCache
         from tapml.platforms.wgsl import compile_graph
         from tapml.platforms.wgsl.int64 import static_wide_refs, widen
-        from tapml.platforms.wgsl.folds import fold_state
+        from tapml.platforms.wgsl.codegen import forced_state
         from tapml.platforms.wgsl.matmul import tiles_state
         caps = self.caps()
         original, static = graph, static_wide_refs(graph)
         if static:  # ints no i32 literal holds: their results in two words from the start
             graph = widen(graph, static)
-        key = hashlib.sha256(json.dumps([graph.to_json(), caps, tiles_state(caps), fold_state()], sort_keys=True,
+        key = hashlib.sha256(json.dumps([graph.to_json(), caps, tiles_state(caps), forced_state()], sort_keys=True,
                                         default=str).encode()).hexdigest()
         compiled = self.__dict__.setdefault("_compiled", ProgramCache(max_entries=COMPILED_PROGRAMS))
         program = compiled.get(key)

@@ -3,7 +3,8 @@ tiles of A and B in workgroup memory, forced for every product of a graph, again
 random inputs whose sizes cross tile boundaries (rows, columns and K that are not multiples of the
 tiles, one row, one column, batches), transposed operands read in place, a bias with alpha and
 beta, in float32, float16 and bfloat16. The runtime poisons outputs, so an element no lane writes
-shows. Also the tuner's bookkeeping: a compiled program is not reused under other tiles, and a
+shows. A weight split across binding windows is read window by window by the register and subgroup
+tiles. Also the tuner's bookkeeping: a compiled program is not reused under other tiles, and a
 cached choice is honoured only when it is one of the candidates.
 Device tier: lavapipe and llvmpipe; browser tier: Chromium."""
 
@@ -16,7 +17,7 @@ import torch
 
 from tapml.graph import graph_from_fx
 from tapml.platforms.wgsl import matmul
-from tests.support import exported, in_chromium, own_wgpu
+from tests.support import exported, in_chromium, on_every_webgpu, own_wgpu
 
 #: name -> (function, input shapes, K); the function's operands are what the graph's product reads
 CASES = {
@@ -109,6 +110,45 @@ def test_subgroup_tiles_equal_torch_on_vulkan(tiles):
     _check(platform, tiles, dtypes=(torch.bfloat16,) if first else (), names=VEC_CASES, kernel_says=("acc0_0",))
     others = [n for n in CASES if n not in VEC_CASES] if first else ["ragged-tiles", "one-row"]
     _check(platform, tiles, dtypes=(torch.float32,), names=others, kernel_says=("acc0_0",))
+
+
+#: A linear weight over the forced binding limit: rows of 160 bytes in windows of 64 KiB, so that most
+#: workgroups' column blocks lie in one window (read directly) and some straddle two (read through
+#: the accessor), and one row itself straddles the first boundary.
+SPLIT_WEIGHT = (40, 2000, 1 << 16)
+
+
+def _check_split_weight(platform):
+    """A product of 6 rows, forced onto the tiled kernel, by a weight bound as several windows, under
+    the register tiles and, where the device has subgroups, the tiles sharing B across a subgroup."""
+    k, n, limit = SPLIT_WEIGHT
+    tile_sets = [matmul.DEFAULT_TILES]
+    if "subgroup" in platform.caps().get("features", []):
+        tile_sets.append(matmul.SUBGROUP_CANDIDATES[0])
+    gen = torch.Generator().manual_seed(11)
+    x, w, bias = torch.randn(6, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    x[0, :4] = torch.tensor([1e20, -1e-40, -0.0, 3.0])
+    ep = exported(lambda a, b, c: (torch.nn.functional.linear(a, b, c),), x, w, bias)
+    graph = graph_from_fx(ep.graph, ep.graph_signature)
+    want = torch.nn.functional.linear(x.double(), w.double(), bias.double())
+    platform.force_limits({"max-storage-buffer-binding-size": limit})
+    try:
+        for tiles in tile_sets:
+            with matmul.forced_tiles(tiles):
+                program = platform.compile(graph)
+            (product,) = [kern for kern in program.kernels if "acc0_0" in kern.wgsl]
+            # read in the kernel's own loop, not only in the accessor (``_wJ[i - ...]``)
+            assert "_w0[(" in product.wgsl and "_w1[((" in product.wgsl, ("no window read directly", tiles)
+            got = platform.run(program, [x, w, bias])[0]
+            assert not got.isnan().any(), tiles
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, msg=f"{matmul.tiles_label(tiles)}, weight in windows",
+                                       atol=1e-5 * k * float(x.abs().max() * w.abs().max()))
+    finally:
+        platform.force_limits({})
+
+
+(test_a_split_weight_is_read_window_by_window_by_the_tiled_kernel,
+ test_a_split_weight_is_read_window_by_window_by_the_tiled_kernel_in_chromium) = on_every_webgpu(_check_split_weight)
 
 
 @pytest.mark.device

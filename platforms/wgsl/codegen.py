@@ -28,6 +28,7 @@ as long as a kernel's windows fit the bindings it may have.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from typing import Callable, Sequence
@@ -57,6 +58,37 @@ LAZY_ROW_COST = 24
 #: dispatch costs more than such a product. Past these sizes the tiled kernel, which reads each
 #: weight once per tile of rows, is faster.
 GEMV_ROWS, GEMV_ROWS_MACS = 32, 1 << 21
+
+
+class ForcedSetting:
+    """A compile choice that tests, probes and the tuner can force inside a block, whatever the
+    device would get (a matmul's tiles, a GEMV's shape, a fold's form). ``value`` is None unless
+    forced. Every setting is part of a compiled program's cache key (:func:`forced_state`): the same
+    graph compiled under another forced choice is another program."""
+
+    #: Every setting made, in the order the modules made them.
+    made: list["ForcedSetting"] = []
+
+    def __init__(self, name: str, choices: Sequence | None = None, prepare: Callable | None = None):
+        self.name, self.choices, self.prepare = name, tuple(choices or ()), prepare
+        self.value = None
+        ForcedSetting.made.append(self)
+
+    @contextlib.contextmanager
+    def forced(self, value):
+        """Compile with ``value`` inside the block; the previous value comes back after it."""
+        if self.choices and value not in self.choices:
+            raise ValueError(f"{self.name} is {' or '.join(map(repr, self.choices))}, not {value!r}")
+        old, self.value = self.value, (self.prepare(value) if self.prepare else value)
+        try:
+            yield
+        finally:
+            self.value = old
+
+
+def forced_state() -> list:
+    """The forced compile settings now in force, by name (part of a compiled program's cache key)."""
+    return [[s.name, s.value] for s in ForcedSetting.made]
 
 
 def gemv_rows(M: int, K: int, N: int) -> bool:

@@ -30,15 +30,14 @@ line scanned in order, then each chunk scanned again from the state before it.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from tapml.errors import Unsupported
 from tapml.graph import TensorMeta
-from tapml.platforms.wgsl.codegen import (CHUNK, I64, LOOP_BUDGET, MAX_GROUPS, WIDE, WORKGROUP, BufferView, Value,
-                                         contiguous_strides, index_sum, lit)
+from tapml.platforms.wgsl.codegen import (CHUNK, I64, LOOP_BUDGET, MAX_GROUPS, WIDE, WORKGROUP, BufferView,
+                                         ForcedSetting, Value, contiguous_strides, index_sum, lit)
 
 #: WGSL state type -> the torch dtype of the temp buffer holding partial states.
 _STATE_DTYPE = {"f32": "float32", "i32": "int32", "bool": "bool", I64: WIDE}
@@ -48,7 +47,7 @@ WORKGROUP_FOLD_K = 256
 #: Elements one lane of a workgroup fold takes at most: a longer row spreads over several
 #: workgroups, whose states the merge passes fold.
 LANE_FOLD = 64
-_FORCED_FOLD: str | None = None
+_FOLD_FORM = ForcedSetting("fold form", ("workgroup", "invocation"))
 
 
 def workgroup_fold(caps: dict | None, count: int) -> bool:
@@ -56,30 +55,16 @@ def workgroup_fold(caps: dict | None, count: int) -> bool:
     ``caps``: a device known not to be a CPU adapter (whose barriers switch every SIMD group of a
     workgroup) and rows of at least :data:`WORKGROUP_FOLD_K` elements, unless :func:`forced_fold`
     says otherwise."""
-    if _FORCED_FOLD is not None:  # an empty row keeps its reduction's own form (its 0/0, its identity)
-        return _FORCED_FOLD == "workgroup" and count > 0
+    if _FOLD_FORM.value is not None:  # an empty row keeps its reduction's own form (its 0/0, its identity)
+        return _FOLD_FORM.value == "workgroup" and count > 0
     return (caps or {}).get("cpu_adapter") is False and count >= WORKGROUP_FOLD_K
 
 
-@contextlib.contextmanager
 def forced_fold(form: str):
     """Compile every fold inside the block as a workgroup fold (``"workgroup"``) or with one
     invocation per row and part (``"invocation"``), whatever the device and the row's length (for
     tests and probes); a reduction short enough for one loop then folds too, unless its rows are empty."""
-    global _FORCED_FOLD
-    if form not in ("workgroup", "invocation"):
-        raise ValueError(f"fold form is 'workgroup' or 'invocation', not {form!r}")
-    old, _FORCED_FOLD = _FORCED_FOLD, form
-    try:
-        yield
-    finally:
-        _FORCED_FOLD = old
-
-
-def fold_state() -> list:
-    """What a fold's form depends on besides the graph and the caps (a compiled program is reused
-    only while this is unchanged)."""
-    return [_FORCED_FOLD]
+    return _FOLD_FORM.forced(form)
 
 
 @dataclass

@@ -21,7 +21,6 @@ a device never tuned gets :data:`DEFAULT_TILES` (the best measured on lavapipe).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -29,9 +28,9 @@ from pathlib import Path
 
 from tapml.graph import Node
 from tapml.platforms.wgsl import views
-from tapml.platforms.wgsl.codegen import (LANE_GROUP, LANE_ROW_K, LAZY_ROW_COST, MAX_GROUPS, WORKGROUP, BufferView,
-                                          Compute, Value, cast, combine_lanes, ctype, gemv_rows, lit, load_at, quarter,
-                                          slow_wide_compiles, vec4_f32, vec4_ok)
+from tapml.platforms.wgsl.codegen import (LANE_GROUP, LANE_ROW_K, LAZY_ROW_COST, MAIN, MAIN_WITH_GROUP_IDS, MAX_GROUPS,
+                                          WORKGROUP, BufferView, Compute, ForcedSetting, Value, cast, combine_lanes,
+                                          ctype, gemv_rows, lit, load_at, quarter, slow_wide_compiles, vec4_f32, vec4_ok)
 from tapml.platforms.wgsl.norms import NormedRow
 from tapml.platforms.wgsl.registry import ALL_INT, NUMERIC, edge_floats, edge_ints, rand, randint, register
 
@@ -53,8 +52,6 @@ WORKGROUP_CANDIDATES = [(4, 4, 16, 16, 0, 16), (8, 8, 8, 8, 0, 16), (4, 8, 16, 8
 WORKGROUP_BYTES = 16384
 #: Outputs with fewer rows or columns than this use SMALL_TILES (more threads for small work).
 LARGE = 64
-_FORCED: tuple | None = None
-_FORCED_GEMV: str | None = None
 _CACHE: dict = {}
 
 
@@ -96,6 +93,11 @@ def full_tiles(tiles) -> tuple[int, ...]:
     return tiles + (0,) * (6 - len(tiles))
 
 
+#: Forced tiles (the tuner compiles one graph under each candidate) and a forced GEMV shape.
+_TILES = ForcedSetting("tiles", prepare=full_tiles)
+_GEMV_SHAPE = ForcedSetting("GEMV shape", ("lane", "split"))
+
+
 def tiles_label(tiles) -> str:
     """``(8, 16, 8, 4, 0, 0)`` -> ``"8x16/8x4"``; subgroup variants end in ``"/sg8"``, workgroup-
     memory ones in ``"/wm16"`` (the K tile)."""
@@ -114,8 +116,8 @@ def tiles_for(caps: dict, m: int, n: int) -> tuple[int, int, int, int, int, int]
     """Tile sizes for an m x n output on a device with ``caps``: the tuned choice, or where one
     of its workgroups would cover more rows or columns than the output has (a linear over 64
     tokens under tiles tuned on 512 x 512), the fastest tuned candidate whose workgroup fits."""
-    if _FORCED is not None:
-        return _FORCED
+    if _TILES.value is not None:
+        return _TILES.value
     if m < LARGE or n < LARGE:
         return SMALL_TILES
     entry = _read_cache().get(device_key(caps or {}))
@@ -140,36 +142,22 @@ def tiles_for(caps: dict, m: int, n: int) -> tuple[int, int, int, int, int, int]
 
 
 def tiles_state(caps: dict) -> list:
-    """What the tile choice for a device with ``caps`` depends on besides the graph: the forced
-    tiles and GEMV shape and the tuned entry for the device. A compiled program is reused only while
-    this is unchanged (tuning compiles one graph under several forced tiles)."""
+    """What the tile choice for a device with ``caps`` depends on besides the graph and the forced
+    settings (:func:`codegen.forced_state`): the tuned entry for the device. A compiled program is
+    reused only while this is unchanged."""
     entry = _read_cache().get(device_key(caps or {}))
-    return [_FORCED, _FORCED_GEMV] + ([entry.get("tiles"), entry.get("gflops")] if isinstance(entry, dict) else [None])
+    return [entry.get("tiles"), entry.get("gflops")] if isinstance(entry, dict) else [None]
 
 
-@contextlib.contextmanager
 def forced_tiles(tiles: tuple[int, ...]):
     """Compile every matmul with ``tiles`` inside the block (for tuning)."""
-    global _FORCED
-    old, _FORCED = _FORCED, full_tiles(tiles)
-    try:
-        yield
-    finally:
-        _FORCED = old
+    return _TILES.forced(tiles)
 
 
-@contextlib.contextmanager
 def forced_gemv(shape: str):
     """Compile every GEMV inside the block with one lane a column group (``"lane"``) or with
     ``GEMV_LANES`` lanes splitting K (``"split"``), whatever the device (for tests and probes)."""
-    global _FORCED_GEMV
-    if shape not in ("lane", "split"):
-        raise ValueError(f"GEMV shape is 'lane' or 'split', not {shape!r}")
-    old, _FORCED_GEMV = _FORCED_GEMV, shape
-    try:
-        yield
-    finally:
-        _FORCED_GEMV = old
+    return _GEMV_SHAPE.forced(shape)
 
 
 def tune(platform, n: int = 512, repeat: int = 3, candidates=None) -> dict:
@@ -275,7 +263,7 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
     ``b`` are 3-d (batch first), ``meta`` the output's (2-d or 3-d) meta."""
     Z, M, K = a.shape
     # a GEMV takes the product (wid.z: its batches and blocks of rows)
-    few_rows = _FORCED is None and gemv_rows(M, K, b.shape[2]) and Z * M <= MAX_GROUPS
+    few_rows = _TILES.value is None and gemv_rows(M, K, b.shape[2]) and Z * M <= MAX_GROUPS
     lazy_row = few_rows and not isinstance(a, BufferView) and a.dtype in ("float32", "float16") and \
         a.cost <= LAZY_ROW_COST and (not isinstance(a, NormedRow) or a.rows == Z * M)
     a, b, bias, out, result, (Z, M, K, N) = _operands(pb, a, b, meta, bias, plain_a=not lazy_row)
@@ -342,8 +330,13 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
             return f4(B[quarter(f"cb{jb} + ({kk}) * {sbk}")], b.buf.dtype)
         return "vec4<f32>(" + ", ".join(f1(B, f"cb{4 * jb + j} + ({kk}) * {sbk}", b.buf.dtype) for j in range(4)) + ")"
 
-    k4 = K - K % 4
-    if k4:
+    # a weight split across binding windows (an LM head past the binding limit) is read window by
+    # window where a workgroup's column block lies in one (read along K only: a block of a weight
+    # read along N spans every window)
+    runs = window_runs(B, b, N, tn if sg else tn * wx, K, Z) if vec_bk else [(None, 0)]
+
+    def k_steps(weights) -> None:
+        """The K loop in steps of 4, reading B through ``weights``."""
         k.open(f"for (var k: i32 = 0; k < {k4}; k = k + 4)", k4 // 4)
         for i in range(tm):
             if vec_a:
@@ -360,13 +353,13 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
                     addr = quarter(f"{b.offset} + z * {sbb} + n0 + 4 * (e{r} % {nb}) + (k + e{r} / {nb}) * {sbk}")
                 else:
                     addr = quarter(f"{b.offset} + z * {sbb} + (n0 + e{r}) * {sbn} + k")
-                k.emit(f"  let mine{r} = {f4(B[addr], b.buf.dtype)};")
+                k.emit(f"  let mine{r} = {f4(weights[addr], b.buf.dtype)};")
         if vec_bk:
             for j in range(tn):
                 if sg:
                     k.emit(f"  let b{j} = subgroupBroadcast(mine{j // sg}, {j % sg}u);")
                 else:
-                    k.emit(f"  let b{j} = {f4(B[quarter(f'cb{j} + k')], b.buf.dtype)};")
+                    k.emit(f"  let b{j} = {f4(weights[quarter(f'cb{j} + k')], b.buf.dtype)};")
             for i in range(tm):
                 for jb in range(nb):
                     dots = ", ".join(f"dot(a{i}, b{4 * jb + j})" for j in range(4))
@@ -384,6 +377,10 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
                     terms = " + ".join(f"a{i}.{'xyzw'[q]} * b{q}_{jb}" for q in range(4))
                     k.emit(f"  acc{i}_{jb} = acc{i}_{jb} + {terms};")
         k.close()
+
+    k4 = K - K % 4
+    if k4:
+        by_window(k, runs, B, "i32(wid.x)", k_steps)  # wid.x: the workgroup's column block
     if K % 4:
         k.open(f"for (var k: i32 = {k4}; k < {K}; k = k + 1)", K - k4)
         for jb in range(nb):
@@ -403,9 +400,9 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
         groups = (-(-N // tn), -(-M // (tm * wx)), Z)
     else:
         groups = (-(-N // (tn * wx)), -(-M // (tm * wy)), Z)
-    kern = k.finish(0, workgroup=(wx, wy, 1), groups=groups)
+    kern = k.finish(0, workgroup=(wx, wy, 1), groups=groups, group_ids=len(runs) > 1)
     if sg:
-        sig = "fn main(@builtin(global_invocation_id) gid: vec3<u32>)"
+        sig = f"fn main({MAIN_WITH_GROUP_IDS if len(runs) > 1 else MAIN})"
         assert sig in kern.wgsl
         kern.wgsl = kern.wgsl.replace(sig, sig[:-1] + ", @builtin(subgroup_invocation_id) sg_id: u32, "
                                                      "@builtin(subgroup_size) sg_size: u32)")
@@ -532,8 +529,8 @@ def gemv_shape(caps: dict | None, normed: bool, K: int, N: int) -> tuple[int, in
     row), with no barrier, unless the row is normed and longer than ``LANE_ROW_K`` (each lane
     would add all its squares); elsewhere ``GEMV_LANES`` lanes split K (codegen.LANE_GROUP)."""
     one_lane = (caps or {}).get("cpu_adapter") and (not normed or K <= LANE_ROW_K)
-    if _FORCED_GEMV is not None:
-        one_lane = _FORCED_GEMV == "lane"
+    if _GEMV_SHAPE.value is not None:
+        one_lane = _GEMV_SHAPE.value == "lane"
     if one_lane:
         return 1, LANE_GROUP, 8 if N >= 2 * LANE_GROUP * 8 else 4
     return GEMV_LANES, WORKGROUP // GEMV_LANES, GEMV_COLUMNS
@@ -655,13 +652,7 @@ def gemv_kernel(pb, name: str, a: Value, parts: list[GemvPart], Z: int, K: int, 
                 k.close()
             k.close()
 
-        runs = window_runs(B, b, part.n, per_group * tn, K, Z)
-        for r, (window, end_block) in enumerate(runs):
-            if len(runs) > 1:
-                k.open(("" if r == 0 else "else ") + (f"if (block < {starts[i] + end_block})" if r < len(runs) - 1 else ""))
-            products(B if window is None else B.window(window))
-            if len(runs) > 1:
-                k.close()
+        by_window(k, window_runs(B, b, part.n, per_group * tn, K, Z), B, "block", products, first=starts[i])
         if len(parts) > 1:
             k.close()
     sums = [f"(acc{r}_{j}.x + acc{r}_{j}.y + acc{r}_{j}.z + acc{r}_{j}.w)" for r in range(rows) for j in range(tn)]
@@ -690,11 +681,11 @@ def gemv_kernel(pb, name: str, a: Value, parts: list[GemvPart], Z: int, K: int, 
 
 
 def window_runs(binding, b: BufferView, n: int, block_columns: int, K: int, Z: int) -> list[tuple[int | None, int]]:
-    """The GEMV's column blocks of one weight (``b``, read along K, ``n`` columns in blocks of
-    ``block_columns``) as runs of consecutive blocks: ``(window, end)`` where every column of the
-    run's blocks lies wholly in that window of a split weight, or ``(None, end)`` where a block's
-    columns straddle windows (read through the accessor). One run ``(None, blocks)`` for a
-    weight bound whole. Each run's end is its exclusive last block."""
+    """The column blocks of one weight (``b``, read along K, ``n`` columns in blocks of
+    ``block_columns``: a GEMV's or a tiled product's workgroup) as runs of consecutive blocks:
+    ``(window, end)`` where every column of the run's blocks lies wholly in that window of a split
+    weight, or ``(None, end)`` where a block's columns straddle windows (read through the accessor).
+    One run ``(None, blocks)`` for a weight bound whole. Each run's end is its exclusive last block."""
     blocks = -(-n // block_columns)
     if not binding.split or not binding.per_window or (Z > 1 and b.strides[0]):
         return [(None, blocks)]
@@ -714,6 +705,18 @@ def window_runs(binding, b: BufferView, n: int, block_columns: int, K: int, Z: i
         else:
             runs.append((w, block + 1))
     return runs
+
+
+def by_window(k, runs: list[tuple[int | None, int]], binding, block: str, emit, first: int = 0) -> None:
+    """``emit(weights)`` once for each run of :func:`window_runs`, under a branch on ``block`` (an
+    i32 expression, the workgroup's column block counted from ``first``: uniform), with ``weights``
+    the run's window of ``binding`` or, for a run that straddles windows, ``binding`` itself."""
+    for r, (window, end) in enumerate(runs):
+        if len(runs) > 1:
+            k.open(("" if r == 0 else "else ") + (f"if ({block} < {first + end})" if r < len(runs) - 1 else ""))
+        emit(binding if window is None else binding.window(window))
+        if len(runs) > 1:
+            k.close()
 
 
 @dataclass
@@ -827,7 +830,7 @@ def product_group(pb, group: ProductGroup, graph, env: dict) -> dict[str, Buffer
     """The values of the members that are one-row products read along K of the first member's
     row, from one GEMV kernel, by member name; none where fewer than two are (the others are
     lowered one by one, each where it stands)."""
-    if _FORCED is not None:
+    if _TILES.value is not None:
         return {}
     by_name = {n.name: n for n in graph.nodes}
     chosen, a0 = [], None
