@@ -87,6 +87,15 @@ def test_teacher_forced_on_the_reference_follows_the_json_contract(llama8, tmp_p
     assert "no tokenizer" in r.output
 
 
+def test_decode_rates_leave_out_the_first_step_which_compiles():
+    """tokens/s is taken over the decode steps after the first (which compiles the decode programs
+    and uploads their weights, seconds on lavapipe against milliseconds a step), or the one step."""
+    from tapml.driving.generate import _steady_rate
+    assert _steady_rate([3.0, 0.1, 0.4]) == 4.0
+    assert _steady_rate([0.5]) == 2.0
+    assert _steady_rate([]) is None and _steady_rate([1.0, 0.0]) is None
+
+
 def test_a_prefix_of_the_stored_steps_can_be_checked(llama8):
     from tapml.driving.targets import open_target
     with open_target("reference") as platform:

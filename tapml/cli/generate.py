@@ -252,8 +252,9 @@ def render_generation(doc: dict, quiet: bool = False, pieces: Optional[tuple[lis
             out.print(f"precision: {len(kept.get('prefill', []))} prefill and {len(kept.get('decode', []))} decode "
                       f"nodes kept in float32, the rest in {doc.get('dtype')} "
                       f"({sum((doc.get('casts') or {}).values())} casts added: bookkeeping)", highlight=False)
-        out.print(f"uploaded per decode step: {'-' if upload is None else f'{upload} bytes'}; decode tokens/s: target "
-                  f"{_rate(rates['target'])}, reference (torch eager, CPU) {_rate(rates['reference'])}", highlight=False)
+        out.print(f"uploaded per decode step: {'-' if upload is None else f'{upload} bytes'}; decode tokens/s (the steps "
+                  f"after the first, which compiles): target {_rate(rates['target'])}, reference (torch eager, CPU) "
+                  f"{_rate(rates['reference'])}", highlight=False)
         if (doc.get("kv_cache") or {}).get("note"):
             out.print(f"[yellow]{shown(doc['kv_cache']['note'])}[/]", highlight=False)
         if doc.get("first_divergence") is not None:

@@ -180,7 +180,7 @@ class _ReferenceStepper:
     def __init__(self, store, graphs: dict[str, Graph], params: dict[str, dict]):
         self.graphs, self.params = graphs, params
         self.state = {name: params["prefill"][name] for name in graphs["prefill"].state}
-        self.decode_s = 0.0
+        self.decode_s: list[float] = []  # seconds of each decode step
 
     def step(self, kind: str, step_inputs: dict) -> tuple[dict, dict, dict]:
         """Run one step; returns (its inputs with the cache before it, outputs by ref, new cache)."""
@@ -193,7 +193,7 @@ class _ReferenceStepper:
             outputs, self.state = reference_step(graph, {k: v for k, v in inputs.items() if k not in graph.state},
                                                  self.state)
         if kind == "decode":
-            self.decode_s += time.perf_counter() - start
+            self.decode_s.append(time.perf_counter() - start)
         return {**inputs, **before}, outputs, self.state
 
 
@@ -243,7 +243,7 @@ def generate(store, platform, target: str, *, tokens: int | None = None, free: b
     rows: list[dict] = []
     state: dict = {name: params["prefill"][name] for name in graphs["prefill"].state}
     target_tokens: list[int] = []
-    uploads, target_decode_s = [], 0.0
+    uploads, target_decode_s = [], []
     first_failure, failing = None, None
     first_divergence = None
     for s in stored_steps:
@@ -273,7 +273,7 @@ def generate(store, platform, target: str, *, tokens: int | None = None, free: b
             rows.append(_row(k, kind, reference_token, None, None, "error", verdict.message))
         else:
             if kind == "decode":
-                target_decode_s += time.perf_counter() - start
+                target_decode_s.append(time.perf_counter() - start)
                 uploads.append(platform.upload_bytes - before)
             status, comparison, token = judge_step(logits, expected, tolerances, reference_token, low)
             if status == "mismatch" and low is None and not comparison.passed:  # float32: against float64 too
@@ -299,7 +299,6 @@ def generate(store, platform, target: str, *, tokens: int | None = None, free: b
     if failing is not None and localize:
         culprits, localization = _localize(store, platform, target, first_failure, *failing, tolerances=tolerances,
                                            inject=inject, on_event=on_event, keep_float32=kept[failing[0]])
-    decode_steps = sum(1 for r in rows if r["kind"] == "decode" and r["target_token"] is not None)
     counts = {status: sum(r["status"] == status for r in rows) for status in STEP_STATUSES}
     return stamp("generation", {
         "target": target, "model": store.model, "device": device_info(platform),
@@ -324,8 +323,8 @@ def generate(store, platform, target: str, *, tokens: int | None = None, free: b
         # The first decode step also uploads the decode programs' weights (once per program).
         "upload_bytes_per_decode_step": max(uploads[1:] or uploads) if uploads else None,
         "upload_bytes_first_decode_step": uploads[0] if uploads else None,
-        "tokens_per_s": {"target": _rate(decode_steps, target_decode_s),
-                         "reference": _rate(tokens, reference.decode_s)},
+        # after the first decode step, which also compiles the decode programs and uploads their weights
+        "tokens_per_s": {"target": _steady_rate(target_decode_s), "reference": _steady_rate(reference.decode_s)},
         "quantize": store.quantize,
         "distribution": distribution_agreement(rows, judged=is_quantized(store, graphs["prefill"])),
     })
@@ -430,8 +429,11 @@ def _other_step_inputs(store, step: int) -> dict:
     return {n: t for n, t in store.step_inputs(step).items() if n != "input_ids"}
 
 
-def _rate(tokens: int, seconds: float) -> float | None:
-    return round(tokens / seconds, 3) if tokens and seconds > 0 else None
+def _steady_rate(step_seconds: list[float]) -> float | None:
+    """Tokens a second over the decode steps after the first (the first compiles the decode
+    programs and uploads their weights), or over the one step there is."""
+    steady = step_seconds[1:] or step_seconds
+    return round(len(steady) / sum(steady), 3) if steady and sum(steady) > 0 else None
 
 
 def _localize(store, platform, target: str, step: int, kind: str, inputs: dict, outputs: dict, *,
