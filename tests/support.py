@@ -537,6 +537,37 @@ def exported(fn, *inputs):
     return torch.export.export(Program(), inputs, strict=False).run_decompositions()
 
 
+#: A linear weight over a forced binding limit: rows of 160 bytes (K = 40) in windows of 64 KiB, so that
+#: most column blocks of a product kernel lie in one window (read directly) and some straddle two
+#: (read through the accessor), and one row itself straddles the first boundary (64 KiB is no whole
+#: number of rows).
+SPLIT_WEIGHT = (40, 2000, 1 << 16)
+
+
+@contextlib.contextmanager
+def split_weight_linear(platform, rows: int, seed: int):
+    """``(graph, [x, w, bias])`` of ``linear(x, w, bias)`` with ``rows`` rows and a
+    :data:`SPLIT_WEIGHT` weight (x's first elements large, subnormal and signed zero), compiled
+    inside the block under that binding limit; the limit is lifted after it."""
+    from tapml.graph import graph_from_fx
+    k, n, limit = SPLIT_WEIGHT
+    gen = torch.Generator().manual_seed(seed)
+    x, w, bias = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    x[0, :4] = torch.tensor([1e20, -1e-40, -0.0, 3.0])
+    ep = exported(lambda a, b, c: (torch.nn.functional.linear(a, b, c),), x, w, bias)
+    platform.force_limits({"max-storage-buffer-binding-size": limit})
+    try:
+        yield graph_from_fx(ep.graph, ep.graph_signature), [x, w, bias]
+    finally:
+        platform.force_limits({})
+
+
+def reads_windows_directly(wgsl: str) -> bool:
+    """Whether a kernel reads windows 0 and 1 of a split buffer in its own code (``_w0[(i) - ...]``),
+    not only inside the accessor that picks a window per element."""
+    return "_w0[(" in wgsl and "_w1[((" in wgsl
+
+
 # --- int64 past i32: limit-value cases of any op that claims int64 --------------------------
 
 def _single_case(graph, inputs):

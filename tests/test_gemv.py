@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from tapml.graph import graph_from_fx
-from tests.support import exported, on_every_webgpu, own_wgpu
+from tests.support import (SPLIT_WEIGHT, exported, on_every_webgpu, own_wgpu, reads_windows_directly,
+                           split_weight_linear)
 
 #: name -> (batch: 0 for a linear, else a bmm of that many products; K; columns; bias; rows)
 CASES = {
@@ -139,30 +140,15 @@ def _check(platform):
     _check_small_values(platform)
 
 
-#: A weight over the forced binding limit: rows of 160 bytes in windows of 64 KiB, so that most column
-#: blocks lie in one window (read directly) and some straddle two (read through the accessor), and
-#: one row itself straddles the first boundary (64 KiB is no whole number of rows).
-SPLIT_WEIGHT = (40, 2000, 1 << 16)
-
-
 def _check_split_weight(platform):
-    k, n, limit = SPLIT_WEIGHT
-    platform.force_limits({"max-storage-buffer-binding-size": limit})
-    try:
-        for rows in (1, 5):
-            gen = torch.Generator().manual_seed(rows)
-            x, w, bias = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
-            x[0, :4] = torch.tensor([1e20, -1e-40, -0.0, 3.0])
-            ep = exported(lambda a, b, c: (torch.nn.functional.linear(a, b, c),), x, w, bias)
-            program = platform.compile(graph_from_fx(ep.graph, ep.graph_signature))
+    for rows in (1, 5):
+        with split_weight_linear(platform, rows, seed=rows) as (graph, (x, w, bias)):
+            program = platform.compile(graph)
             (gemv,) = [kern for kern in program.kernels if "_gemv" in kern.name]
-            # read in the kernel's own loop, not only in the accessor (``_wJ[i - ...]``)
-            assert "_w0[(" in gemv.wgsl and "_w1[((" in gemv.wgsl, "no window read directly"
+            assert reads_windows_directly(gemv.wgsl), "no window read directly"
             got, want = platform.run(program, [x, w, bias])[0], torch.nn.functional.linear(x, w, bias)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * k * float(x.abs().max() * w.abs().max()),
-                                       msg=f"{rows} rows, weight in windows")
-    finally:
-        platform.force_limits({})
+            atol = 1e-5 * SPLIT_WEIGHT[0] * float(x.abs().max() * w.abs().max())
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=atol, msg=f"{rows} rows, weight in windows")
 
 
 def _check_shape(platform):

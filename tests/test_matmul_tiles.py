@@ -17,7 +17,8 @@ import torch
 
 from tapml.graph import graph_from_fx
 from tapml.platforms.wgsl import matmul
-from tests.support import exported, in_chromium, on_every_webgpu, own_wgpu
+from tests.support import (SPLIT_WEIGHT, exported, in_chromium, on_every_webgpu, own_wgpu, reads_windows_directly,
+                           split_weight_linear)
 
 #: name -> (function, input shapes, K); the function's operands are what the graph's product reads
 CASES = {
@@ -112,39 +113,24 @@ def test_subgroup_tiles_equal_torch_on_vulkan(tiles):
     _check(platform, tiles, dtypes=(torch.float32,), names=others, kernel_says=("acc0_0",))
 
 
-#: A linear weight over the forced binding limit: rows of 160 bytes in windows of 64 KiB, so that most
-#: workgroups' column blocks lie in one window (read directly) and some straddle two (read through
-#: the accessor), and one row itself straddles the first boundary.
-SPLIT_WEIGHT = (40, 2000, 1 << 16)
-
-
 def _check_split_weight(platform):
     """A product of 6 rows, forced onto the tiled kernel, by a weight bound as several windows, under
     the register tiles and, where the device has subgroups, the tiles sharing B across a subgroup."""
-    k, n, limit = SPLIT_WEIGHT
     tile_sets = [matmul.DEFAULT_TILES]
     if "subgroup" in platform.caps().get("features", []):
         tile_sets.append(matmul.SUBGROUP_CANDIDATES[0])
-    gen = torch.Generator().manual_seed(11)
-    x, w, bias = torch.randn(6, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
-    x[0, :4] = torch.tensor([1e20, -1e-40, -0.0, 3.0])
-    ep = exported(lambda a, b, c: (torch.nn.functional.linear(a, b, c),), x, w, bias)
-    graph = graph_from_fx(ep.graph, ep.graph_signature)
-    want = torch.nn.functional.linear(x.double(), w.double(), bias.double())
-    platform.force_limits({"max-storage-buffer-binding-size": limit})
-    try:
+    with split_weight_linear(platform, 6, seed=11) as (graph, (x, w, bias)):
+        want = torch.nn.functional.linear(x.double(), w.double(), bias.double())
         for tiles in tile_sets:
             with matmul.forced_tiles(tiles):
                 program = platform.compile(graph)
             (product,) = [kern for kern in program.kernels if "acc0_0" in kern.wgsl]
-            # read in the kernel's own loop, not only in the accessor (``_wJ[i - ...]``)
-            assert "_w0[(" in product.wgsl and "_w1[((" in product.wgsl, ("no window read directly", tiles)
+            assert reads_windows_directly(product.wgsl), ("no window read directly", tiles)
             got = platform.run(program, [x, w, bias])[0]
             assert not got.isnan().any(), tiles
-            torch.testing.assert_close(got.double(), want, rtol=1e-5, msg=f"{matmul.tiles_label(tiles)}, weight in windows",
-                                       atol=1e-5 * k * float(x.abs().max() * w.abs().max()))
-    finally:
-        platform.force_limits({})
+            atol = 1e-5 * SPLIT_WEIGHT[0] * float(x.abs().max() * w.abs().max())
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=atol,
+                                       msg=f"{matmul.tiles_label(tiles)}, weight in windows")
 
 
 (test_a_split_weight_is_read_window_by_window_by_the_tiled_kernel,

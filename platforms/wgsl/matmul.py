@@ -28,9 +28,10 @@ from pathlib import Path
 
 from tapml.graph import Node
 from tapml.platforms.wgsl import views
-from tapml.platforms.wgsl.codegen import (LANE_GROUP, LANE_ROW_K, LAZY_ROW_COST, MAIN, MAIN_WITH_GROUP_IDS, MAX_GROUPS,
-                                          WORKGROUP, BufferView, Compute, ForcedSetting, Value, cast, combine_lanes,
-                                          ctype, gemv_rows, lit, load_at, quarter, slow_wide_compiles, vec4_f32, vec4_ok)
+from tapml.platforms.wgsl.codegen import (LANE_GROUP, LANE_ROW_K, LAZY_ROW_COST, MAIN, MAIN_WITH_GROUP_IDS,
+                                          MAX_GROUPS, WORKGROUP, BufferView, Compute, ForcedSetting, Value, cast,
+                                          combine_lanes, ctype, gemv_rows, lit, load_at, quarter, slow_wide_compiles,
+                                          vec4_f32, vec4_ok)
 from tapml.platforms.wgsl.norms import NormedRow
 from tapml.platforms.wgsl.registry import ALL_INT, NUMERIC, edge_floats, edge_ints, rand, randint, register
 
@@ -333,7 +334,9 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
     # a weight split across binding windows (an LM head past the binding limit) is read window by
     # window where a workgroup's column block lies in one (read along K only: a block of a weight
     # read along N spans every window)
-    runs = window_runs(B, b, N, tn if sg else tn * wx, K, Z) if vec_bk else [(None, 0)]
+    block_columns = tn if sg else tn * wx  # a workgroup's columns
+    runs = window_runs(B, b, N, block_columns, K, Z) if vec_bk else [(None, -(-N // block_columns))]
+    windowed = len(runs) > 1  # the kernel branches on its workgroup's id
 
     def k_steps(weights) -> None:
         """The K loop in steps of 4, reading B through ``weights``."""
@@ -400,9 +403,9 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
         groups = (-(-N // tn), -(-M // (tm * wx)), Z)
     else:
         groups = (-(-N // (tn * wx)), -(-M // (tm * wy)), Z)
-    kern = k.finish(0, workgroup=(wx, wy, 1), groups=groups, group_ids=len(runs) > 1)
+    kern = k.finish(0, workgroup=(wx, wy, 1), groups=groups, group_ids=windowed)
     if sg:
-        sig = f"fn main({MAIN_WITH_GROUP_IDS if len(runs) > 1 else MAIN})"
+        sig = f"fn main({MAIN_WITH_GROUP_IDS if windowed else MAIN})"
         assert sig in kern.wgsl
         kern.wgsl = kern.wgsl.replace(sig, sig[:-1] + ", @builtin(subgroup_invocation_id) sg_id: u32, "
                                                      "@builtin(subgroup_size) sg_size: u32)")
