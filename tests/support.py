@@ -183,10 +183,37 @@ def low_precision_case(graph: Graph, inputs, dtype):
     return g, low, ref, ref64
 
 
-def run_low_precision_samples(platform, op: str, edges: bool = True) -> int:
+#: The most kernel forms of one op (and dtype) the browser tier runs: see :class:`KernelForms`.
+BROWSER_FORMS = 3
+_LITERAL = re.compile(r"\b(?:0x[0-9a-fA-F]+|\d+(?:\.\d*)?(?:e[-+]?\d+)?)[uif]?\b")
+
+
+class KernelForms:
+    """Which of an op's samples bring a kernel form not run yet, at most ``most`` forms.
+
+    A form is a compiled program's WGSL with its numeric literals folded: samples that differ only
+    in sizes and constants compile to one form. The browser tier runs the first ``most`` forms of
+    each op (its SwiftShader builds a pipeline per program, 0.1-1.5 s each, serially on one worker);
+    every sample of every form runs on lavapipe and llvmpipe in the device tier, from the same
+    compiler.
+    """
+
+    def __init__(self, most: int = BROWSER_FORMS):
+        self.most, self.seen = most, set()
+
+    def is_new(self, program) -> bool:
+        form = tuple(_LITERAL.sub("#", k.wgsl) for k in program.kernels)
+        if form in self.seen or len(self.seen) >= self.most:
+            return False
+        self.seen.add(form)
+        return True
+
+
+def run_low_precision_samples(platform, op: str, edges: bool = True, forms: int | None = None) -> int:
     """Run the registry's samples of ``op`` cast to every low-precision float it claims on
     ``platform``, judged fp64-anchored against torch in that dtype; returns how many ran.
-    ``edges=False``: without NaN, Inf and subnormal inputs (:func:`finite_normal`)."""
+    ``edges=False``: without NaN, Inf and subnormal inputs (:func:`finite_normal`). ``forms``: only
+    the samples of the first that many kernel forms of each dtype (:class:`KernelForms`)."""
     from tapml.platforms.wgsl import load_lowerings
     low = load_lowerings()[op]
     ran = 0
@@ -194,6 +221,7 @@ def run_low_precision_samples(platform, op: str, edges: bool = True) -> int:
         if str(dtype).removeprefix("torch.") not in low.dtypes:
             continue
         torch.manual_seed(0)
+        new_form = KernelForms(forms).is_new if forms else (lambda program: True)
         for graph, inputs in sample_cases(op):
             if not any(t.dtype == torch.float32 for t in inputs):
                 continue
@@ -201,7 +229,10 @@ def run_low_precision_samples(platform, op: str, edges: bool = True) -> int:
             if case is None:
                 continue
             g, ins, ref, ref64 = case
-            out = platform.run(platform.compile(g), ins)
+            program = platform.compile(g)
+            if not new_form(program):
+                continue
+            out = platform.run(program, ins)
             assert [o.dtype for o in out] == [r.dtype for r in ref], f"{op} {dtype}: output dtypes"
             if low.compare_values:
                 res = compare_anchored(out, ref, ref64, floor=LOW_FLOORS[dtype])

@@ -301,35 +301,36 @@ def test_generate_on_llvm_cpu_checks_every_step_and_says_the_cache_goes_back_in(
 
 @pytest.mark.slow
 @pytest.mark.device
-def test_migrate_hf_llama_on_iree_vulkan_killed_and_resumed_ends_with_a_placement_and_culprits(vulkan, tmp_path):
+def test_migrate_on_iree_vulkan_killed_and_resumed_ends_with_a_placement_and_culprits(vulkan, tmp_path):
     import signal
     import time
     state = tmp_path / "s.json"
     journal = tmp_path / "s.json.journal"
-    # one decoder layer: every op kind of the model, half the IREE compiles of the default two
-    command = [sys.executable, "-m", "tapml.cli", "migrate", "hf:llama", "--hf-config", "num_hidden_layers=1",
-               "--dtype", "bfloat16", "--target", "iree:vulkan", "--state", state]
+    # zoo:mlp in bfloat16: 10 cases, its two addmm refused by IREE's Vulkan code generator (every IREE
+    # compile takes 1.5-4 s here, so a larger model only repeats this at minutes a run)
+    command = [sys.executable, "-m", "tapml.cli", "migrate", "zoo:mlp", "--dtype", "bfloat16",
+               "--target", "iree:vulkan", "--state", state]
     first = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              start_new_session=True)  # its own group: the kill takes the IREE worker too
     try:
         deadline = time.monotonic() + 600
-        while not (journal.exists() and journal.read_text().count("\n") >= 12):
+        while not (journal.exists() and journal.read_text().count("\n") >= 4):
             assert first.poll() is None, first.stdout.read().decode()[-3000:]
-            assert time.monotonic() < deadline, "the migration wrote no 12 verdicts in 10 minutes"
+            assert time.monotonic() < deadline, "the migration wrote no 4 verdicts in 10 minutes"
             time.sleep(0.2)
         os.killpg(first.pid, signal.SIGKILL)
     finally:
         first.wait()
-    done = tapml("migrate", "hf:llama", "--hf-config", "num_hidden_layers=1", "--dtype", "bfloat16",
-                 "--target", "iree:vulkan", "--state", state, "--resume", timeout=1800)
+    done = tapml("migrate", "zoo:mlp", "--dtype", "bfloat16", "--target", "iree:vulkan", "--state", state,
+                 "--resume", timeout=1800)
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]  # a finding, not a crash
     doc = json.loads(state.read_text())
     assert doc["complete"] and doc["placement"]
     store_cases = json.loads((tmp_path / "s.store" / "manifest.json").read_text())["cases"]
-    assert len(doc["cases"]) == len(store_cases)  # every case of the bfloat16 store ran, 12 of them before the kill
+    assert len(doc["cases"]) == len(store_cases)  # every case of the bfloat16 store ran, 4 of them before the kill
     unsupported = [c for c in doc["cases"] if c["status"] == "unsupported"]
     assert [c for c in doc["cases"] if c["status"] not in ("pass", "unsupported")] == []
-    assert "aten.mm.default" in {c["op"] for c in unsupported}  # bfloat16 mm: IREE's Vulkan code generator
+    assert "aten.addmm.default" in {c["op"] for c in unsupported}  # bfloat16 addmm: IREE's Vulkan code generator
     assert all("failed to legalize operation 'vector.bitcast'" in c["message"] for c in unsupported)
     assert doc["culprits"] and {c["kind"] for c in doc["culprits"]} >= {"unsupported"}
     fell_back = [n for n, where in doc["placement"]["nodes"].items() if where != "target"]

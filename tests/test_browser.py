@@ -304,20 +304,23 @@ def _registry_ops() -> list:
 
 @pytest.mark.parametrize("op", _registry_ops())
 def test_lowering_in_the_browser(browser, op):
-    """The registry's own samples (the same checks as the wgpu tier), on the browser's WebGPU,
-    without NaN, Inf and subnormal inputs: the WGSL spec lets a device assume no NaN or Inf and
+    """The registry's own samples of the op's first kernel forms (``support.KernelForms``; the same
+    checks as the wgpu tier, which runs every sample), on the browser's WebGPU, without NaN, Inf and subnormal inputs: the WGSL spec lets a device assume no NaN or Inf and
     flush subnormals, and Chromium's Tint on SwiftShader does (exp(NaN) is Inf, sign(1e-40) is 0)."""
-    from support import finite_normal, only_ties_reordered
+    from support import KernelForms, finite_normal, only_ties_reordered
     from tapml.judging.compare import compare_tensor
     from tapml.graph import run_node
     from tapml.platforms.wgsl.registry import REGISTRY, sample_cases
     torch.manual_seed(0)
     cases = sample_cases(op)
     assert cases, f"{op}: the registry has no samples for it"
-    ran = 0
+    ran, forms = 0, KernelForms()
     for graph, inputs in cases:
         inputs = finite_normal(inputs)
-        out = browser.run(browser.compile(graph), inputs)
+        program = browser.compile(graph)
+        if not forms.is_new(program):
+            continue
+        out = browser.run(program, inputs)
         env = dict(zip([r for r, _ in graph.inputs], inputs))
         ref = run_node(graph.nodes[0], env.__getitem__)
         assert len(out) == len(ref)
@@ -340,9 +343,10 @@ def _low_precision_ops() -> list:
 @pytest.mark.parametrize("op", _low_precision_ops())
 def test_low_precision_lowering_in_the_browser(browser, op):
     """float16 and bfloat16 samples (packed two per u32 word where the page has no shader-f16),
-    fp64-anchored against torch in the same dtype, as on wgpu (finite normal inputs: see above)."""
-    from support import run_low_precision_samples
-    run_low_precision_samples(browser, op, edges=False)
+    fp64-anchored against torch in the same dtype, as on wgpu (finite normal inputs: see above);
+    the first kernel forms of each dtype, as above."""
+    from support import BROWSER_FORMS, run_low_precision_samples
+    run_low_precision_samples(browser, op, edges=False, forms=BROWSER_FORMS)
 
 
 def test_browser_reports_how_it_holds_low_precision(browser):
