@@ -202,8 +202,10 @@ class KernelForms:
         self.most, self.seen = most, set()
 
     def is_new(self, program) -> bool:
+        if len(self.seen) >= self.most:
+            return False
         form = tuple(_LITERAL.sub("#", k.wgsl) for k in program.kernels)
-        if form in self.seen or len(self.seen) >= self.most:
+        if form in self.seen:
             return False
         self.seen.add(form)
         return True

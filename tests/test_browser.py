@@ -305,8 +305,9 @@ def _registry_ops() -> list:
 @pytest.mark.parametrize("op", _registry_ops())
 def test_lowering_in_the_browser(browser, op):
     """The registry's own samples of the op's first kernel forms (``support.KernelForms``; the same
-    checks as the wgpu tier, which runs every sample), on the browser's WebGPU, without NaN, Inf and subnormal inputs: the WGSL spec lets a device assume no NaN or Inf and
-    flush subnormals, and Chromium's Tint on SwiftShader does (exp(NaN) is Inf, sign(1e-40) is 0)."""
+    checks as the wgpu tier, which runs every sample), on the browser's WebGPU, without NaN, Inf and
+    subnormal inputs: the WGSL spec lets a device assume no NaN or Inf and flush subnormals, and
+    Chromium's Tint on SwiftShader does (exp(NaN) is Inf, sign(1e-40) is 0)."""
     from support import KernelForms, finite_normal, only_ties_reordered
     from tapml.judging.compare import compare_tensor
     from tapml.graph import run_node
