@@ -185,6 +185,8 @@ def low_precision_case(graph: Graph, inputs, dtype):
 
 #: The most kernel forms of one op (and dtype) the browser tier runs: see :class:`KernelForms`.
 BROWSER_FORMS = 3
+#: The same for llvmpipe GL in the device tier (tests/test_wgsl_ops.py); lavapipe runs every sample.
+GL_FORMS = 6
 _LITERAL = re.compile(r"\b(?:0x[0-9a-fA-F]+|\d+(?:\.\d*)?(?:e[-+]?\d+)?)[uif]?\b")
 
 
@@ -192,23 +194,33 @@ class KernelForms:
     """Which of an op's samples bring a kernel form not run yet, at most ``most`` forms.
 
     A form is a compiled program's WGSL with its numeric literals folded: samples that differ only
-    in sizes and constants compile to one form. The browser tier runs the first ``most`` forms of
-    each op (its SwiftShader builds a pipeline per program, 0.1-1.5 s each, serially on one worker);
-    every sample of every form runs on lavapipe and llvmpipe in the device tier, from the same
-    compiler.
+    in sizes and constants compile to one form. Given the sample's inputs, a form is also told apart
+    by whether they hold NaN, Inf or subnormals, so an op's edge-value sample still runs. The browser
+    tier runs the first ``BROWSER_FORMS`` forms of each op (its SwiftShader builds a pipeline per
+    program, 0.1-1.5 s each, serially on one worker), llvmpipe GL the first ``GL_FORMS``; every
+    sample of every form runs on lavapipe in the device tier, from the same compiler.
     """
 
     def __init__(self, most: int = BROWSER_FORMS):
         self.most, self.seen = most, set()
 
-    def is_new(self, program) -> bool:
+    def is_new(self, program, inputs=()) -> bool:
         if len(self.seen) >= self.most:
             return False
-        form = tuple(_LITERAL.sub("#", k.wgsl) for k in program.kernels)
+        form = (tuple(_LITERAL.sub("#", k.wgsl) for k in program.kernels), tuple(map(_edges, inputs)))
         if form in self.seen:
             return False
         self.seen.add(form)
         return True
+
+
+def _edges(t: torch.Tensor) -> tuple[bool, bool]:
+    """Whether a float tensor holds NaN or Inf, and whether it holds subnormals."""
+    if not t.is_floating_point() or not t.numel():
+        return False, False
+    finite = torch.isfinite(t)
+    tiny = (t != 0) & (t.abs() < torch.finfo(t.dtype).tiny)
+    return not bool(finite.all()), bool(tiny.any())
 
 
 def run_low_precision_samples(platform, op: str, edges: bool = True, forms: int | None = None) -> int:
@@ -223,7 +235,7 @@ def run_low_precision_samples(platform, op: str, edges: bool = True, forms: int 
         if str(dtype).removeprefix("torch.") not in low.dtypes:
             continue
         torch.manual_seed(0)
-        new_form = KernelForms(forms).is_new if forms else (lambda program: True)
+        new_form = KernelForms(forms).is_new if forms else (lambda program, inputs: True)
         for graph, inputs in sample_cases(op):
             if not any(t.dtype == torch.float32 for t in inputs):
                 continue
@@ -232,7 +244,7 @@ def run_low_precision_samples(platform, op: str, edges: bool = True, forms: int 
                 continue
             g, ins, ref, ref64 = case
             program = platform.compile(g)
-            if not new_form(program):
+            if not new_form(program, ins):
                 continue
             out = platform.run(program, ins)
             assert [o.dtype for o in out] == [r.dtype for r in ref], f"{op} {dtype}: output dtypes"

@@ -242,7 +242,7 @@ def readme_iree_example() -> tuple[str, str]:
 
 @pytest.mark.slow
 @pytest.mark.device
-def test_the_repro_of_the_readmes_mm_case_fails_the_same_way_with_iree_alone(vulkan, tmp_path):
+def test_the_repro_of_the_readmes_addmm_case_fails_the_same_way_with_iree_alone(vulkan, tmp_path):
     """The case the README's IREE example shows (tests/test_readme.py walks its commands and checks
     what they print): its repro keeps the MLIR and fails the same way with IREE alone (its own runner)."""
     carve, case = readme_iree_example()
@@ -253,7 +253,7 @@ def test_the_repro_of_the_readmes_mm_case_fails_the_same_way_with_iree_alone(vul
                           f"{sys.executable} run.py", shell=True, cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 1 and "failed to legalize operation 'vector.bitcast'" in done.stdout + done.stderr
-    assert b"torch.aten.mm" in (tmp_path / "repro" / "program.mlir").read_bytes()
+    assert b"torch.aten.addmm" in (tmp_path / "repro" / "program.mlir").read_bytes()
 
 
 def replay_json(store, *args, timeout=900) -> tuple[int, dict, str]:
@@ -263,8 +263,8 @@ def replay_json(store, *args, timeout=900) -> tuple[int, dict, str]:
     return done.returncode, json.loads(out.read_text()), done.stdout + done.stderr
 
 
-# The bfloat16 store's every case on iree:vulkan runs in the migration test below (its op stage), and the
-# README's example replays its mm cases on both targets: one more whole-store run would add ~2 CPU minutes.
+# The bfloat16 zoo:mlp's every case on iree:vulkan runs in the migration test below (its op stage), and the
+# README's example replays its addmm cases on both targets.
 @pytest.mark.slow
 def test_every_case_of_the_float32_tiny_llama_passes_on_llvm_cpu(carved):
     store = carved("zoo:tiny-llama")

@@ -8,6 +8,8 @@ Device tier: lavapipe and llvmpipe; browser tier: Chromium."""
 
 from __future__ import annotations
 
+from functools import cache
+
 import pytest
 import torch
 
@@ -29,6 +31,7 @@ CASES = {
 }
 
 
+@cache  # an export each: built once per process, for both GEMV shapes and every platform
 def _case(name: str):
     batch, k, n, bias, rows = CASES[name]
     gen = torch.Generator().manual_seed(len(name))
@@ -46,6 +49,7 @@ def _case(name: str):
     return graph_from_fx(ep.graph, ep.graph_signature), inputs, fn(*inputs)[0]
 
 
+@cache
 def _group_case(rows: int, plain_partner: bool = False):
     """Three linears of one input, as q, k and v are (``plain_partner``: the third multiplies by a
     matrix stored K-major, which the GEMV does not read)."""
@@ -74,6 +78,7 @@ def _check_groups(platform):
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
 
 
+@cache
 def _mlp_case(rows: int, dtype=torch.float32):
     """A Llama MLP: ``down(silu(gate(x)) * up(x))``, whose one-row ``silu * up`` the down projection's
     GEMV computes as it reads it."""
@@ -189,6 +194,7 @@ def test_many_rows_and_large_products_keep_the_tiled_kernel():
         torch.testing.assert_close(platform.run(program, [x, w])[0], x @ w.t(), rtol=1e-5, atol=1e-3)
 
 
+@cache
 def _residual_case(rows: int, seed: int = 0):
     """``h + linear(x, w)``: a residual connection after a linear, as a decoder layer ends."""
     gen = torch.Generator().manual_seed(seed)

@@ -87,7 +87,7 @@ def walk_script(commands, logs: Path) -> str:
            "  done",
            "}"]
     for n, (line, command, expected, background) in enumerate(commands):
-        out.append(f"echo {shlex.quote(f'@@ README.md:{line}: {command}')}")
+        out.append(f"echo {shlex.quote(f'@@ README.md:{line}: {command}')}; readme_t0=${{EPOCHREALTIME/[.,]/}}")
         if background:
             log = logs / f"server-{line}.log"
             ready = ["listening on"] + (["announced to the registry"] if "--register" in command else [])
@@ -99,6 +99,7 @@ def walk_script(commands, logs: Path) -> str:
         out.append(command)
         out.append(f"rc=$?; [ $rc -eq {expected} ] || echo \"@@FAIL README.md:{line}: exit $rc, the README says "
                    f"{expected}\"")
+        out.append(f"echo \"@@TOOK README.md:{line}: $(( (${{EPOCHREALTIME/[.,]/}} - readme_t0) / 1000 )) ms\"")
     return "\n".join(out) + "\n"
 
 
@@ -216,10 +217,11 @@ def test_readme_commands_are_parsed_with_their_exit_codes():
     assert [b for *_, b in commands if b] == ["SERVER=$!", "PAGE=$!", "REGISTRY=$!", "SERVER=$!"]
 
 
+# Not in the browser tier's xdist group, though it opens Chromium: a group runs on one worker, and the
+# walk (~20 min of a full run) after the group's ~20 min was the run's longest chain (2026-11-29).
 @pytest.mark.slow
 @pytest.mark.device
 @pytest.mark.browser
-@pytest.mark.xdist_group("browser")
 @pytest.mark.timeout(WALK_TIMEOUT_S + 300)
 @NEEDS_CHROMIUM
 def test_readme_runs_as_written(tmp_path, figure):
@@ -227,6 +229,9 @@ def test_readme_runs_as_written(tmp_path, figure):
     started = time.monotonic()
     output, failures, left = walk(tmp_path, readme_commands(README.read_text()))
     figure("README walk s", round(time.monotonic() - started, 1))
+    took = sorted(((int(ms), line) for line, ms in re.findall(r"^@@TOOK README\.md:(\d+): (\d+) ms$", output, re.M)),
+                  reverse=True)
+    figure("README walk's slowest lines (s)", ", ".join(f"{line}: {ms / 1000:.0f}" for ms, line in took[:8]))
     assert not failures and not left, "\n".join(failures + [f"left behind: {x}" for x in left]) + "\n" + output[-6000:]
     # What the README shows its commands print, they still print (the ORT and IREE examples).
     for lines, shown in shown_outputs(README.read_text()):
