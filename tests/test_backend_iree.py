@@ -253,7 +253,7 @@ def test_the_repro_of_the_readmes_addmm_case_fails_the_same_way_with_iree_alone(
                           f"{sys.executable} run.py", shell=True, cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 1 and "failed to legalize operation 'vector.bitcast'" in done.stdout + done.stderr
-    assert b"torch.aten.addmm" in (tmp_path / "repro" / "program.mlir").read_bytes()
+    assert b"torch.aten.mm" in (tmp_path / "repro" / "program.mlir").read_bytes()  # core ATen: addmm is mm, mul, add
 
 
 def replay_json(store, *args, timeout=900) -> tuple[int, dict, str]:
@@ -264,13 +264,22 @@ def replay_json(store, *args, timeout=900) -> tuple[int, dict, str]:
 
 
 # The bfloat16 zoo:mlp's every case on iree:vulkan runs in the migration test below (its op stage), and the
-# README's example replays its addmm cases on both targets.
+# README's example replays its addmm cases on both targets. The views (view, unsqueeze, permute, expand,
+# slice, alias, clone: 46 of tiny-llama's 97 cases) are left out: each is an iree-compile of its own (the
+# test took 326-467 s with them), and the whole-model programs of the generate test below hold them all.
+LAYOUT_OPS = {"aten.view.default", "aten.unsqueeze.default", "aten.permute.default", "aten.expand.default",
+              "aten.slice.Tensor", "aten.alias.default", "aten.clone.default"}
+
+
 @pytest.mark.slow
-def test_every_case_of_the_float32_tiny_llama_passes_on_llvm_cpu(carved):
+def test_every_computing_case_of_the_float32_tiny_llama_passes_on_llvm_cpu(carved):
     store = carved("zoo:tiny-llama")
-    code, doc, said = replay_json(store, "--target", "iree:llvm-cpu")
     cases = json.loads((Path(store) / "manifest.json").read_text())["cases"]
-    assert code == 0 and len(doc["cases"]) == len(cases) == doc["summary"]["pass"], said[-3000:]
+    ops = sorted({c["op"] for c in cases} - LAYOUT_OPS)
+    code, doc, said = replay_json(store, "--target", "iree:llvm-cpu", *(a for op in ops for a in ("--op", op)))
+    computing = [c for c in cases if c["op"] in ops]
+    assert len(ops) >= 25 and len(computing) >= 50
+    assert code == 0 and len(doc["cases"]) == len(computing) == doc["summary"]["pass"], said[-3000:]
     assert "(local-task)" in doc["device"]["adapter"]
 
 
