@@ -7,7 +7,7 @@ more; ``forced_fold`` overrides it), the kernels it compiles, and that CPU adapt
 do not say keep one invocation a row. Device tier (lavapipe Vulkan, llvmpipe GL) and Chromium: all
 three are CPU adapters here, so the form is forced. Every lowering that folds runs its registry
 samples (edge values on the native adapters, float32, float16, bfloat16, and the int and bool
-dtypes it claims) and the long rows of test_long_rows' reduction families (float16 and bfloat16 on
+dtypes it claims; in Chromium the samples of its first kernel forms, support.KernelForms) and the long rows of test_long_rows' reduction families (float16 and bfloat16 on
 Vulkan) against torch, outputs poisoned before each run (platforms/base.py).
 """
 
@@ -18,8 +18,8 @@ import functools
 import pytest
 import torch
 
-from support import (INT_AND_BOOL, LOW, LOW_FLOORS, derived_dtype_cases, finite_normal, low_precision_case,
-                     on_every_webgpu, run_low_precision_samples, sampled_dtypes)
+from support import (BROWSER_FORMS, INT_AND_BOOL, LOW, LOW_FLOORS, KernelForms, derived_dtype_cases, finite_normal,
+                     low_precision_case, on_every_webgpu, run_low_precision_samples, sampled_dtypes)
 from tapml.errors import Unsupported
 from tapml.graph import run_node
 from tapml.judging.compare import compare_anchored, compare_tensor
@@ -96,11 +96,16 @@ def test_a_long_row_spreads_over_workgroups_and_merges():
 
 
 def _check_samples(platform, op: str, browser: bool) -> None:
+    """Every sample of ``op`` on the native adapters; in Chromium the samples of its first
+    ``BROWSER_FORMS`` folding kernel forms (test_browser runs the others' first forms)."""
     torch.manual_seed(0)
     folded = 0
+    forms = KernelForms(BROWSER_FORMS)
     for graph, inputs in sample_cases(op):
         inputs = finite_normal(inputs) if browser else inputs
         program = platform.compile(graph)
+        if browser and not (_folds(program) and forms.is_new(program)):
+            continue
         folded += _folds(program)
         out = platform.run(program, inputs)
         env = dict(zip([r for r, _ in graph.inputs], inputs))
@@ -110,10 +115,14 @@ def _check_samples(platform, op: str, browser: bool) -> None:
             res = compare_tensor(o, r)
             assert res.passed, f"{op} output {i}: {res.message}; worst {res.worst}; {[tuple(t.shape) for t in inputs]}"
     assert folded, f"{op}: no sample compiled to a workgroup fold"
-    run_low_precision_samples(platform, op, edges=not browser)
+    run_low_precision_samples(platform, op, edges=not browser, forms=BROWSER_FORMS if browser else None)
     for dtype in set(load_lowerings()[op].dtypes) & set(INT_AND_BOOL) - sampled_dtypes(op):
+        forms = KernelForms(BROWSER_FORMS)
         for graph, inputs, ref in derived_dtype_cases(op, dtype):
-            for i, (o, r) in enumerate(zip(platform.run(platform.compile(graph), inputs), ref)):
+            program = platform.compile(graph)
+            if browser and not forms.is_new(program):
+                continue
+            for i, (o, r) in enumerate(zip(platform.run(program, inputs), ref)):
                 assert o.dtype == r.dtype and compare_tensor(o, r).passed, f"{op} {dtype} output {i}"
 
 
