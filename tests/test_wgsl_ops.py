@@ -2,8 +2,8 @@
 
 The cases come from the registry itself (each entry's seeded sample inputs), so a new
 lowering is tested the moment it is registered: every sample on lavapipe, the samples of each op's
-first ``GL_FORMS`` kernel forms (edge values told apart) on llvmpipe GL. Needs a wgpu adapter; skipped as a whole,
-with the reason, when there is none.
+first ``GL_FORMS`` kernel forms (edge values told apart) on llvmpipe GL. Needs a wgpu adapter;
+skipped as a whole, with the reason, when there is none.
 """
 
 from __future__ import annotations
