@@ -191,7 +191,8 @@ _LITERAL = re.compile(r"\b(?:0x[0-9a-fA-F]+|\d+(?:\.\d*)?(?:e[-+]?\d+)?)[uif]?\b
 
 
 class KernelForms:
-    """Which of an op's samples bring a kernel form not run yet, at most ``most`` forms.
+    """Which of an op's samples bring a kernel form not run yet, at most ``most`` forms
+    (``most=None``: every sample, as lavapipe runs them).
 
     A form is a compiled program's WGSL with its numeric literals folded: samples that differ only
     in sizes and constants compile to one form. Given the sample's inputs, a form is also told apart
@@ -201,10 +202,12 @@ class KernelForms:
     sample of every form runs on lavapipe in the device tier, from the same compiler.
     """
 
-    def __init__(self, most: int = BROWSER_FORMS):
+    def __init__(self, most: int | None = BROWSER_FORMS):
         self.most, self.seen = most, set()
 
     def is_new(self, program, inputs=()) -> bool:
+        if self.most is None:
+            return True
         if len(self.seen) >= self.most:
             return False
         form = (tuple(_LITERAL.sub("#", k.wgsl) for k in program.kernels), tuple(map(_edges, inputs)))
@@ -235,7 +238,7 @@ def run_low_precision_samples(platform, op: str, edges: bool = True, forms: int 
         if str(dtype).removeprefix("torch.") not in low.dtypes:
             continue
         torch.manual_seed(0)
-        new_form = KernelForms(forms).is_new if forms else (lambda program, inputs: True)
+        new_forms = KernelForms(forms)
         for graph, inputs in sample_cases(op):
             if not any(t.dtype == torch.float32 for t in inputs):
                 continue
@@ -244,7 +247,7 @@ def run_low_precision_samples(platform, op: str, edges: bool = True, forms: int 
                 continue
             g, ins, ref, ref64 = case
             program = platform.compile(g)
-            if not new_form(program, ins):
+            if not new_forms.is_new(program, ins):
                 continue
             out = platform.run(program, ins)
             assert [o.dtype for o in out] == [r.dtype for r in ref], f"{op} {dtype}: output dtypes"

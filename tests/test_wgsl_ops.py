@@ -53,9 +53,10 @@ def reference(graph: Graph, inputs):
     return run_node(graph.nodes[0], env.__getitem__)
 
 
-def check_case(platform, graph, inputs, op, values=True, new_form=lambda program, inputs: True):
+def check_case(platform, graph, inputs, op, values=True, forms: KernelForms | None = None):
+    """Compile and run one sample and judge it against torch (``forms``: skip a form already run)."""
     program = platform.compile(graph)
-    if not new_form(program, inputs):
+    if forms and not forms.is_new(program, inputs):
         return
     # what the compiler writes, the program's declared schema reads back (ProgramJSON, #37)
     assert KernelProgram.from_json(json.loads(program.dumps())).key == program.key, op
@@ -76,9 +77,9 @@ def _run_registry_entry(platform, op, forms=None):
     assert cases, f"{op}: no sample fits its schema; give the registry entry samples"
     low = REGISTRY[op]
     ran = 0
-    new_form = KernelForms(forms).is_new if forms else (lambda program, inputs: True)
+    new_forms = KernelForms(forms)
     for graph, inputs in cases:
-        check_case(platform, graph, inputs, op, values=low.compare_values, new_form=new_form)
+        check_case(platform, graph, inputs, op, values=low.compare_values, forms=new_forms)
         ran += 1
     assert ran, f"{op}: every sample was unsupported on {platform.name}"
 
@@ -127,10 +128,10 @@ DERIVED = [(op, d) for op in OPS for d in REGISTRY[op].dtypes
 
 def _run_derived(platform, op, dtype, forms=None):
     ran = 0
-    new_form = KernelForms(forms).is_new if forms else (lambda program, inputs: True)
+    new_forms = KernelForms(forms)
     for graph, inputs, ref in derived_dtype_cases(op, dtype):
         program = platform.compile(graph)
-        if not new_form(program, inputs):
+        if not new_forms.is_new(program, inputs):
             continue
         out = platform.run(program, inputs)
         for i, (o, r) in enumerate(zip(out, ref)):

@@ -7,8 +7,9 @@ more; ``forced_fold`` overrides it), the kernels it compiles, and that CPU adapt
 do not say keep one invocation a row. Device tier (lavapipe Vulkan, llvmpipe GL) and Chromium: all
 three are CPU adapters here, so the form is forced. Every lowering that folds runs its registry
 samples (edge values on the native adapters, float32, float16, bfloat16, and the int and bool
-dtypes it claims; in Chromium the samples of its first kernel forms, support.KernelForms) and the long rows of test_long_rows' reduction families (float16 and bfloat16 on
-Vulkan) against torch, outputs poisoned before each run (platforms/base.py).
+dtypes it claims; in Chromium the samples of its first kernel forms, support.KernelForms) and the
+long rows of test_long_rows' reduction families (float16 and bfloat16 on Vulkan) against torch,
+outputs poisoned before each run (platforms/base.py).
 """
 
 from __future__ import annotations
@@ -100,13 +101,15 @@ def _check_samples(platform, op: str, browser: bool) -> None:
     ``BROWSER_FORMS`` folding kernel forms (test_browser runs the others' first forms)."""
     torch.manual_seed(0)
     folded = 0
-    forms = KernelForms(BROWSER_FORMS)
+    forms = BROWSER_FORMS if browser else None
+    new_forms = KernelForms(forms)
     for graph, inputs in sample_cases(op):
         inputs = finite_normal(inputs) if browser else inputs
         program = platform.compile(graph)
-        if browser and not (_folds(program) and forms.is_new(program)):
+        folds = _folds(program)
+        if (browser and not folds) or not new_forms.is_new(program):
             continue
-        folded += _folds(program)
+        folded += folds
         out = platform.run(program, inputs)
         env = dict(zip([r for r, _ in graph.inputs], inputs))
         ref = run_node(graph.nodes[0], env.__getitem__)
@@ -115,12 +118,12 @@ def _check_samples(platform, op: str, browser: bool) -> None:
             res = compare_tensor(o, r)
             assert res.passed, f"{op} output {i}: {res.message}; worst {res.worst}; {[tuple(t.shape) for t in inputs]}"
     assert folded, f"{op}: no sample compiled to a workgroup fold"
-    run_low_precision_samples(platform, op, edges=not browser, forms=BROWSER_FORMS if browser else None)
+    run_low_precision_samples(platform, op, edges=not browser, forms=forms)
     for dtype in set(load_lowerings()[op].dtypes) & set(INT_AND_BOOL) - sampled_dtypes(op):
-        forms = KernelForms(BROWSER_FORMS)
+        new_forms = KernelForms(forms)
         for graph, inputs, ref in derived_dtype_cases(op, dtype):
             program = platform.compile(graph)
-            if browser and not forms.is_new(program):
+            if not new_forms.is_new(program):
                 continue
             for i, (o, r) in enumerate(zip(platform.run(program, inputs), ref)):
                 assert o.dtype == r.dtype and compare_tensor(o, r).passed, f"{op} {dtype} output {i}"
