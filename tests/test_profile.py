@@ -246,7 +246,13 @@ def test_a_kernel_made_twelve_times_as_slow_is_slower_and_says_exit_1_is_about_s
     from tapml.driving.replay import replay
     base = tmp_path / "base.json"
     assert tapml("replay", mm_store.path, "-t", "wgpu:vulkan", "--profile", "--json", base, "-q").exit_code == 0
-    r = tapml("replay", mm_store.path, "-t", "wgpu:vulkan", "--baseline", base)
+    # unchanged, nothing is slower; but a neighbour on a shared machine can slow one kind of kernel
+    # alone for a minute (a CI run once flagged a permute 2.4x beside its compute-bound controls),
+    # which no control reads, so the claim is that such a finding does not survive a rerun
+    for _ in range(3):
+        r = tapml("replay", mm_store.path, "-t", "wgpu:vulkan", "--baseline", base)
+        if r.exit_code == 0:
+            break
     assert r.exit_code == 0 and "0 slower than the baseline" in r.output, r.output
     # twelve times the kernels: the load is read from control cases (relu, small copies) whose time
     # is mostly dispatch overhead, and on a loaded CI run they read 3-4x; 2x and then 4x were lost

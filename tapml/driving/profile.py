@@ -163,8 +163,8 @@ def slower_cases(result: dict, baseline, slower_than: float = SLOWER_THAN, min_d
 
     A timing on a shared machine is noisy, so a case that looks slower is not yet a finding:
     ``remeasure(case_json)`` (its device times in ms) times it ``rounds`` more times, each round
-    beside up to three *control* cases that did not look slower, whose ratio to their own baseline
-    is the load of that moment (a loaded machine slows every case alike; a slowed kernel stands
+    beside up to three *control* cases that did not look slower, the nearest to it in baseline
+    time, whose ratio to their own baseline is the load of that moment (a loaded machine slows every case alike; a slowed kernel stands
     out). Each timing is above the line when it exceeds the baseline times that load by more than
     ``slower_than`` percent and ``min_diff_ms``; the case is slower when so many are above that a
     one-sided sign test puts the chance of it by luck at ``max_p`` or less (and their median is above
@@ -197,15 +197,23 @@ def slower_cases(result: dict, baseline, slower_than: float = SLOWER_THAN, min_d
                  for v in suspects]
         return sorted(found, key=lambda s: -s["ratio"])
     suspected = {id(v) for v in suspects}
-    controls = sorted((v for v in compared if id(v) not in suspected), key=lambda v: -v["baseline_ms"])[:CONTROLS]
+    pool = [v for v in compared if id(v) not in suspected]
+    # a kernel of a few dispatches and a long one feel a neighbour's load differently (wake-ups
+    # against arithmetic), so each suspect's controls are the cases nearest it in baseline time
+    controls = {id(v): sorted(pool, key=lambda c: abs(math.log(c["baseline_ms"] / v["baseline_ms"])))[:CONTROLS]
+                for v in suspects}
     timings: dict[int, list[tuple[float, float]]] = {id(v): [] for v in suspects}  # (ms, load of its round)
     live = list(suspects)
     for done in range(1, rounds + 1):
         if not live:
             break
-        loads = [statistics.median(remeasure(c)) / c["baseline_ms"] for c in controls]
-        load = max(1.0, statistics.median(loads)) if loads else drift
+        ratios: dict[int, float] = {}  # each control timed once a round
         for v in live:
+            for c in controls[id(v)]:
+                if id(c) not in ratios:
+                    ratios[id(c)] = statistics.median(remeasure(c)) / c["baseline_ms"]
+            loads = [ratios[id(c)] for c in controls[id(v)]]
+            load = max(1.0, statistics.median(loads)) if loads else drift
             timings[id(v)] += [(ms, load) for ms in remeasure(v) if ms > 0]
         # a suspect that cannot reach max_p even if every timing left is above is cleared now
         left = (rounds - done) * RUNS
