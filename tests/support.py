@@ -33,6 +33,13 @@ REFERENCE_AND_VULKAN = ["reference", pytest.param("wgpu:vulkan", marks=[
                        reason="no wgpu Vulkan adapter (install mesa-vulkan-drivers for lavapipe)")])]
 
 
+#: The ops that only move or view data (tiny-llama's view, unsqueeze, permute, expand, slice, alias and
+#: clone: 46 of its 97 cases). Tests that compile every case of a store through a slow external compiler
+#: leave them out; whole-model programs hold them all.
+LAYOUT_OPS = frozenset({"aten.view.default", "aten.unsqueeze.default", "aten.permute.default", "aten.expand.default",
+                        "aten.slice.Tensor", "aten.alias.default", "aten.clone.default"})
+
+
 #: Skip a test where no Chromium can be started (apt-get install chromium, or TAPML_CHROMIUM).
 NEEDS_CHROMIUM = pytest.mark.skipif(shutil.which("chromium") is None and not os.environ.get("TAPML_CHROMIUM"),
                                     reason="no chromium on PATH (apt-get install chromium)")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import LAYOUT_OPS
 from test_readme import flat, readme_commands, shown_outputs
 
 pytest.importorskip("iree.runtime", reason="the backends extra is not installed (pip install 'tapml[backends]')")
@@ -264,13 +265,9 @@ def replay_json(store, *args, timeout=900) -> tuple[int, dict, str]:
 
 
 # The bfloat16 zoo:mlp's every case on iree:vulkan runs in the migration test below (its op stage), and the
-# README's example replays its addmm cases on both targets. The views (view, unsqueeze, permute, expand,
-# slice, alias, clone: 46 of tiny-llama's 97 cases) are left out: each is an iree-compile of its own (the
-# test took 326-467 s with them), and the whole-model programs of the generate test below hold them all.
-LAYOUT_OPS = {"aten.view.default", "aten.unsqueeze.default", "aten.permute.default", "aten.expand.default",
-              "aten.slice.Tensor", "aten.alias.default", "aten.clone.default"}
-
-
+# README's example replays its addmm cases on both targets. The views (support.LAYOUT_OPS) are left out:
+# each is an iree-compile of its own (the test took 326-467 s with them), and the whole-model programs of
+# the generate test below hold them all.
 @pytest.mark.slow
 def test_every_computing_case_of_the_float32_tiny_llama_passes_on_llvm_cpu(carved):
     store = carved("zoo:tiny-llama")

@@ -253,7 +253,7 @@ def test_the_output_the_readme_shows_is_found_for_the_ort_iree_and_tinygrad_exam
     assert len(shown) == 4 and all(lines and said for lines, said in shown)
     ort, iree, tinygrad, ort_web = shown
     assert "on ort (cpu (CPUExecutionProvider))" in ort[1][-1] and len(ort[0]) == 4
-    assert "iree:vulkan cannot compile" in iree[1][0] and len(iree[0]) == 3
+    assert "iree:vulkan cannot compile" in iree[1][0] and len(iree[0]) == 2
     assert "control tinygrad:cpu fails too" in tinygrad[1][0] and len(tinygrad[0]) == 1
     assert "aten.sin.default" in ort_web[1][1] and "5 error on ort-web:webgpu" in ort_web[1][-1] and len(ort_web[0]) == 4
     output = "@@ README.md:7: $T replay x\nc2 aten.sum.dim_IntList:  dtype float32\n@@ README.md:8: next\nother\n"
