@@ -191,7 +191,7 @@ def low_precision_case(graph: Graph, inputs, dtype):
 
 
 #: The most kernel forms of one op (and dtype) the browser tier runs: see :class:`KernelForms`.
-BROWSER_FORMS = 3
+BROWSER_FORMS = 2
 #: The same for llvmpipe GL in the device tier (tests/test_wgsl_ops.py); lavapipe runs every sample.
 GL_FORMS = 6
 _LITERAL = re.compile(r"\b(?:0x[0-9a-fA-F]+|\d+(?:\.\d*)?(?:e[-+]?\d+)?)[uif]?\b")

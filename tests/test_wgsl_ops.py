@@ -91,7 +91,7 @@ def test_lowering_vulkan(vulkan, op):
 
 # The same registry on GL: integer division, f16 and limits differ there (GLSL leaves / and %
 # undefined for negative operands; llvmpipe GL has no shader-f16). GL runs the samples of each op's
-# first GL_FORMS kernel forms (support.KernelForms), as the browser tier runs its first three: what
+# first GL_FORMS kernel forms (support.KernelForms), as the browser tier runs its first two: what
 # GL can get wrong is the translation of a kernel's code, which another sample of one form repeats
 # with other sizes; lavapipe runs every sample of every form.
 @pytest.mark.parametrize("op", OPS)
