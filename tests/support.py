@@ -40,6 +40,15 @@ LAYOUT_OPS = frozenset({"aten.view.default", "aten.unsqueeze.default", "aten.per
                         "aten.slice.Tensor", "aten.alias.default", "aten.clone.default"})
 
 
+def first_case_of_each_computing_op(store) -> list[dict]:
+    """The first case of each op of ``store`` (a CarveStore) that computes (not in :data:`LAYOUT_OPS`)."""
+    first: dict = {}
+    for case in store.cases:
+        if case["op"] not in LAYOUT_OPS:
+            first.setdefault(case["op"], case)
+    return list(first.values())
+
+
 #: Skip a test where no Chromium can be started (apt-get install chromium, or TAPML_CHROMIUM).
 NEEDS_CHROMIUM = pytest.mark.skipif(shutil.which("chromium") is None and not os.environ.get("TAPML_CHROMIUM"),
                                     reason="no chromium on PATH (apt-get install chromium)")

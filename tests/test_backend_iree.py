@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import LAYOUT_OPS
+from support import first_case_of_each_computing_op
 from test_readme import flat, readme_commands, shown_outputs
 
 pytest.importorskip("iree.runtime", reason="the backends extra is not installed (pip install 'tapml[backends]')")
@@ -265,18 +265,20 @@ def replay_json(store, *args, timeout=900) -> tuple[int, dict, str]:
 
 
 # The bfloat16 zoo:mlp's every case on iree:vulkan runs in the migration test below (its op stage), and the
-# README's example replays its addmm cases on both targets. The views (support.LAYOUT_OPS) are left out:
-# each is an iree-compile of its own (the test took 326-467 s with them), and the whole-model programs of
-# the generate test below hold them all.
+# README's example replays its addmm cases on both targets. Here each computing op's first case: every
+# case is an iree-compile of its own (the test took 326-467 s with the views, 298 s with each computing
+# case), and the generate test below compiles them all in whole-model programs, every step judged.
 @pytest.mark.slow
-def test_every_computing_case_of_the_float32_tiny_llama_passes_on_llvm_cpu(carved):
-    store = carved("zoo:tiny-llama")
-    cases = json.loads((Path(store) / "manifest.json").read_text())["cases"]
-    ops = sorted({c["op"] for c in cases} - LAYOUT_OPS)
-    code, doc, said = replay_json(store, "--target", "iree:llvm-cpu", *(a for op in ops for a in ("--op", op)))
-    computing = [c for c in cases if c["op"] in ops]
-    assert len(ops) >= 25 and len(computing) >= 50
-    assert code == 0 and len(doc["cases"]) == len(computing) == doc["summary"]["pass"], said[-3000:]
+def test_every_computing_op_of_the_float32_tiny_llama_passes_on_llvm_cpu(carved):
+    from tapml.carving.store import CarveStore
+    from tapml.driving.replay import replay
+    from tapml.driving.targets import open_target
+    store = CarveStore(carved("zoo:tiny-llama"))
+    cases = first_case_of_each_computing_op(store)
+    with open_target("iree:llvm-cpu") as platform:
+        doc = replay(store, platform, "iree:llvm-cpu", cases=cases)
+    assert len(cases) >= 25 and len(doc["cases"]) == len(cases)
+    assert [(c["op"], c["status"]) for c in doc["cases"] if c["status"] != "pass"] == []
     assert "(local-task)" in doc["device"]["adapter"]
 
 

@@ -21,7 +21,7 @@ import sys
 
 import pytest
 import torch
-from support import LAYOUT_OPS, exported, store_from_source
+from support import exported, first_case_of_each_computing_op, store_from_source
 
 # found, not imported: tinygrad reads its settings (CACHELEVEL, which the backend sets) when first imported
 if importlib.util.find_spec("tinygrad") is None or importlib.util.find_spec("onnxscript") is None:
@@ -233,25 +233,27 @@ def test_the_four_target_matrix_names_the_op_the_onnx_route_gets_wrong_in_the_te
     assert 'id="coverage-table"' in html and html.count('data-group="differs"') == 1 and all(t in html for t in targets)
 
 
-# float16 only: float32 programs run on tinygrad:webgpu in the device tier above, and each whole store
-# costs ~100 s of tinygrad compiles on 2 cores (the views, support.LAYOUT_OPS, half of it: left out)
+# float16 only: float32 programs run on tinygrad:webgpu in the device tier above; each computing op's
+# first case (each case is tinygrad compiles of its own: ~100 s a whole store on 2 cores)
 @pytest.mark.slow
 @pytest.mark.device
-def test_every_computing_case_of_tiny_llama_float16_is_judged_on_tinygrad_webgpu(carved, tmp_path):
-    store = carved("zoo:tiny-llama", dtype="float16")
-    out = tmp_path / "v.json"
-    cases = json.loads((store / "manifest.json").read_text())["cases"]
-    ops = sorted({c["op"] for c in cases} - LAYOUT_OPS)
-    r = tapml("replay", store, "--target", "tinygrad:webgpu", *(a for op in ops for a in ("--op", op)), "--json", out)
-    assert r.returncode in (0, 1), r.stdout + r.stderr
-    doc = json.loads(out.read_text())
-    cases = [c for c in cases if c["op"] in ops]
-    assert len(ops) >= 25 and len(doc["cases"]) == len(cases) >= 50 and all(c["status"] in ("pass", "mismatch", "unsupported", "error")
-                                                   for c in doc["cases"])
-    failed = [c for c in doc["cases"] if c["status"] != "pass"]
-    assert (r.returncode == 1) == bool(failed), r.stdout
-    for case in failed:  # each one named by its op, in the JSON and in what the terminal shows
-        assert case["op"].startswith("aten.") and case["op"] in r.stdout, case
+def test_every_computing_op_of_tiny_llama_float16_is_judged_on_tinygrad_webgpu(carved):
+    from tapml.carving.store import CarveStore
+    from tapml.cli.common import out
+    from tapml.cli.store import render_verdicts
+    from tapml.driving.replay import replay
+    from tapml.driving.targets import open_target
+    store = CarveStore(carved("zoo:tiny-llama", dtype="float16"))
+    cases = first_case_of_each_computing_op(store)
+    with open_target("tinygrad:webgpu") as platform:
+        doc = replay(store, platform, "tinygrad:webgpu", cases=cases)
+    assert len(cases) >= 25 and len(doc["cases"]) == len(cases)
+    assert all(c["status"] in ("pass", "mismatch", "unsupported", "error") for c in doc["cases"])
+    with out.capture() as shown:
+        render_verdicts(doc)
+    for case in doc["cases"]:  # each failing one named by its op, in the JSON and in what the terminal shows
+        if case["status"] != "pass":
+            assert case["op"].startswith("aten.") and case["op"] in shown.get(), case
 
 
 def test_time_resident_times_runs_on_realized_device_tensors_and_grows_with_the_work(cpu):
