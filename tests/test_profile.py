@@ -232,6 +232,21 @@ def test_noise_is_not_slower_and_a_steady_slowdown_is():
     assert found["id"] == "c1" and found["ratio"] == 2.0 and found["p_value"] <= 0.01 and found["timings"] == 20
 
 
+def test_a_small_kernel_is_judged_beside_the_small_controls():
+    """A neighbour that slows only the short kernels (0.5-1 ms, wake-ups) to 2.5x: the short suspect's
+    controls are the short cases, which read that load, so it is cleared; judged beside the long
+    cases (unchanged) it would be a finding."""
+    from tapml.driving.profile import slower_cases
+    base = {"c0": 0.8, "c1": 0.6, "c2": 1.0, "c3": 0.9, "c4": 40.0, "c5": 30.0, "c6": 20.0}
+    short = {"c0", "c1", "c2", "c3"}
+
+    def loaded(k):
+        return base[k] * (2.5 if k in short else 1.0)
+    result = _result({**{k: loaded(k) for k in base}, "c1": base["c1"], "c2": base["c2"], "c3": base["c3"]})
+    assert slower_cases(result, _Doc(base), remeasure=lambda v: [loaded(v["id"])] * 5) == []
+    assert result["speed_check"]["suspects"] == 1  # c0 looked slower first
+
+
 @pytest.fixture(scope="module")
 def mm_store(tmp_path_factory):
     from support import store_from_source

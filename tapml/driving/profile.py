@@ -164,8 +164,8 @@ def slower_cases(result: dict, baseline, slower_than: float = SLOWER_THAN, min_d
     A timing on a shared machine is noisy, so a case that looks slower is not yet a finding:
     ``remeasure(case_json)`` (its device times in ms) times it ``rounds`` more times, each round
     beside up to three *control* cases that did not look slower, the nearest to it in baseline
-    time, whose ratio to their own baseline is the load of that moment (a loaded machine slows every case alike; a slowed kernel stands
-    out). Each timing is above the line when it exceeds the baseline times that load by more than
+    time, whose ratio to their own baseline is the load of that moment (a loaded machine slows
+    every case alike; a slowed kernel stands out). Each timing is above the line when it exceeds the baseline times that load by more than
     ``slower_than`` percent and ``min_diff_ms``; the case is slower when so many are above that a
     one-sided sign test puts the chance of it by luck at ``max_p`` or less (and their median is above
     too). Without ``remeasure``, the first timing is judged by the thresholds alone.
