@@ -40,13 +40,18 @@ LAYOUT_OPS = frozenset({"aten.view.default", "aten.unsqueeze.default", "aten.per
                         "aten.slice.Tensor", "aten.alias.default", "aten.clone.default"})
 
 
-def first_case_of_each_computing_op(store) -> list[dict]:
-    """The first case of each op of ``store`` (a CarveStore) that computes (not in :data:`LAYOUT_OPS`)."""
-    first: dict = {}
+def replay_each_computing_op(store_path, target: str) -> tuple[list[dict], dict]:
+    """Replay, in this process, the first case of each op of the store at ``store_path`` that
+    computes (not in :data:`LAYOUT_OPS`) on ``target``; returns those cases and the Verdict JSON."""
+    from tapml.carving.store import CarveStore
+    from tapml.driving.replay import replay
+    from tapml.driving.targets import open_target
+    store, first = CarveStore(store_path), {}
     for case in store.cases:
         if case["op"] not in LAYOUT_OPS:
             first.setdefault(case["op"], case)
-    return list(first.values())
+    with open_target(target) as platform:
+        return list(first.values()), replay(store, platform, target, cases=list(first.values()))
 
 
 #: Skip a test where no Chromium can be started (apt-get install chromium, or TAPML_CHROMIUM).

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import first_case_of_each_computing_op
+from support import replay_each_computing_op
 from test_readme import flat, readme_commands, shown_outputs
 
 pytest.importorskip("iree.runtime", reason="the backends extra is not installed (pip install 'tapml[backends]')")
@@ -270,13 +270,7 @@ def replay_json(store, *args, timeout=900) -> tuple[int, dict, str]:
 # case), and the generate test below compiles them all in whole-model programs, every step judged.
 @pytest.mark.slow
 def test_every_computing_op_of_the_float32_tiny_llama_passes_on_llvm_cpu(carved):
-    from tapml.carving.store import CarveStore
-    from tapml.driving.replay import replay
-    from tapml.driving.targets import open_target
-    store = CarveStore(carved("zoo:tiny-llama"))
-    cases = first_case_of_each_computing_op(store)
-    with open_target("iree:llvm-cpu") as platform:
-        doc = replay(store, platform, "iree:llvm-cpu", cases=cases)
+    cases, doc = replay_each_computing_op(carved("zoo:tiny-llama"), "iree:llvm-cpu")
     assert len(cases) >= 25 and len(doc["cases"]) == len(cases)
     assert [(c["op"], c["status"]) for c in doc["cases"] if c["status"] != "pass"] == []
     assert "(local-task)" in doc["device"]["adapter"]

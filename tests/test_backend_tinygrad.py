@@ -21,7 +21,7 @@ import sys
 
 import pytest
 import torch
-from support import exported, first_case_of_each_computing_op, store_from_source
+from support import exported, replay_each_computing_op, store_from_source
 
 # found, not imported: tinygrad reads its settings (CACHELEVEL, which the backend sets) when first imported
 if importlib.util.find_spec("tinygrad") is None or importlib.util.find_spec("onnxscript") is None:
@@ -238,15 +238,9 @@ def test_the_four_target_matrix_names_the_op_the_onnx_route_gets_wrong_in_the_te
 @pytest.mark.slow
 @pytest.mark.device
 def test_every_computing_op_of_tiny_llama_float16_is_judged_on_tinygrad_webgpu(carved):
-    from tapml.carving.store import CarveStore
     from tapml.cli.common import out
     from tapml.cli.store import render_verdicts
-    from tapml.driving.replay import replay
-    from tapml.driving.targets import open_target
-    store = CarveStore(carved("zoo:tiny-llama", dtype="float16"))
-    cases = first_case_of_each_computing_op(store)
-    with open_target("tinygrad:webgpu") as platform:
-        doc = replay(store, platform, "tinygrad:webgpu", cases=cases)
+    cases, doc = replay_each_computing_op(carved("zoo:tiny-llama", dtype="float16"), "tinygrad:webgpu")
     assert len(cases) >= 25 and len(doc["cases"]) == len(cases)
     assert all(c["status"] in ("pass", "mismatch", "unsupported", "error") for c in doc["cases"])
     with out.capture() as shown:
