@@ -44,14 +44,12 @@ def replay_each_computing_op(store_path, target: str) -> tuple[list[dict], dict]
     """Replay, in this process, the first case of each op of the store at ``store_path`` that
     computes (not in :data:`LAYOUT_OPS`) on ``target``; returns those cases and the Verdict JSON."""
     from tapml.carving.store import CarveStore
-    from tapml.driving.replay import replay
+    from tapml.driving.replay import first_cases, replay
     from tapml.driving.targets import open_target
-    store, first = CarveStore(store_path), {}
-    for case in store.cases:
-        if case["op"] not in LAYOUT_OPS:
-            first.setdefault(case["op"], case)
+    store = CarveStore(store_path)
+    cases = first_cases([c for c in store.cases if c["op"] not in LAYOUT_OPS], 1)
     with open_target(target) as platform:
-        return list(first.values()), replay(store, platform, target, cases=list(first.values()))
+        return cases, replay(store, platform, target, cases=cases)
 
 
 #: Skip a test where no Chromium can be started (apt-get install chromium, or TAPML_CHROMIUM).

@@ -21,7 +21,7 @@ import sys
 
 import pytest
 import torch
-from support import exported, replay_each_computing_op, store_from_source
+from support import LAYOUT_OPS, exported, store_from_source
 
 # found, not imported: tinygrad reads its settings (CACHELEVEL, which the backend sets) when first imported
 if importlib.util.find_spec("tinygrad") is None or importlib.util.find_spec("onnxscript") is None:
@@ -237,17 +237,20 @@ def test_the_four_target_matrix_names_the_op_the_onnx_route_gets_wrong_in_the_te
 # first case (each case is tinygrad compiles of its own: ~100 s a whole store on 2 cores)
 @pytest.mark.slow
 @pytest.mark.device
-def test_every_computing_op_of_tiny_llama_float16_is_judged_on_tinygrad_webgpu(carved):
-    from tapml.cli.common import out
-    from tapml.cli.store import render_verdicts
-    cases, doc = replay_each_computing_op(carved("zoo:tiny-llama", dtype="float16"), "tinygrad:webgpu")
-    assert len(cases) >= 25 and len(doc["cases"]) == len(cases)
+def test_every_computing_op_of_tiny_llama_float16_is_judged_on_tinygrad_webgpu(carved, tmp_path):
+    store = carved("zoo:tiny-llama", dtype="float16")
+    out = tmp_path / "v.json"
+    ops = sorted({c["op"] for c in json.loads((store / "manifest.json").read_text())["cases"]} - LAYOUT_OPS)
+    r = tapml("replay", store, "--target", "tinygrad:webgpu", *(a for op in ops for a in ("--op", op)),
+              "--per-op", "1", "--json", out)
+    assert r.returncode in (0, 1), r.stdout + r.stderr
+    doc = json.loads(out.read_text())
+    assert len(ops) >= 25 and sorted(c["op"] for c in doc["cases"]) == ops
     assert all(c["status"] in ("pass", "mismatch", "unsupported", "error") for c in doc["cases"])
-    with out.capture() as shown:
-        render_verdicts(doc)
-    for case in doc["cases"]:  # each failing one named by its op, in the JSON and in what the terminal shows
-        if case["status"] != "pass":
-            assert case["op"].startswith("aten.") and case["op"] in shown.get(), case
+    failed = [c for c in doc["cases"] if c["status"] != "pass"]
+    assert (r.returncode == 1) == bool(failed), r.stdout
+    for case in failed:  # each one named by its op, in the JSON and in what the terminal shows
+        assert case["op"].startswith("aten.") and case["op"] in r.stdout, case
 
 
 def test_time_resident_times_runs_on_realized_device_tensors_and_grows_with_the_work(cpu):

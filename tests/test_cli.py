@@ -60,6 +60,25 @@ def test_replay_with_injected_fault_exits_1_and_names_the_op(carved, tmp_path):
     assert r.exit_code == 1 and "error" in r.output
 
 
+def test_per_op_replays_the_first_cases_of_each_op_and_still_exits_1_on_a_failure(carved, tmp_path):
+    store = carved("zoo:tiny-llama")
+    manifest = json.loads((store / "manifest.json").read_text())["cases"]
+    ops = {c["op"] for c in manifest}
+    assert len(manifest) > len(ops)  # some op has several cases, so the selection is seen
+    r = tapml("replay", store, "--per-op", "2", "--json", tmp_path / "v.json")
+    assert r.exit_code == 0, r.output
+    ran = json.loads((tmp_path / "v.json").read_text())["cases"]
+    first_two = [c["id"] for c in manifest if sum(d["op"] == c["op"] for d in manifest[:manifest.index(c)]) < 2]
+    assert [c["id"] for c in ran] == first_two and {c["op"] for c in ran} == ops
+    r = tapml("replay", store, "--per-op", "1", "--op", "aten.mm.default", "--op", "aten.mul.Tensor",
+              "--inject", "aten.mul.Tensor=scale:2", "--json", tmp_path / "w.json")
+    assert r.exit_code == 1, r.output
+    ran = json.loads((tmp_path / "w.json").read_text())["cases"]
+    assert [(c["op"], c["status"]) for c in ran] == [(c["op"], "pass" if c["op"] == "aten.mm.default" else "mismatch")
+                                                     for c in ran] and sorted(c["op"] for c in ran) == \
+        ["aten.mm.default", "aten.mul.Tensor"]
+
+
 def test_tolerance_override_turns_a_mismatch_into_a_pass(carved):
     store = carved("zoo:mlp")
     assert tapml("replay", store, "--inject", "aten.relu.default=offset:1e-3").exit_code == 1
@@ -79,6 +98,7 @@ def test_tolerance_override_turns_a_mismatch_into_a_pass(carved):
     (["replay", "{store}", "--inject", "relu=scale:2"], "full aten"),
     (["replay", "{store}", "--inject", "aten.relu.default=explode"], "unknown fault kind"),
     (["replay", "{store}", "--op", "aten.nope.default"], "no cases of"),
+    (["replay", "{store}", "--per-op", "0"], "--per-op 0: give a number of cases of 1 or more"),
     (["inspect", "{tmp}/missing"], "does not exist"),
     (["carve", "zoo:mlp", "-o", "{tmp}/x", "--device", "tpu"], "cpu or cuda"),
     (["replay", "{store}", "--target", "reference:cuda"], "CUDA"),

@@ -391,6 +391,8 @@ def replay(store: str = typer.Argument(..., help="Carve store directory"),
                     "the reference's own error plus a floor (the dtype's atol; 1e-6 for float32). Default: on for "
                     "float16/bfloat16 stores, off for float32 ones"),
            op: Optional[List[str]] = typer.Option(None, "--op", help="Only cases of this op (repeatable)"),
+           per_op: Optional[int] = typer.Option(None, "--per-op", help="Only the first N cases of each op, in the "
+                                                "store's order: a quick pass over every op of a large store"),
            by_case: bool = ByCaseOpt, all_rows: bool = AllRowsOpt,
            profile: bool = typer.Option(False, "--profile", help="Record each case's device time (median of 5 runs; "
                                         "GPU timestamps where the device has them), GFLOP/s and GB/s"),
@@ -409,7 +411,7 @@ def replay(store: str = typer.Argument(..., help="Carve store directory"),
     case of the baseline, in repeated timings beside control cases with a sign test's confidence,
     are findings (exit 1)."""
     from tapml.judging.compare import Tolerances
-    from tapml.driving.replay import replay as replay_store
+    from tapml.driving.replay import first_cases, replay as replay_store
     from tapml.driving.targets import open_target, read_tokens
     targets = check_targets(target)
     limits = check_device_limits(device_limit, targets)
@@ -419,6 +421,10 @@ def replay(store: str = typer.Argument(..., help="Carve store directory"),
     cases = [c for c in s.cases if not op or c["op"] in op]
     if op and not cases:
         fail(f"no cases of {', '.join(op)} in {store}; `tapml inspect {store}` lists its ops")
+    if per_op is not None:
+        if per_op < 1:
+            fail(f"--per-op {per_op}: give a number of cases of 1 or more (--per-op 1 runs each op's first case)")
+        cases = first_cases(cases, per_op)
     if repeat < 1:
         fail(f"--repeat {repeat}: give a number of runs of 1 or more (e.g. --repeat 20 to find flaky kernels)")
     unguarded = [t for t in targets if t.split(":")[0] not in ("wgpu", "browser")]

@@ -369,6 +369,20 @@ def run_case(platform, store, case: dict, tolerances: Tolerances | None = None, 
     return replay_case(platform, store, case, tolerances, anchored).to_json()
 
 
+def first_cases(cases: list[dict], per_op: int) -> list[dict]:
+    """The first ``per_op`` of ``cases`` of each op, in their order (``replay --per-op``: a quick
+    pass over every op of a store whose ops each have many cases)."""
+    if per_op < 1:
+        raise ValueError(f"per_op must be at least 1, not {per_op}")
+    taken: dict[str, int] = {}
+    kept = []
+    for case in cases:
+        if taken.get(case["op"], 0) < per_op:
+            taken[case["op"]] = taken.get(case["op"], 0) + 1
+            kept.append(case)
+    return kept
+
+
 def replay(store, platform, target: str, tolerances: Tolerances | None = None, anchored: bool | None = None,
            cases: list[dict] | None = None, on_case: Callable[[dict], None] | None = None, profile: int = 0,
            repeat: int = 1, guards: bool = False, preflight: Callable | None = None) -> dict:
