@@ -247,6 +247,37 @@ def test_a_small_kernel_is_judged_beside_the_small_controls():
     assert result["speed_check"]["suspects"] == 1  # c0 looked slower first
 
 
+def test_a_suspect_is_judged_beside_controls_bound_by_the_same_resource():
+    """A memory-heavy neighbour slows the memory-bound kernels 2.5x and leaves the compute-bound ones
+    of the same length alone: a memory-bound suspect is cleared beside memory-bound controls (judged
+    beside the compute-bound cases nearest it in time, it would be a finding); a memory-bound kernel
+    slowed on its own, beside memory-bound controls at their baseline, is still found."""
+    from tapml.driving.profile import control_cases, slower_cases
+    base = {"m0": 2.0, "m1": 4.0, "m2": 8.0, "m3": 6.0, "c0": 2.1, "c1": 1.9, "c2": 2.2}
+    bound = {k: "memory" if k.startswith("m") else "compute" for k in base}
+
+    def result(times: dict) -> dict:
+        doc = _result(times)
+        for v in doc["cases"]:
+            v["roofline_bound"] = bound[v["id"]]
+        return doc
+
+    def loaded(k):
+        return base[k] * (2.5 if bound[k] == "memory" else 1.0)
+    # m0 looks slower first; the other memory-bound cases were measured before the neighbour came
+    neighbour = result({**base, "m0": loaded("m0")})
+    assert [c["id"] for c in control_cases({**neighbour["cases"][0], "baseline_ms": 2.0},
+                                           [{**v, "baseline_ms": base[v["id"]]} for v in neighbour["cases"][1:]])] \
+        == ["m1", "m3", "m2"]
+    assert slower_cases(neighbour, _Doc(base), remeasure=lambda v: [loaded(v["id"])] * 5) == []
+    assert neighbour["speed_check"]["suspects"] == 1
+    unbound = _result({**base, "m0": loaded("m0")})  # no roofline: the nearest in time, compute-bound
+    assert [f["id"] for f in slower_cases(unbound, _Doc(base), remeasure=lambda v: [loaded(v["id"])] * 5)] == ["m0"]
+    alone = result({**base, "m0": 5.0})
+    (found,) = slower_cases(alone, _Doc(base), remeasure=lambda v: [5.0 if v["id"] == "m0" else base[v["id"]]] * 5)
+    assert found["id"] == "m0" and found["ratio"] == 2.5
+
+
 @pytest.fixture(scope="module")
 def mm_store(tmp_path_factory):
     from support import store_from_source

@@ -151,6 +151,18 @@ def sign_test_p(above: int, samples: int) -> float:
     return sum(math.comb(samples, k) for k in range(above, samples + 1)) / 2 ** samples if samples else 1.0
 
 
+def control_cases(suspect: dict, pool: list[dict], count: int = CONTROLS) -> list[dict]:
+    """The ``count`` cases of ``pool`` that a neighbour's load slows as it slows ``suspect``: those
+    bound by the same resource on the device's roofline (``roofline_bound``: a memory-heavy
+    neighbour slows the memory-bound kernels, not the compute-bound ones), the nearest in baseline
+    time first (a kernel of a few dispatches and a long one feel load differently: wake-ups against
+    arithmetic); the rest, where too few share its bound, the nearest in time of the others."""
+    def distance(c: dict) -> tuple[bool, float]:
+        same = suspect.get("roofline_bound") is not None and c.get("roofline_bound") == suspect.get("roofline_bound")
+        return not same, abs(math.log(c["baseline_ms"] / suspect["baseline_ms"]))
+    return sorted(pool, key=distance)[:count]
+
+
 def slower_cases(result: dict, baseline, slower_than: float = SLOWER_THAN, min_diff_ms: float = MIN_DIFF_MS,
                  remeasure: Callable[[dict], list[float]] | None = None, rounds: int = ROUNDS,
                  max_p: float = MAX_P) -> list[dict]:
@@ -164,11 +176,12 @@ def slower_cases(result: dict, baseline, slower_than: float = SLOWER_THAN, min_d
     A timing on a shared machine is noisy, so a case that looks slower is not yet a finding:
     ``remeasure(case_json)`` (its device times in ms) times it ``rounds`` more times, each round
     beside up to three *control* cases that did not look slower, the nearest to it in baseline
-    time, whose ratio to their own baseline is the load of that moment (a loaded machine slows
-    every case alike; a slowed kernel stands out). Each timing is above the line when it exceeds the baseline times that load by more than
-    ``slower_than`` percent and ``min_diff_ms``; the case is slower when so many are above that a
-    one-sided sign test puts the chance of it by luck at ``max_p`` or less (and their median is above
-    too). Without ``remeasure``, the first timing is judged by the thresholds alone.
+    time among those bound by the same resource (:func:`control_cases`), whose ratio to their own
+    baseline is the load of that moment (a loaded machine slows every case alike; a slowed kernel
+    stands out). Each timing is above the line when it exceeds the baseline times that load by
+    more than ``slower_than`` percent and ``min_diff_ms``; the case is slower when so many are
+    above that a one-sided sign test puts the chance of it by luck at ``max_p`` or less (and their
+    median is above too). Without ``remeasure``, the first timing is judged by the thresholds alone.
     Returns ``[{"id", "op", "baseline_ms", "device_ms", "ratio", "p_value", "timings"}]``, the
     largest ratio first."""
     if not slower_than >= 0:
@@ -198,10 +211,7 @@ def slower_cases(result: dict, baseline, slower_than: float = SLOWER_THAN, min_d
         return sorted(found, key=lambda s: -s["ratio"])
     suspected = {id(v) for v in suspects}
     pool = [v for v in compared if id(v) not in suspected]
-    # a kernel of a few dispatches and a long one feel a neighbour's load differently (wake-ups
-    # against arithmetic), so each suspect's controls are the cases nearest it in baseline time
-    controls = {id(v): sorted(pool, key=lambda c: abs(math.log(c["baseline_ms"] / v["baseline_ms"])))[:CONTROLS]
-                for v in suspects}
+    controls = {id(v): control_cases(v, pool) for v in suspects}
     timings: dict[int, list[tuple[float, float]]] = {id(v): [] for v in suspects}  # (ms, load of its round)
     live = list(suspects)
     for done in range(1, rounds + 1):
@@ -261,7 +271,7 @@ def unmatched_cases(result: dict, baseline) -> int:
 
 
 __all__ = ["StageClock", "measured", "RUNS", "SLOWER_THAN", "MIN_DIFF_MS", "device_times", "program_bytes", "graph_flops", "shapes_text",
-           "profile_program", "read_baseline", "slower_cases", "compare_with_baseline", "case_times", "sign_test_p",
+           "profile_program", "read_baseline", "control_cases", "slower_cases", "compare_with_baseline", "case_times", "sign_test_p",
            "ROUNDS", "CONTROLS", "MAX_P", "unmatched_cases", "runtime_of"]
 
 
