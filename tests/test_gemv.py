@@ -8,6 +8,8 @@ Device tier: lavapipe and llvmpipe; browser tier: Chromium."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from functools import cache
 
 import pytest
@@ -192,6 +194,49 @@ def test_many_rows_and_large_products_keep_the_tiled_kernel():
         program = platform.compile(graph_from_fx(ep.graph, ep.graph_signature))
         assert any("_gemv" in kk.name for kk in program.kernels) == gemv, (m, k, n)
         torch.testing.assert_close(platform.run(program, [x, w])[0], x @ w.t(), rtol=1e-5, atol=1e-3)
+
+
+@cache
+def _normed_case(rows: int):
+    """A Llama RMSNorm into a linear, as q/k/v read a short prompt: the GEMV computes each row's
+    scale and the normed row as it reads it."""
+    gen = torch.Generator().manual_seed(rows)
+    x, g, w = torch.randn(1, rows, 64, generator=gen) * 3, torch.rand(64, generator=gen) + 0.5, torch.randn(72, 64, generator=gen)
+
+    def fn(x, g, w):
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * g
+        return (torch.nn.functional.linear(normed, w),)
+    ep = exported(fn, x, g, w)
+    return graph_from_fx(ep.graph, ep.graph_signature), [x, g, w], fn(x, g, w)[0]
+
+
+@pytest.mark.device
+@pytest.mark.xdist_group("wgpu")
+def test_rows_shared_through_the_subgroup_and_the_branch_for_a_small_subgroup_equal_torch():
+    """On lavapipe (subgroups of 8) a GEMV over a few rows has each row read (plain), normed or
+    computed (silu(gate) * up) once per subgroup and broadcast; a device whose subgroups are smaller
+    than the rows takes the other branch, where every lane reads every row. That branch is run here
+    too, by asking for more lanes than any subgroup has."""
+    from tapml.platforms.wgsl.matmul import forced_gemv
+    platform = own_wgpu("vulkan")
+    if "subgroup" not in platform.caps().get("features", []):
+        pytest.skip("the adapter has no subgroups")
+    cases = [("rows-in-blocks", *_case("rows-in-blocks")), ("batched-rows", *_case("batched-rows")),
+             ("normed 6 rows", *_normed_case(6)), ("normed 13 rows", *_normed_case(13)),
+             ("silu(gate) * up, 3 rows", *_mlp_case(3))]
+    with forced_gemv("lane"):
+        for name, graph, inputs, want in cases:
+            program = platform.compile(graph)
+            (gemv, *_) = [kern for kern in program.kernels if "_gemv" in kern.name and "subgroupBroadcast" in kern.wgsl]
+            branch = re.search(r"if \(sg_size >= (\d+)u\)", gemv.wgsl)
+            assert branch and 1 < int(branch.group(1)) <= 8, name
+            small = dataclasses.replace(program, kernels=[
+                dataclasses.replace(kern, wgsl=kern.wgsl.replace(branch.group(0), "if (sg_size >= 4096u)"))
+                for kern in program.kernels])
+            atol = 1e-5 * 100 * float(max(t.abs().max() for t in inputs)) ** 2
+            for label, run in (("shared rows", program), ("small subgroups", small)):
+                got = platform.run(run, inputs)[0]
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=atol, msg=f"{name}: {label}")
 
 
 @cache

@@ -404,12 +404,7 @@ def matmul(pb, name: str, a: Value, b: Value, meta, bias: Value | None = None, a
     else:
         groups = (-(-N // (tn * wx)), -(-M // (tm * wy)), Z)
     kern = k.finish(0, workgroup=(wx, wy, 1), groups=groups, group_ids=windowed)
-    if sg:
-        sig = f"fn main({MAIN_WITH_GROUP_IDS if windowed else MAIN})"
-        assert sig in kern.wgsl
-        kern.wgsl = kern.wgsl.replace(sig, sig[:-1] + ", @builtin(subgroup_invocation_id) sg_id: u32, "
-                                                     "@builtin(subgroup_size) sg_size: u32)")
-    pb.add(kern)
+    pb.add(with_subgroup_ids(kern, windowed) if sg else kern)
     return result
 
 
@@ -603,13 +598,24 @@ def gemv_kernel(pb, name: str, a: Value, parts: list[GemvPart], Z: int, K: int, 
         k.emit("let z: i32 = i32(wid.z);\nlet mb: i32 = 0;")
     else:
         k.emit(f"let z: i32 = i32(wid.z) / {row_blocks};\nlet mb: i32 = i32(wid.z) % {row_blocks} * {rows};")
+    # one lane a column group, all lanes of a workgroup on the same rows: where the device has
+    # subgroups, lane r of each subgroup reads (or computes) row r and subgroupBroadcast shares it, so
+    # a row costs each lane one load, not one per row; a subgroup smaller than the rows takes the
+    # other branch, where every lane reads every row (no subgroup on the device: only that one)
+    share = lanes == 1 and rows > 1 and "subgroup" in pb.features
     for r in range(rows):  # rows past the end read the last one; their sums are written nowhere
         k.emit(f"let m{r}: i32 = min(mb + {r}, {M - 1});")
         if plain:
             k.emit(f"let ra{r}: i32 = {a.offset} + z * {a.strides[0]} + m{r} * {a.strides[1]};")
+    if share:
+        k.emit(f"let m_mine: i32 = min(mb + min(i32(sg_id), {rows - 1}), {M - 1});")
+        if plain:
+            k.emit(f"let ra_mine: i32 = {a.offset} + z * {a.strides[0]} + m_mine * {a.strides[1]};")
     k.emit(f"let block: i32 = i32(wid.y) * {gx} + i32(wid.x);")
-    scales = []
-    if normed:  # each row's RMSNorm scale (row z * M + m of the norm's rows), computed by the workgroup's lanes
+    scales, scale_mine = [], None
+    if normed and share:  # the scale of this lane's row; the other branch computes every row's
+        scale_mine = a.prologue(k, "0", 1, f"z * {M} + m_mine", tag="_mine")
+    elif normed:  # each row's RMSNorm scale (row z * M + m of the norm's rows), computed by the workgroup's lanes
         slot = "0" if lanes == 1 else k.let(f"i32(lid.y) * {lanes} + lane", "i32")
         for r in range(rows):  # one lane: no barriers, each lane adds the whole row's squares itself
             scales.append(a.prologue(k, slot, lanes * per_group if lanes > 1 else 1, f"z * {M} + m{r}", tag=str(r)))
@@ -630,23 +636,39 @@ def gemv_kernel(pb, name: str, a: Value, parts: list[GemvPart], Z: int, K: int, 
         cb = [k.let(f"{b.offset} + z * {b.strides[0]} + (n0 + {j}) * {b.strides[2]}", "i32")
               for j in range(tn)]
 
+        def row4(r: str, kk: str, scale: str | None, w4: str | None) -> str:
+            """Elements ``kk .. kk + 3`` of row ``m{r}`` of ``a`` as a vec4<f32>."""
+            if plain:
+                return k.let(f4(A[quarter(f"ra{r} + {kk}")], a.buf.dtype), "vec4<f32>")
+            if normed:
+                return k.let(a.read4(k, kk, scale, f"z * {M} + m{r}", w4), "vec4<f32>")
+            row = [cast(e, a.ty, "f32") for e in a.read4(k, ["z", f"m{r}", kk], 2)]
+            return k.let(f"vec4<f32>({', '.join(row)})", "vec4<f32>")
+
         def products(weights):
             """The K loop: each lane's sums of its rows times its columns of ``weights``."""
+            if not share:
+                return k_loop(weights, scales, shared=False)
+            k.open(f"if (sg_size >= {rows}u)")
+            k_loop(weights, [], shared=True)
+            k.close()
+            k.open("else")
+            k_loop(weights, [a.prologue(k, "0", 1, f"z * {M} + m{r}", tag=f"{r}_{k.fresh('f')}") for r in range(rows)]
+                   if normed else [], shared=False)
+            k.close()
+
+        def k_loop(weights, row_scales: list[str], shared: bool) -> None:
             k.loop("i", -(-K // (4 * lanes)))
             kk = k.let("i * 4" if lanes == 1 else f"(lane + i * {lanes}) * 4", "i32")
             ragged = K % (4 * lanes) != 0
             if ragged:
                 k.open(f"if ({kk} < {K})")
-            xs = []
             w4 = k.let(a.weight4(k, kk), "vec4<f32>") if normed else None  # the norm's weight: one load for every row
-            for r in range(rows):
-                if plain:
-                    xs.append(k.let(f4(A[quarter(f"ra{r} + {kk}")], a.buf.dtype), "vec4<f32>"))
-                elif normed:
-                    xs.append(k.let(a.read4(k, kk, scales[r], f"z * {M} + m{r}", w4), "vec4<f32>"))
-                else:
-                    row = [cast(e, a.ty, "f32") for e in a.read4(k, ["z", f"m{r}", kk], 2)]
-                    xs.append(k.let(f"vec4<f32>({', '.join(row)})", "vec4<f32>"))
+            if shared:
+                mine = row4("_mine", kk, scale_mine, w4)
+                xs = [k.let(f"subgroupBroadcast({mine}, {r}u)", "vec4<f32>") for r in range(rows)]
+            else:
+                xs = [row4(str(r), kk, row_scales[r] if normed else None, w4) for r in range(rows)]
             for j in range(tn):
                 w = k.let(f4(weights[quarter(f"{cb[j]} + {kk}")], b.buf.dtype), "vec4<f32>")
                 for r in range(rows):
@@ -679,8 +701,18 @@ def gemv_kernel(pb, name: str, a: Value, parts: list[GemvPart], Z: int, K: int, 
             if M % rows:
                 k.close()
         k.close()
-    pb.add(k.finish(0, workgroup=(lanes, per_group, 1) if lanes > 1 else (per_group, 1, 1),
-                    groups=(gx, -(-blocks // gx), Z * row_blocks), group_ids=True))
+    kern = k.finish(0, workgroup=(lanes, per_group, 1) if lanes > 1 else (per_group, 1, 1),
+                    groups=(gx, -(-blocks // gx), Z * row_blocks), group_ids=True)
+    pb.add(with_subgroup_ids(kern, True) if share else kern)
+
+
+def with_subgroup_ids(kern, group_ids: bool):
+    """``kern`` with ``sg_id`` (the lane in its subgroup) and ``sg_size`` among main's parameters."""
+    sig = f"fn main({MAIN_WITH_GROUP_IDS if group_ids else MAIN})"
+    assert sig in kern.wgsl
+    kern.wgsl = kern.wgsl.replace(sig, sig[:-1] + ", @builtin(subgroup_invocation_id) sg_id: u32, "
+                                                 "@builtin(subgroup_size) sg_size: u32)")
+    return kern
 
 
 def window_runs(binding, b: BufferView, n: int, block_columns: int, K: int, Z: int) -> list[tuple[int | None, int]]:
