@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import Callable
 
 import torch
@@ -374,11 +375,11 @@ def first_cases(cases: list[dict], per_op: int) -> list[dict]:
     pass over every op of a store whose ops each have many cases)."""
     if per_op < 1:
         raise ValueError(f"per_op must be at least 1, not {per_op}")
-    taken: dict[str, int] = {}
+    seen: Counter[str] = Counter()
     kept = []
     for case in cases:
-        if taken.get(case["op"], 0) < per_op:
-            taken[case["op"]] = taken.get(case["op"], 0) + 1
+        seen[case["op"]] += 1
+        if seen[case["op"]] <= per_op:
             kept.append(case)
     return kept
 
